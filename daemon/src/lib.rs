@@ -1,4 +1,5 @@
 //! moe-daemon library: checkpoint loading, model definitions, the engine and (later) the server.
+pub mod cli;
 pub mod engine;
 pub mod model;
 pub mod weights;

@@ -1,0 +1,2 @@
+//! Command-line subcommands of `moe-daemon`.
+pub mod generate;
