@@ -1,7 +1,7 @@
 //! `moe-daemon generate`: offline generation for one prompt, with optional per-step logits dump
 //! (`--logits-out`) used to check the engine against reference implementations.
 use crate::engine::sampling::{Sampler, SamplingParams};
-use crate::engine::{Engine, EngineOptions, SeqInput};
+use crate::engine::{Engine, SeqInput};
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
@@ -54,9 +54,8 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, timings) instead of plain text.
     #[arg(long)]
     pub json: bool,
-    /// CPU worker threads (0 = all CPUs this process may use).
-    #[arg(long, default_value_t = 0)]
-    pub cpu_threads: usize,
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
 }
 
 #[derive(Serialize)]
@@ -125,12 +124,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let engine = Engine::load(
-        &a.model,
-        &EngineOptions {
-            cpu_threads: a.cpu_threads,
-        },
-    )?;
+    let engine = Engine::load(&a.model, &a.engine.options()?)?;
     let mut sampler = Sampler::new(&params);
     let mut cache = engine.new_cache();
     let t0 = Instant::now();
@@ -170,6 +164,9 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             .remove(0);
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    if let Some(path) = &a.engine.record_routing {
+        engine.save_routing_stats(path)?;
+    }
     if let Some(path) = &a.logits_out {
         let f =
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;

@@ -1,2 +1,3 @@
 //! Command-line subcommands of `moe-daemon`.
+pub mod engine_args;
 pub mod generate;
