@@ -17,6 +17,9 @@ struct Cli {
 enum Command {
     /// Generate from one prompt offline (no server).
     Generate(cli::generate::GenerateArgs),
+    /// Benchmarks and benchmark inputs.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -28,6 +31,7 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match Cli::parse().command {
         Command::Generate(a) => cli::generate::run(a),
+        Command::Bench(c) => cli::bench::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

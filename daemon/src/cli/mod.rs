@@ -1,3 +1,5 @@
 //! Command-line subcommands of `moe-daemon`.
+pub mod bench;
 pub mod engine_args;
 pub mod generate;
+pub mod synth;

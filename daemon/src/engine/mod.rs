@@ -170,7 +170,10 @@ impl Engine {
 
     /// Timing split of the last step (CUDA backend).
     pub fn last_step_times(&self) -> gpu::forward::StepTimes {
-        self.last_step.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.last_step
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Writes the recorded routing statistics (JSON) for `--expert-placement frequency`.
@@ -245,20 +248,28 @@ impl Engine {
         self.run(batch, true)
     }
 
-    fn run_gpu(&self, g: &gpu::GpuModel, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+    fn run_gpu(
+        &self,
+        g: &gpu::GpuModel,
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<Vec<f32>>, StepError> {
         let mut inputs = Vec::with_capacity(batch.len());
         for s in batch.iter_mut() {
             let pos0 = s.cache.len();
-            let kv = s
-                .cache
-                .gpu
-                .as_mut()
-                .ok_or_else(|| StepError::Backend("a CPU cache was given to the CUDA backend".into()))?;
-            inputs.push(gpu::forward::GpuSeqInput { kv, pos0, tokens: s.tokens });
+            let kv = s.cache.gpu.as_mut().ok_or_else(|| {
+                StepError::Backend("a CPU cache was given to the CUDA backend".into())
+            })?;
+            inputs.push(gpu::forward::GpuSeqInput {
+                kv,
+                pos0,
+                tokens: s.tokens,
+            });
         }
         let mut times = gpu::forward::StepTimes::default();
         let out = g
-            .forward(&self.model, &mut inputs, &mut times, |l, ids| self.record(l, ids))
+            .forward(&self.model, &mut inputs, &mut times, |l, ids| {
+                self.record(l, ids)
+            })
             .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         for s in batch.iter_mut() {

@@ -160,7 +160,9 @@ impl GpuModel {
                     let mut experts = Vec::with_capacity(block.experts.len());
                     for (e, slot) in block.experts.iter_mut().enumerate() {
                         if on_gpu.get(e).copied().unwrap_or(false) {
-                            let m = slot.take().with_context(|| format!("layer {li} expert {e} missing"))?;
+                            let m = slot
+                                .take()
+                                .with_context(|| format!("layer {li} expert {e} missing"))?;
                             experts.push(Some(upload_mlp(&dev, &m)?));
                         } else {
                             experts.push(None);
@@ -198,7 +200,12 @@ impl GpuModel {
         }
         let rope = crate::engine::rope::Rope::new(&cfg.rope);
         let inv_freq = s.clone_htod(rope.inv_freq())?;
-        let kv = GpuKvPool::new(&dev, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, kv_blocks)?;
+        let kv = GpuKvPool::new(
+            &dev,
+            cfg.num_layers,
+            cfg.num_kv_heads * cfg.head_dim,
+            kv_blocks,
+        )?;
         dev.stream.synchronize()?;
         Ok(Self {
             attn_factor: rope.attention_factor(),
