@@ -1,0 +1,76 @@
+//! Picks the kernel for (tier, weight format, activation kind). Every tier computes the same thing:
+//! `y[r][16·(nt − nt0) + j] = Σ_k W[16·nt + j][k] · a_r[k]`, see `kern_generic`.
+
+use super::act::{ActKind, ActRef};
+use super::pack::{MatRef, WeightFormat};
+use crate::cpu::features::CpuTier;
+
+/// Activation kind the kernels of `tier` read for weights of `format` over `k_pad` inputs.
+pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
+    match (tier, format) {
+        (CpuTier::Scalar | CpuTier::Avx2, _) => ActKind::F32,
+        (_, WeightFormat::Bf16 | WeightFormat::Fp8Block) => ActKind::Bf16,
+        (_, WeightFormat::Int8) => ActKind::I8 { group: k_pad },
+        (_, WeightFormat::Int4 { group }) => ActKind::I8 { group },
+    }
+}
+
+/// Whether the AMX kernels handle this format (others use AVX-512 at any token count).
+pub(crate) fn amx_supports(format: WeightFormat) -> bool {
+    matches!(format, WeightFormat::Bf16 | WeightFormat::Int8)
+}
+
+/// Runs the kernel of `tier` (clamped to the CPU). `amx` requests the AMX kernel, which needs the
+/// view's rows consecutive and storage for the rows rounded up to 16.
+pub(crate) fn gemm(
+    tier: CpuTier,
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    let m = a.rows.len();
+    if m == 0 || nts == 0 {
+        return;
+    }
+    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
+    assert_eq!(a.k_pad, w.l.k_pad);
+    let tier = tier.clamp_to_cpu();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::kern_generic::gemm_avx2;
+        use super::{kern_amx, kern_avx512};
+        // SAFETY: the tier was detected on this CPU; shapes were checked above; activation kinds are
+        // matched to the kernels below.
+        unsafe {
+            match (tier, a.kind, w.l.format) {
+                (CpuTier::Amx, _, f) if amx && amx_supports(f) => {
+                    return kern_amx::gemm(w, nt0, nts, a, y, ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
+                    return kern_avx512::gemm_bf16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block) => {
+                    return kern_avx512::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (
+                    CpuTier::Avx512 | CpuTier::Amx,
+                    ActKind::I8 { .. },
+                    WeightFormat::Int8 | WeightFormat::Int4 { .. },
+                ) => return kern_avx512::gemm_int(w, nt0, nts, a, y.as_mut_ptr(), ldy),
+                (CpuTier::Avx2, ActKind::F32 | ActKind::Bf16, _) => {
+                    return gemm_avx2(w, nt0, nts, a, y, ldy)
+                }
+                _ => {}
+            }
+        }
+    }
+    let _ = amx;
+    match a.kind {
+        ActKind::I8 { .. } => super::kern_generic::gemm_i8_twin(w, nt0, nts, a, y, ldy),
+        _ => super::kern_generic::gemm_scalar(w, nt0, nts, a, y, ldy),
+    }
+}

@@ -1,0 +1,360 @@
+//! AVX-512 kernels for few tokens per expert (decode): one 64-byte load of a packed tile row feeds 16
+//! outputs of every token in the block through `vdpbf16ps` (bf16, fp8 via a LUT) or `vpdpbusd` (int8, int4).
+//! At one token these are memory-bound by design: ~1 dot instruction per 64 bytes, two independent
+//! accumulator chains per token to cover the instruction latency; the hardware prefetcher follows the
+//! contiguous N-tile stream. Twins: `kern_generic::{gemm_scalar, gemm_i8_twin}`.
+//!
+//! Safety contract of every `pub(crate) unsafe fn` here: the CPU has the tier `Avx512` (F, BW, VL, BF16,
+//! VNNI), `y` holds `rows × ldy` values with `16·nts ≤ ldy`, activation rows hold `k_pad` values of the
+//! kind the kernel reads, and `w` is a packed matrix of the kernel's format.
+
+use std::arch::x86_64::*;
+use std::mem::transmute;
+
+use super::act::ActRef;
+use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef};
+
+const ROWS: usize = 4;
+
+#[inline(always)]
+unsafe fn bh(v: __m512i) -> __m512bh {
+    // SAFETY: same size, any bit pattern is a valid bf16 vector.
+    unsafe { transmute::<__m512i, __m512bh>(v) }
+}
+
+/// Bf16 weights × bf16 activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn gemm_bf16(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let pairs = w.l.k_pad / 2;
+    let m = a.rows.len();
+    for nt in nt0..nt0 + nts {
+        let wp = w.ntile(nt).as_ptr();
+        let col = (nt - nt0) * 16;
+        let mut r = 0;
+        while r < m {
+            let n = if m - r >= ROWS { ROWS } else { 1 };
+            let mut x = [std::ptr::null::<u32>(); ROWS];
+            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
+            for i in 0..n {
+                // SAFETY: (contract) rows in range, y large enough.
+                unsafe {
+                    x[i] = a.b.as_ptr().add(a.rows[r + i] as usize * a.k_pad).cast();
+                    out[i] = y.add((r + i) * ldy + col);
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                if n == ROWS {
+                    bf16_block::<ROWS>(wp, pairs, x, out)
+                } else {
+                    bf16_block::<1>(wp, pairs, x, out)
+                }
+            }
+            r += n;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn bf16_block<const R: usize>(
+    wp: *const u8,
+    pairs: usize,
+    x: [*const u32; ROWS],
+    out: [*mut f32; ROWS],
+) {
+    // SAFETY: (caller) pointers cover `pairs` u32 / rows of 64 bytes.
+    unsafe {
+        let mut acc0 = [_mm512_setzero_ps(); R];
+        let mut acc1 = [_mm512_setzero_ps(); R];
+        let mut i = 0;
+        while i < pairs {
+            let w0 = bh(_mm512_loadu_si512(wp.add(i * 64).cast()));
+            let w1 = bh(_mm512_loadu_si512(wp.add(i * 64 + 64).cast()));
+            for r in 0..R {
+                let x0 = bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32));
+                let x1 = bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32));
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, x0);
+                acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, x1);
+            }
+            i += 2;
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], _mm512_add_ps(acc0[r], acc1[r]));
+        }
+    }
+}
+
+/// FP8 E4M3 bytes as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
+fn fp8_lut() -> [u16; 128] {
+    std::array::from_fn(|i| f32_to_bf16(fp8_e4m3_to_f32(i as u8)))
+}
+
+#[inline(always)]
+unsafe fn fp8x32_to_bf16(v: __m256i, lut: &[__m512i; 4]) -> __m512bh {
+    // SAFETY: register-only AVX-512BW operations (caller has the features).
+    unsafe {
+        let w = _mm512_cvtepu8_epi16(v);
+        let mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+        let lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
+        let hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
+        let upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
+        let r = _mm512_mask_blend_epi16(upper, lo, hi);
+        let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0x80)));
+        bh(_mm512_or_si512(r, sign))
+    }
+}
+
+/// FP8 (128×128 block scales) weights × bf16 activations: bytes widened to bf16 through a LUT, one
+/// `vdpbf16ps` per 32 bytes, block scale applied once per 128 inputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn gemm_fp8(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let table = fp8_lut();
+    // SAFETY: 128 u16 = four 64-byte vectors.
+    let lut: [__m512i; 4] =
+        unsafe { std::array::from_fn(|i| _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())) };
+    let pairs = w.l.k_pad / 2;
+    let kb = w.l.k.div_ceil(128);
+    let m = a.rows.len();
+    for nt in nt0..nt0 + nts {
+        let wp = w.ntile(nt).as_ptr();
+        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
+        let col = (nt - nt0) * 16;
+        let mut r = 0;
+        while r < m {
+            let n = if m - r >= ROWS { ROWS } else { 1 };
+            let mut x = [std::ptr::null::<u32>(); ROWS];
+            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
+            for i in 0..n {
+                // SAFETY: (contract).
+                unsafe {
+                    x[i] = a.b.as_ptr().add(a.rows[r + i] as usize * a.k_pad).cast();
+                    out[i] = y.add((r + i) * ldy + col);
+                }
+            }
+            // SAFETY: (contract).
+            unsafe {
+                if n == ROWS {
+                    fp8_block::<ROWS>(wp, pairs, scales, &lut, x, out)
+                } else {
+                    fp8_block::<1>(wp, pairs, scales, &lut, x, out)
+                }
+            }
+            r += n;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn fp8_block<const R: usize>(
+    wp: *const u8,
+    pairs: usize,
+    scales: &[f32],
+    lut: &[__m512i; 4],
+    x: [*const u32; ROWS],
+    out: [*mut f32; ROWS],
+) {
+    // SAFETY: (caller) rows of 32 bytes, `pairs` of them; x rows hold `pairs` u32.
+    unsafe {
+        let mut total = [_mm512_setzero_ps(); R];
+        for (b, &s) in scales.iter().enumerate() {
+            let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
+            if start >= end {
+                break;
+            }
+            let mut acc0 = [_mm512_setzero_ps(); R];
+            let mut acc1 = [_mm512_setzero_ps(); R];
+            let mut i = start;
+            while i < end {
+                let w0 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), lut);
+                let w1 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32 + 32).cast()), lut);
+                for r in 0..R {
+                    acc0[r] = _mm512_dpbf16_ps(
+                        acc0[r],
+                        w0,
+                        bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32)),
+                    );
+                    acc1[r] = _mm512_dpbf16_ps(
+                        acc1[r],
+                        w1,
+                        bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32)),
+                    );
+                }
+                i += 2;
+            }
+            let sv = _mm512_set1_ps(s);
+            for r in 0..R {
+                total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], total[r]);
+        }
+    }
+}
+
+/// Int8 (u8 = q + 128, per-row scales) or int4 (u4 = q + 8, group scales) weights × int8 activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn gemm_int(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let int4_group = match w.l.format {
+        super::pack::WeightFormat::Int4 { group } => Some(group),
+        _ => None,
+    };
+    let groups = a.groups();
+    let m = a.rows.len();
+    for nt in nt0..nt0 + nts {
+        let wp = w.ntile(nt).as_ptr();
+        let col = (nt - nt0) * 16;
+        let mut r = 0;
+        while r < m {
+            let n = if m - r >= ROWS { ROWS } else { 1 };
+            let mut x = [std::ptr::null::<i32>(); ROWS];
+            let mut gs = [std::ptr::null::<i32>(); ROWS];
+            let mut xs = [0f32; ROWS];
+            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
+            for i in 0..n {
+                let row = a.rows[r + i] as usize;
+                // SAFETY: (contract).
+                unsafe {
+                    x[i] = a.q.as_ptr().add(row * a.k_pad).cast();
+                    gs[i] = a.gsum.as_ptr().add(row * groups);
+                    out[i] = y.add((r + i) * ldy + col);
+                }
+                xs[i] = a.scale[row];
+            }
+            // SAFETY: (contract).
+            unsafe {
+                match (int4_group, n == ROWS) {
+                    (None, true) => {
+                        i8_block::<ROWS>(wp, a.k_pad / 4, &w.s[nt * 16..], x, gs, xs, out)
+                    }
+                    (None, false) => {
+                        i8_block::<1>(wp, a.k_pad / 4, &w.s[nt * 16..], x, gs, xs, out)
+                    }
+                    (Some(g), true) => {
+                        i4_block::<ROWS>(wp, g, groups, &w.s[nt * groups * 16..], x, gs, xs, out)
+                    }
+                    (Some(g), false) => {
+                        i4_block::<1>(wp, g, groups, &w.s[nt * groups * 16..], x, gs, xs, out)
+                    }
+                }
+            }
+            r += n;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn i8_block<const R: usize>(
+    wp: *const u8,
+    quads: usize,
+    wscale: &[f32],
+    x: [*const i32; ROWS],
+    gsum: [*const i32; ROWS],
+    xs: [f32; ROWS],
+    out: [*mut f32; ROWS],
+) {
+    // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
+    unsafe {
+        let mut acc0 = [_mm512_setzero_si512(); R];
+        let mut acc1 = [_mm512_setzero_si512(); R];
+        let mut i = 0;
+        while i < quads {
+            let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
+            let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
+            for r in 0..R {
+                acc0[r] = _mm512_dpbusd_epi32(
+                    acc0[r],
+                    w0,
+                    _mm512_set1_epi32(x[r].add(i).read_unaligned()),
+                );
+                acc1[r] = _mm512_dpbusd_epi32(
+                    acc1[r],
+                    w1,
+                    _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
+                );
+            }
+            i += 2;
+        }
+        let ws = _mm512_loadu_ps(wscale.as_ptr());
+        for r in 0..R {
+            let acc = _mm512_sub_epi32(
+                _mm512_add_epi32(acc0[r], acc1[r]),
+                _mm512_set1_epi32(128 * *gsum[r]),
+            );
+            let s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r]));
+            _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn i4_block<const R: usize>(
+    wp: *const u8,
+    group: usize,
+    groups: usize,
+    scales: &[f32],
+    x: [*const i32; ROWS],
+    gsum: [*const i32; ROWS],
+    xs: [f32; ROWS],
+    out: [*mut f32; ROWS],
+) {
+    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
+    unsafe {
+        let nib = _mm512_set1_epi8(0x0F);
+        let mut total = [_mm512_setzero_ps(); R];
+        let per_group = group / 8;
+        for g in 0..groups {
+            let mut lo_acc = [_mm512_setzero_si512(); R];
+            let mut hi_acc = [_mm512_setzero_si512(); R];
+            for pr in g * per_group..(g + 1) * per_group {
+                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                let lo = _mm512_and_si512(v, nib);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                for r in 0..R {
+                    lo_acc[r] = _mm512_dpbusd_epi32(
+                        lo_acc[r],
+                        lo,
+                        _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned()),
+                    );
+                    hi_acc[r] = _mm512_dpbusd_epi32(
+                        hi_acc[r],
+                        hi,
+                        _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned()),
+                    );
+                }
+            }
+            let sv = _mm512_loadu_ps(scales.as_ptr().add(g * 16));
+            for r in 0..R {
+                let acc = _mm512_sub_epi32(
+                    _mm512_add_epi32(lo_acc[r], hi_acc[r]),
+                    _mm512_set1_epi32(8 * *gsum[r].add(g)),
+                );
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], _mm512_set1_ps(xs[r])));
+        }
+    }
+}
