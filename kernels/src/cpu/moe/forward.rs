@@ -279,7 +279,10 @@ impl CpuExpertSet {
                 .collect();
             let chunk: Vec<usize> = (0..groups)
                 .map(|g| {
-                    let c = d_tiles.div_ceil(4 * pool.threads_in_group(g)).max(1);
+                    // Every item does the same work (all the group's experts over `c` tiles), so two
+                    // items per thread balance; fewer, larger items re-read each expert's activation
+                    // block fewer times (it is read once per item).
+                    let c = d_tiles.div_ceil(2 * pool.threads_in_group(g)).max(1);
                     if even {
                         c + c % 2
                     } else {
