@@ -324,8 +324,8 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
             sets[0].tier(),
             t0.elapsed().as_secs_f64()
         );
-        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | × read limit |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | × read limit | GFLOP/s |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
         for (ti, &threads) in a.threads.iter().enumerate() {
             let pool = opts(threads).build_pool()?;
             for &q in &a.tokens {
@@ -369,12 +369,13 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
                 let limit = bytes / (bw[ti] * 1e9);
                 let _ = writeln!(
                     out,
-                    "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.2} |",
+                    "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.2} | {:.0} |",
                     mean * 1e3,
                     median * 1e3,
                     distinct.len(),
                     100.0 * gbs / bw[ti],
-                    mean / limit
+                    mean / limit,
+                    (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
                 );
             }
         }

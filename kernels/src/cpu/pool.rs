@@ -12,7 +12,7 @@
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use super::topology::pin_current_thread;
@@ -60,12 +60,17 @@ pub struct WorkerPool {
     groups: usize,
     pinned: usize,
     nodes: Vec<Option<usize>>,
-    run_lock: Mutex<()>,
+    /// CPU the caller stands in for, when pinning.
+    caller_cpu: Option<usize>,
+    /// Serializes regions; holds the last calling thread (pinned once per new caller).
+    run_lock: Mutex<Option<ThreadId>>,
 }
 
 impl WorkerPool {
-    /// One thread per entry of `cpus_per_group[g]`; the caller stands in for the first CPU of group 0
-    /// (it is not pinned: it is the engine's thread). `pin` pins the others to their CPU.
+    /// One thread per entry of `cpus_per_group[g]`; the caller of [`run`](Self::run) stands in for the
+    /// first CPU of group 0. `pin` pins the workers to their CPU, and each new calling thread to that
+    /// first CPU on its first `run` (else it could share a core with a worker and make every region's
+    /// tail twice as long).
     pub fn new(cpus_per_group: &[Vec<usize>], pin: bool, spin: Duration) -> WorkerPool {
         assert!(
             !cpus_per_group.is_empty() && cpus_per_group.len() <= MAX_GROUPS,
@@ -123,10 +128,12 @@ impl WorkerPool {
             groups,
             pinned: 0,
             nodes: vec![None; groups],
-            run_lock: Mutex::new(()),
+            caller_cpu: None, // set below: the constructing thread is not pinned
+            run_lock: Mutex::new(None),
         };
         pool.run(&vec![0; groups], &|_, _, _| {});
         pool.pinned = pinned.load(Ordering::Relaxed);
+        pool.caller_cpu = pin.then_some(cpus_per_group[0][0]);
         pool
     }
 
@@ -156,7 +163,8 @@ impl WorkerPool {
         self.nodes.get(g).copied().flatten()
     }
 
-    /// Worker threads that were pinned successfully (the caller is never pinned by the pool).
+    /// Worker threads that were pinned successfully (not counting the caller). Note that threads a
+    /// pinned caller spawns later inherit its one-CPU affinity.
     pub fn pinned_threads(&self) -> usize {
         self.pinned
     }
@@ -166,7 +174,14 @@ impl WorkerPool {
     /// it can index per-thread scratch. Panics if `f` panicked on any thread.
     pub fn run(&self, items: &[usize], f: &RegionFn<'_>) {
         assert_eq!(items.len(), self.groups, "one item count per group");
-        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut caller = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(cpu) = self.caller_cpu {
+            let me = std::thread::current().id();
+            if *caller != Some(me) {
+                pin_current_thread(cpu);
+                *caller = Some(me);
+            }
+        }
         let sh = &*self.shared;
         // SAFETY: no worker reads `job` until the generation below changes, and the previous region has
         // fully finished (pending == 0) before `run` returned. The lifetime is erased only for the

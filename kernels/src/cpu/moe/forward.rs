@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 
-use super::act::{gated, ActBuf};
+use super::act::{gated_row, ActBuf};
 use super::gemm::{act_kind, amx_supports, gemm};
 use super::{CpuExpertSet, MoeError};
 use crate::cpu::features::CpuTier;
@@ -229,7 +229,6 @@ impl CpuExpertSet {
                     gemm(tier, a.amx, &up, nt0, nts, &view, uy, ld);
                     let cols = (id - nt0 * 16).min(ld);
                     for r in 0..a.m {
-                        let w = wt[a.start + r];
                         // SAFETY: row (start + r), columns nt0*16.. of h belong to this item.
                         let dst = unsafe {
                             std::slice::from_raw_parts_mut(
@@ -237,9 +236,8 @@ impl CpuExpertSet {
                                 cols,
                             )
                         };
-                        for (c, d) in dst.iter_mut().enumerate() {
-                            *d = gated(actf, limit, gy[r * ld + c], uy[r * ld + c]) * w;
-                        }
+                        let (g, u) = (&gy[r * ld..r * ld + cols], &uy[r * ld..r * ld + cols]);
+                        gated_row(actf, limit, g, u, wt[a.start + r], dst);
                     }
                 });
             });
@@ -274,15 +272,19 @@ impl CpuExpertSet {
         let d_tiles = self.down_l.n_tiles;
         {
             let (act, tok, seq, ha) = (&s.active, &s.tok, &s.seq, &s.ha);
+            let max_m = act.iter().map(|a| a.m).max().unwrap_or(0);
             let per_group: Vec<Vec<Active>> = (0..groups)
                 .map(|g| act.iter().copied().filter(|a| a.group == g).collect())
                 .collect();
             let chunk: Vec<usize> = (0..groups)
                 .map(|g| {
-                    // Every item does the same work (all the group's experts over `c` tiles), so two
-                    // items per thread balance; fewer, larger items re-read each expert's activation
-                    // block fewer times (it is read once per item).
-                    let c = d_tiles.div_ceil(2 * pool.threads_in_group(g)).max(1);
+                    // Every item does the same work (all the group's experts over `c` tiles). With few
+                    // tokens, small items (8 per thread) keep the phase's tail short; with many, each
+                    // item re-reads every expert's activation block, so 2 per thread.
+                    let per_thread = if max_m >= 16 { 2 } else { 8 };
+                    let c = d_tiles
+                        .div_ceil(per_thread * pool.threads_in_group(g))
+                        .max(1);
                     if even {
                         c + c % 2
                     } else {
@@ -299,7 +301,6 @@ impl CpuExpertSet {
                     }
                 })
                 .collect();
-            let max_m = act.iter().map(|a| a.m).max().unwrap_or(0);
             pool.run(&counts, &|g, i, _| {
                 let nt0 = i * chunk[g];
                 let nts = chunk[g].min(d_tiles - nt0);
@@ -354,8 +355,9 @@ impl CpuExpertSet {
     }
 }
 
-/// Region B items: each active expert's output tiles cut into chunks so that every group has ~4 items
-/// per thread (load balance with one decode token: 8 experts × 48 tiles over 16 threads).
+/// Region B items: each active expert's output tiles cut into chunks so that every group has ~8 items
+/// per thread (one decode token: 8 experts × 48 tiles over 16 threads → 3 tiles, 384 KB of bf16 gate
+/// and up, each; small items keep the tail of the phase short).
 fn plan_tiles(
     items: &mut Vec<Vec<(u32, u32, u32)>>,
     act: &[Active],
@@ -374,7 +376,7 @@ fn plan_tiles(
             .collect();
         let total = mine.len() * n_tiles;
         let mut chunk = total
-            .div_ceil(4 * pool.threads_in_group(g))
+            .div_ceil(8 * pool.threads_in_group(g))
             .clamp(1, n_tiles);
         if even {
             chunk = (chunk + chunk % 2).min(n_tiles);

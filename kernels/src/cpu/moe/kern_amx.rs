@@ -9,6 +9,7 @@
 //! `pure`) and stays in program order.
 
 use std::arch::asm;
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
 use super::act::{ActKind, ActRef};
 use super::pack::MatRef;
@@ -56,6 +57,15 @@ macro_rules! tile_dp {
             options(nostack, nomem, preserves_flags)
         )
     };
+}
+
+/// K steps (1 KiB B tiles) prefetched ahead on the first pass.
+const PREFETCH_STEPS: usize = 4;
+
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch never faults.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
 }
 
 #[repr(C, align(64))]
@@ -115,6 +125,13 @@ pub(crate) unsafe fn gemm(
                 tile_zero!("2");
                 tile_zero!("3");
                 for s in 0..k_steps {
+                    if mb == 0 {
+                        // First pass over these B tiles: they come from DRAM; fetch a few steps ahead.
+                        for line in 0..16 {
+                            prefetch(b0.wrapping_add((s + PREFETCH_STEPS) * 1024 + line * 64));
+                            prefetch(b1.wrapping_add((s + PREFETCH_STEPS) * 1024 + line * 64));
+                        }
+                    }
                     tile_load!("4", a0.add(s * 64), a_stride);
                     tile_load!("6", b0.add(s * 1024), 64usize);
                     if int {

@@ -1,8 +1,12 @@
 //! AVX-512 kernels for few tokens per expert (decode): one 64-byte load of a packed tile row feeds 16
 //! outputs of every token in the block through `vdpbf16ps` (bf16, fp8 via a LUT) or `vpdpbusd` (int8, int4).
 //! At one token these are memory-bound by design: ~1 dot instruction per 64 bytes, two independent
-//! accumulator chains per token to cover the instruction latency; the hardware prefetcher follows the
-//! contiguous N-tile stream. Twins: `kern_generic::{gemm_scalar, gemm_i8_twin}`.
+//! accumulator chains per token to cover the instruction latency, and a software prefetch
+//! [`prefetch_distance`] bytes ahead in the contiguous N-tile stream: without it one core keeps too few
+//! cache-line misses in flight and a decode token reached only ~65% of the DRAM bandwidth.
+//! Tokens are taken in blocks of up to 8 (4 for fp8/int4, whose decode needs more registers), so the
+//! weight stream is read from DRAM once and from L2 once per further block. Twins:
+//! `kern_generic::{gemm_scalar, gemm_i8_twin}`.
 //!
 //! Safety contract of every `pub(crate) unsafe fn` here: the CPU has the tier `Avx512` (F, BW, VL, BF16,
 //! VNNI), `y` holds `rows × ldy` values with `16·nts ≤ ldy`, activation rows hold `k_pad` values of the
@@ -10,16 +14,94 @@
 
 use std::arch::x86_64::*;
 use std::mem::transmute;
+use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef};
+use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef, WeightFormat};
 
-const ROWS: usize = 4;
+/// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
+/// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
+pub(crate) fn prefetch_distance() -> usize {
+    static D: OnceLock<usize> = OnceLock::new();
+    *D.get_or_init(|| {
+        std::env::var("MOE_CPU_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4096)
+    })
+}
+
+#[inline(always)]
+unsafe fn prefetch(p: *const u8, pf: usize) {
+    if pf > 0 {
+        // SAFETY: prefetches never fault, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf).cast()) };
+    }
+}
 
 #[inline(always)]
 unsafe fn bh(v: __m512i) -> __m512bh {
     // SAFETY: same size, any bit pattern is a valid bf16 vector.
     unsafe { transmute::<__m512i, __m512bh>(v) }
+}
+
+/// Calls `$f::<R>(args)` for the block size `$n` (1..=$max).
+macro_rules! by_rows {
+    ($n:expr, 8, $f:ident($($a:expr),*)) => {
+        match $n {
+            8 => $f::<8>($($a),*), 7 => $f::<7>($($a),*), 6 => $f::<6>($($a),*), 5 => $f::<5>($($a),*),
+            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
+        }
+    };
+    ($n:expr, 4, $f:ident($($a:expr),*)) => {
+        match $n {
+            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
+        }
+    };
+}
+
+const MAX_ROWS: usize = 8;
+
+/// Per block: activation row pointers (as 32-bit units), output pointers, and row indices.
+struct Block<T> {
+    x: [*const T; MAX_ROWS],
+    out: [*mut f32; MAX_ROWS],
+    row: [usize; MAX_ROWS],
+}
+
+/// Splits the view's rows into blocks of at most `max` and calls `f(block, n)` for each.
+#[inline(always)]
+unsafe fn for_blocks<T>(
+    a: &ActRef<'_>,
+    base: *const u8,
+    elem: usize,
+    y: *mut f32,
+    ldy: usize,
+    col: usize,
+    max: usize,
+    mut f: impl FnMut(&Block<T>, usize),
+) {
+    let m = a.rows.len();
+    let mut r = 0;
+    while r < m {
+        let n = (m - r).min(max);
+        let mut b = Block {
+            x: [std::ptr::null(); MAX_ROWS],
+            out: [std::ptr::null_mut(); MAX_ROWS],
+            row: [0; MAX_ROWS],
+        };
+        for i in 0..n {
+            let row = a.rows[r + i] as usize;
+            b.row[i] = row;
+            // SAFETY: (contract) rows and y in range.
+            unsafe {
+                b.x[i] = base.add(row * a.k_pad * elem).cast();
+                b.out[i] = y.add((r + i) * ldy + col);
+            }
+        }
+        f(&b, n);
+        r += n;
+    }
 }
 
 /// Bf16 weights × bf16 activations.
@@ -33,31 +115,21 @@ pub(crate) unsafe fn gemm_bf16(
     ldy: usize,
 ) {
     let pairs = w.l.k_pad / 2;
-    let m = a.rows.len();
+    let pf = prefetch_distance();
     for nt in nt0..nt0 + nts {
         let wp = w.ntile(nt).as_ptr();
-        let col = (nt - nt0) * 16;
-        let mut r = 0;
-        while r < m {
-            let n = if m - r >= ROWS { ROWS } else { 1 };
-            let mut x = [std::ptr::null::<u32>(); ROWS];
-            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
-            for i in 0..n {
-                // SAFETY: (contract) rows in range, y large enough.
-                unsafe {
-                    x[i] = a.b.as_ptr().add(a.rows[r + i] as usize * a.k_pad).cast();
-                    out[i] = y.add((r + i) * ldy + col);
-                }
-            }
-            // SAFETY: as above.
-            unsafe {
-                if n == ROWS {
-                    bf16_block::<ROWS>(wp, pairs, x, out)
-                } else {
-                    bf16_block::<1>(wp, pairs, x, out)
-                }
-            }
-            r += n;
+        // SAFETY: (contract).
+        unsafe {
+            for_blocks::<u32>(
+                a,
+                a.b.as_ptr().cast(),
+                2,
+                y,
+                ldy,
+                (nt - nt0) * 16,
+                8,
+                |b, n| by_rows!(n, 8, bf16_block(wp, pairs, pf, &b.x, &b.out)),
+            );
         }
     }
 }
@@ -66,8 +138,9 @@ pub(crate) unsafe fn gemm_bf16(
 unsafe fn bf16_block<const R: usize>(
     wp: *const u8,
     pairs: usize,
-    x: [*const u32; ROWS],
-    out: [*mut f32; ROWS],
+    pf: usize,
+    x: &[*const u32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) pointers cover `pairs` u32 / rows of 64 bytes.
     unsafe {
@@ -75,6 +148,8 @@ unsafe fn bf16_block<const R: usize>(
         let mut acc1 = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i < pairs {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
             let w0 = bh(_mm512_loadu_si512(wp.add(i * 64).cast()));
             let w1 = bh(_mm512_loadu_si512(wp.add(i * 64 + 64).cast()));
             for r in 0..R {
@@ -91,9 +166,10 @@ unsafe fn bf16_block<const R: usize>(
     }
 }
 
-/// FP8 E4M3 bytes as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
-fn fp8_lut() -> [u16; 128] {
-    std::array::from_fn(|i| f32_to_bf16(fp8_e4m3_to_f32(i as u8)))
+/// FP8 E4M3 magnitudes (7 bits) as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
+fn fp8_lut() -> &'static [u16; 128] {
+    static LUT: OnceLock<[u16; 128]> = OnceLock::new();
+    LUT.get_or_init(|| std::array::from_fn(|i| f32_to_bf16(fp8_e4m3_to_f32(i as u8))))
 }
 
 #[inline(always)]
@@ -125,35 +201,25 @@ pub(crate) unsafe fn gemm_fp8(
     let table = fp8_lut();
     // SAFETY: 128 u16 = four 64-byte vectors.
     let lut: [__m512i; 4] =
-        unsafe { std::array::from_fn(|i| _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())) };
+        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
     let pairs = w.l.k_pad / 2;
     let kb = w.l.k.div_ceil(128);
-    let m = a.rows.len();
+    let pf = prefetch_distance();
     for nt in nt0..nt0 + nts {
         let wp = w.ntile(nt).as_ptr();
         let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
-        let col = (nt - nt0) * 16;
-        let mut r = 0;
-        while r < m {
-            let n = if m - r >= ROWS { ROWS } else { 1 };
-            let mut x = [std::ptr::null::<u32>(); ROWS];
-            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
-            for i in 0..n {
-                // SAFETY: (contract).
-                unsafe {
-                    x[i] = a.b.as_ptr().add(a.rows[r + i] as usize * a.k_pad).cast();
-                    out[i] = y.add((r + i) * ldy + col);
-                }
-            }
-            // SAFETY: (contract).
-            unsafe {
-                if n == ROWS {
-                    fp8_block::<ROWS>(wp, pairs, scales, &lut, x, out)
-                } else {
-                    fp8_block::<1>(wp, pairs, scales, &lut, x, out)
-                }
-            }
-            r += n;
+        // SAFETY: (contract).
+        unsafe {
+            for_blocks::<u32>(
+                a,
+                a.b.as_ptr().cast(),
+                2,
+                y,
+                ldy,
+                (nt - nt0) * 16,
+                4,
+                |b, n| by_rows!(n, 4, fp8_block(wp, pairs, pf, scales, &lut, &b.x, &b.out)),
+            );
         }
     }
 }
@@ -162,10 +228,11 @@ pub(crate) unsafe fn gemm_fp8(
 unsafe fn fp8_block<const R: usize>(
     wp: *const u8,
     pairs: usize,
+    pf: usize,
     scales: &[f32],
     lut: &[__m512i; 4],
-    x: [*const u32; ROWS],
-    out: [*mut f32; ROWS],
+    x: &[*const u32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) rows of 32 bytes, `pairs` of them; x rows hold `pairs` u32.
     unsafe {
@@ -179,6 +246,7 @@ unsafe fn fp8_block<const R: usize>(
             let mut acc1 = [_mm512_setzero_ps(); R];
             let mut i = start;
             while i < end {
+                prefetch(wp.add(i * 32), pf);
                 let w0 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), lut);
                 let w1 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32 + 32).cast()), lut);
                 for r in 0..R {
@@ -216,63 +284,85 @@ pub(crate) unsafe fn gemm_int(
     y: *mut f32,
     ldy: usize,
 ) {
-    let int4_group = match w.l.format {
-        super::pack::WeightFormat::Int4 { group } => Some(group),
-        _ => None,
-    };
     let groups = a.groups();
-    let m = a.rows.len();
+    let pf = prefetch_distance();
     for nt in nt0..nt0 + nts {
         let wp = w.ntile(nt).as_ptr();
-        let col = (nt - nt0) * 16;
-        let mut r = 0;
-        while r < m {
-            let n = if m - r >= ROWS { ROWS } else { 1 };
-            let mut x = [std::ptr::null::<i32>(); ROWS];
-            let mut gs = [std::ptr::null::<i32>(); ROWS];
-            let mut xs = [0f32; ROWS];
-            let mut out = [std::ptr::null_mut::<f32>(); ROWS];
-            for i in 0..n {
-                let row = a.rows[r + i] as usize;
-                // SAFETY: (contract).
-                unsafe {
-                    x[i] = a.q.as_ptr().add(row * a.k_pad).cast();
-                    gs[i] = a.gsum.as_ptr().add(row * groups);
-                    out[i] = y.add((r + i) * ldy + col);
+        // SAFETY: (contract).
+        unsafe {
+            match w.l.format {
+                WeightFormat::Int4 { group } => {
+                    let s = &w.s[nt * groups * 16..];
+                    for_blocks::<i32>(
+                        a,
+                        a.q.as_ptr().cast(),
+                        1,
+                        y,
+                        ldy,
+                        (nt - nt0) * 16,
+                        4,
+                        |b, n| {
+                            let (gs, xs) = row_terms(a, b, n, groups);
+                            by_rows!(
+                                n,
+                                4,
+                                i4_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
+                            )
+                        },
+                    )
                 }
-                xs[i] = a.scale[row];
-            }
-            // SAFETY: (contract).
-            unsafe {
-                match (int4_group, n == ROWS) {
-                    (None, true) => {
-                        i8_block::<ROWS>(wp, a.k_pad / 4, &w.s[nt * 16..], x, gs, xs, out)
-                    }
-                    (None, false) => {
-                        i8_block::<1>(wp, a.k_pad / 4, &w.s[nt * 16..], x, gs, xs, out)
-                    }
-                    (Some(g), true) => {
-                        i4_block::<ROWS>(wp, g, groups, &w.s[nt * groups * 16..], x, gs, xs, out)
-                    }
-                    (Some(g), false) => {
-                        i4_block::<1>(wp, g, groups, &w.s[nt * groups * 16..], x, gs, xs, out)
-                    }
+                _ => {
+                    let s = &w.s[nt * 16..];
+                    for_blocks::<i32>(
+                        a,
+                        a.q.as_ptr().cast(),
+                        1,
+                        y,
+                        ldy,
+                        (nt - nt0) * 16,
+                        8,
+                        |b, n| {
+                            let (gs, xs) = row_terms(a, b, n, groups);
+                            by_rows!(
+                                n,
+                                8,
+                                i8_block(wp, a.k_pad / 4, pf, s, &b.x, &gs, &xs, &b.out)
+                            )
+                        },
+                    )
                 }
             }
-            r += n;
         }
     }
+}
+
+/// Group-sum pointers and activation scales of a block's rows.
+#[inline(always)]
+fn row_terms(
+    a: &ActRef<'_>,
+    b: &Block<i32>,
+    n: usize,
+    groups: usize,
+) -> ([*const i32; MAX_ROWS], [f32; MAX_ROWS]) {
+    let mut gs = [std::ptr::null(); MAX_ROWS];
+    let mut xs = [0f32; MAX_ROWS];
+    for i in 0..n {
+        gs[i] = a.gsum[b.row[i] * groups..].as_ptr();
+        xs[i] = a.scale[b.row[i]];
+    }
+    (gs, xs)
 }
 
 #[inline(always)]
 unsafe fn i8_block<const R: usize>(
     wp: *const u8,
     quads: usize,
+    pf: usize,
     wscale: &[f32],
-    x: [*const i32; ROWS],
-    gsum: [*const i32; ROWS],
-    xs: [f32; ROWS],
-    out: [*mut f32; ROWS],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
     unsafe {
@@ -280,6 +370,8 @@ unsafe fn i8_block<const R: usize>(
         let mut acc1 = [_mm512_setzero_si512(); R];
         let mut i = 0;
         while i < quads {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
             let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
             let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
             for r in 0..R {
@@ -313,11 +405,12 @@ unsafe fn i4_block<const R: usize>(
     wp: *const u8,
     group: usize,
     groups: usize,
+    pf: usize,
     scales: &[f32],
-    x: [*const i32; ROWS],
-    gsum: [*const i32; ROWS],
-    xs: [f32; ROWS],
-    out: [*mut f32; ROWS],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
     unsafe {
@@ -328,6 +421,7 @@ unsafe fn i4_block<const R: usize>(
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
             for pr in g * per_group..(g + 1) * per_group {
+                prefetch(wp.add(pr * 64), pf);
                 let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
                 let lo = _mm512_and_si512(v, nib);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
