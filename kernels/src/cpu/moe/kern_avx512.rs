@@ -452,3 +452,54 @@ unsafe fn i4_block<const R: usize>(
         }
     }
 }
+
+/// Widens FP8 N-tiles `nt0 .. nt0 + nts` to the bf16 tile layout with each 128×128 block scale
+/// folded in (one bf16 rounding of `fp8 · scale`), into `out` (`nts · k_pad` bf16 values). Lets experts
+/// with many tokens run the bf16 kernels (AMX or AVX-512) instead of re-widening per token block.
+///
+/// # Safety
+/// As the module contract; `w` is FP8 and `out` holds `nts * w.l.k_pad * 16` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn fp8_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
+    let table = fp8_lut();
+    // SAFETY: 128 u16 = four 64-byte vectors.
+    let lut: [__m512i; 4] =
+        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
+    let pairs = w.l.k_pad / 2;
+    let kb = w.l.k.div_ceil(128);
+    let pf = prefetch_distance();
+    assert!(out.len() >= nts * pairs * 32);
+    for t in 0..nts {
+        let nt = nt0 + t;
+        let wp = w.ntile(nt).as_ptr();
+        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
+        let dst = out[t * pairs * 32..].as_mut_ptr();
+        for i in 0..pairs {
+            // SAFETY: row i of the N-tile (32 bytes) and of the output (64 bytes) are in bounds.
+            unsafe {
+                prefetch(wp.add(i * 32), pf);
+                let b = transmute::<__m512bh, __m512i>(fp8x32_to_bf16(
+                    _mm256_loadu_si256(wp.add(i * 32).cast()),
+                    &lut,
+                ));
+                let s = _mm512_set1_ps(scales[i / 64]);
+                let lo = _mm512_mul_ps(
+                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
+                        _mm512_extracti64x4_epi64::<0>(b),
+                    )),
+                    s,
+                );
+                let hi = _mm512_mul_ps(
+                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
+                        _mm512_extracti64x4_epi64::<1>(b),
+                    )),
+                    s,
+                );
+                _mm512_storeu_si512(
+                    dst.add(i * 32).cast(),
+                    transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
+                );
+            }
+        }
+    }
+}

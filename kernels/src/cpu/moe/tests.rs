@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::act::{act_value, ActBuf, ActKind};
-use super::gemm::{act_kind, gemm};
+use super::gemm::{act_kind, gemm, FP8_WIDEN_MIN_ROWS};
 use super::kern_generic::{gemm_i8_twin, gemm_scalar};
 use super::pack::{pack_matrix, MatLayout, MatRef};
 use super::*;
@@ -149,7 +149,12 @@ fn kernels_match_their_scalar_twins() {
                         "{fmt:?} twin"
                     );
                     let e = rel_l2(&got, &want);
-                    assert!(e < 2e-5, "{fmt:?} {tier} m={m} n={n} k={k}: rel err {e}");
+                    // Widened FP8 (many tokens) rounds each scaled weight to bf16 once.
+                    let widened = fmt == WeightFormat::Fp8Block
+                        && tier >= CpuTier::Avx512
+                        && m >= FP8_WIDEN_MIN_ROWS;
+                    let tol = if widened { 4e-3 } else { 2e-5 };
+                    assert!(e < tol, "{fmt:?} {tier} m={m} n={n} k={k}: rel err {e}");
                 }
             }
         }
