@@ -292,7 +292,7 @@ pub(crate) unsafe fn gemm_int(
         unsafe {
             match w.l.format {
                 WeightFormat::Int4 { group } => {
-                    let s = &w.s[nt * groups * 16..];
+                    let s = &w.s16()[nt * groups * 16..];
                     for_blocks::<i32>(
                         a,
                         a.q.as_ptr().cast(),
@@ -406,7 +406,7 @@ unsafe fn i4_block<const R: usize>(
     group: usize,
     groups: usize,
     pf: usize,
-    scales: &[f32],
+    scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
     xs: &[f32; MAX_ROWS],
@@ -438,7 +438,7 @@ unsafe fn i4_block<const R: usize>(
                     );
                 }
             }
-            let sv = _mm512_loadu_ps(scales.as_ptr().add(g * 16));
+            let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
             for r in 0..R {
                 let acc = _mm512_sub_epi32(
                     _mm512_add_epi32(lo_acc[r], hi_acc[r]),

@@ -51,12 +51,13 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
             let groups = l.k_pad / group;
             for kk in 0..kt / p {
                 let g = (ti * kt + kk * 4) / group;
-                let s = &w.s[(nt * groups + g) * 16..][..16];
+                let s0 = (nt * groups + g) * 16;
                 for j in 0..16 {
+                    let s = w.int4_scale(s0 + j);
                     for q in 0..4 {
                         let b = tile[(kk / 2) * 64 + j * 4 + q];
                         let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
-                        out[(kk * 4 + q) * 16 + j] = (u as i32 - 8) as f32 * s[j];
+                        out[(kk * 4 + q) * 16 + j] = (u as i32 - 8) as f32 * s;
                     }
                 }
             }
@@ -178,7 +179,7 @@ pub(crate) fn gemm_i8_twin(
                     let acc = acc - off * a.gsum[row * groups + g];
                     let s = match l.format {
                         WeightFormat::Int8 => w.s[nt * 16 + j],
-                        _ => w.s[(nt * groups + g) * 16 + j],
+                        _ => w.int4_scale((nt * groups + g) * 16 + j),
                     };
                     total += acc as f32 * s;
                 }
