@@ -235,6 +235,34 @@ impl ActWriter {
         }
     }
 
+    /// Converts `src` into columns `col0 ..` of row `row` (F32 and Bf16 kinds: elementwise); with
+    /// `zero_tail` the padding after it up to `k_pad` is zeroed.
+    ///
+    /// # Safety
+    /// As [`write_row`](Self::write_row), for those columns.
+    pub unsafe fn write_cols(&self, row: usize, col0: usize, src: &[f32], zero_tail: bool) {
+        let k = self.k_pad;
+        let end = if zero_tail { k } else { col0 + src.len() };
+        // SAFETY: (caller) the columns are reserved and exclusively ours.
+        unsafe {
+            match self.kind {
+                ActKind::F32 => {
+                    let d = std::slice::from_raw_parts_mut(self.f.add(row * k + col0), end - col0);
+                    d[..src.len()].copy_from_slice(src);
+                    d[src.len()..].fill(0.0);
+                }
+                ActKind::Bf16 => {
+                    let d = std::slice::from_raw_parts_mut(self.b.add(row * k + col0), end - col0);
+                    for (o, &x) in d.iter_mut().zip(src) {
+                        *o = f32_to_bf16(x);
+                    }
+                    d[src.len()..].fill(0);
+                }
+                ActKind::I8 { .. } => unreachable!("int8 rows need the whole row for their scale"),
+            }
+        }
+    }
+
     /// Copies row `from` of `src` (same kind and width) into row `to`.
     ///
     /// # Safety

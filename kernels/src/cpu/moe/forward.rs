@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 
-use super::act::{gated_row, ActBuf};
+use super::act::{gated_row, ActBuf, ActKind};
 use super::gemm::{act_kind, amx_supports, gemm};
 use super::{CpuExpertSet, MoeError};
 use crate::cpu::features::CpuTier;
@@ -171,14 +171,22 @@ impl CpuExpertSet {
         // ---- (A) token activations, converted once; (A2) gathered per AMX expert ----
         s.xa.reserve(gkind, t, hp);
         let xw = s.xa.writer(gkind, hp);
-        let chunks = t.div_ceil(ROW_CHUNK);
-        pool.run(&round_robin(chunks, groups), &|g, i, _| {
-            let c = i * groups + g;
-            for r in c * ROW_CHUNK..((c + 1) * ROW_CHUNK).min(t) {
-                // SAFETY: row r is written by this item only.
+        if t <= ROW_CHUNK {
+            // Decode: a few µs of conversion, cheaper here than waking the pool for it.
+            for r in 0..t {
+                // SAFETY: single writer.
                 unsafe { xw.write_row(r, &x[r * hd..(r + 1) * hd]) };
             }
-        });
+        } else {
+            let chunks = t.div_ceil(ROW_CHUNK);
+            pool.run(&round_robin(chunks, groups), &|g, i, _| {
+                let c = i * groups + g;
+                for r in c * ROW_CHUNK..((c + 1) * ROW_CHUNK).min(t) {
+                    // SAFETY: row r is written by this item only.
+                    unsafe { xw.write_row(r, &x[r * hd..(r + 1) * hd]) };
+                }
+            });
+        }
         let any_amx = s.active.iter().any(|a| a.amx);
         if any_amx {
             s.ga.reserve(gkind, prows, hp);
@@ -196,7 +204,13 @@ impl CpuExpertSet {
         }
 
         // ---- (B) gate and up per (expert, chunk of output tiles); act ⊙ up · routing weight → h ----
-        s.h.resize(rows * id, 0.0);
+        // bf16 / f32 down activations are elementwise: written straight from B (no region C).
+        let fuse = !matches!(dkind, ActKind::I8 { .. });
+        s.ha.reserve(dkind, prows, ip);
+        let hw = s.ha.writer(dkind, ip);
+        if !fuse {
+            s.h.resize(rows * id, 0.0);
+        }
         let hptr = SyncPtr(s.h.as_mut_ptr());
         let even = any_amx;
         plan_tiles(
@@ -223,31 +237,39 @@ impl CpuExpertSet {
                     xa.view(gkind, hp, &tok[a.start..a.start + a.m])
                 };
                 let ld = 16 * nts;
-                with_tls(2 * a.m * ld, |buf| {
-                    let (gy, uy) = buf.split_at_mut(a.m * ld);
+                with_tls(3 * a.m * ld, |buf| {
+                    let (gy, rest) = buf.split_at_mut(a.m * ld);
+                    let (uy, hy) = rest.split_at_mut(a.m * ld);
                     gemm(tier, a.amx, &gate, nt0, nts, &view, gy, ld);
                     gemm(tier, a.amx, &up, nt0, nts, &view, uy, ld);
                     let cols = (id - nt0 * 16).min(ld);
                     for r in 0..a.m {
-                        // SAFETY: row (start + r), columns nt0*16.. of h belong to this item.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                hptr.get().add((a.start + r) * id + nt0 * 16),
-                                cols,
-                            )
-                        };
                         let (g, u) = (&gy[r * ld..r * ld + cols], &uy[r * ld..r * ld + cols]);
-                        gated_row(actf, limit, g, u, wt[a.start + r], dst);
+                        if fuse {
+                            let hr = &mut hy[..cols];
+                            gated_row(actf, limit, g, u, wt[a.start + r], hr);
+                            // SAFETY: these columns of padded row pstart + r belong to this item.
+                            unsafe {
+                                hw.write_cols(a.pstart + r, nt0 * 16, hr, nt0 * 16 + cols == id)
+                            };
+                        } else {
+                            // SAFETY: row (start + r), columns nt0*16.. of h belong to this item.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    hptr.get().add((a.start + r) * id + nt0 * 16),
+                                    cols,
+                                )
+                            };
+                            gated_row(actf, limit, g, u, wt[a.start + r], dst);
+                        }
                     }
                 });
             });
         }
 
-        // ---- (C) intermediate rows → down activations (padded rows per expert) ----
-        s.ha.reserve(dkind, prows, ip);
-        let hw = s.ha.writer(dkind, ip);
-        plan_rows(&mut s.items, &s.active, groups);
-        {
+        // ---- (C) int8 kinds: intermediate rows → down activations (per-row scale) ----
+        if !fuse {
+            plan_rows(&mut s.items, &s.active, groups);
             let (act, items, h) = (&s.active, &s.items, &s.h);
             let counts: Vec<usize> = items.iter().map(Vec::len).collect();
             pool.run(&counts, &|g, i, _| {
@@ -279,9 +301,10 @@ impl CpuExpertSet {
             let chunk: Vec<usize> = (0..groups)
                 .map(|g| {
                     // Every item does the same work (all the group's experts over `c` tiles). With few
-                    // tokens, small items (8 per thread) keep the phase's tail short; with many, each
-                    // item re-reads every expert's activation block, so 2 per thread.
-                    let per_thread = if max_m >= 16 { 2 } else { 8 };
+                    // tokens, small items (6 per thread: 2 tiles = 48 KiB streams per expert at
+                    // decode) keep the phase's tail short; with many, each item re-reads every
+                    // expert's activation block, so 2 per thread.
+                    let per_thread = if max_m >= 16 { 2 } else { 6 };
                     let c = d_tiles
                         .div_ceil(per_thread * pool.threads_in_group(g))
                         .max(1);
@@ -355,8 +378,8 @@ impl CpuExpertSet {
     }
 }
 
-/// Region B items: each active expert's output tiles cut into chunks so that every group has ~8 items
-/// per thread (one decode token: 8 experts × 48 tiles over 16 threads → 3 tiles, 384 KB of bf16 gate
+/// Region B items: each active expert's output tiles cut into chunks so that every group has ~16 items
+/// per thread (one decode token: 8 experts × 48 tiles over 16 threads → 2 tiles, 256 KB of bf16 gate
 /// and up, each; small items keep the tail of the phase short).
 fn plan_tiles(
     items: &mut Vec<Vec<(u32, u32, u32)>>,
@@ -376,7 +399,7 @@ fn plan_tiles(
             .collect();
         let total = mine.len() * n_tiles;
         let mut chunk = total
-            .div_ceil(8 * pool.threads_in_group(g))
+            .div_ceil(16 * pool.threads_in_group(g))
             .clamp(1, n_tiles);
         if even {
             chunk = (chunk + chunk % 2).min(n_tiles);

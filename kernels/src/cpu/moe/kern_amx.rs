@@ -115,6 +115,10 @@ pub(crate) unsafe fn gemm(
             } else {
                 b0
             };
+            for line in 0..16 * PREFETCH_STEPS {
+                prefetch(b0.wrapping_add(line * 64));
+                prefetch(b1.wrapping_add(line * 64));
+            }
             let mut mb = 0;
             while mb < m_tiles {
                 let two_m = mb + 1 < m_tiles;
