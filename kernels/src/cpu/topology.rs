@@ -5,6 +5,7 @@
 //! present, need no C library at build or run time, and give the two facts the kernels need.
 
 use std::fs;
+use std::sync::OnceLock;
 
 /// A NUMA node and the allowed CPUs on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -13,8 +14,15 @@ pub struct NumaNode {
     pub cpus: Vec<usize>,
 }
 
-/// CPUs the calling thread may run on (the process cpuset), ascending.
+/// CPUs this process may run on (its cpuset), ascending. Read once, on the first call, and cached:
+/// afterwards the calling thread may have been pinned to one CPU (the worker pool pins the thread that
+/// drives it), and its own affinity would no longer tell the process's.
 pub fn allowed_cpus() -> Vec<usize> {
+    static CPUS: OnceLock<Vec<usize>> = OnceLock::new();
+    CPUS.get_or_init(read_allowed_cpus).clone()
+}
+
+fn read_allowed_cpus() -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
         // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most size_of::<cpu_set_t>() bytes.
@@ -114,6 +122,19 @@ mod tests {
     fn cpulist_parsing() {
         assert_eq!(parse_cpulist("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
         assert_eq!(parse_cpulist(""), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn allowed_cpus_survive_pinning_a_thread() {
+        let all = allowed_cpus();
+        let cpu = *all.last().unwrap();
+        let seen = std::thread::spawn(move || {
+            assert!(pin_current_thread(cpu));
+            allowed_cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, all);
     }
 
     #[test]

@@ -112,7 +112,8 @@ pub(crate) fn gemm(
         // matched to the kernels below.
         unsafe {
             match (tier, a.kind, w.l.format) {
-                (CpuTier::Amx, _, f) if amx && amx_supports(f) => {
+                // FP8 is not an AMX tile format: it reaches AMX through the widening arm below.
+                (CpuTier::Amx, _, WeightFormat::Bf16 | WeightFormat::Int8) if amx => {
                     return kern_amx::gemm(w, nt0, nts, a, y, ldy)
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
