@@ -4,7 +4,7 @@
 //! accumulator chains per token to cover the instruction latency, and a software prefetch
 //! [`prefetch_distance`] bytes ahead in the contiguous N-tile stream: without it one core keeps too few
 //! cache-line misses in flight and a decode token reached only ~65% of the DRAM bandwidth.
-//! Tokens are taken in blocks of up to 8 (4 for fp8/int4, whose decode needs more registers), so the
+//! Tokens are taken in blocks of up to 8 (4 for fp8, whose LUT decode needs more registers), so the
 //! weight stream is read from DRAM once and from L2 once per further block. Twins:
 //! `kern_generic::{gemm_scalar, gemm_i8_twin}`.
 //!
@@ -319,12 +319,12 @@ pub(crate) unsafe fn gemm_int(
                         y,
                         ldy,
                         (nt - nt0) * 16,
-                        4,
+                        8,
                         |b, n| {
                             let (gs, xs) = row_terms(a, b, n, groups);
                             by_rows!(
                                 n,
-                                4,
+                                8,
                                 i4_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
                             )
                         },

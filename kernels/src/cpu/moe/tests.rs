@@ -458,3 +458,11 @@ fn bad_inputs_are_errors() {
         .unwrap();
     assert!(out.iter().all(|&v| v == 0.0));
 }
+
+#[test]
+fn engine_facing_types_are_thread_safe() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<CpuExpertSet>();
+    send_sync::<WorkerPool>();
+    send_sync::<ExpertSetConfig>();
+}
