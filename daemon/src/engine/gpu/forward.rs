@@ -1,7 +1,7 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
 use super::kv::{GpuSeqKv, BLOCK};
 use super::{GpuFfn, GpuLinear, GpuMlp, GpuModel};
-use crate::engine::moe::{experts_forward, Routing};
+use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RopeStyle, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
@@ -120,6 +120,7 @@ impl GpuModel {
     pub fn forward(
         &self,
         host: &Model,
+        cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
         batch: &mut [GpuSeqInput<'_>],
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
@@ -389,10 +390,7 @@ impl GpuModel {
                             let t = Instant::now();
                             for &(eid, _, _) in &groups {
                                 if moe.experts[eid].is_none() {
-                                    let m = host_block.experts[eid]
-                                        .as_ref()
-                                        .context("expert in neither memory")?;
-                                    streamed.push((eid, super::upload_mlp(dev, m)?));
+                                    streamed.push((eid, super::upload_dram_expert(dev, host_block, eid)?));
                                 }
                             }
                             times.transfer_s += t.elapsed().as_secs_f64();
@@ -494,8 +492,9 @@ impl GpuModel {
                             top_k: mc.top_k,
                         };
                         let mut out = vec![0f32; n * hd];
-                        experts_forward(
-                            &host_block.experts,
+                        dram_experts_forward(
+                            host_block,
+                            cpu_pool,
                             cfg.activation,
                             &hx,
                             hd,

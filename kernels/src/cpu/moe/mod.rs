@@ -26,6 +26,7 @@
 //! bytes are read exactly once per call; everything else is small.
 
 mod act;
+mod export;
 mod forward;
 mod gemm;
 mod kern_amx;

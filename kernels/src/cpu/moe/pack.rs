@@ -181,8 +181,7 @@ impl MatRef<'_> {
         &self.w[nt * len..(nt + 1) * len]
     }
 
-    /// The dequantized weight W[n][k] (zero in the padding). Reference path only: slow.
-    #[cfg(test)]
+    /// The dequantized weight W[n][k] (zero in the padding). Reference and export path: slow per element.
     pub fn weight(&self, n: usize, k: usize) -> f32 {
         let l = &self.l;
         let (p, kt, tb) = l.format.tile_geometry();
