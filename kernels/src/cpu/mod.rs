@@ -1,7 +1,7 @@
 //! CPU kernels: the grouped-expert FFN of MoE layers ([`moe`]) and what it stands on — feature
 //! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology
 //! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]) and the benchmark
-//! ([`bench`]).
+//! ([`bench`](mod@bench)).
 
 pub mod bench;
 pub mod features;

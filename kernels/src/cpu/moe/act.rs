@@ -52,8 +52,46 @@ pub fn gated(act: Activation, limit: Option<f32>, g: f32, u: f32) -> f32 {
     }
 }
 
-/// `out[i] = gated(g[i], u[i]) · w`, with the variant chosen outside the loop so it vectorizes.
+/// `out[i] = gated(g[i], u[i]) · w`, with the variant chosen outside the loop so it vectorizes
+/// (16 lanes with AVX-512: at 1024 tokens this loop runs 6 M times per layer).
 pub(crate) fn gated_row(
+    act: Activation,
+    limit: Option<f32>,
+    g: &[f32],
+    u: &[f32],
+    w: f32,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if wide_simd() {
+        // SAFETY: AVX-512F/BW/VL present (checked once at detection).
+        return unsafe { gated_row_avx512(act, limit, g, u, w, out) };
+    }
+    gated_row_body(act, limit, g, u, w, out)
+}
+
+/// Whether the elementwise helpers may use their AVX-512 builds.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn wide_simd() -> bool {
+    crate::cpu::features::detected_tier() >= crate::cpu::features::CpuTier::Avx512
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn gated_row_avx512(
+    act: Activation,
+    limit: Option<f32>,
+    g: &[f32],
+    u: &[f32],
+    w: f32,
+    out: &mut [f32],
+) {
+    gated_row_body(act, limit, g, u, w, out)
+}
+
+#[inline(always)]
+fn gated_row_body(
     act: Activation,
     limit: Option<f32>,
     g: &[f32],
@@ -80,6 +118,56 @@ pub(crate) fn gated_row(
             }
         }
     }
+}
+
+/// f32 → bf16 over a row (vectorized with AVX-512 when present).
+fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if wide_simd() {
+        // SAFETY: AVX-512F/BW/VL present.
+        return unsafe { to_bf16_row_avx512(src, dst) };
+    }
+    to_bf16_row_body(src, dst)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn to_bf16_row_avx512(src: &[f32], dst: &mut [u16]) {
+    to_bf16_row_body(src, dst)
+}
+
+#[inline(always)]
+fn to_bf16_row_body(src: &[f32], dst: &mut [u16]) {
+    for (o, &x) in dst.iter_mut().zip(src) {
+        *o = f32_to_bf16(x);
+    }
+}
+
+/// Symmetric int8 quantization of a row; returns the scale (amax / 127).
+fn to_i8_row(src: &[f32], dst: &mut [i8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if wide_simd() {
+        // SAFETY: AVX-512F/BW/VL present.
+        return unsafe { to_i8_row_avx512(src, dst) };
+    }
+    to_i8_row_body(src, dst)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn to_i8_row_avx512(src: &[f32], dst: &mut [i8]) -> f32 {
+    to_i8_row_body(src, dst)
+}
+
+#[inline(always)]
+fn to_i8_row_body(src: &[f32], dst: &mut [i8]) -> f32 {
+    let amax = src.iter().fold(0f32, |a, &x| a.max(x.abs()));
+    let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+    let inv = 1.0 / scale;
+    for (o, &x) in dst.iter_mut().zip(src) {
+        *o = (x * inv).round() as i8;
+    }
+    scale
 }
 
 /// In-memory form of activation rows.
@@ -207,22 +295,14 @@ impl ActWriter {
                 }
                 ActKind::Bf16 => {
                     let d = std::slice::from_raw_parts_mut(self.b.add(row * k), k);
-                    for (o, &x) in d.iter_mut().zip(src) {
-                        *o = f32_to_bf16(x);
-                    }
+                    to_bf16_row(src, d);
                     d[src.len()..].fill(0);
                 }
                 ActKind::I8 { group } => {
                     let d = std::slice::from_raw_parts_mut(self.q.add(row * k), k);
                     let groups = k / group;
                     let gs = std::slice::from_raw_parts_mut(self.gsum.add(row * groups), groups);
-                    let amax = src.iter().fold(0f32, |a, &x| a.max(x.abs()));
-                    let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
-                    *self.scale.add(row) = scale;
-                    let inv = 1.0 / scale;
-                    for (o, &x) in d.iter_mut().zip(src) {
-                        *o = (x * inv).round() as i8;
-                    }
+                    *self.scale.add(row) = to_i8_row(src, d);
                     d[src.len()..].fill(0);
                     for (g, s) in gs.iter_mut().enumerate() {
                         *s = d[g * group..(g + 1) * group]
@@ -253,9 +333,7 @@ impl ActWriter {
                 }
                 ActKind::Bf16 => {
                     let d = std::slice::from_raw_parts_mut(self.b.add(row * k + col0), end - col0);
-                    for (o, &x) in d.iter_mut().zip(src) {
-                        *o = f32_to_bf16(x);
-                    }
+                    to_bf16_row(src, d);
                     d[src.len()..].fill(0);
                 }
                 ActKind::I8 { .. } => unreachable!("int8 rows need the whole row for their scale"),

@@ -30,6 +30,81 @@ pub(crate) const FP8_WIDEN_MIN_ROWS: usize = 8;
 
 thread_local! {
     static WIDE: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static WIDE_ACT: std::cell::RefCell<(Vec<u16>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Int4 weights with many tokens: int8 activation rows → bf16 (code · scale), two N-tiles at a time
+/// widened to bf16 with the group scales folded in, then the bf16 kernel (AMX when `amx`). Costs one
+/// more bf16 rounding of weights and activations than the VNNI kernel, buys AMX throughput.
+///
+/// # Safety
+/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; `a` has int8 kind.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn int4_widened(
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    use super::pack::MatLayout;
+    use super::{kern_amx, kern_avx512};
+    let (k_pad, m) = (w.l.k_pad, a.rows.len());
+    let m_pad = m.div_ceil(16) * 16;
+    WIDE_ACT.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let (xb, seq) = &mut *cell;
+        if xb.len() < m_pad * k_pad {
+            xb.resize(m_pad * k_pad, 0);
+        }
+        if seq.len() < m {
+            *seq = (0..m as u32).collect();
+        }
+        // SAFETY: (caller) tier present; buffer sized above.
+        unsafe { kern_avx512::i8_rows_to_bf16(a, m_pad, xb) };
+        let ab = ActRef {
+            kind: ActKind::Bf16,
+            k_pad,
+            rows: &seq[..m],
+            f: &[],
+            b: xb,
+            q: &[],
+            scale: &[],
+            gsum: &[],
+        };
+        WIDE.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            buf.resize(2 * 16 * k_pad, 0);
+            let mut t = 0;
+            while t < nts {
+                let c = (nts - t).min(2);
+                // SAFETY: (caller) tier present; the buffer holds two N-tiles.
+                unsafe { kern_avx512::int4_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
+                let l = MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad);
+                // SAFETY: u16 storage viewed as bytes.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
+                };
+                let wide = MatRef {
+                    l,
+                    w: bytes,
+                    s: &[],
+                };
+                let ys = &mut y[16 * t..];
+                // SAFETY: rows of `ab` are consecutive with 16-row-padded storage.
+                unsafe {
+                    if amx {
+                        kern_amx::gemm(&wide, 0, c, &ab, ys, ldy)
+                    } else {
+                        kern_avx512::gemm_bf16(&wide, 0, c, &ab, ys.as_mut_ptr(), ldy)
+                    }
+                }
+                t += c;
+            }
+        })
+    })
 }
 
 /// FP8 weights with many tokens: widen two N-tiles at a time (128 KiB of bf16 for k = 2048, stays in
@@ -118,6 +193,9 @@ pub(crate) fn gemm(
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
                     return kern_avx512::gemm_bf16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (CpuTier::Amx, ActKind::I8 { .. }, WeightFormat::Int4 { .. }) if amx => {
+                    return int4_widened(true, w, nt0, nts, a, y, ldy)
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
                     if m >= FP8_WIDEN_MIN_ROWS =>

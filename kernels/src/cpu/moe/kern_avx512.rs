@@ -522,3 +522,111 @@ pub(crate) unsafe fn fp8_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, o
         }
     }
 }
+
+/// Widens int4 N-tiles `nt0 .. nt0 + nts` to the bf16 tile layout with the group scales folded in
+/// (one bf16 rounding of `(u − 8) · d`), into `out` (`nts · k_pad · 16` values): lets AMX-BF16 run
+/// experts with many tokens. A quad row (16 outputs × 4 inputs) becomes pair rows 2kk and 2kk+1.
+///
+/// # Safety
+/// As the module contract; `w` is int4 and `out` holds `nts * w.l.k_pad * 16` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn int4_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
+    let WeightFormat::Int4 { group } = w.l.format else {
+        unreachable!("int4 only")
+    };
+    let k_pad = w.l.k_pad;
+    let groups = k_pad / group;
+    let quads = k_pad / 4;
+    let pf = prefetch_distance();
+    assert!(out.len() >= nts * k_pad * 16);
+    let even: __m512i =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd: __m512i = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    // Lane l of value chunk c (values j*4+q, 16 per chunk) belongs to output j = 4c + l/4.
+    let lanes = _mm512_srli_epi32::<2>(_mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+    ));
+    let lane_j: [__m512i; 4] =
+        std::array::from_fn(|c| _mm512_add_epi32(_mm512_set1_epi32(4 * c as i32), lanes));
+    let eight = _mm512_set1_ps(8.0);
+    let nib = _mm512_set1_epi8(0x0F);
+    let s16 = w.s16();
+    for t in 0..nts {
+        let nt = nt0 + t;
+        let wp = w.ntile(nt).as_ptr();
+        let dst = out[t * k_pad * 16..].as_mut_ptr();
+        for kk in 0..quads {
+            // SAFETY: packed row kk/2 (64 bytes), 16 f16 scales, pair rows 2kk, 2kk+1 are in bounds.
+            unsafe {
+                if kk % 2 == 0 {
+                    prefetch(wp.add(kk / 2 * 64), pf);
+                }
+                let v = _mm512_loadu_si512(wp.add(kk / 2 * 64).cast());
+                let codes = if kk % 2 == 0 {
+                    _mm512_and_si512(v, nib)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib)
+                };
+                let g = kk * 4 / group;
+                let sv = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    s16.as_ptr().add((nt * groups + g) * 16).cast(),
+                ));
+                let f = |c: usize, bytes: __m128i| {
+                    let x = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), eight);
+                    _mm512_mul_ps(x, _mm512_permutexvar_ps(lane_j[c], sv))
+                };
+                let c0 = f(0, _mm512_extracti32x4_epi32::<0>(codes));
+                let c1 = f(1, _mm512_extracti32x4_epi32::<1>(codes));
+                let c2 = f(2, _mm512_extracti32x4_epi32::<2>(codes));
+                let c3 = f(3, _mm512_extracti32x4_epi32::<3>(codes));
+                let x = transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(c1, c0));
+                let y = transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(c3, c2));
+                _mm512_storeu_si512(
+                    dst.add(2 * kk * 32).cast(),
+                    _mm512_permutex2var_epi32(x, even, y),
+                );
+                _mm512_storeu_si512(
+                    dst.add((2 * kk + 1) * 32).cast(),
+                    _mm512_permutex2var_epi32(x, odd, y),
+                );
+            }
+        }
+    }
+}
+
+/// Int8 activation rows (code · row scale) as bf16 rows of `k_pad`, consecutive in `out`; rows
+/// `rows.len() .. m_pad` are zero.
+///
+/// # Safety
+/// As the module contract; `a` has int8 kind and `out` holds `m_pad * a.k_pad` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u16]) {
+    let k = a.k_pad;
+    assert!(out.len() >= m_pad * k && k.is_multiple_of(32));
+    for (r, &row) in a.rows.iter().enumerate() {
+        let row = row as usize;
+        let s = _mm512_set1_ps(a.scale[row]);
+        let src = a.q[row * k..(row + 1) * k].as_ptr();
+        let dst = out[r * k..].as_mut_ptr();
+        for c in (0..k).step_by(32) {
+            // SAFETY: 32 codes and 32 outputs in bounds.
+            unsafe {
+                let lo = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src.add(c).cast()))),
+                    s,
+                );
+                let hi = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        src.add(c + 16).cast(),
+                    ))),
+                    s,
+                );
+                _mm512_storeu_si512(
+                    dst.add(c).cast(),
+                    transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
+                );
+            }
+        }
+    }
+    out[a.rows.len() * k..m_pad * k].fill(0);
+}

@@ -7,6 +7,7 @@
 //! let opts = CpuMoeOptions::from_cli(Some("16"), Some("auto"), Some("auto"))?;   // --cpu-threads …
 //! let pool = opts.build_pool()?;                        // once per process: pinned persistent workers
 //! let cfg = ExpertSetConfig::new(hidden, inter, WeightFormat::Bf16)
+//!     .with_activation(Activation::Silu, swiglu_limit)
 //!     .with_hugepages(opts.hugepages).with_max_tier(opts.max_tier);
 //! // per layer, at load: global ids of the experts kept in DRAM and their HF tensors ([out, in])
 //! let set = CpuExpertSet::new(&cfg, &ids, &sources, &pool)?;  // sources: ExpertSource { gate, up, down }
@@ -15,15 +16,31 @@
 //! ```
 //! Ids not held by the set (experts on the GPU) are skipped, so the GPU side adds its own experts'
 //! share into the same output. `forward` computes `out[t] += Σ_j w[t][j] · down(act(gate x) ⊙ up x)`
-//! with SiLU (or GELU-tanh) and the optional GLM `swiglu_limit` clamp.
+//! with SiLU (or GELU-tanh) and the optional GLM `swiglu_limit` clamp (gate ≤ limit, up in ±limit).
+//! Routing weights are applied as given (normalisation and `routed_scaling_factor` are the caller's).
+//!
+//! - Sources: `SourceTensor::Bf16(&[u16])` (bf16 bits; cast a `&[half::bf16]` with bytemuck),
+//!   `F32`, or `Fp8E4M3 { data, scale_inv }` with `weight_scale_inv` `[ceil(out/128), ceil(in/128)]`.
+//!   They are only read during `new`; the packed copy lives in hugepage-backed memory (`page_kinds()`).
+//! - Formats: `Bf16` (needs bf16/f32 sources, or FP8 upcast), `Fp8Block` (needs FP8 sources: bytes and
+//!   scales kept as stored), `Int8` and `Int4 { group: 32 | 64 | 128 }` (quantized at load from any source).
+//! - Threads: one [`WorkerPool`] for the process, shared by all layers; calls serialize on it. The
+//!   thread that calls `forward` works as worker 0 and is pinned to the pool's first CPU on its first
+//!   call (threads it spawns afterwards inherit that one-CPU affinity: spawn them before, or from
+//!   another thread). With several NUMA groups the experts are split across them, each group's share in
+//!   its node's memory.
+//! - Tiers: the best of scalar / AVX2 / AVX-512 / AMX this CPU has, detected once; `max_tier` or
+//!   [`CpuExpertSet::set_max_tier`] force a lower one.
 //!
 //! # Work split (where the time goes)
-//! Per call: (A) activations converted once per token (bf16 / int8 as the kernels need); (B) gate and
-//! up for every (expert, chunk of 16-row output tiles), activation applied and the routing weight folded
-//! in; (C) the intermediate rows converted; (D) down, split by chunks of the hidden dimension so each
-//! output column belongs to one thread (no atomics, no reduction pass). Each region hands out items
-//! through an atomic counter, so one decode token spreads its 8 experts' rows over every core. Weight
-//! bytes are read exactly once per call; everything else is small.
+//! Per call: (A) activations converted once per token (bf16 / int8 as the kernels need), and gathered
+//! into 16-row blocks for experts that use AMX; (B) gate and up for every (expert, chunk of 16-row output
+//! tiles), activation applied, routing weight folded in, bf16 down activations written directly; (C) for
+//! int8 kinds only, the intermediate rows quantized (their scale needs the whole row); (D) down, split
+//! by chunks of the hidden dimension over all the group's experts, so each output column belongs to one
+//! thread (no atomics, no reduction pass). Each region hands out items through an atomic counter, so one
+//! decode token spreads its 8 experts' rows over every core. Weight bytes are read exactly once per call
+//! (from DRAM; token blocks after the first re-read them from L2); everything else is small.
 
 mod act;
 mod export;

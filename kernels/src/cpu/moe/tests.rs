@@ -149,10 +149,12 @@ fn kernels_match_their_scalar_twins() {
                         "{fmt:?} twin"
                     );
                     let e = rel_l2(&got, &want);
-                    // Widened FP8 (many tokens) rounds each scaled weight to bf16 once.
-                    let widened = fmt == WeightFormat::Fp8Block
+                    // Widened FP8 / int4 (many tokens) rounds each scaled weight (and int4 each
+                    // activation) to bf16 once.
+                    let widened = (fmt == WeightFormat::Fp8Block
                         && tier >= CpuTier::Avx512
-                        && m >= FP8_WIDEN_MIN_ROWS;
+                        && m >= FP8_WIDEN_MIN_ROWS)
+                        || (matches!(fmt, WeightFormat::Int4 { .. }) && amx);
                     let tol = if widened { 4e-3 } else { 2e-5 };
                     assert!(e < tol, "{fmt:?} {tier} m={m} n={n} k={k}: rel err {e}");
                 }
@@ -457,6 +459,41 @@ fn bad_inputs_are_errors() {
     set.forward(&pool, &[1.0; 32], &[7], &[1.0], 1, &mut out)
         .unwrap();
     assert!(out.iter().all(|&v| v == 0.0));
+}
+
+/// The int4 → bf16 widening used for AMX, checked here through the AVX-512 bf16 kernel.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int4_widening_matches_twin() {
+    if CpuTier::Avx512.clamp_to_cpu() != CpuTier::Avx512 {
+        return; // needs AVX-512 BF16; the AMX machine also runs it through `gemm` above
+    }
+    let mut rng = Rng(77);
+    for group in [32, 64, 128] {
+        let fmt = WeightFormat::Int4 { group };
+        let (n, k) = (48, 256);
+        let src = Src::new(&mut rng, fmt, n, k, 0.05);
+        let l = MatLayout::new(fmt, n, k);
+        let (mut w, mut s) = (vec![0u8; l.w_bytes], vec![0f32; l.s_len]);
+        pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+        let mat = MatRef { l, w: &w, s: &s };
+        let kind = ActKind::I8 { group };
+        let mut buf = ActBuf::default();
+        buf.reserve(kind, 30, l.k_pad);
+        let wr = buf.writer(kind, l.k_pad);
+        for r in 0..30 {
+            let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
+            unsafe { wr.write_row(r, &x) };
+        }
+        let rows: Vec<u32> = vec![4, 9, 2, 29, 0, 17, 3];
+        let a = buf.view(kind, l.k_pad, &rows);
+        let ld = 16 * 3;
+        let (mut got, mut want) = (vec![0f32; rows.len() * ld], vec![0f32; rows.len() * ld]);
+        unsafe { super::gemm::int4_widened(false, &mat, 0, 3, &a, &mut got, ld) };
+        gemm_i8_twin(&mat, 0, 3, &a, &mut want, ld);
+        let e = rel_l2(&got, &want);
+        assert!(e > 0.0 && e < 4e-3, "group {group}: rel err {e}");
+    }
 }
 
 #[test]
