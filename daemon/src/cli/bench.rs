@@ -12,6 +12,13 @@ pub enum BenchCommand {
     Decode(RunArgs),
     /// Prefill throughput and time to first token of one long prompt.
     Prefill(RunArgs),
+    /// CPU expert kernels alone: ms per MoE layer, GB/s and % of the DRAM read bandwidth it measures.
+    /// Flags: --experts 128 --topk 8 --hidden 2048 --inter 768 --dtype bf16|fp8|int8|int4
+    /// --tokens 1,4,16,64,256,1024 --threads N --layers 8 (see kernels/src/cpu/bench.rs).
+    CpuMoe {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -29,6 +36,9 @@ pub struct RunArgs {
     /// Prefill chunk (tokens per step); 0 = whole prompt in one step.
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
+    /// `bench decode` only: also time prefills of these prompt lengths with the same loaded model.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_lens: Vec<usize>,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -38,6 +48,14 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::SynthCheckpoint(a) => super::synth::run(a),
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Prefill(a) => prefill(a),
+        BenchCommand::CpuMoe { args } => {
+            let parsed = moe_kernels::cpu::bench::parse_bench_args(&args)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&parsed)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            print!("{report}");
+            Ok(())
+        }
     }
 }
 
@@ -77,6 +95,9 @@ fn prefill_into(
 
 fn decode(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
+    for &len in &a.prefill_lens {
+        time_prefill(&engine, len, a.chunk)?;
+    }
     let mut caches: Vec<_> = (0..a.batch).map(|_| engine.new_cache()).collect();
     let mut next: Vec<u32> = Vec::with_capacity(a.batch);
     for (i, c) in caches.iter_mut().enumerate() {
@@ -137,14 +158,18 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
 
 fn prefill(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
+    time_prefill(&engine, a.prompt_len, a.chunk)
+}
+
+fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()> {
     // warm-up on a short prompt (kernel compilation, allocator)
     let mut warm = engine.new_cache();
-    prefill_into(&engine, &mut warm, &prompt(&engine, 16, 99), 0)?;
+    prefill_into(engine, &mut warm, &prompt(engine, 16, 99), 0)?;
     drop(warm);
-    let p = prompt(&engine, a.prompt_len, 1);
+    let p = prompt(engine, len, 1);
     let mut cache = engine.new_cache();
     let t = Instant::now();
-    prefill_into(&engine, &mut cache, &p, a.chunk)?;
+    prefill_into(engine, &mut cache, &p, chunk)?;
     let s = t.elapsed().as_secs_f64();
     let st = engine.last_step_times();
     println!(

@@ -69,7 +69,10 @@ impl EngineArgs {
         let mut o = self.options()?;
         if exact {
             use moe_kernels::cpu::CpuTier;
-            let cap = o.cpu_moe.max_tier.map_or(CpuTier::Avx2, |t| t.min(CpuTier::Avx2));
+            let cap = o
+                .cpu_moe
+                .max_tier
+                .map_or(CpuTier::Avx2, |t| t.min(CpuTier::Avx2));
             o.cpu_moe.max_tier = Some(cap);
         }
         Ok(o)
@@ -101,9 +104,13 @@ impl EngineArgs {
         }
         let expert_format = match &self.expert_dtype {
             None => None,
-            Some(s) => Some(moe_kernels::cpu::moe::WeightFormat::parse(s).ok_or_else(|| {
-                anyhow::anyhow!("--expert-dtype {s}: choose bf16, fp8, int8, int4, int4g64 or int4g128")
-            })?),
+            Some(s) => Some(
+                moe_kernels::cpu::moe::WeightFormat::parse(s).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--expert-dtype {s}: choose bf16, fp8, int8, int4, int4g64 or int4g128"
+                    )
+                })?,
+            ),
         };
         Ok(EngineOptions {
             cpu_kernels: !self.reference_experts,

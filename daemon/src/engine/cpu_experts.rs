@@ -41,11 +41,16 @@ pub fn pack_model(
         ModelActivation::GeluTanh => Activation::GeluTanh,
     };
     for (li, layer) in model.layers.iter_mut().enumerate() {
-        let Ffn::Moe(block) = &mut layer.ffn else { continue };
+        let Ffn::Moe(block) = &mut layer.ffn else {
+            continue;
+        };
         let ids: Vec<u32> = (0..block.experts.len() as u32)
             .filter(|&e| block.experts[e as usize].is_some())
             .collect();
-        let Some(first) = ids.first().and_then(|&e| block.experts[e as usize].as_ref()) else {
+        let Some(first) = ids
+            .first()
+            .and_then(|&e| block.experts[e as usize].as_ref())
+        else {
             continue;
         };
         let format = pick_format(forced, &first.gate);
@@ -53,24 +58,30 @@ pub fn pack_model(
             .with_activation(act, None)
             .with_hugepages(opts.hugepages)
             .with_max_tier(opts.max_tier);
-        // FP8 tensors whose block size the kernels do not read are widened to f32 here.
-        let mut widened: Vec<Vec<f32>> = Vec::new();
-        for &e in &ids {
+        // FP8 with a block size other than the kernels' 128 stays on the exact reference path.
+        let odd_fp8 = ids.iter().any(|&e| {
             let m = block.experts[e as usize].as_ref().expect("filtered above");
-            for l in [&m.gate, &m.up, &m.down] {
-                if needs_widening(l, format) {
-                    widened.push(l.to_f32());
+            [&m.gate, &m.up, &m.down]
+                .iter()
+                .any(|l| matches!(&l.w, WeightData::F8 { block, .. } if *block != KERNEL_FP8_BLOCK))
+        });
+        if odd_fp8 {
+            tracing::warn!(
+                "layer {li}: FP8 blocks are not 128x128; experts stay on the reference CPU path"
+            );
+            continue;
+        }
+        let sources: Vec<ExpertSource> = ids
+            .iter()
+            .map(|&e| {
+                let m = block.experts[e as usize].as_ref().expect("filtered above");
+                ExpertSource {
+                    gate: source(&m.gate),
+                    up: source(&m.up),
+                    down: source(&m.down),
                 }
-            }
-        }
-        let mut wide = widened.iter();
-        let mut sources = Vec::with_capacity(ids.len());
-        for &e in &ids {
-            let m = block.experts[e as usize].as_ref().expect("filtered above");
-            let mut src = |l| source(l, format, &mut wide);
-            let (gate, up, down) = (src(&m.gate), src(&m.up), src(&m.down));
-            sources.push(ExpertSource { gate, up, down });
-        }
+            })
+            .collect();
         let set = CpuExpertSet::new(&set_cfg, &ids, &sources, pool)
             .with_context(|| format!("packing layer {li} experts for the CPU kernels"))?;
         drop(sources);
@@ -82,15 +93,8 @@ pub fn pack_model(
     Ok(())
 }
 
-/// What the kernels read for one checkpoint tensor; widened FP8 copies are taken from `wide` in order.
-fn source<'a>(
-    l: &'a Linear,
-    format: WeightFormat,
-    wide: &mut std::slice::Iter<'a, Vec<f32>>,
-) -> SourceTensor<'a> {
-    if needs_widening(l, format) {
-        return SourceTensor::F32(wide.next().expect("one widened copy per FP8 tensor"));
-    }
+/// What the kernels read for one checkpoint tensor.
+fn source(l: &Linear) -> SourceTensor<'_> {
     match &l.w {
         WeightData::F32(v) => SourceTensor::F32(v),
         WeightData::Bf16(v) => SourceTensor::Bf16(bf16_bits(v)),
@@ -101,11 +105,6 @@ fn source<'a>(
             scale_inv,
         },
     }
-}
-
-fn needs_widening(l: &Linear, format: WeightFormat) -> bool {
-    let _ = format; // the kernels quantize to any format from bf16, f32 or 128-block FP8
-    matches!(&l.w, WeightData::F8 { block, .. } if *block != KERNEL_FP8_BLOCK)
 }
 
 fn bf16_bits(v: &[half::bf16]) -> &[u16] {

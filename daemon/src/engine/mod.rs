@@ -170,7 +170,9 @@ impl Engine {
             if cpu_moe.threads.is_none() && opts.cpu_threads > 0 {
                 cpu_moe.threads = Some(opts.cpu_threads);
             }
-            let p = cpu_moe.build_pool().context("starting the CPU expert workers")?;
+            let p = cpu_moe
+                .build_pool()
+                .context("starting the CPU expert workers")?;
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
             Some(p)
         } else {
@@ -291,9 +293,13 @@ impl Engine {
         }
         let mut times = gpu::forward::StepTimes::default();
         let out = g
-            .forward(&self.model, self.cpu_pool.as_ref(), &mut inputs, &mut times, |l, ids| {
-                self.record(l, ids)
-            })
+            .forward(
+                &self.model,
+                self.cpu_pool.as_ref(),
+                &mut inputs,
+                &mut times,
+                |l, ids| self.record(l, ids),
+            )
             .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         for s in batch.iter_mut() {

@@ -70,6 +70,8 @@ pub struct MoeBlock {
     pub cpu_set: Option<moe_kernels::cpu::moe::CpuExpertSet>,
 }
 
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     Dense(Mlp),
     Moe(MoeBlock),

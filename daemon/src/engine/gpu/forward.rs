@@ -390,7 +390,10 @@ impl GpuModel {
                             let t = Instant::now();
                             for &(eid, _, _) in &groups {
                                 if moe.experts[eid].is_none() {
-                                    streamed.push((eid, super::upload_dram_expert(dev, host_block, eid)?));
+                                    streamed.push((
+                                        eid,
+                                        super::upload_dram_expert(dev, host_block, eid)?,
+                                    ));
                                 }
                             }
                             times.transfer_s += t.elapsed().as_secs_f64();

@@ -123,11 +123,18 @@ pub fn upload_mlp(dev: &GpuDevice, m: &Mlp) -> anyhow::Result<GpuMlp> {
 }
 
 /// Uploads DRAM expert `eid` (checkpoint copy, or exported from the CPU kernels' packed set).
-pub fn upload_dram_expert(dev: &GpuDevice, block: &crate::model::MoeBlock, eid: usize) -> anyhow::Result<GpuMlp> {
+pub fn upload_dram_expert(
+    dev: &GpuDevice,
+    block: &crate::model::MoeBlock,
+    eid: usize,
+) -> anyhow::Result<GpuMlp> {
     if let Some(m) = &block.experts[eid] {
         return upload_mlp(dev, m);
     }
-    let set = block.cpu_set.as_ref().with_context(|| format!("expert {eid} is in neither memory"))?;
+    let set = block
+        .cpu_set
+        .as_ref()
+        .with_context(|| format!("expert {eid} is in neither memory"))?;
     let (gate_up, down) = set
         .export_bf16(eid as u32)
         .with_context(|| format!("expert {eid} is not in the CPU set"))?;
