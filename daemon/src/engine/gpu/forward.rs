@@ -192,7 +192,10 @@ impl GpuModel {
         let mut k = self.alloc::<f32>(n * nkv * dh)?;
         let mut v = self.alloc::<f32>(n * nkv * dh)?;
         let mut attn = self.alloc::<bf16>(n * nh * dh)?;
-        let (experts_n, top_k) = cfg.moe.as_ref().map_or((1, 1), |m| (m.num_experts, m.top_k));
+        let (experts_n, top_k) = cfg
+            .moe
+            .as_ref()
+            .map_or((1, 1), |m| (m.num_experts, m.top_k));
         let mut logits = self.alloc::<f32>(n * experts_n)?;
         let mut d_eids = self.alloc::<i32>(n * top_k)?;
         let mut d_w = self.alloc::<f32>(n * top_k)?;
