@@ -4,6 +4,9 @@
 //! enforces (`x-kubernetes-validations`). `crate::validate` mirrors the CEL rules in Rust so that
 //! `moe-operator plan` and the reconciler reject the same specs offline.
 
+// `#[kube(printcolumn(..))]` repeats `type_ = ..` per column, which clippy reads as duplicates.
+#![allow(clippy::duplicated_attributes)]
+
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -100,7 +103,9 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shape: Option<ModelShape>,
     /// Per-replica cache volume that a download init container fills (huggingFace / url sources).
+    /// Immutable, like the StatefulSet volume claim template it becomes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("model.cache is immutable"))]
     pub cache: Option<ModelCache>,
 }
 
@@ -343,7 +348,7 @@ pub enum HugepageSize {
     Off,
 }
 
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct ResourceSpec {
     /// DRAM per pod (requests = limits), excluding hugepages; derived from the model when unset.
@@ -351,15 +356,6 @@ pub struct ResourceSpec {
     pub memory: Option<Quantity>,
     #[serde(default)]
     pub gpu: GpuSpec,
-}
-
-impl Default for ResourceSpec {
-    fn default() -> Self {
-        Self {
-            memory: None,
-            gpu: GpuSpec::default(),
-        }
-    }
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -10,8 +10,8 @@ use k8s_openapi::api::apps::v1::{
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
     HTTPGetAction, HostPathVolumeSource, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimVolumeSource, PodAffinityTerm, PodAntiAffinity, PodSecurityContext,
-    PodSpec, PodTemplateSpec, Probe, SeccompProfile, SecurityContext, Volume, VolumeMount,
+    PersistentVolumeClaimVolumeSource, PodAffinityTerm, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, SeccompProfile, SecurityContext, Volume, VolumeMount,
     VolumeResourceRequirements, WeightedPodAffinityTerm,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -319,7 +319,7 @@ fn affinity(input: &BuildInput) -> Affinity {
             ..Default::default()
         },
     };
-    let mut anti = user.pod_anti_affinity.unwrap_or(PodAntiAffinity::default());
+    let mut anti = user.pod_anti_affinity.unwrap_or_default();
     anti.preferred_during_scheduling_ignored_during_execution
         .get_or_insert_with(Vec::new)
         .push(spread);
