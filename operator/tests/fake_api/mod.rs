@@ -338,5 +338,5 @@ fn looks_like_collection(path: &str) -> bool {
         Some(&"apis") => segs.get(3..).unwrap_or(&[]),
         _ => &[],
     };
-    matches!(rest, [_plural] | ["namespaces", _, _])
+    matches!(rest, [_] | ["namespaces", _, _])
 }
