@@ -369,7 +369,11 @@ pub struct GpuSpec {
     #[schemars(length(min = 1), inner(regex(pattern = r"^[0-9]+\.([0-9]+|x)$")))]
     pub compute_capabilities: Vec<String>,
     /// Minimum memory per GPU in MiB (label `nvidia.com/gpu.memory`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "minMemoryMiB",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub min_memory_mib: Option<u64>,
 }
 

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! gpu_budget   = 0.90 × gpu_memory × gpu_count − dense_bytes − kv_reserve
-//! kv_reserve   = kv_bytes_per_token × max_model_len × min(max_num_seqs, 4)   (10% of GPU memory if unknown)
+//! kv_reserve   = kv_bytes_per_token × max_model_len × min(max_num_seqs, 2)   (10% of GPU memory if unknown)
 //! gpu_experts  = clamp(⌊gpu_budget / (moe_layers × expert_bytes)⌋, 0, experts_per_layer)
 //! cpu_experts  = (experts_per_layer − gpu_experts) × moe_layers × expert_bytes
 //! hugepages    = cpu_experts rounded up to the page size (1Gi if the node has enough, else 2Mi, else off)
@@ -19,7 +19,8 @@ use super::node_facts::NodeFacts;
 pub const GPU_USABLE_FRACTION: f64 = 0.90;
 pub const RUNTIME_DRAM_BYTES: u64 = 4 * GIB;
 pub const DAEMONSET_CPU_RESERVE: u64 = 2;
-pub const KV_RESERVED_SEQUENCES: u32 = 4;
+/// Full-length sequences whose KV cache must fit on the GPU next to the weights.
+pub const KV_RESERVED_SEQUENCES: u32 = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum HugepageKind {
