@@ -95,6 +95,17 @@ pub fn validate_manifest(value: &Value) -> Result<String, String> {
         "Role" => check_typed::<Role>(value).map(drop),
         "RoleBinding" => check_typed::<RoleBinding>(value).map(drop),
         "CustomResourceDefinition" => check_typed::<CustomResourceDefinition>(value).map(drop),
+        "List" => value
+            .get("items")
+            .and_then(Value::as_array)
+            .ok_or_else(|| "List without items".to_string())?
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| {
+                validate_manifest(item)
+                    .map(drop)
+                    .map_err(|e| format!("items[{i}]: {e}"))
+            }),
         "MoEDeployment" => {
             let md: MoEDeployment = check_typed(value)?;
             let name = md
