@@ -6,3 +6,8 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+
+# Operator: Helm chart lint/render (helm-python-sdk), rendered objects checked by `moe-operator
+# validate`, examples against the CRD schema. Needs the binary `cargo test` built above.
+cargo build -q -p moe-operator
+python3 -m unittest discover -s tests/operator -p "test_*.py"

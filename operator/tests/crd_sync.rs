@@ -5,15 +5,22 @@ use kube::CustomResourceExt;
 use moe_operator::crd::{crd_yaml, MoEDeployment};
 
 const CRD_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/moedeployment.yaml");
+const CHART_CRD_PATH: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../charts/moe-operator/crds/moedeployment.yaml"
+);
+const REGENERATE: &str = "cargo run -p moe-operator -- crd > crds/moedeployment.yaml && cp crds/moedeployment.yaml charts/moe-operator/crds/";
 
 #[test]
 fn checked_in_crd_is_current() {
     let generated = crd_yaml().expect("CRD renders");
-    let stored = std::fs::read_to_string(CRD_PATH).unwrap_or_default();
-    assert!(
-        stored == generated,
-        "crds/moedeployment.yaml is stale; regenerate it with:\n  cargo run -p moe-operator -- crd > crds/moedeployment.yaml"
-    );
+    for path in [CRD_PATH, CHART_CRD_PATH] {
+        let stored = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            stored == generated,
+            "{path} is stale; regenerate it with:\n  {REGENERATE}"
+        );
+    }
 }
 
 #[test]
