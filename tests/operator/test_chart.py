@@ -197,5 +197,25 @@ class ExamplesAgainstCrdSchema(unittest.TestCase):
             jsonschema.validate(bad_enum, self.spec_schema)
 
 
+class DockerfileTest(unittest.TestCase):
+    """Static checks: no Docker daemon in CI, so the build itself is not run here."""
+
+    def test_stages_bases_and_users(self):
+        text = (ROOT / "Dockerfile").read_text()
+        stages = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if parts[:1] == ["FROM"] and "AS" in parts:
+                stages[parts[parts.index("AS") + 1]] = parts[1]
+        self.assertEqual(set(stages), {"build", "daemon", "operator"})
+        self.assertIn("CUDA_RUNTIME_IMAGE", stages["daemon"])
+        self.assertIn("nvidia/cuda:", text)
+        self.assertIn("-runtime-", text.split("CUDA_RUNTIME_IMAGE=")[1].split()[0])
+        self.assertTrue(stages["operator"].startswith("gcr.io/distroless/cc"))
+        self.assertIn("libhwloc15", text)
+        self.assertEqual(text.count("USER 65532:65532"), 2)
+        self.assertIn("--locked", text)
+
+
 if __name__ == "__main__":
     unittest.main()
