@@ -261,7 +261,7 @@ impl JsonSchema for AutoOr {
             "description": "\"auto\" or a non-negative integer.",
             "x-kubernetes-int-or-string": true,
             "x-kubernetes-validations": [{
-                "rule": "type(self) == string ? self == 'auto' : self >= 0",
+                "rule": "string(self) == 'auto' || int(self) >= 0",
                 "message": "must be \"auto\" or a non-negative integer"
             }]
         })

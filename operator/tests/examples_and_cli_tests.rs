@@ -116,5 +116,20 @@ fn binary_exits_nonzero_without_panicking() {
         .unwrap();
     assert!(crd.status.success());
     assert!(String::from_utf8_lossy(&crd.stdout).contains("kind: CustomResourceDefinition"));
+
+    // `run` without any cluster configuration fails with a message, not a panic.
+    let run = Command::new(env!("CARGO_BIN_EXE_moe-operator"))
+        .args(["run", "--metrics-addr", "127.0.0.1:0"])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("KUBECONFIG")
+        .env("HOME", &dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("connecting to the Kubernetes API") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -276,3 +276,37 @@ async fn switching_provider_removes_the_hpa() {
         "hpa deleted after switching to builtin"
     );
 }
+
+#[tokio::test]
+async fn builtin_autoscaler_scales_on_scraped_queue_depth() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // One replica's /metrics: 7 waiting requests.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = sock.read(&mut buf).await;
+        let body = "moe:num_requests_waiting{model_name=\"qwen3\"} 7\nmoe:num_requests_running 4\n";
+        sock.write_all(format!("HTTP/1.0 200 OK\r\n\r\n{body}").as_bytes())
+            .await
+            .unwrap();
+    });
+    let mut spec = qwen_spec();
+    spec["replicas"] = 1.into();
+    spec["autoscaling"] = json!({"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 2});
+    let (fake, ctx) = setup(spec, &[("gpu-1", true)]);
+    fake.insert(
+        "/api/v1/namespaces/ai/pods/qwen-0",
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "qwen-0", "namespace": "ai"},
+               "status": {"podIP": "127.0.0.1"}}),
+    );
+    let clock = std::time::Instant::now();
+    moe_operator::controller::builtin_scaler::scale_one(&ctx, &current(&fake), clock, port).await;
+    // ⌈7 / 2⌉ = 4 replicas, written through the scale subresource.
+    assert_eq!(fake.get(MD_PATH).unwrap()["spec"]["replicas"], 4);
+    assert_eq!(fake.count(Method::PATCH, "/moedeployments/qwen/scale"), 1);
+    let events = fake.requests();
+    assert!(events.iter().any(|r| r.path.ends_with("/events")
+        && r.body.as_ref().is_some_and(|b| b["reason"] == "ScaledUp")));
+}

@@ -56,7 +56,12 @@ pub async fn fetch_metrics(ip: &str, port: u16) -> Result<String, ScrapeError> {
     Ok(body.to_string())
 }
 
-async fn scrape_queue(ctx: &Context, md: &MoEDeployment, namespace: &str) -> Option<(f64, f64)> {
+async fn scrape_queue(
+    ctx: &Context,
+    md: &MoEDeployment,
+    namespace: &str,
+    port: u16,
+) -> Option<(f64, f64)> {
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     let selector = format!("{LABEL_NAME}=moe-daemon,{LABEL_INSTANCE}={}", md.name_any());
     let list = match pods.list(&ListParams::default().labels(&selector)).await {
@@ -71,7 +76,7 @@ async fn scrape_queue(ctx: &Context, md: &MoEDeployment, namespace: &str) -> Opt
         let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
             continue;
         };
-        match fetch_metrics(&ip, HTTP_PORT as u16).await {
+        match fetch_metrics(&ip, port).await {
             Ok(text) => {
                 waiting += sum_metric(&text, "moe:num_requests_waiting").unwrap_or(0.0);
                 running += sum_metric(&text, "moe:num_requests_running").unwrap_or(0.0);
@@ -86,7 +91,9 @@ async fn scrape_queue(ctx: &Context, md: &MoEDeployment, namespace: &str) -> Opt
     (scraped > 0).then_some((waiting, running))
 }
 
-async fn scale_one(ctx: &Context, md: &MoEDeployment, clock: Instant) {
+/// One autoscaling round for one MoEDeployment: scrape its pods on `port`, decide, write the
+/// scale subresource when the replica count changes.
+pub async fn scale_one(ctx: &Context, md: &MoEDeployment, clock: Instant, port: u16) {
     let Some(autoscaling) = md.spec.autoscaling.as_ref() else {
         return;
     };
@@ -97,7 +104,7 @@ async fn scale_one(ctx: &Context, md: &MoEDeployment, clock: Instant) {
     let policy = AutoscalerPolicy::from_spec(autoscaling);
     let current = md.spec.replicas.unwrap_or(autoscaling.min_replicas);
     let now = clock.elapsed().as_secs_f64();
-    if let Some((waiting, running)) = scrape_queue(ctx, md, &namespace).await {
+    if let Some((waiting, running)) = scrape_queue(ctx, md, &namespace, port).await {
         let mut states = lock(&ctx.autoscaler_states);
         states.entry(key.clone()).or_default().observe(QueueSample {
             at_secs: now,
@@ -182,7 +189,7 @@ pub async fn run(
                         .as_ref()
                         .is_some_and(|a| a.provider == AutoscalingProvider::Builtin)
             }) {
-                scale_one(&ctx, md, clock).await;
+                scale_one(&ctx, md, clock, HTTP_PORT as u16).await;
             }
         }
     }

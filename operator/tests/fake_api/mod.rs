@@ -326,6 +326,17 @@ impl FakeApi {
         } else {
             st.objects.insert(object_path.to_string(), obj.clone());
         }
+        if sub == Some("scale") {
+            // The scale subresource answers with an autoscaling/v1 Scale, not the object.
+            let scale = json!({
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]},
+                "spec": {"replicas": obj["spec"]["replicas"]},
+                "status": {"replicas": obj["status"]["replicas"].as_i64().unwrap_or(0)},
+            });
+            return (200, scale);
+        }
         (200, obj)
     }
 }
