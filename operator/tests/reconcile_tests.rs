@@ -258,6 +258,33 @@ async fn invalid_spec_is_reported_not_applied() {
 }
 
 #[tokio::test]
+async fn keda_provider_without_keda_installed_says_so() {
+    let mut spec = qwen_spec();
+    spec["autoscaling"] = json!({"provider": "keda", "minReplicas": 1, "maxReplicas": 2,
+                                 "prometheus": {"serverAddress": "http://prom:9090"}});
+    let (fake, ctx) = setup(spec, &[("gpu-1", true)]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    fake.fail(Method::PATCH, "/scaledobjects/qwen", 404, 1);
+    assert!(reconcile(current(&fake), ctx.clone()).await.is_err());
+    let md = fake.get(MD_PATH).unwrap();
+    let degraded = condition(&md, "Degraded");
+    assert_eq!(degraded["reason"], "ApplyFailed");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("KEDA is not installed"),
+        "{degraded}"
+    );
+    // Once the API exists the ScaledObject is applied.
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let so = fake
+        .get("/apis/keda.sh/v1alpha1/namespaces/ai/scaledobjects/qwen")
+        .expect("scaled object");
+    assert_eq!(so["spec"]["triggers"][0]["type"], "prometheus");
+}
+
+#[tokio::test]
 async fn switching_provider_removes_the_hpa() {
     let mut spec = qwen_spec();
     spec["autoscaling"] = json!({"provider": "hpa", "minReplicas": 1, "maxReplicas": 3});

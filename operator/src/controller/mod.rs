@@ -29,6 +29,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("finalizer: {0}")]
     Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error(transparent)]
+    Apply(#[from] reconcile::ApplyError),
     #[error("MoEDeployment has no namespace")]
     MissingNamespace,
 }

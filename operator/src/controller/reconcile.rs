@@ -85,43 +85,72 @@ where
     }
 }
 
+/// Which object failed to apply, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("applying {object}: {message}")]
+pub struct ApplyError {
+    pub object: String,
+    pub message: String,
+    #[source]
+    pub source: kube::Error,
+}
+
+fn apply_error(object: &str, source: kube::Error) -> ApplyError {
+    let message = if object.starts_with("ScaledObject") && is_not_found(&source) {
+        "KEDA is not installed (no keda.sh/v1alpha1 ScaledObject API); install KEDA or pick provider builtin|hpa".to_string()
+    } else {
+        source.to_string()
+    };
+    ApplyError {
+        object: object.to_string(),
+        message,
+        source,
+    }
+}
+
 /// Applies every desired object; returns the applied StatefulSet (with its status).
 async fn apply_objects(
     ctx: &Context,
     namespace: &str,
     md: &MoEDeployment,
     objects: &DesiredObjects,
-) -> Result<StatefulSet, kube::Error> {
+) -> Result<StatefulSet, ApplyError> {
     let client = ctx.client.clone();
     let name = md.name_any();
+    let headless = objects.headless_service.name_any();
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    apply_object(
-        &services,
-        &objects.headless_service.name_any(),
-        &objects.headless_service,
-    )
-    .await?;
-    apply_object(&services, &name, &objects.service).await?;
+    apply_object(&services, &headless, &objects.headless_service)
+        .await
+        .map_err(|e| apply_error(&format!("Service/{headless}"), e))?;
+    apply_object(&services, &name, &objects.service)
+        .await
+        .map_err(|e| apply_error(&format!("Service/{name}"), e))?;
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    let sts = apply_object(&sts_api, &name, &objects.statefulset).await?;
+    let sts = apply_object(&sts_api, &name, &objects.statefulset)
+        .await
+        .map_err(|e| apply_error(&format!("StatefulSet/{name}"), e))?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
-    apply_object(&pdbs, &name, &objects.pdb).await?;
+    apply_object(&pdbs, &name, &objects.pdb)
+        .await
+        .map_err(|e| apply_error(&format!("PodDisruptionBudget/{name}"), e))?;
 
     let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), namespace);
-    match &objects.hpa {
-        Some(hpa) => drop(apply_object(&hpas, &name, hpa).await?),
-        None => delete_if_present(&hpas, &name).await?,
-    }
+    let hpa_result = match &objects.hpa {
+        Some(hpa) => apply_object(&hpas, &name, hpa).await.map(drop),
+        None => delete_if_present(&hpas, &name).await,
+    };
+    hpa_result.map_err(|e| apply_error(&format!("HorizontalPodAutoscaler/{name}"), e))?;
     let provider = md.spec.autoscaling.as_ref().map(|a| a.provider);
     let keda: Api<DynamicObject> = Api::namespaced_with(client, namespace, &keda_api_resource());
-    match &objects.keda_scaled_object {
-        Some(so) => drop(apply_object(&keda, &name, so).await?),
+    let keda_result = match &objects.keda_scaled_object {
+        Some(so) => apply_object(&keda, &name, so).await.map(drop),
         // Without KEDA installed the delete answers 404 too, which is fine.
         None if provider != Some(AutoscalingProvider::Keda) => {
-            delete_if_present(&keda, &name).await?
+            delete_if_present(&keda, &name).await
         }
-        None => {}
-    }
+        None => Ok(()),
+    };
+    keda_result.map_err(|e| apply_error(&format!("ScaledObject/{name}"), e))?;
     Ok(sts)
 }
 
@@ -237,7 +266,7 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                             patch_status(ctx, namespace, md, status).await?;
                             publish(ctx, md, EventType::Warning, "ApplyFailed", e.to_string())
                                 .await;
-                            return Err(Error::Kube(e));
+                            return Err(Error::Apply(e));
                         }
                     }
                 }
