@@ -1,0 +1,132 @@
+//! Queue-depth autoscaling objects for the `hpa` and `keda` providers. Both scale the
+//! MoEDeployment through its scale subresource, so `spec.replicas` stays the one source of truth.
+
+use k8s_openapi::api::autoscaling::v2::{
+    CrossVersionObjectReference, HPAScalingRules, HorizontalPodAutoscaler,
+    HorizontalPodAutoscalerBehavior, HorizontalPodAutoscalerSpec, MetricIdentifier, MetricSpec,
+    MetricTarget, PodsMetricSource,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::Resource;
+use serde_json::json;
+
+use super::{BuildError, BuildInput};
+use crate::crd::MoEDeployment;
+
+pub const QUEUE_METRIC: &str = "moe:num_requests_waiting";
+
+fn scale_target(input: &BuildInput) -> CrossVersionObjectReference {
+    CrossVersionObjectReference {
+        api_version: Some(MoEDeployment::api_version(&()).to_string()),
+        kind: MoEDeployment::kind(&()).to_string(),
+        name: input.name(),
+    }
+}
+
+/// autoscaling/v2 HPA on the per-pod metric `moe:num_requests_waiting` (served by prometheus-adapter).
+pub fn hpa(input: &BuildInput) -> Option<HorizontalPodAutoscaler> {
+    let a = input.md.spec.autoscaling.as_ref()?;
+    Some(HorizontalPodAutoscaler {
+        metadata: input.object_meta(input.name()),
+        spec: HorizontalPodAutoscalerSpec {
+            scale_target_ref: scale_target(input),
+            min_replicas: Some(a.min_replicas.max(1)),
+            max_replicas: a.max_replicas,
+            metrics: Some(vec![MetricSpec {
+                type_: "Pods".into(),
+                pods: Some(PodsMetricSource {
+                    metric: MetricIdentifier {
+                        name: QUEUE_METRIC.into(),
+                        selector: None,
+                    },
+                    target: MetricTarget {
+                        type_: "AverageValue".into(),
+                        average_value: Some(Quantity(a.target_queue_depth.to_string())),
+                        ..Default::default()
+                    },
+                }),
+                ..Default::default()
+            }]),
+            behavior: Some(HorizontalPodAutoscalerBehavior {
+                scale_down: Some(HPAScalingRules {
+                    stabilization_window_seconds: Some(a.scale_down_delay_seconds as i32),
+                    ..Default::default()
+                }),
+                scale_up: Some(HPAScalingRules {
+                    stabilization_window_seconds: Some(0),
+                    ..Default::default()
+                }),
+            }),
+        },
+        status: None,
+    })
+}
+
+pub fn keda_api_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("keda.sh", "v1alpha1", "ScaledObject"),
+        "scaledobjects",
+    )
+}
+
+/// PromQL summing the waiting requests of this deployment's pods.
+pub fn queue_query(input: &BuildInput) -> String {
+    format!(
+        "sum({QUEUE_METRIC}{{namespace=\"{}\",pod=~\"{}-[0-9]+\"}})",
+        input.namespace,
+        input.name()
+    )
+}
+
+/// KEDA ScaledObject with a Prometheus trigger (KEDA types are not in k8s-openapi).
+pub fn keda_scaled_object(input: &BuildInput) -> Result<DynamicObject, BuildError> {
+    let a = input
+        .md
+        .spec
+        .autoscaling
+        .as_ref()
+        .ok_or(BuildError::KedaNeedsPrometheus)?;
+    let prometheus = a
+        .prometheus
+        .as_ref()
+        .ok_or(BuildError::KedaNeedsPrometheus)?;
+    let min = if a.scale_to_zero {
+        0
+    } else {
+        a.min_replicas.max(1)
+    };
+    let target = scale_target(input);
+    let mut obj = DynamicObject::new(&input.name(), &keda_api_resource()).within(&input.namespace);
+    obj.metadata = input.object_meta(input.name());
+    obj.data = json!({
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": target.api_version,
+                "kind": target.kind,
+                "name": target.name,
+            },
+            "minReplicaCount": min,
+            "maxReplicaCount": a.max_replicas,
+            "pollingInterval": 15,
+            "cooldownPeriod": a.scale_down_delay_seconds,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_delay_seconds}
+                    }
+                }
+            },
+            "triggers": [{
+                "type": "prometheus",
+                "metadata": {
+                    "serverAddress": prometheus.server_address,
+                    "query": queue_query(input),
+                    "threshold": a.target_queue_depth.to_string(),
+                    "activationThreshold": "0",
+                }
+            }]
+        }
+    });
+    Ok(obj)
+}

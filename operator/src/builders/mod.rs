@@ -1,0 +1,180 @@
+//! Pure builders: a MoEDeployment plus a placement decision in, the Kubernetes objects the operator
+//! applies out. No API calls here; the controller and `moe-operator plan` both call
+//! [`desired_objects`].
+
+pub mod autoscaling;
+pub mod network;
+#[cfg(test)]
+mod tests;
+pub mod workload;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{NodeAffinity, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::DynamicObject;
+use kube::Resource;
+
+use crate::crd::{AutoscalingProvider, MoEDeployment, ModelShape};
+use crate::placement::sizing::Sizing;
+
+pub const HTTP_PORT: i32 = 8000;
+pub const FIELD_MANAGER: &str = "moe-operator";
+pub const LABEL_NAME: &str = "app.kubernetes.io/name";
+pub const LABEL_INSTANCE: &str = "app.kubernetes.io/instance";
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const LABEL_DEPLOYMENT: &str = "moe.inference.dev/deployment";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BuildError {
+    #[error("metadata.name is missing")]
+    MissingName,
+    #[error("spec.model.source sets no source")]
+    NoModelSource,
+    #[error("model.cache.size is required when the model shape is unknown")]
+    CacheSizeNeedsShape,
+    #[error("KEDA autoscaling needs autoscaling.prometheus.serverAddress")]
+    KedaNeedsPrometheus,
+}
+
+/// Everything the builders read. `owner` is `None` for offline plans of unsaved resources.
+#[derive(Clone, Debug)]
+pub struct BuildInput {
+    pub md: MoEDeployment,
+    pub namespace: String,
+    pub shape: Option<ModelShape>,
+    pub sizing: Sizing,
+    pub node_affinity: Option<NodeAffinity>,
+    pub owner: Option<OwnerReference>,
+}
+
+impl BuildInput {
+    pub fn name(&self) -> String {
+        self.md.metadata.name.clone().unwrap_or_default()
+    }
+
+    pub fn headless_service_name(&self) -> String {
+        format!("{}-pods", self.name())
+    }
+
+    pub fn selector_labels(&self) -> BTreeMap<String, String> {
+        [
+            (LABEL_NAME.to_string(), "moe-daemon".to_string()),
+            (LABEL_INSTANCE.to_string(), self.name()),
+        ]
+        .into()
+    }
+
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        let mut labels = self.selector_labels();
+        labels.insert(LABEL_MANAGED_BY.into(), FIELD_MANAGER.into());
+        labels.insert(LABEL_DEPLOYMENT.into(), self.name());
+        labels
+    }
+
+    pub fn object_meta(&self, name: String) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(self.labels()),
+            owner_references: self.owner.clone().map(|o| vec![o]),
+            ..Default::default()
+        }
+    }
+
+    /// Replicas for the StatefulSet: the spec's (which autoscalers write through the scale
+    /// subresource), else the autoscaling minimum, else 1; always within the autoscaling bounds.
+    pub fn replicas(&self) -> i32 {
+        let spec = &self.md.spec;
+        match &spec.autoscaling {
+            None => spec.replicas.unwrap_or(1).max(0),
+            Some(a) => {
+                let floor = if a.scale_to_zero {
+                    0
+                } else {
+                    a.min_replicas.max(1)
+                };
+                spec.replicas
+                    .unwrap_or(a.min_replicas)
+                    .clamp(floor, a.max_replicas.max(floor))
+            }
+        }
+    }
+
+    /// In-cluster OpenAI base URL.
+    pub fn endpoint(&self) -> String {
+        format!(
+            "http://{}.{}.svc:{HTTP_PORT}/v1",
+            self.name(),
+            self.namespace
+        )
+    }
+}
+
+/// The objects one MoEDeployment owns.
+#[derive(Clone, Debug)]
+pub struct DesiredObjects {
+    pub statefulset: StatefulSet,
+    pub service: Service,
+    pub headless_service: Service,
+    pub pdb: PodDisruptionBudget,
+    pub hpa: Option<HorizontalPodAutoscaler>,
+    pub keda_scaled_object: Option<DynamicObject>,
+}
+
+pub fn desired_objects(input: &BuildInput) -> Result<DesiredObjects, BuildError> {
+    if input.md.metadata.name.is_none() {
+        return Err(BuildError::MissingName);
+    }
+    let provider = input.md.spec.autoscaling.as_ref().map(|a| a.provider);
+    Ok(DesiredObjects {
+        statefulset: workload::statefulset(input)?,
+        service: network::service(input),
+        headless_service: network::headless_service(input),
+        pdb: network::pod_disruption_budget(input),
+        hpa: (provider == Some(AutoscalingProvider::Hpa))
+            .then(|| autoscaling::hpa(input))
+            .flatten(),
+        keda_scaled_object: match provider {
+            Some(AutoscalingProvider::Keda) => Some(autoscaling::keda_scaled_object(input)?),
+            _ => None,
+        },
+    })
+}
+
+/// Owner reference for objects a stored MoEDeployment owns (needs its uid).
+pub fn owner_reference(md: &MoEDeployment) -> Option<OwnerReference> {
+    md.controller_owner_ref(&())
+}
+
+impl DesiredObjects {
+    /// All objects as JSON values with apiVersion and kind, in apply order.
+    pub fn to_values(&self) -> Result<Vec<serde_json::Value>, serde_json::Error> {
+        fn typed<K: Resource<DynamicType = ()> + serde::Serialize>(
+            obj: &K,
+        ) -> Result<serde_json::Value, serde_json::Error> {
+            let mut v = serde_json::to_value(obj)?;
+            if let Some(map) = v.as_object_mut() {
+                map.insert("apiVersion".into(), K::api_version(&()).into());
+                map.insert("kind".into(), K::kind(&()).into());
+            }
+            Ok(v)
+        }
+        let mut out = vec![
+            typed(&self.headless_service)?,
+            typed(&self.service)?,
+            typed(&self.statefulset)?,
+            typed(&self.pdb)?,
+        ];
+        if let Some(hpa) = &self.hpa {
+            out.push(typed(hpa)?);
+        }
+        if let Some(so) = &self.keda_scaled_object {
+            out.push(serde_json::to_value(so)?);
+        }
+        Ok(out)
+    }
+}

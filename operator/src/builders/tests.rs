@@ -1,0 +1,368 @@
+//! Builder tests: Guaranteed QoS, daemon args, volumes, probes, security, and that every rendered
+//! object survives a JSON round trip through its k8s-openapi type.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{Container, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use serde::de::DeserializeOwned;
+
+use super::*;
+use crate::crd::MoEDeployment;
+use crate::model_shape::resolve_shape;
+use crate::placement::sizing::HugepageKind;
+use crate::quantity::GIB;
+
+fn md(yaml: &str) -> MoEDeployment {
+    serde_yaml::from_str(yaml).expect("test resource parses")
+}
+
+const QWEN: &str = r#"
+apiVersion: moe.inference.dev/v1alpha1
+kind: MoEDeployment
+metadata: {name: qwen, namespace: ai, uid: 0b0e7f2e-1111-2222-3333-444455556666}
+spec:
+  model:
+    source: {huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}
+    servedName: qwen3
+"#;
+
+fn sizing() -> Sizing {
+    Sizing {
+        gpu_experts_per_layer: Some(15),
+        cpus: 30,
+        cpu_threads: 29,
+        memory_bytes: 8 * GIB,
+        hugepages: Some((HugepageKind::OneGi, 48 * GIB)),
+        gpu_bytes_per_gpu: 20 * GIB,
+    }
+}
+
+fn input(resource: MoEDeployment) -> BuildInput {
+    BuildInput {
+        shape: resolve_shape(&resource.spec.model, "x"),
+        owner: owner_reference(&resource),
+        md: resource,
+        namespace: "ai".into(),
+        sizing: sizing(),
+        node_affinity: None,
+    }
+}
+
+fn daemon(sts: &StatefulSet) -> &Container {
+    &sts.spec.template.spec.as_ref().unwrap().containers[0]
+}
+
+fn roundtrip<K: serde::Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(obj: &K) {
+    let json = serde_json::to_string(obj).unwrap();
+    let back: K = serde_json::from_str(&json).unwrap();
+    assert_eq!(&back, obj);
+}
+
+#[test]
+fn statefulset_is_guaranteed_qos_with_hugepages_and_gpu() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    let c = daemon(&objects.statefulset);
+    let resources = c.resources.as_ref().unwrap();
+    assert_eq!(resources.requests, resources.limits, "requests = limits");
+    let r = resources.limits.as_ref().unwrap();
+    assert_eq!(r["cpu"].0, "30");
+    assert_eq!(r["memory"].0, "8Gi");
+    assert_eq!(r["hugepages-1Gi"].0, "48Gi");
+    assert_eq!(r["nvidia.com/gpu"].0, "1");
+    let pod = objects.statefulset.spec.template.spec.as_ref().unwrap();
+    let hp = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == "hugepages")
+        .unwrap();
+    assert_eq!(
+        hp.empty_dir.as_ref().unwrap().medium.as_deref(),
+        Some("HugePages-1Gi")
+    );
+    assert!(c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_path == "/dev/hugepages"));
+}
+
+#[test]
+fn daemon_args_follow_spec_and_sizing() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    let args = daemon(&objects.statefulset).args.clone().unwrap();
+    let joined = args.join(" ");
+    assert!(
+        joined.starts_with("serve --model /models/Qwen--Qwen3-30B-A3B --served-model-name qwen3"),
+        "{joined}"
+    );
+    for expected in [
+        "--gpu-experts 15",
+        "--expert-placement frequency",
+        "--cpu-threads 29",
+        "--numa auto",
+        "--hugepages 1G",
+        "--max-model-len 32768",
+        "--max-num-seqs 16",
+        "--port 8000",
+    ] {
+        assert!(joined.contains(expected), "missing {expected} in {joined}");
+    }
+}
+
+#[test]
+fn security_context_is_locked_down() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    let sts = &objects.statefulset;
+    let pod = sts.spec.template.spec.as_ref().unwrap();
+    assert_eq!(
+        pod.security_context.as_ref().unwrap().run_as_non_root,
+        Some(true)
+    );
+    for c in pod
+        .containers
+        .iter()
+        .chain(pod.init_containers.iter().flatten())
+    {
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+        assert_eq!(
+            sc.capabilities.as_ref().unwrap().drop,
+            Some(vec!["ALL".to_string()])
+        );
+    }
+}
+
+#[test]
+fn probes_sized_from_startup_budget() {
+    let mut resource = md(QWEN);
+    resource.spec.startup_budget_seconds = Some(1200);
+    let objects = desired_objects(&input(resource)).unwrap();
+    let c = daemon(&objects.statefulset);
+    let startup = c.startup_probe.as_ref().unwrap();
+    assert_eq!(
+        startup.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/ready")
+    );
+    assert_eq!(
+        startup.period_seconds.unwrap() * startup.failure_threshold.unwrap(),
+        1200
+    );
+    assert_eq!(
+        c.readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/ready")
+    );
+    assert_eq!(
+        c.liveness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/health")
+    );
+    // Derived budget grows with the checkpoint: DeepSeek-V3 gets longer than Qwen3-30B.
+    let qwen = workload::startup_budget_seconds(&input(md(QWEN)));
+    let ds = workload::startup_budget_seconds(&input(md(
+        &QWEN.replace("Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V3")
+    )));
+    assert!(ds > qwen && qwen > 300, "{qwen} {ds}");
+}
+
+#[test]
+fn huggingface_source_downloads_into_a_cache_claim() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    let spec = &objects.statefulset.spec;
+    let claim = &spec.volume_claim_templates.as_ref().unwrap()[0];
+    assert_eq!(claim.metadata.name.as_deref(), Some(workload::CACHE_VOLUME));
+    let pod = spec.template.spec.as_ref().unwrap();
+    let init = &pod.init_containers.as_ref().unwrap()[0];
+    let script = &init.command.as_ref().unwrap()[2];
+    assert!(script.contains("snapshot_download") && script.contains("Qwen/Qwen3-30B-A3B"));
+    assert!(init
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|e| e.name == "HF_TOKEN"));
+    let mount = daemon(&objects.statefulset)
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.mount_path == "/models")
+        .unwrap();
+    assert_eq!(mount.read_only, Some(true));
+}
+
+#[test]
+fn pvc_and_host_path_sources_mount_read_only() {
+    let pvc = md(&QWEN.replace(
+        "{huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}",
+        "{pvc: {claimName: weights, path: /qwen3-30b-a3b}}",
+    ));
+    let objects = desired_objects(&input(pvc)).unwrap();
+    let pod = objects.statefulset.spec.template.spec.clone().unwrap();
+    let vol = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.name == "model")
+        .unwrap();
+    assert_eq!(vol.persistent_volume_claim.unwrap().read_only, Some(true));
+    assert!(pod.init_containers.is_none());
+    assert!(daemon(&objects.statefulset)
+        .args
+        .as_ref()
+        .unwrap()
+        .contains(&"/models/qwen3-30b-a3b".to_string()));
+
+    let host = md(&QWEN.replace(
+        "{huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}",
+        "{hostPath: {path: /mnt/models/qwen3-30b-a3b}}",
+    ));
+    let objects = desired_objects(&input(host)).unwrap();
+    let pod = objects.statefulset.spec.template.spec.clone().unwrap();
+    let vol = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.name == "model")
+        .unwrap();
+    assert_eq!(vol.host_path.unwrap().path, "/mnt/models/qwen3-30b-a3b");
+}
+
+#[test]
+fn services_pdb_and_owner_references() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    let port = &objects
+        .service
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()[0];
+    assert_eq!((port.name.as_deref(), port.port), (Some("http"), 8000));
+    assert_eq!(
+        objects
+            .headless_service
+            .spec
+            .as_ref()
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("None")
+    );
+    assert_eq!(
+        objects.statefulset.spec.service_name.as_deref(),
+        Some("qwen-pods")
+    );
+    let owner = &objects.pdb.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.controller),
+        ("MoEDeployment", Some(true))
+    );
+    assert!(objects.hpa.is_none() && objects.keda_scaled_object.is_none());
+}
+
+#[test]
+fn hpa_targets_the_scale_subresource_on_queue_depth() {
+    let resource = md(&format!(
+        "{QWEN}  autoscaling: {{provider: hpa, minReplicas: 2, maxReplicas: 6, targetQueueDepth: 3, scaleDownDelaySeconds: 120}}\n"
+    ));
+    let objects = desired_objects(&input(resource)).unwrap();
+    let hpa = objects.hpa.expect("hpa");
+    let spec = &hpa.spec;
+    assert_eq!(spec.scale_target_ref.kind, "MoEDeployment");
+    assert_eq!((spec.min_replicas, spec.max_replicas), (Some(2), 6));
+    let pods = spec.metrics.as_ref().unwrap()[0].pods.as_ref().unwrap();
+    assert_eq!(pods.metric.name, "moe:num_requests_waiting");
+    assert_eq!(pods.target.average_value.as_ref().unwrap().0, "3");
+    let down = spec.behavior.as_ref().unwrap().scale_down.as_ref().unwrap();
+    assert_eq!(down.stabilization_window_seconds, Some(120));
+    assert_eq!(objects.statefulset.spec.replicas, Some(2));
+    roundtrip(&hpa);
+}
+
+#[test]
+fn keda_scaled_object_has_a_prometheus_trigger() {
+    let resource = md(&format!(
+        "{QWEN}  autoscaling: {{provider: keda, minReplicas: 0, maxReplicas: 4, scaleToZero: true, prometheus: {{serverAddress: 'http://prom:9090'}}}}\n"
+    ));
+    let objects = desired_objects(&input(resource)).unwrap();
+    let so = objects.keda_scaled_object.expect("scaled object");
+    let v = serde_json::to_value(&so).unwrap();
+    assert_eq!(v["apiVersion"], "keda.sh/v1alpha1");
+    assert_eq!(v["kind"], "ScaledObject");
+    assert_eq!(v["spec"]["minReplicaCount"], 0);
+    let trigger = &v["spec"]["triggers"][0];
+    assert_eq!(trigger["type"], "prometheus");
+    assert_eq!(
+        trigger["metadata"]["query"],
+        "sum(moe:num_requests_waiting{namespace=\"ai\",pod=~\"qwen-[0-9]+\"})"
+    );
+    assert_eq!(objects.statefulset.spec.replicas, Some(0));
+}
+
+#[test]
+fn replicas_clamped_to_autoscaling_bounds() {
+    let mut resource = md(&format!(
+        "{QWEN}  replicas: 9\n  autoscaling: {{minReplicas: 1, maxReplicas: 3}}\n"
+    ));
+    assert_eq!(input(resource.clone()).replicas(), 3);
+    resource.spec.autoscaling = None;
+    assert_eq!(input(resource).replicas(), 9);
+}
+
+#[test]
+fn every_object_deserializes_into_its_k8s_openapi_type() {
+    let resource = md(&format!(
+        "{QWEN}  autoscaling: {{provider: hpa, minReplicas: 1, maxReplicas: 2}}\n"
+    ));
+    let objects = desired_objects(&input(resource)).unwrap();
+    roundtrip(&objects.statefulset);
+    roundtrip(&objects.service);
+    roundtrip(&objects.pdb);
+    for v in objects.to_values().unwrap() {
+        let kind = v["kind"].as_str().unwrap().to_string();
+        let text = serde_json::to_string(&v).unwrap();
+        match kind.as_str() {
+            "StatefulSet" => drop(serde_json::from_str::<StatefulSet>(&text).unwrap()),
+            "Service" => drop(serde_json::from_str::<Service>(&text).unwrap()),
+            "PodDisruptionBudget" => {
+                drop(serde_json::from_str::<PodDisruptionBudget>(&text).unwrap())
+            }
+            "HorizontalPodAutoscaler" => {
+                drop(serde_json::from_str::<HorizontalPodAutoscaler>(&text).unwrap())
+            }
+            other => panic!("unexpected kind {other}"),
+        }
+        assert!(v["apiVersion"].is_string());
+    }
+}
+
+#[test]
+fn unknown_shape_without_cache_size_is_an_error() {
+    let resource = md(&QWEN
+        .replace("Qwen/Qwen3-30B-A3B", "someone/custom-moe")
+        .replace("servedName: qwen3", "servedName: custom"));
+    let mut i = input(resource);
+    i.shape = None;
+    assert_eq!(
+        desired_objects(&i).unwrap_err(),
+        BuildError::CacheSizeNeedsShape
+    );
+}

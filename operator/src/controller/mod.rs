@@ -1,0 +1,159 @@
+//! The kube-rs controller: watches MoEDeployments and the StatefulSets they own, reconciles with
+//! per-object exponential backoff, and records metrics.
+
+pub mod builtin_scaler;
+pub mod conditions;
+pub mod reconcile;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::finalizer;
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+
+use crate::autoscaler::AutoscalerState;
+use crate::builders::{FIELD_MANAGER, LABEL_MANAGED_BY};
+use crate::crd::MoEDeployment;
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error(transparent)]
+    Apply(#[from] reconcile::ApplyError),
+    #[error("MoEDeployment has no namespace")]
+    MissingNamespace,
+}
+
+/// Shared state of all reconciles.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    failures: Mutex<HashMap<String, u32>>,
+    pub autoscaler_states: Mutex<HashMap<String, AutoscalerState>>,
+}
+
+impl Context {
+    pub fn new(client: Client, reporter: Reporter, metrics: Metrics) -> Self {
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            failures: Mutex::default(),
+            autoscaler_states: Mutex::default(),
+        }
+    }
+
+    /// Drops everything kept in memory for a deleted object.
+    pub fn forget(&self, key: &str) {
+        lock(&self.failures).remove(key);
+        lock(&self.autoscaler_states).remove(key);
+    }
+
+    fn record_failure(&self, key: &str) -> u32 {
+        let mut failures = lock(&self.failures);
+        let n = failures.entry(key.to_string()).or_default();
+        *n = n.saturating_add(1);
+        *n
+    }
+
+    fn record_success(&self, key: &str) {
+        lock(&self.failures).remove(key);
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking holder poisoned it.
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn object_key(md: &MoEDeployment) -> String {
+    format!("{}/{}", md.namespace().unwrap_or_default(), md.name_any())
+}
+
+/// 5 s, 10 s, 20 s, … capped at 5 minutes.
+pub fn backoff_delay(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(6);
+    Duration::from_secs((5u64 << exp).min(300))
+}
+
+async fn reconcile_with_metrics(
+    md: Arc<MoEDeployment>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let start = Instant::now();
+    let key = object_key(&md);
+    let result = reconcile::reconcile(md, ctx.clone()).await;
+    let label = if result.is_ok() { "ok" } else { "error" };
+    ctx.metrics
+        .reconciliations
+        .with_label_values(&[label])
+        .inc();
+    ctx.metrics
+        .reconcile_duration
+        .with_label_values(&[label])
+        .observe(start.elapsed().as_secs_f64());
+    if result.is_ok() {
+        ctx.record_success(&key);
+    }
+    result
+}
+
+fn error_policy(md: Arc<MoEDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
+    let failures = ctx.record_failure(&object_key(&md));
+    let delay = backoff_delay(failures);
+    tracing::warn!(object = %object_key(&md), %error, failures, ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// Runs the controller for one namespace (or all, with `None`) until `shutdown` resolves.
+pub async fn run_controller(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    let (mds, sets): (Api<MoEDeployment>, Api<StatefulSet>) = match &namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client, ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client)),
+    };
+    let owned = watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
+    Controller::new(mds, watcher::Config::default().any_semantic())
+        .owns(sets, owned)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile_with_metrics, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
+                Err(e) => tracing::warn!(error = %e, "controller event"),
+            }
+        })
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        assert_eq!(backoff_delay(1), Duration::from_secs(5));
+        assert_eq!(backoff_delay(2), Duration::from_secs(10));
+        assert_eq!(backoff_delay(4), Duration::from_secs(40));
+        assert_eq!(backoff_delay(50), Duration::from_secs(300));
+    }
+}

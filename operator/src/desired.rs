@@ -1,0 +1,80 @@
+//! From a MoEDeployment and the cluster's nodes to the desired state: validation, model shape,
+//! placement decision and the objects to apply. Shared by the controller and `moe-operator plan`.
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+use crate::builders::{desired_objects, BuildError, BuildInput, DesiredObjects};
+use crate::crd::{MoEDeployment, ModelShape, ResolvedPlacementStatus};
+use crate::model_shape::resolve_shape;
+use crate::placement::node_facts::NodeFacts;
+use crate::placement::{decide, PlacementDecision};
+use crate::quantity::format_bytes;
+use crate::validate::validate_spec;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DesiredError {
+    #[error("invalid spec: {}", .0.join("; "))]
+    InvalidSpec(Vec<String>),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
+
+#[derive(Clone, Debug)]
+pub struct DesiredState {
+    pub shape: Option<ModelShape>,
+    pub decision: PlacementDecision,
+    /// `None` when no node qualifies: nothing new is applied.
+    pub objects: Option<DesiredObjects>,
+    pub build_input: Option<BuildInput>,
+}
+
+impl DesiredState {
+    pub fn resolved_placement(&self) -> Option<ResolvedPlacementStatus> {
+        let sizing = self.decision.sizing.as_ref()?;
+        Some(ResolvedPlacementStatus {
+            gpu_experts_per_layer: sizing.gpu_experts_per_layer.unwrap_or(0),
+            cpu_threads: sizing.cpu_threads,
+            memory: format_bytes(sizing.memory_bytes),
+            hugepages: sizing
+                .hugepages
+                .map(|(kind, bytes)| format!("{} {}", format_bytes(bytes), kind.resource_name())),
+        })
+    }
+}
+
+pub fn compute_desired(
+    md: &MoEDeployment,
+    namespace: &str,
+    nodes: &[Node],
+    owner: Option<OwnerReference>,
+) -> Result<DesiredState, DesiredError> {
+    let name = md.metadata.name.clone().ok_or(BuildError::MissingName)?;
+    let shape = resolve_shape(&md.spec.model, &name);
+    let errors = validate_spec(&md.spec, shape.as_ref());
+    if !errors.is_empty() {
+        return Err(DesiredError::InvalidSpec(errors));
+    }
+    let facts: Vec<NodeFacts> = nodes.iter().map(NodeFacts::from_node).collect();
+    let decision = decide(&md.spec, shape.as_ref(), &facts);
+    let (objects, build_input) = match (&decision.sizing, decision.qualified().next()) {
+        (Some(sizing), Some(_)) => {
+            let input = BuildInput {
+                md: md.clone(),
+                namespace: namespace.to_string(),
+                shape: shape.clone(),
+                sizing: sizing.clone(),
+                node_affinity: decision.node_affinity(),
+                owner,
+            };
+            (Some(desired_objects(&input)?), Some(input))
+        }
+        _ => (None, None),
+    };
+    Ok(DesiredState {
+        shape,
+        decision,
+        objects,
+        build_input,
+    })
+}

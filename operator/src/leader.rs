@@ -1,0 +1,196 @@
+//! Leader election on a coordination.k8s.io/v1 Lease, so only one operator replica reconciles and
+//! autoscales. The acquire/renew/take-over decision is pure ([`lease_step`]); writes carry the
+//! Lease's resourceVersion, so two candidates racing get one 409 and one win.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, PostParams};
+
+#[derive(Clone, Debug)]
+pub struct LeaseConfig {
+    pub name: String,
+    pub namespace: String,
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_period: Duration,
+}
+
+/// What to do with the Lease as observed now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseStep {
+    Create,
+    Renew,
+    TakeOver,
+    /// Someone else holds a live lease.
+    Wait,
+}
+
+pub fn lease_step(spec: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> LeaseStep {
+    let Some(spec) = spec else {
+        return LeaseStep::Create;
+    };
+    match spec.holder_identity.as_deref() {
+        Some(holder) if holder == identity => LeaseStep::Renew,
+        None | Some("") => LeaseStep::TakeOver,
+        Some(_) => {
+            let duration =
+                SignedDuration::from_secs(spec.lease_duration_seconds.unwrap_or(15) as i64);
+            let last = spec
+                .renew_time
+                .as_ref()
+                .or(spec.acquire_time.as_ref())
+                .map(|t| t.0);
+            match last {
+                Some(last) if last + duration > now => LeaseStep::Wait,
+                _ => LeaseStep::TakeOver,
+            }
+        }
+    }
+}
+
+fn held_spec(
+    cfg: &LeaseConfig,
+    now: Timestamp,
+    previous: Option<&LeaseSpec>,
+    transition: bool,
+) -> LeaseSpec {
+    let transitions = previous.and_then(|p| p.lease_transitions).unwrap_or(0);
+    LeaseSpec {
+        holder_identity: Some(cfg.identity.clone()),
+        lease_duration_seconds: Some(cfg.lease_duration.as_secs() as i32),
+        acquire_time: if transition {
+            Some(MicroTime(now))
+        } else {
+            previous
+                .and_then(|p| p.acquire_time.clone())
+                .or(Some(MicroTime(now)))
+        },
+        renew_time: Some(MicroTime(now)),
+        lease_transitions: Some(if transition {
+            transitions + 1
+        } else {
+            transitions
+        }),
+        ..Default::default()
+    }
+}
+
+/// One round: returns whether this replica holds the lease afterwards. A 409 means another
+/// candidate wrote first and reads as "not leader".
+pub async fn try_acquire_or_renew(
+    api: &Api<Lease>,
+    cfg: &LeaseConfig,
+) -> Result<bool, kube::Error> {
+    let now = Timestamp::now();
+    let current = api.get_opt(&cfg.name).await?;
+    let step = lease_step(
+        current.as_ref().and_then(|l| l.spec.as_ref()),
+        &cfg.identity,
+        now,
+    );
+    let result = match (step, current) {
+        (LeaseStep::Wait, _) => return Ok(false),
+        (LeaseStep::Create, _) | (_, None) => {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(cfg.name.clone()),
+                    namespace: Some(cfg.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(held_spec(cfg, now, None, false)),
+            };
+            api.create(&PostParams::default(), &lease).await
+        }
+        (step, Some(mut lease)) => {
+            let spec = held_spec(cfg, now, lease.spec.as_ref(), step == LeaseStep::TakeOver);
+            lease.spec = Some(spec);
+            api.replace(&cfg.name, &PostParams::default(), &lease).await
+        }
+    };
+    match result {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Gives the lease up on shutdown so a standby takes over at once instead of after expiry.
+pub async fn release(api: &Api<Lease>, cfg: &LeaseConfig) -> Result<(), kube::Error> {
+    if let Some(mut lease) = api.get_opt(&cfg.name).await? {
+        let ours = lease
+            .spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_deref())
+            == Some(cfg.identity.as_str());
+        if ours {
+            if let Some(spec) = lease.spec.as_mut() {
+                spec.holder_identity = None;
+                spec.renew_time = None;
+            }
+            api.replace(&cfg.name, &PostParams::default(), &lease)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(holder: Option<&str>, renewed: i64) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: holder.map(Into::into),
+            lease_duration_seconds: Some(15),
+            renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
+            ..Default::default()
+        }
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).unwrap()
+    }
+
+    #[test]
+    fn lease_steps() {
+        assert_eq!(lease_step(None, "me", at(100)), LeaseStep::Create);
+        assert_eq!(
+            lease_step(Some(&spec(Some("me"), 90)), "me", at(100)),
+            LeaseStep::Renew
+        );
+        assert_eq!(
+            lease_step(Some(&spec(Some("other"), 90)), "me", at(100)),
+            LeaseStep::Wait
+        );
+        assert_eq!(
+            lease_step(Some(&spec(Some("other"), 80)), "me", at(100)),
+            LeaseStep::TakeOver
+        );
+        assert_eq!(
+            lease_step(Some(&spec(None, 99)), "me", at(100)),
+            LeaseStep::TakeOver
+        );
+    }
+
+    #[test]
+    fn take_over_counts_a_transition() {
+        let cfg = LeaseConfig {
+            name: "moe-operator".into(),
+            namespace: "ops".into(),
+            identity: "me".into(),
+            lease_duration: Duration::from_secs(15),
+            renew_period: Duration::from_secs(5),
+        };
+        let mut prev = spec(Some("other"), 0);
+        prev.lease_transitions = Some(2);
+        let taken = held_spec(&cfg, at(50), Some(&prev), true);
+        assert_eq!(taken.lease_transitions, Some(3));
+        assert_eq!(taken.holder_identity.as_deref(), Some("me"));
+        let renewed = held_spec(&cfg, at(55), Some(&taken), false);
+        assert_eq!(renewed.lease_transitions, Some(3));
+        assert_eq!(renewed.acquire_time, taken.acquire_time);
+    }
+}

@@ -1,0 +1,252 @@
+//! Turning `auto` into numbers: GPU experts per layer, CPU threads, DRAM and hugepages for one node's
+//! hardware and the model's shape. The formula (also in docs/OPERATOR.md):
+//!
+//! ```text
+//! gpu_budget   = 0.90 × gpu_memory × gpu_count − dense_bytes − kv_reserve
+//! kv_reserve   = kv_bytes_per_token × max_model_len × min(max_num_seqs, 2)   (10% of GPU memory if unknown)
+//! gpu_experts  = clamp(⌊gpu_budget / (moe_layers × expert_bytes)⌋, 0, experts_per_layer)
+//! cpu_experts  = (experts_per_layer − gpu_experts) × moe_layers × expert_bytes
+//! hugepages    = cpu_experts rounded up to the page size (1Gi if the node has enough, else 2Mi, else off)
+//! memory       = 4 GiB runtime + 5% of cpu_experts + (cpu_experts when not in hugepages)
+//! cpus         = allocatable whole CPUs − 2 (left for DaemonSets); cpu_threads = cpus − 1
+//! ```
+
+use crate::crd::{AutoOr, HugepageSize, MoEDeploymentSpec, ModelShape};
+use crate::quantity::{quantity_bytes, round_up_mib, GIB, MIB};
+
+use super::node_facts::NodeFacts;
+
+pub const GPU_USABLE_FRACTION: f64 = 0.90;
+pub const RUNTIME_DRAM_BYTES: u64 = 4 * GIB;
+pub const DAEMONSET_CPU_RESERVE: u64 = 2;
+/// Full-length sequences whose KV cache must fit on the GPU next to the weights.
+pub const KV_RESERVED_SEQUENCES: u32 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HugepageKind {
+    OneGi,
+    TwoMi,
+}
+
+impl HugepageKind {
+    pub fn page_bytes(self) -> u64 {
+        match self {
+            HugepageKind::OneGi => GIB,
+            HugepageKind::TwoMi => 2 * MIB,
+        }
+    }
+
+    pub fn resource_name(self) -> &'static str {
+        match self {
+            HugepageKind::OneGi => super::node_facts::RESOURCE_HUGEPAGES_1GI,
+            HugepageKind::TwoMi => super::node_facts::RESOURCE_HUGEPAGES_2MI,
+        }
+    }
+
+    /// Value of the daemon's `--hugepages` flag.
+    pub fn daemon_arg(self) -> &'static str {
+        match self {
+            HugepageKind::OneGi => "1G",
+            HugepageKind::TwoMi => "2M",
+        }
+    }
+
+    pub fn available_on(self, node: &NodeFacts) -> u64 {
+        match self {
+            HugepageKind::OneGi => node.hugepages_1gi_bytes,
+            HugepageKind::TwoMi => node.hugepages_2mi_bytes,
+        }
+    }
+}
+
+/// Per-pod numbers the StatefulSet is built from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Sizing {
+    /// `None`: shape unknown, the daemon decides at start-up (`--gpu-experts auto`).
+    pub gpu_experts_per_layer: Option<u32>,
+    pub cpus: u32,
+    pub cpu_threads: u32,
+    pub memory_bytes: u64,
+    pub hugepages: Option<(HugepageKind, u64)>,
+    /// GPU memory per GPU the weights need (0 when unknown).
+    pub gpu_bytes_per_gpu: u64,
+}
+
+/// Why a node's hardware cannot host any sizing at all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SizingError {
+    GpuMemoryUnknown,
+    DenseWeightsDoNotFit { needed_mib: u64, available_mib: u64 },
+    TooFewCpus { whole_cpus: u64 },
+}
+
+/// Spec-level problems that no node can fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpecSizingError {
+    #[error("resources.memory is required when the model shape is unknown (set spec.model.shape or use a known model)")]
+    MemoryNeedsShape,
+    #[error("placement.hugepages.amount is required when the model shape is unknown")]
+    HugepagesNeedShape,
+    #[error("invalid quantity in {field}: {value:?}")]
+    BadQuantity { field: &'static str, value: String },
+}
+
+fn kv_reserve_bytes(spec: &MoEDeploymentSpec, shape: &ModelShape, gpu_total: u64) -> u64 {
+    match shape.kv_bytes_per_token {
+        Some(per_token) => per_token
+            .saturating_mul(spec.serving.max_model_len as u64)
+            .saturating_mul(spec.serving.max_num_seqs.min(KV_RESERVED_SEQUENCES) as u64),
+        None => gpu_total / 10,
+    }
+}
+
+/// Spec checks that do not depend on any node; run once before looking at nodes.
+pub fn check_spec(
+    spec: &MoEDeploymentSpec,
+    shape: Option<&ModelShape>,
+) -> Result<(), SpecSizingError> {
+    if let Some(q) = &spec.resources.memory {
+        quantity_bytes(q).map_err(|_| SpecSizingError::BadQuantity {
+            field: "resources.memory",
+            value: q.0.clone(),
+        })?;
+    }
+    if let Some(q) = &spec.placement.hugepages.amount {
+        quantity_bytes(q).map_err(|_| SpecSizingError::BadQuantity {
+            field: "placement.hugepages.amount",
+            value: q.0.clone(),
+        })?;
+    }
+    if shape.is_none() {
+        if spec.resources.memory.is_none() {
+            return Err(SpecSizingError::MemoryNeedsShape);
+        }
+        let explicit_size = matches!(
+            spec.placement.hugepages.size,
+            HugepageSize::OneGi | HugepageSize::TwoMi
+        );
+        if explicit_size && spec.placement.hugepages.amount.is_none() {
+            return Err(SpecSizingError::HugepagesNeedShape);
+        }
+    }
+    Ok(())
+}
+
+/// The sizing this node's hardware supports. Assumes `check_spec` passed.
+pub fn size_for_node(
+    spec: &MoEDeploymentSpec,
+    shape: Option<&ModelShape>,
+    node: &NodeFacts,
+) -> Result<Sizing, SizingError> {
+    let gpu_count = spec.resources.gpu.count as u64;
+    let gpu_memory_per_gpu = node.gpu_memory_mib.map(|m| m * MIB);
+
+    // GPU experts and what they cost on the GPU.
+    let (gpu_experts, gpu_bytes_per_gpu) = match shape {
+        None => (
+            match spec.placement.gpu_experts_per_layer {
+                AutoOr::Count(n) => Some(n),
+                AutoOr::Auto => None,
+            },
+            0,
+        ),
+        Some(shape) => {
+            let per_gpu = gpu_memory_per_gpu.ok_or(SizingError::GpuMemoryUnknown)?;
+            let gpu_total = per_gpu * gpu_count;
+            let usable = (gpu_total as f64 * GPU_USABLE_FRACTION) as u64;
+            let fixed = shape.dense_bytes + kv_reserve_bytes(spec, shape, gpu_total);
+            let layer_expert_bytes = shape.moe_layers as u64 * shape.expert_bytes;
+            let experts = match spec.placement.gpu_experts_per_layer {
+                AutoOr::Count(n) => n.min(shape.experts_per_layer),
+                AutoOr::Auto => {
+                    if usable < fixed {
+                        return Err(SizingError::DenseWeightsDoNotFit {
+                            needed_mib: fixed.div_ceil(MIB),
+                            available_mib: usable / MIB,
+                        });
+                    }
+                    let fit = (usable - fixed) / layer_expert_bytes.max(1);
+                    fit.min(shape.experts_per_layer as u64) as u32
+                }
+            };
+            let need_total = fixed + experts as u64 * layer_expert_bytes;
+            (Some(experts), need_total.div_ceil(gpu_count.max(1)))
+        }
+    };
+
+    // CPUs: whole cores for Guaranteed QoS; one core is left to the engine/HTTP threads.
+    let (cpus, cpu_threads) = match spec.placement.cpu_threads {
+        AutoOr::Count(n) => (n.max(1) + 1, n.max(1)),
+        AutoOr::Auto => {
+            let whole = node.whole_cpus();
+            if whole < DAEMONSET_CPU_RESERVE + 2 {
+                return Err(SizingError::TooFewCpus { whole_cpus: whole });
+            }
+            let cpus = (whole - DAEMONSET_CPU_RESERVE) as u32;
+            (cpus, cpus - 1)
+        }
+    };
+
+    // Expert bytes that stay in DRAM.
+    let cpu_expert_bytes = match (shape, gpu_experts) {
+        (Some(shape), Some(g)) => {
+            (shape.experts_per_layer - g.min(shape.experts_per_layer)) as u64
+                * shape.moe_layers as u64
+                * shape.expert_bytes
+        }
+        _ => 0,
+    };
+
+    let hp = &spec.placement.hugepages;
+    let explicit_amount = hp.amount.as_ref().and_then(|q| quantity_bytes(q).ok());
+    let round_to_page =
+        |kind: HugepageKind, bytes: u64| bytes.div_ceil(kind.page_bytes()) * kind.page_bytes();
+    let hugepages = match hp.size {
+        HugepageSize::Off => None,
+        HugepageSize::OneGi | HugepageSize::TwoMi => {
+            let kind = if hp.size == HugepageSize::OneGi {
+                HugepageKind::OneGi
+            } else {
+                HugepageKind::TwoMi
+            };
+            let bytes = explicit_amount.unwrap_or(cpu_expert_bytes);
+            (bytes > 0).then(|| (kind, round_to_page(kind, bytes)))
+        }
+        HugepageSize::Auto => {
+            if cpu_expert_bytes == 0 {
+                None
+            } else {
+                [HugepageKind::OneGi, HugepageKind::TwoMi]
+                    .into_iter()
+                    .map(|kind| (kind, round_to_page(kind, cpu_expert_bytes)))
+                    .find(|(kind, bytes)| kind.available_on(node) >= *bytes)
+            }
+        }
+    };
+
+    let memory_bytes = match spec
+        .resources
+        .memory
+        .as_ref()
+        .and_then(|q| quantity_bytes(q).ok())
+    {
+        Some(explicit) => explicit,
+        None => {
+            let experts_in_dram = if hugepages.is_some() {
+                0
+            } else {
+                cpu_expert_bytes
+            };
+            round_up_mib(RUNTIME_DRAM_BYTES + cpu_expert_bytes / 20 + experts_in_dram)
+        }
+    };
+
+    Ok(Sizing {
+        gpu_experts_per_layer: gpu_experts,
+        cpus,
+        cpu_threads,
+        memory_bytes,
+        hugepages,
+        gpu_bytes_per_gpu,
+    })
+}

@@ -1,0 +1,543 @@
+//! Placement over node fixtures: GPU generations, DRAM, hugepages, taints, CPU features, sizing.
+
+use k8s_openapi::api::core::v1::{Node, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use serde_json::json;
+
+use super::node_facts::NodeFacts;
+use super::sizing::{self, HugepageKind};
+use super::*;
+use crate::crd::{AutoOr, HugepageSize, MoEDeploymentSpec};
+use crate::model_shape::resolve_shape;
+use crate::quantity::GIB;
+
+/// A GPU node as NFD + GFD + the device plugin label it. `cc` = compute capability.
+struct NodeFixture {
+    name: &'static str,
+    cc: Option<(u32, u32)>,
+    gpu_mib: u64,
+    gpus: u32,
+    cpu: &'static str,
+    memory: &'static str,
+    hugepages_1gi: &'static str,
+    hugepages_2mi: &'static str,
+    avx512: bool,
+    amx: bool,
+    taints: serde_json::Value,
+    unschedulable: bool,
+}
+
+impl NodeFixture {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            cc: Some((9, 0)),
+            gpu_mib: 81559,
+            gpus: 1,
+            cpu: "64",
+            memory: "512Gi",
+            hugepages_1gi: "0",
+            hugepages_2mi: "0",
+            avx512: true,
+            amx: false,
+            taints: json!([]),
+            unschedulable: false,
+        }
+    }
+
+    fn node(&self) -> Node {
+        let mut labels = serde_json::Map::new();
+        labels.insert("kubernetes.io/hostname".into(), json!(self.name));
+        if self.avx512 {
+            labels.insert(node_facts::LABEL_AVX512F.into(), json!("true"));
+        }
+        if self.amx {
+            for l in node_facts::AMX_LABELS {
+                labels.insert(l.into(), json!("true"));
+            }
+        }
+        if let Some((major, minor)) = self.cc {
+            labels.insert(node_facts::LABEL_GPU_MAJOR.into(), json!(major.to_string()));
+            labels.insert(node_facts::LABEL_GPU_MINOR.into(), json!(minor.to_string()));
+            labels.insert(
+                node_facts::LABEL_GPU_MEMORY.into(),
+                json!(self.gpu_mib.to_string()),
+            );
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": self.name, "labels": labels},
+            "spec": {"taints": self.taints, "unschedulable": self.unschedulable},
+            "status": {"allocatable": {
+                "cpu": self.cpu, "memory": self.memory,
+                "hugepages-1Gi": self.hugepages_1gi, "hugepages-2Mi": self.hugepages_2mi,
+                "nvidia.com/gpu": self.gpus.to_string(), "pods": "110"
+            }}
+        }))
+        .expect("fixture is a valid Node")
+    }
+
+    fn facts(&self) -> NodeFacts {
+        NodeFacts::from_node(&self.node())
+    }
+}
+
+fn spec(yaml: &str) -> MoEDeploymentSpec {
+    serde_yaml::from_str(yaml).expect("test spec parses")
+}
+
+fn qwen_spec() -> MoEDeploymentSpec {
+    spec("model: {source: {huggingFace: {repo: Qwen/Qwen3-30B-A3B}}}")
+}
+
+fn decide_for(spec: &MoEDeploymentSpec, nodes: &[NodeFixture]) -> PlacementDecision {
+    let shape = resolve_shape(&spec.model, "test");
+    sizing::check_spec(spec, shape.as_ref()).expect("spec sizes");
+    let facts: Vec<NodeFacts> = nodes.iter().map(NodeFixture::facts).collect();
+    decide(spec, shape.as_ref(), &facts)
+}
+
+fn verdict<'a>(d: &'a PlacementDecision, name: &str) -> &'a NodeVerdict {
+    d.nodes
+        .iter()
+        .find(|v| v.name == name)
+        .expect("node in decision")
+}
+
+#[test]
+fn compute_capability_86_rejected_89_90_120_accepted() {
+    let ampere = NodeFixture {
+        cc: Some((8, 6)),
+        ..NodeFixture::new("a6000")
+    };
+    let ada = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 49140,
+        ..NodeFixture::new("l40s")
+    };
+    let hopper = NodeFixture::new("h100");
+    let blackwell = NodeFixture {
+        cc: Some((12, 0)),
+        gpu_mib: 97887,
+        ..NodeFixture::new("rtx-pro-6000")
+    };
+    let d = decide_for(&qwen_spec(), &[ampere, ada, hopper, blackwell]);
+    assert_eq!(
+        verdict(&d, "a6000").rejections,
+        vec![Rejection::UnsupportedGpu(node_facts::ComputeCapability {
+            major: 8,
+            minor: 6
+        })]
+    );
+    let mut names = d.qualified_names();
+    names.sort();
+    assert_eq!(names, vec!["h100", "l40s", "rtx-pro-6000"]);
+    assert_eq!(
+        d.summary(),
+        "3/4 nodes are available: 1 unsupported GPU compute capability."
+    );
+}
+
+#[test]
+fn custom_capability_list_narrows_the_set() {
+    let mut s = qwen_spec();
+    s.resources.gpu.compute_capabilities = vec!["9.0".into()];
+    let ada = NodeFixture {
+        cc: Some((8, 9)),
+        ..NodeFixture::new("ada")
+    };
+    let d = decide_for(&s, &[ada, NodeFixture::new("hopper")]);
+    assert_eq!(d.qualified_names(), vec!["hopper"]);
+}
+
+#[test]
+fn scheduler_style_summary_counts_reasons() {
+    let mut s = qwen_spec();
+    s.resources.memory = Some(Quantity("600Gi".into()));
+    let nodes = [
+        NodeFixture::new("m1"),
+        NodeFixture::new("m2"),
+        NodeFixture::new("m3"),
+        NodeFixture {
+            avx512: false,
+            memory: "1Ti",
+            ..NodeFixture::new("e1")
+        },
+        NodeFixture {
+            avx512: false,
+            memory: "1Ti",
+            ..NodeFixture::new("e2")
+        },
+    ];
+    let d = decide_for(&s, &nodes);
+    assert_eq!(
+        d.summary(),
+        "0/5 nodes are available: 3 insufficient memory, 2 without AVX-512."
+    );
+    assert_eq!(
+        verdict(&d, "m1").rejections[0].to_string(),
+        "insufficient memory: needs 600Gi, allocatable 512Gi"
+    );
+    assert!(d.node_affinity().is_none());
+}
+
+#[test]
+fn gpu_count_and_missing_gfd_labels() {
+    let mut s = qwen_spec();
+    s.resources.gpu.count = 2;
+    let one_gpu = NodeFixture::new("one");
+    let no_labels = NodeFixture {
+        cc: None,
+        gpus: 2,
+        ..NodeFixture::new("nolabels")
+    };
+    let two = NodeFixture {
+        gpus: 2,
+        ..NodeFixture::new("two")
+    };
+    let d = decide_for(&s, &[one_gpu, no_labels, two]);
+    assert_eq!(d.qualified_names(), vec!["two"]);
+    assert_eq!(
+        verdict(&d, "one").rejections,
+        vec![Rejection::InsufficientGpus { have: 1, need: 2 }]
+    );
+    assert_eq!(
+        verdict(&d, "nolabels").rejections,
+        vec![Rejection::NoGpuLabels]
+    );
+}
+
+#[test]
+fn taints_unschedulable_and_tolerations() {
+    let tainted = NodeFixture {
+        taints: json!([{"key": "dedicated", "value": "batch", "effect": "NoSchedule"}]),
+        ..NodeFixture::new("tainted")
+    };
+    let gpu_tainted = NodeFixture {
+        taints: json!([{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]),
+        ..NodeFixture::new("gpu-tainted")
+    };
+    let cordoned = NodeFixture {
+        unschedulable: true,
+        ..NodeFixture::new("cordoned")
+    };
+    let mut s = qwen_spec();
+    let d = decide_for(&s, &[tainted, gpu_tainted, cordoned]);
+    assert_eq!(
+        d.qualified_names(),
+        vec!["gpu-tainted"],
+        "the GPU taint is tolerated by default"
+    );
+    assert_eq!(
+        verdict(&d, "tainted").rejections,
+        vec![Rejection::UntoleratedTaint(vec!["dedicated".into()])]
+    );
+    assert_eq!(
+        verdict(&d, "cordoned").rejections,
+        vec![Rejection::Unschedulable]
+    );
+
+    s.pod.tolerations.push(Toleration {
+        key: Some("dedicated".into()),
+        operator: Some("Equal".into()),
+        value: Some("batch".into()),
+        effect: Some("NoSchedule".into()),
+        toleration_seconds: None,
+    });
+    let tainted = NodeFixture {
+        taints: json!([{"key": "dedicated", "value": "batch", "effect": "NoSchedule"}]),
+        ..NodeFixture::new("tainted")
+    };
+    assert_eq!(
+        decide_for(&s, &[tainted]).qualified_names(),
+        vec!["tainted"]
+    );
+}
+
+#[test]
+fn node_selector_filters_candidates() {
+    let mut s = qwen_spec();
+    s.pod
+        .node_selector
+        .insert("kubernetes.io/hostname".into(), "b".into());
+    let d = decide_for(&s, &[NodeFixture::new("a"), NodeFixture::new("b")]);
+    assert_eq!(d.qualified_names(), vec!["b"]);
+    assert_eq!(
+        verdict(&d, "a").rejections,
+        vec![Rejection::SelectorMismatch]
+    );
+}
+
+#[test]
+fn amx_nodes_rank_first_and_are_preferred() {
+    let plain = NodeFixture::new("plain");
+    let amx = NodeFixture {
+        amx: true,
+        ..NodeFixture::new("sapphire")
+    };
+    let d = decide_for(&qwen_spec(), &[plain, amx]);
+    assert_eq!(d.qualified_names(), vec!["sapphire", "plain"]);
+    let affinity = d.node_affinity().expect("affinity");
+    let preferred = affinity
+        .preferred_during_scheduling_ignored_during_execution
+        .unwrap();
+    let exprs = preferred[0].preference.match_expressions.as_ref().unwrap();
+    assert_eq!(exprs.len(), 3);
+    assert!(exprs.iter().all(|e| e.key.contains("AMX")));
+}
+
+#[test]
+fn affinity_has_one_ored_term_per_capability() {
+    let ada = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 49140,
+        ..NodeFixture::new("ada-1")
+    };
+    let d = decide_for(
+        &qwen_spec(),
+        &[NodeFixture::new("h-2"), ada, NodeFixture::new("h-1")],
+    );
+    let required = d
+        .node_affinity()
+        .unwrap()
+        .required_during_scheduling_ignored_during_execution
+        .unwrap();
+    assert_eq!(required.node_selector_terms.len(), 2);
+    let hopper_term = &required.node_selector_terms[1];
+    let names = hopper_term.match_fields.as_ref().unwrap()[0]
+        .values
+        .clone()
+        .unwrap();
+    assert_eq!(names, vec!["h-1", "h-2"]);
+    let exprs = hopper_term.match_expressions.as_ref().unwrap();
+    assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_GPU_MAJOR
+        && e.values.as_deref() == Some(&["9".to_string()][..])));
+    assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_AVX512F));
+}
+
+#[test]
+fn auto_puts_all_qwen_experts_on_an_80gb_gpu() {
+    let d = decide_for(&qwen_spec(), &[NodeFixture::new("h100")]);
+    let s = d.sizing.expect("sizing");
+    assert_eq!(s.gpu_experts_per_layer, Some(128));
+    assert_eq!(s.hugepages, None);
+    assert_eq!(s.memory_bytes, 4 * GIB);
+    assert_eq!((s.cpus, s.cpu_threads), (62, 61));
+}
+
+#[test]
+fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
+    // RTX 4090: 0.9 × 24564 MiB − 3100 MiB dense − 6 GiB KV leaves room for 29 of 128 experts.
+    let node = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 24564,
+        cpu: "32",
+        memory: "128Gi",
+        hugepages_1gi: "64Gi",
+        ..NodeFixture::new("rtx4090")
+    };
+    let d = decide_for(&qwen_spec(), &[node]);
+    let s = d.sizing.expect("sizing");
+    assert_eq!(s.gpu_experts_per_layer, Some(29));
+    // 99 experts × 48 layers × 9 MiB = 41.8 GiB → 42 pages of 1 GiB.
+    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 42 * GIB)));
+    // 4 GiB runtime + 5% of the DRAM experts.
+    assert_eq!(s.memory_bytes, 6235 * crate::quantity::MIB);
+    assert_eq!((s.cpus, s.cpu_threads), (30, 29));
+    assert!(d.nodes[0].qualifies());
+}
+
+#[test]
+fn hugepages_auto_falls_back_to_2mi_then_off() {
+    let base = |name, h1, h2| NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 24564,
+        hugepages_1gi: h1,
+        hugepages_2mi: h2,
+        ..NodeFixture::new(name)
+    };
+    let two_mi = decide_for(&qwen_spec(), &[base("two", "0", "50Gi")])
+        .sizing
+        .unwrap();
+    assert_eq!(two_mi.hugepages.map(|h| h.0), Some(HugepageKind::TwoMi));
+    let none = decide_for(&qwen_spec(), &[base("none", "0", "0")])
+        .sizing
+        .unwrap();
+    assert_eq!(none.hugepages, None);
+    assert!(
+        none.memory_bytes > 40 * GIB,
+        "experts count against memory when hugepages are off"
+    );
+}
+
+#[test]
+fn explicit_hugepages_missing_rejects_node() {
+    let mut s = qwen_spec();
+    s.placement.hugepages.size = HugepageSize::OneGi;
+    s.placement.hugepages.amount = Some(Quantity("40Gi".into()));
+    let d = decide_for(
+        &s,
+        &[NodeFixture {
+            hugepages_1gi: "16Gi",
+            ..NodeFixture::new("small")
+        }],
+    );
+    assert_eq!(
+        d.nodes[0].rejections,
+        vec![Rejection::InsufficientHugepages {
+            kind: HugepageKind::OneGi,
+            need: 40 * GIB,
+            have: 16 * GIB
+        }]
+    );
+    assert_eq!(
+        d.summary(),
+        "0/1 nodes are available: 1 insufficient hugepages-1Gi."
+    );
+}
+
+#[test]
+fn deepseek_v3_needs_big_dram_and_rejects_small_nodes() {
+    let s = spec("model: {source: {huggingFace: {repo: deepseek-ai/DeepSeek-V3}}}");
+    let big = NodeFixture {
+        memory: "1536Gi",
+        hugepages_1gi: "700Gi",
+        amx: true,
+        ..NodeFixture::new("big")
+    };
+    let small = NodeFixture {
+        memory: "256Gi",
+        ..NodeFixture::new("small")
+    };
+    let d = decide_for(&s, &[big, small]);
+    assert_eq!(d.qualified_names(), vec!["big"]);
+    let experts = d.sizing.as_ref().unwrap().gpu_experts_per_layer.unwrap();
+    assert!(
+        (1..40).contains(&experts),
+        "a few DeepSeek experts per layer fit on 80 GB: {experts}"
+    );
+    // The chosen sizing keeps ~600 GiB of experts in 1 GiB hugepages, which the small node lacks.
+    assert!(
+        matches!(
+            verdict(&d, "small").rejections[..],
+            [Rejection::InsufficientHugepages {
+                kind: HugepageKind::OneGi,
+                ..
+            }]
+        ),
+        "{:?}",
+        verdict(&d, "small").rejections
+    );
+    let mut no_hugepages = s.clone();
+    no_hugepages.placement.hugepages.size = HugepageSize::Off;
+    let small = NodeFixture {
+        memory: "256Gi",
+        ..NodeFixture::new("small")
+    };
+    let d = decide_for(&no_hugepages, &[small]);
+    assert!(matches!(
+        d.nodes[0].rejections[..],
+        [Rejection::InsufficientMemory { .. }]
+    ));
+}
+
+#[test]
+fn explicit_gpu_experts_beyond_gpu_memory_rejects() {
+    let mut s = spec("model: {source: {huggingFace: {repo: zai-org/GLM-4.5-Air}}}");
+    s.placement.gpu_experts_per_layer = AutoOr::Count(128);
+    s.placement.hugepages.size = HugepageSize::Off;
+    let d = decide_for(&s, &[NodeFixture::new("h100")]);
+    assert!(matches!(
+        d.nodes[0].rejections[..],
+        [Rejection::InsufficientGpuMemory { .. }]
+    ));
+}
+
+#[test]
+fn dense_weights_larger_than_gpu_reject_the_node() {
+    let s = spec("model: {source: {huggingFace: {repo: deepseek-ai/DeepSeek-V3}}}");
+    let small_gpu = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 16384,
+        memory: "2Ti",
+        ..NodeFixture::new("l4ish")
+    };
+    let d = decide_for(&s, &[small_gpu]);
+    assert!(matches!(
+        d.nodes[0].rejections[..],
+        [Rejection::InsufficientGpuMemory { .. }]
+    ));
+    assert!(d.sizing.is_none());
+}
+
+#[test]
+fn chosen_sizing_is_the_one_most_nodes_hold() {
+    // Two 48 GB nodes and one 96 GB node: the 96 GB sizing would leave more DRAM experts for the
+    // small nodes' GPUs to miss; the 48 GB sizing runs on all three.
+    let ada = |name| NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 49140,
+        ..NodeFixture::new(name)
+    };
+    let big = NodeFixture {
+        cc: Some((12, 0)),
+        gpu_mib: 97887,
+        ..NodeFixture::new("big")
+    };
+    let s = spec("model: {source: {huggingFace: {repo: zai-org/GLM-4.5-Air}}}");
+    let d = decide_for(&s, &[ada("a1"), ada("a2"), big]);
+    assert_eq!(d.qualified().count(), 3, "{}", d.summary());
+}
+
+#[test]
+fn explicit_cpu_threads_and_too_few_cpus() {
+    let mut s = qwen_spec();
+    s.placement.cpu_threads = AutoOr::Count(40);
+    let d = decide_for(
+        &s,
+        &[NodeFixture {
+            cpu: "32",
+            ..NodeFixture::new("n")
+        }],
+    );
+    assert_eq!(
+        d.nodes[0].rejections,
+        vec![Rejection::InsufficientCpu { need: 41, have: 32 }]
+    );
+    let tiny = decide_for(
+        &qwen_spec(),
+        &[NodeFixture {
+            cpu: "3500m",
+            ..NodeFixture::new("tiny")
+        }],
+    );
+    assert!(matches!(
+        tiny.nodes[0].rejections[..],
+        [Rejection::InsufficientCpu { .. }]
+    ));
+}
+
+#[test]
+fn unknown_model_needs_memory_and_defers_gpu_experts_to_the_daemon() {
+    let mut s = spec("model: {source: {hostPath: {path: /models/custom}}}");
+    assert_eq!(
+        sizing::check_spec(&s, None),
+        Err(sizing::SpecSizingError::MemoryNeedsShape)
+    );
+    s.resources.memory = Some(Quantity("96Gi".into()));
+    let d = decide_for(&s, &[NodeFixture::new("n")]);
+    let sizing = d.sizing.unwrap();
+    assert_eq!(sizing.gpu_experts_per_layer, None);
+    assert_eq!(sizing.memory_bytes, 96 * GIB);
+    s.resources.memory = Some(Quantity("lots".into()));
+    assert!(matches!(
+        sizing::check_spec(&s, None),
+        Err(sizing::SpecSizingError::BadQuantity { .. })
+    ));
+}
+
+#[test]
+fn empty_cluster_summary() {
+    let d = decide_for(&qwen_spec(), &[]);
+    assert_eq!(d.summary(), "0/0 nodes are available.");
+    assert!(d.sizing.is_none());
+}
