@@ -1,1 +1,218 @@
-//! Executor.
+//! The executor: owns a loaded [`Model`] and runs batched forward passes over sequence chunks.
+//!
+//! One call of [`Engine::forward`] is one engine step: every sequence of the batch contributes its next
+//! chunk of tokens (a prefill chunk or one decode token). Linear layers and experts process all tokens of
+//! the step together (weights are read once per step); attention runs per sequence against its cache.
+pub mod attention;
+pub mod kv;
+pub mod linear;
+pub mod moe;
+pub mod ops;
+pub mod rope;
+pub mod sampling;
+
+use crate::model::build::build_model;
+use crate::model::{Attention, Ffn, Model, ModelConfig};
+use crate::weights::safetensors::SafetensorsDir;
+use crate::weights::TensorSource;
+use anyhow::Context;
+pub use kv::SeqCache;
+use ops::{add_assign, rms_norm};
+use rope::Rope;
+use std::path::Path;
+
+/// Engine settings that do not come from the checkpoint.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// Worker threads for the CPU backend (0: all CPUs the process may use).
+    pub cpu_threads: usize,
+}
+
+/// Input of one sequence for one step.
+pub struct SeqInput<'a> {
+    pub cache: &'a mut SeqCache,
+    pub tokens: &'a [u32],
+}
+
+/// Where one sequence's chunk sits in the step's flattened token rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment {
+    /// First row of this chunk in the step's `[tokens, hidden]` activations.
+    pub row0: usize,
+    pub len: usize,
+    /// Position of the chunk's first token in its sequence.
+    pub pos0: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("sequence would reach {len} positions, beyond the model's {max}")]
+    TooLong { len: usize, max: usize },
+    #[error("empty chunk: every sequence in a step needs at least one token")]
+    EmptyChunk,
+}
+
+pub struct Engine {
+    model: Model,
+    rope: Rope,
+    pool: rayon::ThreadPool,
+}
+
+impl Engine {
+    /// Loads a Hugging Face checkpoint directory (config.json + safetensors).
+    pub fn load(dir: &Path, opts: &EngineOptions) -> anyhow::Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let src = SafetensorsDir::open(dir)?;
+        Self::from_config(cfg, &src, opts)
+            .with_context(|| format!("loading checkpoint {}", dir.display()))
+    }
+
+    /// Builds an engine from a config.json value and any tensor source (e.g. a GGUF file).
+    pub fn from_source(
+        config_json: &serde_json::Value,
+        src: &dyn TensorSource,
+        opts: &EngineOptions,
+    ) -> anyhow::Result<Self> {
+        Self::from_config(ModelConfig::from_json(config_json)?, src, opts)
+    }
+
+    fn from_config(
+        cfg: ModelConfig,
+        src: &dyn TensorSource,
+        opts: &EngineOptions,
+    ) -> anyhow::Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.cpu_threads)
+            .thread_name(|i| format!("moe-cpu-{i}"))
+            .build()?;
+        let rope = Rope::new(&cfg.rope);
+        let model = pool.install(|| build_model(cfg, src))?;
+        Ok(Self { model, rope, pool })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// An empty cache for a new sequence.
+    pub fn new_cache(&self) -> SeqCache {
+        let cfg = &self.model.config;
+        let widths: Vec<(usize, usize)> = self
+            .model
+            .layers
+            .iter()
+            .map(|l| match (&l.attn, &cfg.mla) {
+                (Attention::Mla(_), Some(m)) => (m.kv_lora_rank, m.qk_rope_head_dim),
+                _ => (
+                    cfg.num_kv_heads * cfg.head_dim,
+                    cfg.num_kv_heads * cfg.head_dim,
+                ),
+            })
+            .collect();
+        SeqCache::new(&widths)
+    }
+
+    /// One step; returns the logits at the last position of each entry, in order.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+        let last_rows = self.run(batch, false)?;
+        Ok(last_rows)
+    }
+
+    /// One step returning logits at every position of every entry (rows in batch order).
+    pub fn forward_all(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+        self.run(batch, true)
+    }
+
+    fn validate(&self, batch: &[SeqInput<'_>]) -> Result<(), StepError> {
+        let cfg = &self.model.config;
+        for s in batch {
+            if s.tokens.is_empty() {
+                return Err(StepError::EmptyChunk);
+            }
+            if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(StepError::TokenOutOfRange {
+                    id,
+                    vocab: cfg.vocab_size,
+                });
+            }
+            let len = s.cache.len() + s.tokens.len();
+            if len > cfg.max_position_embeddings {
+                return Err(StepError::TooLong {
+                    len,
+                    max: cfg.max_position_embeddings,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&self, batch: &mut [SeqInput<'_>], all: bool) -> Result<Vec<Vec<f32>>, StepError> {
+        self.validate(batch)?;
+        Ok(self.pool.install(|| self.run_validated(batch, all)))
+    }
+
+    fn run_validated(&self, batch: &mut [SeqInput<'_>], all: bool) -> Vec<Vec<f32>> {
+        let m = &self.model;
+        let cfg = &m.config;
+        let hd = cfg.hidden_size;
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut tokens = Vec::new();
+        for s in batch.iter() {
+            segments.push(Segment {
+                row0: tokens.len(),
+                len: s.tokens.len(),
+                pos0: s.cache.len(),
+            });
+            tokens.extend_from_slice(s.tokens);
+        }
+        let n = tokens.len();
+        // Embedding lookup: row_f32 widens the stored row.
+        let mut x = vec![0f32; n * hd];
+        for (t, &id) in tokens.iter().enumerate() {
+            m.embed.row_f32(id as usize, &mut x[t * hd..(t + 1) * hd]);
+        }
+        for (li, layer) in m.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps);
+            let mut caches: Vec<&mut kv::LayerKv> =
+                batch.iter_mut().map(|s| &mut s.cache.layers[li]).collect();
+            let a = match &layer.attn {
+                Attention::Gqa(g) => {
+                    attention::gqa_forward(g, cfg, &self.rope, &h, &segments, &mut caches)
+                }
+                Attention::Mla(a) => {
+                    attention::mla_forward(a, cfg, &self.rope, &h, &segments, &mut caches)
+                }
+            };
+            add_assign(&mut x, &a);
+            let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
+            let f = match (&layer.ffn, &cfg.moe) {
+                (Ffn::Moe(block), Some(mc)) => moe::moe_forward(block, mc, cfg.activation, &h, hd),
+                (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, cfg.activation, &h, n),
+                (Ffn::Moe(_), None) => unreachable!("MoE layer built without MoE config"),
+            };
+            add_assign(&mut x, &f);
+        }
+        for s in batch.iter_mut() {
+            s.cache.advance(s.tokens.len());
+        }
+        // Only the rows whose logits are wanted go through the final norm and lm_head.
+        let rows: Vec<usize> = if all {
+            (0..n).collect()
+        } else {
+            segments.iter().map(|s| s.row0 + s.len - 1).collect()
+        };
+        let mut sel = Vec::with_capacity(rows.len() * hd);
+        for &r in &rows {
+            sel.extend_from_slice(&x[r * hd..(r + 1) * hd]);
+        }
+        let sel = rms_norm(&sel, &m.final_norm, cfg.rms_norm_eps);
+        let logits = m.lm_head().forward(&sel, rows.len());
+        logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
+    }
+}

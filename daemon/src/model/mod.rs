@@ -1,1 +1,96 @@
-//! Model configs and architectures.
+//! Model definitions: `config.json` parsing ([`config`]) and the layer structures every architecture is
+//! built from ([`build`]). An architecture differs from another only in its config fields and tensor
+//! names ([`names`]); the blocks (RMSNorm, GQA / MLA attention, dense MLP, MoE with its router variants)
+//! are shared.
+pub mod build;
+pub mod config;
+pub mod names;
+
+use crate::engine::linear::Linear;
+pub use config::{Arch, ModelConfig};
+
+/// A gated MLP: down(act(gate(x)) · up(x)).
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+/// Grouped-query attention (MHA and MQA are special cases).
+pub struct GqaAttention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    /// Per-head RMSNorm weights on q and k before RoPE (Qwen3, GLM with use_qk_norm).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+pub enum MlaQuery {
+    /// `q_lora_rank` null: one projection.
+    Direct(Linear),
+    /// q_a_proj → q_a_layernorm → q_b_proj.
+    LowRank {
+        a: Linear,
+        norm: Vec<f32>,
+        b: Linear,
+    },
+}
+
+/// Multi-head latent attention. The cache holds the normalised latent (`kv_lora_rank`) and the roped
+/// shared key part (`qk_rope_head_dim`) per position; `kv_b` is applied in absorbed form (queries are
+/// projected into latent space, outputs out of it), so the cache is never expanded per head.
+pub struct MlaAttention {
+    pub q: MlaQuery,
+    pub kv_a: Linear,
+    pub kv_a_norm: Vec<f32>,
+    /// kv_b_proj as f32, `[heads × (nope + v), kv_lora_rank]`.
+    pub kv_b: Vec<f32>,
+    pub o: Linear,
+}
+
+pub enum Attention {
+    Gqa(GqaAttention),
+    Mla(MlaAttention),
+}
+
+/// Routed experts of one MoE layer plus its router and shared expert.
+pub struct MoeBlock {
+    /// Router weight `[experts, hidden]` in f32 (routers run in f32).
+    pub router: Vec<f32>,
+    /// e_score_correction_bias (sigmoid routers), used for selection only.
+    pub correction_bias: Option<Vec<f32>>,
+    pub experts: Vec<Mlp>,
+    pub shared: Option<Mlp>,
+    /// Qwen2-MoE: `[hidden]` weight of the sigmoid gate on the shared expert.
+    pub shared_gate: Option<Vec<f32>>,
+}
+
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(MoeBlock),
+}
+
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub attn: Attention,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: Ffn,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    /// `[vocab, hidden]`
+    pub embed: Linear,
+    pub layers: Vec<Layer>,
+    pub final_norm: Vec<f32>,
+    /// None when tied to the embedding.
+    pub lm_head: Option<Linear>,
+}
+
+impl Model {
+    pub fn lm_head(&self) -> &Linear {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}

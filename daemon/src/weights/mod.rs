@@ -1,1 +1,109 @@
-//! Checkpoint readers.
+//! Checkpoint readers. Every format hands the engine tensors under their Hugging Face names through
+//! [`TensorSource`]; the engine never sees file layouts.
+//!
+//! - [`safetensors`]: Hugging Face directories (single file or index + shards), memory-mapped.
+//! - [`fp8`]: F8_E4M3 decoding and 128×128 block-scale dequantisation (DeepSeek-V3 / GLM FP8 layout).
+pub mod fp8;
+pub mod safetensors;
+
+use half::bf16;
+use std::path::PathBuf;
+
+/// A tensor copied out of a checkpoint, in row-major order.
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: HostData,
+}
+
+/// Element storage. BF16 stays BF16 (half the memory of f32); F16 and FP8 are widened when read
+/// through [`HostTensor::to_f32`].
+#[derive(Debug, Clone)]
+pub enum HostData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    /// F8_E4M3 bytes with their block scales (`weight_scale_inv`, one f32 per `block`×`block` tile,
+    /// row-major over `[ceil(rows/block), ceil(cols/block)]`).
+    F8E4M3 {
+        bytes: Vec<u8>,
+        scale_inv: Vec<f32>,
+        block: usize,
+    },
+}
+
+impl HostTensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Values widened to f32 (FP8 dequantised with its block scales).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match &self.data {
+            HostData::F32(v) => v.clone(),
+            HostData::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            HostData::F8E4M3 {
+                bytes,
+                scale_inv,
+                block,
+            } => {
+                let (rows, cols) = matrix_dims(&self.shape);
+                fp8::dequantize_block_scaled(bytes, scale_inv, rows, cols, *block)
+            }
+        }
+    }
+
+    /// Values as bf16 (rounded to nearest even from f32; FP8 dequantised first).
+    pub fn to_bf16(&self) -> Vec<bf16> {
+        match &self.data {
+            HostData::Bf16(v) => v.clone(),
+            _ => self.to_f32().into_iter().map(bf16::from_f32).collect(),
+        }
+    }
+}
+
+/// (rows, cols) of a tensor viewed as a matrix: the last dimension is the row length.
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&cols, rest)) => (rest.iter().product(), cols),
+        None => (1, 1),
+    }
+}
+
+/// Anything that yields tensors under Hugging Face names (safetensors directories, GGUF files).
+pub trait TensorSource: Send + Sync {
+    fn contains(&self, name: &str) -> bool;
+    /// The tensor under its Hugging Face name; errors name the tensor and the file.
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError>;
+}
+
+/// What can go wrong reading a checkpoint. Every variant names the file and, where it applies, the tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid safetensors file: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("{path}: shard listed in the index is missing")]
+    MissingShard { path: PathBuf },
+    #[error("tensor `{name}` not found in checkpoint {dir}")]
+    MissingTensor { name: String, dir: PathBuf },
+    #[error("{path}: tensor `{name}` has dtype {dtype}, which the engine does not read")]
+    UnsupportedDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
+    #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}

@@ -1,0 +1,166 @@
+//! Attention over a batch of sequence chunks: projections run on all tokens of the batch at once; the
+//! score/softmax/value part runs per (token, head) in parallel against that token's own sequence cache,
+//! with a causal limit at the token's position.
+use super::kv::LayerKv;
+use super::linear::dot;
+use super::ops::{rms_norm, rms_norm_rows, softmax};
+use super::rope::Rope;
+use super::Segment;
+use crate::model::config::ModelConfig;
+use crate::model::{GqaAttention, MlaAttention, MlaQuery};
+use rayon::prelude::*;
+
+/// Per token: (segment index, absolute position).
+fn token_positions(segments: &[Segment]) -> Vec<(usize, usize)> {
+    segments
+        .iter()
+        .enumerate()
+        .flat_map(|(s, seg)| (0..seg.len).map(move |i| (s, seg.pos0 + i)))
+        .collect()
+}
+
+/// Softmax-weighted sum over positions `0..=pos`: scores from `score(p)`, values through `acc(p, w)`.
+fn attend(pos: usize, scale: f32, score: impl Fn(usize) -> f32, mut acc: impl FnMut(usize, f32)) {
+    let mut s: Vec<f32> = (0..=pos).map(|p| score(p) * scale).collect();
+    softmax(&mut s);
+    for (p, w) in s.into_iter().enumerate() {
+        acc(p, w);
+    }
+}
+
+pub fn gqa_forward(
+    attn: &GqaAttention,
+    cfg: &ModelConfig,
+    rope: &Rope,
+    h: &[f32],
+    segments: &[Segment],
+    caches: &mut [&mut LayerKv],
+) -> Vec<f32> {
+    let n = h.len() / cfg.hidden_size;
+    let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let mut q = attn.q.forward(h, n);
+    let mut k = attn.k.forward(h, n);
+    let v = attn.v.forward(h, n);
+    if let Some(w) = &attn.q_norm {
+        rms_norm_rows(&mut q, w, cfg.rms_norm_eps);
+    }
+    if let Some(w) = &attn.k_norm {
+        rms_norm_rows(&mut k, w, cfg.rms_norm_eps);
+    }
+    let tokens = token_positions(segments);
+    for (t, &(_, pos)) in tokens.iter().enumerate() {
+        let (cos, sin) = rope.cos_sin(pos);
+        rope.apply(&mut q[t * nh * hd..(t + 1) * nh * hd], hd, &cos, &sin);
+        rope.apply(&mut k[t * nkv * hd..(t + 1) * nkv * hd], hd, &cos, &sin);
+    }
+    let kw = nkv * hd;
+    for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
+        let rows = seg.row0 * kw..(seg.row0 + seg.len) * kw;
+        cache.append(&k[rows.clone()], &v[rows]);
+    }
+    let caches: Vec<&LayerKv> = caches.iter().map(|c| &**c).collect();
+    let scale = cfg.attention_scale();
+    let group = nh / nkv;
+    let mut out = vec![0f32; n * nh * hd];
+    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let (t, head) = (idx / nh, idx % nh);
+        let (s, pos) = tokens[t];
+        let cache = caches[s];
+        let qh = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
+        let kh = (head / group) * hd;
+        attend(
+            pos,
+            scale,
+            |p| dot(qh, &cache.a_row(p)[kh..kh + hd]),
+            |p, w| {
+                for (x, y) in o.iter_mut().zip(&cache.b_row(p)[kh..kh + hd]) {
+                    *x += w * y;
+                }
+            },
+        );
+    });
+    attn.o.forward(&out, n)
+}
+
+pub fn mla_forward(
+    attn: &MlaAttention,
+    cfg: &ModelConfig,
+    rope: &Rope,
+    h: &[f32],
+    segments: &[Segment],
+    caches: &mut [&mut LayerKv],
+) -> Vec<f32> {
+    let m = cfg.mla.as_ref().expect("MLA layer without MLA config");
+    let n = h.len() / cfg.hidden_size;
+    let nh = cfg.num_heads;
+    let (nope, rd, vd, lora) = (
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+        m.kv_lora_rank,
+    );
+    let qk = nope + rd;
+    let mut q = match &attn.q {
+        MlaQuery::Direct(l) => l.forward(h, n),
+        MlaQuery::LowRank { a, norm, b } => {
+            b.forward(&rms_norm(&a.forward(h, n), norm, cfg.rms_norm_eps), n)
+        }
+    };
+    let ckv = attn.kv_a.forward(h, n);
+    let tokens = token_positions(segments);
+    let mut latent = vec![0f32; n * lora];
+    let mut k_rot = vec![0f32; n * rd];
+    for (t, &(_, pos)) in tokens.iter().enumerate() {
+        let row = &ckv[t * (lora + rd)..(t + 1) * (lora + rd)];
+        latent[t * lora..(t + 1) * lora].copy_from_slice(&row[..lora]);
+        k_rot[t * rd..(t + 1) * rd].copy_from_slice(&row[lora..]);
+        let (cos, sin) = rope.cos_sin(pos);
+        rope.apply(&mut k_rot[t * rd..(t + 1) * rd], rd, &cos, &sin);
+        for head in 0..nh {
+            let qh = &mut q[(t * nh + head) * qk..(t * nh + head + 1) * qk];
+            rope.apply(&mut qh[nope..], rd, &cos, &sin);
+        }
+    }
+    rms_norm_rows(&mut latent, &attn.kv_a_norm, cfg.rms_norm_eps);
+    for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
+        cache.append(
+            &latent[seg.row0 * lora..(seg.row0 + seg.len) * lora],
+            &k_rot[seg.row0 * rd..(seg.row0 + seg.len) * rd],
+        );
+    }
+    let caches: Vec<&LayerKv> = caches.iter().map(|c| &**c).collect();
+    let scale = cfg.attention_scale();
+    let kv_b = &attn.kv_b;
+    let mut out = vec![0f32; n * nh * vd];
+    out.par_chunks_mut(vd).enumerate().for_each(|(idx, o)| {
+        let (t, head) = (idx / nh, idx % nh);
+        let (s, pos) = tokens[t];
+        let cache = caches[s];
+        let qh = &q[(t * nh + head) * qk..(t * nh + head + 1) * qk];
+        // Absorb W_uk: q_lat[c] = Σ_d q_nope[d] · kv_b[head·(nope+v) + d][c]
+        let wk = &kv_b[head * (nope + vd) * lora..];
+        let mut q_lat = vec![0f32; lora];
+        for d in 0..nope {
+            let row = &wk[d * lora..(d + 1) * lora];
+            for (x, w) in q_lat.iter_mut().zip(row) {
+                *x += qh[d] * w;
+            }
+        }
+        let mut o_lat = vec![0f32; lora];
+        attend(
+            pos,
+            scale,
+            |p| dot(&q_lat, cache.a_row(p)) + dot(&qh[nope..], cache.b_row(p)),
+            |p, w| {
+                for (x, y) in o_lat.iter_mut().zip(cache.a_row(p)) {
+                    *x += w * y;
+                }
+            },
+        );
+        // W_uv: v[j] = kv_b[head·(nope+v) + nope + j] · o_lat
+        for (j, x) in o.iter_mut().enumerate() {
+            *x = dot(&wk[(nope + j) * lora..(nope + j + 1) * lora], &o_lat);
+        }
+    });
+    attn.o.forward(&out, n)
+}

@@ -1,0 +1,80 @@
+//! KV cache of one sequence on the CPU backend: per layer, two row-major f32 arrays growing with the
+//! sequence (GQA: keys and values, `kv_heads × head_dim` wide; MLA: the normalised latent and the roped
+//! shared key). Cloning a cache and truncating it is how prefixes are shared (prefix caching).
+
+#[derive(Clone, Debug, Default)]
+pub struct LayerKv {
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+    pub a_width: usize,
+    pub b_width: usize,
+}
+
+impl LayerKv {
+    pub fn append(&mut self, a: &[f32], b: &[f32]) {
+        self.a.extend_from_slice(a);
+        self.b.extend_from_slice(b);
+    }
+    pub fn a_row(&self, pos: usize) -> &[f32] {
+        &self.a[pos * self.a_width..(pos + 1) * self.a_width]
+    }
+    pub fn b_row(&self, pos: usize) -> &[f32] {
+        &self.b[pos * self.b_width..(pos + 1) * self.b_width]
+    }
+}
+
+/// Cache of one sequence: every layer, plus the number of positions it holds.
+#[derive(Clone, Debug)]
+pub struct SeqCache {
+    pub(crate) layers: Vec<LayerKv>,
+    len: usize,
+}
+
+impl SeqCache {
+    pub(crate) fn new(widths: &[(usize, usize)]) -> Self {
+        Self {
+            layers: widths
+                .iter()
+                .map(|&(a_width, b_width)| LayerKv {
+                    a_width,
+                    b_width,
+                    ..Default::default()
+                })
+                .collect(),
+            len: 0,
+        }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps the first `n` positions (no-op if it holds fewer).
+    pub fn truncate(&mut self, n: usize) {
+        if n >= self.len {
+            return;
+        }
+        for l in &mut self.layers {
+            l.a.truncate(n * l.a_width);
+            l.b.truncate(n * l.b_width);
+        }
+        self.len = n;
+    }
+
+    /// Bytes held (for KV usage metrics).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| (l.a.len() + l.b.len()) * 4)
+            .sum()
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+}

@@ -1,0 +1,196 @@
+//! Dense projections `y = x · Wᵀ (+ b)` for the CPU backend, f32 accumulation over f32 / bf16 / FP8
+//! weights kept in their checkpoint precision.
+//!
+//! Cost: every call streams the whole weight once. Rows of W are split across rayon workers; each
+//! worker widens its rows to f32 once and dots them with all tokens of the batch, so a batch of T
+//! tokens reads the weights once, not T times.
+use crate::weights::{fp8, HostData, HostTensor};
+use half::bf16;
+use rayon::prelude::*;
+
+/// Weight storage of a [`Linear`], row-major `[out_dim, in_dim]`.
+pub enum WeightData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    /// FP8 E4M3 with block scales (`[ceil(out/block), ceil(in/block)]`), dequantised row by row.
+    F8 {
+        bytes: Vec<u8>,
+        scale_inv: Vec<f32>,
+        block: usize,
+    },
+}
+
+pub struct Linear {
+    pub out_dim: usize,
+    pub in_dim: usize,
+    pub w: WeightData,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// Rows handed to one worker at a time: enough work to amortise scheduling, small enough to balance.
+const ROWS_PER_TASK: usize = 16;
+
+impl Linear {
+    /// Takes ownership of a `[out, in]` tensor (and optional `[out]` bias), keeping its precision.
+    pub fn new(w: HostTensor, bias: Option<Vec<f32>>) -> Self {
+        let (out_dim, in_dim) = crate::weights::matrix_dims(&w.shape);
+        let w = match w.data {
+            HostData::F32(v) => WeightData::F32(v),
+            HostData::Bf16(v) => WeightData::Bf16(v),
+            HostData::F8E4M3 {
+                bytes,
+                scale_inv,
+                block,
+            } => WeightData::F8 {
+                bytes,
+                scale_inv,
+                block,
+            },
+        };
+        Self {
+            out_dim,
+            in_dim,
+            w,
+            bias,
+        }
+    }
+
+    /// Writes row `r` of W, widened to f32, into `buf`.
+    pub fn row_f32(&self, r: usize, buf: &mut [f32]) {
+        let n = self.in_dim;
+        match &self.w {
+            WeightData::F32(v) => buf.copy_from_slice(&v[r * n..(r + 1) * n]),
+            WeightData::Bf16(v) => {
+                for (o, x) in buf.iter_mut().zip(&v[r * n..(r + 1) * n]) {
+                    *o = x.to_f32();
+                }
+            }
+            WeightData::F8 {
+                bytes,
+                scale_inv,
+                block,
+            } => {
+                let table = fp8_table();
+                let col_blocks = fp8::blocks(n, *block);
+                let scales = &scale_inv[(r / block) * col_blocks..];
+                for (c, (o, b)) in buf.iter_mut().zip(&bytes[r * n..(r + 1) * n]).enumerate() {
+                    *o = table[*b as usize] * scales[c / block];
+                }
+            }
+        }
+    }
+
+    /// The whole weight as f32 (for small matrices that a kernel wants in f32, e.g. routers).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.out_dim * self.in_dim];
+        for (r, row) in out.chunks_mut(self.in_dim).enumerate() {
+            self.row_f32(r, row);
+        }
+        out
+    }
+
+    /// `x`: `[tokens, in_dim]` → returns `[tokens, out_dim]`.
+    pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        debug_assert_eq!(x.len(), tokens * self.in_dim);
+        let (n_in, n_out) = (self.in_dim, self.out_dim);
+        // Transposed result [out_dim, tokens] so each worker writes one contiguous block.
+        let mut yt = vec![0f32; n_out * tokens];
+        yt.par_chunks_mut(ROWS_PER_TASK * tokens)
+            .enumerate()
+            .for_each(|(chunk, block)| {
+                let mut row = vec![0f32; n_in];
+                for (i, out_row) in block.chunks_mut(tokens).enumerate() {
+                    let r = chunk * ROWS_PER_TASK + i;
+                    self.row_f32(r, &mut row);
+                    let b = self.bias.as_ref().map_or(0.0, |b| b[r]);
+                    for (t, o) in out_row.iter_mut().enumerate() {
+                        *o = dot(&row, &x[t * n_in..(t + 1) * n_in]) + b;
+                    }
+                }
+            });
+        if tokens == 1 {
+            return yt;
+        }
+        let mut y = vec![0f32; tokens * n_out];
+        for r in 0..n_out {
+            for t in 0..tokens {
+                y[t * n_out + r] = yt[r * tokens + t];
+            }
+        }
+        y
+    }
+}
+
+fn fp8_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(fp8::e4m3_table)
+}
+
+/// f32 dot product with 8 independent accumulators (lets the compiler vectorise without fast-math).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[i * 8 + l] * b[i * 8 + l];
+        }
+    }
+    let mut s = 0f32;
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s + acc.iter().sum::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> HostTensor {
+        HostTensor {
+            shape: vec![rows, cols],
+            data: HostData::F32((0..rows * cols).map(f).collect()),
+        }
+    }
+
+    #[test]
+    fn matches_naive_for_every_storage() {
+        let (o, i, t) = (37, 19, 5);
+        let w = tensor(o, i, |k| ((k * 7919) % 13) as f32 * 0.25 - 1.5);
+        let wf = w.to_f32();
+        let x: Vec<f32> = (0..t * i).map(|k| (k % 5) as f32 - 2.0).collect();
+        let bias: Vec<f32> = (0..o).map(|k| k as f32 * 0.1).collect();
+        let mut expect = vec![0f32; t * o];
+        for tt in 0..t {
+            for r in 0..o {
+                expect[tt * o + r] =
+                    (0..i).map(|c| wf[r * i + c] * x[tt * i + c]).sum::<f32>() + bias[r];
+            }
+        }
+        let bf = HostTensor {
+            shape: vec![o, i],
+            data: HostData::Bf16(w.to_bf16()),
+        };
+        // Values are multiples of 0.25 in [-1.5, 1.5]: exact in bf16 and in FP8 with scale 1.
+        let fp8: Vec<u8> = wf
+            .iter()
+            .map(|v| (0u8..=255).find(|b| fp8::e4m3_to_f32(*b) == *v).unwrap())
+            .collect();
+        let f8 = HostTensor {
+            shape: vec![o, i],
+            data: HostData::F8E4M3 {
+                bytes: fp8,
+                scale_inv: vec![1.0; fp8::blocks(o, 8) * fp8::blocks(i, 8)],
+                block: 8,
+            },
+        };
+        for w in [w, bf, f8] {
+            let lin = Linear::new(w, Some(bias.clone()));
+            let y = lin.forward(&x, t);
+            for (a, b) in y.iter().zip(&expect) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! The MoE block: router (softmax top-k, or sigmoid + correction bias + group-limited top-k), routed
+//! experts with tokens grouped per expert, and the always-on shared expert.
+use super::linear::dot;
+use super::ops::{add_assign, gelu_tanh, sigmoid, silu, softmax, top_k};
+use crate::model::config::{Activation, MoeConfig, RouterKind};
+use crate::model::{Mlp, MoeBlock};
+use rayon::prelude::*;
+
+/// Routing decision for a batch: `top_k` expert ids and weights per token.
+pub struct Routing {
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+    pub top_k: usize,
+}
+
+pub fn route(block: &MoeBlock, cfg: &MoeConfig, x: &[f32], hidden: usize) -> Routing {
+    let n = x.len() / hidden;
+    let e = cfg.num_experts;
+    let k = cfg.top_k;
+    let per_token: Vec<(Vec<u32>, Vec<f32>)> = (0..n)
+        .into_par_iter()
+        .map(|t| {
+            let xt = &x[t * hidden..(t + 1) * hidden];
+            let mut logits: Vec<f32> = (0..e)
+                .map(|j| dot(&block.router[j * hidden..(j + 1) * hidden], xt))
+                .collect();
+            match cfg.router {
+                RouterKind::Softmax { renormalize } => {
+                    softmax(&mut logits);
+                    let ids = top_k(&logits, k);
+                    let mut w: Vec<f32> = ids.iter().map(|&i| logits[i]).collect();
+                    if renormalize {
+                        let s: f32 = w.iter().sum();
+                        w.iter_mut().for_each(|v| *v /= s);
+                    }
+                    (ids.into_iter().map(|i| i as u32).collect(), w)
+                }
+                RouterKind::SigmoidGrouped {
+                    n_group,
+                    topk_group,
+                    renormalize,
+                } => {
+                    let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
+                    let mut choice: Vec<f32> = match &block.correction_bias {
+                        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                        None => scores.clone(),
+                    };
+                    if n_group > 1 {
+                        let per = e / n_group;
+                        let group_score: Vec<f32> = choice
+                            .chunks(per)
+                            .map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum())
+                            .collect();
+                        let keep = top_k(&group_score, topk_group);
+                        for (g, chunk) in choice.chunks_mut(per).enumerate() {
+                            if !keep.contains(&g) {
+                                chunk.fill(f32::NEG_INFINITY);
+                            }
+                        }
+                    }
+                    let ids = top_k(&choice, k);
+                    let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+                    if renormalize {
+                        let s: f32 = w.iter().sum::<f32>() + 1e-20;
+                        w.iter_mut().for_each(|v| *v /= s);
+                    }
+                    w.iter_mut().for_each(|v| *v *= cfg.routed_scaling_factor);
+                    (ids.into_iter().map(|i| i as u32).collect(), w)
+                }
+            }
+        })
+        .collect();
+    let mut ids = Vec::with_capacity(n * k);
+    let mut weights = Vec::with_capacity(n * k);
+    for (i, w) in per_token {
+        ids.extend(i);
+        weights.extend(w);
+    }
+    Routing {
+        ids,
+        weights,
+        top_k: k,
+    }
+}
+
+/// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
+pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<f32> {
+    let g = mlp.gate.forward(x, tokens);
+    let u = mlp.up.forward(x, tokens);
+    let a: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| {
+            let g = match act {
+                Activation::Silu => silu(g),
+                Activation::GeluTanh => gelu_tanh(g),
+            };
+            g * u
+        })
+        .collect();
+    mlp.down.forward(&a, tokens)
+}
+
+/// Reference CPU path for routed experts: gathers each expert's tokens, runs its MLP on them, and adds
+/// the weighted outputs into `out`. Experts run one after another; each MLP is parallel inside.
+pub fn experts_forward(
+    experts: &[Mlp],
+    act: Activation,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    out: &mut [f32],
+) {
+    let n = x.len() / hidden;
+    let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
+    for t in 0..n {
+        for j in 0..routing.top_k {
+            let e = routing.ids[t * routing.top_k + j] as usize;
+            per_expert[e].push((t, routing.weights[t * routing.top_k + j]));
+        }
+    }
+    for (e, assigned) in per_expert.iter().enumerate() {
+        if assigned.is_empty() {
+            continue;
+        }
+        let mut xs = Vec::with_capacity(assigned.len() * hidden);
+        for &(t, _) in assigned {
+            xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        let y = mlp_forward(&experts[e], act, &xs, assigned.len());
+        for (i, &(t, w)) in assigned.iter().enumerate() {
+            for (o, v) in out[t * hidden..(t + 1) * hidden]
+                .iter_mut()
+                .zip(&y[i * hidden..(i + 1) * hidden])
+            {
+                *o += w * v;
+            }
+        }
+    }
+}
+
+/// The whole MoE block for normalised hidden states `x` (`[n, hidden]`).
+pub fn moe_forward(
+    block: &MoeBlock,
+    cfg: &MoeConfig,
+    act: Activation,
+    x: &[f32],
+    hidden: usize,
+) -> Vec<f32> {
+    let n = x.len() / hidden;
+    let routing = route(block, cfg, x, hidden);
+    let mut out = vec![0f32; n * hidden];
+    experts_forward(&block.experts, act, x, hidden, &routing, &mut out);
+    if let Some(shared) = &block.shared {
+        let mut s = mlp_forward(shared, act, x, n);
+        if let Some(gate) = &block.shared_gate {
+            for t in 0..n {
+                let g = sigmoid(dot(gate, &x[t * hidden..(t + 1) * hidden]));
+                s[t * hidden..(t + 1) * hidden]
+                    .iter_mut()
+                    .for_each(|v| *v *= g);
+            }
+        }
+        add_assign(&mut out, &s);
+    }
+    out
+}

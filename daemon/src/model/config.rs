@@ -1,0 +1,569 @@
+//! `config.json` → [`ModelConfig`]: one normalised description of every supported architecture.
+//!
+//! Reads both the classic layout (`rope_theta`, `rope_scaling`, `partial_rotary_factor` at top level) and
+//! the newer `rope_parameters` object. Which optional tensors exist (biases, q/k norms) is decided from the
+//! checkpoint itself when the layers are built, not from config flags that differ per family.
+use serde_json::Value;
+
+/// Architectures the engine implements (the `architectures[0]` string of config.json).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+    Glm4Moe,
+    DeepseekV3,
+}
+
+pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
+    ("LlamaForCausalLM", Arch::Llama),
+    ("MistralForCausalLM", Arch::Llama),
+    ("Qwen2ForCausalLM", Arch::Qwen2),
+    ("Qwen3ForCausalLM", Arch::Qwen3),
+    ("MixtralForCausalLM", Arch::Mixtral),
+    ("Qwen2MoeForCausalLM", Arch::Qwen2Moe),
+    ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
+    ("Glm4MoeForCausalLM", Arch::Glm4Moe),
+    ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config.json: unknown architecture `{0}`; supported: {1}")]
+    UnknownArch(String, String),
+    #[error("config.json: missing or invalid field `{0}`")]
+    Field(&'static str),
+    #[error("config.json: {0}")]
+    Invalid(String),
+}
+
+/// How position is rotated into q/k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// rotate_half over the two halves of the rotary dims (Llama, Qwen, GLM).
+    Neox,
+    /// adjacent pairs (x0,x1),(x2,x3)… (DeepSeek MLA with `rope_interleave`).
+    Interleaved,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        attention_factor: Option<f64>,
+        truncate: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    /// Number of leading head dims that are rotated (head_dim × partial_rotary_factor; MLA: qk_rope_head_dim).
+    pub rotary_dim: usize,
+    pub style: RopeStyle,
+    pub scaling: RopeScaling,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterKind {
+    /// softmax over all experts → top-k (Mixtral, Qwen-MoE); `renormalize` = norm_topk_prob.
+    Softmax { renormalize: bool },
+    /// sigmoid scores; selection on scores + e_score_correction_bias, group-limited (GLM-4.5, DeepSeek-V3);
+    /// weights are the unbiased scores, optionally renormalised, times the routed scaling factor.
+    SigmoidGrouped {
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub router: RouterKind,
+    pub routed_scaling_factor: f32,
+    /// Width of the always-on shared expert MLP, if any.
+    pub shared_intermediate: Option<usize>,
+    /// Qwen2-MoE: shared expert output is scaled by sigmoid(shared_expert_gate · x).
+    pub shared_gate: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub arch_name: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub activation: Activation,
+    pub rope: RopeConfig,
+    pub mla: Option<MlaConfig>,
+    pub moe: Option<MoeConfig>,
+    /// Per layer: true when its FFN is the MoE block.
+    pub moe_layers: Vec<bool>,
+}
+
+fn get_usize(v: &Value, key: &'static str) -> Result<usize, ConfigError> {
+    v.get(key)
+        .and_then(Value::as_u64)
+        .map(|x| x as usize)
+        .ok_or(ConfigError::Field(key))
+}
+
+fn opt_usize(v: &Value, key: &str) -> Option<usize> {
+    v.get(key).and_then(Value::as_u64).map(|x| x as usize)
+}
+
+fn opt_f64(v: &Value, key: &str) -> Option<f64> {
+    v.get(key).and_then(Value::as_f64)
+}
+
+fn opt_bool(v: &Value, key: &str) -> Option<bool> {
+    v.get(key).and_then(Value::as_bool)
+}
+
+/// `eos_token_id` may be a number or a list.
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => vec![],
+    }
+}
+
+impl ModelConfig {
+    /// Parses a Hugging Face config.json value.
+    pub fn from_json(v: &Value) -> Result<Self, ConfigError> {
+        let arch_name = v
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .ok_or(ConfigError::Field("architectures"))?
+            .to_owned();
+        let arch = SUPPORTED_ARCHITECTURES
+            .iter()
+            .find(|(n, _)| *n == arch_name)
+            .map(|(_, a)| *a)
+            .ok_or_else(|| {
+                let names: Vec<&str> = SUPPORTED_ARCHITECTURES.iter().map(|(n, _)| *n).collect();
+                ConfigError::UnknownArch(arch_name.clone(), names.join(", "))
+            })?;
+
+        let hidden_size = get_usize(v, "hidden_size")?;
+        let num_heads = get_usize(v, "num_attention_heads")?;
+        let num_kv_heads = opt_usize(v, "num_key_value_heads").unwrap_or(num_heads);
+        let num_layers = get_usize(v, "num_hidden_layers")?;
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(ConfigError::Invalid(format!(
+                "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
+            )));
+        }
+        let mla = if arch == Arch::DeepseekV3 {
+            Some(MlaConfig {
+                q_lora_rank: opt_usize(v, "q_lora_rank"),
+                kv_lora_rank: get_usize(v, "kv_lora_rank")?,
+                qk_nope_head_dim: get_usize(v, "qk_nope_head_dim")?,
+                qk_rope_head_dim: get_usize(v, "qk_rope_head_dim")?,
+                v_head_dim: get_usize(v, "v_head_dim")?,
+            })
+        } else {
+            None
+        };
+        let head_dim = match &mla {
+            Some(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            None => opt_usize(v, "head_dim").unwrap_or(hidden_size / num_heads),
+        };
+        let activation = match v
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu")
+        {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+            other => {
+                return Err(ConfigError::Invalid(format!(
+                    "hidden_act `{other}` is not supported"
+                )))
+            }
+        };
+        let rope = parse_rope(v, arch, head_dim, mla.as_ref())?;
+        let (moe, moe_layers) = parse_moe(v, arch, num_layers)?;
+        let eos = token_ids(v.get("eos_token_id"));
+        Ok(Self {
+            arch,
+            arch_name,
+            vocab_size: get_usize(v, "vocab_size")?,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
+            rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(1e-6) as f32,
+            tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(false),
+            max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(4096),
+            bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
+            eos_token_ids: eos,
+            activation,
+            rope,
+            mla,
+            moe,
+            moe_layers,
+        })
+    }
+
+    /// Reads and parses `dir/config.json`, then merges `generation_config.json`'s eos ids if present.
+    pub fn from_dir(dir: &std::path::Path) -> Result<Self, ConfigError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ConfigError::Invalid(format!("cannot read {}: {e}", path.display())))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| {
+            ConfigError::Invalid(format!("{} is not valid JSON: {e}", path.display()))
+        })?;
+        let mut cfg = Self::from_json(&v)?;
+        if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
+            if let Ok(g) = serde_json::from_str::<Value>(&text) {
+                for id in token_ids(g.get("eos_token_id")) {
+                    if !cfg.eos_token_ids.contains(&id) {
+                        cfg.eos_token_ids.push(id);
+                    }
+                }
+            }
+        }
+        Ok(cfg)
+    }
+
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe_layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Softmax scale of attention: 1/sqrt(qk head dim), times mscale² for YaRN with `mscale_all_dim`
+    /// (DeepSeek-V3's `yarn_apply_mscale`).
+    pub fn attention_scale(&self) -> f32 {
+        let mut s = (self.head_dim as f64).powf(-0.5);
+        if self.mla.is_some() {
+            if let RopeScaling::Yarn {
+                factor,
+                mscale_all_dim: Some(m),
+                ..
+            } = self.rope.scaling
+            {
+                if m != 0.0 {
+                    let ms = yarn_get_mscale(factor, m);
+                    s *= ms * ms;
+                }
+            }
+        }
+        s as f32
+    }
+}
+
+pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+fn parse_rope(
+    v: &Value,
+    arch: Arch,
+    head_dim: usize,
+    mla: Option<&MlaConfig>,
+) -> Result<RopeConfig, ConfigError> {
+    // Newer form: everything inside `rope_parameters`; classic: top-level theta + `rope_scaling`.
+    let params = v.get("rope_parameters").filter(|p| p.is_object());
+    let scaling_obj = params.or_else(|| v.get("rope_scaling").filter(|p| p.is_object()));
+    let theta = params
+        .and_then(|p| opt_f64(p, "rope_theta"))
+        .or_else(|| opt_f64(v, "rope_theta"))
+        .unwrap_or(10000.0);
+    let partial = params
+        .and_then(|p| opt_f64(p, "partial_rotary_factor"))
+        .or_else(|| opt_f64(v, "partial_rotary_factor"))
+        .unwrap_or(1.0);
+    let rotary_dim = match mla {
+        Some(m) => m.qk_rope_head_dim,
+        None => (head_dim as f64 * partial) as usize,
+    };
+    let style = if arch == Arch::DeepseekV3 && opt_bool(v, "rope_interleave").unwrap_or(true) {
+        RopeStyle::Interleaved
+    } else {
+        RopeStyle::Neox
+    };
+    let max_pos = opt_f64(v, "max_position_embeddings").unwrap_or(4096.0);
+    let scaling = match scaling_obj {
+        None => RopeScaling::None,
+        Some(s) => {
+            let kind = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            let factor = opt_f64(s, "factor");
+            let need_factor = || factor.ok_or(ConfigError::Field("rope_scaling.factor"));
+            match kind {
+                "default" => RopeScaling::None,
+                "linear" => RopeScaling::Linear {
+                    factor: need_factor()?,
+                },
+                "llama3" => RopeScaling::Llama3 {
+                    factor: need_factor()?,
+                    low_freq_factor: opt_f64(s, "low_freq_factor").unwrap_or(1.0),
+                    high_freq_factor: opt_f64(s, "high_freq_factor").unwrap_or(4.0),
+                    original_max_position_embeddings: opt_f64(
+                        s,
+                        "original_max_position_embeddings",
+                    )
+                    .ok_or(ConfigError::Field(
+                        "rope_scaling.original_max_position_embeddings",
+                    ))?,
+                },
+                "yarn" => {
+                    let orig = opt_f64(s, "original_max_position_embeddings").unwrap_or(max_pos);
+                    RopeScaling::Yarn {
+                        factor: factor.unwrap_or(max_pos / orig),
+                        original_max_position_embeddings: orig,
+                        beta_fast: opt_f64(s, "beta_fast")
+                            .filter(|x| *x != 0.0)
+                            .unwrap_or(32.0),
+                        beta_slow: opt_f64(s, "beta_slow").filter(|x| *x != 0.0).unwrap_or(1.0),
+                        mscale: opt_f64(s, "mscale"),
+                        mscale_all_dim: opt_f64(s, "mscale_all_dim"),
+                        attention_factor: opt_f64(s, "attention_factor"),
+                        truncate: opt_bool(s, "truncate").unwrap_or(true),
+                    }
+                }
+                other => {
+                    return Err(ConfigError::Invalid(format!(
+                        "rope type `{other}` is not supported (default, linear, llama3, yarn)"
+                    )))
+                }
+            }
+        }
+    };
+    if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        return Err(ConfigError::Invalid(format!(
+            "rotary dimension {rotary_dim} must be even and within head_dim {head_dim}"
+        )));
+    }
+    Ok(RopeConfig {
+        theta,
+        rotary_dim,
+        style,
+        scaling,
+    })
+}
+
+fn parse_moe(
+    v: &Value,
+    arch: Arch,
+    num_layers: usize,
+) -> Result<(Option<MoeConfig>, Vec<bool>), ConfigError> {
+    let norm = opt_bool(v, "norm_topk_prob");
+    let top_k = opt_usize(v, "num_experts_per_tok");
+    let (moe, layers): (MoeConfig, Vec<bool>) = match arch {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => return Ok((None, vec![false; num_layers])),
+        Arch::Mixtral => (
+            MoeConfig {
+                num_experts: get_usize(v, "num_local_experts")?,
+                top_k: top_k.ok_or(ConfigError::Field("num_experts_per_tok"))?,
+                expert_intermediate: get_usize(v, "intermediate_size")?,
+                router: RouterKind::Softmax { renormalize: true },
+                routed_scaling_factor: 1.0,
+                shared_intermediate: None,
+                shared_gate: false,
+            },
+            vec![true; num_layers],
+        ),
+        Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            let num_experts = opt_usize(v, "num_experts")
+                .or_else(|| opt_usize(v, "num_local_experts"))
+                .ok_or(ConfigError::Field("num_experts"))?;
+            let step = opt_usize(v, "decoder_sparse_step").unwrap_or(1).max(1);
+            let dense: Vec<usize> = v
+                .get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_u64())
+                        .map(|x| x as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let layers = (0..num_layers)
+                .map(|i| !dense.contains(&i) && num_experts > 0 && (i + 1) % step == 0)
+                .collect();
+            let qwen2 = arch == Arch::Qwen2Moe;
+            (
+                MoeConfig {
+                    num_experts,
+                    top_k: top_k.ok_or(ConfigError::Field("num_experts_per_tok"))?,
+                    expert_intermediate: get_usize(v, "moe_intermediate_size")?,
+                    router: RouterKind::Softmax {
+                        renormalize: norm.unwrap_or(!qwen2),
+                    },
+                    routed_scaling_factor: 1.0,
+                    shared_intermediate: if qwen2 {
+                        opt_usize(v, "shared_expert_intermediate_size").filter(|&w| w > 0)
+                    } else {
+                        None
+                    },
+                    shared_gate: qwen2,
+                },
+                layers,
+            )
+        }
+        Arch::Glm4Moe | Arch::DeepseekV3 => {
+            let num_experts = get_usize(v, "n_routed_experts")?;
+            let inter = get_usize(v, "moe_intermediate_size")?;
+            let first_dense = opt_usize(v, "first_k_dense_replace").unwrap_or(0);
+            let freq = opt_usize(v, "moe_layer_freq").unwrap_or(1).max(1);
+            let n_group = opt_usize(v, "n_group").unwrap_or(1).max(1);
+            let topk_group = opt_usize(v, "topk_group").unwrap_or(1).max(1);
+            if num_experts % n_group != 0 || topk_group > n_group {
+                return Err(ConfigError::Invalid(format!(
+                    "n_routed_experts {num_experts} must split into n_group {n_group} groups with topk_group {topk_group} <= n_group"
+                )));
+            }
+            let shared = opt_usize(v, "n_shared_experts").unwrap_or(0);
+            let layers = (0..num_layers)
+                .map(|i| i >= first_dense && i % freq == 0)
+                .collect();
+            (
+                MoeConfig {
+                    num_experts,
+                    top_k: top_k.ok_or(ConfigError::Field("num_experts_per_tok"))?,
+                    expert_intermediate: inter,
+                    router: RouterKind::SigmoidGrouped {
+                        n_group,
+                        topk_group,
+                        renormalize: norm.unwrap_or(true),
+                    },
+                    routed_scaling_factor: opt_f64(v, "routed_scaling_factor").unwrap_or(1.0)
+                        as f32,
+                    shared_intermediate: (shared > 0).then_some(inter * shared),
+                    shared_gate: false,
+                },
+                layers,
+            )
+        }
+    };
+    if moe.top_k == 0 || moe.top_k > moe.num_experts {
+        return Err(ConfigError::Invalid(format!(
+            "num_experts_per_tok {} must be within 1..={}",
+            moe.top_k, moe.num_experts
+        )));
+    }
+    Ok((Some(moe), layers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 100, "head_dim": 32,
+               "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+               "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+               "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "eos_token_id": [2, 3]})
+    }
+
+    #[test]
+    fn classic_and_rope_parameters_forms_agree() {
+        let classic = ModelConfig::from_json(&base()).unwrap();
+        let mut v = base();
+        let o = v.as_object_mut().unwrap();
+        o.remove("rope_theta");
+        o.remove("partial_rotary_factor");
+        o.insert(
+            "rope_parameters".into(),
+            json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        );
+        let newer = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(classic.rope, newer.rope);
+        assert_eq!(classic.rope.rotary_dim, 16);
+        assert_eq!(classic.moe_layers, vec![false, true, true]);
+        assert_eq!(classic.eos_token_ids, vec![2, 3]);
+        assert_eq!(classic.moe.as_ref().unwrap().shared_intermediate, Some(16));
+    }
+
+    #[test]
+    fn unknown_architecture_lists_supported() {
+        let mut v = base();
+        v["architectures"] = json!(["FancyForCausalLM"]);
+        let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+        assert!(
+            e.contains("FancyForCausalLM") && e.contains("Qwen3MoeForCausalLM"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_errors_not_panics() {
+        let mut v = base();
+        v["num_key_value_heads"] = json!(3);
+        assert!(ModelConfig::from_json(&v).is_err());
+        let mut v = base();
+        v["num_experts_per_tok"] = json!(9);
+        assert!(ModelConfig::from_json(&v).is_err());
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        assert!(matches!(
+            ModelConfig::from_json(&v),
+            Err(ConfigError::Field("hidden_size"))
+        ));
+    }
+}

@@ -1,0 +1,61 @@
+//! Hugging Face tensor names per architecture (what is on disk). Everything else is shared.
+use super::config::Arch;
+
+/// Prefix of layer `i`'s MoE block and the names of one expert's three projections.
+pub struct MoeNames {
+    pub block: String,
+    pub router: String,
+    pub correction_bias: String,
+    pub shared: Option<String>,
+    pub shared_gate: Option<String>,
+    arch: Arch,
+}
+
+impl MoeNames {
+    pub fn new(arch: Arch, layer: usize) -> Self {
+        let (block, shared, shared_gate) = match arch {
+            Arch::Mixtral => (format!("model.layers.{layer}.block_sparse_moe"), None, None),
+            Arch::Qwen2Moe => {
+                let b = format!("model.layers.{layer}.mlp");
+                (
+                    b.clone(),
+                    Some(format!("{b}.shared_expert")),
+                    Some(format!("{b}.shared_expert_gate.weight")),
+                )
+            }
+            _ => {
+                let b = format!("model.layers.{layer}.mlp");
+                (b.clone(), Some(format!("{b}.shared_experts")), None)
+            }
+        };
+        Self {
+            router: format!("{block}.gate.weight"),
+            correction_bias: format!("{block}.gate.e_score_correction_bias"),
+            block,
+            shared,
+            shared_gate,
+            arch,
+        }
+    }
+
+    /// (gate, up, down) weight names of expert `e`.
+    pub fn expert(&self, e: usize) -> [String; 3] {
+        let p = format!("{}.experts.{e}", self.block);
+        match self.arch {
+            Arch::Mixtral => [
+                format!("{p}.w1.weight"),
+                format!("{p}.w3.weight"),
+                format!("{p}.w2.weight"),
+            ],
+            _ => [
+                format!("{p}.gate_proj.weight"),
+                format!("{p}.up_proj.weight"),
+                format!("{p}.down_proj.weight"),
+            ],
+        }
+    }
+}
+
+pub fn layer(i: usize) -> String {
+    format!("model.layers.{i}")
+}

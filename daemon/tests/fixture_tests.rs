@@ -1,0 +1,219 @@
+//! Every architecture against Hugging Face transformers (eager, f32) on the committed fixtures
+//! (tests/fixtures/<name>/{model,model_bf16,oracle.json}, made by tests/fixtures/make_fixtures.py).
+//!
+//! Tolerance: per-step relative L2 of the logits ≤ 1e-3 (f32 engine on bf16-exact weights; measured
+//! values are ~1e-6), identical greedy tokens, every prefill position checked.
+use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+use serde_json::Value;
+use std::path::PathBuf;
+
+const TOL: f32 = 1e-3;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(name)
+}
+
+struct Oracle {
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    /// Final-position logits: step 0 = end of prefill, then one per decode step.
+    steps: Vec<Vec<f32>>,
+    prefill_all: Vec<Vec<f32>>,
+}
+
+fn oracle(name: &str) -> Oracle {
+    let text = std::fs::read_to_string(fixture_dir(name).join("oracle.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let floats = |v: &Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    Oracle {
+        prompt: ids(&v["prompt_ids"]),
+        greedy: ids(&v["greedy_tokens"]),
+        steps: v["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| floats(&s["logits"]))
+            .collect(),
+        prefill_all: v["prefill_all_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(floats)
+            .collect(),
+    }
+}
+
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    moe_daemon::engine::sampling::argmax(v) as u32
+}
+
+fn check(name: &str, variant: &str) {
+    let o = oracle(name);
+    let engine = Engine::load(&fixture_dir(name).join(variant), &EngineOptions::default())
+        .unwrap_or_else(|e| panic!("{name}/{variant}: {e:#}"));
+    let mut cache = engine.new_cache();
+    let all = engine
+        .forward_all(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &o.prompt,
+        }])
+        .unwrap();
+    assert_eq!(all.len(), o.prompt.len());
+    for (p, (got, want)) in all.iter().zip(&o.prefill_all).enumerate() {
+        let e = rel_l2(got, want);
+        assert!(
+            e <= TOL,
+            "{name}/{variant}: prefill position {p}: rel-L2 {e}"
+        );
+    }
+    let mut logits = all.last().unwrap().clone();
+    let mut generated = vec![];
+    for (step, want) in o.steps.iter().enumerate() {
+        let e = rel_l2(&logits, want);
+        assert!(e <= TOL, "{name}/{variant}: step {step}: rel-L2 {e}");
+        let tok = argmax(&logits);
+        generated.push(tok);
+        if step + 1 == o.steps.len() {
+            break;
+        }
+        logits = engine
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: &[tok],
+            }])
+            .unwrap()
+            .remove(0);
+    }
+    // The oracle lists the tokens fed back (one fewer than the steps checked).
+    assert_eq!(
+        generated[..o.greedy.len()],
+        o.greedy[..],
+        "{name}/{variant}: greedy tokens"
+    );
+}
+
+macro_rules! fixture_tests {
+    ($($name:ident),*) => {$(
+        mod $name {
+            #[test]
+            fn f32_checkpoint() {
+                super::check(stringify!($name), "model");
+            }
+            #[test]
+            fn bf16_checkpoint() {
+                super::check(stringify!($name), "model_bf16");
+            }
+        }
+    )*};
+}
+
+fixture_tests!(
+    qwen3_moe,
+    glm4_moe,
+    deepseek_v3,
+    deepseek_v3_plain,
+    mixtral,
+    qwen2_moe,
+    llama,
+    qwen2,
+    qwen3
+);
+
+#[test]
+fn deepseek_v3_fp8_block_scaled() {
+    check("deepseek_v3_fp8", "model");
+}
+
+/// Prefill in chunks of 5 gives the same logits as one whole prefill.
+#[test]
+fn chunked_prefill_equals_whole_prefill() {
+    for name in ["qwen3_moe", "deepseek_v3"] {
+        let o = oracle(name);
+        let engine =
+            Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
+        let mut whole = engine.new_cache();
+        let want = engine
+            .forward(&mut [SeqInput {
+                cache: &mut whole,
+                tokens: &o.prompt,
+            }])
+            .unwrap()
+            .remove(0);
+        let mut chunked = engine.new_cache();
+        let mut got = vec![];
+        for chunk in o.prompt.chunks(5) {
+            got = engine
+                .forward(&mut [SeqInput {
+                    cache: &mut chunked,
+                    tokens: chunk,
+                }])
+                .unwrap()
+                .remove(0);
+        }
+        assert!(rel_l2(&got, &want) < 1e-5, "{name}");
+        assert_eq!(chunked.len(), o.prompt.len());
+    }
+}
+
+/// Sequences of different lengths in one batch give what each gives alone.
+#[test]
+fn batch_equals_members_alone() {
+    for name in ["glm4_moe", "deepseek_v3_plain", "mixtral"] {
+        let o = oracle(name);
+        let engine =
+            Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
+        let prompts: Vec<Vec<u32>> = vec![
+            o.prompt.clone(),
+            o.prompt[..3].to_vec(),
+            o.prompt.iter().rev().copied().collect(),
+        ];
+        let alone: Vec<Vec<f32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut c = engine.new_cache();
+                engine
+                    .forward(&mut [SeqInput {
+                        cache: &mut c,
+                        tokens: p,
+                    }])
+                    .unwrap()
+                    .remove(0)
+            })
+            .collect();
+        let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache()).collect();
+        let mut batch: Vec<SeqInput> = caches
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(c, p)| SeqInput {
+                cache: c,
+                tokens: p,
+            })
+            .collect();
+        let together = engine.forward(&mut batch).unwrap();
+        for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
+            assert!(rel_l2(a, b) < 1e-5, "{name}: member {i}");
+        }
+    }
+}
