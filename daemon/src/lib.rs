@@ -5,3 +5,5 @@ pub mod model;
 pub mod sched;
 pub mod text;
 pub mod weights;
+pub mod api;
+pub mod cli;

@@ -1,0 +1,2 @@
+//! Subcommand implementations called from `main.rs`.
+pub mod serve;
