@@ -30,11 +30,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
         .template
         .as_ref()
         .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
-    let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    if json_mode {
-        // No grammar engine here: JSON mode is asked of the model and the output is checked (see docs).
-        kwargs.entry("response_format").or_insert(json!("json_object"));
-    }
+    let kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let prompt_text = template
         .render(&req.messages, req.tools.as_deref().filter(|_| tools.is_some()), req.add_generation_prompt.unwrap_or(true), &kwargs)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -56,6 +52,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompt.len(),
+        json_object: json_mode,
     };
     let running = submit(&state, job)?;
     let id = request_id("chatcmpl");

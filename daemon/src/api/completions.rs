@@ -62,6 +62,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
+        json_object: false,
     };
     let running = submit(&state, job)?;
     let (id, created, model) = (request_id("cmpl"), now_unix(), state.served_model.clone());

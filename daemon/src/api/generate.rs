@@ -6,7 +6,8 @@ use super::error::ApiError;
 use super::tool_parser::ToolCall;
 use super::AppState;
 use crate::engine::sampling::SamplingParams;
-use crate::sched::{GenRequest, SeqEvent, SubmitError};
+use super::json_mode::JsonObjectConstraint;
+use crate::sched::{GenRequest, SeqEvent, SubmitError, TokenConstraint};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
@@ -33,6 +34,8 @@ pub struct Job {
     pub extra_stop_ids: Vec<u32>,
     /// Prompt tokens reported in usage (each distinct prompt once).
     pub prompt_tokens: usize,
+    /// Constrain output to a JSON object.
+    pub json_object: bool,
 }
 
 pub struct Running {
@@ -58,6 +61,9 @@ pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
             logprobs: job.logprobs,
             deadline,
             events: tx,
+            constraint: job.json_object.then(|| {
+                Box::new(JsonObjectConstraint::new(state.token_texts.clone(), stop_ids.clone())) as Box<dyn TokenConstraint>
+            }),
         };
         state.engine.submit(req).map_err(|e| match e {
             SubmitError::QueueFull(_) => {

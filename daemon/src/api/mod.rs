@@ -6,6 +6,7 @@ pub mod choice;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod json_mode;
 pub mod reasoning;
 pub mod tool_parser;
 pub mod types;
@@ -42,6 +43,8 @@ pub struct AppState {
     /// Set on SIGTERM: new requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
     pub created: u64,
+    /// Every token's text, for JSON-mode constraints.
+    pub token_texts: Arc<Vec<String>>,
 }
 
 impl AppState {

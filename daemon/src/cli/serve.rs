@@ -209,7 +209,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         served_model: args.served_model_name.clone().unwrap_or_else(|| files.name.clone()),
         vocab_size: tokenizer.vocab_size(),
-        tokenizer,
+        tokenizer: tokenizer.clone(),
         template,
         engine,
         metrics,
@@ -220,6 +220,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         retry_after_s: 1,
         draining: Default::default(),
         created: api::generate::now_unix(),
+        token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(serve(args, state))

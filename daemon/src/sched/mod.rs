@@ -55,6 +55,16 @@ pub struct GenRequest {
     pub logprobs: Option<usize>,
     pub deadline: Option<Instant>,
     pub events: UnboundedSender<SeqEvent>,
+    /// Restricts sampling (JSON mode); the sequence stops once the constraint is complete.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+}
+
+/// Restricts which tokens a sequence may sample, e.g. to keep output a valid JSON prefix.
+pub trait TokenConstraint: Send {
+    fn allows(&self, id: u32) -> bool;
+    fn advance(&mut self, id: u32);
+    /// Nothing more may follow: the sequence ends here.
+    fn is_complete(&self) -> bool;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -31,6 +31,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceive
         logprobs: None,
         deadline: None,
         events: tx,
+        constraint: None,
     };
     (req, rx)
 }
@@ -145,4 +146,31 @@ fn full_queue_is_refused_and_deadlines_end_requests() {
         }
     };
     assert!(timed_out.contains("timed out"));
+}
+
+struct EvenTokensThenStop(usize);
+
+impl TokenConstraint for EvenTokensThenStop {
+    fn allows(&self, id: u32) -> bool {
+        id % 2 == 0 && id != END
+    }
+    fn advance(&mut self, _: u32) {
+        self.0 += 1;
+    }
+    fn is_complete(&self) -> bool {
+        self.0 == 3
+    }
+}
+
+#[test]
+fn constraint_masks_tokens_and_ends_the_sequence_when_complete() {
+    let (h, _) = engine(SchedulerConfig::default());
+    let (mut r, mut rx) = request(vec![8, 8], 100);
+    r.constraint = Some(Box::new(EvenTokensThenStop(0)));
+    h.submit(r).unwrap();
+    let (tokens, reason, _) = collect(&mut rx);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(tokens.len(), 3);
+    assert_eq!(tokens[0], 50, "allowed scripted token kept");
+    assert!(tokens.iter().all(|t| t % 2 == 0 && *t != END), "{tokens:?}");
 }

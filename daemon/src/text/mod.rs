@@ -2,6 +2,7 @@
 //! incremental detokenisation and stop-string matching.
 pub mod chat_template;
 pub mod detokenizer;
+pub mod json_prefix;
 pub mod stop;
 pub mod tokenizer;
 
