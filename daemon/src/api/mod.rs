@@ -65,6 +65,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/tokenize", post(tokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), gate));
     Router::new()
         .merge(v1)
@@ -107,6 +108,17 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
         "max_model_len": state.max_context,
     }]}))
     .into_response()
+}
+
+/// vLLM's `/tokenize`: `{"prompt": "..."}` → `{"tokens": [...], "count": n, "max_model_len": m}`.
+async fn tokenize(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        prompt: String,
+    }
+    let req: Req = types::parse_body(&body)?;
+    let tokens = state.tokenizer.encode(&req.prompt).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(axum::Json(json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context})).into_response())
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {

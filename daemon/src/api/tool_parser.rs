@@ -155,7 +155,9 @@ mod tests {
 
     fn run(p: &mut ToolCallParser, pieces: &[&str]) -> ToolSplit {
         let mut all = ToolSplit::default();
-        for piece in pieces.iter().map(|s| p.push(s)).chain([p.finish()]) {
+        let mut parts: Vec<ToolSplit> = pieces.iter().map(|s| p.push(s)).collect();
+        parts.push(p.finish());
+        for piece in parts {
             all.content += &piece.content;
             all.calls.extend(piece.calls);
         }
