@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -36,6 +37,28 @@ SCRIPT = {
          "reply": " ".join(["word"] * 3000)},
     ],
 }
+
+
+class RawResponse:
+    def __init__(self, status, headers, body):
+        self.status_code, self.headers, self.text = status, headers, body
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def raw(url, body=None, headers=None, timeout=30):
+    """A plain HTTP request (urllib), for what the openai client will not send: malformed bodies,
+    missing keys, header checks. `body`: bytes, or a value sent as JSON."""
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    h = {"content-type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=body, headers=h, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return RawResponse(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return RawResponse(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode())
 
 
 def _free_port():
@@ -83,7 +106,8 @@ class Server:
 
     def client(self, **kw):
         kw.setdefault("api_key", "unused")
-        return openai.OpenAI(base_url=self.base + "/v1", max_retries=0, timeout=120, **kw)
+        kw.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.base + "/v1", max_retries=0, **kw)
 
     def metrics(self):
         with urllib.request.urlopen(self.base + "/metrics", timeout=5) as r:

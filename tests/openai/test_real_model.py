@@ -2,9 +2,10 @@
 import concurrent.futures
 import json
 
-import httpx
 import openai
 import pytest
+
+from conftest import raw
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -45,7 +46,7 @@ def test_chat_stream_matches_non_stream_and_reports_usage(real):
 def test_completions_text_and_token_ids_agree(real):
     c = real.client()
     prompt = "The capital of France is"
-    ids = httpx.post(real.base + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    ids = raw(real.base + "/tokenize", {"prompt": prompt}).json()["tokens"]
     a = c.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
     b = c.completions.create(model="smollm2", prompt=ids, max_tokens=8, temperature=0)
     assert a.choices[0].text == b.choices[0].text
@@ -133,12 +134,12 @@ def test_malformed_bodies_are_400_and_the_server_survives(real):
     for body in [b"{", b"[]", b'{"messages": "hi"}', b"\xff\xfe", b'{"messages": [{"content": "x"}]}',
                  b'{"prompt": {"a": 1}}', b'{"messages": [{"role": "user", "content": "x"}], "n": "many"}']:
         for path in ("/v1/chat/completions", "/v1/completions"):
-            r = httpx.post(real.base + path, content=body, headers={"content-type": "application/json"})
+            r = raw(real.base + path, body)
             assert r.status_code == 400, (path, body, r.text)
             assert "message" in r.json()["error"]
-    r = httpx.post(real.base + "/v1/completions", json={"model": "smollm2", "prompt": [10**9]})
+    r = raw(real.base + "/v1/completions", {"model": "smollm2", "prompt": [10**9]})
     assert r.status_code == 400
-    assert httpx.get(real.base + "/health").status_code == 200
+    assert raw(real.base + "/health").status_code == 200
 
 
 def test_32_concurrent_greedy_requests_equal_sequential_ones(real):

@@ -4,11 +4,10 @@ import json
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
-from conftest import API_KEY
+from conftest import API_KEY, raw
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast",
@@ -17,17 +16,18 @@ TOOLS = [{"type": "function", "function": {
 
 
 def ask(c, text, **kw):
+    kw.setdefault("max_tokens", 200)
     return c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
-                                     temperature=0, max_tokens=200, **kw)
+                                     temperature=0, **kw)
 
 
 def test_wrong_or_missing_api_key_is_401(scripted):
     with pytest.raises(openai.AuthenticationError) as e:
         ask(scripted.client(api_key="wrong"), "hi")
     assert e.value.status_code == 401
-    r = httpx.get(scripted.base + "/v1/models")
+    r = raw(scripted.base + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(scripted.base + "/health").status_code == 200
+    assert raw(scripted.base + "/health").status_code == 200
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "glm"])
@@ -117,8 +117,8 @@ def test_full_queue_is_429_with_retry_after(scripted):
         t.start()
         waiting.append(t)
     assert wait_metric(scripted, "moe:num_requests_waiting", 2.0)
-    r = httpx.post(scripted.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
+    r = raw(scripted.base + "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 429, r.text
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"

@@ -76,6 +76,7 @@ impl<M: StepModel> Scheduler<M> {
                 return;
             }
             self.drop_finished_or_abandoned();
+            self.publish_gauges();
             let work = self.schedule();
             if work.is_empty() {
                 continue;
@@ -102,7 +103,6 @@ impl<M: StepModel> Scheduler<M> {
         while let Ok(req) = self.rx.try_recv() {
             self.waiting.push_back(Waiting { req, arrived: Instant::now() });
         }
-        self.publish_gauges();
         true
     }
 
