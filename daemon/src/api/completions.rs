@@ -2,7 +2,9 @@
 //! prompt, n per prompt).
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
-use super::generate::{choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job};
+use super::generate::{
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
+};
 use super::types::{parse_body, CompletionRequest, PromptSpec, MAX_TOP_LOGPROBS};
 use super::AppState;
 use axum::body::Bytes;
@@ -11,13 +13,19 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
-pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
     state.check_model(req.common.model.as_deref())?;
     let n = req.common.n()?;
     let sampling = req.common.sampling()?;
     if req.common.json_mode()? {
-        return Err(ApiError::bad_param("response_format", "response_format is supported on /v1/chat/completions"));
+        return Err(ApiError::bad_param(
+            "response_format",
+            "response_format is supported on /v1/chat/completions",
+        ));
     }
     if req.echo {
         return Err(ApiError::bad_param("echo", "echo is not supported"));
@@ -25,12 +33,20 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
     let logprobs = match req.logprobs {
         None => None,
         Some(k @ 0..=MAX_TOP_LOGPROBS) => Some(k as usize),
-        Some(k) => return Err(ApiError::bad_param("logprobs", format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"))),
+        Some(k) => {
+            return Err(ApiError::bad_param(
+                "logprobs",
+                format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+            ))
+        }
     };
     let vocab = state.vocab_size;
     let prompts: Vec<Vec<u32>> = match req.prompt {
         PromptSpec::Text(t) => vec![encode(&state, &t)?],
-        PromptSpec::Texts(ts) => ts.iter().map(|t| encode(&state, t)).collect::<Result<_, _>>()?,
+        PromptSpec::Texts(ts) => ts
+            .iter()
+            .map(|t| encode(&state, t))
+            .collect::<Result<_, _>>()?,
         PromptSpec::Tokens(ids) => vec![ids],
         PromptSpec::TokenLists(l) => l,
     };
@@ -38,7 +54,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         return Err(ApiError::bad_param("prompt", "prompt must not be empty"));
     }
     if let Some(bad) = prompts.iter().flatten().find(|&&id| id as usize >= vocab) {
-        return Err(ApiError::bad_param("prompt", format!("token id {bad} is outside the vocabulary (size {vocab})")));
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!("token id {bad} is outside the vocabulary (size {vocab})"),
+        ));
     }
     let requested = req.common.max_tokens()?.or(Some(16)); // OpenAI's default for completions
     let max_tokens = prompts
@@ -51,14 +70,23 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
     let mut choices = Vec::new();
     for (pi, p) in prompts.iter().enumerate() {
         for i in 0..n {
-            choices.push(ChoiceSpec { index: pi * n + i, prompt: p.clone(), sampling: choice_sampling(&sampling, i) });
+            choices.push(ChoiceSpec {
+                index: pi * n + i,
+                prompt: p.clone(),
+                sampling: choice_sampling(&sampling, i),
+            });
         }
     }
     let job = Job {
         choices,
         max_tokens,
         logprobs,
-        output: OutputOptions { stop: req.common.stop.strings(), reasoning: None, tools: None, skip_special_tokens: true },
+        output: OutputOptions {
+            stop: req.common.stop.strings(),
+            reasoning: None,
+            tools: None,
+            skip_special_tokens: true,
+        },
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
@@ -78,7 +106,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         let head2 = head.clone();
         let chunk = move |i: usize, d: &ChoiceDelta, finish: Option<&str>| {
             let lp = logprobs.map(|_| logprobs_json(&d.logprobs, 0));
-            head2(json!([{"index": i, "text": d.content, "logprobs": lp, "finish_reason": finish}]), None)
+            head2(
+                json!([{"index": i, "text": d.content, "logprobs": lp, "finish_reason": finish}]),
+                None,
+            )
         };
         let usage = include_usage.then_some(move |u: Value| head(json!([]), Some(u)));
         return Ok(running.stream(state.clone(), vec![], chunk, usage));
@@ -92,13 +123,18 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
             json!({"index": i, "text": r.content, "logprobs": lp, "finish_reason": r.finish_reason})
         })
         .collect();
-    Ok(axum::Json(json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                         "choices": choices, "usage": usage}))
+    Ok(axum::Json(
+        json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                         "choices": choices, "usage": usage}),
+    )
     .into_response())
 }
 
 fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    state.tokenizer.encode(text).map_err(|e| ApiError::bad_request(e.to_string()))
+    state
+        .tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 /// OpenAI's legacy completions logprobs object.

@@ -81,7 +81,11 @@ impl ApiError {
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        )
     }
 
     pub fn timeout(message: impl Into<String>) -> Self {

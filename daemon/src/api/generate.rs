@@ -3,10 +3,10 @@
 //! stop string matched) is what tells the engine to free a sequence.
 use super::choice::{ChoiceDecoder, ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
+use super::json_mode::JsonObjectConstraint;
 use super::tool_parser::ToolCall;
 use super::AppState;
 use crate::engine::sampling::SamplingParams;
-use super::json_mode::JsonObjectConstraint;
 use crate::sched::{GenRequest, SeqEvent, SubmitError, TokenConstraint};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -47,7 +47,11 @@ pub struct Running {
 /// Submits every choice; all or nothing (a refused submission drops the others).
 pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
     let deadline = Some(Instant::now() + state.request_timeout);
-    let mut stop_ids = if job.ignore_eos { vec![] } else { state.tokenizer.stop_token_ids.clone() };
+    let mut stop_ids = if job.ignore_eos {
+        vec![]
+    } else {
+        state.tokenizer.stop_token_ids.clone()
+    };
     stop_ids.extend(&job.extra_stop_ids);
     let mut streams = StreamMap::new();
     let mut decoders = Vec::new();
@@ -62,7 +66,10 @@ pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
             deadline,
             events: tx,
             constraint: job.json_object.then(|| {
-                Box::new(JsonObjectConstraint::new(state.token_texts.clone(), stop_ids.clone())) as Box<dyn TokenConstraint>
+                Box::new(JsonObjectConstraint::new(
+                    state.token_texts.clone(),
+                    stop_ids.clone(),
+                )) as Box<dyn TokenConstraint>
             }),
         };
         state.engine.submit(req).map_err(|e| match e {
@@ -70,7 +77,9 @@ pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
                 state.metrics.requests_rejected.inc();
                 ApiError::queue_full(state.retry_after_s)
             }
-            SubmitError::NotReady => ApiError::unavailable("the model is still loading; see /ready"),
+            SubmitError::NotReady => {
+                ApiError::unavailable("the model is still loading; see /ready")
+            }
             SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),
         })?;
         streams.insert(spec.index, UnboundedReceiverStream::new(rx));
@@ -102,7 +111,12 @@ fn engine_error(e: String) -> ApiError {
 }
 
 impl Running {
-    fn on_event(&mut self, state: &AppState, idx: usize, ev: SeqEvent) -> Result<ChoiceDelta, ApiError> {
+    fn on_event(
+        &mut self,
+        state: &AppState,
+        idx: usize,
+        ev: SeqEvent,
+    ) -> Result<ChoiceDelta, ApiError> {
         let dec = &mut self.decoders[idx];
         let delta = dec.on_event(&state.tokenizer, ev).map_err(engine_error)?;
         if dec.finish_reason.is_some() {
@@ -115,13 +129,20 @@ impl Running {
     fn check_all_finished(&self) -> Result<(), ApiError> {
         match self.decoders.iter().all(|d| d.finish_reason.is_some()) {
             true => Ok(()),
-            false => Err(ApiError::internal("the engine ended a sequence without finishing it")),
+            false => Err(ApiError::internal(
+                "the engine ended a sequence without finishing it",
+            )),
         }
     }
 
     pub fn usage(&self) -> Value {
         let completion: usize = self.decoders.iter().map(|d| d.tokens).sum();
-        let cached = self.decoders.iter().map(|d| d.cached_tokens).max().unwrap_or(0);
+        let cached = self
+            .decoders
+            .iter()
+            .map(|d| d.cached_tokens)
+            .max()
+            .unwrap_or(0);
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -131,8 +152,13 @@ impl Running {
     }
 
     /// Waits for every choice and returns them in index order.
-    pub async fn collect(mut self, state: &AppState) -> Result<(Vec<ChoiceResult>, Value), ApiError> {
-        let mut results: Vec<ChoiceResult> = (0..self.decoders.len()).map(|_| ChoiceResult::default()).collect();
+    pub async fn collect(
+        mut self,
+        state: &AppState,
+    ) -> Result<(Vec<ChoiceResult>, Value), ApiError> {
+        let mut results: Vec<ChoiceResult> = (0..self.decoders.len())
+            .map(|_| ChoiceResult::default())
+            .collect();
         while let Some((idx, ev)) = self.streams.next().await {
             let d = self.on_event(state, idx, ev)?;
             let r = &mut results[idx];
@@ -150,7 +176,13 @@ impl Running {
 
     /// Streams the choices as SSE: `first` chunks, then one chunk per delta built by `chunk`, then
     /// (with `usage_chunk`) a usage-only chunk, then `data: [DONE]`.
-    pub fn stream<F, U>(mut self, state: Arc<AppState>, first: Vec<Value>, chunk: F, usage_chunk: Option<U>) -> Response
+    pub fn stream<F, U>(
+        mut self,
+        state: Arc<AppState>,
+        first: Vec<Value>,
+        chunk: F,
+        usage_chunk: Option<U>,
+    ) -> Response
     where
         F: Fn(usize, &ChoiceDelta, Option<&str>) -> Value + Send + 'static,
         U: FnOnce(Value) -> Value + Send + 'static,
@@ -159,7 +191,11 @@ impl Running {
         tokio::spawn(async move {
             let send = |v: Value| {
                 let tx = tx.clone();
-                async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
+                async move {
+                    tx.send(Ok(Event::default().data(v.to_string())))
+                        .await
+                        .is_ok()
+                }
             };
             for v in first {
                 if !send(v).await {
@@ -175,7 +211,9 @@ impl Running {
                 match self.on_event(&state, idx, ev) {
                     Ok(d) => {
                         let finish = self.decoders[idx].finish_reason;
-                        if (!d.is_empty() || finish.is_some()) && !send(chunk(idx, &d, finish)).await {
+                        if (!d.is_empty() || finish.is_some())
+                            && !send(chunk(idx, &d, finish)).await
+                        {
                             return;
                         }
                     }
@@ -193,12 +231,18 @@ impl Running {
             }
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         });
-        Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+        Sse::new(ReceiverStream::new(rx))
+            .keep_alive(KeepAlive::default())
+            .into_response()
     }
 }
 
 /// Checks a prompt against the context and settles max_tokens (default: the rest of the context).
-pub fn fit_context(state: &AppState, prompt_len: usize, requested: Option<usize>) -> Result<usize, ApiError> {
+pub fn fit_context(
+    state: &AppState,
+    prompt_len: usize,
+    requested: Option<usize>,
+) -> Result<usize, ApiError> {
     let ctx = state.max_context;
     if prompt_len == 0 {
         return Err(ApiError::bad_param("prompt", "the prompt is empty"));

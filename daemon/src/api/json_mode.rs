@@ -15,7 +15,11 @@ pub struct JsonObjectConstraint {
 
 impl JsonObjectConstraint {
     pub fn new(texts: Arc<Vec<String>>, stop_ids: Vec<u32>) -> Self {
-        Self { texts, stop_ids, state: JsonPrefix::default() }
+        Self {
+            texts,
+            stop_ids,
+            state: JsonPrefix::default(),
+        }
     }
 }
 
@@ -54,7 +58,10 @@ mod tests {
 
     #[test]
     fn allows_only_tokens_that_keep_a_json_prefix() {
-        let texts: Vec<String> = ["<eos>", "{", "\"a\"", ":", " 1", "}", "hello", ""].iter().map(|s| s.to_string()).collect();
+        let texts: Vec<String> = ["<eos>", "{", "\"a\"", ":", " 1", "}", "hello", ""]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let mut c = JsonObjectConstraint::new(Arc::new(texts), vec![0]);
         assert!(!c.allows(0) && !c.allows(6) && !c.allows(7) && c.allows(1));
         for id in [1, 2, 3, 4] {

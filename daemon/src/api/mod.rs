@@ -72,7 +72,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::bad_request("unknown endpoint").with_status(StatusCode::NOT_FOUND) })
+        .fallback(|| async {
+            ApiError::bad_request("unknown endpoint").with_status(StatusCode::NOT_FOUND)
+        })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -111,14 +113,23 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// vLLM's `/tokenize`: `{"prompt": "..."}` → `{"tokens": [...], "count": n, "max_model_len": m}`.
-async fn tokenize(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Result<Response, ApiError> {
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
     #[derive(serde::Deserialize)]
     struct Req {
         prompt: String,
     }
     let req: Req = types::parse_body(&body)?;
-    let tokens = state.tokenizer.encode(&req.prompt).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(axum::Json(json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context})).into_response())
+    let tokens = state
+        .tokenizer
+        .encode(&req.prompt)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(axum::Json(
+        json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context}),
+    )
+    .into_response())
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {

@@ -39,7 +39,11 @@ impl ReasoningParser {
     /// `prompt_opened_think`: the rendered prompt ends inside an open `<think>`.
     pub fn new(prompt_opened_think: bool) -> Self {
         Self {
-            phase: if prompt_opened_think { Phase::Reasoning } else { Phase::Start },
+            phase: if prompt_opened_think {
+                Phase::Reasoning
+            } else {
+                Phase::Start
+            },
             held: String::new(),
         }
     }
@@ -103,9 +107,15 @@ impl ReasoningParser {
     pub fn finish(&mut self) -> Split {
         let rest = std::mem::take(&mut self.held);
         match self.phase {
-            Phase::Reasoning => Split { reasoning: rest, content: String::new() },
+            Phase::Reasoning => Split {
+                reasoning: rest,
+                content: String::new(),
+            },
             Phase::AfterReasoning => Split::default(),
-            Phase::Start | Phase::Content => Split { reasoning: String::new(), content: rest },
+            Phase::Start | Phase::Content => Split {
+                reasoning: String::new(),
+                content: rest,
+            },
         }
     }
 }
@@ -130,7 +140,16 @@ mod tests {
     #[test]
     fn think_block_split_across_tokens() {
         let mut p = ReasoningParser::new(false);
-        let s = run(&mut p, &["<th", "ink>\nLet me", " think.</", "think>\n\nParis", " is it."]);
+        let s = run(
+            &mut p,
+            &[
+                "<th",
+                "ink>\nLet me",
+                " think.</",
+                "think>\n\nParis",
+                " is it.",
+            ],
+        );
         assert_eq!(s.reasoning, "\nLet me think.");
         assert_eq!(s.content, "Paris is it.");
     }
@@ -139,7 +158,9 @@ mod tests {
     fn no_think_is_all_content_and_open_prompt_starts_in_reasoning() {
         let mut p = ReasoningParser::new(false);
         assert_eq!(run(&mut p, &["<b>", "old</b>"]).content, "<b>old</b>");
-        assert!(ReasoningParser::prompt_opens_think("<|assistant|>\n<think>\n"));
+        assert!(ReasoningParser::prompt_opens_think(
+            "<|assistant|>\n<think>\n"
+        ));
         assert!(!ReasoningParser::prompt_opens_think("<think></think>hi"));
         let mut p = ReasoningParser::new(true);
         let s = run(&mut p, &["hmm", "</think>", "ok"]);

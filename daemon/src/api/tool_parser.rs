@@ -38,7 +38,10 @@ impl ToolCallParser {
             .iter()
             .filter_map(|t| {
                 let f = t.get("function")?;
-                Some((f.get("name")?.as_str()?.to_string(), f.get("parameters").cloned().unwrap_or(Value::Null)))
+                Some((
+                    f.get("name")?.as_str()?.to_string(),
+                    f.get("parameters").cloned().unwrap_or(Value::Null),
+                ))
             })
             .collect();
         Self {
@@ -53,7 +56,9 @@ impl ToolCallParser {
         let mut out = ToolSplit::default();
         loop {
             if self.inside {
-                let Some(end) = self.held.find(CLOSE) else { return out };
+                let Some(end) = self.held.find(CLOSE) else {
+                    return out;
+                };
                 let body = self.held[..end].to_string();
                 self.held.drain(..end + CLOSE.len());
                 self.inside = false;
@@ -80,12 +85,21 @@ impl ToolCallParser {
     pub fn finish(&mut self) -> ToolSplit {
         let rest = std::mem::take(&mut self.held);
         if !self.inside {
-            return ToolSplit { content: rest, calls: vec![] };
+            return ToolSplit {
+                content: rest,
+                calls: vec![],
+            };
         }
         self.inside = false;
         match self.parse_call(&rest) {
-            Some(call) => ToolSplit { content: String::new(), calls: vec![call] },
-            None => ToolSplit { content: format!("{OPEN}{rest}"), calls: vec![] },
+            Some(call) => ToolSplit {
+                content: String::new(),
+                calls: vec![call],
+            },
+            None => ToolSplit {
+                content: format!("{OPEN}{rest}"),
+                calls: vec![],
+            },
         }
     }
 
@@ -169,8 +183,12 @@ mod tests {
         let mut p = ToolCallParser::new(&[]);
         let s = run(
             &mut p,
-            &["Sure.\n<tool", "_call>\n{\"name\": \"get_weather\", \"argu", "ments\": {\"city\": \"Paris\"}}\n</tool_call>",
-              "<tool_call>{\"name\":\"t\",\"arguments\":{}}</tool_call>"],
+            &[
+                "Sure.\n<tool",
+                "_call>\n{\"name\": \"get_weather\", \"argu",
+                "ments\": {\"city\": \"Paris\"}}\n</tool_call>",
+                "<tool_call>{\"name\":\"t\",\"arguments\":{}}</tool_call>",
+            ],
         );
         assert_eq!(s.content, "Sure.\n");
         assert_eq!(s.calls.len(), 2);
@@ -181,11 +199,18 @@ mod tests {
 
     #[test]
     fn glm_xml_calls_use_the_schema_for_types() {
-        let tools = [json!({"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}})];
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}),
+        ];
         let mut p = ToolCallParser::new(&tools);
-        let s = run(&mut p, &["<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>",
-                              "123</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"]);
+        let s = run(
+            &mut p,
+            &[
+                "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>",
+                "123</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+            ],
+        );
         assert_eq!(s.content, "");
         let args: Value = serde_json::from_str(&s.calls[0].arguments).unwrap();
         assert_eq!(args, json!({"city": "123", "days": 3}));

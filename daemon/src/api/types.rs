@@ -97,7 +97,10 @@ impl CommonParams {
     pub fn n(&self) -> Result<usize, ApiError> {
         match self.n.unwrap_or(1) {
             n @ 1..=MAX_N => Ok(n as usize),
-            n => Err(ApiError::bad_param("n", format!("n must be between 1 and {MAX_N}, got {n}"))),
+            n => Err(ApiError::bad_param(
+                "n",
+                format!("n must be between 1 and {MAX_N}, got {n}"),
+            )),
         }
     }
 
@@ -109,7 +112,10 @@ impl CommonParams {
             (None, None) => return Ok(None),
         };
         if v < 1 {
-            return Err(ApiError::bad_param(name, format!("{name} must be at least 1, got {v}")));
+            return Err(ApiError::bad_param(
+                name,
+                format!("{name} must be at least 1, got {v}"),
+            ));
         }
         Ok(Some(v as usize))
     }
@@ -118,7 +124,12 @@ impl CommonParams {
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => k as usize,
-            k => return Err(ApiError::bad_param("top_k", format!("top_k must be -1, 0 or positive, got {k}"))),
+            k => {
+                return Err(ApiError::bad_param(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ))
+            }
         };
         let temperature = self.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
@@ -146,7 +157,9 @@ impl CommonParams {
 
     /// Whether `response_format` asks for a JSON object (`text` and absent: no).
     pub fn json_mode(&self) -> Result<bool, ApiError> {
-        let Some(rf) = &self.response_format else { return Ok(false) };
+        let Some(rf) = &self.response_format else {
+            return Ok(false);
+        };
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => Ok(false),
             Some("json_object") => Ok(true),
@@ -159,7 +172,9 @@ impl CommonParams {
     }
 
     pub fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
     }
 }
 
@@ -181,7 +196,8 @@ pub fn chat_logprobs(logprobs: bool, top: Option<i64>) -> Result<Option<usize>, 
 
 /// Parses a JSON body; every failure is a 400 naming what is wrong, never a panic.
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
 #[cfg(test)]
@@ -208,7 +224,10 @@ mod tests {
             assert_eq!(e.status, 400);
         }
         let r: ChatRequest = parse_body(br#"{"messages":[],"temperature":-1,"n":0}"#).unwrap();
-        assert_eq!(r.common.sampling().unwrap_err().param.as_deref(), Some("temperature"));
+        assert_eq!(
+            r.common.sampling().unwrap_err().param.as_deref(),
+            Some("temperature")
+        );
         assert_eq!(r.common.n().unwrap_err().param.as_deref(), Some("n"));
         assert!(chat_logprobs(true, Some(50)).is_err());
         assert_eq!(chat_logprobs(true, None).unwrap(), Some(0));

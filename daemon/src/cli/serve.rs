@@ -90,8 +90,10 @@ impl TensorSource for ProgressSource<'_> {
 fn progress_bar(len: Option<u64>) -> ProgressBar {
     let bar = match len {
         Some(n) => ProgressBar::new(n).with_style(
-            ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors {elapsed} {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(
+                "loading weights {bar:40} {pos}/{len} tensors {elapsed} {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
         ),
         None => ProgressBar::new_spinner().with_message("loading weights"),
     };
@@ -115,16 +117,31 @@ fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
     if path.is_dir() {
         let tokenizer = TextTokenizer::from_hf_dir(path)?;
         let cfg = ModelConfig::from_dir(path)?;
-        return Ok(ModelFiles { tokenizer: Some(tokenizer), max_positions: cfg.max_position_embeddings, gguf: None, name });
+        return Ok(ModelFiles {
+            tokenizer: Some(tokenizer),
+            max_positions: cfg.max_position_embeddings,
+            gguf: None,
+            name,
+        });
     }
     let g = GgufFile::open(path)?;
     let tokenizer = TextTokenizer::from_gguf(&g)?;
     let cfg = g.hf_config()?;
     let max_positions = cfg["max_position_embeddings"].as_u64().unwrap_or(2048) as usize;
-    Ok(ModelFiles { tokenizer: Some(tokenizer), max_positions, gguf: Some(Arc::new(g)), name })
+    Ok(ModelFiles {
+        tokenizer: Some(tokenizer),
+        max_positions,
+        gguf: Some(Arc::new(g)),
+        name,
+    })
 }
 
-fn start_engine(args: &ServeArgs, files: &ModelFiles, tok: &TextTokenizer, metrics: Arc<Metrics>) -> anyhow::Result<EngineHandle> {
+fn start_engine(
+    args: &ServeArgs,
+    files: &ModelFiles,
+    tok: &TextTokenizer,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<EngineHandle> {
     let sched = SchedulerConfig {
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running,
@@ -138,7 +155,10 @@ fn start_engine(args: &ServeArgs, files: &ModelFiles, tok: &TextTokenizer, metri
         let mut replies = Vec::new();
         for r in spec["replies"].as_array().into_iter().flatten() {
             let (Some(t), Some(reply)) = (r["trigger"].as_str(), r["reply"].as_str()) else {
-                bail!("{}: each reply needs string `trigger` and `reply`", script.display());
+                bail!(
+                    "{}: each reply needs string `trigger` and `reply`",
+                    script.display()
+                );
             };
             replies.push((tok.encode(t)?, tok.encode(reply)?));
         }
@@ -149,10 +169,15 @@ fn start_engine(args: &ServeArgs, files: &ModelFiles, tok: &TextTokenizer, metri
             max_positions: files.max_positions,
             step_delay: Duration::from_millis(spec["step_delay_ms"].as_u64().unwrap_or(0)),
         };
-        tracing::warn!("serving SCRIPTED replies from {} (test double, no weights)", script.display());
+        tracing::warn!(
+            "serving SCRIPTED replies from {} (test double, no weights)",
+            script.display()
+        );
         return Ok(spawn_engine(move || Ok(model), sched, metrics));
     }
-    let opts = EngineOptions { cpu_threads: args.cpu_threads };
+    let opts = EngineOptions {
+        cpu_threads: args.cpu_threads,
+    };
     let path = args.model.clone();
     let gguf = files.gguf.clone();
     Ok(spawn_engine(
@@ -162,7 +187,10 @@ fn start_engine(args: &ServeArgs, files: &ModelFiles, tok: &TextTokenizer, metri
                 Some(g) => {
                     let cfg = g.hf_config()?;
                     let bar = progress_bar(Some(g.tensors.len() as u64));
-                    let src = ProgressSource { inner: &*g, bar: bar.clone() };
+                    let src = ProgressSource {
+                        inner: &*g,
+                        bar: bar.clone(),
+                    };
                     let e = Engine::from_source(&cfg, &src, &opts);
                     bar.finish_and_clear();
                     e?
@@ -188,14 +216,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .try_init();
-    let mut files = open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+    let mut files =
+        open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
     let tokenizer = Arc::new(files.tokenizer.take().context("tokenizer missing")?);
     let template_src = match &args.chat_template {
-        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+        }
         None => tokenizer.chat_template.clone(),
     };
     let template = template_src
-        .map(|s| ChatTemplate::new(&s, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref()))
+        .map(|s| {
+            ChatTemplate::new(
+                &s,
+                tokenizer.bos_token.as_deref(),
+                tokenizer.eos_token.as_deref(),
+            )
+        })
         .transpose()?;
     let reasoning = match args.reasoning_parser.as_str() {
         "on" => true,
@@ -205,9 +242,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::new()?);
     let engine = start_engine(&args, &files, &tokenizer, metrics.clone())?;
-    let max_context = args.max_model_len.map_or(files.max_positions, |m| m.min(files.max_positions));
+    let max_context = args
+        .max_model_len
+        .map_or(files.max_positions, |m| m.min(files.max_positions));
     let state = Arc::new(AppState {
-        served_model: args.served_model_name.clone().unwrap_or_else(|| files.name.clone()),
+        served_model: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| files.name.clone()),
         vocab_size: tokenizer.vocab_size(),
         tokenizer: tokenizer.clone(),
         template,
@@ -222,22 +264,27 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         created: api::generate::now_unix(),
         token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
     });
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(serve(args, state))
 }
 
 async fn serve(args: ServeArgs, state: Arc<AppState>) -> anyhow::Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
     tracing::info!(addr = %listener.local_addr()?, model = %state.served_model, "serving the OpenAI API");
     let (drain_tx, mut drain_rx) = tokio::sync::watch::channel(false);
     let st = state.clone();
-    let server = axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        st.draining.store(true, Ordering::Release);
-        tracing::info!("shutdown requested: refusing new requests, finishing in-flight ones");
-        let _ = drain_tx.send(true);
-    });
+    let server =
+        axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            st.draining.store(true, Ordering::Release);
+            tracing::info!("shutdown requested: refusing new requests, finishing in-flight ones");
+            let _ = drain_tx.send(true);
+        });
     let deadline = Duration::from_secs(args.shutdown_timeout_s);
     tokio::select! {
         r = server => r?,

@@ -1,8 +1,8 @@
 //! The engine loop: schedule → forward → update, one screen each.
 use super::prefix_cache::{PrefixCache, BLOCK};
 use super::{
-    EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, TokenConstraint, TokenLogprob,
-    IDLE_POLL,
+    EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, TokenConstraint,
+    TokenLogprob, IDLE_POLL,
 };
 use crate::engine::sampling::{log_softmax, Sampler};
 use crate::metrics::Metrics;
@@ -86,7 +86,9 @@ impl<M: StepModel> Scheduler<M> {
                 Ok(logits) => self.update(&work, logits),
                 Err(e) => self.fail(&work, &e),
             }
-            self.metrics.step_seconds.observe(t0.elapsed().as_secs_f64());
+            self.metrics
+                .step_seconds
+                .observe(t0.elapsed().as_secs_f64());
             self.publish_gauges();
         }
     }
@@ -95,13 +97,19 @@ impl<M: StepModel> Scheduler<M> {
     fn intake(&mut self) -> bool {
         if self.running.is_empty() && self.waiting.is_empty() {
             match self.rx.recv_timeout(IDLE_POLL) {
-                Ok(req) => self.waiting.push_back(Waiting { req, arrived: Instant::now() }),
+                Ok(req) => self.waiting.push_back(Waiting {
+                    req,
+                    arrived: Instant::now(),
+                }),
                 Err(mpsc::RecvTimeoutError::Timeout) => return true,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return false,
             }
         }
         while let Ok(req) = self.rx.try_recv() {
-            self.waiting.push_back(Waiting { req, arrived: Instant::now() });
+            self.waiting.push_back(Waiting {
+                req,
+                arrived: Instant::now(),
+            });
         }
         true
     }
@@ -113,7 +121,10 @@ impl<M: StepModel> Scheduler<M> {
         let before = self.waiting.len();
         self.waiting.retain(|w| {
             if expired(&w.req) {
-                let _ = w.req.events.send(SeqEvent::Error("request timed out while waiting".into()));
+                let _ = w
+                    .req
+                    .events
+                    .send(SeqEvent::Error("request timed out while waiting".into()));
             }
             !(w.req.events.is_closed() || expired(&w.req))
         });
@@ -147,15 +158,23 @@ impl<M: StepModel> Scheduler<M> {
             let done = M::cache_len(&s.cache);
             let len = (total - done).min(budget);
             budget -= len;
-            work.push(Work { seq: i, start: done, len });
+            work.push(Work {
+                seq: i,
+                start: done,
+                len,
+            });
         }
         while budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             let need = front.req.prompt.len() + front.req.max_tokens;
             if !self.running.is_empty() && self.reserved + need > self.cfg.kv_capacity_tokens {
                 break;
             }
-            let Some(w) = self.waiting.pop_front() else { break };
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
             self.state.waiting.fetch_sub(1, Ordering::AcqRel);
             let (cache, cached) = match self.prefixes.lookup(&w.req.prompt) {
                 Some((mut c, n)) => {
@@ -165,11 +184,17 @@ impl<M: StepModel> Scheduler<M> {
                 None => (self.model.new_cache(), 0),
             };
             self.metrics.prefix_cache_hit_tokens.inc_by(cached as u64);
-            self.metrics.queue_seconds.observe(w.arrived.elapsed().as_secs_f64());
+            self.metrics
+                .queue_seconds
+                .observe(w.arrived.elapsed().as_secs_f64());
             let len = (w.req.prompt.len() - cached).min(budget);
             budget -= len;
             self.reserved += need;
-            work.push(Work { seq: self.running.len(), start: cached, len });
+            work.push(Work {
+                seq: self.running.len(),
+                start: cached,
+                len,
+            });
             self.running.push(Sequence {
                 sampler: Sampler::new(&w.req.sampling),
                 req: w.req,
@@ -186,19 +211,29 @@ impl<M: StepModel> Scheduler<M> {
 
     fn forward(&mut self, work: &[Work]) -> Result<Vec<Vec<f32>>, String> {
         // Each sequence appears at most once in `work`; hand out disjoint &mut caches in work order.
-        let mut slots: Vec<Option<&mut Sequence<M::Cache>>> = self.running.iter_mut().map(Some).collect();
+        let mut slots: Vec<Option<&mut Sequence<M::Cache>>> =
+            self.running.iter_mut().map(Some).collect();
         let mut chunks: Vec<Vec<u32>> = Vec::with_capacity(work.len());
         let mut caches = Vec::with_capacity(work.len());
         for w in work {
             let s = slots[w.seq].take().ok_or("sequence scheduled twice")?;
             let p = s.req.prompt.len();
             let chunk: Vec<u32> = (w.start..w.start + w.len)
-                .map(|i| if i < p { s.req.prompt[i] } else { s.generated[i - p] })
+                .map(|i| {
+                    if i < p {
+                        s.req.prompt[i]
+                    } else {
+                        s.generated[i - p]
+                    }
+                })
                 .collect();
             chunks.push(chunk);
             caches.push(&mut s.cache);
         }
-        let batch = caches.into_iter().zip(chunks.iter().map(Vec::as_slice)).collect();
+        let batch = caches
+            .into_iter()
+            .zip(chunks.iter().map(Vec::as_slice))
+            .collect();
         self.model.forward(batch)
     }
 
@@ -219,7 +254,13 @@ impl<M: StepModel> Scheduler<M> {
             }
             let id = match &mut s.req.constraint {
                 Some(c) if c.is_complete() => None,
-                Some(c) => constrained_sample(&mut s.sampler, &logits, &s.req.prompt, &s.generated, c.as_ref()),
+                Some(c) => constrained_sample(
+                    &mut s.sampler,
+                    &logits,
+                    &s.req.prompt,
+                    &s.generated,
+                    c.as_ref(),
+                ),
                 None => Some(s.sampler.sample_parts(&logits, &s.req.prompt, &s.generated)),
             };
             if let (Some(c), Some(id)) = (&mut s.req.constraint, id) {
@@ -228,10 +269,15 @@ impl<M: StepModel> Scheduler<M> {
             let now = Instant::now();
             match s.last_token_at {
                 None => {
-                    self.metrics.ttft_seconds.observe((now - s.arrived).as_secs_f64());
+                    self.metrics
+                        .ttft_seconds
+                        .observe((now - s.arrived).as_secs_f64());
                     self.metrics.prompt_tokens.inc_by(p as u64);
                 }
-                Some(t) => self.metrics.inter_token_seconds.observe((now - t).as_secs_f64()),
+                Some(t) => self
+                    .metrics
+                    .inter_token_seconds
+                    .observe((now - t).as_secs_f64()),
             }
             s.last_token_at = Some(now);
             let reason = if let Some(id) = id.filter(|id| !s.req.stop_token_ids.contains(id)) {
@@ -251,7 +297,9 @@ impl<M: StepModel> Scheduler<M> {
                     completion_tokens: s.generated.len(),
                     cached_tokens: s.cached_tokens,
                 });
-                self.metrics.e2e_seconds.observe(s.arrived.elapsed().as_secs_f64());
+                self.metrics
+                    .e2e_seconds
+                    .observe(s.arrived.elapsed().as_secs_f64());
                 self.metrics.requests_finished.inc();
                 finished.push(w.seq);
             }
@@ -262,7 +310,10 @@ impl<M: StepModel> Scheduler<M> {
     fn fail(&mut self, work: &[Work], error: &str) {
         tracing::error!(error, "engine step failed; failing its sequences");
         for w in work {
-            let _ = self.running[w.seq].req.events.send(SeqEvent::Error(error.to_string()));
+            let _ = self.running[w.seq]
+                .req
+                .events
+                .send(SeqEvent::Error(error.to_string()));
         }
         self.remove(work.iter().map(|w| w.seq).collect());
     }
@@ -277,7 +328,9 @@ impl<M: StepModel> Scheduler<M> {
     }
 
     fn publish_gauges(&self) {
-        self.state.running.store(self.running.len(), Ordering::Release);
+        self.state
+            .running
+            .store(self.running.len(), Ordering::Release);
         self.metrics.num_waiting.set(self.waiting.len() as i64);
         self.metrics.num_running.set(self.running.len() as i64);
         let used: usize = self.running.iter().map(|s| M::cache_len(&s.cache)).sum();

@@ -8,7 +8,10 @@ const END: u32 = 0;
 fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new().unwrap());
     let model = ScriptedModel {
-        replies: vec![(vec![7, 7], (100..180).collect()), (vec![8, 8], vec![50, 51, 52])],
+        replies: vec![
+            (vec![7, 7], (100..180).collect()),
+            (vec![8, 8], vec![50, 51, 52]),
+        ],
         end_token: END,
         vocab: 200,
         max_positions: 4096,
@@ -42,7 +45,12 @@ fn collect(rx: &mut UnboundedReceiver<SeqEvent>) -> (Vec<u32>, FinishReason, usi
     loop {
         match rx.blocking_recv().expect("engine dropped the request") {
             SeqEvent::Token { id, .. } => out.push(id),
-            SeqEvent::Finished { reason, cached_tokens, completion_tokens, .. } => {
+            SeqEvent::Finished {
+                reason,
+                cached_tokens,
+                completion_tokens,
+                ..
+            } => {
                 assert_eq!(completion_tokens, out.len());
                 return (out, reason, cached_tokens);
             }
@@ -53,7 +61,10 @@ fn collect(rx: &mut UnboundedReceiver<SeqEvent>) -> (Vec<u32>, FinishReason, usi
 
 #[test]
 fn concurrent_requests_with_chunked_prefill_match_sequential_results() {
-    let cfg = SchedulerConfig { max_batch_tokens: 5, ..Default::default() };
+    let cfg = SchedulerConfig {
+        max_batch_tokens: 5,
+        ..Default::default()
+    };
     let (h, _) = engine(cfg);
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|i| {
@@ -111,7 +122,10 @@ fn shared_prompt_prefix_is_reused_from_the_prefix_cache() {
 
 #[test]
 fn dropped_receiver_frees_the_slot() {
-    let cfg = SchedulerConfig { max_running: 1, ..Default::default() };
+    let cfg = SchedulerConfig {
+        max_running: 1,
+        ..Default::default()
+    };
     let (h, m) = engine(cfg);
     let (r, mut rx) = request(vec![7, 7], 1_000_000);
     h.submit(r).unwrap();
@@ -126,7 +140,11 @@ fn dropped_receiver_frees_the_slot() {
 
 #[test]
 fn full_queue_is_refused_and_deadlines_end_requests() {
-    let cfg = SchedulerConfig { max_running: 1, max_waiting: 1, ..Default::default() };
+    let cfg = SchedulerConfig {
+        max_running: 1,
+        max_waiting: 1,
+        ..Default::default()
+    };
     let (h, _) = engine(cfg);
     let (mut r, mut rx) = request(vec![7, 7], 1_000_000);
     r.deadline = Some(Instant::now() + Duration::from_millis(60));
@@ -137,7 +155,10 @@ fn full_queue_is_refused_and_deadlines_end_requests() {
     let (r3, _rx3) = request(vec![1], 1);
     // The second waits (its slot is taken); the third finds the queue full.
     let refused = h.submit(r3);
-    assert!(matches!(refused, Err(SubmitError::QueueFull(_))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(SubmitError::QueueFull(_))),
+        "{refused:?}"
+    );
     let timed_out = loop {
         match rx.blocking_recv() {
             Some(SeqEvent::Error(e)) => break e,
@@ -152,7 +173,7 @@ struct EvenTokensThenStop(usize);
 
 impl TokenConstraint for EvenTokensThenStop {
     fn allows(&self, id: u32) -> bool {
-        id % 2 == 0 && id != END
+        id.is_multiple_of(2) && id != END
     }
     fn advance(&mut self, _: u32) {
         self.0 += 1;
@@ -172,5 +193,8 @@ fn constraint_masks_tokens_and_ends_the_sequence_when_complete() {
     assert_eq!(reason, FinishReason::Stop);
     assert_eq!(tokens.len(), 3);
     assert_eq!(tokens[0], 50, "allowed scripted token kept");
-    assert!(tokens.iter().all(|t| t % 2 == 0 && *t != END), "{tokens:?}");
+    assert!(
+        tokens.iter().all(|t| t.is_multiple_of(2) && *t != END),
+        "{tokens:?}"
+    );
 }

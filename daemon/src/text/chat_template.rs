@@ -23,8 +23,18 @@ fn strftime_now(format: String) -> String {
         .unwrap_or(0);
     let (y, m, d) = civil_from_days((secs / 86_400) as i64);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     format
         .replace("%Y", &y.to_string())
@@ -48,7 +58,11 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 impl ChatTemplate {
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, TextError> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<Self, TextError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -79,7 +93,10 @@ impl ChatTemplate {
         if let Some(t) = tools.filter(|t| !t.is_empty()) {
             ctx.insert("tools".into(), Json::Array(t.to_vec()));
         }
-        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(add_generation_prompt),
+        );
         ctx.insert("bos_token".into(), Json::String(self.bos_token.clone()));
         ctx.insert("eos_token".into(), Json::String(self.eos_token.clone()));
         let tmpl = self
@@ -116,7 +133,9 @@ pub fn normalize_messages(messages: &[Json]) -> Vec<Json> {
                 if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
                     for c in calls {
                         let args = c.pointer("/function/arguments").and_then(Json::as_str);
-                        if let Some(parsed) = args.and_then(|a| serde_json::from_str::<Json>(a).ok()) {
+                        if let Some(parsed) =
+                            args.and_then(|a| serde_json::from_str::<Json>(a).ok())
+                        {
                             c["function"]["arguments"] = parsed;
                         }
                     }
@@ -151,9 +170,11 @@ mod tests {
                    {% for m in messages %}{{ m.content.strip() | upper }}|{% if m.tool_calls %}\
                    {{ m.tool_calls[0].function.arguments.city }}{% endif %}{% endfor %}{{ tools | tojson }}";
         let t = ChatTemplate::new(src, None, None).unwrap();
-        let msgs = [json!({"role": "assistant", "content": null, "tool_calls": [
+        let msgs = [
+            json!({"role": "assistant", "content": null, "tool_calls": [
             {"type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Paris\"}"}}]}),
-            json!({"role": "user", "content": "  hi "})];
+            json!({"role": "user", "content": "  hi "}),
+        ];
         let tools = [json!({"type": "function", "function": {"name": "w"}})];
         let mut kw = serde_json::Map::new();
         kw.insert("enable_thinking".into(), json!(true));
@@ -168,7 +189,10 @@ mod tests {
     #[test]
     fn strftime_now_formats_a_date() {
         let s = strftime_now("%d %B %Y".into());
-        assert!(s.len() >= 10 && s.chars().next().unwrap().is_ascii_digit(), "{s}");
+        assert!(
+            s.len() >= 10 && s.chars().next().unwrap().is_ascii_digit(),
+            "{s}"
+        );
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(19_723), (2024, 1, 1));
     }

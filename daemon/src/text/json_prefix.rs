@@ -27,9 +27,16 @@ enum State {
     /// After a value: `,` or the closing bracket.
     AfterValue,
     /// Inside a string; `key` says where it goes when closed.
-    Str { key: bool, escape: bool, hex_left: u8 },
+    Str {
+        key: bool,
+        escape: bool,
+        hex_left: u8,
+    },
     Number(Num),
-    Literal { word: &'static str, at: u8 },
+    Literal {
+        word: &'static str,
+        at: u8,
+    },
     Done,
 }
 
@@ -41,7 +48,10 @@ pub struct JsonPrefix {
 
 impl Default for JsonPrefix {
     fn default() -> Self {
-        Self { stack: Vec::new(), state: State::Start }
+        Self {
+            stack: Vec::new(),
+            state: State::Start,
+        }
     }
 }
 
@@ -62,7 +72,11 @@ impl JsonPrefix {
     }
 
     fn after_value(&mut self) {
-        self.state = if self.stack.is_empty() { State::Done } else { State::AfterValue };
+        self.state = if self.stack.is_empty() {
+            State::Done
+        } else {
+            State::AfterValue
+        };
     }
 
     pub fn push(&mut self, c: char) -> bool {
@@ -80,7 +94,11 @@ impl JsonPrefix {
             State::Value => ws || self.start_value(c),
             State::KeyOrEnd | State::Key => match c {
                 '"' => {
-                    self.state = State::Str { key: true, escape: false, hex_left: 0 };
+                    self.state = State::Str {
+                        key: true,
+                        escape: false,
+                        hex_left: 0,
+                    };
                     true
                 }
                 '}' if self.state == State::KeyOrEnd => self.close(b'{'),
@@ -106,20 +124,38 @@ impl JsonPrefix {
                 (']', _) => self.close(b'['),
                 _ => ws,
             },
-            State::Str { key, escape, hex_left } => {
+            State::Str {
+                key,
+                escape,
+                hex_left,
+            } => {
                 if hex_left > 0 {
-                    self.state = State::Str { key, escape: false, hex_left: hex_left - 1 };
+                    self.state = State::Str {
+                        key,
+                        escape: false,
+                        hex_left: hex_left - 1,
+                    };
                     return c.is_ascii_hexdigit();
                 }
                 if escape {
                     let hex = if c == 'u' { 4 } else { 0 };
-                    self.state = State::Str { key, escape: false, hex_left: hex };
+                    self.state = State::Str {
+                        key,
+                        escape: false,
+                        hex_left: hex,
+                    };
                     return "\"\\/bfnrtu".contains(c);
                 }
                 match c {
                     '"' if key => self.state = State::Colon,
                     '"' => self.after_value(),
-                    '\\' => self.state = State::Str { key, escape: true, hex_left: 0 },
+                    '\\' => {
+                        self.state = State::Str {
+                            key,
+                            escape: true,
+                            hex_left: 0,
+                        }
+                    }
                     c if (c as u32) < 0x20 => return false,
                     _ => {}
                 }
@@ -175,13 +211,26 @@ impl JsonPrefix {
                 self.stack.push(b'[');
                 State::Value
             }
-            '"' => State::Str { key: false, escape: false, hex_left: 0 },
+            '"' => State::Str {
+                key: false,
+                escape: false,
+                hex_left: 0,
+            },
             '-' => State::Number(Num::Minus),
             '0' => State::Number(Num::Zero),
             '1'..='9' => State::Number(Num::Int),
-            't' => State::Literal { word: "true", at: 1 },
-            'f' => State::Literal { word: "false", at: 1 },
-            'n' => State::Literal { word: "null", at: 1 },
+            't' => State::Literal {
+                word: "true",
+                at: 1,
+            },
+            'f' => State::Literal {
+                word: "false",
+                at: 1,
+            },
+            'n' => State::Literal {
+                word: "null",
+                at: 1,
+            },
             ']' if self.stack.last() == Some(&b'[') => return self.close(b'['),
             _ => return false,
         };
@@ -220,7 +269,16 @@ mod tests {
 
     #[test]
     fn invalid_continuations_are_refused() {
-        for s in [r#"["#, r#"{"a" 1}"#, r#"{"a": 01}"#, r#"{"a": tru }"#, r#"{"a": 1,}"#, "{\"a\n\": 1}", r#"{} x"#, r#"{"a": [1}"#] {
+        for s in [
+            r#"["#,
+            r#"{"a" 1}"#,
+            r#"{"a": 01}"#,
+            r#"{"a": tru }"#,
+            r#"{"a": 1,}"#,
+            "{\"a\n\": 1}",
+            r#"{} x"#,
+            r#"{"a": [1}"#,
+        ] {
             assert!(!accepts(s).0, "{s}");
         }
         assert_eq!(accepts(r#"{"a": [1, 2"#), (true, false));

@@ -31,10 +31,18 @@ impl StopMatcher {
                 stopped: false,
             };
         }
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
             let text = self.held[..at].to_string();
             self.held.clear();
-            return StopOutcome { text, stopped: true };
+            return StopOutcome {
+                text,
+                stopped: true,
+            };
         }
         // Hold back the longest suffix that is a proper prefix of some stop string.
         let keep = self
@@ -67,7 +75,13 @@ mod tests {
         assert_eq!(m.push("Hello E").text, "Hello ");
         assert_eq!(m.push("N").text, "");
         let o = m.push("Dxyz");
-        assert_eq!(o, StopOutcome { text: String::new(), stopped: true });
+        assert_eq!(
+            o,
+            StopOutcome {
+                text: String::new(),
+                stopped: true
+            }
+        );
     }
 
     #[test]

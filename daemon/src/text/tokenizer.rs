@@ -22,18 +22,16 @@ fn tok_err(e: impl std::fmt::Display) -> TextError {
 
 /// HF pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` names (BPE models).
 fn pre_tokenizer_for(pre: &str) -> Value {
-    let byte_level = |use_regex: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
-    };
-    let split = |pattern: &str| {
-        json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
-    };
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
     match pre {
         // llama.cpp: "\p{N}" then the GPT-2 regex.
-        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone" | "minerva" => json!({
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
-        }),
+        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone" | "minerva" => {
+            json!({
+                "type": "Sequence",
+                "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
+            })
+        }
         "llama3" | "llama-bpe" | "qwen2" | "deepseek-r1-qwen" | "smaug-bpe" => json!({
             "type": "Sequence",
             "pretokenizers": [
@@ -180,7 +178,13 @@ impl TextTokenizer {
     /// Chat models end a turn with a marker that is not always the EOS token (ChatML `<|im_end|>`,
     /// GLM `<|user|>`, Llama 3 `<|eot_id|>`); generation stops on any of them.
     fn add_end_of_turn_tokens(&mut self) {
-        for marker in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|user|>", "<|observation|>"] {
+        for marker in [
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|endoftext|>",
+            "<|user|>",
+            "<|observation|>",
+        ] {
             if let Some(id) = self.inner.token_to_id(marker) {
                 if !self.stop_token_ids.contains(&id) {
                     self.stop_token_ids.push(id);

@@ -12,6 +12,9 @@ use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+type Metadata = HashMap<String, GgufValue>;
+type TensorTable = HashMap<String, GgufTensorInfo>;
+
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GgufValue {
@@ -131,10 +134,14 @@ impl<'a> Cursor<'a> {
         Ok(self.take(1)?[0])
     }
     fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap_or([0; 4])))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().unwrap_or([0; 4]),
+        ))
     }
     fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap_or([0; 8])))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().unwrap_or([0; 8]),
+        ))
     }
     fn len(&mut self) -> Result<usize, String> {
         let n = self.u64()?;
@@ -146,7 +153,8 @@ impl<'a> Cursor<'a> {
     fn string(&mut self) -> Result<String, String> {
         let n = self.len()?;
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| format!("invalid UTF-8 string at byte {}", self.pos))
+        String::from_utf8(b.to_vec())
+            .map_err(|_| format!("invalid UTF-8 string at byte {}", self.pos))
     }
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue, String> {
         Ok(match ty {
@@ -364,14 +372,15 @@ pub fn unpermute_rotary_rows(data: &[f32], rows: usize, cols: usize, heads: usiz
             for j in 0..2 {
                 let src = h * head_dim + 2 * i + j;
                 let dst = h * head_dim + j * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
     out
 }
 
-fn parse(buf: &[u8]) -> Result<(HashMap<String, GgufValue>, HashMap<String, GgufTensorInfo>), String> {
+fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
     let mut c = Cursor { buf, pos: 0 };
     if c.take(4)? != b"GGUF" {
         return Err("bad magic (not a GGUF file)".into());
@@ -386,7 +395,9 @@ fn parse(buf: &[u8]) -> Result<(HashMap<String, GgufValue>, HashMap<String, Gguf
     for _ in 0..n_kv {
         let key = c.string()?;
         let ty = c.u32()?;
-        let v = c.value(ty, 0).map_err(|e| format!("metadata `{key}`: {e}"))?;
+        let v = c
+            .value(ty, 0)
+            .map_err(|e| format!("metadata `{key}`: {e}"))?;
         metadata.insert(key, v);
     }
     let mut raw = Vec::with_capacity(n_tensors.min(1 << 20));
@@ -396,7 +407,9 @@ fn parse(buf: &[u8]) -> Result<(HashMap<String, GgufValue>, HashMap<String, Gguf
         if n_dims > 4 {
             return Err(format!("tensor `{name}` has {n_dims} dimensions"));
         }
-        let dims = (0..n_dims).map(|_| c.len()).collect::<Result<Vec<_>, _>>()?;
+        let dims = (0..n_dims)
+            .map(|_| c.len())
+            .collect::<Result<Vec<_>, _>>()?;
         let ty = c.u32()?;
         let offset = c.len()?;
         raw.push((name, dims, ty, offset));
@@ -417,14 +430,26 @@ fn parse(buf: &[u8]) -> Result<(HashMap<String, GgufValue>, HashMap<String, Gguf
             .ok_or_else(|| format!("tensor `{name}`: element count overflows"))?;
         let (per_block, block_bytes) = kind.block();
         if numel % per_block != 0 {
-            return Err(format!("tensor `{name}`: {numel} elements not a multiple of block {per_block}"));
+            return Err(format!(
+                "tensor `{name}`: {numel} elements not a multiple of block {per_block}"
+            ));
         }
         let len = numel / per_block * block_bytes;
         let start = data_start
             .checked_add(offset)
             .filter(|s| s.checked_add(len).is_some_and(|e| e <= buf.len()))
-            .ok_or_else(|| format!("tensor `{name}` extends past the end of the file (truncated?)"))?;
-        tensors.insert(name, GgufTensorInfo { dims, kind, start, len });
+            .ok_or_else(|| {
+                format!("tensor `{name}` extends past the end of the file (truncated?)")
+            })?;
+        tensors.insert(
+            name,
+            GgufTensorInfo {
+                dims,
+                kind,
+                start,
+                len,
+            },
+        );
     }
     Ok((metadata, tensors))
 }

@@ -2,7 +2,10 @@
 use super::*;
 
 /// Builds a GGUF v3 file: metadata (string or u32 values) and tensors (ggml type id, dims, raw bytes).
-pub(crate) fn write_gguf(meta: &[(&str, GgufValue)], tensors: &[(&str, u32, Vec<u64>, Vec<u8>)]) -> Vec<u8> {
+pub(crate) fn write_gguf(
+    meta: &[(&str, GgufValue)],
+    tensors: &[(&str, u32, Vec<u64>, Vec<u8>)],
+) -> Vec<u8> {
     let mut b = Vec::new();
     let s = |b: &mut Vec<u8>, x: &str| {
         b.extend((x.len() as u64).to_le_bytes());
@@ -96,7 +99,8 @@ fn unpermute_inverts_llama_cpp_permute() {
             for i in 0..head_dim / 2 {
                 let src = h * head_dim + j * head_dim / 2 + i;
                 let dst = h * head_dim + 2 * i + j;
-                gguf[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                gguf[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -140,8 +144,14 @@ fn maps_hf_names_config_and_ties_embeddings() {
     let k = g.load("model.layers.0.self_attn.k_proj.weight").unwrap();
     assert_eq!(k.shape, vec![2, 4]);
     assert_eq!(k.to_f32(), (0..8).map(|x| x as f32).collect::<Vec<_>>());
-    let err = g.load("model.layers.0.mlp.up_proj.weight").unwrap_err().to_string();
-    assert!(err.contains("blk.0.ffn_up.weight") || err.contains("up_proj"), "{err}");
+    let err = g
+        .load("model.layers.0.mlp.up_proj.weight")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("blk.0.ffn_up.weight") || err.contains("up_proj"),
+        "{err}"
+    );
     std::fs::remove_file(p).ok();
 }
 
