@@ -1,7 +1,13 @@
+//! `moe-daemon`: the node daemon's command line.
 use clap::{Parser, Subcommand};
+use moe_daemon::cli;
 
 #[derive(Parser)]
-#[command(name = "moe-daemon", version, about = "MoE inference node daemon")]
+#[command(
+    name = "moe-daemon",
+    version,
+    about = "CPU-GPU hybrid MoE inference daemon"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -9,12 +15,29 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the OpenAI-compatible API.
-    Serve(moe_daemon::cli::serve::ServeArgs),
+    /// Generate from one prompt offline (no server).
+    Generate(cli::generate::GenerateArgs),
+    /// Serve the OpenAI-compatible API (chat, completions, metrics).
+    Serve(cli::serve::ServeArgs),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
-        Command::Serve(args) => moe_daemon::cli::serve::run(args),
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Generate(a) => cli::generate::run(a),
+        Command::Serve(a) => cli::serve::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the whole context chain on one line, without a backtrace.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -1,2 +1,4 @@
-//! Subcommand implementations called from `main.rs`.
+//! Command-line subcommands of `moe-daemon`.
+pub mod engine_args;
+pub mod generate;
 pub mod serve;

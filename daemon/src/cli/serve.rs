@@ -2,7 +2,8 @@
 //! HTTP server already answers `/health` (and `/ready` with 503), then serve the OpenAI API until SIGTERM
 //! or Ctrl-C: stop accepting, let in-flight requests finish within `--shutdown-timeout-s`, exit.
 use crate::api::{self, AppState};
-use crate::engine::{Engine, EngineOptions};
+use crate::cli::engine_args::EngineArgs;
+use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::model::ModelConfig;
 use crate::sched::scripted::ScriptedModel;
@@ -41,9 +42,6 @@ pub struct ServeArgs {
     /// Requests that may wait for a slot; more get 429.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
-    /// KV positions running sequences may reserve (prompt + max_tokens each).
-    #[arg(long, default_value_t = 262_144)]
-    pub kv_capacity_tokens: usize,
     #[arg(long, default_value_t = 32)]
     pub prefix_cache_entries: usize,
     /// Context length cap (default: the model's).
@@ -59,9 +57,8 @@ pub struct ServeArgs {
     /// Chat template file overriding the model's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
-    /// CPU worker threads (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub cpu_threads: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// TEST DOUBLE: instead of the model's weights, answer with scripted replies from this JSON file
     /// (`{"replies": [{"trigger": "...", "reply": "..."}], "step_delay_ms": 0}`), tokenised with the
     /// model's tokenizer. Lets HTTP tests exercise tool-call and reasoning output the real model never emits.
@@ -146,7 +143,8 @@ fn start_engine(
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running,
         max_waiting: args.max_waiting,
-        kv_capacity_tokens: args.kv_capacity_tokens,
+        // Running sequences reserve prompt + max_tokens positions of the engine's KV capacity.
+        kv_capacity_tokens: args.engine.kv_cache_tokens,
         prefix_cache_entries: args.prefix_cache_entries,
     };
     if let Some(script) = &args.scripted_replies {
@@ -175,9 +173,7 @@ fn start_engine(
         );
         return Ok(spawn_engine(move || Ok(model), sched, metrics));
     }
-    let opts = EngineOptions {
-        cpu_threads: args.cpu_threads,
-    };
+    let opts = args.engine.options()?;
     let path = args.model.clone();
     let gguf = files.gguf.clone();
     Ok(spawn_engine(

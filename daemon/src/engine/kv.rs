@@ -23,11 +23,29 @@ impl LayerKv {
     }
 }
 
-/// Cache of one sequence: every layer, plus the number of positions it holds.
-#[derive(Clone, Debug)]
+/// Cache of one sequence: every layer (CPU backend) or a block table in the GPU pool (CUDA backend),
+/// plus the number of positions it holds.
+#[derive(Debug)]
 pub struct SeqCache {
     pub(crate) layers: Vec<LayerKv>,
     len: usize,
+    pub(crate) gpu: Option<super::gpu::kv::GpuSeqKv>,
+}
+
+impl Clone for SeqCache {
+    fn clone(&self) -> Self {
+        let gpu = self.gpu.clone();
+        // A full GPU pool can leave the copy with fewer blocks: it then holds a shorter prefix.
+        let len = match &gpu {
+            Some(g) => self.len.min(g.blocks.len() * super::gpu::kv::BLOCK),
+            None => self.len,
+        };
+        Self {
+            layers: self.layers.clone(),
+            len,
+            gpu,
+        }
+    }
 }
 
 impl SeqCache {
@@ -42,6 +60,15 @@ impl SeqCache {
                 })
                 .collect(),
             len: 0,
+            gpu: None,
+        }
+    }
+
+    pub(crate) fn new_gpu(kv: super::gpu::kv::GpuSeqKv) -> Self {
+        Self {
+            layers: vec![],
+            len: 0,
+            gpu: Some(kv),
         }
     }
 
@@ -59,6 +86,9 @@ impl SeqCache {
         if n >= self.len {
             return;
         }
+        if let Some(g) = &mut self.gpu {
+            g.truncate(n);
+        }
         for l in &mut self.layers {
             l.a.truncate(n * l.a_width);
             l.b.truncate(n * l.b_width);
@@ -68,6 +98,10 @@ impl SeqCache {
 
     /// Bytes held (for KV usage metrics).
     pub fn bytes(&self) -> usize {
+        if let Some(g) = &self.gpu {
+            let pool = g.pool.lock().unwrap_or_else(|e| e.into_inner());
+            return g.blocks.len() * super::gpu::kv::BLOCK * pool.width * 4 * 2 * pool.k.len();
+        }
         self.layers
             .iter()
             .map(|l| (l.a.len() + l.b.len()) * 4)

@@ -4,10 +4,12 @@
 //! chunk of tokens (a prefill chunk or one decode token). Linear layers and experts process all tokens of
 //! the step together (weights are read once per step); attention runs per sequence against its cache.
 pub mod attention;
+pub mod gpu;
 pub mod kv;
 pub mod linear;
 pub mod moe;
 pub mod ops;
+pub mod placement;
 pub mod rope;
 pub mod sampling;
 
@@ -21,11 +23,64 @@ use ops::{add_assign, rms_norm};
 use rope::Rope;
 use std::path::Path;
 
+/// Which backend runs the dense part of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA GPU by ordinal.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("--device takes cpu, cuda or cuda:N, got `{s}`")),
+        }
+    }
+}
+
 /// Engine settings that do not come from the checkpoint.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Worker threads for the CPU backend (0: all CPUs the process may use).
     pub cpu_threads: usize,
+    pub device: Device,
+    /// Routed experts per MoE layer kept on the GPU (CUDA backend).
+    pub gpu_experts: placement::GpuExperts,
+    pub placement: placement::PlacementStrategy,
+    pub placement_seed: u64,
+    /// Routing statistics for `frequency` placement.
+    pub routing_stats: Option<std::path::PathBuf>,
+    /// Record routing statistics (saved by [`Engine::save_routing_stats`]).
+    pub record_routing: bool,
+    /// GPU KV cache capacity in positions (all sequences together).
+    pub kv_cache_tokens: usize,
+    /// Steps of at least this many tokens prefill layer by layer on the GPU.
+    pub gpu_prefill_threshold: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            cpu_threads: 0,
+            device: Device::Cpu,
+            gpu_experts: placement::GpuExperts::Count(0),
+            placement: placement::PlacementStrategy::Uniform,
+            placement_seed: 0,
+            routing_stats: None,
+            record_routing: false,
+            kv_cache_tokens: 65536,
+            gpu_prefill_threshold: 1024,
+        }
+    }
 }
 
 /// Input of one sequence for one step.
@@ -52,12 +107,17 @@ pub enum StepError {
     TooLong { len: usize, max: usize },
     #[error("empty chunk: every sequence in a step needs at least one token")]
     EmptyChunk,
+    #[error("{0}")]
+    Backend(String),
 }
 
 pub struct Engine {
     model: Model,
     rope: Rope,
     pool: rayon::ThreadPool,
+    gpu: Option<gpu::GpuModel>,
+    routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
+    last_step: std::sync::Mutex<gpu::forward::StepTimes>,
 }
 
 impl Engine {
@@ -88,8 +148,49 @@ impl Engine {
             .thread_name(|i| format!("moe-cpu-{i}"))
             .build()?;
         let rope = Rope::new(&cfg.rope);
-        let model = pool.install(|| build_model(cfg, src))?;
-        Ok(Self { model, rope, pool })
+        let mut model = pool.install(|| build_model(cfg, src))?;
+        let gpu = match opts.device {
+            Device::Cpu => None,
+            Device::Cuda(ordinal) => Some(gpu::setup::build(&mut model, ordinal, opts)?),
+        };
+        Ok(Self {
+            model,
+            rope,
+            pool,
+            gpu,
+            routing_stats: opts.record_routing.then(Default::default),
+            last_step: Default::default(),
+        })
+    }
+
+    /// Whether the CUDA backend runs this engine.
+    pub fn on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// Timing split of the last step (CUDA backend).
+    pub fn last_step_times(&self) -> gpu::forward::StepTimes {
+        self.last_step.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Writes the recorded routing statistics (JSON) for `--expert-placement frequency`.
+    pub fn save_routing_stats(&self, path: &Path) -> anyhow::Result<()> {
+        let stats = self
+            .routing_stats
+            .as_ref()
+            .context("routing was not recorded (record_routing is off)")?;
+        let stats = stats.lock().unwrap_or_else(|e| e.into_inner());
+        std::fs::write(path, serde_json::to_string(&*stats)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    fn record(&self, layer: usize, ids: &[u32]) {
+        if let (Some(stats), Some(moe)) = (&self.routing_stats, &self.model.config.moe) {
+            stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(layer, moe.num_experts, ids);
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -102,6 +203,13 @@ impl Engine {
 
     /// An empty cache for a new sequence.
     pub fn new_cache(&self) -> SeqCache {
+        if let Some(g) = &self.gpu {
+            return SeqCache::new_gpu(gpu::kv::GpuSeqKv {
+                pool: g.kv.clone(),
+                stream: g.dev.stream.clone(),
+                blocks: vec![],
+            });
+        }
         let cfg = &self.model.config;
         let widths: Vec<(usize, usize)> = self
             .model
@@ -120,13 +228,44 @@ impl Engine {
 
     /// One step; returns the logits at the last position of each entry, in order.
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
-        let last_rows = self.run(batch, false)?;
-        Ok(last_rows)
+        if let Some(g) = &self.gpu {
+            self.validate(batch)?;
+            return self.pool.install(|| self.run_gpu(g, batch));
+        }
+        self.run(batch, false)
     }
 
-    /// One step returning logits at every position of every entry (rows in batch order).
+    /// One step returning logits at every position of every entry (rows in batch order; CPU backend).
     pub fn forward_all(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+        if self.gpu.is_some() {
+            return Err(StepError::Backend(
+                "logits of every position are only computed by the CPU backend".into(),
+            ));
+        }
         self.run(batch, true)
+    }
+
+    fn run_gpu(&self, g: &gpu::GpuModel, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+        let mut inputs = Vec::with_capacity(batch.len());
+        for s in batch.iter_mut() {
+            let pos0 = s.cache.len();
+            let kv = s
+                .cache
+                .gpu
+                .as_mut()
+                .ok_or_else(|| StepError::Backend("a CPU cache was given to the CUDA backend".into()))?;
+            inputs.push(gpu::forward::GpuSeqInput { kv, pos0, tokens: s.tokens });
+        }
+        let mut times = gpu::forward::StepTimes::default();
+        let out = g
+            .forward(&self.model, &mut inputs, &mut times, |l, ids| self.record(l, ids))
+            .map_err(|e| StepError::Backend(format!("{e:#}")))?;
+        drop(inputs);
+        for s in batch.iter_mut() {
+            s.cache.advance(s.tokens.len());
+        }
+        *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
+        Ok(out)
     }
 
     fn validate(&self, batch: &[SeqInput<'_>]) -> Result<(), StepError> {
@@ -192,7 +331,11 @@ impl Engine {
             add_assign(&mut x, &a);
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
             let f = match (&layer.ffn, &cfg.moe) {
-                (Ffn::Moe(block), Some(mc)) => moe::moe_forward(block, mc, cfg.activation, &h, hd),
+                (Ffn::Moe(block), Some(mc)) => {
+                    moe::moe_forward(block, mc, cfg.activation, &h, hd, &mut |ids| {
+                        self.record(li, ids)
+                    })
+                }
                 (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, cfg.activation, &h, n),
                 (Ffn::Moe(_), None) => unreachable!("MoE layer built without MoE config"),
             };

@@ -6,6 +6,9 @@ use crate::model::config::{Activation, MoeConfig, RouterKind};
 use crate::model::{Mlp, MoeBlock};
 use rayon::prelude::*;
 
+/// Marks a routing slot whose expert is computed elsewhere.
+pub const NOT_HERE: u32 = u32::MAX;
+
 /// Routing decision for a batch: `top_k` expert ids and weights per token.
 pub struct Routing {
     pub ids: Vec<u32>,
@@ -103,8 +106,9 @@ pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<
 
 /// Reference CPU path for routed experts: gathers each expert's tokens, runs its MLP on them, and adds
 /// the weighted outputs into `out`. Experts run one after another; each MLP is parallel inside.
+/// Ids equal to [`NOT_HERE`], or of experts not held in DRAM, are skipped (another device owns them).
 pub fn experts_forward(
-    experts: &[Mlp],
+    experts: &[Option<Mlp>],
     act: Activation,
     x: &[f32],
     hidden: usize,
@@ -115,11 +119,14 @@ pub fn experts_forward(
     let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
     for t in 0..n {
         for j in 0..routing.top_k {
-            let e = routing.ids[t * routing.top_k + j] as usize;
-            per_expert[e].push((t, routing.weights[t * routing.top_k + j]));
+            let e = routing.ids[t * routing.top_k + j];
+            if e != NOT_HERE {
+                per_expert[e as usize].push((t, routing.weights[t * routing.top_k + j]));
+            }
         }
     }
     for (e, assigned) in per_expert.iter().enumerate() {
+        let Some(expert) = &experts[e] else { continue };
         if assigned.is_empty() {
             continue;
         }
@@ -127,7 +134,7 @@ pub fn experts_forward(
         for &(t, _) in assigned {
             xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
-        let y = mlp_forward(&experts[e], act, &xs, assigned.len());
+        let y = mlp_forward(expert, act, &xs, assigned.len());
         for (i, &(t, w)) in assigned.iter().enumerate() {
             for (o, v) in out[t * hidden..(t + 1) * hidden]
                 .iter_mut()
@@ -146,9 +153,11 @@ pub fn moe_forward(
     act: Activation,
     x: &[f32],
     hidden: usize,
+    on_routing: &mut dyn FnMut(&[u32]),
 ) -> Vec<f32> {
     let n = x.len() / hidden;
     let routing = route(block, cfg, x, hidden);
+    on_routing(&routing.ids);
     let mut out = vec![0f32; n * hidden];
     experts_forward(&block.experts, act, x, hidden, &routing, &mut out);
     if let Some(shared) = &block.shared {

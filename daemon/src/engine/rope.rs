@@ -102,6 +102,14 @@ impl Rope {
         }
     }
 
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    pub fn attention_factor(&self) -> f32 {
+        self.attention_factor
+    }
+
     /// cos and sin (each `rotary_dim / 2`) for one position.
     pub fn cos_sin(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
         let p = pos as f32;

@@ -161,11 +161,11 @@ fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildE
                     let [g, u, d] = n.expert(x);
                     let strip = |s: &str| s.trim_end_matches(".weight").to_owned();
                     let inter = moe.expert_intermediate;
-                    Ok(Mlp {
+                    Ok(Some(Mlp {
                         gate: ld.linear(&strip(&g), inter, h)?,
                         up: ld.linear(&strip(&u), inter, h)?,
                         down: ld.linear(&strip(&d), h, inter)?,
-                    })
+                    }))
                 })
                 .collect::<Result<Vec<_>, BuildError>>()?;
             let shared = match (&n.shared, moe.shared_intermediate) {

@@ -61,7 +61,8 @@ pub struct MoeBlock {
     pub router: Vec<f32>,
     /// e_score_correction_bias (sigmoid routers), used for selection only.
     pub correction_bias: Option<Vec<f32>>,
-    pub experts: Vec<Mlp>,
+    /// Indexed by expert id; `None` when the expert does not live in DRAM (it is on the GPU).
+    pub experts: Vec<Option<Mlp>>,
     pub shared: Option<Mlp>,
     /// Qwen2-MoE: `[hidden]` weight of the sigmoid gate on the shared expert.
     pub shared_gate: Option<Vec<f32>>,

@@ -1,0 +1,365 @@
+//! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
+use super::kv::{GpuSeqKv, BLOCK};
+use super::{GpuFfn, GpuLinear, GpuMlp, GpuModel};
+use crate::engine::moe::{experts_forward, Routing};
+use crate::model::config::{Activation, RopeStyle, RouterKind};
+use crate::model::{Ffn, Model};
+use anyhow::Context;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+use moe_kernels::cuda::GpuDevice;
+use std::time::Instant;
+
+/// Where time went in a step (for `bench decode|prefill`).
+#[derive(Debug, Default, Clone)]
+pub struct StepTimes {
+    /// Host time spent waiting for the GPU at MoE hand-offs and the end of the step.
+    pub gpu_wait_s: f64,
+    /// Host time computing DRAM experts.
+    pub cpu_experts_s: f64,
+    /// Host time uploading expert weights for layerwise prefill.
+    pub transfer_s: f64,
+    /// Expert evaluations served by the GPU / all expert evaluations.
+    pub gpu_expert_hits: u64,
+    pub expert_hits: u64,
+}
+
+/// One sequence's chunk in a GPU step.
+pub struct GpuSeqInput<'a> {
+    pub kv: &'a mut GpuSeqKv,
+    pub pos0: usize,
+    pub tokens: &'a [u32],
+}
+
+fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
+    anyhow::anyhow!("CUDA launch: {e}")
+}
+
+impl GpuModel {
+    /// y[n, out] = x · Wᵀ (+ bias), or += when `accumulate`.
+    fn linear(
+        &self,
+        l: &GpuLinear,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        n: usize,
+        accumulate: bool,
+    ) -> anyhow::Result<()> {
+        self.dev.gemm_bf16(x, &l.w, y, n, l.out_dim, l.in_dim, accumulate)?;
+        if let Some(b) = &l.bias {
+            let total = n * l.out_dim;
+            let cols = l.out_dim as i32;
+            let mut a = self.dev.launch(&self.dev.k.add_bias);
+            a.arg(y).arg(b).arg(&cols).arg(&total);
+            unsafe { a.launch(GpuDevice::cfg_elems(total)) }.map_err(launch_err)?;
+        }
+        Ok(())
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> anyhow::Result<CudaSlice<T>> {
+        Ok(self.dev.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    /// RMSNorm of `rows` rows of x into bf16 (and optionally f32).
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        dim: usize,
+        rows: usize,
+        out_bf16: &mut CudaSlice<bf16>,
+        out_f32: Option<&mut CudaSlice<f32>>,
+    ) -> anyhow::Result<()> {
+        let dim_i = dim as i32;
+        let null = 0u64;
+        let mut a = self.dev.launch(&self.dev.k.rms_norm);
+        a.arg(x).arg(w).arg(&eps).arg(&dim_i).arg(out_bf16);
+        match out_f32 {
+            Some(o) => a.arg(o),
+            None => a.arg(&null),
+        };
+        unsafe { a.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        Ok(())
+    }
+
+    /// down(act(gate_up(x))) for `n` rows, accumulated into `y` when `accumulate`.
+    fn mlp(
+        &self,
+        m: &GpuMlp,
+        act: Activation,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        n: usize,
+        accumulate: bool,
+    ) -> anyhow::Result<()> {
+        let inter = m.down.in_dim;
+        let mut gu = self.alloc::<f32>(n * 2 * inter)?;
+        self.linear(&m.gate_up, x, &mut gu, n, false)?;
+        let mut a = self.alloc::<bf16>(n * inter)?;
+        let (inter_i, n_i, gelu) = (inter as i32, n as i32, (act == Activation::GeluTanh) as i32);
+        let mut l = self.dev.launch(&self.dev.k.silu_mul);
+        l.arg(&gu).arg(&inter_i).arg(&n_i).arg(&gelu).arg(&mut a);
+        unsafe { l.launch(GpuDevice::cfg_elems(n * inter)) }.map_err(launch_err)?;
+        self.linear(&m.down, &a, y, n, accumulate)
+    }
+
+    fn add(&self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
+        let mut l = self.dev.launch(&self.dev.k.add_inplace);
+        l.arg(y).arg(x).arg(&n);
+        unsafe { l.launch(GpuDevice::cfg_elems(n)) }.map_err(launch_err)?;
+        Ok(())
+    }
+
+    /// Runs one step; returns logits at the last position of each entry.
+    /// `host` holds the DRAM experts (and the config); its GPU experts were released at upload.
+    pub fn forward(
+        &self,
+        host: &Model,
+        batch: &mut [GpuSeqInput<'_>],
+        times: &mut StepTimes,
+        mut on_routing: impl FnMut(usize, &[u32]),
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let cfg = &host.config;
+        let dev = &self.dev;
+        let s = &dev.stream;
+        let (hd, nh, nkv, dh) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        // ---- host-side bookkeeping: token ids, positions, cache slots, block tables
+        let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ids = Vec::new();
+        let mut pos = Vec::new();
+        let mut seq_of = Vec::new();
+        let mut slots = Vec::new();
+        let mut last_rows = Vec::new();
+        for (si, b) in batch.iter_mut().enumerate() {
+            b.kv.reserve(&mut pool, b.pos0 + b.tokens.len())?;
+            for (i, &t) in b.tokens.iter().enumerate() {
+                let p = b.pos0 + i;
+                ids.push(t as i32);
+                pos.push(p as i32);
+                seq_of.push(si as i32);
+                slots.push(b.kv.blocks[p / BLOCK] as i32 * BLOCK as i32 + (p % BLOCK) as i32);
+            }
+            last_rows.push((ids.len() - 1) as i32);
+        }
+        let max_blocks = batch.iter().map(|b| b.kv.blocks.len()).max().unwrap_or(1).max(1);
+        let mut tables = vec![0i32; batch.len() * max_blocks];
+        for (si, b) in batch.iter().enumerate() {
+            for (j, &blk) in b.kv.blocks.iter().enumerate() {
+                tables[si * max_blocks + j] = blk as i32;
+            }
+        }
+        let n = ids.len();
+        let d_ids = s.clone_htod(&ids)?;
+        let d_pos = s.clone_htod(&pos)?;
+        let d_seq = s.clone_htod(&seq_of)?;
+        let d_slots = s.clone_htod(&slots)?;
+        let d_tables = s.clone_htod(&tables)?;
+
+        // ---- embedding
+        let mut x = self.alloc::<f32>(n * hd)?;
+        {
+            let hd_i = hd as i32;
+            let mut l = dev.launch(&dev.k.embed_rows);
+            l.arg(&self.embed).arg(&d_ids).arg(&hd_i).arg(&mut x);
+            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        }
+        let mut hb = self.alloc::<bf16>(n * hd)?;
+        let mut hf = self.alloc::<f32>(n * hd)?;
+        let scale = cfg.attention_scale();
+        let rd = cfg.rope.rotary_dim as i32;
+        let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
+        let layerwise = n >= self.prefill_threshold;
+        for (li, layer) in self.layers.iter().enumerate() {
+            // ---- attention
+            self.rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
+            let mut q = self.alloc::<f32>(n * nh * dh)?;
+            let mut k = self.alloc::<f32>(n * nkv * dh)?;
+            let mut v = self.alloc::<f32>(n * nkv * dh)?;
+            self.linear(&layer.q, &hb, &mut q, n, false)?;
+            self.linear(&layer.k, &hb, &mut k, n, false)?;
+            self.linear(&layer.v, &hb, &mut v, n, false)?;
+            for (buf, heads, norm) in [(&mut q, nh, &layer.q_norm), (&mut k, nkv, &layer.k_norm)] {
+                let (heads_i, dh_i, zero) = (heads as i32, dh as i32, 0i32);
+                let null = 0u64;
+                let mut l = dev.launch(&dev.k.qk_norm_rope);
+                l.arg(buf).arg(&heads_i).arg(&dh_i);
+                match norm {
+                    Some(w) => l.arg(w),
+                    None => l.arg(&null),
+                };
+                l.arg(&cfg.rms_norm_eps).arg(&d_pos).arg(&self.inv_freq).arg(&self.attn_factor)
+                    .arg(&rd).arg(&style).arg(&zero);
+                let threads = (dh as u32).div_ceil(32) * 32;
+                unsafe { l.launch(GpuDevice::cfg((n as u32, heads as u32), threads, 0)) }
+                    .map_err(launch_err)?;
+            }
+            {
+                let width = (nkv * dh) as i32;
+                let block = BLOCK as i32;
+                let (kc, vc) = (&mut pool.k[li] as *mut CudaSlice<f32>, &mut pool.v[li] as *mut CudaSlice<f32>);
+                // SAFETY: k and v caches are distinct allocations; the raw pointers only split the borrow.
+                let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };
+                let mut l = dev.launch(&dev.k.kv_append);
+                l.arg(&k).arg(&v).arg(&width).arg(kc).arg(vc).arg(&d_slots).arg(&block);
+                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+            }
+            let mut attn = self.alloc::<bf16>(n * nh * dh)?;
+            {
+                let (mb, nh_i, nkv_i, dh_i, blk) =
+                    (max_blocks as i32, nh as i32, nkv as i32, dh as i32, BLOCK as i32);
+                let mut l = dev.launch(&dev.k.paged_attention);
+                l.arg(&q).arg(&pool.k[li]).arg(&pool.v[li]).arg(&d_tables).arg(&mb).arg(&d_seq)
+                    .arg(&d_pos).arg(&nh_i).arg(&nkv_i).arg(&dh_i).arg(&blk).arg(&scale).arg(&mut attn);
+                let smem = ((dh + 128) * 4) as u32;
+                unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), 128, smem)) }
+                    .map_err(launch_err)?;
+            }
+            self.linear(&layer.o, &attn, &mut x, n, true)?;
+            // ---- feed-forward
+            self.rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, hd, n, &mut hb, Some(&mut hf))?;
+            match &layer.ffn {
+                GpuFfn::Dense(m) => self.mlp(m, cfg.activation, &hb, &mut x, n, true)?,
+                GpuFfn::Moe(moe) => {
+                    let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
+                    let Ffn::Moe(host_block) = &host.layers[li].ffn else {
+                        anyhow::bail!("layer {li}: host and GPU layer kinds differ");
+                    };
+                    let e = mc.num_experts;
+                    let mut logits = self.alloc::<f32>(n * e)?;
+                    dev.gemm_f32(&hf, &moe.router, &mut logits, n, e, hd)?;
+                    let mut d_eids = self.alloc::<i32>(n * mc.top_k)?;
+                    let mut d_w = self.alloc::<f32>(n * mc.top_k)?;
+                    {
+                        let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
+                            RouterKind::Softmax { renormalize } => (0i32, renormalize as i32, 1i32, 1i32, 1.0f32),
+                            RouterKind::SigmoidGrouped { n_group, topk_group, renormalize } => (
+                                1,
+                                renormalize as i32,
+                                n_group as i32,
+                                topk_group as i32,
+                                mc.routed_scaling_factor,
+                            ),
+                        };
+                        let (n_i, e_i, k_i) = (n as i32, e as i32, mc.top_k as i32);
+                        let null = 0u64;
+                        let mut l = dev.launch(&dev.k.router_topk);
+                        l.arg(&logits).arg(&n_i).arg(&e_i).arg(&k_i).arg(&kind).arg(&renorm);
+                        match &moe.correction_bias {
+                            Some(b) => l.arg(b),
+                            None => l.arg(&null),
+                        };
+                        l.arg(&n_group).arg(&topk_group).arg(&scaling).arg(&mut d_eids).arg(&mut d_w);
+                        unsafe { l.launch(GpuDevice::cfg(((n as u32).div_ceil(64), 1), 64, 0)) }
+                            .map_err(launch_err)?;
+                    }
+                    // The layer's one hand-off: routing (and activations, if DRAM experts are hit) to the host.
+                    let t0 = Instant::now();
+                    let eids: Vec<u32> = s.clone_dtoh(&d_eids)?.into_iter().map(|x| x as u32).collect();
+                    let ew = s.clone_dtoh(&d_w)?;
+                    times.gpu_wait_s += t0.elapsed().as_secs_f64();
+                    on_routing(li, &eids);
+                    // Group tokens per expert; split GPU-resident from DRAM experts.
+                    let mut per_expert: Vec<Vec<(i32, f32)>> = vec![Vec::new(); e];
+                    for (j, (&id, &w)) in eids.iter().zip(&ew).enumerate() {
+                        per_expert[id as usize].push(((j / mc.top_k) as i32, w));
+                    }
+                    let mut cpu_ids = vec![crate::engine::moe::NOT_HERE; n * mc.top_k];
+                    let mut cpu_w = vec![0f32; n * mc.top_k];
+                    let mut any_cpu = false;
+                    for (j, &id) in eids.iter().enumerate() {
+                        times.expert_hits += 1;
+                        if moe.experts[id as usize].is_some() {
+                            times.gpu_expert_hits += 1;
+                        } else {
+                            cpu_ids[j] = id;
+                            cpu_w[j] = ew[j];
+                            any_cpu = true;
+                        }
+                    }
+                    let host_x = if any_cpu && !layerwise { Some(s.clone_dtoh(&hf)?) } else { None };
+                    // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
+                    if let Some(sh) = &moe.shared {
+                        match &moe.shared_gate {
+                            None => self.mlp(sh, cfg.activation, &hb, &mut x, n, true)?,
+                            Some(g) => {
+                                let mut tmp = self.alloc::<f32>(n * hd)?;
+                                self.mlp(sh, cfg.activation, &hb, &mut tmp, n, false)?;
+                                let hd_i = hd as i32;
+                                let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
+                                l.arg(&mut tmp).arg(&hf).arg(g).arg(&hd_i);
+                                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                                self.add(&mut x, &tmp, n * hd)?;
+                            }
+                        }
+                    }
+                    let mut streamed = Vec::new();
+                    for (eid, toks) in per_expert.iter().enumerate() {
+                        if toks.is_empty() {
+                            continue;
+                        }
+                        let gpu_mlp = match &moe.experts[eid] {
+                            Some(m) => m,
+                            None if layerwise => {
+                                let t = Instant::now();
+                                let m = host_block.experts[eid].as_ref().context("expert in neither memory")?;
+                                streamed.push(super::upload_mlp(dev, m)?);
+                                times.transfer_s += t.elapsed().as_secs_f64();
+                                streamed.last().expect("just pushed")
+                            }
+                            None => continue,
+                        };
+                        let c = toks.len();
+                        let idx: Vec<i32> = toks.iter().map(|t| t.0).collect();
+                        let w: Vec<f32> = toks.iter().map(|t| t.1).collect();
+                        let d_idx = s.clone_htod(&idx)?;
+                        let d_w = s.clone_htod(&w)?;
+                        let mut xe = self.alloc::<bf16>(c * hd)?;
+                        let hd_i = hd as i32;
+                        let mut l = dev.launch(&dev.k.gather_rows);
+                        l.arg(&hb).arg(&d_idx).arg(&hd_i).arg(&mut xe);
+                        unsafe { l.launch(GpuDevice::cfg((c as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                        let mut ye = self.alloc::<f32>(c * hd)?;
+                        self.mlp(gpu_mlp, cfg.activation, &xe, &mut ye, c, false)?;
+                        let mut l = dev.launch(&dev.k.scatter_add_weighted);
+                        l.arg(&ye).arg(&d_idx).arg(&d_w).arg(&hd_i).arg(&mut x);
+                        unsafe { l.launch(GpuDevice::cfg((c as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                    }
+                    // Meanwhile on the CPU: the DRAM experts of the same tokens.
+                    if let Some(hx) = host_x {
+                        let t = Instant::now();
+                        let routing = Routing { ids: cpu_ids, weights: cpu_w, top_k: mc.top_k };
+                        let mut out = vec![0f32; n * hd];
+                        experts_forward(&host_block.experts, cfg.activation, &hx, hd, &routing, &mut out);
+                        times.cpu_experts_s += t.elapsed().as_secs_f64();
+                        let d_out = s.clone_htod(&out)?;
+                        self.add(&mut x, &d_out, n * hd)?;
+                    }
+                }
+            }
+        }
+        // ---- final norm and lm_head on the last row of each sequence
+        let rows = last_rows.len();
+        let d_last = s.clone_htod(&last_rows)?;
+        self.rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
+        let mut sel = self.alloc::<bf16>(rows * hd)?;
+        {
+            let hd_i = hd as i32;
+            let mut l = dev.launch(&dev.k.gather_rows);
+            l.arg(&hb).arg(&d_last).arg(&hd_i).arg(&mut sel);
+            unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        }
+        let vocab = cfg.vocab_size;
+        let mut logits = self.alloc::<f32>(rows * vocab)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        dev.gemm_bf16(&sel, head, &mut logits, rows, vocab, hd, false)?;
+        let t0 = Instant::now();
+        let host_logits = s.clone_dtoh(&logits)?;
+        s.synchronize()?;
+        times.gpu_wait_s += t0.elapsed().as_secs_f64();
+        Ok(host_logits.chunks(vocab).map(<[f32]>::to_vec).collect())
+    }
+}

@@ -1,0 +1,215 @@
+//! The CUDA backend of the engine: the same [`Model`] run on a GPU, with each MoE layer's experts split
+//! between GPU memory and DRAM by the placement plan.
+//!
+//! Per MoE layer of a step, the GPU computes norm, attention, router and top-k; one device→host copy hands
+//! the normalised activations and routing to the host (the layer's single synchronisation); then the GPU
+//! runs the shared expert and its resident experts (enqueued, asynchronous) while the CPU computes the
+//! DRAM-resident experts of the same tokens; their sum comes back with one host→device copy and one add.
+//! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
+//! the GPU instead and computed there.
+pub mod forward;
+pub mod kv;
+pub mod setup;
+
+use crate::engine::linear::Linear;
+use crate::model::{Attention, Ffn, Mlp, Model};
+use anyhow::{bail, Context};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use kv::GpuKvPool;
+use moe_kernels::cuda::GpuDevice;
+use std::sync::{Arc, Mutex};
+
+/// A weight matrix on the GPU, `[out, in]` bf16, with an optional f32 bias.
+pub struct GpuLinear {
+    pub w: CudaSlice<bf16>,
+    pub bias: Option<CudaSlice<f32>>,
+    pub out_dim: usize,
+    pub in_dim: usize,
+}
+
+/// gate and up stacked (`[2I, H]`, gate first) so one GEMM computes both; then down `[H, I]`.
+pub struct GpuMlp {
+    pub gate_up: GpuLinear,
+    pub down: GpuLinear,
+}
+
+pub struct GpuMoe {
+    /// `[experts, hidden]` f32
+    pub router: CudaSlice<f32>,
+    pub correction_bias: Option<CudaSlice<f32>>,
+    /// Indexed by expert id; `None` = the expert lives in DRAM.
+    pub experts: Vec<Option<GpuMlp>>,
+    pub shared: Option<GpuMlp>,
+    pub shared_gate: Option<CudaSlice<f32>>,
+}
+
+pub enum GpuFfn {
+    Dense(GpuMlp),
+    Moe(GpuMoe),
+}
+
+pub struct GpuLayer {
+    pub attn_norm: CudaSlice<f32>,
+    pub ffn_norm: CudaSlice<f32>,
+    pub q: GpuLinear,
+    pub k: GpuLinear,
+    pub v: GpuLinear,
+    pub o: GpuLinear,
+    pub q_norm: Option<CudaSlice<f32>>,
+    pub k_norm: Option<CudaSlice<f32>>,
+    pub ffn: GpuFfn,
+}
+
+pub struct GpuModel {
+    pub dev: GpuDevice,
+    pub embed: CudaSlice<bf16>,
+    /// None when tied to the embedding.
+    pub lm_head: Option<CudaSlice<bf16>>,
+    pub final_norm: CudaSlice<f32>,
+    pub layers: Vec<GpuLayer>,
+    pub inv_freq: CudaSlice<f32>,
+    pub attn_factor: f32,
+    pub kv: Arc<Mutex<GpuKvPool>>,
+    /// Steps with at least this many tokens stream DRAM experts to the GPU (layerwise prefill).
+    pub prefill_threshold: usize,
+}
+
+pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
+    let w = dev.stream.clone_htod(&linear_bf16(l))?;
+    let bias = match &l.bias {
+        Some(b) => Some(dev.stream.clone_htod(b)?),
+        None => None,
+    };
+    Ok(GpuLinear {
+        w,
+        bias,
+        out_dim: l.out_dim,
+        in_dim: l.in_dim,
+    })
+}
+
+/// A linear's weights as bf16 rows (bf16 checkpoints are copied; f32 / FP8 are rounded).
+pub fn linear_bf16(l: &Linear) -> Vec<bf16> {
+    if let crate::engine::linear::WeightData::Bf16(v) = &l.w {
+        return v.clone();
+    }
+    let mut row = vec![0f32; l.in_dim];
+    let mut out = Vec::with_capacity(l.out_dim * l.in_dim);
+    for r in 0..l.out_dim {
+        l.row_f32(r, &mut row);
+        out.extend(row.iter().map(|&x| bf16::from_f32(x)));
+    }
+    out
+}
+
+/// gate and up stacked into one `[2I, H]` bf16 matrix.
+pub fn mlp_gate_up_bf16(m: &Mlp) -> Vec<bf16> {
+    let mut v = linear_bf16(&m.gate);
+    v.extend(linear_bf16(&m.up));
+    v
+}
+
+pub fn upload_mlp(dev: &GpuDevice, m: &Mlp) -> anyhow::Result<GpuMlp> {
+    Ok(GpuMlp {
+        gate_up: GpuLinear {
+            w: dev.stream.clone_htod(&mlp_gate_up_bf16(m))?,
+            bias: None,
+            out_dim: 2 * m.gate.out_dim,
+            in_dim: m.gate.in_dim,
+        },
+        down: upload_linear(dev, &m.down)?,
+    })
+}
+
+/// Bytes one routed expert takes on the GPU (bf16 gate, up, down).
+pub fn expert_bytes(hidden: usize, inter: usize) -> usize {
+    3 * hidden * inter * 2
+}
+
+impl GpuModel {
+    /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
+    /// copies of those experts are released from `model` afterwards (one copy of each expert).
+    pub fn upload(
+        dev: GpuDevice,
+        model: &mut Model,
+        placement: &[Vec<bool>],
+        kv_blocks: usize,
+        prefill_threshold: usize,
+    ) -> anyhow::Result<Self> {
+        let cfg = model.config.clone();
+        if cfg.mla.is_some() {
+            bail!("MLA attention (DeepSeek-V3 / Kimi-K2) is not implemented on the CUDA backend yet; run with --device cpu");
+        }
+        let s = &dev.stream;
+        let embed = s.clone_htod(&linear_bf16(&model.embed))?;
+        let lm_head = match &model.lm_head {
+            Some(l) => Some(s.clone_htod(&linear_bf16(l))?),
+            None => None,
+        };
+        let final_norm = s.clone_htod(&model.final_norm)?;
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for (li, layer) in model.layers.iter_mut().enumerate() {
+            let Attention::Gqa(a) = &layer.attn else {
+                bail!("layer {li}: expected GQA attention");
+            };
+            let ffn = match &mut layer.ffn {
+                Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m)?),
+                Ffn::Moe(block) => {
+                    let on_gpu = placement.get(li).map(Vec::as_slice).unwrap_or(&[]);
+                    let mut experts = Vec::with_capacity(block.experts.len());
+                    for (e, slot) in block.experts.iter_mut().enumerate() {
+                        if on_gpu.get(e).copied().unwrap_or(false) {
+                            let m = slot.take().with_context(|| format!("layer {li} expert {e} missing"))?;
+                            experts.push(Some(upload_mlp(&dev, &m)?));
+                        } else {
+                            experts.push(None);
+                        }
+                    }
+                    GpuFfn::Moe(GpuMoe {
+                        router: s.clone_htod(&block.router)?,
+                        correction_bias: match &block.correction_bias {
+                            Some(b) => Some(s.clone_htod(b)?),
+                            None => None,
+                        },
+                        experts,
+                        shared: match &block.shared {
+                            Some(m) => Some(upload_mlp(&dev, m)?),
+                            None => None,
+                        },
+                        shared_gate: match &block.shared_gate {
+                            Some(g) => Some(s.clone_htod(g)?),
+                            None => None,
+                        },
+                    })
+                }
+            };
+            layers.push(GpuLayer {
+                attn_norm: s.clone_htod(&layer.attn_norm)?,
+                ffn_norm: s.clone_htod(&layer.ffn_norm)?,
+                q: upload_linear(&dev, &a.q)?,
+                k: upload_linear(&dev, &a.k)?,
+                v: upload_linear(&dev, &a.v)?,
+                o: upload_linear(&dev, &a.o)?,
+                q_norm: a.q_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
+                k_norm: a.k_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
+                ffn,
+            });
+        }
+        let rope = crate::engine::rope::Rope::new(&cfg.rope);
+        let inv_freq = s.clone_htod(rope.inv_freq())?;
+        let kv = GpuKvPool::new(&dev, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, kv_blocks)?;
+        dev.stream.synchronize()?;
+        Ok(Self {
+            attn_factor: rope.attention_factor(),
+            dev,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            inv_freq,
+            kv: Arc::new(Mutex::new(kv)),
+            prefill_threshold,
+        })
+    }
+}

@@ -1,0 +1,83 @@
+//! Bringing up the CUDA backend: open the GPU, size the memory plan, choose the GPU experts, upload.
+use super::kv::{GpuKvPool, BLOCK};
+use super::{expert_bytes, GpuModel};
+use crate::engine::placement::{plan_placement, GpuExperts, MemoryPlan, RoutingStats};
+use crate::engine::EngineOptions;
+use crate::model::{Model, ModelConfig};
+use anyhow::{bail, Context};
+use moe_kernels::cuda::GpuDevice;
+
+/// bf16 bytes of everything but the routed experts (routers in f32).
+pub fn dense_bytes(cfg: &ModelConfig) -> usize {
+    let h = cfg.hidden_size;
+    let mut b = cfg.vocab_size * h * 2 * if cfg.tie_word_embeddings { 1 } else { 2 };
+    let attn = (cfg.num_heads * cfg.head_dim * h * 2 + cfg.num_kv_heads * cfg.head_dim * h * 2) * 2;
+    for layer in 0..cfg.num_layers {
+        b += attn;
+        match &cfg.moe {
+            Some(m) if cfg.is_moe_layer(layer) => {
+                b += m.num_experts * h * 4;
+                b += m.shared_intermediate.map_or(0, |w| 3 * h * w * 2);
+            }
+            _ => b += 3 * h * cfg.intermediate_size * 2,
+        }
+    }
+    b
+}
+
+pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow::Result<GpuModel> {
+    let dev = GpuDevice::open(ordinal)?;
+    let cfg = model.config.clone();
+    let (free, total) = dev.memory()?;
+    let blocks = opts.kv_cache_tokens.div_ceil(BLOCK).max(1);
+    let width = cfg.num_kv_heads * cfg.head_dim;
+    let (experts, inter) = cfg
+        .moe
+        .as_ref()
+        .map_or((0, 0), |m| (m.num_experts, m.expert_intermediate));
+    let each = expert_bytes(cfg.hidden_size, inter);
+    let moe_layers = cfg.moe_layers.iter().filter(|&&m| m).count();
+    let mut plan = MemoryPlan {
+        dense_weights: dense_bytes(&cfg),
+        expert_bytes_each: each,
+        gpu_experts_total: 0,
+        kv_cache: GpuKvPool::bytes_for(cfg.num_layers, width, blocks),
+        // activations of a step plus one layer of experts streamed in layerwise prefill
+        workspace: (1usize << 30) + experts * each,
+        device_free: free,
+    };
+    let per_layer = match opts.gpu_experts {
+        GpuExperts::Count(n) => n.min(experts),
+        GpuExperts::Ratio(r) => ((experts as f64 * r).round() as usize).min(experts),
+        GpuExperts::Auto => plan.max_experts_per_layer(moe_layers, experts),
+    };
+    plan.gpu_experts_total = per_layer * moe_layers;
+    let msg = format!("{} ({}.{}), {:.1} GiB total: {}", dev.name, dev.capability.0, dev.capability.1, total as f64 / (1u64 << 30) as f64, plan.describe());
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    if !plan.fits() {
+        bail!(
+            "the model does not fit on {}: {}; at most {} GPU experts per layer would fit (use --gpu-experts auto), or lower --kv-cache-tokens",
+            dev.name,
+            plan.describe(),
+            plan.max_experts_per_layer(moe_layers, experts)
+        );
+    }
+    let stats = match &opts.routing_stats {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(serde_json::from_str::<RoutingStats>(&text).with_context(|| format!("{}: not routing statistics", p.display()))?)
+        }
+        None => None,
+    };
+    let placement = plan_placement(
+        opts.placement,
+        &cfg.moe_layers,
+        experts,
+        per_layer,
+        stats.as_ref(),
+        opts.placement_seed,
+    )
+    .map_err(anyhow::Error::msg)?;
+    GpuModel::upload(dev, model, &placement, blocks, opts.gpu_prefill_threshold.max(1))
+}

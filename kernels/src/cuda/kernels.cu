@@ -1,0 +1,278 @@
+// CUDA kernels of the GPU backend, compiled at start-up by NVRTC for the device's architecture.
+// Activations are f32 in the residual stream and bf16 at GEMM inputs (cuBLAS bf16 x bf16 -> f32).
+// bf16 is handled as raw bits so NVRTC needs no CUDA headers (the GPU machine may lack an include path).
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef unsigned short bf16;
+__device__ __forceinline__ float bf2f(bf16 b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ bf16 f2bf(float f) {  // round to nearest even, NaN kept quiet
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (bf16)(u >> 16);
+}
+
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+// Block-wide sum for blockDim.x <= 1024; `buf` holds 32 floats of shared memory.
+__device__ float block_sum(float v, float* buf) {
+    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    int nw = (blockDim.x + WARP - 1) / WARP;
+    v = (threadIdx.x < nw) ? buf[threadIdx.x] : 0.f;
+    if (wid == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) buf[0] = v;
+    __syncthreads();
+    return buf[0];
+}
+__device__ float block_max(float v, float* buf) {
+    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    int nw = (blockDim.x + WARP - 1) / WARP;
+    v = (threadIdx.x < nw) ? buf[threadIdx.x] : -INFINITY;
+    if (wid == 0) v = warp_max(v);
+    if (threadIdx.x == 0) buf[0] = v;
+    __syncthreads();
+    return buf[0];
+}
+
+// out_bf16[row] = x[row] * w / rms(x[row]); one block per row. Optional f32 copy (out_f32 may be null).
+extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, int dim,
+                                    bf16* out_bf16, float* out_f32) {
+    __shared__ float buf[32];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, buf);
+    float inv = rsqrtf(ss / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * inv * w[i];
+        if (out_bf16) out_bf16[(size_t)blockIdx.x * dim + i] = f2bf(v);
+        if (out_f32) out_f32[(size_t)blockIdx.x * dim + i] = v;
+    }
+}
+
+// In-place per-head RMSNorm (optional) then RoPE on the first rotary_dim dims of each head.
+// grid: (tokens, heads); block: head_dim threads (<= 1024). style 0 = neox (rotate_half), 1 = interleaved.
+extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const float* norm_w, float eps,
+                                        const int* positions, const float* inv_freq, float attn_factor,
+                                        int rotary_dim, int style, int offset_in_head) {
+    __shared__ float buf[32];
+    __shared__ float head[1024];
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    float* xh = x + ((size_t)t * heads + h) * head_dim;
+    float v = (d < head_dim) ? xh[d] : 0.f;
+    if (norm_w) {
+        float ss = block_sum(v * v, buf);
+        v = v * rsqrtf(ss / head_dim + eps) * (d < head_dim ? norm_w[d] : 0.f);
+    }
+    if (d < head_dim) head[d] = v;
+    __syncthreads();
+    int r = d - offset_in_head;  // rotary dims start at offset_in_head (MLA: after the nope part)
+    int half = rotary_dim / 2;
+    if (r >= 0 && r < rotary_dim) {
+        int i = r < half ? r : r - half;
+        float ang = (float)positions[t] * inv_freq[i];
+        float c = cosf(ang) * attn_factor, s = sinf(ang) * attn_factor;
+        float a, b;
+        if (style == 0) { a = head[offset_in_head + i]; b = head[offset_in_head + i + half]; }
+        else { a = head[offset_in_head + 2 * i]; b = head[offset_in_head + 2 * i + 1]; }
+        v = r < half ? a * c - b * s : b * c + a * s;
+    }
+    if (d < head_dim) xh[d] = v;
+}
+
+// Writes k and v rows of each token into the paged cache: cache[block][slot][width].
+extern "C" __global__ void kv_append(const float* k, const float* v, int width, float* k_cache, float* v_cache,
+                                     const int* slot_of_token, int block_size) {
+    int t = blockIdx.x;
+    size_t slot = (size_t)slot_of_token[t];
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        k_cache[slot * width + i] = k[(size_t)t * width + i];
+        v_cache[slot * width + i] = v[(size_t)t * width + i];
+    }
+}
+
+// Attention of one (token, head) against its sequence's paged cache, positions 0..=pos, with an online
+// softmax over tiles of blockDim.x positions. grid: (tokens, heads); block: 128 threads; head_dim <= 256.
+// q: [tokens, heads, head_dim] f32; caches: [blocks*block_size, kv_heads*head_dim]; out bf16 [tokens, heads*head_dim].
+extern "C" __global__ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
+                                           const int* block_tables, int max_blocks, const int* seq_of_token,
+                                           const int* pos_of_token, int heads, int kv_heads, int head_dim,
+                                           int block_size, float scale, bf16* out) {
+    extern __shared__ float smem[];  // q (head_dim) + scores (blockDim.x)
+    __shared__ float buf[32];
+    float* qs = smem;
+    float* sc = smem + head_dim;
+    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int kvh = h / (heads / kv_heads);
+    int width = kv_heads * head_dim;
+    const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
+    int pos = pos_of_token[t];
+    for (int i = tid; i < head_dim; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * head_dim + i];
+    __syncthreads();
+    float m = -INFINITY, l = 0.f;
+    float acc0 = 0.f, acc1 = 0.f;  // output dims tid and tid + blockDim.x
+    for (int base = 0; base <= pos; base += blockDim.x) {
+        int p = base + tid;
+        float s = -INFINITY;
+        if (p <= pos) {
+            size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
+            const float* kr = k_cache + slot * width + kvh * head_dim;
+            float dot = 0.f;
+            for (int i = 0; i < head_dim; ++i) dot += qs[i] * kr[i];
+            s = dot * scale;
+        }
+        float tile_max = block_max(s, buf);
+        float m_new = fmaxf(m, tile_max);
+        float corr = __expf(m - m_new);
+        float e = (p <= pos) ? __expf(s - m_new) : 0.f;
+        sc[tid] = e;
+        float tile_sum = block_sum(e, buf);
+        l = l * corr + tile_sum;
+        acc0 *= corr;
+        acc1 *= corr;
+        int n = min((int)blockDim.x, pos - base + 1);
+        for (int j = 0; j < n; ++j) {
+            int pj = base + j;
+            size_t slot = (size_t)table[pj / block_size] * block_size + pj % block_size;
+            const float* vr = v_cache + slot * width + kvh * head_dim;
+            float w = sc[j];
+            if (tid < head_dim) acc0 += w * vr[tid];
+            if (tid + blockDim.x < head_dim) acc1 += w * vr[tid + blockDim.x];
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    bf16* o = out + ((size_t)t * heads + h) * head_dim;
+    if (tid < head_dim) o[tid] = f2bf(acc0 / l);
+    if (tid + blockDim.x < head_dim) o[tid + blockDim.x] = f2bf(acc1 / l);
+}
+
+// act = silu(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). gelu=1 uses gelu_tanh.
+extern "C" __global__ void silu_mul(const float* gate_up, int inter, int rows, int gelu, bf16* out) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * inter) return;
+    size_t r = i / inter, c = i % inter;
+    float g = gate_up[r * 2 * inter + c], u = gate_up[r * 2 * inter + inter + c];
+    float a = gelu ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) : g / (1.f + __expf(-g));
+    out[i] = f2bf(a * u);
+}
+
+// y[i] += x[i] (+ bias[i % cols] if bias)
+extern "C" __global__ void add_inplace(float* y, const float* x, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+extern "C" __global__ void add_bias(float* y, const float* bias, int cols, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += bias[i % cols];
+}
+
+// x[t] = embed[ids[t]] as f32
+extern "C" __global__ void embed_rows(const bf16* table, const int* ids, int dim, float* x) {
+    int t = blockIdx.x;
+    const bf16* row = table + (size_t)ids[t] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(size_t)t * dim + i] = bf2f(row[i]);
+}
+
+// Gathers rows `idx` of src (bf16 [*, dim]) into dst [count, dim].
+extern "C" __global__ void gather_rows(const bf16* src, const int* idx, int dim, bf16* dst) {
+    int r = blockIdx.x;
+    const bf16* s = src + (size_t)idx[r] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[(size_t)r * dim + i] = s[i];
+}
+
+// out[idx[r]] += w[r] * y[r]; rows of one expert hit distinct tokens, so there are no races.
+extern "C" __global__ void scatter_add_weighted(const float* y, const int* idx, const float* w, int dim, float* out) {
+    int r = blockIdx.x;
+    float s = w[r];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)idx[r] * dim + i] += s * y[(size_t)r * dim + i];
+}
+
+// y[t] *= sigmoid(dot(gate_w, x[t])) (Qwen2-MoE shared expert gate); one block per token.
+extern "C" __global__ void sigmoid_gate_rows(float* y, const float* x, const float* gate_w, int dim) {
+    __shared__ float buf[32];
+    int t = blockIdx.x;
+    float d = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) d += gate_w[i] * x[(size_t)t * dim + i];
+    d = block_sum(d, buf);
+    float g = 1.f / (1.f + __expf(-d));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) y[(size_t)t * dim + i] *= g;
+}
+
+// Router top-k from f32 logits [tokens, experts]; one thread per token.
+// kind 0: softmax -> top-k (renorm optional); kind 1: sigmoid, selection on scores + bias with
+// group-limited top-k, weights = unbiased scores (renorm optional) * scaling.
+extern "C" __global__ void router_topk(const float* logits, int tokens, int experts, int k, int kind, int renorm,
+                                       const float* bias, int n_group, int topk_group, float scaling,
+                                       int* ids, float* weights) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (size_t)t * experts;
+    float mx = -INFINITY;
+    for (int e = 0; e < experts; ++e) mx = fmaxf(mx, l[e]);
+    float sum = 0.f;
+    if (kind == 0) for (int e = 0; e < experts; ++e) sum += __expf(l[e] - mx);
+    // group mask: bit g set when group g is kept (n_group <= 64)
+    unsigned long long keep = ~0ull;
+    if (kind == 1 && n_group > 1) {
+        int per = experts / n_group;
+        keep = 0;
+        for (int r = 0; r < topk_group; ++r) {
+            float best = -INFINITY; int bg = -1;
+            for (int g = 0; g < n_group; ++g) {
+                if (keep >> g & 1ull) continue;
+                float a = -INFINITY, b = -INFINITY;  // top-2 biased scores in group g
+                for (int e = g * per; e < (g + 1) * per; ++e) {
+                    float s = 1.f / (1.f + __expf(-l[e])) + (bias ? bias[e] : 0.f);
+                    if (s > a) { b = a; a = s; } else if (s > b) b = s;
+                }
+                float gs = per > 1 ? a + b : a;
+                if (gs > best) { best = gs; bg = g; }
+            }
+            keep |= 1ull << bg;
+        }
+    }
+    float wsum = 0.f;
+    for (int j = 0; j < k; ++j) {
+        float best = -INFINITY; int be = -1;
+        for (int e = 0; e < experts; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken |= ids[(size_t)t * k + i] == e;
+            if (taken) continue;
+            if (kind == 1 && n_group > 1 && !(keep >> (e / (experts / n_group)) & 1ull)) continue;
+            float s = kind == 0 ? l[e] : 1.f / (1.f + __expf(-l[e])) + (bias ? bias[e] : 0.f);
+            if (s > best) { best = s; be = e; }
+        }
+        ids[(size_t)t * k + j] = be;
+        float w = kind == 0 ? __expf(l[be] - mx) / sum : 1.f / (1.f + __expf(-l[be]));
+        weights[(size_t)t * k + j] = w;
+        wsum += w;
+    }
+    for (int j = 0; j < k; ++j) {
+        float w = weights[(size_t)t * k + j];
+        if (renorm) w = kind == 0 ? w / wsum : w / (wsum + 1e-20f);
+        weights[(size_t)t * k + j] = kind == 1 ? w * scaling : w;
+    }
+}
+
+extern "C" __global__ void f32_to_bf16(const float* x, size_t n, bf16* y) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f2bf(x[i]);
+}
