@@ -148,7 +148,7 @@ def test_32_concurrent_greedy_requests_equal_sequential_ones(real):
                  for i in range(32)]
 
     def ask(q):
-        return chat(c, messages=[{"role": "user", "content": q}], max_tokens=12).choices[0].message.content
+        return chat(c, messages=[{"role": "user", "content": q}], max_tokens=8).choices[0].message.content
 
     sequential = [ask(q) for q in questions]
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
