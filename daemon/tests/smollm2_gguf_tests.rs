@@ -84,3 +84,25 @@ fn greedy_answer_to_the_capital_of_france_mentions_paris() {
     let text = tok.decode(&out, true).unwrap();
     assert!(text.contains("Paris"), "{text:?}");
 }
+
+#[test]
+fn incremental_detokenizer_never_splits_a_character() {
+    use moe_daemon::text::IncrementalDetokenizer;
+    let tok = TextTokenizer::from_gguf(&gguf()).unwrap();
+    let text = "Café au lait 🙂 costs 3€ — 日本語 ok";
+    let ids = tok.encode(text).unwrap();
+    let mut d = IncrementalDetokenizer::new(true);
+    let mut out = String::new();
+    let mut empty_steps = 0;
+    for &id in &ids {
+        let delta = d.push(&tok, id).unwrap();
+        assert!(!delta.contains('\u{FFFD}'), "broken character in {delta:?}");
+        empty_steps += delta.is_empty() as usize;
+        out += &delta;
+    }
+    assert_eq!(out, text);
+    assert!(
+        empty_steps > 0,
+        "multi-byte characters span tokens in this vocabulary"
+    );
+}

@@ -82,8 +82,8 @@ pub async fn chat_completions(
         prompt_tokens: prompt.len(),
         json_object: json_mode,
     };
-    let running = submit(&state, job)?;
     let id = request_id("chatcmpl");
+    let running = submit(&state, &id, job)?;
     let created = now_unix();
     let model = state.served_model.clone();
     if req.common.stream {

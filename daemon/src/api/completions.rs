@@ -92,8 +92,9 @@ pub async fn completions(
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
         json_object: false,
     };
-    let running = submit(&state, job)?;
-    let (id, created, model) = (request_id("cmpl"), now_unix(), state.served_model.clone());
+    let id = request_id("cmpl");
+    let running = submit(&state, &id, job)?;
+    let (created, model) = (now_unix(), state.served_model.clone());
     if req.common.stream {
         let include_usage = req.common.include_usage();
         let head = move |choices: Value, usage: Option<Value>| {

@@ -39,13 +39,14 @@ pub struct Job {
 }
 
 pub struct Running {
+    id: String,
     streams: StreamMap<usize, UnboundedReceiverStream<SeqEvent>>,
     decoders: Vec<ChoiceDecoder>,
     pub prompt_tokens: usize,
 }
 
 /// Submits every choice; all or nothing (a refused submission drops the others).
-pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
+pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError> {
     let deadline = Some(Instant::now() + state.request_timeout);
     let mut stop_ids = if job.ignore_eos {
         vec![]
@@ -85,7 +86,14 @@ pub fn submit(state: &AppState, job: Job) -> Result<Running, ApiError> {
         streams.insert(spec.index, UnboundedReceiverStream::new(rx));
         decoders.push(ChoiceDecoder::new(&job.output));
     }
+    tracing::debug!(
+        request = id,
+        choices = decoders.len(),
+        prompt_tokens = job.prompt_tokens,
+        "submitted"
+    );
     Ok(Running {
+        id: id.to_string(),
         streams,
         decoders,
         prompt_tokens: job.prompt_tokens,
@@ -135,6 +143,22 @@ impl Running {
         }
     }
 
+    fn log_done(&self, streamed: bool) {
+        let reasons: Vec<&str> = self
+            .decoders
+            .iter()
+            .map(|d| d.finish_reason.unwrap_or("-"))
+            .collect();
+        tracing::info!(
+            request = %self.id,
+            streamed,
+            prompt_tokens = self.prompt_tokens,
+            completion_tokens = self.decoders.iter().map(|d| d.tokens).sum::<usize>(),
+            finish = ?reasons,
+            "request finished"
+        );
+    }
+
     pub fn usage(&self) -> Value {
         let completion: usize = self.decoders.iter().map(|d| d.tokens).sum();
         let cached = self
@@ -168,6 +192,7 @@ impl Running {
             r.logprobs.extend(d.logprobs);
         }
         self.check_all_finished()?;
+        self.log_done(false);
         for (r, d) in results.iter_mut().zip(&self.decoders) {
             r.finish_reason = d.finish_reason.unwrap_or("stop");
         }
@@ -204,7 +229,11 @@ impl Running {
             }
             loop {
                 let next = tokio::select! {
-                    _ = tx.closed() => return, // client gone: dropping `self` frees the sequences
+                    _ = tx.closed() => {
+                        // Client gone: dropping `self` drops the receivers, which frees the sequences.
+                        tracing::info!(request = %self.id, "client disconnected mid-stream");
+                        return;
+                    }
                     n = self.streams.next() => n,
                 };
                 let Some((idx, ev)) = next else { break };
@@ -229,6 +258,7 @@ impl Running {
             } else if let Some(u) = usage_chunk {
                 let _ = send(u(self.usage())).await;
             }
+            self.log_done(true);
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         });
         Sse::new(ReceiverStream::new(rx))

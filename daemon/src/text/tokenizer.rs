@@ -215,3 +215,43 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_directory_gives_tokenizer_template_and_stop_tokens() {
+        let dir = std::env::temp_dir().join(format!("moe-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "normalizer": null, "post_processor": null,
+            "decoder": null,
+            "added_tokens": [{"id": 3, "content": "<|im_end|>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "pre_tokenizer": {"type": "Whitespace"},
+            "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1, "[UNK]": 2, "<|im_end|>": 3},
+                      "unk_token": "[UNK]"}
+        });
+        std::fs::write(dir.join("tokenizer.json"), spec.to_string()).unwrap();
+        let cfg = json!({"eos_token": {"content": "<|im_end|>"}, "bos_token": null,
+                         "chat_template": [{"name": "default", "template": "{{ messages[0].content }}"}]});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let t = TextTokenizer::from_hf_dir(&dir).unwrap();
+        assert_eq!(t.encode("hello world<|im_end|>").unwrap(), vec![0, 1, 3]);
+        assert_eq!(t.stop_token_ids, vec![3]);
+        assert_eq!(
+            t.chat_template.as_deref(),
+            Some("{{ messages[0].content }}")
+        );
+        std::fs::write(dir.join("chat_template.jinja"), "file wins").unwrap();
+        assert_eq!(
+            TextTokenizer::from_hf_dir(&dir)
+                .unwrap()
+                .chat_template
+                .as_deref(),
+            Some("file wins")
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
