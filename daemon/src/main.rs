@@ -19,6 +19,9 @@ enum Command {
     Generate(cli::generate::GenerateArgs),
     /// Serve the OpenAI-compatible API (chat, completions, metrics).
     Serve(cli::serve::ServeArgs),
+    /// Benchmarks and benchmark inputs.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -31,6 +34,7 @@ fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::Generate(a) => cli::generate::run(a),
         Command::Serve(a) => cli::serve::run(a),
+        Command::Bench(c) => cli::bench::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -6,9 +6,28 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// CPU worker threads (0 = all CPUs this process may use).
+    /// CPU worker threads (0 = all CPUs this process may use, e.g. a Guaranteed pod's exclusive CPUs).
     #[arg(long, default_value_t = 0)]
     pub cpu_threads: usize,
+    /// NUMA policy of the CPU expert workers: auto (one pool per node, experts partitioned) or off.
+    #[arg(long, default_value = "auto")]
+    pub numa: String,
+    /// Expert memory pages: auto, 1G, 2M (reserved hugepages, else transparent) or off.
+    #[arg(long, default_value = "auto")]
+    pub hugepages: String,
+    /// Format of DRAM experts: bf16, fp8, int8, int4 (group 32), int4g64, int4g128. Default: as stored.
+    #[arg(long)]
+    pub expert_dtype: Option<String>,
+    /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
+    #[arg(long)]
+    pub cpu_tier: Option<String>,
+    /// Activations of the CPU expert kernels: f32 (exact: AVX2/FMA tier, matches transformers to 1e-6)
+    /// or bf16 (AVX-512 BF16 / AMX tiers, fastest). Default: f32 for `generate`, bf16 for `serve`/`bench`.
+    #[arg(long)]
+    pub expert_activations: Option<String>,
+    /// Run DRAM experts on the simple reference path instead of the packed SIMD kernels.
+    #[arg(long)]
+    pub reference_experts: bool,
     /// Backend for attention, dense layers and GPU experts: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
@@ -39,6 +58,27 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// Engine options; `exact_by_default` picks f32 expert activations when the flag is absent.
+    pub fn options_with(&self, exact_by_default: bool) -> anyhow::Result<EngineOptions> {
+        let exact = match self.expert_activations.as_deref() {
+            None => exact_by_default,
+            Some("f32") => true,
+            Some("bf16") => false,
+            Some(o) => anyhow::bail!("--expert-activations {o}: choose f32 or bf16"),
+        };
+        let mut o = self.options()?;
+        if exact {
+            use moe_kernels::cpu::CpuTier;
+            let cap = o
+                .cpu_moe
+                .max_tier
+                .map_or(CpuTier::Avx2, |t| t.min(CpuTier::Avx2));
+            o.cpu_moe.max_tier = Some(cap);
+        }
+        Ok(o)
+    }
+
+    /// Engine options with the fast (bf16-activation) expert kernels unless flags say otherwise.
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
         let gpu_experts = match self.gpu_experts_ratio {
             Some(r) if !(0.0..=1.0).contains(&r) => {
@@ -50,7 +90,32 @@ impl EngineArgs {
         if self.device == Device::Cpu && gpu_experts != GpuExperts::Count(0) {
             anyhow::bail!("--gpu-experts needs --device cuda");
         }
+        let threads = (self.cpu_threads > 0).then(|| self.cpu_threads.to_string());
+        let mut cpu_moe = moe_kernels::cpu::CpuMoeOptions::from_cli(
+            threads.as_deref(),
+            Some(&self.numa),
+            Some(&self.hugepages),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(t) = &self.cpu_tier {
+            cpu_moe = cpu_moe
+                .with_tier(t)
+                .map_err(|e| anyhow::anyhow!("--cpu-tier: {e}"))?;
+        }
+        let expert_format = match &self.expert_dtype {
+            None => None,
+            Some(s) => Some(
+                moe_kernels::cpu::moe::WeightFormat::parse(s).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--expert-dtype {s}: choose bf16, fp8, int8, int4, int4g64 or int4g128"
+                    )
+                })?,
+            ),
+        };
         Ok(EngineOptions {
+            cpu_kernels: !self.reference_experts,
+            cpu_moe,
+            expert_format,
             cpu_threads: self.cpu_threads,
             device: self.device,
             gpu_experts,

@@ -124,7 +124,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let engine = Engine::load(&a.model, &a.engine.options()?)?;
+    let engine = Engine::load(&a.model, &a.engine.options_with(true)?)?;
     let mut sampler = Sampler::new(&params);
     let mut cache = engine.new_cache();
     let t0 = Instant::now();

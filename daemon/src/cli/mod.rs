@@ -1,4 +1,6 @@
 //! Command-line subcommands of `moe-daemon`.
+pub mod bench;
 pub mod engine_args;
 pub mod generate;
 pub mod serve;
+pub mod synth;

@@ -4,6 +4,7 @@
 //! chunk of tokens (a prefill chunk or one decode token). Linear layers and experts process all tokens of
 //! the step together (weights are read once per step); attention runs per sequence against its cache.
 pub mod attention;
+pub mod cpu_experts;
 pub mod gpu;
 pub mod kv;
 pub mod linear;
@@ -65,6 +66,12 @@ pub struct EngineOptions {
     pub kv_cache_tokens: usize,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
+    /// DRAM experts run on the packed CPU kernels (AMX / AVX-512 / AVX2); false = reference path.
+    pub cpu_kernels: bool,
+    /// Threads, NUMA and hugepage policy of the CPU expert kernels.
+    pub cpu_moe: moe_kernels::cpu::CpuMoeOptions,
+    /// Format of DRAM experts (None: as in the checkpoint; int8 / int4 are quantized at load).
+    pub expert_format: Option<moe_kernels::cpu::moe::WeightFormat>,
 }
 
 impl Default for EngineOptions {
@@ -79,6 +86,9 @@ impl Default for EngineOptions {
             record_routing: false,
             kv_cache_tokens: 65536,
             gpu_prefill_threshold: 1024,
+            cpu_kernels: true,
+            cpu_moe: Default::default(),
+            expert_format: None,
         }
     }
 }
@@ -116,6 +126,8 @@ pub struct Engine {
     rope: Rope,
     pool: rayon::ThreadPool,
     gpu: Option<gpu::GpuModel>,
+    /// Persistent pinned workers of the CPU expert kernels (None: reference path or dense model).
+    cpu_pool: Option<moe_kernels::cpu::WorkerPool>,
     routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
     last_step: std::sync::Mutex<gpu::forward::StepTimes>,
 }
@@ -153,11 +165,25 @@ impl Engine {
             Device::Cpu => None,
             Device::Cuda(ordinal) => Some(gpu::setup::build(&mut model, ordinal, opts)?),
         };
+        let cpu_pool = if opts.cpu_kernels && model.config.moe.is_some() {
+            let mut cpu_moe = opts.cpu_moe.clone();
+            if cpu_moe.threads.is_none() && opts.cpu_threads > 0 {
+                cpu_moe.threads = Some(opts.cpu_threads);
+            }
+            let p = cpu_moe
+                .build_pool()
+                .context("starting the CPU expert workers")?;
+            cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
+            Some(p)
+        } else {
+            None
+        };
         Ok(Self {
             model,
             rope,
             pool,
             gpu,
+            cpu_pool,
             routing_stats: opts.record_routing.then(Default::default),
             last_step: Default::default(),
         })
@@ -170,7 +196,10 @@ impl Engine {
 
     /// Timing split of the last step (CUDA backend).
     pub fn last_step_times(&self) -> gpu::forward::StepTimes {
-        self.last_step.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.last_step
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Writes the recorded routing statistics (JSON) for `--expert-placement frequency`.
@@ -245,20 +274,32 @@ impl Engine {
         self.run(batch, true)
     }
 
-    fn run_gpu(&self, g: &gpu::GpuModel, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
+    fn run_gpu(
+        &self,
+        g: &gpu::GpuModel,
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<Vec<f32>>, StepError> {
         let mut inputs = Vec::with_capacity(batch.len());
         for s in batch.iter_mut() {
             let pos0 = s.cache.len();
-            let kv = s
-                .cache
-                .gpu
-                .as_mut()
-                .ok_or_else(|| StepError::Backend("a CPU cache was given to the CUDA backend".into()))?;
-            inputs.push(gpu::forward::GpuSeqInput { kv, pos0, tokens: s.tokens });
+            let kv = s.cache.gpu.as_mut().ok_or_else(|| {
+                StepError::Backend("a CPU cache was given to the CUDA backend".into())
+            })?;
+            inputs.push(gpu::forward::GpuSeqInput {
+                kv,
+                pos0,
+                tokens: s.tokens,
+            });
         }
         let mut times = gpu::forward::StepTimes::default();
         let out = g
-            .forward(&self.model, &mut inputs, &mut times, |l, ids| self.record(l, ids))
+            .forward(
+                &self.model,
+                self.cpu_pool.as_ref(),
+                &mut inputs,
+                &mut times,
+                |l, ids| self.record(l, ids),
+            )
             .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         for s in batch.iter_mut() {
@@ -332,7 +373,8 @@ impl Engine {
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
-                    moe::moe_forward(block, mc, cfg.activation, &h, hd, &mut |ids| {
+                    let pool = self.cpu_pool.as_ref();
+                    moe::moe_forward(block, mc, pool, cfg.activation, &h, hd, &mut |ids| {
                         self.record(li, ids)
                     })
                 }

@@ -4,6 +4,7 @@ use super::linear::dot;
 use super::ops::{add_assign, gelu_tanh, sigmoid, silu, softmax, top_k};
 use crate::model::config::{Activation, MoeConfig, RouterKind};
 use crate::model::{Mlp, MoeBlock};
+use moe_kernels::cpu::WorkerPool;
 use rayon::prelude::*;
 
 /// Marks a routing slot whose expert is computed elsewhere.
@@ -146,10 +147,29 @@ pub fn experts_forward(
     }
 }
 
+/// Routed experts held in DRAM: the packed kernel set when there is one, else the reference path.
+pub fn dram_experts_forward(
+    block: &MoeBlock,
+    pool: Option<&WorkerPool>,
+    act: Activation,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    out: &mut [f32],
+) {
+    match (&block.cpu_set, pool) {
+        (Some(set), Some(pool)) => set
+            .forward(pool, x, &routing.ids, &routing.weights, routing.top_k, out)
+            .expect("expert kernel inputs are sized by the engine"),
+        _ => experts_forward(&block.experts, act, x, hidden, routing, out),
+    }
+}
+
 /// The whole MoE block for normalised hidden states `x` (`[n, hidden]`).
 pub fn moe_forward(
     block: &MoeBlock,
     cfg: &MoeConfig,
+    pool: Option<&WorkerPool>,
     act: Activation,
     x: &[f32],
     hidden: usize,
@@ -159,7 +179,7 @@ pub fn moe_forward(
     let routing = route(block, cfg, x, hidden);
     on_routing(&routing.ids);
     let mut out = vec![0f32; n * hidden];
-    experts_forward(&block.experts, act, x, hidden, &routing, &mut out);
+    dram_experts_forward(block, pool, act, x, hidden, &routing, &mut out);
     if let Some(shared) = &block.shared {
         let mut s = mlp_forward(shared, act, x, n);
         if let Some(gate) = &block.shared_gate {

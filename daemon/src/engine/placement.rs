@@ -103,9 +103,10 @@ pub fn plan_placement(
             }
             PlacementStrategy::Frequency => {
                 let stats = stats.ok_or("placement `frequency` needs --routing-stats FILE (written by --record-routing)")?;
-                let counts = stats.counts.get(&layer).ok_or_else(|| {
-                    format!("routing statistics have no entry for layer {layer}")
-                })?;
+                let counts = stats
+                    .counts
+                    .get(&layer)
+                    .ok_or_else(|| format!("routing statistics have no entry for layer {layer}"))?;
                 if counts.len() != experts {
                     return Err(format!(
                         "routing statistics for layer {layer} list {} experts, the model has {experts}",
@@ -139,7 +140,10 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn total(&self) -> usize {
-        self.dense_weights + self.expert_bytes_each * self.gpu_experts_total + self.kv_cache + self.workspace
+        self.dense_weights
+            + self.expert_bytes_each * self.gpu_experts_total
+            + self.kv_cache
+            + self.workspace
     }
 
     pub fn fits(&self) -> bool {

@@ -182,6 +182,7 @@ fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildE
                 experts,
                 shared,
                 shared_gate,
+                cpu_set: None,
             })
         }
         _ => Ffn::Dense(ld.mlp(&format!("{p}.mlp"), h, cfg.intermediate_size)?),

@@ -66,8 +66,12 @@ pub struct MoeBlock {
     pub shared: Option<Mlp>,
     /// Qwen2-MoE: `[hidden]` weight of the sigmoid gate on the shared expert.
     pub shared_gate: Option<Vec<f32>>,
+    /// DRAM experts packed for the CPU kernels (then `experts` holds `None` for them).
+    pub cpu_set: Option<moe_kernels::cpu::moe::CpuExpertSet>,
 }
 
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     Dense(Mlp),
     Moe(MoeBlock),

@@ -1,1 +1,17 @@
-//! CPU kernels.
+//! CPU kernels: the grouped-expert FFN of MoE layers ([`moe`]) and what it stands on — feature
+//! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology
+//! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]) and the benchmark
+//! ([`bench`](mod@bench)).
+
+pub mod bench;
+pub mod features;
+pub mod memory;
+pub mod moe;
+pub mod options;
+pub mod pool;
+pub mod topology;
+
+pub use features::{detected_tier, CpuTier};
+pub use memory::{HugepageMode, PageKind};
+pub use options::{CpuMoeOptions, NumaMode, OptionsError};
+pub use pool::WorkerPool;

@@ -198,11 +198,16 @@ extern "C" __global__ void gather_rows(const bf16* src, const int* idx, int dim,
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[(size_t)r * dim + i] = s[i];
 }
 
-// out[idx[r]] += w[r] * y[r]; rows of one expert hit distinct tokens, so there are no races.
-extern "C" __global__ void scatter_add_weighted(const float* y, const int* idx, const float* w, int dim, float* out) {
-    int r = blockIdx.x;
-    float s = w[r];
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)idx[r] * dim + i] += s * y[(size_t)r * dim + i];
+// out[t] += sum over rows r of token t (CSR: rows[offsets[t]..offsets[t+1]]) of w[r] * y[r].
+// One block per token and a fixed summation order: deterministic, no atomics.
+extern "C" __global__ void scatter_add_weighted(const float* y, const int* offsets, const int* rows, const float* w,
+                                                int dim, float* out) {
+    int t = blockIdx.x;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float acc = 0.f;
+        for (int j = offsets[t]; j < offsets[t + 1]; ++j) acc += w[rows[j]] * y[(size_t)rows[j] * dim + i];
+        out[(size_t)t * dim + i] += acc;
+    }
 }
 
 // y[t] *= sigmoid(dot(gate_w, x[t])) (Qwen2-MoE shared expert gate); one block per token.

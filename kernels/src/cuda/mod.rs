@@ -18,7 +18,11 @@ pub enum GpuError {
     #[error("no usable CUDA driver: {0}")]
     NoDriver(String),
     #[error("GPU {name} has compute capability {major}.{minor}; supported: 8.9 (Ada), 9.0 (Hopper), 12.x (Blackwell)")]
-    Unsupported { name: String, major: i32, minor: i32 },
+    Unsupported {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
     #[error("CUDA: {0}")]
     Driver(#[from] DriverError),
     #[error("NVRTC could not compile the kernels: {0}")]
@@ -149,7 +153,16 @@ impl GpuDevice {
         k: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        self.gemm_ex(x, w, y, n, m, k, accumulate, cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF)
+        self.gemm_ex(
+            x,
+            w,
+            y,
+            n,
+            m,
+            k,
+            accumulate,
+            cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF,
+        )
     }
 
     /// Same contract in f32 (routers).
@@ -162,7 +175,16 @@ impl GpuDevice {
         m: usize,
         k: usize,
     ) -> Result<(), GpuError> {
-        self.gemm_ex(x, w, y, n, m, k, false, cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F)
+        self.gemm_ex(
+            x,
+            w,
+            y,
+            n,
+            m,
+            k,
+            false,
+            cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F,
+        )
     }
 
     fn gemm_ex<T>(
@@ -249,9 +271,19 @@ mod tests {
     #[test]
     fn kernel_source_declares_every_loaded_function() {
         for name in [
-            "rms_norm", "qk_norm_rope", "kv_append", "paged_attention", "silu_mul", "add_inplace",
-            "add_bias", "embed_rows", "gather_rows", "scatter_add_weighted", "sigmoid_gate_rows",
-            "router_topk", "f32_to_bf16",
+            "rms_norm",
+            "qk_norm_rope",
+            "kv_append",
+            "paged_attention",
+            "silu_mul",
+            "add_inplace",
+            "add_bias",
+            "embed_rows",
+            "gather_rows",
+            "scatter_add_weighted",
+            "sigmoid_gate_rows",
+            "router_topk",
+            "f32_to_bf16",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

@@ -1,7 +1,7 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
 use super::kv::{GpuSeqKv, BLOCK};
 use super::{GpuFfn, GpuLinear, GpuMlp, GpuModel};
-use crate::engine::moe::{experts_forward, Routing};
+use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RopeStyle, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
@@ -45,7 +45,8 @@ impl GpuModel {
         n: usize,
         accumulate: bool,
     ) -> anyhow::Result<()> {
-        self.dev.gemm_bf16(x, &l.w, y, n, l.out_dim, l.in_dim, accumulate)?;
+        self.dev
+            .gemm_bf16(x, &l.w, y, n, l.out_dim, l.in_dim, accumulate)?;
         if let Some(b) = &l.bias {
             let total = n * l.out_dim;
             let cols = l.out_dim as i32;
@@ -119,6 +120,7 @@ impl GpuModel {
     pub fn forward(
         &self,
         host: &Model,
+        cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
         batch: &mut [GpuSeqInput<'_>],
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
@@ -126,7 +128,12 @@ impl GpuModel {
         let cfg = &host.config;
         let dev = &self.dev;
         let s = &dev.stream;
-        let (hd, nh, nkv, dh) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (hd, nh, nkv, dh) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
         // ---- host-side bookkeeping: token ids, positions, cache slots, block tables
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut ids = Vec::new();
@@ -145,7 +152,12 @@ impl GpuModel {
             }
             last_rows.push((ids.len() - 1) as i32);
         }
-        let max_blocks = batch.iter().map(|b| b.kv.blocks.len()).max().unwrap_or(1).max(1);
+        let max_blocks = batch
+            .iter()
+            .map(|b| b.kv.blocks.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let mut tables = vec![0i32; batch.len() * max_blocks];
         for (si, b) in batch.iter().enumerate() {
             for (j, &blk) in b.kv.blocks.iter().enumerate() {
@@ -191,8 +203,13 @@ impl GpuModel {
                     Some(w) => l.arg(w),
                     None => l.arg(&null),
                 };
-                l.arg(&cfg.rms_norm_eps).arg(&d_pos).arg(&self.inv_freq).arg(&self.attn_factor)
-                    .arg(&rd).arg(&style).arg(&zero);
+                l.arg(&cfg.rms_norm_eps)
+                    .arg(&d_pos)
+                    .arg(&self.inv_freq)
+                    .arg(&self.attn_factor)
+                    .arg(&rd)
+                    .arg(&style)
+                    .arg(&zero);
                 let threads = (dh as u32).div_ceil(32) * 32;
                 unsafe { l.launch(GpuDevice::cfg((n as u32, heads as u32), threads, 0)) }
                     .map_err(launch_err)?;
@@ -200,27 +217,60 @@ impl GpuModel {
             {
                 let width = (nkv * dh) as i32;
                 let block = BLOCK as i32;
-                let (kc, vc) = (&mut pool.k[li] as *mut CudaSlice<f32>, &mut pool.v[li] as *mut CudaSlice<f32>);
+                let (kc, vc) = (
+                    &mut pool.k[li] as *mut CudaSlice<f32>,
+                    &mut pool.v[li] as *mut CudaSlice<f32>,
+                );
                 // SAFETY: k and v caches are distinct allocations; the raw pointers only split the borrow.
                 let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };
                 let mut l = dev.launch(&dev.k.kv_append);
-                l.arg(&k).arg(&v).arg(&width).arg(kc).arg(vc).arg(&d_slots).arg(&block);
+                l.arg(&k)
+                    .arg(&v)
+                    .arg(&width)
+                    .arg(kc)
+                    .arg(vc)
+                    .arg(&d_slots)
+                    .arg(&block);
                 unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
             }
             let mut attn = self.alloc::<bf16>(n * nh * dh)?;
             {
-                let (mb, nh_i, nkv_i, dh_i, blk) =
-                    (max_blocks as i32, nh as i32, nkv as i32, dh as i32, BLOCK as i32);
+                let (mb, nh_i, nkv_i, dh_i, blk) = (
+                    max_blocks as i32,
+                    nh as i32,
+                    nkv as i32,
+                    dh as i32,
+                    BLOCK as i32,
+                );
                 let mut l = dev.launch(&dev.k.paged_attention);
-                l.arg(&q).arg(&pool.k[li]).arg(&pool.v[li]).arg(&d_tables).arg(&mb).arg(&d_seq)
-                    .arg(&d_pos).arg(&nh_i).arg(&nkv_i).arg(&dh_i).arg(&blk).arg(&scale).arg(&mut attn);
+                l.arg(&q)
+                    .arg(&pool.k[li])
+                    .arg(&pool.v[li])
+                    .arg(&d_tables)
+                    .arg(&mb)
+                    .arg(&d_seq)
+                    .arg(&d_pos)
+                    .arg(&nh_i)
+                    .arg(&nkv_i)
+                    .arg(&dh_i)
+                    .arg(&blk)
+                    .arg(&scale)
+                    .arg(&mut attn);
                 let smem = ((dh + 128) * 4) as u32;
                 unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), 128, smem)) }
                     .map_err(launch_err)?;
             }
             self.linear(&layer.o, &attn, &mut x, n, true)?;
             // ---- feed-forward
-            self.rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, hd, n, &mut hb, Some(&mut hf))?;
+            self.rms_norm(
+                &x,
+                &layer.ffn_norm,
+                cfg.rms_norm_eps,
+                hd,
+                n,
+                &mut hb,
+                Some(&mut hf),
+            )?;
             match &layer.ffn {
                 GpuFfn::Dense(m) => self.mlp(m, cfg.activation, &hb, &mut x, n, true)?,
                 GpuFfn::Moe(moe) => {
@@ -235,8 +285,14 @@ impl GpuModel {
                     let mut d_w = self.alloc::<f32>(n * mc.top_k)?;
                     {
                         let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
-                            RouterKind::Softmax { renormalize } => (0i32, renormalize as i32, 1i32, 1i32, 1.0f32),
-                            RouterKind::SigmoidGrouped { n_group, topk_group, renormalize } => (
+                            RouterKind::Softmax { renormalize } => {
+                                (0i32, renormalize as i32, 1i32, 1i32, 1.0f32)
+                            }
+                            RouterKind::SigmoidGrouped {
+                                n_group,
+                                topk_group,
+                                renormalize,
+                            } => (
                                 1,
                                 renormalize as i32,
                                 n_group as i32,
@@ -247,18 +303,31 @@ impl GpuModel {
                         let (n_i, e_i, k_i) = (n as i32, e as i32, mc.top_k as i32);
                         let null = 0u64;
                         let mut l = dev.launch(&dev.k.router_topk);
-                        l.arg(&logits).arg(&n_i).arg(&e_i).arg(&k_i).arg(&kind).arg(&renorm);
+                        l.arg(&logits)
+                            .arg(&n_i)
+                            .arg(&e_i)
+                            .arg(&k_i)
+                            .arg(&kind)
+                            .arg(&renorm);
                         match &moe.correction_bias {
                             Some(b) => l.arg(b),
                             None => l.arg(&null),
                         };
-                        l.arg(&n_group).arg(&topk_group).arg(&scaling).arg(&mut d_eids).arg(&mut d_w);
+                        l.arg(&n_group)
+                            .arg(&topk_group)
+                            .arg(&scaling)
+                            .arg(&mut d_eids)
+                            .arg(&mut d_w);
                         unsafe { l.launch(GpuDevice::cfg(((n as u32).div_ceil(64), 1), 64, 0)) }
                             .map_err(launch_err)?;
                     }
                     // The layer's one hand-off: routing (and activations, if DRAM experts are hit) to the host.
                     let t0 = Instant::now();
-                    let eids: Vec<u32> = s.clone_dtoh(&d_eids)?.into_iter().map(|x| x as u32).collect();
+                    let eids: Vec<u32> = s
+                        .clone_dtoh(&d_eids)?
+                        .into_iter()
+                        .map(|x| x as u32)
+                        .collect();
                     let ew = s.clone_dtoh(&d_w)?;
                     times.gpu_wait_s += t0.elapsed().as_secs_f64();
                     on_routing(li, &eids);
@@ -280,7 +349,11 @@ impl GpuModel {
                             any_cpu = true;
                         }
                     }
-                    let host_x = if any_cpu && !layerwise { Some(s.clone_dtoh(&hf)?) } else { None };
+                    let host_x = if any_cpu && !layerwise {
+                        Some(s.clone_dtoh(&hf)?)
+                    } else {
+                        None
+                    };
                     // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
                     if let Some(sh) = &moe.shared {
                         match &moe.shared_gate {
@@ -291,49 +364,146 @@ impl GpuModel {
                                 let hd_i = hd as i32;
                                 let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
                                 l.arg(&mut tmp).arg(&hf).arg(g).arg(&hd_i);
-                                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
+                                    .map_err(launch_err)?;
                                 self.add(&mut x, &tmp, n * hd)?;
                             }
                         }
                     }
+                    // Resident (and, in layerwise prefill, streamed) experts: their tokens' rows gathered
+                    // once in expert order, one GEMM pair per expert on views, one activation and one
+                    // weighted scatter for all of them.
                     let mut streamed = Vec::new();
+                    let mut groups: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first row, rows)
+                    let mut idx: Vec<i32> = Vec::new();
+                    let mut wts: Vec<f32> = Vec::new();
                     for (eid, toks) in per_expert.iter().enumerate() {
-                        if toks.is_empty() {
+                        if toks.is_empty() || (moe.experts[eid].is_none() && !layerwise) {
                             continue;
                         }
-                        let gpu_mlp = match &moe.experts[eid] {
-                            Some(m) => m,
-                            None if layerwise => {
-                                let t = Instant::now();
-                                let m = host_block.experts[eid].as_ref().context("expert in neither memory")?;
-                                streamed.push(super::upload_mlp(dev, m)?);
-                                times.transfer_s += t.elapsed().as_secs_f64();
-                                streamed.last().expect("just pushed")
+                        groups.push((eid, idx.len(), toks.len()));
+                        idx.extend(toks.iter().map(|t| t.0));
+                        wts.extend(toks.iter().map(|t| t.1));
+                    }
+                    if !groups.is_empty() {
+                        if layerwise {
+                            let t = Instant::now();
+                            for &(eid, _, _) in &groups {
+                                if moe.experts[eid].is_none() {
+                                    streamed.push((
+                                        eid,
+                                        super::upload_dram_expert(dev, host_block, eid)?,
+                                    ));
+                                }
                             }
-                            None => continue,
-                        };
-                        let c = toks.len();
-                        let idx: Vec<i32> = toks.iter().map(|t| t.0).collect();
-                        let w: Vec<f32> = toks.iter().map(|t| t.1).collect();
+                            times.transfer_s += t.elapsed().as_secs_f64();
+                        }
+                        let rows = idx.len();
+                        let inter = mc.expert_intermediate;
                         let d_idx = s.clone_htod(&idx)?;
-                        let d_w = s.clone_htod(&w)?;
-                        let mut xe = self.alloc::<bf16>(c * hd)?;
+                        let d_wts = s.clone_htod(&wts)?;
                         let hd_i = hd as i32;
+                        let mut xe = self.alloc::<bf16>(rows * hd)?;
                         let mut l = dev.launch(&dev.k.gather_rows);
                         l.arg(&hb).arg(&d_idx).arg(&hd_i).arg(&mut xe);
-                        unsafe { l.launch(GpuDevice::cfg((c as u32, 1), 256, 0)) }.map_err(launch_err)?;
-                        let mut ye = self.alloc::<f32>(c * hd)?;
-                        self.mlp(gpu_mlp, cfg.activation, &xe, &mut ye, c, false)?;
+                        unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }
+                            .map_err(launch_err)?;
+                        let mut gu = self.alloc::<f32>(rows * 2 * inter)?;
+                        let expert_of = |eid: usize| -> anyhow::Result<&GpuMlp> {
+                            match &moe.experts[eid] {
+                                Some(m) => Ok(m),
+                                None => streamed
+                                    .iter()
+                                    .find(|(e, _)| *e == eid)
+                                    .map(|(_, m)| m)
+                                    .context("streamed expert missing"),
+                            }
+                        };
+                        for &(eid, r0, c) in &groups {
+                            let m = expert_of(eid)?;
+                            let mut out = gu.slice_mut(r0 * 2 * inter..(r0 + c) * 2 * inter);
+                            dev.gemm_bf16(
+                                &xe.slice(r0 * hd..(r0 + c) * hd),
+                                &m.gate_up.w,
+                                &mut out,
+                                c,
+                                2 * inter,
+                                hd,
+                                false,
+                            )?;
+                        }
+                        let mut act = self.alloc::<bf16>(rows * inter)?;
+                        let (inter_i, rows_i, gelu) = (
+                            inter as i32,
+                            rows as i32,
+                            (cfg.activation == Activation::GeluTanh) as i32,
+                        );
+                        let mut l = dev.launch(&dev.k.silu_mul);
+                        l.arg(&gu)
+                            .arg(&inter_i)
+                            .arg(&rows_i)
+                            .arg(&gelu)
+                            .arg(&mut act);
+                        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }
+                            .map_err(launch_err)?;
+                        let mut ye = self.alloc::<f32>(rows * hd)?;
+                        for &(eid, r0, c) in &groups {
+                            let m = expert_of(eid)?;
+                            let mut out = ye.slice_mut(r0 * hd..(r0 + c) * hd);
+                            dev.gemm_bf16(
+                                &act.slice(r0 * inter..(r0 + c) * inter),
+                                &m.down.w,
+                                &mut out,
+                                c,
+                                hd,
+                                inter,
+                                false,
+                            )?;
+                        }
+                        // token → its rows, for a deterministic per-token sum
+                        let mut offsets = vec![0i32; n + 1];
+                        for &t in &idx {
+                            offsets[t as usize + 1] += 1;
+                        }
+                        for t in 0..n {
+                            offsets[t + 1] += offsets[t];
+                        }
+                        let mut fill = offsets.clone();
+                        let mut token_rows = vec![0i32; rows];
+                        for (r, &t) in idx.iter().enumerate() {
+                            token_rows[fill[t as usize] as usize] = r as i32;
+                            fill[t as usize] += 1;
+                        }
+                        let d_off = s.clone_htod(&offsets)?;
+                        let d_rows = s.clone_htod(&token_rows)?;
                         let mut l = dev.launch(&dev.k.scatter_add_weighted);
-                        l.arg(&ye).arg(&d_idx).arg(&d_w).arg(&hd_i).arg(&mut x);
-                        unsafe { l.launch(GpuDevice::cfg((c as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                        l.arg(&ye)
+                            .arg(&d_off)
+                            .arg(&d_rows)
+                            .arg(&d_wts)
+                            .arg(&hd_i)
+                            .arg(&mut x);
+                        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
+                            .map_err(launch_err)?;
                     }
                     // Meanwhile on the CPU: the DRAM experts of the same tokens.
                     if let Some(hx) = host_x {
                         let t = Instant::now();
-                        let routing = Routing { ids: cpu_ids, weights: cpu_w, top_k: mc.top_k };
+                        let routing = Routing {
+                            ids: cpu_ids,
+                            weights: cpu_w,
+                            top_k: mc.top_k,
+                        };
                         let mut out = vec![0f32; n * hd];
-                        experts_forward(&host_block.experts, cfg.activation, &hx, hd, &routing, &mut out);
+                        dram_experts_forward(
+                            host_block,
+                            cpu_pool,
+                            cfg.activation,
+                            &hx,
+                            hd,
+                            &routing,
+                            &mut out,
+                        );
                         times.cpu_experts_s += t.elapsed().as_secs_f64();
                         let d_out = s.clone_htod(&out)?;
                         self.add(&mut x, &d_out, n * hd)?;

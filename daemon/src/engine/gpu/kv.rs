@@ -1,7 +1,7 @@
 //! Paged KV cache on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` f32, handed out
 //! in blocks of [`BLOCK`] positions. A sequence owns a block table; dropping its cache returns the blocks.
-use moe_kernels::cuda::GpuDevice;
 use cudarc::driver::CudaSlice;
+use moe_kernels::cuda::GpuDevice;
 use std::sync::{Arc, Mutex};
 
 /// Positions per block.
@@ -17,7 +17,12 @@ pub struct GpuKvPool {
 }
 
 impl GpuKvPool {
-    pub fn new(dev: &GpuDevice, layers: usize, width: usize, blocks: usize) -> anyhow::Result<Self> {
+    pub fn new(
+        dev: &GpuDevice,
+        layers: usize,
+        width: usize,
+        blocks: usize,
+    ) -> anyhow::Result<Self> {
         let n = blocks * BLOCK * width;
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
@@ -87,7 +92,11 @@ impl Clone for GpuSeqKv {
             let Some(dst) = pool.free.pop() else { break };
             for layer in 0..pool.k.len() {
                 for which in 0..2 {
-                    let cache = if which == 0 { &mut pool.k[layer] } else { &mut pool.v[layer] };
+                    let cache = if which == 0 {
+                        &mut pool.k[layer]
+                    } else {
+                        &mut pool.v[layer]
+                    };
                     let tmp = self
                         .stream
                         .clone_dtod(&cache.slice(src as usize * row..(src as usize + 1) * row));
@@ -110,7 +119,7 @@ impl Clone for GpuSeqKv {
 impl Drop for GpuSeqKv {
     fn drop(&mut self) {
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        pool.free.extend(self.blocks.drain(..));
+        pool.free.append(&mut self.blocks);
     }
 }
 

@@ -122,6 +122,40 @@ pub fn upload_mlp(dev: &GpuDevice, m: &Mlp) -> anyhow::Result<GpuMlp> {
     })
 }
 
+/// Uploads DRAM expert `eid` (checkpoint copy, or exported from the CPU kernels' packed set).
+pub fn upload_dram_expert(
+    dev: &GpuDevice,
+    block: &crate::model::MoeBlock,
+    eid: usize,
+) -> anyhow::Result<GpuMlp> {
+    if let Some(m) = &block.experts[eid] {
+        return upload_mlp(dev, m);
+    }
+    let set = block
+        .cpu_set
+        .as_ref()
+        .with_context(|| format!("expert {eid} is in neither memory"))?;
+    let (gate_up, down) = set
+        .export_bf16(eid as u32)
+        .with_context(|| format!("expert {eid} is not in the CPU set"))?;
+    let (h, i) = (set.config().hidden, set.config().inter);
+    let as_bf16 = |v: Vec<u16>| -> Vec<bf16> { v.into_iter().map(bf16::from_bits).collect() };
+    Ok(GpuMlp {
+        gate_up: GpuLinear {
+            w: dev.stream.clone_htod(&as_bf16(gate_up))?,
+            bias: None,
+            out_dim: 2 * i,
+            in_dim: h,
+        },
+        down: GpuLinear {
+            w: dev.stream.clone_htod(&as_bf16(down))?,
+            bias: None,
+            out_dim: h,
+            in_dim: i,
+        },
+    })
+}
+
 /// Bytes one routed expert takes on the GPU (bf16 gate, up, down).
 pub fn expert_bytes(hidden: usize, inter: usize) -> usize {
     3 * hidden * inter * 2
@@ -160,7 +194,9 @@ impl GpuModel {
                     let mut experts = Vec::with_capacity(block.experts.len());
                     for (e, slot) in block.experts.iter_mut().enumerate() {
                         if on_gpu.get(e).copied().unwrap_or(false) {
-                            let m = slot.take().with_context(|| format!("layer {li} expert {e} missing"))?;
+                            let m = slot
+                                .take()
+                                .with_context(|| format!("layer {li} expert {e} missing"))?;
                             experts.push(Some(upload_mlp(&dev, &m)?));
                         } else {
                             experts.push(None);
@@ -198,7 +234,12 @@ impl GpuModel {
         }
         let rope = crate::engine::rope::Rope::new(&cfg.rope);
         let inv_freq = s.clone_htod(rope.inv_freq())?;
-        let kv = GpuKvPool::new(&dev, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, kv_blocks)?;
+        let kv = GpuKvPool::new(
+            &dev,
+            cfg.num_layers,
+            cfg.num_kv_heads * cfg.head_dim,
+            kv_blocks,
+        )?;
         dev.stream.synchronize()?;
         Ok(Self {
             attn_factor: rope.attention_factor(),

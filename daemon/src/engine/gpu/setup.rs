@@ -52,7 +52,14 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         GpuExperts::Auto => plan.max_experts_per_layer(moe_layers, experts),
     };
     plan.gpu_experts_total = per_layer * moe_layers;
-    let msg = format!("{} ({}.{}), {:.1} GiB total: {}", dev.name, dev.capability.0, dev.capability.1, total as f64 / (1u64 << 30) as f64, plan.describe());
+    let msg = format!(
+        "{} ({}.{}), {:.1} GiB total: {}",
+        dev.name,
+        dev.capability.0,
+        dev.capability.1,
+        total as f64 / (1u64 << 30) as f64,
+        plan.describe()
+    );
     tracing::info!("{msg}");
     eprintln!("{msg}");
     if !plan.fits() {
@@ -65,8 +72,12 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     }
     let stats = match &opts.routing_stats {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            Some(serde_json::from_str::<RoutingStats>(&text).with_context(|| format!("{}: not routing statistics", p.display()))?)
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(
+                serde_json::from_str::<RoutingStats>(&text)
+                    .with_context(|| format!("{}: not routing statistics", p.display()))?,
+            )
         }
         None => None,
     };
@@ -79,5 +90,11 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         opts.placement_seed,
     )
     .map_err(anyhow::Error::msg)?;
-    GpuModel::upload(dev, model, &placement, blocks, opts.gpu_prefill_threshold.max(1))
+    GpuModel::upload(
+        dev,
+        model,
+        &placement,
+        blocks,
+        opts.gpu_prefill_threshold.max(1),
+    )
 }

@@ -1,0 +1,186 @@
+//! `moe-daemon bench …`: synthetic checkpoints and end-to-end decode / prefill benchmarks.
+use crate::engine::{Engine, SeqInput};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Write a random checkpoint with a real model's config and tensor names.
+    SynthCheckpoint(super::synth::SynthArgs),
+    /// Decode throughput: batch of sequences, prompt, then timed decode steps.
+    Decode(RunArgs),
+    /// Prefill throughput and time to first token of one long prompt.
+    Prefill(RunArgs),
+    /// CPU expert kernels alone: ms per MoE layer, GB/s and % of the DRAM read bandwidth it measures.
+    /// Flags: --experts 128 --topk 8 --hidden 2048 --inter 768 --dtype bf16|fp8|int8|int4
+    /// --tokens 1,4,16,64,256,1024 --threads N --layers 8 (see kernels/src/cpu/bench.rs).
+    CpuMoe {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Decode steps timed (after 2 warm-up steps).
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// Prefill chunk (tokens per step); 0 = whole prompt in one step.
+    #[arg(long, default_value_t = 0)]
+    pub chunk: usize,
+    /// `bench decode` only: also time prefills of these prompt lengths with the same loaded model.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_lens: Vec<usize>,
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
+}
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::SynthCheckpoint(a) => super::synth::run(a),
+        BenchCommand::Decode(a) => decode(a),
+        BenchCommand::Prefill(a) => prefill(a),
+        BenchCommand::CpuMoe { args } => {
+            let parsed = moe_kernels::cpu::bench::parse_bench_args(&args)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&parsed)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            print!("{report}");
+            Ok(())
+        }
+    }
+}
+
+fn prompt(engine: &Engine, len: usize, salt: usize) -> Vec<u32> {
+    let v = engine.config().vocab_size as u64;
+    (0..len)
+        .map(|i| ((i as u64 * 2_654_435_761 + salt as u64 * 40_503 + 17) % v) as u32)
+        .collect()
+}
+
+fn load(a: &RunArgs) -> anyhow::Result<Engine> {
+    let t = Instant::now();
+    let e = Engine::load(&a.model, &a.engine.options()?)?;
+    eprintln!(
+        "loaded {} in {:.1} s",
+        a.model.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(e)
+}
+
+fn prefill_into(
+    engine: &Engine,
+    cache: &mut crate::engine::SeqCache,
+    p: &[u32],
+    chunk: usize,
+) -> anyhow::Result<Vec<f32>> {
+    let chunk = if chunk == 0 { p.len() } else { chunk };
+    let mut last = vec![];
+    for c in p.chunks(chunk) {
+        last = engine
+            .forward(&mut [SeqInput { cache, tokens: c }])?
+            .remove(0);
+    }
+    Ok(last)
+}
+
+fn decode(a: RunArgs) -> anyhow::Result<()> {
+    let engine = load(&a)?;
+    for &len in &a.prefill_lens {
+        time_prefill(&engine, len, a.chunk)?;
+    }
+    let mut caches: Vec<_> = (0..a.batch).map(|_| engine.new_cache()).collect();
+    let mut next: Vec<u32> = Vec::with_capacity(a.batch);
+    for (i, c) in caches.iter_mut().enumerate() {
+        let l = prefill_into(&engine, c, &prompt(&engine, a.prompt_len, i), a.chunk)?;
+        next.push(crate::engine::sampling::argmax(&l) as u32);
+    }
+    let mut split = crate::engine::gpu::forward::StepTimes::default();
+    let mut elapsed = 0.0;
+    for step in 0..a.steps + 2 {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch: Vec<SeqInput> = caches
+            .iter_mut()
+            .zip(&toks)
+            .map(|(c, t)| SeqInput {
+                cache: c,
+                tokens: t,
+            })
+            .collect();
+        let t = Instant::now();
+        let logits = engine.forward(&mut batch)?;
+        if step >= 2 {
+            elapsed += t.elapsed().as_secs_f64();
+            let s = engine.last_step_times();
+            split.gpu_wait_s += s.gpu_wait_s;
+            split.cpu_experts_s += s.cpu_experts_s;
+            split.transfer_s += s.transfer_s;
+            split.gpu_expert_hits += s.gpu_expert_hits;
+            split.expert_hits += s.expert_hits;
+        }
+        next = logits
+            .iter()
+            .map(|l| crate::engine::sampling::argmax(l) as u32)
+            .collect();
+    }
+    let per_step = elapsed / a.steps as f64;
+    let layers = engine.config().num_layers as f64;
+    println!(
+        "decode: batch {} prompt {}: {:.2} ms/step, {:.1} tok/s ({:.1} tok/s per sequence)",
+        a.batch,
+        a.prompt_len,
+        per_step * 1e3,
+        a.batch as f64 / per_step,
+        1.0 / per_step
+    );
+    if engine.on_gpu() {
+        let n = a.steps as f64;
+        println!(
+            "  per step: CPU experts {:.2} ms ({:.3} ms/layer), waiting for GPU {:.2} ms, other host {:.2} ms; GPU served {:.1}% of expert hits",
+            split.cpu_experts_s / n * 1e3,
+            split.cpu_experts_s / n / layers * 1e3,
+            split.gpu_wait_s / n * 1e3,
+            (elapsed - split.cpu_experts_s - split.gpu_wait_s) / n * 1e3,
+            100.0 * split.gpu_expert_hits as f64 / split.expert_hits.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+fn prefill(a: RunArgs) -> anyhow::Result<()> {
+    let engine = load(&a)?;
+    time_prefill(&engine, a.prompt_len, a.chunk)
+}
+
+fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()> {
+    // warm-up on a short prompt (kernel compilation, allocator)
+    let mut warm = engine.new_cache();
+    prefill_into(engine, &mut warm, &prompt(engine, 16, 99), 0)?;
+    drop(warm);
+    let p = prompt(engine, len, 1);
+    let mut cache = engine.new_cache();
+    let t = Instant::now();
+    prefill_into(engine, &mut cache, &p, chunk)?;
+    let s = t.elapsed().as_secs_f64();
+    let st = engine.last_step_times();
+    println!(
+        "prefill: {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: weight upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s",
+        p.len(),
+        s,
+        p.len() as f64 / s,
+        s * 1e3,
+        st.transfer_s,
+        st.cpu_experts_s,
+        st.gpu_wait_s
+    );
+    Ok(())
+}

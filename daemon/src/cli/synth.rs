@@ -1,0 +1,386 @@
+//! `moe-daemon bench synth-checkpoint`: random weights in the exact config and tensor layout of a real
+//! model (full width, optionally fewer layers), written as sharded safetensors with a hub-style index.
+//! Tensors are generated and written in streaming fashion: memory stays flat whatever the size.
+use anyhow::{bail, Context};
+use clap::Args;
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Model shape: qwen3-30b-a3b, glm-4.5-air or deepseek-v3.
+    #[arg(long)]
+    pub like: String,
+    /// Number of decoder layers (fewer than the real model to fit a disk).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// bf16, or fp8 (E4M3 with 128×128 block scales on projections, as the hub FP8 checkpoints).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Hub config.json of each shape.
+pub fn config_like(name: &str) -> anyhow::Result<Value> {
+    Ok(match name {
+        "qwen3-30b-a3b" => json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+            "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": null, "max_position_embeddings": 40960,
+            "tie_word_embeddings": false, "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
+            "torch_dtype": "bfloat16"}),
+        "glm-4.5-air" => json!({
+            "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
+            "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+            "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": true, "partial_rotary_factor": 0.5,
+            "attention_bias": true, "use_qk_norm": false, "vocab_size": 151552, "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0, "rope_scaling": null, "max_position_embeddings": 131072,
+            "tie_word_embeddings": false, "hidden_act": "silu", "eos_token_id": [151329, 151336, 151338],
+            "torch_dtype": "bfloat16"}),
+        "deepseek-v3" => json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
+            "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "vocab_size": 129280,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_interleave": true,
+            "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "max_position_embeddings": 163840, "tie_word_embeddings": false, "hidden_act": "silu",
+            "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}),
+        other => bail!("--like {other}: choose qwen3-30b-a3b, glm-4.5-air or deepseek-v3"),
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Projection weight `[out, in]`, random with std 1/sqrt(in).
+    Proj,
+    /// Norm weight: ones.
+    Norm,
+    /// Small random vector (biases, router bias) stored F32.
+    VecF32,
+}
+
+struct Spec {
+    name: String,
+    shape: Vec<usize>,
+    kind: Kind,
+}
+
+/// Every tensor of the checkpoint with its HF name, derived from the parsed config.
+fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
+    use crate::model::config::{Arch, ModelConfig};
+    let c = ModelConfig::from_json(v)?;
+    let h = c.hidden_size;
+    let mut s = Vec::new();
+    let mut p = |name: String, shape: Vec<usize>, kind| s.push(Spec { name, shape, kind });
+    p(
+        "model.embed_tokens.weight".into(),
+        vec![c.vocab_size, h],
+        Kind::Proj,
+    );
+    p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
+    p("model.norm.weight".into(), vec![h], Kind::Norm);
+    for l in 0..c.num_layers {
+        let a = format!("model.layers.{l}.self_attn");
+        p(
+            format!("model.layers.{l}.input_layernorm.weight"),
+            vec![h],
+            Kind::Norm,
+        );
+        p(
+            format!("model.layers.{l}.post_attention_layernorm.weight"),
+            vec![h],
+            Kind::Norm,
+        );
+        match &c.mla {
+            Some(m) => {
+                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                if let Some(r) = m.q_lora_rank {
+                    p(format!("{a}.q_a_proj.weight"), vec![r, h], Kind::Proj);
+                    p(format!("{a}.q_a_layernorm.weight"), vec![r], Kind::Norm);
+                    p(
+                        format!("{a}.q_b_proj.weight"),
+                        vec![c.num_heads * qk, r],
+                        Kind::Proj,
+                    );
+                } else {
+                    p(
+                        format!("{a}.q_proj.weight"),
+                        vec![c.num_heads * qk, h],
+                        Kind::Proj,
+                    );
+                }
+                p(
+                    format!("{a}.kv_a_proj_with_mqa.weight"),
+                    vec![m.kv_lora_rank + m.qk_rope_head_dim, h],
+                    Kind::Proj,
+                );
+                p(
+                    format!("{a}.kv_a_layernorm.weight"),
+                    vec![m.kv_lora_rank],
+                    Kind::Norm,
+                );
+                p(
+                    format!("{a}.kv_b_proj.weight"),
+                    vec![
+                        c.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                        m.kv_lora_rank,
+                    ],
+                    Kind::Proj,
+                );
+                p(
+                    format!("{a}.o_proj.weight"),
+                    vec![h, c.num_heads * m.v_head_dim],
+                    Kind::Proj,
+                );
+            }
+            None => {
+                let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+                for (n, o) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                    p(format!("{a}.{n}.weight"), vec![o, h], Kind::Proj);
+                    if c.arch == Arch::Glm4Moe {
+                        p(format!("{a}.{n}.bias"), vec![o], Kind::VecF32);
+                    }
+                }
+                p(format!("{a}.o_proj.weight"), vec![h, q], Kind::Proj);
+                if c.arch == Arch::Qwen3Moe {
+                    p(format!("{a}.q_norm.weight"), vec![c.head_dim], Kind::Norm);
+                    p(format!("{a}.k_norm.weight"), vec![c.head_dim], Kind::Norm);
+                }
+            }
+        }
+        let mlp = format!("model.layers.{l}.mlp");
+        let dense = |p: &mut dyn FnMut(String, Vec<usize>, Kind), prefix: &str, inter: usize| {
+            p(
+                format!("{prefix}.gate_proj.weight"),
+                vec![inter, h],
+                Kind::Proj,
+            );
+            p(
+                format!("{prefix}.up_proj.weight"),
+                vec![inter, h],
+                Kind::Proj,
+            );
+            p(
+                format!("{prefix}.down_proj.weight"),
+                vec![h, inter],
+                Kind::Proj,
+            );
+        };
+        match &c.moe {
+            Some(m) if c.is_moe_layer(l) => {
+                p(
+                    format!("{mlp}.gate.weight"),
+                    vec![m.num_experts, h],
+                    Kind::Proj,
+                );
+                if c.arch != Arch::Qwen3Moe {
+                    p(
+                        format!("{mlp}.gate.e_score_correction_bias"),
+                        vec![m.num_experts],
+                        Kind::VecF32,
+                    );
+                }
+                for e in 0..m.num_experts {
+                    dense(&mut p, &format!("{mlp}.experts.{e}"), m.expert_intermediate);
+                }
+                if let Some(w) = m.shared_intermediate {
+                    dense(&mut p, &format!("{mlp}.shared_experts"), w);
+                }
+            }
+            _ => dense(&mut p, &mlp, c.intermediate_size),
+        }
+    }
+    Ok(s)
+}
+
+/// xorshift64*: fast, seedable, good enough for random weights.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Roughly normal (sum of 4 uniforms, variance-corrected), times `std`.
+    fn normal(&mut self, std: f32) -> f32 {
+        let r = self.next();
+        let u = (0..4)
+            .map(|i| ((r >> (16 * i)) & 0xFFFF) as f32 / 65535.0)
+            .sum::<f32>()
+            - 2.0;
+        u * std * 1.732
+    }
+}
+
+const SHARD_BYTES: usize = 4 << 30;
+
+/// Appends one random element of the tensor's dtype.
+fn element(buf: &mut Vec<u8>, rng: &mut Rng, dtype: &str, kind: Kind, is_scale: bool, fan_in: f32) {
+    match (dtype, kind, is_scale) {
+        ("F32", _, true) => buf.extend_from_slice(&(fan_in.sqrt().recip() / 64.0).to_le_bytes()),
+        ("F32", _, false) => buf.extend_from_slice(&rng.normal(0.05).to_le_bytes()),
+        ("F8_E4M3", _, _) => {
+            // finite E4M3 around ±[0.5, 256): never 0x7F/0xFF (NaN)
+            let r = rng.next();
+            buf.push(((r >> 32) as u8 & 0x80) | (0x30 + (r as u8 % 0x48)));
+        }
+        (_, Kind::Norm, _) => buf.extend_from_slice(&half::bf16::ONE.to_bits().to_le_bytes()),
+        _ => buf.extend_from_slice(
+            &half::bf16::from_f32(rng.normal(fan_in.sqrt().recip()))
+                .to_bits()
+                .to_le_bytes(),
+        ),
+    }
+}
+
+pub fn run(a: SynthArgs) -> anyhow::Result<()> {
+    let mut cfg = config_like(&a.like)?;
+    if let Some(l) = a.layers {
+        if l == 0 {
+            bail!("--layers must be at least 1");
+        }
+        cfg["num_hidden_layers"] = l.into();
+    }
+    let fp8 = match a.dtype.as_str() {
+        "bf16" => false,
+        "fp8" => true,
+        d => bail!("--dtype {d}: choose bf16 or fp8"),
+    };
+    if fp8 {
+        cfg["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+            "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    // (name, dtype, shape, kind, is_scale)
+    let mut entries: Vec<(String, &str, Vec<usize>, Kind, bool)> = vec![];
+    for s in tensor_specs(&cfg)? {
+        let quantize =
+            fp8 && s.kind == Kind::Proj && s.name.contains("proj") && !s.name.contains("embed");
+        match (s.kind, quantize) {
+            (Kind::Proj, true) => {
+                let sc = vec![s.shape[0].div_ceil(128), s.shape[1].div_ceil(128)];
+                entries.push((s.name.clone(), "F8_E4M3", s.shape.clone(), s.kind, false));
+                entries.push((format!("{}_scale_inv", s.name), "F32", sc, s.kind, true));
+            }
+            (Kind::VecF32, _) => entries.push((s.name, "F32", s.shape, s.kind, false)),
+            _ => entries.push((s.name, "BF16", s.shape, s.kind, false)),
+        }
+    }
+    let bytes_of = |dtype: &str, shape: &[usize]| -> usize {
+        shape.iter().product::<usize>()
+            * match dtype {
+                "F8_E4M3" => 1,
+                "BF16" => 2,
+                _ => 4,
+            }
+    };
+    // split into shards
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut size = 0;
+    for (i, e) in entries.iter().enumerate() {
+        let b = bytes_of(e.1, &e.2);
+        if size + b > SHARD_BYTES && !shards.last().is_some_and(Vec::is_empty) {
+            shards.push(vec![]);
+            size = 0;
+        }
+        shards.last_mut().expect("non-empty").push(i);
+        size += b;
+    }
+    let n_shards = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let base_seed = 0x9E37_79B9_7F4A_7C15 ^ a.seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let mut total = 0usize;
+    for (si, idx) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", si + 1, n_shards);
+        let mut header = serde_json::Map::new();
+        let mut off = 0;
+        for &i in idx {
+            let (name, dtype, shape, _, _) = &entries[i];
+            let b = bytes_of(dtype, shape);
+            header.insert(
+                name.clone(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + b]}),
+            );
+            weight_map.insert(name.clone(), file.clone().into());
+            off += b;
+        }
+        let mut h = serde_json::to_vec(&header)?;
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let path = a.out.join(&file);
+        let f =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        let mut w = BufWriter::with_capacity(8 << 20, f);
+        w.write_all(&(h.len() as u64).to_le_bytes())?;
+        w.write_all(&h)?;
+        for &i in idx {
+            let (_, dtype, shape, kind, is_scale) = &entries[i];
+            let n: usize = shape.iter().product();
+            let fan_in = *shape.last().unwrap_or(&1) as f32;
+            // Generated in parallel chunks (each with its own seeded stream), written in order.
+            const CHUNK: usize = 1 << 20;
+            let elem = bytes_of(dtype, &[1]);
+            let mut done = 0;
+            while done < n {
+                let m = (n - done).min(64 * CHUNK);
+                let bytes: Vec<Vec<u8>> = (0..m.div_ceil(CHUNK))
+                    .into_par_iter()
+                    .map(|c| {
+                        let len = CHUNK.min(m - c * CHUNK);
+                        let mut rng =
+                            Rng(base_seed ^ ((i as u64) << 32) ^ (done + c * CHUNK) as u64 | 1);
+                        let mut buf = Vec::with_capacity(len * elem);
+                        for _ in 0..len {
+                            element(&mut buf, &mut rng, dtype, *kind, *is_scale, fan_in);
+                        }
+                        buf
+                    })
+                    .collect();
+                for b in bytes {
+                    w.write_all(&b)?;
+                }
+                done += m;
+            }
+        }
+        w.flush()?;
+        total += off;
+        eprintln!(
+            "wrote {} ({:.2} GiB)",
+            path.display(),
+            off as f64 / (1u64 << 30) as f64
+        );
+    }
+    std::fs::write(
+        a.out.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(
+            &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+        )?,
+    )?;
+    std::fs::write(
+        a.out.join("config.json"),
+        serde_json::to_string_pretty(&cfg)?,
+    )?;
+    eprintln!(
+        "{}: {} tensors, {:.2} GiB",
+        a.out.display(),
+        entries.len(),
+        total as f64 / (1u64 << 30) as f64
+    );
+    Ok(())
+}

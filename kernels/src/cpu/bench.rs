@@ -1,0 +1,450 @@
+//! `moe-daemon bench cpu-moe`: ms per MoE layer of the CPU expert path on random weights, the weight
+//! bandwidth it reaches, and that as a share of the DRAM read bandwidth measured in the same process
+//! (the anchor's probe: every thread sums its share of a 4 GiB buffer with 512-bit loads).
+//!
+//! `run_cpu_moe_bench(&parse_bench_args(argv)?)` returns the report; the daemon's CLI only prints it.
+
+use std::time::Instant;
+
+use thiserror::Error;
+
+use super::features::CpuTier;
+use super::memory::{HugeBuffer, HugepageMode};
+use super::moe::{
+    f32_to_bf16, CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
+};
+use super::options::{CpuMoeOptions, NumaMode};
+use super::pool::WorkerPool;
+
+#[derive(Debug, Error)]
+pub enum BenchError {
+    #[error("bench cpu-moe: {0}")]
+    Args(String),
+    #[error(transparent)]
+    Options(#[from] super::options::OptionsError),
+    #[error(transparent)]
+    Moe(#[from] super::moe::MoeError),
+}
+
+/// Flags of `bench cpu-moe` (lists are comma separated).
+#[derive(Clone, Debug)]
+pub struct CpuMoeBenchArgs {
+    pub experts: usize,
+    pub topk: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub dtypes: Vec<WeightFormat>,
+    pub tokens: Vec<usize>,
+    pub threads: Vec<usize>,
+    pub layers: usize,
+    pub iters: usize,
+    pub tier: Option<CpuTier>,
+    pub amx_min_tokens: usize,
+    pub hugepages: HugepageMode,
+    pub numa: NumaMode,
+    pub probe_mib: usize,
+}
+
+impl Default for CpuMoeBenchArgs {
+    fn default() -> Self {
+        CpuMoeBenchArgs {
+            experts: 128,
+            topk: 8,
+            hidden: 2048,
+            inter: 768,
+            dtypes: vec![WeightFormat::Bf16],
+            tokens: vec![1, 4, 16, 64, 256, 1024],
+            threads: vec![std::thread::available_parallelism().map_or(1, |n| n.get())],
+            layers: 8,
+            iters: 30,
+            tier: None,
+            amx_min_tokens: 16,
+            hugepages: HugepageMode::Auto,
+            numa: NumaMode::Auto,
+            probe_mib: 4096,
+        }
+    }
+}
+
+fn list<T>(flag: &str, v: &str, f: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, BenchError> {
+    v.split(',')
+        .map(|s| {
+            f(s.trim()).ok_or_else(|| BenchError::Args(format!("{flag}: invalid value {s:?}")))
+        })
+        .collect()
+}
+
+/// Parses `--experts N --topk N --hidden N --inter N --dtype bf16,fp8,int8,int4[g64|g128]
+/// --tokens 1,4,… --threads 8,12,16 --layers N --iters N --tier scalar|avx2|avx512|amx --amx-min N
+/// --hugepages auto|1G|2M|off --numa auto|off --probe-mib N`.
+pub fn parse_bench_args<S: AsRef<str>>(argv: &[S]) -> Result<CpuMoeBenchArgs, BenchError> {
+    let mut a = CpuMoeBenchArgs::default();
+    let mut it = argv.iter().map(|s| s.as_ref());
+    while let Some(flag) = it.next() {
+        let v = it
+            .next()
+            .ok_or_else(|| BenchError::Args(format!("{flag} needs a value")))?;
+        let num = |v: &str| v.parse::<usize>().ok().filter(|&n| n > 0);
+        let one = |v: &str| {
+            num(v).ok_or_else(|| BenchError::Args(format!("{flag}: invalid value {v:?}")))
+        };
+        match flag {
+            "--experts" => a.experts = one(v)?,
+            "--topk" => a.topk = one(v)?,
+            "--hidden" => a.hidden = one(v)?,
+            "--inter" => a.inter = one(v)?,
+            "--layers" => a.layers = one(v)?,
+            "--iters" => a.iters = one(v)?,
+            "--amx-min" => a.amx_min_tokens = one(v)?,
+            "--probe-mib" => {
+                a.probe_mib = v
+                    .parse()
+                    .map_err(|_| BenchError::Args(format!("{flag}: {v:?}")))?
+            }
+            "--dtype" => a.dtypes = list(flag, v, WeightFormat::parse)?,
+            "--tokens" => a.tokens = list(flag, v, num)?,
+            "--threads" => a.threads = list(flag, v, num)?,
+            "--tier" => a.tier = Some(v.parse().map_err(BenchError::Args)?),
+            "--hugepages" => a.hugepages = v.parse().map_err(BenchError::Args)?,
+            "--numa" => a.numa = v.parse()?,
+            _ => return Err(BenchError::Args(format!("unknown flag {flag}"))),
+        }
+    }
+    if a.topk > a.experts {
+        return Err(BenchError::Args("--topk exceeds --experts".into()));
+    }
+    Ok(a)
+}
+
+/// Deterministic fast generator for weights (xorshift64).
+struct Gen(u64);
+impl Gen {
+    #[inline]
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// One layer's random source tensors, generated in parallel: bf16 ~ U(-0.02, 0.02), or FP8 bytes with
+/// block scales 1/448·0.02.
+struct LayerSource {
+    bf16: Vec<u16>,
+    fp8: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+fn make_source(pool: &WorkerPool, a: &CpuMoeBenchArgs, fp8: bool, seed: u64) -> LayerSource {
+    let per = 3 * a.hidden * a.inter;
+    let n = a.experts * per;
+    let mut src = LayerSource {
+        bf16: Vec::new(),
+        fp8: Vec::new(),
+        scales: Vec::new(),
+    };
+    let chunk = 1 << 20;
+    if fp8 {
+        src.fp8 = vec![0u8; n];
+        let p = src.fp8.as_mut_ptr() as usize;
+        pool.run(&[n.div_ceil(chunk)], &|_, c, _| {
+            let mut g = Gen(seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let len = chunk.min(n - c * chunk);
+            // SAFETY: chunk c is written by this item only.
+            let d = unsafe { std::slice::from_raw_parts_mut((p as *mut u8).add(c * chunk), len) };
+            for b in d {
+                let v = g.next() as u8;
+                *b = if v & 0x7F == 0x7F { 0x3E } else { v };
+            }
+        });
+        let blocks = |r: usize, c: usize| r.div_ceil(128) * c.div_ceil(128);
+        let per_expert = 2 * blocks(a.inter, a.hidden) + blocks(a.hidden, a.inter);
+        src.scales = vec![0.02 / 448.0; a.experts * per_expert];
+    } else {
+        src.bf16 = vec![0u16; n];
+        let p = src.bf16.as_mut_ptr() as usize;
+        pool.run(&[n.div_ceil(chunk)], &|_, c, _| {
+            let mut g = Gen(seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let len = chunk.min(n - c * chunk);
+            // SAFETY: chunk c is written by this item only.
+            let d = unsafe { std::slice::from_raw_parts_mut((p as *mut u16).add(c * chunk), len) };
+            for v in d {
+                let u = (g.next() >> 40) as f32 / (1u64 << 24) as f32;
+                *v = f32_to_bf16((u - 0.5) * 0.04);
+            }
+        });
+    }
+    src
+}
+
+fn sources<'a>(a: &CpuMoeBenchArgs, s: &'a LayerSource) -> Vec<ExpertSource<'a>> {
+    let (h, i) = (a.hidden, a.inter);
+    let per = 3 * h * i;
+    let blocks = |r: usize, c: usize| r.div_ceil(128) * c.div_ceil(128);
+    let (bg, bd) = (blocks(i, h), blocks(h, i));
+    (0..a.experts)
+        .map(|e| {
+            let t = |off: usize, len: usize, soff: usize, slen: usize| {
+                if s.fp8.is_empty() {
+                    SourceTensor::Bf16(&s.bf16[e * per + off..e * per + off + len])
+                } else {
+                    let sb = e * (2 * bg + bd) + soff;
+                    SourceTensor::Fp8E4M3 {
+                        data: &s.fp8[e * per + off..e * per + off + len],
+                        scale_inv: &s.scales[sb..sb + slen],
+                    }
+                }
+            };
+            ExpertSource {
+                gate: t(0, h * i, 0, bg),
+                up: t(h * i, h * i, bg, bg),
+                down: t(2 * h * i, h * i, 2 * bg, bd),
+            }
+        })
+        .collect()
+}
+
+/// DRAM read bandwidth in GB/s with every thread of `pool` summing its share of `buf` (best of 4).
+fn dram_read_bw(pool: &WorkerPool, buf: &HugeBuffer) -> f64 {
+    let chunk = 1 << 20;
+    let n = buf.len() / chunk;
+    let base = buf.as_ptr() as usize;
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let t = Instant::now();
+        pool.run(&[n], &|_, c, _| {
+            // SAFETY: in-bounds 1 MiB chunk of a live buffer, read only.
+            let s =
+                unsafe { std::slice::from_raw_parts((base + c * chunk) as *const u64, chunk / 8) };
+            std::hint::black_box(sum_chunk(s));
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (n * chunk) as f64 / best / 1e9
+}
+
+fn sum_chunk(s: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if CpuTier::Avx512.clamp_to_cpu() == CpuTier::Avx512 {
+        // SAFETY: AVX-512F present (tier check above).
+        return unsafe { sum_chunk_avx512(s) };
+    }
+    s.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_chunk_avx512(s: &[u64]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_si512(); 4];
+    let p = s.as_ptr();
+    for i in 0..s.len() / 32 {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: i*32 + j*8 + 8 <= len.
+            *a = _mm512_add_epi64(*a, unsafe {
+                _mm512_loadu_si512(p.add(i * 32 + j * 8).cast())
+            });
+        }
+    }
+    let v = _mm512_add_epi64(
+        _mm512_add_epi64(acc[0], acc[1]),
+        _mm512_add_epi64(acc[2], acc[3]),
+    );
+    _mm512_reduce_add_epi64(v) as u64
+}
+
+/// Runs the benchmark and returns the report (a table per dtype, one line per threads × tokens).
+pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let max_threads = *a.threads.iter().max().unwrap_or(&1);
+    let opts = |threads| CpuMoeOptions {
+        threads: Some(threads),
+        numa: a.numa,
+        hugepages: a.hugepages,
+        ..Default::default()
+    };
+    let _ = writeln!(
+        out,
+        "# bench cpu-moe: experts={} topk={} hidden={} inter={} layers={} iters={} tier={} (detected {})",
+        a.experts,
+        a.topk,
+        a.hidden,
+        a.inter,
+        a.layers,
+        a.iters,
+        a.tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
+        super::features::detected_tier()
+    );
+    // DRAM read bandwidth per thread count, measured here.
+    let mut bw = Vec::new();
+    {
+        let mut probe = HugeBuffer::new(a.probe_mib.max(1) << 20, a.hugepages, None);
+        probe.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        for &t in &a.threads {
+            let pool = opts(t).build_pool()?;
+            let g = dram_read_bw(&pool, &probe);
+            let _ = writeln!(out, "# DRAM read bandwidth, {t} threads: {g:.1} GB/s");
+            bw.push(g);
+        }
+    }
+    for &fmt in &a.dtypes {
+        let build_pool = opts(max_threads).build_pool()?;
+        let mut cfg = ExpertSetConfig::new(a.hidden, a.inter, fmt)
+            .with_hugepages(a.hugepages)
+            .with_max_tier(a.tier);
+        cfg.amx_min_tokens = a.amx_min_tokens;
+        let ids: Vec<u32> = (0..a.experts as u32).collect();
+        let t0 = Instant::now();
+        let mut sets = Vec::new();
+        let mut src = None;
+        for l in 0..a.layers {
+            // One random source serves two layers: packed copies are distinct memory either way.
+            if l % 2 == 0 {
+                src = Some(make_source(
+                    &build_pool,
+                    a,
+                    fmt == WeightFormat::Fp8Block,
+                    1 + l as u64,
+                ));
+            }
+            let s = src.as_ref().expect("generated above");
+            sets.push(CpuExpertSet::new(&cfg, &ids, &sources(a, s), &build_pool)?);
+        }
+        drop(src);
+        drop(build_pool);
+        let per_expert = sets[0].bytes_per_expert();
+        let _ = writeln!(
+            out,
+            "\n## dtype {fmt:?}: {:.2} GB packed per layer ({} per expert), memory {:?}, tier {}, load {:.1}s",
+            sets[0].bytes() as f64 / 1e9,
+            per_expert,
+            sets[0].page_kinds(),
+            sets[0].tier(),
+            t0.elapsed().as_secs_f64()
+        );
+        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | × read limit | GFLOP/s |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+        for (ti, &threads) in a.threads.iter().enumerate() {
+            let pool = opts(threads).build_pool()?;
+            for &q in &a.tokens {
+                let mut g = Gen(0xC0FFEE ^ q as u64);
+                let mut ids_q = Vec::with_capacity(q * a.topk);
+                for _ in 0..q {
+                    let mut chosen: Vec<u32> = Vec::with_capacity(a.topk);
+                    while chosen.len() < a.topk {
+                        let e = (g.next() % a.experts as u64) as u32;
+                        if !chosen.contains(&e) {
+                            chosen.push(e);
+                        }
+                    }
+                    ids_q.extend(chosen);
+                }
+                let wts: Vec<f32> = (0..q * a.topk)
+                    .map(|i| 0.1 + (i % 7) as f32 * 0.1)
+                    .collect();
+                let x: Vec<f32> = (0..q * a.hidden)
+                    .map(|i| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let mut y = vec![0f32; q * a.hidden];
+                let mut distinct = ids_q.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                for i in 0..3 {
+                    sets[i % a.layers].forward(&pool, &x, &ids_q, &wts, a.topk, &mut y)?;
+                }
+                let mut times = Vec::with_capacity(a.iters);
+                let start = Instant::now();
+                for i in 0..a.iters {
+                    let t = Instant::now();
+                    sets[i % a.layers].forward(&pool, &x, &ids_q, &wts, a.topk, &mut y)?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                let mean = start.elapsed().as_secs_f64() / a.iters as f64;
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                let bytes = (distinct.len() * per_expert) as f64;
+                let gbs = bytes / mean / 1e9;
+                let limit = bytes / (bw[ti] * 1e9);
+                let _ = writeln!(
+                    out,
+                    "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.2} | {:.0} |",
+                    mean * 1e3,
+                    median * 1e3,
+                    distinct.len(),
+                    100.0 * gbs / bw[ti],
+                    mean / limit,
+                    (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_flags_and_rejects_bad_ones() {
+        let a = parse_bench_args(&[
+            "--dtype",
+            "bf16,int4",
+            "--tokens",
+            "1,64",
+            "--threads",
+            "8,16",
+            "--layers",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.dtypes,
+            vec![WeightFormat::Bf16, WeightFormat::Int4 { group: 32 }]
+        );
+        assert_eq!(
+            (a.tokens.clone(), a.threads.clone(), a.layers),
+            (vec![1, 64], vec![8, 16], 2)
+        );
+        assert!(parse_bench_args(&["--dtype", "fp4"]).is_err());
+        assert!(parse_bench_args(&["--tokens", "0"]).is_err());
+        assert!(parse_bench_args(&["--layers"]).is_err());
+        assert!(parse_bench_args(&["--bogus", "1"]).is_err());
+    }
+
+    #[test]
+    fn tiny_bench_runs_and_reports_every_line() {
+        let a = parse_bench_args(&[
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--hidden",
+            "64",
+            "--inter",
+            "32",
+            "--dtype",
+            "bf16,fp8,int8,int4",
+            "--tokens",
+            "1,5",
+            "--threads",
+            "1",
+            "--layers",
+            "2",
+            "--iters",
+            "2",
+            "--probe-mib",
+            "1",
+        ])
+        .unwrap();
+        let r = run_cpu_moe_bench(&a).unwrap();
+        assert_eq!(
+            r.lines().filter(|l| l.starts_with("| 1 |")).count(),
+            8,
+            "{r}"
+        );
+        assert!(r.contains("DRAM read bandwidth"));
+    }
+}

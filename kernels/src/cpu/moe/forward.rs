@@ -1,0 +1,432 @@
+//! `CpuExpertSet::forward`: routing, then four parallel regions on the worker pool (see the module doc
+//! of `moe` for the split and why).
+
+use std::cell::RefCell;
+
+use super::act::{gated_row, ActBuf, ActKind};
+use super::gemm::{act_kind, amx_supports, gemm};
+use super::{CpuExpertSet, MoeError};
+use crate::cpu::features::CpuTier;
+use crate::cpu::pool::WorkerPool;
+
+/// One expert that got tokens in this call.
+#[derive(Clone, Copy, Debug)]
+struct Active {
+    /// Index into the set's slots.
+    e: usize,
+    group: usize,
+    /// First routed row (into `tok`/`wt`/`h`).
+    start: usize,
+    m: usize,
+    /// First row in the 16-row padded buffers (`ga`, `ha`).
+    pstart: usize,
+    amx: bool,
+}
+
+/// Per-call buffers, kept between calls so decode allocates nothing.
+#[derive(Default)]
+pub(super) struct Scratch {
+    counts: Vec<u32>,
+    tok: Vec<u32>,
+    wt: Vec<f32>,
+    seq: Vec<u32>,
+    active: Vec<Active>,
+    xa: ActBuf,
+    ga: ActBuf,
+    ha: ActBuf,
+    h: Vec<f32>,
+    partial: Vec<f32>,
+    /// Per group: (active index, first tile / row, count).
+    items: Vec<Vec<(u32, u32, u32)>>,
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr<T>(*mut T);
+// SAFETY: used only for writes to disjoint ranges from pool threads while the owner is borrowed.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// A method (not field access) so closures capture the whole Sync wrapper.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+thread_local! {
+    static TLS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn with_tls<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TLS.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < n {
+            b.resize(n, 0.0);
+        }
+        f(&mut b[..n])
+    })
+}
+
+/// Items of a region spread round-robin over groups: group g gets global items g, g + groups, ….
+fn round_robin(n: usize, groups: usize) -> Vec<usize> {
+    (0..groups).map(|g| (n + groups - 1 - g) / groups).collect()
+}
+
+const ROW_CHUNK: usize = 8;
+
+impl CpuExpertSet {
+    /// `out[t] += Σ_j w[t][j] · FFN_{ids[t][j]}(x[t])` over the ids this set holds.
+    ///
+    /// `x`: T × hidden; `topk_ids`, `topk_weights`: T × `top_k`; `out`: T × hidden. Safe to call from
+    /// several threads (calls on one set serialize); `pool` must be the pool the set was built with (or
+    /// one with the same groups).
+    pub fn forward(
+        &self,
+        pool: &WorkerPool,
+        x: &[f32],
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<(), MoeError> {
+        let (hd, id) = (self.cfg.hidden, self.cfg.inter);
+        if !x.len().is_multiple_of(hd) {
+            return Err(MoeError::Input {
+                got: x.len(),
+                hidden: hd,
+            });
+        }
+        let t = x.len() / hd;
+        for (what, got, want) in [
+            ("topk_ids", topk_ids.len(), t * top_k),
+            ("topk_weights", topk_weights.len(), t * top_k),
+            ("out", out.len(), x.len()),
+        ] {
+            if got != want {
+                return Err(MoeError::Len { what, got, want });
+            }
+        }
+        if pool.groups() != self.groups {
+            return Err(MoeError::Pool {
+                pool: pool.groups(),
+                set: self.groups,
+            });
+        }
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut *guard;
+        let tier = self.tier;
+        let fmt = self.cfg.format;
+
+        // ---- routing: group the (token, weight) rows by expert (counting sort) ----
+        let n = self.slots.len();
+        s.counts.clear();
+        s.counts.resize(n, 0);
+        let lookup = |gid: u32| self.local.get(gid as usize).copied().flatten();
+        for &gid in topk_ids {
+            if let Some(l) = lookup(gid) {
+                s.counts[l as usize] += 1;
+            }
+        }
+        s.active.clear();
+        let (mut start, mut pstart) = (0, 0);
+        let use_amx = tier == CpuTier::Amx && amx_supports(fmt);
+        for e in 0..n {
+            let m = s.counts[e] as usize;
+            if m > 0 {
+                let amx = use_amx && m >= self.cfg.amx_min_tokens;
+                s.active.push(Active {
+                    e,
+                    group: self.slots[e].group,
+                    start,
+                    m,
+                    pstart,
+                    amx,
+                });
+                s.counts[e] = start as u32; // becomes the fill cursor
+                start += m;
+                pstart += m.div_ceil(16) * 16;
+            }
+        }
+        let (rows, prows) = (start, pstart);
+        if rows == 0 {
+            return Ok(());
+        }
+        s.tok.resize(rows, 0);
+        s.wt.resize(rows, 0.0);
+        for (i, (&gid, &w)) in topk_ids.iter().zip(topk_weights).enumerate() {
+            if let Some(l) = lookup(gid) {
+                let c = &mut s.counts[l as usize];
+                s.tok[*c as usize] = (i / top_k) as u32;
+                s.wt[*c as usize] = w;
+                *c += 1;
+            }
+        }
+        if s.seq.len() < prows.max(t) {
+            s.seq = (0..prows.max(t) as u32).collect();
+        }
+        let groups = self.groups;
+        let (hp, ip) = (self.gate_l.k_pad, self.down_l.k_pad);
+        let (gkind, dkind) = (act_kind(tier, fmt, hp), act_kind(tier, fmt, ip));
+
+        // ---- (A) token activations, converted once; (A2) gathered per AMX expert ----
+        s.xa.reserve(gkind, t, hp);
+        let xw = s.xa.writer(gkind, hp);
+        if t <= ROW_CHUNK {
+            // Decode: a few µs of conversion, cheaper here than waking the pool for it.
+            for r in 0..t {
+                // SAFETY: single writer.
+                unsafe { xw.write_row(r, &x[r * hd..(r + 1) * hd]) };
+            }
+        } else {
+            let chunks = t.div_ceil(ROW_CHUNK);
+            pool.run(&round_robin(chunks, groups), &|g, i, _| {
+                let c = i * groups + g;
+                for r in c * ROW_CHUNK..((c + 1) * ROW_CHUNK).min(t) {
+                    // SAFETY: row r is written by this item only.
+                    unsafe { xw.write_row(r, &x[r * hd..(r + 1) * hd]) };
+                }
+            });
+        }
+        let any_amx = s.active.iter().any(|a| a.amx);
+        if any_amx {
+            s.ga.reserve(gkind, prows, hp);
+            let gw = s.ga.writer(gkind, hp);
+            let xv = s.xa.view(gkind, hp, &s.seq);
+            let amx_active: Vec<Active> = s.active.iter().copied().filter(|a| a.amx).collect();
+            let tok = &s.tok;
+            pool.run(&round_robin(amx_active.len(), groups), &|g, i, _| {
+                let a = amx_active[i * groups + g];
+                for r in 0..a.m {
+                    // SAFETY: rows pstart.. belong to this expert only.
+                    unsafe { gw.copy_row(a.pstart + r, &xv, tok[a.start + r] as usize) };
+                }
+            });
+        }
+
+        // ---- (B) gate and up per (expert, chunk of output tiles); act ⊙ up · routing weight → h ----
+        // bf16 / f32 down activations are elementwise: written straight from B (no region C).
+        let fuse = !matches!(dkind, ActKind::I8 { .. });
+        s.ha.reserve(dkind, prows, ip);
+        let hw = s.ha.writer(dkind, ip);
+        if !fuse {
+            s.h.resize(rows * id, 0.0);
+        }
+        let hptr = SyncPtr(s.h.as_mut_ptr());
+        let even = any_amx;
+        plan_tiles(
+            &mut s.items,
+            &s.active,
+            groups,
+            pool,
+            self.gate_l.n_tiles,
+            even,
+        );
+        {
+            let (act, tok, wt, seq, items) = (&s.active, &s.tok, &s.wt, &s.seq, &s.items);
+            let (xa, ga) = (&s.xa, &s.ga);
+            let (actf, limit) = (self.cfg.activation, self.cfg.swiglu_limit);
+            let counts: Vec<usize> = items.iter().map(Vec::len).collect();
+            pool.run(&counts, &|g, i, _| {
+                let (ai, nt0, nts) = items[g][i];
+                let (nt0, nts) = (nt0 as usize, nts as usize);
+                let a = act[ai as usize];
+                let [gate, up, _] = self.mats(a.e);
+                let view = if a.amx {
+                    ga.view(gkind, hp, &seq[a.pstart..a.pstart + a.m])
+                } else {
+                    xa.view(gkind, hp, &tok[a.start..a.start + a.m])
+                };
+                let ld = 16 * nts;
+                with_tls(3 * a.m * ld, |buf| {
+                    let (gy, rest) = buf.split_at_mut(a.m * ld);
+                    let (uy, hy) = rest.split_at_mut(a.m * ld);
+                    gemm(tier, a.amx, &gate, nt0, nts, &view, gy, ld);
+                    gemm(tier, a.amx, &up, nt0, nts, &view, uy, ld);
+                    let cols = (id - nt0 * 16).min(ld);
+                    for r in 0..a.m {
+                        let (g, u) = (&gy[r * ld..r * ld + cols], &uy[r * ld..r * ld + cols]);
+                        if fuse {
+                            let hr = &mut hy[..cols];
+                            gated_row(actf, limit, g, u, wt[a.start + r], hr);
+                            // SAFETY: these columns of padded row pstart + r belong to this item.
+                            unsafe {
+                                hw.write_cols(a.pstart + r, nt0 * 16, hr, nt0 * 16 + cols == id)
+                            };
+                        } else {
+                            // SAFETY: row (start + r), columns nt0*16.. of h belong to this item.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    hptr.get().add((a.start + r) * id + nt0 * 16),
+                                    cols,
+                                )
+                            };
+                            gated_row(actf, limit, g, u, wt[a.start + r], dst);
+                        }
+                    }
+                });
+            });
+        }
+
+        // ---- (C) int8 kinds: intermediate rows → down activations (per-row scale) ----
+        if !fuse {
+            plan_rows(&mut s.items, &s.active, groups);
+            let (act, items, h) = (&s.active, &s.items, &s.h);
+            let counts: Vec<usize> = items.iter().map(Vec::len).collect();
+            pool.run(&counts, &|g, i, _| {
+                let (ai, r0, nr) = items[g][i];
+                let a = act[ai as usize];
+                for r in r0 as usize..(r0 + nr) as usize {
+                    // SAFETY: padded row pstart + r belongs to this item.
+                    unsafe {
+                        hw.write_row(a.pstart + r, &h[(a.start + r) * id..(a.start + r + 1) * id])
+                    };
+                }
+            });
+        }
+
+        // ---- (D) down, by chunks of output tiles over all experts of the group; adds into out ----
+        if groups > 1 {
+            s.partial.clear();
+            s.partial.resize((groups - 1) * t * hd, 0.0);
+        }
+        let optr = SyncPtr(out.as_mut_ptr());
+        let pptr = SyncPtr(s.partial.as_mut_ptr());
+        let d_tiles = self.down_l.n_tiles;
+        {
+            let (act, tok, seq, ha) = (&s.active, &s.tok, &s.seq, &s.ha);
+            let max_m = act.iter().map(|a| a.m).max().unwrap_or(0);
+            let per_group: Vec<Vec<Active>> = (0..groups)
+                .map(|g| act.iter().copied().filter(|a| a.group == g).collect())
+                .collect();
+            let chunk: Vec<usize> = (0..groups)
+                .map(|g| {
+                    // Every item does the same work (all the group's experts over `c` tiles). With few
+                    // tokens, small items (6 per thread: 2 tiles = 48 KiB streams per expert at
+                    // decode) keep the phase's tail short; with many, each item re-reads every
+                    // expert's activation block, so 2 per thread.
+                    let per_thread = if max_m >= 16 { 2 } else { 6 };
+                    let c = d_tiles
+                        .div_ceil(per_thread * pool.threads_in_group(g))
+                        .max(1);
+                    if even {
+                        c + c % 2
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+            let counts: Vec<usize> = (0..groups)
+                .map(|g| {
+                    if per_group[g].is_empty() {
+                        0
+                    } else {
+                        d_tiles.div_ceil(chunk[g])
+                    }
+                })
+                .collect();
+            pool.run(&counts, &|g, i, _| {
+                let nt0 = i * chunk[g];
+                let nts = chunk[g].min(d_tiles - nt0);
+                let ld = 16 * nts;
+                let cols = (hd - nt0 * 16).min(ld);
+                let dst = if g == 0 {
+                    optr.get()
+                } else {
+                    pptr.get().wrapping_add((g - 1) * t * hd)
+                };
+                with_tls(max_m * ld, |y| {
+                    for a in &per_group[g] {
+                        let [_, _, down] = self.mats(a.e);
+                        let view = ha.view(dkind, ip, &seq[a.pstart..a.pstart + a.m]);
+                        gemm(tier, a.amx, &down, nt0, nts, &view, y, ld);
+                        for r in 0..a.m {
+                            let tk = tok[a.start + r] as usize;
+                            // SAFETY: columns nt0*16.. of every output row belong to this item.
+                            let o = unsafe {
+                                std::slice::from_raw_parts_mut(dst.add(tk * hd + nt0 * 16), cols)
+                            };
+                            for (c, v) in o.iter_mut().enumerate() {
+                                *v += y[r * ld + c];
+                            }
+                        }
+                    }
+                });
+            });
+        }
+
+        // ---- (E) several NUMA groups: add their partial sums ----
+        if groups > 1 {
+            let partial = &s.partial;
+            let chunks = t.div_ceil(ROW_CHUNK);
+            pool.run(&round_robin(chunks, groups), &|g, i, _| {
+                let c = i * groups + g;
+                for r in c * ROW_CHUNK..((c + 1) * ROW_CHUNK).min(t) {
+                    // SAFETY: output row r belongs to this item.
+                    let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r * hd), hd) };
+                    for p in 0..groups - 1 {
+                        for (v, q) in o
+                            .iter_mut()
+                            .zip(&partial[(p * t + r) * hd..(p * t + r + 1) * hd])
+                        {
+                            *v += q;
+                        }
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Region B items: each active expert's output tiles cut into chunks so that every group has ~16 items
+/// per thread (one decode token: 8 experts × 48 tiles over 16 threads → 2 tiles, 256 KB of bf16 gate
+/// and up, each; small items keep the tail of the phase short).
+fn plan_tiles(
+    items: &mut Vec<Vec<(u32, u32, u32)>>,
+    act: &[Active],
+    groups: usize,
+    pool: &WorkerPool,
+    n_tiles: usize,
+    even: bool,
+) {
+    items.resize(groups, Vec::new());
+    for (g, list) in items.iter_mut().enumerate() {
+        list.clear();
+        let mine: Vec<(usize, &Active)> = act
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.group == g)
+            .collect();
+        let total = mine.len() * n_tiles;
+        let mut chunk = total
+            .div_ceil(16 * pool.threads_in_group(g))
+            .clamp(1, n_tiles);
+        if even {
+            chunk = (chunk + chunk % 2).min(n_tiles);
+        }
+        for (ai, _) in mine {
+            let mut nt = 0;
+            while nt < n_tiles {
+                let c = chunk.min(n_tiles - nt);
+                list.push((ai as u32, nt as u32, c as u32));
+                nt += c;
+            }
+        }
+    }
+}
+
+/// Region C items: each active expert's rows in chunks of `ROW_CHUNK`.
+fn plan_rows(items: &mut Vec<Vec<(u32, u32, u32)>>, act: &[Active], groups: usize) {
+    items.resize(groups, Vec::new());
+    for list in items.iter_mut() {
+        list.clear();
+    }
+    for (ai, a) in act.iter().enumerate() {
+        let mut r = 0;
+        while r < a.m {
+            let c = ROW_CHUNK.min(a.m - r);
+            items[a.group].push((ai as u32, r as u32, c as u32));
+            r += c;
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Picks the kernel for (tier, weight format, activation kind). Every tier computes the same thing:
+//! `y[r][16·(nt − nt0) + j] = Σ_k W[16·nt + j][k] · a_r[k]`, see `kern_generic`.
+
+use super::act::{ActKind, ActRef};
+use super::pack::{MatRef, WeightFormat};
+use crate::cpu::features::CpuTier;
+
+/// Activation kind the kernels of `tier` read for weights of `format` over `k_pad` inputs.
+pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
+    match (tier, format) {
+        (CpuTier::Scalar | CpuTier::Avx2, _) => ActKind::F32,
+        (_, WeightFormat::Bf16 | WeightFormat::Fp8Block) => ActKind::Bf16,
+        (_, WeightFormat::Int8) => ActKind::I8 { group: k_pad },
+        (_, WeightFormat::Int4 { group }) => ActKind::I8 { group },
+    }
+}
+
+/// Whether the AMX kernels handle this format (int4 uses AVX-512 at any token count; FP8 is widened
+/// to bf16 tiles first).
+pub(crate) fn amx_supports(format: WeightFormat) -> bool {
+    matches!(
+        format,
+        WeightFormat::Bf16 | WeightFormat::Int8 | WeightFormat::Fp8Block
+    )
+}
+
+/// From this many tokens on, FP8 tiles are widened to bf16 once per call (then bf16 kernels) instead of
+/// once per block of 4 tokens inside the FP8 kernel.
+pub(crate) const FP8_WIDEN_MIN_ROWS: usize = 8;
+
+thread_local! {
+    static WIDE: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static WIDE_ACT: std::cell::RefCell<(Vec<u16>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Int4 weights with many tokens: int8 activation rows → bf16 (code · scale), two N-tiles at a time
+/// widened to bf16 with the group scales folded in, then the bf16 kernel (AMX when `amx`). Costs one
+/// more bf16 rounding of weights and activations than the VNNI kernel, buys AMX throughput.
+///
+/// # Safety
+/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; `a` has int8 kind.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn int4_widened(
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    use super::pack::MatLayout;
+    use super::{kern_amx, kern_avx512};
+    let (k_pad, m) = (w.l.k_pad, a.rows.len());
+    let m_pad = m.div_ceil(16) * 16;
+    WIDE_ACT.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let (xb, seq) = &mut *cell;
+        if xb.len() < m_pad * k_pad {
+            xb.resize(m_pad * k_pad, 0);
+        }
+        if seq.len() < m {
+            *seq = (0..m as u32).collect();
+        }
+        // SAFETY: (caller) tier present; buffer sized above.
+        unsafe { kern_avx512::i8_rows_to_bf16(a, m_pad, xb) };
+        let ab = ActRef {
+            kind: ActKind::Bf16,
+            k_pad,
+            rows: &seq[..m],
+            f: &[],
+            b: xb,
+            q: &[],
+            scale: &[],
+            gsum: &[],
+        };
+        WIDE.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            buf.resize(2 * 16 * k_pad, 0);
+            let mut t = 0;
+            while t < nts {
+                let c = (nts - t).min(2);
+                // SAFETY: (caller) tier present; the buffer holds two N-tiles.
+                unsafe { kern_avx512::int4_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
+                let l = MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad);
+                // SAFETY: u16 storage viewed as bytes.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
+                };
+                let wide = MatRef {
+                    l,
+                    w: bytes,
+                    s: &[],
+                };
+                let ys = &mut y[16 * t..];
+                // SAFETY: rows of `ab` are consecutive with 16-row-padded storage.
+                unsafe {
+                    if amx {
+                        kern_amx::gemm(&wide, 0, c, &ab, ys, ldy)
+                    } else {
+                        kern_avx512::gemm_bf16(&wide, 0, c, &ab, ys.as_mut_ptr(), ldy)
+                    }
+                }
+                t += c;
+            }
+        })
+    })
+}
+
+/// FP8 weights with many tokens: widen two N-tiles at a time (128 KiB of bf16 for k = 2048, stays in
+/// L2) and run the bf16 kernel on them.
+///
+/// # Safety
+/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; for `amx`, the view's rows
+/// are consecutive with 16-row-padded storage.
+#[cfg(target_arch = "x86_64")]
+unsafe fn fp8_widened(
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    use super::pack::MatLayout;
+    use super::{kern_amx, kern_avx512};
+    let k_pad = w.l.k_pad;
+    WIDE.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(2 * 16 * k_pad, 0);
+        let mut t = 0;
+        while t < nts {
+            let c = (nts - t).min(2);
+            // SAFETY: (caller) tier present; the buffer holds two N-tiles.
+            unsafe { kern_avx512::fp8_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
+            let mut l = MatLayout::new(WeightFormat::Bf16, 16 * c, w.l.k);
+            l.k_pad = k_pad;
+            l.k_tiles = k_pad / 32;
+            // SAFETY: u16 storage viewed as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
+            };
+            let wide = MatRef {
+                l,
+                w: bytes,
+                s: &[],
+            };
+            let ys = &mut y[16 * t..];
+            // SAFETY: as above; `ys` keeps the row stride and covers the rows.
+            unsafe {
+                if amx {
+                    kern_amx::gemm(&wide, 0, c, a, ys, ldy)
+                } else {
+                    kern_avx512::gemm_bf16(&wide, 0, c, a, ys.as_mut_ptr(), ldy)
+                }
+            }
+            t += c;
+        }
+    })
+}
+
+/// Runs the kernel of `tier` (clamped to the CPU). `amx` requests the AMX kernel, which needs the
+/// view's rows consecutive and storage for the rows rounded up to 16.
+pub(crate) fn gemm(
+    tier: CpuTier,
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    let m = a.rows.len();
+    if m == 0 || nts == 0 {
+        return;
+    }
+    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
+    assert_eq!(a.k_pad, w.l.k_pad);
+    let tier = tier.clamp_to_cpu();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::kern_generic::gemm_avx2;
+        use super::{kern_amx, kern_avx512};
+        // SAFETY: the tier was detected on this CPU; shapes were checked above; activation kinds are
+        // matched to the kernels below.
+        unsafe {
+            match (tier, a.kind, w.l.format) {
+                // FP8 is not an AMX tile format: it reaches AMX through the widening arm below.
+                (CpuTier::Amx, _, WeightFormat::Bf16 | WeightFormat::Int8) if amx => {
+                    return kern_amx::gemm(w, nt0, nts, a, y, ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
+                    return kern_avx512::gemm_bf16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (CpuTier::Amx, ActKind::I8 { .. }, WeightFormat::Int4 { .. }) if amx => {
+                    return int4_widened(true, w, nt0, nts, a, y, ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
+                    if m >= FP8_WIDEN_MIN_ROWS =>
+                {
+                    return fp8_widened(tier == CpuTier::Amx && amx, w, nt0, nts, a, y, ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block) => {
+                    return kern_avx512::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (
+                    CpuTier::Avx512 | CpuTier::Amx,
+                    ActKind::I8 { .. },
+                    WeightFormat::Int8 | WeightFormat::Int4 { .. },
+                ) => return kern_avx512::gemm_int(w, nt0, nts, a, y.as_mut_ptr(), ldy),
+                (CpuTier::Avx2, ActKind::F32 | ActKind::Bf16, _) => {
+                    return gemm_avx2(w, nt0, nts, a, y, ldy)
+                }
+                _ => {}
+            }
+        }
+    }
+    let _ = amx;
+    match a.kind {
+        ActKind::I8 { .. } => super::kern_generic::gemm_i8_twin(w, nt0, nts, a, y, ldy),
+        _ => super::kern_generic::gemm_scalar(w, nt0, nts, a, y, ldy),
+    }
+}

@@ -1,0 +1,474 @@
+//! Weight formats and the packed tile layout every tier reads.
+//!
+//! A matrix W[n][k] (HF `[out, in]`) is cut into N-tiles of 16 output rows; each N-tile is a contiguous
+//! run of K-tiles, each K-tile one AMX B-tile in "VNNI" order: row `kk` holds, for the 16 outputs `j`,
+//! the `P` consecutive k values `W[j][kt*KT + P*kk .. +P]` side by side. So one 64-byte load gives 16
+//! outputs × P inputs: AVX-512 broadcasts P activations and issues one `vdpbf16ps`/`vpdpbusd` for 16
+//! outputs (no horizontal sums), and AMX loads the same bytes as a B tile. One layout, every tier.
+//!
+//! | format | P | KT (k per tile) | bytes per tile | scales |
+//! |---|---|---|---|---|
+//! | Bf16 | 2 | 32 | 1024 | none |
+//! | Fp8Block (E4M3) | 2 | 32 | 512 | `weight_scale_inv` as stored, `[ceil(n/128)][ceil(k/128)]` |
+//! | Int8 (u8 = q + 128) | 4 | 64 | 1024 | per output row |
+//! | Int4 group G (u4 = q + 8) | 4 | 64 | 512: rows 2i and 2i+1 share bytes (low/high nibble) | f16 `[n_tile][k/G][16]` |
+//!
+//! Int4 scales are f16 (as llama.cpp's Q4_0): with f32 they would add 25% to the bytes a decode token
+//! reads at group 32.
+//!
+//! Padding rows/columns are zero weights (u8 128, u4 8), so kernels never branch on edges.
+
+use thiserror::Error;
+
+/// How expert weights are stored in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// bf16 as in the checkpoint (or rounded from f32).
+    Bf16,
+    /// FP8 E4M3 with 128×128 block scales, bytes and scales used as stored.
+    Fp8Block,
+    /// int8 symmetric per output channel, quantized at load.
+    Int8,
+    /// int4 (llama.cpp Q4_0-style: scale = extreme value / -8) per group of `group` inputs, quantized at load.
+    Int4 { group: usize },
+}
+
+impl WeightFormat {
+    /// Parses `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`.
+    pub fn parse(s: &str) -> Option<WeightFormat> {
+        Some(match s {
+            "bf16" => WeightFormat::Bf16,
+            "fp8" => WeightFormat::Fp8Block,
+            "int8" => WeightFormat::Int8,
+            "int4" | "int4g32" => WeightFormat::Int4 { group: 32 },
+            "int4g64" => WeightFormat::Int4 { group: 64 },
+            "int4g128" => WeightFormat::Int4 { group: 128 },
+            _ => return None,
+        })
+    }
+
+    /// (P, KT, tile bytes).
+    pub(crate) fn tile_geometry(self) -> (usize, usize, usize) {
+        match self {
+            WeightFormat::Bf16 => (2, 32, 1024),
+            WeightFormat::Fp8Block => (2, 32, 512),
+            WeightFormat::Int8 => (4, 64, 1024),
+            WeightFormat::Int4 { .. } => (4, 64, 512),
+        }
+    }
+
+    /// Bytes per weight, for bandwidth figures (scales excluded).
+    pub fn bytes_per_weight(self) -> f64 {
+        match self {
+            WeightFormat::Bf16 => 2.0,
+            WeightFormat::Fp8Block | WeightFormat::Int8 => 1.0,
+            WeightFormat::Int4 { .. } => 0.5,
+        }
+    }
+}
+
+/// A source tensor, row-major `[rows][cols]`, little-endian as in safetensors.
+#[derive(Clone, Copy, Debug)]
+pub enum SourceTensor<'a> {
+    F32(&'a [f32]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
+    /// E4M3 bytes and `weight_scale_inv` `[ceil(rows/128)][ceil(cols/128)]` (value = fp8 · scale).
+    Fp8E4M3 {
+        data: &'a [u8],
+        scale_inv: &'a [f32],
+    },
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum PackError {
+    #[error("tensor {name}: expected {want} elements for [{rows}, {cols}], got {got}")]
+    Shape {
+        name: &'static str,
+        rows: usize,
+        cols: usize,
+        want: usize,
+        got: usize,
+    },
+    #[error("tensor {name}: FP8 block scales need {want} values, got {got}")]
+    Scales {
+        name: &'static str,
+        want: usize,
+        got: usize,
+    },
+    #[error("the FP8 weight format needs FP8 E4M3 source tensors ({name} is not)")]
+    NotFp8 { name: &'static str },
+    #[error("int4 group size {0} not supported (32, 64 or 128)")]
+    Group(usize),
+}
+
+/// Shape and placement of one packed matrix inside an expert buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MatLayout {
+    pub format: WeightFormat,
+    pub n: usize,
+    pub k: usize,
+    pub n_tiles: usize,
+    pub k_tiles: usize,
+    /// k rounded up to the tile (activations are padded to this).
+    pub k_pad: usize,
+    pub tile_bytes: usize,
+    pub w_bytes: usize,
+    /// f32 scale count.
+    pub s_len: usize,
+}
+
+impl MatLayout {
+    pub fn new(format: WeightFormat, n: usize, k: usize) -> MatLayout {
+        let (_, kt, tile_bytes) = format.tile_geometry();
+        let k_pad = match format {
+            WeightFormat::Int4 { group } => k.div_ceil(kt.max(group)) * kt.max(group),
+            _ => k.div_ceil(kt) * kt,
+        };
+        let n_tiles = n.div_ceil(16);
+        let k_tiles = k_pad / kt;
+        let s_len = match format {
+            WeightFormat::Bf16 => 0,
+            WeightFormat::Fp8Block => n.div_ceil(128) * k.div_ceil(128),
+            WeightFormat::Int8 => n_tiles * 16,
+            WeightFormat::Int4 { group } => (n_tiles * (k_pad / group) * 16).div_ceil(2),
+        };
+        MatLayout {
+            format,
+            n,
+            k,
+            n_tiles,
+            k_tiles,
+            k_pad,
+            tile_bytes,
+            w_bytes: n_tiles * k_tiles * tile_bytes,
+            s_len,
+        }
+    }
+
+    /// Bytes of weights + scales, 64-byte rounded.
+    pub fn bytes(&self) -> usize {
+        (self.w_bytes + self.s_len * 4).div_ceil(64) * 64
+    }
+}
+
+/// A packed matrix: tiles followed by scales, both inside one expert buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct MatRef<'a> {
+    pub l: MatLayout,
+    pub w: &'a [u8],
+    pub s: &'a [f32],
+}
+
+impl MatRef<'_> {
+    /// The scales as f16 bits (int4).
+    #[inline]
+    pub fn s16(&self) -> &[u16] {
+        // SAFETY: the f32 scale storage reinterpreted as twice as many u16 (alignment 4 ≥ 2).
+        unsafe { std::slice::from_raw_parts(self.s.as_ptr().cast::<u16>(), self.s.len() * 2) }
+    }
+
+    /// Int4 scale number `i` (`(nt · groups + g) · 16 + j`).
+    #[inline]
+    pub fn int4_scale(&self, i: usize) -> f32 {
+        half::f16::from_bits(self.s16()[i]).to_f32()
+    }
+
+    /// Tiles of N-tile `nt`, `k_tiles * tile_bytes` bytes.
+    #[inline]
+    pub fn ntile(&self, nt: usize) -> &[u8] {
+        let len = self.l.k_tiles * self.l.tile_bytes;
+        &self.w[nt * len..(nt + 1) * len]
+    }
+
+    /// The dequantized weight W[n][k] (zero in the padding). Reference and export path: slow per element.
+    pub fn weight(&self, n: usize, k: usize) -> f32 {
+        let l = &self.l;
+        let (p, kt, tb) = l.format.tile_geometry();
+        let (nt, j) = (n / 16, n % 16);
+        let (ti, kin) = (k / kt, k % kt);
+        let (kk, q) = (kin / p, kin % p);
+        let tile = &self.w[(nt * l.k_tiles + ti) * tb..][..tb];
+        match l.format {
+            WeightFormat::Bf16 => {
+                let o = (kk * 32 + j * 2 + q) * 2;
+                bf16_to_f32(u16::from_le_bytes([tile[o], tile[o + 1]]))
+            }
+            WeightFormat::Fp8Block => {
+                if n >= l.n || k >= l.k {
+                    return 0.0;
+                }
+                let s = self.s[(n / 128) * l.k.div_ceil(128) + k / 128];
+                fp8_e4m3_to_f32(tile[kk * 32 + j * 2 + q]) * s
+            }
+            WeightFormat::Int8 => (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * self.s[n],
+            WeightFormat::Int4 { group } => {
+                let b = tile[(kk / 2) * 64 + j * 4 + q];
+                let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
+                let groups = l.k_pad / group;
+                (u as i32 - 8) as f32 * self.int4_scale((nt * groups + k / group) * 16 + j)
+            }
+        }
+    }
+}
+
+/// bf16 bits → f32 (exact).
+#[inline]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 → bf16 bits, round to nearest even (NaN stays NaN).
+#[inline]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// FP8 E4M3 (fn variant: no infinities, 0x7F/0xFF are NaN) → f32, exact.
+#[inline]
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 15) as i32;
+    let m = (b & 7) as f32;
+    if e == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        sign * m / 8.0 * (2.0f32).powi(-6)
+    } else {
+        sign * (1.0 + m / 8.0) * (2.0f32).powi(e - 7)
+    }
+}
+
+/// Row `row` of a source tensor as f32.
+pub(crate) fn source_row(src: &SourceTensor<'_>, cols: usize, row: usize, out: &mut [f32]) {
+    match src {
+        SourceTensor::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
+        SourceTensor::Bf16(d) => {
+            for (o, &b) in out.iter_mut().zip(&d[row * cols..(row + 1) * cols]) {
+                *o = bf16_to_f32(b);
+            }
+        }
+        SourceTensor::Fp8E4M3 { data, scale_inv } => {
+            let kb = cols.div_ceil(128);
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = fp8_e4m3_to_f32(data[row * cols + c]) * scale_inv[(row / 128) * kb + c / 128];
+            }
+        }
+    }
+}
+
+/// Checks a source tensor's length (and FP8 scale count) against `[rows, cols]`.
+pub(crate) fn check_source(
+    name: &'static str,
+    src: &SourceTensor<'_>,
+    rows: usize,
+    cols: usize,
+) -> Result<(), PackError> {
+    let want = rows * cols;
+    let got = match src {
+        SourceTensor::F32(d) => d.len(),
+        SourceTensor::Bf16(d) => d.len(),
+        SourceTensor::Fp8E4M3 { data, scale_inv } => {
+            let ws = rows.div_ceil(128) * cols.div_ceil(128);
+            if scale_inv.len() != ws {
+                return Err(PackError::Scales {
+                    name,
+                    want: ws,
+                    got: scale_inv.len(),
+                });
+            }
+            data.len()
+        }
+    };
+    if got != want {
+        return Err(PackError::Shape {
+            name,
+            rows,
+            cols,
+            want,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// Packs `src` (`[l.n, l.k]`) into `w` (`l.w_bytes`, zeroed) and `s` (`l.s_len`). `src` was checked.
+pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s: &mut [f32]) {
+    let (p, kt, tb) = l.format.tile_geometry();
+    // Padding weights are the format's zero.
+    match l.format {
+        WeightFormat::Int8 => w.fill(128),
+        WeightFormat::Int4 { .. } => w.fill(0x88),
+        _ => {}
+    }
+    if let (WeightFormat::Fp8Block, SourceTensor::Fp8E4M3 { scale_inv, .. }) = (l.format, src) {
+        s.copy_from_slice(scale_inv);
+    }
+    let mut row = vec![0f32; l.k];
+    let mut codes = vec![0u8; l.k_pad];
+    for n in 0..l.n {
+        let (nt, j) = (n / 16, n % 16);
+        // Codes of this row: one byte per weight (bf16 handled separately).
+        match (l.format, src) {
+            (WeightFormat::Bf16, SourceTensor::Bf16(d)) => {
+                place_bf16(l, w, nt, j, |k| d[n * l.k + k]);
+                continue;
+            }
+            (WeightFormat::Bf16, _) => {
+                source_row(src, l.k, n, &mut row);
+                place_bf16(l, w, nt, j, |k| f32_to_bf16(row[k]));
+                continue;
+            }
+            (WeightFormat::Fp8Block, SourceTensor::Fp8E4M3 { data, .. }) => {
+                codes[..l.k].copy_from_slice(&data[n * l.k..(n + 1) * l.k]);
+            }
+            (WeightFormat::Fp8Block, _) => unreachable!("checked by the caller"),
+            (WeightFormat::Int8, _) => {
+                source_row(src, l.k, n, &mut row);
+                let amax = row.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+                s[n] = scale;
+                for (c, &x) in codes.iter_mut().zip(&row) {
+                    *c = ((x / scale).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
+                }
+                codes[l.k..].fill(128);
+            }
+            (WeightFormat::Int4 { group }, _) => {
+                source_row(src, l.k, n, &mut row);
+                codes.fill(8);
+                let groups = l.k_pad / group;
+                for g in 0..l.k.div_ceil(group) {
+                    let part = &row[g * group..((g + 1) * group).min(l.k)];
+                    // Q4_0: the value of largest magnitude maps to -8, using the full signed range.
+                    let ext = part
+                        .iter()
+                        .fold(0f32, |a, &x| if x.abs() > a.abs() { x } else { a });
+                    let d16 = half::f16::from_f32(ext / -8.0);
+                    // SAFETY: int4 scales are f16 stored in the f32 slots (see `MatRef::s16`).
+                    let s16 = unsafe {
+                        std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u16>(), s.len() * 2)
+                    };
+                    s16[(nt * groups + g) * 16 + j] = d16.to_bits();
+                    let d = d16.to_f32(); // quantize against the scale as stored
+                    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    for (i, &x) in part.iter().enumerate() {
+                        codes[g * group + i] = ((x * inv).round() + 8.0).clamp(0.0, 15.0) as u8;
+                    }
+                }
+            }
+        }
+        for ti in 0..l.k_tiles {
+            let tile = &mut w[(nt * l.k_tiles + ti) * tb..][..tb];
+            for kk in 0..kt / p {
+                for q in 0..p {
+                    let c = codes[ti * kt + kk * p + q];
+                    match l.format {
+                        WeightFormat::Int4 { .. } => {
+                            let b = &mut tile[(kk / 2) * 64 + j * 4 + q];
+                            *b = if kk % 2 == 0 {
+                                (*b & 0xF0) | c
+                            } else {
+                                (*b & 0x0F) | (c << 4)
+                            };
+                        }
+                        _ => tile[kk * p * 16 + j * p + q] = c,
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn place_bf16(l: &MatLayout, w: &mut [u8], nt: usize, j: usize, val: impl Fn(usize) -> u16) {
+    for k in 0..l.k {
+        let (ti, kin) = (k / 32, k % 32);
+        let o = (nt * l.k_tiles + ti) * 1024 + ((kin / 2) * 32 + j * 2 + kin % 2) * 2;
+        w[o..o + 2].copy_from_slice(&val(k).to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_decoding_matches_e4m3_table() {
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0); // e=7, m=0
+        assert_eq!(fp8_e4m3_to_f32(0x7E), 448.0); // max normal
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9)); // min subnormal
+        assert_eq!(fp8_e4m3_to_f32(0xB8), -1.0);
+        assert!(fp8_e4m3_to_f32(0x7F).is_nan());
+    }
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3F80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F80_8000)), 0x3F80); // tie to even
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F81_8000)), 0x3F82);
+        assert_eq!(bf16_to_f32(0xC000), -2.0);
+    }
+
+    #[test]
+    fn pack_then_weight_round_trips() {
+        let (n, k) = (37, 200);
+        let src: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        for fmt in [
+            WeightFormat::Bf16,
+            WeightFormat::Int8,
+            WeightFormat::Int4 { group: 32 },
+            WeightFormat::Int4 { group: 128 },
+        ] {
+            let l = MatLayout::new(fmt, n, k);
+            let mut w = vec![0u8; l.w_bytes];
+            let mut s = vec![0f32; l.s_len];
+            pack_matrix(&l, &SourceTensor::F32(&src), &mut w, &mut s);
+            let m = MatRef { l, w: &w, s: &s };
+            let tol = match fmt {
+                WeightFormat::Bf16 => 1.0 / 128.0,
+                WeightFormat::Int8 => 1.0 / 127.0,
+                _ => 1.0 / 8.0,
+            };
+            for r in 0..n {
+                for c in 0..k {
+                    let e = (m.weight(r, c) - src[r * k + c]).abs();
+                    assert!(e <= tol, "{fmt:?} ({r},{c}) err {e}");
+                }
+                for c in k..l.k_pad {
+                    assert_eq!(m.weight(r, c), 0.0, "{fmt:?} padding");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_pack_keeps_bytes_and_scales() {
+        let (n, k) = (130, 140);
+        let data: Vec<u8> = (0..n * k).map(|i| (i * 31 % 251) as u8 & 0x7E).collect();
+        let scales: Vec<f32> = (0..4).map(|i| 0.5 + i as f32).collect();
+        let src = SourceTensor::Fp8E4M3 {
+            data: &data,
+            scale_inv: &scales,
+        };
+        check_source("w", &src, n, k).unwrap();
+        let l = MatLayout::new(WeightFormat::Fp8Block, n, k);
+        let mut w = vec![0u8; l.w_bytes];
+        let mut s = vec![0f32; l.s_len];
+        pack_matrix(&l, &src, &mut w, &mut s);
+        let m = MatRef { l, w: &w, s: &s };
+        for r in [0, 5, 127, 128, 129] {
+            for c in [0, 1, 127, 128, 139] {
+                let want = fp8_e4m3_to_f32(data[r * k + c]) * scales[(r / 128) * 2 + c / 128];
+                assert_eq!(m.weight(r, c), want);
+            }
+        }
+        assert!(check_source("w", &SourceTensor::F32(&[0.0; 3]), 2, 2).is_err());
+    }
+}

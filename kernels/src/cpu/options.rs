@@ -1,0 +1,215 @@
+//! `--cpu-threads`, `--numa`, `--hugepages` (and a tier override) for the CPU expert path, parsed from
+//! the CLI strings, and the worker pool they describe.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use super::features::CpuTier;
+use super::memory::HugepageMode;
+use super::pool::{WorkerPool, MAX_GROUPS};
+use super::topology::{allowed_cpus, numa_nodes};
+
+/// (NUMA node if bound, CPUs) of one pool group.
+type GroupPlan = (Option<usize>, Vec<usize>);
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum OptionsError {
+    #[error("--cpu-threads: {0}")]
+    Threads(String),
+    #[error("--numa: invalid value {0:?} (expected auto|off)")]
+    Numa(String),
+    #[error("--hugepages: {0}")]
+    Hugepages(String),
+    #[error("cpu tier: {0}")]
+    Tier(String),
+}
+
+/// `--numa auto`: one pool group per NUMA node holding allowed CPUs, experts partitioned across them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NumaMode {
+    #[default]
+    Auto,
+    /// One group over all allowed CPUs, memory left to first touch.
+    Off,
+}
+
+impl FromStr for NumaMode {
+    type Err = OptionsError;
+    fn from_str(s: &str) -> Result<Self, OptionsError> {
+        match s {
+            "auto" => Ok(NumaMode::Auto),
+            "off" => Ok(NumaMode::Off),
+            _ => Err(OptionsError::Numa(s.to_string())),
+        }
+    }
+}
+
+/// Options of the CPU expert path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuMoeOptions {
+    /// Worker threads including the caller; `None` = every allowed CPU.
+    pub threads: Option<usize>,
+    pub numa: NumaMode,
+    pub hugepages: HugepageMode,
+    /// Highest tier to use (clamped to what the CPU has); `None` = best detected.
+    pub max_tier: Option<CpuTier>,
+    /// How long idle workers spin before parking.
+    pub spin: Duration,
+    /// Pin worker threads to CPUs.
+    pub pin: bool,
+}
+
+impl Default for CpuMoeOptions {
+    fn default() -> Self {
+        CpuMoeOptions {
+            threads: None,
+            numa: NumaMode::Auto,
+            hugepages: HugepageMode::Auto,
+            max_tier: None,
+            spin: Duration::from_millis(5),
+            pin: true,
+        }
+    }
+}
+
+impl CpuMoeOptions {
+    /// From the daemon's CLI strings (`None` = flag absent). `threads` accepts `auto` or a count ≥ 1.
+    pub fn from_cli(
+        threads: Option<&str>,
+        numa: Option<&str>,
+        hugepages: Option<&str>,
+    ) -> Result<CpuMoeOptions, OptionsError> {
+        let mut o = CpuMoeOptions::default();
+        if let Some(t) = threads {
+            o.threads = match t {
+                "auto" => None,
+                _ => match t.parse::<usize>() {
+                    Ok(n) if n >= 1 => Some(n),
+                    _ => {
+                        return Err(OptionsError::Threads(format!(
+                            "invalid value {t:?} (expected auto or a count >= 1)"
+                        )))
+                    }
+                },
+            };
+        }
+        if let Some(n) = numa {
+            o.numa = n.parse()?;
+        }
+        if let Some(h) = hugepages {
+            o.hugepages = h.parse().map_err(OptionsError::Hugepages)?;
+        }
+        Ok(o)
+    }
+
+    /// Sets the tier cap from a string (`scalar|avx2|avx512|amx`).
+    pub fn with_tier(mut self, tier: &str) -> Result<CpuMoeOptions, OptionsError> {
+        self.max_tier = Some(tier.parse().map_err(OptionsError::Tier)?);
+        Ok(self)
+    }
+
+    /// The tier kernels will use.
+    pub fn tier(&self) -> CpuTier {
+        self.max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu()
+    }
+
+    /// CPUs per pool group: the allowed CPUs, cut to `threads` (taken round-robin over NUMA nodes so
+    /// every node keeps a share), grouped by node (`Auto`) or as one group (`Off`).
+    pub fn cpu_groups(&self) -> Result<Vec<Vec<usize>>, OptionsError> {
+        Ok(self.plan()?.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// (NUMA node, CPUs) per group.
+    fn plan(&self) -> Result<Vec<GroupPlan>, OptionsError> {
+        let allowed = allowed_cpus();
+        let want = self.threads.unwrap_or(allowed.len());
+        if want > allowed.len() {
+            // More threads than CPUs would oversubscribe; allow it but unpinned duplicates help no one.
+            return Err(OptionsError::Threads(format!(
+                "{want} threads requested but this process may use only {} CPUs",
+                allowed.len()
+            )));
+        }
+        let nodes = match self.numa {
+            NumaMode::Auto => numa_nodes(&allowed),
+            NumaMode::Off => vec![super::topology::NumaNode {
+                id: 0,
+                cpus: allowed.clone(),
+            }],
+        };
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        let mut taken = 0;
+        let mut round = 0;
+        while taken < want {
+            for (g, n) in nodes.iter().enumerate() {
+                if taken < want && round < n.cpus.len() {
+                    groups[g].push(n.cpus[round]);
+                    taken += 1;
+                }
+            }
+            round += 1;
+        }
+        let numa = self.numa == NumaMode::Auto && nodes.len() > 1;
+        let mut plan: Vec<GroupPlan> = nodes
+            .iter()
+            .zip(groups)
+            .filter(|(_, g)| !g.is_empty())
+            .map(|(n, g)| (numa.then_some(n.id), g))
+            .collect();
+        plan.truncate(MAX_GROUPS);
+        Ok(plan)
+    }
+
+    /// Builds the persistent worker pool these options describe.
+    pub fn build_pool(&self) -> Result<WorkerPool, OptionsError> {
+        let plan = self.plan()?;
+        let cpus: Vec<Vec<usize>> = plan.iter().map(|(_, c)| c.clone()).collect();
+        let nodes = plan.iter().map(|(n, _)| *n).collect();
+        Ok(WorkerPool::new(&cpus, self.pin, self.spin).with_group_nodes(nodes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_cli_values_and_rejects_bad_ones() {
+        let o = CpuMoeOptions::from_cli(Some("2"), Some("off"), Some("2M")).unwrap();
+        assert_eq!(o.threads, Some(2));
+        assert_eq!(o.numa, NumaMode::Off);
+        assert_eq!(o.hugepages, HugepageMode::Huge);
+        assert_eq!(
+            CpuMoeOptions::from_cli(None, None, None).unwrap(),
+            CpuMoeOptions::default()
+        );
+        assert!(matches!(
+            CpuMoeOptions::from_cli(Some("0"), None, None),
+            Err(OptionsError::Threads(_))
+        ));
+        assert!(matches!(
+            CpuMoeOptions::from_cli(None, Some("on"), None),
+            Err(OptionsError::Numa(_))
+        ));
+        let e = CpuMoeOptions::from_cli(None, None, Some("4K")).unwrap_err();
+        assert!(e.to_string().contains("--hugepages"), "{e}");
+        assert!(CpuMoeOptions::default().with_tier("avx3").is_err());
+    }
+
+    #[test]
+    fn groups_hold_requested_threads() {
+        let o = CpuMoeOptions {
+            threads: Some(1),
+            ..Default::default()
+        };
+        let g = o.cpu_groups().unwrap();
+        assert_eq!(g.iter().map(Vec::len).sum::<usize>(), 1);
+        let o = CpuMoeOptions {
+            threads: Some(100_000),
+            ..Default::default()
+        };
+        assert!(o.cpu_groups().is_err());
+    }
+}

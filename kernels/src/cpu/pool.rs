@@ -1,0 +1,336 @@
+//! Persistent worker pool: threads pinned once, woken per parallel region, work handed out through atomic
+//! counters (llama.cpp style), short spin then park when idle.
+//!
+//! Threads are grouped (one group per NUMA node). A region gives each group its own item count; a thread
+//! only takes items of its group, so a node's threads only touch the experts that live in that node's
+//! memory. The calling thread is worker 0 of group 0 and works too: with N threads on N cores nothing
+//! competes for a core, which is how kt-kernel's extra task thread collapses at 16 of 16 cores.
+//!
+//! Cost: waking spinning workers is ~1 µs; parked workers (idle longer than `spin`) need a futex wake,
+//! tens of µs. Decode calls come every few hundred µs, so the default spin keeps workers hot across layers.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+use super::topology::pin_current_thread;
+
+/// Work function of one region: `(group, item, thread)`.
+pub type RegionFn<'a> = dyn Fn(usize, usize, usize) + Sync + 'a;
+
+/// Upper bound of groups (NUMA nodes) per pool.
+pub const MAX_GROUPS: usize = 8;
+
+fn noop_region(_: usize, _: usize, _: usize) {}
+static NOOP: fn(usize, usize, usize) = noop_region;
+
+#[repr(align(64))]
+struct Padded(AtomicUsize);
+
+struct Job {
+    f: *const RegionFn<'static>,
+    items: [usize; MAX_GROUPS],
+}
+
+struct Shared {
+    generation: AtomicU64,
+    job: UnsafeCell<Job>,
+    next: Vec<Padded>,
+    pending: AtomicUsize,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    panicked: AtomicBool,
+    spin: Duration,
+}
+
+// SAFETY: `job` is written only by the caller of `run` while every worker waits for the next generation
+// (published with Release, read with Acquire), and read-only while a region runs.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+/// A persistent pool of pinned worker threads.
+pub struct WorkerPool {
+    shared: Arc<Shared>,
+    handles: Vec<JoinHandle<()>>,
+    group_of_thread: Vec<usize>,
+    groups: usize,
+    pinned: usize,
+    nodes: Vec<Option<usize>>,
+    /// CPU the caller stands in for, when pinning.
+    caller_cpu: Option<usize>,
+    /// Serializes regions; holds the last calling thread (pinned once per new caller).
+    run_lock: Mutex<Option<ThreadId>>,
+}
+
+impl WorkerPool {
+    /// One thread per entry of `cpus_per_group[g]`; the caller of [`run`](Self::run) stands in for the
+    /// first CPU of group 0. `pin` pins the workers to their CPU, and each new calling thread to that
+    /// first CPU on its first `run` (else it could share a core with a worker and make every region's
+    /// tail twice as long).
+    pub fn new(cpus_per_group: &[Vec<usize>], pin: bool, spin: Duration) -> WorkerPool {
+        assert!(
+            !cpus_per_group.is_empty() && cpus_per_group.len() <= MAX_GROUPS,
+            "1..={MAX_GROUPS} groups"
+        );
+        assert!(
+            cpus_per_group.iter().all(|g| !g.is_empty()),
+            "every group needs a CPU"
+        );
+        let groups = cpus_per_group.len();
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(Job {
+                f: &NOOP as *const RegionFn<'static>,
+                items: [0; MAX_GROUPS],
+            }),
+            next: (0..groups).map(|_| Padded(AtomicUsize::new(0))).collect(),
+            pending: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            spin,
+        });
+        let mut group_of_thread = Vec::new();
+        let mut handles = Vec::new();
+        let pinned = Arc::new(AtomicUsize::new(0));
+        for (g, cpus) in cpus_per_group.iter().enumerate() {
+            for &cpu in cpus {
+                let tid = group_of_thread.len();
+                group_of_thread.push(g);
+                if tid == 0 {
+                    continue; // the caller
+                }
+                let sh = Arc::clone(&shared);
+                let pinned = Arc::clone(&pinned);
+                let h = std::thread::Builder::new()
+                    .name(format!("moe-cpu-{tid}"))
+                    .spawn(move || {
+                        if pin && pin_current_thread(cpu) {
+                            pinned.fetch_add(1, Ordering::Relaxed);
+                        }
+                        worker_loop(&sh, g, tid);
+                    })
+                    .expect("spawn worker thread");
+                handles.push(h);
+            }
+        }
+        // Wait until the workers have pinned themselves so `pinned_threads` is meaningful.
+        let mut pool = WorkerPool {
+            shared,
+            handles,
+            group_of_thread,
+            groups,
+            pinned: 0,
+            nodes: vec![None; groups],
+            caller_cpu: None, // set below: the constructing thread is not pinned
+            run_lock: Mutex::new(None),
+        };
+        pool.run(&vec![0; groups], &|_, _, _| {});
+        pool.pinned = pinned.load(Ordering::Relaxed);
+        pool.caller_cpu = pin.then_some(cpus_per_group[0][0]);
+        pool
+    }
+
+    /// Threads including the caller.
+    pub fn threads(&self) -> usize {
+        self.group_of_thread.len()
+    }
+
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Threads of group `g` (the caller counts in group 0).
+    pub fn threads_in_group(&self, g: usize) -> usize {
+        self.group_of_thread.iter().filter(|&&x| x == g).count()
+    }
+
+    /// Records the NUMA node of each group; expert memory of group g is then bound to that node.
+    pub fn with_group_nodes(mut self, nodes: Vec<Option<usize>>) -> WorkerPool {
+        assert_eq!(nodes.len(), self.groups);
+        self.nodes = nodes;
+        self
+    }
+
+    /// NUMA node of group `g`, if known.
+    pub fn group_node(&self, g: usize) -> Option<usize> {
+        self.nodes.get(g).copied().flatten()
+    }
+
+    /// Worker threads that were pinned successfully (not counting the caller). Note that threads a
+    /// pinned caller spawns later inherit its one-CPU affinity.
+    pub fn pinned_threads(&self) -> usize {
+        self.pinned
+    }
+
+    /// Runs `f(group, item, thread)` for every `item < items[group]`, on the threads of that group, and
+    /// returns when all are done. `thread` is < `threads()`, unique among concurrently running calls, so
+    /// it can index per-thread scratch. Panics if `f` panicked on any thread.
+    pub fn run(&self, items: &[usize], f: &RegionFn<'_>) {
+        assert_eq!(items.len(), self.groups, "one item count per group");
+        let mut caller = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(cpu) = self.caller_cpu {
+            let me = std::thread::current().id();
+            if *caller != Some(me) {
+                pin_current_thread(cpu);
+                *caller = Some(me);
+            }
+        }
+        let sh = &*self.shared;
+        // SAFETY: no worker reads `job` until the generation below changes, and the previous region has
+        // fully finished (pending == 0) before `run` returned. The lifetime is erased only for the
+        // duration of this call: we wait for every worker before returning.
+        unsafe {
+            let job = &mut *sh.job.get();
+            job.f = std::mem::transmute::<*const RegionFn<'_>, *const RegionFn<'static>>(f);
+            job.items = [0; MAX_GROUPS];
+            job.items[..items.len()].copy_from_slice(items);
+        }
+        for c in &sh.next {
+            c.0.store(0, Ordering::Relaxed);
+        }
+        sh.pending.store(self.handles.len(), Ordering::Relaxed);
+        sh.generation.fetch_add(1, Ordering::SeqCst);
+        if sh.sleepers.load(Ordering::SeqCst) > 0 {
+            let _l = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+            sh.wake.notify_all();
+        }
+        let caller_ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: job was published above and stays valid until we return.
+            unsafe { do_items(sh, 0, 0) }
+        }))
+        .is_ok();
+        let mut spins = 0u32;
+        while sh.pending.load(Ordering::Acquire) != 0 {
+            spins += 1;
+            if spins < 1 << 16 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        if !caller_ok || sh.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a worker-pool region panicked");
+        }
+    }
+}
+
+/// Takes items of `group` from its counter until exhausted.
+unsafe fn do_items(sh: &Shared, group: usize, tid: usize) {
+    // SAFETY (caller): the job of the current generation is published and alive.
+    let job = unsafe { &*sh.job.get() };
+    let n = job.items[group];
+    let f = unsafe { &*job.f };
+    loop {
+        let i = sh.next[group].0.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        f(group, i, tid);
+    }
+}
+
+fn worker_loop(sh: &Shared, group: usize, tid: usize) {
+    let mut seen = 0u64;
+    loop {
+        // Spin, checking the clock every 256 rounds, then park on the condvar.
+        let start = Instant::now();
+        let mut rounds = 0u32;
+        let mut gen = sh.generation.load(Ordering::Acquire);
+        while gen == seen && !sh.shutdown.load(Ordering::Relaxed) {
+            std::hint::spin_loop();
+            rounds += 1;
+            if rounds.is_multiple_of(256) && start.elapsed() > sh.spin {
+                let mut l = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+                sh.sleepers.fetch_add(1, Ordering::SeqCst);
+                while sh.generation.load(Ordering::SeqCst) == seen
+                    && !sh.shutdown.load(Ordering::SeqCst)
+                {
+                    l = sh.wake.wait(l).unwrap_or_else(|e| e.into_inner());
+                }
+                sh.sleepers.fetch_sub(1, Ordering::SeqCst);
+                drop(l);
+            }
+            gen = sh.generation.load(Ordering::Acquire);
+        }
+        if sh.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        seen = gen;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: we observed the new generation with Acquire; `run` keeps the job alive until
+            // `pending` reaches zero, which needs our decrement below.
+            unsafe { do_items(sh, group, tid) }
+        }));
+        if r.is_err() {
+            sh.panicked.store(true, Ordering::Relaxed);
+        }
+        sh.pending.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Drop for WorkerPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _l = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_item_runs_once_per_group() {
+        let pool = WorkerPool::new(
+            &[vec![0, 0, 0], vec![0, 0]],
+            false,
+            Duration::from_micros(50),
+        );
+        assert_eq!(pool.threads(), 5);
+        for round in 0..50 {
+            let counts: Vec<AtomicUsize> = (0..300).map(|_| AtomicUsize::new(0)).collect();
+            let items = [100 + round, 37];
+            pool.run(&items, &|g, i, t| {
+                assert!(t < 5);
+                counts[g * 150 + i].fetch_add(1, Ordering::Relaxed);
+            });
+            for g in 0..2 {
+                for i in 0..150 {
+                    let want = usize::from(i < items[g]);
+                    assert_eq!(counts[g * 150 + i].load(Ordering::Relaxed), want);
+                }
+            }
+            if round % 10 == 0 {
+                std::thread::sleep(Duration::from_millis(1)); // let workers park
+            }
+        }
+    }
+
+    #[test]
+    fn worker_panic_reaches_caller() {
+        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(10));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&[64], &|_, i, _| assert!(i != 33, "boom"));
+        }));
+        assert!(r.is_err());
+        // The pool still works afterwards.
+        let n = AtomicUsize::new(0);
+        pool.run(&[10], &|_, _, _| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 10);
+    }
+}
