@@ -166,6 +166,7 @@ fn start_engine(
             vocab: tok.vocab_size(),
             max_positions: files.max_positions,
             step_delay: Duration::from_millis(spec["step_delay_ms"].as_u64().unwrap_or(0)),
+            step_stats: None,
         };
         tracing::warn!(
             "serving SCRIPTED replies from {} (test double, no weights)",

@@ -11,7 +11,7 @@ mod step;
 
 use crate::engine::sampling::SamplingParams;
 use crate::metrics::Metrics;
-pub use model::StepModel;
+pub use model::{StepModel, StepStats};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};

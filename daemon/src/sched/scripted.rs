@@ -13,6 +13,8 @@ pub struct ScriptedModel {
     pub max_positions: usize,
     /// Sleep per step, to stand in for compute time in tests of timing behaviour.
     pub step_delay: std::time::Duration,
+    /// Reported as every step's engine figures (tests of the `/metrics` hook).
+    pub step_stats: Option<super::StepStats>,
 }
 
 fn contains(hay: &[u32], needle: &[u32]) -> bool {
@@ -51,6 +53,9 @@ impl StepModel for ScriptedModel {
     }
     fn max_positions(&self) -> usize {
         self.max_positions
+    }
+    fn last_step_stats(&self) -> Option<super::StepStats> {
+        self.step_stats
     }
     fn forward(&self, batch: Vec<(&mut Vec<u32>, &[u32])>) -> Result<Vec<Vec<f32>>, String> {
         std::thread::sleep(self.step_delay);

@@ -1,8 +1,8 @@
 //! The engine loop: schedule → forward → update, one screen each.
 use super::prefix_cache::{PrefixCache, BLOCK};
 use super::{
-    EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, TokenConstraint,
-    TokenLogprob, IDLE_POLL,
+    EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, StepStats,
+    TokenConstraint, TokenLogprob, IDLE_POLL,
 };
 use crate::engine::sampling::{log_softmax, Sampler};
 use crate::metrics::Metrics;
@@ -45,6 +45,8 @@ pub(super) struct Scheduler<M: StepModel> {
     running: Vec<Sequence<M::Cache>>,
     prefixes: PrefixCache<M::Cache>,
     reserved: usize,
+    /// Cumulative expert activations (GPU-served, all) for the hit-share gauge.
+    expert_hits: (u64, u64),
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -66,6 +68,7 @@ impl<M: StepModel> Scheduler<M> {
             running: Vec::new(),
             prefixes,
             reserved: 0,
+            expert_hits: (0, 0),
         }
     }
 
@@ -85,6 +88,9 @@ impl<M: StepModel> Scheduler<M> {
             match self.forward(&work) {
                 Ok(logits) => self.update(&work, logits),
                 Err(e) => self.fail(&work, &e),
+            }
+            if let Some(st) = self.model.last_step_stats() {
+                self.record_step_stats(st);
             }
             self.metrics
                 .step_seconds
@@ -324,6 +330,18 @@ impl<M: StepModel> Scheduler<M> {
         for i in idx.into_iter().rev() {
             let s = self.running.remove(i);
             self.reserved -= s.reserved;
+        }
+    }
+
+    fn record_step_stats(&mut self, st: StepStats) {
+        self.metrics
+            .cpu_expert_seconds
+            .observe(st.cpu_expert_seconds);
+        self.expert_hits.0 += st.expert_hits_gpu;
+        self.expert_hits.1 += st.expert_hits_total;
+        if self.expert_hits.1 > 0 {
+            let share = self.expert_hits.0 as f64 / self.expert_hits.1 as f64;
+            self.metrics.gpu_expert_hit_ratio.set(share);
         }
     }
 

@@ -16,6 +16,11 @@ fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
         vocab: 200,
         max_positions: 4096,
         step_delay: Duration::from_millis(2),
+        step_stats: Some(StepStats {
+            cpu_expert_seconds: 0.01,
+            expert_hits_gpu: 3,
+            expert_hits_total: 4,
+        }),
     };
     let h = spawn_engine(move || Ok(model), cfg, metrics.clone());
     while !h.is_ready() {
@@ -197,4 +202,14 @@ fn constraint_masks_tokens_and_ends_the_sequence_when_complete() {
         tokens.iter().all(|t| t.is_multiple_of(2) && *t != END),
         "{tokens:?}"
     );
+}
+
+#[test]
+fn engine_step_stats_feed_the_expert_metrics() {
+    let (h, m) = engine(SchedulerConfig::default());
+    let (r, mut rx) = request(vec![8, 8], 10);
+    h.submit(r).unwrap();
+    collect(&mut rx);
+    assert!(m.cpu_expert_seconds.get_sample_count() >= 4);
+    assert_eq!(m.gpu_expert_hit_ratio.get(), 0.75);
 }
