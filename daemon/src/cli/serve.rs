@@ -44,6 +44,9 @@ pub struct ServeArgs {
     pub max_waiting: usize,
     #[arg(long, default_value_t = 32)]
     pub prefix_cache_entries: usize,
+    /// KV positions the prefix cache may hold; taken from --kv-cache-tokens (0 turns caching off).
+    #[arg(long, default_value_t = 8192)]
+    pub prefix_cache_tokens: usize,
     /// Context length cap (default: the model's).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -143,9 +146,15 @@ fn start_engine(
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running,
         max_waiting: args.max_waiting,
-        // Running sequences reserve prompt + max_tokens positions of the engine's KV capacity.
-        kv_capacity_tokens: args.engine.kv_cache_tokens,
+        // Running sequences reserve prompt + max_tokens positions of the engine's KV capacity; the
+        // prefix cache's share is set aside first.
+        kv_capacity_tokens: args
+            .engine
+            .kv_cache_tokens
+            .saturating_sub(args.prefix_cache_tokens)
+            .max(1),
         prefix_cache_entries: args.prefix_cache_entries,
+        prefix_cache_tokens: args.prefix_cache_tokens,
     };
     if let Some(script) = &args.scripted_replies {
         let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(script)?)

@@ -26,10 +26,12 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Requests allowed to wait; beyond this, submissions are refused (HTTP 429).
     pub max_waiting: usize,
-    /// KV positions the running sequences may reserve (prompt + max_tokens each).
+    /// KV positions the running sequences may reserve (prompt + max_tokens each); the prefix cache's
+    /// positions come on top.
     pub kv_capacity_tokens: usize,
-    /// Cached prefixes kept for reuse.
+    /// Cached prefixes kept for reuse, and the KV positions they may hold together.
     pub prefix_cache_entries: usize,
+    pub prefix_cache_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -40,6 +42,7 @@ impl Default for SchedulerConfig {
             max_waiting: 256,
             kv_capacity_tokens: 262_144,
             prefix_cache_entries: 32,
+            prefix_cache_tokens: 16_384,
         }
     }
 }

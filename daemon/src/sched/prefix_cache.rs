@@ -7,15 +7,22 @@ pub const BLOCK: usize = 16;
 pub struct PrefixCache<C> {
     /// Most recently used last.
     entries: Vec<(Vec<u32>, C)>,
-    capacity: usize,
+    max_entries: usize,
+    /// Positions held by all entries together (they occupy KV memory like running sequences).
+    max_tokens: usize,
 }
 
 impl<C: Clone> PrefixCache<C> {
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(max_entries: usize, max_tokens: usize) -> Self {
         Self {
             entries: Vec::new(),
-            capacity,
+            max_entries,
+            max_tokens,
         }
+    }
+
+    fn tokens(&self) -> usize {
+        self.entries.iter().map(|(k, _)| k.len()).sum()
     }
 
     pub fn len(&self) -> usize {
@@ -51,23 +58,27 @@ impl<C: Clone> PrefixCache<C> {
     /// Whether inserting `prompt`'s aligned prefix would add anything.
     pub fn would_store(&self, prompt: &[u32]) -> bool {
         let aligned = prompt.len() / BLOCK * BLOCK;
-        self.capacity > 0
+        self.max_entries > 0
             && aligned > 0
+            && aligned <= self.max_tokens
             && !self
                 .entries
                 .iter()
                 .any(|(k, _)| k.len() >= aligned && k[..aligned] == prompt[..aligned])
     }
 
-    /// Stores `cache` (already truncated to `key.len()` positions) under `key`, evicting the least
-    /// recently used entry when full; entries that are prefixes of `key` become redundant and go.
+    /// Stores `cache` (already truncated to `key.len()` positions) under `key`, evicting least
+    /// recently used entries to stay within both limits; entries that are prefixes of `key` go too.
     pub fn insert(&mut self, key: Vec<u32>, cache: C) {
-        if self.capacity == 0 {
+        if self.max_entries == 0 || key.len() > self.max_tokens {
             return;
         }
         self.entries
             .retain(|(k, _)| !(k.len() <= key.len() && key[..k.len()] == k[..]));
-        if self.entries.len() >= self.capacity {
+        while !self.entries.is_empty()
+            && (self.entries.len() >= self.max_entries
+                || self.tokens() + key.len() > self.max_tokens)
+        {
             self.entries.remove(0);
         }
         self.entries.push((key, cache));
@@ -80,7 +91,7 @@ mod tests {
 
     #[test]
     fn finds_longest_aligned_prefix_and_keeps_one_token_to_compute() {
-        let mut pc = PrefixCache::new(4);
+        let mut pc = PrefixCache::new(4, 1000);
         let a: Vec<u32> = (0..40).collect();
         assert!(pc.would_store(&a));
         pc.insert(a[..32].to_vec(), "a32");
@@ -96,7 +107,7 @@ mod tests {
 
     #[test]
     fn evicts_least_recently_used_and_redundant_prefixes() {
-        let mut pc = PrefixCache::new(2);
+        let mut pc = PrefixCache::new(2, 1000);
         let k = |s: u32| (s..s + 16).collect::<Vec<u32>>();
         pc.insert(k(0), 0);
         pc.insert(k(100), 1);
@@ -107,5 +118,19 @@ mod tests {
         pc.insert(longer.clone(), 3); // replaces k(0), its prefix
         assert_eq!(pc.len(), 2);
         assert_eq!(pc.lookup(&[longer, vec![1]].concat()), Some((3, 32)));
+    }
+
+    #[test]
+    fn token_budget_evicts_and_refuses_oversized_prefixes() {
+        let mut pc = PrefixCache::new(8, 48);
+        let k = |s: u32, n: u32| (s..s + n).collect::<Vec<u32>>();
+        pc.insert(k(0, 32), 0);
+        pc.insert(k(100, 16), 1);
+        pc.insert(k(200, 32), 2); // 32 + 16 + 32 > 48: the oldest goes
+        assert_eq!(pc.len(), 2);
+        assert!(pc.lookup(&[k(0, 32), vec![1]].concat()).is_none());
+        assert!(!pc.would_store(&k(300, 64)));
+        pc.insert(k(300, 64), 3);
+        assert_eq!(pc.len(), 2);
     }
 }

@@ -57,7 +57,7 @@ impl<M: StepModel> Scheduler<M> {
         state: Arc<EngineState>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let prefixes = PrefixCache::new(cfg.prefix_cache_entries);
+        let prefixes = PrefixCache::new(cfg.prefix_cache_entries, cfg.prefix_cache_tokens);
         Self {
             model,
             cfg,
