@@ -166,3 +166,14 @@ def test_metrics_count_requests_and_tokens(real):
     assert m["moe:time_to_first_token_seconds_count"] > 0
     assert m["moe:e2e_request_latency_seconds_count"] > 0
     assert m["moe:prefix_cache_hit_tokens_total"] > 0  # the same system prompt was reused
+
+
+def test_n_choices_stream_by_index_and_max_completion_tokens(real):
+    c = real.client()
+    whole = chat(c, max_completion_tokens=6)
+    assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
+    texts = {0: "", 1: ""}
+    for ch in chat(c, n=2, max_completion_tokens=6, stream=True):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: whole.choices[0].message.content, 1: whole.choices[0].message.content}
