@@ -11,6 +11,105 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
+/// Python's `json.dumps` layout, as HF's `tojson` produces it: `", "` and `": "` separators (or
+/// `indent` spaces), non-ASCII kept. Models were trained on prompts rendered this way.
+struct PyJsonFormatter {
+    indent: Option<usize>,
+    /// Per open container: whether it has had an element (empty ones print as `[]` / `{}`).
+    open: Vec<bool>,
+}
+
+impl PyJsonFormatter {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(n) = self.indent {
+            w.write_all(b"\n")?;
+            w.write_all(" ".repeat(n * self.open.len()).as_bytes())?;
+        }
+        Ok(())
+    }
+
+    fn element<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if let Some(top) = self.open.last_mut() {
+            *top = true;
+        }
+        if !first {
+            w.write_all(if self.indent.is_some() { b"," } else { b", " })?;
+        }
+        self.newline(w)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        if self.open.pop() == Some(true) {
+            self.newline(w)?;
+        }
+        w.write_all(bracket)
+    }
+}
+
+impl serde_json::ser::Formatter for PyJsonFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+fn py_tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<Value> = kwargs.get("ensure_ascii")?;
+    let _: Option<Value> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(
+        &mut out,
+        PyJsonFormatter {
+            indent,
+            open: Vec::new(),
+        },
+    );
+    serde::Serialize::serialize(&json, &mut ser)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(
+        String::from_utf8(out).unwrap_or_default(),
+    ))
+}
+
 fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
@@ -69,6 +168,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", py_tojson);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TextError::Template(e.to_string()))?;
@@ -184,6 +284,56 @@ mod tests {
         kw.insert("enable_thinking".into(), json!(false));
         let err = t.render(&msgs, None, false, &kw).unwrap_err().to_string();
         assert!(err.contains("no"), "{err}");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let t =
+            ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", None, None).unwrap();
+        let mut kw = serde_json::Map::new();
+        kw.insert("x".into(), json!({"a": [1, "é"], "b": {}}));
+        let out = t.render(&[], None, false, &kw).unwrap();
+        assert_eq!(
+            out,
+            "{\"a\": [1, \"é\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é\"\n  ],\n  \"b\": {}\n}"
+        );
+    }
+
+    #[test]
+    fn qwen3_template_renders_tools_history_and_thinking_switch() {
+        let t = ChatTemplate::new(
+            include_str!("testdata/qwen3_chat_template.jinja"),
+            None,
+            None,
+        )
+        .unwrap();
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}),
+        ];
+        let msgs = [
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "Weather in Paris?"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"}),
+        ];
+        let mut kw = serde_json::Map::new();
+        kw.insert("enable_thinking".into(), json!(false));
+        let out = t.render(&msgs, Some(&tools), true, &kw).unwrap();
+        let want = [
+            "<|im_start|>system\nBe brief.\n\n# Tools",
+            "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\"}}}\n</tools>",
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n",
+        ];
+        for w in want {
+            assert!(out.contains(w), "missing {w:?} in\n{out}");
+        }
+        assert!(
+            out.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            "{out}"
+        );
     }
 
     #[test]
