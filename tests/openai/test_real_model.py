@@ -177,3 +177,19 @@ def test_n_choices_stream_by_index_and_max_completion_tokens(real):
         for choice in ch.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == {0: whole.choices[0].message.content, 1: whole.choices[0].message.content}
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_or_named_tool_choice_forces_a_call(real, choice):
+    # SmolLM2 has no tool format of its own: the call comes from the constrained decoding.
+    r = chat(real.client(), tools=WEATHER_TOOL, tool_choice=choice, max_tokens=100,
+             messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)

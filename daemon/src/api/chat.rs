@@ -2,7 +2,7 @@
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
 use super::generate::{
-    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job, OutputConstraint,
 };
 use super::reasoning::ReasoningParser;
 use super::tool_parser::ToolCall;
@@ -66,6 +66,12 @@ pub async fn chat_completions(
         tools: tools.clone(),
         skip_special_tokens: true,
     };
+    let forced = forced_tool_names(&req, tools.as_deref());
+    let constraint = match forced {
+        Some(names) if !state.glm_tool_format => OutputConstraint::ToolCall(names),
+        _ if json_mode => OutputConstraint::JsonObject,
+        _ => OutputConstraint::None,
+    };
     let job = Job {
         choices: (0..n)
             .map(|i| ChoiceSpec {
@@ -80,7 +86,7 @@ pub async fn chat_completions(
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompt.len(),
-        json_object: json_mode,
+        constraint,
     };
     let id = request_id("chatcmpl");
     let running = submit(&state, &id, job)?;
@@ -189,6 +195,29 @@ fn tools_in_use(req: &ChatRequest) -> Result<Option<Vec<Value>>, ApiError> {
 }
 
 /// `stream_index`: streamed deltas number their calls from this index.
+/// Tools the output must call one of (`tool_choice` required or named), if any.
+fn forced_tool_names(req: &ChatRequest, tools: Option<&[Value]>) -> Option<Vec<String>> {
+    let names = || -> Vec<String> {
+        tools
+            .into_iter()
+            .flatten()
+            .filter_map(|t| {
+                t.pointer("/function/name")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .collect()
+    };
+    match &req.tool_choice {
+        Some(Value::String(s)) if s == "required" => Some(names()),
+        Some(v) => v
+            .pointer("/function/name")
+            .and_then(Value::as_str)
+            .map(|n| vec![n.to_string()]),
+        None => None,
+    }
+}
+
 fn tool_calls_json(calls: &[ToolCall], stream_index: Option<usize>) -> Value {
     let list: Vec<Value> = calls
         .iter()

@@ -3,7 +3,7 @@
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
 use super::generate::{
-    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job, OutputConstraint,
 };
 use super::types::{parse_body, CompletionRequest, PromptSpec, MAX_TOP_LOGPROBS};
 use super::AppState;
@@ -90,7 +90,7 @@ pub async fn completions(
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
-        json_object: false,
+        constraint: OutputConstraint::None,
     };
     let id = request_id("cmpl");
     let running = submit(&state, &id, job)?;

@@ -3,6 +3,7 @@
 //! stop string matched) is what tells the engine to free a sequence.
 use super::choice::{ChoiceDecoder, ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
+use super::forced_tool::ForcedToolCall;
 use super::json_mode::JsonObjectConstraint;
 use super::tool_parser::ToolCall;
 use super::AppState;
@@ -34,8 +35,17 @@ pub struct Job {
     pub extra_stop_ids: Vec<u32>,
     /// Prompt tokens reported in usage (each distinct prompt once).
     pub prompt_tokens: usize,
-    /// Constrain output to a JSON object.
-    pub json_object: bool,
+    pub constraint: OutputConstraint,
+}
+
+/// How sampling is constrained.
+#[derive(Clone)]
+pub enum OutputConstraint {
+    None,
+    /// `response_format: json_object`.
+    JsonObject,
+    /// `tool_choice` required / named: exactly one call to one of these tools.
+    ToolCall(Vec<String>),
 }
 
 pub struct Running {
@@ -66,12 +76,19 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
             logprobs: job.logprobs,
             deadline,
             events: tx,
-            constraint: job.json_object.then(|| {
-                Box::new(JsonObjectConstraint::new(
+            constraint: match &job.constraint {
+                OutputConstraint::None => None,
+                OutputConstraint::JsonObject => Some(Box::new(JsonObjectConstraint::new(
                     state.token_texts.clone(),
                     stop_ids.clone(),
-                )) as Box<dyn TokenConstraint>
-            }),
+                ))
+                    as Box<dyn TokenConstraint>),
+                OutputConstraint::ToolCall(names) => Some(Box::new(ForcedToolCall::new(
+                    state.token_texts.clone(),
+                    stop_ids.clone(),
+                    names,
+                ))),
+            },
         };
         state.engine.submit(req).map_err(|e| match e {
             SubmitError::QueueFull(_) => {

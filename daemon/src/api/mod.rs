@@ -5,6 +5,7 @@ pub mod chat;
 pub mod choice;
 pub mod completions;
 pub mod error;
+pub mod forced_tool;
 pub mod generate;
 pub mod json_mode;
 pub mod reasoning;
@@ -43,8 +44,10 @@ pub struct AppState {
     /// Set on SIGTERM: new requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
     pub created: u64,
-    /// Every token's text, for JSON-mode constraints.
+    /// Every token's text, for JSON-mode and forced-tool-call constraints.
     pub token_texts: Arc<Vec<String>>,
+    /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
+    pub glm_tool_format: bool,
 }
 
 impl AppState {

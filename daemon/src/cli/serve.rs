@@ -231,6 +231,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => tokenizer.chat_template.clone(),
     };
+    let glm_tool_format = template_src
+        .as_deref()
+        .is_some_and(|t| t.contains("<arg_key>"));
     let template = template_src
         .map(|s| {
             ChatTemplate::new(
@@ -269,6 +272,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         draining: Default::default(),
         created: api::generate::now_unix(),
         token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
+        glm_tool_format,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
