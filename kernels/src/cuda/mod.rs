@@ -57,8 +57,6 @@ pub struct Kernels {
 pub struct GpuDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// Second stream for weight uploads overlapped with compute (layerwise prefill).
-    pub copy_stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     pub k: Kernels,
     pub name: String,
@@ -123,13 +121,15 @@ impl GpuDevice {
             router_topk: f("router_topk")?,
             f32_to_bf16: f("f32_to_bf16")?,
         };
+        // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
+        // buffers shared across streams) is pure launch overhead here.
+        // SAFETY: no buffer of this context is used on another stream.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
-        let copy_stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| GpuError::Blas(e.to_string()))?;
         Ok(Self {
             ctx,
             stream,
-            copy_stream,
             blas,
             k,
             name,

@@ -61,7 +61,9 @@ impl GpuModel {
         &self,
         n: usize,
     ) -> anyhow::Result<CudaSlice<T>> {
-        Ok(self.dev.stream.alloc_zeros::<T>(n.max(1))?)
+        // SAFETY: every buffer of a step is fully written by a kernel or GEMM before it is read (the
+        // callers below are written that way), so skipping the memset is sound and saves a launch.
+        Ok(unsafe { self.dev.stream.alloc::<T>(n.max(1)) }?)
     }
 
     /// RMSNorm of `rows` rows of x into bf16 (and optionally f32).
@@ -185,12 +187,21 @@ impl GpuModel {
         let rd = cfg.rope.rotary_dim as i32;
         let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
         let layerwise = n >= self.prefill_threshold;
+        // Per-step buffers, reused by every layer (each layer overwrites them completely).
+        let mut q = self.alloc::<f32>(n * nh * dh)?;
+        let mut k = self.alloc::<f32>(n * nkv * dh)?;
+        let mut v = self.alloc::<f32>(n * nkv * dh)?;
+        let mut attn = self.alloc::<bf16>(n * nh * dh)?;
+        let (experts_n, top_k) = cfg
+            .moe
+            .as_ref()
+            .map_or((1, 1), |m| (m.num_experts, m.top_k));
+        let mut logits = self.alloc::<f32>(n * experts_n)?;
+        let mut d_eids = self.alloc::<i32>(n * top_k)?;
+        let mut d_w = self.alloc::<f32>(n * top_k)?;
         for (li, layer) in self.layers.iter().enumerate() {
             // ---- attention
             self.rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
-            let mut q = self.alloc::<f32>(n * nh * dh)?;
-            let mut k = self.alloc::<f32>(n * nkv * dh)?;
-            let mut v = self.alloc::<f32>(n * nkv * dh)?;
             self.linear(&layer.q, &hb, &mut q, n, false)?;
             self.linear(&layer.k, &hb, &mut k, n, false)?;
             self.linear(&layer.v, &hb, &mut v, n, false)?;
@@ -233,7 +244,6 @@ impl GpuModel {
                     .arg(&block);
                 unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
             }
-            let mut attn = self.alloc::<bf16>(n * nh * dh)?;
             {
                 let (mb, nh_i, nkv_i, dh_i, blk) = (
                     max_blocks as i32,
@@ -279,10 +289,7 @@ impl GpuModel {
                         anyhow::bail!("layer {li}: host and GPU layer kinds differ");
                     };
                     let e = mc.num_experts;
-                    let mut logits = self.alloc::<f32>(n * e)?;
                     dev.gemm_f32(&hf, &moe.router, &mut logits, n, e, hd)?;
-                    let mut d_eids = self.alloc::<i32>(n * mc.top_k)?;
-                    let mut d_w = self.alloc::<f32>(n * mc.top_k)?;
                     {
                         let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
                             RouterKind::Softmax { renormalize } => {
@@ -523,11 +530,11 @@ impl GpuModel {
             unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
         let vocab = cfg.vocab_size;
-        let mut logits = self.alloc::<f32>(rows * vocab)?;
+        let mut out_logits = self.alloc::<f32>(rows * vocab)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        dev.gemm_bf16(&sel, head, &mut logits, rows, vocab, hd, false)?;
+        dev.gemm_bf16(&sel, head, &mut out_logits, rows, vocab, hd, false)?;
         let t0 = Instant::now();
-        let host_logits = s.clone_dtoh(&logits)?;
+        let host_logits = s.clone_dtoh(&out_logits)?;
         s.synchronize()?;
         times.gpu_wait_s += t0.elapsed().as_secs_f64();
         Ok(host_logits.chunks(vocab).map(<[f32]>::to_vec).collect())
