@@ -6,6 +6,9 @@ the end are finished and counted), then prints requests/s, output tokens/s and p
 first token, inter-token gap and end-to-end latency as a Markdown table (docs/PERF.md, section Server).
 
     python3 scripts/load_test.py --base http://127.0.0.1:8000/v1 --model smollm2 --duration 30 --concurrency 8
+
+Without the `openai` package (e.g. on a machine with no package index) it falls back to the standard
+library (http.client in threads, SSE parsed by hand) with the same measurements.
 """
 import argparse
 import asyncio
@@ -14,7 +17,10 @@ import statistics
 import sys
 import time
 
-import openai
+try:
+    import openai
+except ImportError:  # stdlib fallback below
+    openai = None
 
 PROMPTS = [
     "What is the capital of France?",
@@ -58,22 +64,87 @@ async def one(client, model, i, max_tokens, rec):
     rec["tokens"] += n
 
 
-async def run(args):
-    client = openai.AsyncOpenAI(base_url=args.base, api_key=args.api_key, max_retries=0, timeout=300)
-    rec = {"e2e": [], "ttft": [], "itl": [], "tokens": 0, "errors": 0}
+def one_stdlib(base, model, i, max_tokens, api_key, rec, lock):
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                       "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                       "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", u.path + "/chat/completions", body,
+                 {"content-type": "application/json", "authorization": f"Bearer {api_key}"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    first, last, gaps, n = None, None, [], 0
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        ch = json.loads(line[6:])
+        now = time.perf_counter()
+        if ch.get("choices") and ch["choices"][0]["delta"].get("content"):
+            if first is None:
+                first = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+        if ch.get("usage"):
+            n = ch["usage"]["completion_tokens"]
+    conn.close()
+    with lock:
+        rec["e2e"].append(time.perf_counter() - t0)
+        rec["ttft"].append(first if first is not None else time.perf_counter() - t0)
+        rec["itl"].extend(gaps)
+        rec["tokens"] += n
+
+
+def run_stdlib(args, rec):
+    import threading
+    lock = threading.Lock()
     start = time.perf_counter()
     counter = iter(range(10**9))
 
-    async def worker():
+    def worker():
         while time.perf_counter() - start < args.duration:
+            with lock:
+                i = next(counter)
             try:
-                await one(client, args.model, next(counter), args.max_tokens, rec)
-            except Exception as e:  # counted, not fatal: the figure is what the server sustained
-                rec["errors"] += 1
+                one_stdlib(args.base, args.model, i, args.max_tokens, args.api_key, rec, lock)
+            except Exception as e:
+                with lock:
+                    rec["errors"] += 1
                 print("request failed:", e, file=sys.stderr)
 
-    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-    wall = time.perf_counter() - start
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+async def run(args):
+    rec = {"e2e": [], "ttft": [], "itl": [], "tokens": 0, "errors": 0}
+    if openai is None:
+        wall = run_stdlib(args, rec)
+    else:
+        client = openai.AsyncOpenAI(base_url=args.base, api_key=args.api_key, max_retries=0, timeout=300)
+        start = time.perf_counter()
+        counter = iter(range(10**9))
+
+        async def worker():
+            while time.perf_counter() - start < args.duration:
+                try:
+                    await one(client, args.model, next(counter), args.max_tokens, rec)
+                except Exception as e:  # counted, not fatal: the figure is what the server sustained
+                    rec["errors"] += 1
+                    print("request failed:", e, file=sys.stderr)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - start
     ms = lambda xs, p: f"{pct(xs, p) * 1000:.0f}"
     result = {
         "concurrency": args.concurrency, "duration_s": round(wall, 1), "requests": len(rec["e2e"]),
