@@ -72,7 +72,7 @@ fn oracle(name: &str) -> Value {
     .unwrap()
 }
 
-const GQA: &[&str] = &[
+const ALL: &[&str] = &[
     "qwen3_moe",
     "glm4_moe",
     "mixtral",
@@ -80,13 +80,21 @@ const GQA: &[&str] = &[
     "llama",
     "qwen2",
     "qwen3",
+    "deepseek_v3",
+    "deepseek_v3_plain",
+    "deepseek_v3_fp8",
 ];
 
 #[test]
 fn cuda_matches_transformers_and_cpu() {
-    for name in GQA {
+    for name in ALL {
         let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
+        let variant = if name.ends_with("fp8") {
+            "model"
+        } else {
+            "model_bf16"
+        };
+        let dir = fixtures().join(name).join(variant);
         let cpu = run(&Engine::load(&dir, &EngineOptions::default()).unwrap(), &o);
         for n_gpu in [0, 64] {
             let e = Engine::load(&dir, &gpu(n_gpu, PlacementStrategy::Uniform)).unwrap();
@@ -116,7 +124,7 @@ fn cuda_matches_transformers_and_cpu() {
 
 #[test]
 fn every_placement_gives_the_same_logits() {
-    for name in ["qwen3_moe", "glm4_moe"] {
+    for name in ["qwen3_moe", "glm4_moe", "deepseek_v3"] {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
         // record routing on the CPU backend for `frequency`

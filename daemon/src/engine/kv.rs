@@ -100,7 +100,11 @@ impl SeqCache {
     pub fn bytes(&self) -> usize {
         if let Some(g) = &self.gpu {
             let pool = g.pool.lock().unwrap_or_else(|e| e.into_inner());
-            return g.blocks.len() * super::gpu::kv::BLOCK * pool.width * 4 * 2 * pool.k.len();
+            return g.blocks.len()
+                * super::gpu::kv::BLOCK
+                * (pool.width + pool.v_width)
+                * 4
+                * pool.k.len();
         }
         self.layers
             .iter()

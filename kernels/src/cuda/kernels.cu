@@ -97,14 +97,94 @@ extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const
     if (d < head_dim) xh[d] = v;
 }
 
-// Writes k and v rows of each token into the paged cache: cache[block][slot][width].
-extern "C" __global__ void kv_append(const float* k, const float* v, int width, float* k_cache, float* v_cache,
-                                     const int* slot_of_token, int block_size) {
+// Writes k and v rows of each token into the paged caches: cache[slot][width] (MLA: latent and rope key).
+extern "C" __global__ void kv_append(const float* k, const float* v, int k_width, int v_width, float* k_cache,
+                                     float* v_cache, const int* slot_of_token, int block_size) {
     int t = blockIdx.x;
     size_t slot = (size_t)slot_of_token[t];
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        k_cache[slot * width + i] = k[(size_t)t * width + i];
-        v_cache[slot * width + i] = v[(size_t)t * width + i];
+    for (int i = threadIdx.x; i < k_width; i += blockDim.x) k_cache[slot * k_width + i] = k[(size_t)t * k_width + i];
+    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_cache[slot * v_width + i] = v[(size_t)t * v_width + i];
+}
+
+// MLA: splits kv_a_proj_with_mqa's output [tokens, lora + rope] into the RMS-normalised latent [tokens, lora]
+// and the (not yet roped) shared key [tokens, rope]. One block per token.
+extern "C" __global__ void mla_split_latent(const float* ckv, const float* w, float eps, int lora, int rope,
+                                            float* latent, float* krope) {
+    __shared__ float buf[32];
+    const float* r = ckv + (size_t)blockIdx.x * (lora + rope);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < lora; i += blockDim.x) ss += r[i] * r[i];
+    ss = block_sum(ss, buf);
+    float inv = rsqrtf(ss / lora + eps);
+    for (int i = threadIdx.x; i < lora; i += blockDim.x) latent[(size_t)blockIdx.x * lora + i] = r[i] * inv * w[i];
+    for (int i = threadIdx.x; i < rope; i += blockDim.x) krope[(size_t)blockIdx.x * rope + i] = r[lora + i];
+}
+
+// MLA attention in absorbed form for one (token, head): q_lat = W_ukᵀ q_nope; scores against the cached
+// latent and rope key of positions 0..=pos (online softmax); o_lat = Σ p·latent; out = W_uv o_lat.
+// kv_b: [heads × (nope + v), lora] f32. grid (tokens, heads), block 128.
+extern "C" __global__ void mla_attention(const float* q, const float* lat_cache, const float* rope_cache,
+                                         const int* block_tables, int max_blocks, const int* seq_of_token,
+                                         const int* pos_of_token, int heads, int nope, int rope, int lora,
+                                         int vdim, const float* kv_b, int block_size, float scale,
+                                         bf16* out) {
+    extern __shared__ float smem[];  // qn[nope] qr[rope] q_lat[lora] o_lat[lora] sc[blockDim]
+    __shared__ float buf[32];
+    float* qn = smem;
+    float* qr = qn + nope;
+    float* q_lat = qr + rope;
+    float* o_lat = q_lat + lora;
+    float* sc = o_lat + lora;
+    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const float* qh = q + ((size_t)t * heads + h) * (nope + rope);
+    for (int i = tid; i < nope + rope; i += blockDim.x) { if (i < nope) qn[i] = qh[i]; else qr[i - nope] = qh[i]; }
+    __syncthreads();
+    const float* wk = kv_b + (size_t)h * (nope + vdim) * lora;
+    for (int c = tid; c < lora; c += blockDim.x) {
+        float a = 0.f;
+        for (int d = 0; d < nope; ++d) a += qn[d] * wk[(size_t)d * lora + c];
+        q_lat[c] = a;
+        o_lat[c] = 0.f;
+    }
+    __syncthreads();
+    const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
+    int pos = pos_of_token[t];
+    float m = -INFINITY, l = 0.f;
+    for (int base = 0; base <= pos; base += blockDim.x) {
+        int p = base + tid;
+        float s = -INFINITY;
+        if (p <= pos) {
+            size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
+            const float* lr = lat_cache + slot * lora;
+            const float* rr = rope_cache + slot * rope;
+            float dot = 0.f;
+            for (int c = 0; c < lora; ++c) dot += q_lat[c] * lr[c];
+            for (int r = 0; r < rope; ++r) dot += qr[r] * rr[r];
+            s = dot * scale;
+        }
+        float m_new = fmaxf(m, block_max(s, buf));
+        float corr = __expf(m - m_new);
+        float e = (p <= pos) ? __expf(s - m_new) : 0.f;
+        sc[tid] = e;
+        l = l * corr + block_sum(e, buf);
+        int n = min((int)blockDim.x, pos - base + 1);
+        for (int c = tid; c < lora; c += blockDim.x) {
+            float a = o_lat[c] * corr;
+            for (int j = 0; j < n; ++j) {
+                int pj = base + j;
+                size_t slot = (size_t)table[pj / block_size] * block_size + pj % block_size;
+                a += sc[j] * lat_cache[slot * lora + c];
+            }
+            o_lat[c] = a;
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    for (int j = tid; j < vdim; j += blockDim.x) {
+        const float* wv = wk + (size_t)(nope + j) * lora;
+        float a = 0.f;
+        for (int c = 0; c < lora; ++c) a += wv[c] * o_lat[c];
+        out[((size_t)t * heads + h) * vdim + j] = f2bf(a / l);
     }
 }
 

@@ -1,8 +1,8 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
 use super::kv::{GpuSeqKv, BLOCK};
-use super::{GpuFfn, GpuLinear, GpuMlp, GpuModel};
+use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::moe::{dram_experts_forward, Routing};
-use crate::model::config::{Activation, RopeStyle, RouterKind};
+use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -31,13 +31,13 @@ pub struct GpuSeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
-fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
+pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow::anyhow!("CUDA launch: {e}")
 }
 
 impl GpuModel {
     /// y[n, out] = x · Wᵀ (+ bias), or += when `accumulate`.
-    fn linear(
+    pub(super) fn linear(
         &self,
         l: &GpuLinear,
         x: &CudaSlice<bf16>,
@@ -57,7 +57,7 @@ impl GpuModel {
         Ok(())
     }
 
-    fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    pub(super) fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         n: usize,
     ) -> anyhow::Result<CudaSlice<T>> {
@@ -67,7 +67,7 @@ impl GpuModel {
     }
 
     /// RMSNorm of `rows` rows of x into bf16 (and optionally f32).
-    fn rms_norm(
+    pub(super) fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
@@ -130,12 +130,7 @@ impl GpuModel {
         let cfg = &host.config;
         let dev = &self.dev;
         let s = &dev.stream;
-        let (hd, nh, nkv, dh) = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        );
+        let hd = cfg.hidden_size;
         // ---- host-side bookkeeping: token ids, positions, cache slots, block tables
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut ids = Vec::new();
@@ -183,15 +178,8 @@ impl GpuModel {
         }
         let mut hb = self.alloc::<bf16>(n * hd)?;
         let mut hf = self.alloc::<f32>(n * hd)?;
-        let scale = cfg.attention_scale();
-        let rd = cfg.rope.rotary_dim as i32;
-        let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
         let layerwise = n >= self.prefill_threshold;
         // Per-step buffers, reused by every layer (each layer overwrites them completely).
-        let mut q = self.alloc::<f32>(n * nh * dh)?;
-        let mut k = self.alloc::<f32>(n * nkv * dh)?;
-        let mut v = self.alloc::<f32>(n * nkv * dh)?;
-        let mut attn = self.alloc::<bf16>(n * nh * dh)?;
         let (experts_n, top_k) = cfg
             .moe
             .as_ref()
@@ -202,75 +190,22 @@ impl GpuModel {
         for (li, layer) in self.layers.iter().enumerate() {
             // ---- attention
             self.rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
-            self.linear(&layer.q, &hb, &mut q, n, false)?;
-            self.linear(&layer.k, &hb, &mut k, n, false)?;
-            self.linear(&layer.v, &hb, &mut v, n, false)?;
-            for (buf, heads, norm) in [(&mut q, nh, &layer.q_norm), (&mut k, nkv, &layer.k_norm)] {
-                let (heads_i, dh_i, zero) = (heads as i32, dh as i32, 0i32);
-                let null = 0u64;
-                let mut l = dev.launch(&dev.k.qk_norm_rope);
-                l.arg(buf).arg(&heads_i).arg(&dh_i);
-                match norm {
-                    Some(w) => l.arg(w),
-                    None => l.arg(&null),
-                };
-                l.arg(&cfg.rms_norm_eps)
-                    .arg(&d_pos)
-                    .arg(&self.inv_freq)
-                    .arg(&self.attn_factor)
-                    .arg(&rd)
-                    .arg(&style)
-                    .arg(&zero);
-                let threads = (dh as u32).div_ceil(32) * 32;
-                unsafe { l.launch(GpuDevice::cfg((n as u32, heads as u32), threads, 0)) }
-                    .map_err(launch_err)?;
+            let step = super::attention::StepIndex {
+                n,
+                pos: &d_pos,
+                seq: &d_seq,
+                slots: &d_slots,
+                tables: &d_tables,
+                max_blocks,
+            };
+            match &layer.attn {
+                GpuAttention::Gqa { .. } => {
+                    self.gqa_attention(&layer.attn, host, &step, &hb, &mut pool, li, &mut x)?
+                }
+                GpuAttention::Mla { .. } => {
+                    self.mla_attention(&layer.attn, host, &step, &hb, &mut pool, li, &mut x)?
+                }
             }
-            {
-                let width = (nkv * dh) as i32;
-                let block = BLOCK as i32;
-                let (kc, vc) = (
-                    &mut pool.k[li] as *mut CudaSlice<f32>,
-                    &mut pool.v[li] as *mut CudaSlice<f32>,
-                );
-                // SAFETY: k and v caches are distinct allocations; the raw pointers only split the borrow.
-                let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };
-                let mut l = dev.launch(&dev.k.kv_append);
-                l.arg(&k)
-                    .arg(&v)
-                    .arg(&width)
-                    .arg(kc)
-                    .arg(vc)
-                    .arg(&d_slots)
-                    .arg(&block);
-                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
-            }
-            {
-                let (mb, nh_i, nkv_i, dh_i, blk) = (
-                    max_blocks as i32,
-                    nh as i32,
-                    nkv as i32,
-                    dh as i32,
-                    BLOCK as i32,
-                );
-                let mut l = dev.launch(&dev.k.paged_attention);
-                l.arg(&q)
-                    .arg(&pool.k[li])
-                    .arg(&pool.v[li])
-                    .arg(&d_tables)
-                    .arg(&mb)
-                    .arg(&d_seq)
-                    .arg(&d_pos)
-                    .arg(&nh_i)
-                    .arg(&nkv_i)
-                    .arg(&dh_i)
-                    .arg(&blk)
-                    .arg(&scale)
-                    .arg(&mut attn);
-                let smem = ((dh + 128) * 4) as u32;
-                unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), 128, smem)) }
-                    .map_err(launch_err)?;
-            }
-            self.linear(&layer.o, &attn, &mut x, n, true)?;
             // ---- feed-forward
             self.rms_norm(
                 &x,

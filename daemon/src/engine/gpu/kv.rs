@@ -10,8 +10,9 @@ pub const BLOCK: usize = 16;
 pub struct GpuKvPool {
     pub k: Vec<CudaSlice<f32>>,
     pub v: Vec<CudaSlice<f32>>,
-    /// Row width per layer (kv_heads × head_dim).
+    /// Row widths per layer: K and V (kv_heads × head_dim each), or MLA's latent and rope key.
     pub width: usize,
+    pub v_width: usize,
     pub total_blocks: usize,
     free: Vec<u32>,
 }
@@ -20,27 +21,27 @@ impl GpuKvPool {
     pub fn new(
         dev: &GpuDevice,
         layers: usize,
-        width: usize,
+        (width, v_width): (usize, usize),
         blocks: usize,
     ) -> anyhow::Result<Self> {
-        let n = blocks * BLOCK * width;
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(dev.stream.alloc_zeros::<f32>(n)?);
-            v.push(dev.stream.alloc_zeros::<f32>(n)?);
+            k.push(dev.stream.alloc_zeros::<f32>(blocks * BLOCK * width)?);
+            v.push(dev.stream.alloc_zeros::<f32>(blocks * BLOCK * v_width)?);
         }
         Ok(Self {
             k,
             v,
             width,
+            v_width,
             total_blocks: blocks,
             free: (0..blocks as u32).rev().collect(),
         })
     }
 
-    pub fn bytes_for(layers: usize, width: usize, blocks: usize) -> usize {
-        2 * layers * blocks * BLOCK * width * 4
+    pub fn bytes_for(layers: usize, (width, v_width): (usize, usize), blocks: usize) -> usize {
+        layers * blocks * BLOCK * (width + v_width) * 4
     }
 
     pub fn used_blocks(&self) -> usize {
@@ -87,15 +88,15 @@ impl Clone for GpuSeqKv {
     fn clone(&self) -> Self {
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         let mut blocks = Vec::with_capacity(self.blocks.len());
-        let row = BLOCK * pool.width;
+        let (kw, vw) = (pool.width, pool.v_width);
         for &src in &self.blocks {
             let Some(dst) = pool.free.pop() else { break };
             for layer in 0..pool.k.len() {
                 for which in 0..2 {
-                    let cache = if which == 0 {
-                        &mut pool.k[layer]
+                    let (cache, row) = if which == 0 {
+                        (&mut pool.k[layer], BLOCK * kw)
                     } else {
-                        &mut pool.v[layer]
+                        (&mut pool.v[layer], BLOCK * vw)
                     };
                     let tmp = self
                         .stream

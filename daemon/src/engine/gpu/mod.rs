@@ -7,13 +7,14 @@
 //! DRAM-resident experts of the same tokens; their sum comes back with one host→device copy and one add.
 //! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
 //! the GPU instead and computed there.
+pub mod attention;
 pub mod forward;
 pub mod kv;
 pub mod setup;
 
 use crate::engine::linear::Linear;
-use crate::model::{Attention, Ffn, Mlp, Model};
-use anyhow::{bail, Context};
+use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};
+use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kv::GpuKvPool;
@@ -49,15 +50,39 @@ pub enum GpuFfn {
     Moe(GpuMoe),
 }
 
+pub enum GpuMlaQuery {
+    Direct(GpuLinear),
+    LowRank {
+        a: GpuLinear,
+        norm: CudaSlice<f32>,
+        b: GpuLinear,
+    },
+}
+
+pub enum GpuAttention {
+    Gqa {
+        q: GpuLinear,
+        k: GpuLinear,
+        v: GpuLinear,
+        o: GpuLinear,
+        q_norm: Option<CudaSlice<f32>>,
+        k_norm: Option<CudaSlice<f32>>,
+    },
+    /// Multi-head latent attention, absorbed form (the cache holds latent + rope key).
+    Mla {
+        q: GpuMlaQuery,
+        kv_a: GpuLinear,
+        kv_a_norm: CudaSlice<f32>,
+        /// kv_b_proj `[heads × (nope + v), kv_lora_rank]` f32.
+        kv_b: CudaSlice<f32>,
+        o: GpuLinear,
+    },
+}
+
 pub struct GpuLayer {
     pub attn_norm: CudaSlice<f32>,
     pub ffn_norm: CudaSlice<f32>,
-    pub q: GpuLinear,
-    pub k: GpuLinear,
-    pub v: GpuLinear,
-    pub o: GpuLinear,
-    pub q_norm: Option<CudaSlice<f32>>,
-    pub k_norm: Option<CudaSlice<f32>>,
+    pub attn: GpuAttention,
     pub ffn: GpuFfn,
 }
 
@@ -156,6 +181,17 @@ pub fn upload_dram_expert(
     })
 }
 
+/// Row widths of the two per-layer caches: K and V, or MLA's latent and shared rope key.
+pub fn kv_widths(cfg: &crate::model::ModelConfig) -> (usize, usize) {
+    match &cfg.mla {
+        Some(m) => (m.kv_lora_rank, m.qk_rope_head_dim),
+        None => (
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        ),
+    }
+}
+
 /// Bytes one routed expert takes on the GPU (bf16 gate, up, down).
 pub fn expert_bytes(hidden: usize, inter: usize) -> usize {
     3 * hidden * inter * 2
@@ -172,9 +208,6 @@ impl GpuModel {
         prefill_threshold: usize,
     ) -> anyhow::Result<Self> {
         let cfg = model.config.clone();
-        if cfg.mla.is_some() {
-            bail!("MLA attention (DeepSeek-V3 / Kimi-K2) is not implemented on the CUDA backend yet; run with --device cpu");
-        }
         let s = &dev.stream;
         let embed = s.clone_htod(&linear_bf16(&model.embed))?;
         let lm_head = match &model.lm_head {
@@ -184,8 +217,29 @@ impl GpuModel {
         let final_norm = s.clone_htod(&model.final_norm)?;
         let mut layers = Vec::with_capacity(model.layers.len());
         for (li, layer) in model.layers.iter_mut().enumerate() {
-            let Attention::Gqa(a) = &layer.attn else {
-                bail!("layer {li}: expected GQA attention");
+            let attn = match &layer.attn {
+                Attention::Gqa(a) => GpuAttention::Gqa {
+                    q: upload_linear(&dev, &a.q)?,
+                    k: upload_linear(&dev, &a.k)?,
+                    v: upload_linear(&dev, &a.v)?,
+                    o: upload_linear(&dev, &a.o)?,
+                    q_norm: a.q_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
+                    k_norm: a.k_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
+                },
+                Attention::Mla(a) => GpuAttention::Mla {
+                    q: match &a.q {
+                        MlaQuery::Direct(l) => GpuMlaQuery::Direct(upload_linear(&dev, l)?),
+                        MlaQuery::LowRank { a, norm, b } => GpuMlaQuery::LowRank {
+                            a: upload_linear(&dev, a)?,
+                            norm: s.clone_htod(norm)?,
+                            b: upload_linear(&dev, b)?,
+                        },
+                    },
+                    kv_a: upload_linear(&dev, &a.kv_a)?,
+                    kv_a_norm: s.clone_htod(&a.kv_a_norm)?,
+                    kv_b: s.clone_htod(&a.kv_b)?,
+                    o: upload_linear(&dev, &a.o)?,
+                },
             };
             let ffn = match &mut layer.ffn {
                 Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m)?),
@@ -223,23 +277,13 @@ impl GpuModel {
             layers.push(GpuLayer {
                 attn_norm: s.clone_htod(&layer.attn_norm)?,
                 ffn_norm: s.clone_htod(&layer.ffn_norm)?,
-                q: upload_linear(&dev, &a.q)?,
-                k: upload_linear(&dev, &a.k)?,
-                v: upload_linear(&dev, &a.v)?,
-                o: upload_linear(&dev, &a.o)?,
-                q_norm: a.q_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
-                k_norm: a.k_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
+                attn,
                 ffn,
             });
         }
         let rope = crate::engine::rope::Rope::new(&cfg.rope);
         let inv_freq = s.clone_htod(rope.inv_freq())?;
-        let kv = GpuKvPool::new(
-            &dev,
-            cfg.num_layers,
-            cfg.num_kv_heads * cfg.head_dim,
-            kv_blocks,
-        )?;
+        let kv = GpuKvPool::new(&dev, cfg.num_layers, kv_widths(&cfg), kv_blocks)?;
         dev.stream.synchronize()?;
         Ok(Self {
             attn_factor: rope.attention_factor(),

@@ -11,7 +11,20 @@ use moe_kernels::cuda::GpuDevice;
 pub fn dense_bytes(cfg: &ModelConfig) -> usize {
     let h = cfg.hidden_size;
     let mut b = cfg.vocab_size * h * 2 * if cfg.tie_word_embeddings { 1 } else { 2 };
-    let attn = (cfg.num_heads * cfg.head_dim * h * 2 + cfg.num_kv_heads * cfg.head_dim * h * 2) * 2;
+    let attn = match &cfg.mla {
+        // q (low-rank or direct), kv_a, kv_b (f32 on the GPU), o
+        Some(m) => {
+            let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+            let q = m
+                .q_lora_rank
+                .map_or(cfg.num_heads * qk * h, |r| r * h + cfg.num_heads * qk * r);
+            (q + (m.kv_lora_rank + m.qk_rope_head_dim) * h + cfg.num_heads * m.v_head_dim * h) * 2
+                + cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * 4
+        }
+        None => {
+            (cfg.num_heads * cfg.head_dim * h * 2 + cfg.num_kv_heads * cfg.head_dim * h * 2) * 2
+        }
+    };
     for layer in 0..cfg.num_layers {
         b += attn;
         match &cfg.moe {
@@ -30,7 +43,7 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     let cfg = model.config.clone();
     let (free, total) = dev.memory()?;
     let blocks = opts.kv_cache_tokens.div_ceil(BLOCK).max(1);
-    let width = cfg.num_kv_heads * cfg.head_dim;
+    let widths = super::kv_widths(&cfg);
     let (experts, inter) = cfg
         .moe
         .as_ref()
@@ -41,7 +54,7 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         dense_weights: dense_bytes(&cfg),
         expert_bytes_each: each,
         gpu_experts_total: 0,
-        kv_cache: GpuKvPool::bytes_for(cfg.num_layers, width, blocks),
+        kv_cache: GpuKvPool::bytes_for(cfg.num_layers, widths, blocks),
         // activations of a step plus one layer of experts streamed in layerwise prefill
         workspace: (1usize << 30) + experts * each,
         device_free: free,

@@ -1,0 +1,250 @@
+//! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
+//! latent + rope-key cache. Both add their output projection into the residual stream `x`.
+use super::forward::launch_err;
+use super::kv::{GpuKvPool, BLOCK};
+use super::{GpuAttention, GpuMlaQuery, GpuModel};
+use crate::model::config::RopeStyle;
+use crate::model::Model;
+use anyhow::Context;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+use moe_kernels::cuda::GpuDevice;
+
+/// Where each token of the step sits: positions, sequences, cache slots and block tables (device).
+pub struct StepIndex<'a> {
+    pub n: usize,
+    pub pos: &'a CudaSlice<i32>,
+    pub seq: &'a CudaSlice<i32>,
+    pub slots: &'a CudaSlice<i32>,
+    pub tables: &'a CudaSlice<i32>,
+    pub max_blocks: usize,
+}
+
+impl GpuModel {
+    /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &self,
+        host: &Model,
+        buf: &mut CudaSlice<f32>,
+        step: &StepIndex,
+        heads: usize,
+        head_dim: usize,
+        norm: Option<&CudaSlice<f32>>,
+        offset: usize,
+    ) -> anyhow::Result<()> {
+        let cfg = &host.config;
+        let dev = &self.dev;
+        let (heads_i, dh_i, off) = (heads as i32, head_dim as i32, offset as i32);
+        let rd = cfg.rope.rotary_dim as i32;
+        let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
+        let null = 0u64;
+        let mut l = dev.launch(&dev.k.qk_norm_rope);
+        l.arg(buf).arg(&heads_i).arg(&dh_i);
+        match norm {
+            Some(w) => l.arg(w),
+            None => l.arg(&null),
+        };
+        l.arg(&cfg.rms_norm_eps)
+            .arg(step.pos)
+            .arg(&self.inv_freq)
+            .arg(&self.attn_factor)
+            .arg(&rd)
+            .arg(&style)
+            .arg(&off);
+        let threads = (head_dim as u32).div_ceil(32) * 32;
+        unsafe { l.launch(GpuDevice::cfg((step.n as u32, heads as u32), threads, 0)) }
+            .map_err(launch_err)?;
+        Ok(())
+    }
+
+    /// Appends this step's rows to layer `li`'s caches.
+    fn append(
+        &self,
+        pool: &mut GpuKvPool,
+        li: usize,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        step: &StepIndex,
+    ) -> anyhow::Result<()> {
+        let (aw, bw, block) = (pool.width as i32, pool.v_width as i32, BLOCK as i32);
+        let (kc, vc) = (
+            &mut pool.k[li] as *mut CudaSlice<f32>,
+            &mut pool.v[li] as *mut CudaSlice<f32>,
+        );
+        // SAFETY: the two caches are distinct allocations; the raw pointers only split the borrow.
+        let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };
+        let mut l = self.dev.launch(&self.dev.k.kv_append);
+        l.arg(a)
+            .arg(b)
+            .arg(&aw)
+            .arg(&bw)
+            .arg(kc)
+            .arg(vc)
+            .arg(step.slots)
+            .arg(&block);
+        unsafe { l.launch(GpuDevice::cfg((step.n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gqa_attention(
+        &self,
+        attn: &GpuAttention,
+        host: &Model,
+        step: &StepIndex,
+        hb: &CudaSlice<bf16>,
+        pool: &mut GpuKvPool,
+        li: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let GpuAttention::Gqa {
+            q: wq,
+            k: wk,
+            v: wv,
+            o,
+            q_norm,
+            k_norm,
+        } = attn
+        else {
+            anyhow::bail!("layer {li}: not GQA");
+        };
+        let cfg = &host.config;
+        let (n, nh, nkv, dh) = (step.n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let mut q = self.alloc::<f32>(n * nh * dh)?;
+        let mut k = self.alloc::<f32>(n * nkv * dh)?;
+        let mut v = self.alloc::<f32>(n * nkv * dh)?;
+        self.linear(wq, hb, &mut q, n, false)?;
+        self.linear(wk, hb, &mut k, n, false)?;
+        self.linear(wv, hb, &mut v, n, false)?;
+        self.norm_rope(host, &mut q, step, nh, dh, q_norm.as_ref(), 0)?;
+        self.norm_rope(host, &mut k, step, nkv, dh, k_norm.as_ref(), 0)?;
+        self.append(pool, li, &k, &v, step)?;
+        let mut out = self.alloc::<bf16>(n * nh * dh)?;
+        let (mb, nh_i, nkv_i, dh_i, blk) = (
+            step.max_blocks as i32,
+            nh as i32,
+            nkv as i32,
+            dh as i32,
+            BLOCK as i32,
+        );
+        let scale = cfg.attention_scale();
+        let dev = &self.dev;
+        let mut l = dev.launch(&dev.k.paged_attention);
+        l.arg(&q)
+            .arg(&pool.k[li])
+            .arg(&pool.v[li])
+            .arg(step.tables)
+            .arg(&mb)
+            .arg(step.seq)
+            .arg(step.pos)
+            .arg(&nh_i)
+            .arg(&nkv_i)
+            .arg(&dh_i)
+            .arg(&blk)
+            .arg(&scale)
+            .arg(&mut out);
+        let smem = ((dh + 128) * 4) as u32;
+        unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), 128, smem)) }
+            .map_err(launch_err)?;
+        self.linear(o, &out, x, n, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mla_attention(
+        &self,
+        attn: &GpuAttention,
+        host: &Model,
+        step: &StepIndex,
+        hb: &CudaSlice<bf16>,
+        pool: &mut GpuKvPool,
+        li: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let GpuAttention::Mla {
+            q: wq,
+            kv_a,
+            kv_a_norm,
+            kv_b,
+            o,
+        } = attn
+        else {
+            anyhow::bail!("layer {li}: not MLA");
+        };
+        let cfg = &host.config;
+        let m = cfg.mla.as_ref().context("MLA layer without MLA config")?;
+        let (n, nh) = (step.n, cfg.num_heads);
+        let (nope, rope, lora, vd) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.kv_lora_rank,
+            m.v_head_dim,
+        );
+        let qk = nope + rope;
+        let dev = &self.dev;
+        let mut q = self.alloc::<f32>(n * nh * qk)?;
+        match wq {
+            GpuMlaQuery::Direct(l) => self.linear(l, hb, &mut q, n, false)?,
+            GpuMlaQuery::LowRank { a, norm, b } => {
+                let r = a.out_dim;
+                let mut qa = self.alloc::<f32>(n * r)?;
+                self.linear(a, hb, &mut qa, n, false)?;
+                let mut qa_b = self.alloc::<bf16>(n * r)?;
+                self.rms_norm(&qa, norm, cfg.rms_norm_eps, r, n, &mut qa_b, None)?;
+                self.linear(b, &qa_b, &mut q, n, false)?;
+            }
+        }
+        self.norm_rope(host, &mut q, step, nh, qk, None, nope)?;
+        let mut ckv = self.alloc::<f32>(n * (lora + rope))?;
+        self.linear(kv_a, hb, &mut ckv, n, false)?;
+        let mut latent = self.alloc::<f32>(n * lora)?;
+        let mut krope = self.alloc::<f32>(n * rope)?;
+        {
+            let (lora_i, rope_i) = (lora as i32, rope as i32);
+            let mut l = dev.launch(&dev.k.mla_split_latent);
+            l.arg(&ckv)
+                .arg(kv_a_norm)
+                .arg(&cfg.rms_norm_eps)
+                .arg(&lora_i)
+                .arg(&rope_i)
+                .arg(&mut latent)
+                .arg(&mut krope);
+            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        }
+        self.norm_rope(host, &mut krope, step, 1, rope, None, 0)?;
+        self.append(pool, li, &latent, &krope, step)?;
+        let mut out = self.alloc::<bf16>(n * nh * vd)?;
+        let (mb, nh_i, nope_i, rope_i, lora_i, vd_i, blk) = (
+            step.max_blocks as i32,
+            nh as i32,
+            nope as i32,
+            rope as i32,
+            lora as i32,
+            vd as i32,
+            BLOCK as i32,
+        );
+        let scale = cfg.attention_scale();
+        let mut l = dev.launch(&dev.k.mla_attention);
+        l.arg(&q)
+            .arg(&pool.k[li])
+            .arg(&pool.v[li])
+            .arg(step.tables)
+            .arg(&mb)
+            .arg(step.seq)
+            .arg(step.pos)
+            .arg(&nh_i)
+            .arg(&nope_i)
+            .arg(&rope_i)
+            .arg(&lora_i)
+            .arg(&vd_i)
+            .arg(kv_b)
+            .arg(&blk)
+            .arg(&scale)
+            .arg(&mut out);
+        let threads = 128u32;
+        let smem = ((nope + rope + 2 * lora) as u32 + threads) * 4;
+        unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), threads, smem)) }
+            .map_err(launch_err)?;
+        self.linear(o, &out, x, n, true)
+    }
+}
