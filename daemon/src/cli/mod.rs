@@ -2,4 +2,5 @@
 pub mod bench;
 pub mod engine_args;
 pub mod generate;
+pub mod serve;
 pub mod synth;

@@ -4,6 +4,7 @@
 //! - [`safetensors`]: Hugging Face directories (single file or index + shards), memory-mapped.
 //! - [`fp8`]: F8_E4M3 decoding and 128×128 block-scale dequantisation (DeepSeek-V3 / GLM FP8 layout).
 pub mod fp8;
+pub mod gguf;
 pub mod safetensors;
 
 use half::bf16;

@@ -1,0 +1,326 @@
+//! `moe-daemon serve`: load a model (GGUF file or Hugging Face directory) on the engine thread while the
+//! HTTP server already answers `/health` (and `/ready` with 503), then serve the OpenAI API until SIGTERM
+//! or Ctrl-C: stop accepting, let in-flight requests finish within `--shutdown-timeout-s`, exit.
+use crate::api::{self, AppState};
+use crate::cli::engine_args::EngineArgs;
+use crate::engine::Engine;
+use crate::metrics::Metrics;
+use crate::model::ModelConfig;
+use crate::sched::scripted::ScriptedModel;
+use crate::sched::{spawn_engine, EngineHandle, SchedulerConfig};
+use crate::text::{ChatTemplate, TextTokenizer};
+use crate::weights::gguf::GgufFile;
+use crate::weights::{HostTensor, TensorSource, WeightError};
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// A GGUF file (e.g. the SmolLM2 one: `python3 scripts/smollm2_gguf_path.py`) or an HF checkpoint dir.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Name clients pass as `model` (default: the file or directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on /v1/*.
+    #[arg(long, env = "MOE_API_KEY")]
+    pub api_key: Option<String>,
+    /// Tokens computed per engine step (prefill chunks + decode tokens).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Requests that may wait for a slot; more get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    #[arg(long, default_value_t = 32)]
+    pub prefix_cache_entries: usize,
+    /// KV positions the prefix cache may hold; taken from --kv-cache-tokens (0 turns caching off).
+    #[arg(long, default_value_t = 8192)]
+    pub prefix_cache_tokens: usize,
+    /// Context length cap (default: the model's).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout_s: u64,
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout_s: u64,
+    /// Split `<think>…</think>` into `reasoning_content`: auto (when the vocabulary has `</think>`), on, off.
+    #[arg(long, default_value = "auto")]
+    pub reasoning_parser: String,
+    /// Chat template file overriding the model's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// TEST DOUBLE: instead of the model's weights, answer with scripted replies from this JSON file
+    /// (`{"replies": [{"trigger": "...", "reply": "..."}], "step_delay_ms": 0}`), tokenised with the
+    /// model's tokenizer. Lets HTTP tests exercise tool-call and reasoning output the real model never emits.
+    #[arg(long)]
+    pub scripted_replies: Option<PathBuf>,
+}
+
+/// Counts tensors as the engine loads them, for the progress bar.
+struct ProgressSource<'a> {
+    inner: &'a dyn TensorSource,
+    bar: ProgressBar,
+}
+
+impl TensorSource for ProgressSource<'_> {
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
+        let t = self.inner.load(name);
+        self.bar.inc(1);
+        self.bar.set_message(name.to_string());
+        t
+    }
+}
+
+fn progress_bar(len: Option<u64>) -> ProgressBar {
+    let bar = match len {
+        Some(n) => ProgressBar::new(n).with_style(
+            ProgressStyle::with_template(
+                "loading weights {bar:40} {pos}/{len} tensors {elapsed} {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ),
+        None => ProgressBar::new_spinner().with_message("loading weights"),
+    };
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// What the model path provides before the weights load.
+struct ModelFiles {
+    tokenizer: Option<TextTokenizer>,
+    max_positions: usize,
+    gguf: Option<Arc<GgufFile>>,
+    name: String,
+}
+
+fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_else(|| "model".into());
+    if path.is_dir() {
+        let tokenizer = TextTokenizer::from_hf_dir(path)?;
+        let cfg = ModelConfig::from_dir(path)?;
+        return Ok(ModelFiles {
+            tokenizer: Some(tokenizer),
+            max_positions: cfg.max_position_embeddings,
+            gguf: None,
+            name,
+        });
+    }
+    let g = GgufFile::open(path)?;
+    let tokenizer = TextTokenizer::from_gguf(&g)?;
+    let cfg = g.hf_config()?;
+    let max_positions = cfg["max_position_embeddings"].as_u64().unwrap_or(2048) as usize;
+    Ok(ModelFiles {
+        tokenizer: Some(tokenizer),
+        max_positions,
+        gguf: Some(Arc::new(g)),
+        name,
+    })
+}
+
+fn start_engine(
+    args: &ServeArgs,
+    files: &ModelFiles,
+    tok: &TextTokenizer,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<EngineHandle> {
+    let sched = SchedulerConfig {
+        max_batch_tokens: args.max_batch_tokens,
+        max_running: args.max_running,
+        max_waiting: args.max_waiting,
+        // Running sequences reserve prompt + max_tokens positions of the engine's KV capacity; the
+        // prefix cache's share is set aside first.
+        kv_capacity_tokens: args
+            .engine
+            .kv_cache_tokens
+            .saturating_sub(args.prefix_cache_tokens)
+            .max(1),
+        prefix_cache_entries: args.prefix_cache_entries,
+        prefix_cache_tokens: args.prefix_cache_tokens,
+    };
+    if let Some(script) = &args.scripted_replies {
+        let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(script)?)
+            .with_context(|| format!("reading {}", script.display()))?;
+        let mut replies = Vec::new();
+        for r in spec["replies"].as_array().into_iter().flatten() {
+            let (Some(t), Some(reply)) = (r["trigger"].as_str(), r["reply"].as_str()) else {
+                bail!(
+                    "{}: each reply needs string `trigger` and `reply`",
+                    script.display()
+                );
+            };
+            replies.push((tok.encode(t)?, tok.encode(reply)?));
+        }
+        let model = ScriptedModel {
+            replies,
+            end_token: tok.stop_token_ids.first().copied().unwrap_or(0),
+            vocab: tok.vocab_size(),
+            max_positions: files.max_positions,
+            step_delay: Duration::from_millis(spec["step_delay_ms"].as_u64().unwrap_or(0)),
+            step_stats: None,
+        };
+        tracing::warn!(
+            "serving SCRIPTED replies from {} (test double, no weights)",
+            script.display()
+        );
+        return Ok(spawn_engine(move || Ok(model), sched, metrics));
+    }
+    let opts = args.engine.options()?;
+    let path = args.model.clone();
+    let gguf = files.gguf.clone();
+    Ok(spawn_engine(
+        move || {
+            let t0 = std::time::Instant::now();
+            let engine = match gguf {
+                Some(g) => {
+                    let cfg = g.hf_config()?;
+                    let bar = progress_bar(Some(g.tensors.len() as u64));
+                    let src = ProgressSource {
+                        inner: &*g,
+                        bar: bar.clone(),
+                    };
+                    let e = Engine::from_source(&cfg, &src, &opts);
+                    bar.finish_and_clear();
+                    e?
+                }
+                None => {
+                    let bar = progress_bar(None);
+                    let e = Engine::load(&path, &opts);
+                    bar.finish_and_clear();
+                    e?
+                }
+            };
+            tracing::info!(seconds = t0.elapsed().as_secs_f64(), "weights loaded");
+            Ok(engine)
+        },
+        sched,
+        metrics,
+    ))
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .try_init();
+    let mut files =
+        open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+    let tokenizer = Arc::new(files.tokenizer.take().context("tokenizer missing")?);
+    let template_src = match &args.chat_template {
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+        }
+        None => tokenizer.chat_template.clone(),
+    };
+    let glm_tool_format = template_src
+        .as_deref()
+        .is_some_and(|t| t.contains("<arg_key>"));
+    let template = template_src
+        .map(|s| {
+            ChatTemplate::new(
+                &s,
+                tokenizer.bos_token.as_deref(),
+                tokenizer.eos_token.as_deref(),
+            )
+        })
+        .transpose()?;
+    let reasoning = match args.reasoning_parser.as_str() {
+        "on" => true,
+        "off" => false,
+        "auto" => tokenizer.token_to_id("</think>").is_some(),
+        other => bail!("--reasoning-parser must be auto, on or off, got {other}"),
+    };
+    let metrics = Arc::new(Metrics::new()?);
+    let engine = start_engine(&args, &files, &tokenizer, metrics.clone())?;
+    let max_context = args
+        .max_model_len
+        .map_or(files.max_positions, |m| m.min(files.max_positions));
+    let state = Arc::new(AppState {
+        served_model: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| files.name.clone()),
+        vocab_size: tokenizer.vocab_size(),
+        tokenizer: tokenizer.clone(),
+        template,
+        engine,
+        metrics,
+        api_key: args.api_key.clone(),
+        max_context,
+        reasoning,
+        request_timeout: Duration::from_secs(args.request_timeout_s),
+        retry_after_s: 1,
+        draining: Default::default(),
+        created: api::generate::now_unix(),
+        token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
+        glm_tool_format,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(args, state))
+}
+
+async fn serve(args: ServeArgs, state: Arc<AppState>) -> anyhow::Result<()> {
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!(addr = %listener.local_addr()?, model = %state.served_model, "serving the OpenAI API");
+    let (drain_tx, mut drain_rx) = tokio::sync::watch::channel(false);
+    let st = state.clone();
+    let server =
+        axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            st.draining.store(true, Ordering::Release);
+            tracing::info!("shutdown requested: refusing new requests, finishing in-flight ones");
+            let _ = drain_tx.send(true);
+        });
+    let deadline = Duration::from_secs(args.shutdown_timeout_s);
+    tokio::select! {
+        r = server => r?,
+        _ = async {
+            let _ = drain_rx.wait_for(|d| *d).await;
+            tokio::time::sleep(deadline).await;
+        } => tracing::warn!(?deadline, "shutdown deadline passed with requests in flight; exiting"),
+    }
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

