@@ -34,11 +34,14 @@ pub struct ServeArgs {
     #[arg(long, env = "MOE_API_KEY")]
     pub api_key: Option<String>,
     /// Tokens computed per engine step (prefill chunks + decode tokens).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, alias = "max-num-batched-tokens", default_value_t = 512)]
     pub max_batch_tokens: usize,
     /// Sequences decoded together.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, alias = "max-num-seqs", default_value_t = 64)]
     pub max_running: usize,
+    /// Checkpoint file format the caller expects (safetensors or gguf); checked against --model.
+    #[arg(long)]
+    pub weight_format: Option<String>,
     /// Requests that may wait for a slot; more get 429.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
@@ -216,12 +219,35 @@ fn start_engine(
     ))
 }
 
+/// `--weight-format` (as the operator passes it) must agree with what `--model` is.
+fn check_weight_format(format: Option<&str>, model: &Path) -> anyhow::Result<()> {
+    let is_gguf = model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    match format {
+        None => Ok(()),
+        Some("gguf") if is_gguf => Ok(()),
+        Some("safetensors") if !is_gguf => Ok(()),
+        Some(f @ ("gguf" | "safetensors")) => anyhow::bail!(
+            "--weight-format {f} does not match --model {} ({})",
+            model.display(),
+            if is_gguf {
+                "a GGUF file"
+            } else {
+                "a safetensors directory"
+            }
+        ),
+        Some(f) => anyhow::bail!("--weight-format {f}: choose safetensors or gguf"),
+    }
+}
+
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .try_init();
+    check_weight_format(args.weight_format.as_deref(), &args.model)?;
     let mut files =
         open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
     let tokenizer = Arc::new(files.tokenizer.take().context("tokenizer missing")?);
@@ -323,4 +349,59 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+#[cfg(test)]
+mod operator_contract_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    /// The argument list the operator's StatefulSet builder renders must parse and validate here.
+    #[test]
+    fn operator_rendered_args_parse() {
+        let argv = [
+            "moe-daemon",
+            "--model",
+            "/models/Qwen--Qwen3-30B-A3B",
+            "--served-model-name",
+            "qwen3",
+            "--weight-format",
+            "safetensors",
+            "--gpu-experts",
+            "15",
+            "--expert-placement",
+            "frequency",
+            "--cpu-threads",
+            "29",
+            "--numa",
+            "auto",
+            "--hugepages",
+            "1G",
+            "--max-model-len",
+            "32768",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "8192",
+            "--port",
+            "8000",
+            "--host",
+            "0.0.0.0",
+            "--device",
+            "cuda",
+        ];
+        let w = Wrapper::try_parse_from(argv).expect("operator args parse");
+        assert_eq!(w.serve.max_running, 16);
+        assert_eq!(w.serve.max_batch_tokens, 8192);
+        assert!(w.serve.engine.options().is_ok());
+        assert!(check_weight_format(Some("safetensors"), &w.serve.model).is_ok());
+        assert!(check_weight_format(Some("gguf"), &w.serve.model).is_err());
+        assert!(check_weight_format(Some("onnx"), &w.serve.model).is_err());
+    }
 }

@@ -338,6 +338,7 @@ impl Engine {
     }
 
     fn run_validated(&self, batch: &mut [SeqInput<'_>], all: bool) -> Vec<Vec<f32>> {
+        let mut times = gpu::forward::StepTimes::default();
         let m = &self.model;
         let cfg = &m.config;
         let hd = cfg.hidden_size;
@@ -374,9 +375,14 @@ impl Engine {
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
                     let pool = self.cpu_pool.as_ref();
-                    moe::moe_forward(block, mc, pool, cfg.activation, &h, hd, &mut |ids| {
-                        self.record(li, ids)
-                    })
+                    let t = std::time::Instant::now();
+                    let out =
+                        moe::moe_forward(block, mc, pool, cfg.activation, &h, hd, &mut |ids| {
+                            times.expert_hits += ids.len() as u64;
+                            self.record(li, ids)
+                        });
+                    times.cpu_experts_s += t.elapsed().as_secs_f64();
+                    out
                 }
                 (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, cfg.activation, &h, n),
                 (Ffn::Moe(_), None) => unreachable!("MoE layer built without MoE config"),
@@ -386,6 +392,7 @@ impl Engine {
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }
+        *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         // Only the rows whose logits are wanted go through the final norm and lm_head.
         let rows: Vec<usize> = if all {
             (0..n).collect()

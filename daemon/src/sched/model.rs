@@ -57,4 +57,13 @@ impl StepModel for Engine {
             .collect();
         Engine::forward(self, &mut inputs).map_err(|e| e.to_string())
     }
+
+    fn last_step_stats(&self) -> Option<StepStats> {
+        let t = self.last_step_times();
+        Some(StepStats {
+            cpu_expert_seconds: t.cpu_experts_s,
+            expert_hits_gpu: t.gpu_expert_hits,
+            expert_hits_total: t.expert_hits,
+        })
+    }
 }

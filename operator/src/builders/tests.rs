@@ -108,6 +108,8 @@ fn daemon_args_follow_spec_and_sizing() {
         "--max-model-len 32768",
         "--max-num-seqs 16",
         "--port 8000",
+        "--host 0.0.0.0",
+        "--device cuda",
     ] {
         assert!(joined.contains(expected), "missing {expected} in {joined}");
     }

@@ -254,6 +254,11 @@ pub fn daemon_args(input: &BuildInput, model_path: &str) -> Vec<String> {
         &spec.serving.max_num_batched_tokens.to_string(),
         "--port",
         &HTTP_PORT.to_string(),
+        // listen on the pod IP (the daemon defaults to loopback); the GPU runs attention and hot experts
+        "--host",
+        "0.0.0.0",
+        "--device",
+        "cuda",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -94,8 +94,17 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         }
         None => None,
     };
+    // Without statistics (a fresh deployment), `frequency` starts as `uniform`; record them with
+    // --record-routing and restart with --routing-stats to place by frequency.
+    let strategy = match (opts.placement, &stats) {
+        (crate::engine::placement::PlacementStrategy::Frequency, None) => {
+            tracing::warn!("--expert-placement frequency without --routing-stats: using uniform until statistics exist");
+            crate::engine::placement::PlacementStrategy::Uniform
+        }
+        (s, _) => s,
+    };
     let placement = plan_placement(
-        opts.placement,
+        strategy,
         &cfg.moe_layers,
         experts,
         per_layer,
