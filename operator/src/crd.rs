@@ -566,8 +566,35 @@ pub struct ResolvedPlacementStatus {
 }
 
 /// The CRD as YAML, as `moe-operator crd` prints it and `crds/` stores it.
+/// The CRD as YAML with every mapping's keys sorted, so the text does not depend on whether serde_json's
+/// `preserve_order` feature is on in this build (the daemon turns it on for tool-call JSON, and workspace
+/// builds unify features).
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
-    serde_yaml::to_string(&MoEDeployment::crd())
+    let value = serde_json::to_value(MoEDeployment::crd())
+        .map_err(<serde_yaml::Error as serde::ser::Error>::custom)?;
+    serde_yaml::to_string(&sorted_yaml(value))
+}
+
+fn sorted_yaml(v: serde_json::Value) -> serde_yaml::Value {
+    use serde_json::Value as J;
+    use serde_yaml::Value as Y;
+    match v {
+        J::Null => Y::Null,
+        J::Bool(b) => Y::Bool(b),
+        J::Number(n) => serde_yaml::to_value(n).unwrap_or(Y::Null),
+        J::String(s) => Y::String(s),
+        J::Array(a) => Y::Sequence(a.into_iter().map(sorted_yaml).collect()),
+        J::Object(o) => {
+            let mut entries: Vec<(String, serde_json::Value)> = o.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Y::Mapping(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (Y::String(k), sorted_yaml(v)))
+                    .collect(),
+            )
+        }
+    }
 }
 
 impl MoEDeployment {
