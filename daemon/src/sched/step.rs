@@ -85,12 +85,16 @@ impl<M: StepModel> Scheduler<M> {
                 continue;
             }
             let t0 = Instant::now();
+            // The step's engine figures are recorded before its tokens go out, so a client that has
+            // seen its last token also sees the metrics of the step that produced it.
             match self.forward(&work) {
-                Ok(logits) => self.update(&work, logits),
+                Ok(logits) => {
+                    if let Some(st) = self.model.last_step_stats() {
+                        self.record_step_stats(st);
+                    }
+                    self.update(&work, logits)
+                }
                 Err(e) => self.fail(&work, &e),
-            }
-            if let Some(st) = self.model.last_step_stats() {
-                self.record_step_stats(st);
             }
             self.metrics
                 .step_seconds
