@@ -5,6 +5,9 @@
 //! the packed kernels with f32 activations; measured ~1e-6), identical greedy tokens, every prefill
 //! position checked. The fast expert tiers (bf16 activations: AVX-512 BF16 / AMX) are checked separately
 //! at bf16 tolerance (≤ 1e-2, greedy tokens equal), and the reference expert path at 1e-3.
+mod common;
+
+use common::rel_l2;
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -19,9 +22,7 @@ fn exact() -> EngineOptions {
 }
 
 fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(name)
+    common::fixtures_root().join(name)
 }
 
 struct Oracle {
@@ -65,13 +66,6 @@ fn oracle(name: &str) -> Oracle {
             .map(floats)
             .collect(),
     }
-}
-
-pub fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f32 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
 }
 
 fn argmax(v: &[f32]) -> u32 {

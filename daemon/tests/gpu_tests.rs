@@ -5,21 +5,16 @@
 //! top-1/top-2 gap exceeds 0.1; placements of the same model agree to ≤ 2e-2 (only the expert
 //! activations' precision differs between GPU and CPU experts).
 //! Fixtures: `MOE_FIXTURES` or ../tests/fixtures.
+mod common;
+
+use common::rel_l2;
 use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};
 use moe_daemon::engine::{Device, Engine, EngineOptions, SeqInput};
 use serde_json::Value;
 use std::path::PathBuf;
 
 fn fixtures() -> PathBuf {
-    std::env::var_os("MOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f32 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
+    common::fixtures_root()
 }
 
 fn gpu(n: usize, placement: PlacementStrategy) -> EngineOptions {
