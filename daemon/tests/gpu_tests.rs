@@ -244,3 +244,83 @@ fn layerwise_prefill_batching_and_cache_clone() {
         .remove(0);
     assert!(rel_l2(&x, &y) <= 1e-5);
 }
+
+/// Long prompts take the GEMM attention path (chunks of ≥ 64 rows, whole and chunked with earlier
+/// context in the cache) and, in layerwise prefill, the packed-expert stream (a few experts per chunk,
+/// so several chunks per layer and the two staging slots wrap across layers), for bf16 and int8 DRAM
+/// experts. Each run is checked, including one decode step after the prefill, against the CPU backend
+/// (itself checked against transformers) at the GPU tolerance, 5e-2 rel-L2.
+#[test]
+fn long_prefill_gemm_attention_and_expert_stream() {
+    use moe_kernels::cpu::moe::WeightFormat;
+    let cases = [
+        ("qwen3_moe", None),
+        ("qwen3_moe", Some(WeightFormat::Int8)),
+        ("glm4_moe", None),
+        ("deepseek_v3", None),
+    ];
+    for (name, fmt) in cases {
+        let dir = fixtures().join(name).join("model_bf16");
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab = cfg["vocab_size"].as_u64().unwrap() as u32;
+        let prompt: Vec<u32> = (0..200u32).map(|i| (i * 37 + 11) % vocab).collect();
+        // logits after the prefill chunks, then after one decode token
+        let run_chunks = |e: &Engine, chunks: &[&[u32]]| -> Vec<f32> {
+            let mut c = e.new_cache();
+            let mut out = Vec::new();
+            for ch in chunks {
+                out = e
+                    .forward(&mut [SeqInput {
+                        cache: &mut c,
+                        tokens: ch,
+                    }])
+                    .unwrap()
+                    .remove(0);
+            }
+            let d = e
+                .forward(&mut [SeqInput {
+                    cache: &mut c,
+                    tokens: &[5],
+                }])
+                .unwrap()
+                .remove(0);
+            out.extend(d);
+            out
+        };
+        let cpu_opts = EngineOptions {
+            expert_format: fmt,
+            ..Default::default()
+        };
+        let want = run_chunks(&Engine::load(&dir, &cpu_opts).unwrap(), &[&prompt]);
+        let opts = |threshold| EngineOptions {
+            expert_format: fmt,
+            gpu_prefill_threshold: threshold,
+            gpu_stream_chunk_bytes: 40_000,
+            ..gpu(4, PlacementStrategy::Uniform)
+        };
+        let normal = Engine::load(&dir, &opts(1 << 20)).unwrap();
+        let layerwise = Engine::load(&dir, &opts(1)).unwrap();
+        let runs: [(&str, &Engine, Vec<&[u32]>); 4] = [
+            ("whole", &normal, vec![&prompt[..]]),
+            (
+                "chunked 70+130",
+                &normal,
+                vec![&prompt[..70], &prompt[70..]],
+            ),
+            ("layerwise", &layerwise, vec![&prompt[..]]),
+            (
+                "layerwise chunked 90+110",
+                &layerwise,
+                vec![&prompt[..90], &prompt[90..]],
+            ),
+        ];
+        for (what, e, chunks) in runs {
+            let got = run_chunks(e, &chunks);
+            let err = rel_l2(&got, &want);
+            println!("{name} {fmt:?} {what}: rel-L2 vs CPU {err:.2e}");
+            assert!(err <= 5e-2, "{name} {fmt:?} {what}: {err}");
+        }
+    }
+}

@@ -55,6 +55,9 @@ pub struct EngineArgs {
     /// Steps with at least this many tokens prefill layer by layer on the GPU (DRAM experts streamed).
     #[arg(long, default_value_t = 1024)]
     pub gpu_prefill_threshold: usize,
+    /// MiB per chunk of the layerwise-prefill expert stream (two staging chunks + one dense on the GPU).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub gpu_stream_chunk_mib: u64,
 }
 
 impl EngineArgs {
@@ -125,6 +128,7 @@ impl EngineArgs {
             record_routing: self.record_routing.is_some(),
             kv_cache_tokens: self.kv_cache_tokens,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
+            gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
         })
     }
 }

@@ -72,6 +72,8 @@ pub struct EngineOptions {
     pub cpu_moe: moe_kernels::cpu::CpuMoeOptions,
     /// Format of DRAM experts (None: as in the checkpoint; int8 / int4 are quantized at load).
     pub expert_format: Option<moe_kernels::cpu::moe::WeightFormat>,
+    /// Bytes per chunk of layerwise prefill's expert stream (each of two staging slots).
+    pub gpu_stream_chunk_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -89,6 +91,7 @@ impl Default for EngineOptions {
             cpu_kernels: true,
             cpu_moe: Default::default(),
             expert_format: None,
+            gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
         }
     }
 }
@@ -122,10 +125,11 @@ pub enum StepError {
 }
 
 pub struct Engine {
+    /// Declared (so dropped) before `model`: the GPU side pins memory the host model owns.
+    gpu: Option<gpu::GpuModel>,
     model: Model,
     rope: Rope,
     pool: rayon::ThreadPool,
-    gpu: Option<gpu::GpuModel>,
     /// Persistent pinned workers of the CPU expert kernels (None: reference path or dense model).
     cpu_pool: Option<moe_kernels::cpu::WorkerPool>,
     routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
@@ -174,6 +178,9 @@ impl Engine {
                 .build_pool()
                 .context("starting the CPU expert workers")?;
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
+            if let Some(g) = &gpu {
+                g.attach_expert_stream(&model, opts.gpu_stream_chunk_bytes)?;
+            }
             Some(p)
         } else {
             None

@@ -194,12 +194,12 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
 extern "C" __global__ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                                            const int* block_tables, int max_blocks, const int* seq_of_token,
                                            const int* pos_of_token, int heads, int kv_heads, int head_dim,
-                                           int block_size, float scale, bf16* out) {
+                                           int block_size, float scale, int row0, bf16* out) {
     extern __shared__ float smem[];  // q (head_dim) + scores (blockDim.x)
     __shared__ float buf[32];
     float* qs = smem;
     float* sc = smem + head_dim;
-    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int t = blockIdx.x + row0, h = blockIdx.y, tid = threadIdx.x;
     int kvh = h / (heads / kv_heads);
     int width = kv_heads * head_dim;
     const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
@@ -360,4 +360,79 @@ extern "C" __global__ void router_topk(const float* logits, int tokens, int expe
 extern "C" __global__ void f32_to_bf16(const float* x, size_t n, bf16* y) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f2bf(x[i]);
+}
+
+// ---- long prefill: attention as two cuBLAS GEMMs around this softmax (see gpu/attention.rs) ----
+
+// One sequence's cached K and V rows 0..len (paged, f32) → contiguous bf16 [len, width] (GEMM inputs).
+extern "C" __global__ void gather_kv_bf16(const float* k_cache, const float* v_cache, const int* table,
+                                          int block_size, int width, int v_width, bf16* k_out, bf16* v_out) {
+    int p = blockIdx.x;
+    size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) k_out[(size_t)p * width + i] = f2bf(k_cache[slot * width + i]);
+    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_out[(size_t)p * v_width + i] = f2bf(v_cache[slot * v_width + i]);
+}
+
+// Causal softmax of scaled scores s [rows, lk] (row r = query at absolute position q_pos0 + r % rows_per_head;
+// keys 0..lk at positions 0..lk) → probabilities p (bf16, masked keys exactly 0). One block per row.
+extern "C" __global__ void causal_softmax_rows(const float* s, int lk, int rows_per_head, int q_pos0, bf16* p) {
+    __shared__ float buf[32];
+    size_t row = blockIdx.x;
+    int valid = min(lk, q_pos0 + (int)(row % rows_per_head) + 1);
+    const float* sr = s + row * lk;
+    bf16* pr = p + row * lk;
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < valid; c += blockDim.x) m = fmaxf(m, sr[c]);
+    m = block_max(m, buf);
+    float sum = 0.f;
+    for (int c = threadIdx.x; c < valid; c += blockDim.x) sum += __expf(sr[c] - m);
+    sum = block_sum(sum, buf);
+    float inv = 1.f / sum;
+    for (int c = threadIdx.x; c < lk; c += blockDim.x) pr[c] = c < valid ? f2bf(__expf(sr[c] - m) * inv) : (bf16)0;
+}
+
+// ---- layerwise prefill: packed DRAM experts (copied as they sit in host memory) → dense bf16 ----
+
+__device__ float fp8_e4m3(unsigned char b) {
+    float sign = (b & 0x80) ? -1.f : 1.f;
+    int e = (b >> 3) & 15, m = b & 7;
+    if (e == 15 && m == 7) return __int_as_float(0x7fc00000);
+    if (e == 0) return sign * ldexpf((float)m, -9);
+    return sign * ldexpf(1.f + m * 0.125f, e - 7);
+}
+
+// Expert blockIdx.y of a chunk, matrix blockIdx.z (0 gate, 1 up, 2 down) → dense[expert] =
+// [gate; up] rows ([2*inter, hidden]) then down ([hidden, inter]); matrix z starts at z*inter*hidden.
+// The index formulas are those of `unpack_expert_reference` (kernels/src/cpu/moe/packed.rs), which the
+// CPU tests check against the packer. fmt: 0 bf16, 1 fp8 e4m3 + 128x128 block scales, 2 int8 + row scales.
+extern "C" __global__ void unpack_experts(const unsigned char* packed, long long expert_bytes, int fmt, int inter,
+                                          int hidden, int gate_ktiles, long long gate_wbytes, long long gate_bytes,
+                                          int down_ktiles, long long down_wbytes, bf16* dense) {
+    int e = blockIdx.y, mat = blockIdx.z;
+    int rows = mat == 2 ? hidden : inter, cols = mat == 2 ? inter : hidden;
+    int ktiles = mat == 2 ? down_ktiles : gate_ktiles;
+    long long wbytes = mat == 2 ? down_wbytes : gate_wbytes;
+    const unsigned char* m = packed + (long long)e * expert_bytes + (long long)mat * gate_bytes;
+    const float* scales = (const float*)(m + wbytes);
+    bf16* out = dense + (size_t)e * 3 * inter * hidden + (size_t)mat * inter * hidden;
+    size_t total = (size_t)rows * cols;
+    int kblocks = (cols + 127) / 128;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        int n = (int)(idx / cols), k = (int)(idx % cols);
+        int nt = n >> 4, j = n & 15;
+        if (fmt == 0) {
+            int ti = k >> 5, kin = k & 31;
+            size_t o = (size_t)(nt * ktiles + ti) * 512 + (kin >> 1) * 32 + j * 2 + (kin & 1);
+            out[idx] = ((const bf16*)m)[o];
+        } else if (fmt == 1) {
+            int ti = k >> 5, kin = k & 31;
+            size_t o = (size_t)(nt * ktiles + ti) * 512 + (kin >> 1) * 32 + j * 2 + (kin & 1);
+            out[idx] = f2bf(fp8_e4m3(m[o]) * scales[(n / 128) * kblocks + k / 128]);
+        } else {
+            int ti = k >> 6, kin = k & 63;
+            size_t o = (size_t)(nt * ktiles + ti) * 1024 + (kin >> 2) * 64 + j * 4 + (kin & 3);
+            out[idx] = f2bf((float)((int)m[o] - 128) * scales[n]);
+        }
+    }
 }

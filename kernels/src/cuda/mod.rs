@@ -53,6 +53,9 @@ pub struct Kernels {
     pub sigmoid_gate_rows: CudaFunction,
     pub router_topk: CudaFunction,
     pub f32_to_bf16: CudaFunction,
+    pub gather_kv_bf16: CudaFunction,
+    pub causal_softmax_rows: CudaFunction,
+    pub unpack_experts: CudaFunction,
 }
 
 /// One GPU: context, the engine's stream, a copy stream, cuBLAS and the kernels.
@@ -124,6 +127,9 @@ impl GpuDevice {
             sigmoid_gate_rows: f("sigmoid_gate_rows")?,
             router_topk: f("router_topk")?,
             f32_to_bf16: f("f32_to_bf16")?,
+            gather_kv_bf16: f("gather_kv_bf16")?,
+            causal_softmax_rows: f("causal_softmax_rows")?,
+            unpack_experts: f("unpack_experts")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -237,6 +243,67 @@ impl GpuDevice {
     }
 
     /// Launch configuration: `grid` blocks of `block` threads, `smem` bytes of dynamic shared memory.
+    /// The raw device address of a buffer (event tracking is off: nothing to synchronise on).
+    pub fn addr<T>(&self, x: &impl DevicePtr<T>) -> u64 {
+        x.device_ptr(&self.stream).0
+    }
+
+    /// cuBLAS strided-batched GEMM in cuBLAS's column-major terms, bf16 inputs, f32 accumulation:
+    /// `C_b = alpha · op(A_b) · op(B_b)` (C is m × n), `X_b = X + b · stride_x` elements, for
+    /// b in 0..batch. C is bf16 when `c_bf16`, else f32. Used for long-prefill attention, where the
+    /// operands are views into larger buffers (a head's columns of the Q/K/V rows).
+    ///
+    /// # Safety
+    /// The addresses (from [`GpuDevice::addr`], possibly offset in bytes) must cover every element the
+    /// strides and leading dimensions reach, and stay allocated until the stream has run the GEMM.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_bf16_batched_raw(
+        &self,
+        trans_a: bool,
+        trans_b: bool,
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        (a, lda, stride_a): (u64, usize, usize),
+        (b, ldb, stride_b): (u64, usize, usize),
+        (c, ldc, stride_c): (u64, usize, usize),
+        batch: usize,
+        c_bf16: bool,
+    ) -> Result<(), GpuError> {
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
+        let beta = 0.0f32;
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        // SAFETY: the caller's contract above.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op(trans_a),
+                op(trans_b),
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                CUDA_R_16BF,
+                lda as i32,
+                stride_a as i64,
+                b as *const _,
+                CUDA_R_16BF,
+                ldb as i32,
+                stride_b as i64,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                if c_bf16 { CUDA_R_16BF } else { CUDA_R_32F },
+                ldc as i32,
+                stride_c as i64,
+                batch as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| GpuError::Blas(e.to_string()))
+    }
+
     pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (grid.0, grid.1, 1),

@@ -18,7 +18,25 @@ pub struct StepIndex<'a> {
     pub slots: &'a CudaSlice<i32>,
     pub tables: &'a CudaSlice<i32>,
     pub max_blocks: usize,
+    /// Host view of the same: each sequence's rows in the step.
+    pub seqs: &'a [SeqRows],
 }
+
+/// One sequence of a step: rows `row0..row0 + len` of the step, at positions `pos0..pos0 + len`, row
+/// `seq` of the block tables.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqRows {
+    pub seq: usize,
+    pub row0: usize,
+    pub len: usize,
+    pub pos0: usize,
+}
+
+/// A chunk of at least this many rows takes the GEMM attention path (below it the paged kernel's
+/// launch is cheaper than gathering K/V and two GEMMs per KV head).
+pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
+/// Score + probability buffer budget of one GEMM attention call (query rows are blocked to fit).
+const PREFILL_SCORE_BYTES: usize = 512 << 20;
 
 impl GpuModel {
     /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head.
@@ -121,17 +139,54 @@ impl GpuModel {
         self.norm_rope(host, &mut k, step, nkv, dh, k_norm.as_ref(), 0)?;
         self.append(pool, li, &k, &v, step)?;
         let mut out = self.alloc::<bf16>(n * nh * dh)?;
-        let (mb, nh_i, nkv_i, dh_i, blk) = (
+        let scale = cfg.attention_scale();
+        // Long prefill chunks: two GEMMs per KV head around a softmax (tensor cores); everything
+        // else (decode rows, short chunks), in runs of consecutive rows: the paged kernel.
+        let mut run: Option<(usize, usize)> = None; // (first row, rows) of short sequences
+        for s in step.seqs {
+            if s.len >= PREFILL_GEMM_MIN_ROWS {
+                if let Some((r0, c)) = run.take() {
+                    self.paged_gqa(&q, pool, li, step, (nh, nkv, dh), scale, r0, c, &mut out)?;
+                }
+                self.prefill_gqa(&q, pool, li, step, s, (nh, nkv, dh), scale, &mut out)?;
+            } else {
+                run = Some(match run {
+                    Some((r0, c)) => (r0, c + s.len),
+                    None => (s.row0, s.len),
+                });
+            }
+        }
+        if let Some((r0, c)) = run {
+            self.paged_gqa(&q, pool, li, step, (nh, nkv, dh), scale, r0, c, &mut out)?;
+        }
+        self.linear(o, &out, x, n, true)
+    }
+
+    /// Paged attention for rows `row0..row0 + rows` of the step (decode and short chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn paged_gqa(
+        &self,
+        q: &CudaSlice<f32>,
+        pool: &GpuKvPool,
+        li: usize,
+        step: &StepIndex,
+        (nh, nkv, dh): (usize, usize, usize),
+        scale: f32,
+        row0: usize,
+        rows: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> anyhow::Result<()> {
+        let (mb, nh_i, nkv_i, dh_i, blk, row0_i) = (
             step.max_blocks as i32,
             nh as i32,
             nkv as i32,
             dh as i32,
             BLOCK as i32,
+            row0 as i32,
         );
-        let scale = cfg.attention_scale();
         let dev = &self.dev;
         let mut l = dev.launch(&dev.k.paged_attention);
-        l.arg(&q)
+        l.arg(q)
             .arg(&pool.k[li])
             .arg(&pool.v[li])
             .arg(step.tables)
@@ -143,11 +198,129 @@ impl GpuModel {
             .arg(&dh_i)
             .arg(&blk)
             .arg(&scale)
-            .arg(&mut out);
+            .arg(&row0_i)
+            .arg(out);
         let smem = ((dh + 128) * 4) as u32;
-        unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), 128, smem)) }
+        unsafe { l.launch(GpuDevice::cfg((rows as u32, nh as u32), 128, smem)) }
             .map_err(launch_err)?;
-        self.linear(o, &out, x, n, true)
+        Ok(())
+    }
+
+    /// Causal attention of one long chunk (`s`) as GEMMs: its cached K/V rows (the chunk's own rows were
+    /// appended already, earlier chunks' rows are there too) gathered to contiguous bf16, then per query
+    /// block and KV head `S = scale · Q Kᵀ` (strided-batched over the group's query heads), a causal
+    /// softmax to bf16 `P`, and `O = P V` written straight into the head's columns of `out`.
+    /// Query blocks keep the score buffer ≤ `PREFILL_SCORE_BYTES` and skip keys past the block (causal).
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_gqa(
+        &self,
+        q: &CudaSlice<f32>,
+        pool: &GpuKvPool,
+        li: usize,
+        step: &StepIndex,
+        s: &SeqRows,
+        (nh, nkv, dh): (usize, usize, usize),
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> anyhow::Result<()> {
+        let dev = &self.dev;
+        let total = s.pos0 + s.len; // keys of the last query
+        let (kw, vw) = (nkv * dh, pool.v_width);
+        let hq = nh / nkv;
+        // bf16 Q of this chunk's rows, K and V of all its positions
+        let qn = s.len * nh * dh;
+        let mut qb = self.alloc::<bf16>(qn)?;
+        {
+            let q_rows = q.slice(s.row0 * nh * dh..s.row0 * nh * dh + qn);
+            let mut l = dev.launch(&dev.k.f32_to_bf16);
+            l.arg(&q_rows).arg(&qn).arg(&mut qb);
+            unsafe { l.launch(GpuDevice::cfg_elems(qn)) }.map_err(launch_err)?;
+        }
+        let mut kb = self.alloc::<bf16>(total * kw)?;
+        let mut vb = self.alloc::<bf16>(total * vw)?;
+        {
+            let table = step
+                .tables
+                .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
+            let (blk, kw_i, vw_i) = (BLOCK as i32, kw as i32, vw as i32);
+            let mut l = dev.launch(&dev.k.gather_kv_bf16);
+            l.arg(&pool.k[li])
+                .arg(&pool.v[li])
+                .arg(&table)
+                .arg(&blk)
+                .arg(&kw_i)
+                .arg(&vw_i)
+                .arg(&mut kb)
+                .arg(&mut vb);
+            unsafe { l.launch(GpuDevice::cfg((total as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        }
+        // query rows per block: hq heads × rows × keys × (4 B score + 2 B probability) within budget
+        let block_rows = (PREFILL_SCORE_BYTES / (hq * total * 6)).max(16).min(s.len);
+        let scores = self.alloc::<f32>(hq * block_rows * total)?;
+        let mut probs = self.alloc::<bf16>(hq * block_rows * total)?;
+        let (qa, ka, va, sa, pa, oa) = (
+            dev.addr(&qb),
+            dev.addr(&kb),
+            dev.addr(&vb),
+            dev.addr(&scores),
+            dev.addr(&probs),
+            dev.addr(&*out),
+        );
+        const B16: u64 = 2;
+        let mut r0 = 0;
+        while r0 < s.len {
+            let rows = block_rows.min(s.len - r0);
+            let lk = s.pos0 + r0 + rows; // causal: no key beyond the block's last query
+            for g in 0..nkv {
+                let h0 = g * hq;
+                // S_b (row-major [rows, lk]) = column-major lk × rows: op(A)=Kᵀ-view, op(B)=Q-view
+                // SAFETY: every address below lies inside the buffers allocated above (or `out`), at the
+                // offsets and extents the strides describe; all stay alive until the stream runs.
+                unsafe {
+                    dev.gemm_bf16_batched_raw(
+                        true,
+                        false,
+                        (lk, rows, dh),
+                        scale,
+                        (ka + B16 * (g * dh) as u64, kw, 0),
+                        (qa + B16 * ((r0 * nh + h0) * dh) as u64, nh * dh, dh),
+                        (sa, lk, rows * lk),
+                        hq,
+                        false,
+                    )?;
+                }
+                let (lk_i, rows_i, qpos) = (lk as i32, rows as i32, (s.pos0 + r0) as i32);
+                let mut l = dev.launch(&dev.k.causal_softmax_rows);
+                l.arg(&scores)
+                    .arg(&lk_i)
+                    .arg(&rows_i)
+                    .arg(&qpos)
+                    .arg(&mut probs);
+                unsafe { l.launch(GpuDevice::cfg(((hq * rows) as u32, 1), 256, 0)) }
+                    .map_err(launch_err)?;
+                // O_b (head h0 + b's columns of the chunk's rows) = column-major dh × rows: V-view · P_bᵀ
+                // SAFETY: as above; `out` has n × nh × dh elements and row s.row0 + r0 + rows ≤ n.
+                unsafe {
+                    dev.gemm_bf16_batched_raw(
+                        false,
+                        false,
+                        (dh, rows, lk),
+                        1.0,
+                        (va + B16 * (g * dh) as u64, vw, 0),
+                        (pa, lk, rows * lk),
+                        (
+                            oa + B16 * (((s.row0 + r0) * nh + h0) * dh) as u64,
+                            nh * dh,
+                            dh,
+                        ),
+                        hq,
+                        true,
+                    )?;
+                }
+            }
+            r0 += rows;
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]

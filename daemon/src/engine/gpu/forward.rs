@@ -5,7 +5,7 @@ use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
@@ -33,6 +33,17 @@ pub struct GpuSeqInput<'a> {
 
 pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow::anyhow!("CUDA launch: {e}")
+}
+
+/// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
+struct PhaseBuffers<'a> {
+    xe: &'a CudaSlice<bf16>,
+    gu: &'a mut CudaSlice<f32>,
+    act: &'a mut CudaSlice<bf16>,
+    ye: &'a mut CudaSlice<f32>,
+    hd: usize,
+    inter: usize,
+    gelu: bool,
 }
 
 impl GpuModel {
@@ -110,6 +121,59 @@ impl GpuModel {
         self.linear(&m.down, &a, y, n, accumulate)
     }
 
+    /// One phase of GPU experts: `groups` (expert, first row, rows) with consecutive rows, `ws` their
+    /// (gate_up `[2I, H]`, down `[H, I]`) weights: gate_up GEMMs, one activation over the phase's
+    /// rows, down GEMMs into `ye`.
+    fn expert_phase(
+        &self,
+        groups: &[(usize, usize, usize)],
+        ws: &[(CudaView<'_, bf16>, CudaView<'_, bf16>)],
+        b: &mut PhaseBuffers<'_>,
+    ) -> anyhow::Result<()> {
+        let (Some(first), Some(last)) = (groups.first(), groups.last()) else {
+            return Ok(());
+        };
+        let (hd, inter, dev) = (b.hd, b.inter, &self.dev);
+        let (r0, r1) = (first.1, last.1 + last.2);
+        for (&(_, g0, c), (w_gu, _)) in groups.iter().zip(ws) {
+            let mut out = b.gu.slice_mut(g0 * 2 * inter..(g0 + c) * 2 * inter);
+            dev.gemm_bf16(
+                &b.xe.slice(g0 * hd..(g0 + c) * hd),
+                w_gu,
+                &mut out,
+                c,
+                2 * inter,
+                hd,
+                false,
+            )?;
+        }
+        let (inter_i, rows_i, gelu) = (inter as i32, (r1 - r0) as i32, b.gelu as i32);
+        {
+            let gu_v = b.gu.slice(r0 * 2 * inter..r1 * 2 * inter);
+            let mut act_v = b.act.slice_mut(r0 * inter..r1 * inter);
+            let mut l = dev.launch(&dev.k.silu_mul);
+            l.arg(&gu_v)
+                .arg(&inter_i)
+                .arg(&rows_i)
+                .arg(&gelu)
+                .arg(&mut act_v);
+            unsafe { l.launch(GpuDevice::cfg_elems((r1 - r0) * inter)) }.map_err(launch_err)?;
+        }
+        for (&(_, g0, c), (_, w_d)) in groups.iter().zip(ws) {
+            let mut out = b.ye.slice_mut(g0 * hd..(g0 + c) * hd);
+            dev.gemm_bf16(
+                &b.act.slice(g0 * inter..(g0 + c) * inter),
+                w_d,
+                &mut out,
+                c,
+                hd,
+                inter,
+                false,
+            )?;
+        }
+        Ok(())
+    }
+
     fn add(&self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
         let mut l = self.dev.launch(&self.dev.k.add_inplace);
         l.arg(y).arg(x).arg(&n);
@@ -138,8 +202,15 @@ impl GpuModel {
         let mut seq_of = Vec::new();
         let mut slots = Vec::new();
         let mut last_rows = Vec::new();
+        let mut seqs = Vec::with_capacity(batch.len());
         for (si, b) in batch.iter_mut().enumerate() {
             b.kv.reserve(&mut pool, b.pos0 + b.tokens.len())?;
+            seqs.push(super::attention::SeqRows {
+                seq: si,
+                row0: ids.len(),
+                len: b.tokens.len(),
+                pos0: b.pos0,
+            });
             for (i, &t) in b.tokens.iter().enumerate() {
                 let p = b.pos0 + i;
                 ids.push(t as i32);
@@ -187,6 +258,16 @@ impl GpuModel {
         let mut logits = self.alloc::<f32>(n * experts_n)?;
         let mut d_eids = self.alloc::<i32>(n * top_k)?;
         let mut d_w = self.alloc::<f32>(n * top_k)?;
+        // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
+        let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stream = if layerwise {
+            stream_guard.as_mut()
+        } else {
+            None
+        };
+        if let Some(es) = stream.as_deref_mut() {
+            es.begin_step(dev, host)?;
+        }
         for (li, layer) in self.layers.iter().enumerate() {
             // ---- attention
             self.rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
@@ -197,6 +278,7 @@ impl GpuModel {
                 slots: &d_slots,
                 tables: &d_tables,
                 max_blocks,
+                seqs: &seqs,
             };
             match &layer.attn {
                 GpuAttention::Gqa { .. } => {
@@ -312,121 +394,148 @@ impl GpuModel {
                             }
                         }
                     }
-                    // Resident (and, in layerwise prefill, streamed) experts: their tokens' rows gathered
-                    // once in expert order, one GEMM pair per expert on views, one activation and one
-                    // weighted scatter for all of them.
-                    let mut streamed = Vec::new();
+                    // Routed experts on the GPU: resident ones, then (layerwise prefill) the layer's
+                    // streamed chunks. Their tokens' rows are gathered once (resident experts first,
+                    // then chunk by chunk, so each phase's rows are one range), one GEMM pair per
+                    // expert on views, one activation per phase, one weighted scatter at the end.
+                    let chunk_list = match stream.as_deref() {
+                        Some(es) if layerwise => es.layer_chunks(li),
+                        _ => Vec::new(),
+                    };
+                    let streaming = !chunk_list.is_empty();
+                    let mut uploaded = Vec::new(); // layerwise without the stream (int4): per expert
                     let mut groups: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first row, rows)
                     let mut idx: Vec<i32> = Vec::new();
                     let mut wts: Vec<f32> = Vec::new();
-                    for (eid, toks) in per_expert.iter().enumerate() {
-                        if toks.is_empty() || (moe.experts[eid].is_none() && !layerwise) {
-                            continue;
-                        }
+                    let mut push = |eid: usize, groups: &mut Vec<(usize, usize, usize)>| {
+                        let toks = &per_expert[eid];
                         groups.push((eid, idx.len(), toks.len()));
                         idx.extend(toks.iter().map(|t| t.0));
                         wts.extend(toks.iter().map(|t| t.1));
+                    };
+                    for (eid, toks) in per_expert.iter().enumerate() {
+                        let resident = moe.experts[eid].is_some();
+                        if !toks.is_empty() && (resident || (layerwise && !streaming)) {
+                            push(eid, &mut groups);
+                        }
                     }
-                    if !groups.is_empty() {
-                        if layerwise {
-                            let t = Instant::now();
-                            for &(eid, _, _) in &groups {
-                                if moe.experts[eid].is_none() {
-                                    streamed.push((
-                                        eid,
-                                        super::upload_dram_expert(dev, host_block, eid)?,
-                                    ));
+                    let resident_groups = groups.len();
+                    // (chunk, first group, groups) per streamed chunk of this layer
+                    let mut chunk_groups = Vec::new();
+                    if let Some(es) = stream.as_deref() {
+                        for &c in &chunk_list {
+                            let g0 = groups.len();
+                            for &id in &es.chunk(c).ids {
+                                if !per_expert[id as usize].is_empty() {
+                                    push(id as usize, &mut groups);
                                 }
                             }
-                            times.transfer_s += t.elapsed().as_secs_f64();
+                            chunk_groups.push((c, g0, groups.len() - g0));
                         }
-                        let rows = idx.len();
+                    }
+                    if layerwise && !streaming {
+                        let t = Instant::now();
+                        for &(eid, _, _) in &groups {
+                            if moe.experts[eid].is_none() {
+                                uploaded
+                                    .push((eid, super::upload_dram_expert(dev, host_block, eid)?));
+                            }
+                        }
+                        times.transfer_s += t.elapsed().as_secs_f64();
+                    }
+                    let rows = idx.len();
+                    if rows > 0 || streaming {
                         let inter = mc.expert_intermediate;
-                        let d_idx = s.clone_htod(&idx)?;
-                        let d_wts = s.clone_htod(&wts)?;
                         let hd_i = hd as i32;
+                        let (d_idx, d_wts) = if rows > 0 {
+                            (Some(s.clone_htod(&idx)?), Some(s.clone_htod(&wts)?))
+                        } else {
+                            (None, None)
+                        };
                         let mut xe = self.alloc::<bf16>(rows * hd)?;
-                        let mut l = dev.launch(&dev.k.gather_rows);
-                        l.arg(&hb).arg(&d_idx).arg(&hd_i).arg(&mut xe);
-                        unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }
-                            .map_err(launch_err)?;
+                        if let Some(d_idx) = &d_idx {
+                            let mut l = dev.launch(&dev.k.gather_rows);
+                            l.arg(&hb).arg(d_idx).arg(&hd_i).arg(&mut xe);
+                            unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }
+                                .map_err(launch_err)?;
+                        }
                         let mut gu = self.alloc::<f32>(rows * 2 * inter)?;
-                        let expert_of = |eid: usize| -> anyhow::Result<&GpuMlp> {
-                            match &moe.experts[eid] {
-                                Some(m) => Ok(m),
-                                None => streamed
+                        let mut act = self.alloc::<bf16>(rows * inter)?;
+                        let mut ye = self.alloc::<f32>(rows * hd)?;
+                        let mut bufs = PhaseBuffers {
+                            xe: &xe,
+                            gu: &mut gu,
+                            act: &mut act,
+                            ye: &mut ye,
+                            hd,
+                            inter,
+                            gelu: cfg.activation == Activation::GeluTanh,
+                        };
+                        let resident = &groups[..resident_groups];
+                        let mut ws = Vec::with_capacity(resident.len());
+                        for &(eid, _, _) in resident {
+                            let m = match &moe.experts[eid] {
+                                Some(m) => m,
+                                None => uploaded
                                     .iter()
                                     .find(|(e, _)| *e == eid)
                                     .map(|(_, m)| m)
-                                    .context("streamed expert missing"),
+                                    .context("uploaded expert missing")?,
+                            };
+                            ws.push((m.gate_up.w.slice(..), m.down.w.slice(..)));
+                        }
+                        self.expert_phase(resident, &ws, &mut bufs)?;
+                        if let Some(es) = stream.as_deref_mut() {
+                            let t = Instant::now();
+                            for &(c, g0, count) in &chunk_groups {
+                                es.take(dev, host, c)?;
+                                let gs = &groups[g0..g0 + count];
+                                let each = es.geometry.dense_elems();
+                                let split = 2 * inter * hd;
+                                let mut ws = Vec::with_capacity(gs.len());
+                                for &(eid, _, _) in gs {
+                                    let j = es
+                                        .chunk(c)
+                                        .ids
+                                        .iter()
+                                        .position(|&x| x as usize == eid)
+                                        .context("expert not in its chunk")?;
+                                    ws.push((
+                                        es.dense.slice(j * each..j * each + split),
+                                        es.dense.slice(j * each + split..(j + 1) * each),
+                                    ));
+                                }
+                                self.expert_phase(gs, &ws, &mut bufs)?;
                             }
-                        };
-                        for &(eid, r0, c) in &groups {
-                            let m = expert_of(eid)?;
-                            let mut out = gu.slice_mut(r0 * 2 * inter..(r0 + c) * 2 * inter);
-                            dev.gemm_bf16(
-                                &xe.slice(r0 * hd..(r0 + c) * hd),
-                                &m.gate_up.w,
-                                &mut out,
-                                c,
-                                2 * inter,
-                                hd,
-                                false,
-                            )?;
+                            times.transfer_s += t.elapsed().as_secs_f64();
                         }
-                        let mut act = self.alloc::<bf16>(rows * inter)?;
-                        let (inter_i, rows_i, gelu) = (
-                            inter as i32,
-                            rows as i32,
-                            (cfg.activation == Activation::GeluTanh) as i32,
-                        );
-                        let mut l = dev.launch(&dev.k.silu_mul);
-                        l.arg(&gu)
-                            .arg(&inter_i)
-                            .arg(&rows_i)
-                            .arg(&gelu)
-                            .arg(&mut act);
-                        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }
-                            .map_err(launch_err)?;
-                        let mut ye = self.alloc::<f32>(rows * hd)?;
-                        for &(eid, r0, c) in &groups {
-                            let m = expert_of(eid)?;
-                            let mut out = ye.slice_mut(r0 * hd..(r0 + c) * hd);
-                            dev.gemm_bf16(
-                                &act.slice(r0 * inter..(r0 + c) * inter),
-                                &m.down.w,
-                                &mut out,
-                                c,
-                                hd,
-                                inter,
-                                false,
-                            )?;
+                        if rows > 0 {
+                            // token → its rows, for a deterministic per-token sum
+                            let mut offsets = vec![0i32; n + 1];
+                            for &t in &idx {
+                                offsets[t as usize + 1] += 1;
+                            }
+                            for t in 0..n {
+                                offsets[t + 1] += offsets[t];
+                            }
+                            let mut fill = offsets.clone();
+                            let mut token_rows = vec![0i32; rows];
+                            for (r, &t) in idx.iter().enumerate() {
+                                token_rows[fill[t as usize] as usize] = r as i32;
+                                fill[t as usize] += 1;
+                            }
+                            let d_off = s.clone_htod(&offsets)?;
+                            let d_rows = s.clone_htod(&token_rows)?;
+                            let mut l = dev.launch(&dev.k.scatter_add_weighted);
+                            l.arg(&ye)
+                                .arg(&d_off)
+                                .arg(&d_rows)
+                                .arg(d_wts.as_ref().context("weights")?)
+                                .arg(&hd_i)
+                                .arg(&mut x);
+                            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
+                                .map_err(launch_err)?;
                         }
-                        // token → its rows, for a deterministic per-token sum
-                        let mut offsets = vec![0i32; n + 1];
-                        for &t in &idx {
-                            offsets[t as usize + 1] += 1;
-                        }
-                        for t in 0..n {
-                            offsets[t + 1] += offsets[t];
-                        }
-                        let mut fill = offsets.clone();
-                        let mut token_rows = vec![0i32; rows];
-                        for (r, &t) in idx.iter().enumerate() {
-                            token_rows[fill[t as usize] as usize] = r as i32;
-                            fill[t as usize] += 1;
-                        }
-                        let d_off = s.clone_htod(&offsets)?;
-                        let d_rows = s.clone_htod(&token_rows)?;
-                        let mut l = dev.launch(&dev.k.scatter_add_weighted);
-                        l.arg(&ye)
-                            .arg(&d_off)
-                            .arg(&d_rows)
-                            .arg(&d_wts)
-                            .arg(&hd_i)
-                            .arg(&mut x);
-                        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
-                            .map_err(launch_err)?;
                     }
                     // Meanwhile on the CPU: the DRAM experts of the same tokens.
                     if let Some(hx) = host_x {

@@ -11,6 +11,7 @@ pub mod attention;
 pub mod forward;
 pub mod kv;
 pub mod setup;
+pub mod stream;
 
 use crate::engine::linear::Linear;
 use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};
@@ -98,6 +99,9 @@ pub struct GpuModel {
     pub kv: Arc<Mutex<GpuKvPool>>,
     /// Steps with at least this many tokens stream DRAM experts to the GPU (layerwise prefill).
     pub prefill_threshold: usize,
+    /// The packed-expert stream of layerwise prefill (set up by [`GpuModel::attach_expert_stream`]
+    /// once the CPU kernels have packed the DRAM experts); `None`: per-expert uploads.
+    pub stream: Mutex<Option<stream::ExpertStream>>,
 }
 
 pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
@@ -295,6 +299,25 @@ impl GpuModel {
             inv_freq,
             kv: Arc::new(Mutex::new(kv)),
             prefill_threshold,
+            stream: Mutex::new(None),
         })
+    }
+
+    /// Prepares layerwise prefill's expert stream over `host`'s packed DRAM experts (pins them).
+    pub fn attach_expert_stream(&self, host: &Model, chunk_bytes: usize) -> anyhow::Result<()> {
+        let t = std::time::Instant::now();
+        let es = stream::ExpertStream::new(&self.dev, host, chunk_bytes)?;
+        if let Some(es) = &es {
+            let msg =
+                format!(
+                "layerwise prefill: DRAM experts streamed in chunks of {} ({}), set up in {:.1} s",
+                es.chunk_experts,
+                if es.pinned() { "pinned memory" } else { "pageable memory" },
+                t.elapsed().as_secs_f64()
+            );
+            tracing::info!("{msg}");
+        }
+        *self.stream.lock().unwrap_or_else(|e| e.into_inner()) = es;
+        Ok(())
     }
 }

@@ -55,8 +55,10 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         expert_bytes_each: each,
         gpu_experts_total: 0,
         kv_cache: GpuKvPool::bytes_for(cfg.num_layers, widths, blocks),
-        // activations of a step plus one layer of experts streamed in layerwise prefill
-        workspace: (1usize << 30) + experts * each,
+        // activations of a step, plus layerwise prefill's expert stream (two packed staging
+        // chunks and one dense chunk)
+        workspace: (1usize << 30)
+            + super::stream::device_bytes(each, experts, opts.gpu_stream_chunk_bytes),
         device_free: free,
     };
     let per_layer = match opts.gpu_experts {

@@ -50,11 +50,13 @@ mod kern_amx;
 mod kern_avx512;
 mod kern_generic;
 mod pack;
+mod packed;
 #[cfg(test)]
 mod tests;
 
 pub use act::Activation;
 pub use pack::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32, PackError, SourceTensor, WeightFormat};
+pub use packed::{dense_to_f32, unpack_expert_reference, PackedGeometry, PackedMat};
 
 use std::sync::Mutex;
 

@@ -503,3 +503,42 @@ fn engine_facing_types_are_thread_safe() {
     send_sync::<WorkerPool>();
     send_sync::<ExpertSetConfig>();
 }
+
+/// The GPU unpack contract: `unpack_expert_reference` (the CUDA kernel's twin) reproduces every weight
+/// the CPU kernels read (`export_bf16`, from `MatRef::weight`) bit for bit, padding excluded, with
+/// shapes that are not multiples of any tile.
+#[test]
+fn gpu_unpack_twin_matches_packed_weights() {
+    let mut rng = Rng(7);
+    let pool = pool(&[2]);
+    let (h, i, total) = (200, 144, 4u32);
+    for fmt in [
+        WeightFormat::Bf16,
+        WeightFormat::Fp8Block,
+        WeightFormat::Int8,
+    ] {
+        let layer = Layer::new(&mut rng, fmt, total, h, i);
+        let cfg = ExpertSetConfig::new(h, i, fmt);
+        let set = CpuExpertSet::new(&cfg, &layer.ids, &layer.sources(), &pool).unwrap();
+        let g = set.packed_geometry();
+        assert!(g.gpu_format_code().is_some());
+        assert_eq!(g.expert_bytes, set.bytes_per_expert());
+        let regions: usize = set.packed_regions().iter().map(|r| r.len()).sum();
+        assert_eq!(regions, layer.ids.len() * g.expert_bytes);
+        for &id in &layer.ids {
+            let dense = unpack_expert_reference(&g, set.packed_expert(id).unwrap());
+            let (gate_up, down) = set.export_bf16(id).unwrap();
+            assert_eq!(
+                &dense[..2 * i * h],
+                &gate_up[..],
+                "{fmt:?} expert {id} gate_up"
+            );
+            assert_eq!(&dense[2 * i * h..], &down[..], "{fmt:?} expert {id} down");
+        }
+        assert!(set.packed_expert(1).is_none(), "expert 1 is not held");
+    }
+    let int4 = ExpertSetConfig::new(h, i, WeightFormat::Int4 { group: 32 });
+    let layer = Layer::new(&mut rng, int4.format, 2, h, i);
+    let set = CpuExpertSet::new(&int4, &layer.ids, &layer.sources(), &pool).unwrap();
+    assert_eq!(set.packed_geometry().gpu_format_code(), None);
+}

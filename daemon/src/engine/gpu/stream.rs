@@ -1,0 +1,289 @@
+//! Layerwise prefill's expert stream: every DRAM expert of each MoE layer goes to the GPU once per long
+//! prefill step, straight from the CPU kernels' packed memory.
+//!
+//! - The packed regions are registered (pinned) with the driver once, at start, so each copy is a DMA
+//!   from the very bytes the CPU kernels read: no host-side staging copy, no second layout in RAM. Where
+//!   registration is refused (locked-memory limits), copies still work from pageable memory, slower.
+//! - A layer's experts go in chunks of `chunk_experts` (a few hundred MiB) through two device staging
+//!   slots on a copy stream; the main stream unpacks a chunk (`unpack_experts`: packed tiles → dense
+//!   bf16 `[gate; up]` and `down`) and runs its GEMMs while the copy stream fills the other slot. Chunks
+//!   are issued ahead across layer boundaries, so the next layer's first chunk crosses PCIe while this
+//!   layer (and the next one's attention) computes. All ordering is by events on the GPU: the host never
+//!   waits for a copy.
+//! - Every DRAM expert is sent, routed or not: with thousands of prompt tokens nearly all are, and sending
+//!   all lets the copy start before the router has run.
+use anyhow::Context;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PushKernelArg};
+use half::bf16;
+use moe_kernels::cpu::moe::{CpuExpertSet, PackedGeometry};
+use moe_kernels::cuda::GpuDevice;
+use std::sync::Arc;
+
+use super::forward::launch_err;
+use crate::model::{Ffn, Model};
+
+/// Default target bytes of one chunk (per staging slot; the dense copy is about as large): big enough
+/// that per-copy and per-GEMM overheads vanish, small enough for any GPU's workspace.
+pub const CHUNK_BYTES: usize = 256 << 20;
+
+/// Experts per chunk for experts of `expert_bytes` bytes each.
+pub fn chunk_experts(expert_bytes: usize, experts: usize, chunk_bytes: usize) -> usize {
+    (chunk_bytes / expert_bytes.max(1)).clamp(1, experts.max(1))
+}
+
+/// Device bytes the stream holds: two packed staging slots and one dense chunk (packed bytes are the
+/// dense bf16 size plus tile padding and scales: 5/4 covers them).
+pub fn device_bytes(dense_expert_bytes: usize, experts: usize, chunk_bytes: usize) -> usize {
+    let c = chunk_experts(dense_expert_bytes, experts, chunk_bytes);
+    c * dense_expert_bytes * 2 * 5 / 4 + c * dense_expert_bytes
+}
+
+/// One chunk of one layer's DRAM experts.
+#[derive(Clone, Debug)]
+pub struct Chunk {
+    pub layer: usize,
+    /// Global expert ids, in the order they sit in staging and in the dense buffer.
+    pub ids: Vec<u32>,
+}
+
+/// Host memory registered with the driver; unregistered on drop.
+struct Registered(Vec<usize>);
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        for &p in &self.0 {
+            // SAFETY: `p` was registered by `cuMemHostRegister` and is still mapped (the engine drops the
+            // GPU model before the host model that owns the memory).
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut _) };
+        }
+    }
+}
+
+pub struct ExpertStream {
+    copy: Arc<CudaStream>,
+    staging: [CudaSlice<u8>; 2],
+    ready: [CudaEvent; 2],
+    free: [CudaEvent; 2],
+    pub dense: CudaSlice<bf16>,
+    pub geometry: PackedGeometry,
+    pub chunk_experts: usize,
+    /// Every chunk of a step, layer by layer (fixed: the DRAM experts do not move).
+    chunks: Vec<Chunk>,
+    /// Chunks of this step whose copies were enqueued / that were unpacked.
+    issued: usize,
+    consumed: usize,
+    pinned: bool,
+    _registered: Registered,
+}
+
+/// The CPU expert set of layer `li`, if that layer keeps experts in DRAM.
+fn layer_set(host: &Model, li: usize) -> Option<&CpuExpertSet> {
+    match &host.layers.get(li)?.ffn {
+        Ffn::Moe(b) => b.cpu_set.as_ref(),
+        _ => None,
+    }
+}
+
+impl ExpertStream {
+    /// Sets up streaming for `host`'s packed DRAM experts; `None` when no layer has any, or when their
+    /// format is one the GPU does not unpack (int4: those layers keep the per-expert upload path).
+    pub fn new(
+        dev: &GpuDevice,
+        host: &Model,
+        chunk_bytes: usize,
+    ) -> anyhow::Result<Option<ExpertStream>> {
+        let sets: Vec<(usize, &CpuExpertSet)> = (0..host.layers.len())
+            .filter_map(|li| layer_set(host, li).map(|s| (li, s)))
+            .collect();
+        let Some(&(_, first)) = sets.first() else {
+            return Ok(None);
+        };
+        let geometry = first.packed_geometry();
+        if geometry.gpu_format_code().is_none()
+            || sets.iter().any(|(_, s)| s.packed_geometry() != geometry)
+        {
+            tracing::info!(
+                "layerwise prefill: expert format not unpacked on the GPU; uploading per expert"
+            );
+            return Ok(None);
+        }
+        let dense_each = geometry.dense_elems() * 2;
+        let per_layer = sets
+            .iter()
+            .map(|(_, s)| s.expert_ids().len())
+            .max()
+            .unwrap_or(1);
+        let chunk = chunk_experts(dense_each, per_layer, chunk_bytes);
+        let mut chunks = Vec::new();
+        for (li, s) in &sets {
+            for ids in s.expert_ids().chunks(chunk) {
+                chunks.push(Chunk {
+                    layer: *li,
+                    ids: ids.to_vec(),
+                });
+            }
+        }
+        // Pin the packed regions once (cost: page pinning, about a second per 10-20 GiB).
+        dev.ctx.bind_to_thread()?;
+        let mut registered = Vec::new();
+        let mut refused = None;
+        for (_, s) in &sets {
+            for r in s.packed_regions() {
+                if r.is_empty() {
+                    continue;
+                }
+                // SAFETY: a live mapping owned by the host model, which outlives this registration.
+                let rc = unsafe {
+                    cudarc::driver::sys::cuMemHostRegister_v2(r.as_ptr() as *mut _, r.len(), 0)
+                };
+                if rc == cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
+                    registered.push(r.as_ptr() as usize);
+                } else {
+                    refused = Some(rc);
+                }
+            }
+        }
+        let pinned = refused.is_none();
+        if let Some(rc) = refused {
+            tracing::warn!(
+                "layerwise prefill: pinning DRAM expert memory refused ({rc:?}); copies run from pageable memory, slower"
+            );
+        }
+        let s = &dev.stream;
+        let slot_bytes = chunk * geometry.expert_bytes;
+        // SAFETY: staging is written by copies before any unpack reads it (events order them).
+        let staging = unsafe { [s.alloc::<u8>(slot_bytes)?, s.alloc::<u8>(slot_bytes)?] };
+        // SAFETY: dense is written by `unpack_experts` before any GEMM reads it (same stream).
+        let dense = unsafe { s.alloc::<bf16>(chunk * geometry.dense_elems())? };
+        let ev = || dev.ctx.new_event(None);
+        Ok(Some(ExpertStream {
+            copy: dev.ctx.new_stream()?,
+            staging,
+            ready: [ev()?, ev()?],
+            free: [ev()?, ev()?],
+            dense,
+            geometry,
+            chunk_experts: chunk,
+            chunks,
+            issued: 0,
+            consumed: 0,
+            pinned,
+            _registered: Registered(registered),
+        }))
+    }
+
+    pub fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Starts a long-prefill step: enqueues the first two chunks' copies.
+    pub fn begin_step(&mut self, dev: &GpuDevice, host: &Model) -> anyhow::Result<()> {
+        self.issued = 0;
+        self.consumed = 0;
+        self.issue_ahead(dev, host)
+    }
+
+    /// Copies of the next chunks into free staging slots (at most two in flight or unconsumed).
+    fn issue_ahead(&mut self, dev: &GpuDevice, host: &Model) -> anyhow::Result<()> {
+        while self.issued < self.chunks.len() && self.issued < self.consumed + 2 {
+            let slot = self.issued % 2;
+            let chunk = &self.chunks[self.issued];
+            let set = layer_set(host, chunk.layer).context("streamed layer lost its experts")?;
+            // The slot's previous chunk must be unpacked before it is overwritten.
+            self.copy.wait(&self.free[slot])?;
+            let base = dev.addr(&self.staging[slot]);
+            let each = self.geometry.expert_bytes;
+            // Adjacent experts (consecutive in the packed buffer) go as one copy.
+            let mut run: Option<(*const u8, usize, usize)> = None; // (host start, bytes, staging offset)
+            let flush = |run: (*const u8, usize, usize)| -> anyhow::Result<()> {
+                // SAFETY: the host bytes are registered or pageable live memory of the host model; the
+                // destination lies inside the staging slot (chunk ≤ chunk_experts experts).
+                unsafe {
+                    let src = std::slice::from_raw_parts(run.0, run.1);
+                    cudarc::driver::result::memcpy_htod_async(
+                        base + run.2 as u64,
+                        src,
+                        self.copy.cu_stream(),
+                    )?;
+                }
+                Ok(())
+            };
+            for (j, &id) in chunk.ids.iter().enumerate() {
+                let bytes = set
+                    .packed_expert(id)
+                    .with_context(|| format!("expert {id} not in layer {}'s set", chunk.layer))?;
+                run = Some(match run {
+                    Some((p, len, off)) if p.wrapping_add(len) == bytes.as_ptr() => {
+                        (p, len + each, off)
+                    }
+                    Some(r) => {
+                        flush(r)?;
+                        (bytes.as_ptr(), each, j * each)
+                    }
+                    None => (bytes.as_ptr(), each, j * each),
+                });
+            }
+            if let Some(r) = run {
+                flush(r)?;
+            }
+            self.ready[slot].record(&self.copy)?;
+            self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// The chunks of layer `li` in this step, in order (indices for [`ExpertStream::take`]).
+    pub fn layer_chunks(&self, li: usize) -> Vec<usize> {
+        (0..self.chunks.len())
+            .filter(|&c| self.chunks[c].layer == li)
+            .collect()
+    }
+
+    pub fn chunk(&self, c: usize) -> &Chunk {
+        &self.chunks[c]
+    }
+
+    /// Makes chunk `c` (the next unconsumed one) dense in `self.dense` on the main stream, frees its
+    /// staging slot and issues the next copy. Expert `ids[j]` of the chunk is then at
+    /// `j * geometry.dense_elems()`: gate_up `[2I, H]` followed by down `[H, I]`.
+    pub fn take(&mut self, dev: &GpuDevice, host: &Model, c: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            c == self.consumed && c < self.issued,
+            "expert stream out of order (chunk {c}, next {})",
+            self.consumed
+        );
+        let slot = c % 2;
+        dev.stream.wait(&self.ready[slot])?;
+        let g = &self.geometry;
+        let fmt = g.gpu_format_code().context("format not unpackable")?;
+        let count = self.chunks[c].ids.len();
+        let (eb, inter, hidden) = (g.expert_bytes as i64, g.inter as i32, g.hidden as i32);
+        let (gkt, gwb, gb) = (
+            g.gate.k_tiles as i32,
+            g.gate.w_bytes as i64,
+            g.gate.bytes as i64,
+        );
+        let (dkt, dwb) = (g.down.k_tiles as i32, g.down.w_bytes as i64);
+        let mut l = dev.launch(&dev.k.unpack_experts);
+        l.arg(&self.staging[slot])
+            .arg(&eb)
+            .arg(&fmt)
+            .arg(&inter)
+            .arg(&hidden)
+            .arg(&gkt)
+            .arg(&gwb)
+            .arg(&gb)
+            .arg(&dkt)
+            .arg(&dwb)
+            .arg(&mut self.dense);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (256, count as u32, 3),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { l.launch(cfg) }.map_err(launch_err)?;
+        self.free[slot].record(&dev.stream)?;
+        self.consumed += 1;
+        self.issue_ahead(dev, host)
+    }
+}
