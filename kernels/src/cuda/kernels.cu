@@ -301,10 +301,11 @@ extern "C" __global__ void sigmoid_gate_rows(float* y, const float* x, const flo
     for (int i = threadIdx.x; i < dim; i += blockDim.x) y[(size_t)t * dim + i] *= g;
 }
 
-// Router top-k from f32 logits [tokens, experts]; one thread per token.
+// Router top-k from f32 logits [tokens, experts]; one thread per token. The reference for `router_topk`
+// (the GPU tests compare the two); kept for that.
 // kind 0: softmax -> top-k (renorm optional); kind 1: sigmoid, selection on scores + bias with
 // group-limited top-k, weights = unbiased scores (renorm optional) * scaling.
-extern "C" __global__ void router_topk(const float* logits, int tokens, int experts, int k, int kind, int renorm,
+extern "C" __global__ void router_topk_serial(const float* logits, int tokens, int experts, int k, int kind, int renorm,
                                        const float* bias, int n_group, int topk_group, float scaling,
                                        int* ids, float* weights) {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -434,5 +435,109 @@ extern "C" __global__ void unpack_experts(const unsigned char* packed, long long
             size_t o = (size_t)(nt * ktiles + ti) * 1024 + (kin >> 2) * 64 + j * 4 + (kin & 3);
             out[idx] = f2bf((float)((int)m[o] - 128) * scales[n]);
         }
+    }
+}
+
+// (value, index) argmax across a block; ties go to the lower index (as the serial loop's strict >).
+__device__ void block_argmax(float& v, int& i, float* vbuf, int* ibuf) {
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        float v2 = __shfl_xor_sync(0xffffffff, v, o);
+        int i2 = __shfl_xor_sync(0xffffffff, i, o);
+        if (v2 > v || (v2 == v && i2 >= 0 && (i < 0 || i2 < i))) { v = v2; i = i2; }
+    }
+    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    __syncthreads();
+    if (lane == 0) { vbuf[wid] = v; ibuf[wid] = i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int nw = (blockDim.x + WARP - 1) / WARP;
+        for (int w = 1; w < nw; ++w)
+            if (vbuf[w] > vbuf[0] || (vbuf[w] == vbuf[0] && ibuf[w] >= 0 && (ibuf[0] < 0 || ibuf[w] < ibuf[0]))) {
+                vbuf[0] = vbuf[w]; ibuf[0] = ibuf[w];
+            }
+    }
+    __syncthreads();
+    v = vbuf[0]; i = ibuf[0];
+    __syncthreads();
+}
+
+// Router top-k, same contract as router_topk_serial, one block per token (decode: one token's 8 rounds
+// over 128+ experts would otherwise run on a single GPU thread, tens of µs per layer).
+// Dynamic shared memory: 2 * experts floats.
+extern "C" __global__ void router_topk(const float* logits, int tokens, int experts, int k, int kind, int renorm,
+                                       const float* bias, int n_group, int topk_group, float scaling,
+                                       int* ids, float* weights) {
+    extern __shared__ float sm[];
+    __shared__ float vbuf[32];
+    __shared__ int ibuf[32];
+    __shared__ unsigned long long keep;
+    float* sel = sm;            // selection score (-inf once taken or masked)
+    float* val = sm + experts;  // weight before renormalisation
+    int t = blockIdx.x, tid = threadIdx.x;
+    const float* l = logits + (size_t)t * experts;
+    float mx = -INFINITY;
+    for (int e = tid; e < experts; e += blockDim.x) mx = fmaxf(mx, l[e]);
+    mx = block_max(mx, vbuf);
+    float sum = 0.f;
+    if (kind == 0) {
+        for (int e = tid; e < experts; e += blockDim.x) sum += __expf(l[e] - mx);
+        sum = block_sum(sum, vbuf);
+    }
+    for (int e = tid; e < experts; e += blockDim.x) {
+        if (kind == 0) {
+            sel[e] = l[e];
+            val[e] = __expf(l[e] - mx) / sum;
+        } else {
+            float sg = 1.f / (1.f + __expf(-l[e]));
+            val[e] = sg;
+            sel[e] = sg + (bias ? bias[e] : 0.f);
+        }
+    }
+    __syncthreads();
+    if (kind == 1 && n_group > 1) {
+        // groups: score = sum of the top-2 biased scores (top-1 if one expert per group); keep topk_group
+        if (tid == 0) {
+            int per = experts / n_group;
+            unsigned long long kp = 0;
+            for (int r = 0; r < topk_group; ++r) {
+                float best = -INFINITY; int bg = -1;
+                for (int g = 0; g < n_group; ++g) {
+                    if (kp >> g & 1ull) continue;
+                    float a = -INFINITY, b = -INFINITY;
+                    for (int e = g * per; e < (g + 1) * per; ++e) {
+                        float s = sel[e];
+                        if (s > a) { b = a; a = s; } else if (s > b) b = s;
+                    }
+                    float gs = per > 1 ? a + b : a;
+                    if (gs > best) { best = gs; bg = g; }
+                }
+                kp |= 1ull << bg;
+            }
+            keep = kp;
+        }
+        __syncthreads();
+        int per = experts / n_group;
+        for (int e = tid; e < experts; e += blockDim.x)
+            if (!(keep >> (e / per) & 1ull)) sel[e] = -INFINITY;
+        __syncthreads();
+    }
+    float wsum = 0.f;
+    for (int j = 0; j < k; ++j) {
+        float v = -INFINITY; int bi = -1;
+        for (int e = tid; e < experts; e += blockDim.x)
+            if (sel[e] > v || (bi < 0 && sel[e] == v)) { v = sel[e]; bi = e; }
+        block_argmax(v, bi, vbuf, ibuf);
+        if (tid == 0) {
+            ids[(size_t)t * k + j] = bi;
+            weights[(size_t)t * k + j] = val[bi];
+            sel[bi] = -INFINITY;
+        }
+        wsum += val[bi];
+        __syncthreads();
+    }
+    if (tid < k) {
+        float w = weights[(size_t)t * k + tid];
+        if (renorm) w = kind == 0 ? w / wsum : w / (wsum + 1e-20f);
+        weights[(size_t)t * k + tid] = kind == 1 ? w * scaling : w;
     }
 }

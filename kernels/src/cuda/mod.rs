@@ -52,6 +52,7 @@ pub struct Kernels {
     pub scatter_add_weighted: CudaFunction,
     pub sigmoid_gate_rows: CudaFunction,
     pub router_topk: CudaFunction,
+    pub router_topk_serial: CudaFunction,
     pub f32_to_bf16: CudaFunction,
     pub gather_kv_bf16: CudaFunction,
     pub causal_softmax_rows: CudaFunction,
@@ -126,6 +127,7 @@ impl GpuDevice {
             scatter_add_weighted: f("scatter_add_weighted")?,
             sigmoid_gate_rows: f("sigmoid_gate_rows")?,
             router_topk: f("router_topk")?,
+            router_topk_serial: f("router_topk_serial")?,
             f32_to_bf16: f("f32_to_bf16")?,
             gather_kv_bf16: f("gather_kv_bf16")?,
             causal_softmax_rows: f("causal_softmax_rows")?,
@@ -356,7 +358,11 @@ mod tests {
             "scatter_add_weighted",
             "sigmoid_gate_rows",
             "router_topk",
+            "router_topk_serial",
             "f32_to_bf16",
+            "gather_kv_bf16",
+            "causal_softmax_rows",
+            "unpack_experts",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

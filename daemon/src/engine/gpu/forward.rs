@@ -5,7 +5,7 @@ use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice, PushKernelArg};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
@@ -33,6 +33,35 @@ pub struct GpuSeqInput<'a> {
 
 pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow::anyhow!("CUDA launch: {e}")
+}
+
+/// Pinned host buffers of the per-layer hand-off: routing ids and weights and the normalised
+/// activations down, the CPU experts' sum up. Copies into and out of pinned memory are asynchronous, so
+/// a layer waits for the GPU once; reallocated (larger) when a step outgrows them.
+pub struct Handoff {
+    ids: PinnedHostSlice<i32>,
+    w: PinnedHostSlice<f32>,
+    x: PinnedHostSlice<f32>,
+    y: PinnedHostSlice<f32>,
+}
+
+impl Handoff {
+    fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
+        // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
+        // SAFETY: every element is written (by a copy or by the host) before it is read.
+        let alloc = |n: usize| unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) };
+        Ok(Handoff {
+            // SAFETY: as above.
+            ids: unsafe { dev.ctx.alloc_pinned_with_flags::<i32>(routes.max(1), 0)? },
+            w: alloc(routes)?,
+            x: alloc(elems)?,
+            y: alloc(elems)?,
+        })
+    }
+
+    fn fits(&self, routes: usize, elems: usize) -> bool {
+        self.ids.len() >= routes && self.x.len() >= elems
+    }
 }
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
@@ -258,6 +287,11 @@ impl GpuModel {
         let mut logits = self.alloc::<f32>(n * experts_n)?;
         let mut d_eids = self.alloc::<i32>(n * top_k)?;
         let mut d_w = self.alloc::<f32>(n * top_k)?;
+        let mut hand_guard = self.handoff.lock().unwrap_or_else(|e| e.into_inner());
+        let hand = match &mut *hand_guard {
+            Some(h) if h.fits(n * top_k, n * hd) => h,
+            slot => slot.insert(Handoff::new(dev, n * top_k, n * hd)?),
+        };
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         let mut stream = if layerwise {
@@ -342,18 +376,28 @@ impl GpuModel {
                             .arg(&scaling)
                             .arg(&mut d_eids)
                             .arg(&mut d_w);
-                        unsafe { l.launch(GpuDevice::cfg(((n as u32).div_ceil(64), 1), 64, 0)) }
+                        let smem = (2 * e * 4) as u32;
+                        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 128, smem)) }
                             .map_err(launch_err)?;
                     }
                     // The layer's one hand-off: routing (and activations, if DRAM experts are hit) to the host.
+                    // Routing and (when DRAM experts may be hit) the normalised activations go into
+                    // pinned buffers with asynchronous copies: one wait for all of them.
+                    let want_x = !layerwise && moe.experts.iter().any(Option::is_none);
+                    let (nk, nx) = (n * mc.top_k, n * hd);
                     let t0 = Instant::now();
-                    let eids: Vec<u32> = s
-                        .clone_dtoh(&d_eids)?
-                        .into_iter()
-                        .map(|x| x as u32)
-                        .collect();
-                    let ew = s.clone_dtoh(&d_w)?;
+                    s.memcpy_dtoh(&d_eids, &mut hand.ids.as_mut_slice()?[..nk])?;
+                    s.memcpy_dtoh(&d_w, &mut hand.w.as_mut_slice()?[..nk])?;
+                    if want_x {
+                        s.memcpy_dtoh(&hf, &mut hand.x.as_mut_slice()?[..nx])?;
+                    }
+                    s.synchronize()?;
                     times.gpu_wait_s += t0.elapsed().as_secs_f64();
+                    let eids: Vec<u32> = hand.ids.as_slice()?[..nk]
+                        .iter()
+                        .map(|&x| x as u32)
+                        .collect();
+                    let ew = hand.w.as_slice()?[..nk].to_vec();
                     on_routing(li, &eids);
                     // Group tokens per expert; split GPU-resident from DRAM experts.
                     let mut per_expert: Vec<Vec<(i32, f32)>> = vec![Vec::new(); e];
@@ -373,11 +417,7 @@ impl GpuModel {
                             any_cpu = true;
                         }
                     }
-                    let host_x = if any_cpu && !layerwise {
-                        Some(s.clone_dtoh(&hf)?)
-                    } else {
-                        None
-                    };
+                    let cpu_turn = any_cpu && want_x;
                     // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
                     if let Some(sh) = &moe.shared {
                         match &moe.shared_gate {
@@ -538,26 +578,31 @@ impl GpuModel {
                         }
                     }
                     // Meanwhile on the CPU: the DRAM experts of the same tokens.
-                    if let Some(hx) = host_x {
+                    if cpu_turn {
                         let t = Instant::now();
                         let routing = Routing {
                             ids: cpu_ids,
                             weights: cpu_w,
                             top_k: mc.top_k,
                         };
-                        let mut out = vec![0f32; n * hd];
+                        let Handoff { x: hx, y: hy, .. } = &mut *hand;
+                        let out = &mut hy.as_mut_slice()?[..nx];
+                        out.fill(0.0);
                         dram_experts_forward(
                             host_block,
                             cpu_pool,
                             cfg.activation,
-                            &hx,
+                            &hx.as_slice()?[..nx],
                             hd,
                             &routing,
-                            &mut out,
+                            out,
                         );
                         times.cpu_experts_s += t.elapsed().as_secs_f64();
-                        let d_out = s.clone_htod(&out)?;
-                        self.add(&mut x, &d_out, n * hd)?;
+                        // Asynchronous from pinned memory: the next layer's wait (or the step's end)
+                        // comes before the buffer is written again.
+                        let mut d_out = self.alloc::<f32>(nx)?;
+                        s.memcpy_htod(&*out, &mut d_out)?;
+                        self.add(&mut x, &d_out, nx)?;
                     }
                 }
             }

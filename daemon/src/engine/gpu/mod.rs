@@ -102,6 +102,8 @@ pub struct GpuModel {
     /// The packed-expert stream of layerwise prefill (set up by [`GpuModel::attach_expert_stream`]
     /// once the CPU kernels have packed the DRAM experts); `None`: per-expert uploads.
     pub stream: Mutex<Option<stream::ExpertStream>>,
+    /// Pinned hand-off buffers of the MoE layers (grown on demand).
+    pub handoff: Mutex<Option<forward::Handoff>>,
 }
 
 pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
@@ -300,6 +302,7 @@ impl GpuModel {
             kv: Arc::new(Mutex::new(kv)),
             prefill_threshold,
             stream: Mutex::new(None),
+            handoff: Mutex::new(None),
         })
     }
 
