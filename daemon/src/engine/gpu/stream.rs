@@ -155,6 +155,9 @@ impl ExpertStream {
         let staging = unsafe { [s.alloc::<u8>(slot_bytes)?, s.alloc::<u8>(slot_bytes)?] };
         // SAFETY: dense is written by `unpack_experts` before any GEMM reads it (same stream).
         let dense = unsafe { s.alloc::<bf16>(chunk * geometry.dense_elems())? };
+        // The buffers come from the main stream's stream-ordered allocator; the copy stream may use
+        // them only once that allocation has happened.
+        s.synchronize()?;
         let ev = || dev.ctx.new_event(None);
         Ok(Some(ExpertStream {
             copy: dev.ctx.new_stream()?,
