@@ -55,7 +55,7 @@ pub struct EngineArgs {
     /// Steps with at least this many tokens prefill layer by layer on the GPU (DRAM experts streamed).
     #[arg(long, default_value_t = 1024)]
     pub gpu_prefill_threshold: usize,
-    /// MiB per chunk of the layerwise-prefill expert stream (two staging chunks + one dense on the GPU).
+    /// MiB per chunk of the layerwise-prefill expert stream (four staging chunks + one dense on the GPU).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub gpu_stream_chunk_mib: u64,
 }

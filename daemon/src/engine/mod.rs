@@ -72,7 +72,7 @@ pub struct EngineOptions {
     pub cpu_moe: moe_kernels::cpu::CpuMoeOptions,
     /// Format of DRAM experts (None: as in the checkpoint; int8 / int4 are quantized at load).
     pub expert_format: Option<moe_kernels::cpu::moe::WeightFormat>,
-    /// Bytes per chunk of layerwise prefill's expert stream (each of two staging slots).
+    /// Bytes per chunk of layerwise prefill's expert stream (each of the `SLOTS` staging slots).
     pub gpu_stream_chunk_bytes: usize,
 }
 
