@@ -74,6 +74,8 @@ pub struct EngineOptions {
     pub expert_format: Option<moe_kernels::cpu::moe::WeightFormat>,
     /// Bytes per chunk of layerwise prefill's expert stream (each of the `SLOTS` staging slots).
     pub gpu_stream_chunk_bytes: usize,
+    /// Replay decode steps from CUDA graphs (CUDA backend, GQA models).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineOptions {
@@ -92,6 +94,7 @@ impl Default for EngineOptions {
             cpu_moe: Default::default(),
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
+            cuda_graphs: true,
         }
     }
 }

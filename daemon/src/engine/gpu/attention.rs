@@ -115,6 +115,7 @@ impl GpuModel {
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
+        bufs: &mut super::graphs::AttnBufs,
     ) -> anyhow::Result<()> {
         let GpuAttention::Gqa {
             q: wq,
@@ -129,16 +130,19 @@ impl GpuModel {
         };
         let cfg = &host.config;
         let (n, nh, nkv, dh) = (step.n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let mut q = self.alloc::<f32>(n * nh * dh)?;
-        let mut k = self.alloc::<f32>(n * nkv * dh)?;
-        let mut v = self.alloc::<f32>(n * nkv * dh)?;
-        self.linear(wq, hb, &mut q, n, false)?;
-        self.linear(wk, hb, &mut k, n, false)?;
-        self.linear(wv, hb, &mut v, n, false)?;
-        self.norm_rope(host, &mut q, step, nh, dh, q_norm.as_ref(), 0)?;
-        self.norm_rope(host, &mut k, step, nkv, dh, k_norm.as_ref(), 0)?;
-        self.append(pool, li, &k, &v, step)?;
-        let mut out = self.alloc::<bf16>(n * nh * dh)?;
+        anyhow::ensure!(
+            bufs.rows >= n,
+            "attention buffers for {} rows, step has {n}",
+            bufs.rows
+        );
+        let super::graphs::AttnBufs { q, k, v, out, .. } = bufs;
+        self.linear(wq, hb, q, n, false)?;
+        self.linear(wk, hb, k, n, false)?;
+        self.linear(wv, hb, v, n, false)?;
+        self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0)?;
+        self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0)?;
+        self.append(pool, li, k, v, step)?;
+        let (q, out) = (&*q, out);
         let scale = cfg.attention_scale();
         // Long prefill chunks: two GEMMs per KV head around a softmax (tensor cores); everything
         // else (decode rows, short chunks), in runs of consecutive rows: the paged kernel.
@@ -146,9 +150,9 @@ impl GpuModel {
         for s in step.seqs {
             if s.len >= PREFILL_GEMM_MIN_ROWS {
                 if let Some((r0, c)) = run.take() {
-                    self.paged_gqa(&q, pool, li, step, (nh, nkv, dh), scale, r0, c, &mut out)?;
+                    self.paged_gqa(q, pool, li, step, (nh, nkv, dh), scale, r0, c, out)?;
                 }
-                self.prefill_gqa(&q, pool, li, step, s, (nh, nkv, dh), scale, &mut out)?;
+                self.prefill_gqa(q, pool, li, step, s, (nh, nkv, dh), scale, out)?;
             } else {
                 run = Some(match run {
                     Some((r0, c)) => (r0, c + s.len),
@@ -157,9 +161,9 @@ impl GpuModel {
             }
         }
         if let Some((r0, c)) = run {
-            self.paged_gqa(&q, pool, li, step, (nh, nkv, dh), scale, r0, c, &mut out)?;
+            self.paged_gqa(q, pool, li, step, (nh, nkv, dh), scale, r0, c, out)?;
         }
-        self.linear(o, &out, x, n, true)
+        self.linear(o, out, x, n, true)
     }
 
     /// Paged attention for rows `row0..row0 + rows` of the step (decode and short chunks).

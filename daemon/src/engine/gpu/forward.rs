@@ -1,4 +1,5 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
+use super::graphs::ActBufs;
 use super::kv::{GpuSeqKv, BLOCK};
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::moe::{dram_experts_forward, Routing};
@@ -46,7 +47,7 @@ pub struct Handoff {
 }
 
 impl Handoff {
-    fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
+    pub(super) fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
         // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
         // SAFETY: every element is written (by a copy or by the host) before it is read.
         let alloc = |n: usize| unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) };
@@ -62,6 +63,20 @@ impl Handoff {
     fn fits(&self, routes: usize, elems: usize) -> bool {
         self.ids.len() >= routes && self.x.len() >= elems
     }
+}
+
+/// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
+struct Segment<'a> {
+    x: &'a mut CudaSlice<f32>,
+    hb: &'a mut CudaSlice<bf16>,
+    hf: &'a mut CudaSlice<f32>,
+    logits: &'a mut CudaSlice<f32>,
+    eids: &'a mut CudaSlice<i32>,
+    w: &'a mut CudaSlice<f32>,
+    attn: &'a mut super::graphs::AttnBufs,
+    hand: &'a mut Handoff,
+    /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
+    want_x: bool,
 }
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
@@ -148,6 +163,90 @@ impl GpuModel {
         l.arg(&gu).arg(&inter_i).arg(&n_i).arg(&gelu).arg(&mut a);
         unsafe { l.launch(GpuDevice::cfg_elems(n * inter)) }.map_err(launch_err)?;
         self.linear(&m.down, &a, y, n, accumulate)
+    }
+
+    /// Layer `li` up to its experts, enqueued: attention norm, attention (adds into `x`), FFN norm
+    /// (`hb`, `hf`), and for MoE layers the router, top-k and the asynchronous copies of the routing
+    /// (and, if `want_x`, of `hf`) into the pinned hand-off buffers. Nothing here waits or allocates
+    /// for GQA layers, so it can be captured as a graph.
+    fn pre_experts(
+        &self,
+        host: &Model,
+        li: usize,
+        step: &super::attention::StepIndex,
+        pool: &mut super::kv::GpuKvPool,
+        g: &mut Segment<'_>,
+    ) -> anyhow::Result<()> {
+        let cfg = &host.config;
+        let (dev, s, hd, n) = (&self.dev, &self.dev.stream, cfg.hidden_size, step.n);
+        let layer = &self.layers[li];
+        self.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, g.hb, None)?;
+        match &layer.attn {
+            GpuAttention::Gqa { .. } => {
+                self.gqa_attention(&layer.attn, host, step, g.hb, pool, li, g.x, g.attn)?
+            }
+            GpuAttention::Mla { .. } => {
+                self.mla_attention(&layer.attn, host, step, g.hb, pool, li, g.x)?
+            }
+        }
+        self.rms_norm(
+            g.x,
+            &layer.ffn_norm,
+            cfg.rms_norm_eps,
+            hd,
+            n,
+            g.hb,
+            Some(&mut *g.hf),
+        )?;
+        let GpuFfn::Moe(moe) = &layer.ffn else {
+            return Ok(());
+        };
+        let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
+        let e = mc.num_experts;
+        dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, e, hd)?;
+        let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
+            RouterKind::Softmax { renormalize } => (0i32, renormalize as i32, 1i32, 1i32, 1.0f32),
+            RouterKind::SigmoidGrouped {
+                n_group,
+                topk_group,
+                renormalize,
+            } => (
+                1,
+                renormalize as i32,
+                n_group as i32,
+                topk_group as i32,
+                mc.routed_scaling_factor,
+            ),
+        };
+        let (n_i, e_i, k_i) = (n as i32, e as i32, mc.top_k as i32);
+        let null = 0u64;
+        let mut l = dev.launch(&dev.k.router_topk);
+        l.arg(&*g.logits)
+            .arg(&n_i)
+            .arg(&e_i)
+            .arg(&k_i)
+            .arg(&kind)
+            .arg(&renorm);
+        match &moe.correction_bias {
+            Some(b) => l.arg(b),
+            None => l.arg(&null),
+        };
+        l.arg(&n_group)
+            .arg(&topk_group)
+            .arg(&scaling)
+            .arg(&mut *g.eids)
+            .arg(&mut *g.w);
+        let smem = (2 * e * 4) as u32;
+        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 128, smem)) }.map_err(launch_err)?;
+        // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) into
+        // pinned memory, asynchronously; the caller waits once.
+        let (nk, nx) = (n * mc.top_k, n * hd);
+        s.memcpy_dtoh(&g.eids.slice(..nk), &mut g.hand.ids.as_mut_slice()?[..nk])?;
+        s.memcpy_dtoh(&g.w.slice(..nk), &mut g.hand.w.as_mut_slice()?[..nk])?;
+        if g.want_x {
+            s.memcpy_dtoh(&g.hf.slice(..nx), &mut g.hand.x.as_mut_slice()?[..nx])?;
+        }
+        Ok(())
     }
 
     /// One phase of GPU experts: `groups` (expert, first row, rows) with consecutive rows, `ws` their
@@ -249,49 +348,78 @@ impl GpuModel {
             }
             last_rows.push((ids.len() - 1) as i32);
         }
-        let max_blocks = batch
-            .iter()
-            .map(|b| b.kv.blocks.len())
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        let n = ids.len();
+        let layerwise = n >= self.prefill_threshold;
+        let (experts_n, top_k) = cfg
+            .moe
+            .as_ref()
+            .map_or((1, 1), |m| (m.num_experts, m.top_k));
+        // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
+        let graph_step = self.cuda_graphs
+            && !layerwise
+            && n <= super::graphs::MAX_GRAPH_ROWS
+            && batch.iter().all(|b| b.tokens.len() == 1)
+            && self.all_gqa();
+        let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut hand_guard = self.handoff.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut own_index, mut own_acts);
+        let (index, acts, hand, mut graphs) = if graph_step {
+            if graphs_guard.is_none() {
+                *graphs_guard = Some(super::graphs::DecodeGraphs::new(
+                    self,
+                    cfg,
+                    pool.total_blocks,
+                )?);
+            }
+            let g = graphs_guard.as_mut().context("decode graphs")?;
+            (&mut g.index, &mut g.acts, &mut g.hand, Some(&mut g.graphs))
+        } else {
+            let stride = batch
+                .iter()
+                .map(|b| b.kv.blocks.len())
+                .max()
+                .unwrap_or(1)
+                .max(1);
+            own_index = self.alloc_step_index(n, batch.len(), stride)?;
+            own_acts = self.alloc_acts(cfg, n)?;
+            let hand = match &mut *hand_guard {
+                Some(h) if h.fits(n * top_k, n * hd) => h,
+                slot => slot.insert(Handoff::new(dev, n * top_k, n * hd)?),
+            };
+            (&mut own_index, &mut own_acts, hand, None)
+        };
+        let max_blocks = index.stride;
         let mut tables = vec![0i32; batch.len() * max_blocks];
         for (si, b) in batch.iter().enumerate() {
             for (j, &blk) in b.kv.blocks.iter().enumerate() {
                 tables[si * max_blocks + j] = blk as i32;
             }
         }
-        let n = ids.len();
-        let d_ids = s.clone_htod(&ids)?;
-        let d_pos = s.clone_htod(&pos)?;
-        let d_seq = s.clone_htod(&seq_of)?;
-        let d_slots = s.clone_htod(&slots)?;
-        let d_tables = s.clone_htod(&tables)?;
+        s.memcpy_htod(&ids, &mut index.ids.slice_mut(..n))?;
+        s.memcpy_htod(&pos, &mut index.pos.slice_mut(..n))?;
+        s.memcpy_htod(&seq_of, &mut index.seq.slice_mut(..n))?;
+        s.memcpy_htod(&slots, &mut index.slots.slice_mut(..n))?;
+        s.memcpy_htod(&tables, &mut index.tables.slice_mut(..tables.len()))?;
+        let index = &*index;
+        let ActBufs {
+            x,
+            hb,
+            hf,
+            logits,
+            eids: d_eids,
+            w: d_w,
+            cpu_sum,
+            attn: attn_bufs,
+        } = acts;
 
         // ---- embedding
-        let mut x = self.alloc::<f32>(n * hd)?;
         {
             let hd_i = hd as i32;
             let mut l = dev.launch(&dev.k.embed_rows);
-            l.arg(&self.embed).arg(&d_ids).arg(&hd_i).arg(&mut x);
+            l.arg(&self.embed).arg(&index.ids).arg(&hd_i).arg(&mut *x);
             unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
-        let mut hb = self.alloc::<bf16>(n * hd)?;
-        let mut hf = self.alloc::<f32>(n * hd)?;
-        let layerwise = n >= self.prefill_threshold;
-        // Per-step buffers, reused by every layer (each layer overwrites them completely).
-        let (experts_n, top_k) = cfg
-            .moe
-            .as_ref()
-            .map_or((1, 1), |m| (m.num_experts, m.top_k));
-        let mut logits = self.alloc::<f32>(n * experts_n)?;
-        let mut d_eids = self.alloc::<i32>(n * top_k)?;
-        let mut d_w = self.alloc::<f32>(n * top_k)?;
-        let mut hand_guard = self.handoff.lock().unwrap_or_else(|e| e.into_inner());
-        let hand = match &mut *hand_guard {
-            Some(h) if h.fits(n * top_k, n * hd) => h,
-            slot => slot.insert(Handoff::new(dev, n * top_k, n * hd)?),
-        };
+        let _ = experts_n;
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         let mut stream = if layerwise {
@@ -302,95 +430,77 @@ impl GpuModel {
         if let Some(es) = stream.as_deref_mut() {
             es.begin_step(dev, host)?;
         }
+        let step = super::attention::StepIndex {
+            n,
+            pos: &index.pos,
+            seq: &index.seq,
+            slots: &index.slots,
+            tables: &index.tables,
+            max_blocks,
+            seqs: &seqs,
+        };
         for (li, layer) in self.layers.iter().enumerate() {
-            // ---- attention
-            self.rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
-            let step = super::attention::StepIndex {
-                n,
-                pos: &d_pos,
-                seq: &d_seq,
-                slots: &d_slots,
-                tables: &d_tables,
-                max_blocks,
-                seqs: &seqs,
-            };
-            match &layer.attn {
-                GpuAttention::Gqa { .. } => {
-                    self.gqa_attention(&layer.attn, host, &step, &hb, &mut pool, li, &mut x)?
-                }
-                GpuAttention::Mla { .. } => {
-                    self.mla_attention(&layer.attn, host, &step, &hb, &mut pool, li, &mut x)?
+            // ---- attention, norm, router and the routing copies: eager, or one graph replay
+            let want_x = !layerwise
+                && matches!(&layer.ffn, GpuFfn::Moe(m) if m.experts.iter().any(Option::is_none));
+            {
+                let mut seg = Segment {
+                    x: &mut *x,
+                    hb: &mut *hb,
+                    hf: &mut *hf,
+                    logits: &mut *logits,
+                    eids: &mut *d_eids,
+                    w: &mut *d_w,
+                    attn: &mut *attn_bufs,
+                    hand: &mut *hand,
+                    want_x,
+                };
+                match graphs.as_deref_mut() {
+                    Some(set) if !set.broken => {
+                        let key = (li, n);
+                        #[allow(clippy::map_entry)] // the capture needs `set` free
+                        if !set.map.contains_key(&key) {
+                            use cudarc::driver::sys::{
+                                CUgraphInstantiate_flags, CUstreamCaptureMode,
+                            };
+                            s.begin_capture(
+                                CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                            )?;
+                            let r = self.pre_experts(host, li, &step, &mut pool, &mut seg);
+                            // end the capture whatever happened, so the stream is usable again
+                            let g = s.end_capture(CUgraphInstantiate_flags(0));
+                            match (r, g) {
+                                (Ok(()), Ok(Some(g))) => {
+                                    set.map.insert(key, super::graphs::Graph(g));
+                                }
+                                (r, g) => {
+                                    tracing::warn!(
+                                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
+                                        r.err(),
+                                        g.err()
+                                    );
+                                    set.broken = true;
+                                }
+                            }
+                        }
+                        match set.map.get(&key) {
+                            Some(g) if !set.broken => g.0.launch()?,
+                            _ => self.pre_experts(host, li, &step, &mut pool, &mut seg)?,
+                        }
+                    }
+                    _ => self.pre_experts(host, li, &step, &mut pool, &mut seg)?,
                 }
             }
-            // ---- feed-forward
-            self.rms_norm(
-                &x,
-                &layer.ffn_norm,
-                cfg.rms_norm_eps,
-                hd,
-                n,
-                &mut hb,
-                Some(&mut hf),
-            )?;
             match &layer.ffn {
-                GpuFfn::Dense(m) => self.mlp(m, cfg.activation, &hb, &mut x, n, true)?,
+                GpuFfn::Dense(m) => self.mlp(m, cfg.activation, hb, x, n, true)?,
                 GpuFfn::Moe(moe) => {
                     let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
                     let Ffn::Moe(host_block) = &host.layers[li].ffn else {
                         anyhow::bail!("layer {li}: host and GPU layer kinds differ");
                     };
                     let e = mc.num_experts;
-                    dev.gemm_f32(&hf, &moe.router, &mut logits, n, e, hd)?;
-                    {
-                        let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
-                            RouterKind::Softmax { renormalize } => {
-                                (0i32, renormalize as i32, 1i32, 1i32, 1.0f32)
-                            }
-                            RouterKind::SigmoidGrouped {
-                                n_group,
-                                topk_group,
-                                renormalize,
-                            } => (
-                                1,
-                                renormalize as i32,
-                                n_group as i32,
-                                topk_group as i32,
-                                mc.routed_scaling_factor,
-                            ),
-                        };
-                        let (n_i, e_i, k_i) = (n as i32, e as i32, mc.top_k as i32);
-                        let null = 0u64;
-                        let mut l = dev.launch(&dev.k.router_topk);
-                        l.arg(&logits)
-                            .arg(&n_i)
-                            .arg(&e_i)
-                            .arg(&k_i)
-                            .arg(&kind)
-                            .arg(&renorm);
-                        match &moe.correction_bias {
-                            Some(b) => l.arg(b),
-                            None => l.arg(&null),
-                        };
-                        l.arg(&n_group)
-                            .arg(&topk_group)
-                            .arg(&scaling)
-                            .arg(&mut d_eids)
-                            .arg(&mut d_w);
-                        let smem = (2 * e * 4) as u32;
-                        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 128, smem)) }
-                            .map_err(launch_err)?;
-                    }
-                    // The layer's one hand-off: routing (and activations, if DRAM experts are hit) to the host.
-                    // Routing and (when DRAM experts may be hit) the normalised activations go into
-                    // pinned buffers with asynchronous copies: one wait for all of them.
-                    let want_x = !layerwise && moe.experts.iter().any(Option::is_none);
                     let (nk, nx) = (n * mc.top_k, n * hd);
                     let t0 = Instant::now();
-                    s.memcpy_dtoh(&d_eids, &mut hand.ids.as_mut_slice()?[..nk])?;
-                    s.memcpy_dtoh(&d_w, &mut hand.w.as_mut_slice()?[..nk])?;
-                    if want_x {
-                        s.memcpy_dtoh(&hf, &mut hand.x.as_mut_slice()?[..nx])?;
-                    }
                     s.synchronize()?;
                     times.gpu_wait_s += t0.elapsed().as_secs_f64();
                     let eids: Vec<u32> = hand.ids.as_slice()?[..nk]
@@ -421,16 +531,16 @@ impl GpuModel {
                     // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
                     if let Some(sh) = &moe.shared {
                         match &moe.shared_gate {
-                            None => self.mlp(sh, cfg.activation, &hb, &mut x, n, true)?,
+                            None => self.mlp(sh, cfg.activation, hb, x, n, true)?,
                             Some(g) => {
                                 let mut tmp = self.alloc::<f32>(n * hd)?;
-                                self.mlp(sh, cfg.activation, &hb, &mut tmp, n, false)?;
+                                self.mlp(sh, cfg.activation, hb, &mut tmp, n, false)?;
                                 let hd_i = hd as i32;
                                 let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
-                                l.arg(&mut tmp).arg(&hf).arg(g).arg(&hd_i);
+                                l.arg(&mut tmp).arg(&*hf).arg(g).arg(&hd_i);
                                 unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
                                     .map_err(launch_err)?;
-                                self.add(&mut x, &tmp, n * hd)?;
+                                self.add(x, &tmp, n * hd)?;
                             }
                         }
                     }
@@ -495,7 +605,7 @@ impl GpuModel {
                         let mut xe = self.alloc::<bf16>(rows * hd)?;
                         if let Some(d_idx) = &d_idx {
                             let mut l = dev.launch(&dev.k.gather_rows);
-                            l.arg(&hb).arg(d_idx).arg(&hd_i).arg(&mut xe);
+                            l.arg(&*hb).arg(d_idx).arg(&hd_i).arg(&mut xe);
                             unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }
                                 .map_err(launch_err)?;
                         }
@@ -572,7 +682,7 @@ impl GpuModel {
                                 .arg(&d_rows)
                                 .arg(d_wts.as_ref().context("weights")?)
                                 .arg(&hd_i)
-                                .arg(&mut x);
+                                .arg(&mut *x);
                             unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
                                 .map_err(launch_err)?;
                         }
@@ -600,9 +710,8 @@ impl GpuModel {
                         times.cpu_experts_s += t.elapsed().as_secs_f64();
                         // Asynchronous from pinned memory: the next layer's wait (or the step's end)
                         // comes before the buffer is written again.
-                        let mut d_out = self.alloc::<f32>(nx)?;
-                        s.memcpy_htod(&*out, &mut d_out)?;
-                        self.add(&mut x, &d_out, nx)?;
+                        s.memcpy_htod(&*out, &mut cpu_sum.slice_mut(..nx))?;
+                        self.add(x, cpu_sum, nx)?;
                     }
                 }
             }
@@ -610,12 +719,12 @@ impl GpuModel {
         // ---- final norm and lm_head on the last row of each sequence
         let rows = last_rows.len();
         let d_last = s.clone_htod(&last_rows)?;
-        self.rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, hd, n, &mut hb, None)?;
+        self.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, hd, n, hb, None)?;
         let mut sel = self.alloc::<bf16>(rows * hd)?;
         {
             let hd_i = hd as i32;
             let mut l = dev.launch(&dev.k.gather_rows);
-            l.arg(&hb).arg(&d_last).arg(&hd_i).arg(&mut sel);
+            l.arg(&*hb).arg(&d_last).arg(&hd_i).arg(&mut sel);
             unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
         let vocab = cfg.vocab_size;

@@ -9,6 +9,7 @@
 //! the GPU instead and computed there.
 pub mod attention;
 pub mod forward;
+pub mod graphs;
 pub mod kv;
 pub mod setup;
 pub mod stream;
@@ -104,6 +105,10 @@ pub struct GpuModel {
     pub stream: Mutex<Option<stream::ExpertStream>>,
     /// Pinned hand-off buffers of the MoE layers (grown on demand).
     pub handoff: Mutex<Option<forward::Handoff>>,
+    /// Replay decode steps' pre-expert segments from CUDA graphs.
+    pub cuda_graphs: bool,
+    /// Persistent buffers and captured graphs of decode steps (created on the first one).
+    pub graphs: Mutex<Option<graphs::DecodeGraphs>>,
 }
 
 pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
@@ -303,6 +308,8 @@ impl GpuModel {
             prefill_threshold,
             stream: Mutex::new(None),
             handoff: Mutex::new(None),
+            cuda_graphs: true,
+            graphs: Mutex::new(None),
         })
     }
 

@@ -114,11 +114,13 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         opts.placement_seed,
     )
     .map_err(anyhow::Error::msg)?;
-    GpuModel::upload(
+    let mut gpu = GpuModel::upload(
         dev,
         model,
         &placement,
         blocks,
         opts.gpu_prefill_threshold.max(1),
-    )
+    )?;
+    gpu.cuda_graphs = opts.cuda_graphs;
+    Ok(gpu)
 }
