@@ -265,36 +265,60 @@ impl ExpertStream {
         );
         let slot = c % SLOTS;
         dev.stream.wait(&self.ready[slot])?;
-        let g = &self.geometry;
-        let fmt = g.gpu_format_code().context("format not unpackable")?;
         let count = self.chunks[c].ids.len();
-        let (eb, inter, hidden) = (g.expert_bytes as i64, g.inter as i32, g.hidden as i32);
-        let (gkt, gwb, gb) = (
-            g.gate.k_tiles as i32,
-            g.gate.w_bytes as i64,
-            g.gate.bytes as i64,
-        );
-        let (dkt, dwb) = (g.down.k_tiles as i32, g.down.w_bytes as i64);
-        let mut l = dev.launch(&dev.k.unpack_experts);
-        l.arg(&self.staging[slot])
-            .arg(&eb)
-            .arg(&fmt)
-            .arg(&inter)
-            .arg(&hidden)
-            .arg(&gkt)
-            .arg(&gwb)
-            .arg(&gb)
-            .arg(&dkt)
-            .arg(&dwb)
-            .arg(&mut self.dense);
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (256, count as u32, 3),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { l.launch(cfg) }.map_err(launch_err)?;
+        launch_unpack(
+            dev,
+            &self.geometry,
+            &self.staging[slot],
+            count,
+            &mut self.dense,
+        )?;
         self.free[slot].record(&dev.stream)?;
         self.consumed += 1;
         self.issue_ahead(dev, host)
     }
+}
+
+/// Enqueues `unpack_experts` on the main stream: `count` packed experts laid out back to back in
+/// `packed` (`geometry.expert_bytes` each) → `dense` (`geometry.dense_elems()` bf16 each).
+pub fn launch_unpack(
+    dev: &GpuDevice,
+    g: &PackedGeometry,
+    packed: &CudaSlice<u8>,
+    count: usize,
+    dense: &mut CudaSlice<bf16>,
+) -> anyhow::Result<()> {
+    let fmt = g
+        .gpu_format_code()
+        .context("format not unpacked on the GPU")?;
+    anyhow::ensure!(
+        packed.len() >= count * g.expert_bytes && dense.len() >= count * g.dense_elems(),
+        "unpack buffers too small for {count} experts"
+    );
+    let (eb, inter, hidden) = (g.expert_bytes as i64, g.inter as i32, g.hidden as i32);
+    let (gkt, gwb, gb) = (
+        g.gate.k_tiles as i32,
+        g.gate.w_bytes as i64,
+        g.gate.bytes as i64,
+    );
+    let (dkt, dwb) = (g.down.k_tiles as i32, g.down.w_bytes as i64);
+    let mut l = dev.launch(&dev.k.unpack_experts);
+    l.arg(packed)
+        .arg(&eb)
+        .arg(&fmt)
+        .arg(&inter)
+        .arg(&hidden)
+        .arg(&gkt)
+        .arg(&gwb)
+        .arg(&gb)
+        .arg(&dkt)
+        .arg(&dwb)
+        .arg(dense);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (256, count as u32, 3),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { l.launch(cfg) }.map_err(launch_err)?;
+    Ok(())
 }
