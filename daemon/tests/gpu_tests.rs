@@ -453,6 +453,11 @@ fn cuda_graph_decode_matches_eager() {
         };
         for batch in [&prompts[..1], &prompts[..]] {
             let (a, b) = (run(&with, batch), run(&without, batch));
+            assert!(
+                with.cuda_graphs_captured() > 0,
+                "{name}: no CUDA graph was captured (the capture fell back to eager steps)"
+            );
+            assert_eq!(without.cuda_graphs_captured(), 0);
             for (i, (x, y)) in a.iter().zip(&b).enumerate() {
                 let err = rel_l2(x, y);
                 assert!(err <= 1e-5, "{name} batch {} step {i}: {err}", batch.len());

@@ -58,10 +58,10 @@ pub struct EngineArgs {
     /// MiB per chunk of the layerwise-prefill expert stream (four staging chunks + one dense on the GPU).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub gpu_stream_chunk_mib: u64,
-    /// Run decode steps eagerly instead of replaying each layer's attention-and-router segment from a
-    /// CUDA graph (for debugging and comparison).
+    /// Replay each decode layer's attention-and-router segment from a CUDA graph (experimental: if the
+    /// driver refuses the capture, the daemon warns and runs eagerly).
     #[arg(long)]
-    pub no_cuda_graphs: bool,
+    pub cuda_graphs: bool,
 }
 
 impl EngineArgs {
@@ -133,7 +133,7 @@ impl EngineArgs {
             kv_cache_tokens: self.kv_cache_tokens,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
-            cuda_graphs: !self.no_cuda_graphs,
+            cuda_graphs: self.cuda_graphs,
         })
     }
 }

@@ -74,7 +74,9 @@ pub struct EngineOptions {
     pub expert_format: Option<moe_kernels::cpu::moe::WeightFormat>,
     /// Bytes per chunk of layerwise prefill's expert stream (each of the `SLOTS` staging slots).
     pub gpu_stream_chunk_bytes: usize,
-    /// Replay decode steps from CUDA graphs (CUDA backend, GQA models).
+    /// Replay decode steps from CUDA graphs (CUDA backend, GQA models). Off by default until a
+    /// capture has been seen to work on the test GPU (the first attempt was refused there and fell
+    /// back to eager steps; see docs/PERF.md).
     pub cuda_graphs: bool,
 }
 
@@ -94,7 +96,7 @@ impl Default for EngineOptions {
             cpu_moe: Default::default(),
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
-            cuda_graphs: true,
+            cuda_graphs: false,
         }
     }
 }
@@ -196,6 +198,17 @@ impl Engine {
             cpu_pool,
             routing_stats: opts.record_routing.then(Default::default),
             last_step: Default::default(),
+        })
+    }
+
+    /// CUDA graphs captured so far (decode segments), 0 without the CUDA backend or with graphs off.
+    pub fn cuda_graphs_captured(&self) -> usize {
+        self.gpu.as_ref().map_or(0, |g| {
+            g.graphs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map_or(0, |d| d.graphs.map.len())
         })
     }
 

@@ -40,28 +40,68 @@ pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
 /// activations down, the CPU experts' sum up. Copies into and out of pinned memory are asynchronous, so
 /// a layer waits for the GPU once; reallocated (larger) when a step outgrows them.
 pub struct Handoff {
-    ids: PinnedHostSlice<i32>,
-    w: PinnedHostSlice<f32>,
-    x: PinnedHostSlice<f32>,
-    y: PinnedHostSlice<f32>,
+    ids: Pinned<i32>,
+    w: Pinned<f32>,
+    x: Pinned<f32>,
+    y: Pinned<f32>,
 }
 
 impl Handoff {
     pub(super) fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
-        // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
-        // SAFETY: every element is written (by a copy or by the host) before it is read.
-        let alloc = |n: usize| unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) };
         Ok(Handoff {
-            // SAFETY: as above.
-            ids: unsafe { dev.ctx.alloc_pinned_with_flags::<i32>(routes.max(1), 0)? },
-            w: alloc(routes)?,
-            x: alloc(elems)?,
-            y: alloc(elems)?,
+            ids: Pinned::new(dev, routes)?,
+            w: Pinned::new(dev, routes)?,
+            x: Pinned::new(dev, elems)?,
+            y: Pinned::new(dev, elems)?,
         })
     }
 
     fn fits(&self, routes: usize, elems: usize) -> bool {
         self.ids.len() >= routes && self.x.len() >= elems
+    }
+}
+
+/// Pinned host memory read and written through a raw pointer taken once: no event synchronisation on
+/// access (cudarc's accessors synchronise an event, which a graph capture may refuse). Ordering
+/// against the copies is the caller's: it reads after the stream synchronised and writes only what no
+/// pending copy still reads.
+struct Pinned<T> {
+    _buf: PinnedHostSlice<T>,
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the pointer is into the owned allocation; every access goes through the model's mutex.
+unsafe impl<T> Send for Pinned<T> {}
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Pinned<T> {
+    fn new(dev: &GpuDevice, n: usize) -> anyhow::Result<Pinned<T>> {
+        // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
+        // SAFETY: every element is written (by a copy or by the host) before it is read.
+        let mut buf = unsafe { dev.ctx.alloc_pinned_with_flags::<T>(n.max(1), 0)? };
+        let ptr = buf.as_mut_ptr()?;
+        Ok(Pinned {
+            len: buf.len(),
+            _buf: buf,
+            ptr,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The first `n` elements (panics beyond the allocation).
+    fn slice(&self, n: usize) -> &[T] {
+        assert!(n <= self.len);
+        // SAFETY: in bounds of the live allocation; see the type's note on ordering.
+        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    }
+
+    fn slice_mut(&mut self, n: usize) -> &mut [T] {
+        assert!(n <= self.len);
+        // SAFETY: as in `slice`, and `&mut self` makes this the only host view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
     }
 }
 
@@ -241,10 +281,10 @@ impl GpuModel {
         // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) into
         // pinned memory, asynchronously; the caller waits once.
         let (nk, nx) = (n * mc.top_k, n * hd);
-        s.memcpy_dtoh(&g.eids.slice(..nk), &mut g.hand.ids.as_mut_slice()?[..nk])?;
-        s.memcpy_dtoh(&g.w.slice(..nk), &mut g.hand.w.as_mut_slice()?[..nk])?;
+        s.memcpy_dtoh(&g.eids.slice(..nk), g.hand.ids.slice_mut(nk))?;
+        s.memcpy_dtoh(&g.w.slice(..nk), g.hand.w.slice_mut(nk))?;
         if g.want_x {
-            s.memcpy_dtoh(&g.hf.slice(..nx), &mut g.hand.x.as_mut_slice()?[..nx])?;
+            s.memcpy_dtoh(&g.hf.slice(..nx), g.hand.x.slice_mut(nx))?;
         }
         Ok(())
     }
@@ -463,9 +503,9 @@ impl GpuModel {
                             use cudarc::driver::sys::{
                                 CUgraphInstantiate_flags, CUstreamCaptureMode,
                             };
-                            s.begin_capture(
-                                CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                            )?;
+                            // Relaxed: the thread-local mode refused a call of this segment on the
+                            // H200 ("operation not permitted when stream is capturing").
+                            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
                             let r = self.pre_experts(host, li, &step, &mut pool, &mut seg);
                             // end the capture whatever happened, so the stream is usable again
                             let g = s.end_capture(CUgraphInstantiate_flags(0));
@@ -503,11 +543,8 @@ impl GpuModel {
                     let t0 = Instant::now();
                     s.synchronize()?;
                     times.gpu_wait_s += t0.elapsed().as_secs_f64();
-                    let eids: Vec<u32> = hand.ids.as_slice()?[..nk]
-                        .iter()
-                        .map(|&x| x as u32)
-                        .collect();
-                    let ew = hand.w.as_slice()?[..nk].to_vec();
+                    let eids: Vec<u32> = hand.ids.slice(nk).iter().map(|&x| x as u32).collect();
+                    let ew = hand.w.slice(nk).to_vec();
                     on_routing(li, &eids);
                     // Group tokens per expert; split GPU-resident from DRAM experts.
                     let mut per_expert: Vec<Vec<(i32, f32)>> = vec![Vec::new(); e];
@@ -696,13 +733,13 @@ impl GpuModel {
                             top_k: mc.top_k,
                         };
                         let Handoff { x: hx, y: hy, .. } = &mut *hand;
-                        let out = &mut hy.as_mut_slice()?[..nx];
+                        let out = hy.slice_mut(nx);
                         out.fill(0.0);
                         dram_experts_forward(
                             host_block,
                             cpu_pool,
                             cfg.activation,
-                            &hx.as_slice()?[..nx],
+                            hx.slice(nx),
                             hd,
                             &routing,
                             out,

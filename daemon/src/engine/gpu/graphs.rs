@@ -13,6 +13,12 @@
 //! experts' sum coming back) stays eager: it depends on the routing the graph just produced.
 //! Steps that are not plain decode (prefill chunks, MLA models, larger batches) run eagerly on
 //! [`ActBufs`] allocated for the step.
+//!
+//! Status: opt-in (`--cuda-graphs`). The first run on the H200 had the capture refused ("operation not
+//! permitted when stream is capturing", thread-local mode; the engine fell back to eager steps and
+//! stayed correct). Capture now uses the relaxed mode and no event synchronisation inside the segment;
+//! `gpu_tests::cuda_graph_decode_matches_eager` checks that graphs are captured and match eager steps,
+//! and has not run on hardware since that change.
 use super::forward::Handoff;
 use super::{GpuAttention, GpuModel};
 use crate::model::ModelConfig;

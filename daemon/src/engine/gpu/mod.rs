@@ -308,7 +308,7 @@ impl GpuModel {
             prefill_threshold,
             stream: Mutex::new(None),
             handoff: Mutex::new(None),
-            cuda_graphs: true,
+            cuda_graphs: false,
             graphs: Mutex::new(None),
         })
     }
