@@ -356,7 +356,10 @@ fn parallel_router_matches_serial_router() {
         let d_logits = s.clone_htod(&logits).unwrap();
         let d_bias = s.clone_htod(&bias).unwrap();
         let mut out = Vec::new();
-        for (f, parallel) in [(&dev.k.router_topk, true), (&dev.k.router_topk_serial, false)] {
+        for (f, parallel) in [
+            (&dev.k.router_topk, true),
+            (&dev.k.router_topk_serial, false),
+        ] {
             let mut ids = s.alloc_zeros::<i32>(n * k).unwrap();
             let mut w = s.alloc_zeros::<f32>(n * k).unwrap();
             let (n_i, e_i, k_i) = (n as i32, e as i32, k as i32);
@@ -388,7 +391,10 @@ fn parallel_router_matches_serial_router() {
         }
         assert_eq!(out[0].0, out[1].0, "experts {e} kind {kind}: ids differ");
         for (a, b) in out[0].1.iter().zip(&out[1].1) {
-            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "weights {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "weights {a} vs {b}"
+            );
         }
     }
 }
