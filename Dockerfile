@@ -7,9 +7,11 @@ ARG RUST_VERSION=1.95
 ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # ---- build: the whole workspace once, with cached registry and target dirs ------------------------
+# hwloc for the CPU kernels: linked dynamically; libudev-dev only because hwlocality-sys queries
+# pkg-config with --static, which puts hwloc's private -ludev on the link line.
 FROM rust:${RUST_VERSION}-bookworm AS build
 RUN apt-get update \
- && apt-get install -y --no-install-recommends pkg-config libhwloc-dev \
+ && apt-get install -y --no-install-recommends pkg-config libhwloc-dev libudev-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

@@ -182,6 +182,17 @@ impl Engine {
             let p = cpu_moe
                 .build_pool()
                 .context("starting the CPU expert workers")?;
+            match moe_kernels::cpu::topology::topology_source() {
+                src @ moe_kernels::cpu::topology::TopologySource::Fallback { .. } => {
+                    tracing::warn!("CPU expert workers: {src}")
+                }
+                src => tracing::info!(
+                    threads = p.threads(),
+                    pinned_workers = p.pinned_threads(),
+                    numa_groups = p.groups(),
+                    "CPU expert workers: topology and pinning from {src}"
+                ),
+            }
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
             if let Some(g) = &gpu {
                 g.attach_expert_stream(&model, opts.gpu_stream_chunk_bytes)?;

@@ -277,6 +277,18 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
         a.tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
         super::features::detected_tier()
     );
+    let allowed = super::topology::allowed_cpus();
+    let nodes: Vec<String> = super::topology::numa_nodes(&allowed)
+        .iter()
+        .map(|n| format!("{}:[{}]", n.id, super::topology::format_cpulist(&n.cpus)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "# CPU topology: {}; allowed CPUs {}; NUMA nodes {}",
+        super::topology::topology_source(),
+        super::topology::format_cpulist(&allowed),
+        nodes.join(" ")
+    );
     // DRAM read bandwidth per thread count, measured here.
     let mut bw = Vec::new();
     {
@@ -285,7 +297,13 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
         for &t in &a.threads {
             let pool = opts(t).build_pool()?;
             let g = dram_read_bw(&pool, &probe);
-            let _ = writeln!(out, "# DRAM read bandwidth, {t} threads: {g:.1} GB/s");
+            let _ = writeln!(
+                out,
+                "# DRAM read bandwidth, {t} threads: {g:.1} GB/s ({} of {} workers pinned, {} NUMA groups)",
+                pool.pinned_threads(),
+                pool.threads() - 1,
+                pool.groups()
+            );
             bw.push(g);
         }
     }
@@ -446,5 +464,6 @@ mod tests {
             "{r}"
         );
         assert!(r.contains("DRAM read bandwidth"));
+        assert!(r.contains("# CPU topology: hwloc 2."), "{r}");
     }
 }

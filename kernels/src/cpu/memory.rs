@@ -1,12 +1,14 @@
 //! Expert weight memory: one zero-filled mapping per allocation, 64-byte aligned (page aligned in fact),
 //! on explicit hugepages when reserved, else transparent hugepages, else plain pages; optionally bound
-//! to one NUMA node.
+//! to one NUMA node (through hwloc, see [`topology`](super::topology)).
 //!
 //! Why: a decode token streams ~75 MB of scattered experts per layer; 4 KiB pages would cost a TLB miss
 //! every 4 KiB. 1 GiB pages are used only when the rounding waste stays under 1/8 of the request.
 
 use std::fmt;
 use std::str::FromStr;
+
+use super::topology;
 
 /// What the caller asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -64,6 +66,8 @@ pub struct HugeBuffer {
     len: usize,
     map_len: usize,
     kind: PageKind,
+    /// NUMA node the pages are bound to, when binding was asked for and succeeded.
+    node: Option<usize>,
 }
 
 // SAFETY: owns its mapping exclusively, like a Box<[u8]>.
@@ -74,9 +78,11 @@ const MB2: usize = 2 << 20;
 const GB1: usize = 1 << 30;
 
 impl HugeBuffer {
-    /// Maps `len` bytes (at least 1) following `mode`; `numa_node` binds the pages to that node (mbind,
-    /// before first touch). Falls back down the list rather than failing; panics only if even plain
-    /// anonymous memory cannot be mapped (out of memory).
+    /// Maps `len` bytes (at least 1) following `mode`; `numa_node` binds the pages to that node before
+    /// first touch (hwloc `set_area_membind` with the BIND policy, or `mbind` on the fallback path; best
+    /// effort, see [`topology::bind_area_to_node`]; [`numa_node`](Self::numa_node) tells). Falls back
+    /// down the list rather than failing; panics only if even plain anonymous memory cannot be mapped
+    /// (out of memory).
     pub fn new(len: usize, mode: HugepageMode, numa_node: Option<usize>) -> HugeBuffer {
         let len = len.max(1);
         let try_1g = match mode {
@@ -110,6 +116,12 @@ impl HugeBuffer {
 
     pub fn kind(&self) -> PageKind {
         self.kind
+    }
+
+    /// The NUMA node the pages are bound to; `None` if none was asked for or the system refused
+    /// (placement is then first touch).
+    pub fn numa_node(&self) -> Option<usize> {
+        self.node
     }
 
     pub fn len(&self) -> usize {
@@ -155,37 +167,15 @@ fn map(len: usize, page: usize, kind: PageKind, node: Option<usize>) -> Option<H
         // SAFETY: advice on our own fresh mapping; failure only means no THP.
         unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) };
     }
-    if let Some(n) = node {
-        bind_to_node(p, map_len, n);
-    }
+    // SAFETY: our own fresh mapping of map_len bytes, not yet referenced anywhere else.
+    let node = node.filter(|&n| unsafe { topology::bind_area_to_node(p.cast(), map_len, n) });
     Some(HugeBuffer {
         ptr: p.cast(),
         len,
         map_len,
         kind,
+        node,
     })
-}
-
-/// mbind(MPOL_BIND) to one node; best effort (single-node machines and containers without the
-/// capability simply keep first-touch placement, which the repack done by node-local threads gives too).
-fn bind_to_node(p: *mut libc::c_void, len: usize, node: usize) {
-    const MPOL_BIND: libc::c_long = 2;
-    if node >= 64 {
-        return;
-    }
-    let mask: u64 = 1 << node;
-    // SAFETY: mbind on our own mapping with a one-word node mask.
-    unsafe {
-        libc::syscall(
-            libc::SYS_mbind,
-            p,
-            len,
-            MPOL_BIND,
-            &mask as *const u64,
-            65usize,
-            0usize,
-        );
-    }
 }
 
 impl std::ops::Deref for HugeBuffer {
@@ -228,5 +218,31 @@ mod tests {
             }
         }
         assert!("3M".parse::<HugepageMode>().is_err());
+    }
+
+    #[test]
+    fn buffer_bound_to_node_0_works() {
+        use hwlocality::memory::binding::{MemoryBindingFlags, MemoryBindingPolicy};
+        use hwlocality::memory::nodeset::NodeSet;
+        let node = topology::numa_nodes(&topology::allowed_cpus())[0].id;
+        assert_eq!(node, 0, "this test expects node 0 on the build machine");
+        for mode in [HugepageMode::Off, HugepageMode::Auto] {
+            let mut b = HugeBuffer::new(3 << 20, mode, Some(node));
+            assert_eq!(b.numa_node(), Some(node), "binding refused ({mode:?})");
+            // hwloc reads the policy back from the kernel (get_mempolicy per page).
+            let topo = hwlocality::Topology::new().unwrap();
+            let (set, policy) = topo
+                .area_memory_binding::<[u8], NodeSet>(&b[..], MemoryBindingFlags::empty())
+                .unwrap();
+            assert_eq!(policy, Some(MemoryBindingPolicy::Bind));
+            assert_eq!(set.iter_set().map(usize::from).collect::<Vec<_>>(), [node]);
+            assert!(b.iter().all(|&x| x == 0));
+            b.iter_mut().step_by(4096).for_each(|x| *x = 3);
+            assert_eq!(b[8192], 3);
+        }
+        assert_eq!(
+            HugeBuffer::new(4096, HugepageMode::Off, None).numa_node(),
+            None
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! CPU kernels: the grouped-expert FFN of MoE layers ([`moe`]) and what it stands on — feature
-//! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology
+//! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology via hwloc
 //! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]) and the benchmark
 //! ([`bench`](mod@bench)).
 
