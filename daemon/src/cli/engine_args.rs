@@ -52,7 +52,8 @@ pub struct EngineArgs {
     /// GPU KV cache capacity in positions, all sequences together.
     #[arg(long, default_value_t = 65536)]
     pub kv_cache_tokens: usize,
-    /// Steps with at least this many tokens prefill layer by layer on the GPU (DRAM experts streamed).
+    /// Steps with at least this many tokens prefill layer by layer on the GPU (DRAM experts streamed
+    /// from pinned memory). Above --kv-cache-tokens it disables layerwise prefill and the pinning.
     #[arg(long, default_value_t = 1024)]
     pub gpu_prefill_threshold: usize,
     /// MiB per chunk of the layerwise-prefill expert stream (four staging chunks + one dense on the GPU).

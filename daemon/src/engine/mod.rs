@@ -194,7 +194,12 @@ impl Engine {
                 ),
             }
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
-            if let Some(g) = &gpu {
+            // Layerwise prefill pins the packed DRAM experts; skip that when no step can reach the
+            // threshold (a step never holds more tokens than the KV cache).
+            if let Some(g) = gpu
+                .as_ref()
+                .filter(|_| opts.gpu_prefill_threshold <= opts.kv_cache_tokens)
+            {
                 g.attach_expert_stream(&model, opts.gpu_stream_chunk_bytes)?;
             }
             Some(p)
