@@ -1,12 +1,14 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
+use super::experts::PhaseBuffers;
 use super::graphs::ActBufs;
+use super::handoff::Handoff;
 use super::kv::{GpuSeqKv, BLOCK};
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
@@ -36,75 +38,6 @@ pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow::anyhow!("CUDA launch: {e}")
 }
 
-/// Pinned host buffers of the per-layer hand-off: routing ids and weights and the normalised
-/// activations down, the CPU experts' sum up. Copies into and out of pinned memory are asynchronous, so
-/// a layer waits for the GPU once; reallocated (larger) when a step outgrows them.
-pub struct Handoff {
-    ids: Pinned<i32>,
-    w: Pinned<f32>,
-    x: Pinned<f32>,
-    y: Pinned<f32>,
-}
-
-impl Handoff {
-    pub(super) fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
-        Ok(Handoff {
-            ids: Pinned::new(dev, routes)?,
-            w: Pinned::new(dev, routes)?,
-            x: Pinned::new(dev, elems)?,
-            y: Pinned::new(dev, elems)?,
-        })
-    }
-
-    fn fits(&self, routes: usize, elems: usize) -> bool {
-        self.ids.len() >= routes && self.x.len() >= elems
-    }
-}
-
-/// Pinned host memory read and written through a raw pointer taken once: no event synchronisation on
-/// access (cudarc's accessors synchronise an event, which a graph capture may refuse). Ordering
-/// against the copies is the caller's: it reads after the stream synchronised and writes only what no
-/// pending copy still reads.
-struct Pinned<T> {
-    _buf: PinnedHostSlice<T>,
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: the pointer is into the owned allocation; every access goes through the model's mutex.
-unsafe impl<T> Send for Pinned<T> {}
-
-impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Pinned<T> {
-    fn new(dev: &GpuDevice, n: usize) -> anyhow::Result<Pinned<T>> {
-        // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
-        // SAFETY: every element is written (by a copy or by the host) before it is read.
-        let mut buf = unsafe { dev.ctx.alloc_pinned_with_flags::<T>(n.max(1), 0)? };
-        let ptr = buf.as_mut_ptr()?;
-        Ok(Pinned {
-            len: buf.len(),
-            _buf: buf,
-            ptr,
-        })
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// The first `n` elements (panics beyond the allocation).
-    fn slice(&self, n: usize) -> &[T] {
-        assert!(n <= self.len);
-        // SAFETY: in bounds of the live allocation; see the type's note on ordering.
-        unsafe { std::slice::from_raw_parts(self.ptr, n) }
-    }
-
-    fn slice_mut(&mut self, n: usize) -> &mut [T] {
-        assert!(n <= self.len);
-        // SAFETY: as in `slice`, and `&mut self` makes this the only host view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
-    }
-}
-
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
 struct Segment<'a> {
     x: &'a mut CudaSlice<f32>,
@@ -117,17 +50,6 @@ struct Segment<'a> {
     hand: &'a mut Handoff,
     /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
     want_x: bool,
-}
-
-/// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
-struct PhaseBuffers<'a> {
-    xe: &'a CudaSlice<bf16>,
-    gu: &'a mut CudaSlice<f32>,
-    act: &'a mut CudaSlice<bf16>,
-    ye: &'a mut CudaSlice<f32>,
-    hd: usize,
-    inter: usize,
-    gelu: bool,
 }
 
 impl GpuModel {
@@ -285,59 +207,6 @@ impl GpuModel {
         s.memcpy_dtoh(&g.w.slice(..nk), g.hand.w.slice_mut(nk))?;
         if g.want_x {
             s.memcpy_dtoh(&g.hf.slice(..nx), g.hand.x.slice_mut(nx))?;
-        }
-        Ok(())
-    }
-
-    /// One phase of GPU experts: `groups` (expert, first row, rows) with consecutive rows, `ws` their
-    /// (gate_up `[2I, H]`, down `[H, I]`) weights: gate_up GEMMs, one activation over the phase's
-    /// rows, down GEMMs into `ye`.
-    fn expert_phase(
-        &self,
-        groups: &[(usize, usize, usize)],
-        ws: &[(CudaView<'_, bf16>, CudaView<'_, bf16>)],
-        b: &mut PhaseBuffers<'_>,
-    ) -> anyhow::Result<()> {
-        let (Some(first), Some(last)) = (groups.first(), groups.last()) else {
-            return Ok(());
-        };
-        let (hd, inter, dev) = (b.hd, b.inter, &self.dev);
-        let (r0, r1) = (first.1, last.1 + last.2);
-        for (&(_, g0, c), (w_gu, _)) in groups.iter().zip(ws) {
-            let mut out = b.gu.slice_mut(g0 * 2 * inter..(g0 + c) * 2 * inter);
-            dev.gemm_bf16(
-                &b.xe.slice(g0 * hd..(g0 + c) * hd),
-                w_gu,
-                &mut out,
-                c,
-                2 * inter,
-                hd,
-                false,
-            )?;
-        }
-        let (inter_i, rows_i, gelu) = (inter as i32, (r1 - r0) as i32, b.gelu as i32);
-        {
-            let gu_v = b.gu.slice(r0 * 2 * inter..r1 * 2 * inter);
-            let mut act_v = b.act.slice_mut(r0 * inter..r1 * inter);
-            let mut l = dev.launch(&dev.k.silu_mul);
-            l.arg(&gu_v)
-                .arg(&inter_i)
-                .arg(&rows_i)
-                .arg(&gelu)
-                .arg(&mut act_v);
-            unsafe { l.launch(GpuDevice::cfg_elems((r1 - r0) * inter)) }.map_err(launch_err)?;
-        }
-        for (&(_, g0, c), (_, w_d)) in groups.iter().zip(ws) {
-            let mut out = b.ye.slice_mut(g0 * hd..(g0 + c) * hd);
-            dev.gemm_bf16(
-                &b.act.slice(g0 * inter..(g0 + c) * inter),
-                w_d,
-                &mut out,
-                c,
-                hd,
-                inter,
-                false,
-            )?;
         }
         Ok(())
     }

@@ -19,7 +19,7 @@
 //! stayed correct). Capture now uses the relaxed mode and no event synchronisation inside the segment;
 //! `gpu_tests::cuda_graph_decode_matches_eager` checks that graphs are captured and match eager steps,
 //! and has not run on hardware since that change.
-use super::forward::Handoff;
+use super::handoff::Handoff;
 use super::{GpuAttention, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::{CudaGraph, CudaSlice};

@@ -8,8 +8,10 @@
 //! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
 //! the GPU instead and computed there.
 pub mod attention;
+mod experts;
 pub mod forward;
 pub mod graphs;
+pub mod handoff;
 pub mod kv;
 pub mod setup;
 pub mod stream;
@@ -104,7 +106,7 @@ pub struct GpuModel {
     /// once the CPU kernels have packed the DRAM experts); `None`: per-expert uploads.
     pub stream: Mutex<Option<stream::ExpertStream>>,
     /// Pinned hand-off buffers of the MoE layers (grown on demand).
-    pub handoff: Mutex<Option<forward::Handoff>>,
+    pub handoff: Mutex<Option<handoff::Handoff>>,
     /// Replay decode steps' pre-expert segments from CUDA graphs.
     pub cuda_graphs: bool,
     /// Persistent buffers and captured graphs of decode steps (created on the first one).
