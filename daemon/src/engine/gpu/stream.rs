@@ -120,15 +120,9 @@ impl ExpertStream {
             .max()
             .unwrap_or(1);
         let chunk = chunk_experts(dense_each, per_layer, chunk_bytes);
-        let mut chunks = Vec::new();
-        for (li, s) in &sets {
-            for ids in s.expert_ids().chunks(chunk) {
-                chunks.push(Chunk {
-                    layer: *li,
-                    ids: ids.to_vec(),
-                });
-            }
-        }
+        let layer_ids: Vec<(usize, &[u32])> =
+            sets.iter().map(|(li, s)| (*li, s.expert_ids())).collect();
+        let chunks = plan_chunks(&layer_ids, chunk);
         // Pin the packed regions once (cost: page pinning, about a second per 10-20 GiB).
         dev.ctx.bind_to_thread()?;
         let mut registered = Vec::new();
@@ -205,37 +199,25 @@ impl ExpertStream {
             let base = dev.addr(&self.staging[slot]);
             let each = self.geometry.expert_bytes;
             // Adjacent experts (consecutive in the packed buffer) go as one copy.
-            let mut run: Option<(*const u8, usize, usize)> = None; // (host start, bytes, staging offset)
-            let flush = |run: (*const u8, usize, usize)| -> anyhow::Result<()> {
-                // SAFETY: the host bytes are registered or pageable live memory of the host model; the
-                // destination lies inside the staging slot (chunk ≤ chunk_experts experts).
+            let mut starts = Vec::with_capacity(chunk.ids.len());
+            for &id in &chunk.ids {
+                let bytes = set
+                    .packed_expert(id)
+                    .with_context(|| format!("expert {id} not in layer {}'s set", chunk.layer))?;
+                starts.push(bytes.as_ptr() as usize);
+            }
+            for (src, len, off) in copy_runs(&starts, each) {
+                // SAFETY: each run covers whole experts of the host model's live packed memory
+                // (registered, or pageable); the destination lies inside the staging slot
+                // (a chunk holds at most `chunk_experts` experts).
                 unsafe {
-                    let src = std::slice::from_raw_parts(run.0, run.1);
+                    let src = std::slice::from_raw_parts(src as *const u8, len);
                     cudarc::driver::result::memcpy_htod_async(
-                        base + run.2 as u64,
+                        base + off as u64,
                         src,
                         self.copy.cu_stream(),
                     )?;
                 }
-                Ok(())
-            };
-            for (j, &id) in chunk.ids.iter().enumerate() {
-                let bytes = set
-                    .packed_expert(id)
-                    .with_context(|| format!("expert {id} not in layer {}'s set", chunk.layer))?;
-                run = Some(match run {
-                    Some((p, len, off)) if p.wrapping_add(len) == bytes.as_ptr() => {
-                        (p, len + each, off)
-                    }
-                    Some(r) => {
-                        flush(r)?;
-                        (bytes.as_ptr(), each, j * each)
-                    }
-                    None => (bytes.as_ptr(), each, j * each),
-                });
-            }
-            if let Some(r) = run {
-                flush(r)?;
             }
             self.ready[slot].record(&self.copy)?;
             self.issued += 1;
@@ -277,6 +259,34 @@ impl ExpertStream {
         self.consumed += 1;
         self.issue_ahead(dev, host)
     }
+}
+
+/// Every layer's DRAM experts in chunks of at most `chunk`, layer by layer, in the order they are sent.
+pub fn plan_chunks(layers: &[(usize, &[u32])], chunk: usize) -> Vec<Chunk> {
+    let mut out = Vec::new();
+    for &(layer, ids) in layers {
+        for c in ids.chunks(chunk.max(1)) {
+            out.push(Chunk {
+                layer,
+                ids: c.to_vec(),
+            });
+        }
+    }
+    out
+}
+
+/// Host copies for one chunk: experts `j` (host address `starts[j]`, `each` bytes) go to staging offset
+/// `j * each`; experts that sit back to back in host memory merge into one (host start, bytes, staging
+/// offset) copy.
+pub fn copy_runs(starts: &[usize], each: usize) -> Vec<(usize, usize, usize)> {
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (j, &p) in starts.iter().enumerate() {
+        match runs.last_mut() {
+            Some((s, len, _)) if *s + *len == p => *len += each,
+            _ => runs.push((p, each, j * each)),
+        }
+    }
+    runs
 }
 
 /// Enqueues `unpack_experts` on the main stream: `count` packed experts laid out back to back in
@@ -321,4 +331,63 @@ pub fn launch_unpack(
     };
     unsafe { l.launch(cfg) }.map_err(launch_err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_follow_layers_and_never_mix_them() {
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..7).collect(), vec![3, 9]);
+        let c = plan_chunks(&[(1, &a), (4, &b)], 3);
+        let got: Vec<(usize, Vec<u32>)> = c.iter().map(|c| (c.layer, c.ids.clone())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, vec![0, 1, 2]),
+                (1, vec![3, 4, 5]),
+                (1, vec![6]),
+                (4, vec![3, 9]),
+            ]
+        );
+        assert_eq!(
+            plan_chunks(&[(0, &a)], 0).len(),
+            7,
+            "chunk 0 is treated as 1"
+        );
+    }
+
+    #[test]
+    fn adjacent_experts_merge_into_one_copy() {
+        // experts 0,1 adjacent; 2 after a gap; 3 adjacent to 2; 4 before them in memory
+        let each = 100;
+        let starts = [1000, 1100, 5000, 5100, 200];
+        assert_eq!(
+            copy_runs(&starts, each),
+            vec![(1000, 200, 0), (5000, 200, 200), (200, 100, 400)]
+        );
+        assert!(copy_runs(&[], each).is_empty());
+        // total bytes always equal experts × each, offsets dense
+        let runs = copy_runs(&starts, each);
+        assert_eq!(runs.iter().map(|r| r.1).sum::<usize>(), starts.len() * each);
+    }
+
+    #[test]
+    fn chunk_size_and_device_bytes() {
+        let each = 9 << 20; // one Qwen3-30B-A3B expert, bf16
+        assert_eq!(chunk_experts(each, 128, CHUNK_BYTES), 28);
+        assert_eq!(
+            chunk_experts(each, 10, CHUNK_BYTES),
+            10,
+            "capped by the layer"
+        );
+        assert_eq!(
+            chunk_experts(usize::MAX, 10, CHUNK_BYTES),
+            1,
+            "at least one"
+        );
+        let c = 28 * each;
+        assert_eq!(device_bytes(each, 128, CHUNK_BYTES), c * SLOTS * 5 / 4 + c);
+    }
 }
