@@ -31,10 +31,10 @@ pub fn chunk_experts(expert_bytes: usize, experts: usize, chunk_bytes: usize) ->
     (chunk_bytes / expert_bytes.max(1)).clamp(1, experts.max(1))
 }
 
-/// Staging slots: copies run up to this many chunks ahead of the unpacking. At a layer boundary the
-/// main stream stops consuming chunks for a while (the last chunk's GEMMs, the next attention, the
-/// router hand-off); with two slots the copy engine idled there (6-layer 4K prefill: 32 ms per layer
-/// against 22 ms of PCIe), with four the copies already issued cover that gap.
+/// Staging slots: copies run up to this many chunks ahead of the unpacking, so that at a layer boundary
+/// (the last chunk's GEMMs, the next attention, the router hand-off) the copy engine has work queued.
+/// Measured on the H200 (6-layer 4K prefill): 32–37 ms per layer with four slots, 32 ms with two, against
+/// ~22 ms of PCIe; the slots are not what limits it (docs/PERF.md), four cost ~0.5 GiB more than two.
 pub const SLOTS: usize = 4;
 
 /// Device bytes the stream holds: the packed staging slots and one dense chunk (packed bytes are the
