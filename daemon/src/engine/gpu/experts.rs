@@ -1,9 +1,7 @@
 //! Routed experts computed on the GPU in phases: a run of experts whose token rows are consecutive.
-use super::forward::launch_err;
 use super::GpuModel;
-use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
-use moe_kernels::cuda::GpuDevice;
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
 pub(super) struct PhaseBuffers<'a> {
@@ -43,18 +41,13 @@ impl GpuModel {
                 false,
             )?;
         }
-        let (inter_i, rows_i, gelu) = (inter as i32, (r1 - r0) as i32, b.gelu as i32);
-        {
-            let gu_v = b.gu.slice(r0 * 2 * inter..r1 * 2 * inter);
-            let mut act_v = b.act.slice_mut(r0 * inter..r1 * inter);
-            let mut l = dev.launch(&dev.k.silu_mul);
-            l.arg(&gu_v)
-                .arg(&inter_i)
-                .arg(&rows_i)
-                .arg(&gelu)
-                .arg(&mut act_v);
-            unsafe { l.launch(GpuDevice::cfg_elems((r1 - r0) * inter)) }.map_err(launch_err)?;
-        }
+        self.gated_act(
+            &b.gu.slice(r0 * 2 * inter..r1 * 2 * inter),
+            &mut b.act.slice_mut(r0 * inter..r1 * inter),
+            inter,
+            r1 - r0,
+            b.gelu,
+        )?;
         for (&(_, g0, c), (_, w_d)) in groups.iter().zip(ws) {
             let mut out = b.ye.slice_mut(g0 * hd..(g0 + c) * hd);
             dev.gemm_bf16(

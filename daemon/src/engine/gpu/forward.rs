@@ -8,7 +8,7 @@ use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
@@ -120,11 +120,35 @@ impl GpuModel {
         let mut gu = self.alloc::<f32>(n * 2 * inter)?;
         self.linear(&m.gate_up, x, &mut gu, n, false)?;
         let mut a = self.alloc::<bf16>(n * inter)?;
-        let (inter_i, n_i, gelu) = (inter as i32, n as i32, (act == Activation::GeluTanh) as i32);
-        let mut l = self.dev.launch(&self.dev.k.silu_mul);
-        l.arg(&gu).arg(&inter_i).arg(&n_i).arg(&gelu).arg(&mut a);
-        unsafe { l.launch(GpuDevice::cfg_elems(n * inter)) }.map_err(launch_err)?;
+        self.gated_act(
+            &gu.slice(..),
+            &mut a.slice_mut(..),
+            inter,
+            n,
+            act == Activation::GeluTanh,
+        )?;
         self.linear(&m.down, &a, y, n, accumulate)
+    }
+
+    /// `act = silu(gate) · up` (GELU-tanh when `gelu`) to bf16 for `rows` rows of `gate_up`
+    /// (`[rows, 2·inter]`, gate first).
+    pub(super) fn gated_act(
+        &self,
+        gate_up: &CudaView<'_, f32>,
+        act: &mut CudaViewMut<'_, bf16>,
+        inter: usize,
+        rows: usize,
+        gelu: bool,
+    ) -> anyhow::Result<()> {
+        let (inter_i, rows_i, gelu) = (inter as i32, rows as i32, gelu as i32);
+        let mut l = self.dev.launch(&self.dev.k.silu_mul);
+        l.arg(gate_up)
+            .arg(&inter_i)
+            .arg(&rows_i)
+            .arg(&gelu)
+            .arg(act);
+        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.map_err(launch_err)?;
+        Ok(())
     }
 
     /// Layer `li` up to its experts, enqueued: attention norm, attention (adds into `x`), FFN norm
@@ -259,10 +283,7 @@ impl GpuModel {
         }
         let n = ids.len();
         let layerwise = n >= self.prefill_threshold;
-        let (experts_n, top_k) = cfg
-            .moe
-            .as_ref()
-            .map_or((1, 1), |m| (m.num_experts, m.top_k));
+        let top_k = cfg.moe.as_ref().map_or(1, |m| m.top_k);
         // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
         let graph_step = self.cuda_graphs
             && !layerwise
@@ -289,7 +310,7 @@ impl GpuModel {
                 .max()
                 .unwrap_or(1)
                 .max(1);
-            own_index = self.alloc_step_index(n, batch.len(), stride)?;
+            own_index = self.alloc_index(n, batch.len(), stride)?;
             own_acts = self.alloc_acts(cfg, n)?;
             let hand = match &mut *hand_guard {
                 Some(h) if h.fits(n * top_k, n * hd) => h,
@@ -328,7 +349,6 @@ impl GpuModel {
             l.arg(&self.embed).arg(&index.ids).arg(&hd_i).arg(&mut *x);
             unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
-        let _ = experts_n;
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         let mut stream = if layerwise {

@@ -67,7 +67,13 @@ pub struct ActBufs {
 }
 
 impl GpuModel {
-    fn alloc_index(&self, rows: usize, seqs: usize, stride: usize) -> anyhow::Result<IndexBufs> {
+    /// Index buffers for `rows` tokens of `seqs` sequences, block tables of `stride` blocks each.
+    pub(super) fn alloc_index(
+        &self,
+        rows: usize,
+        seqs: usize,
+        stride: usize,
+    ) -> anyhow::Result<IndexBufs> {
         Ok(IndexBufs {
             ids: self.alloc(rows)?,
             pos: self.alloc(rows)?,
@@ -111,16 +117,6 @@ impl GpuModel {
                 out: self.alloc(rows * qd)?,
             },
         })
-    }
-
-    /// Index buffers for an eager step.
-    pub(super) fn alloc_step_index(
-        &self,
-        rows: usize,
-        seqs: usize,
-        stride: usize,
-    ) -> anyhow::Result<IndexBufs> {
-        self.alloc_index(rows, seqs, stride)
     }
 
     pub(super) fn all_gqa(&self) -> bool {
