@@ -9,12 +9,29 @@ mod common;
 
 use common::rel_l2;
 use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};
-use moe_daemon::engine::{Device, Engine, EngineOptions, SeqInput};
+use moe_daemon::engine::{Device, Engine, EngineOptions, SeqCache, SeqInput};
 use serde_json::Value;
 use std::path::PathBuf;
 
 fn fixtures() -> PathBuf {
     common::fixtures_root()
+}
+
+/// One step of one sequence: `tokens` appended to `cache`; the logits at its last position.
+fn step(e: &Engine, cache: &mut SeqCache, tokens: &[u32]) -> Vec<f32> {
+    e.forward(&mut [SeqInput { cache, tokens }])
+        .unwrap()
+        .remove(0)
+}
+
+/// xorshift64 stream (deterministic test inputs).
+fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
 }
 
 fn gpu(n: usize, placement: PlacementStrategy) -> EngineOptions {
@@ -39,23 +56,9 @@ fn run(engine: &Engine, o: &Value) -> Vec<Vec<f32>> {
     let prompt = ids(&o["prompt_ids"]);
     let greedy = ids(&o["greedy_tokens"]);
     let mut c = engine.new_cache();
-    let mut out = vec![engine
-        .forward(&mut [SeqInput {
-            cache: &mut c,
-            tokens: &prompt,
-        }])
-        .unwrap()
-        .remove(0)];
+    let mut out = vec![step(engine, &mut c, &prompt)];
     for t in greedy {
-        out.push(
-            engine
-                .forward(&mut [SeqInput {
-                    cache: &mut c,
-                    tokens: &[t],
-                }])
-                .unwrap()
-                .remove(0),
-        );
+        out.push(step(engine, &mut c, &[t]));
     }
     out
 }
@@ -180,12 +183,7 @@ fn layerwise_prefill_batching_and_cache_clone() {
     .unwrap();
     let last = |e: &Engine, p: &[u32]| {
         let mut c = e.new_cache();
-        e.forward(&mut [SeqInput {
-            cache: &mut c,
-            tokens: p,
-        }])
-        .unwrap()
-        .remove(0)
+        step(e, &mut c, p)
     };
     let a = last(&normal, &prompt);
     let b = last(&layerwise, &prompt);
@@ -221,33 +219,16 @@ fn layerwise_prefill_batching_and_cache_clone() {
     }
     // a cloned cache continues like the original
     let mut c = normal.new_cache();
-    normal
-        .forward(&mut [SeqInput {
-            cache: &mut c,
-            tokens: &prompt,
-        }])
-        .unwrap();
+    step(&normal, &mut c, &prompt);
     let mut d = c.clone();
-    let x = normal
-        .forward(&mut [SeqInput {
-            cache: &mut c,
-            tokens: &[7],
-        }])
-        .unwrap()
-        .remove(0);
-    let y = normal
-        .forward(&mut [SeqInput {
-            cache: &mut d,
-            tokens: &[7],
-        }])
-        .unwrap()
-        .remove(0);
+    let x = step(&normal, &mut c, &[7]);
+    let y = step(&normal, &mut d, &[7]);
     assert!(rel_l2(&x, &y) <= 1e-5);
 }
 
 /// Long prompts take the GEMM attention path (chunks of ≥ 64 rows, whole and chunked with earlier
 /// context in the cache) and, in layerwise prefill, the packed-expert stream (a few experts per chunk,
-/// so several chunks per layer and the two staging slots wrap across layers), for bf16 and int8 DRAM
+/// so several chunks per layer and the staging slots wrap across layers), for bf16 and int8 DRAM
 /// experts. Each run is checked, including one decode step after the prefill, against the CPU backend
 /// (itself checked against transformers) at the GPU tolerance, 5e-2 rel-L2.
 #[test]
@@ -271,21 +252,9 @@ fn long_prefill_gemm_attention_and_expert_stream() {
             let mut c = e.new_cache();
             let mut out = Vec::new();
             for ch in chunks {
-                out = e
-                    .forward(&mut [SeqInput {
-                        cache: &mut c,
-                        tokens: ch,
-                    }])
-                    .unwrap()
-                    .remove(0);
+                out = step(e, &mut c, ch);
             }
-            let d = e
-                .forward(&mut [SeqInput {
-                    cache: &mut c,
-                    tokens: &[5],
-                }])
-                .unwrap()
-                .remove(0);
+            let d = step(e, &mut c, &[5]);
             out.extend(d);
             out
         };
@@ -335,13 +304,8 @@ fn parallel_router_matches_serial_router() {
     use moe_kernels::cuda::GpuDevice;
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
-    let mut seed = 12345u64;
-    let mut rnd = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 11) as f32 / (1u64 << 53) as f32 * 8.0 - 4.0
-    };
+    let mut next = xorshift(12345);
+    let mut rnd = || (next() >> 11) as f32 / (1u64 << 53) as f32 * 8.0 - 4.0;
     // (experts, k, kind, renorm, n_group, topk_group, scaling, bias)
     let cases = [
         (128usize, 8usize, 0i32, 1i32, 1i32, 1i32, 1.0f32, false),
@@ -422,13 +386,7 @@ fn cuda_graph_decode_matches_eager() {
             let mut caches: Vec<_> = batch.iter().map(|_| e.new_cache()).collect();
             let mut next: Vec<u32> = Vec::new();
             for (c, p) in caches.iter_mut().zip(batch) {
-                let l = e
-                    .forward(&mut [SeqInput {
-                        cache: c,
-                        tokens: p,
-                    }])
-                    .unwrap()
-                    .remove(0);
+                let l = step(e, c, p);
                 next.push(moe_daemon::engine::sampling::argmax(&l) as u32);
             }
             let mut all = Vec::new();
@@ -481,13 +439,7 @@ fn gpu_unpack_matches_cpu_twin() {
     let dev = GpuDevice::open(0).unwrap();
     let pool = WorkerPool::new(&[vec![0, 0]], false, std::time::Duration::from_micros(100));
     let (h, i, experts) = (320usize, 200usize, 3usize);
-    let mut seed = 99u64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(99);
     for fmt in [
         WeightFormat::Bf16,
         WeightFormat::Fp8Block,
