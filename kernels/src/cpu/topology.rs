@@ -436,24 +436,27 @@ mod tests {
         assert_eq!(allowed, fallback::read_allowed_cpus());
     }
 
+    /// The calling thread's or process's CPU binding as hwloc reports it.
+    fn hwloc_binding(flags: CpuBindingFlags) -> Vec<usize> {
+        let Backend::Hwloc(h) = backend() else {
+            panic!("hwloc backend expected");
+        };
+        h.topology
+            .cpu_binding(flags)
+            .unwrap()
+            .iter_set()
+            .map(usize::from)
+            .collect()
+    }
+
     #[test]
     fn allowed_cpus_survive_pinning_a_thread() {
         let all = allowed_cpus();
         let cpu = *all.last().unwrap();
         let (seen, process) = std::thread::spawn(move || {
             assert!(pin_current_thread(cpu));
-            let Backend::Hwloc(h) = backend() else {
-                panic!("hwloc backend expected");
-            };
             // Read again now: the process binding is the union over threads, this one pinned or not.
-            let process: Vec<usize> = h
-                .topology
-                .cpu_binding(CpuBindingFlags::PROCESS)
-                .unwrap()
-                .iter_set()
-                .map(usize::from)
-                .collect();
-            (allowed_cpus(), process)
+            (allowed_cpus(), hwloc_binding(CpuBindingFlags::PROCESS))
         })
         .join()
         .unwrap();
@@ -466,17 +469,7 @@ mod tests {
         for cpu in allowed_cpus() {
             let (after, hwloc_view) = std::thread::spawn(move || {
                 assert!(pin_current_thread(cpu), "pinning to CPU {cpu}");
-                let Backend::Hwloc(h) = backend() else {
-                    panic!("hwloc backend expected");
-                };
-                let view: Vec<usize> = h
-                    .topology
-                    .cpu_binding(CpuBindingFlags::THREAD)
-                    .unwrap()
-                    .iter_set()
-                    .map(usize::from)
-                    .collect();
-                (sched_affinity(), view)
+                (sched_affinity(), hwloc_binding(CpuBindingFlags::THREAD))
             })
             .join()
             .unwrap();
