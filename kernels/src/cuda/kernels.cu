@@ -404,8 +404,8 @@ __device__ float fp8_e4m3(unsigned char b) {
 
 // Expert blockIdx.y of a chunk, matrix blockIdx.z (0 gate, 1 up, 2 down) → dense[expert] =
 // [gate; up] rows ([2*inter, hidden]) then down ([hidden, inter]); matrix z starts at z*inter*hidden.
-// The index formulas are those of `unpack_expert_reference` (kernels/src/cpu/moe/packed.rs), which the
-// CPU tests check against the packer. fmt: 0 bf16, 1 fp8 e4m3 + 128x128 block scales, 2 int8 + row scales.
+// The index formulas are those of `MatRef::weight` (kernels/src/cpu/moe/pack.rs: the packed tile layout);
+// the GPU tests check this kernel bit for bit against `unpack_bf16`, which reads the bytes with it. fmt: 0 bf16, 1 fp8 e4m3 + 128x128 block scales, 2 int8 + row scales.
 extern "C" __global__ void unpack_experts(const unsigned char* packed, long long expert_bytes, int fmt, int inter,
                                           int hidden, int gate_ktiles, long long gate_wbytes, long long gate_bytes,
                                           int down_ktiles, long long down_wbytes, bf16* dense) {

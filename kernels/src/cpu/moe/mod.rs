@@ -56,7 +56,7 @@ mod tests;
 
 pub use act::Activation;
 pub use pack::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32, PackError, SourceTensor, WeightFormat};
-pub use packed::{dense_to_f32, unpack_expert_reference, PackedGeometry, PackedMat};
+pub use packed::{unpack_bf16, PackedGeometry, PackedMat};
 
 use std::sync::Mutex;
 
@@ -305,19 +305,27 @@ impl CpuExpertSet {
 
     fn mats(&self, e: usize) -> [MatRef<'_>; 3] {
         let s = self.slots[e];
-        let base = &self.buffers[s.group][s.offset..];
-        let mat = |l: MatLayout, off: usize| {
-            let w = &base[off..off + l.w_bytes];
-            let sb = &base[off + l.w_bytes..off + l.w_bytes + 4 * l.s_len];
-            // SAFETY: scales sit at a 64-byte aligned offset (tile bytes are multiples of 512) in memory
-            // we own; any bit pattern is an f32.
-            let s = unsafe { std::slice::from_raw_parts(sb.as_ptr().cast::<f32>(), l.s_len) };
-            MatRef { l, w, s }
-        };
-        [
-            mat(self.gate_l, 0),
-            mat(self.gate_l, self.gate_l.bytes()),
-            mat(self.down_l, 2 * self.gate_l.bytes()),
-        ]
+        mat_refs(self.gate_l, self.down_l, &self.buffers[s.group][s.offset..])
     }
+}
+
+/// The gate, up and down matrices of one expert whose packed bytes start at `base` (64-byte aligned).
+fn mat_refs(gate_l: MatLayout, down_l: MatLayout, base: &[u8]) -> [MatRef<'_>; 3] {
+    let mat = |l: MatLayout, off: usize| {
+        let w = &base[off..off + l.w_bytes];
+        let sb = &base[off + l.w_bytes..off + l.w_bytes + 4 * l.s_len];
+        assert!(
+            sb.as_ptr().align_offset(4) == 0,
+            "packed expert bytes misaligned"
+        );
+        // SAFETY: 4-byte aligned (checked; scales sit at a 64-byte aligned offset, tile bytes are
+        // multiples of 512) and in bounds; any bit pattern is an f32.
+        let s = unsafe { std::slice::from_raw_parts(sb.as_ptr().cast::<f32>(), l.s_len) };
+        MatRef { l, w, s }
+    };
+    [
+        mat(gate_l, 0),
+        mat(gate_l, gate_l.bytes()),
+        mat(down_l, 2 * gate_l.bytes()),
+    ]
 }

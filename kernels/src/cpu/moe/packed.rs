@@ -2,12 +2,11 @@
 //! layerwise prefill copies a layer's packed experts over PCIe (from pinned, registered memory: no
 //! staging copy on the host) and unpacks them there with `unpack_experts` in `cuda/kernels.cu`.
 //!
-//! [`unpack_expert_reference`] is that CUDA kernel written out in Rust, element for element (same index
-//! formulas, same dense layout), so the layout contract is tested here on every CPU against the kernels'
-//! own reader (`MatRef::weight`); the CUDA copy is a transcription of it.
+//! [`unpack_bf16`] is the reference for that kernel: the same bytes read by the CPU kernels' own reader.
 
-use super::pack::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32, MatLayout};
-use super::{CpuExpertSet, WeightFormat};
+use super::pack::{f32_to_bf16, MatLayout};
+use super::{mat_refs, CpuExpertSet, WeightFormat};
+use rayon::prelude::*;
 
 /// One packed matrix of an expert: `[n, k]` (HF `[out, in]`), its tiles then its scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,56 +89,27 @@ impl CpuExpertSet {
     }
 }
 
-/// Weight `[n][k]` of one packed matrix (`m` = its bytes: tiles then scales) as `unpack_experts` reads it.
-fn unpack_weight(format: WeightFormat, pm: &PackedMat, m: &[u8], n: usize, k: usize) -> u16 {
-    let scale = |i: usize| {
-        let o = pm.w_bytes + 4 * i;
-        f32::from_le_bytes([m[o], m[o + 1], m[o + 2], m[o + 3]])
-    };
-    let (nt, j) = (n >> 4, n & 15);
-    match format {
-        WeightFormat::Bf16 => {
-            let (ti, kin) = (k >> 5, k & 31);
-            let o = (nt * pm.k_tiles + ti) * 512 + (kin >> 1) * 32 + j * 2 + (kin & 1);
-            u16::from_le_bytes([m[2 * o], m[2 * o + 1]])
-        }
-        WeightFormat::Fp8Block => {
-            let (ti, kin) = (k >> 5, k & 31);
-            let o = (nt * pm.k_tiles + ti) * 512 + (kin >> 1) * 32 + j * 2 + (kin & 1);
-            let s = scale((n / 128) * pm.k.div_ceil(128) + k / 128);
-            f32_to_bf16(fp8_e4m3_to_f32(m[o]) * s)
-        }
-        WeightFormat::Int8 => {
-            let (ti, kin) = (k >> 6, k & 63);
-            let o = (nt * pm.k_tiles + ti) * 1024 + (kin >> 2) * 64 + j * 4 + (kin & 3);
-            f32_to_bf16((m[o] as i32 - 128) as f32 * scale(n))
-        }
-        WeightFormat::Int4 { .. } => unreachable!("int4 is not unpacked on the GPU"),
-    }
-}
-
-/// One expert's packed bytes → dense bf16 bits: `[gate; up]` rows (`[2·inter, hidden]`) then down
-/// (`[hidden, inter]`). Matrix `mat` (0 gate, 1 up, 2 down) lands at `mat · inter · hidden`.
-/// Panics on int4 (see [`PackedGeometry::gpu_format_code`]).
-pub fn unpack_expert_reference(g: &PackedGeometry, packed: &[u8]) -> Vec<u16> {
+/// One expert's packed bytes (as [`CpuExpertSet::packed_expert`] gives them, laid out as `g` says) →
+/// dense bf16 bits: `[gate; up]` rows (`[2·inter, hidden]`) then down (`[hidden, inter]`), read with the
+/// kernels' own reader (`MatRef::weight`) and rounded to bf16; parallel over rows. What the GPU's
+/// `unpack_experts` must reproduce bit for bit (checked by the GPU tests).
+pub fn unpack_bf16(g: &PackedGeometry, packed: &[u8]) -> Vec<u16> {
+    let gate_l = MatLayout::new(g.format, g.inter, g.hidden);
+    let down_l = MatLayout::new(g.format, g.hidden, g.inter);
+    let mats = mat_refs(gate_l, down_l, packed);
     let (h, i) = (g.hidden, g.inter);
     let mut out = vec![0u16; g.dense_elems()];
-    for mat in 0..3 {
-        let (pm, off) = match mat {
-            0 => (&g.gate, 0),
-            1 => (&g.gate, g.gate.bytes),
-            _ => (&g.down, 2 * g.gate.bytes),
-        };
-        let m = &packed[off..off + pm.bytes];
-        let dst = &mut out[mat * i * h..mat * i * h + pm.n * pm.k];
-        for (idx, o) in dst.iter_mut().enumerate() {
-            *o = unpack_weight(g.format, pm, m, idx / pm.k, idx % pm.k);
+    let (gate_up, down) = out.split_at_mut(2 * i * h);
+    gate_up.par_chunks_mut(h).enumerate().for_each(|(r, row)| {
+        let (m, n) = (&mats[r / i], r % i);
+        for (k, o) in row.iter_mut().enumerate() {
+            *o = f32_to_bf16(m.weight(n, k));
         }
-    }
+    });
+    down.par_chunks_mut(i).enumerate().for_each(|(n, row)| {
+        for (k, o) in row.iter_mut().enumerate() {
+            *o = f32_to_bf16(mats[2].weight(n, k));
+        }
+    });
     out
-}
-
-/// bf16 bits → f32, for comparing unpacked experts.
-pub fn dense_to_f32(v: &[u16]) -> Vec<f32> {
-    v.iter().map(|&b| bf16_to_f32(b)).collect()
 }

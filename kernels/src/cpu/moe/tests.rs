@@ -504,11 +504,12 @@ fn engine_facing_types_are_thread_safe() {
     send_sync::<ExpertSetConfig>();
 }
 
-/// The GPU unpack contract: `unpack_expert_reference` (the CUDA kernel's twin) reproduces every weight
-/// the CPU kernels read (`export_bf16`, from `MatRef::weight`) bit for bit, padding excluded, with
-/// shapes that are not multiples of any tile.
+/// What the GPU's layerwise prefill reads: each held expert's packed bytes (`packed_expert`, laid out
+/// as `packed_geometry` says, inside `packed_regions`) unpack (`unpack_bf16`) to the checkpoint's
+/// weights: bf16 bit for bit, FP8 as value × block scale rounded to bf16 bit for bit, int8 within its
+/// quantization error (rel-L2 ≤ 2e-2); shapes that are not multiples of any tile.
 #[test]
-fn gpu_unpack_twin_matches_packed_weights() {
+fn packed_experts_unpack_to_their_source_weights() {
     let mut rng = Rng(7);
     let pool = pool(&[2]);
     let (h, i, total) = (200, 144, 4u32);
@@ -525,15 +526,34 @@ fn gpu_unpack_twin_matches_packed_weights() {
         assert_eq!(g.expert_bytes, set.bytes_per_expert());
         let regions: usize = set.packed_regions().iter().map(|r| r.len()).sum();
         assert_eq!(regions, layer.ids.len() * g.expert_bytes);
-        for &id in &layer.ids {
-            let dense = unpack_expert_reference(&g, set.packed_expert(id).unwrap());
+        for (&id, srcs) in layer.ids.iter().zip(&layer.srcs) {
+            let dense = unpack_bf16(&g, set.packed_expert(id).unwrap());
+            // the source, in the same [gate; up; down] order, as bf16 bits
+            let mut want = Vec::with_capacity(dense.len());
+            for (src, cols) in srcs.iter().zip([h, h, i]) {
+                want.extend_from_slice(&src.bf16);
+                for (j, &b) in src.fp8.iter().enumerate() {
+                    let (n, k) = (j / cols, j % cols);
+                    let s = src.scales[(n / 128) * cols.div_ceil(128) + k / 128];
+                    want.push(f32_to_bf16(fp8_e4m3_to_f32(b) * s));
+                }
+            }
+            if fmt == WeightFormat::Int8 {
+                let (got, want): (Vec<f32>, Vec<f32>) = dense
+                    .iter()
+                    .zip(&want)
+                    .map(|(&a, &b)| (bf16_to_f32(a), bf16_to_f32(b)))
+                    .unzip();
+                let err = rel_l2(&got, &want);
+                assert!(err <= 2e-2, "int8 expert {id}: rel-L2 {err}");
+            } else {
+                assert!(
+                    dense == want,
+                    "{fmt:?} expert {id}: unpacked weights differ"
+                );
+            }
             let (gate_up, down) = set.export_bf16(id).unwrap();
-            assert_eq!(
-                &dense[..2 * i * h],
-                &gate_up[..],
-                "{fmt:?} expert {id} gate_up"
-            );
-            assert_eq!(&dense[2 * i * h..], &down[..], "{fmt:?} expert {id} down");
+            assert_eq!([gate_up, down].concat(), dense, "export_bf16 expert {id}");
         }
         assert!(set.packed_expert(1).is_none(), "expert 1 is not held");
     }
