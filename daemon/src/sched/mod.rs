@@ -4,6 +4,7 @@
 //! requests are admitted, starting from the longest cached prompt prefix. HTTP handlers talk to the thread
 //! over channels: [`EngineHandle::submit`] in, [`SeqEvent`]s out. A dropped event receiver (client gone,
 //! stop string hit) frees the sequence and its cache at the next step.
+pub mod constraint;
 pub mod model;
 pub mod prefix_cache;
 pub mod scripted;
@@ -11,6 +12,7 @@ mod step;
 
 use crate::engine::sampling::SamplingParams;
 use crate::metrics::Metrics;
+pub use constraint::TokenConstraint;
 pub use model::{StepModel, StepStats};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -60,14 +62,6 @@ pub struct GenRequest {
     pub events: UnboundedSender<SeqEvent>,
     /// Restricts sampling (JSON mode); the sequence stops once the constraint is complete.
     pub constraint: Option<Box<dyn TokenConstraint>>,
-}
-
-/// Restricts which tokens a sequence may sample, e.g. to keep output a valid JSON prefix.
-pub trait TokenConstraint: Send {
-    fn allows(&self, id: u32) -> bool;
-    fn advance(&mut self, id: u32);
-    /// Nothing more may follow: the sequence ends here.
-    fn is_complete(&self) -> bool;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

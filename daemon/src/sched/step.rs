@@ -1,8 +1,9 @@
 //! The engine loop: schedule → forward → update, one screen each.
+use super::constraint::sample_next;
 use super::prefix_cache::{PrefixCache, BLOCK};
 use super::{
     EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, StepStats,
-    TokenConstraint, TokenLogprob, IDLE_POLL,
+    TokenLogprob, IDLE_POLL,
 };
 use crate::engine::sampling::{log_softmax, Sampler};
 use crate::metrics::Metrics;
@@ -262,20 +263,13 @@ impl<M: StepModel> Scheduler<M> {
                 M::truncate(&mut c, aligned);
                 self.prefixes.insert(s.req.prompt[..aligned].to_vec(), c);
             }
-            let id = match &mut s.req.constraint {
-                Some(c) if c.is_complete() => None,
-                Some(c) => constrained_sample(
-                    &mut s.sampler,
-                    &logits,
-                    &s.req.prompt,
-                    &s.generated,
-                    c.as_ref(),
-                ),
-                None => Some(s.sampler.sample_parts(&logits, &s.req.prompt, &s.generated)),
-            };
-            if let (Some(c), Some(id)) = (&mut s.req.constraint, id) {
-                c.advance(id);
-            }
+            let id = sample_next(
+                &mut s.sampler,
+                s.req.constraint.as_deref_mut(),
+                &logits,
+                &s.req.prompt,
+                &s.generated,
+            );
             let now = Instant::now();
             match s.last_token_at {
                 None => {
@@ -360,28 +354,6 @@ impl<M: StepModel> Scheduler<M> {
             .kv_cache_usage
             .set(used as f64 / self.cfg.kv_capacity_tokens.max(1) as f64);
     }
-}
-
-/// Samples, refusing tokens the constraint does not allow (resampling without them); after a few
-/// refusals, takes the most likely allowed token. None: no token is allowed.
-fn constrained_sample(
-    sampler: &mut Sampler,
-    logits: &[f32],
-    prompt: &[u32],
-    generated: &[u32],
-    c: &dyn TokenConstraint,
-) -> Option<u32> {
-    let mut l = logits.to_vec();
-    for _ in 0..16 {
-        let id = sampler.sample_parts(&l, prompt, generated);
-        if c.allows(id) {
-            return Some(id);
-        }
-        l[id as usize] = f32::NEG_INFINITY;
-    }
-    let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
-    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
-    order.into_iter().map(|i| i as u32).find(|&i| c.allows(i))
 }
 
 /// The chosen token's log-probability under the model's distribution, and the `k` most likely tokens.
