@@ -14,6 +14,7 @@ pub struct Metrics {
     pub requests_finished: IntCounter,
     pub requests_aborted: IntCounter,
     pub requests_rejected: IntCounter,
+    pub preemptions: IntCounter,
     pub ttft_seconds: Histogram,
     pub inter_token_seconds: Histogram,
     pub e2e_seconds: Histogram,
@@ -77,6 +78,10 @@ impl Metrics {
                 "moe:request_rejected_total",
                 "Requests refused because the queue was full"
             )?),
+            preemptions: reg!(IntCounter::new(
+                "moe:num_preemptions_total",
+                "Running sequences preempted because the KV cache was full (recomputed later)"
+            )?),
             ttft_seconds: reg!(hist(
                 "moe:time_to_first_token_seconds",
                 "Time to first token"
@@ -99,7 +104,7 @@ impl Metrics {
             )?),
             kv_cache_usage: reg!(Gauge::new(
                 "moe:kv_cache_usage_perc",
-                "Fraction of the KV capacity held by running sequences (1 = full)"
+                "Fraction of the KV blocks in use by sequences and cached prefixes (1 = full)"
             )?),
             cpu_expert_seconds: reg!(hist(
                 "moe:cpu_expert_seconds_per_step",
@@ -140,6 +145,7 @@ mod tests {
             "moe:inter_token_latency_seconds",
             "moe:e2e_request_latency_seconds",
             "moe:kv_cache_usage_perc",
+            "moe:num_preemptions_total",
             "moe:cpu_expert_seconds_per_step",
             "moe:gpu_expert_hit_ratio",
         ] {

@@ -152,7 +152,7 @@ fn sharded_checkpoint_loads_like_single_file() {
     let two = Engine::load(d.path(), &EngineOptions::default()).unwrap();
     let run = |e: &Engine| {
         let mut c = e.new_cache();
-        e.forward(&mut [moe_daemon::engine::SeqInput {
+        e.reserve_and_forward(&mut [moe_daemon::engine::SeqInput {
             cache: &mut c,
             tokens: &[1, 2, 3],
         }])

@@ -106,7 +106,7 @@ fn check_with(name: &str, variant: &str, opts: &EngineOptions, tol: f32) {
             break;
         }
         logits = engine
-            .forward(&mut [SeqInput {
+            .reserve_and_forward(&mut [SeqInput {
                 cache: &mut cache,
                 tokens: &[tok],
             }])
@@ -188,7 +188,7 @@ fn chunked_prefill_equals_whole_prefill() {
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
         let mut whole = engine.new_cache();
         let want = engine
-            .forward(&mut [SeqInput {
+            .reserve_and_forward(&mut [SeqInput {
                 cache: &mut whole,
                 tokens: &o.prompt,
             }])
@@ -198,7 +198,7 @@ fn chunked_prefill_equals_whole_prefill() {
         let mut got = vec![];
         for chunk in o.prompt.chunks(5) {
             got = engine
-                .forward(&mut [SeqInput {
+                .reserve_and_forward(&mut [SeqInput {
                     cache: &mut chunked,
                     tokens: chunk,
                 }])
@@ -227,7 +227,7 @@ fn batch_equals_members_alone() {
             .map(|p| {
                 let mut c = engine.new_cache();
                 engine
-                    .forward(&mut [SeqInput {
+                    .reserve_and_forward(&mut [SeqInput {
                         cache: &mut c,
                         tokens: p,
                     }])
@@ -244,7 +244,7 @@ fn batch_equals_members_alone() {
                 tokens: p,
             })
             .collect();
-        let together = engine.forward(&mut batch).unwrap();
+        let together = engine.reserve_and_forward(&mut batch).unwrap();
         for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
             assert!(rel_l2(a, b) < 1e-5, "{name}: member {i}");
         }

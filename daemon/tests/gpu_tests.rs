@@ -19,7 +19,7 @@ fn fixtures() -> PathBuf {
 
 /// One step of one sequence: `tokens` appended to `cache`; the logits at its last position.
 fn step(e: &Engine, cache: &mut SeqCache, tokens: &[u32]) -> Vec<f32> {
-    e.forward(&mut [SeqInput { cache, tokens }])
+    e.reserve_and_forward(&mut [SeqInput { cache, tokens }])
         .unwrap()
         .remove(0)
 }
@@ -209,7 +209,7 @@ fn layerwise_prefill_batching_and_cache_clone() {
         })
         .collect();
     for (i, (t, a)) in normal
-        .forward(&mut batch)
+        .reserve_and_forward(&mut batch)
         .unwrap()
         .iter()
         .zip(&alone)
@@ -224,6 +224,18 @@ fn layerwise_prefill_batching_and_cache_clone() {
     let x = step(&normal, &mut c, &[7]);
     let y = step(&normal, &mut d, &[7]);
     assert!(rel_l2(&x, &y) <= 1e-5);
+}
+
+/// The scheduler's block manager on the CUDA backend: a KV pool that holds about two requests, prefixes
+/// shared and evicted, sequences preempted and recomputed; every output equals the request alone on a
+/// roomy pool (tokens exactly, log-probabilities within 2e-2: batched bf16 GEMMs may round differently
+/// from single-sequence ones).
+#[test]
+fn tight_kv_pool_preempts_and_shares_prefixes_without_changing_outputs() {
+    let dir = fixtures().join("qwen3_moe/model_bf16");
+    let (alone, pressured, metrics) =
+        common::kv_pressure::run(&dir, &gpu(4, PlacementStrategy::Uniform), 512);
+    common::kv_pressure::check(&alone, &pressured, &metrics, 2e-2);
 }
 
 /// Long prompts take the GEMM attention path (chunks of ≥ 64 rows, whole and chunked with earlier
@@ -400,7 +412,7 @@ fn cuda_graph_decode_matches_eager() {
                         tokens: t,
                     })
                     .collect();
-                let out = e.forward(&mut inputs).unwrap();
+                let out = e.reserve_and_forward(&mut inputs).unwrap();
                 next = out
                     .iter()
                     .map(|l| moe_daemon::engine::sampling::argmax(l) as u32)

@@ -69,7 +69,7 @@ fn greedy_answer_to_the_capital_of_france_mentions_paris() {
     let mut out = Vec::new();
     for _ in 0..12 {
         let logits = engine
-            .forward(&mut [SeqInput {
+            .reserve_and_forward(&mut [SeqInput {
                 cache: &mut cache,
                 tokens: &next,
             }])

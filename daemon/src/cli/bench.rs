@@ -87,7 +87,7 @@ fn prefill_into(
     let mut last = vec![];
     for c in p.chunks(chunk) {
         last = engine
-            .forward(&mut [SeqInput { cache, tokens: c }])?
+            .reserve_and_forward(&mut [SeqInput { cache, tokens: c }])?
             .remove(0);
     }
     Ok(last)
@@ -117,7 +117,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
             })
             .collect();
         let t = Instant::now();
-        let logits = engine.forward(&mut batch)?;
+        let logits = engine.reserve_and_forward(&mut batch)?;
         if step >= 2 {
             elapsed += t.elapsed().as_secs_f64();
             let s = engine.last_step_times();

@@ -129,7 +129,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let mut cache = engine.new_cache();
     let t0 = Instant::now();
     let mut logits = engine
-        .forward(&mut [SeqInput {
+        .reserve_and_forward(&mut [SeqInput {
             cache: &mut cache,
             tokens: &prompt,
         }])?
@@ -157,7 +157,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             break;
         }
         logits = engine
-            .forward(&mut [SeqInput {
+            .reserve_and_forward(&mut [SeqInput {
                 cache: &mut cache,
                 tokens: &[tok],
             }])?

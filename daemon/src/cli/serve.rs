@@ -3,10 +3,11 @@
 //! or Ctrl-C: stop accepting, let in-flight requests finish within `--shutdown-timeout-s`, exit.
 use crate::api::{self, AppState};
 use crate::cli::engine_args::EngineArgs;
+use crate::engine::kv::{blocks_for, BLOCK};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::model::ModelConfig;
-use crate::sched::scripted::ScriptedModel;
+use crate::sched::scripted::{ScriptedModel, ScriptedReplies};
 use crate::sched::{spawn_engine, EngineHandle, SchedulerConfig};
 use crate::text::{ChatTemplate, TextTokenizer};
 use crate::weights::gguf::GgufFile;
@@ -149,13 +150,6 @@ fn start_engine(
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running,
         max_waiting: args.max_waiting,
-        // Running sequences reserve prompt + max_tokens positions of the engine's KV capacity; the
-        // prefix cache's share is set aside first.
-        kv_capacity_tokens: args
-            .engine
-            .kv_cache_tokens
-            .saturating_sub(args.prefix_cache_tokens)
-            .max(1),
         prefix_cache_entries: args.prefix_cache_entries,
         prefix_cache_tokens: args.prefix_cache_tokens,
     };
@@ -172,14 +166,15 @@ fn start_engine(
             };
             replies.push((tok.encode(t)?, tok.encode(reply)?));
         }
-        let model = ScriptedModel {
+        let model = ScriptedModel::new(ScriptedReplies {
             replies,
             end_token: tok.stop_token_ids.first().copied().unwrap_or(0),
             vocab: tok.vocab_size(),
             max_positions: files.max_positions,
+            kv_cache_tokens: args.engine.kv_cache_tokens,
             step_delay: Duration::from_millis(spec["step_delay_ms"].as_u64().unwrap_or(0)),
             step_stats: None,
-        };
+        });
         tracing::warn!(
             "serving SCRIPTED replies from {} (test double, no weights)",
             script.display()
@@ -277,9 +272,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::new()?);
     let engine = start_engine(&args, &files, &tokenizer, metrics.clone())?;
+    // A request must fit the context and, alone, the KV cache (the scheduler preempts to make room
+    // for it, but cannot make the cache larger): longer ones get a 400 before they are queued.
     let max_context = args
         .max_model_len
-        .map_or(files.max_positions, |m| m.min(files.max_positions));
+        .map_or(files.max_positions, |m| m.min(files.max_positions))
+        .min(kv_capacity_positions(args.engine.kv_cache_tokens));
     let state = Arc::new(AppState {
         served_model: args
             .served_model_name
@@ -349,6 +347,11 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// Positions the engine's KV cache holds for `--kv-cache-tokens` (whole blocks).
+fn kv_capacity_positions(kv_cache_tokens: usize) -> usize {
+    blocks_for(kv_cache_tokens).max(1) * BLOCK
 }
 
 #[cfg(test)]

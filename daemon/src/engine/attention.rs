@@ -1,7 +1,8 @@
 //! Attention over a batch of sequence chunks: projections run on all tokens of the batch at once; the
 //! score/softmax/value part runs per (token, head) in parallel against that token's own sequence cache,
-//! with a causal limit at the token's position.
-use super::kv::LayerKv;
+//! with a causal limit at the token's position. Rows are written to and read from the layer's KV storage
+//! through each sequence's block table (reserved by the driver before the step).
+use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
 use super::ops::{rms_norm, rms_norm_rows, softmax};
 use super::rope::Rope;
@@ -19,6 +20,27 @@ fn token_positions(segments: &[Segment]) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Stores each token's two rows (`a`, `b`: row-major, `width` wide, in step row order) at its position's
+/// slot in its sequence's blocks.
+fn write_rows(
+    segments: &[Segment],
+    tables: &[&[BlockId]],
+    rows: &mut LayerRows,
+    (a, aw): (&[f32], usize),
+    (b, bw): (&[f32], usize),
+) {
+    for (seg, table) in segments.iter().zip(tables) {
+        for i in 0..seg.len {
+            let r = seg.row0 + i;
+            rows.write(
+                slot(table, seg.pos0 + i),
+                &a[r * aw..(r + 1) * aw],
+                &b[r * bw..(r + 1) * bw],
+            );
+        }
+    }
+}
+
 /// Softmax-weighted sum over positions `0..=pos`: scores from `score(p)`, values through `acc(p, w)`.
 fn attend(pos: usize, scale: f32, score: impl Fn(usize) -> f32, mut acc: impl FnMut(usize, f32)) {
     let mut s: Vec<f32> = (0..=pos).map(|p| score(p) * scale).collect();
@@ -34,7 +56,8 @@ pub fn gqa_forward(
     rope: &Rope,
     h: &[f32],
     segments: &[Segment],
-    caches: &mut [&mut LayerKv],
+    tables: &[&[BlockId]],
+    rows: &mut LayerRows,
 ) -> Vec<f32> {
     let n = h.len() / cfg.hidden_size;
     let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -54,26 +77,23 @@ pub fn gqa_forward(
         rope.apply(&mut k[t * nkv * hd..(t + 1) * nkv * hd], hd, &cos, &sin);
     }
     let kw = nkv * hd;
-    for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
-        let rows = seg.row0 * kw..(seg.row0 + seg.len) * kw;
-        cache.append(&k[rows.clone()], &v[rows]);
-    }
-    let caches: Vec<&LayerKv> = caches.iter().map(|c| &**c).collect();
+    write_rows(segments, tables, rows, (&k, kw), (&v, kw));
+    let rows = &*rows;
     let scale = cfg.attention_scale();
     let group = nh / nkv;
     let mut out = vec![0f32; n * nh * hd];
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, head) = (idx / nh, idx % nh);
         let (s, pos) = tokens[t];
-        let cache = caches[s];
+        let table = tables[s];
         let qh = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
         let kh = (head / group) * hd;
         attend(
             pos,
             scale,
-            |p| dot(qh, &cache.a_row(p)[kh..kh + hd]),
+            |p| dot(qh, &rows.a_row(slot(table, p))[kh..kh + hd]),
             |p, w| {
-                for (x, y) in o.iter_mut().zip(&cache.b_row(p)[kh..kh + hd]) {
+                for (x, y) in o.iter_mut().zip(&rows.b_row(slot(table, p))[kh..kh + hd]) {
                     *x += w * y;
                 }
             },
@@ -88,7 +108,8 @@ pub fn mla_forward(
     rope: &Rope,
     h: &[f32],
     segments: &[Segment],
-    caches: &mut [&mut LayerKv],
+    tables: &[&[BlockId]],
+    rows: &mut LayerRows,
 ) -> Vec<f32> {
     let m = cfg.mla.as_ref().expect("MLA layer without MLA config");
     let n = h.len() / cfg.hidden_size;
@@ -122,20 +143,15 @@ pub fn mla_forward(
         }
     }
     rms_norm_rows(&mut latent, &attn.kv_a_norm, cfg.rms_norm_eps);
-    for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
-        cache.append(
-            &latent[seg.row0 * lora..(seg.row0 + seg.len) * lora],
-            &k_rot[seg.row0 * rd..(seg.row0 + seg.len) * rd],
-        );
-    }
-    let caches: Vec<&LayerKv> = caches.iter().map(|c| &**c).collect();
+    write_rows(segments, tables, rows, (&latent, lora), (&k_rot, rd));
+    let rows = &*rows;
     let scale = cfg.attention_scale();
     let kv_b = &attn.kv_b;
     let mut out = vec![0f32; n * nh * vd];
     out.par_chunks_mut(vd).enumerate().for_each(|(idx, o)| {
         let (t, head) = (idx / nh, idx % nh);
         let (s, pos) = tokens[t];
-        let cache = caches[s];
+        let table = tables[s];
         let qh = &q[(t * nh + head) * qk..(t * nh + head + 1) * qk];
         // Absorb W_uk: q_lat[c] = Σ_d q_nope[d] · kv_b[head·(nope+v) + d][c]
         let wk = &kv_b[head * (nope + vd) * lora..];
@@ -150,9 +166,12 @@ pub fn mla_forward(
         attend(
             pos,
             scale,
-            |p| dot(&q_lat, cache.a_row(p)) + dot(&qh[nope..], cache.b_row(p)),
+            |p| {
+                let sl = slot(table, p);
+                dot(&q_lat, rows.a_row(sl)) + dot(&qh[nope..], rows.b_row(sl))
+            },
             |p, w| {
-                for (x, y) in o_lat.iter_mut().zip(cache.a_row(p)) {
+                for (x, y) in o_lat.iter_mut().zip(rows.a_row(slot(table, p))) {
                     *x += w * y;
                 }
             },

@@ -19,7 +19,7 @@ use crate::model::{Attention, Ffn, Model, ModelConfig};
 use crate::weights::safetensors::SafetensorsDir;
 use crate::weights::TensorSource;
 use anyhow::Context;
-pub use kv::SeqCache;
+pub use kv::{KvError, SeqCache};
 use ops::{add_assign, rms_norm};
 use rope::Rope;
 use std::path::Path;
@@ -101,10 +101,21 @@ impl Default for EngineOptions {
     }
 }
 
-/// Input of one sequence for one step.
+/// Input of one sequence for one step. The cache must already cover `cache.len() + tokens.len()`
+/// positions ([`SeqCache::reserve`], or [`reserve_batch`] for callers without a scheduler).
 pub struct SeqInput<'a> {
     pub cache: &'a mut SeqCache,
     pub tokens: &'a [u32],
+}
+
+/// Reserves the positions each entry's step will write (for drivers without a scheduler: `generate`,
+/// `bench`, tests). All entries or an error; a sequence that fails keeps what it had.
+pub fn reserve_batch(batch: &mut [SeqInput<'_>]) -> Result<(), KvError> {
+    for s in batch.iter_mut() {
+        let want = s.cache.len() + s.tokens.len();
+        s.cache.reserve(want)?;
+    }
+    Ok(())
 }
 
 /// Where one sequence's chunk sits in the step's flattened token rows.
@@ -125,6 +136,10 @@ pub enum StepError {
     TooLong { len: usize, max: usize },
     #[error("empty chunk: every sequence in a step needs at least one token")]
     EmptyChunk,
+    #[error("the KV blocks of a sequence cover {reserved} positions, the step writes up to {needed}: reserve before the step")]
+    NotReserved { reserved: usize, needed: usize },
+    #[error("a sequence's cache belongs to another engine's KV pool")]
+    ForeignCache,
     #[error("{0}")]
     Backend(String),
 }
@@ -139,6 +154,10 @@ pub struct Engine {
     cpu_pool: Option<moe_kernels::cpu::WorkerPool>,
     routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
     last_step: std::sync::Mutex<gpu::forward::StepTimes>,
+    /// Which KV block belongs to which sequence (shared with every [`SeqCache`] of this engine).
+    kv_blocks: kv::SharedBlockPool,
+    /// The rows of those blocks on the CPU backend (the CUDA backend keeps them in its own pool).
+    cpu_kv: Option<std::sync::Arc<kv::CpuKvStore>>,
 }
 
 impl Engine {
@@ -206,6 +225,23 @@ impl Engine {
         } else {
             None
         };
+        let blocks = kv::blocks_for(opts.kv_cache_tokens).max(1);
+        let (kv_blocks, cpu_kv) = match &gpu {
+            Some(g) => {
+                let copier = gpu::kv::GpuKvCopier {
+                    pool: g.kv.clone(),
+                    stream: g.dev.stream.clone(),
+                };
+                (
+                    kv::blocks::shared_pool(blocks, std::sync::Arc::new(copier)),
+                    None,
+                )
+            }
+            None => {
+                let store = std::sync::Arc::new(kv::CpuKvStore::new(&kv_widths(&model)));
+                (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
+            }
+        };
         Ok(Self {
             model,
             rope,
@@ -214,7 +250,24 @@ impl Engine {
             cpu_pool,
             routing_stats: opts.record_routing.then(Default::default),
             last_step: Default::default(),
+            kv_blocks,
+            cpu_kv,
         })
+    }
+
+    /// Share of the KV blocks in use (sequences and cached prefixes), 0 to 1.
+    pub fn kv_usage(&self) -> f64 {
+        let pool = self.kv_blocks.lock().unwrap_or_else(|e| e.into_inner());
+        pool.used() as f64 / pool.total().max(1) as f64
+    }
+
+    /// Positions the KV cache holds in all (every sequence and cached prefix together).
+    pub fn kv_capacity(&self) -> usize {
+        self.kv_blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .total()
+            * kv::BLOCK
     }
 
     /// CUDA graphs captured so far (decode segments), 0 without the CUDA backend or with graphs off.
@@ -269,29 +322,9 @@ impl Engine {
         &self.model
     }
 
-    /// An empty cache for a new sequence.
+    /// An empty cache for a new sequence (no blocks until reserved).
     pub fn new_cache(&self) -> SeqCache {
-        if let Some(g) = &self.gpu {
-            return SeqCache::new_gpu(gpu::kv::GpuSeqKv {
-                pool: g.kv.clone(),
-                stream: g.dev.stream.clone(),
-                blocks: vec![],
-            });
-        }
-        let cfg = &self.model.config;
-        let widths: Vec<(usize, usize)> = self
-            .model
-            .layers
-            .iter()
-            .map(|l| match (&l.attn, &cfg.mla) {
-                (Attention::Mla(_), Some(m)) => (m.kv_lora_rank, m.qk_rope_head_dim),
-                _ => (
-                    cfg.num_kv_heads * cfg.head_dim,
-                    cfg.num_kv_heads * cfg.head_dim,
-                ),
-            })
-            .collect();
-        SeqCache::new(&widths)
+        SeqCache::new(self.kv_blocks.clone())
     }
 
     /// One step; returns the logits at the last position of each entry, in order.
@@ -303,6 +336,16 @@ impl Engine {
         self.run(batch, false)
     }
 
+    /// Reserves each entry's new positions, then runs one step: for drivers without a scheduler
+    /// (`generate`, `bench`, tests), where a full cache is simply an error.
+    pub fn reserve_and_forward(
+        &self,
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<Vec<f32>>, StepError> {
+        reserve_batch(batch).map_err(|e| StepError::Backend(e.to_string()))?;
+        self.forward(batch)
+    }
+
     /// One step returning logits at every position of every entry (rows in batch order; CPU backend).
     pub fn forward_all(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
         if self.gpu.is_some() {
@@ -310,6 +353,7 @@ impl Engine {
                 "logits of every position are only computed by the CPU backend".into(),
             ));
         }
+        reserve_batch(batch).map_err(|e| StepError::Backend(e.to_string()))?;
         self.run(batch, true)
     }
 
@@ -318,24 +362,20 @@ impl Engine {
         g: &gpu::GpuModel,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, StepError> {
-        let mut inputs = Vec::with_capacity(batch.len());
-        for s in batch.iter_mut() {
-            let pos0 = s.cache.len();
-            let kv = s.cache.gpu.as_mut().ok_or_else(|| {
-                StepError::Backend("a CPU cache was given to the CUDA backend".into())
-            })?;
-            inputs.push(gpu::forward::GpuSeqInput {
-                kv,
-                pos0,
+        let inputs: Vec<_> = batch
+            .iter()
+            .map(|s| gpu::forward::GpuSeqInput {
+                blocks: s.cache.blocks(),
+                pos0: s.cache.len(),
                 tokens: s.tokens,
-            });
-        }
+            })
+            .collect();
         let mut times = gpu::forward::StepTimes::default();
         let out = g
             .forward(
                 &self.model,
                 self.cpu_pool.as_ref(),
-                &mut inputs,
+                &inputs,
                 &mut times,
                 |l, ids| self.record(l, ids),
             )
@@ -365,6 +405,15 @@ impl Engine {
                 return Err(StepError::TooLong {
                     len,
                     max: cfg.max_position_embeddings,
+                });
+            }
+            if !std::sync::Arc::ptr_eq(s.cache.pool(), &self.kv_blocks) {
+                return Err(StepError::ForeignCache);
+            }
+            if s.cache.capacity() < len {
+                return Err(StepError::NotReserved {
+                    reserved: s.cache.capacity(),
+                    needed: len,
                 });
             }
         }
@@ -397,16 +446,21 @@ impl Engine {
         for (t, &id) in tokens.iter().enumerate() {
             m.embed.row_f32(id as usize, &mut x[t * hd..(t + 1) * hd]);
         }
+        let store = self
+            .cpu_kv
+            .as_ref()
+            .expect("the CPU backend has a CPU KV store");
+        let mut kv_rows = store.lock();
+        let tables: Vec<&[kv::BlockId]> = batch.iter().map(|s| s.cache.blocks()).collect();
         for (li, layer) in m.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps);
-            let mut caches: Vec<&mut kv::LayerKv> =
-                batch.iter_mut().map(|s| &mut s.cache.layers[li]).collect();
+            let rows = &mut kv_rows[li];
             let a = match &layer.attn {
                 Attention::Gqa(g) => {
-                    attention::gqa_forward(g, cfg, &self.rope, &h, &segments, &mut caches)
+                    attention::gqa_forward(g, cfg, &self.rope, &h, &segments, &tables, rows)
                 }
                 Attention::Mla(a) => {
-                    attention::mla_forward(a, cfg, &self.rope, &h, &segments, &mut caches)
+                    attention::mla_forward(a, cfg, &self.rope, &h, &segments, &tables, rows)
                 }
             };
             add_assign(&mut x, &a);
@@ -428,6 +482,7 @@ impl Engine {
             };
             add_assign(&mut x, &f);
         }
+        drop((tables, kv_rows));
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }
@@ -446,4 +501,21 @@ impl Engine {
         let logits = m.lm_head().forward(&sel, rows.len());
         logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
     }
+}
+
+/// Per layer, the widths of the two KV row kinds: K and V (`kv_heads × head_dim`), or MLA's normalised
+/// latent and roped shared key.
+fn kv_widths(model: &Model) -> Vec<(usize, usize)> {
+    let cfg = &model.config;
+    model
+        .layers
+        .iter()
+        .map(|l| match (&l.attn, &cfg.mla) {
+            (Attention::Mla(_), Some(m)) => (m.kv_lora_rank, m.qk_rope_head_dim),
+            _ => (
+                cfg.num_kv_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            ),
+        })
+        .collect()
 }

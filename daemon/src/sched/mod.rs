@@ -28,10 +28,8 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Requests allowed to wait; beyond this, submissions are refused (HTTP 429).
     pub max_waiting: usize,
-    /// KV positions the running sequences may reserve (prompt + max_tokens each); the prefix cache's
-    /// positions come on top.
-    pub kv_capacity_tokens: usize,
-    /// Cached prefixes kept for reuse, and the KV positions they may hold together.
+    /// Cached prefixes kept for reuse, and the KV positions they may hold together (their blocks are
+    /// shared with sequences and given back under memory pressure).
     pub prefix_cache_entries: usize,
     pub prefix_cache_tokens: usize,
 }
@@ -42,7 +40,6 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 512,
             max_running: 64,
             max_waiting: 256,
-            kv_capacity_tokens: 262_144,
             prefix_cache_entries: 32,
             prefix_cache_tokens: 16_384,
         }

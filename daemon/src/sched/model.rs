@@ -13,14 +13,16 @@ pub struct StepStats {
 }
 
 pub trait StepModel: Send + 'static {
-    type Cache: Clone + Send;
-    fn new_cache(&self) -> Self::Cache;
-    fn cache_len(cache: &Self::Cache) -> usize;
-    fn truncate(cache: &mut Self::Cache, len: usize);
+    /// An empty cache drawing on the model's KV blocks.
+    fn new_cache(&self) -> SeqCache;
     fn vocab_size(&self) -> usize;
+    /// Longest sequence (prompt + output) a step may reach: the model's context, at most the KV cache.
     fn max_positions(&self) -> usize;
-    /// One step: each entry's cache is extended by its tokens; returns each entry's last-position logits.
-    fn forward(&self, batch: Vec<(&mut Self::Cache, &[u32])>) -> Result<Vec<Vec<f32>>, String>;
+    /// Share of the KV blocks in use (running sequences and cached prefixes), 0 to 1.
+    fn kv_usage(&self) -> f64;
+    /// One step: each entry's cache is extended by its tokens (its blocks already reserved); returns
+    /// each entry's last-position logits.
+    fn forward(&self, batch: Vec<(&mut SeqCache, &[u32])>) -> Result<Vec<Vec<f32>>, String>;
     /// Figures of the step just run, where the backend measures them (the hook `/metrics` reads).
     fn last_step_stats(&self) -> Option<StepStats> {
         None
@@ -28,18 +30,8 @@ pub trait StepModel: Send + 'static {
 }
 
 impl StepModel for Engine {
-    type Cache = SeqCache;
-
     fn new_cache(&self) -> SeqCache {
         Engine::new_cache(self)
-    }
-
-    fn cache_len(cache: &SeqCache) -> usize {
-        cache.len()
-    }
-
-    fn truncate(cache: &mut SeqCache, len: usize) {
-        cache.truncate(len)
     }
 
     fn vocab_size(&self) -> usize {
@@ -47,7 +39,13 @@ impl StepModel for Engine {
     }
 
     fn max_positions(&self) -> usize {
-        self.config().max_position_embeddings
+        self.config()
+            .max_position_embeddings
+            .min(self.kv_capacity())
+    }
+
+    fn kv_usage(&self) -> f64 {
+        Engine::kv_usage(self)
     }
 
     fn forward(&self, batch: Vec<(&mut SeqCache, &[u32])>) -> Result<Vec<Vec<f32>>, String> {

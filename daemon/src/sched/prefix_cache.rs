@@ -1,8 +1,9 @@
-//! Prefix cache: a small LRU of sequence caches keyed by block-aligned token prefixes (block 16). A new
-//! sequence starts from a clone of the longest cached prefix it shares, so shared prompt prefixes (system
-//! prompts, few-shot examples, the n choices of one request) are computed once.
-
-pub const BLOCK: usize = 16;
+//! Prefix cache: a small LRU of sequence caches keyed by block-aligned token prefixes. A new sequence
+//! starts from a clone of the longest cached prefix it shares (a clone shares the KV blocks, it copies
+//! nothing), so shared prompt prefixes (system prompts, few-shot examples, the n choices of one request)
+//! are computed once. Entries hold only full blocks, which are never written again. The scheduler evicts
+//! entries when it needs their blocks.
+use crate::engine::kv::BLOCK;
 
 pub struct PrefixCache<C> {
     /// Most recently used last.
@@ -53,6 +54,11 @@ impl<C: Clone> PrefixCache<C> {
         let cache = entry.1.clone();
         self.entries.push(entry);
         Some((cache, len))
+    }
+
+    /// Drops the least recently used entry (its blocks are freed unless a sequence shares them).
+    pub fn evict_lru(&mut self) -> Option<C> {
+        (!self.entries.is_empty()).then(|| self.entries.remove(0).1)
     }
 
     /// Whether inserting `prompt`'s aligned prefix would add anything.

@@ -1,20 +1,59 @@
 //! A scripted stand-in model for testing the serving stack without weights: given (trigger, reply)
 //! token sequences, a sequence whose tokens contain a trigger is answered with that reply, token by token,
-//! then `end_token`; anything else is answered with `end_token` at once. Its "cache" is the token list, so
-//! batching, chunked prefill, prefix reuse and cancellation run through the real scheduler. Used by the
+//! then `end_token`; anything else is answered with `end_token` at once. Its "KV cache" stores each
+//! position's token id in real KV blocks, and every step reads the whole sequence back through the block
+//! table, so batching, chunked prefill, prefix sharing, preemption and cancellation run through the real
+//! scheduler and block manager, and a position read from the wrong block changes the answer. Used by the
 //! scheduler tests and by `moe-daemon serve --scripted-replies` in the HTTP tests of the tool-call and
 //! reasoning parsers, which need a model that emits those formats (SmolLM2-135M does not).
 use super::StepModel;
+use crate::engine::kv::{blocks, slot, BlockCopy, BlockId, SeqCache, SharedBlockPool, BLOCK};
+use std::sync::{Arc, Mutex};
 
-pub struct ScriptedModel {
+/// What the scripted model answers, and its limits.
+pub struct ScriptedReplies {
     pub replies: Vec<(Vec<u32>, Vec<u32>)>,
     pub end_token: u32,
     pub vocab: usize,
     pub max_positions: usize,
+    /// KV capacity in positions (whole blocks).
+    pub kv_cache_tokens: usize,
     /// Sleep per step, to stand in for compute time in tests of timing behaviour.
     pub step_delay: std::time::Duration,
     /// Reported as every step's engine figures (tests of the `/metrics` hook).
     pub step_stats: Option<super::StepStats>,
+}
+
+/// The "KV rows": one token id per slot, grown on demand.
+#[derive(Default)]
+struct TokenRows(Mutex<Vec<u32>>);
+
+impl TokenRows {
+    fn rows(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Marks slots never written, so reading one is visible.
+const UNWRITTEN: u32 = u32::MAX;
+
+impl BlockCopy for TokenRows {
+    fn copy_block(&self, from: BlockId, to: BlockId) -> Result<(), String> {
+        let mut rows = self.rows();
+        let end = (from.max(to) as usize + 1) * BLOCK;
+        if rows.len() < end {
+            rows.resize(end, UNWRITTEN);
+        }
+        let (f, t) = (from as usize * BLOCK, to as usize * BLOCK);
+        rows.copy_within(f..f + BLOCK, t);
+        Ok(())
+    }
+}
+
+pub struct ScriptedModel {
+    spec: ScriptedReplies,
+    pool: SharedBlockPool,
+    rows: Arc<TokenRows>,
 }
 
 fn contains(hay: &[u32], needle: &[u32]) -> bool {
@@ -22,54 +61,82 @@ fn contains(hay: &[u32], needle: &[u32]) -> bool {
 }
 
 impl ScriptedModel {
+    pub fn new(spec: ScriptedReplies) -> Self {
+        let rows = Arc::new(TokenRows::default());
+        let pool = blocks::shared_pool(
+            blocks::blocks_for(spec.kv_cache_tokens).max(1),
+            rows.clone(),
+        );
+        Self { spec, pool, rows }
+    }
+
     /// Next token: the reply of the first trigger seen, continued after the longest reply prefix that
     /// the sequence already ends with.
     fn next_token(&self, seq: &[u32]) -> u32 {
-        let Some((_, reply)) = self.replies.iter().find(|(t, _)| contains(seq, t)) else {
-            return self.end_token;
+        let end = self.spec.end_token;
+        let Some((_, reply)) = self.spec.replies.iter().find(|(t, _)| contains(seq, t)) else {
+            return end;
         };
         let done = (1..=reply.len())
             .rev()
             .find(|&k| seq.ends_with(&reply[..k]))
             .unwrap_or(0);
-        reply.get(done).copied().unwrap_or(self.end_token)
+        reply.get(done).copied().unwrap_or(end)
+    }
+
+    /// Writes the chunk into its slots, then reads the whole sequence back through the block table.
+    fn step_one(&self, cache: &mut SeqCache, tokens: &[u32]) -> Result<Vec<u32>, String> {
+        let (pos0, end) = (cache.len(), cache.len() + tokens.len());
+        if cache.capacity() < end {
+            return Err(format!(
+                "blocks cover {} positions, the step writes up to {end}",
+                cache.capacity()
+            ));
+        }
+        let mut rows = self.rows.rows();
+        for (i, &t) in tokens.iter().enumerate() {
+            let s = slot(cache.blocks(), pos0 + i);
+            if rows.len() <= s {
+                rows.resize((s / BLOCK + 1) * BLOCK, UNWRITTEN);
+            }
+            rows[s] = t;
+        }
+        let seq = (0..end).map(|p| rows[slot(cache.blocks(), p)]).collect();
+        drop(rows);
+        cache.advance(tokens.len());
+        Ok(seq)
     }
 }
 
 impl StepModel for ScriptedModel {
-    type Cache = Vec<u32>;
-
-    fn new_cache(&self) -> Vec<u32> {
-        Vec::new()
-    }
-    fn cache_len(cache: &Vec<u32>) -> usize {
-        cache.len()
-    }
-    fn truncate(cache: &mut Vec<u32>, len: usize) {
-        cache.truncate(len)
+    fn new_cache(&self) -> SeqCache {
+        SeqCache::new(self.pool.clone())
     }
     fn vocab_size(&self) -> usize {
-        self.vocab
+        self.spec.vocab
     }
     fn max_positions(&self) -> usize {
-        self.max_positions
+        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        self.spec.max_positions.min(pool.total() * BLOCK)
+    }
+    fn kv_usage(&self) -> f64 {
+        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.used() as f64 / pool.total().max(1) as f64
     }
     fn last_step_stats(&self) -> Option<super::StepStats> {
-        self.step_stats
+        self.spec.step_stats
     }
-    fn forward(&self, batch: Vec<(&mut Vec<u32>, &[u32])>) -> Result<Vec<Vec<f32>>, String> {
-        std::thread::sleep(self.step_delay);
-        Ok(batch
-            .into_iter()
-            .map(|(cache, tokens)| {
-                cache.extend_from_slice(tokens);
-                let mut logits = vec![0f32; self.vocab];
-                let next = self.next_token(cache) as usize;
-                if let Some(l) = logits.get_mut(next) {
-                    *l = 10.0;
-                }
-                logits
-            })
-            .collect())
+    fn forward(&self, batch: Vec<(&mut SeqCache, &[u32])>) -> Result<Vec<Vec<f32>>, String> {
+        std::thread::sleep(self.spec.step_delay);
+        let mut out = Vec::with_capacity(batch.len());
+        for (cache, tokens) in batch {
+            let seq = self.step_one(cache, tokens)?;
+            let mut logits = vec![0f32; self.spec.vocab];
+            if let Some(l) = logits.get_mut(self.next_token(&seq) as usize) {
+                *l = 10.0;
+            }
+            out.push(logits);
+        }
+        Ok(out)
     }
 }

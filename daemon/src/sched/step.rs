@@ -1,10 +1,17 @@
 //! The engine loop: schedule → forward → update, one screen each.
+//!
+//! The scheduler owns every KV decision (vLLM v1's shape): before a step it reserves the blocks each
+//! scheduled chunk will write, so the model never finds the cache full. When a reservation fails it
+//! first evicts cached prefixes (least recently used), then preempts the newest running sequence: its
+//! blocks are freed and it goes back to the front of the queue with the tokens it has generated, to be
+//! recomputed when memory allows (its output continues exactly where it stopped).
 use super::constraint::sample_next;
-use super::prefix_cache::{PrefixCache, BLOCK};
+use super::prefix_cache::PrefixCache;
 use super::{
     EngineState, FinishReason, GenRequest, SchedulerConfig, SeqEvent, StepModel, StepStats,
     TokenLogprob, IDLE_POLL,
 };
+use crate::engine::kv::{KvError, SeqCache, BLOCK};
 use crate::engine::sampling::{log_softmax, Sampler};
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
@@ -12,28 +19,69 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-struct Sequence<C> {
+/// A request and what it has produced so far; lives in the waiting queue or, with a cache, running.
+struct Sequence {
     req: GenRequest,
-    cache: C,
     generated: Vec<u32>,
     sampler: Sampler,
+    /// Prompt tokens served from the prefix cache at first admission (reported as usage).
     cached_tokens: usize,
     arrived: Instant,
+    /// Set at first admission (a preempted sequence is not queued twice in the metrics).
+    admitted: bool,
     last_token_at: Option<Instant>,
-    /// KV positions reserved against the capacity (prompt + max_tokens).
-    reserved: usize,
 }
 
-struct Waiting {
-    req: GenRequest,
-    arrived: Instant,
+impl Sequence {
+    fn new(req: GenRequest) -> Self {
+        Self {
+            sampler: Sampler::new(&req.sampling),
+            req,
+            generated: Vec::new(),
+            cached_tokens: 0,
+            arrived: Instant::now(),
+            admitted: false,
+            last_token_at: None,
+        }
+    }
+
+    /// Prompt and generated tokens: what the cache must hold before the next token is sampled.
+    fn total_len(&self) -> usize {
+        self.req.prompt.len() + self.generated.len()
+    }
+
+    fn token(&self, i: usize) -> u32 {
+        let p = self.req.prompt.len();
+        if i < p {
+            self.req.prompt[i]
+        } else {
+            self.generated[i - p]
+        }
+    }
+
+    fn tokens(&self) -> Vec<u32> {
+        (0..self.total_len()).map(|i| self.token(i)).collect()
+    }
 }
 
-/// What one step computes for one running sequence.
+struct Running {
+    seq: Sequence,
+    cache: SeqCache,
+}
+
+/// What one step computes for one running sequence: positions `start..start + len`.
 struct Work {
     seq: usize,
     start: usize,
     len: usize,
+}
+
+/// Outcome of making room for a running sequence's chunk.
+enum Room {
+    Reserved,
+    /// Even with every newer sequence preempted and no cached prefix left it does not fit.
+    Exhausted,
+    Failed(KvError),
 }
 
 pub(super) struct Scheduler<M: StepModel> {
@@ -42,10 +90,10 @@ pub(super) struct Scheduler<M: StepModel> {
     rx: mpsc::Receiver<GenRequest>,
     state: Arc<EngineState>,
     metrics: Arc<Metrics>,
-    waiting: VecDeque<Waiting>,
-    running: Vec<Sequence<M::Cache>>,
-    prefixes: PrefixCache<M::Cache>,
-    reserved: usize,
+    waiting: VecDeque<Sequence>,
+    /// Oldest admission first; the newest is preempted first.
+    running: Vec<Running>,
+    prefixes: PrefixCache<SeqCache>,
     /// Cumulative expert activations (GPU-served, all) for the hit-share gauge.
     expert_hits: (u64, u64),
 }
@@ -68,7 +116,6 @@ impl<M: StepModel> Scheduler<M> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefixes,
-            reserved: 0,
             expert_hits: (0, 0),
         }
     }
@@ -108,21 +155,41 @@ impl<M: StepModel> Scheduler<M> {
     fn intake(&mut self) -> bool {
         if self.running.is_empty() && self.waiting.is_empty() {
             match self.rx.recv_timeout(IDLE_POLL) {
-                Ok(req) => self.waiting.push_back(Waiting {
-                    req,
-                    arrived: Instant::now(),
-                }),
+                Ok(req) => self.enqueue(req),
                 Err(mpsc::RecvTimeoutError::Timeout) => return true,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return false,
             }
         }
         while let Ok(req) = self.rx.try_recv() {
-            self.waiting.push_back(Waiting {
-                req,
-                arrived: Instant::now(),
-            });
+            self.enqueue(req);
         }
         true
+    }
+
+    /// Queues a request, or answers it with an error at once if no step could ever run it.
+    fn enqueue(&mut self, req: GenRequest) {
+        let vocab = self.model.vocab_size();
+        let problem = if req.prompt.is_empty() {
+            Some("the prompt is empty".to_string())
+        } else if let Some(id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            Some(format!(
+                "token id {id} is outside the vocabulary (size {vocab})"
+            ))
+        } else if req.prompt.len() >= self.model.max_positions() {
+            Some(format!(
+                "the prompt has {} tokens; the context (and KV cache) holds {}",
+                req.prompt.len(),
+                self.model.max_positions()
+            ))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            self.state.waiting.fetch_sub(1, Ordering::AcqRel);
+            let _ = req.events.send(SeqEvent::Error(problem));
+            return;
+        }
+        self.waiting.push_back(Sequence::new(req));
     }
 
     /// Frees sequences whose client has gone or whose deadline passed, waiting or running.
@@ -141,105 +208,141 @@ impl<M: StepModel> Scheduler<M> {
         });
         let removed = before - self.waiting.len();
         self.state.waiting.fetch_sub(removed, Ordering::AcqRel);
-        let mut i = 0;
-        while i < self.running.len() {
-            let r = &self.running[i].req;
-            if expired(r) {
-                let _ = r.events.send(SeqEvent::Error("request timed out".into()));
+        let metrics = &self.metrics;
+        self.running.retain(|r| {
+            let req = &r.seq.req;
+            if expired(req) {
+                let _ = req.events.send(SeqEvent::Error("request timed out".into()));
             }
-            if r.events.is_closed() || expired(r) {
-                let s = self.running.swap_remove(i);
-                self.reserved -= s.reserved;
-                self.metrics.requests_aborted.inc();
-            } else {
-                i += 1;
+            let gone = req.events.is_closed() || expired(req);
+            if gone {
+                metrics.requests_aborted.inc();
             }
-        }
+            !gone
+        });
     }
 
     /// Token budget: running sequences first (oldest first), then admissions from the waiting queue.
     fn schedule(&mut self) -> Vec<Work> {
         let mut budget = self.cfg.max_batch_tokens.max(1);
         let mut work = Vec::new();
-        for (i, s) in self.running.iter().enumerate() {
-            if budget == 0 {
-                break;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let r = &self.running[i];
+            let start = r.cache.len();
+            let len = (r.seq.total_len() - start).min(budget);
+            match self.make_room(i, start + len) {
+                Room::Reserved => {
+                    budget -= len;
+                    work.push(Work { seq: i, start, len });
+                    i += 1;
+                }
+                // Everything newer is gone already: this one waits for older ones to finish.
+                Room::Exhausted if i > 0 => self.preempt(i),
+                // The oldest sequence alone outgrows the whole cache: it can never run.
+                Room::Exhausted => {
+                    let r = self.running.remove(i);
+                    let _ = r.seq.req.events.send(SeqEvent::Error(
+                        "the sequence no longer fits in the KV cache".into(),
+                    ));
+                }
+                Room::Failed(e) => {
+                    let r = self.running.remove(i);
+                    let _ = r.seq.req.events.send(SeqEvent::Error(e.to_string()));
+                }
             }
-            let total = s.req.prompt.len() + s.generated.len();
-            let done = M::cache_len(&s.cache);
-            let len = (total - done).min(budget);
-            budget -= len;
-            work.push(Work {
-                seq: i,
-                start: done,
-                len,
-            });
         }
         while budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(front) = self.waiting.front() else {
+            let Some(len) = self.admit(budget) else {
                 break;
             };
-            let need = front.req.prompt.len() + front.req.max_tokens;
-            if !self.running.is_empty() && self.reserved + need > self.cfg.kv_capacity_tokens {
-                break;
-            }
-            let Some(w) = self.waiting.pop_front() else {
-                break;
-            };
-            self.state.waiting.fetch_sub(1, Ordering::AcqRel);
-            let (cache, cached) = match self.prefixes.lookup(&w.req.prompt) {
-                Some((mut c, n)) => {
-                    M::truncate(&mut c, n);
-                    (c, n)
-                }
-                None => (self.model.new_cache(), 0),
-            };
-            self.metrics.prefix_cache_hit_tokens.inc_by(cached as u64);
-            self.metrics
-                .queue_seconds
-                .observe(w.arrived.elapsed().as_secs_f64());
-            let len = (w.req.prompt.len() - cached).min(budget);
             budget -= len;
-            self.reserved += need;
-            work.push(Work {
-                seq: self.running.len(),
-                start: cached,
-                len,
-            });
-            self.running.push(Sequence {
-                sampler: Sampler::new(&w.req.sampling),
-                req: w.req,
-                cache,
-                generated: Vec::new(),
-                cached_tokens: cached,
-                arrived: w.arrived,
-                last_token_at: None,
-                reserved: need,
-            });
+            let r = self.running.len() - 1;
+            let start = self.running[r].cache.len();
+            work.push(Work { seq: r, start, len });
         }
         work
     }
 
+    /// Reserves positions `0..positions` for running sequence `i`, evicting cached prefixes and then
+    /// preempting newer sequences until it fits.
+    fn make_room(&mut self, i: usize, positions: usize) -> Room {
+        loop {
+            match self.running[i].cache.reserve(positions) {
+                Ok(()) => return Room::Reserved,
+                Err(KvError::Full { .. }) => {
+                    if self.prefixes.evict_lru().is_some() {
+                        continue;
+                    }
+                    if self.running.len() - 1 > i {
+                        self.preempt(self.running.len() - 1);
+                        continue;
+                    }
+                    return Room::Exhausted;
+                }
+                Err(e) => return Room::Failed(e),
+            }
+        }
+    }
+
+    /// Frees running sequence `i`'s blocks and puts it back at the front of the queue.
+    fn preempt(&mut self, i: usize) {
+        let r = self.running.remove(i);
+        drop(r.cache);
+        self.metrics.preemptions.inc();
+        tracing::debug!(
+            tokens = r.seq.total_len(),
+            "KV cache full: preempted the newest sequence (it is recomputed later)"
+        );
+        self.state.waiting.fetch_add(1, Ordering::AcqRel);
+        self.waiting.push_front(r.seq);
+    }
+
+    /// Admits the front of the queue if its first chunk fits (after evicting cached prefixes, never
+    /// preempting); returns that chunk's length.
+    fn admit(&mut self, budget: usize) -> Option<usize> {
+        let tokens = self.waiting.front()?.tokens();
+        let (mut cache, cached) = match self.prefixes.lookup(&tokens) {
+            // The cache's own length is the truth (a shorter entry than its key is recomputed from
+            // where it ends).
+            Some((mut c, n)) => {
+                c.truncate(n);
+                let held = c.len();
+                (c, held)
+            }
+            None => (self.model.new_cache(), 0),
+        };
+        let len = (tokens.len() - cached).min(budget);
+        loop {
+            match cache.reserve(cached + len) {
+                Ok(()) => break,
+                Err(KvError::Full { .. }) if self.prefixes.evict_lru().is_some() => {}
+                Err(_) => return None,
+            }
+        }
+        let mut seq = self.waiting.pop_front()?;
+        self.state.waiting.fetch_sub(1, Ordering::AcqRel);
+        if !seq.admitted {
+            seq.admitted = true;
+            seq.cached_tokens = cached;
+            self.metrics.prefix_cache_hit_tokens.inc_by(cached as u64);
+            self.metrics
+                .queue_seconds
+                .observe(seq.arrived.elapsed().as_secs_f64());
+        }
+        self.running.push(Running { seq, cache });
+        Some(len)
+    }
+
     fn forward(&mut self, work: &[Work]) -> Result<Vec<Vec<f32>>, String> {
         // Each sequence appears at most once in `work`; hand out disjoint &mut caches in work order.
-        let mut slots: Vec<Option<&mut Sequence<M::Cache>>> =
-            self.running.iter_mut().map(Some).collect();
+        let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
         let mut chunks: Vec<Vec<u32>> = Vec::with_capacity(work.len());
         let mut caches = Vec::with_capacity(work.len());
         for w in work {
-            let s = slots[w.seq].take().ok_or("sequence scheduled twice")?;
-            let p = s.req.prompt.len();
-            let chunk: Vec<u32> = (w.start..w.start + w.len)
-                .map(|i| {
-                    if i < p {
-                        s.req.prompt[i]
-                    } else {
-                        s.generated[i - p]
-                    }
-                })
-                .collect();
-            chunks.push(chunk);
-            caches.push(&mut s.cache);
+            let r = slots[w.seq].take().ok_or("sequence scheduled twice")?;
+            chunks.push((w.start..w.start + w.len).map(|i| r.seq.token(i)).collect());
+            caches.push(&mut r.cache);
         }
         let batch = caches
             .into_iter()
@@ -251,17 +354,17 @@ impl<M: StepModel> Scheduler<M> {
     fn update(&mut self, work: &[Work], logits: Vec<Vec<f32>>) {
         let mut finished = Vec::new();
         for (w, logits) in work.iter().zip(logits) {
-            let s = &mut self.running[w.seq];
+            let Running { seq: s, cache } = &mut self.running[w.seq];
             let p = s.req.prompt.len();
-            let done = w.start + w.len;
-            if done < p + s.generated.len() {
-                continue; // prefill chunk: no token yet
+            if w.start + w.len < s.total_len() {
+                continue; // prefill (or recompute) chunk: no token yet
             }
             if s.generated.is_empty() && self.prefixes.would_store(&s.req.prompt) {
                 let aligned = p / BLOCK * BLOCK;
-                let mut c = s.cache.clone();
-                M::truncate(&mut c, aligned);
-                self.prefixes.insert(s.req.prompt[..aligned].to_vec(), c);
+                let mut shared = cache.clone();
+                shared.truncate(aligned);
+                self.prefixes
+                    .insert(s.req.prompt[..aligned].to_vec(), shared);
             }
             let id = sample_next(
                 &mut s.sampler,
@@ -289,7 +392,7 @@ impl<M: StepModel> Scheduler<M> {
                 self.metrics.generation_tokens.inc();
                 let logprob = s.req.logprobs.map(|k| token_logprob(&logits, id, k));
                 let _ = s.req.events.send(SeqEvent::Token { id, logprob });
-                let full = p + s.generated.len() >= self.model.max_positions();
+                let full = s.total_len() >= self.model.max_positions();
                 (s.generated.len() >= s.req.max_tokens || full).then_some(FinishReason::Length)
             } else {
                 Some(FinishReason::Stop)
@@ -311,13 +414,16 @@ impl<M: StepModel> Scheduler<M> {
         self.remove(finished);
     }
 
+    /// The model failed the whole step (a backend error, not a property of one request: requests are
+    /// checked when queued): every sequence in it ends with the error.
     fn fail(&mut self, work: &[Work], error: &str) {
         tracing::error!(error, "engine step failed; failing its sequences");
         for w in work {
             let _ = self.running[w.seq]
+                .seq
                 .req
                 .events
-                .send(SeqEvent::Error(error.to_string()));
+                .send(SeqEvent::Error(format!("engine step failed: {error}")));
         }
         self.remove(work.iter().map(|w| w.seq).collect());
     }
@@ -326,8 +432,7 @@ impl<M: StepModel> Scheduler<M> {
         idx.sort_unstable();
         idx.dedup();
         for i in idx.into_iter().rev() {
-            let s = self.running.remove(i);
-            self.reserved -= s.reserved;
+            self.running.remove(i);
         }
     }
 
@@ -349,10 +454,7 @@ impl<M: StepModel> Scheduler<M> {
             .store(self.running.len(), Ordering::Release);
         self.metrics.num_waiting.set(self.waiting.len() as i64);
         self.metrics.num_running.set(self.running.len() as i64);
-        let used: usize = self.running.iter().map(|s| M::cache_len(&s.cache)).sum();
-        self.metrics
-            .kv_cache_usage
-            .set(used as f64 / self.cfg.kv_capacity_tokens.max(1) as f64);
+        self.metrics.kv_cache_usage.set(self.model.kv_usage());
     }
 }
 

@@ -1,13 +1,19 @@
 //! Scheduler tests on the scripted model: batching, chunked prefill, prefix reuse, cancellation, limits.
-use super::scripted::ScriptedModel;
+use super::scripted::{ScriptedModel, ScriptedReplies};
 use super::*;
+use crate::engine::kv::BLOCK;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 const END: u32 = 0;
 
 fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
+    engine_with_kv(cfg, 65_536)
+}
+
+/// The scripted model with a KV cache of `kv_cache_tokens` positions.
+fn engine_with_kv(cfg: SchedulerConfig, kv_cache_tokens: usize) -> (EngineHandle, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new().unwrap());
-    let model = ScriptedModel {
+    let model = ScriptedModel::new(ScriptedReplies {
         replies: vec![
             (vec![7, 7], (100..180).collect()),
             (vec![8, 8], vec![50, 51, 52]),
@@ -15,13 +21,14 @@ fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
         end_token: END,
         vocab: 200,
         max_positions: 4096,
+        kv_cache_tokens,
         step_delay: Duration::from_millis(2),
         step_stats: Some(StepStats {
             cpu_expert_seconds: 0.01,
             expert_hits_gpu: 3,
             expert_hits_total: 4,
         }),
-    };
+    });
     let h = spawn_engine(move || Ok(model), cfg, metrics.clone());
     while !h.is_ready() {
         std::thread::sleep(Duration::from_millis(1));
@@ -212,4 +219,103 @@ fn engine_step_stats_feed_the_expert_metrics() {
     collect(&mut rx);
     assert!(m.cpu_expert_seconds.get_sample_count() >= 4);
     assert_eq!(m.gpu_expert_hit_ratio.get(), 0.75);
+}
+
+/// Runs each prompt alone on a roomy cache: the reference outputs.
+fn alone(prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    let (h, _) = engine(SchedulerConfig::default());
+    prompts
+        .iter()
+        .map(|p| {
+            let (r, mut rx) = request(p.clone(), max_tokens);
+            h.submit(r).unwrap();
+            collect(&mut rx).0
+        })
+        .collect()
+}
+
+#[test]
+fn preemption_under_load_keeps_every_output_equal_to_running_alone() {
+    // 64 requests of 24 prompt + 40 output positions (4 blocks each) on a cache of 32 blocks, which
+    // holds 8 of them: the scheduler must preempt and recompute, and every output must be unchanged.
+    let prompts: Vec<Vec<u32>> = (0..64u32)
+        .map(|i| {
+            let mut p: Vec<u32> = (0..22).map(|j| 1 + (i * 7 + j) % 90).collect();
+            p.extend([7, 7]);
+            p
+        })
+        .collect();
+    let want = alone(&prompts, 40);
+    let cfg = SchedulerConfig {
+        max_batch_tokens: 64,
+        max_waiting: 64,
+        ..Default::default()
+    };
+    let (h, m) = engine_with_kv(cfg, 32 * BLOCK);
+    let mut rxs = Vec::new();
+    for p in &prompts {
+        let (r, rx) = request(p.clone(), 40);
+        h.submit(r).unwrap();
+        rxs.push(rx);
+    }
+    for (i, (rx, want)) in rxs.iter_mut().zip(&want).enumerate() {
+        let (got, reason, _) = collect(rx);
+        assert_eq!(&got, want, "request {i}");
+        assert_eq!(reason, FinishReason::Length);
+    }
+    assert_eq!(want[0], (100..140).collect::<Vec<_>>());
+    assert!(
+        m.preemptions.get() > 0,
+        "the cache never ran out: the test proves nothing"
+    );
+}
+
+#[test]
+fn prefix_hit_after_the_cache_ran_full_resumes_from_the_right_positions() {
+    // The trigger sits in the first block, so a prefix served from the wrong blocks or positions loses
+    // it and the answer changes. The cache holds 6 blocks: a long running request leaves too little
+    // room for the second prompt (it waits or preempts) and the prefix entry must be shared, not copied.
+    let shared: Vec<u32> = [vec![8, 8], (10..40).collect()].concat(); // 32 positions: 2 full blocks
+    let first = [shared.clone(), vec![41, 42, 43]].concat();
+    let second = [shared.clone(), vec![44, 45]].concat();
+    let long = [vec![7, 7], (50..70).collect()].concat();
+    let want = alone(&[first.clone(), second.clone(), long.clone()], 3);
+    let (h, m) = engine_with_kv(SchedulerConfig::default(), 6 * BLOCK);
+    let (r, mut rx) = request(first, 3);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx).0, want[0]);
+    let (r, mut long_rx) = request(long, 60);
+    h.submit(r).unwrap();
+    let (r, mut rx) = request(second, 3);
+    h.submit(r).unwrap();
+    let (got, _, cached) = collect(&mut rx);
+    assert_eq!(got, want[1]);
+    let (long_out, ..) = collect(&mut long_rx);
+    assert_eq!(long_out[..3], want[2][..]);
+    assert_eq!(long_out.len(), 60);
+    // Either the prefix was served (32 positions) or it was evicted for room: never a partial one.
+    assert!(cached == 32 || cached == 0, "{cached}");
+    assert!(m.prefix_cache_hit_tokens.get() == cached as u64);
+}
+
+#[test]
+fn a_prompt_the_cache_can_never_hold_is_refused_at_once() {
+    let (h, _) = engine_with_kv(SchedulerConfig::default(), 2 * BLOCK);
+    let (r, mut rx) = request((1..40).collect(), 1);
+    h.submit(r).unwrap();
+    match rx.blocking_recv() {
+        Some(SeqEvent::Error(e)) => assert!(e.contains("KV cache"), "{e}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    let (r, mut rx) = request(vec![300, 8, 8], 1);
+    h.submit(r).unwrap();
+    match rx.blocking_recv() {
+        Some(SeqEvent::Error(e)) => assert!(e.contains("vocabulary"), "{e}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    // The refusals took no queue slot and the engine still serves.
+    assert_eq!(h.state.waiting.load(Ordering::Acquire), 0);
+    let (r, mut rx) = request(vec![8, 8], 5);
+    h.submit(r).unwrap();
+    assert_eq!(collect(&mut rx).0, vec![50, 51, 52]);
 }

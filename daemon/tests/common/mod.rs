@@ -1,4 +1,8 @@
-//! Helpers shared by the integration tests that compare against the committed fixtures.
+//! Helpers shared by the integration tests that compare against the committed fixtures. Each test binary
+//! uses a subset of them.
+#![allow(dead_code)]
+
+pub mod kv_pressure;
 use std::path::PathBuf;
 
 /// `tests/fixtures`, or `MOE_FIXTURES` when set (the GPU machine runs test binaries from elsewhere).

@@ -1,8 +1,9 @@
 //! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
 use super::forward::launch_err;
-use super::kv::{GpuKvPool, BLOCK};
+use super::kv::GpuKvPool;
 use super::{GpuAttention, GpuMlaQuery, GpuModel};
+use crate::engine::kv::BLOCK;
 use crate::model::config::RopeStyle;
 use crate::model::Model;
 use anyhow::Context;

@@ -2,8 +2,8 @@
 use super::experts::PhaseBuffers;
 use super::graphs::ActBufs;
 use super::handoff::Handoff;
-use super::kv::{GpuSeqKv, BLOCK};
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
+use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::{dram_experts_forward, Routing};
 use crate::model::config::{Activation, RouterKind};
 use crate::model::{Ffn, Model};
@@ -27,9 +27,10 @@ pub struct StepTimes {
     pub expert_hits: u64,
 }
 
-/// One sequence's chunk in a GPU step.
+/// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
+/// driver reserved them).
 pub struct GpuSeqInput<'a> {
-    pub kv: &'a mut GpuSeqKv,
+    pub blocks: &'a [BlockId],
     pub pos0: usize,
     pub tokens: &'a [u32],
 }
@@ -248,7 +249,7 @@ impl GpuModel {
         &self,
         host: &Model,
         cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
-        batch: &mut [GpuSeqInput<'_>],
+        batch: &[GpuSeqInput<'_>],
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -264,8 +265,7 @@ impl GpuModel {
         let mut slots = Vec::new();
         let mut last_rows = Vec::new();
         let mut seqs = Vec::with_capacity(batch.len());
-        for (si, b) in batch.iter_mut().enumerate() {
-            b.kv.reserve(&mut pool, b.pos0 + b.tokens.len())?;
+        for (si, b) in batch.iter().enumerate() {
             seqs.push(super::attention::SeqRows {
                 seq: si,
                 row0: ids.len(),
@@ -277,7 +277,7 @@ impl GpuModel {
                 ids.push(t as i32);
                 pos.push(p as i32);
                 seq_of.push(si as i32);
-                slots.push(b.kv.blocks[p / BLOCK] as i32 * BLOCK as i32 + (p % BLOCK) as i32);
+                slots.push(slot(b.blocks, p) as i32);
             }
             last_rows.push((ids.len() - 1) as i32);
         }
@@ -306,7 +306,7 @@ impl GpuModel {
         } else {
             let stride = batch
                 .iter()
-                .map(|b| b.kv.blocks.len())
+                .map(|b| b.blocks.len())
                 .max()
                 .unwrap_or(1)
                 .max(1);
@@ -321,7 +321,7 @@ impl GpuModel {
         let max_blocks = index.stride;
         let mut tables = vec![0i32; batch.len() * max_blocks];
         for (si, b) in batch.iter().enumerate() {
-            for (j, &blk) in b.kv.blocks.iter().enumerate() {
+            for (j, &blk) in b.blocks.iter().enumerate() {
                 tables[si * max_blocks + j] = blk as i32;
             }
         }

@@ -1,11 +1,10 @@
-//! Paged KV cache on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` f32, handed out
-//! in blocks of [`BLOCK`] positions. A sequence owns a block table; dropping its cache returns the blocks.
-use cudarc::driver::CudaSlice;
+//! Paged KV storage on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` f32. Which
+//! block belongs to which sequence is decided by the driver through the engine's block pool
+//! (`engine::kv::blocks`); this file only holds the memory and copies blocks for copy-on-write.
+use crate::engine::kv::{BlockCopy, BlockId, BLOCK};
+use cudarc::driver::{CudaSlice, CudaStream};
 use moe_kernels::cuda::GpuDevice;
 use std::sync::{Arc, Mutex};
-
-/// Positions per block.
-pub const BLOCK: usize = 16;
 
 pub struct GpuKvPool {
     pub k: Vec<CudaSlice<f32>>,
@@ -14,7 +13,6 @@ pub struct GpuKvPool {
     pub width: usize,
     pub v_width: usize,
     pub total_blocks: usize,
-    free: Vec<u32>,
 }
 
 impl GpuKvPool {
@@ -36,96 +34,40 @@ impl GpuKvPool {
             width,
             v_width,
             total_blocks: blocks,
-            free: (0..blocks as u32).rev().collect(),
         })
     }
 
     pub fn bytes_for(layers: usize, (width, v_width): (usize, usize), blocks: usize) -> usize {
         layers * blocks * BLOCK * (width + v_width) * 4
     }
-
-    pub fn used_blocks(&self) -> usize {
-        self.total_blocks - self.free.len()
-    }
 }
 
-/// A sequence's blocks in the shared pool.
-pub struct GpuSeqKv {
+/// Copy-on-write for the GPU pool: block copies are queued on the compute stream, so they land before
+/// the step that writes into the new block.
+pub struct GpuKvCopier {
     pub pool: Arc<Mutex<GpuKvPool>>,
-    pub stream: Arc<cudarc::driver::CudaStream>,
-    pub blocks: Vec<u32>,
+    pub stream: Arc<CudaStream>,
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("GPU KV cache is full ({0} blocks of {BLOCK} positions in use); raise --kv-cache-tokens or shorten requests")]
-pub struct KvFull(pub usize);
-
-impl GpuSeqKv {
-    /// Makes room for positions `0..len`.
-    pub fn reserve(&mut self, pool: &mut GpuKvPool, len: usize) -> Result<(), KvFull> {
-        let need = len.div_ceil(BLOCK);
-        while self.blocks.len() < need {
-            match pool.free.pop() {
-                Some(b) => self.blocks.push(b),
-                None => return Err(KvFull(pool.used_blocks())),
+impl BlockCopy for GpuKvCopier {
+    fn copy_block(&self, from: BlockId, to: BlockId) -> Result<(), String> {
+        let mut guard = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = &mut *guard;
+        let (kw, vw) = (pool.width, pool.v_width);
+        let (from, to) = (from as usize, to as usize);
+        for (k, v) in pool.k.iter_mut().zip(pool.v.iter_mut()) {
+            for (cache, row) in [(k, BLOCK * kw), (v, BLOCK * vw)] {
+                // Source and destination are views of one allocation: stage through a temporary.
+                let tmp = self
+                    .stream
+                    .clone_dtod(&cache.slice(from * row..(from + 1) * row))
+                    .map_err(|e| e.to_string())?;
+                let mut dst = cache.slice_mut(to * row..(to + 1) * row);
+                self.stream
+                    .memcpy_dtod(&tmp, &mut dst)
+                    .map_err(|e| e.to_string())?;
             }
         }
         Ok(())
-    }
-
-    /// Keeps the blocks holding positions `0..len`.
-    pub fn truncate(&mut self, len: usize) {
-        let keep = len.div_ceil(BLOCK);
-        if self.blocks.len() > keep {
-            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-            pool.free.extend(self.blocks.drain(keep..));
-        }
-    }
-}
-
-impl Clone for GpuSeqKv {
-    /// Copies the blocks (device to device), so the clone can be extended independently.
-    fn clone(&self) -> Self {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        let (kw, vw) = (pool.width, pool.v_width);
-        for &src in &self.blocks {
-            let Some(dst) = pool.free.pop() else { break };
-            for layer in 0..pool.k.len() {
-                for which in 0..2 {
-                    let (cache, row) = if which == 0 {
-                        (&mut pool.k[layer], BLOCK * kw)
-                    } else {
-                        (&mut pool.v[layer], BLOCK * vw)
-                    };
-                    let tmp = self
-                        .stream
-                        .clone_dtod(&cache.slice(src as usize * row..(src as usize + 1) * row));
-                    if let Ok(tmp) = tmp {
-                        let mut d = cache.slice_mut(dst as usize * row..(dst as usize + 1) * row);
-                        let _ = self.stream.memcpy_dtod(&tmp, &mut d);
-                    }
-                }
-            }
-            blocks.push(dst);
-        }
-        Self {
-            pool: self.pool.clone(),
-            stream: self.stream.clone(),
-            blocks,
-        }
-    }
-}
-
-impl Drop for GpuSeqKv {
-    fn drop(&mut self) {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        pool.free.append(&mut self.blocks);
-    }
-}
-
-impl std::fmt::Debug for GpuSeqKv {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuSeqKv({} blocks)", self.blocks.len())
     }
 }

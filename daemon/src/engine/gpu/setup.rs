@@ -1,6 +1,7 @@
 //! Bringing up the CUDA backend: open the GPU, size the memory plan, choose the GPU experts, upload.
-use super::kv::{GpuKvPool, BLOCK};
+use super::kv::GpuKvPool;
 use super::{expert_bytes, GpuModel};
+use crate::engine::kv::BLOCK;
 use crate::engine::placement::{plan_placement, GpuExperts, MemoryPlan, RoutingStats};
 use crate::engine::EngineOptions;
 use crate::model::{Model, ModelConfig};

@@ -1,118 +1,106 @@
-//! KV cache of one sequence on the CPU backend: per layer, two row-major f32 arrays growing with the
-//! sequence (GQA: keys and values, `kv_heads × head_dim` wide; MLA: the normalised latent and the roped
-//! shared key). Cloning a cache and truncating it is how prefixes are shared (prefix caching).
+//! KV caches. Block accounting (which block holds which positions, who shares it) is one thing for both
+//! backends ([`blocks`]); the rows themselves live in the backend's storage: [`CpuKvStore`] here, the
+//! GPU's paged pool in `engine::gpu::kv`.
+pub mod blocks;
 
-#[derive(Clone, Debug, Default)]
-pub struct LayerKv {
+pub use blocks::{
+    blocks_for, BlockCopy, BlockId, BlockPool, KvError, SeqCache, SharedBlockPool, BLOCK,
+};
+
+use std::sync::{Mutex, MutexGuard};
+
+/// One layer's rows on the CPU: two row-major f32 arrays indexed by block (GQA: keys and values,
+/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key). They grow on demand
+/// to the highest block handed out, so memory follows the peak number of positions in use, not the
+/// configured capacity.
+#[derive(Debug, Default)]
+pub struct LayerRows {
     pub a: Vec<f32>,
     pub b: Vec<f32>,
     pub a_width: usize,
     pub b_width: usize,
 }
 
-impl LayerKv {
-    pub fn append(&mut self, a: &[f32], b: &[f32]) {
-        self.a.extend_from_slice(a);
-        self.b.extend_from_slice(b);
+impl LayerRows {
+    fn ensure_block(&mut self, block: BlockId) {
+        let rows = (block as usize + 1) * BLOCK;
+        if self.a.len() < rows * self.a_width {
+            self.a.resize(rows * self.a_width, 0.0);
+            self.b.resize(rows * self.b_width, 0.0);
+        }
     }
-    pub fn a_row(&self, pos: usize) -> &[f32] {
-        &self.a[pos * self.a_width..(pos + 1) * self.a_width]
+
+    /// Writes one position's rows into its slot.
+    pub fn write(&mut self, slot: usize, a: &[f32], b: &[f32]) {
+        self.ensure_block((slot / BLOCK) as BlockId);
+        self.a[slot * self.a_width..(slot + 1) * self.a_width].copy_from_slice(a);
+        self.b[slot * self.b_width..(slot + 1) * self.b_width].copy_from_slice(b);
     }
-    pub fn b_row(&self, pos: usize) -> &[f32] {
-        &self.b[pos * self.b_width..(pos + 1) * self.b_width]
+
+    pub fn a_row(&self, slot: usize) -> &[f32] {
+        &self.a[slot * self.a_width..(slot + 1) * self.a_width]
+    }
+
+    pub fn b_row(&self, slot: usize) -> &[f32] {
+        &self.b[slot * self.b_width..(slot + 1) * self.b_width]
+    }
+
+    fn copy_block(&mut self, from: BlockId, to: BlockId) {
+        self.ensure_block(from.max(to));
+        let (f, t) = (from as usize * BLOCK, to as usize * BLOCK);
+        let aw = self.a_width;
+        self.a.copy_within(f * aw..(f + BLOCK) * aw, t * aw);
+        let bw = self.b_width;
+        self.b.copy_within(f * bw..(f + BLOCK) * bw, t * bw);
     }
 }
 
-/// Cache of one sequence: every layer (CPU backend) or a block table in the GPU pool (CUDA backend),
-/// plus the number of positions it holds.
+/// The storage slot of position `pos` of a sequence with block table `blocks`.
+pub fn slot(blocks: &[BlockId], pos: usize) -> usize {
+    blocks[pos / BLOCK] as usize * BLOCK + pos % BLOCK
+}
+
+/// Every layer's rows of the CPU backend, shared by all sequences through their block tables.
 #[derive(Debug)]
-pub struct SeqCache {
-    pub(crate) layers: Vec<LayerKv>,
-    len: usize,
-    pub(crate) gpu: Option<super::gpu::kv::GpuSeqKv>,
+pub struct CpuKvStore {
+    layers: Mutex<Vec<LayerRows>>,
 }
 
-impl Clone for SeqCache {
-    fn clone(&self) -> Self {
-        let gpu = self.gpu.clone();
-        // A full GPU pool can leave the copy with fewer blocks: it then holds a shorter prefix.
-        let len = match &gpu {
-            Some(g) => self.len.min(g.blocks.len() * super::gpu::kv::BLOCK),
-            None => self.len,
-        };
+impl CpuKvStore {
+    /// `widths`: per layer, the widths of the two row kinds.
+    pub fn new(widths: &[(usize, usize)]) -> Self {
+        let layers = widths
+            .iter()
+            .map(|&(a_width, b_width)| LayerRows {
+                a_width,
+                b_width,
+                ..Default::default()
+            })
+            .collect();
         Self {
-            layers: self.layers.clone(),
-            len,
-            gpu,
-        }
-    }
-}
-
-impl SeqCache {
-    pub(crate) fn new(widths: &[(usize, usize)]) -> Self {
-        Self {
-            layers: widths
-                .iter()
-                .map(|&(a_width, b_width)| LayerKv {
-                    a_width,
-                    b_width,
-                    ..Default::default()
-                })
-                .collect(),
-            len: 0,
-            gpu: None,
+            layers: Mutex::new(layers),
         }
     }
 
-    pub(crate) fn new_gpu(kv: super::gpu::kv::GpuSeqKv) -> Self {
-        Self {
-            layers: vec![],
-            len: 0,
-            gpu: Some(kv),
-        }
+    /// The rows, for the duration of a step.
+    pub fn lock(&self) -> MutexGuard<'_, Vec<LayerRows>> {
+        self.layers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Positions cached so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Keeps the first `n` positions (no-op if it holds fewer).
-    pub fn truncate(&mut self, n: usize) {
-        if n >= self.len {
-            return;
-        }
-        if let Some(g) = &mut self.gpu {
-            g.truncate(n);
-        }
-        for l in &mut self.layers {
-            l.a.truncate(n * l.a_width);
-            l.b.truncate(n * l.b_width);
-        }
-        self.len = n;
-    }
-
-    /// Bytes held (for KV usage metrics).
+    /// Bytes held now (the high-water mark of blocks in use).
     pub fn bytes(&self) -> usize {
-        if let Some(g) = &self.gpu {
-            let pool = g.pool.lock().unwrap_or_else(|e| e.into_inner());
-            return g.blocks.len()
-                * super::gpu::kv::BLOCK
-                * (pool.width + pool.v_width)
-                * 4
-                * pool.k.len();
-        }
-        self.layers
+        self.lock()
             .iter()
             .map(|l| (l.a.len() + l.b.len()) * 4)
             .sum()
     }
+}
 
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.len += n;
+impl BlockCopy for CpuKvStore {
+    fn copy_block(&self, from: BlockId, to: BlockId) -> Result<(), String> {
+        for l in self.lock().iter_mut() {
+            l.copy_block(from, to);
+        }
+        Ok(())
     }
 }
