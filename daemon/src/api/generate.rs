@@ -66,6 +66,7 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
     stop_ids.extend(&job.extra_stop_ids);
     let mut streams = StreamMap::new();
     let mut decoders = Vec::new();
+    let mut reqs = Vec::with_capacity(job.choices.len());
     for spec in job.choices {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let req = GenRequest {
@@ -90,19 +91,19 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
                 ))),
             },
         };
-        state.engine.submit(req).map_err(|e| match e {
-            SubmitError::QueueFull(_) => {
-                state.metrics.requests_rejected.inc();
-                ApiError::queue_full(state.retry_after_s)
-            }
-            SubmitError::NotReady => {
-                ApiError::unavailable("the model is still loading; see /ready")
-            }
-            SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),
-        })?;
+        reqs.push(req);
         streams.insert(spec.index, UnboundedReceiverStream::new(rx));
         decoders.push(ChoiceDecoder::new(&job.output));
     }
+    state.engine.submit_all(reqs).map_err(|e| match e {
+        SubmitError::QueueFull(_) => {
+            state.metrics.requests_rejected.inc();
+            ApiError::queue_full(state.retry_after_s)
+        }
+        e @ SubmitError::TooManySequences { .. } => ApiError::bad_param("n", e.to_string()),
+        SubmitError::NotReady => ApiError::unavailable("the model is still loading; see /ready"),
+        SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),
+    })?;
     tracing::debug!(
         request = id,
         choices = decoders.len(),

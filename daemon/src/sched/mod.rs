@@ -98,6 +98,8 @@ pub enum SubmitError {
     NotReady,
     #[error("the request queue is full ({0} waiting)")]
     QueueFull(usize),
+    #[error("the request asks for {n} sequences; the queue holds at most {max} (--max-waiting)")]
+    TooManySequences { n: usize, max: usize },
     #[error("the engine has stopped")]
     Stopped,
 }
@@ -121,21 +123,38 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     pub fn submit(&self, req: GenRequest) -> Result<(), SubmitError> {
+        self.submit_all(vec![req])
+    }
+
+    /// Queues the sequences of one request (its `n` choices) together or none of them: a request with
+    /// more sequences than the queue may ever hold is refused outright, one that does not fit now is
+    /// refused as a whole (retry later).
+    pub fn submit_all(&self, reqs: Vec<GenRequest>) -> Result<(), SubmitError> {
         if self.state.stopped.load(Ordering::Acquire) {
             return Err(SubmitError::Stopped);
         }
         if !self.state.ready.load(Ordering::Acquire) {
             return Err(SubmitError::NotReady);
         }
-        let waiting = self.state.waiting.fetch_add(1, Ordering::AcqRel);
-        if waiting >= self.max_waiting {
-            self.state.waiting.fetch_sub(1, Ordering::AcqRel);
+        let n = reqs.len();
+        if n > self.max_waiting {
+            return Err(SubmitError::TooManySequences {
+                n,
+                max: self.max_waiting,
+            });
+        }
+        let waiting = self.state.waiting.fetch_add(n, Ordering::AcqRel);
+        if waiting + n > self.max_waiting {
+            self.state.waiting.fetch_sub(n, Ordering::AcqRel);
             return Err(SubmitError::QueueFull(waiting));
         }
-        self.tx.send(req).map_err(|_| {
-            self.state.waiting.fetch_sub(1, Ordering::AcqRel);
-            SubmitError::Stopped
-        })
+        for (i, req) in reqs.into_iter().enumerate() {
+            if self.tx.send(req).is_err() {
+                self.state.waiting.fetch_sub(n - i, Ordering::AcqRel);
+                return Err(SubmitError::Stopped);
+            }
+        }
+        Ok(())
     }
 
     pub fn is_ready(&self) -> bool {

@@ -319,3 +319,40 @@ fn a_prompt_the_cache_can_never_hold_is_refused_at_once() {
     h.submit(r).unwrap();
     assert_eq!(collect(&mut rx).0, vec![50, 51, 52]);
 }
+
+#[test]
+fn a_request_is_queued_whole_or_not_at_all() {
+    let cfg = SchedulerConfig {
+        max_running: 1,
+        max_waiting: 3,
+        ..Default::default()
+    };
+    let (h, _) = engine(cfg);
+    let many: Vec<_> = (0..4).map(|_| request(vec![8, 8], 3)).collect();
+    let (reqs, _rxs): (Vec<_>, Vec<_>) = many.into_iter().unzip();
+    assert!(matches!(
+        h.submit_all(reqs),
+        Err(SubmitError::TooManySequences { n: 4, max: 3 })
+    ));
+    assert_eq!(
+        h.state.waiting.load(Ordering::Acquire),
+        0,
+        "nothing was queued"
+    );
+    // Two waiting leave room for one more sequence: a request of two is refused as a whole.
+    let (r, mut busy) = request(vec![7, 7], 1_000_000);
+    h.submit(r).unwrap();
+    assert!(matches!(busy.blocking_recv(), Some(SeqEvent::Token { .. })));
+    let (a, mut rx_a) = request(vec![8, 8], 3);
+    let (b, mut rx_b) = request(vec![8, 8], 3);
+    h.submit_all(vec![a, b]).unwrap();
+    let (c, _rx_c) = request(vec![8, 8], 3);
+    let (d, _rx_d) = request(vec![8, 8], 3);
+    assert!(matches!(
+        h.submit_all(vec![c, d]),
+        Err(SubmitError::QueueFull(2))
+    ));
+    drop(busy);
+    assert_eq!(collect(&mut rx_a).0, vec![50, 51, 52]);
+    assert_eq!(collect(&mut rx_b).0, vec![50, 51, 52]);
+}
