@@ -1,10 +1,10 @@
 #!/bin/bash
 # One device-tool call measuring the CPU expert kernels against kt-kernel in the same machine session.
 # Stage first (build machine):
-#   cargo build --release --example cpu_moe_bench -p moe-kernels
+#   cargo build --release -p moe-daemon
 #   cargo test --release --no-run -p moe-kernels   # note the "Executable unittests" path
-#   mkdir -p /work/main/.device && cp <that executable> /work/main/.device/moe_kernels_tests
-#   cp target/release/examples/cpu_moe_bench kernels/bench/run_on_device.sh /work/shared/anchors/* /work/main/.device/
+#   mkdir -p .device && cp <that executable> .device/moe_kernels_tests
+#   cp target/release/moe-daemon kernels/bench/run_on_device.sh ../shared/anchors/* .device/
 # then: run(command="bash .device/run_on_device.sh", carry=[".device"]) — about 2 minutes; results in $OUT.
 cd "$(dirname "$0")"
 O=${OUT:-/tmp/out}
@@ -14,11 +14,11 @@ S=$O/summary.txt
 grep -E "test result|panicked" "$O/tests.log" >> "$S"
 echo 7000 > /proc/sys/vm/nr_hugepages            # 2 MiB pages for the expert memory (root only)
 B="--experts 128 --topk 8 --hidden 2048 --inter 768 --layers 8"
-./cpu_moe_bench $B --dtype bf16,int8,int4,fp8 --tokens 1,4,16,64,256,1024 --threads 8,12,16 --iters 30 \
+./moe-daemon bench cpu-moe $B --dtype bf16,int8,int4,fp8 --tokens 1,4,16,64,256,1024 --threads 8,12,16 --iters 30 \
     > "$O/ours.md" 2>&1; echo "ours rc=$?" >> "$S"
-MOE_CPU_PREFETCH=0 ./cpu_moe_bench $B --dtype bf16,int4 --tokens 1,64 --threads 16 --iters 30 --probe-mib 1024 \
+MOE_CPU_PREFETCH=0 ./moe-daemon bench cpu-moe $B --dtype bf16,int4 --tokens 1,64 --threads 16 --iters 30 --probe-mib 1024 \
     > "$O/ours_noprefetch.md" 2>&1
-./cpu_moe_bench $B --dtype bf16,int8 --tokens 256,1024 --threads 16 --iters 20 --tier avx512 --probe-mib 1024 \
+./moe-daemon bench cpu-moe $B --dtype bf16,int8 --tokens 256,1024 --threads 16 --iters 20 --tier avx512 --probe-mib 1024 \
     > "$O/ours_avx512.md" 2>&1
 echo 0 > /proc/sys/vm/nr_hugepages
 # kt-kernel: the anchor script, except that one random source serves all 8 layers (kt-kernel repacks each

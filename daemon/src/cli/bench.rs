@@ -1,6 +1,10 @@
 //! `moe-daemon bench …`: synthetic checkpoints and end-to-end decode / prefill benchmarks.
 use crate::engine::{Engine, SeqInput};
 use clap::{Args, Subcommand};
+use moe_kernels::cpu::bench::CpuMoeBenchArgs;
+use moe_kernels::cpu::moe::WeightFormat;
+use moe_kernels::cpu::{CpuTier, HugepageMode, NumaMode};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -13,12 +17,77 @@ pub enum BenchCommand {
     /// Prefill throughput and time to first token of one long prompt.
     Prefill(RunArgs),
     /// CPU expert kernels alone: ms per MoE layer, GB/s and % of the DRAM read bandwidth it measures.
-    /// Flags: --experts 128 --topk 8 --hidden 2048 --inter 768 --dtype bf16|fp8|int8|int4
-    /// --tokens 1,4,16,64,256,1024 --threads N --layers 8 (see kernels/src/cpu/bench.rs).
-    CpuMoe {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    CpuMoe(CpuMoeArgs),
+}
+
+/// `bench cpu-moe` flags (lists are comma separated).
+#[derive(Args, Debug)]
+pub struct CpuMoeArgs {
+    /// Routed experts per layer.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub experts: u32,
+    /// Experts each token is routed to.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub topk: u32,
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    pub hidden: u32,
+    /// Expert intermediate width.
+    #[arg(long, default_value_t = 768, value_parser = clap::value_parser!(u32).range(1..))]
+    pub inter: u32,
+    /// Expert formats: bf16, fp8, int8, int4, int4g64, int4g128.
+    #[arg(long, value_delimiter = ',', default_value = "bf16")]
+    pub dtype: Vec<WeightFormat>,
+    /// Tokens per layer call.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256,1024")]
+    pub tokens: Vec<NonZeroUsize>,
+    /// Worker thread counts to measure (default: every CPU this process may use).
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<NonZeroUsize>,
+    /// Distinct layers cycled through, so weights come from DRAM rather than cache.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub layers: u32,
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(1..))]
+    pub iters: u32,
+    /// Cap the kernel tier: scalar, avx2, avx512, amx.
+    #[arg(long)]
+    pub tier: Option<CpuTier>,
+    /// Token count from which the AMX tier uses tiles.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub amx_min: u32,
+    #[arg(long, default_value = "auto")]
+    pub hugepages: HugepageMode,
+    #[arg(long, default_value = "auto")]
+    pub numa: NumaMode,
+    /// Size of the DRAM bandwidth probe buffer.
+    #[arg(long, default_value_t = 4096)]
+    pub probe_mib: usize,
+}
+
+impl CpuMoeArgs {
+    fn bench_args(&self) -> CpuMoeBenchArgs {
+        let defaults = CpuMoeBenchArgs::default();
+        let list = |v: &[NonZeroUsize]| v.iter().map(|n| n.get()).collect::<Vec<_>>();
+        CpuMoeBenchArgs {
+            experts: self.experts as usize,
+            topk: self.topk as usize,
+            hidden: self.hidden as usize,
+            inter: self.inter as usize,
+            dtypes: self.dtype.clone(),
+            tokens: list(&self.tokens),
+            threads: if self.threads.is_empty() {
+                defaults.threads
+            } else {
+                list(&self.threads)
+            },
+            layers: self.layers as usize,
+            iters: self.iters as usize,
+            tier: self.tier,
+            amx_min_tokens: self.amx_min as usize,
+            hugepages: self.hugepages,
+            numa: self.numa,
+            probe_mib: self.probe_mib,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -48,11 +117,8 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::SynthCheckpoint(a) => super::synth::run(a),
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Prefill(a) => prefill(a),
-        BenchCommand::CpuMoe { args } => {
-            let parsed = moe_kernels::cpu::bench::parse_bench_args(&args)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&parsed)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        BenchCommand::CpuMoe(a) => {
+            let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&a.bench_args())?;
             print!("{report}");
             Ok(())
         }

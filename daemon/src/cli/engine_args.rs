@@ -1,8 +1,19 @@
 //! Engine flags shared by `generate`, `serve` and `bench`.
 use crate::engine::placement::{GpuExperts, PlacementStrategy};
 use crate::engine::{Device, EngineOptions};
-use clap::Args;
+use clap::{Args, ValueEnum};
+use moe_kernels::cpu::moe::WeightFormat;
+use moe_kernels::cpu::{CpuMoeOptions, CpuTier, HugepageMode, NumaMode};
 use std::path::PathBuf;
+
+/// Precision of the activations the CPU expert kernels multiply with.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertActivations {
+    /// Exact: the AVX2/FMA tier, matches transformers to 1e-6.
+    F32,
+    /// The AVX-512 BF16 / AMX tiers, fastest.
+    Bf16,
+}
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
@@ -11,20 +22,19 @@ pub struct EngineArgs {
     pub cpu_threads: usize,
     /// NUMA policy of the CPU expert workers: auto (one pool per node, experts partitioned) or off.
     #[arg(long, default_value = "auto")]
-    pub numa: String,
+    pub numa: NumaMode,
     /// Expert memory pages: auto, 1G, 2M (reserved hugepages, else transparent) or off.
     #[arg(long, default_value = "auto")]
-    pub hugepages: String,
+    pub hugepages: HugepageMode,
     /// Format of DRAM experts: bf16, fp8, int8, int4 (group 32), int4g64, int4g128. Default: as stored.
     #[arg(long)]
-    pub expert_dtype: Option<String>,
+    pub expert_dtype: Option<WeightFormat>,
     /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
     #[arg(long)]
-    pub cpu_tier: Option<String>,
-    /// Activations of the CPU expert kernels: f32 (exact: AVX2/FMA tier, matches transformers to 1e-6)
-    /// or bf16 (AVX-512 BF16 / AMX tiers, fastest). Default: f32 for `generate`, bf16 for `serve`/`bench`.
-    #[arg(long)]
-    pub expert_activations: Option<String>,
+    pub cpu_tier: Option<CpuTier>,
+    /// Activations of the CPU expert kernels. Default: f32 for `generate`, bf16 for `serve`/`bench`.
+    #[arg(long, value_enum)]
+    pub expert_activations: Option<ExpertActivations>,
     /// Run DRAM experts on the simple reference path instead of the packed SIMD kernels.
     #[arg(long)]
     pub reference_experts: bool,
@@ -68,15 +78,12 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// Engine options; `exact_by_default` picks f32 expert activations when the flag is absent.
     pub fn options_with(&self, exact_by_default: bool) -> anyhow::Result<EngineOptions> {
-        let exact = match self.expert_activations.as_deref() {
+        let exact = match self.expert_activations {
             None => exact_by_default,
-            Some("f32") => true,
-            Some("bf16") => false,
-            Some(o) => anyhow::bail!("--expert-activations {o}: choose f32 or bf16"),
+            Some(a) => a == ExpertActivations::F32,
         };
         let mut o = self.options()?;
         if exact {
-            use moe_kernels::cpu::CpuTier;
             let cap = o
                 .cpu_moe
                 .max_tier
@@ -98,32 +105,17 @@ impl EngineArgs {
         if self.device == Device::Cpu && gpu_experts != GpuExperts::Count(0) {
             anyhow::bail!("--gpu-experts needs --device cuda");
         }
-        let threads = (self.cpu_threads > 0).then(|| self.cpu_threads.to_string());
-        let mut cpu_moe = moe_kernels::cpu::CpuMoeOptions::from_cli(
-            threads.as_deref(),
-            Some(&self.numa),
-            Some(&self.hugepages),
-        )
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-        if let Some(t) = &self.cpu_tier {
-            cpu_moe = cpu_moe
-                .with_tier(t)
-                .map_err(|e| anyhow::anyhow!("--cpu-tier: {e}"))?;
-        }
-        let expert_format = match &self.expert_dtype {
-            None => None,
-            Some(s) => Some(
-                moe_kernels::cpu::moe::WeightFormat::parse(s).ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "--expert-dtype {s}: choose bf16, fp8, int8, int4, int4g64 or int4g128"
-                    )
-                })?,
-            ),
+        let cpu_moe = CpuMoeOptions {
+            threads: (self.cpu_threads > 0).then_some(self.cpu_threads),
+            numa: self.numa,
+            hugepages: self.hugepages,
+            max_tier: self.cpu_tier,
+            ..Default::default()
         };
         Ok(EngineOptions {
             cpu_kernels: !self.reference_experts,
             cpu_moe,
-            expert_format,
+            expert_format: self.expert_dtype,
             cpu_threads: self.cpu_threads,
             device: self.device,
             gpu_experts,

@@ -1,5 +1,5 @@
-//! `--cpu-threads`, `--numa`, `--hugepages` (and a tier override) for the CPU expert path, parsed from
-//! the CLI strings, and the worker pool they describe.
+//! Options of the CPU expert path (threads, NUMA mode, hugepages, tier cap) and the worker pool they
+//! describe. The daemon's CLI parses the flags into these types (`FromStr`).
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -18,12 +18,8 @@ type GroupPlan = (Option<usize>, Vec<usize>);
 pub enum OptionsError {
     #[error("--cpu-threads: {0}")]
     Threads(String),
-    #[error("--numa: invalid value {0:?} (expected auto|off)")]
+    #[error("unknown NUMA mode {0:?} (expected auto or off)")]
     Numa(String),
-    #[error("--hugepages: {0}")]
-    Hugepages(String),
-    #[error("cpu tier: {0}")]
-    Tier(String),
 }
 
 /// `--numa auto`: one pool group per NUMA node holding allowed CPUs, experts partitioned across them.
@@ -75,41 +71,6 @@ impl Default for CpuMoeOptions {
 }
 
 impl CpuMoeOptions {
-    /// From the daemon's CLI strings (`None` = flag absent). `threads` accepts `auto` or a count ≥ 1.
-    pub fn from_cli(
-        threads: Option<&str>,
-        numa: Option<&str>,
-        hugepages: Option<&str>,
-    ) -> Result<CpuMoeOptions, OptionsError> {
-        let mut o = CpuMoeOptions::default();
-        if let Some(t) = threads {
-            o.threads = match t {
-                "auto" => None,
-                _ => match t.parse::<usize>() {
-                    Ok(n) if n >= 1 => Some(n),
-                    _ => {
-                        return Err(OptionsError::Threads(format!(
-                            "invalid value {t:?} (expected auto or a count >= 1)"
-                        )))
-                    }
-                },
-            };
-        }
-        if let Some(n) = numa {
-            o.numa = n.parse()?;
-        }
-        if let Some(h) = hugepages {
-            o.hugepages = h.parse().map_err(OptionsError::Hugepages)?;
-        }
-        Ok(o)
-    }
-
-    /// Sets the tier cap from a string (`scalar|avx2|avx512|amx`).
-    pub fn with_tier(mut self, tier: &str) -> Result<CpuMoeOptions, OptionsError> {
-        self.max_tier = Some(tier.parse().map_err(OptionsError::Tier)?);
-        Ok(self)
-    }
-
     /// The tier kernels will use.
     pub fn tier(&self) -> CpuTier {
         self.max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu()
@@ -176,26 +137,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_cli_values_and_rejects_bad_ones() {
-        let o = CpuMoeOptions::from_cli(Some("2"), Some("off"), Some("2M")).unwrap();
-        assert_eq!(o.threads, Some(2));
-        assert_eq!(o.numa, NumaMode::Off);
-        assert_eq!(o.hugepages, HugepageMode::Huge);
-        assert_eq!(
-            CpuMoeOptions::from_cli(None, None, None).unwrap(),
-            CpuMoeOptions::default()
-        );
+    fn parses_flag_values_and_rejects_bad_ones() {
+        assert_eq!("off".parse::<NumaMode>(), Ok(NumaMode::Off));
+        assert_eq!("auto".parse::<NumaMode>(), Ok(NumaMode::Auto));
         assert!(matches!(
-            CpuMoeOptions::from_cli(Some("0"), None, None),
-            Err(OptionsError::Threads(_))
-        ));
-        assert!(matches!(
-            CpuMoeOptions::from_cli(None, Some("on"), None),
+            "on".parse::<NumaMode>(),
             Err(OptionsError::Numa(_))
         ));
-        let e = CpuMoeOptions::from_cli(None, None, Some("4K")).unwrap_err();
-        assert!(e.to_string().contains("--hugepages"), "{e}");
-        assert!(CpuMoeOptions::default().with_tier("avx3").is_err());
+        assert_eq!("2M".parse::<HugepageMode>(), Ok(HugepageMode::Huge));
+        assert!("4K".parse::<HugepageMode>().is_err());
+        assert!("avx3".parse::<CpuTier>().is_err());
     }
 
     #[test]

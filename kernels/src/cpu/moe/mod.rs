@@ -4,7 +4,7 @@
 //! # How the engine uses it
 //! ```ignore
 //! use moe_kernels::cpu::{CpuMoeOptions, moe::*};
-//! let opts = CpuMoeOptions::from_cli(Some("16"), Some("auto"), Some("auto"))?;   // --cpu-threads …
+//! let opts = CpuMoeOptions { threads: Some(16), ..Default::default() };   // --cpu-threads 16
 //! let pool = opts.build_pool()?;                        // once per process: pinned persistent workers
 //! let cfg = ExpertSetConfig::new(hidden, inter, WeightFormat::Bf16)
 //!     .with_activation(Activation::Silu, swiglu_limit)

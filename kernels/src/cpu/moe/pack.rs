@@ -33,20 +33,25 @@ pub enum WeightFormat {
     Int4 { group: usize },
 }
 
-impl WeightFormat {
-    /// Parses `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`.
-    pub fn parse(s: &str) -> Option<WeightFormat> {
-        Some(match s {
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`.
+    fn from_str(s: &str) -> Result<WeightFormat, String> {
+        Ok(match s {
             "bf16" => WeightFormat::Bf16,
             "fp8" => WeightFormat::Fp8Block,
             "int8" => WeightFormat::Int8,
             "int4" | "int4g32" => WeightFormat::Int4 { group: 32 },
             "int4g64" => WeightFormat::Int4 { group: 64 },
             "int4g128" => WeightFormat::Int4 { group: 128 },
-            _ => return None,
+            _ => return Err(format!(
+                "unknown expert format {s:?} (expected bf16, fp8, int8, int4, int4g64 or int4g128)"
+            )),
         })
     }
+}
 
+impl WeightFormat {
     /// (P, KT, tile bytes).
     pub(crate) fn tile_geometry(self) -> (usize, usize, usize) {
         match self {
