@@ -59,7 +59,8 @@ pub struct Kernels {
     pub unpack_experts: CudaFunction,
 }
 
-/// One GPU: context, the engine's stream, a copy stream, cuBLAS and the kernels.
+/// One GPU: context, the engine's stream, cuBLAS and the kernels (the expert stream makes its own copy
+/// stream).
 pub struct GpuDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,

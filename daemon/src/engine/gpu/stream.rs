@@ -4,9 +4,9 @@
 //! - The packed regions are registered (pinned) with the driver once, at start, so each copy is a DMA
 //!   from the very bytes the CPU kernels read: no host-side staging copy, no second layout in RAM. Where
 //!   registration is refused (locked-memory limits), copies still work from pageable memory, slower.
-//! - A layer's experts go in chunks of `chunk_experts` (a few hundred MiB) through two device staging
-//!   slots on a copy stream; the main stream unpacks a chunk (`unpack_experts`: packed tiles → dense
-//!   bf16 `[gate; up]` and `down`) and runs its GEMMs while the copy stream fills the other slot. Chunks
+//! - A layer's experts go in chunks of `chunk_experts` (a few hundred MiB) through [`SLOTS`] device
+//!   staging slots on a copy stream; the main stream unpacks a chunk (`unpack_experts`: packed tiles →
+//!   dense bf16 `[gate; up]` and `down`) and runs its GEMMs while the copy stream fills the others. Chunks
 //!   are issued ahead across layer boundaries, so the next layer's first chunk crosses PCIe while this
 //!   layer (and the next one's attention) computes. All ordering is by events on the GPU: the host never
 //!   waits for a copy.
