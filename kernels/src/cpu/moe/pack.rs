@@ -33,6 +33,9 @@ pub enum WeightFormat {
     Int4 { group: usize },
 }
 
+/// The names `WeightFormat` parses from.
+const EXPECTED: &str = "expected bf16, fp8, int8, int4, int4g64 or int4g128";
+
 impl std::str::FromStr for WeightFormat {
     type Err = String;
     /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`.
@@ -44,9 +47,7 @@ impl std::str::FromStr for WeightFormat {
             "int4" | "int4g32" => WeightFormat::Int4 { group: 32 },
             "int4g64" => WeightFormat::Int4 { group: 64 },
             "int4g128" => WeightFormat::Int4 { group: 128 },
-            _ => return Err(format!(
-                "unknown expert format {s:?} (expected bf16, fp8, int8, int4, int4g64 or int4g128)"
-            )),
+            _ => return Err(format!("unknown expert format {s:?} ({EXPECTED})")),
         })
     }
 }
