@@ -19,14 +19,19 @@ pub const NAME_RULE: &str =
     "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 52";
 pub const NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter) of at most 52 characters";
 
-/// `(minimum, maximum)` an integer of this OpenAPI format can hold once stored as JSON by the API
-/// server (int64) and read back into the Rust type.
+/// Largest integer every reader of the schema keeps exact: the API server holds `maximum` as a
+/// float64, and so do Helm's YAML reader and JavaScript, so ±(2^63 − 1) would round to ±2^63.
+pub const MAX_EXACT_INTEGER: i64 = (1 << 53) - 1;
+
+/// `(minimum, maximum)` an integer of this OpenAPI format can hold once stored by the API server
+/// and read back into the Rust type; 64-bit fields are capped at [`MAX_EXACT_INTEGER`] (byte counts
+/// up to 8 PiB, which no field here approaches).
 fn format_range(format: &str) -> Option<(i64, i64)> {
     match format {
         "int32" => Some((i32::MIN as i64, i32::MAX as i64)),
         "uint32" => Some((0, u32::MAX as i64)),
-        "int64" => Some((i64::MIN, i64::MAX)),
-        "uint64" => Some((0, i64::MAX)),
+        "int64" => Some((-MAX_EXACT_INTEGER, MAX_EXACT_INTEGER)),
+        "uint64" => Some((0, MAX_EXACT_INTEGER)),
         _ => None,
     }
 }
@@ -102,7 +107,9 @@ mod tests {
         assert_eq!(s["properties"]["a"]["minimum"], json!(1.0));
         assert_eq!(s["properties"]["a"]["maximum"], json!(4294967295i64));
         assert_eq!(s["properties"]["b"]["minimum"], json!(-2147483648i64));
-        assert_eq!(s["properties"]["c"]["maximum"], json!(i64::MAX));
+        assert_eq!(s["properties"]["c"]["maximum"], json!(MAX_EXACT_INTEGER));
+        // Exact in float64, as the API server and Helm read it.
+        assert_eq!(MAX_EXACT_INTEGER as f64 as i64, MAX_EXACT_INTEGER);
         assert!(s["properties"]["d"].get("maximum").is_none());
     }
 

@@ -74,8 +74,8 @@ class ActivatorEndToEnd(unittest.TestCase):
         self.tmp.cleanup()
 
     def spawn(self, args, name):
-        log = open(Path(self.tmp.name) / f"{name}.log", "w")
-        self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+        with open(Path(self.tmp.name) / f"{name}.log", "w") as log:
+            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
 
     def wait_for(self, check, seconds, what):
         deadline = time.time() + seconds
@@ -109,7 +109,7 @@ class ActivatorEndToEnd(unittest.TestCase):
         self.assertIn("answer", result, "no answer after the replica started")
         status, _, body = result["answer"]
         self.assertEqual(status, 200)
-        self.assertEqual(json.loads(body)["choices"][0]["message"]["content"], "Good morning.")
+        self.assertIn("Good morning.", json.loads(body)["choices"][0]["message"]["content"])
         self.assertEqual(waiting(self.front), 0)
         # With a replica up, streams pass straight through as server-sent events.
         status, ctype, body = chat(self.front, stream=True)
