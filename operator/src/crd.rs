@@ -23,7 +23,8 @@ pub const API_GROUP: &str = "moe.inference.dev";
 /// Accepted GPU compute capabilities when the spec names none: Ada (8.9), Hopper (9.0), Blackwell (12.x).
 pub const DEFAULT_COMPUTE_CAPABILITIES: [&str; 3] = ["8.9", "9.0", "12.x"];
 /// The daemon image of this release (a fixed tag: `:latest` would let nodes run different builds).
-pub const DEFAULT_IMAGE: &str = concat!("ghcr.io/moe-hybrid/moe-daemon:", env!("CARGO_PKG_VERSION"));
+pub const DEFAULT_IMAGE: &str =
+    concat!("ghcr.io/moe-hybrid/moe-daemon:", env!("CARGO_PKG_VERSION"));
 
 /// A Mixture-of-Experts model served by `moe-daemon` on CPU+GPU hybrid nodes.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -72,10 +73,7 @@ pub struct MoEDeploymentSpec {
     pub model: ModelSpec,
     /// Desired replica count; autoscalers write it through the scale subresource. Defaults to 1 so
     /// that the scale subresource never reads 0 for a new object (an HPA disables itself at 0).
-    #[serde(
-        default = "default_replicas",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default = "default_replicas", skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 0").message("replicas must not be negative"))]
     pub replicas: Option<i32>,
     #[serde(default)]

@@ -53,8 +53,10 @@ pub fn activator_image() -> String {
         .unwrap_or_else(|| DEFAULT_OPERATOR_IMAGE.to_string())
 }
 
-pub const DEFAULT_OPERATOR_IMAGE: &str =
-    concat!("ghcr.io/moe-hybrid/moe-operator:", env!("CARGO_PKG_VERSION"));
+pub const DEFAULT_OPERATOR_IMAGE: &str = concat!(
+    "ghcr.io/moe-hybrid/moe-operator:",
+    env!("CARGO_PKG_VERSION")
+);
 
 pub fn compute_desired(
     md: &MoEDeployment,

@@ -78,7 +78,10 @@ struct ActivatorArgs {
 
 async fn run_activator(args: ActivatorArgs) -> anyhow::Result<()> {
     if args.upstream.scheme_str() != Some("http") || args.upstream.authority().is_none() {
-        bail!("--upstream must be an http:// URL with a host, got {}", args.upstream);
+        bail!(
+            "--upstream must be an http:// URL with a host, got {}",
+            args.upstream
+        );
     }
     let app = activator::activator(activator::ActivatorConfig {
         upstream: args.upstream,

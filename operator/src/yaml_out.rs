@@ -125,7 +125,9 @@ mod tests {
             "weird key: x": -1.5,
         });
         let text = to_yaml(&v);
-        for quoted in ["\"off\"", "\"On\"", "\"yes\"", "\"N\"", "\"0777\"", "\"1:20\"", "\"1Gi\""] {
+        for quoted in [
+            "\"off\"", "\"On\"", "\"yes\"", "\"N\"", "\"0777\"", "\"1:20\"", "\"1Gi\"",
+        ] {
             assert!(text.contains(quoted), "{quoted} not quoted in:\n{text}");
         }
         assert!(text.contains("plain: moe-daemon/v1.2_x\n"), "{text}");

@@ -64,7 +64,11 @@ fn setup(spec: Value, nodes: &[&str]) -> (FakeApi, Arc<Context>) {
         controller: "moe-operator".into(),
         instance: Some("test".into()),
     };
-    let ctx = Arc::new(Context::new(fake.client(), reporter, Metrics::new().unwrap()));
+    let ctx = Arc::new(Context::new(
+        fake.client(),
+        reporter,
+        Metrics::new().unwrap(),
+    ));
     (fake, ctx)
 }
 
@@ -137,7 +141,9 @@ async fn the_hpa_reads_a_nonzero_scale_and_its_writes_resize_the_statefulset() {
     );
     // The HPA scales to 3 through the subresource; the next reconcile resizes the StatefulSet.
     let patch = kube::api::Patch::Merge(json!({"spec": {"replicas": 3}}));
-    api.patch_scale("qwen", &Default::default(), &patch).await.unwrap();
+    api.patch_scale("qwen", &Default::default(), &patch)
+        .await
+        .unwrap();
     assert_eq!(fake.get(MD_PATH).unwrap()["metadata"]["generation"], 2);
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert_eq!(fake.get(STS_PATH).unwrap()["spec"]["replicas"], 3);
@@ -248,7 +254,8 @@ async fn scale_to_zero_puts_the_activator_in_front_and_takes_it_away_again() {
         "moe-daemon"
     );
     fake.update(MD_PATH, |md| {
-        md["spec"]["autoscaling"] = json!({"provider": "builtin", "minReplicas": 1, "maxReplicas": 2});
+        md["spec"]["autoscaling"] =
+            json!({"provider": "builtin", "minReplicas": 1, "maxReplicas": 2});
     });
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert!(fake.get(ACTIVATOR_PATH).is_none());
@@ -271,10 +278,20 @@ async fn invalid_names_are_reported_before_anything_is_applied() {
         controller: "moe-operator".into(),
         instance: None,
     };
-    let ctx = Arc::new(Context::new(fake.client(), reporter, Metrics::new().unwrap()));
+    let ctx = Arc::new(Context::new(
+        fake.client(),
+        reporter,
+        Metrics::new().unwrap(),
+    ));
     let md: MoEDeployment = serde_json::from_value(fake.get(path).unwrap()).unwrap();
     reconcile(Arc::new(md), ctx).await.unwrap();
-    assert!(fake.get("/apis/apps/v1/namespaces/ai/statefulsets/glm-4.5").is_none());
+    assert!(fake
+        .get("/apis/apps/v1/namespaces/ai/statefulsets/glm-4.5")
+        .is_none());
     let stored = fake.get(path).unwrap();
-    assert!(stored["status"].to_string().contains("DNS-1035"), "{}", stored["status"]);
+    assert!(
+        stored["status"].to_string().contains("DNS-1035"),
+        "{}",
+        stored["status"]
+    );
 }

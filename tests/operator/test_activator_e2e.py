@@ -42,7 +42,7 @@ def waiting(base):
 
 
 def chat(base, stream=False):
-    body = json.dumps({"model": "smollm2", "stream": stream, "max_tokens": 16,
+    body = json.dumps({"model": "smollm2", "stream": stream, "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "wake up"}]}).encode()
     req = urllib.request.Request(base + "/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json"})
@@ -109,7 +109,7 @@ class ActivatorEndToEnd(unittest.TestCase):
         self.assertIn("answer", result, "no answer after the replica started")
         status, _, body = result["answer"]
         self.assertEqual(status, 200)
-        self.assertIn("Good morning.", json.loads(body)["choices"][0]["message"]["content"])
+        self.assertEqual(json.loads(body)["choices"][0]["message"]["content"], "Good morning.")
         self.assertEqual(waiting(self.front), 0)
         # With a replica up, streams pass straight through as server-sent events.
         status, ctype, body = chat(self.front, stream=True)

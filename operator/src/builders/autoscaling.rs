@@ -54,7 +54,8 @@ pub fn hpa(input: &BuildInput) -> Option<HorizontalPodAutoscaler> {
                 scale_down: Some(HPAScalingRules {
                     // The API server allows 0..=3600 (autoscaling `validateStabilizationWindowSeconds`).
                     stabilization_window_seconds: Some(
-                        a.scale_down_delay_seconds.min(MAX_STABILIZATION_WINDOW_SECONDS) as i32,
+                        a.scale_down_delay_seconds
+                            .min(MAX_STABILIZATION_WINDOW_SECONDS) as i32,
                     ),
                     ..Default::default()
                 }),

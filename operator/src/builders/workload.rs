@@ -20,8 +20,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::{BuildError, BuildInput, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
-use crate::placement::{effective_tolerations, merge_node_affinity};
 use crate::placement::node_facts::RESOURCE_GPU;
+use crate::placement::{effective_tolerations, merge_node_affinity};
 use crate::quantity::{bytes_quantity, GIB};
 
 pub const DAEMON_CONTAINER: &str = "daemon";
@@ -357,7 +357,10 @@ fn affinity(input: &BuildInput) -> Affinity {
         .get_or_insert_with(Vec::new)
         .push(spread);
     Affinity {
-        node_affinity: merge_node_affinity(user.node_affinity.as_ref(), input.node_affinity.clone()),
+        node_affinity: merge_node_affinity(
+            user.node_affinity.as_ref(),
+            input.node_affinity.clone(),
+        ),
         pod_affinity: user.pod_affinity,
         pod_anti_affinity: Some(anti),
     }

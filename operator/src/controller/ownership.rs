@@ -94,7 +94,10 @@ mod tests {
         let none = sts(json!({}));
         let small = sts(json!({"volumeClaimTemplates": claim("10Gi")}));
         let big = sts(json!({"volumeClaimTemplates": claim("20Gi")}));
-        assert_eq!(immutable_change(&none, &small), Some("volumeClaimTemplates"));
+        assert_eq!(
+            immutable_change(&none, &small),
+            Some("volumeClaimTemplates")
+        );
         assert_eq!(immutable_change(&small, &big), Some("volumeClaimTemplates"));
         assert_eq!(immutable_change(&small, &small), None);
         // Server-filled defaults do not count.
@@ -105,6 +108,9 @@ mod tests {
         let replicas = sts(json!({"replicas": 5}));
         assert_eq!(immutable_change(&none, &replicas), None);
         let policy = sts(json!({"podManagementPolicy": "OrderedReady"}));
-        assert_eq!(immutable_change(&none, &policy), Some("podManagementPolicy"));
+        assert_eq!(
+            immutable_change(&none, &policy),
+            Some("podManagementPolicy")
+        );
     }
 }

@@ -54,12 +54,11 @@ pub async fn reconcile(md: Arc<MoEDeployment>, ctx: Arc<Context>) -> Result<Acti
 
 /// JSON patch removing [`LEGACY_FINALIZER`], guarded by a `test` so a concurrent change of the
 /// list makes it fail (and retry) instead of removing someone else's finalizer.
-async fn remove_legacy_finalizer(api: &Api<MoEDeployment>, md: &MoEDeployment) -> Result<(), Error> {
-    let Some(index) = md
-        .finalizers()
-        .iter()
-        .position(|f| f == LEGACY_FINALIZER)
-    else {
+async fn remove_legacy_finalizer(
+    api: &Api<MoEDeployment>,
+    md: &MoEDeployment,
+) -> Result<(), Error> {
+    let Some(index) = md.finalizers().iter().position(|f| f == LEGACY_FINALIZER) else {
         return Ok(());
     };
     let path = format!("/metadata/finalizers/{index}");
@@ -69,7 +68,11 @@ async fn remove_legacy_finalizer(api: &Api<MoEDeployment>, md: &MoEDeployment) -
     ]))
     .map_err(|e| Error::Kube(kube::Error::SerdeError(e)))?;
     match api
-        .patch(&md.name_any(), &PatchParams::default(), &Patch::Json::<()>(patch))
+        .patch(
+            &md.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
         .await
     {
         Ok(_) => Ok(()),
@@ -180,11 +183,7 @@ async fn delete_if_owned<K>(
 where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
 {
-    let Some(obj) = api
-        .get_opt(name)
-        .await
-        .map_err(|e| apply_error(what, e))?
-    else {
+    let Some(obj) = api.get_opt(name).await.map_err(|e| apply_error(what, e))? else {
         return Ok(());
     };
     if !controlled_by(obj.meta(), md) {
@@ -255,7 +254,14 @@ async fn apply_objects(
     let name = md.name_any();
     let headless = objects.headless_service.name_any();
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    apply_owned(&services, &headless, &objects.headless_service, md, &format!("Service/{headless}")).await?;
+    apply_owned(
+        &services,
+        &headless,
+        &objects.headless_service,
+        md,
+        &format!("Service/{headless}"),
+    )
+    .await?;
     // Scale from zero: backend Service and activator first, then the Service that points at them;
     // when it is turned off, the Service points back at the pods before the activator goes.
     let backend = format!("{name}-backend");
@@ -265,11 +271,31 @@ async fn apply_objects(
         apply_owned(&services, &backend, svc, md, &format!("Service/{backend}")).await?;
     }
     if let Some(deployment) = &objects.activator {
-        apply_owned(&deployments, &activator, deployment, md, &format!("Deployment/{activator}")).await?;
+        apply_owned(
+            &deployments,
+            &activator,
+            deployment,
+            md,
+            &format!("Deployment/{activator}"),
+        )
+        .await?;
     }
-    apply_owned(&services, &name, &objects.service, md, &format!("Service/{name}")).await?;
+    apply_owned(
+        &services,
+        &name,
+        &objects.service,
+        md,
+        &format!("Service/{name}"),
+    )
+    .await?;
     if objects.activator.is_none() {
-        delete_if_owned(&deployments, &activator, md, &format!("Deployment/{activator}")).await?;
+        delete_if_owned(
+            &deployments,
+            &activator,
+            md,
+            &format!("Deployment/{activator}"),
+        )
+        .await?;
     }
     if objects.backend_service.is_none() {
         delete_if_owned(&services, &backend, md, &format!("Service/{backend}")).await?;
@@ -277,7 +303,14 @@ async fn apply_objects(
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
     let sts = apply_statefulset(ctx, &sts_api, md, &objects.statefulset).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
-    apply_owned(&pdbs, &name, &objects.pdb, md, &format!("PodDisruptionBudget/{name}")).await?;
+    apply_owned(
+        &pdbs,
+        &name,
+        &objects.pdb,
+        md,
+        &format!("PodDisruptionBudget/{name}"),
+    )
+    .await?;
 
     let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), namespace);
     let what = format!("HorizontalPodAutoscaler/{name}");

@@ -439,12 +439,16 @@ impl PlacementDecision {
 
 /// The user's node affinity AND ours. Required terms are OR'd by the scheduler, so the result is
 /// every (user term, our term) pair with their requirements concatenated; preferences add up.
-pub fn merge_node_affinity(user: Option<&NodeAffinity>, ours: Option<NodeAffinity>) -> Option<NodeAffinity> {
+pub fn merge_node_affinity(
+    user: Option<&NodeAffinity>,
+    ours: Option<NodeAffinity>,
+) -> Option<NodeAffinity> {
     let Some(user) = user else { return ours };
     let Some(ours) = ours else {
         return Some(user.clone());
     };
-    let concat = |a: &Option<Vec<NodeSelectorRequirement>>, b: &Option<Vec<NodeSelectorRequirement>>| {
+    let concat = |a: &Option<Vec<NodeSelectorRequirement>>,
+                  b: &Option<Vec<NodeSelectorRequirement>>| {
         let v: Vec<NodeSelectorRequirement> = a.iter().chain(b.iter()).flatten().cloned().collect();
         (!v.is_empty()).then_some(v)
     };
@@ -457,10 +461,12 @@ pub fn merge_node_affinity(user: Option<&NodeAffinity>, ours: Option<NodeAffinit
                 .node_selector_terms
                 .iter()
                 .flat_map(|ut| {
-                    o.node_selector_terms.iter().map(move |ot| NodeSelectorTerm {
-                        match_expressions: concat(&ut.match_expressions, &ot.match_expressions),
-                        match_fields: concat(&ut.match_fields, &ot.match_fields),
-                    })
+                    o.node_selector_terms
+                        .iter()
+                        .map(move |ot| NodeSelectorTerm {
+                            match_expressions: concat(&ut.match_expressions, &ot.match_expressions),
+                            match_fields: concat(&ut.match_fields, &ot.match_fields),
+                        })
                 })
                 .collect(),
         }),
@@ -469,12 +475,16 @@ pub fn merge_node_affinity(user: Option<&NodeAffinity>, ours: Option<NodeAffinit
     let preferred: Vec<PreferredSchedulingTerm> = user
         .preferred_during_scheduling_ignored_during_execution
         .iter()
-        .chain(ours.preferred_during_scheduling_ignored_during_execution.iter())
+        .chain(
+            ours.preferred_during_scheduling_ignored_during_execution
+                .iter(),
+        )
         .flatten()
         .cloned()
         .collect();
     Some(NodeAffinity {
         required_during_scheduling_ignored_during_execution: required,
-        preferred_during_scheduling_ignored_during_execution: (!preferred.is_empty()).then_some(preferred),
+        preferred_during_scheduling_ignored_during_execution: (!preferred.is_empty())
+            .then_some(preferred),
     })
 }

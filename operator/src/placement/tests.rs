@@ -323,7 +323,11 @@ fn affinity_has_one_ored_term_per_capability_and_names_no_node() {
     let need = d.min_gpu_memory_label_mib(None).unwrap();
     assert_eq!(bound + 1, need);
     // Every qualifying node satisfies the affinity; adding a fourth identical node changes nothing.
-    let nodes = [NodeFixture::new("h-1"), NodeFixture::new("h-2"), NodeFixture::new("h-3")];
+    let nodes = [
+        NodeFixture::new("h-1"),
+        NodeFixture::new("h-2"),
+        NodeFixture::new("h-3"),
+    ];
     let three = decide_for(&qwen_spec(), &nodes);
     let two = decide_for(&qwen_spec(), &nodes[..2]);
     assert_eq!(three.node_affinity(None), two.node_affinity(None));
@@ -360,7 +364,9 @@ fn affinity_selects_exactly_the_qualifying_hardware() {
 
 #[test]
 fn user_affinity_is_anded_with_ours() {
-    use k8s_openapi::api::core::v1::{NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
+    use k8s_openapi::api::core::v1::{
+        NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    };
     let term = |key: &str| NodeSelectorTerm {
         match_expressions: Some(vec![NodeSelectorRequirement {
             key: key.into(),
@@ -388,7 +394,14 @@ fn user_affinity_is_anded_with_ours() {
         .node_selector_terms;
     let keys: Vec<Vec<String>> = terms
         .iter()
-        .map(|t| t.match_expressions.as_ref().unwrap().iter().map(|e| e.key.clone()).collect())
+        .map(|t| {
+            t.match_expressions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|e| e.key.clone())
+                .collect()
+        })
         .collect();
     assert_eq!(
         keys,
@@ -399,7 +412,10 @@ fn user_affinity_is_anded_with_ours() {
             vec!["zone-b", "gpu-y"]
         ]
     );
-    assert_eq!(super::merge_node_affinity(None, Some(ours.clone())), Some(ours));
+    assert_eq!(
+        super::merge_node_affinity(None, Some(ours.clone())),
+        Some(ours)
+    );
 }
 
 #[test]

@@ -252,9 +252,17 @@ impl FakeApi {
                 let Some(obj) = st.objects.get_mut(&object_path) else {
                     return status(404, "NotFound", "not found");
                 };
-                if let Some(uid) = req.body.as_ref().and_then(|b| b["preconditions"]["uid"].as_str()) {
+                if let Some(uid) = req
+                    .body
+                    .as_ref()
+                    .and_then(|b| b["preconditions"]["uid"].as_str())
+                {
                     if obj["metadata"]["uid"].as_str() != Some(uid) {
-                        return status(409, "Conflict", "Precondition failed: UID in precondition does not match");
+                        return status(
+                            409,
+                            "Conflict",
+                            "Precondition failed: UID in precondition does not match",
+                        );
                     }
                 }
                 let has_finalizers = obj["metadata"]["finalizers"]
@@ -328,7 +336,8 @@ impl FakeApi {
                 let manager = query_param(&req.query, "fieldManager").unwrap_or_default();
                 let force = query_param(&req.query, "force").as_deref() == Some("true");
                 let owners = st.owners.entry(object_path.to_string()).or_default();
-                if let Err(conflicts) = server_side_apply(&mut obj, &patch, owners, &manager, force) {
+                if let Err(conflicts) = server_side_apply(&mut obj, &patch, owners, &manager, force)
+                {
                     return status(
                         409,
                         "Conflict",
@@ -389,9 +398,9 @@ impl FakeApi {
     /// Server-side apply of `config` by `manager` outside the operator (a user's `kubectl apply`).
     pub fn apply_as(&self, manager: &str, path: &str, config: Value) {
         let mut st = self.state.lock().unwrap();
-        let mut obj = st.objects.get(path).cloned().unwrap_or_else(|| {
-            json!({"metadata": {"uid": format!("uid-user-{manager}"), "generation": 1}})
-        });
+        let mut obj = st.objects.get(path).cloned().unwrap_or_else(
+            || json!({"metadata": {"uid": format!("uid-user-{manager}"), "generation": 1}}),
+        );
         let owners = st.owners.entry(path.to_string()).or_default();
         server_side_apply(&mut obj, &config, owners, manager, true).expect("forced apply");
         st.resource_version += 1;
