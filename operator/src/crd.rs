@@ -22,7 +22,9 @@ use serde::{Deserialize, Serialize};
 pub const API_GROUP: &str = "moe.inference.dev";
 /// Accepted GPU compute capabilities when the spec names none: Ada (8.9), Hopper (9.0), Blackwell (12.x).
 pub const DEFAULT_COMPUTE_CAPABILITIES: [&str; 3] = ["8.9", "9.0", "12.x"];
-pub const DEFAULT_IMAGE: &str = "ghcr.io/moe-hybrid/moe-daemon:latest";
+/// The daemon image of this release (a fixed tag: `:latest` would let nodes run different builds).
+pub const DEFAULT_IMAGE: &str =
+    concat!("ghcr.io/moe-hybrid/moe-daemon:", env!("CARGO_PKG_VERSION"));
 
 /// A Mixture-of-Experts model served by `moe-daemon` on CPU+GPU hybrid nodes.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -62,12 +64,16 @@ pub const DEFAULT_IMAGE: &str = "ghcr.io/moe-hybrid/moe-daemon:latest";
         json_path = ".metadata.creationTimestamp"
     )
 )]
-#[x_kube(validation = Rule::new("!has(self.model.cache) || has(self.model.source.huggingFace) || has(self.model.source.url)").message("model.cache is only used with a huggingFace or url source"))]
+#[x_kube(
+    validation = Rule::new("!has(self.model.cache) || has(self.model.source.huggingFace) || has(self.model.source.url)").message("model.cache is only used with a huggingFace or url source"),
+    validation = Rule::new("has(self.model.cache) == has(oldSelf.model.cache)").message("model.cache cannot be added or removed (it is the StatefulSet's volume claim template); create a new MoEDeployment"),
+)]
 #[serde(rename_all = "camelCase")]
 pub struct MoEDeploymentSpec {
     pub model: ModelSpec,
-    /// Desired replica count; autoscalers write it through the scale subresource.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Desired replica count; autoscalers write it through the scale subresource. Defaults to 1 so
+    /// that the scale subresource never reads 0 for a new object (an HPA disables itself at 0).
+    #[serde(default = "default_replicas", skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 0").message("replicas must not be negative"))]
     pub replicas: Option<i32>,
     #[serde(default)]
@@ -85,6 +91,10 @@ pub struct MoEDeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 30 && self <= 86400").message("startupBudgetSeconds must be within 30..86400"))]
     pub startup_budget_seconds: Option<u32>,
+}
+
+fn default_replicas() -> Option<i32> {
+    Some(1)
 }
 
 /// What to serve and where its weights come from.
@@ -261,7 +271,7 @@ impl JsonSchema for AutoOr {
             "description": "\"auto\" or a non-negative integer.",
             "x-kubernetes-int-or-string": true,
             "x-kubernetes-validations": [{
-                "rule": "string(self) == 'auto' || int(self) >= 0",
+                "rule": "string(self) == 'auto' || (int(self) >= 0 && int(self) <= 4294967295)",
                 "message": "must be \"auto\" or a non-negative integer"
             }]
         })
@@ -316,11 +326,14 @@ impl ExpertPlacementStrategy {
     }
 }
 
+/// `none` rather than `off`: YAML 1.1 readers (kubectl, Helm) turn a bare `off` into `false`.
+/// A quoted `"off"` is still read, for specs written before the rename.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
 pub enum NumaPolicy {
     #[default]
+    #[serde(rename = "auto")]
     Auto,
+    #[serde(rename = "none", alias = "off")]
     Off,
 }
 
@@ -344,7 +357,8 @@ pub enum HugepageSize {
     OneGi,
     #[serde(rename = "2Mi")]
     TwoMi,
-    #[serde(rename = "off")]
+    /// No hugepages (`none`; see [`NumaPolicy`] for why not `off`).
+    #[serde(rename = "none", alias = "off")]
     Off,
 }
 
@@ -455,8 +469,9 @@ pub struct AutoscalingSpec {
     #[serde(default = "default_target_queue_depth")]
     #[schemars(range(min = 1))]
     pub target_queue_depth: u32,
-    /// Seconds of sustained low demand before removing replicas.
+    /// Seconds of sustained low demand before removing replicas (at most 3600, the HPA's limit).
     #[serde(default = "default_scale_down_delay")]
+    #[schemars(range(max = 3600))]
     pub scale_down_delay_seconds: u32,
     /// Seconds over which the builtin autoscaler averages queue depth.
     #[serde(default = "default_window")]
@@ -517,6 +532,10 @@ pub struct PodOverrides {
     pub affinity: Option<Affinity>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
+    /// RuntimeClass of the daemon pods, e.g. `nvidia` where the NVIDIA container runtime is not
+    /// the node's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class_name: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<EnvVar>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -565,36 +584,18 @@ pub struct ResolvedPlacementStatus {
     pub hugepages: Option<String>,
 }
 
-/// The CRD as YAML, as `moe-operator crd` prints it and `crds/` stores it.
-/// The CRD as YAML with every mapping's keys sorted, so the text does not depend on whether serde_json's
-/// `preserve_order` feature is on in this build (the daemon turns it on for tool-call JSON, and workspace
-/// builds unify features).
-pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
-    let value = serde_json::to_value(MoEDeployment::crd())
-        .map_err(<serde_yaml::Error as serde::ser::Error>::custom)?;
-    serde_yaml::to_string(&sorted_yaml(value))
+/// The CRD as YAML, as `moe-operator crd` prints it and `crds/` stores it: keys sorted (so the text
+/// does not depend on serde_json's `preserve_order` feature, which workspace builds may turn on) and
+/// written by [`crate::yaml_out`] so that enum values such as `1Gi` read the same in YAML 1.1.
+pub fn crd_yaml() -> Result<String, serde_json::Error> {
+    Ok(crate::yaml_out::to_yaml_sorted(&crd_value()?))
 }
 
-fn sorted_yaml(v: serde_json::Value) -> serde_yaml::Value {
-    use serde_json::Value as J;
-    use serde_yaml::Value as Y;
-    match v {
-        J::Null => Y::Null,
-        J::Bool(b) => Y::Bool(b),
-        J::Number(n) => serde_yaml::to_value(n).unwrap_or(Y::Null),
-        J::String(s) => Y::String(s),
-        J::Array(a) => Y::Sequence(a.into_iter().map(sorted_yaml).collect()),
-        J::Object(o) => {
-            let mut entries: Vec<(String, serde_json::Value)> = o.into_iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(&b.0));
-            Y::Mapping(
-                entries
-                    .into_iter()
-                    .map(|(k, v)| (Y::String(k), sorted_yaml(v)))
-                    .collect(),
-            )
-        }
-    }
+/// The CRD as JSON: kube's derive plus the integer bounds and name rule of [`crate::crd_bounds`].
+pub fn crd_value() -> Result<serde_json::Value, serde_json::Error> {
+    let mut value = serde_json::to_value(MoEDeployment::crd())?;
+    crate::crd_bounds::harden(&mut value);
+    Ok(value)
 }
 
 impl MoEDeployment {

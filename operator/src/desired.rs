@@ -6,6 +6,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::builders::{desired_objects, BuildError, BuildInput, DesiredObjects};
 use crate::crd::{MoEDeployment, ModelShape, ResolvedPlacementStatus};
+use crate::crd_bounds::check_name;
 use crate::model_shape::resolve_shape;
 use crate::placement::node_facts::NodeFacts;
 use crate::placement::{decide, PlacementDecision};
@@ -43,6 +44,20 @@ impl DesiredState {
     }
 }
 
+/// The operator's own image, which the activator Deployments run: `MOE_OPERATOR_IMAGE` (set by the
+/// Helm chart) or the release image of this version.
+pub fn activator_image() -> String {
+    std::env::var("MOE_OPERATOR_IMAGE")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| DEFAULT_OPERATOR_IMAGE.to_string())
+}
+
+pub const DEFAULT_OPERATOR_IMAGE: &str = concat!(
+    "ghcr.io/moe-hybrid/moe-operator:",
+    env!("CARGO_PKG_VERSION")
+);
+
 pub fn compute_desired(
     md: &MoEDeployment,
     namespace: &str,
@@ -51,7 +66,10 @@ pub fn compute_desired(
 ) -> Result<DesiredState, DesiredError> {
     let name = md.metadata.name.clone().ok_or(BuildError::MissingName)?;
     let shape = resolve_shape(&md.spec.model, &name);
-    let errors = validate_spec(&md.spec, shape.as_ref());
+    let mut errors = validate_spec(&md.spec, shape.as_ref());
+    if let Err(e) = check_name(&name) {
+        errors.insert(0, e);
+    }
     if !errors.is_empty() {
         return Err(DesiredError::InvalidSpec(errors));
     }
@@ -64,8 +82,9 @@ pub fn compute_desired(
                 namespace: namespace.to_string(),
                 shape: shape.clone(),
                 sizing: sizing.clone(),
-                node_affinity: decision.node_affinity(),
+                node_affinity: decision.node_affinity(md.spec.resources.gpu.min_memory_mib),
                 owner,
+                activator_image: activator_image(),
             };
             (Some(desired_objects(&input)?), Some(input))
         }

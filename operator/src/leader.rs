@@ -16,6 +16,31 @@ pub struct LeaseConfig {
     pub identity: String,
     pub lease_duration: Duration,
     pub renew_period: Duration,
+    /// The leader stops acting when it has not renewed for this long (local monotonic clock).
+    /// Shorter than `lease_duration`, so it stops before a standby may take over.
+    pub renew_deadline: Duration,
+}
+
+/// Someone else's lease record as this candidate last saw it, timed on the local monotonic clock
+/// (client-go's `observedTime`). A standby takes over only after the record stayed unchanged for a
+/// whole lease duration by its own clock, so a skewed clock on either host cannot shorten the wait.
+#[derive(Debug, Default)]
+pub struct LeaseObservation {
+    record: Option<(Option<String>, Option<MicroTime>)>,
+    since: Option<std::time::Instant>,
+}
+
+impl LeaseObservation {
+    /// True when `spec` has not changed for `lease_duration` of local time.
+    fn expired(&mut self, spec: &LeaseSpec, lease_duration: Duration) -> bool {
+        let record = (spec.holder_identity.clone(), spec.renew_time.clone());
+        if self.record.as_ref() != Some(&record) {
+            self.record = Some(record);
+            self.since = Some(std::time::Instant::now());
+            return false;
+        }
+        self.since.is_some_and(|t| t.elapsed() >= lease_duration)
+    }
 }
 
 /// What to do with the Lease as observed now.
@@ -83,14 +108,26 @@ fn held_spec(
 pub async fn try_acquire_or_renew(
     api: &Api<Lease>,
     cfg: &LeaseConfig,
+    observed: &mut LeaseObservation,
 ) -> Result<bool, kube::Error> {
     let now = Timestamp::now();
     let current = api.get_opt(&cfg.name).await?;
-    let step = lease_step(
-        current.as_ref().and_then(|l| l.spec.as_ref()),
-        &cfg.identity,
-        now,
-    );
+    let spec = current.as_ref().and_then(|l| l.spec.as_ref());
+    let mut step = lease_step(spec, &cfg.identity, now);
+    // Another holder's lease: whatever its timestamps say, wait until it has stood still for a
+    // lease duration on this host's clock.
+    if let Some(spec) = spec.filter(|s| {
+        s.holder_identity
+            .as_deref()
+            .is_some_and(|h| !h.is_empty() && h != cfg.identity)
+    }) {
+        let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64);
+        step = if observed.expired(spec, duration) {
+            LeaseStep::TakeOver
+        } else {
+            LeaseStep::Wait
+        };
+    }
     let result = match (step, current) {
         (LeaseStep::Wait, _) => return Ok(false),
         (LeaseStep::Create, _) | (_, None) => {
@@ -183,6 +220,7 @@ mod tests {
             identity: "me".into(),
             lease_duration: Duration::from_secs(15),
             renew_period: Duration::from_secs(5),
+            renew_deadline: Duration::from_secs(10),
         };
         let mut prev = spec(Some("other"), 0);
         prev.lease_transitions = Some(2);
@@ -192,5 +230,20 @@ mod tests {
         let renewed = held_spec(&cfg, at(55), Some(&taken), false);
         assert_eq!(renewed.lease_transitions, Some(3));
         assert_eq!(renewed.acquire_time, taken.acquire_time);
+    }
+
+    #[test]
+    fn another_holder_expires_only_on_the_local_clock() {
+        // A renewTime far in the past (skewed leader clock) does not make the lease look expired:
+        // the standby first watches the record stand still for a lease duration of its own time.
+        let mut observed = LeaseObservation::default();
+        let stale = spec(Some("other"), -3600);
+        assert!(!observed.expired(&stale, Duration::from_millis(30)));
+        assert!(!observed.expired(&stale, Duration::from_millis(30)));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(observed.expired(&stale, Duration::from_millis(30)));
+        // A renewal resets the wait.
+        let renewed = spec(Some("other"), -3599);
+        assert!(!observed.expired(&renewed, Duration::from_millis(30)));
     }
 }

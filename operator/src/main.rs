@@ -16,7 +16,7 @@ use moe_operator::controller::{builtin_scaler, run_controller, Context};
 use moe_operator::leader::{self, LeaseConfig};
 use moe_operator::metrics::Metrics;
 use moe_operator::server::{router, ServerState};
-use moe_operator::{crd, manifests, plan};
+use moe_operator::{activator, crd, manifests, plan};
 use tokio::sync::watch;
 
 #[derive(Parser)]
@@ -50,6 +50,54 @@ enum Command {
     },
     /// Run the controller.
     Run(RunArgs),
+    /// Run the scale-from-zero activator: hold requests while no replica is ready, then forward.
+    Activator(ActivatorArgs),
+}
+
+#[derive(clap::Args)]
+struct ActivatorArgs {
+    /// Address the proxy listens on (also serves /metrics and /activator/healthz).
+    #[arg(long, default_value = "0.0.0.0:8000")]
+    listen: SocketAddr,
+    /// Base URL of the replicas' Service, e.g. http://qwen-backend.ai.svc:8000.
+    #[arg(long)]
+    upstream: http::Uri,
+    /// Seconds a request may wait for a replica before it gets 503 (cover the model load time).
+    #[arg(long, default_value_t = 1800)]
+    wait_timeout_seconds: u64,
+    /// Requests held at once; more are refused with 503.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
+    /// Largest request body buffered while waiting, in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body_bytes: usize,
+    /// Milliseconds between upstream GET /ready probes.
+    #[arg(long, default_value_t = 1000)]
+    probe_interval_ms: u64,
+}
+
+async fn run_activator(args: ActivatorArgs) -> anyhow::Result<()> {
+    if args.upstream.scheme_str() != Some("http") || args.upstream.authority().is_none() {
+        bail!(
+            "--upstream must be an http:// URL with a host, got {}",
+            args.upstream
+        );
+    }
+    let app = activator::activator(activator::ActivatorConfig {
+        upstream: args.upstream,
+        wait_timeout: std::time::Duration::from_secs(args.wait_timeout_seconds),
+        max_waiting: args.max_waiting,
+        max_body_bytes: args.max_body_bytes,
+        probe_period: std::time::Duration::from_millis(args.probe_interval_ms.max(10)),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(listen = %args.listen, "activator running");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("activator server")
 }
 
 #[derive(clap::Args)]
@@ -84,8 +132,8 @@ struct RunArgs {
     /// Identity in the Lease and in Events (the pod name).
     #[arg(long, env = "POD_NAME", default_value = "moe-operator")]
     identity: String,
-    /// `builtin` runs the queue-depth autoscaler; `off` leaves scaling to HPA/KEDA/humans.
-    #[arg(long, env = "MOE_OPERATOR_AUTOSCALER", default_value = "builtin", value_parser = ["builtin", "off"])]
+    /// `builtin` runs the queue-depth autoscaler; `none` (or `off`) leaves scaling to HPA/KEDA/humans.
+    #[arg(long, env = "MOE_OPERATOR_AUTOSCALER", default_value = "builtin", value_parser = ["builtin", "none", "off"])]
     autoscaler: String,
 }
 
@@ -125,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::Run(args) => run(args).await?,
+        Command::Activator(args) => run_activator(args).await?,
     }
     Ok(())
 }
@@ -189,8 +238,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         namespace: args.lease_namespace.clone(),
         identity: args.identity.clone(),
         lease_duration: std::time::Duration::from_secs(15),
-        renew_period: std::time::Duration::from_secs(5),
+        renew_period: std::time::Duration::from_secs(2),
+        renew_deadline: std::time::Duration::from_secs(10),
     };
+    let mut observed = leader::LeaseObservation::default();
     let leases: Api<Lease> = Api::namespaced(client.clone(), &args.lease_namespace);
     if args.leader_election {
         let mut stop = stop_rx.clone();
@@ -198,7 +249,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             if *stop.borrow() {
                 return Ok(());
             }
-            match leader::try_acquire_or_renew(&leases, &lease_cfg).await {
+            match leader::try_acquire_or_renew(&leases, &lease_cfg, &mut observed).await {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "leader election"),
@@ -229,24 +280,40 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.leader_election {
         let (leases, cfg, mut stop) = (leases.clone(), lease_cfg.clone(), stop_rx.clone());
         tokio::spawn(async move {
+            // Measured from the start of the last successful renewal, on the local clock: past the
+            // renew deadline (< lease duration) this replica stops before a standby may take over.
             let mut last_ok = std::time::Instant::now();
             loop {
                 tokio::select! {
                     _ = tokio::time::sleep(cfg.renew_period) => {}
                     _ = stop.changed() => return,
                 }
-                match leader::try_acquire_or_renew(&leases, &cfg).await {
-                    Ok(true) => last_ok = std::time::Instant::now(),
-                    Ok(false) => {
+                let started = std::time::Instant::now();
+                let left = cfg.renew_deadline.saturating_sub(last_ok.elapsed());
+                let attempt = tokio::time::timeout(
+                    left,
+                    leader::try_acquire_or_renew(&leases, &cfg, &mut observed),
+                )
+                .await;
+                match attempt {
+                    Ok(Ok(true)) => last_ok = started,
+                    Ok(Ok(false)) => {
                         let _ = lost_tx.send(true);
                         return;
                     }
-                    Err(e) if last_ok.elapsed() > cfg.lease_duration => {
-                        tracing::error!(error = %e, "cannot renew the lease");
+                    Ok(Err(e)) if last_ok.elapsed() < cfg.renew_deadline => {
+                        tracing::warn!(error = %e, "lease renewal failed; retrying")
+                    }
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "cannot renew the lease within the deadline");
                         let _ = lost_tx.send(true);
                         return;
                     }
-                    Err(e) => tracing::warn!(error = %e, "lease renewal failed; retrying"),
+                    Err(_) => {
+                        tracing::error!("lease renewal did not finish within the deadline");
+                        let _ = lost_tx.send(true);
+                        return;
+                    }
                 }
             }
         });

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::crd::{MoEDeployment, ResolvedPlacementStatus};
 use crate::desired::{compute_desired, DesiredError};
+use crate::yaml_out;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -144,13 +145,14 @@ pub fn plan(deployment_yaml: &str, nodes_yaml: &str) -> Result<String, PlanError
     };
     let render = |e: &dyn std::fmt::Display| PlanError::Render(e.to_string());
     let mut out = String::from("# placement decision\n");
-    out.push_str(&serde_yaml::to_string(&report).map_err(|e| render(&e))?);
+    let report = serde_json::to_value(&report).map_err(|e| render(&e))?;
+    out.push_str(&yaml_out::to_yaml(&report));
     match &desired.objects {
         None => out.push_str("# no node qualifies: no objects would be applied\n"),
         Some(objects) => {
             for value in objects.to_values().map_err(|e| render(&e))? {
                 out.push_str("---\n");
-                out.push_str(&serde_yaml::to_string(&value).map_err(|e| render(&e))?);
+                out.push_str(&yaml_out::to_yaml(&value));
             }
         }
     }

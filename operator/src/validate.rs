@@ -45,6 +45,12 @@ pub fn validate_spec(spec: &MoEDeploymentSpec, shape: Option<&ModelShape>) -> Ve
         if a.scale_to_zero && a.provider == AutoscalingProvider::Hpa {
             errors.push("autoscaling.scaleToZero needs provider builtin or keda".into());
         }
+        if a.scale_down_delay_seconds > 3600 {
+            errors.push(format!(
+                "autoscaling.scaleDownDelaySeconds must be at most 3600, the HPA's stabilization window limit (got {})",
+                a.scale_down_delay_seconds
+            ));
+        }
         if a.target_queue_depth == 0 {
             errors.push("autoscaling.targetQueueDepth must be at least 1".into());
         }

@@ -61,8 +61,46 @@ fn crd_carries_the_cel_rules() {
         "self == oldSelf",
         "[has(self.huggingFace), has(self.pvc), has(self.hostPath), has(self.url)].filter(x, x).size() == 1",
         "self.provider != 'keda' || has(self.prometheus)",
+        "has(self.model.cache) == has(oldSelf.model.cache)",
+        moe_operator::crd_bounds::NAME_RULE,
     ] {
         let quoted = rule.replace('\'', "''");
         assert!(yaml.contains(rule) || yaml.contains(&quoted), "rule missing: {rule}");
     }
+}
+
+/// Every integer the API server stores must fit the Rust type that reads it back.
+#[test]
+fn every_integer_in_the_schema_is_bounded() {
+    fn walk(v: &serde_json::Value, path: &str, unbounded: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if m.get("type").and_then(|t| t.as_str()) == Some("integer")
+                    && (m.get("maximum").is_none() || m.get("minimum").is_none())
+                {
+                    unbounded.push(path.to_string());
+                }
+                for (k, c) in m {
+                    walk(c, &format!("{path}.{k}"), unbounded);
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for (i, c) in a.iter().enumerate() {
+                    walk(c, &format!("{path}[{i}]"), unbounded);
+                }
+            }
+            _ => {}
+        }
+    }
+    let crd = moe_operator::crd::crd_value().expect("CRD renders");
+    let mut unbounded = Vec::new();
+    let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    walk(schema, "", &mut unbounded);
+    assert_eq!(unbounded, Vec::<String>::new());
+    let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(schema["properties"]["replicas"]["default"], 1);
+    assert_eq!(
+        schema["properties"]["autoscaling"]["properties"]["scaleDownDelaySeconds"]["maximum"],
+        3600.0
+    );
 }

@@ -37,7 +37,10 @@ fn examples_are_valid_moedeployments() {
 fn examples_plan_against_the_sample_cluster() {
     let nodes = read("examples/nodes.yaml");
     let qwen = plan(&read(EXAMPLES[0]), &nodes).unwrap();
-    assert!(qwen.contains("summary: '1/5 nodes are available"), "{qwen}");
+    assert!(
+        qwen.contains("summary: \"1/5 nodes are available"),
+        "{qwen}"
+    );
     assert!(qwen.contains("GPU compute capability 8.6 is not accepted"));
     assert!(qwen.contains("kind: StatefulSet") && qwen.contains("kind: PodDisruptionBudget"));
     let deepseek = plan(&read(EXAMPLES[2]), &nodes).unwrap();

@@ -1,4 +1,4 @@
-//! Reconcile against the in-memory API fake: create, spec change, status, deletion through the
+//! Reconcile against the in-memory API fake: create, spec change, status, deletion without a
 //! finalizer, 409 conflict retry, API errors, unschedulable and invalid specs, provider switches.
 
 mod fake_api;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use fake_api::FakeApi;
 use http::Method;
 use kube::runtime::events::Reporter;
-use moe_operator::controller::reconcile::{reconcile, FINALIZER};
+use moe_operator::controller::reconcile::{reconcile, LEGACY_FINALIZER};
 use moe_operator::controller::{Context, Error};
 use moe_operator::crd::MoEDeployment;
 use moe_operator::metrics::Metrics;
@@ -78,7 +78,7 @@ fn condition<'a>(md: &'a Value, type_: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("condition {type_} missing in {}", md["status"]))
 }
 
-/// First reconcile adds the finalizer; the second does the work.
+/// A reconcile and the periodic resync after it (both must be idempotent).
 async fn reconcile_twice(fake: &FakeApi, ctx: &Arc<Context>) -> Result<(), Error> {
     reconcile(current(fake), ctx.clone()).await?;
     reconcile(current(fake), ctx.clone()).await.map(drop)
@@ -89,15 +89,10 @@ async fn create_applies_owned_objects_and_status() {
     let (fake, ctx) = setup(qwen_spec(), &[("gpu-1", true), ("gpu-2", true)]);
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert_eq!(
-        fake.get(MD_PATH).unwrap()["metadata"]["finalizers"],
-        json!([FINALIZER])
+        fake.get(MD_PATH).unwrap()["metadata"].get("finalizers"),
+        None,
+        "no finalizer: deletion never waits on the operator"
     );
-    assert!(
-        fake.get(STS_PATH).is_none(),
-        "nothing applied before the finalizer is in place"
-    );
-
-    reconcile(current(&fake), ctx.clone()).await.unwrap();
     for path in [STS_PATH, SVC_PATH, HEADLESS_PATH, PDB_PATH] {
         let obj = fake
             .get(path)
@@ -166,40 +161,33 @@ async fn status_follows_statefulset_readiness() {
 }
 
 #[tokio::test]
-async fn deletion_runs_cleanup_and_removes_the_finalizer() {
+async fn a_finalizer_left_by_older_versions_is_removed_and_deletion_is_immediate() {
     let (fake, ctx) = setup(qwen_spec(), &[("gpu-1", true)]);
-    reconcile_twice(&fake, &ctx).await.unwrap();
+    fake.update(MD_PATH, |md| {
+        md["metadata"]["finalizers"] = json!(["example.com/other", LEGACY_FINALIZER])
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert_eq!(
+        fake.get(MD_PATH).unwrap()["metadata"]["finalizers"],
+        json!(["example.com/other"]),
+        "only our own finalizer goes"
+    );
+    fake.update(MD_PATH, |md| md["metadata"]["finalizers"] = json!([]));
     let client = fake.client();
     let api: kube::Api<MoEDeployment> = kube::Api::namespaced(client, "ai");
     api.delete("qwen", &Default::default()).await.unwrap();
-    let deleting = current(&fake);
-    assert!(
-        deleting.metadata.deletion_timestamp.is_some(),
-        "finalizer holds the object"
-    );
-    reconcile(deleting, ctx.clone()).await.unwrap();
-    assert!(
-        fake.get(MD_PATH).is_none(),
-        "finalizer removed, object gone"
-    );
-    let events: Vec<_> = fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == Method::POST && r.path.ends_with("/events"))
-        .collect();
-    assert!(events
-        .iter()
-        .any(|e| e.body.as_ref().unwrap()["reason"] == "Deleting"));
+    assert!(fake.get(MD_PATH).is_none(), "nothing holds the object");
 }
 
 #[tokio::test]
 async fn conflict_on_apply_is_retried() {
     let (fake, ctx) = setup(qwen_spec(), &[("gpu-1", true)]);
     reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let before = fake.count(Method::PATCH, "/statefulsets/qwen");
     fake.fail(Method::PATCH, "/statefulsets/qwen", 409, 2);
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert_eq!(
-        fake.count(Method::PATCH, "/statefulsets/qwen"),
+        fake.count(Method::PATCH, "/statefulsets/qwen") - before,
         3,
         "two conflicts, then success"
     );
@@ -213,7 +201,7 @@ async fn api_errors_surface_and_are_recorded_in_status() {
 
     fake.fail(Method::GET, "/api/v1/nodes", 500, 1);
     let err = reconcile(current(&fake), ctx.clone()).await.unwrap_err();
-    assert!(err.to_string().contains("finalizer"), "{err}");
+    assert!(err.to_string().contains("kubernetes API"), "{err}");
 
     fake.fail(Method::PATCH, "/statefulsets/qwen", 500, 1);
     assert!(reconcile(current(&fake), ctx.clone()).await.is_err());

@@ -104,11 +104,11 @@ class ChartTest(unittest.TestCase):
             "image": {"repository": "registry.local/moe-operator", "tag": "dev", "pullPolicy": "Always"},
             "replicaCount": 2,
             "leaderElection": {"enabled": False, "leaseName": "x"},
-            "autoscaler": "off",
+            "autoscaler": "none",
             "watchNamespaces": ["llm", "research"],
             "metrics": {"port": 9090, "service": {"enabled": True, "annotations": {"prometheus.io/scrape": "true"}}},
             "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "512Mi"}},
-            "nodeSetup": {"enabled": True, "hugepages1Gi": 200, "hugepages2Mi": 0,
+            "nodeSetup": {"enabled": True, "hugepages1Gi": 200,
                           "image": "docker.io/library/busybox:1.37", "nodeSelector": {"gpu": "true"}, "tolerations": []},
         }, namespace="ops")
         code, out = validate_with_operator(docs)
@@ -122,13 +122,15 @@ class ChartTest(unittest.TestCase):
         env = env_of(deployment)
         self.assertEqual(env["MOE_OPERATOR_WATCH_NAMESPACES"], "llm,research")
         self.assertEqual(env["MOE_OPERATOR_LEADER_ELECTION"], "false")
-        self.assertEqual(env["MOE_OPERATOR_AUTOSCALER"], "off")
+        self.assertEqual(env["MOE_OPERATOR_AUTOSCALER"], "none")
+        self.assertEqual(env["MOE_OPERATOR_IMAGE"], "registry.local/moe-operator:dev")
         self.assertEqual(env["MOE_OPERATOR_METRICS_ADDR"], "0.0.0.0:9090")
         self.assertEqual(deployment["spec"]["replicas"], 2)
         self.assertEqual(deployment["spec"]["template"]["spec"]["containers"][0]["image"], "registry.local/moe-operator:dev")
         daemonset = by_kind(docs, "DaemonSet")[0]
         script = daemonset["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
         self.assertIn("echo 200 > /host-sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages", script)
+        self.assertNotIn("hugepages-2048kB", script, "an unset pool is left alone, not zeroed")
         service = by_kind(docs, "Service")[0]
         self.assertEqual(service["spec"]["ports"][0]["port"], 9090)
 

@@ -15,6 +15,8 @@ use super::{BuildError, BuildInput};
 use crate::crd::MoEDeployment;
 
 pub const QUEUE_METRIC: &str = "moe:num_requests_waiting";
+/// Upper bound of an HPA's `stabilizationWindowSeconds`.
+pub const MAX_STABILIZATION_WINDOW_SECONDS: u32 = 3600;
 
 fn scale_target(input: &BuildInput) -> CrossVersionObjectReference {
     CrossVersionObjectReference {
@@ -50,7 +52,11 @@ pub fn hpa(input: &BuildInput) -> Option<HorizontalPodAutoscaler> {
             }]),
             behavior: Some(HorizontalPodAutoscalerBehavior {
                 scale_down: Some(HPAScalingRules {
-                    stabilization_window_seconds: Some(a.scale_down_delay_seconds as i32),
+                    // The API server allows 0..=3600 (autoscaling `validateStabilizationWindowSeconds`).
+                    stabilization_window_seconds: Some(
+                        a.scale_down_delay_seconds
+                            .min(MAX_STABILIZATION_WINDOW_SECONDS) as i32,
+                    ),
                     ..Default::default()
                 }),
                 scale_up: Some(HPAScalingRules {
@@ -70,12 +76,18 @@ pub fn keda_api_resource() -> ApiResource {
     )
 }
 
-/// PromQL summing the waiting requests of this deployment's pods.
+/// PromQL summing the waiting requests of this deployment's pods and, with scale to zero, of its
+/// activator (the only series that is non-zero while no replica exists). `or vector(0)` keeps the
+/// query answering 0 instead of "no data" when no pod reports yet.
 pub fn queue_query(input: &BuildInput) -> String {
+    let pods = if input.uses_activator() {
+        format!("{0}-[0-9]+|{0}-activator-.+", input.name())
+    } else {
+        format!("{}-[0-9]+", input.name())
+    };
     format!(
-        "sum({QUEUE_METRIC}{{namespace=\"{}\",pod=~\"{}-[0-9]+\"}})",
-        input.namespace,
-        input.name()
+        "sum({QUEUE_METRIC}{{namespace=\"{}\",pod=~\"{pods}\"}}) or vector(0)",
+        input.namespace
     )
 }
 
@@ -113,7 +125,7 @@ pub fn keda_scaled_object(input: &BuildInput) -> Result<DynamicObject, BuildErro
             "advanced": {
                 "horizontalPodAutoscalerConfig": {
                     "behavior": {
-                        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_delay_seconds}
+                        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_delay_seconds.min(MAX_STABILIZATION_WINDOW_SECONDS)}
                     }
                 }
             },

@@ -2,6 +2,7 @@
 //! applies out. No API calls here; the controller and `moe-operator plan` both call
 //! [`desired_objects`].
 
+pub mod activation;
 pub mod autoscaling;
 pub mod network;
 #[cfg(test)]
@@ -10,7 +11,7 @@ pub mod workload;
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{NodeAffinity, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -49,6 +50,8 @@ pub struct BuildInput {
     pub sizing: Sizing,
     pub node_affinity: Option<NodeAffinity>,
     pub owner: Option<OwnerReference>,
+    /// Image of the activator Deployment (the operator's own image).
+    pub activator_image: String,
 }
 
 impl BuildInput {
@@ -123,6 +126,9 @@ pub struct DesiredObjects {
     pub pdb: PodDisruptionBudget,
     pub hpa: Option<HorizontalPodAutoscaler>,
     pub keda_scaled_object: Option<DynamicObject>,
+    /// Scale from zero: the activator and the Service it forwards to.
+    pub activator: Option<Deployment>,
+    pub backend_service: Option<Service>,
 }
 
 pub fn desired_objects(input: &BuildInput) -> Result<DesiredObjects, BuildError> {
@@ -142,6 +148,12 @@ pub fn desired_objects(input: &BuildInput) -> Result<DesiredObjects, BuildError>
             Some(AutoscalingProvider::Keda) => Some(autoscaling::keda_scaled_object(input)?),
             _ => None,
         },
+        activator: input
+            .uses_activator()
+            .then(|| activation::activator_deployment(input)),
+        backend_service: input
+            .uses_activator()
+            .then(|| activation::backend_service(input)),
     })
 }
 
@@ -163,12 +175,18 @@ impl DesiredObjects {
             }
             Ok(v)
         }
-        let mut out = vec![
-            typed(&self.headless_service)?,
+        let mut out = vec![typed(&self.headless_service)?];
+        if let Some(backend) = &self.backend_service {
+            out.push(typed(backend)?);
+        }
+        if let Some(activator) = &self.activator {
+            out.push(typed(activator)?);
+        }
+        out.extend([
             typed(&self.service)?,
             typed(&self.statefulset)?,
             typed(&self.pdb)?,
-        ];
+        ]);
         if let Some(hpa) = &self.hpa {
             out.push(typed(hpa)?);
         }

@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::{BuildInput, HTTP_PORT};
 
-fn http_port() -> ServicePort {
+pub(crate) fn http_port() -> ServicePort {
     ServicePort {
         name: Some("http".into()),
         port: HTTP_PORT,
@@ -19,13 +19,19 @@ fn http_port() -> ServicePort {
     }
 }
 
-/// ClusterIP Service serving the OpenAI API on port `http`.
+/// ClusterIP Service serving the OpenAI API on port `http`: the replicas, or the activator in
+/// front of them when the deployment can scale to zero.
 pub fn service(input: &BuildInput) -> Service {
+    let selector = if input.uses_activator() {
+        input.activator_selector_labels()
+    } else {
+        input.selector_labels()
+    };
     Service {
         metadata: input.object_meta(input.name()),
         spec: Some(ServiceSpec {
             type_: Some("ClusterIP".into()),
-            selector: Some(input.selector_labels()),
+            selector: Some(selector),
             ports: Some(vec![http_port()]),
             ..Default::default()
         }),

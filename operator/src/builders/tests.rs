@@ -46,6 +46,7 @@ fn input(resource: MoEDeployment) -> BuildInput {
         namespace: "ai".into(),
         sizing: sizing(),
         node_affinity: None,
+        activator_image: "moe-operator:test".into(),
     }
 }
 
@@ -314,9 +315,12 @@ fn keda_scaled_object_has_a_prometheus_trigger() {
     assert_eq!(trigger["type"], "prometheus");
     assert_eq!(
         trigger["metadata"]["query"],
-        "sum(moe:num_requests_waiting{namespace=\"ai\",pod=~\"qwen-[0-9]+\"})"
+        "sum(moe:num_requests_waiting{namespace=\"ai\",pod=~\"qwen-[0-9]+|qwen-activator-.+\"}) or vector(0)",
+        "the activator's queue depth is what wakes a deployment at zero"
     );
-    assert_eq!(objects.statefulset.spec.replicas, Some(0));
+    // A new deployment starts with the schema's default of one replica; idle, it goes to zero.
+    assert_eq!(objects.statefulset.spec.replicas, Some(1));
+    assert!(objects.activator.is_some() && objects.backend_service.is_some());
 }
 
 #[test]

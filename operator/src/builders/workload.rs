@@ -20,8 +20,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::{BuildError, BuildInput, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
-use crate::placement::effective_tolerations;
 use crate::placement::node_facts::RESOURCE_GPU;
+use crate::placement::{effective_tolerations, merge_node_affinity};
 use crate::quantity::{bytes_quantity, GIB};
 
 pub const DAEMON_CONTAINER: &str = "daemon";
@@ -29,7 +29,14 @@ pub const MODEL_MOUNT: &str = "/models";
 pub const HUGEPAGES_MOUNT: &str = "/dev/hugepages";
 pub const CACHE_VOLUME: &str = "model-cache";
 pub const DOWNLOADER_IMAGE: &str = "docker.io/library/python:3.12-slim";
-const NON_ROOT_UID: i64 = 65532;
+/// The downloader's one Python package, pinned so every replica runs the same code.
+pub const HF_HUB_VERSION: &str = "2.4.0";
+/// Downloader resources when the spec names none: requests = limits, so that the init container
+/// does not turn the pod Burstable (QoS counts init containers) and the static CPU manager still
+/// gives the daemon exclusive cores.
+const DOWNLOADER_CPU: &str = "1";
+const DOWNLOADER_MEMORY: &str = "2Gi";
+pub(crate) const NON_ROOT_UID: i64 = 65532;
 const STARTUP_PROBE_PERIOD_SECONDS: i32 = 10;
 /// Load throughput assumed when deriving the startup budget (network volume, cold page cache).
 const ASSUMED_LOAD_BYTES_PER_SECOND: u64 = 500_000_000;
@@ -44,6 +51,19 @@ pub fn startup_budget_seconds(input: &BuildInput) -> u64 {
             + shape.checkpoint_bytes() / ASSUMED_LOAD_BYTES_PER_SECOND)
             .min(86_400),
         (None, None) => UNKNOWN_SHAPE_STARTUP_SECONDS,
+    }
+}
+
+fn default_downloader_resources() -> k8s_openapi::api::core::v1::ResourceRequirements {
+    let r: BTreeMap<String, Quantity> = [
+        ("cpu".to_string(), Quantity(DOWNLOADER_CPU.into())),
+        ("memory".to_string(), Quantity(DOWNLOADER_MEMORY.into())),
+    ]
+    .into();
+    k8s_openapi::api::core::v1::ResourceRequirements {
+        requests: Some(r.clone()),
+        limits: Some(r),
+        ..Default::default()
     }
 }
 
@@ -67,7 +87,7 @@ fn download_script(input: &BuildInput) -> Option<(String, String)> {
         let revision = hf.revision.clone().unwrap_or_else(|| "main".into());
         let script = format!(
             "set -eu\nif [ -f {dir}/.complete ]; then echo cached; exit 0; fi\n\
-             pip install --no-cache-dir --quiet --target /tmp/pylib huggingface_hub\n\
+             pip install --no-cache-dir --quiet --target /tmp/pylib huggingface_hub=={HF_HUB_VERSION}\n\
              PYTHONPATH=/tmp/pylib python -c 'import sys; from huggingface_hub import snapshot_download; \
              snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])' \
              '{}' '{revision}' '{dir}'\ntouch {dir}/.complete\n",
@@ -187,7 +207,15 @@ fn model_volume(
         image: Some(DOWNLOADER_IMAGE.into()),
         command: Some(vec!["/bin/sh".into(), "-c".into(), script]),
         env: Some(env),
-        resources: input.md.spec.pod.downloader_resources.clone(),
+        resources: Some(
+            input
+                .md
+                .spec
+                .pod
+                .downloader_resources
+                .clone()
+                .unwrap_or_else(default_downloader_resources),
+        ),
         security_context: Some(SecurityContext {
             read_only_root_filesystem: Some(false),
             ..container_security.clone()
@@ -265,7 +293,7 @@ pub fn daemon_args(input: &BuildInput, model_path: &str) -> Vec<String> {
     .collect()
 }
 
-fn http_probe(path: &str, period: i32, failures: i32, timeout: i32) -> Probe {
+pub(crate) fn http_probe(path: &str, period: i32, failures: i32, timeout: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.into()),
@@ -279,7 +307,7 @@ fn http_probe(path: &str, period: i32, failures: i32, timeout: i32) -> Probe {
     }
 }
 
-fn container_security_context() -> SecurityContext {
+pub(crate) fn container_security_context() -> SecurityContext {
     SecurityContext {
         allow_privilege_escalation: Some(false),
         privileged: Some(false),
@@ -329,7 +357,10 @@ fn affinity(input: &BuildInput) -> Affinity {
         .get_or_insert_with(Vec::new)
         .push(spread);
     Affinity {
-        node_affinity: input.node_affinity.clone(),
+        node_affinity: merge_node_affinity(
+            user.node_affinity.as_ref(),
+            input.node_affinity.clone(),
+        ),
         pod_affinity: user.pod_affinity,
         pod_anti_affinity: Some(anti),
     }
@@ -443,6 +474,7 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
         tolerations: Some(effective_tolerations(spec)),
         node_selector: (!spec.pod.node_selector.is_empty()).then(|| spec.pod.node_selector.clone()),
         priority_class_name: spec.pod.priority_class_name.clone(),
+        runtime_class_name: spec.pod.runtime_class_name.clone(),
         image_pull_secrets: (!spec.pod.image_pull_secrets.is_empty())
             .then(|| spec.pod.image_pull_secrets.clone()),
         service_account_name: spec.pod.service_account_name.clone(),
@@ -454,6 +486,8 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
             run_as_user: Some(NON_ROOT_UID),
             run_as_group: Some(NON_ROOT_UID),
             fs_group: Some(NON_ROOT_UID),
+            // Without this the kubelet re-chowns every file of a cache of hundreds of GB at each start.
+            fs_group_change_policy: Some("OnRootMismatch".into()),
             seccomp_profile: Some(SeccompProfile {
                 type_: "RuntimeDefault".into(),
                 localhost_profile: None,

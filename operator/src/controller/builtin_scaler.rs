@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 
 use super::{lock, Context};
 use crate::autoscaler::{sum_metric, AutoscalerPolicy, QueueSample};
+use crate::builders::activation::ACTIVATOR_APP;
 use crate::builders::{HTTP_PORT, LABEL_INSTANCE, LABEL_NAME};
 use crate::crd::{AutoscalingProvider, MoEDeployment};
 
@@ -63,7 +64,11 @@ async fn scrape_queue(
     port: u16,
 ) -> Option<(f64, f64)> {
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let selector = format!("{LABEL_NAME}=moe-daemon,{LABEL_INSTANCE}={}", md.name_any());
+    // The replicas and, with scale to zero, the activator that holds requests while there are none.
+    let selector = format!(
+        "{LABEL_NAME} in (moe-daemon,{ACTIVATOR_APP}),{LABEL_INSTANCE}={}",
+        md.name_any()
+    );
     let list = match pods.list(&ListParams::default().labels(&selector)).await {
         Ok(list) => list,
         Err(e) => {
@@ -173,11 +178,14 @@ pub async fn run(
                 .map(|ns| Api::namespaced(ctx.client.clone(), ns))
                 .collect()
         };
+        let mut seen = std::collections::HashSet::new();
+        let mut complete = true;
         for api in apis {
             let list = match api.list(&ListParams::default()).await {
                 Ok(list) => list,
                 Err(e) => {
                     tracing::warn!(error = %e, "autoscaler: listing MoEDeployments failed");
+                    complete = false;
                     continue;
                 }
             };
@@ -189,8 +197,18 @@ pub async fn run(
                         .as_ref()
                         .is_some_and(|a| a.provider == AutoscalingProvider::Builtin)
             }) {
+                seen.insert(format!(
+                    "{}/{}",
+                    md.namespace().unwrap_or_default(),
+                    md.name_any()
+                ));
                 scale_one(&ctx, md, clock, HTTP_PORT as u16).await;
             }
+        }
+        // Forget deleted (or no longer builtin-scaled) deployments; the controller has no
+        // finalizer that would tell it.
+        if complete {
+            lock(&ctx.autoscaler_states).retain(|key, _| seen.contains(key));
         }
     }
 }

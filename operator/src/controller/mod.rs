@@ -3,6 +3,7 @@
 
 pub mod builtin_scaler;
 pub mod conditions;
+pub mod ownership;
 pub mod reconcile;
 
 use std::collections::HashMap;
@@ -14,7 +15,6 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::finalizer;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
@@ -27,8 +27,6 @@ use crate::metrics::Metrics;
 pub enum Error {
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
-    #[error("finalizer: {0}")]
-    Finalizer(#[source] Box<finalizer::Error<Error>>),
     #[error(transparent)]
     Apply(#[from] reconcile::ApplyError),
     #[error("MoEDeployment has no namespace")]

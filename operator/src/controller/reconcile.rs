@@ -1,34 +1,40 @@
 //! One reconcile of a MoEDeployment: validate → read nodes → desired objects (pure) → server-side
-//! apply → status. Deletion goes through a finalizer so the builtin autoscaler forgets the object
-//! and an event records the teardown; owned objects are garbage-collected through owner references.
+//! apply → status. Only objects whose controller owner reference is this MoEDeployment are changed
+//! or deleted; a same-named object someone else made is reported, never adopted. There is no
+//! finalizer (nothing outside the cluster needs cleaning up): owned objects are garbage-collected
+//! through owner references, and a finalizer left by older versions is removed.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{
+    Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
+    PropagationPolicy,
+};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event as KubeEvent, EventType};
-use kube::runtime::finalizer::{finalizer, Event as FinalizerEvent};
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::json;
 
 use super::conditions::{self, Outcome};
+use super::ownership::{controlled_by, immutable_change};
 use super::{Context, Error};
 use crate::builders::{
     autoscaling::keda_api_resource, owner_reference, DesiredObjects, FIELD_MANAGER,
 };
-use crate::crd::{AutoscalingProvider, MoEDeployment, MoEDeploymentStatus};
+use crate::crd::{MoEDeployment, MoEDeploymentStatus};
 use crate::desired::{compute_desired, DesiredError};
 
-pub const FINALIZER: &str = "moe.inference.dev/cleanup";
+/// Finalizer that older versions added; removed on sight so deletion never waits on the operator.
+pub const LEGACY_FINALIZER: &str = "moe.inference.dev/cleanup";
 /// Re-check placement this often even without events (nodes come and go).
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// Retry sooner while nothing qualifies or pods are still loading.
@@ -38,14 +44,41 @@ const CONFLICT_RETRIES: usize = 3;
 pub async fn reconcile(md: Arc<MoEDeployment>, ctx: Arc<Context>) -> Result<Action, Error> {
     let namespace = md.namespace().ok_or(Error::MissingNamespace)?;
     let api: Api<MoEDeployment> = Api::namespaced(ctx.client.clone(), &namespace);
-    finalizer(&api, FINALIZER, md, |event| async {
-        match event {
-            FinalizerEvent::Apply(md) => apply(&md, &ctx, &namespace).await,
-            FinalizerEvent::Cleanup(md) => cleanup(&md, &ctx).await,
-        }
-    })
-    .await
-    .map_err(|e| Error::Finalizer(Box::new(e)))
+    remove_legacy_finalizer(&api, &md).await?;
+    if md.metadata.deletion_timestamp.is_some() {
+        ctx.forget(&format!("{namespace}/{}", md.name_any()));
+        return Ok(Action::await_change());
+    }
+    apply(&md, &ctx, &namespace).await
+}
+
+/// JSON patch removing [`LEGACY_FINALIZER`], guarded by a `test` so a concurrent change of the
+/// list makes it fail (and retry) instead of removing someone else's finalizer.
+async fn remove_legacy_finalizer(
+    api: &Api<MoEDeployment>,
+    md: &MoEDeployment,
+) -> Result<(), Error> {
+    let Some(index) = md.finalizers().iter().position(|f| f == LEGACY_FINALIZER) else {
+        return Ok(());
+    };
+    let path = format!("/metadata/finalizers/{index}");
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": path, "value": LEGACY_FINALIZER},
+        {"op": "remove", "path": path},
+    ]))
+    .map_err(|e| Error::Kube(kube::Error::SerdeError(e)))?;
+    match api
+        .patch(
+            &md.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(Error::Kube(e)),
+    }
 }
 
 fn is_conflict(err: &kube::Error) -> bool {
@@ -74,17 +107,6 @@ where
     }
 }
 
-async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<(), kube::Error>
-where
-    K: Clone + DeserializeOwned + std::fmt::Debug,
-{
-    match api.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
 /// Which object failed to apply, and why.
 #[derive(Debug, thiserror::Error)]
 #[error("applying {object}: {message}")]
@@ -92,7 +114,7 @@ pub struct ApplyError {
     pub object: String,
     pub message: String,
     #[source]
-    pub source: kube::Error,
+    pub source: Option<kube::Error>,
 }
 
 fn apply_error(object: &str, source: kube::Error) -> ApplyError {
@@ -104,8 +126,121 @@ fn apply_error(object: &str, source: kube::Error) -> ApplyError {
     ApplyError {
         object: object.to_string(),
         message,
-        source,
+        source: Some(source),
     }
+}
+
+/// The stored object of this name when `md` controls it; `None` when there is none. An object
+/// someone else made is an error: force-applying would take it over, and garbage collection would
+/// then delete it together with the MoEDeployment.
+async fn existing_owned<K>(
+    api: &Api<K>,
+    name: &str,
+    md: &MoEDeployment,
+    what: &str,
+) -> Result<Option<K>, ApplyError>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_opt(name).await {
+        Err(e) => Err(apply_error(what, e)),
+        Ok(None) => Ok(None),
+        Ok(Some(obj)) if controlled_by(obj.meta(), md) => Ok(Some(obj)),
+        Ok(Some(_)) => Err(ApplyError {
+            object: what.to_string(),
+            message: format!(
+                "{what} already exists and is not controlled by this MoEDeployment; it is left alone: rename or delete it"
+            ),
+            source: None,
+        }),
+    }
+}
+
+/// Applies `obj` unless a same-named object that `md` does not control is in the way.
+async fn apply_owned<K>(
+    api: &Api<K>,
+    name: &str,
+    obj: &K,
+    md: &MoEDeployment,
+    what: &str,
+) -> Result<K, ApplyError>
+where
+    K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
+{
+    existing_owned(api, name, md, what).await?;
+    apply_object(api, name, obj)
+        .await
+        .map_err(|e| apply_error(what, e))
+}
+
+/// Deletes the object only when `md` controls it (uid precondition against a replaced object).
+async fn delete_if_owned<K>(
+    api: &Api<K>,
+    name: &str,
+    md: &MoEDeployment,
+    what: &str,
+) -> Result<(), ApplyError>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let Some(obj) = api.get_opt(name).await.map_err(|e| apply_error(what, e))? else {
+        return Ok(());
+    };
+    if !controlled_by(obj.meta(), md) {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        preconditions: obj.meta().uid.clone().map(|uid| Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(apply_error(what, e)),
+    }
+}
+
+/// Applies the StatefulSet; when an immutable field changed (e.g. model.cache added), first deletes
+/// the stored one with orphan propagation so its pods and claims stay and the new one adopts them.
+async fn apply_statefulset(
+    ctx: &Context,
+    api: &Api<StatefulSet>,
+    md: &MoEDeployment,
+    desired: &StatefulSet,
+) -> Result<StatefulSet, ApplyError> {
+    let name = md.name_any();
+    let what = format!("StatefulSet/{name}");
+    if let Some(existing) = existing_owned(api, &name, md, &what).await? {
+        if let Some(field) = immutable_change(&existing, desired) {
+            let params = DeleteParams {
+                propagation_policy: Some(PropagationPolicy::Orphan),
+                preconditions: existing.metadata.uid.clone().map(|uid| Preconditions {
+                    uid: Some(uid),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(apply_error(&what, e)),
+            }
+            publish(
+                ctx,
+                md,
+                EventType::Normal,
+                "RecreatingStatefulSet",
+                format!("StatefulSet field {field} cannot be updated in place; recreated it, keeping its pods"),
+            )
+            .await;
+        }
+    }
+    apply_object(api, &name, desired)
+        .await
+        .map_err(|e| apply_error(&what, e))
 }
 
 /// Applies every desired object; returns the applied StatefulSet (with its status).
@@ -119,38 +254,77 @@ async fn apply_objects(
     let name = md.name_any();
     let headless = objects.headless_service.name_any();
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    apply_object(&services, &headless, &objects.headless_service)
-        .await
-        .map_err(|e| apply_error(&format!("Service/{headless}"), e))?;
-    apply_object(&services, &name, &objects.service)
-        .await
-        .map_err(|e| apply_error(&format!("Service/{name}"), e))?;
+    apply_owned(
+        &services,
+        &headless,
+        &objects.headless_service,
+        md,
+        &format!("Service/{headless}"),
+    )
+    .await?;
+    // Scale from zero: backend Service and activator first, then the Service that points at them;
+    // when it is turned off, the Service points back at the pods before the activator goes.
+    let backend = format!("{name}-backend");
+    let activator = format!("{name}-activator");
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    if let Some(svc) = &objects.backend_service {
+        apply_owned(&services, &backend, svc, md, &format!("Service/{backend}")).await?;
+    }
+    if let Some(deployment) = &objects.activator {
+        apply_owned(
+            &deployments,
+            &activator,
+            deployment,
+            md,
+            &format!("Deployment/{activator}"),
+        )
+        .await?;
+    }
+    apply_owned(
+        &services,
+        &name,
+        &objects.service,
+        md,
+        &format!("Service/{name}"),
+    )
+    .await?;
+    if objects.activator.is_none() {
+        delete_if_owned(
+            &deployments,
+            &activator,
+            md,
+            &format!("Deployment/{activator}"),
+        )
+        .await?;
+    }
+    if objects.backend_service.is_none() {
+        delete_if_owned(&services, &backend, md, &format!("Service/{backend}")).await?;
+    }
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    let sts = apply_object(&sts_api, &name, &objects.statefulset)
-        .await
-        .map_err(|e| apply_error(&format!("StatefulSet/{name}"), e))?;
+    let sts = apply_statefulset(ctx, &sts_api, md, &objects.statefulset).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
-    apply_object(&pdbs, &name, &objects.pdb)
-        .await
-        .map_err(|e| apply_error(&format!("PodDisruptionBudget/{name}"), e))?;
+    apply_owned(
+        &pdbs,
+        &name,
+        &objects.pdb,
+        md,
+        &format!("PodDisruptionBudget/{name}"),
+    )
+    .await?;
 
     let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), namespace);
-    let hpa_result = match &objects.hpa {
-        Some(hpa) => apply_object(&hpas, &name, hpa).await.map(drop),
-        None => delete_if_present(&hpas, &name).await,
-    };
-    hpa_result.map_err(|e| apply_error(&format!("HorizontalPodAutoscaler/{name}"), e))?;
-    let provider = md.spec.autoscaling.as_ref().map(|a| a.provider);
+    let what = format!("HorizontalPodAutoscaler/{name}");
+    match &objects.hpa {
+        Some(hpa) => drop(apply_owned(&hpas, &name, hpa, md, &what).await?),
+        None => delete_if_owned(&hpas, &name, md, &what).await?,
+    }
     let keda: Api<DynamicObject> = Api::namespaced_with(client, namespace, &keda_api_resource());
-    let keda_result = match &objects.keda_scaled_object {
-        Some(so) => apply_object(&keda, &name, so).await.map(drop),
-        // Without KEDA installed the delete answers 404 too, which is fine.
-        None if provider != Some(AutoscalingProvider::Keda) => {
-            delete_if_present(&keda, &name).await
-        }
-        None => Ok(()),
-    };
-    keda_result.map_err(|e| apply_error(&format!("ScaledObject/{name}"), e))?;
+    let what = format!("ScaledObject/{name}");
+    match &objects.keda_scaled_object {
+        Some(so) => drop(apply_owned(&keda, &name, so, md, &what).await?),
+        // Without KEDA installed the lookup answers 404, which is fine.
+        None => delete_if_owned(&keda, &name, md, &what).await?,
+    }
     Ok(sts)
 }
 
@@ -290,18 +464,4 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
     status.conditions = conditions::conditions(&previous.conditions, generation, &outcome, now);
     patch_status(ctx, namespace, md, status).await?;
     Ok(action)
-}
-
-async fn cleanup(md: &MoEDeployment, ctx: &Context) -> Result<Action, Error> {
-    let key = format!("{}/{}", md.namespace().unwrap_or_default(), md.name_any());
-    ctx.forget(&key);
-    publish(
-        ctx,
-        md,
-        EventType::Normal,
-        "Deleting",
-        "owned objects are removed by garbage collection".into(),
-    )
-    .await;
-    Ok(Action::await_change())
 }

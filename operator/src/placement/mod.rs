@@ -13,7 +13,7 @@ pub mod sizing;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PreferredSchedulingTerm,
@@ -24,7 +24,7 @@ use crate::crd::{MoEDeploymentSpec, ModelShape};
 use crate::quantity::{format_bytes, MIB};
 use node_facts::{
     CapabilityPattern, ComputeCapability, NodeFacts, AMX_LABELS, LABEL_AVX512F, LABEL_GPU_MAJOR,
-    LABEL_GPU_MINOR,
+    LABEL_GPU_MEMORY, LABEL_GPU_MINOR,
 };
 use sizing::{HugepageKind, Sizing, SizingError};
 
@@ -364,35 +364,55 @@ impl PlacementDecision {
         }
     }
 
-    /// Required node affinity: one OR'd term per accepted compute capability among the qualifying
-    /// nodes, each pinning AVX-512, the capability labels and the qualifying node names; plus a
-    /// preference for AMX nodes. `None` when nothing qualifies.
-    pub fn node_affinity(&self) -> Option<NodeAffinity> {
-        let mut by_cc: BTreeMap<ComputeCapability, Vec<String>> = BTreeMap::new();
-        for v in self.qualified() {
-            if let Some(cc) = &v.compute_capability {
-                by_cc.entry(cc.clone()).or_default().push(v.name.clone());
-            }
+    /// Smallest `nvidia.com/gpu.memory` label (MiB) a node needs for the chosen sizing: the spec's
+    /// minimum, and enough that the weights fit in the usable fraction of one GPU.
+    pub fn min_gpu_memory_label_mib(&self, spec_min_mib: Option<u64>) -> Option<u64> {
+        let need_bytes = self.sizing.as_ref().map_or(0, |s| s.gpu_bytes_per_gpu);
+        let from_sizing = (need_bytes > 0).then(|| {
+            let need_mib = need_bytes.div_ceil(MIB);
+            (need_mib as f64 / sizing::GPU_USABLE_FRACTION).ceil() as u64
+        });
+        match (spec_min_mib, from_sizing) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
         }
-        if by_cc.is_empty() {
+    }
+
+    /// Required node affinity by labels only (never node names, so cordoning or adding a node does
+    /// not change the pod template and the cluster autoscaler can add nodes for pending pods): one
+    /// OR'd term per compute capability among the qualifying nodes, each requiring AVX-512, that
+    /// capability and, when the sizing needs it, a minimum GPU memory label; plus a preference for
+    /// AMX nodes. CPU, DRAM, hugepages and GPU count are left to the scheduler's resource fit.
+    /// `None` when nothing qualifies.
+    pub fn node_affinity(&self, spec_min_gpu_memory_mib: Option<u64>) -> Option<NodeAffinity> {
+        let capabilities: BTreeSet<ComputeCapability> = self
+            .qualified()
+            .filter_map(|v| v.compute_capability.clone())
+            .collect();
+        if capabilities.is_empty() {
             return None;
         }
+        let min_memory = self.min_gpu_memory_label_mib(spec_min_gpu_memory_mib);
         let req = |key: &str, op: &str, values: Vec<String>| NodeSelectorRequirement {
             key: key.into(),
             operator: op.into(),
             values: Some(values),
         };
-        let terms = by_cc
+        let terms = capabilities
             .into_iter()
-            .map(|(cc, mut names)| {
-                names.sort();
+            .map(|cc| {
+                let mut exprs = vec![
+                    req(LABEL_AVX512F, "In", vec!["true".into()]),
+                    req(LABEL_GPU_MAJOR, "In", vec![cc.major.to_string()]),
+                    req(LABEL_GPU_MINOR, "In", vec![cc.minor.to_string()]),
+                ];
+                if let Some(mib) = min_memory.filter(|m| *m > 0) {
+                    // `Gt` takes exactly one integer: "more than mib - 1" is "at least mib".
+                    exprs.push(req(LABEL_GPU_MEMORY, "Gt", vec![(mib - 1).to_string()]));
+                }
                 NodeSelectorTerm {
-                    match_expressions: Some(vec![
-                        req(LABEL_AVX512F, "In", vec!["true".into()]),
-                        req(LABEL_GPU_MAJOR, "In", vec![cc.major.to_string()]),
-                        req(LABEL_GPU_MINOR, "In", vec![cc.minor.to_string()]),
-                    ]),
-                    match_fields: Some(vec![req("metadata.name", "In", names)]),
+                    match_expressions: Some(exprs),
+                    match_fields: None,
                 }
             })
             .collect();
@@ -415,4 +435,56 @@ impl PlacementDecision {
             preferred_during_scheduling_ignored_during_execution: Some(vec![amx_preference]),
         })
     }
+}
+
+/// The user's node affinity AND ours. Required terms are OR'd by the scheduler, so the result is
+/// every (user term, our term) pair with their requirements concatenated; preferences add up.
+pub fn merge_node_affinity(
+    user: Option<&NodeAffinity>,
+    ours: Option<NodeAffinity>,
+) -> Option<NodeAffinity> {
+    let Some(user) = user else { return ours };
+    let Some(ours) = ours else {
+        return Some(user.clone());
+    };
+    let concat = |a: &Option<Vec<NodeSelectorRequirement>>,
+                  b: &Option<Vec<NodeSelectorRequirement>>| {
+        let v: Vec<NodeSelectorRequirement> = a.iter().chain(b.iter()).flatten().cloned().collect();
+        (!v.is_empty()).then_some(v)
+    };
+    let required = match (
+        &user.required_during_scheduling_ignored_during_execution,
+        &ours.required_during_scheduling_ignored_during_execution,
+    ) {
+        (Some(u), Some(o)) => Some(NodeSelector {
+            node_selector_terms: u
+                .node_selector_terms
+                .iter()
+                .flat_map(|ut| {
+                    o.node_selector_terms
+                        .iter()
+                        .map(move |ot| NodeSelectorTerm {
+                            match_expressions: concat(&ut.match_expressions, &ot.match_expressions),
+                            match_fields: concat(&ut.match_fields, &ot.match_fields),
+                        })
+                })
+                .collect(),
+        }),
+        (u, o) => u.clone().or_else(|| o.clone()),
+    };
+    let preferred: Vec<PreferredSchedulingTerm> = user
+        .preferred_during_scheduling_ignored_during_execution
+        .iter()
+        .chain(
+            ours.preferred_during_scheduling_ignored_during_execution
+                .iter(),
+        )
+        .flatten()
+        .cloned()
+        .collect();
+    Some(NodeAffinity {
+        required_during_scheduling_ignored_during_execution: required,
+        preferred_during_scheduling_ignored_during_execution: (!preferred.is_empty())
+            .then_some(preferred),
+    })
 }

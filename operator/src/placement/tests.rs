@@ -177,7 +177,7 @@ fn scheduler_style_summary_counts_reasons() {
         verdict(&d, "m1").rejections[0].to_string(),
         "insufficient memory: needs 600Gi, allocatable 512Gi"
     );
-    assert!(d.node_affinity().is_none());
+    assert!(d.node_affinity(None).is_none());
 }
 
 #[test]
@@ -276,7 +276,7 @@ fn amx_nodes_rank_first_and_are_preferred() {
     };
     let d = decide_for(&qwen_spec(), &[plain, amx]);
     assert_eq!(d.qualified_names(), vec!["sapphire", "plain"]);
-    let affinity = d.node_affinity().expect("affinity");
+    let affinity = d.node_affinity(None).expect("affinity");
     let preferred = affinity
         .preferred_during_scheduling_ignored_during_execution
         .unwrap();
@@ -286,7 +286,7 @@ fn amx_nodes_rank_first_and_are_preferred() {
 }
 
 #[test]
-fn affinity_has_one_ored_term_per_capability() {
+fn affinity_has_one_ored_term_per_capability_and_names_no_node() {
     let ada = NodeFixture {
         cc: Some((8, 9)),
         gpu_mib: 49140,
@@ -297,21 +297,125 @@ fn affinity_has_one_ored_term_per_capability() {
         &[NodeFixture::new("h-2"), ada, NodeFixture::new("h-1")],
     );
     let required = d
-        .node_affinity()
+        .node_affinity(None)
         .unwrap()
         .required_during_scheduling_ignored_during_execution
         .unwrap();
     assert_eq!(required.node_selector_terms.len(), 2);
+    for term in &required.node_selector_terms {
+        assert_eq!(term.match_fields, None, "node names must not be pinned");
+        for e in term.match_expressions.as_ref().unwrap() {
+            assert!(!e.key.contains("hostname"), "{e:?}");
+        }
+    }
     let hopper_term = &required.node_selector_terms[1];
-    let names = hopper_term.match_fields.as_ref().unwrap()[0]
-        .values
-        .clone()
-        .unwrap();
-    assert_eq!(names, vec!["h-1", "h-2"]);
     let exprs = hopper_term.match_expressions.as_ref().unwrap();
     assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_GPU_MAJOR
         && e.values.as_deref() == Some(&["9".to_string()][..])));
     assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_AVX512F));
+    // The sizing needs GPU memory, so the term requires at least that much as a label.
+    let memory = exprs
+        .iter()
+        .find(|e| e.key == node_facts::LABEL_GPU_MEMORY)
+        .expect("GPU memory requirement");
+    assert_eq!(memory.operator, "Gt");
+    let bound: u64 = memory.values.as_ref().unwrap()[0].parse().unwrap();
+    let need = d.min_gpu_memory_label_mib(None).unwrap();
+    assert_eq!(bound + 1, need);
+    // Every qualifying node satisfies the affinity; adding a fourth identical node changes nothing.
+    let nodes = [
+        NodeFixture::new("h-1"),
+        NodeFixture::new("h-2"),
+        NodeFixture::new("h-3"),
+    ];
+    let three = decide_for(&qwen_spec(), &nodes);
+    let two = decide_for(&qwen_spec(), &nodes[..2]);
+    assert_eq!(three.node_affinity(None), two.node_affinity(None));
+}
+
+#[test]
+fn affinity_selects_exactly_the_qualifying_hardware() {
+    let ada = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 49140,
+        ..NodeFixture::new("ada-1")
+    };
+    let ampere = NodeFixture {
+        cc: Some((8, 6)),
+        ..NodeFixture::new("ampere-1")
+    };
+    let nodes = [NodeFixture::new("h-1"), ada, ampere];
+    let d = decide_for(&qwen_spec(), &nodes);
+    let affinity = k8s_openapi::api::core::v1::Affinity {
+        node_affinity: d.node_affinity(None),
+        ..Default::default()
+    };
+    for node in &nodes {
+        let facts = node.facts();
+        let qualifies = verdict(&d, &facts.name).qualifies();
+        assert_eq!(
+            super::matching::matches_pod_selectors(&facts, &Default::default(), Some(&affinity)),
+            qualifies,
+            "{}",
+            facts.name
+        );
+    }
+}
+
+#[test]
+fn user_affinity_is_anded_with_ours() {
+    use k8s_openapi::api::core::v1::{
+        NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    };
+    let term = |key: &str| NodeSelectorTerm {
+        match_expressions: Some(vec![NodeSelectorRequirement {
+            key: key.into(),
+            operator: "Exists".into(),
+            values: None,
+        }]),
+        match_fields: None,
+    };
+    let user = NodeAffinity {
+        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+            node_selector_terms: vec![term("zone-a"), term("zone-b")],
+        }),
+        preferred_during_scheduling_ignored_during_execution: None,
+    };
+    let ours = NodeAffinity {
+        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+            node_selector_terms: vec![term("gpu-x"), term("gpu-y")],
+        }),
+        preferred_during_scheduling_ignored_during_execution: None,
+    };
+    let merged = super::merge_node_affinity(Some(&user), Some(ours.clone())).unwrap();
+    let terms = merged
+        .required_during_scheduling_ignored_during_execution
+        .unwrap()
+        .node_selector_terms;
+    let keys: Vec<Vec<String>> = terms
+        .iter()
+        .map(|t| {
+            t.match_expressions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|e| e.key.clone())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            vec!["zone-a", "gpu-x"],
+            vec!["zone-a", "gpu-y"],
+            vec!["zone-b", "gpu-x"],
+            vec!["zone-b", "gpu-y"]
+        ]
+    );
+    assert_eq!(
+        super::merge_node_affinity(None, Some(ours.clone())),
+        Some(ours)
+    );
 }
 
 #[test]

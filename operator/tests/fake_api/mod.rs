@@ -1,11 +1,18 @@
 //! A small in-memory Kubernetes API server behind a `tower::Service`, enough for reconcile tests:
-//! GET (object / list), POST, PUT (resourceVersion checked), DELETE (finalizers honoured), PATCH
-//! (server-side apply, merge, JSON patch; `/status` and `/scale` subresources). Failures can be
-//! injected per method and path, and every request is recorded.
+//! GET (object / list, `/scale`), POST, PUT (resourceVersion checked), DELETE (finalizers and uid
+//! preconditions honoured), PATCH (merge, JSON patch, `/status` and `/scale` subresources) and
+//! server-side apply with field ownership as the API server does it (fields a manager stops
+//! applying are removed unless another manager owns them; a field owned by another manager with a
+//! different value is a 409 conflict unless `force=true`). `metadata.generation` is bumped when the
+//! spec changes, and StatefulSet updates outside the mutable fields are rejected with 422 as apps
+//! `ValidateStatefulSetUpdate` does. Failures can be injected per method and path, and every
+//! request is recorded.
+//!
+//! Simplification: lists are atomic for field ownership (the API server merges some by key).
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
@@ -33,6 +40,8 @@ struct Injected {
 #[derive(Default)]
 struct State {
     objects: BTreeMap<String, Value>,
+    /// object path → field manager → owned leaf paths (JSON pointers).
+    owners: BTreeMap<String, BTreeMap<String, BTreeSet<String>>>,
     requests: Vec<Recorded>,
     injected: VecDeque<Injected>,
     resource_version: u64,
@@ -181,6 +190,9 @@ impl FakeApi {
         match req.method {
             Method::GET => {
                 if let Some(obj) = st.objects.get(&object_path) {
+                    if sub == Some("scale") {
+                        return (200, scale_of(obj));
+                    }
                     return (200, obj.clone());
                 }
                 let prefix = format!("{path}/");
@@ -240,6 +252,19 @@ impl FakeApi {
                 let Some(obj) = st.objects.get_mut(&object_path) else {
                     return status(404, "NotFound", "not found");
                 };
+                if let Some(uid) = req
+                    .body
+                    .as_ref()
+                    .and_then(|b| b["preconditions"]["uid"].as_str())
+                {
+                    if obj["metadata"]["uid"].as_str() != Some(uid) {
+                        return status(
+                            409,
+                            "Conflict",
+                            "Precondition failed: UID in precondition does not match",
+                        );
+                    }
+                }
                 let has_finalizers = obj["metadata"]["finalizers"]
                     .as_array()
                     .is_some_and(|f| !f.is_empty());
@@ -248,6 +273,7 @@ impl FakeApi {
                     (200, obj.clone())
                 } else {
                     st.objects.remove(&object_path);
+                    st.owners.remove(&object_path);
                     (
                         200,
                         json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}),
@@ -269,6 +295,7 @@ impl FakeApi {
         let patch = req.body.clone().unwrap_or(Value::Null);
         let apply = req.content_type.contains("apply-patch");
         let existing = st.objects.get(object_path).cloned();
+        let before = existing.clone();
         let mut obj = match (existing, apply, sub) {
             (Some(o), _, _) => o,
             (None, true, None) => {
@@ -305,14 +332,50 @@ impl FakeApi {
                     return status(422, "Invalid", "json patch test failed");
                 }
             }
-            _ => {
-                let spec_before = obj.get("spec").cloned();
-                merge(&mut obj, &patch);
-                if obj.get("spec").cloned() != spec_before && !apply {
+            _ if apply => {
+                let manager = query_param(&req.query, "fieldManager").unwrap_or_default();
+                let force = query_param(&req.query, "force").as_deref() == Some("true");
+                let owners = st.owners.entry(object_path.to_string()).or_default();
+                if let Err(conflicts) = server_side_apply(&mut obj, &patch, owners, &manager, force)
+                {
+                    return status(
+                        409,
+                        "Conflict",
+                        &format!("Apply failed with conflicts: {}", conflicts.join(", ")),
+                    );
+                }
+            }
+            _ => merge(&mut obj, &patch),
+        }
+        if sub != Some("status") {
+            if let Some(before) = &before {
+                if object_path.contains("/statefulsets/") {
+                    if let Some(field) = forbidden_statefulset_update(before, &obj) {
+                        return status(
+                            422,
+                            "Invalid",
+                            &format!("StatefulSet.apps is invalid: spec: Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', 'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' are forbidden ({field})"),
+                        );
+                    }
+                }
+                if before.get("spec") != obj.get("spec") {
                     let g = obj["metadata"]["generation"].as_i64().unwrap_or(1);
                     obj["metadata"]["generation"] = (g + 1).into();
                 }
             }
+        }
+        let managers: Vec<Value> = st
+            .owners
+            .get(object_path)
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, f)| !f.is_empty())
+                    .map(|(name, _)| json!({"manager": name, "operation": "Apply"}))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !managers.is_empty() {
+            obj["metadata"]["managedFields"] = Value::Array(managers);
         }
         // The last finalizer gone from a deleting object: the apiserver removes it.
         let deleting = obj["metadata"].get("deletionTimestamp").is_some();
@@ -327,18 +390,173 @@ impl FakeApi {
             st.objects.insert(object_path.to_string(), obj.clone());
         }
         if sub == Some("scale") {
-            // The scale subresource answers with an autoscaling/v1 Scale, not the object.
-            let scale = json!({
-                "apiVersion": "autoscaling/v1",
-                "kind": "Scale",
-                "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]},
-                "spec": {"replicas": obj["spec"]["replicas"]},
-                "status": {"replicas": obj["status"]["replicas"].as_i64().unwrap_or(0)},
-            });
-            return (200, scale);
+            return (200, scale_of(&obj));
         }
         (200, obj)
     }
+
+    /// Server-side apply of `config` by `manager` outside the operator (a user's `kubectl apply`).
+    pub fn apply_as(&self, manager: &str, path: &str, config: Value) {
+        let mut st = self.state.lock().unwrap();
+        let mut obj = st.objects.get(path).cloned().unwrap_or_else(
+            || json!({"metadata": {"uid": format!("uid-user-{manager}"), "generation": 1}}),
+        );
+        let owners = st.owners.entry(path.to_string()).or_default();
+        server_side_apply(&mut obj, &config, owners, manager, true).expect("forced apply");
+        st.resource_version += 1;
+        obj["metadata"]["resourceVersion"] = st.resource_version.to_string().into();
+        st.objects.insert(path.to_string(), obj);
+    }
+
+    /// Leaf fields (JSON pointers) that `manager` owns on the object at `path`.
+    pub fn owned_fields(&self, path: &str, manager: &str) -> BTreeSet<String> {
+        self.state
+            .lock()
+            .unwrap()
+            .owners
+            .get(path)
+            .and_then(|m| m.get(manager))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+/// The autoscaling/v1 Scale the API server answers on `/scale`: `spec.replicas` read through the
+/// CRD's specReplicasPath (0 when unset, which is why a missing default disables an HPA),
+/// `status.replicas` and the selector through statusReplicasPath / labelSelectorPath.
+fn scale_of(obj: &Value) -> Value {
+    let mut scale = json!({
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]},
+        "spec": {"replicas": obj["spec"]["replicas"].as_i64().unwrap_or(0)},
+        "status": {"replicas": obj["status"]["replicas"].as_i64().unwrap_or(0)},
+    });
+    if let Some(sel) = obj["status"]["selector"].as_str() {
+        scale["status"]["selector"] = sel.into();
+    }
+    scale
+}
+
+fn query_param(query: &str, key: &str) -> Option<String> {
+    query.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == key).then(|| v.to_string())
+    })
+}
+
+/// Leaf paths of an applied configuration; objects recurse, everything else (lists included) is a
+/// leaf. Identity fields are nobody's.
+fn leaves(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            for (k, child) in m {
+                let path = format!("{prefix}/{}", k.replace('~', "~0").replace('/', "~1"));
+                if matches!(
+                    path.as_str(),
+                    "/apiVersion" | "/kind" | "/metadata/name" | "/metadata/namespace"
+                ) {
+                    continue;
+                }
+                leaves(child, &path, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_string());
+        }
+    }
+}
+
+/// Removes the value at a JSON pointer, then parents left empty by the removal.
+fn remove_path(obj: &mut Value, pointer: &str) {
+    let Some((parent, key)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    let key = key.replace("~1", "/").replace("~0", "~");
+    if let Some(Value::Object(m)) = obj.pointer_mut(parent) {
+        m.remove(&key);
+        if m.is_empty() && !parent.is_empty() {
+            remove_path(obj, parent);
+        }
+    }
+}
+
+/// Server-side apply: conflicts, ownership transfer on force, removal of fields the manager no
+/// longer applies, then the merge. Returns the conflicting fields when not forced.
+fn server_side_apply(
+    obj: &mut Value,
+    config: &Value,
+    owners: &mut BTreeMap<String, BTreeSet<String>>,
+    manager: &str,
+    force: bool,
+) -> Result<(), Vec<String>> {
+    let mut applied = BTreeSet::new();
+    leaves(config, "", &mut applied);
+    let mut conflicts = Vec::new();
+    for (other, fields) in owners.iter() {
+        if other == manager {
+            continue;
+        }
+        for f in fields.intersection(&applied) {
+            if obj.pointer(f) != config.pointer(f) {
+                conflicts.push(format!("{f} (owned by {other})"));
+            }
+        }
+    }
+    if !conflicts.is_empty() && !force {
+        return Err(conflicts);
+    }
+    for (other, fields) in owners.iter_mut() {
+        if other != manager {
+            fields.retain(|f| !applied.contains(f));
+        }
+    }
+    let previous = owners.remove(manager).unwrap_or_default();
+    for dropped in previous.difference(&applied) {
+        let shared = owners.values().any(|f| f.contains(dropped));
+        if !shared {
+            remove_path(obj, dropped);
+        }
+    }
+    merge_replacing_lists(obj, config);
+    owners.insert(manager.to_string(), applied);
+    Ok(())
+}
+
+/// Like [`merge`], but an applied list replaces the stored one and null is a value.
+fn merge_replacing_lists(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                merge_replacing_lists(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
+/// The first immutable StatefulSet spec field that differs (server-filled defaults aside).
+fn forbidden_statefulset_update(before: &Value, after: &Value) -> Option<String> {
+    const MUTABLE: [&str; 6] = [
+        "replicas",
+        "ordinals",
+        "template",
+        "updateStrategy",
+        "persistentVolumeClaimRetentionPolicy",
+        "minReadySeconds",
+    ];
+    let empty = serde_json::Map::new();
+    let (b, a) = (
+        before["spec"].as_object().unwrap_or(&empty),
+        after["spec"].as_object().unwrap_or(&empty),
+    );
+    let keys: BTreeSet<&String> = b.keys().chain(a.keys()).collect();
+    let changed = keys
+        .into_iter()
+        .filter(|k| !MUTABLE.contains(&k.as_str()))
+        .find(|k| b.get(*k) != a.get(*k))
+        .map(|k| k.to_string());
+    changed
 }
 
 /// `/api/v1/nodes`, `/api/v1/namespaces/ns/pods`, `/apis/g/v/namespaces/ns/things`, `/apis/g/v/things`.

@@ -1,0 +1,297 @@
+//! Reconcile against the API fake's server-side rules: a fleet of identical GPU nodes, objects the
+//! operator does not own, immutable StatefulSet fields, fields dropped from the desired state, the
+//! scale subresource an HPA reads, and the scale-from-zero activator.
+
+mod fake_api;
+
+use std::sync::Arc;
+
+use fake_api::FakeApi;
+use http::Method;
+use kube::runtime::events::Reporter;
+use moe_operator::controller::reconcile::reconcile;
+use moe_operator::controller::Context;
+use moe_operator::crd::MoEDeployment;
+use moe_operator::metrics::Metrics;
+use serde_json::{json, Value};
+
+const MD_PATH: &str = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/qwen";
+const STS_PATH: &str = "/apis/apps/v1/namespaces/ai/statefulsets/qwen";
+const SVC_PATH: &str = "/api/v1/namespaces/ai/services/qwen";
+const BACKEND_PATH: &str = "/api/v1/namespaces/ai/services/qwen-backend";
+const ACTIVATOR_PATH: &str = "/apis/apps/v1/namespaces/ai/deployments/qwen-activator";
+const HPA_PATH: &str = "/apis/autoscaling/v2/namespaces/ai/horizontalpodautoscalers/qwen";
+
+fn h100(name: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            "feature.node.kubernetes.io/cpu-cpuid.AVX512F": "true",
+            "nvidia.com/gpu.compute.major": "9",
+            "nvidia.com/gpu.compute.minor": "0",
+            "nvidia.com/gpu.memory": "81559",
+        }},
+        "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "1"}}
+    })
+}
+
+/// The MoEDeployment as the API server stores it: schema defaults applied (here `replicas`,
+/// read from the generated CRD so the test follows the schema).
+fn stored(spec: Value) -> Value {
+    let crd = moe_operator::crd::crd_value().unwrap();
+    let default = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"]["replicas"]["default"]
+        .clone();
+    let mut spec = spec;
+    if spec.get("replicas").is_none() && !default.is_null() {
+        spec["replicas"] = default;
+    }
+    json!({"apiVersion": "moe.inference.dev/v1alpha1", "kind": "MoEDeployment",
+           "metadata": {"name": "qwen", "namespace": "ai"}, "spec": spec})
+}
+
+fn qwen() -> Value {
+    json!({"model": {"source": {"huggingFace": {"repo": "Qwen/Qwen3-30B-A3B"}}}})
+}
+
+fn setup(spec: Value, nodes: &[&str]) -> (FakeApi, Arc<Context>) {
+    let fake = FakeApi::default();
+    for n in nodes {
+        fake.insert(&format!("/api/v1/nodes/{n}"), h100(n));
+    }
+    fake.insert(MD_PATH, stored(spec));
+    let reporter = Reporter {
+        controller: "moe-operator".into(),
+        instance: Some("test".into()),
+    };
+    let ctx = Arc::new(Context::new(
+        fake.client(),
+        reporter,
+        Metrics::new().unwrap(),
+    ));
+    (fake, ctx)
+}
+
+fn current(fake: &FakeApi) -> Arc<MoEDeployment> {
+    Arc::new(serde_json::from_value(fake.get(MD_PATH).unwrap()).unwrap())
+}
+
+fn degraded_message(fake: &FakeApi) -> String {
+    let md = fake.get(MD_PATH).unwrap();
+    md["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Degraded")
+        .map(|c| c["message"].as_str().unwrap_or("").to_string())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn three_identical_nodes_give_a_label_affinity_that_survives_fleet_changes() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1", "gpu-2", "gpu-3"]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let sts = fake.get(STS_PATH).expect("StatefulSet applied");
+    let terms = &sts["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"];
+    for term in terms.as_array().unwrap() {
+        // core `validateNodeSelectorTerm`: matchFields allows only metadata.name with one value;
+        // we use none at all.
+        assert!(term.get("matchFields").is_none(), "{term}");
+        for req in term["matchExpressions"].as_array().unwrap() {
+            let values = req["values"].as_array().map_or(0, |v| v.len());
+            match req["operator"].as_str().unwrap() {
+                "In" | "NotIn" => assert!(values >= 1, "{req}"),
+                "Gt" | "Lt" => {
+                    assert_eq!(values, 1, "{req}");
+                    req["values"][0].as_str().unwrap().parse::<i64>().unwrap();
+                }
+                other => panic!("unexpected operator {other}"),
+            }
+        }
+    }
+    let generation = sts["metadata"]["generation"].clone();
+    // A fourth node joins and one is cordoned: the pod template does not change, so no replica
+    // restarts (each would reload the model).
+    fake.insert("/api/v1/nodes/gpu-4", h100("gpu-4"));
+    fake.update("/api/v1/nodes/gpu-1", |n| {
+        n["spec"] = json!({"unschedulable": true})
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let after = fake.get(STS_PATH).unwrap();
+    assert_eq!(after["metadata"]["generation"], generation);
+    assert_eq!(after["spec"]["template"], sts["spec"]["template"]);
+}
+
+#[tokio::test]
+async fn the_hpa_reads_a_nonzero_scale_and_its_writes_resize_the_statefulset() {
+    let mut spec = qwen();
+    spec["autoscaling"] = json!({"provider": "hpa", "minReplicas": 1, "maxReplicas": 4});
+    let (fake, ctx) = setup(spec, &["gpu-1"]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert!(fake.get(HPA_PATH).is_some());
+    let client = fake.client();
+    let api: kube::Api<MoEDeployment> = kube::Api::namespaced(client, "ai");
+    // What the HPA controller reads first: a scale of 0 would disable it.
+    let scale = api.get_scale("qwen").await.unwrap();
+    assert_eq!(scale.spec.unwrap().replicas, Some(1));
+    assert_eq!(
+        scale.status.unwrap().selector.as_deref(),
+        Some("app.kubernetes.io/instance=qwen,app.kubernetes.io/name=moe-daemon")
+    );
+    // The HPA scales to 3 through the subresource; the next reconcile resizes the StatefulSet.
+    let patch = kube::api::Patch::Merge(json!({"spec": {"replicas": 3}}));
+    api.patch_scale("qwen", &Default::default(), &patch)
+        .await
+        .unwrap();
+    assert_eq!(fake.get(MD_PATH).unwrap()["metadata"]["generation"], 2);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert_eq!(fake.get(STS_PATH).unwrap()["spec"]["replicas"], 3);
+}
+
+#[tokio::test]
+async fn a_service_someone_else_made_is_reported_not_adopted() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1"]);
+    let theirs = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "qwen", "namespace": "ai"},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}});
+    fake.apply_as("kubectl", SVC_PATH, theirs.clone());
+    assert!(reconcile(current(&fake), ctx.clone()).await.is_err());
+    let svc = fake.get(SVC_PATH).unwrap();
+    assert_eq!(svc["spec"]["selector"], json!({"app": "theirs"}));
+    assert!(svc["metadata"].get("ownerReferences").is_none());
+    assert!(
+        degraded_message(&fake).contains("not controlled by this MoEDeployment"),
+        "{}",
+        degraded_message(&fake)
+    );
+}
+
+#[tokio::test]
+async fn an_hpa_someone_else_made_is_not_deleted() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1"]);
+    let theirs = json!({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "qwen", "namespace": "ai"},
+        "spec": {"maxReplicas": 2, "scaleTargetRef": {"kind": "Deployment", "name": "other"}}});
+    fake.apply_as("kubectl", HPA_PATH, theirs);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert!(fake.get(HPA_PATH).is_some(), "the user's HPA stays");
+    assert_eq!(fake.count(Method::DELETE, "/horizontalpodautoscalers/"), 0);
+}
+
+#[tokio::test]
+async fn adding_a_cache_recreates_the_statefulset_keeping_its_pods() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1"]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let claim = |fake: &FakeApi| {
+        fake.get(STS_PATH).unwrap()["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]
+            ["requests"]["storage"]
+            .clone()
+    };
+    assert_ne!(claim(&fake), "80Gi", "the derived cache size");
+    // Adding model.cache changes the claim template, which the API server refuses to change in
+    // place (the fake answers 422 as it does).
+    fake.update(MD_PATH, |md| {
+        md["spec"]["model"]["cache"] = json!({"size": "80Gi"});
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let sts = fake.get(STS_PATH).unwrap();
+    assert_eq!(
+        sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"],
+        "80Gi"
+    );
+    let delete = fake
+        .requests()
+        .into_iter()
+        .find(|r| r.method == Method::DELETE && r.path == STS_PATH)
+        .expect("old StatefulSet deleted");
+    assert_eq!(delete.body.unwrap()["propagationPolicy"], "Orphan");
+}
+
+#[tokio::test]
+async fn fields_dropped_from_the_desired_state_are_removed() {
+    let mut spec = qwen();
+    spec["pod"] = json!({"annotations": {"team": "llm"}});
+    let (fake, ctx) = setup(spec, &["gpu-1"]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let annotations = |fake: &FakeApi| {
+        fake.get(STS_PATH).unwrap()["spec"]["template"]["metadata"]
+            .get("annotations")
+            .cloned()
+    };
+    assert_eq!(annotations(&fake), Some(json!({"team": "llm"})));
+    fake.update(MD_PATH, |md| {
+        md["spec"]["pod"] = json!({});
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert_eq!(annotations(&fake), None);
+    assert!(!fake
+        .owned_fields(STS_PATH, "moe-operator")
+        .iter()
+        .any(|f| f.contains("annotations")));
+}
+
+#[tokio::test]
+async fn scale_to_zero_puts_the_activator_in_front_and_takes_it_away_again() {
+    let mut spec = qwen();
+    spec["autoscaling"] =
+        json!({"provider": "builtin", "minReplicas": 0, "maxReplicas": 2, "scaleToZero": true});
+    let (fake, ctx) = setup(spec, &["gpu-1"]);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let activator = fake.get(ACTIVATOR_PATH).expect("activator Deployment");
+    let args = &activator["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!(args[0], "activator");
+    assert!(args
+        .as_array()
+        .unwrap()
+        .contains(&json!("http://qwen-backend.ai.svc:8000")));
+    assert_eq!(
+        fake.get(SVC_PATH).unwrap()["spec"]["selector"]["app.kubernetes.io/name"],
+        "moe-activator"
+    );
+    assert_eq!(
+        fake.get(BACKEND_PATH).unwrap()["spec"]["selector"]["app.kubernetes.io/name"],
+        "moe-daemon"
+    );
+    fake.update(MD_PATH, |md| {
+        md["spec"]["autoscaling"] =
+            json!({"provider": "builtin", "minReplicas": 1, "maxReplicas": 2});
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert!(fake.get(ACTIVATOR_PATH).is_none());
+    assert!(fake.get(BACKEND_PATH).is_none());
+    assert_eq!(
+        fake.get(SVC_PATH).unwrap()["spec"]["selector"]["app.kubernetes.io/name"],
+        "moe-daemon"
+    );
+}
+
+#[tokio::test]
+async fn invalid_names_are_reported_before_anything_is_applied() {
+    let fake = FakeApi::default();
+    fake.insert("/api/v1/nodes/gpu-1", h100("gpu-1"));
+    let path = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/glm-4.5";
+    let mut md = stored(qwen());
+    md["metadata"]["name"] = "glm-4.5".into();
+    fake.insert(path, md);
+    let reporter = Reporter {
+        controller: "moe-operator".into(),
+        instance: None,
+    };
+    let ctx = Arc::new(Context::new(
+        fake.client(),
+        reporter,
+        Metrics::new().unwrap(),
+    ));
+    let md: MoEDeployment = serde_json::from_value(fake.get(path).unwrap()).unwrap();
+    reconcile(Arc::new(md), ctx).await.unwrap();
+    assert!(fake
+        .get("/apis/apps/v1/namespaces/ai/statefulsets/glm-4.5")
+        .is_none());
+    let stored = fake.get(path).unwrap();
+    assert!(
+        stored["status"].to_string().contains("DNS-1035"),
+        "{}",
+        stored["status"]
+    );
+}
