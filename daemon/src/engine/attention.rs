@@ -1,13 +1,14 @@
 //! Attention over a batch of sequence chunks: projections run on all tokens of the batch at once; the
 //! score/softmax/value part runs per (token, head) in parallel against that token's own sequence cache,
-//! with a causal limit at the token's position. Rows are written to and read from the layer's KV storage
-//! through each sequence's block table (reserved by the driver before the step).
+//! with a causal limit at the token's position and, for sliding-window layers, a lower limit. Rows are
+//! written to and read from the layer's KV storage through each sequence's block table (reserved by the
+//! driver before the step).
 use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
 use super::ops::{rms_norm, rms_norm_rows, softmax};
 use super::rope::Rope;
 use super::Segment;
-use crate::model::config::ModelConfig;
+use crate::model::config::{LayerAttention, ModelConfig};
 use crate::model::{GqaAttention, MlaAttention, MlaQuery};
 use rayon::prelude::*;
 
@@ -41,18 +42,28 @@ fn write_rows(
     }
 }
 
-/// Softmax-weighted sum over positions `0..=pos`: scores from `score(p)`, values through `acc(p, w)`.
-fn attend(pos: usize, scale: f32, score: impl Fn(usize) -> f32, mut acc: impl FnMut(usize, f32)) {
-    let mut s: Vec<f32> = (0..=pos).map(|p| score(p) * scale).collect();
+/// Softmax-weighted sum over positions `first..=pos`: scores from `score(p)`, values through
+/// `acc(p, w)`.
+fn attend(
+    first: usize,
+    pos: usize,
+    scale: f32,
+    score: impl Fn(usize) -> f32,
+    mut acc: impl FnMut(usize, f32),
+) {
+    let mut s: Vec<f32> = (first..=pos).map(|p| score(p) * scale).collect();
     softmax(&mut s);
-    for (p, w) in s.into_iter().enumerate() {
+    for (p, w) in (first..).zip(s) {
         acc(p, w);
     }
 }
 
+/// `layout`: whether this layer rotates q/k (NoPE layers do not) and its sliding window.
+#[allow(clippy::too_many_arguments)]
 pub fn gqa_forward(
     attn: &GqaAttention,
     cfg: &ModelConfig,
+    layout: LayerAttention,
     rope: &Rope,
     h: &[f32],
     segments: &[Segment],
@@ -71,7 +82,7 @@ pub fn gqa_forward(
         rms_norm_rows(&mut k, w, cfg.rms_norm_eps);
     }
     let tokens = token_positions(segments);
-    for (t, &(_, pos)) in tokens.iter().enumerate() {
+    for (t, &(_, pos)) in tokens.iter().enumerate().filter(|_| layout.rope) {
         let (cos, sin) = rope.cos_sin(pos);
         rope.apply(&mut q[t * nh * hd..(t + 1) * nh * hd], hd, &cos, &sin);
         rope.apply(&mut k[t * nkv * hd..(t + 1) * nkv * hd], hd, &cos, &sin);
@@ -89,6 +100,7 @@ pub fn gqa_forward(
         let qh = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
         let kh = (head / group) * hd;
         attend(
+            layout.first_attended(pos),
             pos,
             scale,
             |p| dot(qh, &rows.a_row(slot(table, p))[kh..kh + hd]),
@@ -164,6 +176,7 @@ pub fn mla_forward(
         }
         let mut o_lat = vec![0f32; lora];
         attend(
+            0,
             pos,
             scale,
             |p| {

@@ -39,6 +39,7 @@ pub fn pack_model(
     let act = match cfg.activation {
         ModelActivation::Silu => Activation::Silu,
         ModelActivation::GeluTanh => Activation::GeluTanh,
+        ModelActivation::Relu => Activation::Relu,
     };
     for (li, layer) in model.layers.iter_mut().enumerate() {
         let Ffn::Moe(block) = &mut layer.ffn else {

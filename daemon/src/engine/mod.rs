@@ -15,6 +15,7 @@ pub mod rope;
 pub mod sampling;
 
 use crate::model::build::build_model;
+use crate::model::config::RouterInput;
 use crate::model::{Attention, Ffn, Model, ModelConfig};
 use crate::weights::safetensors::SafetensorsDir;
 use crate::weights::TensorSource;
@@ -453,12 +454,20 @@ impl Engine {
         let mut kv_rows = store.lock();
         let tables: Vec<&[kv::BlockId]> = batch.iter().map(|s| s.cache.blocks()).collect();
         for (li, layer) in m.layers.iter().enumerate() {
+            // Routing from the layer input (SmallThinker) is decided before attention runs.
+            let early = match (&layer.ffn, &cfg.moe) {
+                (Ffn::Moe(block), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
+                    Some(moe::route(block, mc, &x, hd))
+                }
+                _ => None,
+            };
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps);
             let rows = &mut kv_rows[li];
+            let layout = cfg.layer_attention[li];
             let a = match &layer.attn {
-                Attention::Gqa(g) => {
-                    attention::gqa_forward(g, cfg, &self.rope, &h, &segments, &tables, rows)
-                }
+                Attention::Gqa(g) => attention::gqa_forward(
+                    g, cfg, layout, &self.rope, &h, &segments, &tables, rows,
+                ),
                 Attention::Mla(a) => {
                     attention::mla_forward(a, cfg, &self.rope, &h, &segments, &tables, rows)
                 }
@@ -469,11 +478,10 @@ impl Engine {
                 (Ffn::Moe(block), Some(mc)) => {
                     let pool = self.cpu_pool.as_ref();
                     let t = std::time::Instant::now();
-                    let out =
-                        moe::moe_forward(block, mc, pool, cfg.activation, &h, hd, &mut |ids| {
-                            times.expert_hits += ids.len() as u64;
-                            self.record(li, ids)
-                        });
+                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
+                    times.expert_hits += routing.ids.len() as u64;
+                    self.record(li, &routing.ids);
+                    let out = moe::moe_forward(block, pool, cfg.activation, &h, hd, &routing);
                     times.cpu_experts_s += t.elapsed().as_secs_f64();
                     out
                 }

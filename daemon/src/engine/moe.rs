@@ -1,5 +1,6 @@
 //! The MoE block: router (softmax top-k, or sigmoid + correction bias + group-limited top-k), routed
-//! experts with tokens grouped per expert, and the always-on shared expert.
+//! experts with tokens grouped per expert, and the always-on shared expert. The router reads the FFN
+//! input, or (SmallThinker) the layer input, in which case the engine routes before attention.
 use super::linear::dot;
 use super::ops::{add_assign, gelu_tanh, sigmoid, silu, softmax, top_k};
 use crate::model::config::{Activation, MoeConfig, RouterKind};
@@ -87,6 +88,16 @@ pub fn route(block: &MoeBlock, cfg: &MoeConfig, x: &[f32], hidden: usize) -> Rou
     }
 }
 
+/// The gate nonlinearity of a gated MLP.
+#[inline]
+pub fn activate(act: Activation, g: f32) -> f32 {
+    match act {
+        Activation::Silu => silu(g),
+        Activation::GeluTanh => gelu_tanh(g),
+        Activation::Relu => g.max(0.0),
+    }
+}
+
 /// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
 pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<f32> {
     let g = mlp.gate.forward(x, tokens);
@@ -94,13 +105,7 @@ pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<
     let a: Vec<f32> = g
         .iter()
         .zip(&u)
-        .map(|(&g, &u)| {
-            let g = match act {
-                Activation::Silu => silu(g),
-                Activation::GeluTanh => gelu_tanh(g),
-            };
-            g * u
-        })
+        .map(|(&g, &u)| activate(act, g) * u)
         .collect();
     mlp.down.forward(&a, tokens)
 }
@@ -165,21 +170,19 @@ pub fn dram_experts_forward(
     }
 }
 
-/// The whole MoE block for normalised hidden states `x` (`[n, hidden]`).
+/// The whole MoE block for normalised hidden states `x` (`[n, hidden]`), given its routing (from
+/// [`route`] over the router's input).
 pub fn moe_forward(
     block: &MoeBlock,
-    cfg: &MoeConfig,
     pool: Option<&WorkerPool>,
     act: Activation,
     x: &[f32],
     hidden: usize,
-    on_routing: &mut dyn FnMut(&[u32]),
+    routing: &Routing,
 ) -> Vec<f32> {
     let n = x.len() / hidden;
-    let routing = route(block, cfg, x, hidden);
-    on_routing(&routing.ids);
     let mut out = vec![0f32; n * hidden];
-    dram_experts_forward(block, pool, act, x, hidden, &routing, &mut out);
+    dram_experts_forward(block, pool, act, x, hidden, routing, &mut out);
     if let Some(shared) = &block.shared {
         let mut s = mlp_forward(shared, act, x, n);
         if let Some(gate) = &block.shared_gate {

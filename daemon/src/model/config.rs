@@ -16,6 +16,9 @@ pub enum Arch {
     Qwen3Moe,
     Glm4Moe,
     DeepseekV3,
+    /// PowerInfer SmallThinker (remote code `modeling_smallthinker.py`): ReGLU experts routed from the
+    /// layer input, per-layer sliding-window and RoPE / NoPE layouts.
+    SmallThinker,
 }
 
 pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
@@ -28,6 +31,7 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
     ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
     ("Glm4MoeForCausalLM", Arch::Glm4Moe),
     ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
+    ("SmallThinkerForCausalLM", Arch::SmallThinker),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -105,6 +109,17 @@ pub enum RouterKind {
     },
 }
 
+/// What the router of an MoE layer reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RouterInput {
+    /// The FFN input: the post-attention-normalised hidden state (every architecture but one).
+    #[default]
+    FfnInput,
+    /// The layer input, before the attention norm (SmallThinker): routing is known before attention
+    /// runs, so the chosen experts can be fetched while it does.
+    LayerInput,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     pub num_experts: usize,
@@ -116,12 +131,40 @@ pub struct MoeConfig {
     pub shared_intermediate: Option<usize>,
     /// Qwen2-MoE: shared expert output is scaled by sigmoid(shared_expert_gate · x).
     pub shared_gate: bool,
+    pub router_input: RouterInput,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     Silu,
     GeluTanh,
+    /// ReGLU: relu(gate) · up (SmallThinker).
+    Relu,
+}
+
+/// Position encoding and attended range of one layer's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerAttention {
+    /// false: a NoPE layer (q and k are not rotated).
+    pub rope: bool,
+    /// Sliding window: a query at position p attends to positions p-w+1 ..= p (transformers'
+    /// `kv_idx > q_idx - sliding_window`). None: every earlier position.
+    pub window: Option<usize>,
+}
+
+impl LayerAttention {
+    pub const FULL: Self = Self {
+        rope: true,
+        window: None,
+    };
+
+    /// First position a query at `pos` attends to.
+    pub fn first_attended(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -146,6 +189,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Per layer: true when its FFN is the MoE block.
     pub moe_layers: Vec<bool>,
+    /// Per layer: RoPE or NoPE, full or sliding-window attention.
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 fn get_usize(v: &Value, key: &'static str) -> Result<usize, ConfigError> {
@@ -218,17 +263,23 @@ impl ModelConfig {
         } else {
             None
         };
+        // SmallThinker's config class defaults (its config.json may leave these out).
+        let smallthinker = arch == Arch::SmallThinker;
         let head_dim = match &mla {
             Some(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            None if smallthinker => opt_usize(v, "head_dim").unwrap_or(128),
             None => opt_usize(v, "head_dim").unwrap_or(hidden_size / num_heads),
         };
+        // SmallThinker has no `hidden_act`: its experts are ReGLU in the model code.
+        let default_act = if smallthinker { "relu" } else { "silu" };
         let activation = match v
             .get("hidden_act")
             .and_then(Value::as_str)
-            .unwrap_or("silu")
+            .unwrap_or(default_act)
         {
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+            "relu" => Activation::Relu,
             other => {
                 return Err(ConfigError::Invalid(format!(
                     "hidden_act `{other}` is not supported"
@@ -237,7 +288,15 @@ impl ModelConfig {
         };
         let rope = parse_rope(v, arch, head_dim, mla.as_ref())?;
         let (moe, moe_layers) = parse_moe(v, arch, num_layers)?;
-        let eos = token_ids(v.get("eos_token_id"));
+        let layer_attention = parse_layer_attention(v, arch, num_layers)?;
+        let mut eos = token_ids(v.get("eos_token_id"));
+        let mut bos = token_ids(v.get("bos_token_id")).first().copied();
+        if smallthinker && v.get("eos_token_id").is_none() {
+            eos = vec![151643, 151645];
+        }
+        if smallthinker && v.get("bos_token_id").is_none() {
+            bos = Some(151643);
+        }
         Ok(Self {
             arch,
             arch_name,
@@ -249,15 +308,18 @@ impl ModelConfig {
             head_dim,
             intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
             rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(1e-6) as f32,
-            tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(false),
-            max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(4096),
-            bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
+            tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(smallthinker),
+            max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(
+                if smallthinker { 4096 * 32 } else { 4096 },
+            ),
+            bos_token_id: bos,
             eos_token_ids: eos,
             activation,
             rope,
             mla,
             moe,
             moe_layers,
+            layer_attention,
         })
     }
 
@@ -327,7 +389,11 @@ fn parse_rope(
     let theta = params
         .and_then(|p| opt_f64(p, "rope_theta"))
         .or_else(|| opt_f64(v, "rope_theta"))
-        .unwrap_or(10000.0);
+        .unwrap_or(if arch == Arch::SmallThinker {
+            1e6
+        } else {
+            10000.0
+        });
     let partial = params
         .and_then(|p| opt_f64(p, "partial_rotary_factor"))
         .or_else(|| opt_f64(v, "partial_rotary_factor"))
@@ -405,6 +471,53 @@ fn parse_rope(
     })
 }
 
+/// Per-layer RoPE / NoPE and sliding-window layout (SmallThinker's `rope_layout`,
+/// `sliding_window_layout`: one 0 or 1 per layer; `sliding_window_size`). Other architectures: every
+/// layer rotates and attends to every earlier position.
+fn parse_layer_attention(
+    v: &Value,
+    arch: Arch,
+    num_layers: usize,
+) -> Result<Vec<LayerAttention>, ConfigError> {
+    if arch != Arch::SmallThinker {
+        return Ok(vec![LayerAttention::FULL; num_layers]);
+    }
+    let layout = |key: &'static str, absent: bool| -> Result<Vec<bool>, ConfigError> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(vec![absent; num_layers]),
+            Some(Value::Array(a)) if a.len() == num_layers => a
+                .iter()
+                .map(|x| match x.as_u64() {
+                    Some(0) => Ok(false),
+                    Some(1) => Ok(true),
+                    _ => Err(ConfigError::Invalid(format!(
+                        "`{key}` holds {x}; each entry must be 0 or 1"
+                    ))),
+                })
+                .collect(),
+            Some(_) => Err(ConfigError::Invalid(format!(
+                "`{key}` must be a list of {num_layers} entries (one per layer)"
+            ))),
+        }
+    };
+    let rope = layout("rope_layout", true)?;
+    let sliding = layout("sliding_window_layout", false)?;
+    let size = opt_usize(v, "sliding_window_size").unwrap_or(4096);
+    if size == 0 && sliding.iter().any(|&s| s) {
+        return Err(ConfigError::Invalid(
+            "sliding_window_size must be positive when sliding_window_layout marks a layer".into(),
+        ));
+    }
+    Ok(rope
+        .into_iter()
+        .zip(sliding)
+        .map(|(rope, sliding)| LayerAttention {
+            rope,
+            window: sliding.then_some(size),
+        })
+        .collect())
+}
+
 fn parse_moe(
     v: &Value,
     arch: Arch,
@@ -423,6 +536,7 @@ fn parse_moe(
                 routed_scaling_factor: 1.0,
                 shared_intermediate: None,
                 shared_gate: false,
+                router_input: RouterInput::FfnInput,
             },
             vec![true; num_layers],
         ),
@@ -460,6 +574,7 @@ fn parse_moe(
                         None
                     },
                     shared_gate: qwen2,
+                    router_input: RouterInput::FfnInput,
                 },
                 layers,
             )
@@ -494,8 +609,43 @@ fn parse_moe(
                         as f32,
                     shared_intermediate: (shared > 0).then_some(inter * shared),
                     shared_gate: false,
+                    router_input: RouterInput::FfnInput,
                 },
                 layers,
+            )
+        }
+        Arch::SmallThinker => {
+            // The model file takes the top-k of the raw router logits, then either a softmax over those
+            // k (`moe_primary_router_apply_softmax`) or their sigmoids divided by their sum. The first
+            // equals softmax over all experts → top-k → renormalise (softmax is monotonic and its
+            // normaliser cancels); the second equals sigmoid scores → top-k → renormalise with one
+            // group and no correction bias. `norm_topk_prob`, present in some of its configs, is not
+            // read by the model file and is ignored here too.
+            let softmax = opt_bool(v, "moe_primary_router_apply_softmax").unwrap_or(false);
+            (
+                MoeConfig {
+                    num_experts: get_usize(v, "moe_num_primary_experts")?,
+                    top_k: get_usize(v, "moe_num_active_primary_experts")?,
+                    expert_intermediate: get_usize(v, "moe_ffn_hidden_size")?,
+                    router: if softmax {
+                        RouterKind::Softmax { renormalize: true }
+                    } else {
+                        RouterKind::SigmoidGrouped {
+                            n_group: 1,
+                            topk_group: 1,
+                            renormalize: true,
+                        }
+                    },
+                    routed_scaling_factor: 1.0,
+                    shared_intermediate: None,
+                    shared_gate: false,
+                    // The model repository's `SmallThinkerDecoderLayer` always routes from the layer
+                    // input (llama.cpp, vLLM and SGLang agree). KTransformers' copy has a
+                    // `moe_enable_early_router` switch that the model repository's file does not
+                    // read; where they disagree the model repository's file decides.
+                    router_input: RouterInput::LayerInput,
+                },
+                vec![true; num_layers],
             )
         }
     };

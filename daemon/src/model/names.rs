@@ -14,7 +14,9 @@ pub struct MoeNames {
 impl MoeNames {
     pub fn new(arch: Arch, layer: usize) -> Self {
         let (block, shared, shared_gate) = match arch {
-            Arch::Mixtral => (format!("model.layers.{layer}.block_sparse_moe"), None, None),
+            Arch::Mixtral | Arch::SmallThinker => {
+                (format!("model.layers.{layer}.block_sparse_moe"), None, None)
+            }
             Arch::Qwen2Moe => {
                 let b = format!("model.layers.{layer}.mlp");
                 (
@@ -28,8 +30,12 @@ impl MoeNames {
                 (b.clone(), Some(format!("{b}.shared_experts")), None)
             }
         };
+        let router = match arch {
+            Arch::SmallThinker => format!("{block}.primary_router.weight"),
+            _ => format!("{block}.gate.weight"),
+        };
         Self {
-            router: format!("{block}.gate.weight"),
+            router,
             correction_bias: format!("{block}.gate.e_score_correction_bias"),
             block,
             shared,
@@ -46,6 +52,11 @@ impl MoeNames {
                 format!("{p}.w1.weight"),
                 format!("{p}.w3.weight"),
                 format!("{p}.w2.weight"),
+            ],
+            Arch::SmallThinker => [
+                format!("{p}.gate.weight"),
+                format!("{p}.up.weight"),
+                format!("{p}.down.weight"),
             ],
             _ => [
                 format!("{p}.gate_proj.weight"),

@@ -150,7 +150,8 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
     const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
     int pos = pos_of_token[t];
     float m = -INFINITY, l = 0.f;
-    for (int base = 0; base <= pos; base += blockDim.x) {
+    int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    for (int base = lo; base <= pos; base += blockDim.x) {
         int p = base + tid;
         float s = -INFINITY;
         if (p <= pos) {
@@ -188,13 +189,14 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
     }
 }
 
-// Attention of one (token, head) against its sequence's paged cache, positions 0..=pos, with an online
-// softmax over tiles of blockDim.x positions. grid: (tokens, heads); block: 128 threads; head_dim <= 256.
+// Attention of one (token, head) against its sequence's paged cache, positions lo..=pos (lo = 0, or
+// pos - window + 1 for a sliding-window layer: window > 0), with an online softmax over tiles of
+// blockDim.x positions. grid: (tokens, heads); block: 128 threads; head_dim <= 256.
 // q: [tokens, heads, head_dim] f32; caches: [blocks*block_size, kv_heads*head_dim]; out bf16 [tokens, heads*head_dim].
 extern "C" __global__ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                                            const int* block_tables, int max_blocks, const int* seq_of_token,
                                            const int* pos_of_token, int heads, int kv_heads, int head_dim,
-                                           int block_size, float scale, int row0, bf16* out) {
+                                           int block_size, float scale, int window, int row0, bf16* out) {
     extern __shared__ float smem[];  // q (head_dim) + scores (blockDim.x)
     __shared__ float buf[32];
     float* qs = smem;
@@ -244,13 +246,16 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
     if (tid + blockDim.x < head_dim) o[tid + blockDim.x] = f2bf(acc1 / l);
 }
 
-// act = silu(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). gelu=1 uses gelu_tanh.
-extern "C" __global__ void silu_mul(const float* gate_up, int inter, int rows, int gelu, bf16* out) {
+// act = f(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). act: 0 silu (SwiGLU), 1 gelu_tanh,
+// 2 relu (ReGLU).
+extern "C" __global__ void gated_mul(const float* gate_up, int inter, int rows, int act, bf16* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * inter) return;
     size_t r = i / inter, c = i % inter;
     float g = gate_up[r * 2 * inter + c], u = gate_up[r * 2 * inter + inter + c];
-    float a = gelu ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) : g / (1.f + __expf(-g));
+    float a = act == 1   ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
+              : act == 2 ? fmaxf(g, 0.f)
+                         : g / (1.f + __expf(-g));
     out[i] = f2bf(a * u);
 }
 
@@ -375,21 +380,26 @@ extern "C" __global__ void gather_kv_bf16(const float* k_cache, const float* v_c
 }
 
 // Causal softmax of scaled scores s [rows, lk] (row r = query at absolute position q_pos0 + r % rows_per_head;
-// keys 0..lk at positions 0..lk) → probabilities p (bf16, masked keys exactly 0). One block per row.
-extern "C" __global__ void causal_softmax_rows(const float* s, int lk, int rows_per_head, int q_pos0, bf16* p) {
+// keys 0..lk at positions 0..lk) → probabilities p (bf16, masked keys exactly 0). window > 0: keys before
+// q - window + 1 are masked too (sliding-window layers). One block per row.
+extern "C" __global__ void causal_softmax_rows(const float* s, int lk, int rows_per_head, int q_pos0, int window,
+                                               bf16* p) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
-    int valid = min(lk, q_pos0 + (int)(row % rows_per_head) + 1);
+    int qpos = q_pos0 + (int)(row % rows_per_head);
+    int valid = min(lk, qpos + 1);
+    int lo = window > 0 ? max(0, qpos - window + 1) : 0;
     const float* sr = s + row * lk;
     bf16* pr = p + row * lk;
     float m = -INFINITY;
-    for (int c = threadIdx.x; c < valid; c += blockDim.x) m = fmaxf(m, sr[c]);
+    for (int c = lo + threadIdx.x; c < valid; c += blockDim.x) m = fmaxf(m, sr[c]);
     m = block_max(m, buf);
     float sum = 0.f;
-    for (int c = threadIdx.x; c < valid; c += blockDim.x) sum += __expf(sr[c] - m);
+    for (int c = lo + threadIdx.x; c < valid; c += blockDim.x) sum += __expf(sr[c] - m);
     sum = block_sum(sum, buf);
     float inv = 1.f / sum;
-    for (int c = threadIdx.x; c < lk; c += blockDim.x) pr[c] = c < valid ? f2bf(__expf(sr[c] - m) * inv) : (bf16)0;
+    for (int c = threadIdx.x; c < lk; c += blockDim.x)
+        pr[c] = (c >= lo && c < valid) ? f2bf(__expf(sr[c] - m) * inv) : (bf16)0;
 }
 
 // ---- layerwise prefill: packed DRAM experts (copied as they sit in host memory) → dense bf16 ----

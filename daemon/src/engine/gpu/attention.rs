@@ -40,7 +40,8 @@ pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
 const PREFILL_SCORE_BYTES: usize = 512 << 20;
 
 impl GpuModel {
-    /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head.
+    /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head
+    /// (`rotate` false: a NoPE layer, norm only).
     #[allow(clippy::too_many_arguments)]
     fn norm_rope(
         &self,
@@ -51,11 +52,15 @@ impl GpuModel {
         head_dim: usize,
         norm: Option<&CudaSlice<f32>>,
         offset: usize,
+        rotate: bool,
     ) -> anyhow::Result<()> {
         let cfg = &host.config;
         let dev = &self.dev;
+        if norm.is_none() && !rotate {
+            return Ok(());
+        }
         let (heads_i, dh_i, off) = (heads as i32, head_dim as i32, offset as i32);
-        let rd = cfg.rope.rotary_dim as i32;
+        let rd = if rotate { cfg.rope.rotary_dim as i32 } else { 0 };
         let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
         let null = 0u64;
         let mut l = dev.launch(&dev.k.qk_norm_rope);
@@ -140,20 +145,23 @@ impl GpuModel {
         self.linear(wq, hb, q, n, false)?;
         self.linear(wk, hb, k, n, false)?;
         self.linear(wv, hb, v, n, false)?;
-        self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0)?;
-        self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0)?;
+        let layout = cfg.layer_attention[li];
+        self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0, layout.rope)?;
+        self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0, layout.rope)?;
         self.append(pool, li, k, v, step)?;
         let (q, out) = (&*q, out);
         let scale = cfg.attention_scale();
+        // Sliding-window layers: the kernels skip keys before `pos - window + 1` (0: no window).
+        let window = layout.window.unwrap_or(0) as i32;
         // Long prefill chunks: two GEMMs per KV head around a softmax (tensor cores); everything
         // else (decode rows, short chunks), in runs of consecutive rows: the paged kernel.
         let mut run: Option<(usize, usize)> = None; // (first row, rows) of short sequences
         for s in step.seqs {
             if s.len >= PREFILL_GEMM_MIN_ROWS {
                 if let Some((r0, c)) = run.take() {
-                    self.paged_gqa(q, pool, li, step, (nh, nkv, dh), scale, r0, c, out)?;
+                    self.paged_gqa(q, pool, li, step, (nh, nkv, dh), (scale, window), r0, c, out)?;
                 }
-                self.prefill_gqa(q, pool, li, step, s, (nh, nkv, dh), scale, out)?;
+                self.prefill_gqa(q, pool, li, step, s, (nh, nkv, dh), (scale, window), out)?;
             } else {
                 run = Some(match run {
                     Some((r0, c)) => (r0, c + s.len),
@@ -162,7 +170,7 @@ impl GpuModel {
             }
         }
         if let Some((r0, c)) = run {
-            self.paged_gqa(q, pool, li, step, (nh, nkv, dh), scale, r0, c, out)?;
+            self.paged_gqa(q, pool, li, step, (nh, nkv, dh), (scale, window), r0, c, out)?;
         }
         self.linear(o, out, x, n, true)
     }
@@ -176,7 +184,7 @@ impl GpuModel {
         li: usize,
         step: &StepIndex,
         (nh, nkv, dh): (usize, usize, usize),
-        scale: f32,
+        (scale, window): (f32, i32),
         row0: usize,
         rows: usize,
         out: &mut CudaSlice<bf16>,
@@ -203,6 +211,7 @@ impl GpuModel {
             .arg(&dh_i)
             .arg(&blk)
             .arg(&scale)
+            .arg(&window)
             .arg(&row0_i)
             .arg(out);
         let smem = ((dh + 128) * 4) as u32;
@@ -225,7 +234,7 @@ impl GpuModel {
         step: &StepIndex,
         s: &SeqRows,
         (nh, nkv, dh): (usize, usize, usize),
-        scale: f32,
+        (scale, window): (f32, i32),
         out: &mut CudaSlice<bf16>,
     ) -> anyhow::Result<()> {
         let dev = &self.dev;
@@ -300,6 +309,7 @@ impl GpuModel {
                     .arg(&lk_i)
                     .arg(&rows_i)
                     .arg(&qpos)
+                    .arg(&window)
                     .arg(&mut probs);
                 unsafe { l.launch(GpuDevice::cfg(((hq * rows) as u32, 1), 256, 0)) }
                     .map_err(launch_err)?;
@@ -372,7 +382,7 @@ impl GpuModel {
                 self.linear(b, &qa_b, &mut q, n, false)?;
             }
         }
-        self.norm_rope(host, &mut q, step, nh, qk, None, nope)?;
+        self.norm_rope(host, &mut q, step, nh, qk, None, nope, true)?;
         let mut ckv = self.alloc::<f32>(n * (lora + rope))?;
         self.linear(kv_a, hb, &mut ckv, n, false)?;
         let mut latent = self.alloc::<f32>(n * lora)?;
@@ -389,7 +399,7 @@ impl GpuModel {
                 .arg(&mut krope);
             unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
-        self.norm_rope(host, &mut krope, step, 1, rope, None, 0)?;
+        self.norm_rope(host, &mut krope, step, 1, rope, None, 0, true)?;
         self.append(pool, li, &latent, &krope, step)?;
         let mut out = self.alloc::<bf16>(n * nh * vd)?;
         let (mb, nh_i, nope_i, rope_i, lora_i, vd_i, blk) = (

@@ -1,5 +1,6 @@
 //! Routed experts computed on the GPU in phases: a run of experts whose token rows are consecutive.
 use super::GpuModel;
+use crate::model::config::Activation;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 
@@ -11,7 +12,7 @@ pub(super) struct PhaseBuffers<'a> {
     pub(super) ye: &'a mut CudaSlice<f32>,
     pub(super) hd: usize,
     pub(super) inter: usize,
-    pub(super) gelu: bool,
+    pub(super) activation: Activation,
 }
 
 impl GpuModel {
@@ -46,7 +47,7 @@ impl GpuModel {
             &mut b.act.slice_mut(r0 * inter..r1 * inter),
             inter,
             r1 - r0,
-            b.gelu,
+            b.activation,
         )?;
         for (&(_, g0, c), (_, w_d)) in groups.iter().zip(ws) {
             let mut out = b.ye.slice_mut(g0 * hd..(g0 + c) * hd);

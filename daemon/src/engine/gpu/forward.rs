@@ -5,7 +5,7 @@ use super::handoff::Handoff;
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::{dram_experts_forward, Routing};
-use crate::model::config::{Activation, RouterKind};
+use crate::model::config::{Activation, RouterInput, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
@@ -121,33 +121,33 @@ impl GpuModel {
         let mut gu = self.alloc::<f32>(n * 2 * inter)?;
         self.linear(&m.gate_up, x, &mut gu, n, false)?;
         let mut a = self.alloc::<bf16>(n * inter)?;
-        self.gated_act(
-            &gu.slice(..),
-            &mut a.slice_mut(..),
-            inter,
-            n,
-            act == Activation::GeluTanh,
-        )?;
+        self.gated_act(&gu.slice(..), &mut a.slice_mut(..), inter, n, act)?;
         self.linear(&m.down, &a, y, n, accumulate)
     }
 
-    /// `act = silu(gate) · up` (GELU-tanh when `gelu`) to bf16 for `rows` rows of `gate_up`
-    /// (`[rows, 2·inter]`, gate first).
+    /// `out = f(gate) · up` to bf16 for `rows` rows of `gate_up` (`[rows, 2·inter]`, gate first), f
+    /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU).
     pub(super) fn gated_act(
         &self,
         gate_up: &CudaView<'_, f32>,
-        act: &mut CudaViewMut<'_, bf16>,
+        out: &mut CudaViewMut<'_, bf16>,
         inter: usize,
         rows: usize,
-        gelu: bool,
+        act: Activation,
     ) -> anyhow::Result<()> {
-        let (inter_i, rows_i, gelu) = (inter as i32, rows as i32, gelu as i32);
-        let mut l = self.dev.launch(&self.dev.k.silu_mul);
+        // Codes of kernels.cu's `gated_mul`.
+        let code: i32 = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+            Activation::Relu => 2,
+        };
+        let (inter_i, rows_i) = (inter as i32, rows as i32);
+        let mut l = self.dev.launch(&self.dev.k.gated_mul);
         l.arg(gate_up)
             .arg(&inter_i)
             .arg(&rows_i)
-            .arg(&gelu)
-            .arg(act);
+            .arg(&code)
+            .arg(out);
         unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.map_err(launch_err)?;
         Ok(())
     }
@@ -167,6 +167,14 @@ impl GpuModel {
         let cfg = &host.config;
         let (dev, s, hd, n) = (&self.dev, &self.dev.stream, cfg.hidden_size, step.n);
         let layer = &self.layers[li];
+        // Routers that read the layer input (SmallThinker) run before attention changes `x`.
+        let early_router = match (&layer.ffn, &cfg.moe) {
+            (GpuFfn::Moe(moe), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
+                dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
+                true
+            }
+            _ => false,
+        };
         self.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, g.hb, None)?;
         match &layer.attn {
             GpuAttention::Gqa { .. } => {
@@ -190,7 +198,9 @@ impl GpuModel {
         };
         let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
         let e = mc.num_experts;
-        dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, e, hd)?;
+        if !early_router {
+            dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, e, hd)?;
+        }
         let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
             RouterKind::Softmax { renormalize } => (0i32, renormalize as i32, 1i32, 1i32, 1.0f32),
             RouterKind::SigmoidGrouped {
@@ -545,7 +555,7 @@ impl GpuModel {
                             ye: &mut ye,
                             hd,
                             inter,
-                            gelu: cfg.activation == Activation::GeluTanh,
+                            activation: cfg.activation,
                         };
                         let resident = &groups[..resident_groups];
                         let mut ws = Vec::with_capacity(resident.len());

@@ -12,6 +12,8 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation.
     GeluTanh,
+    /// ReLU: the gated MLP is ReGLU, `relu(gate) ⊙ up` (SmallThinker).
+    Relu,
 }
 
 impl Activation {
@@ -24,6 +26,7 @@ impl Activation {
                 let tanh = 1.0 - 2.0 / (exp_fast(2.0 * z) + 1.0);
                 0.5 * g * (1.0 + tanh)
             }
+            Activation::Relu => g.max(0.0),
         }
     }
 }
@@ -110,6 +113,11 @@ fn gated_row_body(
         (Activation::Silu, Some(l)) => {
             for i in 0..n {
                 out[i] = gated(Activation::Silu, Some(l), g[i], u[i]) * w;
+            }
+        }
+        (Activation::Relu, None) => {
+            for i in 0..n {
+                out[i] = gated(Activation::Relu, None, g[i], u[i]) * w;
             }
         }
         (a, l) => {
@@ -412,6 +420,10 @@ mod tests {
     fn activations_match_definitions() {
         assert!((Activation::Silu.apply(1.0) - 0.731_058_6).abs() < 1e-6);
         assert!((Activation::GeluTanh.apply(1.0) - 0.841_192).abs() < 1e-5);
+        assert_eq!(Activation::Relu.apply(1.5), 1.5);
+        assert_eq!(Activation::Relu.apply(-1.5), 0.0);
+        assert_eq!(gated(Activation::Relu, None, -2.0, 3.0), 0.0);
+        assert_eq!(gated(Activation::Relu, None, 2.0, -3.0), -6.0);
         // GLM-5 swiglu_limit: gate clamped above only, up on both sides.
         let l = Some(7.0);
         assert_eq!(
