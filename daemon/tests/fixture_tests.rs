@@ -1,5 +1,8 @@
 //! Every architecture against Hugging Face transformers (eager, f32) on the committed fixtures
-//! (tests/fixtures/<name>/{model,model_bf16,oracle.json}, made by tests/fixtures/make_fixtures.py).
+//! (tests/fixtures/<name>/{model,model_bf16,oracle.json}, made by tests/fixtures/make_fixtures.py), and
+//! SmallThinker against its model repository's own `modeling_smallthinker.py` (made by
+//! tests/fixtures/make_smallthinker.py: sliding-window and full layers, RoPE and NoPE layers, both
+//! router options, tied and untied embeddings).
 //!
 //! Tolerance: per-step relative L2 of the logits ≤ 1e-3 (f32 engine on bf16-exact weights, DRAM experts on
 //! the packed kernels with f32 activations; measured ~1e-6), identical greedy tokens, every prefill
@@ -145,7 +148,9 @@ fixture_tests!(
     qwen2_moe,
     llama,
     qwen2,
-    qwen3
+    qwen3,
+    smallthinker,
+    smallthinker_softmax
 );
 
 #[test]
@@ -162,6 +167,8 @@ fn fast_expert_kernels_at_bf16_tolerance() {
         "deepseek_v3",
         "mixtral",
         "qwen2_moe",
+        "smallthinker",
+        "smallthinker_softmax",
     ] {
         check_with(name, "model_bf16", &EngineOptions::default(), 1e-2);
     }
@@ -174,15 +181,16 @@ fn reference_expert_path() {
         cpu_kernels: false,
         ..Default::default()
     };
-    for name in ["qwen3_moe", "deepseek_v3_fp8"] {
+    for name in ["qwen3_moe", "deepseek_v3_fp8", "smallthinker"] {
         check_with(name, "model", &opts, TOL);
     }
 }
 
-/// Prefill in chunks of 5 gives the same logits as one whole prefill.
+/// Prefill in chunks of 5 gives the same logits as one whole prefill (SmallThinker: chunks longer than
+/// some layers' sliding window).
 #[test]
 fn chunked_prefill_equals_whole_prefill() {
-    for name in ["qwen3_moe", "deepseek_v3"] {
+    for name in ["qwen3_moe", "deepseek_v3", "smallthinker_softmax"] {
         let o = oracle(name);
         let engine =
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
@@ -213,7 +221,7 @@ fn chunked_prefill_equals_whole_prefill() {
 /// Sequences of different lengths in one batch give what each gives alone.
 #[test]
 fn batch_equals_members_alone() {
-    for name in ["glm4_moe", "deepseek_v3_plain", "mixtral"] {
+    for name in ["glm4_moe", "deepseek_v3_plain", "mixtral", "smallthinker"] {
         let o = oracle(name);
         let engine =
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
