@@ -81,6 +81,10 @@ const ALL: &[&str] = &[
     "deepseek_v3",
     "deepseek_v3_plain",
     "deepseek_v3_fp8",
+    // ReGLU experts (CPU and GPU), router from the layer input, NoPE layers, sliding windows of 5 and 3
+    // positions over a 12-token prompt (paged attention kernel).
+    "smallthinker",
+    "smallthinker_softmax",
 ];
 
 #[test]
@@ -251,6 +255,8 @@ fn long_prefill_gemm_attention_and_expert_stream() {
         ("qwen3_moe", Some(WeightFormat::Int8)),
         ("glm4_moe", None),
         ("deepseek_v3", None),
+        // sliding windows (3 positions) in the GEMM attention path and the layerwise expert stream
+        ("smallthinker_softmax", None),
     ];
     for (name, fmt) in cases {
         let dir = fixtures().join(name).join("model_bf16");
@@ -380,7 +386,7 @@ fn parallel_router_matches_serial_router() {
 /// across enough steps for a sequence to cross a cache block boundary.
 #[test]
 fn cuda_graph_decode_matches_eager() {
-    for name in ["qwen3_moe", "glm4_moe", "llama"] {
+    for name in ["qwen3_moe", "glm4_moe", "llama", "smallthinker"] {
         let dir = fixtures().join(name).join("model_bf16");
         let engine = |graphs: bool| {
             Engine::load(

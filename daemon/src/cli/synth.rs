@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Model shape: qwen3-30b-a3b, glm-4.5-air or deepseek-v3.
+    /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b or smallthinker-4b.
     #[arg(long)]
     pub like: String,
     /// Number of decoder layers (fewer than the real model to fit a disk).
@@ -59,8 +59,51 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
             "max_position_embeddings": 163840, "tie_word_embeddings": false, "hidden_act": "silu",
             "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}),
-        other => bail!("--like {other}: choose qwen3-30b-a3b, glm-4.5-air or deepseek-v3"),
+        // PowerInfer/SmallThinker-21BA3B-Instruct: shapes from its model card; every 4th layer (from
+        // layer 0) global NoPE attention, the others RoPE with a 4096-position sliding window, as
+        // llama.cpp's SMALLTHINKER loader lays it out (swa pattern 4, dense first; NoPE step 4).
+        "smallthinker-21b" => json!({
+            "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker",
+            "hidden_size": 2560, "num_hidden_layers": 52, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "head_dim": 128, "moe_num_primary_experts": 64,
+            "moe_num_active_primary_experts": 6, "moe_ffn_hidden_size": 768,
+            "moe_primary_router_apply_softmax": true, "rope_layout": every_fourth_off(52),
+            "sliding_window_layout": every_fourth_off(52), "sliding_window_size": 4096,
+            "rope_theta": 1.5e6, "rope_scaling": null, "max_position_embeddings": 16384,
+            "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+            "bos_token_id": 151643, "eos_token_id": [151643, 151645], "torch_dtype": "bfloat16"}),
+        // PowerInfer/SmallThinker-4BA0.6B-Instruct config.json: every layer RoPE and full attention,
+        // sigmoid-normalised router (no `moe_primary_router_apply_softmax`), tied embeddings.
+        "smallthinker-4b" => json!({
+            "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker",
+            "hidden_size": 1536, "num_hidden_layers": 32, "num_attention_heads": 12,
+            "num_key_value_heads": 2, "head_dim": 128, "moe_num_primary_experts": 32,
+            "moe_num_active_primary_experts": 4, "moe_ffn_hidden_size": 768, "norm_topk_prob": true,
+            "rope_layout": vec![1; 32], "sliding_window_layout": vec![0; 32],
+            "sliding_window_size": 4096, "rope_theta": 1.5e6, "rope_scaling": null,
+            "max_position_embeddings": 32768, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": true, "bos_token_id": 151643, "eos_token_id": [151643, 151645],
+            "torch_dtype": "bfloat16"}),
+        other => bail!(
+            "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b or \
+             smallthinker-4b"
+        ),
     })
+}
+
+/// `[0, 1, 1, 1, 0, 1, 1, 1, …]` over `layers` layers.
+fn every_fourth_off(layers: usize) -> Vec<u8> {
+    (0..layers).map(|l| u8::from(l % 4 != 0)).collect()
+}
+
+/// `--layers`: fewer decoder layers, with the per-layer layouts cut to match.
+fn set_layers(cfg: &mut Value, layers: usize) {
+    cfg["num_hidden_layers"] = layers.into();
+    for key in ["rope_layout", "sliding_window_layout"] {
+        if let Some(a) = cfg.get_mut(key).and_then(Value::as_array_mut) {
+            a.truncate(layers);
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -82,6 +125,7 @@ struct Spec {
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
 fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
     use crate::model::config::{Arch, ModelConfig};
+    use crate::model::names::MoeNames;
     let c = ModelConfig::from_json(v)?;
     let h = c.hidden_size;
     let mut s = Vec::new();
@@ -91,7 +135,9 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
         vec![c.vocab_size, h],
         Kind::Proj,
     );
-    p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
+    if !c.tie_word_embeddings {
+        p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
+    }
     p("model.norm.weight".into(), vec![h], Kind::Norm);
     for l in 0..c.num_layers {
         let a = format!("model.layers.{l}.self_attn");
@@ -182,20 +228,21 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
         };
         match &c.moe {
             Some(m) if c.is_moe_layer(l) => {
-                p(
-                    format!("{mlp}.gate.weight"),
-                    vec![m.num_experts, h],
-                    Kind::Proj,
-                );
-                if c.arch != Arch::Qwen3Moe {
+                let names = MoeNames::new(c.arch, l);
+                p(names.router.clone(), vec![m.num_experts, h], Kind::Proj);
+                if matches!(c.arch, Arch::Glm4Moe | Arch::DeepseekV3) {
                     p(
-                        format!("{mlp}.gate.e_score_correction_bias"),
+                        names.correction_bias.clone(),
                         vec![m.num_experts],
                         Kind::VecF32,
                     );
                 }
+                let i = m.expert_intermediate;
                 for e in 0..m.num_experts {
-                    dense(&mut p, &format!("{mlp}.experts.{e}"), m.expert_intermediate);
+                    let [g, u, d] = names.expert(e);
+                    p(g, vec![i, h], Kind::Proj);
+                    p(u, vec![i, h], Kind::Proj);
+                    p(d, vec![h, i], Kind::Proj);
                 }
                 if let Some(w) = m.shared_intermediate {
                     dense(&mut p, &format!("{mlp}.shared_experts"), w);
@@ -254,7 +301,7 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         if l == 0 {
             bail!("--layers must be at least 1");
         }
-        cfg["num_hidden_layers"] = l.into();
+        set_layers(&mut cfg, l);
     }
     let fp8 = match a.dtype.as_str() {
         "bf16" => false,
@@ -383,4 +430,63 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         total as f64 / (1u64 << 30) as f64
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::{LayerAttention, ModelConfig};
+
+    fn params(like: &str) -> (usize, ModelConfig) {
+        let cfg = config_like(like).unwrap();
+        let n = tensor_specs(&cfg)
+            .unwrap()
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        (n, ModelConfig::from_json(&cfg).unwrap())
+    }
+
+    #[test]
+    fn smallthinker_shapes_match_the_model_cards() {
+        // 21B-A3B: 52 layers of 64 experts (768 wide), untied; ~21.5 B parameters.
+        let (n, c) = params("smallthinker-21b");
+        assert!((21.0e9..22.0e9).contains(&(n as f64)), "{n}");
+        assert_eq!(
+            c.layer_attention[0],
+            LayerAttention {
+                rope: false,
+                window: None
+            }
+        );
+        assert_eq!(
+            c.layer_attention[1],
+            LayerAttention {
+                rope: true,
+                window: Some(4096)
+            }
+        );
+        assert_eq!(
+            c.layer_attention
+                .iter()
+                .filter(|l| l.window.is_none())
+                .count(),
+            13
+        );
+        // 4B-A0.6B: 32 layers of 32 experts, tied; ~4.0 B parameters.
+        let (n, c) = params("smallthinker-4b");
+        assert!((3.8e9..4.2e9).contains(&(n as f64)), "{n}");
+        assert!(c.tie_word_embeddings);
+        assert!(c.layer_attention.iter().all(|l| *l == LayerAttention::FULL));
+    }
+
+    #[test]
+    fn fewer_layers_cut_the_layouts() {
+        let mut cfg = config_like("smallthinker-21b").unwrap();
+        set_layers(&mut cfg, 6);
+        let c = ModelConfig::from_json(&cfg).unwrap();
+        assert_eq!(c.num_layers, 6);
+        assert_eq!(c.layer_attention.len(), 6);
+        assert!(!c.layer_attention[4].rope);
+    }
 }

@@ -309,9 +309,8 @@ impl ModelConfig {
             intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
             rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(1e-6) as f32,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(smallthinker),
-            max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(
-                if smallthinker { 4096 * 32 } else { 4096 },
-            ),
+            max_position_embeddings: opt_usize(v, "max_position_embeddings")
+                .unwrap_or(if smallthinker { 4096 * 32 } else { 4096 }),
             bos_token_id: bos,
             eos_token_ids: eos,
             activation,

@@ -60,7 +60,11 @@ impl GpuModel {
             return Ok(());
         }
         let (heads_i, dh_i, off) = (heads as i32, head_dim as i32, offset as i32);
-        let rd = if rotate { cfg.rope.rotary_dim as i32 } else { 0 };
+        let rd = if rotate {
+            cfg.rope.rotary_dim as i32
+        } else {
+            0
+        };
         let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
         let null = 0u64;
         let mut l = dev.launch(&dev.k.qk_norm_rope);
@@ -159,7 +163,17 @@ impl GpuModel {
         for s in step.seqs {
             if s.len >= PREFILL_GEMM_MIN_ROWS {
                 if let Some((r0, c)) = run.take() {
-                    self.paged_gqa(q, pool, li, step, (nh, nkv, dh), (scale, window), r0, c, out)?;
+                    self.paged_gqa(
+                        q,
+                        pool,
+                        li,
+                        step,
+                        (nh, nkv, dh),
+                        (scale, window),
+                        r0,
+                        c,
+                        out,
+                    )?;
                 }
                 self.prefill_gqa(q, pool, li, step, s, (nh, nkv, dh), (scale, window), out)?;
             } else {
@@ -170,7 +184,17 @@ impl GpuModel {
             }
         }
         if let Some((r0, c)) = run {
-            self.paged_gqa(q, pool, li, step, (nh, nkv, dh), (scale, window), r0, c, out)?;
+            self.paged_gqa(
+                q,
+                pool,
+                li,
+                step,
+                (nh, nkv, dh),
+                (scale, window),
+                r0,
+                c,
+                out,
+            )?;
         }
         self.linear(o, out, x, n, true)
     }
