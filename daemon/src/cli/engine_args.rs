@@ -73,6 +73,10 @@ pub struct EngineArgs {
     /// driver refuses the capture, the daemon warns and runs eagerly).
     #[arg(long)]
     pub cuda_graphs: bool,
+    /// MiB of the chosen experts' weights prefetched into the CPU caches while attention runs, per layer,
+    /// for models that route from the layer input (SmallThinker); 0 turns it off.
+    #[arg(long, default_value_t = 32)]
+    pub expert_prefetch_mib: usize,
 }
 
 impl EngineArgs {
@@ -127,6 +131,7 @@ impl EngineArgs {
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: self.cuda_graphs,
+            expert_prefetch_bytes: self.expert_prefetch_mib << 20,
         })
     }
 }

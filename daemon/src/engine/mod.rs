@@ -79,6 +79,10 @@ pub struct EngineOptions {
     /// capture has been seen to work on the test GPU (the first attempt was refused there and fell
     /// back to eager steps; see docs/PERF.md).
     pub cuda_graphs: bool,
+    /// Bytes of the chosen experts' packed weights prefetched into the CPU caches per layer while
+    /// attention runs, when routing is known before attention (router on the layer input) and the
+    /// experts run on the packed CPU kernels; 0 = off.
+    pub expert_prefetch_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -98,9 +102,13 @@ impl Default for EngineOptions {
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
+            expert_prefetch_bytes: DEFAULT_EXPERT_PREFETCH_BYTES,
         }
     }
 }
+
+/// About one L3 cache's worth: more would evict what was prefetched first before the kernels read it.
+pub const DEFAULT_EXPERT_PREFETCH_BYTES: usize = 32 << 20;
 
 /// Input of one sequence for one step. The cache must already cover `cache.len() + tokens.len()`
 /// positions ([`SeqCache::reserve`], or [`reserve_batch`] for callers without a scheduler).
@@ -159,6 +167,9 @@ pub struct Engine {
     kv_blocks: kv::SharedBlockPool,
     /// The rows of those blocks on the CPU backend (the CUDA backend keeps them in its own pool).
     cpu_kv: Option<std::sync::Arc<kv::CpuKvStore>>,
+    /// Reads a layer's chosen DRAM experts ahead while its attention runs (CPU backend, models routing
+    /// from the layer input); None when off or not applicable.
+    prefetch: Option<(moe_kernels::cpu::moe::ExpertPrefetcher, usize)>,
 }
 
 impl Engine {
@@ -243,12 +254,29 @@ impl Engine {
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
+        let early_routing = model
+            .config
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.router_input == RouterInput::LayerInput);
+        let prefetch = if gpu.is_none()
+            && cpu_pool.is_some()
+            && early_routing
+            && opts.expert_prefetch_bytes > 0
+        {
+            let p = moe_kernels::cpu::moe::ExpertPrefetcher::new()
+                .context("starting the expert prefetch thread")?;
+            Some((p, opts.expert_prefetch_bytes))
+        } else {
+            None
+        };
         Ok(Self {
             model,
             rope,
             pool,
             gpu,
             cpu_pool,
+            prefetch,
             routing_stats: opts.record_routing.then(Default::default),
             last_step: Default::default(),
             kv_blocks,
@@ -389,6 +417,19 @@ impl Engine {
         Ok(out)
     }
 
+    /// Starts reading the packed DRAM experts that `routing` chose (each once) into the CPU caches, in
+    /// the background, while the caller runs attention.
+    fn prefetch_experts(&self, block: &crate::model::MoeBlock, routing: &moe::Routing) {
+        let (Some((p, budget)), Some(set)) = (&self.prefetch, &block.cpu_set) else {
+            return;
+        };
+        let mut ids = routing.ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        let regions: Vec<&[u8]> = ids.iter().filter_map(|&e| set.packed_expert(e)).collect();
+        p.start(&regions, *budget);
+    }
+
     fn validate(&self, batch: &[SeqInput<'_>]) -> Result<(), StepError> {
         let cfg = &self.model.config;
         for s in batch {
@@ -457,7 +498,9 @@ impl Engine {
             // Routing from the layer input (SmallThinker) is decided before attention runs.
             let early = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
-                    Some(moe::route(block, mc, &x, hd))
+                    let routing = moe::route(block, mc, &x, hd);
+                    self.prefetch_experts(block, &routing);
+                    Some(routing)
                 }
                 _ => None,
             };
@@ -478,6 +521,9 @@ impl Engine {
                 (Ffn::Moe(block), Some(mc)) => {
                     let pool = self.cpu_pool.as_ref();
                     let t = std::time::Instant::now();
+                    if let Some((p, _)) = &self.prefetch {
+                        p.cancel(); // the kernels read the weights now
+                    }
                     let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
                     times.expert_hits += routing.ids.len() as u64;
                     self.record(li, &routing.ids);

@@ -51,12 +51,14 @@ mod kern_avx512;
 mod kern_generic;
 mod pack;
 mod packed;
+mod prefetch;
 #[cfg(test)]
 mod tests;
 
 pub use act::Activation;
 pub use pack::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32, PackError, SourceTensor, WeightFormat};
 pub use packed::{unpack_bf16, PackedGeometry, PackedMat};
+pub use prefetch::ExpertPrefetcher;
 
 use std::sync::Mutex;
 
