@@ -700,6 +700,78 @@ mod tests {
         );
     }
 
+    fn smallthinker() -> Value {
+        json!({"architectures": ["SmallThinkerForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 100,
+               "moe_num_primary_experts": 8, "moe_num_active_primary_experts": 2, "moe_ffn_hidden_size": 16,
+               "rope_layout": [0, 1, 1, 1], "sliding_window_layout": [0, 1, 1, 1], "sliding_window_size": 5})
+    }
+
+    #[test]
+    fn smallthinker_layouts_router_and_class_defaults() {
+        let c = ModelConfig::from_json(&smallthinker()).unwrap();
+        assert_eq!(c.arch, Arch::SmallThinker);
+        assert_eq!(c.activation, Activation::Relu);
+        assert_eq!(
+            c.head_dim, 128,
+            "the config class default, not hidden/heads"
+        );
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(c.eos_token_ids, vec![151643, 151645]);
+        let full = LayerAttention {
+            rope: false,
+            window: None,
+        };
+        let swa = LayerAttention {
+            rope: true,
+            window: Some(5),
+        };
+        assert_eq!(c.layer_attention, vec![full, swa, swa, swa]);
+        assert_eq!(swa.first_attended(3), 0);
+        assert_eq!(swa.first_attended(9), 5);
+        let m = c.moe.unwrap();
+        assert_eq!(m.router_input, RouterInput::LayerInput);
+        assert_eq!(c.moe_layers, vec![true; 4]);
+        assert!(matches!(
+            m.router,
+            RouterKind::SigmoidGrouped {
+                n_group: 1,
+                renormalize: true,
+                ..
+            }
+        ));
+        let mut v = smallthinker();
+        v["moe_primary_router_apply_softmax"] = json!(true);
+        v["tie_word_embeddings"] = json!(false);
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert!(!c.tie_word_embeddings);
+        assert_eq!(
+            c.moe.unwrap().router,
+            RouterKind::Softmax { renormalize: true }
+        );
+    }
+
+    #[test]
+    fn smallthinker_bad_layouts_are_errors() {
+        for (key, bad) in [
+            ("rope_layout", json!([1, 1])),
+            ("sliding_window_layout", json!([0, 2, 0, 0])),
+            ("rope_layout", json!("all")),
+        ] {
+            let mut v = smallthinker();
+            v[key] = bad;
+            let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+        let mut v = smallthinker();
+        v["sliding_window_size"] = json!(0);
+        assert!(ModelConfig::from_json(&v).is_err());
+        // other architectures: every layer full attention with RoPE
+        let c = ModelConfig::from_json(&base()).unwrap();
+        assert_eq!(c.layer_attention, vec![LayerAttention::FULL; 3]);
+    }
+
     #[test]
     fn bad_fields_are_errors_not_panics() {
         let mut v = base();
