@@ -508,9 +508,9 @@ impl Engine {
             let rows = &mut kv_rows[li];
             let layout = cfg.layer_attention[li];
             let a = match &layer.attn {
-                Attention::Gqa(g) => attention::gqa_forward(
-                    g, cfg, layout, &self.rope, &h, &segments, &tables, rows,
-                ),
+                Attention::Gqa(g) => {
+                    attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, &tables, rows)
+                }
                 Attention::Mla(a) => {
                     attention::mla_forward(a, cfg, &self.rope, &h, &segments, &tables, rows)
                 }
