@@ -472,7 +472,9 @@ fn parse_rope(
 
 /// Per-layer RoPE / NoPE and sliding-window layout (SmallThinker's `rope_layout`,
 /// `sliding_window_layout`: one 0 or 1 per layer; `sliding_window_size`). Other architectures: every
-/// layer rotates and attends to every earlier position.
+/// layer rotates and attends to every earlier position. llama.cpp's SMALLTHINKER loader does not read the
+/// layouts (it fixes a 4096 window on three layers of every four and NoPE on the fourth whenever a window
+/// is present); the model repository's file reads them per layer, and it decides here.
 fn parse_layer_attention(
     v: &Value,
     arch: Arch,
