@@ -258,3 +258,37 @@ fn batch_equals_members_alone() {
         }
     }
 }
+
+/// SmallThinker routes from the layer input: while attention runs, the chosen DRAM experts are prefetched
+/// (by default), and turning that off changes nothing in the logits.
+#[test]
+fn early_routing_prefetches_experts_without_changing_logits() {
+    let dir = fixture_dir("smallthinker").join("model");
+    let o = oracle("smallthinker");
+    let first = |e: &Engine| {
+        let mut c = e.new_cache();
+        e.reserve_and_forward(&mut [SeqInput {
+            cache: &mut c,
+            tokens: &o.prompt,
+        }])
+        .unwrap()
+        .remove(0)
+    };
+    let on = Engine::load(&dir, &exact()).unwrap();
+    let with = first(&on);
+    let t = std::time::Instant::now();
+    while on.prefetched_expert_bytes() == 0 && t.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert!(on.prefetched_expert_bytes() > 0, "no expert was prefetched");
+    let off = Engine::load(
+        &dir,
+        &EngineOptions {
+            expert_prefetch_bytes: 0,
+            ..exact()
+        },
+    )
+    .unwrap();
+    assert_eq!(first(&off), with);
+    assert_eq!(off.prefetched_expert_bytes(), 0);
+}

@@ -417,6 +417,12 @@ impl Engine {
         Ok(out)
     }
 
+    /// Bytes of expert weights prefetched ahead of their use so far (early-routing models on the CPU
+    /// backend; 0 when prefetch is off).
+    pub fn prefetched_expert_bytes(&self) -> u64 {
+        self.prefetch.as_ref().map_or(0, |(p, _)| p.hinted_bytes())
+    }
+
     /// Starts reading the packed DRAM experts that `routing` chose (each once) into the CPU caches, in
     /// the background, while the caller runs attention.
     fn prefetch_experts(&self, block: &crate::model::MoeBlock, routing: &moe::Routing) {
