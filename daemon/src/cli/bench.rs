@@ -170,7 +170,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         let l = prefill_into(&engine, c, &prompt(&engine, a.prompt_len, i), a.chunk)?;
         next.push(crate::engine::sampling::argmax(&l) as u32);
     }
-    let mut split = crate::engine::gpu::forward::StepTimes::default();
+    let mut split = crate::engine::StepTimes::default();
     let mut elapsed = 0.0;
     for step in 0..a.steps + 2 {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();

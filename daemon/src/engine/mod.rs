@@ -13,6 +13,7 @@ pub mod ops;
 pub mod placement;
 pub mod rope;
 pub mod sampling;
+mod step_times;
 
 use crate::model::build::build_model;
 use crate::model::config::RouterInput;
@@ -24,6 +25,7 @@ pub use kv::{KvError, SeqCache};
 use ops::{add_assign, rms_norm};
 use rope::Rope;
 use std::path::Path;
+pub use step_times::StepTimes;
 
 /// Which backend runs the dense part of the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -162,7 +164,7 @@ pub struct Engine {
     /// Persistent pinned workers of the CPU expert kernels (None: reference path or dense model).
     cpu_pool: Option<moe_kernels::cpu::WorkerPool>,
     routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
-    last_step: std::sync::Mutex<gpu::forward::StepTimes>,
+    last_step: std::sync::Mutex<StepTimes>,
     /// Which KV block belongs to which sequence (shared with every [`SeqCache`] of this engine).
     kv_blocks: kv::SharedBlockPool,
     /// The rows of those blocks on the CPU backend (the CUDA backend keeps them in its own pool).
@@ -316,7 +318,7 @@ impl Engine {
     }
 
     /// Timing split of the last step (CUDA backend).
-    pub fn last_step_times(&self) -> gpu::forward::StepTimes {
+    pub fn last_step_times(&self) -> StepTimes {
         self.last_step
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -399,7 +401,7 @@ impl Engine {
                 tokens: s.tokens,
             })
             .collect();
-        let mut times = gpu::forward::StepTimes::default();
+        let mut times = StepTimes::default();
         let out = g
             .forward(
                 &self.model,
@@ -474,7 +476,7 @@ impl Engine {
     }
 
     fn run_validated(&self, batch: &mut [SeqInput<'_>], all: bool) -> Vec<Vec<f32>> {
-        let mut times = gpu::forward::StepTimes::default();
+        let mut times = StepTimes::default();
         let m = &self.model;
         let cfg = &m.config;
         let hd = cfg.hidden_size;

@@ -150,8 +150,7 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
     const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
     int pos = pos_of_token[t];
     float m = -INFINITY, l = 0.f;
-    int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    for (int base = lo; base <= pos; base += blockDim.x) {
+    for (int base = 0; base <= pos; base += blockDim.x) {
         int p = base + tid;
         float s = -INFINITY;
         if (p <= pos) {

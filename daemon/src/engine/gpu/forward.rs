@@ -5,6 +5,7 @@ use super::handoff::Handoff;
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::{dram_experts_forward, Routing};
+use crate::engine::StepTimes;
 use crate::model::config::{Activation, RouterInput, RouterKind};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
@@ -12,20 +13,6 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
-
-/// Where time went in a step (for `bench decode|prefill`).
-#[derive(Debug, Default, Clone)]
-pub struct StepTimes {
-    /// Host time spent waiting for the GPU at MoE hand-offs and the end of the step.
-    pub gpu_wait_s: f64,
-    /// Host time computing DRAM experts.
-    pub cpu_experts_s: f64,
-    /// Host time uploading expert weights for layerwise prefill.
-    pub transfer_s: f64,
-    /// Expert evaluations served by the GPU / all expert evaluations.
-    pub gpu_expert_hits: u64,
-    pub expert_hits: u64,
-}
 
 /// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
 /// driver reserved them).
