@@ -209,7 +209,8 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
     __syncthreads();
     float m = -INFINITY, l = 0.f;
     float acc0 = 0.f, acc1 = 0.f;  // output dims tid and tid + blockDim.x
-    for (int base = 0; base <= pos; base += blockDim.x) {
+    int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    for (int base = lo; base <= pos; base += blockDim.x) {
         int p = base + tid;
         float s = -INFINITY;
         if (p <= pos) {
