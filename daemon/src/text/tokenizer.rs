@@ -3,6 +3,7 @@
 //! chat template the server needs.
 use super::TextError;
 use crate::weights::gguf::{GgufFile, GgufValue};
+use crate::weights::{read_text_file, JSON_FILE_LIMIT};
 use serde_json::{json, Value};
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -15,6 +16,9 @@ pub struct TextTokenizer {
     pub stop_token_ids: Vec<u32>,
     pub chat_template: Option<String>,
 }
+
+/// `tokenizer.json` size limit: the largest real ones (250k-token vocabularies) are ~35 MB.
+const TOKENIZER_FILE_LIMIT: u64 = 512 << 20;
 
 fn tok_err(e: impl std::fmt::Display) -> TextError {
     TextError::Tokenizer(e.to_string())
@@ -82,6 +86,13 @@ impl TextTokenizer {
                     .collect()
             })
             .unwrap_or_default();
+        if types.len() > tokens.len() {
+            return Err(bad(format!(
+                "metadata `tokenizer.ggml.token_type` has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
         let vocab: serde_json::Map<String, Value> = tokens
             .iter()
             .enumerate()
@@ -115,7 +126,13 @@ impl TextTokenizer {
                       "ignore_merges": false, "vocab": vocab, "merges": merges}
         });
         let inner: Tokenizer = spec.to_string().parse().map_err(tok_err)?;
-        let id = |k: &str| g.get(k).and_then(GgufValue::as_u64).map(|v| v as u32);
+        // Ids outside the vocabulary are ignored as llama.cpp does (it warns and drops them).
+        let id = |k: &str| {
+            g.get(k)
+                .and_then(GgufValue::as_u64)
+                .filter(|&v| v < tokens.len() as u64)
+                .map(|v| v as u32)
+        };
         let name = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
         let eos = id("tokenizer.ggml.eos_token_id");
         let mut t = Self {
@@ -135,11 +152,15 @@ impl TextTokenizer {
     /// From a Hugging Face directory: `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
         let file = dir.join("tokenizer.json");
-        let inner = Tokenizer::from_file(&file).map_err(|e| TextError::File {
+        let file_err = |message: String| TextError::File {
             path: file.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let cfg: Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            message,
+        };
+        let text =
+            read_text_file(&file, TOKENIZER_FILE_LIMIT).map_err(|e| file_err(e.to_string()))?;
+        let inner: Tokenizer = text.parse().map_err(|e| file_err(format!("{e}")))?;
+        let side_file = |name: &str| read_text_file(&dir.join(name), JSON_FILE_LIMIT);
+        let cfg: Value = side_file("tokenizer_config.json")
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok())
             .unwrap_or(Value::Null);
@@ -148,17 +169,18 @@ impl TextTokenizer {
             Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
             _ => None,
         };
-        let chat_template = std::fs::read_to_string(dir.join("chat_template.jinja"))
-            .ok()
-            .or_else(|| match &cfg["chat_template"] {
-                Value::String(s) => Some(s.clone()),
-                Value::Array(list) => list
-                    .iter()
-                    .find(|t| t["name"] == "default")
-                    .or(list.first())
-                    .and_then(|t| t["template"].as_str().map(str::to_string)),
-                _ => None,
-            });
+        let chat_template =
+            side_file("chat_template.jinja")
+                .ok()
+                .or_else(|| match &cfg["chat_template"] {
+                    Value::String(s) => Some(s.clone()),
+                    Value::Array(list) => list
+                        .iter()
+                        .find(|t| t["name"] == "default")
+                        .or(list.first())
+                        .and_then(|t| t["template"].as_str().map(str::to_string)),
+                    _ => None,
+                });
         let eos_token = token_str(&cfg["eos_token"]);
         let mut t = Self {
             bos_token: token_str(&cfg["bos_token"]),
