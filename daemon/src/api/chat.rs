@@ -53,10 +53,7 @@ pub async fn chat_completions(
             &kwargs,
         )
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let prompt = state
-        .tokenizer
-        .encode(&prompt_text)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let prompt = state.encode_prompt(&prompt_text).await?;
     let max_tokens = fit_context(&state, prompt.len(), req.common.max_tokens()?)?;
     let output = OutputOptions {
         stop: req.common.stop.strings(),

@@ -6,7 +6,9 @@ use crate::weights::gguf::{GgufFile, GgufValue};
 use crate::weights::{read_text_file, JSON_FILE_LIMIT};
 use serde_json::{json, Value};
 use std::path::Path;
+use std::sync::Arc;
 use tokenizers::Tokenizer;
+use tokio::sync::Semaphore;
 
 pub struct TextTokenizer {
     inner: Tokenizer,
@@ -216,9 +218,39 @@ impl TextTokenizer {
     }
 
     /// Text to ids; special-token strings in the text become their ids (templates emit them as text).
+    /// `encode_fast` skips the per-token offsets, which we never read and which cost most of the
+    /// memory of a long encoding.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// [`Self::encode`] for a prompt that may hold at most `max_tokens` tokens. A text far longer
+    /// than that is first measured on a prefix: when the prefix alone is over the limit the prompt
+    /// is refused without tokenising the whole body (megabytes of text cost seconds and ~65× their
+    /// size in memory).
+    pub fn encode_within(&self, text: &str, max_tokens: usize) -> Result<Vec<u32>, EncodeError> {
+        let probe = max_tokens
+            .saturating_add(1)
+            .saturating_mul(PROBE_BYTES_PER_TOKEN);
+        if text.len() > probe {
+            let prefix = &text[..word_boundary_before(text, probe)];
+            let n = self.encode(prefix)?.len();
+            if n > max_tokens {
+                return Err(EncodeError::TooLong {
+                    at_least: n,
+                    max_tokens,
+                });
+            }
+        }
+        let ids = self.encode(text)?;
+        if ids.len() > max_tokens {
+            return Err(EncodeError::TooLong {
+                at_least: ids.len(),
+                max_tokens,
+            });
+        }
+        Ok(ids)
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
@@ -235,6 +267,81 @@ impl TextTokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+}
+
+/// Bytes of text per allowed token before a prompt is measured on a prefix first: text averages
+/// 3–5 bytes per token, so only prompts that are almost surely too long take that path.
+const PROBE_BYTES_PER_TOKEN: usize = 16;
+
+/// The end of a prefix of at most `limit` bytes, moved back to the last whitespace within 1 KiB so
+/// that the prefix's tokens are the whole text's tokens (no word cut in two).
+fn word_boundary_before(text: &str, limit: usize) -> usize {
+    let mut end = limit.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let window_start = end.saturating_sub(1024);
+    match text[..end].rfind(char::is_whitespace) {
+        Some(ws) if ws >= window_start && ws > 0 => ws,
+        _ => end,
+    }
+}
+
+/// Why a prompt was not tokenised.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    #[error("the prompt has at least {at_least} tokens, over the limit of {max_tokens}")]
+    TooLong { at_least: usize, max_tokens: usize },
+    #[error(transparent)]
+    Text(#[from] TextError),
+    #[error("the tokenizer pool has shut down")]
+    PoolClosed,
+}
+
+/// Tokenisation off the async runtime: prompts are tokenised on tokio's blocking threads, at most
+/// `slots` at once; the rest wait for a slot without holding a runtime worker, so `/health` and
+/// streams keep being served while large prompts are tokenised, and peak tokenizer memory is
+/// bounded by `slots` encodings.
+pub struct TokenizerPool {
+    tokenizer: Arc<TextTokenizer>,
+    slots: Arc<Semaphore>,
+}
+
+impl TokenizerPool {
+    pub fn new(tokenizer: Arc<TextTokenizer>, slots: usize) -> Self {
+        Self {
+            tokenizer,
+            slots: Arc::new(Semaphore::new(slots.max(1))),
+        }
+    }
+
+    /// One slot per two cores, at least one and at most four: tokenising is CPU work that
+    /// competes with the engine's own threads.
+    pub fn default_slots() -> usize {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get() / 2)
+            .clamp(1, 4)
+    }
+
+    pub async fn encode_within(
+        &self,
+        text: String,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, EncodeError> {
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| EncodeError::PoolClosed)?;
+        let tok = self.tokenizer.clone();
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            tok.encode_within(&text, max_tokens)
+        })
+        .await
+        .map_err(|_| EncodeError::PoolClosed)?
     }
 }
 
@@ -275,5 +382,77 @@ mod tests {
             Some("file wins")
         );
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    fn byte_level_tokenizer() -> TextTokenizer {
+        let dir = tempfile::tempdir().unwrap();
+        let mut vocab = serde_json::Map::new();
+        for b in 0u8..=255 {
+            let c = match b {
+                b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff => b as char,
+                _ => char::from_u32(0x100 + b as u32).unwrap(),
+            };
+            let n = vocab.len();
+            vocab.entry(c.to_string()).or_insert(n.into());
+        }
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+            "post_processor": null, "decoder": {"type": "ByteLevel"}, "added_tokens": [],
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+            "model": {"type": "BPE", "vocab": vocab, "merges": []}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), spec.to_string()).unwrap();
+        TextTokenizer::from_hf_dir(dir.path()).unwrap()
+    }
+
+    #[test]
+    fn prompts_over_the_limit_are_refused_from_a_prefix() {
+        let t = byte_level_tokenizer();
+        // One token per byte here: 100 bytes fit 100 tokens, 101 do not.
+        assert_eq!(t.encode_within(&"a".repeat(100), 100).unwrap().len(), 100);
+        assert!(matches!(
+            t.encode_within(&"a".repeat(101), 100),
+            Err(EncodeError::TooLong { at_least: 101, .. })
+        ));
+        // 8 MB of words against a 1,000-token limit: refused after tokenising a ~16 KB prefix.
+        let big = "word ".repeat(8 << 20 >> 3);
+        let t0 = std::time::Instant::now();
+        match t.encode_within(&big, 1000) {
+            Err(EncodeError::TooLong { at_least, .. }) => assert!(at_least < 20_000, "{at_least}"),
+            other => panic!("expected TooLong, got {other:?}"),
+        }
+        // Tokenising all 8 MB takes seconds at this opt-level; the prefix takes milliseconds.
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            t0.elapsed()
+        );
+        // A prefix cut is moved back to a word boundary.
+        assert_eq!(word_boundary_before("hello world", 8), 5);
+        assert_eq!(word_boundary_before("héllo", 2), 1);
+    }
+
+    #[test]
+    fn the_pool_runs_at_most_its_slots_and_keeps_the_runtime_free() {
+        let t = Arc::new(byte_level_tokenizer());
+        let pool = Arc::new(TokenizerPool::new(t, 1));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let big = "word ".repeat(200_000);
+            let p = pool.clone();
+            let job = tokio::spawn(async move { p.encode_within(big, 2_000_000).await });
+            // The single-threaded runtime still runs other tasks while the prompt is tokenised.
+            let ticks = tokio::spawn(async {
+                for _ in 0..5 {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            });
+            ticks.await.unwrap();
+            assert!(!job.is_finished(), "tokenising blocked the runtime");
+            assert_eq!(job.await.unwrap().unwrap().len(), 1_000_000);
+        });
     }
 }
