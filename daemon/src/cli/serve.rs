@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// Split `<think>…</think>` into `reasoning_content`: auto (when the vocabulary has `</think>`), on, off.
     #[arg(long, default_value = "auto")]
     pub reasoning_parser: String,
+    /// Special-token strings typed in chat messages and tools: `parse` turns them into control tokens
+    /// (vLLM's behaviour; a user can then open a system turn), `text` tokenises them as the text they
+    /// are while the template's own markers stay control tokens.
+    #[arg(long, default_value = "parse")]
+    pub client_special_tokens: String,
     /// Chat template file overriding the model's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -300,7 +305,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     check_weight_format(args.weight_format.as_deref(), &args.model)?;
     let mut files =
         open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
-    let tokenizer = Arc::new(files.tokenizer.take().context("tokenizer missing")?);
+    let mut tokenizer = files.tokenizer.take().context("tokenizer missing")?;
+    match args.client_special_tokens.as_str() {
+        "parse" => {}
+        "text" => tokenizer.keep_client_specials_literal(),
+        other => bail!("--client-special-tokens must be parse or text, got {other}"),
+    }
+    let tokenizer = Arc::new(tokenizer);
     let template_src = match &args.chat_template {
         Some(p) => {
             Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)

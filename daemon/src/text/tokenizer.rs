@@ -17,6 +17,23 @@ pub struct TextTokenizer {
     /// Token ids that end generation (EOS and template end-of-turn markers).
     pub stop_token_ids: Vec<u32>,
     pub chat_template: Option<String>,
+    /// Set by [`Self::keep_client_specials_literal`].
+    literal: Option<LiteralSpecials>,
+}
+
+/// A special-token string taken out of client text is replaced by U+FDD0, the token's index, U+FDD1:
+/// Unicode noncharacters, which no client text needs (text holding them is refused).
+const MARK_OPEN: char = '\u{FDD0}';
+const MARK_CLOSE: char = '\u{FDD1}';
+
+/// Special tokens typed by a client, tokenised as the text they are. vLLM's default (and ours) is
+/// to tokenise the rendered prompt as one string, so `<|im_start|>system` inside a user message
+/// becomes the control token (role injection); this is the switch that prevents it.
+struct LiteralSpecials {
+    /// The special tokens' strings, longest first (a token containing another wins).
+    specials: Vec<String>,
+    /// The same tokenizer with special-token matching off.
+    plain: Tokenizer,
 }
 
 /// `tokenizer.json` size limit: the largest real ones (250k-token vocabularies) are ~35 MB.
@@ -139,6 +156,7 @@ impl TextTokenizer {
         let eos = id("tokenizer.ggml.eos_token_id");
         let mut t = Self {
             inner,
+            literal: None,
             bos_token: name(id("tokenizer.ggml.bos_token_id")),
             eos_token: name(eos),
             stop_token_ids: eos.into_iter().collect(),
@@ -194,6 +212,7 @@ impl TextTokenizer {
             eos_token,
             inner,
             chat_template,
+            literal: None,
         };
         t.add_end_of_turn_tokens();
         Ok(t)
@@ -235,7 +254,7 @@ impl TextTokenizer {
             .saturating_mul(PROBE_BYTES_PER_TOKEN);
         if text.len() > probe {
             let prefix = &text[..word_boundary_before(text, probe)];
-            let n = self.encode(prefix)?.len();
+            let n = self.encode_marked(prefix)?.len();
             if n > max_tokens {
                 return Err(EncodeError::TooLong {
                     at_least: n,
@@ -243,13 +262,73 @@ impl TextTokenizer {
                 });
             }
         }
-        let ids = self.encode(text)?;
+        let ids = self.encode_marked(text)?;
         if ids.len() > max_tokens {
             return Err(EncodeError::TooLong {
                 at_least: ids.len(),
                 max_tokens,
             });
         }
+        Ok(ids)
+    }
+
+    /// From now on, special-token strings in client text marked by [`Self::mark_client_text`] are
+    /// tokenised as plain text, not as control tokens.
+    pub fn keep_client_specials_literal(&mut self) {
+        let mut specials: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        specials.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        let mut plain = self.inner.clone();
+        plain.set_encode_special_tokens(true);
+        self.literal = Some(LiteralSpecials { specials, plain });
+    }
+
+    /// Client-controlled JSON (messages, tools) with every special-token string in its strings
+    /// marked, so that it survives the chat template and is tokenised as text. Unchanged (borrowed)
+    /// when the switch is off.
+    pub fn mark_client_text<'a>(
+        &self,
+        v: &'a [Value],
+    ) -> Result<std::borrow::Cow<'a, [Value]>, TextError> {
+        let Some(lit) = &self.literal else {
+            return Ok(std::borrow::Cow::Borrowed(v));
+        };
+        let mut out = v.to_vec();
+        for item in &mut out {
+            mark_strings(item, lit)?;
+        }
+        Ok(std::borrow::Cow::Owned(out))
+    }
+
+    /// [`Self::encode`] honouring marks: the text between marks is tokenised with special tokens
+    /// parsed (the template's own markers), each mark as its special token's plain text.
+    fn encode_marked(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let Some(lit) = self.literal.as_ref().filter(|_| text.contains(MARK_OPEN)) else {
+            return self.encode(text);
+        };
+        let mut ids = Vec::new();
+        let mut rest = text;
+        while let Some(open) = rest.find(MARK_OPEN) {
+            ids.extend(self.encode(&rest[..open])?);
+            let after = &rest[open + MARK_OPEN.len_utf8()..];
+            let close = after
+                .find(MARK_CLOSE)
+                .ok_or_else(|| tok_err("unclosed mark"))?;
+            let idx: usize = after[..close].parse().map_err(tok_err)?;
+            let special = lit.specials.get(idx).ok_or_else(|| tok_err("bad mark"))?;
+            let enc = lit
+                .plain
+                .encode_fast(special.as_str(), false)
+                .map_err(tok_err)?;
+            ids.extend(enc.get_ids());
+            rest = &after[close + MARK_CLOSE.len_utf8()..];
+        }
+        ids.extend(self.encode(rest)?);
         Ok(ids)
     }
 
@@ -268,6 +347,36 @@ impl TextTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// Marks every special-token string inside the strings of `v` (keys are left alone).
+fn mark_strings(v: &mut Value, lit: &LiteralSpecials) -> Result<(), TextError> {
+    match v {
+        Value::String(s) => {
+            if s.contains([MARK_OPEN, MARK_CLOSE]) {
+                return Err(TextError::Tokenizer(
+                    "text contains the Unicode noncharacters U+FDD0/U+FDD1".into(),
+                ));
+            }
+            for (i, special) in lit.specials.iter().enumerate() {
+                if s.contains(special.as_str()) {
+                    *s = s.replace(special.as_str(), &format!("{MARK_OPEN}{i}{MARK_CLOSE}"));
+                }
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                mark_strings(item, lit)?;
+            }
+        }
+        Value::Object(map) => {
+            for item in map.values_mut() {
+                mark_strings(item, lit)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Bytes of text per allowed token before a prompt is measured on a prefix first: text averages
@@ -397,8 +506,9 @@ mod tests {
         }
         let spec = json!({
             "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
-            "post_processor": null, "decoder": {"type": "ByteLevel"}, "added_tokens": [],
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+            "post_processor": null, "decoder": null, "added_tokens": [],
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                              "use_regex": true},
             "model": {"type": "BPE", "vocab": vocab, "merges": []}
         });
         std::fs::write(dir.path().join("tokenizer.json"), spec.to_string()).unwrap();
@@ -454,5 +564,43 @@ mod tests {
             assert!(!job.is_finished(), "tokenising blocked the runtime");
             assert_eq!(job.await.unwrap().unwrap().len(), 1_000_000);
         });
+    }
+
+    #[test]
+    fn client_special_tokens_stay_text_when_asked() {
+        let dir = std::env::temp_dir().join(format!("moe-tok-lit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "normalizer": null, "post_processor": null,
+            "decoder": null,
+            "added_tokens": [{"id": 4, "content": "<|im_start|>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[<|>_a-z]"}, "behavior": "Isolated",
+                              "invert": false},
+            "model": {"type": "WordLevel", "vocab": {"<": 0, "|": 1, ">": 2, "[UNK]": 3, "<|im_start|>": 4,
+                      "i": 5, "m": 6, "_": 7, "s": 8, "t": 9, "a": 10, "r": 11},
+                      "unk_token": "[UNK]"}
+        });
+        std::fs::write(dir.join("tokenizer.json"), spec.to_string()).unwrap();
+        let mut t = TextTokenizer::from_hf_dir(&dir).unwrap();
+        let msgs = vec![json!({"role": "user", "content": "<|im_start|>"})];
+        // Default (vLLM's): the typed marker becomes the control token.
+        let same = t.mark_client_text(&msgs).unwrap();
+        let rendered = format!("<|im_start|>{}", same[0]["content"].as_str().unwrap());
+        assert_eq!(t.encode_within(&rendered, 100).unwrap(), vec![4, 4]);
+        // Switched: the template's marker stays a control token, the typed one is text.
+        t.keep_client_specials_literal();
+        let marked = t.mark_client_text(&msgs).unwrap();
+        let rendered = format!("<|im_start|>{}", marked[0]["content"].as_str().unwrap());
+        let ids = t.encode_within(&rendered, 100).unwrap();
+        assert_eq!(ids[0], 4);
+        assert!(!ids[1..].contains(&4), "{ids:?}");
+        assert_eq!(
+            t.decode(&ids[1..], false).unwrap().replace(' ', ""),
+            "<|im_start|>"
+        );
+        let bad = vec![json!({"role": "user", "content": "\u{FDD0}0\u{FDD1}"})];
+        assert!(t.mark_client_text(&bad).is_err());
+        std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -219,8 +219,7 @@ fn alignment_zero_or_not_a_power_of_two_is_refused() {
 
 #[test]
 fn non_finite_weights_are_refused_naming_the_tensor() {
-    let mut meta: Vec<(&str, GgufValue)> = Vec::new();
-    meta.push(("general.architecture", GgufValue::Str("llama".into())));
+    let meta = [("general.architecture", GgufValue::Str("llama".into()))];
     let tensors = [(
         "token_embd.weight",
         0,
