@@ -5,10 +5,18 @@ use libfuzzer_sys::fuzz_target;
 use moe_daemon::model::ModelConfig;
 use moe_daemon::weights::gguf::GgufFile;
 use moe_daemon::weights::TensorSource;
+use std::sync::OnceLock;
+
+/// One directory for the whole run: the file is rewritten per input (creating a directory per input
+/// would halve the speed).
+fn dir() -> &'static std::path::Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path()
+}
 
 fuzz_target!(|data: &[u8]| {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("model.gguf");
+    let path = dir().join("model.gguf");
     std::fs::write(&path, data).expect("write");
     let Ok(g) = GgufFile::open(&path) else {
         return;

@@ -4,11 +4,19 @@
 use libfuzzer_sys::fuzz_target;
 use moe_daemon::weights::safetensors::SafetensorsDir;
 use moe_daemon::weights::TensorSource;
+use std::sync::OnceLock;
+
+/// One directory for the whole run: the file is rewritten per input (creating a directory per input
+/// would halve the speed).
+fn dir() -> &'static std::path::Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path()
+}
 
 fuzz_target!(|data: &[u8]| {
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("model.safetensors"), data).expect("write");
-    let Ok(st) = SafetensorsDir::open(dir.path()) else {
+    std::fs::write(dir().join("model.safetensors"), data).expect("write");
+    let Ok(st) = SafetensorsDir::open(dir()) else {
         return;
     };
     for name in st.names() {

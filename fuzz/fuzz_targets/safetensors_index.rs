@@ -3,6 +3,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use moe_daemon::weights::safetensors::SafetensorsDir;
+use std::sync::OnceLock;
 
 /// A valid one-tensor shard: header length, JSON header, 4 bytes of f32.
 fn shard() -> Vec<u8> {
@@ -13,11 +14,21 @@ fn shard() -> Vec<u8> {
     b
 }
 
+/// One directory for the whole run, holding the shard; the index is rewritten per input.
+fn dir() -> &'static std::path::Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    let d = DIR
+        .get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path();
+    if !d.join("a.safetensors").exists() {
+        std::fs::write(d.join("a.safetensors"), shard()).expect("write");
+    }
+    d
+}
+
 fuzz_target!(|data: &[u8]| {
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("model.safetensors.index.json"), data).expect("write");
-    std::fs::write(dir.path().join("a.safetensors"), shard()).expect("write");
-    if let Ok(st) = SafetensorsDir::open(dir.path()) {
+    std::fs::write(dir().join("model.safetensors.index.json"), data).expect("write");
+    if let Ok(st) = SafetensorsDir::open(dir()) {
         let _ = st.names();
     }
 });
