@@ -9,12 +9,13 @@
 #        FUZZ_RUNS=1000000 scripts/fuzz.sh     # a fixed number of inputs per target instead
 #        FUZZ_TARGETS="gguf config_json" ...    # a subset
 # Needs a nightly toolchain and cargo-fuzz (`rustup toolchain install nightly`,
-# `cargo install cargo-fuzz --locked`).
+# `cargo install cargo-fuzz --locked`); FUZZ_TOOLCHAIN picks the toolchain (default: nightly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-20}
-targets=${FUZZ_TARGETS:-$(cargo +nightly fuzz list)}
-cargo +nightly fuzz build
+tc=${FUZZ_TOOLCHAIN:-nightly}
+targets=${FUZZ_TARGETS:-$(cargo "+$tc" fuzz list)}
+cargo "+$tc" fuzz build
 for t in $targets; do
     mkdir -p "fuzz/corpus/$t"
     if [ -n "${FUZZ_RUNS:-}" ]; then limit="-runs=$FUZZ_RUNS"; else limit="-max_total_time=$seconds"; fi
@@ -23,7 +24,7 @@ for t in $targets; do
     # -timeout: one input taking over 10 s is a hang.
     log="fuzz/corpus/$t.log"
     status=0
-    cargo +nightly fuzz run "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
+    cargo "+$tc" fuzz run "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
         "$limit" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 >"$log" 2>&1 || status=$?
     grep -E "^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)|^Done [0-9]+ runs|ERROR|panicked|SUMMARY" "$log" || true
     if [ "$status" -ne 0 ]; then

@@ -376,7 +376,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         limits: HttpLimits::new(
             args.max_body_bytes,
             Duration::from_secs(args.body_read_timeout_s),
-            TokenizerPool::default_slots(),
+            LARGE_BODIES_AT_ONCE,
         ),
         protect_metrics: args.protect_metrics,
         deadline_passed,
@@ -406,6 +406,10 @@ async fn load_failed(rx: &mut tokio::sync::watch::Receiver<Option<String>>) -> S
         Err(_) => std::future::pending().await,
     }
 }
+
+/// Bodies over 1 MiB held at once (at most 8 × --max-body-bytes in memory); tokenising them is
+/// bounded separately by the tokenizer pool.
+const LARGE_BODIES_AT_ONCE: usize = 8;
 
 /// How long streams cut by the shutdown deadline get to send their error event and `[DONE]`.
 const CUT_STREAMS_GRACE: Duration = Duration::from_secs(2);
