@@ -160,3 +160,108 @@ fn sharded_checkpoint_loads_like_single_file() {
     };
     assert_eq!(run(&one), run(&two));
 }
+
+#[test]
+fn fifo_in_place_of_the_weights_is_an_error_not_a_hang() {
+    let d = copy("qwen3_moe");
+    let st = d.path().join("model.safetensors");
+    std::fs::remove_file(&st).unwrap();
+    let made = std::process::Command::new("mkfifo").arg(&st).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo failed");
+    // Opening a FIFO for reading blocks until a writer appears: run the load on a thread and
+    // give it a deadline so a regression fails instead of hanging the suite.
+    let dir = d.path().to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(load_err(&dir));
+    });
+    let e = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("loading a FIFO hung");
+    assert!(
+        e.contains("model.safetensors") && e.contains("not a regular file"),
+        "{e}"
+    );
+}
+
+#[test]
+fn index_naming_a_shard_outside_the_model_dir_is_refused() {
+    for shard in ["../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"] {
+        let d = copy("qwen3_moe");
+        std::fs::write(
+            d.path().join("model.safetensors.index.json"),
+            serde_json::json!({"weight_map": {"model.embed_tokens.weight": shard}}).to_string(),
+        )
+        .unwrap();
+        let e = load_err(d.path());
+        assert!(
+            e.contains("model.safetensors.index.json") && e.contains("inside the model directory"),
+            "{shard}: {e}"
+        );
+    }
+}
+
+#[test]
+fn gguf_file_in_place_of_safetensors_says_so() {
+    let d = copy("qwen3_moe");
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend([0u8; 16]);
+    std::fs::write(d.path().join("model.safetensors"), bytes).unwrap();
+    let e = load_err(d.path());
+    assert!(
+        e.contains("not a valid safetensors file") && e.contains("GGUF"),
+        "{e}"
+    );
+}
+
+#[test]
+fn nan_weight_is_refused_naming_the_tensor() {
+    let src = fixture("qwen3_moe");
+    let d = copy("qwen3_moe");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let target = "model.norm.weight";
+    let mut owned: Vec<(String, Vec<u8>, safetensors::Dtype, Vec<usize>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec(), t.dtype(), t.shape().to_vec()))
+        .collect();
+    let (_, data, dtype, _) = owned.iter_mut().find(|(n, ..)| n == target).unwrap();
+    // Element 1 becomes NaN in whatever float width the fixture stores.
+    match dtype {
+        safetensors::Dtype::F32 => data[4..8].copy_from_slice(&f32::NAN.to_le_bytes()),
+        _ => data[2..4].copy_from_slice(&0x7fc0u16.to_le_bytes()),
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, data, dtype, shape)| {
+            let v = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &d.path().join("model.safetensors")).unwrap();
+    let e = load_err(d.path());
+    assert!(
+        e.contains(target) && e.contains("non-finite") && e.contains("element 1"),
+        "{e}"
+    );
+}
+
+#[test]
+fn absurd_config_values_are_errors_not_aborts() {
+    for (key, value) in [
+        (
+            "num_hidden_layers",
+            serde_json::json!(1_000_000_000_000_000u64),
+        ),
+        ("head_dim", serde_json::json!(1u64 << 40)),
+        ("head_dim", serde_json::json!(1u64 << 29)),
+        ("rope_theta", serde_json::json!(0.0)),
+    ] {
+        let d = copy("qwen3_moe");
+        edit_config(d.path(), |v| v[key] = value.clone());
+        let e = load_err(d.path());
+        assert!(e.contains(key), "{key}: {e}");
+    }
+}

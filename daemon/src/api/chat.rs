@@ -45,18 +45,26 @@ pub async fn chat_completions(
         ApiError::bad_request("this model has no chat template; use /v1/completions")
     })?;
     let kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    // Client text, with special-token strings marked when they must stay text (--client-special-tokens).
+    let bad = |e: crate::text::TextError| ApiError::bad_request(e.to_string());
+    let messages = state
+        .tokenizer
+        .mark_client_text(&req.messages)
+        .map_err(bad)?;
+    let tool_specs = req
+        .tools
+        .as_deref()
+        .map(|t| state.tokenizer.mark_client_text(t));
+    let tool_specs = tool_specs.transpose().map_err(bad)?;
     let prompt_text = template
         .render(
-            &req.messages,
-            req.tools.as_deref().filter(|_| tools.is_some()),
+            &messages,
+            tool_specs.as_deref().filter(|_| tools.is_some()),
             req.add_generation_prompt.unwrap_or(true),
             &kwargs,
         )
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let prompt = state
-        .tokenizer
-        .encode(&prompt_text)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let prompt = state.encode_prompt(&prompt_text).await?;
     let max_tokens = fit_context(&state, prompt.len(), req.common.max_tokens()?)?;
     let output = OutputOptions {
         stop: req.common.stop.strings(),

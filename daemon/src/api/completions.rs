@@ -42,11 +42,14 @@ pub async fn completions(
     };
     let vocab = state.vocab_size;
     let prompts: Vec<Vec<u32>> = match req.prompt {
-        PromptSpec::Text(t) => vec![encode(&state, &t)?],
-        PromptSpec::Texts(ts) => ts
-            .iter()
-            .map(|t| encode(&state, t))
-            .collect::<Result<_, _>>()?,
+        PromptSpec::Text(t) => vec![state.encode_prompt(&t).await?],
+        PromptSpec::Texts(ts) => {
+            let mut ids = Vec::with_capacity(ts.len());
+            for t in &ts {
+                ids.push(state.encode_prompt(t).await?);
+            }
+            ids
+        }
         PromptSpec::Tokens(ids) => vec![ids],
         PromptSpec::TokenLists(l) => l,
     };
@@ -129,13 +132,6 @@ pub async fn completions(
                          "choices": choices, "usage": usage}),
     )
     .into_response())
-}
-
-fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    state
-        .tokenizer
-        .encode(text)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 /// OpenAI's legacy completions logprobs object.

@@ -68,6 +68,14 @@ impl ApiError {
         }
     }
 
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body is larger than the server's limit of {limit} bytes."),
+        )
+    }
+
     pub fn queue_full(retry_after_s: u64) -> Self {
         Self {
             code: Some("rate_limit_exceeded"),
@@ -109,6 +117,11 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            // RFC 7235: a 401 names the scheme the client should use.
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 resp.headers_mut().insert(header::RETRY_AFTER, v);

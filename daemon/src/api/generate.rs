@@ -128,6 +128,10 @@ pub struct ChoiceResult {
     pub finish_reason: &'static str,
 }
 
+fn cut_by_shutdown() -> ApiError {
+    ApiError::unavailable("the server shut down before this request finished (shutdown deadline)")
+}
+
 fn engine_error(e: String) -> ApiError {
     if e.contains("timed out") {
         ApiError::timeout(e)
@@ -201,7 +205,12 @@ impl Running {
         let mut results: Vec<ChoiceResult> = (0..self.decoders.len())
             .map(|_| ChoiceResult::default())
             .collect();
-        while let Some((idx, ev)) = self.streams.next().await {
+        loop {
+            let next = tokio::select! {
+                n = self.streams.next() => n,
+                _ = state.shutdown_deadline_passed() => return Err(cut_by_shutdown()),
+            };
+            let Some((idx, ev)) = next else { break };
             let d = self.on_event(state, idx, ev)?;
             let r = &mut results[idx];
             r.reasoning += &d.reasoning;
@@ -253,6 +262,12 @@ impl Running {
                         return;
                     }
                     n = self.streams.next() => n,
+                    _ = state.shutdown_deadline_passed() => {
+                        tracing::warn!(request = %self.id, "stream ended by the shutdown deadline");
+                        let _ = send(cut_by_shutdown().body()).await;
+                        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                        return;
+                    }
                 };
                 let Some((idx, ev)) = next else { break };
                 match self.on_event(&state, idx, ev) {

@@ -1,6 +1,11 @@
 //! The OpenAI-compatible HTTP server (axum): `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
 //! `/metrics`, `/health`, `/ready`. Handlers validate and tokenise, then hand sequences to the engine
 //! thread through [`crate::sched::EngineHandle`]; responses are whole JSON or SSE streams.
+//!
+//! Server-level layers on `/v1/*` and `/tokenize`, outermost first: the API key (before any body is
+//! read), the drain refusal, then the body read (a `Content-Length` over the limit is refused before
+//! reading; the body must arrive within the read timeout; large bodies are read and tokenised a few
+//! at a time). Every error, 404 / 405 / 413 included, is OpenAI's JSON error object.
 pub mod chat;
 pub mod choice;
 pub mod completions;
@@ -14,7 +19,9 @@ pub mod types;
 
 use crate::metrics::Metrics;
 use crate::sched::EngineHandle;
+use crate::text::tokenizer::{EncodeError, TokenizerPool};
 use crate::text::{ChatTemplate, TextTokenizer};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -26,6 +33,7 @@ use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{watch, Semaphore};
 
 pub struct AppState {
     pub served_model: String,
@@ -48,6 +56,37 @@ pub struct AppState {
     pub token_texts: Arc<Vec<String>>,
     /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
     pub glm_tool_format: bool,
+    /// Prompts are tokenised here, off the async runtime.
+    pub tokenize_pool: TokenizerPool,
+    pub limits: HttpLimits,
+    /// `/metrics` requires the API key too.
+    pub protect_metrics: bool,
+    /// Becomes true when the shutdown deadline passes: requests still running end with an error
+    /// (streams: an error event, then `[DONE]`) instead of being cut mid-response.
+    pub deadline_passed: watch::Receiver<bool>,
+}
+
+/// Limits on request bodies.
+pub struct HttpLimits {
+    pub max_body_bytes: usize,
+    /// The whole body must arrive within this time once the headers are in.
+    pub body_read_timeout: Duration,
+    /// Bodies over [`LARGE_BODY_BYTES`] (or of unknown length) read and processed at once.
+    pub large_bodies: Semaphore,
+}
+
+/// Above this a body counts as large: it is read, parsed and tokenised under a slot of
+/// [`HttpLimits::large_bodies`] (a 24 MiB prompt costs ~1.5 GB while it is tokenised).
+pub const LARGE_BODY_BYTES: u64 = 1 << 20;
+
+impl HttpLimits {
+    pub fn new(max_body_bytes: usize, body_read_timeout: Duration, large_slots: usize) -> Self {
+        Self {
+            max_body_bytes,
+            body_read_timeout,
+            large_bodies: Semaphore::new(large_slots.max(1)),
+        }
+    }
 }
 
 impl AppState {
@@ -58,27 +97,67 @@ impl AppState {
             _ => Ok(()),
         }
     }
+
+    /// Tokenises a prompt on the tokenizer pool; a prompt that cannot fit the context is refused
+    /// (OpenAI's `context_length_exceeded`) without tokenising all of it.
+    pub async fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        let ctx = self.max_context;
+        match self.tokenize_pool.encode_within(text.to_owned(), ctx).await {
+            Ok(ids) => Ok(ids),
+            Err(EncodeError::TooLong { at_least, .. }) => Err(ApiError::context_length(format!(
+                "This model's maximum context length is {ctx} tokens. However, your messages \
+                 resulted in at least {at_least} tokens. Please reduce the length of the messages."
+            ))),
+            Err(EncodeError::Text(e)) => Err(ApiError::bad_request(e.to_string())),
+            Err(e @ EncodeError::PoolClosed) => Err(ApiError::unavailable(e.to_string())),
+        }
+    }
+
+    /// Resolves when the shutdown deadline has passed (never, while the server runs normally).
+    pub async fn shutdown_deadline_passed(&self) {
+        let mut rx = self.deadline_passed.clone();
+        if rx.wait_for(|passed| *passed).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
-/// Largest request body accepted (long prompts as JSON).
-const MAX_BODY_BYTES: usize = 32 << 20;
+/// Largest request body accepted by default (long prompts as JSON).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
 pub fn router(state: Arc<AppState>) -> Router {
+    // route_layer: the layer added last runs first, so the key is checked before a body is read.
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/tokenize", post(tokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), gate));
+    let mut metrics_route = Router::new().route("/metrics", get(metrics));
+    if state.protect_metrics {
+        metrics_route =
+            metrics_route.route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    }
     Router::new()
         .merge(v1)
+        .merge(metrics_route)
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
         .fallback(|| async {
             ApiError::bad_request("unknown endpoint").with_status(StatusCode::NOT_FOUND)
         })
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::bad_request(format!(
+                "method {} is not allowed on {}",
+                req.method(),
+                req.uri().path()
+            ))
+            .with_status(StatusCode::METHOD_NOT_ALLOWED)
+        })
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.limits.max_body_bytes,
+        ))
         .with_state(state)
 }
 
@@ -89,15 +168,37 @@ impl ApiError {
     }
 }
 
+/// `Authorization: Bearer <key>` (scheme case-insensitive, as RFC 7235 says) against the key, in
+/// time that does not depend on where the two first differ.
+pub fn bearer_matches(headers: &axum::http::HeaderMap, key: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some((scheme, token)) = value.trim().split_once(' ') else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer")
+        && bool::from(token.trim().as_bytes().ct_eq(key.as_bytes()))
+}
+
+/// The API key check alone (for `/metrics` when it is protected).
+async fn require_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    match &state.api_key {
+        Some(key) if !bearer_matches(req.headers(), key) => {
+            ApiError::unauthorized().into_response()
+        }
+        _ => next.run(req).await,
+    }
+}
+
 /// API key check and drain refusal for `/v1/*`.
 async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        if !bearer_matches(req.headers(), key) {
             return ApiError::unauthorized().into_response();
         }
     }
@@ -105,6 +206,54 @@ async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> R
         return ApiError::unavailable("the server is shutting down").into_response();
     }
     next.run(req).await
+}
+
+/// Reads the whole request body before the handler runs: a declared length over the limit is a 413
+/// without reading a byte, a body that does not arrive within the read timeout is a 408, and large
+/// bodies wait for a slot so that only a few are held and tokenised at once.
+async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let limits = &state.limits;
+    if req.method() == axum::http::Method::GET || req.method() == axum::http::Method::HEAD {
+        return next.run(req).await;
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return ApiError::payload_too_large(limits.max_body_bytes).into_response();
+    }
+    let _large_slot = match declared {
+        Some(n) if n <= LARGE_BODY_BYTES => None,
+        _ => limits.large_bodies.acquire().await.ok(),
+    };
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, limits.max_body_bytes);
+    let read = tokio::time::timeout(
+        limits.body_read_timeout,
+        http_body_util::BodyExt::collect(limited),
+    );
+    let bytes = match read.await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return ApiError::payload_too_large(limits.max_body_bytes).into_response()
+        }
+        Ok(Err(e)) => {
+            return ApiError::bad_request(format!("could not read the request body: {e}"))
+                .into_response()
+        }
+        Err(_) => {
+            return ApiError::bad_request(format!(
+                "the request body did not arrive within {} s",
+                limits.body_read_timeout.as_secs_f64()
+            ))
+            .with_status(StatusCode::REQUEST_TIMEOUT)
+            .into_response()
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
@@ -115,20 +264,18 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
+#[derive(serde::Deserialize)]
+pub struct TokenizeRequest {
+    pub prompt: String,
+}
+
 /// vLLM's `/tokenize`: `{"prompt": "..."}` → `{"tokens": [...], "count": n, "max_model_len": m}`.
 async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Req {
-        prompt: String,
-    }
-    let req: Req = types::parse_body(&body)?;
-    let tokens = state
-        .tokenizer
-        .encode(&req.prompt)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let req: TokenizeRequest = types::parse_body(&body)?;
+    let tokens = state.encode_prompt(&req.prompt).await?;
     Ok(axum::Json(
         json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context}),
     )

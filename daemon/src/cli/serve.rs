@@ -1,7 +1,13 @@
 //! `moe-daemon serve`: load a model (GGUF file or Hugging Face directory) on the engine thread while the
 //! HTTP server already answers `/health` (and `/ready` with 503), then serve the OpenAI API until SIGTERM
 //! or Ctrl-C: stop accepting, let in-flight requests finish within `--shutdown-timeout-s`, exit.
-use crate::api::{self, AppState};
+//!
+//! Exit status: 0 after a clean drain; nonzero, with the cause on stderr, when the model fails to
+//! load (error or panic: a liveness probe must see the process die, not a server stuck "loading") or
+//! when the shutdown deadline passes with requests still running (those end with an error event).
+#[path = "serve_conn.rs"]
+mod conn;
+use crate::api::{self, AppState, HttpLimits};
 use crate::cli::engine_args::EngineArgs;
 use crate::engine::kv::{blocks_for, BLOCK};
 use crate::engine::Engine;
@@ -9,10 +15,11 @@ use crate::metrics::Metrics;
 use crate::model::ModelConfig;
 use crate::sched::scripted::{ScriptedModel, ScriptedReplies};
 use crate::sched::{spawn_engine, EngineHandle, SchedulerConfig};
+use crate::text::tokenizer::TokenizerPool;
 use crate::text::{ChatTemplate, TextTokenizer};
 use crate::weights::gguf::GgufFile;
 use crate::weights::{HostTensor, TensorSource, WeightError};
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -31,9 +38,28 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer <key>` on /v1/*.
-    #[arg(long, env = "MOE_API_KEY")]
+    /// Require `Authorization: Bearer <key>` on /v1/*. Visible in `ps`: prefer --api-key-file or
+    /// the MOE_API_KEY environment variable.
+    #[arg(long, env = "MOE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (first line; e.g. a mounted Kubernetes Secret).
+    #[arg(long, conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
+    /// Require the API key on /metrics too (Prometheus then needs `authorization: {credentials: …}`).
+    #[arg(long)]
+    pub protect_metrics: bool,
+    /// Largest request body in bytes; a larger `Content-Length` is refused (413) before reading.
+    #[arg(long, default_value_t = api::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Seconds a client has to send its request headers.
+    #[arg(long, default_value_t = 15)]
+    pub header_read_timeout_s: u64,
+    /// Seconds a client has to send its request body once the headers are in.
+    #[arg(long, default_value_t = 60)]
+    pub body_read_timeout_s: u64,
+    /// Open connections served at once; more wait in the listen backlog.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
     /// Tokens computed per engine step (prefill chunks + decode tokens).
     #[arg(long, alias = "max-num-batched-tokens", default_value_t = 512)]
     pub max_batch_tokens: usize,
@@ -61,6 +87,11 @@ pub struct ServeArgs {
     /// Split `<think>…</think>` into `reasoning_content`: auto (when the vocabulary has `</think>`), on, off.
     #[arg(long, default_value = "auto")]
     pub reasoning_parser: String,
+    /// Special-token strings typed in chat messages and tools: `parse` turns them into control tokens
+    /// (vLLM's behaviour; a user can then open a system turn), `text` tokenises them as the text they
+    /// are while the template's own markers stay control tokens.
+    #[arg(long, default_value = "parse")]
+    pub client_special_tokens: String,
     /// Chat template file overriding the model's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -145,6 +176,7 @@ fn start_engine(
     files: &ModelFiles,
     tok: &TextTokenizer,
     metrics: Arc<Metrics>,
+    load_failed: LoadFailed,
 ) -> anyhow::Result<EngineHandle> {
     let sched = SchedulerConfig {
         max_batch_tokens: args.max_batch_tokens,
@@ -185,7 +217,7 @@ fn start_engine(
     let path = args.model.clone();
     let gguf = files.gguf.clone();
     Ok(spawn_engine(
-        move || {
+        report_load(load_failed, move || {
             let t0 = std::time::Instant::now();
             let engine = match gguf {
                 Some(g) => {
@@ -208,10 +240,38 @@ fn start_engine(
             };
             tracing::info!(seconds = t0.elapsed().as_secs_f64(), "weights loaded");
             Ok(engine)
-        },
+        }),
         sched,
         metrics,
     ))
+}
+
+/// Where a failed load is reported: the server exits with this message.
+type LoadFailed = tokio::sync::watch::Sender<Option<String>>;
+
+/// Runs `load` on the engine thread, turning a panic into an error, and reports any failure to the
+/// server so that the process exits instead of serving 503s forever.
+fn report_load<M>(
+    failed: LoadFailed,
+    load: impl FnOnce() -> anyhow::Result<M> + Send + 'static,
+) -> impl FnOnce() -> anyhow::Result<M> + Send + 'static {
+    move || {
+        let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
+            Ok(r) => r,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown panic");
+                Err(anyhow!("the loader panicked: {msg}"))
+            }
+        };
+        if let Err(e) = &result {
+            failed.send_replace(Some(format!("{e:#}")));
+        }
+        result
+    }
 }
 
 /// `--weight-format` (as the operator passes it) must agree with what `--model` is.
@@ -245,7 +305,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     check_weight_format(args.weight_format.as_deref(), &args.model)?;
     let mut files =
         open_model(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
-    let tokenizer = Arc::new(files.tokenizer.take().context("tokenizer missing")?);
+    let mut tokenizer = files.tokenizer.take().context("tokenizer missing")?;
+    match args.client_special_tokens.as_str() {
+        "parse" => {}
+        "text" => tokenizer.keep_client_specials_literal(),
+        other => bail!("--client-special-tokens must be parse or text, got {other}"),
+    }
+    let tokenizer = Arc::new(tokenizer);
     let template_src = match &args.chat_template {
         Some(p) => {
             Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
@@ -271,7 +337,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         other => bail!("--reasoning-parser must be auto, on or off, got {other}"),
     };
     let metrics = Arc::new(Metrics::new()?);
-    let engine = start_engine(&args, &files, &tokenizer, metrics.clone())?;
+    let (load_failed, load_failure) = tokio::sync::watch::channel(None);
+    let engine = start_engine(&args, &files, &tokenizer, metrics.clone(), load_failed)?;
+    let api_key = match &args.api_key_file {
+        Some(p) => Some(read_key_file(p)?),
+        None => args.api_key.clone(),
+    };
+    if args.protect_metrics && api_key.is_none() {
+        bail!("--protect-metrics needs an API key (--api-key-file, --api-key or MOE_API_KEY)");
+    }
+    let (deadline_tx, deadline_passed) = tokio::sync::watch::channel(false);
     // A request must fit the context and, alone, the KV cache (the scheduler preempts to make room
     // for it, but cannot make the cache larger): longer ones get a 400 before they are queued.
     let max_context = args
@@ -288,7 +363,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         template,
         engine,
         metrics,
-        api_key: args.api_key.clone(),
+        api_key,
         max_context,
         reasoning,
         request_timeout: Duration::from_secs(args.request_timeout_s),
@@ -297,14 +372,54 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         created: api::generate::now_unix(),
         token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
         glm_tool_format,
+        tokenize_pool: TokenizerPool::new(tokenizer.clone(), TokenizerPool::default_slots()),
+        limits: HttpLimits::new(
+            args.max_body_bytes,
+            Duration::from_secs(args.body_read_timeout_s),
+            LARGE_BODIES_AT_ONCE,
+        ),
+        protect_metrics: args.protect_metrics,
+        deadline_passed,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(serve(args, state))
+    rt.block_on(serve(args, state, load_failure, deadline_tx))
 }
 
-async fn serve(args: ServeArgs, state: Arc<AppState>) -> anyhow::Result<()> {
+/// The key from `--api-key-file`: its first line, which must not be empty.
+fn read_key_file(path: &Path) -> anyhow::Result<String> {
+    let text = crate::weights::read_text_file(path, 64 << 10)
+        .with_context(|| format!("reading the API key from {}", path.display()))?;
+    let key = text.lines().next().unwrap_or("").trim();
+    if key.is_empty() {
+        bail!("{}: the API key file is empty", path.display());
+    }
+    Ok(key.to_string())
+}
+
+/// Resolves with the cause when the engine thread reports a failed load; never otherwise (the
+/// sender is dropped without a report once the model is up, or when no weights are loaded).
+async fn load_failed(rx: &mut tokio::sync::watch::Receiver<Option<String>>) -> String {
+    match rx.wait_for(Option::is_some).await {
+        Ok(cause) => cause.clone().unwrap_or_default(),
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// Bodies over 1 MiB held at once (at most 8 × --max-body-bytes in memory); tokenising them is
+/// bounded separately by the tokenizer pool.
+const LARGE_BODIES_AT_ONCE: usize = 8;
+
+/// How long streams cut by the shutdown deadline get to send their error event and `[DONE]`.
+const CUT_STREAMS_GRACE: Duration = Duration::from_secs(2);
+
+async fn serve(
+    args: ServeArgs,
+    state: Arc<AppState>,
+    mut load_failure: tokio::sync::watch::Receiver<Option<String>>,
+    deadline_tx: tokio::sync::watch::Sender<bool>,
+) -> anyhow::Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -312,20 +427,30 @@ async fn serve(args: ServeArgs, state: Arc<AppState>) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, model = %state.served_model, "serving the OpenAI API");
     let (drain_tx, mut drain_rx) = tokio::sync::watch::channel(false);
     let st = state.clone();
-    let server =
-        axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            st.draining.store(true, Ordering::Release);
-            tracing::info!("shutdown requested: refusing new requests, finishing in-flight ones");
-            let _ = drain_tx.send(true);
-        });
+    let limits = conn::ConnLimits {
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_s.max(1)),
+        max_connections: args.max_connections,
+    };
+    let server = conn::serve_http1(listener, api::router(state.clone()), limits, async move {
+        shutdown_signal().await;
+        st.draining.store(true, Ordering::Release);
+        tracing::info!("shutdown requested: refusing new requests, finishing in-flight ones");
+        let _ = drain_tx.send(true);
+    });
+    let mut server = std::pin::pin!(server);
     let deadline = Duration::from_secs(args.shutdown_timeout_s);
     tokio::select! {
-        r = server => r?,
+        _ = &mut server => {}
+        cause = load_failed(&mut load_failure) => bail!("the model failed to load: {cause}"),
         _ = async {
             let _ = drain_rx.wait_for(|d| *d).await;
             tokio::time::sleep(deadline).await;
-        } => tracing::warn!(?deadline, "shutdown deadline passed with requests in flight; exiting"),
+        } => {
+            tracing::warn!(?deadline, "shutdown deadline passed with requests in flight; ending them");
+            let _ = deadline_tx.send(true);
+            let _ = tokio::time::timeout(CUT_STREAMS_GRACE, &mut server).await;
+            bail!("the shutdown deadline ({deadline:?}) passed with requests still running");
+        }
     }
     tracing::info!("server stopped");
     Ok(())

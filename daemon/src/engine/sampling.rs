@@ -75,6 +75,10 @@ impl SamplingParams {
     }
 }
 
+/// Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by 1e-40 overflows
+/// to ±inf, and inf - inf makes every probability NaN.
+pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-5;
+
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
@@ -102,7 +106,7 @@ impl Sampler {
         let p = &self.params;
         let mut l = logits.to_vec();
         apply_penalties(&mut l, p, prompt, generated);
-        if p.temperature == 0.0 {
+        if p.temperature < GREEDY_BELOW_TEMPERATURE {
             return argmax(&l) as u32;
         }
         let mut cand: Vec<(usize, f32)> = l
@@ -117,6 +121,10 @@ impl Sampler {
         let max = cand[0].1;
         let mut probs: Vec<f32> = cand.iter().map(|&(_, v)| (v - max).exp()).collect();
         let total: f32 = probs.iter().sum();
+        if !(total.is_finite() && total > 0.0) {
+            // Only reachable with non-finite logits; the most likely candidate is the safe answer.
+            return cand[0].0 as u32;
+        }
         probs.iter_mut().for_each(|x| *x /= total);
         if p.top_p < 1.0 {
             let mut acc = 0.0;
@@ -295,6 +303,30 @@ mod tests {
         };
         assert!(bad.validate().unwrap_err().contains("top_p"));
         assert!(params().validate().is_ok());
+    }
+
+    #[test]
+    fn tiny_temperatures_are_greedy_not_nan() {
+        // Large logits over a tiny temperature overflow to inf; the draw used to pick the least
+        // likely token.
+        let logits = [10.0, 30.0, -5.0, 29.0];
+        for t in [1e-40, 1e-30, 1e-8, 1e-6] {
+            let mut s = Sampler::new(&SamplingParams {
+                temperature: t,
+                seed: Some(9),
+                ..params()
+            });
+            for _ in 0..20 {
+                assert_eq!(s.sample(&logits, &[]), 1, "temperature {t}");
+            }
+        }
+        // Small but above the greedy cut-off still samples.
+        let mut s = Sampler::new(&SamplingParams {
+            temperature: 1e-3,
+            seed: Some(9),
+            ..params()
+        });
+        assert_eq!(s.sample(&logits, &[]), 1);
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! checkpoint itself when the layers are built, not from config flags that differ per family.
 use serde_json::Value;
 
+#[path = "config_limits.rs"]
+mod limits;
+
 /// Architectures the engine implements (the `architectures[0]` string of config.json).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -228,6 +231,7 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 impl ModelConfig {
     /// Parses a Hugging Face config.json value.
     pub fn from_json(v: &Value) -> Result<Self, ConfigError> {
+        limits::check_raw_sizes(v)?;
         let arch_name = v
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -297,7 +301,7 @@ impl ModelConfig {
         if smallthinker && v.get("bos_token_id").is_none() {
             bos = Some(151643);
         }
-        Ok(Self {
+        let cfg = Self {
             arch,
             arch_name,
             vocab_size: get_usize(v, "vocab_size")?,
@@ -319,19 +323,24 @@ impl ModelConfig {
             moe,
             moe_layers,
             layer_attention,
-        })
+        };
+        limits::check_parsed(&cfg)?;
+        Ok(cfg)
     }
 
     /// Reads and parses `dir/config.json`, then merges `generation_config.json`'s eos ids if present.
     pub fn from_dir(dir: &std::path::Path) -> Result<Self, ConfigError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
+        let text = crate::weights::read_text_file(&path, crate::weights::JSON_FILE_LIMIT)
             .map_err(|e| ConfigError::Invalid(format!("cannot read {}: {e}", path.display())))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| {
             ConfigError::Invalid(format!("{} is not valid JSON: {e}", path.display()))
         })?;
         let mut cfg = Self::from_json(&v)?;
-        if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
+        let generation = dir.join("generation_config.json");
+        if let Ok(text) =
+            crate::weights::read_text_file(&generation, crate::weights::JSON_FILE_LIMIT)
+        {
             if let Ok(g) = serde_json::from_str::<Value>(&text) {
                 for id in token_ids(g.get("eos_token_id")) {
                     if !cfg.eos_token_ids.contains(&id) {

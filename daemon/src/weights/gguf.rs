@@ -190,12 +190,12 @@ impl GgufFile {
             path: path.to_path_buf(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = super::open_regular_file(path).map_err(io)?;
         // SAFETY: the mapping is read-only and the file is not modified while the daemon runs.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         let (metadata, tensors) = parse(&map).map_err(|reason| WeightError::Corrupt {
             path: path.to_path_buf(),
-            reason: format!("GGUF: {reason}"),
+            reason: format!("not a valid GGUF file: {reason}"),
         })?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -229,8 +229,17 @@ impl GgufFile {
                 name: name.to_string(),
                 dir: self.path.clone(),
             })?;
+        // `start + len <= map.len()` was checked when the table was parsed.
         let bytes = &self.map[info.start..info.start + info.len];
         let data = dequantize(info.kind, bytes);
+        if let Some((index, value)) = super::first_non_finite(data.iter().copied()) {
+            return Err(WeightError::NonFinite {
+                path: self.path.clone(),
+                name: name.to_string(),
+                index,
+                value,
+            });
+        }
         let shape = info.dims.iter().rev().copied().collect();
         Ok((shape, data))
     }
@@ -348,7 +357,12 @@ impl TensorSource for GgufFile {
         if let Some(heads) = permute {
             let rows = shape.first().copied().unwrap_or(0);
             let cols = shape.get(1).copied().unwrap_or(1);
-            if heads == 0 || rows % (2 * heads) != 0 {
+            if shape.len() != 2 || rows.checked_mul(cols) != Some(data.len()) {
+                return Err(self.invalid(format!(
+                    "tensor `{g}` has shape {shape:?}, expected a matrix"
+                )));
+            }
+            if heads == 0 || heads.checked_mul(2).is_none_or(|h2| rows % h2 != 0) {
                 return Err(self.invalid(format!(
                     "tensor `{g}`: {rows} rows do not split into {heads} rotary heads"
                 )));
@@ -383,7 +397,13 @@ pub fn unpermute_rotary_rows(data: &[f32], rows: usize, cols: usize, heads: usiz
 fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
     let mut c = Cursor { buf, pos: 0 };
     if c.take(4)? != b"GGUF" {
-        return Err("bad magic (not a GGUF file)".into());
+        // A safetensors file starts with its header length (u64) and then the JSON header's `{`.
+        if buf.get(8) == Some(&b'{') {
+            return Err(
+                "bad magic: this is a safetensors file; pass its directory as --model".into(),
+            );
+        }
+        return Err("bad magic (expected `GGUF`)".into());
     }
     let version = c.u32()?;
     if !(2..=3).contains(&version) {
@@ -398,6 +418,9 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
         let v = c
             .value(ty, 0)
             .map_err(|e| format!("metadata `{key}`: {e}"))?;
+        if metadata.contains_key(&key) {
+            return Err(format!("metadata `{key}` appears twice"));
+        }
         metadata.insert(key, v);
     }
     let mut raw = Vec::with_capacity(n_tensors.min(1 << 20));
@@ -414,12 +437,12 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
         let offset = c.len()?;
         raw.push((name, dims, ty, offset));
     }
-    let align = metadata
-        .get("general.alignment")
-        .and_then(GgufValue::as_u64)
-        .unwrap_or(32)
-        .max(1) as usize;
-    let data_start = c.pos.div_ceil(align) * align;
+    let align = alignment(&metadata)?;
+    let data_start = c
+        .pos
+        .div_ceil(align)
+        .checked_mul(align)
+        .ok_or("data section start overflows")?;
     let mut tensors = HashMap::new();
     for (name, dims, ty, offset) in raw {
         let kind = GgmlType::from_id(ty)
@@ -434,13 +457,23 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
                 "tensor `{name}`: {numel} elements not a multiple of block {per_block}"
             ));
         }
-        let len = numel / per_block * block_bytes;
+        let len = (numel / per_block)
+            .checked_mul(block_bytes)
+            .ok_or_else(|| format!("tensor `{name}`: byte length overflows"))?;
+        if offset % align != 0 {
+            return Err(format!(
+                "tensor `{name}`: offset {offset} is not a multiple of the alignment {align}"
+            ));
+        }
         let start = data_start
             .checked_add(offset)
             .filter(|s| s.checked_add(len).is_some_and(|e| e <= buf.len()))
             .ok_or_else(|| {
                 format!("tensor `{name}` extends past the end of the file (truncated?)")
             })?;
+        if tensors.contains_key(&name) {
+            return Err(format!("tensor `{name}` appears twice"));
+        }
         tensors.insert(
             name,
             GgufTensorInfo {
@@ -452,6 +485,18 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
         );
     }
     Ok((metadata, tensors))
+}
+
+/// `general.alignment`: 32 when absent; otherwise a power of two (llama.cpp refuses anything else;
+/// 0 would make every tensor offset meaningless).
+fn alignment(metadata: &Metadata) -> Result<usize, String> {
+    let Some(v) = metadata.get("general.alignment") else {
+        return Ok(32);
+    };
+    v.as_u64()
+        .and_then(|a| usize::try_from(a).ok())
+        .filter(|a| a.is_power_of_two() && *a <= 1 << 20)
+        .ok_or_else(|| format!("general.alignment {v:?} must be a power of two up to 1 MiB"))
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {

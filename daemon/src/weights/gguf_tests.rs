@@ -30,6 +30,22 @@ pub(crate) fn write_gguf(
                 b.extend(6u32.to_le_bytes());
                 b.extend((*x as f32).to_le_bytes());
             }
+            GgufValue::Array(items) => {
+                b.extend(9u32.to_le_bytes());
+                let elem = match items.first() {
+                    Some(GgufValue::Str(_)) => 8u32,
+                    _ => 5u32, // i32, as llama.cpp writes token types
+                };
+                b.extend(elem.to_le_bytes());
+                b.extend((items.len() as u64).to_le_bytes());
+                for item in items {
+                    match item {
+                        GgufValue::Str(x) => s(&mut b, x),
+                        GgufValue::U64(x) => b.extend((*x as i32).to_le_bytes()),
+                        _ => unimplemented!("test writer"),
+                    }
+                }
+            }
             _ => unimplemented!("test writer"),
         }
     }
@@ -166,5 +182,99 @@ fn truncated_or_foreign_files_are_errors_not_panics() {
     }
     let p = temp_file("foreign.gguf", b"not a gguf file at all, just text");
     assert!(GgufFile::open(&p).is_err());
+    std::fs::remove_file(p).ok();
+}
+
+fn open_err(name: &str, bytes: &[u8]) -> String {
+    let p = temp_file(name, bytes);
+    let e = GgufFile::open(&p).err().map(|e| e.to_string());
+    std::fs::remove_file(p).ok();
+    e.unwrap_or_else(|| panic!("{name} should not open"))
+}
+
+#[test]
+fn tensor_byte_length_that_overflows_is_an_error() {
+    // Each dim is at most the file size (64 KiB), yet their product (2^63 elements) times Q8_0's
+    // 34/32 bytes per element does not fit in usize.
+    let meta = [("general.architecture", GgufValue::Str("llama".into()))];
+    let tensors = [("big", 8, vec![1 << 16, 1 << 16, 1 << 16, 1 << 15], vec![])];
+    let mut bytes = write_gguf(&meta, &tensors);
+    bytes.resize(1 << 16, 0);
+    let e = open_err("wrap.gguf", &bytes);
+    assert!(
+        e.contains("not a valid GGUF file") && e.contains("big"),
+        "{e}"
+    );
+}
+
+#[test]
+fn alignment_zero_or_not_a_power_of_two_is_refused() {
+    for align in [0, 3, 48] {
+        let meta = [("general.alignment", GgufValue::U64(align))];
+        let tensors = [("t", 0, vec![8], f32_bytes(&[1.0; 8]))];
+        let e = open_err(&format!("align{align}.gguf"), &write_gguf(&meta, &tensors));
+        assert!(e.contains("general.alignment"), "{e}");
+    }
+}
+
+#[test]
+fn non_finite_weights_are_refused_naming_the_tensor() {
+    let meta = [("general.architecture", GgufValue::Str("llama".into()))];
+    let tensors = [(
+        "token_embd.weight",
+        0,
+        vec![4],
+        f32_bytes(&[1.0, 2.0, f32::NAN, 4.0]),
+    )];
+    let p = temp_file("nan.gguf", &write_gguf(&meta, &tensors));
+    let g = GgufFile::open(&p).unwrap();
+    let e = g.load_gguf("token_embd.weight").unwrap_err().to_string();
+    assert!(
+        e.contains("token_embd.weight") && e.contains("non-finite") && e.contains("element 2"),
+        "{e}"
+    );
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn a_safetensors_file_is_named_as_such() {
+    let mut st = Vec::new();
+    let header = br#"{"t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+    st.extend((header.len() as u64).to_le_bytes());
+    st.extend(header);
+    st.extend(1f32.to_le_bytes());
+    let e = open_err("st.gguf", &st);
+    assert!(
+        e.contains("not a valid GGUF file") && e.contains("safetensors"),
+        "{e}"
+    );
+}
+
+#[test]
+fn token_types_longer_than_tokens_are_an_error() {
+    let tokens = ["a", "b"].map(|t| GgufValue::Str(t.into())).to_vec();
+    let meta = [
+        ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Array(tokens)),
+        (
+            "tokenizer.ggml.merges",
+            GgufValue::Array(vec![GgufValue::Str("a b".into())]),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            GgufValue::Array(vec![
+                GgufValue::U64(1),
+                GgufValue::U64(1),
+                GgufValue::U64(3),
+            ]),
+        ),
+    ];
+    let p = temp_file("types.gguf", &write_gguf(&meta, &[]));
+    let g = GgufFile::open(&p).unwrap();
+    let e = crate::text::TextTokenizer::from_gguf(&g)
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(e.contains("token_type"), "{e}");
     std::fs::remove_file(p).ok();
 }

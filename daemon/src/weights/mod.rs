@@ -8,7 +8,8 @@ pub mod gguf;
 pub mod safetensors;
 
 use half::bf16;
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 
 /// A tensor copied out of a checkpoint, in row-major order.
 #[derive(Debug, Clone)]
@@ -86,7 +87,9 @@ pub enum WeightError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: not a valid safetensors file: {reason}")]
+    /// The file is not what it claims to be; `reason` starts with the format ("not a valid GGUF
+    /// file: …", "not a valid safetensors file: …").
+    #[error("{path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error("{path}: shard listed in the index is missing")]
     MissingShard { path: PathBuf },
@@ -107,4 +110,53 @@ pub enum WeightError {
     },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    #[error("{path}: tensor `{name}` holds a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        path: PathBuf,
+        name: String,
+        index: usize,
+        value: f32,
+    },
+}
+
+/// Opens a checkpoint file for reading. Anything but a regular file is refused before `open`: opening
+/// a FIFO blocks until a writer appears, and a device or `/proc` file has no size to check against.
+/// Symlinks are followed (the Hugging Face cache links snapshots to blobs).
+pub fn open_regular_file(path: &Path) -> std::io::Result<File> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a directory, FIFO, socket or device)",
+        ));
+    }
+    File::open(path)
+}
+
+/// Reads a small text file of a checkpoint (config.json, index, tokenizer) through
+/// [`open_regular_file`], refusing files over `limit` bytes instead of reading them into memory.
+pub fn read_text_file(path: &Path, limit: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let file = open_regular_file(path)?;
+    let mut text = String::new();
+    file.take(limit.saturating_add(1))
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than the {limit}-byte limit for this file"),
+        ));
+    }
+    Ok(text)
+}
+
+/// Size limit for JSON side files (config.json, generation_config.json, the shard index): the largest
+/// real index (a 1,000-shard checkpoint with 100k tensors) is a few MiB.
+pub const JSON_FILE_LIMIT: u64 = 64 << 20;
+
+/// The first element that is NaN or ±inf, if any: weights that would turn every activation into NaN
+/// are refused at load, naming the tensor, instead of producing garbage tokens. One compare per
+/// element on data the loader is already touching.
+pub fn first_non_finite(values: impl IntoIterator<Item = f32>) -> Option<(usize, f32)> {
+    values.into_iter().enumerate().find(|(_, v)| !v.is_finite())
 }

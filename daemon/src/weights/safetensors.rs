@@ -10,7 +10,6 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// FP8 block size of DeepSeek-V3 / GLM checkpoints (`weight_block_size` in `quantization_config`).
@@ -42,9 +41,11 @@ impl SafetensorsDir {
     pub fn open(dir: &Path) -> Result<Self, WeightError> {
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| WeightError::Io {
-                path: index_path.clone(),
-                source: e,
+            let text = super::read_text_file(&index_path, super::JSON_FILE_LIMIT).map_err(|e| {
+                WeightError::Io {
+                    path: index_path.clone(),
+                    source: e,
+                }
             })?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| WeightError::Invalid {
@@ -64,6 +65,15 @@ impl SafetensorsDir {
                 .collect();
             names.sort();
             names.dedup();
+            if let Some(bad) = names.iter().find(|n| !is_plain_relative(n)) {
+                return Err(WeightError::Invalid {
+                    path: index_path.clone(),
+                    message: format!(
+                        "shard `{bad}` is not a file name inside the model directory \
+                         (absolute paths and `..` are refused)"
+                    ),
+                });
+            }
             names
         } else if dir.join("model.safetensors").exists() {
             vec!["model.safetensors".to_owned()]
@@ -96,7 +106,7 @@ impl SafetensorsDir {
             }
             shards.push(shard);
         }
-        let fp8_block = read_fp8_block(dir).unwrap_or(DEFAULT_FP8_BLOCK);
+        let fp8_block = read_fp8_block(dir)?.unwrap_or(DEFAULT_FP8_BLOCK);
         Ok(Self {
             dir: dir.to_owned(),
             shards,
@@ -203,12 +213,54 @@ impl TensorSource for SafetensorsDir {
                 })
             }
         };
+        check_finite(shard, name, &data)?;
         Ok(HostTensor { shape, data })
     }
 }
 
+/// Refuses NaN / ±inf weights (FP8 block scales are checked when they load as their own tensor).
+fn check_finite(shard: &Shard, name: &str, data: &HostData) -> Result<(), WeightError> {
+    let bad = match data {
+        HostData::F32(v) => super::first_non_finite(v.iter().copied()),
+        HostData::Bf16(v) => super::first_non_finite(v.iter().map(|x| x.to_f32())),
+        // E4M3 has no infinities; S.1111.111 is its NaN.
+        HostData::F8E4M3 { bytes, .. } => bytes
+            .iter()
+            .position(|b| b & 0x7f == 0x7f)
+            .map(|i| (i, f32::NAN)),
+    };
+    match bad {
+        None => Ok(()),
+        Some((index, value)) => Err(WeightError::NonFinite {
+            path: shard.path.clone(),
+            name: name.to_owned(),
+            index,
+            value,
+        }),
+    }
+}
+
+/// A shard name from the index must stay inside the model directory: relative, no `..`, no root.
+fn is_plain_relative(name: &str) -> bool {
+    use std::path::Component;
+    !name.is_empty()
+        && Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Why a file that failed to parse as safetensors failed, with a hint when it is a GGUF file.
+fn corrupt_reason(bytes: &[u8], e: impl std::fmt::Display) -> String {
+    if bytes.starts_with(b"GGUF") {
+        "not a valid safetensors file: this is a GGUF file; pass the .gguf file itself as --model"
+            .into()
+    } else {
+        format!("not a valid safetensors file: {e}")
+    }
+}
+
 fn open_shard(path: &Path) -> Result<Shard, WeightError> {
-    let file = File::open(path).map_err(|e| match e.kind() {
+    let file = super::open_regular_file(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => WeightError::MissingShard {
             path: path.to_owned(),
         },
@@ -226,7 +278,7 @@ fn open_shard(path: &Path) -> Result<Shard, WeightError> {
     let (header_len, metadata) =
         SafeTensors::read_metadata(&map).map_err(|e| WeightError::Corrupt {
             path: path.to_owned(),
-            reason: e.to_string(),
+            reason: corrupt_reason(&map, e),
         })?;
     Ok(Shard {
         path: path.to_owned(),
@@ -236,14 +288,27 @@ fn open_shard(path: &Path) -> Result<Shard, WeightError> {
     })
 }
 
-/// `quantization_config.weight_block_size[0]` from config.json, when present.
-fn read_fp8_block(dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let b = v
-        .get("quantization_config")?
-        .get("weight_block_size")?
-        .get(0)?
-        .as_u64()?;
-    Some(b as usize)
+/// `quantization_config.weight_block_size[0]` from config.json, when present (1..=4096: the block
+/// size divides every FP8 tensor's rows and columns).
+fn read_fp8_block(dir: &Path) -> Result<Option<usize>, WeightError> {
+    let Ok(text) = super::read_text_file(&dir.join("config.json"), super::JSON_FILE_LIMIT) else {
+        return Ok(None);
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Ok(None);
+    };
+    let Some(b) = v
+        .get("quantization_config")
+        .and_then(|q| q.get("weight_block_size"))
+        .and_then(|b| b.get(0))
+    else {
+        return Ok(None);
+    };
+    match b.as_u64().filter(|b| (1..=4096).contains(b)) {
+        Some(b) => Ok(Some(b as usize)),
+        None => Err(WeightError::Invalid {
+            path: dir.join("config.json"),
+            message: format!("quantization_config.weight_block_size[0] = {b}: expected 1..=4096"),
+        }),
+    }
 }
