@@ -4,14 +4,18 @@
 //! ([`bench`](mod@bench)).
 
 pub mod bench;
+pub mod dense;
 pub mod features;
+pub mod ggml;
 pub mod memory;
 pub mod moe;
 pub mod options;
 pub mod pool;
 pub mod topology;
 
+pub use dense::{DenseError, DenseMatrix};
 pub use features::{detected_tier, CpuTier};
+pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;
