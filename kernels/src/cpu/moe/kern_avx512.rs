@@ -395,19 +395,19 @@ pub(crate) unsafe fn gemm_int(
     }
 }
 
-/// Group-sum pointers and activation scales of a block's rows.
+/// Group-sum and activation-scale pointers (one per group) of a block's rows.
 #[inline(always)]
 fn row_terms(
     a: &ActRef<'_>,
     b: &Block<i32>,
     n: usize,
     groups: usize,
-) -> ([*const i32; MAX_ROWS], [f32; MAX_ROWS]) {
+) -> ([*const i32; MAX_ROWS], [*const f32; MAX_ROWS]) {
     let mut gs = [std::ptr::null(); MAX_ROWS];
-    let mut xs = [0f32; MAX_ROWS];
+    let mut xs = [std::ptr::null(); MAX_ROWS];
     for i in 0..n {
         gs[i] = a.gsum[b.row[i] * groups..].as_ptr();
-        xs[i] = a.scale[b.row[i]];
+        xs[i] = a.scale[b.row[i] * groups..].as_ptr();
     }
     (gs, xs)
 }
@@ -420,7 +420,7 @@ unsafe fn i8_block<const R: usize>(
     wscale: &[f32],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
@@ -453,7 +453,7 @@ unsafe fn i8_block<const R: usize>(
                 _mm512_add_epi32(acc0[r], acc1[r]),
                 _mm512_set1_epi32(128 * *gsum[r]),
             );
-            let s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r]));
+            let s = _mm512_mul_ps(ws, _mm512_set1_ps(*xs[r]));
             _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
         }
     }
@@ -468,7 +468,7 @@ unsafe fn i4_block<const R: usize>(
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
@@ -503,11 +503,12 @@ unsafe fn i4_block<const R: usize>(
                     _mm512_add_epi32(lo_acc[r], hi_acc[r]),
                     _mm512_set1_epi32(8 * *gsum[r].add(g)),
                 );
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, total[r]);
+                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], _mm512_set1_ps(xs[r])));
+            _mm512_storeu_ps(out[r], total[r]);
         }
     }
 }
@@ -522,7 +523,7 @@ unsafe fn i4m_block<const R: usize>(
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 32.
@@ -555,13 +556,13 @@ unsafe fn i4m_block<const R: usize>(
             let mv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32 + 16).cast()));
             for r in 0..R {
                 let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dv, total[r]);
                 let gs = _mm512_set1_ps(*gsum[r].add(g) as f32);
-                total[r] = _mm512_fmadd_ps(gs, mv, total[r]);
+                let part = _mm512_fmadd_ps(gs, mv, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv));
+                total[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(*xs[r].add(g)), total[r]);
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], _mm512_set1_ps(xs[r])));
+            _mm512_storeu_ps(out[r], total[r]);
         }
     }
 }
@@ -576,7 +577,7 @@ unsafe fn i8g_block<const R: usize>(
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 16.
@@ -612,11 +613,12 @@ unsafe fn i8g_block<const R: usize>(
                     _mm512_add_epi32(acc0[r], acc1[r]),
                     _mm512_set1_epi32(128 * *gsum[r].add(g)),
                 );
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, total[r]);
+                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], _mm512_set1_ps(xs[r])));
+            _mm512_storeu_ps(out[r], total[r]);
         }
     }
 }
@@ -754,10 +756,12 @@ pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u1
     assert!(out.len() >= m_pad * k && k.is_multiple_of(32));
     for (r, &row) in a.rows.iter().enumerate() {
         let row = row as usize;
-        let s = _mm512_set1_ps(a.scale[row]);
+        let groups = a.groups();
+        let group = k / groups;
         let src = a.q[row * k..(row + 1) * k].as_ptr();
         let dst = out[r * k..].as_mut_ptr();
         for c in (0..k).step_by(32) {
+            let s = _mm512_set1_ps(a.scale[row * groups + c / group]);
             // SAFETY: 32 codes and 32 outputs in bounds.
             unsafe {
                 let lo = _mm512_mul_ps(

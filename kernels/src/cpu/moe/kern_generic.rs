@@ -219,9 +219,9 @@ pub(crate) fn gemm_i8_twin(
                             acc as f32 * w.int4_scale(at) + gsum as f32 * w.int4_scale(at + 16)
                         }
                         _ => acc as f32 * w.int4_scale((nt * groups + g) * 16 + j),
-                    };
+                    } * a.scale[row * groups + g];
                 }
-                y[r * ldy + (nt - nt0) * 16 + j] = total * a.scale[row];
+                y[r * ldy + (nt - nt0) * 16 + j] = total;
             }
         }
     }
