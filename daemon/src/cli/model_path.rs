@@ -60,7 +60,9 @@ impl ModelPath {
                     .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
                 Some(PromptTokenizer::Hf(t))
             }
-            ModelPath::Gguf { file, .. } => Some(PromptTokenizer::Gguf(TextTokenizer::from_gguf(file)?)),
+            ModelPath::Gguf { file, .. } => {
+                Some(PromptTokenizer::Gguf(TextTokenizer::from_gguf(file)?))
+            }
         })
     }
 }

@@ -98,5 +98,6 @@ pub fn pack_model(
 
 /// What the kernels read for one checkpoint tensor (routed experts are never densely packed).
 fn source(l: &Linear) -> SourceTensor<'_> {
-    l.source().expect("routed experts stay in checkpoint form until packed here")
+    l.source()
+        .expect("routed experts stay in checkpoint form until packed here")
 }

@@ -9,7 +9,9 @@
 use crate::weights::{fp8, HostData, HostTensor};
 use half::bf16;
 use moe_kernels::cpu::moe::{format_for_ggml, SourceTensor, WeightFormat};
-use moe_kernels::cpu::{CpuTier, DenseError, DenseMatrix, GgmlBlock, WorkerPool};
+use moe_kernels::cpu::{
+    forward_group, CpuTier, DenseCall, DenseError, DenseMatrix, GgmlBlock, WorkerPool,
+};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -24,7 +26,10 @@ pub enum WeightData {
         block: usize,
     },
     /// GGML blocks as a GGUF file stores them; each row a whole number of blocks.
-    Ggml { kind: GgmlBlock, bytes: Vec<u8> },
+    Ggml {
+        kind: GgmlBlock,
+        bytes: Vec<u8>,
+    },
     /// Packed for the CPU kernels, with the pool that runs them.
     Packed(PackedWeight),
 }
@@ -209,6 +214,40 @@ impl Linear {
         }
         y
     }
+}
+
+/// Several projections of the same input (q/k/v, gate/up): when all are packed on one pool with the
+/// same activation kind, the input is converted once and one pool region runs them all; otherwise
+/// one call each.
+pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &[f32], tokens: usize) -> [Vec<f32>; N] {
+    let packed: Option<Vec<&PackedWeight>> = ls
+        .iter()
+        .map(|l| match &l.w {
+            WeightData::Packed(p) => Some(p),
+            _ => None,
+        })
+        .collect();
+    let together = packed.as_ref().is_some_and(|ps| {
+        ps.iter()
+            .all(|p| Arc::ptr_eq(&p.pool, &ps[0].pool) && p.mat.shares_input_with(&ps[0].mat))
+    });
+    let (Some(ps), true) = (packed, together) else {
+        return ls.map(|l| l.forward(x, tokens));
+    };
+    let mut outs: [Vec<f32>; N] = std::array::from_fn(|i| vec![0f32; tokens * ls[i].out_dim]);
+    let mut calls: Vec<DenseCall> = ps
+        .iter()
+        .zip(ls)
+        .zip(outs.iter_mut())
+        .map(|((p, l), y)| DenseCall {
+            w: &p.mat,
+            bias: l.bias.as_deref(),
+            y,
+        })
+        .collect();
+    forward_group(&ps[0].pool, &mut calls, x, tokens)
+        .expect("x and bias lengths match the layers (checked at load and by the caller)");
+    outs
 }
 
 fn bf16_bits(v: &[bf16]) -> &[u16] {

@@ -232,7 +232,8 @@ impl Engine {
             let p = std::sync::Arc::new(p);
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
             if on_cpu {
-                let s = pool.install(|| dense_pack::pack_dense(&mut model, &p, cpu_moe.max_tier))?;
+                let s =
+                    pool.install(|| dense_pack::pack_dense(&mut model, &p, cpu_moe.max_tier))?;
                 tracing::info!(
                     packed = s.packed,
                     reference = s.reference,

@@ -312,7 +312,13 @@ impl TensorSource for GgufFile {
                 name: name.to_string(),
                 dir: self.path.clone(),
             })?;
-        let info = &self.tensors[&g];
+        let info = self
+            .tensors
+            .get(&g)
+            .ok_or_else(|| WeightError::MissingTensor {
+                name: format!("{name} (GGUF `{g}`)"),
+                dir: self.path.clone(),
+            })?;
         let shape: Vec<usize> = info.dims.iter().rev().copied().collect();
         let rows = shape.first().copied().unwrap_or(0);
         let cols = shape.last().copied().unwrap_or(1);

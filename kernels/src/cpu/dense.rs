@@ -35,6 +35,8 @@ const CONVERT_ROWS: usize = 4;
 pub enum DenseError {
     #[error(transparent)]
     Pack(#[from] PackError),
+    #[error("matrices of one group call must share their input (width, tier, activation kind)")]
+    Mixed,
     #[error("{what} has {got} values, expected {want}")]
     Len {
         what: &'static str,
@@ -163,83 +165,149 @@ impl DenseMatrix {
         bias: Option<&[f32]>,
         y: &mut [f32],
     ) -> Result<(), DenseError> {
-        let (n, k) = (self.l.n, self.l.k);
+        forward_group(pool, &mut [DenseCall { w: self, bias, y }], x, tokens)
+    }
+
+    /// Whether this matrix and `o` read the same converted activations (same tier, activation kind
+    /// and width), so [`forward_group`] can run them together.
+    pub fn shares_input_with(&self, o: &DenseMatrix) -> bool {
+        self.tier == o.tier
+            && self.l.k == o.l.k
+            && self.l.k_pad == o.l.k_pad
+            && act_kind(self.tier, self.l.format, self.l.k_pad)
+                == act_kind(o.tier, o.l.format, o.l.k_pad)
+    }
+}
+
+/// One matrix of a [`forward_group`] call and where its output goes (`[tokens, rows]`).
+pub struct DenseCall<'a> {
+    pub w: &'a DenseMatrix,
+    pub bias: Option<&'a [f32]>,
+    pub y: &'a mut [f32],
+}
+
+/// Several matrices over the same input `x` (`[tokens, cols]`), e.g. q/k/v or gate/up: activations
+/// converted once, one pool region over all their N-tiles. The matrices must share their input
+/// ([`DenseMatrix::shares_input_with`]).
+pub fn forward_group(
+    pool: &WorkerPool,
+    calls: &mut [DenseCall<'_>],
+    x: &[f32],
+    tokens: usize,
+) -> Result<(), DenseError> {
+    let Some(first) = calls.first().map(|c| c.w) else {
+        return Ok(());
+    };
+    for c in calls.iter() {
+        let n = c.w.l.n;
         for (what, got, want) in [
-            ("x", x.len(), tokens * k),
-            ("y", y.len(), tokens * n),
-            ("bias", bias.map_or(n, <[f32]>::len), n),
+            ("x", x.len(), tokens * c.w.l.k),
+            ("y", c.y.len(), tokens * n),
+            ("bias", c.bias.map_or(n, <[f32]>::len), n),
         ] {
             if got != want {
                 return Err(DenseError::Len { what, got, want });
             }
         }
-        if tokens == 0 {
-            return Ok(());
+        if !first.shares_input_with(c.w) {
+            return Err(DenseError::Mixed);
         }
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = &mut *guard;
-        let k_pad = self.l.k_pad;
-        let kind = act_kind(self.tier, self.l.format, k_pad);
-        let amx =
-            self.tier == CpuTier::Amx && amx_supports(self.l.format) && tokens >= AMX_MIN_ROWS;
-        // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
-        s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
-        s.rows.clear();
-        s.rows.extend(0..tokens as u32);
-        let writer = s.act.writer(kind, k_pad);
-        let convert = |first: usize| {
-            for t in first..(first + CONVERT_ROWS).min(tokens) {
-                // SAFETY: rows were reserved above; each item writes its own rows.
-                unsafe { writer.write_row(t, &x[t * k..(t + 1) * k]) };
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let mut guard = first.scratch.lock().unwrap_or_else(|e| e.into_inner());
+    let s = &mut *guard;
+    let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
+    let kind = act_kind(tier, first.l.format, k_pad);
+    // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
+    s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
+    s.rows.clear();
+    s.rows.extend(0..tokens as u32);
+    convert_rows(pool, &mut s.act, kind, k_pad, x, k, tokens);
+    let a = s.act.view(kind, k_pad, &s.rows);
+
+    // Work items: chunks of N-tiles of every matrix, in order.
+    let mut items: Vec<(usize, usize, usize)> = Vec::new(); // (call, first tile, tiles)
+    let total_tiles: usize = calls.iter().map(|c| c.w.l.n_tiles).sum();
+    // Several chunks per thread so a slow core does not hold the call; ≥ 2 tiles for AMX's 2×2.
+    let per_chunk = total_tiles.div_ceil(4 * pool.threads()).max(2);
+    for (ci, c) in calls.iter().enumerate() {
+        let nt = c.w.l.n_tiles;
+        let mut t0 = 0;
+        while t0 < nt {
+            items.push((ci, t0, per_chunk.min(nt - t0)));
+            t0 += per_chunk;
+        }
+    }
+    let targets: Vec<(MatRef<'_>, bool, Option<&[f32]>, SyncPtr)> = calls
+        .iter_mut()
+        .map(|c| {
+            let amx =
+                c.w.tier == CpuTier::Amx && amx_supports(c.w.l.format) && tokens >= AMX_MIN_ROWS;
+            (c.w.mat(), amx, c.bias, SyncPtr(c.y.as_mut_ptr()))
+        })
+        .collect();
+    let groups = pool.groups();
+    let per_group: Vec<usize> = (0..groups)
+        .map(|g| (items.len() + groups - 1 - g) / groups)
+        .collect();
+    pool.run(&per_group, &|g, i, _| {
+        let (ci, nt0, nts) = items[i * groups + g];
+        let (mat, amx, bias, yp) = &targets[ci];
+        let n = mat.l.n;
+        let ld = 16 * nts;
+        TILE_OUT.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < tokens * ld {
+                buf.resize(tokens * ld, 0.0);
             }
-        };
-        let items = tokens.div_ceil(CONVERT_ROWS);
-        if items > 1 && !matches!(kind, ActKind::F32) {
-            let groups = pool.groups();
-            let per_group: Vec<usize> = (0..groups)
-                .map(|g| (items + groups - 1 - g) / groups)
-                .collect();
-            pool.run(&per_group, &|g, i, _| convert((i * groups + g) * CONVERT_ROWS));
-        } else {
-            (0..items).for_each(|i| convert(i * CONVERT_ROWS));
+            gemm(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+            let col0 = 16 * nt0;
+            let cols = ld.min(n - col0);
+            for t in 0..tokens {
+                let src = &buf[t * ld..t * ld + cols];
+                for (j, &v) in src.iter().enumerate() {
+                    let b = bias.map_or(0.0, |b| b[col0 + j]);
+                    // SAFETY: element (t, col0 + j) of this call's `y` (checked length) belongs to
+                    // this chunk alone; `y` outlives the region.
+                    unsafe { yp.get().add(t * n + col0 + j).write(v + b) };
+                }
+            }
+        })
+    });
+    Ok(())
+}
+
+/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind`, in parallel when there are
+/// several blocks of rows and the conversion is more than a copy.
+fn convert_rows(
+    pool: &WorkerPool,
+    act: &mut ActBuf,
+    kind: ActKind,
+    k_pad: usize,
+    x: &[f32],
+    cols: usize,
+    tokens: usize,
+) {
+    let writer = act.writer(kind, k_pad);
+    let convert = |first: usize| {
+        for t in first..(first + CONVERT_ROWS).min(tokens) {
+            // SAFETY: rows were reserved by the caller; each item writes its own rows.
+            unsafe { writer.write_row(t, &x[t * cols..(t + 1) * cols]) };
         }
-        let a = s.act.view(kind, k_pad, &s.rows);
-        let mat = self.mat();
-        let n_tiles = self.l.n_tiles;
-        // Several chunks per thread so a slow core does not hold the call; ≥ 2 tiles for AMX's 2×2.
-        let per_chunk = n_tiles.div_ceil(4 * pool.threads()).max(2).min(n_tiles);
-        let chunks = n_tiles.div_ceil(per_chunk);
+    };
+    let items = tokens.div_ceil(CONVERT_ROWS);
+    if items > 1 && !matches!(kind, ActKind::F32) {
         let groups = pool.groups();
         let per_group: Vec<usize> = (0..groups)
-            .map(|g| (chunks + groups - 1 - g) / groups)
+            .map(|g| (items + groups - 1 - g) / groups)
             .collect();
-        let yp = SyncPtr(y.as_mut_ptr());
-        let tier = self.tier;
         pool.run(&per_group, &|g, i, _| {
-            let c = i * groups + g;
-            let nt0 = c * per_chunk;
-            let nts = per_chunk.min(n_tiles - nt0);
-            let ld = 16 * nts;
-            TILE_OUT.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                if buf.len() < tokens * ld {
-                    buf.resize(tokens * ld, 0.0);
-                }
-                gemm(tier, amx, &mat, nt0, nts, &a, &mut buf[..], ld);
-                let col0 = 16 * nt0;
-                let cols = ld.min(n - col0);
-                for t in 0..tokens {
-                    let src = &buf[t * ld..t * ld + cols];
-                    for (j, &v) in src.iter().enumerate() {
-                        let b = bias.map_or(0.0, |b| b[col0 + j]);
-                        // SAFETY: element (t, col0 + j) of `y` (checked length) belongs to this chunk
-                        // alone; `y` outlives the region.
-                        unsafe { yp.get().add(t * n + col0 + j).write(v + b) };
-                    }
-                }
-            })
+            convert((i * groups + g) * CONVERT_ROWS)
         });
-        Ok(())
+    } else {
+        (0..items).for_each(|i| convert(i * CONVERT_ROWS));
     }
 }
 
@@ -254,7 +322,9 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -267,7 +337,9 @@ mod tests {
         for r in 0..n {
             w.row_f32(r, &mut row);
             for t in 0..tokens {
-                y[t * n + r] = (0..k).map(|c| row[c] as f64 * x[t * k + c] as f64).sum::<f64>() as f32;
+                y[t * n + r] = (0..k)
+                    .map(|c| row[c] as f64 * x[t * k + c] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         y
@@ -309,7 +381,11 @@ mod tests {
             for r in 0..n {
                 w.row_f32(r, &mut row);
                 for c in 0..k {
-                    assert_eq!(row[c].to_bits(), want[r * k + c].to_bits(), "{kind:?} ({r},{c})");
+                    assert_eq!(
+                        row[c].to_bits(),
+                        want[r * k + c].to_bits(),
+                        "{kind:?} ({r},{c})"
+                    );
                 }
             }
         }
@@ -328,9 +404,18 @@ mod tests {
         let cases: Vec<(WeightFormat, SourceTensor)> = vec![
             (WeightFormat::Bf16, SourceTensor::F32(&f32_src)),
             (WeightFormat::Int8, SourceTensor::F32(&f32_src)),
-            (WeightFormat::Int4 { group: 32 }, SourceTensor::F32(&f32_src)),
-            (WeightFormat::Int4Min { group: 32 }, SourceTensor::F32(&f32_src)),
-            (WeightFormat::Int8Group { group: 32 }, SourceTensor::F32(&f32_src)),
+            (
+                WeightFormat::Int4 { group: 32 },
+                SourceTensor::F32(&f32_src),
+            ),
+            (
+                WeightFormat::Int4Min { group: 32 },
+                SourceTensor::F32(&f32_src),
+            ),
+            (
+                WeightFormat::Int8Group { group: 32 },
+                SourceTensor::F32(&f32_src),
+            ),
             (
                 WeightFormat::Int4Min { group: 32 },
                 SourceTensor::Ggml {
@@ -379,14 +464,71 @@ mod tests {
     }
 
     #[test]
+    fn group_call_equals_separate_calls() {
+        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
+        let k = 96;
+        let mats: Vec<DenseMatrix> = [
+            (WeightFormat::Int4Min { group: 32 }, 40),
+            (WeightFormat::Int8Group { group: 32 }, 70),
+            (WeightFormat::Int4 { group: 32 }, 17),
+        ]
+        .iter()
+        .map(|&(f, n)| {
+            let src = rng_values(n * k, n as u64);
+            DenseMatrix::new(f, n, k, &SourceTensor::F32(&src), None).unwrap()
+        })
+        .collect();
+        for tokens in [1usize, 7, 20] {
+            let x = rng_values(tokens * k, 99);
+            let mut outs: Vec<Vec<f32>> =
+                mats.iter().map(|m| vec![0.0; tokens * m.rows()]).collect();
+            let mut calls: Vec<DenseCall> = mats
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(w, y)| DenseCall { w, bias: None, y })
+                .collect();
+            forward_group(&pool, &mut calls, &x, tokens).unwrap();
+            for (m, got) in mats.iter().zip(&outs) {
+                let mut want = vec![0.0; tokens * m.rows()];
+                m.forward(&pool, &x, tokens, None, &mut want).unwrap();
+                assert_eq!(got, &want);
+            }
+        }
+        let bf = DenseMatrix::new(
+            WeightFormat::Bf16,
+            16,
+            k,
+            &SourceTensor::F32(&[0.0; 16 * 96]),
+            None,
+        )
+        .unwrap();
+        if CpuTier::Avx512.clamp_to_cpu() == CpuTier::Avx512 {
+            assert!(
+                !bf.shares_input_with(&mats[0]),
+                "bf16 and int8 activations differ"
+            );
+        }
+    }
+
+    #[test]
     fn bad_lengths_are_errors() {
         let pool = WorkerPool::new(&[vec![0]], false, Duration::from_micros(50));
         let src = vec![0f32; 32 * 64];
-        let w = DenseMatrix::new(WeightFormat::Bf16, 32, 64, &SourceTensor::F32(&src), None).unwrap();
+        let w =
+            DenseMatrix::new(WeightFormat::Bf16, 32, 64, &SourceTensor::F32(&src), None).unwrap();
         let mut y = vec![0f32; 32];
         assert!(w.forward(&pool, &[0.0; 63], 1, None, &mut y).is_err());
-        assert!(w.forward(&pool, &[0.0; 64], 1, Some(&[0.0; 3]), &mut y).is_err());
-        assert!(DenseMatrix::new(WeightFormat::Bf16, 32, 64, &SourceTensor::F32(&src[1..]), None).is_err());
+        assert!(w
+            .forward(&pool, &[0.0; 64], 1, Some(&[0.0; 3]), &mut y)
+            .is_err());
+        assert!(DenseMatrix::new(
+            WeightFormat::Bf16,
+            32,
+            64,
+            &SourceTensor::F32(&src[1..]),
+            None
+        )
+        .is_err());
         let q = vec![0u8; 18 * 2];
         let bad = SourceTensor::Ggml {
             kind: GgmlBlock::Q4_0,

@@ -13,7 +13,7 @@ pub mod options;
 pub mod pool;
 pub mod topology;
 
-pub use dense::{DenseError, DenseMatrix};
+pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix};
 pub use features::{detected_tier, CpuTier};
 pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};

@@ -313,7 +313,8 @@ impl ActWriter {
                     let gs = std::slice::from_raw_parts_mut(self.gsum.add(row * groups), groups);
                     let sc = std::slice::from_raw_parts_mut(self.scale.add(row * groups), groups);
                     for (g, s) in sc.iter_mut().enumerate() {
-                        let part = &src[(g * group).min(src.len())..((g + 1) * group).min(src.len())];
+                        let part =
+                            &src[(g * group).min(src.len())..((g + 1) * group).min(src.len())];
                         *s = to_i8_row(part, &mut d[g * group..g * group + part.len()]);
                     }
                     d[src.len()..].fill(0);

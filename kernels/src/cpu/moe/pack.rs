@@ -109,7 +109,10 @@ pub enum SourceTensor<'a> {
         scale_inv: &'a [f32],
     },
     /// GGML blocks as stored in a GGUF file, each row `cols / block elements` blocks.
-    Ggml { kind: GgmlBlock, data: &'a [u8] },
+    Ggml {
+        kind: GgmlBlock,
+        data: &'a [u8],
+    },
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -395,7 +398,10 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                 let groups = l.k_pad / 32;
                 let s16 = s16_mut(s);
                 codes.fill(zero_code);
-                for (g, b) in data[n * rb..(n + 1) * rb].chunks_exact(kind.block().1).enumerate() {
+                for (g, b) in data[n * rb..(n + 1) * rb]
+                    .chunks_exact(kind.block().1)
+                    .enumerate()
+                {
                     let c = ggml::block_codes(*kind, b).expect("lossless types have codes");
                     codes[g * 32..g * 32 + 32].copy_from_slice(&c.codes);
                     if let WeightFormat::Int4Min { .. } = l.format {
