@@ -6,6 +6,7 @@
 //!
 //! Layout (v2/v3): magic "GGUF", version u32, tensor count u64, metadata count u64, metadata key/values,
 //! tensor infos (name, dims innermost-first, type, offset), padding to `general.alignment` (32), data.
+use super::gguf_arch::GgufRef;
 use super::{HostData, HostTensor, TensorSource, WeightError};
 use memmap2::Mmap;
 use serde_json::json;
@@ -219,9 +220,12 @@ impl GgufFile {
     /// HF-style config.json for the llama-family architectures this reader maps.
     pub fn hf_config(&self) -> Result<serde_json::Value, WeightError> {
         let arch = self.arch();
+        if super::gguf_arch::is_moe_arch(arch) {
+            return super::gguf_arch::hf_config(self, arch);
+        }
         if arch != "llama" {
             return Err(self.invalid(format!(
-                "GGUF architecture `{arch}` is not supported (supported: llama)"
+                "GGUF architecture `{arch}` is not supported (supported: llama, qwen3moe, glm4moe)"
             )));
         }
         let heads = self.arch_u64("attention.head_count")?;
@@ -263,8 +267,8 @@ impl GgufFile {
         }))
     }
 
-    /// The GGUF name and un-permutation (head count) behind a Hugging Face tensor name.
-    fn gguf_name(&self, hf: &str) -> Option<(String, Option<usize>)> {
+    /// The GGUF tensor (name, un-permutation head count, expert slice) behind a Hugging Face name.
+    fn gguf_name(&self, hf: &str) -> Option<GgufRef> {
         let fixed = match hf {
             "model.embed_tokens.weight" => Some("token_embd.weight"),
             "model.norm.weight" => Some("output_norm.weight"),
@@ -273,7 +277,14 @@ impl GgufFile {
             _ => None,
         };
         if let Some(n) = fixed {
-            return Some((n.to_string(), None));
+            return Some(GgufRef {
+                name: n.to_string(),
+                permute: None,
+                expert: None,
+            });
+        }
+        if super::gguf_arch::is_moe_arch(self.arch()) {
+            return super::gguf_arch::tensor_ref(self.arch(), hf);
         }
         let rest = hf.strip_prefix("model.layers.")?;
         let (layer, suffix) = rest.split_once('.')?;
@@ -295,18 +306,30 @@ impl GgufFile {
             "mlp.down_proj.weight" => ("ffn_down.weight", None),
             _ => return None,
         };
-        Some((format!("blk.{layer}.{g}"), permute))
+        Some(GgufRef {
+            name: format!("blk.{layer}.{g}"),
+            permute,
+            expert: None,
+        })
     }
 }
 
 impl TensorSource for GgufFile {
     fn contains(&self, name: &str) -> bool {
-        self.gguf_name(name)
-            .is_some_and(|(g, _)| self.tensors.contains_key(&g))
+        self.gguf_name(name).is_some_and(|r| {
+            self.tensors.get(&r.name).is_some_and(|t| match r.expert {
+                Some(e) => t.dims.len() == 3 && e < t.dims[2],
+                None => true,
+            })
+        })
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-        let (g, permute) = self
+        let GgufRef {
+            name: g,
+            permute,
+            expert,
+        } = self
             .gguf_name(name)
             .ok_or_else(|| WeightError::MissingTensor {
                 name: name.to_string(),
@@ -319,7 +342,19 @@ impl TensorSource for GgufFile {
                 name: format!("{name} (GGUF `{g}`)"),
                 dir: self.path.clone(),
             })?;
-        let shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+        let mut shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+        let mut bytes = &self.map[info.start..info.start + info.len];
+        if let Some(e) = expert {
+            // One expert of a merged `[E, rows, cols]` tensor: its bytes are the e-th of E equal parts.
+            if shape.len() != 3 || e >= shape[0] {
+                return Err(
+                    self.invalid(format!("tensor `{g}`: shape {shape:?} has no expert {e}"))
+                );
+            }
+            let per = bytes.len() / shape[0];
+            bytes = &bytes[e * per..(e + 1) * per];
+            shape.remove(0);
+        }
         let rows = shape.first().copied().unwrap_or(0);
         let cols = shape.last().copied().unwrap_or(1);
         if let Some(heads) = permute {
@@ -329,7 +364,6 @@ impl TensorSource for GgufFile {
                 )));
             }
         }
-        let bytes = &self.map[info.start..info.start + info.len];
         let data = match info.kind {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
                 let mut data = super::gguf_quant::dequantize(info.kind, bytes);
@@ -458,4 +492,4 @@ pub use super::gguf_quant::dequantize;
 
 #[cfg(test)]
 #[path = "gguf_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -5,6 +5,7 @@
 //! - [`fp8`]: F8_E4M3 decoding and 128×128 block-scale dequantisation (DeepSeek-V3 / GLM FP8 layout).
 pub mod fp8;
 pub mod gguf;
+pub mod gguf_arch;
 pub mod gguf_quant;
 pub mod safetensors;
 
