@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use crate::cpu::features::CpuTier;
 use crate::cpu::memory::{HugeBuffer, HugepageMode};
-use crate::cpu::moe::act::{ActBuf, ActKind};
+use crate::cpu::moe::act::{ActBuf, ActKind, ActRef};
 use crate::cpu::moe::gemm::{act_kind, amx_supports, gemm};
 use crate::cpu::moe::pack::{check_source, pack_matrix, MatLayout, MatRef};
 use crate::cpu::moe::{PackError, SourceTensor, WeightFormat};
@@ -72,6 +72,17 @@ impl SyncPtr {
 
 thread_local! {
     static TILE_OUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One matrix of a group call as the workers see it.
+struct Target<'a> {
+    mat: MatRef<'a>,
+    /// Widened to bf16 per chunk (grouped int formats on AVX-512).
+    wide: bool,
+    amx: bool,
+    bias: Option<&'a [f32]>,
+    y: SyncPtr,
 }
 
 impl DenseMatrix {
@@ -174,9 +185,85 @@ impl DenseMatrix {
         self.tier == o.tier
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
-            && act_kind(self.tier, self.l.format, self.l.k_pad)
-                == act_kind(o.tier, o.l.format, o.l.k_pad)
+            && input_kind(self.tier, self.l.format, self.l.k_pad)
+                == input_kind(o.tier, o.l.format, o.l.k_pad)
     }
+}
+
+/// Whether a matrix of `format` is widened to bf16 per chunk on `tier` (see `dense_widen`).
+fn widened(tier: CpuTier, format: WeightFormat) -> bool {
+    cfg!(target_arch = "x86_64") && tier >= CpuTier::Avx512 && widens(format)
+}
+
+/// The activation kind a dense call converts its input to.
+fn input_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
+    if widened(tier, format) {
+        ActKind::Bf16
+    } else {
+        act_kind(tier, format, k_pad)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::dense_widen::{widen_tiles, widens};
+#[cfg(not(target_arch = "x86_64"))]
+fn widens(_: WeightFormat) -> bool {
+    false
+}
+
+/// Runs N-tiles `nt0 .. nt0 + nts` of a widened matrix: two N-tiles at a time widened to bf16 (L1),
+/// then the bf16 kernel over every row.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn gemm_widened(
+    tier: CpuTier,
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    let k_pad = w.l.k_pad;
+    WIDE.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(2 * 16 * k_pad, 0);
+        let mut t = 0;
+        while t < nts {
+            let c = (nts - t).min(2);
+            // SAFETY: the tier (≥ Avx512, checked by `widened`) is present; the buffer holds two
+            // N-tiles; the format is one `widens` accepts.
+            unsafe { widen_tiles(w, nt0 + t, c, &mut buf) };
+            let l = MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad);
+            // SAFETY: u16 storage viewed as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
+            };
+            let wide = MatRef {
+                l,
+                w: bytes,
+                s: &[],
+            };
+            gemm(tier, amx, &wide, 0, c, a, &mut y[16 * t..], ldy);
+            t += c;
+        }
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+fn gemm_widened(
+    _: CpuTier,
+    _: bool,
+    _: &MatRef<'_>,
+    _: usize,
+    _: usize,
+    _: &ActRef<'_>,
+    _: &mut [f32],
+    _: usize,
+) {
+    unreachable!("only x86_64 widens")
 }
 
 /// One matrix of a [`forward_group`] call and where its output goes (`[tokens, rows]`).
@@ -219,7 +306,7 @@ pub fn forward_group(
     let mut guard = first.scratch.lock().unwrap_or_else(|e| e.into_inner());
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
-    let kind = act_kind(tier, first.l.format, k_pad);
+    let kind = input_kind(tier, first.l.format, k_pad);
     // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
     s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
     s.rows.clear();
@@ -240,12 +327,20 @@ pub fn forward_group(
             t0 += per_chunk;
         }
     }
-    let targets: Vec<(MatRef<'_>, bool, Option<&[f32]>, SyncPtr)> = calls
+    let targets: Vec<Target<'_>> = calls
         .iter_mut()
         .map(|c| {
-            let amx =
-                c.w.tier == CpuTier::Amx && amx_supports(c.w.l.format) && tokens >= AMX_MIN_ROWS;
-            (c.w.mat(), amx, c.bias, SyncPtr(c.y.as_mut_ptr()))
+            let wide = widened(tier, c.w.l.format);
+            let amx = c.w.tier == CpuTier::Amx
+                && (wide || amx_supports(c.w.l.format))
+                && tokens >= AMX_MIN_ROWS;
+            Target {
+                mat: c.w.mat(),
+                wide,
+                amx,
+                bias: c.bias,
+                y: SyncPtr(c.y.as_mut_ptr()),
+            }
         })
         .collect();
     let groups = pool.groups();
@@ -254,7 +349,13 @@ pub fn forward_group(
         .collect();
     pool.run(&per_group, &|g, i, _| {
         let (ci, nt0, nts) = items[i * groups + g];
-        let (mat, amx, bias, yp) = &targets[ci];
+        let Target {
+            mat,
+            wide,
+            amx,
+            bias,
+            y: yp,
+        } = &targets[ci];
         let n = mat.l.n;
         let ld = 16 * nts;
         TILE_OUT.with(|buf| {
@@ -262,7 +363,11 @@ pub fn forward_group(
             if buf.len() < tokens * ld {
                 buf.resize(tokens * ld, 0.0);
             }
-            gemm(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+            if *wide {
+                gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+            } else {
+                gemm(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+            }
             let col0 = 16 * nt0;
             let cols = ld.min(n - col0);
             for t in 0..tokens {

@@ -5,6 +5,8 @@
 
 pub mod bench;
 pub mod dense;
+#[cfg(target_arch = "x86_64")]
+mod dense_widen;
 pub mod features;
 pub mod ggml;
 pub mod memory;
