@@ -30,8 +30,9 @@ pub enum WeightData {
         kind: GgmlBlock,
         bytes: Vec<u8>,
     },
-    /// Packed for the CPU kernels, with the pool that runs them.
-    Packed(PackedWeight),
+    /// Packed for the CPU kernels, with the pool that runs them (boxed: the matrix carries its
+    /// scratch buffers).
+    Packed(Box<PackedWeight>),
 }
 
 pub struct PackedWeight {
@@ -157,10 +158,10 @@ impl Linear {
         };
         let src = self.source().expect("not packed yet");
         let mat = DenseMatrix::new(format, self.out_dim, self.in_dim, &src, max_tier)?;
-        self.w = WeightData::Packed(PackedWeight {
+        self.w = WeightData::Packed(Box::new(PackedWeight {
             mat,
             pool: Arc::clone(pool),
-        });
+        }));
         Ok(true)
     }
 
@@ -223,7 +224,7 @@ pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &[f32], tokens: usize) 
     let packed: Option<Vec<&PackedWeight>> = ls
         .iter()
         .map(|l| match &l.w {
-            WeightData::Packed(p) => Some(p),
+            WeightData::Packed(p) => Some(&**p),
             _ => None,
         })
         .collect();

@@ -27,9 +27,11 @@ fn q8_0(v: &[f32]) -> Vec<u8> {
     out
 }
 
+type ShapedValues = (Vec<usize>, Vec<f32>);
+
 /// (GGUF name, dims innermost first, values) of every fixture tensor, experts merged per layer.
 fn gguf_tensors(arch: &str, st: &SafetensorsDir) -> Vec<(String, Vec<u64>, Vec<f32>)> {
-    let mut merged: BTreeMap<String, BTreeMap<usize, (Vec<usize>, Vec<f32>)>> = BTreeMap::new();
+    let mut merged: BTreeMap<String, BTreeMap<usize, ShapedValues>> = BTreeMap::new();
     let mut out = Vec::new();
     for hf in st.names() {
         let t = st.load(&hf).unwrap();
