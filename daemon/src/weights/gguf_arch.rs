@@ -1,7 +1,10 @@
-//! GGUF MoE architectures (`qwen3moe`, `glm4moe`): llama.cpp's metadata turned into the Hugging Face
+//! GGUF MoE architectures (`qwen3moe`, `glm4moe`, `deepseek2` with MLA): llama.cpp's metadata turned
+//! into the Hugging Face
 //! `config.json` the engine reads, and HF tensor names mapped to GGUF ones. llama.cpp stores each
 //! layer's routed experts merged (`blk.N.ffn_gate_exps` `[E, I, H]`); an HF expert name maps to one
-//! slice of it. Neither architecture's converter permutes Q/K rows (only `llama`'s does).
+//! slice of it. None of these converters permutes Q/K rows (only `llama`'s does). `deepseek2` files
+//! must carry the combined `attn_kv_b` (files that only have the split `attn_k_b` / `attn_v_b` are
+//! refused at load with the missing tensor's name).
 use super::gguf::{GgufFile, GgufValue};
 use super::WeightError;
 use serde_json::{json, Value};
@@ -28,7 +31,7 @@ impl GgufRef {
 
 /// The MoE architectures mapped here.
 pub fn is_moe_arch(arch: &str) -> bool {
-    matches!(arch, "qwen3moe" | "glm4moe")
+    matches!(arch, "qwen3moe" | "glm4moe" | "deepseek2")
 }
 
 fn meta_u64(g: &GgufFile, arch: &str, key: &str) -> Option<u64> {
@@ -101,6 +104,7 @@ pub fn hf_config(g: &GgufFile, arch: &str) -> Result<Value, WeightError> {
             "decoder_sparse_step": 1,
             "mlp_only_layers": dense_layers,
         }),
+        "deepseek2" => deepseek2_config(g, arch, experts, head_dim, &dense_layers)?,
         _ => {
             // GLM: dense layers lead; rotary over `rope.dimension_count` of each head.
             let leading = dense_layers
@@ -126,6 +130,61 @@ pub fn hf_config(g: &GgufFile, arch: &str) -> Result<Value, WeightError> {
     };
     for (k, v) in extra.as_object().expect("object literal") {
         cfg[k] = v.clone();
+    }
+    Ok(cfg)
+}
+
+/// DeepSeek-V2/V3 (MLA, sigmoid group-limited routing, YaRN) from `deepseek2.*` metadata.
+fn deepseek2_config(
+    g: &GgufFile,
+    arch: &str,
+    experts: u64,
+    key_length: u64,
+    dense_layers: &[u64],
+) -> Result<Value, WeightError> {
+    let rope_dim = need(g, arch, "rope.dimension_count")?;
+    let v_dim = need(g, arch, "attention.value_length")?;
+    let leading = dense_layers
+        .iter()
+        .enumerate()
+        .take_while(|(i, &l)| *i as u64 == l)
+        .count();
+    let gating = meta_u64(g, arch, "expert_gating_func").unwrap_or(2);
+    let mut cfg = json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "n_routed_experts": experts,
+        "n_shared_experts": meta_u64(g, arch, "expert_shared_count").unwrap_or(0),
+        "first_k_dense_replace": meta_u64(g, arch, "leading_dense_block_count")
+            .unwrap_or(leading as u64),
+        "routed_scaling_factor": meta_f64(g, arch, "expert_weights_scale").unwrap_or(1.0),
+        "n_group": meta_u64(g, arch, "expert_group_count").unwrap_or(1),
+        "topk_group": meta_u64(g, arch, "expert_group_used_count").unwrap_or(1),
+        "scoring_func": if gating == 1 { "softmax" } else { "sigmoid" },
+        "topk_method": "noaux_tc",
+        "q_lora_rank": meta_u64(g, arch, "attention.q_lora_rank").filter(|&r| r > 0),
+        "kv_lora_rank": need(g, arch, "attention.kv_lora_rank")?,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": key_length.saturating_sub(rope_dim),
+        "v_head_dim": v_dim,
+        "rope_interleave": true,
+    });
+    let scaling = g
+        .get(&format!("{arch}.rope.scaling.type"))
+        .and_then(GgufValue::as_str);
+    if scaling == Some("yarn") {
+        // llama.cpp's converter stores 0.1 · mscale_all_dim as the YaRN log multiplier.
+        let mscale = meta_f64(g, arch, "rope.scaling.yarn_log_multiplier").unwrap_or(0.0) / 0.1;
+        cfg["rope_scaling"] = json!({
+            "type": "yarn",
+            "factor": meta_f64(g, arch, "rope.scaling.factor").unwrap_or(1.0),
+            "original_max_position_embeddings":
+                meta_u64(g, arch, "rope.scaling.original_context_length").unwrap_or(4096),
+            "beta_fast": meta_f64(g, arch, "rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+            "beta_slow": meta_f64(g, arch, "rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        });
     }
     Ok(cfg)
 }
@@ -165,6 +224,12 @@ pub fn tensor_ref(arch: &str, hf: &str) -> Option<GgufRef> {
         "self_attn.v_proj.weight" => blk("attn_v.weight"),
         "self_attn.v_proj.bias" => blk("attn_v.bias"),
         "self_attn.o_proj.weight" => blk("attn_output.weight"),
+        "self_attn.q_a_proj.weight" => blk("attn_q_a.weight"),
+        "self_attn.q_a_layernorm.weight" => blk("attn_q_a_norm.weight"),
+        "self_attn.q_b_proj.weight" => blk("attn_q_b.weight"),
+        "self_attn.kv_a_proj_with_mqa.weight" => blk("attn_kv_a_mqa.weight"),
+        "self_attn.kv_a_layernorm.weight" => blk("attn_kv_a_norm.weight"),
+        "self_attn.kv_b_proj.weight" => blk("attn_kv_b.weight"),
         "self_attn.q_norm.weight" => blk("attn_q_norm.weight"),
         "self_attn.k_norm.weight" => blk("attn_k_norm.weight"),
         "mlp.gate.weight" => blk("ffn_gate_inp.weight"),

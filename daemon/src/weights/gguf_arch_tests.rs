@@ -97,15 +97,48 @@ fn write_fixture_gguf(name: &str, arch: &str, storage: Storage) -> PathBuf {
         ),
         (key("attention.head_count"), u("num_attention_heads")),
         (key("attention.head_count_kv"), u("num_key_value_heads")),
-        (key("attention.key_length"), u("head_dim")),
         (key("expert_used_count"), u("num_experts_per_tok")),
         (key("attention.layer_norm_rms_epsilon"), f("rms_norm_eps")),
         (key("rope.freq_base"), f("rope_theta")),
         (key("vocab_size"), u("vocab_size")),
         (key("context_length"), u("max_position_embeddings")),
     ];
+    if cfg.get("head_dim").is_some() {
+        meta.push((key("attention.key_length"), u("head_dim")));
+    }
     if arch == "qwen3moe" {
         meta.push((key("expert_count"), u("num_experts")));
+    } else if arch == "deepseek2" {
+        let rs = &cfg["rope_scaling"];
+        let qk =
+            cfg["qk_nope_head_dim"].as_u64().unwrap() + cfg["qk_rope_head_dim"].as_u64().unwrap();
+        meta.extend([
+            (key("expert_count"), u("n_routed_experts")),
+            (key("expert_shared_count"), u("n_shared_experts")),
+            (key("leading_dense_block_count"), u("first_k_dense_replace")),
+            (key("expert_weights_scale"), f("routed_scaling_factor")),
+            (key("expert_group_count"), u("n_group")),
+            (key("expert_group_used_count"), u("topk_group")),
+            (key("expert_gating_func"), GgufValue::U64(2)),
+            (key("attention.q_lora_rank"), u("q_lora_rank")),
+            (key("attention.kv_lora_rank"), u("kv_lora_rank")),
+            (key("attention.key_length"), GgufValue::U64(qk)),
+            (key("attention.value_length"), u("v_head_dim")),
+            (key("rope.dimension_count"), u("qk_rope_head_dim")),
+            (key("rope.scaling.type"), GgufValue::Str("yarn".into())),
+            (
+                key("rope.scaling.factor"),
+                GgufValue::F64(rs["factor"].as_f64().unwrap()),
+            ),
+            (
+                key("rope.scaling.original_context_length"),
+                GgufValue::U64(rs["original_max_position_embeddings"].as_u64().unwrap()),
+            ),
+            (
+                key("rope.scaling.yarn_log_multiplier"),
+                GgufValue::F64(0.1 * rs["mscale_all_dim"].as_f64().unwrap()),
+            ),
+        ]);
     } else {
         let rot = (cfg["head_dim"].as_f64().unwrap()
             * cfg["partial_rotary_factor"].as_f64().unwrap()) as u64;
@@ -217,6 +250,11 @@ fn check(name: &str, arch: &str) {
 #[test]
 fn qwen3moe_gguf_matches_safetensors() {
     check("qwen3_moe", "qwen3moe");
+}
+
+#[test]
+fn deepseek2_gguf_matches_safetensors() {
+    check("deepseek_v3", "deepseek2");
 }
 
 #[test]
