@@ -183,7 +183,7 @@ fn write_fixture_gguf(name: &str, arch: &str, storage: Storage) -> PathBuf {
 fn logits(e: &Engine, prompt: &[u32]) -> Vec<Vec<f32>> {
     let mut c = e.new_cache();
     let mut out = vec![e
-        .forward(&mut [SeqInput {
+        .reserve_and_forward(&mut [SeqInput {
             cache: &mut c,
             tokens: prompt,
         }])
@@ -191,7 +191,7 @@ fn logits(e: &Engine, prompt: &[u32]) -> Vec<Vec<f32>> {
         .remove(0)];
     for t in [7u32, 99, 3] {
         out.push(
-            e.forward(&mut [SeqInput {
+            e.reserve_and_forward(&mut [SeqInput {
                 cache: &mut c,
                 tokens: &[t],
             }])
