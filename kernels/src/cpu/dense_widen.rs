@@ -59,10 +59,28 @@ pub(crate) unsafe fn widen_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &m
         let nt = nt0 + t;
         let wp = w.ntile(nt).as_ptr();
         let dst = out[t * k_pad * 16..].as_mut_ptr();
+        let quads_per_group = group / 4;
+        let mut d_c = [_mm512_setzero_ps(); 4];
+        let mut m_c = [_mm512_setzero_ps(); 4];
         for kk in 0..quads {
             // SAFETY: packed row of quad kk (64 bytes), its 16 (or 32) f16 scales and the output pair
             // rows 2kk, 2kk + 1 are in bounds.
             unsafe {
+                if kk % quads_per_group == 0 {
+                    // Per-lane scale and offset of this group, once per group: w = u·d + (m − off·d).
+                    let at = (nt * groups + kk / quads_per_group) * stride;
+                    let dv = _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at).cast()));
+                    let mv = if with_min {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at + 16).cast()))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let bias = _mm512_fnmadd_ps(off, dv, mv);
+                    for c in 0..4 {
+                        d_c[c] = _mm512_permutexvar_ps(lane_j[c], dv);
+                        m_c[c] = _mm512_permutexvar_ps(lane_j[c], bias);
+                    }
+                }
                 let codes = if int4 {
                     let v = _mm512_loadu_si512(wp.add(kk / 2 * 64).cast());
                     if kk % 2 == 0 {
@@ -73,18 +91,9 @@ pub(crate) unsafe fn widen_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &m
                 } else {
                     _mm512_loadu_si512(wp.add(kk * 64).cast())
                 };
-                let at = (nt * groups + kk * 4 / group) * stride;
-                let dv = _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at).cast()));
-                let mv = if with_min {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at + 16).cast()))
-                } else {
-                    _mm512_setzero_ps()
-                };
                 let f = |c: usize, bytes: __m128i| {
-                    let u = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), off);
-                    let d = _mm512_permutexvar_ps(lane_j[c], dv);
-                    let m = _mm512_permutexvar_ps(lane_j[c], mv);
-                    _mm512_fmadd_ps(u, d, m)
+                    let u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                    _mm512_fmadd_ps(u, d_c[c], m_c[c])
                 };
                 let c0 = f(0, _mm512_extracti32x4_epi32::<0>(codes));
                 let c1 = f(1, _mm512_extracti32x4_epi32::<1>(codes));
