@@ -209,6 +209,22 @@ impl Engine {
             Device::Cpu => None,
             Device::Cuda(ordinal) => Some(gpu::setup::build(&mut model, ordinal, opts)?),
         };
+        let early_routing = model
+            .config
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.router_input == RouterInput::LayerInput);
+        // Spawned before the worker pool's first region pins this thread to one CPU (a thread spawned
+        // after would inherit that pin and share the CPU with the busy caller).
+        let prefetch =
+            if gpu.is_none() && opts.cpu_kernels && early_routing && opts.expert_prefetch_bytes > 0
+            {
+                let p = moe_kernels::cpu::moe::ExpertPrefetcher::new()
+                    .context("starting the expert prefetch thread")?;
+                Some((p, opts.expert_prefetch_bytes))
+            } else {
+                None
+            };
         let on_cpu = matches!(opts.device, Device::Cpu);
         let cpu_pool = if opts.cpu_kernels && (model.config.moe.is_some() || on_cpu) {
             let mut cpu_moe = opts.cpu_moe.clone();
@@ -269,22 +285,6 @@ impl Engine {
                 let store = std::sync::Arc::new(kv::CpuKvStore::new(&kv_widths(&model)));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
-        };
-        let early_routing = model
-            .config
-            .moe
-            .as_ref()
-            .is_some_and(|m| m.router_input == RouterInput::LayerInput);
-        let prefetch = if gpu.is_none()
-            && cpu_pool.is_some()
-            && early_routing
-            && opts.expert_prefetch_bytes > 0
-        {
-            let p = moe_kernels::cpu::moe::ExpertPrefetcher::new()
-                .context("starting the expert prefetch thread")?;
-            Some((p, opts.expert_prefetch_bytes))
-        } else {
-            None
         };
         Ok(Self {
             model,
