@@ -92,6 +92,7 @@ impl CpuMoeArgs {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
+    /// Model directory (config.json + safetensors) or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// Sequences decoded together.
@@ -134,7 +135,7 @@ fn prompt(engine: &Engine, len: usize, salt: usize) -> Vec<u32> {
 
 fn load(a: &RunArgs) -> anyhow::Result<Engine> {
     let t = Instant::now();
-    let e = Engine::load(&a.model, &a.engine.options()?)?;
+    let e = super::model_path::ModelPath::open(&a.model)?.load_engine(&a.engine.options()?)?;
     eprintln!(
         "loaded {} in {:.1} s",
         a.model.display(),

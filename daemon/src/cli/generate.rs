@@ -1,7 +1,7 @@
 //! `moe-daemon generate`: offline generation for one prompt, with optional per-step logits dump
 //! (`--logits-out`) used to check the engine against reference implementations.
 use crate::engine::sampling::{Sampler, SamplingParams};
-use crate::engine::{Engine, SeqInput};
+use crate::engine::SeqInput;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
@@ -11,10 +11,10 @@ use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Model directory (config.json + safetensors).
+    /// Model directory (config.json + safetensors) or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
-    /// Prompt text, tokenized with the model's tokenizer.json.
+    /// Prompt text, tokenized with the model's tokenizer.json (or the GGUF's vocabulary).
     #[arg(
         long,
         conflicts_with = "prompt_ids",
@@ -79,16 +79,6 @@ struct Report {
     decode_tokens_per_s: f64,
 }
 
-fn load_tokenizer(dir: &std::path::Path) -> anyhow::Result<Option<tokenizers::Tokenizer>> {
-    let path = dir.join("tokenizer.json");
-    if !path.exists() {
-        return Ok(None);
-    }
-    tokenizers::Tokenizer::from_file(&path)
-        .map(Some)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-}
-
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let params = SamplingParams {
         temperature: a.temperature,
@@ -101,10 +91,8 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         seed: a.seed,
     };
     params.validate().map_err(anyhow::Error::msg)?;
-    if !a.model.is_dir() {
-        bail!("--model {}: not a directory", a.model.display());
-    }
-    let tokenizer = load_tokenizer(&a.model)?;
+    let model = super::model_path::ModelPath::open(&a.model)?;
+    let tokenizer = model.tokenizer()?;
     let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
@@ -114,17 +102,14 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
                     a.model.display()
                 )
             })?;
-            tok.encode(text.as_str(), true)
-                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-                .get_ids()
-                .to_vec()
+            tok.encode(text)?
         }
         (None, None) => bail!("give --prompt or --prompt-ids"),
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let engine = Engine::load(&a.model, &a.engine.options_with(true)?)?;
+    let engine = model.load_engine(&a.engine.options_with(true)?)?;
     let mut sampler = Sampler::new(&params);
     let mut cache = engine.new_cache();
     let t0 = Instant::now();
@@ -175,10 +160,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         w.flush()?;
     }
     let text = match &tokenizer {
-        Some(t) => Some(
-            t.decode(&generated, true)
-                .map_err(|e| anyhow::anyhow!("decoding: {e}"))?,
-        ),
+        Some(t) => Some(t.decode(&generated)?),
         None => None,
     };
     let decode_steps = generated.len().saturating_sub(1).max(1);

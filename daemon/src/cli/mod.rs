@@ -2,5 +2,6 @@
 pub mod bench;
 pub mod engine_args;
 pub mod generate;
+pub mod model_path;
 pub mod serve;
 pub mod synth;

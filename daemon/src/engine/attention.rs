@@ -72,9 +72,7 @@ pub fn gqa_forward(
 ) -> Vec<f32> {
     let n = h.len() / cfg.hidden_size;
     let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-    let mut q = attn.q.forward(h, n);
-    let mut k = attn.k.forward(h, n);
-    let v = attn.v.forward(h, n);
+    let [mut q, mut k, v] = crate::engine::linear::forward_many([&attn.q, &attn.k, &attn.v], h, n);
     if let Some(w) = &attn.q_norm {
         rms_norm_rows(&mut q, w, cfg.rms_norm_eps);
     }

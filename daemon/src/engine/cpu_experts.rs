@@ -16,13 +16,15 @@ use moe_kernels::cpu::{CpuMoeOptions, WorkerPool};
 /// The FP8 block size the kernels read scales for.
 const KERNEL_FP8_BLOCK: usize = 128;
 
-/// `Some(format)` forces a format; `None` keeps the checkpoint's (bf16, or FP8 with 128×128 blocks).
+/// `Some(format)` forces a format; `None` keeps the checkpoint's (bf16, FP8 with 128×128 blocks, GGML
+/// blocks in the int format that holds them).
 pub fn pick_format(forced: Option<WeightFormat>, sample: &Linear) -> WeightFormat {
     if let Some(f) = forced {
         return f;
     }
     match &sample.w {
         WeightData::F8 { block, .. } if *block == KERNEL_FP8_BLOCK => WeightFormat::Fp8Block,
+        WeightData::Ggml { kind, .. } => moe_kernels::cpu::moe::format_for_ggml(*kind),
         _ => WeightFormat::Bf16,
     }
 }
@@ -94,21 +96,8 @@ pub fn pack_model(
     Ok(())
 }
 
-/// What the kernels read for one checkpoint tensor.
+/// What the kernels read for one checkpoint tensor (routed experts are never densely packed).
 fn source(l: &Linear) -> SourceTensor<'_> {
-    match &l.w {
-        WeightData::F32(v) => SourceTensor::F32(v),
-        WeightData::Bf16(v) => SourceTensor::Bf16(bf16_bits(v)),
-        WeightData::F8 {
-            bytes, scale_inv, ..
-        } => SourceTensor::Fp8E4M3 {
-            data: bytes,
-            scale_inv,
-        },
-    }
-}
-
-fn bf16_bits(v: &[half::bf16]) -> &[u16] {
-    // SAFETY: bf16 is a transparent wrapper of u16 (same size and alignment).
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u16, v.len()) }
+    l.source()
+        .expect("routed experts stay in checkpoint form until packed here")
 }

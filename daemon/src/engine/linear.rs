@@ -1,12 +1,19 @@
-//! Dense projections `y = x · Wᵀ (+ b)` for the CPU backend, f32 accumulation over f32 / bf16 / FP8
-//! weights kept in their checkpoint precision.
+//! Dense projections `y = x · Wᵀ (+ b)` for the CPU backend.
 //!
-//! Cost: every call streams the whole weight once. Rows of W are split across rayon workers; each
-//! worker widens its rows to f32 once and dots them with all tokens of the batch, so a batch of T
-//! tokens reads the weights once, not T times.
+//! Two paths. The fast one: weights packed once at load into the kernels' tile formats
+//! ([`Linear::pack`], [`moe_kernels::cpu::DenseMatrix`]) and run by the persistent worker pool with the
+//! best SIMD tier (AMX / AVX-512 / AVX2 / scalar); GGUF Q4_0 / Q4_1 / Q8_0 blocks are kept bit for bit.
+//! The reference one, for weights not packed (f32 that bf16 would round, the GPU backend's host copy):
+//! rows of W split across rayon workers, each widening its rows to f32 once and dotting them with all
+//! tokens. Either way a batch of T tokens reads the weights once, not T times.
 use crate::weights::{fp8, HostData, HostTensor};
 use half::bf16;
+use moe_kernels::cpu::moe::{format_for_ggml, SourceTensor, WeightFormat};
+use moe_kernels::cpu::{
+    forward_group, CpuTier, DenseCall, DenseError, DenseMatrix, GgmlBlock, WorkerPool,
+};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Weight storage of a [`Linear`], row-major `[out_dim, in_dim]`.
 pub enum WeightData {
@@ -18,7 +25,23 @@ pub enum WeightData {
         scale_inv: Vec<f32>,
         block: usize,
     },
+    /// GGML blocks as a GGUF file stores them; each row a whole number of blocks.
+    Ggml {
+        kind: GgmlBlock,
+        bytes: Vec<u8>,
+    },
+    /// Packed for the CPU kernels, with the pool that runs them (boxed: the matrix carries its
+    /// scratch buffers).
+    Packed(Box<PackedWeight>),
 }
+
+pub struct PackedWeight {
+    pub mat: DenseMatrix,
+    pool: Arc<WorkerPool>,
+}
+
+/// The FP8 block size the kernels read scales for.
+const KERNEL_FP8_BLOCK: usize = 128;
 
 pub struct Linear {
     pub out_dim: usize,
@@ -46,6 +69,7 @@ impl Linear {
                 scale_inv,
                 block,
             },
+            HostData::Ggml { kind, bytes } => WeightData::Ggml { kind, bytes },
         };
         Self {
             out_dim,
@@ -77,7 +101,72 @@ impl Linear {
                     *o = table[*b as usize] * scales[c / block];
                 }
             }
+            WeightData::Ggml { kind, bytes } => {
+                let rb = kind.row_bytes(n).expect("row length checked at load");
+                moe_kernels::cpu::ggml::dequantize(*kind, &bytes[r * rb..(r + 1) * rb], buf);
+            }
+            WeightData::Packed(p) => p.mat.row_f32(r, buf),
         }
+    }
+
+    /// What the CPU kernels read for this weight (`None` once packed).
+    pub fn source(&self) -> Option<SourceTensor<'_>> {
+        Some(match &self.w {
+            WeightData::F32(v) => SourceTensor::F32(v),
+            WeightData::Bf16(v) => SourceTensor::Bf16(bf16_bits(v)),
+            WeightData::F8 {
+                bytes, scale_inv, ..
+            } => SourceTensor::Fp8E4M3 {
+                data: bytes,
+                scale_inv,
+            },
+            WeightData::Ggml { kind, bytes } => SourceTensor::Ggml {
+                kind: *kind,
+                data: bytes,
+            },
+            WeightData::Packed(_) => return None,
+        })
+    }
+
+    /// The packed format that keeps this weight's values: bf16 as is, FP8 with 128×128 blocks as is,
+    /// GGML Q4_0 / Q4_1 / Q8_0 bit for bit (K-quants requantized to group-32 int formats with f16
+    /// scales), f32 only when every value is a bf16 (else `None`: packing would round it).
+    pub fn kernel_format(&self) -> Option<WeightFormat> {
+        match &self.w {
+            WeightData::Bf16(_) => Some(WeightFormat::Bf16),
+            WeightData::F8 { block, .. } if *block == KERNEL_FP8_BLOCK => {
+                Some(WeightFormat::Fp8Block)
+            }
+            WeightData::F8 { .. } | WeightData::Packed(_) => None,
+            WeightData::Ggml { kind, .. } => Some(format_for_ggml(*kind)),
+            WeightData::F32(v) => v
+                .iter()
+                .all(|x| x.to_bits() & 0xFFFF == 0)
+                .then_some(WeightFormat::Bf16),
+        }
+    }
+
+    /// Repacks the weight for the CPU kernels (dropping the checkpoint copy) when a format keeps its
+    /// values ([`kernel_format`](Self::kernel_format)); returns whether it did.
+    pub fn pack(
+        &mut self,
+        pool: &Arc<WorkerPool>,
+        max_tier: Option<CpuTier>,
+    ) -> Result<bool, DenseError> {
+        let Some(format) = self.kernel_format() else {
+            return Ok(false);
+        };
+        let src = self.source().expect("not packed yet");
+        let mat = DenseMatrix::new(format, self.out_dim, self.in_dim, &src, max_tier)?;
+        self.w = WeightData::Packed(Box::new(PackedWeight {
+            mat,
+            pool: Arc::clone(pool),
+        }));
+        Ok(true)
+    }
+
+    pub fn is_packed(&self) -> bool {
+        matches!(self.w, WeightData::Packed(_))
     }
 
     /// The whole weight as f32 (for small matrices that a kernel wants in f32, e.g. routers).
@@ -92,6 +181,13 @@ impl Linear {
     /// `x`: `[tokens, in_dim]` → returns `[tokens, out_dim]`.
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         debug_assert_eq!(x.len(), tokens * self.in_dim);
+        if let WeightData::Packed(p) = &self.w {
+            let mut y = vec![0f32; tokens * self.out_dim];
+            p.mat
+                .forward(&p.pool, x, tokens, self.bias.as_deref(), &mut y)
+                .expect("x and bias lengths match the layer (checked at load and by the caller)");
+            return y;
+        }
         let (n_in, n_out) = (self.in_dim, self.out_dim);
         // Transposed result [out_dim, tokens] so each worker writes one contiguous block.
         let mut yt = vec![0f32; n_out * tokens];
@@ -119,6 +215,45 @@ impl Linear {
         }
         y
     }
+}
+
+/// Several projections of the same input (q/k/v, gate/up): when all are packed on one pool with the
+/// same activation kind, the input is converted once and one pool region runs them all; otherwise
+/// one call each.
+pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &[f32], tokens: usize) -> [Vec<f32>; N] {
+    let packed: Option<Vec<&PackedWeight>> = ls
+        .iter()
+        .map(|l| match &l.w {
+            WeightData::Packed(p) => Some(&**p),
+            _ => None,
+        })
+        .collect();
+    let together = packed.as_ref().is_some_and(|ps| {
+        ps.iter()
+            .all(|p| Arc::ptr_eq(&p.pool, &ps[0].pool) && p.mat.shares_input_with(&ps[0].mat))
+    });
+    let (Some(ps), true) = (packed, together) else {
+        return ls.map(|l| l.forward(x, tokens));
+    };
+    let mut outs: [Vec<f32>; N] = std::array::from_fn(|i| vec![0f32; tokens * ls[i].out_dim]);
+    let mut calls: Vec<DenseCall> = ps
+        .iter()
+        .zip(ls)
+        .zip(outs.iter_mut())
+        .map(|((p, l), y)| DenseCall {
+            w: &p.mat,
+            bias: l.bias.as_deref(),
+            y,
+        })
+        .collect();
+    forward_group(&ps[0].pool, &mut calls, x, tokens)
+        .expect("x and bias lengths match the layers (checked at load and by the caller)");
+    outs
+}
+
+fn bf16_bits(v: &[bf16]) -> &[u16] {
+    // SAFETY: bf16 is a transparent wrapper of u16 (same size and alignment).
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u16, v.len()) }
 }
 
 fn fp8_table() -> &'static [f32; 256] {

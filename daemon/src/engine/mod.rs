@@ -5,6 +5,7 @@
 //! the step together (weights are read once per step); attention runs per sequence against its cache.
 pub mod attention;
 pub mod cpu_experts;
+pub mod dense_pack;
 pub mod gpu;
 pub mod kv;
 pub mod linear;
@@ -69,7 +70,8 @@ pub struct EngineOptions {
     pub kv_cache_tokens: usize,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
-    /// DRAM experts run on the packed CPU kernels (AMX / AVX-512 / AVX2); false = reference path.
+    /// DRAM experts (and, on the CPU backend, dense projections) run on the packed CPU kernels
+    /// (AMX / AVX-512 / AVX2); false = reference path.
     pub cpu_kernels: bool,
     /// Threads, NUMA and hugepage policy of the CPU expert kernels.
     pub cpu_moe: moe_kernels::cpu::CpuMoeOptions,
@@ -161,8 +163,8 @@ pub struct Engine {
     model: Model,
     rope: Rope,
     pool: rayon::ThreadPool,
-    /// Persistent pinned workers of the CPU expert kernels (None: reference path or dense model).
-    cpu_pool: Option<moe_kernels::cpu::WorkerPool>,
+    /// Persistent pinned workers of the CPU kernels (None: reference path, or GPU with a dense model).
+    cpu_pool: Option<std::sync::Arc<moe_kernels::cpu::WorkerPool>>,
     routing_stats: Option<std::sync::Mutex<placement::RoutingStats>>,
     last_step: std::sync::Mutex<StepTimes>,
     /// Which KV block belongs to which sequence (shared with every [`SeqCache`] of this engine).
@@ -207,7 +209,24 @@ impl Engine {
             Device::Cpu => None,
             Device::Cuda(ordinal) => Some(gpu::setup::build(&mut model, ordinal, opts)?),
         };
-        let cpu_pool = if opts.cpu_kernels && model.config.moe.is_some() {
+        let early_routing = model
+            .config
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.router_input == RouterInput::LayerInput);
+        // Spawned before the worker pool's first region pins this thread to one CPU (a thread spawned
+        // after would inherit that pin and share the CPU with the busy caller).
+        let prefetch =
+            if gpu.is_none() && opts.cpu_kernels && early_routing && opts.expert_prefetch_bytes > 0
+            {
+                let p = moe_kernels::cpu::moe::ExpertPrefetcher::new()
+                    .context("starting the expert prefetch thread")?;
+                Some((p, opts.expert_prefetch_bytes))
+            } else {
+                None
+            };
+        let on_cpu = matches!(opts.device, Device::Cpu);
+        let cpu_pool = if opts.cpu_kernels && (model.config.moe.is_some() || on_cpu) {
             let mut cpu_moe = opts.cpu_moe.clone();
             if cpu_moe.threads.is_none() && opts.cpu_threads > 0 {
                 cpu_moe.threads = Some(opts.cpu_threads);
@@ -226,7 +245,18 @@ impl Engine {
                     "CPU expert workers: topology and pinning from {src}"
                 ),
             }
+            let p = std::sync::Arc::new(p);
             cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
+            if on_cpu {
+                let s =
+                    pool.install(|| dense_pack::pack_dense(&mut model, &p, cpu_moe.max_tier))?;
+                tracing::info!(
+                    packed = s.packed,
+                    reference = s.reference,
+                    mib = s.bytes >> 20,
+                    "dense projections on the CPU kernels"
+                );
+            }
             // Layerwise prefill pins the packed DRAM experts; skip that when no step can reach the
             // threshold (a step never holds more tokens than the KV cache).
             if let Some(g) = gpu
@@ -255,22 +285,6 @@ impl Engine {
                 let store = std::sync::Arc::new(kv::CpuKvStore::new(&kv_widths(&model)));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
-        };
-        let early_routing = model
-            .config
-            .moe
-            .as_ref()
-            .is_some_and(|m| m.router_input == RouterInput::LayerInput);
-        let prefetch = if gpu.is_none()
-            && cpu_pool.is_some()
-            && early_routing
-            && opts.expert_prefetch_bytes > 0
-        {
-            let p = moe_kernels::cpu::moe::ExpertPrefetcher::new()
-                .context("starting the expert prefetch thread")?;
-            Some((p, opts.expert_prefetch_bytes))
-        } else {
-            None
         };
         Ok(Self {
             model,
@@ -405,7 +419,7 @@ impl Engine {
         let out = g
             .forward(
                 &self.model,
-                self.cpu_pool.as_ref(),
+                self.cpu_pool.as_deref(),
                 &inputs,
                 &mut times,
                 |l, ids| self.record(l, ids),
@@ -527,7 +541,7 @@ impl Engine {
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
-                    let pool = self.cpu_pool.as_ref();
+                    let pool = self.cpu_pool.as_deref();
                     let t = std::time::Instant::now();
                     if let Some((p, _)) = &self.prefetch {
                         p.cancel(); // the kernels read the weights now

@@ -100,8 +100,7 @@ pub fn activate(act: Activation, g: f32) -> f32 {
 
 /// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
 pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<f32> {
-    let g = mlp.gate.forward(x, tokens);
-    let u = mlp.up.forward(x, tokens);
+    let [g, u] = crate::engine::linear::forward_many([&mlp.gate, &mlp.up], x, tokens);
     let a: Vec<f32> = g
         .iter()
         .zip(&u)

@@ -1,12 +1,13 @@
 //! GGUF reader (llama.cpp's single-file format): memory-mapped header, metadata and tensor table;
-//! dequantisation of F32 / F16 / BF16 / Q4_0 / Q4_1 / Q8_0 to f32; and the bridge to the engine:
+//! F32 / F16 / BF16 / Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors (quantized ones handed on as
+//! their blocks, see `moe_kernels::cpu::ggml`); and the bridge to the engine:
 //! llama-architecture tensor names mapped to Hugging Face names (un-permuting Q/K rows, which llama.cpp's
 //! converter interleaves for its RoPE layout) and metadata turned into an HF-style `config.json` value.
 //!
 //! Layout (v2/v3): magic "GGUF", version u32, tensor count u64, metadata count u64, metadata key/values,
 //! tensor infos (name, dims innermost-first, type, offset), padding to `general.alignment` (32), data.
+use super::gguf_arch::GgufRef;
 use super::{HostData, HostTensor, TensorSource, WeightError};
-use half::f16;
 use memmap2::Mmap;
 use serde_json::json;
 use std::collections::HashMap;
@@ -62,40 +63,8 @@ impl GgufValue {
     }
 }
 
-/// Tensor element encodings this reader dequantises (ggml type ids).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GgmlType {
-    F32,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
-    Bf16,
-}
-
-impl GgmlType {
-    fn from_id(id: u32) -> Option<Self> {
-        Some(match id {
-            0 => Self::F32,
-            1 => Self::F16,
-            2 => Self::Q4_0,
-            3 => Self::Q4_1,
-            8 => Self::Q8_0,
-            30 => Self::Bf16,
-            _ => return None,
-        })
-    }
-    /// (elements per block, bytes per block)
-    fn block(self) -> (usize, usize) {
-        match self {
-            Self::F32 => (1, 4),
-            Self::F16 | Self::Bf16 => (1, 2),
-            Self::Q4_0 => (32, 18),
-            Self::Q4_1 => (32, 20),
-            Self::Q8_0 => (32, 34),
-        }
-    }
-}
+/// Tensor element encodings this reader reads (ggml type ids); decoding lives with the kernels.
+pub use moe_kernels::cpu::GgmlBlock as GgmlType;
 
 /// Where one tensor lives in the file.
 #[derive(Debug, Clone)]
@@ -220,6 +189,19 @@ impl GgufFile {
         }
     }
 
+    /// NaN or infinite weights are refused, naming the tensor (they would poison every output).
+    fn check_finite(&self, name: &str, data: &[f32]) -> Result<(), WeightError> {
+        match super::first_non_finite(data.iter().copied()) {
+            Some((index, value)) => Err(WeightError::NonFinite {
+                path: self.path.clone(),
+                name: name.to_string(),
+                index,
+                value,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// A tensor under its GGUF name, dequantised to f32, with its shape in row-major (HF) order.
     pub fn load_gguf(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), WeightError> {
         let info = self
@@ -231,15 +213,8 @@ impl GgufFile {
             })?;
         // `start + len <= map.len()` was checked when the table was parsed.
         let bytes = &self.map[info.start..info.start + info.len];
-        let data = dequantize(info.kind, bytes);
-        if let Some((index, value)) = super::first_non_finite(data.iter().copied()) {
-            return Err(WeightError::NonFinite {
-                path: self.path.clone(),
-                name: name.to_string(),
-                index,
-                value,
-            });
-        }
+        let data = super::gguf_quant::dequantize(info.kind, bytes);
+        self.check_finite(name, &data)?;
         let shape = info.dims.iter().rev().copied().collect();
         Ok((shape, data))
     }
@@ -260,9 +235,12 @@ impl GgufFile {
     /// HF-style config.json for the llama-family architectures this reader maps.
     pub fn hf_config(&self) -> Result<serde_json::Value, WeightError> {
         let arch = self.arch();
+        if super::gguf_arch::is_moe_arch(arch) {
+            return super::gguf_arch::hf_config(self, arch);
+        }
         if arch != "llama" {
             return Err(self.invalid(format!(
-                "GGUF architecture `{arch}` is not supported (supported: llama)"
+                "GGUF architecture `{arch}` is not supported (supported: llama, qwen3moe, glm4moe)"
             )));
         }
         let heads = self.arch_u64("attention.head_count")?;
@@ -304,8 +282,8 @@ impl GgufFile {
         }))
     }
 
-    /// The GGUF name and un-permutation (head count) behind a Hugging Face tensor name.
-    fn gguf_name(&self, hf: &str) -> Option<(String, Option<usize>)> {
+    /// The GGUF tensor (name, un-permutation head count, expert slice) behind a Hugging Face name.
+    fn gguf_name(&self, hf: &str) -> Option<GgufRef> {
         let fixed = match hf {
             "model.embed_tokens.weight" => Some("token_embd.weight"),
             "model.norm.weight" => Some("output_norm.weight"),
@@ -314,7 +292,14 @@ impl GgufFile {
             _ => None,
         };
         if let Some(n) = fixed {
-            return Some((n.to_string(), None));
+            return Some(GgufRef {
+                name: n.to_string(),
+                permute: None,
+                expert: None,
+            });
+        }
+        if super::gguf_arch::is_moe_arch(self.arch()) {
+            return super::gguf_arch::tensor_ref(self.arch(), hf);
         }
         let rest = hf.strip_prefix("model.layers.")?;
         let (layer, suffix) = rest.split_once('.')?;
@@ -336,51 +321,105 @@ impl GgufFile {
             "mlp.down_proj.weight" => ("ffn_down.weight", None),
             _ => return None,
         };
-        Some((format!("blk.{layer}.{g}"), permute))
+        Some(GgufRef {
+            name: format!("blk.{layer}.{g}"),
+            permute,
+            expert: None,
+        })
     }
 }
 
 impl TensorSource for GgufFile {
     fn contains(&self, name: &str) -> bool {
-        self.gguf_name(name)
-            .is_some_and(|(g, _)| self.tensors.contains_key(&g))
+        self.gguf_name(name).is_some_and(|r| {
+            self.tensors.get(&r.name).is_some_and(|t| match r.expert {
+                Some(e) => t.dims.len() == 3 && e < t.dims[2],
+                None => true,
+            })
+        })
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-        let (g, permute) = self
+        let GgufRef {
+            name: g,
+            permute,
+            expert,
+        } = self
             .gguf_name(name)
             .ok_or_else(|| WeightError::MissingTensor {
                 name: name.to_string(),
                 dir: self.path.clone(),
             })?;
-        let (shape, mut data) = self.load_gguf(&g)?;
-        if let Some(heads) = permute {
-            let rows = shape.first().copied().unwrap_or(0);
-            let cols = shape.get(1).copied().unwrap_or(1);
-            if shape.len() != 2 || rows.checked_mul(cols) != Some(data.len()) {
-                return Err(self.invalid(format!(
-                    "tensor `{g}` has shape {shape:?}, expected a matrix"
-                )));
+        let info = self
+            .tensors
+            .get(&g)
+            .ok_or_else(|| WeightError::MissingTensor {
+                name: format!("{name} (GGUF `{g}`)"),
+                dir: self.path.clone(),
+            })?;
+        let mut shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+        let mut bytes = &self.map[info.start..info.start + info.len];
+        if let Some(e) = expert {
+            // One expert of a merged `[E, rows, cols]` tensor: its bytes are the e-th of E equal parts.
+            if shape.len() != 3 || e >= shape[0] {
+                return Err(
+                    self.invalid(format!("tensor `{g}`: shape {shape:?} has no expert {e}"))
+                );
             }
-            if heads == 0 || heads.checked_mul(2).is_none_or(|h2| rows % h2 != 0) {
+            let per = bytes.len() / shape[0];
+            bytes = &bytes[e * per..(e + 1) * per];
+            shape.remove(0);
+        }
+        let rows = shape.first().copied().unwrap_or(0);
+        let cols = shape.last().copied().unwrap_or(1);
+        if let Some(heads) = permute {
+            if shape.len() != 2
+                || heads == 0
+                || heads.checked_mul(2).is_none_or(|h2| rows % h2 != 0)
+            {
                 return Err(self.invalid(format!(
                     "tensor `{g}`: {rows} rows do not split into {heads} rotary heads"
                 )));
             }
-            data = unpermute_rotary_rows(&data, rows, cols, heads);
         }
-        Ok(HostTensor {
-            shape,
-            data: HostData::F32(data),
-        })
+        let data = match info.kind {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
+                let mut data = super::gguf_quant::dequantize(info.kind, bytes);
+                self.check_finite(name, &data)?;
+                if let Some(heads) = permute {
+                    data = unpermute_rotary_rows(&data, rows, cols, heads);
+                }
+                HostData::F32(data)
+            }
+            kind => {
+                // Quantized: rows stay as their blocks (the kernels repack them at load).
+                let rb = kind.row_bytes(cols).ok_or_else(|| {
+                    self.invalid(format!(
+                        "tensor `{g}`: rows of {cols} are not whole {} blocks",
+                        kind.name()
+                    ))
+                })?;
+                let mut data = bytes.to_vec();
+                if let Some(heads) = permute {
+                    data = unpermute_rotary_rows(&data, rows, rb, heads);
+                }
+                HostData::Ggml { kind, bytes: data }
+            }
+        };
+        Ok(HostTensor { shape, data })
     }
 }
 
 /// Undoes llama.cpp's Q/K row interleave: GGUF row `h*d + 2i + j` holds HF row `h*d + j*d/2 + i`.
-pub fn unpermute_rotary_rows(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+pub fn unpermute_rotary_rows<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    cols: usize,
+    heads: usize,
+) -> Vec<T> {
     let head_dim = rows / heads;
     let half = head_dim / 2;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
@@ -445,8 +484,8 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
         .ok_or("data section start overflows")?;
     let mut tensors = HashMap::new();
     for (name, dims, ty, offset) in raw {
-        let kind = GgmlType::from_id(ty)
-            .ok_or_else(|| format!("tensor `{name}` has ggml type {ty}, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q8_0)"))?;
+        let kind = GgmlType::from_ggml_id(ty)
+            .ok_or_else(|| format!("tensor `{name}` has ggml type {ty}, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)"))?;
         let numel = dims
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
@@ -499,40 +538,8 @@ fn alignment(metadata: &Metadata) -> Result<usize, String> {
         .ok_or_else(|| format!("general.alignment {v:?} must be a power of two up to 1 MiB"))
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-/// Dequantises a whole tensor's bytes (length already checked against its type).
-pub fn dequantize(kind: GgmlType, bytes: &[u8]) -> Vec<f32> {
-    let (per_block, block_bytes) = kind.block();
-    let mut out = Vec::with_capacity(bytes.len() / block_bytes * per_block);
-    for b in bytes.chunks_exact(block_bytes) {
-        match kind {
-            GgmlType::F32 => out.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            GgmlType::F16 => out.push(f16_at(b, 0)),
-            GgmlType::Bf16 => out.push(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-            GgmlType::Q4_0 => {
-                let d = f16_at(b, 0);
-                let qs = &b[2..18];
-                out.extend(qs.iter().map(|&q| ((q & 0xF) as f32 - 8.0) * d));
-                out.extend(qs.iter().map(|&q| ((q >> 4) as f32 - 8.0) * d));
-            }
-            GgmlType::Q4_1 => {
-                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-                let qs = &b[4..20];
-                out.extend(qs.iter().map(|&q| (q & 0xF) as f32 * d + m));
-                out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
-            }
-            GgmlType::Q8_0 => {
-                let d = f16_at(b, 0);
-                out.extend(b[2..34].iter().map(|&q| q as i8 as f32 * d));
-            }
-        }
-    }
-    out
-}
+pub use super::gguf_quant::dequantize;
 
 #[cfg(test)]
 #[path = "gguf_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -1,5 +1,6 @@
 //! GGUF reader tests on small files written here (a writer for the subset the reader supports).
 use super::*;
+use half::f16;
 
 /// Builds a GGUF v3 file: metadata (string or u32 values) and tensors (ggml type id, dims, raw bytes).
 pub(crate) fn write_gguf(

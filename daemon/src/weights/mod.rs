@@ -5,6 +5,8 @@
 //! - [`fp8`]: F8_E4M3 decoding and 128×128 block-scale dequantisation (DeepSeek-V3 / GLM FP8 layout).
 pub mod fp8;
 pub mod gguf;
+pub mod gguf_arch;
+pub mod gguf_quant;
 pub mod safetensors;
 
 use half::bf16;
@@ -31,6 +33,12 @@ pub enum HostData {
         scale_inv: Vec<f32>,
         block: usize,
     },
+    /// GGML blocks as a GGUF file stores them (Q4_0, Q4_1, Q8_0, K-quants), each row whole blocks;
+    /// the CPU kernels repack them, everything else decodes them through [`HostTensor::to_f32`].
+    Ggml {
+        kind: gguf::GgmlType,
+        bytes: Vec<u8>,
+    },
 }
 
 impl HostTensor {
@@ -51,6 +59,7 @@ impl HostTensor {
                 let (rows, cols) = matrix_dims(&self.shape);
                 fp8::dequantize_block_scaled(bytes, scale_inv, rows, cols, *block)
             }
+            HostData::Ggml { kind, bytes } => gguf_quant::dequantize(*kind, bytes),
         }
     }
 

@@ -228,6 +228,8 @@ fn check_finite(shard: &Shard, name: &str, data: &HostData) -> Result<(), Weight
             .iter()
             .position(|b| b & 0x7f == 0x7f)
             .map(|i| (i, f32::NAN)),
+        // GGML blocks come only from GGUF files, never from safetensors.
+        HostData::Ggml { .. } => None,
     };
     match bad {
         None => Ok(()),

@@ -4,14 +4,20 @@
 //! ([`bench`](mod@bench)).
 
 pub mod bench;
+pub mod dense;
+#[cfg(target_arch = "x86_64")]
+mod dense_widen;
 pub mod features;
+pub mod ggml;
 pub mod memory;
 pub mod moe;
 pub mod options;
 pub mod pool;
 pub mod topology;
 
+pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix};
 pub use features::{detected_tier, CpuTier};
+pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;

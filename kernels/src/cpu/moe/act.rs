@@ -183,8 +183,9 @@ fn to_i8_row_body(src: &[f32], dst: &mut [i8]) -> f32 {
 pub(crate) enum ActKind {
     F32,
     Bf16,
-    /// Symmetric int8 per row (scale = amax / 127), plus per-group sums of the codes (for the unsigned
-    /// weight offset: Σ (q + off)·x = Σ q·x + off·Σ x).
+    /// Symmetric int8 per group of `group` inputs (scale = amax / 127, as llama.cpp's Q8_0
+    /// activations: a per-row scale lets outlier channels drown the rest), plus per-group sums of the
+    /// codes (for the unsigned weight offset: Σ (q + off)·x = Σ q·x + off·Σ x).
     I8 {
         group: usize,
     },
@@ -236,7 +237,7 @@ impl ActBuf {
             ActKind::Bf16 => grow(&mut self.b, rows * k_pad),
             ActKind::I8 { group } => {
                 grow(&mut self.q, rows * k_pad);
-                grow(&mut self.scale, rows);
+                grow(&mut self.scale, rows * (k_pad / group));
                 grow(&mut self.gsum, rows * (k_pad / group));
             }
         }
@@ -310,7 +311,12 @@ impl ActWriter {
                     let d = std::slice::from_raw_parts_mut(self.q.add(row * k), k);
                     let groups = k / group;
                     let gs = std::slice::from_raw_parts_mut(self.gsum.add(row * groups), groups);
-                    *self.scale.add(row) = to_i8_row(src, d);
+                    let sc = std::slice::from_raw_parts_mut(self.scale.add(row * groups), groups);
+                    for (g, s) in sc.iter_mut().enumerate() {
+                        let part =
+                            &src[(g * group).min(src.len())..((g + 1) * group).min(src.len())];
+                        *s = to_i8_row(part, &mut d[g * group..g * group + part.len()]);
+                    }
                     d[src.len()..].fill(0);
                     for (g, s) in gs.iter_mut().enumerate() {
                         *s = d[g * group..(g + 1) * group]
@@ -374,8 +380,12 @@ impl ActWriter {
                         self.q.add(to * k),
                         k,
                     );
-                    *self.scale.add(to) = src.scale[from];
                     let g = k / group;
+                    std::ptr::copy_nonoverlapping(
+                        src.scale.as_ptr().add(from * g),
+                        self.scale.add(to * g),
+                        g,
+                    );
                     std::ptr::copy_nonoverlapping(
                         src.gsum.as_ptr().add(from * g),
                         self.gsum.add(to * g),
@@ -394,7 +404,9 @@ pub(crate) fn act_value(a: &ActRef<'_>, r: usize, i: usize) -> f32 {
     match a.kind {
         ActKind::F32 => a.f[row * a.k_pad + i],
         ActKind::Bf16 => bf16_to_f32(a.b[row * a.k_pad + i]),
-        ActKind::I8 { .. } => a.q[row * a.k_pad + i] as f32 * a.scale[row],
+        ActKind::I8 { group } => {
+            a.q[row * a.k_pad + i] as f32 * a.scale[row * a.groups() + i / group]
+        }
     }
 }
 
@@ -451,7 +463,7 @@ mod tests {
         let rows = [1u32];
         let v = buf.view(kind, 64, &rows);
         for (i, &x) in src.iter().enumerate() {
-            assert!((act_value(&v, 0, i) - x).abs() <= v.scale[1] / 2.0 + 1e-6);
+            assert!((act_value(&v, 0, i) - x).abs() <= v.scale[2 + i / 32] / 2.0 + 1e-6);
         }
         assert_eq!(act_value(&v, 0, 60), 0.0);
         let s0: i32 = v.q[64..96].iter().map(|&q| q as i32).sum();

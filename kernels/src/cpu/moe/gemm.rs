@@ -11,7 +11,12 @@ pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> Act
         (CpuTier::Scalar | CpuTier::Avx2, _) => ActKind::F32,
         (_, WeightFormat::Bf16 | WeightFormat::Fp8Block) => ActKind::Bf16,
         (_, WeightFormat::Int8) => ActKind::I8 { group: k_pad },
-        (_, WeightFormat::Int4 { group }) => ActKind::I8 { group },
+        (
+            _,
+            WeightFormat::Int4 { group }
+            | WeightFormat::Int4Min { group }
+            | WeightFormat::Int8Group { group },
+        ) => ActKind::I8 { group },
     }
 }
 
@@ -208,7 +213,10 @@ pub(crate) fn gemm(
                 (
                     CpuTier::Avx512 | CpuTier::Amx,
                     ActKind::I8 { .. },
-                    WeightFormat::Int8 | WeightFormat::Int4 { .. },
+                    WeightFormat::Int8
+                    | WeightFormat::Int4 { .. }
+                    | WeightFormat::Int4Min { .. }
+                    | WeightFormat::Int8Group { .. },
                 ) => return kern_avx512::gemm_int(w, nt0, nts, a, y.as_mut_ptr(), ldy),
                 (CpuTier::Avx2, ActKind::F32 | ActKind::Bf16, _) => {
                     return gemm_avx2(w, nt0, nts, a, y, ldy)

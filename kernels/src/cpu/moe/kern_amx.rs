@@ -186,7 +186,7 @@ pub(crate) unsafe fn gemm(
                         if int {
                             let row = r0 + r;
                             let corr = 128 * a.gsum[row];
-                            let xs = a.scale[row];
+                            let xs = a.scale[row]; // one group: the whole row
                             let ws = &w.s[(nt0 + nt) * 16..(nt0 + nt) * 16 + 16];
                             for j in 0..16 {
                                 dst[j] = (src[j] as i32 - corr) as f32 * xs * ws[j];

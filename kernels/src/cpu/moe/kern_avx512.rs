@@ -330,6 +330,46 @@ pub(crate) unsafe fn gemm_int(
                         },
                     )
                 }
+                WeightFormat::Int4Min { group } => {
+                    let s = &w.s16()[nt * groups * 32..];
+                    for_blocks::<i32>(
+                        a,
+                        a.q.as_ptr().cast(),
+                        1,
+                        y,
+                        ldy,
+                        (nt - nt0) * 16,
+                        8,
+                        |b, n| {
+                            let (gs, xs) = row_terms(a, b, n, groups);
+                            by_rows!(
+                                n,
+                                8,
+                                i4m_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
+                            )
+                        },
+                    )
+                }
+                WeightFormat::Int8Group { group } => {
+                    let s = &w.s16()[nt * groups * 16..];
+                    for_blocks::<i32>(
+                        a,
+                        a.q.as_ptr().cast(),
+                        1,
+                        y,
+                        ldy,
+                        (nt - nt0) * 16,
+                        8,
+                        |b, n| {
+                            let (gs, xs) = row_terms(a, b, n, groups);
+                            by_rows!(
+                                n,
+                                8,
+                                i8g_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
+                            )
+                        },
+                    )
+                }
                 _ => {
                     let s = &w.s[nt * 16..];
                     for_blocks::<i32>(
@@ -355,19 +395,19 @@ pub(crate) unsafe fn gemm_int(
     }
 }
 
-/// Group-sum pointers and activation scales of a block's rows.
+/// Group-sum and activation-scale pointers (one per group) of a block's rows.
 #[inline(always)]
 fn row_terms(
     a: &ActRef<'_>,
     b: &Block<i32>,
     n: usize,
     groups: usize,
-) -> ([*const i32; MAX_ROWS], [f32; MAX_ROWS]) {
+) -> ([*const i32; MAX_ROWS], [*const f32; MAX_ROWS]) {
     let mut gs = [std::ptr::null(); MAX_ROWS];
-    let mut xs = [0f32; MAX_ROWS];
+    let mut xs = [std::ptr::null(); MAX_ROWS];
     for i in 0..n {
         gs[i] = a.gsum[b.row[i] * groups..].as_ptr();
-        xs[i] = a.scale[b.row[i]];
+        xs[i] = a.scale[b.row[i] * groups..].as_ptr();
     }
     (gs, xs)
 }
@@ -380,7 +420,7 @@ unsafe fn i8_block<const R: usize>(
     wscale: &[f32],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
@@ -413,7 +453,7 @@ unsafe fn i8_block<const R: usize>(
                 _mm512_add_epi32(acc0[r], acc1[r]),
                 _mm512_set1_epi32(128 * *gsum[r]),
             );
-            let s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r]));
+            let s = _mm512_mul_ps(ws, _mm512_set1_ps(*xs[r]));
             _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
         }
     }
@@ -428,7 +468,7 @@ unsafe fn i4_block<const R: usize>(
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
-    xs: &[f32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
     // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
@@ -463,11 +503,122 @@ unsafe fn i4_block<const R: usize>(
                     _mm512_add_epi32(lo_acc[r], hi_acc[r]),
                     _mm512_set1_epi32(8 * *gsum[r].add(g)),
                 );
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, total[r]);
+                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], _mm512_set1_ps(xs[r])));
+            _mm512_storeu_ps(out[r], total[r]);
+        }
+    }
+}
+
+/// Int4 with group scale and min (Q4_1): per group `d·Σ u·x + m·Σ x`, both sums from integer dots.
+#[inline(always)]
+unsafe fn i4m_block<const R: usize>(
+    wp: *const u8,
+    group: usize,
+    groups: usize,
+    pf: usize,
+    scales: &[u16],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 32.
+    unsafe {
+        let nib = _mm512_set1_epi8(0x0F);
+        let mut total = [_mm512_setzero_ps(); R];
+        let per_group = group / 8;
+        for g in 0..groups {
+            let mut lo_acc = [_mm512_setzero_si512(); R];
+            let mut hi_acc = [_mm512_setzero_si512(); R];
+            for pr in g * per_group..(g + 1) * per_group {
+                prefetch(wp.add(pr * 64), pf);
+                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                let lo = _mm512_and_si512(v, nib);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                for r in 0..R {
+                    lo_acc[r] = _mm512_dpbusd_epi32(
+                        lo_acc[r],
+                        lo,
+                        _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned()),
+                    );
+                    hi_acc[r] = _mm512_dpbusd_epi32(
+                        hi_acc[r],
+                        hi,
+                        _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned()),
+                    );
+                }
+            }
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32).cast()));
+            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32 + 16).cast()));
+            for r in 0..R {
+                let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
+                let gs = _mm512_set1_ps(*gsum[r].add(g) as f32);
+                let part = _mm512_fmadd_ps(gs, mv, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv));
+                total[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(*xs[r].add(g)), total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], total[r]);
+        }
+    }
+}
+
+/// Int8 with group scales (Q8_0): per group an integer dot, offset-corrected, times the f16 scale.
+#[inline(always)]
+unsafe fn i8g_block<const R: usize>(
+    wp: *const u8,
+    group: usize,
+    groups: usize,
+    pf: usize,
+    scales: &[u16],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 16.
+    unsafe {
+        let mut total = [_mm512_setzero_ps(); R];
+        let quads = group / 4;
+        for g in 0..groups {
+            let mut acc0 = [_mm512_setzero_si512(); R];
+            let mut acc1 = [_mm512_setzero_si512(); R];
+            let mut i = g * quads;
+            while i < (g + 1) * quads {
+                prefetch(wp.add(i * 64), pf);
+                prefetch(wp.add(i * 64 + 64), pf);
+                let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
+                let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
+                for r in 0..R {
+                    acc0[r] = _mm512_dpbusd_epi32(
+                        acc0[r],
+                        w0,
+                        _mm512_set1_epi32(x[r].add(i).read_unaligned()),
+                    );
+                    acc1[r] = _mm512_dpbusd_epi32(
+                        acc1[r],
+                        w1,
+                        _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
+                    );
+                }
+                i += 2;
+            }
+            let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
+            for r in 0..R {
+                let acc = _mm512_sub_epi32(
+                    _mm512_add_epi32(acc0[r], acc1[r]),
+                    _mm512_set1_epi32(128 * *gsum[r].add(g)),
+                );
+                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], total[r]);
         }
     }
 }
@@ -605,10 +756,12 @@ pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u1
     assert!(out.len() >= m_pad * k && k.is_multiple_of(32));
     for (r, &row) in a.rows.iter().enumerate() {
         let row = row as usize;
-        let s = _mm512_set1_ps(a.scale[row]);
+        let groups = a.groups();
+        let group = k / groups;
         let src = a.q[row * k..(row + 1) * k].as_ptr();
         let dst = out[r * k..].as_mut_ptr();
         for c in (0..k).step_by(32) {
+            let s = _mm512_set1_ps(a.scale[row * groups + c / group]);
             // SAFETY: 32 codes and 32 outputs in bounds.
             unsafe {
                 let lo = _mm512_mul_ps(

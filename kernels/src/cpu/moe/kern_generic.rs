@@ -47,6 +47,35 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Int4Min { group } => {
+            let groups = l.k_pad / group;
+            for kk in 0..kt / p {
+                let g = (ti * kt + kk * 4) / group;
+                let s0 = (nt * groups + g) * 32;
+                for j in 0..16 {
+                    let (d, m) = (w.int4_scale(s0 + j), w.int4_scale(s0 + 16 + j));
+                    for q in 0..4 {
+                        let b = tile[(kk / 2) * 64 + j * 4 + q];
+                        let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
+                        out[(kk * 4 + q) * 16 + j] = u as f32 * d + m;
+                    }
+                }
+            }
+        }
+        WeightFormat::Int8Group { group } => {
+            let groups = l.k_pad / group;
+            for kk in 0..kt / p {
+                let g = (ti * kt + kk * 4) / group;
+                let s0 = (nt * groups + g) * 16;
+                for j in 0..16 {
+                    let d = w.int4_scale(s0 + j);
+                    for q in 0..4 {
+                        out[(kk * 4 + q) * 16 + j] =
+                            (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * d;
+                    }
+                }
+            }
+        }
         WeightFormat::Int4 { group } => {
             let groups = l.k_pad / group;
             for kk in 0..kt / p {
@@ -153,6 +182,9 @@ pub(crate) fn gemm_i8_twin(
     let (group, off) = match l.format {
         WeightFormat::Int8 => (l.k_pad, 128),
         WeightFormat::Int4 { group } => (group, 8),
+        WeightFormat::Int8Group { group } => (group, 128),
+        // The min term replaces the offset: Σ (u·d + m)·x = d·Σ u·x + m·Σ x.
+        WeightFormat::Int4Min { group } => (group, 0),
         f => unreachable!("{f:?} has no int8 kernel"),
     };
     let groups = l.k_pad / group;
@@ -168,7 +200,9 @@ pub(crate) fn gemm_i8_twin(
                     for k in g * group..(g + 1) * group {
                         let (kk, q) = (k / 4, k % 4);
                         let u = match l.format {
-                            WeightFormat::Int8 => tiles[kk * 64 + j * 4 + q] as i32,
+                            WeightFormat::Int8 | WeightFormat::Int8Group { .. } => {
+                                tiles[kk * 64 + j * 4 + q] as i32
+                            }
                             _ => {
                                 let b = tiles[(kk / 2) * 64 + j * 4 + q];
                                 (if kk % 2 == 0 { b & 15 } else { b >> 4 }) as i32
@@ -176,14 +210,18 @@ pub(crate) fn gemm_i8_twin(
                         };
                         acc += u * x[k] as i32;
                     }
-                    let acc = acc - off * a.gsum[row * groups + g];
-                    let s = match l.format {
-                        WeightFormat::Int8 => w.s[nt * 16 + j],
-                        _ => w.int4_scale((nt * groups + g) * 16 + j),
-                    };
-                    total += acc as f32 * s;
+                    let gsum = a.gsum[row * groups + g];
+                    let acc = acc - off * gsum;
+                    total += match l.format {
+                        WeightFormat::Int8 => acc as f32 * w.s[nt * 16 + j],
+                        WeightFormat::Int4Min { .. } => {
+                            let at = (nt * groups + g) * 32 + j;
+                            acc as f32 * w.int4_scale(at) + gsum as f32 * w.int4_scale(at + 16)
+                        }
+                        _ => acc as f32 * w.int4_scale((nt * groups + g) * 16 + j),
+                    } * a.scale[row * groups + g];
                 }
-                y[r * ldy + (nt - nt0) * 16 + j] = total * a.scale[row];
+                y[r * ldy + (nt - nt0) * 16 + j] = total;
             }
         }
     }

@@ -42,21 +42,24 @@
 //! decode token spreads its 8 experts' rows over every core. Weight bytes are read exactly once per call
 //! (from DRAM; token blocks after the first re-read them from L2); everything else is small.
 
-mod act;
+pub(crate) mod act;
 mod export;
 mod forward;
-mod gemm;
+pub(crate) mod gemm;
 mod kern_amx;
 mod kern_avx512;
 mod kern_generic;
-mod pack;
+pub(crate) mod pack;
 mod packed;
 mod prefetch;
 #[cfg(test)]
 mod tests;
 
 pub use act::Activation;
-pub use pack::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32, PackError, SourceTensor, WeightFormat};
+pub use pack::{
+    bf16_to_f32, f32_to_bf16, format_for_ggml, fp8_e4m3_to_f32, PackError, SourceTensor,
+    WeightFormat,
+};
 pub use packed::{unpack_bf16, PackedGeometry, PackedMat};
 pub use prefetch::ExpertPrefetcher;
 
@@ -181,7 +184,7 @@ impl CpuExpertSet {
                 sources: sources.len(),
             });
         }
-        if let WeightFormat::Int4 { group } = cfg.format {
+        if let Some(group) = cfg.format.group() {
             if ![32, 64, 128].contains(&group) {
                 return Err(PackError::Group(group).into());
             }

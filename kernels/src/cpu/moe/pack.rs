@@ -12,6 +12,11 @@
 //! | Fp8Block (E4M3) | 2 | 32 | 512 | `weight_scale_inv` as stored, `[ceil(n/128)][ceil(k/128)]` |
 //! | Int8 (u8 = q + 128) | 4 | 64 | 1024 | per output row |
 //! | Int4 group G (u4 = q + 8) | 4 | 64 | 512: rows 2i and 2i+1 share bytes (low/high nibble) | f16 `[n_tile][k/G][16]` |
+//! | Int4Min group G (w = u4·d + m) | 4 | 64 | 512, as Int4 | f16 `[n_tile][k/G][d ×16, m ×16]` |
+//! | Int8Group group G (u8 = q + 128) | 4 | 64 | 1024, as Int8 | f16 `[n_tile][k/G][16]` |
+//!
+//! Int4 group 32, Int4Min group 32 and Int8Group group 32 hold llama.cpp's Q4_0, Q4_1 and Q8_0 blocks
+//! bit for bit ([`SourceTensor::Ggml`] sources of those types are repacked, not requantized).
 //!
 //! Int4 scales are f16 (as llama.cpp's Q4_0): with f32 they would add 25% to the bytes a decode token
 //! reads at group 32.
@@ -19,6 +24,8 @@
 //! Padding rows/columns are zero weights (u8 128, u4 8), so kernels never branch on edges.
 
 use thiserror::Error;
+
+use crate::cpu::ggml::{self, GgmlBlock};
 
 /// How expert weights are stored in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -31,14 +38,19 @@ pub enum WeightFormat {
     Int8,
     /// int4 (llama.cpp Q4_0-style: scale = extreme value / -8) per group of `group` inputs, quantized at load.
     Int4 { group: usize },
+    /// int4 with an f16 scale and min per group (llama.cpp Q4_1): w = u·d + m, u in 0..16.
+    Int4Min { group: usize },
+    /// int8 with an f16 scale per group (llama.cpp Q8_0): u8 = q + 128, w = q·d.
+    Int8Group { group: usize },
 }
 
 /// The names `WeightFormat` parses from.
-const EXPECTED: &str = "expected bf16, fp8, int8, int4, int4g64 or int4g128";
+const EXPECTED: &str = "expected bf16, fp8, int8, int4, int4g64, int4g128, int4m32 or int8g32";
 
 impl std::str::FromStr for WeightFormat {
     type Err = String;
-    /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`.
+    /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`, `int4m32` (Q4_1 layout),
+    /// `int8g32` (Q8_0 layout).
     fn from_str(s: &str) -> Result<WeightFormat, String> {
         Ok(match s {
             "bf16" => WeightFormat::Bf16,
@@ -47,6 +59,8 @@ impl std::str::FromStr for WeightFormat {
             "int4" | "int4g32" => WeightFormat::Int4 { group: 32 },
             "int4g64" => WeightFormat::Int4 { group: 64 },
             "int4g128" => WeightFormat::Int4 { group: 128 },
+            "int4m32" => WeightFormat::Int4Min { group: 32 },
+            "int8g32" => WeightFormat::Int8Group { group: 32 },
             _ => return Err(format!("unknown expert format {s:?} ({EXPECTED})")),
         })
     }
@@ -58,8 +72,18 @@ impl WeightFormat {
         match self {
             WeightFormat::Bf16 => (2, 32, 1024),
             WeightFormat::Fp8Block => (2, 32, 512),
-            WeightFormat::Int8 => (4, 64, 1024),
-            WeightFormat::Int4 { .. } => (4, 64, 512),
+            WeightFormat::Int8 | WeightFormat::Int8Group { .. } => (4, 64, 1024),
+            WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => (4, 64, 512),
+        }
+    }
+
+    /// Inputs per scale group, for the grouped int formats.
+    pub fn group(self) -> Option<usize> {
+        match self {
+            WeightFormat::Int4 { group }
+            | WeightFormat::Int4Min { group }
+            | WeightFormat::Int8Group { group } => Some(group),
+            _ => None,
         }
     }
 
@@ -67,8 +91,8 @@ impl WeightFormat {
     pub fn bytes_per_weight(self) -> f64 {
         match self {
             WeightFormat::Bf16 => 2.0,
-            WeightFormat::Fp8Block | WeightFormat::Int8 => 1.0,
-            WeightFormat::Int4 { .. } => 0.5,
+            WeightFormat::Fp8Block | WeightFormat::Int8 | WeightFormat::Int8Group { .. } => 1.0,
+            WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => 0.5,
         }
     }
 }
@@ -83,6 +107,11 @@ pub enum SourceTensor<'a> {
     Fp8E4M3 {
         data: &'a [u8],
         scale_inv: &'a [f32],
+    },
+    /// GGML blocks as stored in a GGUF file, each row `cols / block elements` blocks.
+    Ggml {
+        kind: GgmlBlock,
+        data: &'a [u8],
     },
 }
 
@@ -106,6 +135,12 @@ pub enum PackError {
     NotFp8 { name: &'static str },
     #[error("int4 group size {0} not supported (32, 64 or 128)")]
     Group(usize),
+    #[error("tensor {name}: {cols} columns are not a whole number of {kind} blocks")]
+    GgmlRow {
+        name: &'static str,
+        kind: &'static str,
+        cols: usize,
+    },
 }
 
 /// Shape and placement of one packed matrix inside an expert buffer.
@@ -127,9 +162,9 @@ pub(crate) struct MatLayout {
 impl MatLayout {
     pub fn new(format: WeightFormat, n: usize, k: usize) -> MatLayout {
         let (_, kt, tile_bytes) = format.tile_geometry();
-        let k_pad = match format {
-            WeightFormat::Int4 { group } => k.div_ceil(kt.max(group)) * kt.max(group),
-            _ => k.div_ceil(kt) * kt,
+        let k_pad = match format.group() {
+            Some(group) => k.div_ceil(kt.max(group)) * kt.max(group),
+            None => k.div_ceil(kt) * kt,
         };
         let n_tiles = n.div_ceil(16);
         let k_tiles = k_pad / kt;
@@ -137,7 +172,10 @@ impl MatLayout {
             WeightFormat::Bf16 => 0,
             WeightFormat::Fp8Block => n.div_ceil(128) * k.div_ceil(128),
             WeightFormat::Int8 => n_tiles * 16,
-            WeightFormat::Int4 { group } => (n_tiles * (k_pad / group) * 16).div_ceil(2),
+            WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => {
+                (n_tiles * (k_pad / group) * 16).div_ceil(2)
+            }
+            WeightFormat::Int4Min { group } => n_tiles * (k_pad / group) * 16,
         };
         MatLayout {
             format,
@@ -167,14 +205,14 @@ pub(crate) struct MatRef<'a> {
 }
 
 impl MatRef<'_> {
-    /// The scales as f16 bits (int4).
+    /// The scales as f16 bits (grouped int formats).
     #[inline]
     pub fn s16(&self) -> &[u16] {
         // SAFETY: the f32 scale storage reinterpreted as twice as many u16 (alignment 4 ≥ 2).
         unsafe { std::slice::from_raw_parts(self.s.as_ptr().cast::<u16>(), self.s.len() * 2) }
     }
 
-    /// Int4 scale number `i` (`(nt · groups + g) · 16 + j`).
+    /// f16 scale number `i` as f32 (Int4: `(nt · groups + g) · 16 + j`; layouts in the module doc).
     #[inline]
     pub fn int4_scale(&self, i: usize) -> f32 {
         half::f16::from_bits(self.s16()[i]).to_f32()
@@ -214,8 +252,24 @@ impl MatRef<'_> {
                 let groups = l.k_pad / group;
                 (u as i32 - 8) as f32 * self.int4_scale((nt * groups + k / group) * 16 + j)
             }
+            WeightFormat::Int4Min { group } => {
+                let b = tile[(kk / 2) * 64 + j * 4 + q];
+                let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
+                let at = (nt * (l.k_pad / group) + k / group) * 32 + j;
+                u as f32 * self.int4_scale(at) + self.int4_scale(at + 16)
+            }
+            WeightFormat::Int8Group { group } => {
+                let at = (nt * (l.k_pad / group) + k / group) * 16 + j;
+                (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * self.int4_scale(at)
+            }
         }
     }
+}
+
+/// The f32 scale storage of a packed matrix viewed as f16 bits (grouped int formats).
+fn s16_mut(s: &mut [f32]) -> &mut [u16] {
+    // SAFETY: f32 storage reinterpreted as twice as many u16 (alignment 4 ≥ 2, same bytes).
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u16>(), s.len() * 2) }
 }
 
 /// bf16 bits → f32 (exact).
@@ -265,6 +319,10 @@ pub(crate) fn source_row(src: &SourceTensor<'_>, cols: usize, row: usize, out: &
                 *o = fp8_e4m3_to_f32(data[row * cols + c]) * scale_inv[(row / 128) * kb + c / 128];
             }
         }
+        SourceTensor::Ggml { kind, data } => {
+            let rb = kind.row_bytes(cols).expect("checked by check_source");
+            ggml::dequantize(*kind, &data[row * rb..(row + 1) * rb], out);
+        }
     }
 }
 
@@ -290,6 +348,15 @@ pub(crate) fn check_source(
             }
             data.len()
         }
+        SourceTensor::Ggml { kind, data } => {
+            let rb = kind.row_bytes(cols).ok_or(PackError::GgmlRow {
+                name,
+                kind: kind.name(),
+                cols,
+            })?;
+            // Compare in elements: a wrong byte count reads as the element count it would hold.
+            data.len() / rb.max(1) * cols + usize::from(!data.len().is_multiple_of(rb.max(1)))
+        }
     };
     if got != want {
         return Err(PackError::Shape {
@@ -308,10 +375,15 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
     let (p, kt, tb) = l.format.tile_geometry();
     // Padding weights are the format's zero.
     match l.format {
-        WeightFormat::Int8 => w.fill(128),
+        WeightFormat::Int8 | WeightFormat::Int8Group { .. } => w.fill(128),
         WeightFormat::Int4 { .. } => w.fill(0x88),
         _ => {}
     }
+    let zero_code = match l.format {
+        WeightFormat::Int4 { .. } => 8,
+        WeightFormat::Int4Min { .. } => 0,
+        _ => 128,
+    };
     if let (WeightFormat::Fp8Block, SourceTensor::Fp8E4M3 { scale_inv, .. }) = (l.format, src) {
         s.copy_from_slice(scale_inv);
     }
@@ -321,6 +393,25 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
         let (nt, j) = (n / 16, n % 16);
         // Codes of this row: one byte per weight (bf16 handled separately).
         match (l.format, src) {
+            (_, SourceTensor::Ggml { kind, data }) if lossless(l.format, *kind) => {
+                let rb = kind.row_bytes(l.k).expect("checked by the caller");
+                let groups = l.k_pad / 32;
+                let s16 = s16_mut(s);
+                codes.fill(zero_code);
+                for (g, b) in data[n * rb..(n + 1) * rb]
+                    .chunks_exact(kind.block().1)
+                    .enumerate()
+                {
+                    let c = ggml::block_codes(*kind, b).expect("lossless types have codes");
+                    codes[g * 32..g * 32 + 32].copy_from_slice(&c.codes);
+                    if let WeightFormat::Int4Min { .. } = l.format {
+                        s16[(nt * groups + g) * 32 + j] = c.d;
+                        s16[(nt * groups + g) * 32 + 16 + j] = c.m;
+                    } else {
+                        s16[(nt * groups + g) * 16 + j] = c.d;
+                    }
+                }
+            }
             (WeightFormat::Bf16, SourceTensor::Bf16(d)) => {
                 place_bf16(l, w, nt, j, |k| d[n * l.k + k]);
                 continue;
@@ -367,6 +458,43 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                     }
                 }
             }
+            (WeightFormat::Int4Min { group }, _) => {
+                source_row(src, l.k, n, &mut row);
+                codes.fill(0);
+                let groups = l.k_pad / group;
+                let s16 = s16_mut(s);
+                for g in 0..l.k.div_ceil(group) {
+                    let part = &row[g * group..((g + 1) * group).min(l.k)];
+                    // ggml's quantize_row_q4_1_ref: 15 steps from the minimum to the maximum.
+                    let (lo, hi) = part
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                    let d = (hi - lo) / 15.0;
+                    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    s16[(nt * groups + g) * 32 + j] = half::f16::from_f32(d).to_bits();
+                    s16[(nt * groups + g) * 32 + 16 + j] = half::f16::from_f32(lo).to_bits();
+                    for (i, &x) in part.iter().enumerate() {
+                        codes[g * group + i] = (((x - lo) * inv + 0.5) as u8).min(15);
+                    }
+                }
+            }
+            (WeightFormat::Int8Group { group }, _) => {
+                source_row(src, l.k, n, &mut row);
+                codes.fill(128);
+                let groups = l.k_pad / group;
+                let s16 = s16_mut(s);
+                for g in 0..l.k.div_ceil(group) {
+                    let part = &row[g * group..((g + 1) * group).min(l.k)];
+                    // ggml's quantize_row_q8_0_ref: d = amax / 127, codes round(x / d).
+                    let amax = part.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                    let d = amax / 127.0;
+                    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    s16[(nt * groups + g) * 16 + j] = half::f16::from_f32(d).to_bits();
+                    for (i, &x) in part.iter().enumerate() {
+                        codes[g * group + i] = ((x * inv).round() as i32 + 128) as u8;
+                    }
+                }
+            }
         }
         for ti in 0..l.k_tiles {
             let tile = &mut w[(nt * l.k_tiles + ti) * tb..][..tb];
@@ -374,7 +502,7 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                 for q in 0..p {
                     let c = codes[ti * kt + kk * p + q];
                     match l.format {
-                        WeightFormat::Int4 { .. } => {
+                        WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => {
                             let b = &mut tile[(kk / 2) * 64 + j * 4 + q];
                             *b = if kk % 2 == 0 {
                                 (*b & 0xF0) | c
@@ -387,6 +515,28 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                 }
             }
         }
+    }
+}
+
+/// Whether `kind` blocks are stored bit for bit by `format` (then repacked, not requantized).
+fn lossless(format: WeightFormat, kind: GgmlBlock) -> bool {
+    matches!(
+        (format, kind),
+        (WeightFormat::Int4 { group: 32 }, GgmlBlock::Q4_0)
+            | (WeightFormat::Int4Min { group: 32 }, GgmlBlock::Q4_1)
+            | (WeightFormat::Int8Group { group: 32 }, GgmlBlock::Q8_0)
+    )
+}
+
+/// The packed format that holds a GGML type without loss where one exists (Q4_0, Q4_1, Q8_0, BF16),
+/// else the closest: F16 / F32 → Bf16, Q6_K / Q5_K → Int8Group 32 (requantized from the exact values
+/// with f16 group scales), Q4_K → Int4Min 32 (likewise).
+pub fn format_for_ggml(kind: GgmlBlock) -> WeightFormat {
+    match kind {
+        GgmlBlock::Q4_0 => WeightFormat::Int4 { group: 32 },
+        GgmlBlock::Q4_1 | GgmlBlock::Q4K => WeightFormat::Int4Min { group: 32 },
+        GgmlBlock::Q8_0 | GgmlBlock::Q5K | GgmlBlock::Q6K => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => WeightFormat::Bf16,
     }
 }
 

@@ -52,7 +52,9 @@ impl PackedGeometry {
             WeightFormat::Bf16 => Some(0),
             WeightFormat::Fp8Block => Some(1),
             WeightFormat::Int8 => Some(2),
-            WeightFormat::Int4 { .. } => None,
+            WeightFormat::Int4 { .. }
+            | WeightFormat::Int4Min { .. }
+            | WeightFormat::Int8Group { .. } => None,
         }
     }
 

@@ -115,13 +115,15 @@ fn worker(sh: &Shared) {
         'job: for &(start, len) in &job.regions {
             let lines = len.div_ceil(LINE);
             for chunk in (0..lines).step_by(LINES_PER_CHECK) {
-                if sh.epoch.load(Ordering::Acquire) != job.epoch {
-                    break 'job;
-                }
                 for l in chunk..(chunk + LINES_PER_CHECK).min(lines) {
                     prefetch_line(start + l * LINE);
                 }
                 hinted += ((chunk + LINES_PER_CHECK).min(lines) - chunk) as u64 * LINE as u64;
+                // Checked after each chunk: a job taken late (this thread got no CPU while the pool
+                // was busy) still hints its first lines, then stops.
+                if sh.epoch.load(Ordering::Acquire) != job.epoch {
+                    break 'job;
+                }
             }
         }
         sh.hinted.fetch_add(hinted, Ordering::Relaxed);
