@@ -1,15 +1,20 @@
 //! The OpenAI-compatible HTTP server (axum): `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-//! `/metrics`, `/health`, `/ready`. Handlers validate and tokenise, then hand sequences to the engine
-//! thread through [`crate::sched::EngineHandle`]; responses are whole JSON or SSE streams.
+//! `/v1/responses`, `/tokenize`, `/detokenize`, `/metrics`, `/health`, `/ready`. Handlers validate and
+//! tokenise, then hand sequences to the engine thread through [`crate::sched::EngineHandle`];
+//! responses are whole JSON or SSE streams.
 pub mod chat;
 pub mod choice;
 pub mod completions;
 pub mod error;
-pub mod forced_tool;
 pub mod generate;
-pub mod json_mode;
+pub mod grammar;
+pub mod plan;
 pub mod reasoning;
+pub mod responses;
+pub mod structured;
+pub mod tokenize;
 pub mod tool_parser;
+pub mod tools;
 pub mod types;
 
 use crate::metrics::Metrics;
@@ -44,10 +49,17 @@ pub struct AppState {
     /// Set on SIGTERM: new requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
     pub created: u64,
-    /// Every token's text, for JSON-mode and forced-tool-call constraints.
-    pub token_texts: Arc<Vec<String>>,
+    /// Grammar-constrained decoding (JSON schema, tool calls); None when the tokenizer could not be
+    /// mapped to bytes (then such requests get 400).
+    pub structured: Option<Arc<structured::StructuredOutputs>>,
     /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
     pub glm_tool_format: bool,
+    /// Sampling values used where a request leaves them out.
+    pub sampling_defaults: types::SamplingDefaults,
+    /// Clamp `max_tokens` to what fits the context instead of refusing the request.
+    pub clamp_max_tokens: bool,
+    /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.
+    pub allowed_origins: Vec<String>,
 }
 
 impl AppState {
@@ -66,10 +78,14 @@ const MAX_BODY_BYTES: usize = 32 << 20;
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
-        .route("/tokenize", post(tokenize))
+        .route("/v1/responses", post(responses::responses))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), gate));
+    let cors = cors_layer(&state.allowed_origins);
     Router::new()
         .merge(v1)
         .route("/health", get(|| async { "ok" }))
@@ -79,7 +95,26 @@ pub fn router(state: Arc<AppState>) -> Router {
             ApiError::bad_request("unknown endpoint").with_status(StatusCode::NOT_FOUND)
         })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(cors)
         .with_state(state)
+}
+
+/// CORS for browser clients: `--allowed-origins` (`*` for any). Preflight requests are answered
+/// before the API-key check, as browsers send them without credentials.
+fn cors_layer(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    if origins.is_empty() {
+        return CorsLayer::new();
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| o.parse().ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods(Any)
+        .allow_headers(Any)
 }
 
 impl ApiError {
@@ -107,32 +142,22 @@ async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> R
     next.run(req).await
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Response {
-    axum::Json(json!({"object": "list", "data": [{
-        "id": state.served_model, "object": "model", "created": state.created, "owned_by": "moe-daemon",
-        "max_model_len": state.max_context,
-    }]}))
-    .into_response()
+fn model_card(state: &AppState) -> serde_json::Value {
+    json!({"id": state.served_model, "object": "model", "created": state.created,
+           "owned_by": "moe-daemon", "root": state.served_model, "max_model_len": state.max_context})
 }
 
-/// vLLM's `/tokenize`: `{"prompt": "..."}` → `{"tokens": [...], "count": n, "max_model_len": m}`.
-async fn tokenize(
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+}
+
+/// GET /v1/models/{id} (`client.models.retrieve`).
+async fn model(
     State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Req {
-        prompt: String,
-    }
-    let req: Req = types::parse_body(&body)?;
-    let tokens = state
-        .tokenizer
-        .encode(&req.prompt)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(axum::Json(
-        json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context}),
-    )
-    .into_response())
+    state.check_model(Some(&id))?;
+    Ok(axum::Json(model_card(&state)).into_response())
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
