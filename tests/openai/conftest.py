@@ -154,8 +154,11 @@ def scripted(tmp_path_factory):
     d = tmp_path_factory.mktemp("scripted")
     script = d / "script.json"
     script.write_text(json.dumps(SCRIPT))
+    # Greedy by default, so that clients that send no temperature (Pi, agent SDKs) follow the script;
+    # max_tokens clamped to the context, as agents that ask for 16K-token budgets need.
     s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
-                "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096"], d)
+                "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096",
+                "--default-temperature", "0", "--clamp-max-tokens"], d)
     yield s
     s.stop()
 

@@ -150,11 +150,12 @@ pub fn json_or_calls(
     ))
 }
 
-/// `tool_choice: auto`: the rest of one call, engaged once the model has written the opening tag.
+/// `tool_choice: auto`: the rest of one call, engaged once the model has written the opening tag and
+/// the `{` that starts a Hermes call (the whitespace before it is already written, whatever it is).
 pub fn call_after_open(tools: &[ToolSpec], tags: &CallTags) -> TopLevelGrammar {
     let body = call_body_schema(tools);
     TopLevelGrammar::from_lark(format!(
-        "start: \"\\n\" body \"\\n\" {close}\nbody: %json {body}\n",
+        "start: WS? body \"\\n\"? {close}\nWS: /[ \\t\\r\\n]+/\nbody: %json {body}\n",
         close = tags.close,
     ))
 }

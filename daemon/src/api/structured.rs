@@ -110,13 +110,19 @@ struct GrammarState {
 
 enum Mode {
     Whole,
-    Triggered {
-        /// The call grammar is running (the opening tag has been written).
-        engaged: bool,
-        single: bool,
-        /// Recent output bytes, to spot the opening tag across token boundaries.
-        tail: Vec<u8>,
-    },
+    Triggered { phase: CallPhase, single: bool },
+}
+
+/// Where an `auto` sequence stands with respect to tool calls.
+enum CallPhase {
+    /// Free text; `tail` keeps recent output bytes to spot the opening tag across token boundaries.
+    Watching { tail: Vec<u8> },
+    /// The tag is written; `after` holds what followed it (whitespace so far). A `{` next starts a
+    /// Hermes JSON call, which the grammar then takes over; anything else (another model's call
+    /// format) is left to the parser.
+    Opened { after: Vec<u8> },
+    /// The call grammar decides the tokens until the call closes.
+    Engaged,
 }
 
 /// Longest tail kept while watching for the opening tag.
@@ -139,9 +145,8 @@ impl OutputControl {
                 matcher: call,
                 tok_env,
                 mode: Mode::Triggered {
-                    engaged: false,
+                    phase: CallPhase::Watching { tail: Vec::new() },
                     single,
-                    tail: Vec::new(),
                 },
             },
         });
@@ -159,7 +164,7 @@ impl OutputControl {
         match &self.grammar {
             Some(g) => match g.mode {
                 Mode::Whole => true,
-                Mode::Triggered { engaged, .. } => engaged,
+                Mode::Triggered { ref phase, .. } => matches!(phase, CallPhase::Engaged),
             },
             None => false,
         }
@@ -207,46 +212,64 @@ impl OutputControl {
                     self.complete = true;
                 }
             }
-            Mode::Triggered {
-                engaged: engaged @ false,
-                tail,
-                ..
-            } => {
-                tail.extend_from_slice(g.tok_env.tok_trie().token(id));
-                let Some(at) = find(tail, CALL_OPEN.as_bytes()) else {
-                    let cut = tail.len().saturating_sub(TAIL_BYTES);
-                    tail.drain(..cut);
-                    return;
-                };
-                // Bytes of the same token after the tag start the call.
-                let rest = tail[at + CALL_OPEN.len()..].to_vec();
-                tail.clear();
-                let tokens = g.tok_env.tokenize_bytes(&rest);
-                let fits = g
-                    .matcher
-                    .try_consume_tokens(&tokens)
-                    .is_ok_and(|n| n == tokens.len());
-                if fits {
-                    *engaged = true;
-                } else {
-                    let _ = g.matcher.reset();
-                }
-            }
-            Mode::Triggered {
-                engaged: engaged @ true,
-                single,
-                ..
-            } => {
-                let ok = !stop && g.matcher.consume_token(id).is_ok();
-                if !ok || g.matcher.is_stopped() {
-                    if *single {
-                        self.complete = true;
+            Mode::Triggered { phase, single } => {
+                let bytes = g.tok_env.tok_trie().token(id);
+                let next = match std::mem::replace(phase, CallPhase::Engaged) {
+                    CallPhase::Watching { mut tail } => {
+                        tail.extend_from_slice(bytes);
+                        match find(&tail, CALL_OPEN.as_bytes()) {
+                            Some(at) => opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..]),
+                            None => {
+                                let cut = tail.len().saturating_sub(TAIL_BYTES);
+                                tail.drain(..cut);
+                                CallPhase::Watching { tail }
+                            }
+                        }
                     }
-                    *engaged = false;
-                    let _ = g.matcher.reset();
-                }
+                    CallPhase::Opened { mut after } => {
+                        after.extend_from_slice(bytes);
+                        opened(&mut g.matcher, &g.tok_env, &after)
+                    }
+                    CallPhase::Engaged => {
+                        let ok = !stop && g.matcher.consume_token(id).is_ok();
+                        if ok && !g.matcher.is_stopped() {
+                            CallPhase::Engaged
+                        } else {
+                            // The call is closed (or the grammar gave up): free text again.
+                            if *single {
+                                self.complete = true;
+                            }
+                            let _ = g.matcher.reset();
+                            CallPhase::Watching { tail: Vec::new() }
+                        }
+                    }
+                };
+                *phase = next;
             }
         }
+    }
+}
+
+/// After the opening tag: wait through whitespace; on `{`, hand the written bytes to the call grammar
+/// and engage it if they fit.
+fn opened(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
+    match after.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => CallPhase::Opened {
+            after: after.to_vec(),
+        },
+        Some(b'{') => {
+            let tokens = tok_env.tokenize_bytes(after);
+            let fits = matcher
+                .try_consume_tokens(&tokens)
+                .is_ok_and(|n| n == tokens.len());
+            if fits {
+                CallPhase::Engaged
+            } else {
+                let _ = matcher.reset();
+                CallPhase::Watching { tail: Vec::new() }
+            }
+        }
+        Some(_) => CallPhase::Watching { tail: Vec::new() },
     }
 }
 
