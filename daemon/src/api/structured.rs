@@ -298,3 +298,7 @@ impl TokenConstraint for OutputControl {
         self.complete
     }
 }
+
+#[cfg(test)]
+#[path = "structured_tests.rs"]
+mod tests;
