@@ -155,7 +155,12 @@ fn json_grammar(state: &AppState, format: &ResponseFormat) -> Result<Option<Gram
     })?;
     let m = so
         .compile(grammar::json_response(schema, strict), &state.metrics)
-        .map_err(|e| ApiError::bad_param("response_format", format!("cannot constrain output to this schema: {e}")))?;
+        .map_err(|e| {
+            ApiError::bad_param(
+                "response_format",
+                format!("cannot constrain output to this schema: {e}"),
+            )
+        })?;
     Ok(Some(GrammarUse::Whole(m)))
 }
 

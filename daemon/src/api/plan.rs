@@ -111,7 +111,11 @@ fn output_grammar(
     let compile = |g: TopLevelGrammar| {
         so.compile(g, &state.metrics).map_err(|e| {
             ApiError::bad_param(
-                if json.is_some() { "response_format" } else { "tools" },
+                if json.is_some() {
+                    "response_format"
+                } else {
+                    "tools"
+                },
                 format!("cannot constrain output to this schema: {e}"),
             )
         })

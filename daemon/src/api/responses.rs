@@ -71,7 +71,10 @@ fn echoed_fields(req: &Map<String, Value>) -> Map<String, Value> {
 
 /// The Responses request as a chat-completions body.
 fn to_chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
-    if req.get("previous_response_id").is_some_and(|v| !v.is_null()) {
+    if req
+        .get("previous_response_id")
+        .is_some_and(|v| !v.is_null())
+    {
         return Err(ApiError::bad_param(
             "previous_response_id",
             "responses are not stored on this server: send the whole conversation in `input`",
@@ -84,11 +87,23 @@ fn to_chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiEr
     match req.get("input") {
         Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => input_items(items, &mut messages)?,
-        _ => return Err(ApiError::bad_param("input", "`input` must be a string or a list of items")),
+        _ => {
+            return Err(ApiError::bad_param(
+                "input",
+                "`input` must be a string or a list of items",
+            ))
+        }
     }
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    for k in ["model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed"] {
+    for k in [
+        "model",
+        "temperature",
+        "top_p",
+        "stream",
+        "parallel_tool_calls",
+        "seed",
+    ] {
         if let Some(v) = req.get(k) {
             chat.insert(k.into(), v.clone());
         }
@@ -102,7 +117,10 @@ fn to_chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiEr
             if t.get("type").and_then(Value::as_str) != Some("function") {
                 return Err(ApiError::bad_param(
                     "tools",
-                    format!("only function tools are supported, got {}", t.get("type").unwrap_or(&Value::Null)),
+                    format!(
+                        "only function tools are supported, got {}",
+                        t.get("type").unwrap_or(&Value::Null)
+                    ),
                 ));
             }
             let mut f = t.as_object().cloned().unwrap_or_default();
@@ -138,7 +156,10 @@ fn to_chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiEr
 /// Input items → chat messages. Consecutive `function_call` items join one assistant message.
 fn input_items(items: &[Value], messages: &mut Vec<Value>) -> Result<(), ApiError> {
     for item in items {
-        let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("message");
         match kind {
             "message" => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
@@ -158,7 +179,8 @@ fn input_items(items: &[Value], messages: &mut Vec<Value>) -> Result<(), ApiErro
                             calls.push(call);
                         }
                     }
-                    _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                    _ => messages
+                        .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
                 }
             }
             "function_call_output" => messages.push(json!({"role": "tool",
@@ -279,11 +301,16 @@ impl EventWriter {
                 let idx = self.output.len();
                 let id = request_id("msg");
                 self.output.push(Value::Null);
-                ev.push(self.event("response.output_item.added",
-                    json!({"output_index": idx, "item": message_item(&id, "", "in_progress")})));
-                ev.push(self.event("response.content_part.added", json!({"item_id": id,
+                ev.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": idx, "item": message_item(&id, "", "in_progress")}),
+                ));
+                ev.push(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": id,
                     "output_index": idx, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": []}})));
+                    "part": {"type": "output_text", "text": "", "annotations": []}}),
+                ));
                 self.message = Some((idx, id, String::new()));
             }
             let (idx, id) = match &mut self.message {
@@ -293,8 +320,11 @@ impl EventWriter {
                 }
                 None => return ev,
             };
-            ev.push(self.event("response.output_text.delta", json!({"item_id": id,
-                "output_index": idx, "content_index": 0, "delta": d.content, "logprobs": []})));
+            ev.push(self.event(
+                "response.output_text.delta",
+                json!({"item_id": id,
+                "output_index": idx, "content_index": 0, "delta": d.content, "logprobs": []}),
+            ));
         }
         for c in &d.calls {
             ev.extend(self.close_message());
@@ -304,12 +334,22 @@ impl EventWriter {
             let mut added = item.clone();
             added["arguments"] = json!("");
             added["status"] = json!("in_progress");
-            ev.push(self.event("response.output_item.added", json!({"output_index": idx, "item": added})));
-            ev.push(self.event("response.function_call_arguments.delta",
-                json!({"item_id": item["id"], "output_index": idx, "delta": c.arguments})));
-            ev.push(self.event("response.function_call_arguments.done",
-                json!({"item_id": item["id"], "output_index": idx, "arguments": c.arguments})));
-            ev.push(self.event("response.output_item.done", json!({"output_index": idx, "item": item})));
+            ev.push(self.event(
+                "response.output_item.added",
+                json!({"output_index": idx, "item": added}),
+            ));
+            ev.push(self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": item["id"], "output_index": idx, "delta": c.arguments}),
+            ));
+            ev.push(self.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item["id"], "output_index": idx, "arguments": c.arguments}),
+            ));
+            ev.push(self.event(
+                "response.output_item.done",
+                json!({"output_index": idx, "item": item}),
+            ));
         }
         ev
     }
@@ -378,7 +418,10 @@ fn stream_response(
                     w.on_delta(&d)
                 }
                 Err(e) => {
-                    let failed = w.event("error", json!({"code": e.code, "message": e.message, "param": e.param}));
+                    let failed = w.event(
+                        "error",
+                        json!({"code": e.code, "message": e.message, "param": e.param}),
+                    );
                     let _ = tx.send(Ok(failed)).await;
                     return;
                 }
@@ -391,7 +434,12 @@ fn stream_response(
         }
         let mut tail = w.close_message();
         let usage = running.usage();
-        let done = shell.body("completed", w.final_output(), Some(&usage), last.finish_reason);
+        let done = shell.body(
+            "completed",
+            w.final_output(),
+            Some(&usage),
+            last.finish_reason,
+        );
         let kind = if done["status"] == "incomplete" {
             "response.incomplete"
         } else {
@@ -442,7 +490,8 @@ mod tests {
         let parsed: ChatRequest = serde_json::from_value(Value::Object(chat)).unwrap();
         assert_eq!(parsed.messages.len(), 4);
         let stored: Map<String, Value> =
-            serde_json::from_value(json!({"input": "x", "previous_response_id": "resp_1"})).unwrap();
+            serde_json::from_value(json!({"input": "x", "previous_response_id": "resp_1"}))
+                .unwrap();
         assert!(to_chat_request(&stored).is_err());
     }
 

@@ -194,7 +194,9 @@ impl OutputControl {
             let allowed = if self.stop_ids.contains(&id) {
                 accepting
             } else {
-                (id as usize) < mask.len() && mask.is_allowed(id) && !trie.eos_tokens().contains(&id)
+                (id as usize) < mask.len()
+                    && mask.is_allowed(id)
+                    && !trie.eos_tokens().contains(&id)
             };
             if !allowed {
                 *l = f32::NEG_INFINITY;
@@ -218,7 +220,9 @@ impl OutputControl {
                     CallPhase::Watching { mut tail } => {
                         tail.extend_from_slice(bytes);
                         match find(&tail, CALL_OPEN.as_bytes()) {
-                            Some(at) => opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..]),
+                            Some(at) => {
+                                opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..])
+                            }
                             None => {
                                 let cut = tail.len().saturating_sub(TAIL_BYTES);
                                 tail.drain(..cut);

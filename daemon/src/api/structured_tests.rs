@@ -93,7 +93,11 @@ fn allowed(c: &mut OutputControl, vocab: usize, id: u32) -> bool {
 /// Feeds `text` byte by byte, each byte first checked against the mask.
 fn feed(c: &mut OutputControl, vocab: usize, text: &str) {
     for b in text.bytes() {
-        assert!(allowed(c, vocab, b as u32), "{:?} refused in {text:?}", b as char);
+        assert!(
+            allowed(c, vocab, b as u32),
+            "{:?} refused in {text:?}",
+            b as char
+        );
         c.advance(b as u32);
     }
 }
@@ -108,7 +112,12 @@ fn json_schema_mask_follows_the_schema_on_one_line() {
     feed(&mut c, f.vocab, "{\"city\": ");
     // One space after `:` at most; no newline; only the enum's values.
     for b in [b' ', b'\n', b'"'] {
-        assert_eq!(allowed(&mut c, f.vocab, b as u32), b == b'"', "{:?}", b as char);
+        assert_eq!(
+            allowed(&mut c, f.vocab, b as u32),
+            b == b'"',
+            "{:?}",
+            b as char
+        );
     }
     feed(&mut c, f.vocab, "\"P");
     assert!(!allowed(&mut c, f.vocab, b'L' as u32));
@@ -118,9 +127,11 @@ fn json_schema_mask_follows_the_schema_on_one_line() {
 }
 
 fn tools() -> Vec<ToolSpec> {
-    vec![ToolSpec::from_openai(&json!({"type": "function", "function": {"name": "get_weather",
+    vec![ToolSpec::from_openai(
+        &json!({"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"], "additionalProperties": false}}}))
+                       "required": ["city"], "additionalProperties": false}}}),
+    )
     .unwrap()]
 }
 
@@ -130,13 +141,25 @@ fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
     let g = grammar::call_after_open(&tools(), &f.so.call_tags);
     let mut c = f.control(g, Some(true));
     feed(&mut c, f.vocab, "Let me check. <tool_call>\n");
-    assert!(allowed(&mut c, f.vocab, b'x' as u32), "still free before the brace");
+    assert!(
+        allowed(&mut c, f.vocab, b'x' as u32),
+        "still free before the brace"
+    );
     feed(&mut c, f.vocab, "{\"");
-    assert!(!allowed(&mut c, f.vocab, b'x' as u32), "engaged: only `name` may follow");
+    assert!(
+        !allowed(&mut c, f.vocab, b'x' as u32),
+        "engaged: only `name` may follow"
+    );
     feed(&mut c, f.vocab, "name\":\"get_weather\",\"arguments\":{\"");
-    assert!(!allowed(&mut c, f.vocab, b'd' as u32), "only the schema's `city`");
+    assert!(
+        !allowed(&mut c, f.vocab, b'd' as u32),
+        "only the schema's `city`"
+    );
     feed(&mut c, f.vocab, "city\":\"Paris\"}}\n</tool_call>");
-    assert!(c.is_complete(), "parallel_tool_calls false: the sequence ends after one call");
+    assert!(
+        c.is_complete(),
+        "parallel_tool_calls false: the sequence ends after one call"
+    );
 }
 
 #[test]
@@ -144,7 +167,11 @@ fn another_call_format_after_the_tag_is_left_alone() {
     let f = fixture(false);
     let g = grammar::call_after_open(&tools(), &f.so.call_tags);
     let mut c = f.control(g, Some(false));
-    feed(&mut c, f.vocab, "<tool_call>get_weather\n<arg_key>city</arg_key>");
+    feed(
+        &mut c,
+        f.vocab,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>",
+    );
     assert!(allowed(&mut c, f.vocab, b'x' as u32));
     assert!(!c.is_complete());
 }
@@ -154,10 +181,17 @@ fn forced_calls_use_tag_tokens_when_the_vocabulary_has_them() {
     let f = fixture(true);
     let g = grammar::forced_calls(&tools(), &f.so.call_tags, CallCount::One);
     let mut c = f.control(g, None);
-    assert!(!allowed(&mut c, f.vocab, b'<' as u32), "the tag token, not its spelling");
+    assert!(
+        !allowed(&mut c, f.vocab, b'<' as u32),
+        "the tag token, not its spelling"
+    );
     assert!(allowed(&mut c, f.vocab, 257));
     c.advance(257);
-    feed(&mut c, f.vocab, "\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n");
+    feed(
+        &mut c,
+        f.vocab,
+        "\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n",
+    );
     assert!(allowed(&mut c, f.vocab, 258) && !allowed(&mut c, f.vocab, EOS));
     c.advance(258);
     assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));

@@ -36,7 +36,8 @@ pub async fn tokenize(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))??;
     let (tokens, want_strs) = tokens;
-    let mut out = json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context});
+    let mut out =
+        json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context});
     if want_strs {
         let strs: Vec<String> = tokens
             .iter()
@@ -57,7 +58,9 @@ fn tokens_of(state: &AppState, mut req: TokenizeRequest) -> Result<(Vec<u32>, bo
             check_messages(&mut messages, template.knows_developer_role)?;
             let tools = Tools::parse(req.tools.as_deref(), None, None)?;
             let (messages, template_tools) = match &tools {
-                Some(t) if !template.renders_tools => (inject_hermes_tools(&messages, &t.raw), None),
+                Some(t) if !template.renders_tools => {
+                    (inject_hermes_tools(&messages, &t.raw), None)
+                }
                 Some(t) => (messages, Some(t.raw.as_slice())),
                 None => (messages, None),
             };

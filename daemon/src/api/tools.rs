@@ -42,7 +42,10 @@ impl Tools {
             if !spec.parameters.is_object() && spec.parameters != json!(true) {
                 return Err(ApiError::bad_param(
                     "tools",
-                    format!("`parameters` of `{}` must be a JSON schema object", spec.name),
+                    format!(
+                        "`parameters` of `{}` must be a JSON schema object",
+                        spec.name
+                    ),
                 ));
             }
             specs.push(spec);
@@ -56,7 +59,9 @@ impl Tools {
                 other => {
                     return Err(ApiError::bad_param(
                         "tool_choice",
-                        format!("tool_choice `{other}`: use none, auto, required or a named function"),
+                        format!(
+                            "tool_choice `{other}`: use none, auto, required or a named function"
+                        ),
                     ))
                 }
             },
@@ -104,7 +109,13 @@ impl Tools {
     pub fn forced_specs(&self) -> Option<Vec<ToolSpec>> {
         match &self.choice {
             ToolChoice::Required => Some(self.specs.clone()),
-            ToolChoice::Named(n) => Some(self.specs.iter().filter(|s| &s.name == n).cloned().collect()),
+            ToolChoice::Named(n) => Some(
+                self.specs
+                    .iter()
+                    .filter(|s| &s.name == n)
+                    .cloned()
+                    .collect(),
+            ),
             ToolChoice::None | ToolChoice::Auto => None,
         }
     }
@@ -116,7 +127,10 @@ pub fn check_messages(
     template_knows_developer: bool,
 ) -> Result<(), ApiError> {
     if messages.is_empty() {
-        return Err(ApiError::bad_param("messages", "messages must not be empty"));
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must not be empty",
+        ));
     }
     for m in messages.iter_mut() {
         let Some(role) = m.get("role").and_then(Value::as_str) else {
@@ -231,11 +245,15 @@ mod tests {
     fn tool_choice_forms() {
         let tools = [weather()];
         let named = json!({"type": "function", "function": {"name": "get_weather"}});
-        let t = Tools::parse(Some(&tools), Some(&named), Some(false)).unwrap().unwrap();
+        let t = Tools::parse(Some(&tools), Some(&named), Some(false))
+            .unwrap()
+            .unwrap();
         assert_eq!(t.choice, ToolChoice::Named("get_weather".into()));
         assert!(!t.parallel);
         assert_eq!(t.forced_specs().unwrap().len(), 1);
-        assert!(Tools::parse(Some(&tools), Some(&json!("none")), None).unwrap().is_none());
+        assert!(Tools::parse(Some(&tools), Some(&json!("none")), None)
+            .unwrap()
+            .is_none());
         assert!(Tools::parse(None, Some(&json!("required")), None).is_err());
         let unknown = json!({"type": "function", "function": {"name": "nope"}});
         assert!(Tools::parse(Some(&tools), Some(&unknown), None).is_err());
@@ -247,8 +265,10 @@ mod tests {
         let mut m = vec![json!({"role": "developer", "content": "be brief"})];
         check_messages(&mut m, false).unwrap();
         assert_eq!(m[0]["role"], "system");
-        let mut img = vec![json!({"role": "user", "content": [{"type": "text", "text": "what"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]})];
+        let mut img = vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "what"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}),
+        ];
         let e = check_messages(&mut img, false).unwrap_err();
         assert!(e.message.contains("image_url"), "{}", e.message);
     }

@@ -109,7 +109,10 @@ pub enum ResponseFormat {
     /// Any JSON object.
     JsonObject,
     /// JSON valid against `schema`; `strict` refuses schema keywords that cannot be enforced.
-    JsonSchema { schema: Value, strict: bool },
+    JsonSchema {
+        schema: Value,
+        strict: bool,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -327,7 +330,11 @@ mod tests {
         }
         let r: ChatRequest = parse_body(br#"{"messages":[],"temperature":-1,"n":0}"#).unwrap();
         assert_eq!(
-            r.common.sampling(&Default::default()).unwrap_err().param.as_deref(),
+            r.common
+                .sampling(&Default::default())
+                .unwrap_err()
+                .param
+                .as_deref(),
             Some("temperature")
         );
         assert_eq!(r.common.n().unwrap_err().param.as_deref(), Some("n"));
@@ -349,11 +356,15 @@ mod tests {
                 strict: true
             }
         );
-        assert_eq!(r.common.logit_bias(10).unwrap(), vec![(5, -100.0), (7, 2.5)]);
+        assert_eq!(
+            r.common.logit_bias(10).unwrap(),
+            vec![(5, -100.0), (7, 2.5)]
+        );
         assert!(r.common.logit_bias(6).is_err());
-        let bad: ChatRequest =
-            parse_body(br#"{"messages":[],"logit_bias":{"1":300},"response_format":{"type":"xml"}}"#)
-                .unwrap();
+        let bad: ChatRequest = parse_body(
+            br#"{"messages":[],"logit_bias":{"1":300},"response_format":{"type":"xml"}}"#,
+        )
+        .unwrap();
         assert!(bad.common.logit_bias(10).is_err());
         assert!(bad.common.response_format().is_err());
         let d = SamplingDefaults::from_generation_config(&json!({"temperature": 0.6, "top_k": 20}))

@@ -80,7 +80,9 @@ mod tests {
 
     #[test]
     fn sampling_never_lands_on_a_banned_token() {
-        let logits: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 9.0 } else { 0.0 }).collect();
+        let logits: Vec<f32> = (0..64)
+            .map(|i| if i % 2 == 0 { 9.0 } else { 0.0 })
+            .collect();
         let mut p = SamplingParams::greedy();
         p.temperature = 1.0;
         p.seed = Some(7);

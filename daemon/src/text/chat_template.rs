@@ -192,8 +192,10 @@ impl ChatTemplate {
     fn probe_renders_tools(&self) -> bool {
         const PROBE: &str = "moe_probe_tool_0c9f";
         let messages = [serde_json::json!({"role": "user", "content": "hi"})];
-        let tools = [serde_json::json!({"type": "function", "function": {"name": PROBE,
-            "description": "probe", "parameters": {"type": "object", "properties": {}}}})];
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": PROBE,
+            "description": "probe", "parameters": {"type": "object", "properties": {}}}}),
+        ];
         self.render(&messages, Some(&tools), true, &Default::default())
             .is_ok_and(|p| p.contains(PROBE))
     }
