@@ -77,6 +77,11 @@ pub async fn completions(
         .into_iter()
         .min()
         .unwrap_or(1);
+    // Compiling a large schema takes CPU time: not on the async workers that stream other requests.
+    let st = state.clone();
+    let grammar = tokio::task::spawn_blocking(move || json_grammar(&st, &format))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
     let mut choices = Vec::new();
     for (pi, p) in prompts.iter().enumerate() {
         for i in 0..n {
@@ -101,7 +106,7 @@ pub async fn completions(
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
-        grammar: json_grammar(&state, &format)?,
+        grammar,
         logit_bias,
     };
     let id = request_id("cmpl");

@@ -71,9 +71,12 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         logprobs,
         output: OutputOptions {
             stop: req.common.stop.strings(),
-            reasoning: state
-                .reasoning
-                .then(|| ReasoningParser::prompt_opens_think(&prompt_text)),
+            // A grammar over the whole output leaves no room for thinking: whatever the prompt opened,
+            // the output is the constrained answer.
+            reasoning: state.reasoning.then(|| {
+                !matches!(grammar, Some(GrammarUse::Whole(_)))
+                    && ReasoningParser::prompt_opens_think(&prompt_text)
+            }),
             tools: tools.as_ref().map(|t| t.raw.clone()),
             max_calls: tools.as_ref().filter(|t| !t.parallel).map(|_| 1),
             skip_special_tokens: true,
