@@ -88,13 +88,15 @@ def tool_calls_of(sse_text):
     return [tuple(v) for v in calls.values()]
 
 
-def run_pi(tmp_path, base, key, prompt, extra=(), context=4096, max_tokens=256):
+def run_pi(tmp_path, base, key, prompt, extra=(), context=4096, max_tokens=256, settings=None):
     agent_dir = tmp_path / "pi-agent"
     agent_dir.mkdir()
     (agent_dir / "models.json").write_text(json.dumps({"providers": {"moe": {
         "baseUrl": base + "/v1", "api": "openai-completions", "apiKey": key,
         "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
         "models": [{"id": "smollm2", "contextWindow": context, "maxTokens": max_tokens, "input": ["text"]}]}}}))
+    if settings:
+        (agent_dir / "settings.json").write_text(json.dumps(settings))
     work = tmp_path / "work"
     work.mkdir()
     (work / "hello.txt").write_text("The secret word is tangerine.\n")
@@ -131,6 +133,8 @@ def test_pi_protocol_smoke_against_the_real_model(real, tmp_path):
     rec = Recorder(real.base)
     try:
         out = run_pi(tmp_path, rec.base, "unused", "What is the capital of France?", context=2048, max_tokens=16,
+                     # Compaction sized for a 2K context (Pi reserves 16K by default).
+                     settings={"compaction": {"reserveTokens": 256, "keepRecentTokens": 1024}},
                      extra=["--system-prompt", "You are a helpful assistant. Answer briefly."])
     finally:
         rec.close()
