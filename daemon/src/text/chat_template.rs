@@ -191,13 +191,19 @@ impl ChatTemplate {
     /// Renders one user turn with a uniquely named tool and looks for the name in the prompt.
     fn probe_renders_tools(&self) -> bool {
         const PROBE: &str = "moe_probe_tool_0c9f";
-        let messages = [serde_json::json!({"role": "user", "content": "hi"})];
+        let user = serde_json::json!({"role": "user", "content": "hi"});
+        let system = serde_json::json!({"role": "system", "content": "probe"});
         let tools = [
             serde_json::json!({"type": "function", "function": {"name": PROBE,
             "description": "probe", "parameters": {"type": "object", "properties": {}}}}),
         ];
-        self.render(&messages, Some(&tools), true, &Default::default())
-            .is_ok_and(|p| p.contains(PROBE))
+        // Some templates insist on a system turn first: try both shapes.
+        [vec![user.clone()], vec![system, user]]
+            .iter()
+            .any(|messages| {
+                self.render(messages, Some(&tools), true, &Default::default())
+                    .is_ok_and(|p| p.contains(PROBE))
+            })
     }
 
     /// Renders `messages` (OpenAI shape, normalised by [`normalize_messages`]) and `tools` to the prompt.
