@@ -84,7 +84,8 @@ pub async fn chat_completions(
     Ok(axum::Json(body).into_response())
 }
 
-pub fn tool_calls_json(calls: &[ToolCall], stream_index: Option<usize>) -> Value {
+/// `tool_calls` as OpenAI returns them; `stream_index`: streamed deltas number their calls from it.
+fn tool_calls_json(calls: &[ToolCall], stream_index: Option<usize>) -> Value {
     let list: Vec<Value> = calls
         .iter()
         .enumerate()
@@ -100,7 +101,7 @@ pub fn tool_calls_json(calls: &[ToolCall], stream_index: Option<usize>) -> Value
     Value::Array(list)
 }
 
-pub fn logprobs_json(entries: &[LogprobEntry]) -> Vec<Value> {
+fn logprobs_json(entries: &[LogprobEntry]) -> Vec<Value> {
     let item = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
     entries
         .iter()
