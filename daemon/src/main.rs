@@ -18,7 +18,7 @@ enum Command {
     /// Generate from one prompt offline (no server).
     Generate(cli::generate::GenerateArgs),
     /// Serve the OpenAI-compatible API (chat, completions, metrics).
-    Serve(cli::serve::ServeArgs),
+    Serve(Box<cli::serve::ServeArgs>),
     /// Benchmarks and benchmark inputs.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -33,7 +33,7 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match Cli::parse().command {
         Command::Generate(a) => cli::generate::run(a),
-        Command::Serve(a) => cli::serve::run(a),
+        Command::Serve(a) => cli::serve::run(*a),
         Command::Bench(c) => cli::bench::run(c),
     };
     match result {

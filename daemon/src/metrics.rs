@@ -25,7 +25,17 @@ pub struct Metrics {
     pub cpu_expert_seconds: Histogram,
     /// Share of expert activations served by GPU-resident experts (fed by the engine's stats hook).
     pub gpu_expert_hit_ratio: Gauge,
+    /// Time to compute one constrained sequence's token mask (grammar step), per sampled token.
+    pub structured_mask_seconds: Histogram,
+    /// Time to compile a request's grammar (JSON schema, tool-call grammar), off the engine thread.
+    pub structured_compile_seconds: Histogram,
 }
+
+/// Mask steps are normally tens of microseconds; llguidance's fuel limits cap one at ~10 ms.
+const MASK_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.05, 0.1,
+];
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -114,6 +124,17 @@ impl Metrics {
                 "moe:gpu_expert_hit_ratio",
                 "Share of routed-expert activations served by GPU-resident experts"
             )?),
+            structured_mask_seconds: reg!(Histogram::with_opts(
+                HistogramOpts::new(
+                    "moe:structured_output_mask_seconds",
+                    "Time to compute one constrained token mask (JSON schema / tool-call grammar)"
+                )
+                .buckets(MASK_BUCKETS.to_vec())
+            )?),
+            structured_compile_seconds: reg!(hist(
+                "moe:structured_output_compile_seconds",
+                "Time to compile a request's output grammar"
+            )?),
             registry,
         })
     }
@@ -148,6 +169,8 @@ mod tests {
             "moe:num_preemptions_total",
             "moe:cpu_expert_seconds_per_step",
             "moe:gpu_expert_hit_ratio",
+            "moe:structured_output_mask_seconds",
+            "moe:structured_output_compile_seconds",
         ] {
             assert!(text.contains(name), "missing {name}");
         }

@@ -25,6 +25,20 @@ API_KEY = "test-key"
 SCRIPT = {
     "step_delay_ms": 5,
     "replies": [
+        # Second turn of a tool round trip: the tool's result is in the prompt (listed first: the first
+        # trigger found wins, and the first turn's trigger is still in the conversation).
+        {"trigger": "Sunny, 21 C",
+         "reply": "It is sunny in Paris, 21 C."},
+        {"trigger": "The secret word is tangerine",
+         "reply": "The file says the secret word is tangerine."},
+        # A model that invents argument names: the schema-constrained decoding must not let it.
+        {"trigger": "invent arguments",
+         "reply": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"description\": \"Paris\"}}\n</tool_call>"},
+        {"trigger": "weather in two cities",
+         "reply": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+                  "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lyon\"}}\n</tool_call>"},
+        {"trigger": "read hello.txt",
+         "reply": "<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": \"hello.txt\"}}\n</tool_call>"},
         {"trigger": "weather in Paris (hermes)",
          "reply": "<think>\nThe user wants the weather; call the tool.\n</think>\n\n<tool_call>\n"
                   "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>"},
@@ -140,7 +154,20 @@ def scripted(tmp_path_factory):
     d = tmp_path_factory.mktemp("scripted")
     script = d / "script.json"
     script.write_text(json.dumps(SCRIPT))
+    # Greedy by default, so that clients that send no temperature (Pi, agent SDKs) follow the script;
+    # max_tokens clamped to the context, as agents that ask for 16K-token budgets need.
     s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
-                "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096"], d)
+                "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096",
+                "--default-temperature", "0", "--clamp-max-tokens"], d)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def cors_server(tmp_path_factory):
+    """The default model with the opt-in flags: CORS for one origin, max_tokens clamped to the context,
+    greedy by default."""
+    s = Server(["--max-model-len", "2048", "--allowed-origins", "http://app.example",
+                "--clamp-max-tokens", "--default-temperature", "0"], tmp_path_factory.mktemp("cors"))
     yield s
     s.stop()

@@ -2,6 +2,7 @@
 import concurrent.futures
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -186,10 +187,11 @@ WEATHER_TOOL = [{"type": "function", "function": {
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_or_named_tool_choice_forces_a_call(real, choice):
     # SmolLM2 has no tool format of its own: the call comes from the constrained decoding.
-    r = chat(real.client(), tools=WEATHER_TOOL, tool_choice=choice, max_tokens=100,
+    # One call (parallel_tool_calls false); its arguments follow the tool's schema.
+    r = chat(real.client(), tools=WEATHER_TOOL, tool_choice=choice, max_tokens=100, parallel_tool_calls=False,
              messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather"
-    assert isinstance(json.loads(call.function.arguments), dict)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL[0]["function"]["parameters"])

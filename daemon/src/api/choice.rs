@@ -13,6 +13,8 @@ pub struct OutputOptions {
     pub reasoning: Option<bool>,
     /// Parse tool calls against these tools.
     pub tools: Option<Vec<serde_json::Value>>,
+    /// At most this many tool calls are returned (`parallel_tool_calls: false`: 1).
+    pub max_calls: Option<usize>,
     pub skip_special_tokens: bool,
 }
 
@@ -49,6 +51,7 @@ pub struct ChoiceDecoder {
     stop: StopMatcher,
     reasoning: Option<ReasoningParser>,
     tools: Option<ToolCallParser>,
+    max_calls: usize,
     pub tokens: usize,
     pub cached_tokens: usize,
     pub calls_made: usize,
@@ -63,6 +66,7 @@ impl ChoiceDecoder {
             stop: StopMatcher::new(opts.stop.clone()),
             reasoning: opts.reasoning.map(ReasoningParser::new),
             tools: opts.tools.as_deref().map(ToolCallParser::new),
+            max_calls: opts.max_calls.unwrap_or(usize::MAX),
             tokens: 0,
             cached_tokens: 0,
             calls_made: 0,
@@ -121,15 +125,21 @@ impl ChoiceDecoder {
     }
 
     fn route_content(&mut self, content: &str, out: &mut ChoiceDelta) {
-        match &mut self.tools {
-            Some(t) => {
-                let s = t.push(content);
+        match self.tools.as_mut().map(|t| t.push(content)) {
+            Some(s) => {
                 out.content.push_str(&s.content);
-                self.calls_made += s.calls.len();
-                out.calls.extend(s.calls);
+                self.take_calls(s.calls, out);
             }
             None => out.content.push_str(content),
         }
+    }
+
+    /// Keeps calls up to the request's limit.
+    fn take_calls(&mut self, calls: Vec<ToolCall>, out: &mut ChoiceDelta) {
+        let room = self.max_calls.saturating_sub(self.calls_made);
+        let kept: Vec<ToolCall> = calls.into_iter().take(room).collect();
+        self.calls_made += kept.len();
+        out.calls.extend(kept);
     }
 
     fn finish(&mut self, reason: FinishReason, out: &mut ChoiceDelta, flush_stop: bool) {
@@ -142,11 +152,9 @@ impl ChoiceDecoder {
             out.reasoning.push_str(&s.reasoning);
             self.route_content(&s.content, out);
         }
-        if let Some(t) = &mut self.tools {
-            let s = t.finish();
+        if let Some(s) = self.tools.as_mut().map(ToolCallParser::finish) {
             out.content.push_str(&s.content);
-            self.calls_made += s.calls.len();
-            out.calls.extend(s.calls);
+            self.take_calls(s.calls, out);
         }
         self.finish_reason = Some(match reason {
             _ if self.calls_made > 0 => "tool_calls",

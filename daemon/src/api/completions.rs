@@ -3,9 +3,11 @@
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
 use super::generate::{
-    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job, OutputConstraint,
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
 };
-use super::types::{parse_body, CompletionRequest, PromptSpec, MAX_TOP_LOGPROBS};
+use super::grammar;
+use super::structured::GrammarUse;
+use super::types::{parse_body, CompletionRequest, PromptSpec, ResponseFormat, MAX_TOP_LOGPROBS};
 use super::AppState;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -20,15 +22,23 @@ pub async fn completions(
     let req: CompletionRequest = parse_body(&body)?;
     state.check_model(req.common.model.as_deref())?;
     let n = req.common.n()?;
-    let sampling = req.common.sampling()?;
-    if req.common.json_mode()? {
-        return Err(ApiError::bad_param(
-            "response_format",
-            "response_format is supported on /v1/chat/completions",
-        ));
-    }
+    let sampling = req.common.sampling(&state.sampling_defaults)?;
+    let format = req.common.response_format()?;
+    let logit_bias = req.common.logit_bias(state.vocab_size)?;
     if req.echo {
         return Err(ApiError::bad_param("echo", "echo is not supported"));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad_param(
+            "suffix",
+            "suffix (fill-in-the-middle) is not supported by this model",
+        ));
+    }
+    if let Some(b) = req.best_of.filter(|&b| b != n as i64) {
+        return Err(ApiError::bad_param(
+            "best_of",
+            format!("best_of must equal n ({n}) when given: extra server-side candidates are not generated, got {b}"),
+        ));
     }
     let logprobs = match req.logprobs {
         None => None,
@@ -70,6 +80,11 @@ pub async fn completions(
         .into_iter()
         .min()
         .unwrap_or(1);
+    // Compiling a large schema takes CPU time: not on the async workers that stream other requests.
+    let st = state.clone();
+    let grammar = tokio::task::spawn_blocking(move || json_grammar(&st, &format))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
     let mut choices = Vec::new();
     for (pi, p) in prompts.iter().enumerate() {
         for i in 0..n {
@@ -88,12 +103,14 @@ pub async fn completions(
             stop: req.common.stop.strings(),
             reasoning: None,
             tools: None,
+            max_calls: None,
             skip_special_tokens: true,
         },
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
-        constraint: OutputConstraint::None,
+        grammar,
+        logit_bias,
     };
     let id = request_id("cmpl");
     let running = submit(&state, &id, job)?;
@@ -132,6 +149,27 @@ pub async fn completions(
                          "choices": choices, "usage": usage}),
     )
     .into_response())
+}
+
+/// `response_format` on text completions: the whole completion is JSON.
+fn json_grammar(state: &AppState, format: &ResponseFormat) -> Result<Option<GrammarUse>, ApiError> {
+    let (schema, strict) = match format {
+        ResponseFormat::Text => return Ok(None),
+        ResponseFormat::JsonObject => (None, false),
+        ResponseFormat::JsonSchema { schema, strict } => (Some(schema), *strict),
+    };
+    let so = state.structured.as_ref().ok_or_else(|| {
+        ApiError::bad_request("structured output is not available for this model's tokenizer")
+    })?;
+    let m = so
+        .compile(grammar::json_response(schema, strict), &state.metrics)
+        .map_err(|e| {
+            ApiError::bad_param(
+                "response_format",
+                format!("cannot constrain output to this schema: {e}"),
+            )
+        })?;
+    Ok(Some(GrammarUse::Whole(m)))
 }
 
 /// OpenAI's legacy completions logprobs object.

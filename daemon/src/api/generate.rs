@@ -3,8 +3,7 @@
 //! stop string matched) is what tells the engine to free a sequence.
 use super::choice::{ChoiceDecoder, ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
-use super::forced_tool::ForcedToolCall;
-use super::json_mode::JsonObjectConstraint;
+use super::structured::{GrammarUse, OutputControl};
 use super::tool_parser::ToolCall;
 use super::AppState;
 use crate::engine::sampling::SamplingParams;
@@ -35,17 +34,9 @@ pub struct Job {
     pub extra_stop_ids: Vec<u32>,
     /// Prompt tokens reported in usage (each distinct prompt once).
     pub prompt_tokens: usize,
-    pub constraint: OutputConstraint,
-}
-
-/// How sampling is constrained.
-#[derive(Clone)]
-pub enum OutputConstraint {
-    None,
-    /// `response_format: json_object`.
-    JsonObject,
-    /// `tool_choice` required / named: exactly one call to one of these tools.
-    ToolCall(Vec<String>),
+    /// Compiled output grammar (JSON, tool calls), copied for each choice.
+    pub grammar: Option<GrammarUse>,
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 pub struct Running {
@@ -77,19 +68,7 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
             logprobs: job.logprobs,
             deadline,
             events: tx,
-            constraint: match &job.constraint {
-                OutputConstraint::None => None,
-                OutputConstraint::JsonObject => Some(Box::new(JsonObjectConstraint::new(
-                    state.token_texts.clone(),
-                    stop_ids.clone(),
-                ))
-                    as Box<dyn TokenConstraint>),
-                OutputConstraint::ToolCall(names) => Some(Box::new(ForcedToolCall::new(
-                    state.token_texts.clone(),
-                    stop_ids.clone(),
-                    names,
-                ))),
-            },
+            constraint: output_control(state, job.grammar.as_ref(), &job.logit_bias, &stop_ids),
         };
         reqs.push(req);
         streams.insert(spec.index, UnboundedReceiverStream::new(rx));
@@ -116,6 +95,25 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
         decoders,
         prompt_tokens: job.prompt_tokens,
     })
+}
+
+/// The per-choice constraint, if the request has a grammar or a logit bias.
+fn output_control(
+    state: &AppState,
+    grammar: Option<&GrammarUse>,
+    logit_bias: &[(u32, f32)],
+    stop_ids: &[u32],
+) -> Option<Box<dyn TokenConstraint>> {
+    if grammar.is_none() && logit_bias.is_empty() {
+        return None;
+    }
+    let grammar = grammar.zip(state.structured.as_ref());
+    Some(Box::new(OutputControl::new(
+        grammar.map(|(g, s)| (g.deep_clone(), s.tok_env().clone())),
+        logit_bias.to_vec(),
+        stop_ids.to_vec(),
+        state.metrics.clone(),
+    )))
 }
 
 /// A finished choice.
@@ -156,7 +154,20 @@ impl Running {
         Ok(delta)
     }
 
-    fn check_all_finished(&self) -> Result<(), ApiError> {
+    /// The next delta of any choice: (choice index, delta, finish reason once it is done).
+    /// None when every choice has ended.
+    pub async fn next_delta(
+        &mut self,
+        state: &AppState,
+    ) -> Option<Result<(usize, ChoiceDelta, Option<&'static str>), ApiError>> {
+        let (idx, ev) = self.streams.next().await?;
+        Some(
+            self.on_event(state, idx, ev)
+                .map(|d| (idx, d, self.decoders[idx].finish_reason)),
+        )
+    }
+
+    pub fn check_all_finished(&self) -> Result<(), ApiError> {
         match self.decoders.iter().all(|d| d.finish_reason.is_some()) {
             true => Ok(()),
             false => Err(ApiError::internal(
@@ -165,7 +176,7 @@ impl Running {
         }
     }
 
-    fn log_done(&self, streamed: bool) {
+    pub fn log_done(&self, streamed: bool) {
         let reasons: Vec<&str> = self
             .decoders
             .iter()
@@ -300,7 +311,9 @@ impl Running {
     }
 }
 
-/// Checks a prompt against the context and settles max_tokens (default: the rest of the context).
+/// Checks a prompt against the context and settles max_tokens (default: the server's default, else
+/// the rest of the context). Too long a request is a 400 `context_length_exceeded`, as in vLLM, unless
+/// the server clamps `max_tokens` to what fits (`--clamp-max-tokens`, llama.cpp's behaviour).
 pub fn fit_context(
     state: &AppState,
     prompt_len: usize,
@@ -310,7 +323,14 @@ pub fn fit_context(
     if prompt_len == 0 {
         return Err(ApiError::bad_param("prompt", "the prompt is empty"));
     }
+    let requested = requested.or_else(|| {
+        let default = state.sampling_defaults.max_tokens?;
+        (prompt_len < ctx).then(|| default.min(ctx - prompt_len))
+    });
     match requested {
+        Some(m) if prompt_len + m > ctx && state.clamp_max_tokens && prompt_len < ctx => {
+            Ok(ctx - prompt_len)
+        }
         Some(m) if prompt_len + m > ctx => Err(ApiError::context_length(format!(
             "This model's maximum context length is {ctx} tokens. However, you requested {} tokens \
              ({prompt_len} in the messages, {m} in the completion). Please reduce the length of the \

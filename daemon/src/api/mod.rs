@@ -1,5 +1,5 @@
 //! The OpenAI-compatible HTTP server (axum): `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-//! `/metrics`, `/health`, `/ready`. Handlers validate and tokenise, then hand sequences to the engine
+//! `/v1/responses`, `/tokenize`, `/detokenize`, `/metrics`, `/health`, `/ready`. Handlers validate and tokenise, then hand sequences to the engine
 //! thread through [`crate::sched::EngineHandle`]; responses are whole JSON or SSE streams.
 //!
 //! Server-level layers on `/v1/*` and `/tokenize`, outermost first: the API key (before any body is
@@ -10,11 +10,15 @@ pub mod chat;
 pub mod choice;
 pub mod completions;
 pub mod error;
-pub mod forced_tool;
 pub mod generate;
-pub mod json_mode;
+pub mod grammar;
+pub mod plan;
 pub mod reasoning;
+pub mod responses;
+pub mod structured;
+pub mod tokenize;
 pub mod tool_parser;
+pub mod tools;
 pub mod types;
 
 use crate::metrics::Metrics;
@@ -52,10 +56,17 @@ pub struct AppState {
     /// Set on SIGTERM: new requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
     pub created: u64,
-    /// Every token's text, for JSON-mode and forced-tool-call constraints.
-    pub token_texts: Arc<Vec<String>>,
+    /// Grammar-constrained decoding (JSON schema, tool calls); None when the tokenizer could not be
+    /// mapped to bytes (then such requests get 400).
+    pub structured: Option<Arc<structured::StructuredOutputs>>,
     /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
     pub glm_tool_format: bool,
+    /// Sampling values used where a request leaves them out.
+    pub sampling_defaults: types::SamplingDefaults,
+    /// Clamp `max_tokens` to what fits the context instead of refusing the request.
+    pub clamp_max_tokens: bool,
+    /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.
+    pub allowed_origins: Vec<String>,
     /// Prompts are tokenised here, off the async runtime.
     pub tokenize_pool: TokenizerPool,
     pub limits: HttpLimits,
@@ -102,15 +113,18 @@ impl AppState {
     /// (OpenAI's `context_length_exceeded`) without tokenising all of it.
     pub async fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
         let ctx = self.max_context;
-        match self.tokenize_pool.encode_within(text.to_owned(), ctx).await {
-            Ok(ids) => Ok(ids),
-            Err(EncodeError::TooLong { at_least, .. }) => Err(ApiError::context_length(format!(
-                "This model's maximum context length is {ctx} tokens. However, your messages \
-                 resulted in at least {at_least} tokens. Please reduce the length of the messages."
-            ))),
-            Err(EncodeError::Text(e)) => Err(ApiError::bad_request(e.to_string())),
-            Err(e @ EncodeError::PoolClosed) => Err(ApiError::unavailable(e.to_string())),
-        }
+        self.tokenize_pool
+            .encode_within(text.to_owned(), ctx)
+            .await
+            .map_err(|e| encode_error(ctx, e))
+    }
+
+    /// [`Self::encode_prompt`] for code already on a blocking thread (request planning).
+    pub fn encode_prompt_blocking(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        let ctx = self.max_context;
+        self.tokenizer
+            .encode_within(text, ctx)
+            .map_err(|e| encode_error(ctx, e))
     }
 
     /// Resolves when the shutdown deadline has passed (never, while the server runs normally).
@@ -122,6 +136,17 @@ impl AppState {
     }
 }
 
+fn encode_error(ctx: usize, e: EncodeError) -> ApiError {
+    match e {
+        EncodeError::TooLong { at_least, .. } => ApiError::context_length(format!(
+            "This model's maximum context length is {ctx} tokens. However, your messages \
+             resulted in at least {at_least} tokens. Please reduce the length of the messages."
+        )),
+        EncodeError::Text(e) => ApiError::bad_request(e.to_string()),
+        e @ EncodeError::PoolClosed => ApiError::unavailable(e.to_string()),
+    }
+}
+
 /// Largest request body accepted by default (long prompts as JSON).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
@@ -129,9 +154,12 @@ pub fn router(state: Arc<AppState>) -> Router {
     // route_layer: the layer added last runs first, so the key is checked before a body is read.
     let v1 = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
-        .route("/tokenize", post(tokenize))
+        .route("/v1/responses", post(responses::responses))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), gate));
     let mut metrics_route = Router::new().route("/metrics", get(metrics));
@@ -139,6 +167,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         metrics_route =
             metrics_route.route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     }
+    let cors = cors_layer(&state.allowed_origins);
     Router::new()
         .merge(v1)
         .merge(metrics_route)
@@ -158,7 +187,26 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(
             state.limits.max_body_bytes,
         ))
+        .layer(cors)
         .with_state(state)
+}
+
+/// CORS for browser clients: `--allowed-origins` (`*` for any). Preflight requests are answered
+/// before the API-key check, as browsers send them without credentials.
+fn cors_layer(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    if origins.is_empty() {
+        return CorsLayer::new();
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| o.parse().ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods(Any)
+        .allow_headers(Any)
 }
 
 impl ApiError {
@@ -256,30 +304,22 @@ async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next)
         .await
 }
 
+fn model_card(state: &AppState) -> serde_json::Value {
+    json!({"id": state.served_model, "object": "model", "created": state.created,
+           "owned_by": "moe-daemon", "root": state.served_model, "max_model_len": state.max_context})
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    axum::Json(json!({"object": "list", "data": [{
-        "id": state.served_model, "object": "model", "created": state.created, "owned_by": "moe-daemon",
-        "max_model_len": state.max_context,
-    }]}))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
 }
 
-#[derive(serde::Deserialize)]
-pub struct TokenizeRequest {
-    pub prompt: String,
-}
-
-/// vLLM's `/tokenize`: `{"prompt": "..."}` → `{"tokens": [...], "count": n, "max_model_len": m}`.
-async fn tokenize(
+/// GET /v1/models/{id} (`client.models.retrieve`).
+async fn model(
     State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    let req: TokenizeRequest = types::parse_body(&body)?;
-    let tokens = state.encode_prompt(&req.prompt).await?;
-    Ok(axum::Json(
-        json!({"count": tokens.len(), "tokens": tokens, "max_model_len": state.max_context}),
-    )
-    .into_response())
+    state.check_model(Some(&id))?;
+    Ok(axum::Json(model_card(&state)).into_response())
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {

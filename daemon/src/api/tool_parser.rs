@@ -30,6 +30,10 @@ pub struct ToolCallParser {
     schemas: Map<String, Value>,
     held: String,
     inside: bool,
+    /// A call has been emitted: whitespace after it is held back, and dropped if only more calls or
+    /// the end follow (the `\n` between `</tool_call>` and `<tool_call>` is not content).
+    after_call: bool,
+    pending_ws: String,
 }
 
 impl ToolCallParser {
@@ -48,6 +52,8 @@ impl ToolCallParser {
             schemas,
             held: String::new(),
             inside: false,
+            after_call: false,
+            pending_ws: String::new(),
         }
     }
 
@@ -63,32 +69,47 @@ impl ToolCallParser {
                 self.held.drain(..end + CLOSE.len());
                 self.inside = false;
                 match self.parse_call(&body) {
-                    Some(call) => out.calls.push(call),
+                    Some(call) => {
+                        self.pending_ws.clear();
+                        self.after_call = true;
+                        out.calls.push(call);
+                    }
                     // Not a well-formed call: give the text back rather than lose it.
-                    None => out.content.push_str(&format!("{OPEN}{body}{CLOSE}")),
+                    None => self.emit(&format!("{OPEN}{body}{CLOSE}"), &mut out),
                 }
             } else if let Some(start) = self.held.find(OPEN) {
-                out.content.push_str(&self.held[..start]);
+                let text = self.held[..start].to_string();
+                self.emit(&text, &mut out);
                 self.held.drain(..start + OPEN.len());
                 self.inside = true;
             } else {
                 let keep = partial_tag_suffix(&self.held, OPEN);
                 let emit = self.held.len() - keep;
-                out.content.push_str(&self.held[..emit]);
+                let text = self.held[..emit].to_string();
+                self.emit(&text, &mut out);
                 self.held.drain(..emit);
                 return out;
             }
         }
     }
 
+    /// Content text, except whitespace after a call, which waits to see what follows.
+    fn emit(&mut self, text: &str, out: &mut ToolSplit) {
+        if self.after_call && text.trim().is_empty() {
+            self.pending_ws.push_str(text);
+            return;
+        }
+        out.content.push_str(&std::mem::take(&mut self.pending_ws));
+        out.content.push_str(text);
+    }
+
     /// End of generation: an unterminated call is attempted as is, otherwise returned as text.
     pub fn finish(&mut self) -> ToolSplit {
         let rest = std::mem::take(&mut self.held);
         if !self.inside {
-            return ToolSplit {
-                content: rest,
-                calls: vec![],
-            };
+            let mut out = ToolSplit::default();
+            self.emit(&rest, &mut out);
+            return out;
         }
         self.inside = false;
         match self.parse_call(&rest) {
@@ -192,6 +213,16 @@ mod tests {
         );
         assert_eq!(s.content, "Sure.\n");
         assert_eq!(s.calls.len(), 2);
+        let mut p = ToolCallParser::new(&[]);
+        let two = run(
+            &mut p,
+            &[
+                "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>",
+                "\n",
+                "<tool_call>{\"name\":\"b\",\"arguments\":{}}</tool_call>\n",
+            ],
+        );
+        assert_eq!((two.content.as_str(), two.calls.len()), ("", 2));
         assert_eq!(s.calls[0].name, "get_weather");
         let args: Value = serde_json::from_str(&s.calls[0].arguments).unwrap();
         assert_eq!(args, json!({"city": "Paris"}));

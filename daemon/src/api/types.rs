@@ -3,7 +3,7 @@
 use super::error::ApiError;
 use crate::engine::sampling::SamplingParams;
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(untagged)]
@@ -54,6 +54,65 @@ pub struct CommonParams {
     pub response_format: Option<Value>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Token id (as a string) → bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<Map<String, Value>>,
+}
+
+/// Server-side sampling defaults (`generation_config.json`, `--default-*` flags), used where a request
+/// leaves a field out.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub max_tokens: Option<usize>,
+}
+
+impl SamplingDefaults {
+    /// The sampling fields of a Hugging Face `generation_config.json`.
+    pub fn from_generation_config(cfg: &Value) -> Self {
+        let f = |k: &str| cfg.get(k).and_then(Value::as_f64).map(|v| v as f32);
+        // `do_sample: false` means greedy whatever temperature says.
+        let greedy = cfg.get("do_sample").and_then(Value::as_bool) == Some(false);
+        Self {
+            temperature: if greedy { Some(0.0) } else { f("temperature") },
+            top_p: f("top_p"),
+            top_k: cfg.get("top_k").and_then(Value::as_i64),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+            max_tokens: cfg
+                .get("max_new_tokens")
+                .and_then(Value::as_u64)
+                .map(|v| v as usize),
+        }
+    }
+
+    /// `over`'s values where it has them, else these.
+    pub fn overridden_by(self, over: SamplingDefaults) -> Self {
+        Self {
+            temperature: over.temperature.or(self.temperature),
+            top_p: over.top_p.or(self.top_p),
+            top_k: over.top_k.or(self.top_k),
+            min_p: over.min_p.or(self.min_p),
+            repetition_penalty: over.repetition_penalty.or(self.repetition_penalty),
+            max_tokens: over.max_tokens.or(self.max_tokens),
+        }
+    }
+}
+
+/// `response_format`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against `schema`; `strict` refuses schema keywords that cannot be enforced.
+    JsonSchema {
+        schema: Value,
+        strict: bool,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -66,6 +125,7 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,
 }
@@ -88,6 +148,10 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     #[serde(default)]
     pub echo: bool,
+    /// Text after the completion (fill-in-the-middle); not supported, refused when non-empty.
+    pub suffix: Option<String>,
+    /// Server-side candidates per choice; only `best_of == n` (no extra candidates) is served.
+    pub best_of: Option<i64>,
 }
 
 pub const MAX_N: i64 = 16;
@@ -120,8 +184,8 @@ impl CommonParams {
         Ok(Some(v as usize))
     }
 
-    pub fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        let top_k = match self.top_k.unwrap_or(0) {
+    pub fn sampling(&self, defaults: &SamplingDefaults) -> Result<SamplingParams, ApiError> {
+        let top_k = match self.top_k.or(defaults.top_k).unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => k as usize,
             k => {
@@ -131,7 +195,7 @@ impl CommonParams {
                 ))
             }
         };
-        let temperature = self.temperature.unwrap_or(1.0);
+        let temperature = self.temperature.or(defaults.temperature).unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::bad_param(
                 "temperature",
@@ -141,9 +205,12 @@ impl CommonParams {
         let p = SamplingParams {
             temperature,
             top_k,
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
+            min_p: self.min_p.or(defaults.min_p).unwrap_or(0.0),
+            repetition_penalty: self
+                .repetition_penalty
+                .or(defaults.repetition_penalty)
+                .unwrap_or(1.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             seed: self.seed,
@@ -155,20 +222,58 @@ impl CommonParams {
         Ok(p)
     }
 
-    /// Whether `response_format` asks for a JSON object (`text` and absent: no).
-    pub fn json_mode(&self) -> Result<bool, ApiError> {
+    /// `response_format`: text (also when absent), `json_object`, or `json_schema` (OpenAI's
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`).
+    pub fn response_format(&self) -> Result<ResponseFormat, ApiError> {
         let Some(rf) = &self.response_format else {
-            return Ok(false);
+            return Ok(ResponseFormat::Text);
         };
+        let bad = |m: String| ApiError::bad_param("response_format", m);
         match rf.get("type").and_then(Value::as_str) {
-            Some("text") => Ok(false),
-            Some("json_object") => Ok(true),
-            Some(other) => Err(ApiError::bad_param(
-                "response_format",
-                format!("response_format type `{other}` is not supported (supported: text, json_object)"),
-            )),
-            None => Err(ApiError::bad_param("response_format", "response_format needs a `type`")),
+            Some("text") => Ok(ResponseFormat::Text),
+            Some("json_object") => Ok(ResponseFormat::JsonObject),
+            Some("json_schema") => {
+                let js = rf
+                    .get("json_schema")
+                    .ok_or_else(|| bad("`json_schema` needs a `json_schema` object".into()))?;
+                let schema = js.get("schema").cloned().unwrap_or_else(|| json!({}));
+                if !schema.is_object() {
+                    return Err(bad("`json_schema.schema` must be a JSON schema object".into()));
+                }
+                Ok(ResponseFormat::JsonSchema {
+                    schema,
+                    strict: js.get("strict").and_then(Value::as_bool).unwrap_or(false),
+                })
+            }
+            Some(other) => Err(bad(format!(
+                "response_format type `{other}` is not supported (supported: text, json_object, json_schema)"
+            ))),
+            None => Err(bad("response_format needs a `type`".into())),
         }
+    }
+
+    /// `logit_bias` as (token id, bias) pairs, checked against the vocabulary.
+    pub fn logit_bias(&self, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(vec![]);
+        };
+        map.iter()
+            .map(|(k, v)| {
+                let id = k.trim().parse::<u32>().ok().filter(|&i| (i as usize) < vocab);
+                let bias = v.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+                match (id, bias) {
+                    (Some(id), Some(b)) => Ok((id, b as f32)),
+                    (None, _) => Err(ApiError::bad_param(
+                        "logit_bias",
+                        format!("logit_bias key `{k}` is not a token id of this vocabulary (size {vocab})"),
+                    )),
+                    (_, None) => Err(ApiError::bad_param(
+                        "logit_bias",
+                        format!("logit_bias for `{k}` must be a number in [-100, 100], got {v}"),
+                    )),
+                }
+            })
+            .collect()
     }
 
     pub fn include_usage(&self) -> bool {
@@ -213,7 +318,7 @@ mod tests {
         .unwrap();
         assert_eq!(r.common.stop.strings(), vec!["x".to_string()]);
         assert_eq!(r.common.max_tokens().unwrap(), Some(5));
-        assert_eq!(r.common.sampling().unwrap().top_k, 0);
+        assert_eq!(r.common.sampling(&Default::default()).unwrap().top_k, 0);
         for bad in [
             &br#"{"messages": 3}"#[..],
             br#"{"model":"m"}"#,
@@ -225,12 +330,50 @@ mod tests {
         }
         let r: ChatRequest = parse_body(br#"{"messages":[],"temperature":-1,"n":0}"#).unwrap();
         assert_eq!(
-            r.common.sampling().unwrap_err().param.as_deref(),
+            r.common
+                .sampling(&Default::default())
+                .unwrap_err()
+                .param
+                .as_deref(),
             Some("temperature")
         );
         assert_eq!(r.common.n().unwrap_err().param.as_deref(), Some("n"));
         assert!(chat_logprobs(true, Some(50)).is_err());
         assert_eq!(chat_logprobs(true, None).unwrap(), Some(0));
+    }
+
+    #[test]
+    fn response_formats_logit_bias_and_defaults() {
+        let r: ChatRequest = parse_body(
+            br#"{"messages":[],"response_format":{"type":"json_schema","json_schema":{"name":"x",
+                "schema":{"type":"object"},"strict":true}},"logit_bias":{"5":-100,"7":2.5}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.common.response_format().unwrap(),
+            ResponseFormat::JsonSchema {
+                schema: json!({"type": "object"}),
+                strict: true
+            }
+        );
+        assert_eq!(
+            r.common.logit_bias(10).unwrap(),
+            vec![(5, -100.0), (7, 2.5)]
+        );
+        assert!(r.common.logit_bias(6).is_err());
+        let bad: ChatRequest = parse_body(
+            br#"{"messages":[],"logit_bias":{"1":300},"response_format":{"type":"xml"}}"#,
+        )
+        .unwrap();
+        assert!(bad.common.logit_bias(10).is_err());
+        assert!(bad.common.response_format().is_err());
+        let d = SamplingDefaults::from_generation_config(&json!({"temperature": 0.6, "top_k": 20}))
+            .overridden_by(SamplingDefaults {
+                temperature: Some(0.2),
+                ..Default::default()
+            });
+        let p = r.common.sampling(&d).unwrap();
+        assert_eq!((p.temperature, p.top_k), (0.2, 20));
     }
 
     #[test]

@@ -58,11 +58,11 @@ impl ModelPath {
                 }
                 let t = tokenizers::Tokenizer::from_file(&path)
                     .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-                Some(PromptTokenizer::Hf(t))
+                Some(PromptTokenizer::Hf(Box::new(t)))
             }
-            ModelPath::Gguf { file, .. } => {
-                Some(PromptTokenizer::Gguf(TextTokenizer::from_gguf(file)?))
-            }
+            ModelPath::Gguf { file, .. } => Some(PromptTokenizer::Gguf(Box::new(
+                TextTokenizer::from_gguf(file)?,
+            ))),
         })
     }
 }
@@ -70,8 +70,8 @@ impl ModelPath {
 /// A prompt tokenizer: `tokenizer.json` (special tokens such as BOS added as its post-processor
 /// says) or a GGUF vocabulary (text taken as is: special-token strings become their ids).
 pub enum PromptTokenizer {
-    Hf(tokenizers::Tokenizer),
-    Gguf(TextTokenizer),
+    Hf(Box<tokenizers::Tokenizer>),
+    Gguf(Box<TextTokenizer>),
 }
 
 impl PromptTokenizer {

@@ -95,6 +95,30 @@ pub struct ServeArgs {
     /// Chat template file overriding the model's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// Browser origins allowed to call the API (CORS), comma-separated or repeated; `*` allows any.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Sampling defaults for fields a request leaves out: `auto` reads the model directory's
+    /// `generation_config.json` (as vLLM does); `none` ignores it. `--default-*` flags win over both.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
+    #[arg(long)]
+    pub default_temperature: Option<f32>,
+    #[arg(long)]
+    pub default_top_p: Option<f32>,
+    #[arg(long)]
+    pub default_top_k: Option<i64>,
+    #[arg(long)]
+    pub default_min_p: Option<f32>,
+    #[arg(long)]
+    pub default_repetition_penalty: Option<f32>,
+    /// Completion length when a request gives none (default: the rest of the context).
+    #[arg(long)]
+    pub default_max_tokens: Option<usize>,
+    /// When prompt + max_tokens exceed the context, shorten max_tokens to fit (llama.cpp's behaviour)
+    /// instead of answering 400 context_length_exceeded (vLLM's, the default).
+    #[arg(long)]
+    pub clamp_max_tokens: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// TEST DOUBLE: instead of the model's weights, answer with scripted replies from this JSON file
@@ -337,6 +361,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         other => bail!("--reasoning-parser must be auto, on or off, got {other}"),
     };
     let metrics = Arc::new(Metrics::new()?);
+    let sampling_defaults = sampling_defaults(&args)?;
+    let structured = structured_outputs(&tokenizer);
     let (load_failed, load_failure) = tokio::sync::watch::channel(None);
     let engine = start_engine(&args, &files, &tokenizer, metrics.clone(), load_failed)?;
     let api_key = match &args.api_key_file {
@@ -370,7 +396,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         retry_after_s: 1,
         draining: Default::default(),
         created: api::generate::now_unix(),
-        token_texts: Arc::new(api::json_mode::token_texts(&tokenizer)),
+        structured,
         glm_tool_format,
         tokenize_pool: TokenizerPool::new(tokenizer.clone(), TokenizerPool::default_slots()),
         limits: HttpLimits::new(
@@ -380,11 +406,63 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ),
         protect_metrics: args.protect_metrics,
         deadline_passed,
+        sampling_defaults,
+        clamp_max_tokens: args.clamp_max_tokens,
+        allowed_origins: args.allowed_origins.clone(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     rt.block_on(serve(args, state, load_failure, deadline_tx))
+}
+
+/// `generation_config.json` (with `--generation-config auto`, HF directories) under the `--default-*`
+/// flags.
+fn sampling_defaults(args: &ServeArgs) -> anyhow::Result<api::types::SamplingDefaults> {
+    use api::types::SamplingDefaults;
+    let from_model = match args.generation_config.as_str() {
+        "none" => SamplingDefaults::default(),
+        "auto" => {
+            let path = args.model.join("generation_config.json");
+            match std::fs::read_to_string(&path) {
+                Ok(text) => {
+                    let cfg: serde_json::Value = serde_json::from_str(&text)
+                        .with_context(|| format!("parsing {}", path.display()))?;
+                    let d = SamplingDefaults::from_generation_config(&cfg);
+                    tracing::info!(?d, "sampling defaults from generation_config.json");
+                    d
+                }
+                Err(_) => SamplingDefaults::default(),
+            }
+        }
+        other => bail!("--generation-config must be auto or none, got {other}"),
+    };
+    Ok(from_model.overridden_by(SamplingDefaults {
+        temperature: args.default_temperature,
+        top_p: args.default_top_p,
+        top_k: args.default_top_k,
+        min_p: args.default_min_p,
+        repetition_penalty: args.default_repetition_penalty,
+        max_tokens: args.default_max_tokens,
+    }))
+}
+
+/// llguidance's view of the vocabulary; without it JSON-schema and forced-tool requests get 400.
+fn structured_outputs(tok: &TextTokenizer) -> Option<Arc<api::structured::StructuredOutputs>> {
+    let t0 = std::time::Instant::now();
+    match api::structured::StructuredOutputs::new(tok, tok.vocab_size()) {
+        Ok(s) => {
+            tracing::info!(
+                seconds = t0.elapsed().as_secs_f64(),
+                "structured output (llguidance) ready"
+            );
+            Some(Arc::new(s))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "structured output unavailable for this tokenizer");
+            None
+        }
+    }
 }
 
 /// The key from `--api-key-file`: its first line, which must not be empty.

@@ -1,10 +1,16 @@
-//! Constrained sampling: a request may restrict which tokens it samples (JSON mode, forced tool calls);
-//! the scheduler asks the constraint before accepting a sampled token.
+//! Constrained sampling: a request may restrict or bias which tokens it samples (JSON schema, tool-call
+//! grammars, `logit_bias`). Before each sampled token the constraint edits a copy of the logits — banned
+//! tokens to −∞, biases added — and the sampler draws from what is left; the constraint then advances
+//! past the chosen token.
 use crate::engine::sampling::Sampler;
 
-/// Restricts which tokens a sequence may sample, e.g. to keep output a valid JSON prefix.
+/// Restricts or biases which tokens a sequence may sample.
 pub trait TokenConstraint: Send {
-    fn allows(&self, id: u32) -> bool;
+    /// Edits this step's logits (one per vocabulary id): tokens that may not come next become −∞,
+    /// biased tokens move. Returns false when the constraint cannot go on (no token allowed, grammar
+    /// error): the sequence then stops.
+    fn apply(&mut self, logits: &mut [f32]) -> bool;
+    /// The sequence sampled `id`.
     fn advance(&mut self, id: u32);
     /// Nothing more may follow: the sequence ends here.
     fn is_complete(&self) -> bool;
@@ -25,29 +31,65 @@ pub(super) fn sample_next(
     if c.is_complete() {
         return None;
     }
-    let id = constrained_sample(sampler, logits, prompt, generated, c)?;
+    let mut l = logits.to_vec();
+    if !c.apply(&mut l) {
+        return None;
+    }
+    let best_allowed = argmax_finite(&l)?;
+    let id = sampler.sample_parts(&l, prompt, generated);
+    // A draw can only land on a banned (−∞) token through rounding at the tail of the distribution;
+    // the most likely allowed token stands in then.
+    let id = if l.get(id as usize).is_some_and(|v| v.is_finite()) {
+        id
+    } else {
+        best_allowed
+    };
     c.advance(id);
     Some(id)
 }
 
-/// Samples, refusing tokens the constraint does not allow (resampling without them); after a few
-/// refusals, takes the most likely allowed token. None: no token is allowed.
-fn constrained_sample(
-    sampler: &mut Sampler,
-    logits: &[f32],
-    prompt: &[u32],
-    generated: &[u32],
-    c: &dyn TokenConstraint,
-) -> Option<u32> {
-    let mut l = logits.to_vec();
-    for _ in 0..16 {
-        let id = sampler.sample_parts(&l, prompt, generated);
-        if c.allows(id) {
-            return Some(id);
+/// The highest finite logit's id; None when every token is banned.
+fn argmax_finite(l: &[f32]) -> Option<u32> {
+    l.iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampling::SamplingParams;
+
+    struct OnlyOdd;
+    impl TokenConstraint for OnlyOdd {
+        fn apply(&mut self, logits: &mut [f32]) -> bool {
+            for (i, l) in logits.iter_mut().enumerate() {
+                if i % 2 == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            true
         }
-        l[id as usize] = f32::NEG_INFINITY;
+        fn advance(&mut self, _: u32) {}
+        fn is_complete(&self) -> bool {
+            false
+        }
     }
-    let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
-    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
-    order.into_iter().map(|i| i as u32).find(|&i| c.allows(i))
+
+    #[test]
+    fn sampling_never_lands_on_a_banned_token() {
+        let logits: Vec<f32> = (0..64)
+            .map(|i| if i % 2 == 0 { 9.0 } else { 0.0 })
+            .collect();
+        let mut p = SamplingParams::greedy();
+        p.temperature = 1.0;
+        p.seed = Some(7);
+        let mut s = Sampler::new(&p);
+        for _ in 0..200 {
+            let id = sample_next(&mut s, Some(&mut OnlyOdd), &logits, &[], &[]).unwrap();
+            assert_eq!(id % 2, 1);
+        }
+    }
 }

@@ -184,8 +184,13 @@ fn full_queue_is_refused_and_deadlines_end_requests() {
 struct EvenTokensThenStop(usize);
 
 impl TokenConstraint for EvenTokensThenStop {
-    fn allows(&self, id: u32) -> bool {
-        id.is_multiple_of(2) && id != END
+    fn apply(&mut self, logits: &mut [f32]) -> bool {
+        for (id, l) in logits.iter_mut().enumerate() {
+            if !(id.is_multiple_of(2) && id as u32 != END) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        true
     }
     fn advance(&mut self, _: u32) {
         self.0 += 1;

@@ -9,6 +9,11 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template writes the `tools` it is given into the prompt (many small models' templates
+    /// ignore them; the server then writes them itself).
+    pub renders_tools: bool,
+    /// The template handles a `developer` role itself (otherwise the server maps it to `system`).
+    pub knows_developer_role: bool,
 }
 
 /// Python's `json.dumps` layout, as HF's `tojson` produces it: `", "` and `": "` separators (or
@@ -172,11 +177,33 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TextError::Template(e.to_string()))?;
-        Ok(Self {
+        let mut t = Self {
             env,
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
-        })
+            renders_tools: false,
+            knows_developer_role: source.contains("developer"),
+        };
+        t.renders_tools = t.probe_renders_tools();
+        Ok(t)
+    }
+
+    /// Renders one user turn with a uniquely named tool and looks for the name in the prompt.
+    fn probe_renders_tools(&self) -> bool {
+        const PROBE: &str = "moe_probe_tool_0c9f";
+        let user = serde_json::json!({"role": "user", "content": "hi"});
+        let system = serde_json::json!({"role": "system", "content": "probe"});
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": PROBE,
+            "description": "probe", "parameters": {"type": "object", "properties": {}}}}),
+        ];
+        // Some templates insist on a system turn first: try both shapes.
+        [vec![user.clone()], vec![system, user]]
+            .iter()
+            .any(|messages| {
+                self.render(messages, Some(&tools), true, &Default::default())
+                    .is_ok_and(|p| p.contains(PROBE))
+            })
     }
 
     /// Renders `messages` (OpenAI shape, normalised by [`normalize_messages`]) and `tools` to the prompt.
@@ -252,6 +279,19 @@ mod tests {
     use serde_json::json;
 
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn tool_rendering_and_developer_role_are_detected() {
+        let smol = ChatTemplate::new(SMOLLM2, None, None).unwrap();
+        assert!(!smol.renders_tools && !smol.knows_developer_role);
+        let with_tools = ChatTemplate::new(
+            "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert!(with_tools.renders_tools);
+    }
 
     #[test]
     fn renders_chatml_with_default_system_prompt() {

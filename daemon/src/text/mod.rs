@@ -2,7 +2,6 @@
 //! incremental detokenisation and stop-string matching.
 pub mod chat_template;
 pub mod detokenizer;
-pub mod json_prefix;
 pub mod stop;
 pub mod tokenizer;
 

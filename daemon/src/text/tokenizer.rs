@@ -344,6 +344,11 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The underlying HF tokenizer (for llguidance's byte-level token view).
+    pub fn hf_tokenizer(&self) -> &Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -1,0 +1,308 @@
+//! Structured generation on llguidance: the tokenizer's byte-level view built once at start-up
+//! ([`StructuredOutputs`]), grammars compiled per request off the engine thread, and the per-sequence
+//! [`OutputControl`] the scheduler consults at every sampled token (grammar mask, `logit_bias`).
+//!
+//! Cost: a mask is computed once per sampled token of a constrained sequence, on the engine thread;
+//! llguidance's fuel limits (`ParserLimits`) bound one computation to milliseconds whatever the grammar
+//! (the `moe:structured_output_mask_seconds` histogram shows the real figures). Compiling — the expensive
+//! part for big schemas or many tools — happens in the HTTP handler's blocking task.
+use super::grammar::{CallTags, CALL_CLOSE, CALL_OPEN};
+use crate::metrics::Metrics;
+use crate::sched::TokenConstraint;
+use crate::text::TextTokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::TokEnv;
+use llguidance::{Matcher, ParserFactory};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Per-model state shared by every request's grammar.
+pub struct StructuredOutputs {
+    factory: ParserFactory,
+    tok_env: TokEnv,
+    pub call_tags: CallTags,
+}
+
+impl StructuredOutputs {
+    /// Builds the token trie from the tokenizer (seconds for a 150K vocabulary, once).
+    /// `model_vocab`: the model's logit count, which may exceed the tokenizer's (padding rows).
+    pub fn new(tok: &TextTokenizer, model_vocab: usize) -> anyhow::Result<Self> {
+        let hf = tok.hf_tokenizer().clone();
+        // The bridge asserts on token shapes it does not expect; a refusal must not take the server down.
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(hf)
+        }))
+        .map_err(|_| anyhow::anyhow!("the tokenizer bridge panicked on this vocabulary"))??;
+        let tok_env = built.into_tok_env(Some(model_vocab.max(tok.vocab_size())))?;
+        let mut factory = ParserFactory::new_simple(&tok_env)?;
+        factory.quiet();
+        let trie = tok_env.tok_trie();
+        let is_token = |tag: &str| trie.get_special_token(tag).is_some();
+        let call_tags = CallTags::new(is_token(CALL_OPEN), is_token(CALL_CLOSE));
+        Ok(Self {
+            factory,
+            tok_env,
+            call_tags,
+        })
+    }
+
+    /// Compiles a grammar into a fresh matcher. Err: the grammar or schema is invalid or over
+    /// llguidance's size limits (the message says which).
+    pub fn compile(&self, grammar: TopLevelGrammar, metrics: &Metrics) -> Result<Matcher, String> {
+        let t0 = Instant::now();
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| e.to_string())?;
+        let m = Matcher::new(Ok(parser));
+        metrics
+            .structured_compile_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        match m.get_error() {
+            Some(e) => Err(e),
+            None => Ok(m),
+        }
+    }
+
+    pub fn tok_env(&self) -> &TokEnv {
+        &self.tok_env
+    }
+}
+
+/// How a grammar applies to a sequence.
+pub enum GrammarUse {
+    /// The whole output follows the grammar; the sequence ends when it does.
+    Whole(Matcher),
+    /// Free text until the model writes the tool-call opening tag, then the grammar of one call's rest;
+    /// after the call, free text again (`single`: the sequence ends after the first call instead).
+    AfterToolCallOpens { call: Matcher, single: bool },
+}
+
+impl GrammarUse {
+    /// An independent copy for another choice of the same request (no recompilation).
+    pub fn deep_clone(&self) -> Self {
+        match self {
+            GrammarUse::Whole(m) => GrammarUse::Whole(m.deep_clone()),
+            GrammarUse::AfterToolCallOpens { call, single } => GrammarUse::AfterToolCallOpens {
+                call: call.deep_clone(),
+                single: *single,
+            },
+        }
+    }
+}
+
+/// What the scheduler applies to one sequence's logits: a grammar, `logit_bias`, or both.
+pub struct OutputControl {
+    grammar: Option<GrammarState>,
+    /// (token id, bias added to its logit), from `logit_bias`.
+    bias: Vec<(u32, f32)>,
+    /// Tokens that end the sequence: allowed only where the grammar may end.
+    stop_ids: Vec<u32>,
+    metrics: Arc<Metrics>,
+    complete: bool,
+}
+
+struct GrammarState {
+    matcher: Matcher,
+    tok_env: TokEnv,
+    mode: Mode,
+}
+
+enum Mode {
+    Whole,
+    Triggered { phase: CallPhase, single: bool },
+}
+
+/// Where an `auto` sequence stands with respect to tool calls.
+enum CallPhase {
+    /// Free text; `tail` keeps recent output bytes to spot the opening tag across token boundaries.
+    Watching { tail: Vec<u8> },
+    /// The tag is written; `after` holds what followed it (whitespace so far). A `{` next starts a
+    /// Hermes JSON call, which the grammar then takes over; anything else (another model's call
+    /// format) is left to the parser.
+    Opened { after: Vec<u8> },
+    /// The call grammar decides the tokens until the call closes.
+    Engaged,
+}
+
+/// Longest tail kept while watching for the opening tag.
+const TAIL_BYTES: usize = 64;
+
+impl OutputControl {
+    pub fn new(
+        grammar: Option<(GrammarUse, TokEnv)>,
+        bias: Vec<(u32, f32)>,
+        stop_ids: Vec<u32>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let grammar = grammar.map(|(g, tok_env)| match g {
+            GrammarUse::Whole(matcher) => GrammarState {
+                matcher,
+                tok_env,
+                mode: Mode::Whole,
+            },
+            GrammarUse::AfterToolCallOpens { call, single } => GrammarState {
+                matcher: call,
+                tok_env,
+                mode: Mode::Triggered {
+                    phase: CallPhase::Watching { tail: Vec::new() },
+                    single,
+                },
+            },
+        });
+        Self {
+            grammar,
+            bias,
+            stop_ids,
+            metrics,
+            complete: false,
+        }
+    }
+
+    /// Whether the grammar decides this step's tokens.
+    fn masking(&self) -> bool {
+        match &self.grammar {
+            Some(g) => match g.mode {
+                Mode::Whole => true,
+                Mode::Triggered { ref phase, .. } => matches!(phase, CallPhase::Engaged),
+            },
+            None => false,
+        }
+    }
+
+    fn apply_mask(&mut self, logits: &mut [f32]) -> bool {
+        let Some(g) = &mut self.grammar else {
+            return true;
+        };
+        let t0 = Instant::now();
+        let mask = g.matcher.compute_mask();
+        let accepting = g.matcher.is_accepting().unwrap_or(false);
+        self.metrics
+            .structured_mask_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        let mask = match mask {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "grammar failed; ending the sequence");
+                return false;
+            }
+        };
+        // The grammar's own end-of-sequence tokens are not text: our stop tokens say where it ends.
+        let trie = g.tok_env.tok_trie();
+        for (id, l) in logits.iter_mut().enumerate() {
+            let id = id as u32;
+            let allowed = if self.stop_ids.contains(&id) {
+                accepting
+            } else {
+                (id as usize) < mask.len()
+                    && mask.is_allowed(id)
+                    && !trie.eos_tokens().contains(&id)
+            };
+            if !allowed {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        true
+    }
+
+    fn advance_grammar(&mut self, id: u32) {
+        let stop = self.stop_ids.contains(&id);
+        let Some(g) = &mut self.grammar else { return };
+        match &mut g.mode {
+            Mode::Whole => {
+                if stop || g.matcher.consume_token(id).is_err() || g.matcher.is_stopped() {
+                    self.complete = true;
+                }
+            }
+            Mode::Triggered { phase, single } => {
+                let bytes = g.tok_env.tok_trie().token(id);
+                let next = match std::mem::replace(phase, CallPhase::Engaged) {
+                    CallPhase::Watching { mut tail } => {
+                        tail.extend_from_slice(bytes);
+                        match find(&tail, CALL_OPEN.as_bytes()) {
+                            Some(at) => {
+                                opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..])
+                            }
+                            None => {
+                                let cut = tail.len().saturating_sub(TAIL_BYTES);
+                                tail.drain(..cut);
+                                CallPhase::Watching { tail }
+                            }
+                        }
+                    }
+                    CallPhase::Opened { mut after } => {
+                        after.extend_from_slice(bytes);
+                        opened(&mut g.matcher, &g.tok_env, &after)
+                    }
+                    CallPhase::Engaged => {
+                        let ok = !stop && g.matcher.consume_token(id).is_ok();
+                        if ok && !g.matcher.is_stopped() {
+                            CallPhase::Engaged
+                        } else {
+                            // The call is closed (or the grammar gave up): free text again.
+                            if *single {
+                                self.complete = true;
+                            }
+                            let _ = g.matcher.reset();
+                            CallPhase::Watching { tail: Vec::new() }
+                        }
+                    }
+                };
+                *phase = next;
+            }
+        }
+    }
+}
+
+/// After the opening tag: wait through whitespace; on `{`, hand the written bytes to the call grammar
+/// and engage it if they fit.
+fn opened(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
+    match after.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => CallPhase::Opened {
+            after: after.to_vec(),
+        },
+        Some(b'{') => {
+            let tokens = tok_env.tokenize_bytes(after);
+            let fits = matcher
+                .try_consume_tokens(&tokens)
+                .is_ok_and(|n| n == tokens.len());
+            if fits {
+                CallPhase::Engaged
+            } else {
+                let _ = matcher.reset();
+                CallPhase::Watching { tail: Vec::new() }
+            }
+        }
+        Some(_) => CallPhase::Watching { tail: Vec::new() },
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+impl TokenConstraint for OutputControl {
+    fn apply(&mut self, logits: &mut [f32]) -> bool {
+        if self.masking() && !self.apply_mask(logits) {
+            return false;
+        }
+        for &(id, b) in &self.bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += b;
+            }
+        }
+        logits.iter().any(|l| l.is_finite())
+    }
+
+    fn advance(&mut self, id: u32) {
+        self.advance_grammar(id);
+    }
+
+    fn is_complete(&self) -> bool {
+        self.complete
+    }
+}
+
+#[cfg(test)]
+#[path = "structured_tests.rs"]
+mod tests;

@@ -1,0 +1,207 @@
+//! Grammar masks on a small byte-level tokenizer (one token per byte, plus end-of-turn and, in one
+//! variant, the tool-call tags as single tokens): what is allowed, when the grammar engages, when the
+//! sequence ends.
+use super::*;
+use crate::api::grammar::{self, CallCount, ToolSpec};
+use serde_json::json;
+
+const EOS: u32 = 256;
+
+/// GPT-2's byte → printable char map (what byte-level BPE vocabularies are written in).
+fn byte_char(b: u8) -> char {
+    let self_mapped = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if self_mapped {
+        return b as char;
+    }
+    let shifted = (0..b)
+        .filter(|&x| !matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF))
+        .count() as u32;
+    char::from_u32(0x100 + shifted).unwrap_or('?')
+}
+
+fn byte_tokenizer(tag_tokens: bool) -> (TextTokenizer, tempfile::TempDir) {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), json!(b)))
+        .collect();
+    let mut added = vec![json!({"id": EOS, "content": "<|im_end|>", "special": true,
+        "single_word": false, "lstrip": false, "rstrip": false, "normalized": false})];
+    if tag_tokens {
+        for (i, t) in ["<tool_call>", "</tool_call>"].iter().enumerate() {
+            added.push(json!({"id": 257 + i, "content": t, "special": false,
+                "single_word": false, "lstrip": false, "rstrip": false, "normalized": false}));
+        }
+    }
+    let spec = json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "post_processor": null, "added_tokens": added,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []}
+    });
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), spec.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"eos_token": "<|im_end|>"}).to_string(),
+    )
+    .unwrap();
+    (TextTokenizer::from_hf_dir(dir.path()).unwrap(), dir)
+}
+
+struct Fixture {
+    so: StructuredOutputs,
+    vocab: usize,
+    metrics: Arc<Metrics>,
+    _dir: tempfile::TempDir,
+}
+
+fn fixture(tag_tokens: bool) -> Fixture {
+    let (tok, dir) = byte_tokenizer(tag_tokens);
+    let vocab = tok.vocab_size();
+    Fixture {
+        so: StructuredOutputs::new(&tok, vocab).unwrap(),
+        vocab,
+        metrics: Arc::new(Metrics::new().unwrap()),
+        _dir: dir,
+    }
+}
+
+impl Fixture {
+    fn control(&self, g: TopLevelGrammar, auto_single: Option<bool>) -> OutputControl {
+        let m = self.so.compile(g, &self.metrics).unwrap();
+        let use_ = match auto_single {
+            None => GrammarUse::Whole(m),
+            Some(single) => GrammarUse::AfterToolCallOpens { call: m, single },
+        };
+        OutputControl::new(
+            Some((use_, self.so.tok_env().clone())),
+            vec![],
+            vec![EOS],
+            self.metrics.clone(),
+        )
+    }
+}
+
+fn allowed(c: &mut OutputControl, vocab: usize, id: u32) -> bool {
+    let mut l = vec![0.0; vocab];
+    c.apply(&mut l);
+    l[id as usize].is_finite()
+}
+
+/// Feeds `text` byte by byte, each byte first checked against the mask.
+fn feed(c: &mut OutputControl, vocab: usize, text: &str) {
+    for b in text.bytes() {
+        assert!(
+            allowed(c, vocab, b as u32),
+            "{:?} refused in {text:?}",
+            b as char
+        );
+        c.advance(b as u32);
+    }
+}
+
+#[test]
+fn json_schema_mask_follows_the_schema_on_one_line() {
+    let f = fixture(false);
+    let schema = json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+                        "required": ["city"], "additionalProperties": false});
+    let mut c = f.control(grammar::json_response(Some(&schema), true), None);
+    assert!(!allowed(&mut c, f.vocab, b'x' as u32) && !allowed(&mut c, f.vocab, EOS));
+    feed(&mut c, f.vocab, "{\"city\": ");
+    // One space after `:` at most; no newline; only the enum's values.
+    for b in [b' ', b'\n', b'"'] {
+        assert_eq!(
+            allowed(&mut c, f.vocab, b as u32),
+            b == b'"',
+            "{:?}",
+            b as char
+        );
+    }
+    feed(&mut c, f.vocab, "\"P");
+    assert!(!allowed(&mut c, f.vocab, b'L' as u32));
+    feed(&mut c, f.vocab, "aris\"}");
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    assert!(f.metrics.structured_mask_seconds.get_sample_count() > 5);
+}
+
+fn tools() -> Vec<ToolSpec> {
+    vec![ToolSpec::from_openai(
+        &json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": false}}}),
+    )
+    .unwrap()]
+}
+
+#[test]
+fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
+    let f = fixture(false);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags);
+    let mut c = f.control(g, Some(true));
+    feed(&mut c, f.vocab, "Let me check. <tool_call>\n");
+    assert!(
+        allowed(&mut c, f.vocab, b'x' as u32),
+        "still free before the brace"
+    );
+    feed(&mut c, f.vocab, "{\"");
+    assert!(
+        !allowed(&mut c, f.vocab, b'x' as u32),
+        "engaged: only `name` may follow"
+    );
+    feed(&mut c, f.vocab, "name\":\"get_weather\",\"arguments\":{\"");
+    assert!(
+        !allowed(&mut c, f.vocab, b'd' as u32),
+        "only the schema's `city`"
+    );
+    feed(&mut c, f.vocab, "city\":\"Paris\"}}\n</tool_call>");
+    assert!(
+        c.is_complete(),
+        "parallel_tool_calls false: the sequence ends after one call"
+    );
+}
+
+#[test]
+fn another_call_format_after_the_tag_is_left_alone() {
+    let f = fixture(false);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags);
+    let mut c = f.control(g, Some(false));
+    feed(
+        &mut c,
+        f.vocab,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>",
+    );
+    assert!(allowed(&mut c, f.vocab, b'x' as u32));
+    assert!(!c.is_complete());
+}
+
+#[test]
+fn forced_calls_use_tag_tokens_when_the_vocabulary_has_them() {
+    let f = fixture(true);
+    let g = grammar::forced_calls(&tools(), &f.so.call_tags, CallCount::One);
+    let mut c = f.control(g, None);
+    assert!(
+        !allowed(&mut c, f.vocab, b'<' as u32),
+        "the tag token, not its spelling"
+    );
+    assert!(allowed(&mut c, f.vocab, 257));
+    c.advance(257);
+    feed(
+        &mut c,
+        f.vocab,
+        "\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n",
+    );
+    assert!(allowed(&mut c, f.vocab, 258) && !allowed(&mut c, f.vocab, EOS));
+    c.advance(258);
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+#[test]
+fn logit_bias_moves_logits_without_a_grammar() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let mut c = OutputControl::new(None, vec![(1, -100.0), (2, 5.0)], vec![], metrics);
+    let mut l = vec![0.0; 4];
+    assert!(c.apply(&mut l));
+    assert_eq!(l, vec![0.0, -100.0, 5.0, 0.0]);
+}
