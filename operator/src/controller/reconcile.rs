@@ -29,6 +29,7 @@ use super::ownership::{controlled_by, immutable_change};
 use super::{Context, Error};
 use crate::builders::{
     autoscaling::keda_api_resource, owner_reference, DesiredObjects, FIELD_MANAGER,
+    LABEL_DEPLOYMENT,
 };
 use crate::crd::{MoEDeployment, MoEDeploymentStatus};
 use crate::desired::{compute_desired, DesiredError};
@@ -211,7 +212,7 @@ async fn apply_statefulset(
     md: &MoEDeployment,
     desired: &StatefulSet,
 ) -> Result<StatefulSet, ApplyError> {
-    let name = md.name_any();
+    let name = desired.name_any();
     let what = format!("StatefulSet/{name}");
     if let Some(existing) = existing_owned(api, &name, md, &what).await? {
         if let Some(field) = immutable_change(&existing, desired) {
@@ -243,13 +244,35 @@ async fn apply_statefulset(
         .map_err(|e| apply_error(&what, e))
 }
 
-/// Applies every desired object; returns the applied StatefulSet (with its status).
+/// Deletes the StatefulSets this MoEDeployment controls that are no longer desired: a hardware
+/// class that left the cluster, or the single `<name>` StatefulSet of older versions.
+async fn delete_stale_statefulsets(
+    api: &Api<StatefulSet>,
+    md: &MoEDeployment,
+    desired: &[StatefulSet],
+) -> Result<(), ApplyError> {
+    let selector = format!("{LABEL_DEPLOYMENT}={}", md.name_any());
+    let listed = api
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .map_err(|e| apply_error("StatefulSet list", e))?;
+    let keep: Vec<String> = desired.iter().map(|s| s.name_any()).collect();
+    for sts in listed.items {
+        let name = sts.name_any();
+        if !keep.contains(&name) && controlled_by(sts.meta(), md) {
+            delete_if_owned(api, &name, md, &format!("StatefulSet/{name}")).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Applies every desired object; returns the applied StatefulSets (with their status).
 async fn apply_objects(
     ctx: &Context,
     namespace: &str,
     md: &MoEDeployment,
     objects: &DesiredObjects,
-) -> Result<StatefulSet, ApplyError> {
+) -> Result<Vec<StatefulSet>, ApplyError> {
     let client = ctx.client.clone();
     let name = md.name_any();
     let headless = objects.headless_service.name_any();
@@ -301,7 +324,11 @@ async fn apply_objects(
         delete_if_owned(&services, &backend, md, &format!("Service/{backend}")).await?;
     }
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    let sts = apply_statefulset(ctx, &sts_api, md, &objects.statefulset).await?;
+    let mut applied = Vec::with_capacity(objects.statefulsets.len());
+    for desired in &objects.statefulsets {
+        applied.push(apply_statefulset(ctx, &sts_api, md, desired).await?);
+    }
+    delete_stale_statefulsets(&sts_api, md, &objects.statefulsets).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
     apply_owned(
         &pdbs,
@@ -325,7 +352,7 @@ async fn apply_objects(
         // Without KEDA installed the lookup answers 404, which is fine.
         None => delete_if_owned(&keda, &name, md, &what).await?,
     }
-    Ok(sts)
+    Ok(applied)
 }
 
 async fn publish(ctx: &Context, md: &MoEDeployment, type_: EventType, reason: &str, note: String) {
@@ -393,6 +420,8 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
         }
         Ok(desired) => {
             status.placement = desired.resolved_placement();
+            status.classes = desired.class_statuses();
+            status.rejected_classes = desired.rejected_classes();
             let summary = desired.decision.summary();
             match (&desired.objects, &desired.build_input) {
                 (Some(objects), Some(input)) => {
@@ -407,10 +436,16 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                             .join(","),
                     );
                     match apply_objects(ctx, namespace, md, objects).await {
-                        Ok(sts) => {
-                            let sts_status = sts.status.unwrap_or_default();
-                            status.replicas = sts_status.replicas;
-                            status.ready_replicas = sts_status.ready_replicas.unwrap_or(0);
+                        Ok(statefulsets) => {
+                            let sts_status: Vec<_> = statefulsets
+                                .into_iter()
+                                .map(|s| s.status.unwrap_or_default())
+                                .collect();
+                            status.replicas = sts_status.iter().map(|s| s.replicas).sum();
+                            status.ready_replicas = sts_status
+                                .iter()
+                                .map(|s| s.ready_replicas.unwrap_or(0))
+                                .sum();
                             let desired_replicas = input.replicas();
                             let settled = status.ready_replicas >= desired_replicas;
                             if conditions::find(&previous.conditions, conditions::SCHEDULED)

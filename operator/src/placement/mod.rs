@@ -7,6 +7,7 @@
 //! (4) nodes are checked against it for CPU, memory and hugepages. Rejections read like the
 //! scheduler's: "0/5 nodes are available: 3 insufficient memory, 2 without AVX-512."
 
+pub mod classes;
 pub mod matching;
 pub mod node_facts;
 pub mod sizing;
