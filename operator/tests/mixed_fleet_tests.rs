@@ -243,3 +243,39 @@ async fn a_class_leaving_the_cluster_loses_its_statefulset() {
         .sum();
     assert_eq!(total, 3);
 }
+
+#[tokio::test]
+async fn a_replica_the_scheduler_cannot_place_reaches_the_status() {
+    let (fake, ctx) = setup(3);
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let condition = |fake: &FakeApi, type_: &str| {
+        fake.get(MD_PATH).unwrap()["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == type_)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(condition(&fake, "Scheduled")["status"], "True");
+    // The StatefulSet controller created a pod; the scheduler found no room for it.
+    fake.insert(
+        "/api/v1/namespaces/ai/pods/qwen-sm89-24g-0",
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "qwen-sm89-24g-0", "namespace": "ai",
+                            "labels": {"app.kubernetes.io/name": "moe-daemon",
+                                       "app.kubernetes.io/instance": "qwen"}},
+               "status": {"phase": "Pending", "conditions": [{
+                   "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                   "message": "0/4 nodes are available: 1 Insufficient cpu, 3 node(s) didn't match Pod's node affinity/selector."}]}}),
+    );
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let scheduled = condition(&fake, "Scheduled");
+    assert_eq!(scheduled["status"], "False");
+    assert_eq!(scheduled["reason"], "FailedScheduling");
+    assert!(scheduled["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("qwen-sm89-24g-0: 0/4 nodes are available: 1 Insufficient cpu"));
+    assert_eq!(condition(&fake, "Degraded")["reason"], "FailedScheduling");
+}

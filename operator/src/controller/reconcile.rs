@@ -1,4 +1,4 @@
-//! One reconcile of a MoEDeployment: validate → read nodes → desired objects (pure) → server-side
+//! One reconcile of a MoEDeployment: validate → read nodes (from the Node cache) → desired objects (pure) → server-side
 //! apply → status. Only objects whose controller owner reference is this MoEDeployment are changed
 //! or deleted; a same-named object someone else made is reported, never adopted. There is no
 //! finalizer (nothing outside the cluster needs cleaning up): owned objects are garbage-collected
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -355,6 +355,44 @@ async fn apply_objects(
     Ok(applied)
 }
 
+/// The scheduler's verdict on replicas it cannot place: pods whose `PodScheduled` condition is
+/// False (the same message as their `FailedScheduling` event), e.g. "qwen-sm89-24g-0: 0/3 nodes
+/// are available: 1 Insufficient cpu, 2 node(s) didn't match Pod's node affinity/selector."
+pub fn pending_message(pods: &[Pod]) -> Option<String> {
+    let mut lines: Vec<String> = pods
+        .iter()
+        .filter_map(|pod| {
+            let cond = pod
+                .status
+                .as_ref()?
+                .conditions
+                .as_ref()?
+                .iter()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+            let why = cond
+                .message
+                .clone()
+                .or_else(|| cond.reason.clone())
+                .unwrap_or_else(|| "not scheduled".into());
+            Some(format!("{}: {why}", pod.name_any()))
+        })
+        .collect();
+    lines.sort();
+    (!lines.is_empty()).then(|| lines.join("; "))
+}
+
+/// Unschedulable replicas of this deployment, read from its pods (one label-selected list).
+async fn pending_replicas(ctx: &Context, namespace: &str, selector: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    match pods.list(&ListParams::default().labels(selector)).await {
+        Ok(list) => pending_message(&list.items),
+        Err(e) => {
+            tracing::warn!(error = %e, "listing pods for scheduling status");
+            None
+        }
+    }
+}
+
 async fn publish(ctx: &Context, md: &MoEDeployment, type_: EventType, reason: &str, note: String) {
     let event = KubeEvent {
         type_,
@@ -395,8 +433,17 @@ async fn patch_status(
 }
 
 async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Action, Error> {
-    let nodes: Api<Node> = Api::all(ctx.client.clone());
-    let node_list = nodes.list(&ListParams::default()).await?.items;
+    let cached = match &ctx.nodes {
+        Some(cache) => cache.nodes().await,
+        None => None,
+    };
+    let node_list = match cached {
+        Some(nodes) => nodes,
+        None => {
+            let nodes: Api<Node> = Api::all(ctx.client.clone());
+            nodes.list(&ListParams::default()).await?.items
+        }
+    };
     let previous = md.status.clone().unwrap_or_default();
     let generation = md.metadata.generation;
     let now = Time(Timestamp::now());
@@ -448,6 +495,26 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                                 .sum();
                             let desired_replicas = input.replicas();
                             let settled = status.ready_replicas >= desired_replicas;
+                            let pending = if settled {
+                                None
+                            } else {
+                                let selector = status.selector.clone().unwrap_or_default();
+                                pending_replicas(ctx, namespace, &selector).await
+                            };
+                            if let Some(msg) = &pending {
+                                if conditions::find(&previous.conditions, conditions::SCHEDULED)
+                                    .is_none_or(|c| c.reason != "FailedScheduling")
+                                {
+                                    publish(
+                                        ctx,
+                                        md,
+                                        EventType::Warning,
+                                        "FailedScheduling",
+                                        msg.clone(),
+                                    )
+                                    .await;
+                                }
+                            }
                             if conditions::find(&previous.conditions, conditions::SCHEDULED)
                                 .is_none_or(|c| c.status != "True")
                             {
@@ -459,6 +526,7 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                                     placement_summary: summary,
                                     desired: desired_replicas,
                                     ready: status.ready_replicas,
+                                    pending,
                                 },
                                 Action::requeue(if settled { RESYNC } else { SHORT_RESYNC }),
                             )

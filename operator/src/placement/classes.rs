@@ -71,7 +71,13 @@ impl ClassKey {
 
     /// Human-readable, e.g. `NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512)`.
     pub fn describe(&self) -> String {
-        let gpu = self.gpu_product.clone().unwrap_or_else(|| "GPU".into());
+        let gpu = self.gpu_product.clone().unwrap_or_else(|| {
+            if self.compute_capability.is_some() {
+                "GPU".into()
+            } else {
+                "node".into()
+            }
+        });
         let cc = self
             .compute_capability
             .as_ref()
