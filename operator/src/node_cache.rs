@@ -143,6 +143,25 @@ mod tests {
         .unwrap()
     }
 
+    #[tokio::test]
+    async fn reconciles_read_the_store_once_the_first_list_is_complete() {
+        let (store, mut writer) = reflector::store::<Node>();
+        let (tx, rx) = watch::channel(0u64);
+        let cache = NodeCache { store, changes: rx };
+        let mut triggers = Box::pin(cache.triggers());
+        writer.apply_watcher_event(&watcher::Event::Init);
+        writer.apply_watcher_event(&watcher::Event::InitApply(node(
+            "32",
+            "2026-01-01T00:00:00Z",
+        )));
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let nodes = cache.nodes().await.expect("store ready");
+        assert_eq!(nodes.len(), 1);
+        assert_eq!(nodes[0].name_any(), "n1");
+        tx.send_modify(|n| *n += 1);
+        assert_eq!(triggers.next().await, Some(()));
+    }
+
     #[test]
     fn heartbeats_do_not_count_as_changes_but_placement_inputs_do() {
         let mut f = ChangeFilter::default();
