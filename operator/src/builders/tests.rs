@@ -376,3 +376,24 @@ fn unknown_shape_without_cache_size_is_an_error() {
         BuildError::CacheSizeNeedsShape
     );
 }
+
+#[test]
+fn statefulset_names_carry_the_class_and_stay_within_52_characters() {
+    let mut input = input(md(QWEN));
+    let class = input.classes[0].clone();
+    assert_eq!(input.statefulset_name(&class), "qwen-sm90-80g");
+    let long = "a".repeat(45) + "-b-c-d-e";
+    input.md.metadata.name = Some(long.clone());
+    let class = ClassBuild {
+        id: "sm120-96g-amx-t2".into(),
+        ..class
+    };
+    let name = input.statefulset_name(&class);
+    assert!(name.len() <= MAX_STATEFULSET_NAME, "{name}");
+    assert!(name.ends_with("-sm120-96g-amx-t2"), "{name}");
+    assert!(name.starts_with("aaaa"), "{name}");
+    assert!(!name.contains("--"), "{name}");
+    // Another long name with the same prefix gets a different StatefulSet name.
+    input.md.metadata.name = Some("a".repeat(45) + "-x-y-z-w");
+    assert_ne!(input.statefulset_name(&class), name);
+}
