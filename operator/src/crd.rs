@@ -569,9 +569,37 @@ pub struct MoEDeploymentStatus {
     /// In-cluster OpenAI base URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
-    /// The resolved placement (what `auto` became).
+    /// The resolved placement (what `auto` became) of the best hardware class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<ResolvedPlacementStatus>,
+    /// One entry per hardware class that runs replicas (one StatefulSet each), best first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<HardwareClassStatus>,
+    /// Hardware classes in the cluster that cannot run the model, with the reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rejected_classes: Vec<RejectedClassStatus>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct HardwareClassStatus {
+    /// Class id, also the pods' `moe.inference.dev/hardware-class` label.
+    pub name: String,
+    /// GPU product, compute capability, GPU memory and CPU features.
+    pub hardware: String,
+    pub stateful_set: String,
+    pub nodes: Vec<String>,
+    /// This class's share of `spec.replicas`.
+    pub replicas: i32,
+    pub placement: ResolvedPlacementStatus,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RejectedClassStatus {
+    pub hardware: String,
+    /// Scheduler-style line, e.g. "0/1 nodes are available: 1 unsupported GPU compute capability."
+    pub reason: String,
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]

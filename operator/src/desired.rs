@@ -4,12 +4,16 @@
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::builders::{desired_objects, BuildError, BuildInput, DesiredObjects};
-use crate::crd::{MoEDeployment, ModelShape, ResolvedPlacementStatus};
+use crate::builders::{desired_objects, BuildError, BuildInput, ClassBuild, DesiredObjects};
+use crate::crd::{
+    HardwareClassStatus, MoEDeployment, ModelShape, RejectedClassStatus, ResolvedPlacementStatus,
+};
 use crate::crd_bounds::check_name;
 use crate::model_shape::resolve_shape;
+use crate::placement::classes::{plan_fleet, FleetPlan};
 use crate::placement::node_facts::NodeFacts;
-use crate::placement::{decide, PlacementDecision};
+use crate::placement::sizing::Sizing;
+use crate::placement::PlacementDecision;
 use crate::quantity::format_bytes;
 use crate::validate::validate_spec;
 
@@ -24,23 +28,63 @@ pub enum DesiredError {
 #[derive(Clone, Debug)]
 pub struct DesiredState {
     pub shape: Option<ModelShape>,
+    /// Every node's verdict across all classes; `sizing` is the first (best) class's.
     pub decision: PlacementDecision,
+    /// The hardware classes and the rejected ones.
+    pub fleet: FleetPlan,
     /// `None` when no node qualifies: nothing new is applied.
     pub objects: Option<DesiredObjects>,
     pub build_input: Option<BuildInput>,
 }
 
+fn resolved(sizing: &Sizing) -> ResolvedPlacementStatus {
+    ResolvedPlacementStatus {
+        gpu_experts_per_layer: sizing.gpu_experts_per_layer.unwrap_or(0),
+        cpu_threads: sizing.cpu_threads,
+        memory: format_bytes(sizing.memory_bytes),
+        hugepages: sizing
+            .hugepages
+            .map(|(kind, bytes)| format!("{} {}", format_bytes(bytes), kind.resource_name())),
+    }
+}
+
 impl DesiredState {
+    /// What `auto` became for the best class (the first StatefulSet).
     pub fn resolved_placement(&self) -> Option<ResolvedPlacementStatus> {
-        let sizing = self.decision.sizing.as_ref()?;
-        Some(ResolvedPlacementStatus {
-            gpu_experts_per_layer: sizing.gpu_experts_per_layer.unwrap_or(0),
-            cpu_threads: sizing.cpu_threads,
-            memory: format_bytes(sizing.memory_bytes),
-            hugepages: sizing
-                .hugepages
-                .map(|(kind, bytes)| format!("{} {}", format_bytes(bytes), kind.resource_name())),
-        })
+        self.decision.sizing.as_ref().map(resolved)
+    }
+
+    /// Status of every class that got a StatefulSet, with its replica share.
+    pub fn class_statuses(&self) -> Vec<HardwareClassStatus> {
+        let Some(input) = &self.build_input else {
+            return Vec::new();
+        };
+        self.fleet
+            .classes
+            .iter()
+            .zip(&input.classes)
+            .zip(input.class_replicas())
+            .map(|((class, build), replicas)| HardwareClassStatus {
+                name: class.id.clone(),
+                hardware: class.description.clone(),
+                stateful_set: input.statefulset_name(build),
+                nodes: class.nodes.clone(),
+                replicas,
+                placement: resolved(&class.sizing),
+            })
+            .collect()
+    }
+
+    /// Label classes none of whose nodes can run the model, each with the reason.
+    pub fn rejected_classes(&self) -> Vec<RejectedClassStatus> {
+        self.fleet
+            .rejected
+            .iter()
+            .map(|r| RejectedClassStatus {
+                hardware: r.description.clone(),
+                reason: r.reason.clone(),
+            })
+            .collect()
     }
 }
 
@@ -74,25 +118,34 @@ pub fn compute_desired(
         return Err(DesiredError::InvalidSpec(errors));
     }
     let facts: Vec<NodeFacts> = nodes.iter().map(NodeFacts::from_node).collect();
-    let decision = decide(&md.spec, shape.as_ref(), &facts);
-    let (objects, build_input) = match (&decision.sizing, decision.qualified().next()) {
-        (Some(sizing), Some(_)) => {
-            let input = BuildInput {
-                md: md.clone(),
-                namespace: namespace.to_string(),
-                shape: shape.clone(),
-                sizing: sizing.clone(),
-                node_affinity: decision.node_affinity(md.spec.resources.gpu.min_memory_mib),
-                owner,
-                activator_image: activator_image(),
-            };
-            (Some(desired_objects(&input)?), Some(input))
-        }
-        _ => (None, None),
+    let fleet = plan_fleet(&md.spec, shape.as_ref(), &facts);
+    let decision = fleet.overall.clone();
+    let (objects, build_input) = if fleet.classes.is_empty() {
+        (None, None)
+    } else {
+        let input = BuildInput {
+            md: md.clone(),
+            namespace: namespace.to_string(),
+            shape: shape.clone(),
+            classes: fleet
+                .classes
+                .iter()
+                .map(|c| ClassBuild {
+                    id: c.id.clone(),
+                    sizing: c.sizing.clone(),
+                    node_affinity: Some(c.key.node_affinity()),
+                    nodes: c.nodes.len(),
+                })
+                .collect(),
+            owner,
+            activator_image: activator_image(),
+        };
+        (Some(desired_objects(&input)?), Some(input))
     };
     Ok(DesiredState {
         shape,
         decision,
+        fleet,
         objects,
         build_input,
     })

@@ -12,6 +12,7 @@ pub mod leader;
 pub mod manifests;
 pub mod metrics;
 pub mod model_shape;
+pub mod node_cache;
 pub mod placement;
 pub mod plan;
 pub mod quantity;

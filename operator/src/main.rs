@@ -15,7 +15,8 @@ use kube::Client;
 use moe_operator::controller::{builtin_scaler, run_controller, Context};
 use moe_operator::leader::{self, LeaseConfig};
 use moe_operator::metrics::Metrics;
-use moe_operator::server::{router, ServerState};
+use moe_operator::node_cache::NodeCache;
+use moe_operator::server::{router, Health, ServerState};
 use moe_operator::{activator, crd, manifests, plan};
 use tokio::sync::watch;
 
@@ -209,9 +210,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.metrics_addr)
         .await
         .with_context(|| format!("binding {}", args.metrics_addr))?;
+    let health = Arc::new(Health::default());
     let app = router(ServerState {
         metrics: metrics.clone(),
         ready: ready.clone(),
+        health: health.clone(),
     });
     let mut server_stop = stop_rx.clone();
     let server = tokio::spawn(async move {
@@ -267,7 +270,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         controller: "moe-operator".into(),
         instance: Some(args.identity.clone()),
     };
-    let ctx = Arc::new(Context::new(client.clone(), reporter, metrics.clone()));
+    // One Node watch for all controllers: reconciles read nodes from its cache.
+    let node_cache = NodeCache::spawn(client.clone(), health.clone());
+    let ctx = Arc::new(
+        Context::new(client.clone(), reporter, metrics.clone())
+            .with_node_cache(node_cache)
+            .with_health(health.clone()),
+    );
     let namespaces: Vec<String> = args
         .watch_namespaces
         .iter()
@@ -342,6 +351,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         namespaces.into_iter().map(Some).collect()
     };
+    health.controllers_starting(targets.len());
     for ns in targets {
         let mut halt = halt_tx.subscribe();
         let shutdown = async move {

@@ -5,7 +5,9 @@
 use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 
-use crate::crd::{MoEDeployment, ResolvedPlacementStatus};
+use crate::crd::{
+    HardwareClassStatus, MoEDeployment, RejectedClassStatus, ResolvedPlacementStatus,
+};
 use crate::desired::{compute_desired, DesiredError};
 use crate::yaml_out;
 
@@ -105,6 +107,11 @@ struct PlanReport {
     summary: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     resolved: Option<ResolvedPlacementStatus>,
+    /// One StatefulSet per hardware class, each with its sizing and replica share.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    classes: Vec<HardwareClassStatus>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    rejected_classes: Vec<RejectedClassStatus>,
     nodes: Vec<NodeReport>,
 }
 
@@ -131,6 +138,8 @@ pub fn plan(deployment_yaml: &str, nodes_yaml: &str) -> Result<String, PlanError
     let report = PlanReport {
         summary: desired.decision.summary(),
         resolved: desired.resolved_placement(),
+        classes: desired.class_statuses(),
+        rejected_classes: desired.rejected_classes(),
         nodes: desired
             .decision
             .nodes

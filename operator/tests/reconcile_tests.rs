@@ -15,7 +15,7 @@ use moe_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
 const MD_PATH: &str = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/qwen";
-const STS_PATH: &str = "/apis/apps/v1/namespaces/ai/statefulsets/qwen";
+const STS_PATH: &str = "/apis/apps/v1/namespaces/ai/statefulsets/qwen-sm90-80g";
 const SVC_PATH: &str = "/api/v1/namespaces/ai/services/qwen";
 const HEADLESS_PATH: &str = "/api/v1/namespaces/ai/services/qwen-pods";
 const PDB_PATH: &str = "/apis/policy/v1/namespaces/ai/poddisruptionbudgets/qwen";

@@ -186,6 +186,25 @@ class PlanOutputTest(unittest.TestCase):
             broken["spec"]["minReplicaCount"] = "0"
             self.assertTrue(keda_problems([broken]))
 
+    def test_mixed_fleet_serves_every_capable_class(self):
+        """One StatefulSet per hardware class, each with one required term for exactly its class."""
+        report = next(yaml.safe_load_all(self.plans[("qwen3-30b-a3b.yaml", "mixed")]))
+        self.assertNotIn("insufficient", report["summary"])
+        self.assertEqual({c["name"] for c in report["classes"]}, {"sm89-24g", "sm120-96g-amx", "sm90-140g"})
+        sets = [o for o in self.objects("qwen3-30b-a3b.yaml", "mixed") if o["kind"] == "StatefulSet"]
+        self.assertEqual(len(sets), 3)
+        memories = set()
+        for sts in sets:
+            terms = sts["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            self.assertEqual(len(terms), 1)
+            memory = [r["values"] for r in terms[0]["matchExpressions"] if r["key"] == "nvidia.com/gpu.memory"]
+            memories.add(tuple(memory[0]))
+        self.assertEqual(memories, {("24564",), ("97887",), ("143771",)})
+        experts = {s["metadata"]["name"]: s["spec"]["template"]["spec"]["containers"][0]["args"] for s in sets}
+        ws = experts["qwen3-30b-a3b-sm89-24g"]
+        self.assertNotEqual(ws[ws.index("--gpu-experts") + 1], "128")
+
     def test_hpa_example_starts_above_zero(self):
         sts = next(o for o in self.objects("glm-4.5-air.yaml", "identical-h100") if o["kind"] == "StatefulSet")
         self.assertGreaterEqual(sts["spec"]["replicas"], 1)

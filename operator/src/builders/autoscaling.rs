@@ -80,11 +80,16 @@ pub fn keda_api_resource() -> ApiResource {
 /// activator (the only series that is non-zero while no replica exists). `or vector(0)` keeps the
 /// query answering 0 instead of "no data" when no pod reports yet.
 pub fn queue_query(input: &BuildInput) -> String {
-    let pods = if input.uses_activator() {
-        format!("{0}-[0-9]+|{0}-activator-.+", input.name())
-    } else {
-        format!("{}-[0-9]+", input.name())
-    };
+    // StatefulSet pods are `<statefulset>-<ordinal>`, one StatefulSet per hardware class.
+    let mut alternatives: Vec<String> = input
+        .classes
+        .iter()
+        .map(|c| format!("{}-[0-9]+", input.statefulset_name(c)))
+        .collect();
+    if input.uses_activator() {
+        alternatives.push(format!("{}-activator-.+", input.name()));
+    }
+    let pods = alternatives.join("|");
     format!(
         "sum({QUEUE_METRIC}{{namespace=\"{}\",pod=~\"{pods}\"}}) or vector(0)",
         input.namespace

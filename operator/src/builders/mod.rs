@@ -20,6 +20,7 @@ use kube::api::DynamicObject;
 use kube::Resource;
 
 use crate::crd::{AutoscalingProvider, MoEDeployment, ModelShape};
+use crate::placement::classes::split_replicas;
 use crate::placement::sizing::Sizing;
 
 pub const HTTP_PORT: i32 = 8000;
@@ -28,6 +29,11 @@ pub const LABEL_NAME: &str = "app.kubernetes.io/name";
 pub const LABEL_INSTANCE: &str = "app.kubernetes.io/instance";
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const LABEL_DEPLOYMENT: &str = "moe.inference.dev/deployment";
+/// Pod label naming the hardware class whose StatefulSet owns the pod.
+pub const LABEL_HARDWARE_CLASS: &str = "moe.inference.dev/hardware-class";
+/// Longest StatefulSet name: its pods carry `controller-revision-hash: <name>-<10 chars>`, a label
+/// value of at most 63 characters.
+pub const MAX_STATEFULSET_NAME: usize = 52;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BuildError {
@@ -47,14 +53,55 @@ pub struct BuildInput {
     pub md: MoEDeployment,
     pub namespace: String,
     pub shape: Option<ModelShape>,
-    pub sizing: Sizing,
-    pub node_affinity: Option<NodeAffinity>,
+    /// Hardware classes, best first; one StatefulSet each. Never empty for a build.
+    pub classes: Vec<ClassBuild>,
     pub owner: Option<OwnerReference>,
     /// Image of the activator Deployment (the operator's own image).
     pub activator_image: String,
 }
 
+/// One hardware class as the builders see it.
+#[derive(Clone, Debug)]
+pub struct ClassBuild {
+    /// DNS-label-safe class id, e.g. `sm89-24g`.
+    pub id: String,
+    pub sizing: Sizing,
+    pub node_affinity: Option<NodeAffinity>,
+    /// Qualifying nodes of the class: the weight of its replica share.
+    pub nodes: usize,
+}
+
 impl BuildInput {
+    /// `<name>-<class id>`, shortened with a hash of the full name when longer than
+    /// [`MAX_STATEFULSET_NAME`].
+    pub fn statefulset_name(&self, class: &ClassBuild) -> String {
+        let full = format!("{}-{}", self.name(), class.id);
+        if full.len() <= MAX_STATEFULSET_NAME {
+            return full;
+        }
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        let hash = full.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        });
+        let suffix = format!("-{:06x}-{}", hash & 0xff_ffff, class.id);
+        let keep = MAX_STATEFULSET_NAME.saturating_sub(suffix.len());
+        let prefix: String = self.name().chars().take(keep).collect();
+        format!("{}{suffix}", prefix.trim_end_matches('-'))
+    }
+
+    /// The shared pod selector plus the class label: what one class's StatefulSet selects.
+    pub fn class_selector_labels(&self, class: &ClassBuild) -> BTreeMap<String, String> {
+        let mut labels = self.selector_labels();
+        labels.insert(LABEL_HARDWARE_CLASS.into(), class.id.clone());
+        labels
+    }
+
+    /// [`Self::replicas`] split over the classes (rule in `placement::classes::split_replicas`).
+    pub fn class_replicas(&self) -> Vec<i32> {
+        let counts: Vec<usize> = self.classes.iter().map(|c| c.nodes).collect();
+        split_replicas(self.replicas(), &counts)
+    }
+
     pub fn name(&self) -> String {
         self.md.metadata.name.clone().unwrap_or_default()
     }
@@ -120,7 +167,8 @@ impl BuildInput {
 /// The objects one MoEDeployment owns.
 #[derive(Clone, Debug)]
 pub struct DesiredObjects {
-    pub statefulset: StatefulSet,
+    /// One per hardware class, in the order of `BuildInput::classes`.
+    pub statefulsets: Vec<StatefulSet>,
     pub service: Service,
     pub headless_service: Service,
     pub pdb: PodDisruptionBudget,
@@ -136,8 +184,14 @@ pub fn desired_objects(input: &BuildInput) -> Result<DesiredObjects, BuildError>
         return Err(BuildError::MissingName);
     }
     let provider = input.md.spec.autoscaling.as_ref().map(|a| a.provider);
+    let statefulsets = input
+        .classes
+        .iter()
+        .zip(input.class_replicas())
+        .map(|(class, replicas)| workload::statefulset(input, class, replicas))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(DesiredObjects {
-        statefulset: workload::statefulset(input)?,
+        statefulsets,
         service: network::service(input),
         headless_service: network::headless_service(input),
         pdb: network::pod_disruption_budget(input),
@@ -182,11 +236,11 @@ impl DesiredObjects {
         if let Some(activator) = &self.activator {
             out.push(typed(activator)?);
         }
-        out.extend([
-            typed(&self.service)?,
-            typed(&self.statefulset)?,
-            typed(&self.pdb)?,
-        ]);
+        out.extend([typed(&self.service)?]);
+        for sts in &self.statefulsets {
+            out.push(typed(sts)?);
+        }
+        out.push(typed(&self.pdb)?);
         if let Some(hpa) = &self.hpa {
             out.push(typed(hpa)?);
         }

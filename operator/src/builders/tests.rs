@@ -44,8 +44,12 @@ fn input(resource: MoEDeployment) -> BuildInput {
         owner: owner_reference(&resource),
         md: resource,
         namespace: "ai".into(),
-        sizing: sizing(),
-        node_affinity: None,
+        classes: vec![ClassBuild {
+            id: "sm90-80g".into(),
+            sizing: sizing(),
+            node_affinity: None,
+            nodes: 1,
+        }],
         activator_image: "moe-operator:test".into(),
     }
 }
@@ -63,7 +67,7 @@ fn roundtrip<K: serde::Serialize + DeserializeOwned + PartialEq + std::fmt::Debu
 #[test]
 fn statefulset_is_guaranteed_qos_with_hugepages_and_gpu() {
     let objects = desired_objects(&input(md(QWEN))).unwrap();
-    let c = daemon(&objects.statefulset);
+    let c = daemon(&objects.statefulsets[0]);
     let resources = c.resources.as_ref().unwrap();
     assert_eq!(resources.requests, resources.limits, "requests = limits");
     let r = resources.limits.as_ref().unwrap();
@@ -71,7 +75,7 @@ fn statefulset_is_guaranteed_qos_with_hugepages_and_gpu() {
     assert_eq!(r["memory"].0, "8Gi");
     assert_eq!(r["hugepages-1Gi"].0, "48Gi");
     assert_eq!(r["nvidia.com/gpu"].0, "1");
-    let pod = objects.statefulset.spec.template.spec.as_ref().unwrap();
+    let pod = objects.statefulsets[0].spec.template.spec.as_ref().unwrap();
     let hp = pod
         .volumes
         .as_ref()
@@ -94,7 +98,7 @@ fn statefulset_is_guaranteed_qos_with_hugepages_and_gpu() {
 #[test]
 fn daemon_args_follow_spec_and_sizing() {
     let objects = desired_objects(&input(md(QWEN))).unwrap();
-    let args = daemon(&objects.statefulset).args.clone().unwrap();
+    let args = daemon(&objects.statefulsets[0]).args.clone().unwrap();
     let joined = args.join(" ");
     assert!(
         joined.starts_with("serve --model /models/Qwen--Qwen3-30B-A3B --served-model-name qwen3"),
@@ -119,7 +123,7 @@ fn daemon_args_follow_spec_and_sizing() {
 #[test]
 fn security_context_is_locked_down() {
     let objects = desired_objects(&input(md(QWEN))).unwrap();
-    let sts = &objects.statefulset;
+    let sts = &objects.statefulsets[0];
     let pod = sts.spec.template.spec.as_ref().unwrap();
     assert_eq!(
         pod.security_context.as_ref().unwrap().run_as_non_root,
@@ -144,7 +148,7 @@ fn probes_sized_from_startup_budget() {
     let mut resource = md(QWEN);
     resource.spec.startup_budget_seconds = Some(1200);
     let objects = desired_objects(&input(resource)).unwrap();
-    let c = daemon(&objects.statefulset);
+    let c = daemon(&objects.statefulsets[0]);
     let startup = c.startup_probe.as_ref().unwrap();
     assert_eq!(
         startup.http_get.as_ref().unwrap().path.as_deref(),
@@ -187,7 +191,7 @@ fn probes_sized_from_startup_budget() {
 #[test]
 fn huggingface_source_downloads_into_a_cache_claim() {
     let objects = desired_objects(&input(md(QWEN))).unwrap();
-    let spec = &objects.statefulset.spec;
+    let spec = &objects.statefulsets[0].spec;
     let claim = &spec.volume_claim_templates.as_ref().unwrap()[0];
     assert_eq!(claim.metadata.name.as_deref(), Some(workload::CACHE_VOLUME));
     let pod = spec.template.spec.as_ref().unwrap();
@@ -200,7 +204,7 @@ fn huggingface_source_downloads_into_a_cache_claim() {
         .unwrap()
         .iter()
         .any(|e| e.name == "HF_TOKEN"));
-    let mount = daemon(&objects.statefulset)
+    let mount = daemon(&objects.statefulsets[0])
         .volume_mounts
         .as_ref()
         .unwrap()
@@ -217,7 +221,7 @@ fn pvc_and_host_path_sources_mount_read_only() {
         "{pvc: {claimName: weights, path: /qwen3-30b-a3b}}",
     ));
     let objects = desired_objects(&input(pvc)).unwrap();
-    let pod = objects.statefulset.spec.template.spec.clone().unwrap();
+    let pod = objects.statefulsets[0].spec.template.spec.clone().unwrap();
     let vol = pod
         .volumes
         .unwrap()
@@ -226,7 +230,7 @@ fn pvc_and_host_path_sources_mount_read_only() {
         .unwrap();
     assert_eq!(vol.persistent_volume_claim.unwrap().read_only, Some(true));
     assert!(pod.init_containers.is_none());
-    assert!(daemon(&objects.statefulset)
+    assert!(daemon(&objects.statefulsets[0])
         .args
         .as_ref()
         .unwrap()
@@ -237,7 +241,7 @@ fn pvc_and_host_path_sources_mount_read_only() {
         "{hostPath: {path: /mnt/models/qwen3-30b-a3b}}",
     ));
     let objects = desired_objects(&input(host)).unwrap();
-    let pod = objects.statefulset.spec.template.spec.clone().unwrap();
+    let pod = objects.statefulsets[0].spec.template.spec.clone().unwrap();
     let vol = pod
         .volumes
         .unwrap()
@@ -270,7 +274,7 @@ fn services_pdb_and_owner_references() {
         Some("None")
     );
     assert_eq!(
-        objects.statefulset.spec.service_name.as_deref(),
+        objects.statefulsets[0].spec.service_name.as_deref(),
         Some("qwen-pods")
     );
     let owner = &objects.pdb.metadata.owner_references.as_ref().unwrap()[0];
@@ -296,7 +300,7 @@ fn hpa_targets_the_scale_subresource_on_queue_depth() {
     assert_eq!(pods.target.average_value.as_ref().unwrap().0, "3");
     let down = spec.behavior.as_ref().unwrap().scale_down.as_ref().unwrap();
     assert_eq!(down.stabilization_window_seconds, Some(120));
-    assert_eq!(objects.statefulset.spec.replicas, Some(2));
+    assert_eq!(objects.statefulsets[0].spec.replicas, Some(2));
     roundtrip(&hpa);
 }
 
@@ -315,11 +319,11 @@ fn keda_scaled_object_has_a_prometheus_trigger() {
     assert_eq!(trigger["type"], "prometheus");
     assert_eq!(
         trigger["metadata"]["query"],
-        "sum(moe:num_requests_waiting{namespace=\"ai\",pod=~\"qwen-[0-9]+|qwen-activator-.+\"}) or vector(0)",
+        "sum(moe:num_requests_waiting{namespace=\"ai\",pod=~\"qwen-sm90-80g-[0-9]+|qwen-activator-.+\"}) or vector(0)",
         "the activator's queue depth is what wakes a deployment at zero"
     );
     // A new deployment starts with the schema's default of one replica; idle, it goes to zero.
-    assert_eq!(objects.statefulset.spec.replicas, Some(1));
+    assert_eq!(objects.statefulsets[0].spec.replicas, Some(1));
     assert!(objects.activator.is_some() && objects.backend_service.is_some());
 }
 
@@ -339,7 +343,7 @@ fn every_object_deserializes_into_its_k8s_openapi_type() {
         "{QWEN}  autoscaling: {{provider: hpa, minReplicas: 1, maxReplicas: 2}}\n"
     ));
     let objects = desired_objects(&input(resource)).unwrap();
-    roundtrip(&objects.statefulset);
+    roundtrip(&objects.statefulsets[0]);
     roundtrip(&objects.service);
     roundtrip(&objects.pdb);
     for v in objects.to_values().unwrap() {
@@ -371,4 +375,25 @@ fn unknown_shape_without_cache_size_is_an_error() {
         desired_objects(&i).unwrap_err(),
         BuildError::CacheSizeNeedsShape
     );
+}
+
+#[test]
+fn statefulset_names_carry_the_class_and_stay_within_52_characters() {
+    let mut input = input(md(QWEN));
+    let class = input.classes[0].clone();
+    assert_eq!(input.statefulset_name(&class), "qwen-sm90-80g");
+    let long = "a".repeat(45) + "-b-c-d-e";
+    input.md.metadata.name = Some(long.clone());
+    let class = ClassBuild {
+        id: "sm120-96g-amx-t2".into(),
+        ..class
+    };
+    let name = input.statefulset_name(&class);
+    assert!(name.len() <= MAX_STATEFULSET_NAME, "{name}");
+    assert!(name.ends_with("-sm120-96g-amx-t2"), "{name}");
+    assert!(name.starts_with("aaaa"), "{name}");
+    assert!(!name.contains("--"), "{name}");
+    // Another long name with the same prefix gets a different StatefulSet name.
+    input.md.metadata.name = Some("a".repeat(45) + "-x-y-z-w");
+    assert_ne!(input.statefulset_name(&class), name);
 }

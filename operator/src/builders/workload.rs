@@ -18,7 +18,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::{BuildError, BuildInput, HTTP_PORT};
+use super::{BuildError, BuildInput, ClassBuild, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
 use crate::placement::node_facts::RESOURCE_GPU;
 use crate::placement::{effective_tolerations, merge_node_affinity};
@@ -243,9 +243,9 @@ fn model_volume(
 }
 
 /// `moe-daemon serve` arguments; the contract is listed in docs/OPERATOR.md.
-pub fn daemon_args(input: &BuildInput, model_path: &str) -> Vec<String> {
+pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> Vec<String> {
     let spec = &input.md.spec;
-    let sizing = &input.sizing;
+    let sizing = &class.sizing;
     let gpu_experts = sizing
         .gpu_experts_per_layer
         .map_or_else(|| "auto".to_string(), |n| n.to_string());
@@ -323,8 +323,8 @@ pub(crate) fn container_security_context() -> SecurityContext {
 
 /// Requests = limits, whole CPUs: the pod lands in the Guaranteed QoS class and, with the static
 /// CPU manager policy, gets exclusive cores for the expert worker threads.
-fn guaranteed_resources(input: &BuildInput) -> BTreeMap<String, Quantity> {
-    let sizing = &input.sizing;
+fn guaranteed_resources(input: &BuildInput, class: &ClassBuild) -> BTreeMap<String, Quantity> {
+    let sizing = &class.sizing;
     let mut r: BTreeMap<String, Quantity> = BTreeMap::new();
     r.insert("cpu".into(), Quantity(sizing.cpus.to_string()));
     r.insert("memory".into(), bytes_quantity(sizing.memory_bytes));
@@ -338,7 +338,7 @@ fn guaranteed_resources(input: &BuildInput) -> BTreeMap<String, Quantity> {
     r
 }
 
-fn affinity(input: &BuildInput) -> Affinity {
+fn affinity(input: &BuildInput, class: &ClassBuild) -> Affinity {
     let user = input.md.spec.pod.affinity.clone().unwrap_or_default();
     // One replica per node is preferred: each pod wants most of a node's DRAM and GPU.
     let spread = WeightedPodAffinityTerm {
@@ -359,14 +359,20 @@ fn affinity(input: &BuildInput) -> Affinity {
     Affinity {
         node_affinity: merge_node_affinity(
             user.node_affinity.as_ref(),
-            input.node_affinity.clone(),
+            class.node_affinity.clone(),
         ),
         pod_affinity: user.pod_affinity,
         pod_anti_affinity: Some(anti),
     }
 }
 
-pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
+/// The StatefulSet of one hardware class: that class's sizing and node affinity, its share of the
+/// replicas, and pods labelled with the class so each StatefulSet selects only its own.
+pub fn statefulset(
+    input: &BuildInput,
+    class: &ClassBuild,
+    replicas: i32,
+) -> Result<StatefulSet, BuildError> {
     let spec = &input.md.spec;
     let security = container_security_context();
     let model = model_volume(input, &security)?;
@@ -394,7 +400,7 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
         read_only: Some(true),
         ..Default::default()
     });
-    if let Some((kind, _)) = input.sizing.hugepages {
+    if let Some((kind, _)) = class.sizing.hugepages {
         let medium = match kind {
             crate::placement::sizing::HugepageKind::OneGi => "HugePages-1Gi",
             crate::placement::sizing::HugepageKind::TwoMi => "HugePages-2Mi",
@@ -427,7 +433,7 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
     }];
     env.extend(spec.pod.env.iter().cloned());
 
-    let resources = guaranteed_resources(input);
+    let resources = guaranteed_resources(input, class);
     let daemon = Container {
         name: DAEMON_CONTAINER.into(),
         image: Some(
@@ -438,7 +444,7 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
         ),
         image_pull_policy: spec.pod.image_pull_policy.clone(),
         command: Some(vec!["moe-daemon".into()]),
-        args: Some(daemon_args(input, &model.model_path)),
+        args: Some(daemon_args(input, class, &model.model_path)),
         ports: Some(vec![ContainerPort {
             name: Some("http".into()),
             container_port: HTTP_PORT,
@@ -466,11 +472,12 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
 
     let mut pod_labels = spec.pod.labels.clone();
     pod_labels.extend(input.labels());
+    pod_labels.extend(input.class_selector_labels(class));
     let pod_spec = PodSpec {
         containers: vec![daemon],
         init_containers: model.init_container.map(|c| vec![c]),
         volumes: Some(volumes),
-        affinity: Some(affinity(input)),
+        affinity: Some(affinity(input, class)),
         tolerations: Some(effective_tolerations(spec)),
         node_selector: (!spec.pod.node_selector.is_empty()).then(|| spec.pod.node_selector.clone()),
         priority_class_name: spec.pod.priority_class_name.clone(),
@@ -498,13 +505,13 @@ pub fn statefulset(input: &BuildInput) -> Result<StatefulSet, BuildError> {
     };
 
     Ok(StatefulSet {
-        metadata: input.object_meta(input.name()),
+        metadata: input.object_meta(input.statefulset_name(class)),
         spec: StatefulSetSpec {
-            replicas: Some(input.replicas()),
+            replicas: Some(replicas),
             service_name: Some(input.headless_service_name()),
             pod_management_policy: Some("Parallel".into()),
             selector: LabelSelector {
-                match_labels: Some(input.selector_labels()),
+                match_labels: Some(input.class_selector_labels(class)),
                 match_expressions: None,
             },
             template: PodTemplateSpec {

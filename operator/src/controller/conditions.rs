@@ -18,6 +18,8 @@ pub enum Outcome {
         placement_summary: String,
         desired: i32,
         ready: i32,
+        /// Replicas the scheduler cannot place (PodScheduled=False), with its message.
+        pending: Option<String>,
     },
 }
 
@@ -73,6 +75,7 @@ fn evaluate(outcome: &Outcome) -> [Cond; 4] {
             placement_summary,
             desired,
             ready,
+            pending,
         } => {
             let (desired, ready) = (*desired, *ready);
             let replicas = format!("{ready}/{desired} replicas ready");
@@ -105,17 +108,20 @@ fn evaluate(outcome: &Outcome) -> [Cond; 4] {
             } else {
                 c(READY, false, "ReplicasNotReady", replicas.clone())
             };
-            let degraded = if ready > 0 && ready < desired {
+            let degraded = if let Some(msg) = pending {
+                c(DEGRADED, true, "FailedScheduling", msg.clone())
+            } else if ready > 0 && ready < desired {
                 c(DEGRADED, true, "ReplicasUnavailable", replicas)
             } else {
                 c(DEGRADED, false, "AsExpected", "".into())
             };
-            [
-                c(SCHEDULED, true, "NodesQualified", placement_summary.clone()),
-                model,
-                ready_cond,
-                degraded,
-            ]
+            let scheduled = match pending {
+                // Placement found hardware, but the scheduler cannot place a replica (e.g. its
+                // CPUs or memory are taken by other pods): say so with the scheduler's words.
+                Some(msg) => c(SCHEDULED, false, "FailedScheduling", msg.clone()),
+                None => c(SCHEDULED, true, "NodesQualified", placement_summary.clone()),
+            };
+            [scheduled, model, ready_cond, degraded]
         }
     }
 }
@@ -167,6 +173,7 @@ mod tests {
             placement_summary: "2/2 nodes are available.".into(),
             desired: 2,
             ready: 2,
+            pending: None,
         };
         let c = conditions(&[], Some(3), &out, t(10));
         assert_eq!(find(&c, READY).unwrap().status, "True");
@@ -181,6 +188,7 @@ mod tests {
             placement_summary: String::new(),
             desired: 3,
             ready: 1,
+            pending: None,
         };
         let c = conditions(&[], None, &partial, t(0));
         assert_eq!(find(&c, DEGRADED).unwrap().reason, "ReplicasUnavailable");
@@ -189,6 +197,7 @@ mod tests {
             placement_summary: String::new(),
             desired: 3,
             ready: 0,
+            pending: None,
         };
         let c = conditions(&[], None, &loading, t(0));
         assert_eq!(find(&c, MODEL_READY).unwrap().reason, "Loading");
@@ -213,6 +222,7 @@ mod tests {
             placement_summary: String::new(),
             desired: 1,
             ready: 0,
+            pending: None,
         };
         let first = conditions(&[], None, &loading, t(100));
         let again = conditions(&first, None, &loading, t(200));
@@ -221,6 +231,7 @@ mod tests {
             placement_summary: String::new(),
             desired: 1,
             ready: 1,
+            pending: None,
         };
         let after = conditions(&again, None, &ready, t(300));
         assert_eq!(find(&after, READY).unwrap().last_transition_time, t(300));

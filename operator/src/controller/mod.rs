@@ -1,5 +1,6 @@
-//! The kube-rs controller: watches MoEDeployments and the StatefulSets they own, reconciles with
-//! per-object exponential backoff, and records metrics.
+//! The kube-rs controller: watches MoEDeployments and the StatefulSets they own, re-reconciles all
+//! of them when the Node cache reports a placement-relevant change, reconciles with per-object
+//! exponential backoff, and records metrics and liveness.
 
 pub mod builtin_scaler;
 pub mod conditions;
@@ -22,6 +23,8 @@ use crate::autoscaler::AutoscalerState;
 use crate::builders::{FIELD_MANAGER, LABEL_MANAGED_BY};
 use crate::crd::MoEDeployment;
 use crate::metrics::Metrics;
+use crate::node_cache::NodeCache;
+use crate::server::Health;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -40,6 +43,9 @@ pub struct Context {
     pub metrics: Metrics,
     failures: Mutex<HashMap<String, u32>>,
     pub autoscaler_states: Mutex<HashMap<String, AutoscalerState>>,
+    /// Cached nodes from the cluster-wide Node watch; `None` (tests) lists nodes per reconcile.
+    pub nodes: Option<NodeCache>,
+    pub health: Arc<Health>,
 }
 
 impl Context {
@@ -50,7 +56,20 @@ impl Context {
             metrics,
             failures: Mutex::default(),
             autoscaler_states: Mutex::default(),
+            nodes: None,
+            health: Arc::new(Health::default()),
         }
+    }
+
+    /// Reads nodes from `cache` and re-reconciles everything when their placement inputs change.
+    pub fn with_node_cache(mut self, cache: NodeCache) -> Self {
+        self.nodes = Some(cache);
+        self
+    }
+
+    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+        self.health = health;
+        self
     }
 
     /// Drops everything kept in memory for a deleted object.
@@ -93,6 +112,7 @@ async fn reconcile_with_metrics(
     let start = Instant::now();
     let key = object_key(&md);
     let result = reconcile::reconcile(md, ctx.clone()).await;
+    ctx.health.touch();
     let label = if result.is_ok() { "ok" } else { "error" };
     ctx.metrics
         .reconciliations
@@ -130,8 +150,15 @@ pub async fn run_controller(
         None => (Api::all(client.clone()), Api::all(client)),
     };
     let owned = watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
-    Controller::new(mds, watcher::Config::default().any_semantic())
-        .owns(sets, owned)
+    let mut controller =
+        Controller::new(mds, watcher::Config::default().any_semantic()).owns(sets, owned);
+    if let Some(cache) = &ctx.nodes {
+        // A node joining, leaving or changing labels/taints/allocatable can change every placement.
+        controller = controller.reconcile_all_on(cache.triggers());
+    }
+    let health = ctx.health.clone();
+    health.controller_running();
+    controller
         .graceful_shutdown_on(shutdown)
         .run(reconcile_with_metrics, error_policy, ctx)
         .for_each(|result| async move {
@@ -141,6 +168,7 @@ pub async fn run_controller(
             }
         })
         .await;
+    health.controller_stopped();
 }
 
 #[cfg(test)]

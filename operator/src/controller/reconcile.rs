@@ -1,4 +1,4 @@
-//! One reconcile of a MoEDeployment: validate → read nodes → desired objects (pure) → server-side
+//! One reconcile of a MoEDeployment: validate → read nodes (from the Node cache) → desired objects (pure) → server-side
 //! apply → status. Only objects whose controller owner reference is this MoEDeployment are changed
 //! or deleted; a same-named object someone else made is reported, never adopted. There is no
 //! finalizer (nothing outside the cluster needs cleaning up): owned objects are garbage-collected
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -29,6 +29,7 @@ use super::ownership::{controlled_by, immutable_change};
 use super::{Context, Error};
 use crate::builders::{
     autoscaling::keda_api_resource, owner_reference, DesiredObjects, FIELD_MANAGER,
+    LABEL_DEPLOYMENT,
 };
 use crate::crd::{MoEDeployment, MoEDeploymentStatus};
 use crate::desired::{compute_desired, DesiredError};
@@ -211,7 +212,7 @@ async fn apply_statefulset(
     md: &MoEDeployment,
     desired: &StatefulSet,
 ) -> Result<StatefulSet, ApplyError> {
-    let name = md.name_any();
+    let name = desired.name_any();
     let what = format!("StatefulSet/{name}");
     if let Some(existing) = existing_owned(api, &name, md, &what).await? {
         if let Some(field) = immutable_change(&existing, desired) {
@@ -243,13 +244,35 @@ async fn apply_statefulset(
         .map_err(|e| apply_error(&what, e))
 }
 
-/// Applies every desired object; returns the applied StatefulSet (with its status).
+/// Deletes the StatefulSets this MoEDeployment controls that are no longer desired: a hardware
+/// class that left the cluster, or the single `<name>` StatefulSet of older versions.
+async fn delete_stale_statefulsets(
+    api: &Api<StatefulSet>,
+    md: &MoEDeployment,
+    desired: &[StatefulSet],
+) -> Result<(), ApplyError> {
+    let selector = format!("{LABEL_DEPLOYMENT}={}", md.name_any());
+    let listed = api
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .map_err(|e| apply_error("StatefulSet list", e))?;
+    let keep: Vec<String> = desired.iter().map(|s| s.name_any()).collect();
+    for sts in listed.items {
+        let name = sts.name_any();
+        if !keep.contains(&name) && controlled_by(sts.meta(), md) {
+            delete_if_owned(api, &name, md, &format!("StatefulSet/{name}")).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Applies every desired object; returns the applied StatefulSets (with their status).
 async fn apply_objects(
     ctx: &Context,
     namespace: &str,
     md: &MoEDeployment,
     objects: &DesiredObjects,
-) -> Result<StatefulSet, ApplyError> {
+) -> Result<Vec<StatefulSet>, ApplyError> {
     let client = ctx.client.clone();
     let name = md.name_any();
     let headless = objects.headless_service.name_any();
@@ -301,7 +324,11 @@ async fn apply_objects(
         delete_if_owned(&services, &backend, md, &format!("Service/{backend}")).await?;
     }
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    let sts = apply_statefulset(ctx, &sts_api, md, &objects.statefulset).await?;
+    let mut applied = Vec::with_capacity(objects.statefulsets.len());
+    for desired in &objects.statefulsets {
+        applied.push(apply_statefulset(ctx, &sts_api, md, desired).await?);
+    }
+    delete_stale_statefulsets(&sts_api, md, &objects.statefulsets).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
     apply_owned(
         &pdbs,
@@ -325,7 +352,45 @@ async fn apply_objects(
         // Without KEDA installed the lookup answers 404, which is fine.
         None => delete_if_owned(&keda, &name, md, &what).await?,
     }
-    Ok(sts)
+    Ok(applied)
+}
+
+/// The scheduler's verdict on replicas it cannot place: pods whose `PodScheduled` condition is
+/// False (the same message as their `FailedScheduling` event), e.g. "qwen-sm89-24g-0: 0/3 nodes
+/// are available: 1 Insufficient cpu, 2 node(s) didn't match Pod's node affinity/selector."
+pub fn pending_message(pods: &[Pod]) -> Option<String> {
+    let mut lines: Vec<String> = pods
+        .iter()
+        .filter_map(|pod| {
+            let cond = pod
+                .status
+                .as_ref()?
+                .conditions
+                .as_ref()?
+                .iter()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+            let why = cond
+                .message
+                .clone()
+                .or_else(|| cond.reason.clone())
+                .unwrap_or_else(|| "not scheduled".into());
+            Some(format!("{}: {why}", pod.name_any()))
+        })
+        .collect();
+    lines.sort();
+    (!lines.is_empty()).then(|| lines.join("; "))
+}
+
+/// Unschedulable replicas of this deployment, read from its pods (one label-selected list).
+async fn pending_replicas(ctx: &Context, namespace: &str, selector: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    match pods.list(&ListParams::default().labels(selector)).await {
+        Ok(list) => pending_message(&list.items),
+        Err(e) => {
+            tracing::warn!(error = %e, "listing pods for scheduling status");
+            None
+        }
+    }
 }
 
 async fn publish(ctx: &Context, md: &MoEDeployment, type_: EventType, reason: &str, note: String) {
@@ -368,8 +433,17 @@ async fn patch_status(
 }
 
 async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Action, Error> {
-    let nodes: Api<Node> = Api::all(ctx.client.clone());
-    let node_list = nodes.list(&ListParams::default()).await?.items;
+    let cached = match &ctx.nodes {
+        Some(cache) => cache.nodes().await,
+        None => None,
+    };
+    let node_list = match cached {
+        Some(nodes) => nodes,
+        None => {
+            let nodes: Api<Node> = Api::all(ctx.client.clone());
+            nodes.list(&ListParams::default()).await?.items
+        }
+    };
     let previous = md.status.clone().unwrap_or_default();
     let generation = md.metadata.generation;
     let now = Time(Timestamp::now());
@@ -393,6 +467,8 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
         }
         Ok(desired) => {
             status.placement = desired.resolved_placement();
+            status.classes = desired.class_statuses();
+            status.rejected_classes = desired.rejected_classes();
             let summary = desired.decision.summary();
             match (&desired.objects, &desired.build_input) {
                 (Some(objects), Some(input)) => {
@@ -407,12 +483,38 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                             .join(","),
                     );
                     match apply_objects(ctx, namespace, md, objects).await {
-                        Ok(sts) => {
-                            let sts_status = sts.status.unwrap_or_default();
-                            status.replicas = sts_status.replicas;
-                            status.ready_replicas = sts_status.ready_replicas.unwrap_or(0);
+                        Ok(statefulsets) => {
+                            let sts_status: Vec<_> = statefulsets
+                                .into_iter()
+                                .map(|s| s.status.unwrap_or_default())
+                                .collect();
+                            status.replicas = sts_status.iter().map(|s| s.replicas).sum();
+                            status.ready_replicas = sts_status
+                                .iter()
+                                .map(|s| s.ready_replicas.unwrap_or(0))
+                                .sum();
                             let desired_replicas = input.replicas();
                             let settled = status.ready_replicas >= desired_replicas;
+                            let pending = if settled {
+                                None
+                            } else {
+                                let selector = status.selector.clone().unwrap_or_default();
+                                pending_replicas(ctx, namespace, &selector).await
+                            };
+                            if let Some(msg) = &pending {
+                                if conditions::find(&previous.conditions, conditions::SCHEDULED)
+                                    .is_none_or(|c| c.reason != "FailedScheduling")
+                                {
+                                    publish(
+                                        ctx,
+                                        md,
+                                        EventType::Warning,
+                                        "FailedScheduling",
+                                        msg.clone(),
+                                    )
+                                    .await;
+                                }
+                            }
                             if conditions::find(&previous.conditions, conditions::SCHEDULED)
                                 .is_none_or(|c| c.status != "True")
                             {
@@ -424,6 +526,7 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
                                     placement_summary: summary,
                                     desired: desired_replicas,
                                     ready: status.ready_replicas,
+                                    pending,
                                 },
                                 Action::requeue(if settled { RESYNC } else { SHORT_RESYNC }),
                             )

@@ -4,16 +4,18 @@
 //! Steps: (1) hardware rules per node (schedulable, taints, selectors, AVX-512, GPU count, compute
 //! capability, GPU memory); (2) each passing node proposes the sizing its hardware supports;
 //! (3) the sizing that the most nodes can hold wins (ties: more GPU experts, then more CPU threads);
-//! (4) nodes are checked against it for CPU, memory and hugepages. Rejections read like the
+//! (4) nodes are checked against it for CPU, memory and hugepages. [`decide`] does this for one
+//! group of nodes; [`classes::plan_fleet`] runs it per hardware class of a mixed fleet. Rejections read like the
 //! scheduler's: "0/5 nodes are available: 3 insufficient memory, 2 without AVX-512."
 
+pub mod classes;
 pub mod matching;
 pub mod node_facts;
 pub mod sizing;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PreferredSchedulingTerm,
@@ -22,10 +24,7 @@ use k8s_openapi::api::core::v1::{
 
 use crate::crd::{MoEDeploymentSpec, ModelShape};
 use crate::quantity::{format_bytes, MIB};
-use node_facts::{
-    CapabilityPattern, ComputeCapability, NodeFacts, AMX_LABELS, LABEL_AVX512F, LABEL_GPU_MAJOR,
-    LABEL_GPU_MEMORY, LABEL_GPU_MINOR,
-};
+use node_facts::{CapabilityPattern, ComputeCapability, NodeFacts};
 use sizing::{HugepageKind, Sizing, SizingError};
 
 /// Why one node cannot run the pods.
@@ -362,78 +361,6 @@ impl PlacementDecision {
                 reasons.join(", ")
             )
         }
-    }
-
-    /// Smallest `nvidia.com/gpu.memory` label (MiB) a node needs for the chosen sizing: the spec's
-    /// minimum, and enough that the weights fit in the usable fraction of one GPU.
-    pub fn min_gpu_memory_label_mib(&self, spec_min_mib: Option<u64>) -> Option<u64> {
-        let need_bytes = self.sizing.as_ref().map_or(0, |s| s.gpu_bytes_per_gpu);
-        let from_sizing = (need_bytes > 0).then(|| {
-            let need_mib = need_bytes.div_ceil(MIB);
-            (need_mib as f64 / sizing::GPU_USABLE_FRACTION).ceil() as u64
-        });
-        match (spec_min_mib, from_sizing) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// Required node affinity by labels only (never node names, so cordoning or adding a node does
-    /// not change the pod template and the cluster autoscaler can add nodes for pending pods): one
-    /// OR'd term per compute capability among the qualifying nodes, each requiring AVX-512, that
-    /// capability and, when the sizing needs it, a minimum GPU memory label; plus a preference for
-    /// AMX nodes. CPU, DRAM, hugepages and GPU count are left to the scheduler's resource fit.
-    /// `None` when nothing qualifies.
-    pub fn node_affinity(&self, spec_min_gpu_memory_mib: Option<u64>) -> Option<NodeAffinity> {
-        let capabilities: BTreeSet<ComputeCapability> = self
-            .qualified()
-            .filter_map(|v| v.compute_capability.clone())
-            .collect();
-        if capabilities.is_empty() {
-            return None;
-        }
-        let min_memory = self.min_gpu_memory_label_mib(spec_min_gpu_memory_mib);
-        let req = |key: &str, op: &str, values: Vec<String>| NodeSelectorRequirement {
-            key: key.into(),
-            operator: op.into(),
-            values: Some(values),
-        };
-        let terms = capabilities
-            .into_iter()
-            .map(|cc| {
-                let mut exprs = vec![
-                    req(LABEL_AVX512F, "In", vec!["true".into()]),
-                    req(LABEL_GPU_MAJOR, "In", vec![cc.major.to_string()]),
-                    req(LABEL_GPU_MINOR, "In", vec![cc.minor.to_string()]),
-                ];
-                if let Some(mib) = min_memory.filter(|m| *m > 0) {
-                    // `Gt` takes exactly one integer: "more than mib - 1" is "at least mib".
-                    exprs.push(req(LABEL_GPU_MEMORY, "Gt", vec![(mib - 1).to_string()]));
-                }
-                NodeSelectorTerm {
-                    match_expressions: Some(exprs),
-                    match_fields: None,
-                }
-            })
-            .collect();
-        let amx_preference = PreferredSchedulingTerm {
-            weight: 50,
-            preference: NodeSelectorTerm {
-                match_expressions: Some(
-                    AMX_LABELS
-                        .iter()
-                        .map(|l| req(l, "In", vec!["true".into()]))
-                        .collect(),
-                ),
-                match_fields: None,
-            },
-        };
-        Some(NodeAffinity {
-            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
-                node_selector_terms: terms,
-            }),
-            preferred_during_scheduling_ignored_during_execution: Some(vec![amx_preference]),
-        })
     }
 }
 

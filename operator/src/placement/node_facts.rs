@@ -16,6 +16,7 @@ pub const AMX_LABELS: [&str; 3] = [
 pub const LABEL_GPU_MAJOR: &str = "nvidia.com/gpu.compute.major";
 pub const LABEL_GPU_MINOR: &str = "nvidia.com/gpu.compute.minor";
 pub const LABEL_GPU_MEMORY: &str = "nvidia.com/gpu.memory";
+pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
 pub const RESOURCE_GPU: &str = "nvidia.com/gpu";
 pub const RESOURCE_HUGEPAGES_1GI: &str = "hugepages-1Gi";
 pub const RESOURCE_HUGEPAGES_2MI: &str = "hugepages-2Mi";

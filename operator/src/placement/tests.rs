@@ -4,6 +4,7 @@ use k8s_openapi::api::core::v1::{Node, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::json;
 
+use super::classes;
 use super::node_facts::NodeFacts;
 use super::sizing::{self, HugepageKind};
 use super::*;
@@ -177,7 +178,7 @@ fn scheduler_style_summary_counts_reasons() {
         verdict(&d, "m1").rejections[0].to_string(),
         "insufficient memory: needs 600Gi, allocatable 512Gi"
     );
-    assert!(d.node_affinity(None).is_none());
+    assert!(d.sizing.is_none() || d.qualified().next().is_none());
 }
 
 #[test]
@@ -267,8 +268,14 @@ fn node_selector_filters_candidates() {
     );
 }
 
+fn plan_for(spec: &MoEDeploymentSpec, nodes: &[NodeFixture]) -> classes::FleetPlan {
+    let facts: Vec<NodeFacts> = nodes.iter().map(|n| n.facts()).collect();
+    let shape = resolve_shape(&spec.model, "x");
+    classes::plan_fleet(spec, shape.as_ref(), &facts)
+}
+
 #[test]
-fn amx_nodes_rank_first_and_are_preferred() {
+fn amx_and_plain_nodes_are_separate_classes() {
     let plain = NodeFixture::new("plain");
     let amx = NodeFixture {
         amx: true,
@@ -276,90 +283,151 @@ fn amx_nodes_rank_first_and_are_preferred() {
     };
     let d = decide_for(&qwen_spec(), &[plain, amx]);
     assert_eq!(d.qualified_names(), vec!["sapphire", "plain"]);
-    let affinity = d.node_affinity(None).expect("affinity");
-    let preferred = affinity
-        .preferred_during_scheduling_ignored_during_execution
-        .unwrap();
-    let exprs = preferred[0].preference.match_expressions.as_ref().unwrap();
-    assert_eq!(exprs.len(), 3);
-    assert!(exprs.iter().all(|e| e.key.contains("AMX")));
+    let fleet = plan_for(
+        &qwen_spec(),
+        &[
+            NodeFixture::new("plain"),
+            NodeFixture {
+                amx: true,
+                ..NodeFixture::new("sapphire")
+            },
+        ],
+    );
+    let ids: Vec<&str> = fleet.classes.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, vec!["sm90-80g", "sm90-80g-amx"]);
 }
 
 #[test]
-fn affinity_has_one_ored_term_per_capability_and_names_no_node() {
+fn class_affinity_is_one_term_of_labels_and_names_no_node() {
     let ada = NodeFixture {
         cc: Some((8, 9)),
         gpu_mib: 49140,
         ..NodeFixture::new("ada-1")
     };
-    let d = decide_for(
+    let fleet = plan_for(
         &qwen_spec(),
         &[NodeFixture::new("h-2"), ada, NodeFixture::new("h-1")],
     );
-    let required = d
-        .node_affinity(None)
-        .unwrap()
-        .required_during_scheduling_ignored_during_execution
-        .unwrap();
-    assert_eq!(required.node_selector_terms.len(), 2);
-    for term in &required.node_selector_terms {
+    assert_eq!(fleet.classes.len(), 2);
+    for class in &fleet.classes {
+        let required = class
+            .key
+            .node_affinity()
+            .required_during_scheduling_ignored_during_execution
+            .unwrap();
+        assert_eq!(required.node_selector_terms.len(), 1);
+        let term = &required.node_selector_terms[0];
         assert_eq!(term.match_fields, None, "node names must not be pinned");
         for e in term.match_expressions.as_ref().unwrap() {
             assert!(!e.key.contains("hostname"), "{e:?}");
+            assert_eq!(e.values.as_ref().map(|v| v.len()), Some(1), "{e:?}");
         }
     }
-    let hopper_term = &required.node_selector_terms[1];
-    let exprs = hopper_term.match_expressions.as_ref().unwrap();
-    assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_GPU_MAJOR
-        && e.values.as_deref() == Some(&["9".to_string()][..])));
-    assert!(exprs.iter().any(|e| e.key == node_facts::LABEL_AVX512F));
-    // The sizing needs GPU memory, so the term requires at least that much as a label.
-    let memory = exprs
-        .iter()
-        .find(|e| e.key == node_facts::LABEL_GPU_MEMORY)
-        .expect("GPU memory requirement");
-    assert_eq!(memory.operator, "Gt");
-    let bound: u64 = memory.values.as_ref().unwrap()[0].parse().unwrap();
-    let need = d.min_gpu_memory_label_mib(None).unwrap();
-    assert_eq!(bound + 1, need);
-    // Every qualifying node satisfies the affinity; adding a fourth identical node changes nothing.
+    let hopper = fleet.classes.iter().find(|c| c.id == "sm90-80g").unwrap();
+    assert_eq!(hopper.nodes, vec!["h-1", "h-2"]);
+    // Adding a third identical node changes neither the classes' affinity nor their sizing.
     let nodes = [
         NodeFixture::new("h-1"),
         NodeFixture::new("h-2"),
         NodeFixture::new("h-3"),
     ];
-    let three = decide_for(&qwen_spec(), &nodes);
-    let two = decide_for(&qwen_spec(), &nodes[..2]);
-    assert_eq!(three.node_affinity(None), two.node_affinity(None));
+    let three = plan_for(&qwen_spec(), &nodes);
+    let two = plan_for(&qwen_spec(), &nodes[..2]);
+    assert_eq!(three.classes.len(), 1);
+    assert_eq!(three.classes[0].key, two.classes[0].key);
+    assert_eq!(three.classes[0].sizing, two.classes[0].sizing);
 }
 
 #[test]
-fn affinity_selects_exactly_the_qualifying_hardware() {
-    let ada = NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 49140,
-        ..NodeFixture::new("ada-1")
-    };
-    let ampere = NodeFixture {
-        cc: Some((8, 6)),
-        ..NodeFixture::new("ampere-1")
-    };
-    let nodes = [NodeFixture::new("h-1"), ada, ampere];
-    let d = decide_for(&qwen_spec(), &nodes);
-    let affinity = k8s_openapi::api::core::v1::Affinity {
-        node_affinity: d.node_affinity(None),
-        ..Default::default()
-    };
-    for node in &nodes {
-        let facts = node.facts();
-        let qualifies = verdict(&d, &facts.name).qualifies();
-        assert_eq!(
-            super::matching::matches_pod_selectors(&facts, &Default::default(), Some(&affinity)),
-            qualifies,
-            "{}",
-            facts.name
-        );
+fn each_class_affinity_selects_exactly_its_own_nodes() {
+    let nodes = [
+        NodeFixture::new("h-1"),
+        NodeFixture {
+            amx: true,
+            ..NodeFixture::new("h-amx")
+        },
+        NodeFixture {
+            cc: Some((8, 9)),
+            gpu_mib: 49140,
+            ..NodeFixture::new("ada-1")
+        },
+        NodeFixture {
+            cc: Some((8, 9)),
+            gpu_mib: 24564,
+            hugepages_1gi: "96Gi",
+            ..NodeFixture::new("ada-24g")
+        },
+        NodeFixture {
+            cc: Some((8, 6)),
+            ..NodeFixture::new("ampere-1")
+        },
+    ];
+    let fleet = plan_for(&qwen_spec(), &nodes);
+    assert_eq!(fleet.classes.len(), 4, "{:?}", fleet.classes);
+    assert_eq!(fleet.rejected.len(), 1);
+    assert!(fleet.rejected[0]
+        .reason
+        .contains("unsupported GPU compute capability"));
+    for class in &fleet.classes {
+        let affinity = k8s_openapi::api::core::v1::Affinity {
+            node_affinity: Some(class.key.node_affinity()),
+            ..Default::default()
+        };
+        for node in &nodes {
+            let facts = node.facts();
+            assert_eq!(
+                super::matching::matches_pod_selectors(
+                    &facts,
+                    &Default::default(),
+                    Some(&affinity)
+                ),
+                class.nodes.contains(&facts.name),
+                "class {} node {}",
+                class.id,
+                facts.name
+            );
+        }
     }
+    // The 24 GB class keeps fewer experts on the GPU than the 48 GB one.
+    let experts = |id: &str| {
+        fleet
+            .classes
+            .iter()
+            .find(|c| c.id == id)
+            .unwrap()
+            .sizing
+            .gpu_experts_per_layer
+            .unwrap()
+    };
+    assert!(experts("sm89-24g") < experts("sm89-48g"));
+    assert_eq!(experts("sm90-80g"), 128);
+}
+
+#[test]
+fn nodes_left_out_for_resources_form_a_further_tier() {
+    // Same labels. Two nodes have 1 GiB hugepages for the spilled experts but little DRAM; the
+    // third has no hugepages and plenty of DRAM. The sizing two nodes hold (experts in hugepages)
+    // cannot run on the third, which gets its own tier (experts in plain DRAM).
+    let gpu24 = |name: &'static str, hp: &'static str, memory: &'static str| NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 24564,
+        hugepages_1gi: hp,
+        memory,
+        ..NodeFixture::new(name)
+    };
+    let fleet = plan_for(
+        &qwen_spec(),
+        &[
+            gpu24("a", "96Gi", "32Gi"),
+            gpu24("b", "96Gi", "32Gi"),
+            gpu24("c", "0", "512Gi"),
+        ],
+    );
+    let ids: Vec<&str> = fleet.classes.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, vec!["sm89-24g", "sm89-24g-t2"], "{:?}", fleet.classes);
+    assert_eq!(fleet.classes[1].nodes, vec!["c"]);
+    assert!(fleet.classes[0].sizing.hugepages.is_some());
+    assert!(fleet.classes[1].sizing.hugepages.is_none());
 }
 
 #[test]
