@@ -20,12 +20,12 @@ run() {
 }
 {
     run --model /dev/shm/q3 --gpu-experts 0 --prefill-lens 4096,8192
-    run --model /dev/shm/q3 --gpu-experts 0 --cuda-graphs
-    run --model /dev/shm/q3 --gpu-experts 0 --expert-dtype int8 --cuda-graphs
-    for g in 32 64 128; do run --model /dev/shm/q3 --gpu-experts "$g" --cuda-graphs; done
+    run --model /dev/shm/q3 --gpu-experts 0
+    run --model /dev/shm/q3 --gpu-experts 0 --expert-dtype int8
+    for g in 32 64 128; do run --model /dev/shm/q3 --gpu-experts "$g"; done
 } 2>&1 | tee "$OUT/bench.log"
 rm -rf /dev/shm/q3
 timeout 120 .device/moe-daemon bench synth-checkpoint --like glm-4.5-air --layers 4 --dtype fp8 --out /dev/shm/glm >/dev/null 2>&1
 echo "synth glm rc=$?"
-run --model /dev/shm/glm --gpu-experts 64 --expert-dtype int8 --cuda-graphs --prefill-lens 4096 | tee "$OUT/bench_glm.log"
+run --model /dev/shm/glm --gpu-experts 64 --expert-dtype int8 --prefill-lens 4096 | tee "$OUT/bench_glm.log"
 rm -rf /dev/shm/glm

@@ -69,10 +69,11 @@ pub struct EngineArgs {
     /// MiB per chunk of the layerwise-prefill expert stream (four staging chunks + one dense on the GPU).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub gpu_stream_chunk_mib: u64,
-    /// Replay each decode layer's attention-and-router segment from a CUDA graph (experimental: if the
-    /// driver refuses the capture, the daemon warns and runs eagerly).
+    /// Run decode eagerly instead of replaying each layer's attention-and-router segment from a CUDA
+    /// graph (graphs are on by default; if the driver refuses a capture the daemon warns and runs
+    /// eagerly anyway).
     #[arg(long)]
-    pub cuda_graphs: bool,
+    pub no_cuda_graphs: bool,
     /// MiB of the chosen experts' weights prefetched into the CPU caches while attention runs, per layer,
     /// for models that route from the layer input (SmallThinker); 0 turns it off.
     #[arg(long, default_value_t = 32)]
@@ -130,7 +131,7 @@ impl EngineArgs {
             kv_cache_tokens: self.kv_cache_tokens,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
-            cuda_graphs: self.cuda_graphs,
+            cuda_graphs: !self.no_cuda_graphs,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
         })
     }
