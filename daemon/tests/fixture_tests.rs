@@ -274,7 +274,14 @@ fn early_routing_prefetches_experts_without_changing_logits() {
         .unwrap()
         .remove(0)
     };
-    let on = Engine::load(&dir, &exact()).unwrap();
+    let on = Engine::load(
+        &dir,
+        &EngineOptions {
+            expert_prefetch_bytes: moe_daemon::engine::DEFAULT_EXPERT_PREFETCH_BYTES,
+            ..exact()
+        },
+    )
+    .unwrap();
     let with = first(&on);
     let t = std::time::Instant::now();
     while on.prefetched_expert_bytes() == 0 && t.elapsed().as_secs() < 5 {

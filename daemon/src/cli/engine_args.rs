@@ -75,8 +75,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_cuda_graphs: bool,
     /// MiB of the chosen experts' weights prefetched into the CPU caches while attention runs, per layer,
-    /// for models that route from the layer input (SmallThinker); 0 turns it off.
-    #[arg(long, default_value_t = 32)]
+    /// for models that route from the layer input (SmallThinker); 0 (default) turns it off. 32 is about
+    /// one L3's worth; measured slower on a fully used CPU (docs/PERF.md).
+    #[arg(long, default_value_t = 0)]
     pub expert_prefetch_mib: usize,
 }
 

@@ -106,12 +106,14 @@ impl Default for EngineOptions {
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
-            expert_prefetch_bytes: DEFAULT_EXPERT_PREFETCH_BYTES,
+            expert_prefetch_bytes: 0,
         }
     }
 }
 
-/// About one L3 cache's worth: more would evict what was prefetched first before the kernels read it.
+/// The prefetch size to use when it is turned on: about one L3 cache's worth (more would evict what was
+/// prefetched first before the kernels read it). Off by default: on the H200 host (16 cores) it slowed
+/// CPU-only SmallThinker-21B decode from 10.8 to 6.6 tok/s, its thread competing with the expert workers.
 pub const DEFAULT_EXPERT_PREFETCH_BYTES: usize = 32 << 20;
 
 /// Input of one sequence for one step. The cache must already cover `cache.len() + tokens.len()`
