@@ -7,6 +7,7 @@ pub mod attention;
 pub mod cpu_experts;
 pub mod dense_pack;
 pub mod gpu;
+pub mod heap;
 pub mod kv;
 pub mod linear;
 pub mod moe;
@@ -288,6 +289,8 @@ impl Engine {
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
+        // The loader's tensor buffers are dead now (packed or uploaded): give their pages back.
+        heap::release_freed_heap("loading weights");
         Ok(Self {
             model,
             rope,
