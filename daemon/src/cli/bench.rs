@@ -187,12 +187,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         let logits = engine.reserve_and_forward(&mut batch)?;
         if step >= 2 {
             elapsed += t.elapsed().as_secs_f64();
-            let s = engine.last_step_times();
-            split.gpu_wait_s += s.gpu_wait_s;
-            split.cpu_experts_s += s.cpu_experts_s;
-            split.transfer_s += s.transfer_s;
-            split.gpu_expert_hits += s.gpu_expert_hits;
-            split.expert_hits += s.expert_hits;
+            split.accumulate(&engine.last_step_times());
         }
         next = logits
             .iter()
@@ -209,8 +204,19 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         a.batch as f64 / per_step,
         1.0 / per_step
     );
+    let n = a.steps as f64;
+    if !engine.on_gpu() {
+        let ms = |s: f64| s / n * 1e3;
+        println!(
+            "  per step: attention {:.2} ms, experts {:.2} ms ({:.3} ms/layer), final norm + lm_head {:.2} ms, other {:.2} ms",
+            ms(split.attention_s),
+            ms(split.cpu_experts_s),
+            ms(split.cpu_experts_s) / layers,
+            ms(split.head_s),
+            ms(elapsed - split.attention_s - split.cpu_experts_s - split.head_s)
+        );
+    }
     if engine.on_gpu() {
-        let n = a.steps as f64;
         println!(
             "  per step: CPU experts {:.2} ms ({:.3} ms/layer), waiting for GPU {:.2} ms, other host {:.2} ms; GPU served {:.1}% of expert hits",
             split.cpu_experts_s / n * 1e3,

@@ -531,6 +531,7 @@ impl Engine {
                 }
                 _ => None,
             };
+            let t_attn = std::time::Instant::now();
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps);
             let rows = &mut kv_rows[li];
             let layout = cfg.layer_attention[li];
@@ -543,6 +544,7 @@ impl Engine {
                 }
             };
             add_assign(&mut x, &a);
+            times.attention_s += t_attn.elapsed().as_secs_f64();
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
@@ -567,8 +569,8 @@ impl Engine {
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }
-        *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         // Only the rows whose logits are wanted go through the final norm and lm_head.
+        let t_head = std::time::Instant::now();
         let rows: Vec<usize> = if all {
             (0..n).collect()
         } else {
@@ -580,6 +582,8 @@ impl Engine {
         }
         let sel = rms_norm(&sel, &m.final_norm, cfg.rms_norm_eps);
         let logits = m.lm_head().forward(&sel, rows.len());
+        times.head_s = t_head.elapsed().as_secs_f64();
+        *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
     }
 }

@@ -1,15 +1,33 @@
 //! Where the time of one engine step went, as both backends measure it (`bench`, `/metrics`).
 
-/// Where time went in a step. The CPU backend fills the expert figures; the CUDA backend all of them.
+/// Where time went in a step. The CPU backend fills the expert, attention and head figures; the CUDA
+/// backend the expert, wait and transfer figures.
 #[derive(Debug, Default, Clone)]
 pub struct StepTimes {
     /// Host time spent waiting for the GPU at MoE hand-offs and the end of the step.
     pub gpu_wait_s: f64,
-    /// Host time computing DRAM experts.
+    /// Host time computing DRAM experts (routing included).
     pub cpu_experts_s: f64,
     /// Host time uploading expert weights for layerwise prefill.
     pub transfer_s: f64,
+    /// CPU backend: attention blocks, projections included.
+    pub attention_s: f64,
+    /// CPU backend: final norm and lm_head.
+    pub head_s: f64,
     /// Expert evaluations served by the GPU / all expert evaluations.
     pub gpu_expert_hits: u64,
     pub expert_hits: u64,
+}
+
+impl StepTimes {
+    /// Adds another step's figures to these (totals over several steps).
+    pub fn accumulate(&mut self, o: &StepTimes) {
+        self.gpu_wait_s += o.gpu_wait_s;
+        self.cpu_experts_s += o.cpu_experts_s;
+        self.transfer_s += o.transfer_s;
+        self.attention_s += o.attention_s;
+        self.head_s += o.head_s;
+        self.gpu_expert_hits += o.gpu_expert_hits;
+        self.expert_hits += o.expert_hits;
+    }
 }
