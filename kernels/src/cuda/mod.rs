@@ -83,6 +83,16 @@ pub struct GpuDevice {
     pub capability: (i32, i32),
 }
 
+/// One product of [`GpuDevice::gemm_bf16_items`]: `rows` bf16 activation rows at `x`, a bf16 weight at
+/// `w`, f32 output rows at `y` (raw device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmItem {
+    pub x: u64,
+    pub w: u64,
+    pub y: u64,
+    pub rows: usize,
+}
+
 impl GpuDevice {
     /// Opens GPU `ordinal`, checks its architecture, compiles the kernels for it (~150 ms).
     pub fn open(ordinal: usize) -> Result<Self, GpuError> {
@@ -310,6 +320,79 @@ impl GpuDevice {
             )
         }
         .map_err(|e| GpuError::Blas(e.to_string()))
+    }
+
+    /// `y_i[rows_i, m] = x_i[rows_i, k] · w_iᵀ` for every item (bf16 in, f32 out and accumulation), as
+    /// one cuBLAS batched GEMM per distinct row count instead of one GEMM per item. For MoE experts on
+    /// the GPU: at batch-1 decode every chosen expert sees one row, so a layer's gate/up (or down)
+    /// projections of all its experts are one launch. Costs one small upload of the pointer table.
+    ///
+    /// # Safety
+    /// Each item's addresses (from [`GpuDevice::addr`], possibly offset in bytes) must cover
+    /// `rows·k`, `m·k` and `rows·m` elements and stay allocated until the stream has run the GEMMs.
+    pub unsafe fn gemm_bf16_items(
+        &self,
+        items: &[GemmItem],
+        m: usize,
+        k: usize,
+    ) -> Result<(), GpuError> {
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
+        let mut order: Vec<usize> = (0..items.len()).filter(|&i| items[i].rows > 0).collect();
+        if order.is_empty() {
+            return Ok(());
+        }
+        order.sort_by_key(|&i| items[i].rows);
+        let n = order.len();
+        // Device pointer table: all weights, then all inputs, then all outputs, each in `order`.
+        let table: Vec<u64> = [|g: &GemmItem| g.w, |g: &GemmItem| g.x, |g: &GemmItem| g.y]
+            .iter()
+            .flat_map(|field| order.iter().map(|&i| field(&items[i])))
+            .collect();
+        let d_table = self.stream.clone_htod(&table)?;
+        let base = self.addr(&d_table);
+        let at = |part: usize, j: usize| base + 8 * (part * n + j) as u64;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut start = 0;
+        while start < n {
+            let rows = items[order[start]].rows;
+            let count = order[start..]
+                .iter()
+                .take_while(|&&i| items[i].rows == rows)
+                .count();
+            // Row-major y[rows,m] = x·wᵀ is column-major yᵀ[m,rows] = op(W)[m,k]·xᵀ, as in `gemm_ex`.
+            // SAFETY: the table lives on the device until its stream-ordered free after these GEMMs;
+            // the caller guarantees every address it holds.
+            unsafe {
+                cublas_sys::cublasGemmBatchedEx(
+                    *self.blas.handle(),
+                    CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    m as i32,
+                    rows as i32,
+                    k as i32,
+                    (&alpha) as *const f32 as *const _,
+                    at(0, start) as *const *const _,
+                    CUDA_R_16BF,
+                    k as i32,
+                    at(1, start) as *const *const _,
+                    CUDA_R_16BF,
+                    k as i32,
+                    (&beta) as *const f32 as *const _,
+                    at(2, start) as *const *mut _,
+                    CUDA_R_32F,
+                    m as i32,
+                    count as i32,
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .result()
+            .map_err(|e| GpuError::Blas(e.to_string()))?;
+            start += count;
+        }
+        drop(d_table); // freed in stream order, after the GEMMs
+        Ok(())
     }
 
     pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {

@@ -3,6 +3,7 @@ use super::GpuModel;
 use crate::model::config::Activation;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
+use moe_kernels::cuda::GemmItem;
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
 pub(super) struct PhaseBuffers<'a> {
@@ -30,18 +31,27 @@ impl GpuModel {
         };
         let (hd, inter, dev) = (b.hd, b.inter, &self.dev);
         let (r0, r1) = (first.1, last.1 + last.2);
-        for (&(_, g0, c), (w_gu, _)) in groups.iter().zip(ws) {
-            let mut out = b.gu.slice_mut(g0 * 2 * inter..(g0 + c) * 2 * inter);
-            dev.gemm_bf16(
-                &b.xe.slice(g0 * hd..(g0 + c) * hd),
-                w_gu,
-                &mut out,
-                c,
-                2 * inter,
-                hd,
-                false,
-            )?;
-        }
+        // Byte addresses of row `r` of a buffer `width` elements wide.
+        let (bf, f) = (size_of::<bf16>() as u64, size_of::<f32>() as u64);
+        let row = |base: u64, r: usize, width: usize, elem: u64| base + (r * width) as u64 * elem;
+        let items = |x: u64, x_width: usize, y: u64, y_width: usize, w: &dyn Fn(usize) -> u64| {
+            groups
+                .iter()
+                .enumerate()
+                .map(|(i, &(_, g0, rows))| GemmItem {
+                    x: row(x, g0, x_width, bf),
+                    w: w(i),
+                    y: row(y, g0, y_width, f),
+                    rows,
+                })
+                .collect::<Vec<_>>()
+        };
+        let gate_up = items(dev.addr(b.xe), hd, dev.addr(&*b.gu), 2 * inter, &|i| {
+            dev.addr(&ws[i].0)
+        });
+        // SAFETY: each group's rows lie inside the phase buffers (sized for every routed row) and each
+        // weight view is a whole [2I, H] / [H, I] matrix; all outlive the stream's use of them.
+        unsafe { dev.gemm_bf16_items(&gate_up, 2 * inter, hd)? };
         self.gated_act(
             &b.gu.slice(r0 * 2 * inter..r1 * 2 * inter),
             &mut b.act.slice_mut(r0 * inter..r1 * inter),
@@ -49,18 +59,11 @@ impl GpuModel {
             r1 - r0,
             b.activation,
         )?;
-        for (&(_, g0, c), (_, w_d)) in groups.iter().zip(ws) {
-            let mut out = b.ye.slice_mut(g0 * hd..(g0 + c) * hd);
-            dev.gemm_bf16(
-                &b.act.slice(g0 * inter..(g0 + c) * inter),
-                w_d,
-                &mut out,
-                c,
-                hd,
-                inter,
-                false,
-            )?;
-        }
+        let down = items(dev.addr(&*b.act), inter, dev.addr(&*b.ye), hd, &|i| {
+            dev.addr(&ws[i].1)
+        });
+        // SAFETY: as for gate_up.
+        unsafe { dev.gemm_bf16_items(&down, hd, inter)? };
         Ok(())
     }
 }
