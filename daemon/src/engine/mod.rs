@@ -8,6 +8,7 @@ pub mod cpu_experts;
 pub mod dense_pack;
 pub mod gpu;
 pub mod heap;
+pub mod indexer;
 pub mod kv;
 pub mod linear;
 pub mod moe;
@@ -521,6 +522,8 @@ impl Engine {
             .expect("the CPU backend has a CPU KV store");
         let mut kv_rows = store.lock();
         let tables: Vec<&[kv::BlockId]> = batch.iter().map(|s| s.cache.blocks()).collect();
+        // The sparse-attention selection of the last layer that ran its own indexer.
+        let mut selection = None;
         for (li, layer) in m.layers.iter().enumerate() {
             // Routing from the layer input (SmallThinker) is decided before attention runs.
             let early = match (&layer.ffn, &cfg.moe) {
@@ -539,9 +542,17 @@ impl Engine {
                 Attention::Gqa(g) => {
                     attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, &tables, rows)
                 }
-                Attention::Mla(a) => {
-                    attention::mla_forward(a, cfg, &self.rope, &h, &segments, &tables, rows)
-                }
+                Attention::Mla(a) => attention::mla_forward(
+                    a,
+                    cfg,
+                    layout,
+                    &self.rope,
+                    &h,
+                    &segments,
+                    &tables,
+                    rows,
+                    &mut selection,
+                ),
             };
             add_assign(&mut x, &a);
             times.attention_s += t_attn.elapsed().as_secs_f64();
@@ -588,19 +599,27 @@ impl Engine {
     }
 }
 
-/// Per layer, the widths of the two KV row kinds: K and V (`kv_heads × head_dim`), or MLA's normalised
-/// latent and roped shared key.
-fn kv_widths(model: &Model) -> Vec<(usize, usize)> {
+/// Per layer, the widths of the KV row kinds: K and V (`kv_heads × head_dim`), or MLA's normalised
+/// latent and roped shared key, plus the indexer's keys where the layer runs its own indexer.
+fn kv_widths(model: &Model) -> Vec<kv::RowWidths> {
     let cfg = &model.config;
     model
         .layers
         .iter()
         .map(|l| match (&l.attn, &cfg.mla) {
-            (Attention::Mla(_), Some(m)) => (m.kv_lora_rank, m.qk_rope_head_dim),
-            _ => (
-                cfg.num_kv_heads * cfg.head_dim,
-                cfg.num_kv_heads * cfg.head_dim,
-            ),
+            (Attention::Mla(a), Some(m)) => kv::RowWidths {
+                a: m.kv_lora_rank,
+                b: m.qk_rope_head_dim,
+                c: match (&a.indexer, &cfg.indexer) {
+                    (Some(crate::model::SparseAttention::Own(_)), Some(ix)) => ix.row_width(),
+                    _ => 0,
+                },
+            },
+            _ => kv::RowWidths {
+                a: cfg.num_kv_heads * cfg.head_dim,
+                b: cfg.num_kv_heads * cfg.head_dim,
+                c: 0,
+            },
         })
         .collect()
 }

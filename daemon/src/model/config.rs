@@ -5,8 +5,11 @@
 //! checkpoint itself when the layers are built, not from config flags that differ per family.
 use serde_json::Value;
 
+#[path = "config_glm.rs"]
+mod glm;
 #[path = "config_limits.rs"]
 mod limits;
+pub use glm::{IndexerConfig, IndexerLayer, IndexerPooling};
 
 /// Architectures the engine implements (the `architectures[0]` string of config.json).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +25,12 @@ pub enum Arch {
     /// PowerInfer SmallThinker (remote code `modeling_smallthinker.py`): ReGLU experts routed from the
     /// layer input, per-layer sliding-window and RoPE / NoPE layouts.
     SmallThinker,
+    /// GLM-4.7-Flash: DeepSeek-style MLA (interleaved RoPE by default) with GLM-4.5's sigmoid router;
+    /// dense / MoE per layer from `mlp_layer_types`.
+    Glm4MoeLite,
+    /// GLM-5 (`glm_moe_dsa`): MLA with q-LoRA plus the DeepSeek sparse-attention indexer, which picks
+    /// `index_topk` earlier positions per query ([`IndexerConfig`]).
+    GlmMoeDsa,
 }
 
 pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
@@ -35,6 +44,8 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
     ("Glm4MoeForCausalLM", Arch::Glm4Moe),
     ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
     ("SmallThinkerForCausalLM", Arch::SmallThinker),
+    ("Glm4MoeLiteForCausalLM", Arch::Glm4MoeLite),
+    ("GlmMoeDsaForCausalLM", Arch::GlmMoeDsa),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +108,9 @@ pub struct MlaConfig {
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
+    /// eps of the q-LoRA and latent RMSNorms: transformers builds them with the norm class default
+    /// (1e-6) in DeepSeek-V3, GLM-4.7-Flash and GLM-5, not with `rms_norm_eps`.
+    pub latent_norm_eps: f32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -194,6 +208,8 @@ pub struct ModelConfig {
     pub moe_layers: Vec<bool>,
     /// Per layer: RoPE or NoPE, full or sliding-window attention.
     pub layer_attention: Vec<LayerAttention>,
+    /// The sparse-attention indexer of MLA layers (GLM-5), if the model has one.
+    pub indexer: Option<IndexerConfig>,
 }
 
 fn get_usize(v: &Value, key: &'static str) -> Result<usize, ConfigError> {
@@ -256,17 +272,19 @@ impl ModelConfig {
                 "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
-        let mla = if arch == Arch::DeepseekV3 {
+        let mla = if matches!(arch, Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa) {
             Some(MlaConfig {
                 q_lora_rank: opt_usize(v, "q_lora_rank"),
                 kv_lora_rank: get_usize(v, "kv_lora_rank")?,
                 qk_nope_head_dim: get_usize(v, "qk_nope_head_dim")?,
                 qk_rope_head_dim: get_usize(v, "qk_rope_head_dim")?,
                 v_head_dim: get_usize(v, "v_head_dim")?,
+                latent_norm_eps: 1e-6,
             })
         } else {
             None
         };
+        glm::check_mla(v, arch, mla.as_ref())?;
         // SmallThinker's config class defaults (its config.json may leave these out).
         let smallthinker = arch == Arch::SmallThinker;
         let head_dim = match &mla {
@@ -293,6 +311,7 @@ impl ModelConfig {
         let rope = parse_rope(v, arch, head_dim, mla.as_ref())?;
         let (moe, moe_layers) = parse_moe(v, arch, num_layers)?;
         let layer_attention = parse_layer_attention(v, arch, num_layers)?;
+        let indexer = glm::parse_indexer(v, arch, num_layers, mla.as_ref())?;
         let mut eos = token_ids(v.get("eos_token_id"));
         let mut bos = token_ids(v.get("bos_token_id")).first().copied();
         if smallthinker && v.get("eos_token_id").is_none() {
@@ -313,8 +332,13 @@ impl ModelConfig {
             intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
             rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(1e-6) as f32,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(smallthinker),
-            max_position_embeddings: opt_usize(v, "max_position_embeddings")
-                .unwrap_or(if smallthinker { 4096 * 32 } else { 4096 }),
+            max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(
+                match arch {
+                    Arch::SmallThinker => 4096 * 32,
+                    Arch::Glm4MoeLite | Arch::GlmMoeDsa => 202752,
+                    _ => 4096,
+                },
+            ),
             bos_token_id: bos,
             eos_token_ids: eos,
             activation,
@@ -323,6 +347,7 @@ impl ModelConfig {
             moe,
             moe_layers,
             layer_attention,
+            indexer,
         };
         limits::check_parsed(&cfg)?;
         Ok(cfg)
@@ -410,7 +435,13 @@ fn parse_rope(
         Some(m) => m.qk_rope_head_dim,
         None => (head_dim as f64 * partial) as usize,
     };
-    let style = if arch == Arch::DeepseekV3 && opt_bool(v, "rope_interleave").unwrap_or(true) {
+    let interleave = match arch {
+        Arch::DeepseekV3 | Arch::Glm4MoeLite => opt_bool(v, "rope_interleave").unwrap_or(true),
+        // glm_moe_dsa's attention and indexer always rotate interleaved pairs (no `rope_interleave`).
+        Arch::GlmMoeDsa => true,
+        _ => false,
+    };
+    let style = if interleave {
         RopeStyle::Interleaved
     } else {
         RopeStyle::Neox
@@ -589,7 +620,7 @@ fn parse_moe(
                 layers,
             )
         }
-        Arch::Glm4Moe | Arch::DeepseekV3 => {
+        Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa => {
             let num_experts = get_usize(v, "n_routed_experts")?;
             let inter = get_usize(v, "moe_intermediate_size")?;
             let first_dense = opt_usize(v, "first_k_dense_replace").unwrap_or(0);
@@ -602,9 +633,12 @@ fn parse_moe(
                 )));
             }
             let shared = opt_usize(v, "n_shared_experts").unwrap_or(0);
-            let layers = (0..num_layers)
-                .map(|i| i >= first_dense && i % freq == 0)
-                .collect();
+            let layers = match glm::mlp_layer_types(v, arch, num_layers)? {
+                Some(sparse) => sparse,
+                None => (0..num_layers)
+                    .map(|i| i >= first_dense && i % freq == 0)
+                    .collect(),
+            };
             (
                 MoeConfig {
                     num_experts,

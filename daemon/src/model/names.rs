@@ -70,3 +70,10 @@ impl MoeNames {
 pub fn layer(i: usize) -> String {
     format!("model.layers.{i}")
 }
+
+/// Tensor names of layer `i`'s sparse-attention indexer (`self_attn.indexer.*`): `wq_b`, `wk`,
+/// `k_norm` (LayerNorm weight and bias), `weights_proj`, and the key-pool parameters of the pooled
+/// variant (`index_kpool_compress_ape`, `index_kpool_compress_gate`: plain parameters, no `.weight`).
+pub fn indexer(i: usize) -> String {
+    format!("model.layers.{i}.self_attn.indexer")
+}

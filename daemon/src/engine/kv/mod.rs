@@ -9,16 +9,28 @@ pub use blocks::{
 
 use std::sync::{Mutex, MutexGuard};
 
-/// One layer's rows on the CPU: two row-major f32 arrays indexed by block (GQA: keys and values,
-/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key). They grow on demand
-/// to the highest block handed out, so memory follows the peak number of positions in use, not the
-/// configured capacity.
+/// One layer's rows on the CPU: row-major f32 arrays indexed by block (GQA: keys and values,
+/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key; `c`: the sparse
+/// attention indexer's keys of MLA layers that have one, empty elsewhere). They grow on demand to the
+/// highest block handed out, so memory follows the peak number of positions in use, not the configured
+/// capacity.
 #[derive(Debug, Default)]
 pub struct LayerRows {
     pub a: Vec<f32>,
     pub b: Vec<f32>,
+    pub c: Vec<f32>,
     pub a_width: usize,
     pub b_width: usize,
+    pub c_width: usize,
+}
+
+/// Floats per position of each row kind of one layer (see [`LayerRows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowWidths {
+    pub a: usize,
+    pub b: usize,
+    /// Indexer keys (0: the layer has none).
+    pub c: usize,
 }
 
 impl LayerRows {
@@ -27,6 +39,7 @@ impl LayerRows {
         if self.a.len() < rows * self.a_width {
             self.a.resize(rows * self.a_width, 0.0);
             self.b.resize(rows * self.b_width, 0.0);
+            self.c.resize(rows * self.c_width, 0.0);
         }
     }
 
@@ -35,6 +48,16 @@ impl LayerRows {
         self.ensure_block((slot / BLOCK) as BlockId);
         self.a[slot * self.a_width..(slot + 1) * self.a_width].copy_from_slice(a);
         self.b[slot * self.b_width..(slot + 1) * self.b_width].copy_from_slice(b);
+    }
+
+    /// Writes one position's indexer key row (layers with an indexer).
+    pub fn write_c(&mut self, slot: usize, c: &[f32]) {
+        self.ensure_block((slot / BLOCK) as BlockId);
+        self.c[slot * self.c_width..(slot + 1) * self.c_width].copy_from_slice(c);
+    }
+
+    pub fn c_row(&self, slot: usize) -> &[f32] {
+        &self.c[slot * self.c_width..(slot + 1) * self.c_width]
     }
 
     pub fn a_row(&self, slot: usize) -> &[f32] {
@@ -52,6 +75,8 @@ impl LayerRows {
         self.a.copy_within(f * aw..(f + BLOCK) * aw, t * aw);
         let bw = self.b_width;
         self.b.copy_within(f * bw..(f + BLOCK) * bw, t * bw);
+        let cw = self.c_width;
+        self.c.copy_within(f * cw..(f + BLOCK) * cw, t * cw);
     }
 }
 
@@ -67,13 +92,14 @@ pub struct CpuKvStore {
 }
 
 impl CpuKvStore {
-    /// `widths`: per layer, the widths of the two row kinds.
-    pub fn new(widths: &[(usize, usize)]) -> Self {
+    /// `widths`: per layer, the widths of its row kinds.
+    pub fn new(widths: &[RowWidths]) -> Self {
         let layers = widths
             .iter()
-            .map(|&(a_width, b_width)| LayerRows {
-                a_width,
-                b_width,
+            .map(|w| LayerRows {
+                a_width: w.a,
+                b_width: w.b,
+                c_width: w.c,
                 ..Default::default()
             })
             .collect();
@@ -91,7 +117,7 @@ impl CpuKvStore {
     pub fn bytes(&self) -> usize {
         self.lock()
             .iter()
-            .map(|l| (l.a.len() + l.b.len()) * 4)
+            .map(|l| (l.a.len() + l.b.len() + l.c.len()) * 4)
             .sum()
     }
 }
