@@ -105,7 +105,7 @@ fn key_pool_indexer_matches_transformers() {
         kv_a_norm: tensor("kv_a_layernorm.weight").to_f32(),
         kv_b: tensor("kv_b_proj.weight").to_f32(),
         o: linear("o_proj"),
-        indexer: Some(SparseAttention::Own(IndexerWeights {
+        indexer: Some(SparseAttention::Own(Box::new(IndexerWeights {
             wq_b: linear("indexer.wq_b"),
             wk: linear("indexer.wk"),
             k_norm_weight: tensor("indexer.k_norm.weight").to_f32(),
@@ -115,7 +115,7 @@ fn key_pool_indexer_matches_transformers() {
                 ape: tensor("indexer.index_kpool_compress_ape").to_f32(),
                 gate: Linear::new(tensor("indexer.index_kpool_compress_gate"), None),
             }),
-        })),
+        }))),
     };
     let hidden = floats(&o["hidden"]);
     let want_out = floats(&o["output"]);

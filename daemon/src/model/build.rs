@@ -134,14 +134,14 @@ fn build_indexer(
             ),
         }),
     };
-    Ok(Some(SparseAttention::Own(IndexerWeights {
+    Ok(Some(SparseAttention::Own(Box::new(IndexerWeights {
         wq_b: ld.linear(&format!("{p}.wq_b"), ix.n_heads * d, rank)?,
         wk: ld.linear(&format!("{p}.wk"), d, h)?,
         k_norm_weight: ld.vector(&format!("{p}.k_norm.weight"), d)?,
         k_norm_bias: ld.vector(&format!("{p}.k_norm.bias"), d)?,
         weights_proj: ld.linear(&format!("{p}.weights_proj"), ix.n_heads, h)?,
         pool,
-    })))
+    }))))
 }
 
 fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildError> {

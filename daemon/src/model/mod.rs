@@ -55,7 +55,7 @@ pub struct MlaAttention {
 /// The sparse-attention indexer of an MLA layer ([`crate::engine::indexer`]).
 pub enum SparseAttention {
     /// The layer runs its own indexer.
-    Own(crate::engine::indexer::IndexerWeights),
+    Own(Box<crate::engine::indexer::IndexerWeights>),
     /// The layer attends the positions the nearest earlier `Own` layer selected for the same tokens.
     Shared,
 }
