@@ -286,7 +286,8 @@ impl Engine {
                 )
             }
             None => {
-                let store = std::sync::Arc::new(kv::CpuKvStore::new(&kv_widths(&model)));
+                let store =
+                    std::sync::Arc::new(kv::CpuKvStore::new(&kv::row_widths(&model.config)));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
@@ -597,29 +598,4 @@ impl Engine {
         *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
     }
-}
-
-/// Per layer, the widths of the KV row kinds: K and V (`kv_heads × head_dim`), or MLA's normalised
-/// latent and roped shared key, plus the indexer's keys where the layer runs its own indexer.
-fn kv_widths(model: &Model) -> Vec<kv::RowWidths> {
-    let cfg = &model.config;
-    model
-        .layers
-        .iter()
-        .map(|l| match (&l.attn, &cfg.mla) {
-            (Attention::Mla(a), Some(m)) => kv::RowWidths {
-                a: m.kv_lora_rank,
-                b: m.qk_rope_head_dim,
-                c: match (&a.indexer, &cfg.indexer) {
-                    (Some(crate::model::SparseAttention::Own(_)), Some(ix)) => ix.row_width(),
-                    _ => 0,
-                },
-            },
-            _ => kv::RowWidths {
-                a: cfg.num_kv_heads * cfg.head_dim,
-                b: cfg.num_kv_heads * cfg.head_dim,
-                c: 0,
-            },
-        })
-        .collect()
 }

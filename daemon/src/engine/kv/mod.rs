@@ -80,6 +80,36 @@ impl LayerRows {
     }
 }
 
+/// Per layer, the row widths a model's KV blocks hold (from its config alone): K and V
+/// (`kv_heads × head_dim` each), or MLA's normalised latent and roped shared key, plus the sparse-attention
+/// indexer's keys on layers that run their own indexer (GLM-5: 128 floats per position).
+pub fn row_widths(cfg: &crate::model::ModelConfig) -> Vec<RowWidths> {
+    use crate::model::config::IndexerLayer;
+    (0..cfg.num_layers)
+        .map(|l| match &cfg.mla {
+            Some(m) => RowWidths {
+                a: m.kv_lora_rank,
+                b: m.qk_rope_head_dim,
+                c: cfg
+                    .indexer
+                    .as_ref()
+                    .filter(|ix| ix.layers.get(l) == Some(&IndexerLayer::Own))
+                    .map_or(0, |ix| ix.row_width()),
+            },
+            None => RowWidths {
+                a: cfg.num_kv_heads * cfg.head_dim,
+                b: cfg.num_kv_heads * cfg.head_dim,
+                c: 0,
+            },
+        })
+        .collect()
+}
+
+/// Bytes one position takes in the CPU backend's KV blocks, all layers together (f32 rows).
+pub fn bytes_per_position(cfg: &crate::model::ModelConfig) -> usize {
+    row_widths(cfg).iter().map(|w| (w.a + w.b + w.c) * 4).sum()
+}
+
 /// The storage slot of position `pos` of a sequence with block table `blocks`.
 pub fn slot(blocks: &[BlockId], pos: usize) -> usize {
     blocks[pos / BLOCK] as usize * BLOCK + pos % BLOCK
@@ -128,5 +158,26 @@ impl BlockCopy for CpuKvStore {
             l.copy_block(from, to);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The indexer's keys travel with the block: copy-on-write copies them, and the footprint counts them.
+    #[test]
+    fn indexer_rows_live_in_the_blocks() {
+        let store = CpuKvStore::new(&[RowWidths { a: 2, b: 1, c: 3 }]);
+        let slot_in = |block: usize, i: usize| block * BLOCK + i;
+        store.lock()[0].write(slot_in(1, 5), &[1.0, 2.0], &[3.0]);
+        store.lock()[0].write_c(slot_in(1, 5), &[4.0, 5.0, 6.0]);
+        store.copy_block(1, 3).unwrap();
+        {
+            let rows = &store.lock()[0];
+            assert_eq!(rows.c_row(slot_in(3, 5)), &[4.0, 5.0, 6.0]);
+            assert_eq!(rows.a_row(slot_in(3, 5)), &[1.0, 2.0]);
+        }
+        assert_eq!(store.bytes(), 4 * BLOCK * (2 + 1 + 3) * 4);
     }
 }
