@@ -351,3 +351,16 @@ fn glm5_dense_attention_misses_the_oracle() {
         "dense attention is within {worst} of the oracle"
     );
 }
+
+/// GLM-5's indexer keys live in the same KV blocks as the MLA latent: under a cache too small for the
+/// load, requests that reuse cached prefix blocks (whose indexer keys they score without recomputing
+/// them) and preempted, recomputed sequences still give every token and log-probability of the request
+/// alone (40-token shared prefix, index_topk 4: every later query attends a sparse subset). Block copies
+/// of the indexer rows are checked in `engine::kv`'s unit test.
+#[test]
+fn glm5_indexer_keys_survive_prefix_sharing_and_preemption() {
+    let dir = fixture_dir("glm_moe_dsa").join("model");
+    let (alone, pressured, metrics) =
+        common::kv_pressure::run(&dir, &EngineOptions::default(), 512);
+    common::kv_pressure::check(&alone, &pressured, &metrics, 1e-4);
+}
