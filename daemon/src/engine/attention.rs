@@ -169,7 +169,10 @@ pub fn mla_forward(
         (Some(SparseAttention::Own(_)), ..) => {
             unreachable!("an indexer is built only with its config and q-LoRA")
         }
-        (Some(SparseAttention::Shared), ..) => {}
+        (Some(SparseAttention::Shared), ..) => debug_assert!(
+            selection.is_some(),
+            "a shared indexer layer with no earlier selection (the config requires one)"
+        ),
         (None, ..) => *selection = None,
     }
     let dense = Selection::all(n);

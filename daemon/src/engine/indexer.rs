@@ -20,6 +20,13 @@
 //! - [`Selection::positions`]: what one token attends; layers marked `"shared"` reuse the previous
 //!   selection for the same tokens.
 //!
+//! Wiring a model to it (what GLM-5 does, and what GLM-5.3-Flash needs): an [`IndexerConfig`] in
+//! `ModelConfig::indexer` (`pooling: KeyPool { pool }` and `rope_dim: 0` for the pooled variant; the
+//! pooled variant assumes `index_kpool_always_select_tail`, its config default: reject `false`), an
+//! `indexer: Some(SparseAttention::Own(..) | Shared)` on each MLA layer (built by `model::build` from
+//! `indexer.layers`), and `engine::attention::mla_forward`, which runs [`select`] and attends only the
+//! selected positions (`layout.rope == false` gives NoPE MLA). `engine::kv::row_widths` sizes the rows.
+//!
 //! Cost: scoring is `n_heads × head_dim` multiply-adds per (query, earlier position) plus a linear-time
 //! top-k; for 128K-token contexts this, not the sparse attention, dominates a decode step's attention.
 use super::kv::{slot, BlockId, LayerRows};
