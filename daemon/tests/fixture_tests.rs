@@ -235,6 +235,7 @@ fn batch_equals_members_alone() {
         "deepseek_v3_plain",
         "mixtral",
         "smallthinker",
+        "glm4_moe_lite",
         "glm_moe_dsa",
     ] {
         let o = oracle(name);
