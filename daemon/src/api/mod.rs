@@ -11,6 +11,7 @@ pub mod choice;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod glm_calls;
 pub mod grammar;
 pub mod plan;
 pub mod reasoning;
@@ -59,7 +60,7 @@ pub struct AppState {
     /// Grammar-constrained decoding (JSON schema, tool calls); None when the tokenizer could not be
     /// mapped to bytes (then such requests get 400).
     pub structured: Option<Arc<structured::StructuredOutputs>>,
-    /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
+    /// The chat template writes tool calls in GLM's XML form (GLM-4.5 … 5.x), not Hermes JSON.
     pub glm_tool_format: bool,
     /// Sampling values used where a request leaves them out.
     pub sampling_defaults: types::SamplingDefaults,

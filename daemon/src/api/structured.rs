@@ -6,7 +6,7 @@
 //! llguidance's fuel limits (`ParserLimits`) bound one computation to milliseconds whatever the grammar
 //! (the `moe:structured_output_mask_seconds` histogram shows the real figures). Compiling — the expensive
 //! part for big schemas or many tools — happens in the HTTP handler's blocking task.
-use super::grammar::{CallTags, CALL_CLOSE, CALL_OPEN};
+use super::grammar::{CallFormat, CallTags, CALL_OPEN};
 use crate::metrics::Metrics;
 use crate::sched::TokenConstraint;
 use crate::text::TextTokenizer;
@@ -38,7 +38,7 @@ impl StructuredOutputs {
         factory.quiet();
         let trie = tok_env.tok_trie();
         let is_token = |tag: &str| trie.get_special_token(tag).is_some();
-        let call_tags = CallTags::new(is_token(CALL_OPEN), is_token(CALL_CLOSE));
+        let call_tags = CallTags::new(is_token);
         Ok(Self {
             factory,
             tok_env,
@@ -73,9 +73,14 @@ impl StructuredOutputs {
 pub enum GrammarUse {
     /// The whole output follows the grammar; the sequence ends when it does.
     Whole(Matcher),
-    /// Free text until the model writes the tool-call opening tag, then the grammar of one call's rest;
-    /// after the call, free text again (`single`: the sequence ends after the first call instead).
-    AfterToolCallOpens { call: Matcher, single: bool },
+    /// Free text until the model writes the tool-call opening tag, then the grammar of one call's rest
+    /// (written in `format`); after the call, free text again (`single`: the sequence ends after the
+    /// first call instead).
+    AfterToolCallOpens {
+        call: Matcher,
+        single: bool,
+        format: CallFormat,
+    },
 }
 
 impl GrammarUse {
@@ -83,9 +88,14 @@ impl GrammarUse {
     pub fn deep_clone(&self) -> Self {
         match self {
             GrammarUse::Whole(m) => GrammarUse::Whole(m.deep_clone()),
-            GrammarUse::AfterToolCallOpens { call, single } => GrammarUse::AfterToolCallOpens {
+            GrammarUse::AfterToolCallOpens {
+                call,
+                single,
+                format,
+            } => GrammarUse::AfterToolCallOpens {
                 call: call.deep_clone(),
                 single: *single,
+                format: *format,
             },
         }
     }
@@ -110,16 +120,21 @@ struct GrammarState {
 
 enum Mode {
     Whole,
-    Triggered { phase: CallPhase, single: bool },
+    Triggered {
+        phase: CallPhase,
+        single: bool,
+        format: CallFormat,
+    },
 }
 
 /// Where an `auto` sequence stands with respect to tool calls.
 enum CallPhase {
     /// Free text; `tail` keeps recent output bytes to spot the opening tag across token boundaries.
     Watching { tail: Vec<u8> },
-    /// The tag is written; `after` holds what followed it (whitespace so far). A `{` next starts a
-    /// Hermes JSON call, which the grammar then takes over; anything else (another model's call
-    /// format) is left to the parser.
+    /// The tag is written (Hermes format); `after` holds what followed it (whitespace so far). A `{`
+    /// next starts a Hermes JSON call, which the grammar then takes over; anything else (another
+    /// model's call format) is left to the parser. GLM calls skip this phase: the grammar takes over
+    /// right after the tag.
     Opened { after: Vec<u8> },
     /// The call grammar decides the tokens until the call closes.
     Engaged,
@@ -141,12 +156,17 @@ impl OutputControl {
                 tok_env,
                 mode: Mode::Whole,
             },
-            GrammarUse::AfterToolCallOpens { call, single } => GrammarState {
+            GrammarUse::AfterToolCallOpens {
+                call,
+                single,
+                format,
+            } => GrammarState {
                 matcher: call,
                 tok_env,
                 mode: Mode::Triggered {
                     phase: CallPhase::Watching { tail: Vec::new() },
                     single,
+                    format,
                 },
             },
         });
@@ -214,14 +234,22 @@ impl OutputControl {
                     self.complete = true;
                 }
             }
-            Mode::Triggered { phase, single } => {
+            Mode::Triggered {
+                phase,
+                single,
+                format,
+            } => {
                 let bytes = g.tok_env.tok_trie().token(id);
                 let next = match std::mem::replace(phase, CallPhase::Engaged) {
                     CallPhase::Watching { mut tail } => {
                         tail.extend_from_slice(bytes);
                         match find(&tail, CALL_OPEN.as_bytes()) {
                             Some(at) => {
-                                opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..])
+                                let after = &tail[at + CALL_OPEN.len()..];
+                                match format {
+                                    CallFormat::Hermes => opened(&mut g.matcher, &g.tok_env, after),
+                                    CallFormat::Glm => engage(&mut g.matcher, &g.tok_env, after),
+                                }
                             }
                             None => {
                                 let cut = tail.len().saturating_sub(TAIL_BYTES);
@@ -261,19 +289,23 @@ fn opened(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
         None => CallPhase::Opened {
             after: after.to_vec(),
         },
-        Some(b'{') => {
-            let tokens = tok_env.tokenize_bytes(after);
-            let fits = matcher
-                .try_consume_tokens(&tokens)
-                .is_ok_and(|n| n == tokens.len());
-            if fits {
-                CallPhase::Engaged
-            } else {
-                let _ = matcher.reset();
-                CallPhase::Watching { tail: Vec::new() }
-            }
-        }
+        Some(b'{') => engage(matcher, tok_env, after),
         Some(_) => CallPhase::Watching { tail: Vec::new() },
+    }
+}
+
+/// Hands the bytes written after the opening tag to the call grammar and engages it if they fit
+/// (back to watching otherwise: the parser then gets the text as the model wrote it).
+fn engage(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
+    let tokens = tok_env.tokenize_bytes(after);
+    let fits = matcher
+        .try_consume_tokens(&tokens)
+        .is_ok_and(|n| n == tokens.len());
+    if fits {
+        CallPhase::Engaged
+    } else {
+        let _ = matcher.reset();
+        CallPhase::Watching { tail: Vec::new() }
     }
 }
 

@@ -2,10 +2,12 @@
 //! the opening tag:
 //! - Qwen3 / Hermes JSON: `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`
 //! - GLM-4.5 XML: `<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>`
-//!   (values are JSON when the tool's schema says the argument is not a string and they parse).
+//!   (a value is raw text when the tool's schema admits only strings, otherwise JSON when it parses:
+//!   `glm_calls::value_form`, the rule the call grammar writes values by).
 //!
 //! Streaming: text outside calls passes through as content (a tag split across tokens is held back);
 //! each call is emitted whole, name and complete arguments, once its closing tag arrives.
+use super::glm_calls::{value_form, ValueForm};
 use super::reasoning::partial_tag_suffix;
 use serde_json::{Map, Value};
 
@@ -141,7 +143,8 @@ impl ToolCallParser {
         if name.is_empty() || name.contains(char::is_whitespace) {
             return None;
         }
-        let props = self.schemas.get(name).and_then(|s| s.get("properties"));
+        let schema = self.schemas.get(name).unwrap_or(&Value::Null);
+        let props = schema.get("properties");
         let mut args = Map::new();
         while let Some(k0) = rest.find("<arg_key>") {
             let after_k = &rest[k0 + "<arg_key>".len()..];
@@ -152,15 +155,10 @@ impl ToolCallParser {
             let after_v = &after[v0 + "<arg_value>".len()..];
             let v1 = after_v.find("</arg_value>")?;
             let raw = &after_v[..v1];
-            let is_string = props
-                .and_then(|p| p.get(&key))
-                .and_then(|p| p.get("type"))
-                .and_then(Value::as_str)
-                .is_none_or(|t| t == "string");
-            let value = if is_string {
-                Value::String(raw.to_string())
-            } else {
-                serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.to_string()))
+            let value = match value_form(props.and_then(|p| p.get(&key)), schema) {
+                ValueForm::Text => Value::String(raw.to_string()),
+                ValueForm::Json | ValueForm::Any => serde_json::from_str(raw.trim())
+                    .unwrap_or_else(|_| Value::String(raw.to_string())),
             };
             args.insert(key, value);
             rest = &after_v[v1 + "</arg_value>".len()..];
