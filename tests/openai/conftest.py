@@ -53,6 +53,35 @@ SCRIPT = {
 }
 
 
+# The same kind of script for a model whose chat template teaches GLM's XML tool calls (GLM-4.5 style:
+# newlines after the name and each tag; the second call of "two cities" is GLM-4.7 style, without).
+GLM_CALL = "<tool_call>{name}\n{args}</tool_call>"
+
+
+def glm_call(name, **args):
+    return GLM_CALL.format(name=name, args="".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()))
+
+
+GLM_SCRIPT = {
+    "step_delay_ms": 5,
+    "replies": [
+        {"trigger": "Sunny, 21 C", "reply": "It is sunny in Paris, 21 C."},
+        {"trigger": "The secret word is tangerine", "reply": "The file says the secret word is tangerine."},
+        # Wrong argument name and a string where the schema wants an integer: the grammar must not let
+        # either through.
+        {"trigger": "invent arguments", "reply": glm_call("get_weather", description="Paris", days="three")},
+        {"trigger": "weather in two cities",
+         "reply": glm_call("get_weather", city="Paris") + "\n"
+                  + "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>"},
+        {"trigger": "read hello.txt", "reply": glm_call("read", path="hello.txt")},
+        {"trigger": "weather in Paris",
+         "reply": "<think>The user wants the weather; call the tool.</think>"
+                  + glm_call("get_weather", city="Paris", days=3)},
+    ],
+}
+
+
 class RawResponse:
     def __init__(self, status, headers, body):
         self.status_code, self.headers, self.text = status, headers, body
@@ -158,6 +187,21 @@ def scripted(tmp_path_factory):
     # max_tokens clamped to the context, as agents that ask for 16K-token budgets need.
     s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
                 "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096",
+                "--default-temperature", "0", "--clamp-max-tokens"], d)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def glm_scripted(tmp_path_factory):
+    """The scripted model behind a GLM-4.5-style chat template (tests/openai/templates): tool calls
+    in GLM's XML format, constrained by the GLM call grammar."""
+    d = tmp_path_factory.mktemp("glm")
+    script = d / "script.json"
+    script.write_text(json.dumps(GLM_SCRIPT))
+    template = os.path.join(ROOT, "tests", "openai", "templates", "glm45_style.jinja")
+    s = Server(["--scripted-replies", str(script), "--chat-template", template, "--reasoning-parser", "on",
+                "--api-key", API_KEY, "--max-running", "2", "--max-waiting", "4", "--max-model-len", "4096",
                 "--default-temperature", "0", "--clamp-max-tokens"], d)
     yield s
     s.stop()
