@@ -13,6 +13,7 @@ pub mod error;
 pub mod generate;
 pub mod glm_calls;
 pub mod grammar;
+pub mod mask_worker;
 pub mod plan;
 pub mod reasoning;
 pub mod responses;

@@ -4,6 +4,7 @@
 use super::*;
 use crate::api::grammar::{self, CallCount, CallFormat, ToolSpec};
 use serde_json::json;
+use std::time::Duration;
 
 const EOS: u32 = 256;
 /// The tags given single tokens (ids 257…) in the `tag_tokens` variant.
@@ -371,4 +372,144 @@ fn logit_bias_moves_logits_without_a_grammar() {
     let mut l = vec![0.0; 4];
     assert!(c.apply(&mut l));
     assert_eq!(l, vec![0.0, -100.0, 5.0, 0.0]);
+}
+
+// --- masks computed during the forward pass ---
+
+/// The scheduler calls `apply` / `advance` / `is_complete` but never `prepare`: every mask is
+/// computed on the engine thread after the forward pass (the reference).
+struct InlineOnly(OutputControl);
+
+impl TokenConstraint for InlineOnly {
+    fn apply(&mut self, logits: &mut [f32]) -> bool {
+        self.0.apply(logits)
+    }
+    fn advance(&mut self, id: u32) {
+        self.0.advance(id)
+    }
+    fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum MaskTiming {
+    Inline,
+    Overlapped,
+    /// Each mask worker sleeps longer than a step first: every mask is late.
+    Late,
+}
+
+/// Three sequences of a JSON-schema request through the real scheduler on the scripted model, which
+/// writes an answer off the schema (wrong enum value, a string for an integer, an extra key), sampled
+/// at temperature 1 with fixed seeds. Returns each sequence's output and the run's metrics.
+fn constrained_run(f: &Fixture, timing: MaskTiming) -> (Vec<String>, Arc<Metrics>) {
+    use crate::engine::sampling::SamplingParams;
+    use crate::sched::scripted::{ScriptedModel, ScriptedReplies};
+    use crate::sched::{spawn_engine, GenRequest, SchedulerConfig, SeqEvent};
+    let bytes = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
+    let model = ScriptedModel::new(ScriptedReplies {
+        replies: vec![(
+            bytes("go"),
+            bytes(r#"{"city": "Rome", "days": "many", "x": 1}"#),
+        )],
+        end_token: EOS,
+        vocab: f.vocab,
+        max_positions: 4096,
+        kv_cache_tokens: 65_536,
+        step_delay: Duration::from_millis(1),
+        step_stats: None,
+    });
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let h = spawn_engine(
+        move || Ok(model),
+        SchedulerConfig::default(),
+        metrics.clone(),
+    );
+    while !h.is_ready() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let schema = json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+        "days": {"type": "integer"}}, "required": ["city", "days"], "additionalProperties": false});
+    let mut rxs = Vec::new();
+    for seed in 0..3 {
+        let m =
+            f.so.compile(grammar::json_response(Some(&schema), true), &metrics)
+                .unwrap();
+        let control = OutputControl::new(
+            Some((GrammarUse::Whole(m), f.so.tok_env().clone())),
+            vec![],
+            vec![EOS],
+            metrics.clone(),
+        );
+        let constraint: Box<dyn TokenConstraint> = match timing {
+            MaskTiming::Inline => Box::new(InlineOnly(control)),
+            MaskTiming::Overlapped => Box::new(control),
+            MaskTiming::Late => Box::new(control.with_mask_delay(Duration::from_millis(15))),
+        };
+        let mut sampling = SamplingParams::greedy();
+        sampling.temperature = 1.0;
+        sampling.seed = Some(seed);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        h.submit(GenRequest {
+            prompt: bytes("go"),
+            sampling,
+            max_tokens: 64,
+            stop_token_ids: vec![EOS],
+            logprobs: None,
+            deadline: None,
+            events: tx,
+            constraint: Some(constraint),
+        })
+        .unwrap();
+        rxs.push(rx);
+    }
+    let outputs = rxs
+        .iter_mut()
+        .map(|rx| {
+            let mut out = Vec::new();
+            loop {
+                match rx.blocking_recv().expect("engine dropped the request") {
+                    SeqEvent::Token { id, .. } => out.push(id as u8),
+                    SeqEvent::Finished { .. } => break,
+                    SeqEvent::Error(e) => panic!("{e}"),
+                }
+            }
+            String::from_utf8(out).unwrap()
+        })
+        .collect();
+    (outputs, metrics)
+}
+
+#[test]
+fn masks_computed_during_the_forward_pass_late_or_not_give_the_same_output() {
+    let f = fixture(false);
+    let (reference, inline) = constrained_run(&f, MaskTiming::Inline);
+    for out in &reference {
+        let v: serde_json::Value =
+            serde_json::from_str(out).unwrap_or_else(|e| panic!("{out}: {e}"));
+        assert!(
+            ["Paris", "Lyon"].contains(&v["city"].as_str().unwrap()),
+            "{out}"
+        );
+        // An integer (JSON's `-0` included).
+        let days = v["days"].as_f64().unwrap();
+        assert!(
+            days.fract() == 0.0 && v.as_object().unwrap().len() == 2,
+            "{out}"
+        );
+    }
+    assert!(inline.structured_masks_inline.get() > 10);
+    assert_eq!(inline.structured_masks_overlapped.get(), 0);
+    for timing in [MaskTiming::Overlapped, MaskTiming::Late] {
+        let (outputs, metrics) = constrained_run(&f, timing);
+        assert_eq!(outputs, reference, "{timing:?}");
+        // Every mask came from a worker (the inline fallback is for a lost worker only).
+        assert_eq!(metrics.structured_masks_inline.get(), 0, "{timing:?}");
+        assert_eq!(
+            metrics.structured_masks_overlapped.get(),
+            inline.structured_masks_inline.get(),
+            "{timing:?}"
+        );
+    }
 }
