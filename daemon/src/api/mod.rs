@@ -65,6 +65,8 @@ pub struct AppState {
     pub glm_tool_format: bool,
     /// Sampling values used where a request leaves them out.
     pub sampling_defaults: types::SamplingDefaults,
+    /// Bounds on a request's tools, checked before they are rendered or tokenised.
+    pub tool_limits: tools::ToolLimits,
     /// Clamp `max_tokens` to what fits the context instead of refusing the request.
     pub clamp_max_tokens: bool,
     /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.

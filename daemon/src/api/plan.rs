@@ -34,6 +34,11 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         ApiError::bad_request("this model has no chat template; use /v1/completions")
     })?;
     check_messages(&mut req.messages, template.knows_developer_role)?;
+    if let Some(t) = req.tools.as_deref().filter(|_| !tool_choice_is_none(&req)) {
+        state
+            .tool_limits
+            .check(t, template.renders_tools, state.max_context)?;
+    }
     let tools = Tools::parse(
         req.tools.as_deref(),
         req.tool_choice.as_ref(),
@@ -96,6 +101,11 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         grammar,
         logit_bias,
     })
+}
+
+/// `tool_choice: none`: the tools are dropped, not rendered.
+fn tool_choice_is_none(req: &ChatRequest) -> bool {
+    req.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none")
 }
 
 /// What constrains the output, compiled: forced tool calls, JSON (alone or beside `auto` tool calls),
