@@ -225,10 +225,25 @@ fn value_rule(
                     let _ = writeln!(g, "{rule}: ({}) {end}", alts.join(" | "));
                     rule.to_string()
                 }
-                None => text_until(rule, "(?s:.*)", &tags.value_end, g),
+                None => text_until(rule, &text_regex(prop), &tags.value_end, g),
             }
         }
         ValueForm::Any => text_until(rule, "(?s:.*)", &tags.value_end, g),
+    }
+}
+
+/// Lengths above this are left unbounded (a counted repetition that large only costs compile time).
+const MAX_COUNTED_LENGTH: u64 = 4096;
+
+/// The regex of a raw-text value: any text, within `minLength` / `maxLength` characters when the
+/// schema gives them. (`pattern` and `format` are not enforced on raw text.)
+fn text_regex(prop: &Value) -> String {
+    let len = |k: &str| prop.get(k).and_then(Value::as_u64);
+    let min = len("minLength").unwrap_or(0).min(MAX_COUNTED_LENGTH);
+    match len("maxLength").filter(|&m| m <= MAX_COUNTED_LENGTH) {
+        Some(max) => format!("(?s:.{{{},{max}}})", min.min(max)),
+        None if min > 0 => format!("(?s:.{{{min},}})"),
+        None => "(?s:.*)".to_string(),
     }
 }
 
@@ -282,6 +297,18 @@ mod tests {
         assert_eq!(form(json!({"description": "anything"})), ValueForm::Any);
         assert_eq!(form(json!(true)), ValueForm::Any);
         assert_eq!(value_form(None, &root), ValueForm::Any);
+    }
+
+    #[test]
+    fn raw_text_lengths_become_counted_repetitions() {
+        assert_eq!(text_regex(&json!({"type": "string"})), "(?s:.*)");
+        assert_eq!(text_regex(&json!({"maxLength": 20})), "(?s:.{0,20})");
+        assert_eq!(
+            text_regex(&json!({"minLength": 2, "maxLength": 5})),
+            "(?s:.{2,5})"
+        );
+        assert_eq!(text_regex(&json!({"minLength": 3})), "(?s:.{3,})");
+        assert_eq!(text_regex(&json!({"maxLength": 1_000_000})), "(?s:.*)");
     }
 
     #[test]

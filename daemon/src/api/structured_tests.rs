@@ -238,7 +238,7 @@ fn glm_tools() -> Vec<ToolSpec> {
         "parameters": {"type": "object", "properties": {
             "city": {"type": "string", "enum": ["Paris", "Lyon"]},
             "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            "note": {"type": "string"}},
+            "note": {"type": "string", "maxLength": 24}},
         "required": ["city"], "additionalProperties": false}}}),
     )
     .unwrap()]
@@ -302,6 +302,7 @@ fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome",
             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>x",
             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>\"",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value><arg_key>note</arg_key><arg_value>twenty-five characters...",
             "<tool_call>get_weather</tool_call>",
             "<tool_call>get_time",
         ] {
