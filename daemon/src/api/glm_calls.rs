@@ -181,8 +181,18 @@ fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> Strin
         );
         return format!("glm_extra_{i}* ");
     };
+    // Required names the schema does not describe still have to be written (with any value).
+    let undescribed = required
+        .iter()
+        .filter(|r| !props.contains_key(**r))
+        .map(|r| (r.to_string(), Value::Bool(true)));
+    let args: Vec<(String, Value)> = props
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .chain(undescribed)
+        .collect();
     let mut list = String::new();
-    for (j, (arg, prop)) in props.iter().enumerate() {
+    for (j, (arg, prop)) in args.iter().enumerate() {
         let rule = format!("glm_v_{i}_{j}");
         let val = value_rule(&rule, prop, schema, tool.strict, tags, g);
         let _ = writeln!(
@@ -344,5 +354,15 @@ mod tests {
             g.contains("glm_v_0_0[lazy]: /(?s:.*)/ \"</arg_value>\""),
             "{g}"
         );
+        // A required name without a description is still asked for.
+        let tool = ToolSpec::from_openai(&json!({"function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}}, "required": ["id"]}}}))
+        .unwrap();
+        let g = call_rules(&[tool], &text_tags, "\"</tool_call>\"");
+        assert!(
+            g.contains("GLM_NL? glm_a_0_0? glm_a_0_1 \"</tool_call>\""),
+            "{g}"
+        );
+        assert!(g.contains("glm_a_0_1: \"<arg_key>\" \"id\""), "{g}");
     }
 }
