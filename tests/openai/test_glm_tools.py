@@ -37,11 +37,18 @@ def ask(server, text, **kw):
         model="smollm2", messages=[{"role": "user", "content": text}], **kw)
 
 
+# Two vocabularies: SmolLM2's, where the tags are text the grammar spells out, and a GLM-like one (on the
+# glm4_moe fixture) where they are single tokens the grammar names.
+@pytest.fixture(params=["glm_scripted", "glm_tokens"])
+def glm_server(request):
+    return request.getfixturevalue(request.param)
+
+
 # --- the official openai client ---
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_glm_call_follows_the_schema(glm_scripted, choice):
-    r = ask(glm_scripted, "invent arguments", tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice,
+def test_forced_glm_call_follows_the_schema(glm_server, choice):
+    r = ask(glm_server, "invent arguments", tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice,
             parallel_tool_calls=False)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
@@ -52,22 +59,22 @@ def test_forced_glm_call_follows_the_schema(glm_scripted, choice):
     assert not (ch.message.content or "").strip()
 
 
-def test_unconstrained_script_would_break_the_schema(glm_scripted):
+def test_unconstrained_script_would_break_the_schema(glm_server):
     # The same script without tools in the request is plain text: what the grammar corrected above.
-    r = ask(glm_scripted, "invent arguments")
+    r = ask(glm_server, "invent arguments")
     assert "<arg_key>description</arg_key>" in r.choices[0].message.content
 
 
-def test_auto_glm_calls_engage_the_grammar_at_the_tag(glm_scripted):
-    r = ask(glm_scripted, "invent arguments", tools=[CITY_TOOL], tool_choice="auto")
+def test_auto_glm_calls_engage_the_grammar_at_the_tag(glm_server):
+    r = ask(glm_server, "invent arguments", tools=[CITY_TOOL], tool_choice="auto")
     calls = r.choices[0].message.tool_calls
     assert calls and r.choices[0].finish_reason == "tool_calls"
     check_calls(calls)
     assert all("description" not in json.loads(c.function.arguments) for c in calls)
 
 
-def test_two_streamed_glm_calls_both_formats(glm_scripted):
-    s = ask(glm_scripted, "weather in two cities", tools=[CITY_TOOL], stream=True)
+def test_two_streamed_glm_calls_both_formats(glm_server):
+    s = ask(glm_server, "weather in two cities", tools=[CITY_TOOL], stream=True)
     content, calls = "", {}
     for ch in s:
         d = ch.choices[0].delta
@@ -79,8 +86,8 @@ def test_two_streamed_glm_calls_both_formats(glm_scripted):
     check_calls(calls.values())
 
 
-def test_glm_round_trip_with_typed_values_and_reasoning(glm_scripted):
-    c = glm_scripted.client(api_key=API_KEY)
+def test_glm_round_trip_with_typed_values_and_reasoning(glm_server):
+    c = glm_server.client(api_key=API_KEY)
     msgs = [{"role": "user", "content": "weather in Paris"}]
     r = c.chat.completions.create(model="smollm2", messages=msgs, tools=[CITY_TOOL], temperature=0)
     m = r.choices[0].message

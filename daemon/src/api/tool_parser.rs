@@ -114,7 +114,11 @@ impl ToolCallParser {
             return out;
         }
         self.inside = false;
-        match self.parse_call(&rest) {
+        // A GLM call without its closing tag is whole only if its last value is: one cut short by
+        // max_tokens (`<tool_call>get_wea`) is not a call.
+        let body = rest.trim();
+        let cut_short = !body.starts_with('{') && !body.ends_with("</arg_value>");
+        match self.parse_call(&rest).filter(|_| !cut_short) {
             Some(call) => ToolSplit {
                 content: String::new(),
                 calls: vec![call],
@@ -243,6 +247,23 @@ mod tests {
         assert_eq!(s.content, "");
         let args: Value = serde_json::from_str(&s.calls[0].arguments).unwrap();
         assert_eq!(args, json!({"city": "123", "days": 3}));
+    }
+
+    #[test]
+    fn unterminated_glm_calls_count_only_when_their_last_value_is_whole() {
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(
+            &mut p,
+            &["<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"],
+        );
+        assert_eq!(s.calls.len(), 1);
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(&mut p, &["<tool_call>get_wea"]);
+        assert!(s.calls.is_empty());
+        assert_eq!(s.content, "<tool_call>get_wea");
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(&mut p, &["<tool_call>f<arg_key>a</arg_key><arg_value>Par"]);
+        assert!(s.calls.is_empty());
     }
 
     #[test]
