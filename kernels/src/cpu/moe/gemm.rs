@@ -129,7 +129,7 @@ unsafe fn fp8_widened(
     ldy: usize,
 ) {
     use super::pack::MatLayout;
-    use super::{kern_amx, kern_avx512};
+    use super::{kern_amx, kern_avx512, kern_fp8};
     let k_pad = w.l.k_pad;
     WIDE.with(|buf| {
         let mut buf = buf.borrow_mut();
@@ -138,7 +138,7 @@ unsafe fn fp8_widened(
         while t < nts {
             let c = (nts - t).min(2);
             // SAFETY: (caller) tier present; the buffer holds two N-tiles.
-            unsafe { kern_avx512::fp8_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
+            unsafe { kern_fp8::fp8_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
             let mut l = MatLayout::new(WeightFormat::Bf16, 16 * c, w.l.k);
             l.k_pad = k_pad;
             l.k_tiles = k_pad / 32;
@@ -187,7 +187,7 @@ pub(crate) fn gemm(
     #[cfg(target_arch = "x86_64")]
     {
         use super::kern_generic::gemm_avx2;
-        use super::{kern_amx, kern_avx512};
+        use super::{kern_amx, kern_avx512, kern_fp8};
         // SAFETY: the tier was detected on this CPU; shapes were checked above; activation kinds are
         // matched to the kernels below.
         unsafe {
@@ -208,7 +208,7 @@ pub(crate) fn gemm(
                     return fp8_widened(tier == CpuTier::Amx && amx, w, nt0, nts, a, y, ldy)
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block) => {
-                    return kern_avx512::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                    return kern_fp8::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
                 }
                 (
                     CpuTier::Avx512 | CpuTier::Amx,

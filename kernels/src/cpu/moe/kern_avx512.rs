@@ -1,10 +1,11 @@
 //! AVX-512 kernels for few tokens per expert (decode): one 64-byte load of a packed tile row feeds 16
-//! outputs of every token in the block through `vdpbf16ps` (bf16, fp8 via a LUT) or `vpdpbusd` (int8, int4).
+//! outputs of every token in the block through `vdpbf16ps` (bf16) or `vpdpbusd` (int8, int4); FP8 lives
+//! in `kern_fp8`, on the helpers here.
 //! At one token these are memory-bound by design: ~1 dot instruction per 64 bytes, two independent
 //! accumulator chains per token to cover the instruction latency, and a software prefetch
 //! [`prefetch_distance`] bytes ahead in the contiguous N-tile stream: without it one core keeps too few
 //! cache-line misses in flight and a decode token reached only ~65% of the DRAM bandwidth.
-//! Tokens are taken in blocks of up to 8 (4 for fp8, whose LUT decode needs more registers), so the
+//! Tokens are taken in blocks of up to 8, so the
 //! weight stream is read from DRAM once and from L2 once per further block. Twins:
 //! `kern_generic::{gemm_scalar, gemm_i8_twin}`.
 //!
@@ -17,7 +18,7 @@ use std::mem::transmute;
 use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef, WeightFormat};
+use super::pack::{MatRef, WeightFormat};
 
 /// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
 /// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
@@ -32,7 +33,7 @@ pub(crate) fn prefetch_distance() -> usize {
 }
 
 #[inline(always)]
-unsafe fn prefetch(p: *const u8, pf: usize) {
+pub(super) unsafe fn prefetch(p: *const u8, pf: usize) {
     if pf > 0 {
         // SAFETY: prefetches never fault, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf).cast()) };
@@ -43,7 +44,7 @@ unsafe fn prefetch(p: *const u8, pf: usize) {
 /// `pf` ahead, so without this each short stream (a down N-tile is 24 KiB) would start with a run of
 /// serial misses.
 #[inline(always)]
-unsafe fn prefetch_head(p: *const u8, pf: usize) {
+pub(super) unsafe fn prefetch_head(p: *const u8, pf: usize) {
     let mut off = 0;
     while off < pf {
         // SAFETY: prefetches never fault.
@@ -53,7 +54,7 @@ unsafe fn prefetch_head(p: *const u8, pf: usize) {
 }
 
 #[inline(always)]
-unsafe fn bh(v: __m512i) -> __m512bh {
+pub(super) unsafe fn bh(v: __m512i) -> __m512bh {
     // SAFETY: same size, any bit pattern is a valid bf16 vector.
     unsafe { transmute::<__m512i, __m512bh>(v) }
 }
@@ -66,25 +67,20 @@ macro_rules! by_rows {
             4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
         }
     };
-    ($n:expr, 4, $f:ident($($a:expr),*)) => {
-        match $n {
-            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
-        }
-    };
 }
 
-const MAX_ROWS: usize = 8;
+pub(super) const MAX_ROWS: usize = 8;
 
 /// Per block: activation row pointers (as 32-bit units), output pointers, and row indices.
-struct Block<T> {
-    x: [*const T; MAX_ROWS],
-    out: [*mut f32; MAX_ROWS],
+pub(super) struct Block<T> {
+    pub(super) x: [*const T; MAX_ROWS],
+    pub(super) out: [*mut f32; MAX_ROWS],
     row: [usize; MAX_ROWS],
 }
 
 /// Splits the view's rows into blocks of at most `max` and calls `f(block, n)` for each.
 #[inline(always)]
-unsafe fn for_blocks<T>(
+pub(super) unsafe fn for_blocks<T>(
     a: &ActRef<'_>,
     base: *const u8,
     elem: usize,
@@ -177,116 +173,6 @@ unsafe fn bf16_block<const R: usize>(
         }
         for r in 0..R {
             _mm512_storeu_ps(out[r], _mm512_add_ps(acc0[r], acc1[r]));
-        }
-    }
-}
-
-/// FP8 E4M3 magnitudes (7 bits) as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
-fn fp8_lut() -> &'static [u16; 128] {
-    static LUT: OnceLock<[u16; 128]> = OnceLock::new();
-    LUT.get_or_init(|| std::array::from_fn(|i| f32_to_bf16(fp8_e4m3_to_f32(i as u8))))
-}
-
-#[inline(always)]
-unsafe fn fp8x32_to_bf16(v: __m256i, lut: &[__m512i; 4]) -> __m512bh {
-    // SAFETY: register-only AVX-512BW operations (caller has the features).
-    unsafe {
-        let w = _mm512_cvtepu8_epi16(v);
-        let mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-        let lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
-        let hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
-        let upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
-        let r = _mm512_mask_blend_epi16(upper, lo, hi);
-        let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0x80)));
-        bh(_mm512_or_si512(r, sign))
-    }
-}
-
-/// FP8 (128×128 block scales) weights × bf16 activations: bytes widened to bf16 through a LUT, one
-/// `vdpbf16ps` per 32 bytes, block scale applied once per 128 inputs.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn gemm_fp8(
-    w: &MatRef<'_>,
-    nt0: usize,
-    nts: usize,
-    a: &ActRef<'_>,
-    y: *mut f32,
-    ldy: usize,
-) {
-    let table = fp8_lut();
-    // SAFETY: 128 u16 = four 64-byte vectors.
-    let lut: [__m512i; 4] =
-        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
-    let pairs = w.l.k_pad / 2;
-    let kb = w.l.k.div_ceil(128);
-    let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                4,
-                |b, n| by_rows!(n, 4, fp8_block(wp, pairs, pf, scales, &lut, &b.x, &b.out)),
-            );
-        }
-    }
-}
-
-#[inline(always)]
-unsafe fn fp8_block<const R: usize>(
-    wp: *const u8,
-    pairs: usize,
-    pf: usize,
-    scales: &[f32],
-    lut: &[__m512i; 4],
-    x: &[*const u32; MAX_ROWS],
-    out: &[*mut f32; MAX_ROWS],
-) {
-    // SAFETY: (caller) rows of 32 bytes, `pairs` of them; x rows hold `pairs` u32.
-    unsafe {
-        let mut total = [_mm512_setzero_ps(); R];
-        for (b, &s) in scales.iter().enumerate() {
-            let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
-            if start >= end {
-                break;
-            }
-            let mut acc0 = [_mm512_setzero_ps(); R];
-            let mut acc1 = [_mm512_setzero_ps(); R];
-            let mut i = start;
-            while i < end {
-                prefetch(wp.add(i * 32), pf);
-                let w0 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), lut);
-                let w1 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32 + 32).cast()), lut);
-                for r in 0..R {
-                    acc0[r] = _mm512_dpbf16_ps(
-                        acc0[r],
-                        w0,
-                        bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32)),
-                    );
-                    acc1[r] = _mm512_dpbf16_ps(
-                        acc1[r],
-                        w1,
-                        bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32)),
-                    );
-                }
-                i += 2;
-            }
-            let sv = _mm512_set1_ps(s);
-            for r in 0..R {
-                total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
-            }
-        }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
         }
     }
 }
@@ -619,57 +505,6 @@ unsafe fn i8g_block<const R: usize>(
         }
         for r in 0..R {
             _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// Widens FP8 N-tiles `nt0 .. nt0 + nts` to the bf16 tile layout with each 128×128 block scale
-/// folded in (one bf16 rounding of `fp8 · scale`), into `out` (`nts · k_pad` bf16 values). Lets experts
-/// with many tokens run the bf16 kernels (AMX or AVX-512) instead of re-widening per token block.
-///
-/// # Safety
-/// As the module contract; `w` is FP8 and `out` holds `nts * w.l.k_pad * 16` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn fp8_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
-    let table = fp8_lut();
-    // SAFETY: 128 u16 = four 64-byte vectors.
-    let lut: [__m512i; 4] =
-        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
-    let pairs = w.l.k_pad / 2;
-    let kb = w.l.k.div_ceil(128);
-    let pf = prefetch_distance();
-    assert!(out.len() >= nts * pairs * 32);
-    for t in 0..nts {
-        let nt = nt0 + t;
-        let wp = w.ntile(nt).as_ptr();
-        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
-        let dst = out[t * pairs * 32..].as_mut_ptr();
-        for i in 0..pairs {
-            // SAFETY: row i of the N-tile (32 bytes) and of the output (64 bytes) are in bounds.
-            unsafe {
-                prefetch(wp.add(i * 32), pf);
-                let b = transmute::<__m512bh, __m512i>(fp8x32_to_bf16(
-                    _mm256_loadu_si256(wp.add(i * 32).cast()),
-                    &lut,
-                ));
-                let s = _mm512_set1_ps(scales[i / 64]);
-                let lo = _mm512_mul_ps(
-                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
-                        _mm512_extracti64x4_epi64::<0>(b),
-                    )),
-                    s,
-                );
-                let hi = _mm512_mul_ps(
-                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
-                        _mm512_extracti64x4_epi64::<1>(b),
-                    )),
-                    s,
-                );
-                _mm512_storeu_si512(
-                    dst.add(i * 32).cast(),
-                    transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
-                );
-            }
         }
     }
 }

@@ -48,6 +48,7 @@ mod forward;
 pub(crate) mod gemm;
 mod kern_amx;
 mod kern_avx512;
+mod kern_fp8;
 mod kern_generic;
 pub(crate) mod pack;
 mod packed;
