@@ -9,8 +9,8 @@
 //! - 16-bit LUT (AVX-512 BF16 without VBMI, Cooper Lake): bytes zero-extended to words, two 64-entry
 //!   `vpermt2w` halves blended on bit 6, sign shifted in: ~9 per 32 bytes, about 3.5× the work, which
 //!   kept one decode token at 35–46% of the DRAM bandwidth on a 16-core AMX host.
-//! The tables are exact for every byte: ±0, subnormals, normals, and NaN for 0x7F / 0xFF (kt-kernel and
-//! llama.cpp's bf16 paths shift bits instead, which needs a fix-up for subnormals).
+//!
+//! The tables are exact for every byte: ±0, subnormals, normals, and NaN for 0x7F / 0xFF.
 //!
 //! Safety contract of every `pub(crate) unsafe fn` here: as `kern_avx512`'s (tier `Avx512`, `y` holds
 //! `rows × ldy` values with `16·nts ≤ ldy`, activation rows hold `k_pad` bf16 values, `w` is FP8),
@@ -464,7 +464,10 @@ mod tests {
             let dec = Vbmi::new();
             for c in bytes.chunks(64) {
                 let (a, b) = dec.decode(_mm512_loadu_si512(c.as_ptr().cast()));
-                let (a, b): ([u16; 32], [u16; 32]) = (transmute(a), transmute(b));
+                let (a, b): ([u16; 32], [u16; 32]) = (
+                    transmute::<__m512bh, [u16; 32]>(a),
+                    transmute::<__m512bh, [u16; 32]>(b),
+                );
                 let at = c[0] as usize;
                 assert_eq!(&a[..], &want[at..at + 32], "first pair-row at {at}");
                 assert_eq!(&b[..], &want[at + 32..at + 64], "second pair-row at {at}");
