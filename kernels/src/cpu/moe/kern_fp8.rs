@@ -24,10 +24,14 @@ use super::act::ActRef;
 use super::kern_avx512::{bh, for_blocks, prefetch, prefetch_distance, prefetch_head, MAX_ROWS};
 use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef};
 
-/// Whether this CPU has AVX-512 VBMI (byte permutes), which the fast FP8 decoder needs. Detected once.
+/// Whether the fast FP8 decoder runs: this CPU has AVX-512 VBMI (byte permutes) and the environment
+/// does not set `MOE_CPU_FP8_LUT16=1` (which forces the 16-bit table, for A/B benchmarks). Read once.
 pub(crate) fn has_vbmi() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
+    *V.get_or_init(|| {
+        is_x86_feature_detected!("avx512vbmi")
+            && std::env::var("MOE_CPU_FP8_LUT16").is_err_and(|e| e == std::env::VarError::NotPresent)
+    })
 }
 
 /// FP8 E4M3 magnitudes (7 bits) as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
