@@ -30,7 +30,8 @@ pub(crate) fn has_vbmi() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
     *V.get_or_init(|| {
         is_x86_feature_detected!("avx512vbmi")
-            && std::env::var("MOE_CPU_FP8_LUT16").is_err_and(|e| e == std::env::VarError::NotPresent)
+            && std::env::var("MOE_CPU_FP8_LUT16")
+                .is_err_and(|e| e == std::env::VarError::NotPresent)
     })
 }
 

@@ -185,11 +185,7 @@ impl CpuExpertSet {
                 sources: sources.len(),
             });
         }
-        if let Some(group) = cfg.format.group() {
-            if ![32, 64, 128].contains(&group) {
-                return Err(PackError::Group(group).into());
-            }
-        }
+        cfg.format.check_group()?;
         let (h, i) = (cfg.hidden, cfg.inter);
         for (&id, s) in ids.iter().zip(sources) {
             let err = |source| MoeError::Expert { id, source };

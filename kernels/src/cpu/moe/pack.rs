@@ -45,12 +45,13 @@ pub enum WeightFormat {
 }
 
 /// The names `WeightFormat` parses from.
-const EXPECTED: &str = "expected bf16, fp8, int8, int4, int4g64, int4g128, int4m32 or int8g32";
+const EXPECTED: &str =
+    "expected bf16, fp8, int8, int4, int4g64, int4g128, int4m32, int8g32 or int8g16";
 
 impl std::str::FromStr for WeightFormat {
     type Err = String;
     /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`, `int4m32` (Q4_1 layout),
-    /// `int8g32` (Q8_0 layout).
+    /// `int8g32` (Q8_0 layout), `int8g16` (Q6_K's codes).
     fn from_str(s: &str) -> Result<WeightFormat, String> {
         Ok(match s {
             "bf16" => WeightFormat::Bf16,
@@ -61,6 +62,7 @@ impl std::str::FromStr for WeightFormat {
             "int4g128" => WeightFormat::Int4 { group: 128 },
             "int4m32" => WeightFormat::Int4Min { group: 32 },
             "int8g32" => WeightFormat::Int8Group { group: 32 },
+            "int8g16" => WeightFormat::Int8Group { group: 16 },
             _ => return Err(format!("unknown expert format {s:?} ({EXPECTED})")),
         })
     }
@@ -84,6 +86,14 @@ impl WeightFormat {
             | WeightFormat::Int4Min { group }
             | WeightFormat::Int8Group { group } => Some(group),
             _ => None,
+        }
+    }
+
+    /// Checks the group size of the grouped formats: 32, 64 or 128, and 16 for `Int8Group` (Q6_K).
+    pub(crate) fn check_group(self) -> Result<(), PackError> {
+        match (self, self.group()) {
+            (WeightFormat::Int8Group { group: 16 }, _) | (_, None | Some(32 | 64 | 128)) => Ok(()),
+            (_, Some(g)) => Err(PackError::Group(g)),
         }
     }
 
@@ -133,7 +143,7 @@ pub enum PackError {
     },
     #[error("the FP8 weight format needs FP8 E4M3 source tensors ({name} is not)")]
     NotFp8 { name: &'static str },
-    #[error("int4 group size {0} not supported (32, 64 or 128)")]
+    #[error("group size {0} not supported (32, 64 or 128; int8 groups also 16)")]
     Group(usize),
     #[error("tensor {name}: {cols} columns are not a whole number of {kind} blocks")]
     GgmlRow {
@@ -393,23 +403,28 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
         let (nt, j) = (n / 16, n % 16);
         // Codes of this row: one byte per weight (bf16 handled separately).
         match (l.format, src) {
-            (_, SourceTensor::Ggml { kind, data }) if lossless(l.format, *kind) => {
+            (_, SourceTensor::Ggml { kind, data }) if keeps_codes(l.format, *kind) => {
                 let rb = kind.row_bytes(l.k).expect("checked by the caller");
-                let groups = l.k_pad / 32;
+                let group = ggml::code_group(*kind).expect("types with codes have groups");
+                debug_assert_eq!(l.format.group(), Some(group));
+                let groups = l.k_pad / group;
+                let per_block = kind.block().0 / group;
                 let s16 = s16_mut(s);
                 codes.fill(zero_code);
-                for (g, b) in data[n * rb..(n + 1) * rb]
+                for (blk, b) in data[n * rb..(n + 1) * rb]
                     .chunks_exact(kind.block().1)
                     .enumerate()
                 {
-                    let c = ggml::block_codes(*kind, b).expect("lossless types have codes");
-                    codes[g * 32..g * 32 + 32].copy_from_slice(&c.codes);
-                    if let WeightFormat::Int4Min { .. } = l.format {
-                        s16[(nt * groups + g) * 32 + j] = c.d;
-                        s16[(nt * groups + g) * 32 + 16 + j] = c.m;
-                    } else {
-                        s16[(nt * groups + g) * 16 + j] = c.d;
-                    }
+                    ggml::block_groups(*kind, b, |gb, c, d, m| {
+                        let g = blk * per_block + gb;
+                        codes[g * group..(g + 1) * group].copy_from_slice(c);
+                        if let WeightFormat::Int4Min { .. } = l.format {
+                            s16[(nt * groups + g) * 32 + j] = d;
+                            s16[(nt * groups + g) * 32 + 16 + j] = m;
+                        } else {
+                            s16[(nt * groups + g) * 16 + j] = d;
+                        }
+                    });
                 }
             }
             (WeightFormat::Bf16, SourceTensor::Bf16(d)) => {
@@ -518,24 +533,32 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
     }
 }
 
-/// Whether `kind` blocks are stored bit for bit by `format` (then repacked, not requantized).
-fn lossless(format: WeightFormat, kind: GgmlBlock) -> bool {
+/// Whether `format` keeps every code of `kind` blocks (then they are repacked, not requantized): bit
+/// for bit for Q4_0 / Q4_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q6_K
+/// (see [`ggml::block_groups`]).
+fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
     matches!(
         (format, kind),
         (WeightFormat::Int4 { group: 32 }, GgmlBlock::Q4_0)
-            | (WeightFormat::Int4Min { group: 32 }, GgmlBlock::Q4_1)
+            | (
+                WeightFormat::Int4Min { group: 32 },
+                GgmlBlock::Q4_1 | GgmlBlock::Q4K
+            )
             | (WeightFormat::Int8Group { group: 32 }, GgmlBlock::Q8_0)
+            | (WeightFormat::Int8Group { group: 16 }, GgmlBlock::Q6K)
     )
 }
 
-/// The packed format that holds a GGML type without loss where one exists (Q4_0, Q4_1, Q8_0, BF16),
-/// else the closest: F16 / F32 → Bf16, Q6_K / Q5_K → Int8Group 32 (requantized from the exact values
-/// with f16 group scales), Q4_K → Int4Min 32 (likewise).
+/// The packed format for a GGML type: one that keeps its codes where one exists (Q4_0, Q4_1, Q8_0 bit
+/// for bit; Q4_K → Int4Min 32 and Q6_K → Int8Group 16 with each sub-block scale rounded once to f16),
+/// BF16 as stored; else the closest: F16 / F32 → Bf16, Q5_K → Int8Group 32 (requantized from the
+/// exact values with f16 group scales: its five-bit codes with a min fit no packed format).
 pub fn format_for_ggml(kind: GgmlBlock) -> WeightFormat {
     match kind {
         GgmlBlock::Q4_0 => WeightFormat::Int4 { group: 32 },
         GgmlBlock::Q4_1 | GgmlBlock::Q4K => WeightFormat::Int4Min { group: 32 },
-        GgmlBlock::Q8_0 | GgmlBlock::Q5K | GgmlBlock::Q6K => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q8_0 | GgmlBlock::Q5K => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q6K => WeightFormat::Int8Group { group: 16 },
         GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => WeightFormat::Bf16,
     }
 }

@@ -41,7 +41,7 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
     (num / den.max(1e-30)).sqrt() as f32
 }
 
-const FORMATS: [WeightFormat; 8] = [
+const FORMATS: [WeightFormat; 9] = [
     WeightFormat::Bf16,
     WeightFormat::Fp8Block,
     WeightFormat::Int8,
@@ -50,6 +50,7 @@ const FORMATS: [WeightFormat; 8] = [
     WeightFormat::Int4 { group: 128 },
     WeightFormat::Int4Min { group: 32 },
     WeightFormat::Int8Group { group: 32 },
+    WeightFormat::Int8Group { group: 16 },
 ];
 
 /// Random source tensor in the natural source dtype of `fmt` (FP8 bytes for Fp8Block, bf16 otherwise).
