@@ -72,7 +72,6 @@ impl SyncPtr {
 
 thread_local! {
     static TILE_OUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// One matrix of a group call as the workers see it.
@@ -221,30 +220,9 @@ fn gemm_widened(
     y: &mut [f32],
     ldy: usize,
 ) {
-    let k_pad = w.l.k_pad;
-    WIDE.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        buf.resize(2 * 16 * k_pad, 0);
-        let mut t = 0;
-        while t < nts {
-            let c = (nts - t).min(2);
-            // SAFETY: the tier (≥ Avx512, checked by `widened`) is present; the buffer holds two
-            // N-tiles; the format is one `widens` accepts.
-            unsafe { widen_tiles(w, nt0 + t, c, &mut buf) };
-            let l = MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad);
-            // SAFETY: u16 storage viewed as bytes.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
-            };
-            let wide = MatRef {
-                l,
-                w: bytes,
-                s: &[],
-            };
-            gemm(tier, amx, &wide, 0, c, a, &mut y[16 * t..], ldy);
-            t += c;
-        }
-    })
+    // SAFETY: the tier (≥ Avx512, checked by `widened`) is present and the format is one `widens`
+    // accepts; activations are bf16 for widened matrices.
+    unsafe { crate::cpu::moe::gemm::gemm_widened(tier, amx, widen_tiles, w, nt0, nts, a, y, ldy) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]

@@ -53,6 +53,13 @@ fn fp8_byte_luts() -> &'static [[u8; 128]; 2] {
     })
 }
 
+/// An FP8 → bf16 decoder: 64 weight bytes (pair-rows i and i+1 of an N-tile) to the two bf16 pair-rows.
+trait Decode {
+    /// # Safety
+    /// The CPU has the decoder's features; `p` points at 64 readable bytes.
+    unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh);
+}
+
 /// Registers of the VBMI decoder: byte tables, the sign mask and the two interleave patterns.
 #[derive(Clone, Copy)]
 struct Vbmi {
@@ -66,6 +73,8 @@ struct Vbmi {
 }
 
 impl Vbmi {
+    /// # Safety
+    /// The CPU has AVX-512F.
     #[inline(always)]
     unsafe fn new() -> Vbmi {
         let [hi, lo] = fp8_byte_luts();
@@ -92,13 +101,15 @@ impl Vbmi {
             }
         }
     }
+}
 
-    /// 64 FP8 bytes (pair-rows i and i+1 of an N-tile) → the two bf16 pair-rows.
+impl Decode for Vbmi {
     #[inline(always)]
-    unsafe fn decode(&self, v: __m512i) -> (__m512bh, __m512bh) {
-        // SAFETY: register-only AVX-512 VBMI/F operations (caller has the features). The byte
-        // permutes read index bits 0..6: the magnitude; the sign (bit 7) is or-ed into the high byte.
+    unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh) {
+        // SAFETY: (caller) 64 readable bytes, AVX-512 VBMI/F present. The byte permutes read index
+        // bits 0..6, the magnitude; the sign (bit 7) is or-ed into the high byte.
         unsafe {
+            let v = _mm512_loadu_si512(p.cast());
             let hi = _mm512_permutex2var_epi8(self.hi[0], v, self.hi[1]);
             let hi = _mm512_ternarylogic_epi32::<0xF8>(hi, v, self.sign); // hi | (v & 0x80)
             let lo = _mm512_permutex2var_epi8(self.lo[0], v, self.lo[1]);
@@ -110,27 +121,50 @@ impl Vbmi {
     }
 }
 
-/// 32 FP8 bytes → 32 bf16 through the 16-bit table (no VBMI).
-#[inline(always)]
-unsafe fn fp8x32_to_bf16(v: __m256i, lut: &[__m512i; 4]) -> __m512bh {
-    // SAFETY: register-only AVX-512BW operations (caller has the features).
-    unsafe {
-        let w = _mm512_cvtepu8_epi16(v);
-        let mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-        let lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
-        let hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
-        let upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
-        let r = _mm512_mask_blend_epi16(upper, lo, hi);
-        let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0x80)));
-        bh(_mm512_or_si512(r, sign))
+/// The 16-bit table decoder (no VBMI): the 128 bf16 patterns in four registers.
+struct Lut16([__m512i; 4]);
+
+impl Lut16 {
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn new() -> Lut16 {
+        let table = fp8_lut();
+        // SAFETY: 128 u16 = four 64-byte vectors; (caller) AVX-512F present.
+        Lut16(std::array::from_fn(|i| unsafe {
+            _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())
+        }))
+    }
+
+    /// 32 FP8 bytes → 32 bf16.
+    #[inline(always)]
+    unsafe fn row(&self, v: __m256i) -> __m512bh {
+        let lut = &self.0;
+        // SAFETY: register-only AVX-512BW operations (caller has the features).
+        unsafe {
+            let w = _mm512_cvtepu8_epi16(v);
+            let mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+            let lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
+            let hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
+            let upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
+            let r = _mm512_mask_blend_epi16(upper, lo, hi);
+            let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0x80)));
+            bh(_mm512_or_si512(r, sign))
+        }
     }
 }
 
-#[inline(always)]
-unsafe fn lut16() -> [__m512i; 4] {
-    let table = fp8_lut();
-    // SAFETY: 128 u16 = four 64-byte vectors; (caller) AVX-512F present.
-    std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) })
+impl Decode for Lut16 {
+    #[inline(always)]
+    unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh) {
+        // SAFETY: (caller) 64 readable bytes, AVX-512 BW present.
+        unsafe {
+            (
+                self.row(_mm256_loadu_si256(p.cast())),
+                self.row(_mm256_loadu_si256(p.add(32).cast())),
+            )
+        }
+    }
 }
 
 /// The block scales of N-tile `nt`: one per 128 inputs.
@@ -160,18 +194,6 @@ pub(crate) unsafe fn gemm_fp8(
     }
 }
 
-/// Rows per token block: 4 keep the accumulators, tables and temporaries in 32 registers.
-const FP8_ROWS: usize = 4;
-
-/// Calls `$f::<R>(args)` for the block size `$n` (1..=4).
-macro_rules! by_rows4 {
-    ($n:expr, $f:ident($($a:expr),*)) => {
-        match $n {
-            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
-        }
-    };
-}
-
 /// [`gemm_fp8`] with the VBMI byte-table decoder.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")]
 pub(crate) unsafe fn gemm_fp8_vbmi(
@@ -183,7 +205,47 @@ pub(crate) unsafe fn gemm_fp8_vbmi(
     ldy: usize,
 ) {
     // SAFETY: (contract) features present.
-    let dec = unsafe { Vbmi::new() };
+    unsafe { gemm_with(&Vbmi::new(), w, nt0, nts, a, y, ldy) }
+}
+
+/// [`gemm_fp8`] with the 16-bit table decoder (CPUs without VBMI).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn gemm_fp8_lut16(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    // SAFETY: (contract) features present.
+    unsafe { gemm_with(&Lut16::new(), w, nt0, nts, a, y, ldy) }
+}
+
+/// Rows per token block: 4 keep the accumulators, tables and temporaries in 32 registers.
+const FP8_ROWS: usize = 4;
+
+/// Calls `$f::<R>(args)` for the block size `$n` (1..=4).
+macro_rules! by_rows4 {
+    ($n:expr, $f:ident($($a:expr),*)) => {
+        match $n {
+            4 => $f::<4, _>($($a),*), 3 => $f::<3, _>($($a),*), 2 => $f::<2, _>($($a),*),
+            _ => $f::<1, _>($($a),*),
+        }
+    };
+}
+
+/// The few-token kernel body, inlined into each decoder's `#[target_feature]` entry point.
+#[inline(always)]
+unsafe fn gemm_with<D: Decode>(
+    dec: &D,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
     // SAFETY: prefetch only.
@@ -201,19 +263,21 @@ pub(crate) unsafe fn gemm_fp8_vbmi(
                 ldy,
                 (nt - nt0) * 16,
                 FP8_ROWS,
-                |b, n| by_rows4!(n, vbmi_block(wp, pairs, pf, scales, &dec, &b.x, &b.out)),
+                |b, n| by_rows4!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out)),
             );
         }
     }
 }
 
+/// `R` tokens × one N-tile: per 128 inputs, two accumulator chains per token over the decoded
+/// pair-rows, then the block scale once.
 #[inline(always)]
-unsafe fn vbmi_block<const R: usize>(
+unsafe fn fp8_block<const R: usize, D: Decode>(
     wp: *const u8,
     pairs: usize,
     pf: usize,
     scales: &[f32],
-    dec: &Vbmi,
+    dec: &D,
     x: &[*const u32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
@@ -230,86 +294,7 @@ unsafe fn vbmi_block<const R: usize>(
             let mut i = start;
             while i < end {
                 prefetch(wp.add(i * 32), pf);
-                let (w0, w1) = dec.decode(_mm512_loadu_si512(wp.add(i * 32).cast()));
-                for r in 0..R {
-                    let x0 = bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32));
-                    let x1 = bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32));
-                    acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, x0);
-                    acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, x1);
-                }
-                i += 2;
-            }
-            let sv = _mm512_set1_ps(s);
-            for r in 0..R {
-                total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
-            }
-        }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// [`gemm_fp8`] with the 16-bit table decoder (CPUs without VBMI).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn gemm_fp8_lut16(
-    w: &MatRef<'_>,
-    nt0: usize,
-    nts: usize,
-    a: &ActRef<'_>,
-    y: *mut f32,
-    ldy: usize,
-) {
-    // SAFETY: (contract) features present.
-    let lut = unsafe { lut16() };
-    let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        let scales = tile_scales(w, nt);
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                FP8_ROWS,
-                |b, n| by_rows4!(n, lut16_block(wp, pairs, pf, scales, &lut, &b.x, &b.out)),
-            );
-        }
-    }
-}
-
-#[inline(always)]
-unsafe fn lut16_block<const R: usize>(
-    wp: *const u8,
-    pairs: usize,
-    pf: usize,
-    scales: &[f32],
-    lut: &[__m512i; 4],
-    x: &[*const u32; MAX_ROWS],
-    out: &[*mut f32; MAX_ROWS],
-) {
-    // SAFETY: (caller) rows of 32 bytes, `pairs` of them; x rows hold `pairs` u32.
-    unsafe {
-        let mut total = [_mm512_setzero_ps(); R];
-        for (b, &s) in scales.iter().enumerate() {
-            let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
-            if start >= end {
-                break;
-            }
-            let mut acc0 = [_mm512_setzero_ps(); R];
-            let mut acc1 = [_mm512_setzero_ps(); R];
-            let mut i = start;
-            while i < end {
-                prefetch(wp.add(i * 32), pf);
-                let w0 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), lut);
-                let w1 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32 + 32).cast()), lut);
+                let (w0, w1) = dec.pair_rows(wp.add(i * 32));
                 for r in 0..R {
                     let x0 = bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32));
                     let x1 = bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32));
@@ -376,27 +361,7 @@ pub(crate) unsafe fn fp8_to_bf16_tiles_vbmi(
     out: &mut [u16],
 ) {
     // SAFETY: (contract) features present.
-    let dec = unsafe { Vbmi::new() };
-    let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
-    assert!(out.len() >= nts * pairs * 32);
-    for t in 0..nts {
-        let nt = nt0 + t;
-        let wp = w.ntile(nt).as_ptr();
-        let scales = tile_scales(w, nt);
-        let dst = out[t * pairs * 32..].as_mut_ptr();
-        for i in (0..pairs).step_by(2) {
-            // SAFETY: rows i, i+1 of the N-tile (64 bytes) and of the output (128 bytes) are in
-            // bounds (pairs is even).
-            unsafe {
-                prefetch(wp.add(i * 32), pf);
-                let (w0, w1) = dec.decode(_mm512_loadu_si512(wp.add(i * 32).cast()));
-                let s = _mm512_set1_ps(scales[i / 64]);
-                _mm512_storeu_si512(dst.add(i * 32).cast(), scale_bf16x32(w0, s));
-                _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), scale_bf16x32(w1, s));
-            }
-        }
-    }
+    unsafe { widen_with(&Vbmi::new(), w, nt0, nts, out) }
 }
 
 /// [`fp8_to_bf16_tiles`] with the 16-bit table decoder.
@@ -408,7 +373,11 @@ pub(crate) unsafe fn fp8_to_bf16_tiles_lut16(
     out: &mut [u16],
 ) {
     // SAFETY: (contract) features present.
-    let lut = unsafe { lut16() };
+    unsafe { widen_with(&Lut16::new(), w, nt0, nts, out) }
+}
+
+#[inline(always)]
+unsafe fn widen_with<D: Decode>(dec: &D, w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
     assert!(out.len() >= nts * pairs * 32);
@@ -417,13 +386,15 @@ pub(crate) unsafe fn fp8_to_bf16_tiles_lut16(
         let wp = w.ntile(nt).as_ptr();
         let scales = tile_scales(w, nt);
         let dst = out[t * pairs * 32..].as_mut_ptr();
-        for i in 0..pairs {
-            // SAFETY: row i of the N-tile (32 bytes) and of the output (64 bytes) are in bounds.
+        for i in (0..pairs).step_by(2) {
+            // SAFETY: rows i, i+1 of the N-tile (64 bytes) and of the output (128 bytes) are in
+            // bounds (pairs is even); (caller) the decoder's features are present.
             unsafe {
                 prefetch(wp.add(i * 32), pf);
-                let b = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), &lut);
+                let (w0, w1) = dec.pair_rows(wp.add(i * 32));
                 let s = _mm512_set1_ps(scales[i / 64]);
-                _mm512_storeu_si512(dst.add(i * 32).cast(), scale_bf16x32(b, s));
+                _mm512_storeu_si512(dst.add(i * 32).cast(), scale_bf16x32(w0, s));
+                _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), scale_bf16x32(w1, s));
             }
         }
     }
@@ -447,28 +418,22 @@ mod tests {
             .map(|&b| f32_to_bf16(fp8_e4m3_to_f32(b)) | (b as u16 & 0x80) << 8)
             .collect();
         assert!(bf16_to_f32(want[0xFF]).is_nan() && bf16_to_f32(want[0x7F]).is_nan());
-        // SAFETY: AVX-512 (BF16, BW) checked above.
+        // SAFETY: AVX-512 (F, BW) checked above, VBMI where used.
         unsafe {
-            let lut = lut16();
-            for c in bytes.chunks(32) {
-                let got: [u16; 32] =
-                    transmute(fp8x32_to_bf16(_mm256_loadu_si256(c.as_ptr().cast()), &lut));
-                assert_eq!(&got[..], &want[c[0] as usize..c[0] as usize + 32]);
+            check_decoder(&Lut16::new(), &bytes, &want);
+            if has_vbmi() {
+                check_decoder(&Vbmi::new(), &bytes, &want);
             }
-        }
-        if has_vbmi() {
-            // SAFETY: VBMI present.
-            unsafe { check_vbmi(&bytes, &want) };
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    unsafe fn check_vbmi(bytes: &[u8], want: &[u16]) {
-        // SAFETY: features present (caller); 64-byte chunks of a 256-byte vector.
+    /// # Safety
+    /// The CPU has the decoder's features.
+    unsafe fn check_decoder(dec: &impl Decode, bytes: &[u8], want: &[u16]) {
+        // SAFETY: (caller) the decoder's features present; 64-byte chunks of a 256-byte vector.
         unsafe {
-            let dec = Vbmi::new();
             for c in bytes.chunks(64) {
-                let (a, b) = dec.decode(_mm512_loadu_si512(c.as_ptr().cast()));
+                let (a, b) = dec.pair_rows(c.as_ptr());
                 let (a, b): ([u16; 32], [u16; 32]) = (
                     transmute::<__m512bh, [u16; 32]>(a),
                     transmute::<__m512bh, [u16; 32]>(b),

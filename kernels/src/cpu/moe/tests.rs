@@ -502,7 +502,7 @@ fn int4_widening_matches_twin() {
         let a = buf.view(kind, l.k_pad, &rows);
         let ld = 16 * 3;
         let (mut got, mut want) = (vec![0f32; rows.len() * ld], vec![0f32; rows.len() * ld]);
-        unsafe { super::gemm::int4_widened(false, &mat, 0, 3, &a, &mut got, ld) };
+        unsafe { super::gemm::int4_widened(CpuTier::Avx512, false, &mat, 0, 3, &a, &mut got, ld) };
         gemm_i8_twin(&mat, 0, 3, &a, &mut want, ld);
         let e = rel_l2(&got, &want);
         assert!(e > 0.0 && e < 4e-3, "group {group}: rel err {e}");
