@@ -195,88 +195,45 @@ pub(crate) unsafe fn gemm_int(
         let wp = w.ntile(nt).as_ptr();
         // SAFETY: (contract).
         unsafe {
-            match w.l.format {
-                WeightFormat::Int4 { group } => {
-                    let s = &w.s16()[nt * groups * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
+            for_blocks::<i32>(
+                a,
+                a.q.as_ptr().cast(),
+                1,
+                y,
+                ldy,
+                (nt - nt0) * 16,
+                8,
+                |b, n| {
+                    let (gs, xs) = row_terms(a, b, n, groups);
+                    let (x, out) = (&b.x, &b.out);
+                    match w.l.format {
+                        WeightFormat::Int4 { group } => {
+                            let s = &w.s16()[nt * groups * 16..];
                             by_rows!(
                                 n,
                                 8,
-                                i4_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
+                                i4_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
                             )
-                        },
-                    )
-                }
-                WeightFormat::Int4Min { group } => {
-                    let s = &w.s16()[nt * groups * 32..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
+                        }
+                        WeightFormat::Int4Min { group } => {
+                            let s = &w.s16()[nt * groups * 32..];
                             by_rows!(
                                 n,
                                 8,
-                                i4m_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
+                                i4_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
                             )
-                        },
-                    )
-                }
-                WeightFormat::Int8Group { group } => {
-                    let s = &w.s16()[nt * groups * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i8g_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
-                    )
-                }
-                _ => {
-                    let s = &w.s[nt * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i8_block(wp, a.k_pad / 4, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
-                    )
-                }
-            }
+                        }
+                        WeightFormat::Int8Group { group } => {
+                            let s = &w.s16()[nt * groups * 16..];
+                            by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                        }
+                        _ => {
+                            let s = &w.s[nt * 16..];
+                            by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
+                        }
+                    }
+                },
+            )
         }
     }
 }
@@ -345,11 +302,14 @@ unsafe fn i8_block<const R: usize>(
     }
 }
 
+/// Int4 with a group scale (Q4_0: `w = (u − 8)·d`) or, `with_min`, a group scale and min (Q4_1:
+/// `w = u·d + m`): per group `d·Σ u·x − 8d·Σx`, or `d·Σ u·x + m·Σ x`, both sums from integer dots.
 #[inline(always)]
 unsafe fn i4_block<const R: usize>(
     wp: *const u8,
     group: usize,
     groups: usize,
+    with_min: bool,
     pf: usize,
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
@@ -357,11 +317,13 @@ unsafe fn i4_block<const R: usize>(
     xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
-    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
+    // SAFETY: (caller) `k_pad / 8` packed rows of 64 bytes; scales hold 16 (32 with the min) per
+    // group.
     unsafe {
         let nib = _mm512_set1_epi8(0x0F);
         let mut total = [_mm512_setzero_ps(); R];
         let per_group = group / 8;
+        let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
@@ -383,68 +345,24 @@ unsafe fn i4_block<const R: usize>(
                     );
                 }
             }
-            let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
-            for r in 0..R {
-                let acc = _mm512_sub_epi32(
-                    _mm512_add_epi32(lo_acc[r], hi_acc[r]),
-                    _mm512_set1_epi32(8 * *gsum[r].add(g)),
-                );
-                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
-            }
-        }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// Int4 with group scale and min (Q4_1): per group `d·Σ u·x + m·Σ x`, both sums from integer dots.
-#[inline(always)]
-unsafe fn i4m_block<const R: usize>(
-    wp: *const u8,
-    group: usize,
-    groups: usize,
-    pf: usize,
-    scales: &[u16],
-    x: &[*const i32; MAX_ROWS],
-    gsum: &[*const i32; MAX_ROWS],
-    xs: &[*const f32; MAX_ROWS],
-    out: &[*mut f32; MAX_ROWS],
-) {
-    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 32.
-    unsafe {
-        let nib = _mm512_set1_epi8(0x0F);
-        let mut total = [_mm512_setzero_ps(); R];
-        let per_group = group / 8;
-        for g in 0..groups {
-            let mut lo_acc = [_mm512_setzero_si512(); R];
-            let mut hi_acc = [_mm512_setzero_si512(); R];
-            for pr in g * per_group..(g + 1) * per_group {
-                prefetch(wp.add(pr * 64), pf);
-                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
-                let lo = _mm512_and_si512(v, nib);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
-                for r in 0..R {
-                    lo_acc[r] = _mm512_dpbusd_epi32(
-                        lo_acc[r],
-                        lo,
-                        _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned()),
-                    );
-                    hi_acc[r] = _mm512_dpbusd_epi32(
-                        hi_acc[r],
-                        hi,
-                        _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned()),
-                    );
-                }
-            }
-            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32).cast()));
-            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32 + 16).cast()));
+            let at = scales.as_ptr().add(g * stride);
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
             for r in 0..R {
                 let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
-                let gs = _mm512_set1_ps(*gsum[r].add(g) as f32);
-                let part = _mm512_fmadd_ps(gs, mv, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv));
-                total[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(*xs[r].add(g)), total[r]);
+                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = if with_min {
+                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
+                    let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv);
+                    let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
+                    _mm512_fmadd_ps(part, x_scale, total[r])
+                } else {
+                    let acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(8 * gs));
+                    _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acc),
+                        _mm512_mul_ps(dv, x_scale),
+                        total[r],
+                    )
+                };
             }
         }
         for r in 0..R {
