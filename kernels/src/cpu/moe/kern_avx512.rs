@@ -255,6 +255,38 @@ fn row_terms(
     (gs, xs)
 }
 
+/// Per token: Σ over the quad rows `from .. to` (an even count, 64 bytes each: 16 outputs × 4 inputs)
+/// of `vpdpbusd(weights, activation quad)`, in two accumulator chains summed at the end.
+#[inline(always)]
+unsafe fn dot_quads<const R: usize>(
+    wp: *const u8,
+    from: usize,
+    to: usize,
+    pf: usize,
+    x: &[*const i32; MAX_ROWS],
+) -> [__m512i; R] {
+    // SAFETY: (caller) rows `from .. to` of 64 bytes; x rows hold `to` i32.
+    unsafe {
+        let mut acc0 = [_mm512_setzero_si512(); R];
+        let mut acc1 = [_mm512_setzero_si512(); R];
+        let mut i = from;
+        while i < to {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
+            let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
+            let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
+            for r in 0..R {
+                let x0 = _mm512_set1_epi32(x[r].add(i).read_unaligned());
+                let x1 = _mm512_set1_epi32(x[r].add(i + 1).read_unaligned());
+                acc0[r] = _mm512_dpbusd_epi32(acc0[r], w0, x0);
+                acc1[r] = _mm512_dpbusd_epi32(acc1[r], w1, x1);
+            }
+            i += 2;
+        }
+        std::array::from_fn(|r| _mm512_add_epi32(acc0[r], acc1[r]))
+    }
+}
+
 #[inline(always)]
 unsafe fn i8_block<const R: usize>(
     wp: *const u8,
@@ -268,34 +300,10 @@ unsafe fn i8_block<const R: usize>(
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
     unsafe {
-        let mut acc0 = [_mm512_setzero_si512(); R];
-        let mut acc1 = [_mm512_setzero_si512(); R];
-        let mut i = 0;
-        while i < quads {
-            prefetch(wp.add(i * 64), pf);
-            prefetch(wp.add(i * 64 + 64), pf);
-            let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
-            let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
-            for r in 0..R {
-                acc0[r] = _mm512_dpbusd_epi32(
-                    acc0[r],
-                    w0,
-                    _mm512_set1_epi32(x[r].add(i).read_unaligned()),
-                );
-                acc1[r] = _mm512_dpbusd_epi32(
-                    acc1[r],
-                    w1,
-                    _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
-                );
-            }
-            i += 2;
-        }
+        let acc = dot_quads::<R>(wp, 0, quads, pf, x);
         let ws = _mm512_loadu_ps(wscale.as_ptr());
         for r in 0..R {
-            let acc = _mm512_sub_epi32(
-                _mm512_add_epi32(acc0[r], acc1[r]),
-                _mm512_set1_epi32(128 * *gsum[r]),
-            );
+            let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r]));
             let s = _mm512_mul_ps(ws, _mm512_set1_ps(*xs[r]));
             _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
         }
@@ -389,34 +397,10 @@ unsafe fn i8g_block<const R: usize>(
         let mut total = [_mm512_setzero_ps(); R];
         let quads = group / 4;
         for g in 0..groups {
-            let mut acc0 = [_mm512_setzero_si512(); R];
-            let mut acc1 = [_mm512_setzero_si512(); R];
-            let mut i = g * quads;
-            while i < (g + 1) * quads {
-                prefetch(wp.add(i * 64), pf);
-                prefetch(wp.add(i * 64 + 64), pf);
-                let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
-                let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
-                for r in 0..R {
-                    acc0[r] = _mm512_dpbusd_epi32(
-                        acc0[r],
-                        w0,
-                        _mm512_set1_epi32(x[r].add(i).read_unaligned()),
-                    );
-                    acc1[r] = _mm512_dpbusd_epi32(
-                        acc1[r],
-                        w1,
-                        _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
-                    );
-                }
-                i += 2;
-            }
+            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
             let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
             for r in 0..R {
-                let acc = _mm512_sub_epi32(
-                    _mm512_add_epi32(acc0[r], acc1[r]),
-                    _mm512_set1_epi32(128 * *gsum[r].add(g)),
-                );
+                let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r].add(g)));
                 let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
                 total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
             }
