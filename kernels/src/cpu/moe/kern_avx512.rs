@@ -78,38 +78,50 @@ pub(super) struct Block<T> {
     row: [usize; MAX_ROWS],
 }
 
-/// Splits the view's rows into blocks of at most `max` and calls `f(block, n)` for each.
+/// The token-block loop of every few-token kernel: for each N-tile `nt0 .. nt0 + nts` (the head of
+/// the weight stream prefetched first) and each block of at most `max` of the view's rows, calls
+/// `f(nt, weights of N-tile nt, block, rows in the block)`; N-tile `nt` writes output columns
+/// `16·(nt − nt0) ..`. `base` and `elem`: the activation storage the kernel reads, its element size.
+///
+/// # Safety
+/// As the module contract for `w`, `a`, `y` and `ldy`; `base` is the view's storage of that kind.
 #[inline(always)]
-pub(super) unsafe fn for_blocks<T>(
+pub(super) unsafe fn for_tiles<T>(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
     a: &ActRef<'_>,
-    base: *const u8,
-    elem: usize,
-    y: *mut f32,
-    ldy: usize,
-    col: usize,
+    (base, elem): (*const u8, usize),
+    (y, ldy): (*mut f32, usize),
     max: usize,
-    mut f: impl FnMut(&Block<T>, usize),
+    mut f: impl FnMut(usize, *const u8, &Block<T>, usize),
 ) {
+    // SAFETY: prefetch only.
+    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), prefetch_distance()) };
     let m = a.rows.len();
-    let mut r = 0;
-    while r < m {
-        let n = (m - r).min(max);
-        let mut b = Block {
-            x: [std::ptr::null(); MAX_ROWS],
-            out: [std::ptr::null_mut(); MAX_ROWS],
-            row: [0; MAX_ROWS],
-        };
-        for i in 0..n {
-            let row = a.rows[r + i] as usize;
-            b.row[i] = row;
-            // SAFETY: (contract) rows and y in range.
-            unsafe {
-                b.x[i] = base.add(row * a.k_pad * elem).cast();
-                b.out[i] = y.add((r + i) * ldy + col);
+    for nt in nt0..nt0 + nts {
+        let wp = w.ntile(nt).as_ptr();
+        let col = (nt - nt0) * 16;
+        let mut r = 0;
+        while r < m {
+            let n = (m - r).min(max);
+            let mut b = Block {
+                x: [std::ptr::null(); MAX_ROWS],
+                out: [std::ptr::null_mut(); MAX_ROWS],
+                row: [0; MAX_ROWS],
+            };
+            for i in 0..n {
+                let row = a.rows[r + i] as usize;
+                b.row[i] = row;
+                // SAFETY: (contract) rows and y in range.
+                unsafe {
+                    b.x[i] = base.add(row * a.k_pad * elem).cast();
+                    b.out[i] = y.add((r + i) * ldy + col);
+                }
             }
+            f(nt, wp, &b, n);
+            r += n;
         }
-        f(&b, n);
-        r += n;
     }
 }
 
@@ -125,23 +137,12 @@ pub(crate) unsafe fn gemm_bf16(
 ) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                8,
-                |b, n| by_rows!(n, 8, bf16_block(wp, pairs, pf, &b.x, &b.out)),
-            );
-        }
+    let act = (a.b.as_ptr().cast(), 2);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<u32>(w, nt0, nts, a, act, (y, ldy), 8, |_, wp, b, n| {
+            by_rows!(n, 8, bf16_block(wp, pairs, pf, &b.x, &b.out))
+        })
     }
 }
 
@@ -189,52 +190,39 @@ pub(crate) unsafe fn gemm_int(
 ) {
     let groups = a.groups();
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<i32>(
-                a,
-                a.q.as_ptr().cast(),
-                1,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                8,
-                |b, n| {
-                    let (gs, xs) = row_terms(a, b, n, groups);
-                    let (x, out) = (&b.x, &b.out);
-                    match w.l.format {
-                        WeightFormat::Int4 { group } => {
-                            let s = &w.s16()[nt * groups * 16..];
-                            by_rows!(
-                                n,
-                                8,
-                                i4_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
-                            )
-                        }
-                        WeightFormat::Int4Min { group } => {
-                            let s = &w.s16()[nt * groups * 32..];
-                            by_rows!(
-                                n,
-                                8,
-                                i4_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
-                            )
-                        }
-                        WeightFormat::Int8Group { group } => {
-                            let s = &w.s16()[nt * groups * 16..];
-                            by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
-                        }
-                        _ => {
-                            let s = &w.s[nt * 16..];
-                            by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
-                        }
-                    }
-                },
-            )
-        }
+    let act = (a.q.as_ptr().cast(), 1);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<i32>(w, nt0, nts, a, act, (y, ldy), 8, |nt, wp, b, n| {
+            let (gs, xs) = row_terms(a, b, n, groups);
+            let (x, out) = (&b.x, &b.out);
+            match w.l.format {
+                WeightFormat::Int4 { group } => {
+                    let s = &w.s16()[nt * groups * 16..];
+                    by_rows!(
+                        n,
+                        8,
+                        i4_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
+                    )
+                }
+                WeightFormat::Int4Min { group } => {
+                    let s = &w.s16()[nt * groups * 32..];
+                    by_rows!(
+                        n,
+                        8,
+                        i4_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
+                    )
+                }
+                WeightFormat::Int8Group { group } => {
+                    let s = &w.s16()[nt * groups * 16..];
+                    by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                }
+                _ => {
+                    let s = &w.s[nt * 16..];
+                    by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
+                }
+            }
+        })
     }
 }
 

@@ -21,7 +21,7 @@ use std::mem::transmute;
 use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::kern_avx512::{bh, for_blocks, prefetch, prefetch_distance, prefetch_head, MAX_ROWS};
+use super::kern_avx512::{bh, for_tiles, prefetch, prefetch_distance, MAX_ROWS};
 use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef};
 
 /// Whether the fast FP8 decoder runs: this CPU has AVX-512 VBMI (byte permutes) and the environment
@@ -248,24 +248,13 @@ unsafe fn gemm_with<D: Decode>(
 ) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        let scales = tile_scales(w, nt);
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                FP8_ROWS,
-                |b, n| by_rows4!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out)),
-            );
-        }
+    let act = (a.b.as_ptr().cast(), 2);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<u32>(w, nt0, nts, a, act, (y, ldy), FP8_ROWS, |nt, wp, b, n| {
+            let scales = tile_scales(w, nt);
+            by_rows4!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out))
+        })
     }
 }
 
