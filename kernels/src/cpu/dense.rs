@@ -432,6 +432,12 @@ mod tests {
 
     /// GGML bytes of a `[rows, cols]` matrix: random blocks with finite f16 scales.
     fn ggml_bytes(kind: GgmlBlock, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        if kind == GgmlBlock::F16 {
+            return rng_values(rows * cols, seed)
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect();
+        }
         let (_, bb) = kind.block();
         let mut b: Vec<u8> = rng_values(rows * kind.row_bytes(cols).unwrap(), seed)
             .iter()
@@ -479,7 +485,12 @@ mod tests {
     #[test]
     fn ggml_blocks_repack_bit_for_bit() {
         let (n, k) = (35, 96);
-        for kind in [GgmlBlock::Q4_0, GgmlBlock::Q4_1, GgmlBlock::Q8_0] {
+        for kind in [
+            GgmlBlock::Q4_0,
+            GgmlBlock::Q4_1,
+            GgmlBlock::Q8_0,
+            GgmlBlock::F16,
+        ] {
             let data = ggml_bytes(kind, n, k, 3);
             let src = SourceTensor::Ggml { kind, data: &data };
             let w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
@@ -512,6 +523,7 @@ mod tests {
         let k_k = 256; // K-quant rows are whole super-blocks
         let f32_kq = rng_values(n * k_k, 13);
         let q6k = ggml_bytes(GgmlBlock::Q6K, n, k_k, 8);
+        let f16 = ggml_bytes(GgmlBlock::F16, n, k, 10);
         let cases: Vec<(WeightFormat, SourceTensor)> = vec![
             (WeightFormat::Bf16, SourceTensor::F32(&f32_src)),
             (WeightFormat::Int8, SourceTensor::F32(&f32_src)),
@@ -563,6 +575,14 @@ mod tests {
             WeightFormat::Int8Group { group: 16 },
             SourceTensor::F32(&f32_kq),
             k_k,
+        ));
+        cases.push((
+            WeightFormat::F16,
+            SourceTensor::Ggml {
+                kind: GgmlBlock::F16,
+                data: &f16,
+            },
+            k,
         ));
         let bias = rng_values(n, 9);
         for (fmt, src, k) in cases {

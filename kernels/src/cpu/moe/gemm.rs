@@ -8,7 +8,8 @@ use crate::cpu::features::CpuTier;
 /// Activation kind the kernels of `tier` read for weights of `format` over `k_pad` inputs.
 pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
     match (tier, format) {
-        (CpuTier::Scalar | CpuTier::Avx2, _) => ActKind::F32,
+        // F16 weights meet f32 activations on every tier (no f16 dot instruction before AVX-512 FP16).
+        (CpuTier::Scalar | CpuTier::Avx2, _) | (_, WeightFormat::F16) => ActKind::F32,
         (_, WeightFormat::Bf16 | WeightFormat::Fp8Block) => ActKind::Bf16,
         (_, WeightFormat::Int8) => ActKind::I8 { group: k_pad },
         (
@@ -178,6 +179,9 @@ pub(crate) fn gemm(
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
                     return kern_avx512::gemm_bf16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::F32, WeightFormat::F16) => {
+                    return kern_avx512::gemm_f16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
                 }
                 (CpuTier::Amx, ActKind::I8 { .. }, WeightFormat::Int4 { .. }) if amx => {
                     return int4_widened(tier, true, w, nt0, nts, a, y, ldy)

@@ -61,6 +61,11 @@ pub(super) unsafe fn bh(v: __m512i) -> __m512bh {
 
 /// Calls `$f::<R>(args)` for the block size `$n` (1..=$max).
 macro_rules! by_rows {
+    ($n:expr, 4, $f:ident($($a:expr),*)) => {
+        match $n {
+            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
+        }
+    };
     ($n:expr, 8, $f:ident($($a:expr),*)) => {
         match $n {
             8 => $f::<8>($($a),*), 7 => $f::<7>($($a),*), 6 => $f::<6>($($a),*), 5 => $f::<5>($($a),*),
@@ -174,6 +179,76 @@ unsafe fn bf16_block<const R: usize>(
         }
         for r in 0..R {
             _mm512_storeu_ps(out[r], _mm512_add_ps(acc0[r], acc1[r]));
+        }
+    }
+}
+
+/// F16 weights × f32 activations: per 64-byte row (16 outputs × 2 inputs) two `vcvtph2ps` and two
+/// FMAs against the input pair broadcast as one 64-bit lane pattern; each output's two lanes are
+/// summed at the end. Exact f16 values, f32 products: no rounding of weights or activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(crate) unsafe fn gemm_f16(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let pairs = w.l.k_pad / 2;
+    let pf = prefetch_distance();
+    let act = (a.f.as_ptr().cast(), 4);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<u64>(w, nt0, nts, a, act, (y, ldy), 4, |_, wp, b, n| {
+            by_rows!(n, 4, f16_block(wp, pairs, pf, &b.x, &b.out))
+        })
+    }
+}
+
+#[inline(always)]
+unsafe fn f16_block<const R: usize>(
+    wp: *const u8,
+    pairs: usize,
+    pf: usize,
+    x: &[*const u64; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller) `pairs` (even) rows of 64 bytes; x rows hold `pairs` f32 pairs.
+    unsafe {
+        // Lanes 2j, 2j+1 of `lo` hold output j's two products (j < 8), of `hi` output 8 + j.
+        let mut lo = [[_mm512_setzero_ps(); 2]; R];
+        let mut hi = [[_mm512_setzero_ps(); 2]; R];
+        let mut i = 0;
+        while i < pairs {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
+            for u in 0..2 {
+                let v = _mm512_loadu_si512(wp.add((i + u) * 64).cast());
+                let wl = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+                let wh = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(v));
+                for r in 0..R {
+                    let xp = _mm512_castsi512_ps(_mm512_set1_epi64(
+                        x[r].add(i + u).read_unaligned() as i64,
+                    ));
+                    lo[r][u] = _mm512_fmadd_ps(wl, xp, lo[r][u]);
+                    hi[r][u] = _mm512_fmadd_ps(wh, xp, hi[r][u]);
+                }
+            }
+            i += 2;
+        }
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        for r in 0..R {
+            let (l, h) = (
+                _mm512_add_ps(lo[r][0], lo[r][1]),
+                _mm512_add_ps(hi[r][0], hi[r][1]),
+            );
+            let sum = _mm512_add_ps(
+                _mm512_permutex2var_ps(l, even, h),
+                _mm512_permutex2var_ps(l, odd, h),
+            );
+            _mm512_storeu_ps(out[r], sum);
         }
     }
 }
