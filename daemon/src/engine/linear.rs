@@ -261,21 +261,11 @@ fn fp8_table() -> &'static [f32; 256] {
     TABLE.get_or_init(fp8::e4m3_table)
 }
 
-/// f32 dot product with 8 independent accumulators (lets the compiler vectorise without fast-math).
+/// f32 dot product on the widest SIMD tier of this CPU (the kernels crate's runtime-dispatched
+/// `dot_f32`: this crate is compiled for baseline x86-64).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[i * 8 + l] * b[i * 8 + l];
-        }
-    }
-    let mut s = 0f32;
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s + acc.iter().sum::<f32>()
+    moe_kernels::cpu::dot_f32(a, b)
 }
 
 #[cfg(test)]
