@@ -54,6 +54,15 @@ pub struct Linear {
 const ROWS_PER_TASK: usize = 16;
 
 impl Linear {
+    /// The worker pool that runs this weight's kernels, once packed (attention runs its per-head work on
+    /// the same threads).
+    pub fn pool(&self) -> Option<&Arc<WorkerPool>> {
+        match &self.w {
+            WeightData::Packed(p) => Some(&p.pool),
+            _ => None,
+        }
+    }
+
     /// Takes ownership of a `[out, in]` tensor (and optional `[out]` bias), keeping its precision.
     pub fn new(w: HostTensor, bias: Option<Vec<f32>>) -> Self {
         let (out_dim, in_dim) = crate::weights::matrix_dims(&w.shape);
