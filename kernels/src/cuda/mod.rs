@@ -11,7 +11,11 @@ use std::sync::Arc;
 
 pub use cudarc::driver::DriverError;
 
-const SOURCE: &str = include_str!("kernels.cu");
+pub mod dense;
+pub mod quant;
+
+/// `kernels.cu` then `dense_quant.cu` (which uses the former's helpers), one NVRTC module.
+const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("dense_quant.cu"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -29,6 +33,8 @@ pub enum GpuError {
     Compile(String),
     #[error("cuBLAS: {0}")]
     Blas(String),
+    #[error("{0}")]
+    Shape(String),
 }
 
 /// Compute capabilities the backend is built for.
@@ -57,6 +63,10 @@ pub struct Kernels {
     pub gather_kv_bf16: CudaFunction,
     pub causal_softmax_rows: CudaFunction,
     pub unpack_experts: CudaFunction,
+    pub gemv_w4a16: CudaFunction,
+    pub gemv_w8a16: CudaFunction,
+    pub dense_dequant_w4: CudaFunction,
+    pub dense_dequant_w8: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -148,6 +158,10 @@ impl GpuDevice {
             gather_kv_bf16: f("gather_kv_bf16")?,
             causal_softmax_rows: f("causal_softmax_rows")?,
             unpack_experts: f("unpack_experts")?,
+            gemv_w4a16: f("gemv_w4a16")?,
+            gemv_w8a16: f("gemv_w8a16")?,
+            dense_dequant_w4: f("dense_dequant_w4")?,
+            dense_dequant_w8: f("dense_dequant_w8")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -447,7 +461,10 @@ mod tests {
         }
         for arch in ["sm_89", "sm_90", "sm_120"] {
             let ptx = compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-            assert!(ptx.to_src().contains(".entry gated_mul"), "{arch}");
+            let src = ptx.to_src();
+            for entry in ["gated_mul", "gemv_w4a16", "gemv_w8a16", "dense_dequant_w4"] {
+                assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
+            }
         }
     }
 
@@ -473,6 +490,10 @@ mod tests {
             "gather_kv_bf16",
             "causal_softmax_rows",
             "unpack_experts",
+            "gemv_w4a16",
+            "gemv_w8a16",
+            "dense_dequant_w4",
+            "dense_dequant_w8",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),
