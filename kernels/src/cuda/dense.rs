@@ -98,7 +98,7 @@ impl GpuDevice {
     }
 
     /// `y[n, out] (=|+=) x[n, in] · Wᵀ` with f32 accumulation, whatever W's format. `scratch` is
-    /// only used by quantized weights when `n > GEMV_MAX_ROWS` (it must hold at least one row).
+    /// needed by quantized weights when `n > GEMV_MAX_ROWS` (it must hold at least one row).
     pub fn dense_matmul(
         &self,
         w: &DeviceDense,
@@ -106,7 +106,7 @@ impl GpuDevice {
         y: &mut CudaSlice<f32>,
         (n, out, inp): (usize, usize, usize),
         accumulate: bool,
-        scratch: &mut CudaSlice<bf16>,
+        scratch: Option<&mut CudaSlice<bf16>>,
     ) -> Result<(), GpuError> {
         if x.len() < n * inp || y.len() < n * out {
             return Err(GpuError::Shape(format!(
@@ -124,7 +124,12 @@ impl GpuDevice {
                 }
                 Ok(())
             }
-            _ => self.dense_dequant_gemm(w, x, y, (n, out, inp), accumulate, scratch),
+            _ => {
+                let scratch = scratch.ok_or_else(|| {
+                    GpuError::Shape("quantized prefill needs a dequantization scratch buffer".into())
+                })?;
+                self.dense_dequant_gemm(w, x, y, (n, out, inp), accumulate, scratch)
+            }
         }
     }
 
