@@ -360,12 +360,10 @@ impl Engine {
         self.gpu.as_ref().and_then(|g| g.memory.as_ref())
     }
 
-    /// Device bytes in use now and at context creation (CUDA backend): what this engine holds,
-    /// step buffers included, is the difference (when no other process allocates meanwhile).
-    pub fn gpu_memory_in_use(&self) -> Option<(u64, u64)> {
-        let g = self.gpu.as_ref()?;
-        let (free, total) = g.dev.memory().ok()?;
-        Some(((total - free) as u64, g.memory.as_ref()?.context_used))
+    /// This engine's device allocations (CUDA backend): bytes in use now and the most in use so far
+    /// (weights, KV cache, step buffers; not the CUDA context and cuBLAS workspaces).
+    pub fn gpu_pool_usage(&self) -> Option<(u64, u64)> {
+        self.gpu.as_ref()?.dev.pool_usage().ok()?
     }
 
     /// Whether the CUDA backend runs this engine.

@@ -184,6 +184,58 @@ impl GpuDevice {
         Ok(self.ctx.mem_get_info()?)
     }
 
+    /// Bytes of this process's stream-ordered allocations on the device (cudarc allocates every
+    /// buffer from the device's default memory pool when the driver supports it): in use now and
+    /// the most in use since the start (or the last [`GpuDevice::reset_pool_peak`]). `None` when the
+    /// driver has no memory pools (then allocations are synchronous and not counted here).
+    pub fn pool_usage(&self) -> Result<Option<(u64, u64)>, GpuError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let Some(pool) = self.default_pool()? else {
+            return Ok(None);
+        };
+        let read = |attr: A| -> Result<u64, GpuError> {
+            let mut v = 0u64;
+            // SAFETY: `pool` is the device's default pool; the attribute is a u64 (cuuint64_t).
+            unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v) as *mut u64 as *mut _) }
+                .result()?;
+            Ok(v)
+        };
+        Ok(Some((
+            read(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            read(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        )))
+    }
+
+    /// Restarts the high-water mark of [`GpuDevice::pool_usage`] at the current use.
+    pub fn reset_pool_peak(&self) -> Result<(), GpuError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        if let Some(pool) = self.default_pool()? {
+            let mut zero = 0u64;
+            // SAFETY: as above; resetting the high-water mark takes the value 0.
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero) as *mut u64 as *mut _,
+                )
+            }
+            .result()?;
+        }
+        Ok(())
+    }
+
+    fn default_pool(&self) -> Result<Option<cudarc::driver::sys::CUmemoryPool>, GpuError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: writes the device's default pool handle into `pool`.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(None);
+        }
+        Ok(Some(pool))
+    }
+
     /// `y[n, m] (=|+=) x[n, k] · w[m, k]ᵀ`: bf16 inputs, f32 output and accumulation (cuBLAS GemmEx).
     pub fn gemm_bf16(
         &self,

@@ -90,15 +90,14 @@ pub fn dense_format(d: moe_sizing::DenseDtype) -> DenseFormat {
     }
 }
 
-/// The plan and what the engine's start allocated on the device (device memory in use after the
-/// upload minus in use right after the context was created, so other processes' memory is excluded
-/// as long as it does not change meanwhile).
+/// The plan and what the engine's start allocated on the device (the bytes of the device's memory
+/// pool that every buffer is allocated from; without pools, the drop in free memory).
 #[derive(Debug, Clone)]
 pub struct MemoryReport {
     pub plan: MemoryPlan,
     /// Device bytes in use once the CUDA context, cuBLAS and the kernels are loaded.
     pub context_used: u64,
-    /// Device bytes the upload (weights, KV, scratch) added.
+    /// Device bytes the upload allocated (weights, KV cache, scratch).
     pub start_allocated: u64,
 }
 

@@ -132,10 +132,15 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         dense,
     )?;
     let (free_after, _) = gpu.dev.memory()?;
+    // The pool counts exactly this engine's buffers; the free-memory delta is the fallback.
+    let start_allocated = match gpu.dev.pool_usage()? {
+        Some((in_use, _)) => in_use,
+        None => (free - free_after) as u64,
+    };
     let report = memory::MemoryReport {
         plan,
         context_used,
-        start_allocated: (free - free_after) as u64,
+        start_allocated,
     };
     let msg = format!(
         "GPU memory at start: {:.2} GiB allocated for weights, KV and scratch (planned {:.2} GiB), uploaded in {:.1} s",
