@@ -106,7 +106,9 @@ pub fn config_json(name: &str) -> Option<Value> {
 
 /// The known model whose key appears in any of `names` (lower-cased), with its config.json: FP8 when
 /// the hub checkpoint is, or when a name says `fp8` (e.g. `Qwen/Qwen3-30B-A3B-FP8`).
-pub fn match_known<'a>(names: impl IntoIterator<Item = &'a str> + Clone) -> Option<(&'static KnownModel, Value)> {
+pub fn match_known<'a>(
+    names: impl IntoIterator<Item = &'a str> + Clone,
+) -> Option<(&'static KnownModel, Value)> {
     let lower: Vec<String> = names.into_iter().map(str::to_lowercase).collect();
     let known = KNOWN_MODELS
         .iter()

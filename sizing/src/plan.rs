@@ -190,11 +190,7 @@ pub enum PlanError {
         left_mib: u64,
     },
     #[error("{asked} GPU experts per layer ({need_mib} MiB) do not fit: at most {fit} fit beside the dense weights and KV cache (use --gpu-experts auto)")]
-    ExpertsDoNotFit {
-        asked: u64,
-        need_mib: u64,
-        fit: u64,
-    },
+    ExpertsDoNotFit { asked: u64, need_mib: u64, fit: u64 },
 }
 
 /// Activation and per-step buffers of a step of `tokens` rows (`seqs` sequences): the residual
@@ -222,7 +218,12 @@ pub fn step_buffer_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
         ),
     };
     let (experts, top_k, inter, shared) = shape.moe.as_ref().map_or((1, 1, 0, 0), |m| {
-        (m.experts, m.top_k, m.expert_intermediate, m.shared_intermediate)
+        (
+            m.experts,
+            m.top_k,
+            m.expert_intermediate,
+            m.shared_intermediate,
+        )
     });
     // x, cpu_sum, hf (f32) + hb (bf16); q, k, v f32 + out bf16; logits, ids, weights
     let acts = h * 14 + qd * 6 + kd * 8 + experts * 4 + top_k * 8;
@@ -294,7 +295,10 @@ pub fn plan_with(
     };
     let left = left - kv_bytes(kv_reserved);
     let layer_experts = shape.moe_layers() * shape.gpu_expert_bytes();
-    let fit = left.checked_div(layer_experts).unwrap_or(0).min(shape.experts_per_layer());
+    let fit = left
+        .checked_div(layer_experts)
+        .unwrap_or(0)
+        .min(shape.experts_per_layer());
     let per_layer = match inputs.experts {
         ExpertsChoice::Auto => fit,
         ExpertsChoice::PerLayer(n) => {

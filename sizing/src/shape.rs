@@ -45,7 +45,9 @@ pub struct Moe {
 pub enum CheckpointFormat {
     Bf16,
     /// E4M3 with one f32 scale per `block × block` tile (DeepSeek-V3, Qwen3-FP8).
-    Fp8 { block: u64 },
+    Fp8 {
+        block: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,7 +184,9 @@ impl ModelShape {
         match self.checkpoint {
             CheckpointFormat::Bf16 => 3 * h * i * 2,
             CheckpointFormat::Fp8 { block } => {
-                3 * h * i + 4 * (2 * i.div_ceil(block) * h.div_ceil(block) + h.div_ceil(block) * i.div_ceil(block))
+                3 * h * i
+                    + 4 * (2 * i.div_ceil(block) * h.div_ceil(block)
+                        + h.div_ceil(block) * i.div_ceil(block))
             }
         }
     }

@@ -11,8 +11,7 @@ fn known(name: &str) -> ModelShape {
 fn params_b(s: &ModelShape) -> f64 {
     // all weights at bf16, routed experts at 3·h·I
     let dense = dense_bytes(s, DenseDtype::Bf16, false);
-    let dense_params = (dense.total() - dense.f32_small) as f64 / 2.0
-        + if s.tied_embeddings { 0.0 } else { 0.0 };
+    let dense_params = (dense.total() - dense.f32_small) as f64 / 2.0;
     let experts = (s.moe_layers() * s.experts_per_layer() * s.gpu_expert_bytes()) as f64 / 2.0;
     (dense_params + experts) / 1e9
 }
@@ -48,12 +47,24 @@ fn known_models_have_their_published_sizes() {
     let ds = known("deepseek-ai/DeepSeek-V3");
     assert_eq!(ds.checkpoint, CheckpointFormat::Fp8 { block: 128 });
     assert_eq!(ds.moe_layers(), 58);
-    assert!(matches!(ds.attention, Attention::Mla { kv_lora_rank: 512, .. }));
+    assert!(matches!(
+        ds.attention,
+        Attention::Mla {
+            kv_lora_rank: 512,
+            ..
+        }
+    ));
     // an FP8 repo of a bf16 model gets FP8 sizes; the plain one bf16
     let q = known("Qwen/Qwen3-30B-A3B-FP8");
     assert_eq!(q.checkpoint, CheckpointFormat::Fp8 { block: 128 });
-    assert_eq!(known("Qwen/Qwen3-30B-A3B").checkpoint, CheckpointFormat::Bf16);
-    assert!(q.checkpoint_expert_bytes() * 2 < known("qwen3-30b-a3b").checkpoint_expert_bytes() + 1_000_000);
+    assert_eq!(
+        known("Qwen/Qwen3-30B-A3B").checkpoint,
+        CheckpointFormat::Bf16
+    );
+    assert!(
+        q.checkpoint_expert_bytes() * 2
+            < known("qwen3-30b-a3b").checkpoint_expert_bytes() + 1_000_000
+    );
     let glm = known("glm-4.5-air");
     assert_eq!((glm.moe_layers(), glm.layers), (45, 46));
     assert!(known::match_known(["someone/other-model"]).is_none());
@@ -117,17 +128,25 @@ fn large_cards_keep_bf16_and_the_table_on_the_gpu() {
 fn what_does_not_fit_is_refused_with_the_reason() {
     let glm = known("glm-4.5-air");
     let mut i = serving(8 * 1024, 65536, 1);
-    assert!(matches!(choose(&glm, &i), Err(PlanError::KvDoesNotFit { tokens: 65536, .. })));
+    assert!(matches!(
+        choose(&glm, &i),
+        Err(PlanError::KvDoesNotFit { tokens: 65536, .. })
+    ));
     i.kv = KvRequest::exactly(4096);
     i.budget_bytes = 2 * GIB;
     let e = choose(&glm, &i).unwrap_err();
-    assert!(matches!(e, PlanError::DenseDoesNotFit { dtype: "int4", .. }), "{e}");
+    assert!(
+        matches!(e, PlanError::DenseDoesNotFit { dtype: "int4", .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains("MiB usable"));
     let mut i = serving(24564, 4096, 1);
     i.experts = ExpertsChoice::PerLayer(100);
     i.dense = DenseChoice::Fixed(DenseDtype::Int4);
     match choose(&glm, &i) {
-        Err(PlanError::ExpertsDoNotFit { asked: 100, fit, .. }) => assert!(fit > 0 && fit < 100),
+        Err(PlanError::ExpertsDoNotFit {
+            asked: 100, fit, ..
+        }) => assert!(fit > 0 && fit < 100),
         other => panic!("{other:?}"),
     }
 }
@@ -142,7 +161,9 @@ fn kv_grows_into_what_is_left_up_to_its_maximum() {
     i.kv.max_tokens = u64::MAX / 2;
     let p = choose(&st, &i).unwrap();
     assert!(p.kv_tokens > 4 * 16384);
-    assert!(p.usable_bytes - p.total() < st.kv_bytes_per_token(plan::KV_ELEM_BYTES) * plan::KV_BLOCK);
+    assert!(
+        p.usable_bytes - p.total() < st.kv_bytes_per_token(plan::KV_ELEM_BYTES) * plan::KV_BLOCK
+    );
 }
 
 #[test]

@@ -38,7 +38,7 @@ impl DenseDtype {
         candidates
             .iter()
             .copied()
-            .find(|g| cols > 0 && cols % g == 0)
+            .find(|&g| cols > 0 && cols.is_multiple_of(g))
     }
 
     /// Bytes of an `[out, in]` projection in this format on the GPU, scales included.

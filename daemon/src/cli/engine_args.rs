@@ -33,7 +33,9 @@ impl std::str::FromStr for KvTokens {
                 .ok()
                 .filter(|&n| n > 0)
                 .map(Self::Count)
-                .ok_or_else(|| format!("--kv-cache-tokens takes a positive number or `auto`, got `{s}`")),
+                .ok_or_else(|| {
+                    format!("--kv-cache-tokens takes a positive number or `auto`, got `{s}`")
+                }),
         }
     }
 }

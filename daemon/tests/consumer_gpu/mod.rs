@@ -34,7 +34,13 @@ fn quantized_dense_kernels_match_reference() {
     let mut scratch = dev.alloc_dequant_scratch().unwrap();
     // (out, in): fixture-sized, GLM-4.5-Air's widths, and an lm_head-like matrix that takes two
     // slabs of the dequantization scratch
-    for (out, inp) in [(96, 64), (300, 4096), (4100, 1408), (1000, 10944), (20000, 2048)] {
+    for (out, inp) in [
+        (96, 64),
+        (300, 4096),
+        (4100, 1408),
+        (1000, 10944),
+        (20000, 2048),
+    ] {
         let mut rnd = xorshift(out as u64 * 31 + inp as u64);
         let w: Vec<f32> = (0..out * inp).map(|_| rnd() * 0.1).collect();
         for fmt in [DenseFormat::Int4, DenseFormat::Fp8] {
@@ -48,13 +54,21 @@ fn quantized_dense_kernels_match_reference() {
             }
             let dw = dev.upload_quantized(&q).unwrap();
             for n in [1, 3, 8, 13, 16, 40] {
-                let x: Vec<half::bf16> = (0..n * inp).map(|_| half::bf16::from_f32(rnd())).collect();
+                let x: Vec<half::bf16> =
+                    (0..n * inp).map(|_| half::bf16::from_f32(rnd())).collect();
                 let accumulate = n % 2 == 1;
                 let y0: Vec<f32> = (0..n * out).map(|i| (i % 7) as f32 * 0.01).collect();
                 let dx = dev.stream.clone_htod(&x).unwrap();
                 let mut dy = dev.stream.clone_htod(&y0).unwrap();
-                dev.dense_matmul(&dw, &dx, &mut dy, (n, out, inp), accumulate, Some(&mut scratch))
-                    .unwrap();
+                dev.dense_matmul(
+                    &dw,
+                    &dx,
+                    &mut dy,
+                    (n, out, inp),
+                    accumulate,
+                    Some(&mut scratch),
+                )
+                .unwrap();
                 let got = dev.stream.clone_dtoh(&dy).unwrap();
                 let want: Vec<f32> = (0..n * out)
                     .map(|i| {
@@ -104,22 +118,37 @@ fn dense_dtypes_agree_with_bf16_on_every_fixture() {
         let (mut steps, mut agree, mut sum_err) = (0usize, 0usize, 0f64);
         for name in crate::ALL {
             let o = crate::oracle(name);
-            let variant = if name.ends_with("fp8") { "model" } else { "model_bf16" };
+            let variant = if name.ends_with("fp8") {
+                "model"
+            } else {
+                "model_bf16"
+            };
             let dir = crate::fixtures().join(name).join(variant);
             let base = crate::run(&engine(&dir, DenseDtype::Bf16, false), &o);
             if fmt == DenseDtype::Fp8 {
                 // the embedding table's home changes no number
                 let host = crate::run(&engine(&dir, DenseDtype::Bf16, true), &o);
                 for (a, b) in host.iter().zip(&base) {
-                    assert!(rel_l2(a, b) <= 1e-6, "{name}: host embeddings changed the logits");
+                    assert!(
+                        rel_l2(a, b) <= 1e-6,
+                        "{name}: host embeddings changed the logits"
+                    );
                 }
             }
             let got = crate::run(&engine(&dir, fmt, true), &o);
             for (i, (g, b)) in got.iter().zip(&base).enumerate() {
                 let err = rel_l2(g, b);
                 let same = argmax(g) == argmax(b);
-                println!("{name} {}: step {i} rel-L2 {err:.3e} top-1 {}", fmt.as_str(), if same { "=" } else { "≠" });
-                assert!(err <= max_step, "{name} {} step {i}: rel-L2 {err} > {max_step}", fmt.as_str());
+                println!(
+                    "{name} {}: step {i} rel-L2 {err:.3e} top-1 {}",
+                    fmt.as_str(),
+                    if same { "=" } else { "≠" }
+                );
+                assert!(
+                    err <= max_step,
+                    "{name} {} step {i}: rel-L2 {err} > {max_step}",
+                    fmt.as_str()
+                );
                 steps += 1;
                 agree += same as usize;
                 sum_err += err as f64;
@@ -131,7 +160,11 @@ fn dense_dtypes_agree_with_bf16_on_every_fixture() {
             fmt.as_str(),
             100.0 * top1
         ));
-        assert!(mean <= max_mean as f64, "{}: mean rel-L2 {mean}", fmt.as_str());
+        assert!(
+            mean <= max_mean as f64,
+            "{}: mean rel-L2 {mean}",
+            fmt.as_str()
+        );
         assert!(top1 >= min_top1, "{}: top-1 agreement {top1}", fmt.as_str());
     }
     println!("{}", summary.join("\n"));
@@ -261,5 +294,8 @@ fn memory_limit_refuses_what_does_not_fit() {
     .expect("16M positions of KV do not fit in 1 GiB");
     let msg = format!("{err:#}");
     println!("{msg}");
-    assert!(msg.contains("KV cache") && msg.contains("--gpu-memory-limit"), "{msg}");
+    assert!(
+        msg.contains("KV cache") && msg.contains("--gpu-memory-limit"),
+        "{msg}"
+    );
 }

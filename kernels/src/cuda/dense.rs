@@ -126,7 +126,9 @@ impl GpuDevice {
             }
             _ => {
                 let scratch = scratch.ok_or_else(|| {
-                    GpuError::Shape("quantized prefill needs a dequantization scratch buffer".into())
+                    GpuError::Shape(
+                        "quantized prefill needs a dequantization scratch buffer".into(),
+                    )
                 })?;
                 self.dense_dequant_gemm(w, x, y, (n, out, inp), accumulate, scratch)
             }

@@ -113,7 +113,7 @@ pub fn group_for(format: DenseFormat, cols: usize) -> Option<usize> {
     candidates
         .iter()
         .copied()
-        .find(|g| cols > 0 && cols % g == 0)
+        .find(|&g| cols > 0 && cols.is_multiple_of(g))
 }
 
 impl QuantizedMatrix {
@@ -186,7 +186,11 @@ impl QuantizedMatrix {
         scale_inv: &[f32],
         block: usize,
     ) -> Option<Self> {
-        if block == 0 || cols % block != 0 || block % 16 != 0 || bytes.len() != rows * cols {
+        if block == 0
+            || !cols.is_multiple_of(block)
+            || !block.is_multiple_of(16)
+            || bytes.len() != rows * cols
+        {
             return None;
         }
         let groups = cols / block;
@@ -389,13 +393,15 @@ mod tests {
         let (rows, cols, block) = (3, 256, 128);
         let bytes: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % 0x7e) as u8).collect();
         let scale_inv = vec![0.5f32, 0.25];
-        let q = QuantizedMatrix::from_fp8_blocks(rows, cols, bytes.clone(), &scale_inv, block)
-            .unwrap();
+        let q =
+            QuantizedMatrix::from_fp8_blocks(rows, cols, bytes.clone(), &scale_inv, block).unwrap();
         let mut row = vec![0f32; cols];
         q.dequantize_row(2, &mut row);
         assert_eq!(row[5], e4m3_to_f32(bytes[2 * cols + 5]) * 0.5);
         assert_eq!(row[200], e4m3_to_f32(bytes[2 * cols + 200]) * 0.25);
-        assert!(QuantizedMatrix::from_fp8_blocks(rows, 100, vec![0; 300], &scale_inv, 128).is_none());
+        assert!(
+            QuantizedMatrix::from_fp8_blocks(rows, 100, vec![0; 300], &scale_inv, 128).is_none()
+        );
     }
 
     #[test]

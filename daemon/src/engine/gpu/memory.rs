@@ -58,7 +58,12 @@ pub fn has_qkv_bias(model: &Model) -> bool {
 
 /// Plan inputs from the engine options: `budget` bytes of GPU memory, `stream_staging` bytes for
 /// layerwise prefill's device buffers.
-pub fn plan_inputs(opts: &EngineOptions, shape: &ModelShape, budget: u64, stream_staging: u64) -> PlanInputs {
+pub fn plan_inputs(
+    opts: &EngineOptions,
+    shape: &ModelShape,
+    budget: u64,
+    stream_staging: u64,
+) -> PlanInputs {
     let experts = shape.experts_per_layer();
     PlanInputs {
         budget_bytes: budget,
@@ -131,7 +136,12 @@ mod tests {
     fn sizing_reads_every_config_as_the_engine_does() {
         let mut configs: Vec<(String, serde_json::Value)> = moe_sizing::known::KNOWN_MODELS
             .iter()
-            .map(|k| (k.key.to_string(), moe_sizing::known::config_json(k.key).unwrap()))
+            .map(|k| {
+                (
+                    k.key.to_string(),
+                    moe_sizing::known::config_json(k.key).unwrap(),
+                )
+            })
             .collect();
         for name in [
             "qwen3_moe",

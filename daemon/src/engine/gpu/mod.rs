@@ -75,6 +75,8 @@ pub enum GpuFfn {
     Moe(GpuMoe),
 }
 
+// One per MLA layer, built once at load and never moved afterwards: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuMlaQuery {
     Direct(GpuLinear),
     LowRank {
@@ -174,11 +176,14 @@ pub fn upload_linear(
 
 /// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take.
 pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatrix> {
-    if let (DenseFormat::Fp8, WeightData::F8 {
-        bytes,
-        scale_inv,
-        block,
-    }) = (format, &l.w)
+    if let (
+        DenseFormat::Fp8,
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        },
+    ) = (format, &l.w)
     {
         let kept =
             QuantizedMatrix::from_fp8_blocks(l.out_dim, l.in_dim, bytes.clone(), scale_inv, *block);
@@ -405,7 +410,11 @@ impl GpuModel {
 
     /// Positions the device KV pool holds.
     pub fn kv_positions(&self) -> usize {
-        self.kv.lock().unwrap_or_else(|e| e.into_inner()).total_blocks * crate::engine::kv::BLOCK
+        self.kv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .total_blocks
+            * crate::engine::kv::BLOCK
     }
 
     /// Prepares layerwise prefill's expert stream over `host`'s packed DRAM experts (pins them).
