@@ -33,6 +33,20 @@ pub const KV_ELEM_BYTES: u64 = 2;
 pub const PREFILL_ATTENTION_BYTES: u64 = 768 * MIB;
 /// Rows the CUDA-graph decode buffers are sized for (the engine's MAX_GRAPH_ROWS).
 pub const GRAPH_ROWS: u64 = 64;
+/// Layerwise prefill's expert stream: staging slots, and the default bytes of one chunk.
+pub const STREAM_SLOTS: u64 = 4;
+pub const STREAM_CHUNK_BYTES: u64 = 256 * MIB;
+/// Steps of at least this many tokens prefill layer by layer (the daemon's default
+/// --gpu-prefill-threshold); the stream's staging is planned when the KV cache can hold such a step.
+pub const DEFAULT_PREFILL_THRESHOLD: u64 = 1024;
+
+/// Device bytes of layerwise prefill's expert stream: `STREAM_SLOTS` packed staging chunks (packed
+/// bytes are the dense bf16 size plus tile padding and scales: 5/4 covers them) and one dense chunk,
+/// each of as many `dense_expert_bytes` experts as fit in `chunk_bytes` (at least one).
+pub fn stream_staging_bytes(dense_expert_bytes: u64, experts: u64, chunk_bytes: u64) -> u64 {
+    let c = (chunk_bytes / dense_expert_bytes.max(1)).clamp(1, experts.max(1));
+    c * dense_expert_bytes * STREAM_SLOTS * 5 / 4 + c * dense_expert_bytes
+}
 
 /// Requested precision of the dense projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

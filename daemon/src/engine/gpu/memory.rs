@@ -86,6 +86,28 @@ pub fn plan_inputs(
     }
 }
 
+/// The plan the engine starts with, within `budget` bytes of GPU memory.
+pub fn plan(
+    opts: &EngineOptions,
+    shape: &ModelShape,
+    budget: u64,
+) -> Result<MemoryPlan, moe_sizing::PlanError> {
+    // Layerwise prefill's stream is set up when the KV cache can hold a step that long.
+    let kv_most = opts
+        .kv_auto
+        .map_or(opts.kv_cache_tokens as u64, |k| k.max_tokens);
+    let staging = if (opts.gpu_prefill_threshold as u64) <= kv_most && shape.moe.is_some() {
+        moe_sizing::plan::stream_staging_bytes(
+            shape.gpu_expert_bytes(),
+            shape.experts_per_layer(),
+            opts.gpu_stream_chunk_bytes as u64,
+        )
+    } else {
+        0
+    };
+    moe_sizing::choose(shape, &plan_inputs(opts, shape, budget, staging))
+}
+
 /// The kernels' format for a planned dense dtype.
 pub fn dense_format(d: moe_sizing::DenseDtype) -> DenseFormat {
     match d {

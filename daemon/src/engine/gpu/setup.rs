@@ -40,17 +40,7 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     };
     let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
     let experts = shape.experts_per_layer() as usize;
-    let each = shape.gpu_expert_bytes() as usize;
-    let kv_most = opts
-        .kv_auto
-        .map_or(opts.kv_cache_tokens as u64, |k| k.max_tokens);
-    let staging = if (opts.gpu_prefill_threshold as u64) <= kv_most && experts > 0 {
-        super::stream::device_bytes(each, experts, opts.gpu_stream_chunk_bytes) as u64
-    } else {
-        0
-    };
-    let inputs = memory::plan_inputs(opts, &shape, budget, staging);
-    let plan = moe_sizing::choose(&shape, &inputs).map_err(|e| {
+    let plan = memory::plan(opts, &shape, budget).map_err(|e| {
         anyhow::anyhow!(
             "{} does not fit in {:.2} GiB of {} ({}): {e}",
             cfg.arch_name,
