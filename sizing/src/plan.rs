@@ -202,9 +202,42 @@ pub enum PlanError {
         tokens: u64,
         kv_mib: u64,
         left_mib: u64,
+        usable_mib: u64,
     },
     #[error("{asked} GPU experts per layer ({need_mib} MiB) do not fit: at most {fit} fit beside the dense weights and KV cache (use --gpu-experts auto)")]
-    ExpertsDoNotFit { asked: u64, need_mib: u64, fit: u64 },
+    ExpertsDoNotFit {
+        asked: u64,
+        need_mib: u64,
+        fit: u64,
+        left_mib: u64,
+        usable_mib: u64,
+    },
+}
+
+impl PlanError {
+    /// MiB the smallest plan asked for would need, and MiB usable.
+    pub fn shortfall_mib(&self) -> (u64, u64) {
+        match *self {
+            PlanError::DenseDoesNotFit {
+                dense_mib,
+                work_mib,
+                usable_mib,
+                ..
+            } => (dense_mib + work_mib, usable_mib),
+            PlanError::KvDoesNotFit {
+                kv_mib: need_mib,
+                left_mib,
+                usable_mib,
+                ..
+            }
+            | PlanError::ExpertsDoNotFit {
+                need_mib,
+                left_mib,
+                usable_mib,
+                ..
+            } => (usable_mib - left_mib + need_mib, usable_mib),
+        }
+    }
 }
 
 /// Activation and per-step buffers of a step of `tokens` rows (`seqs` sequences): the residual
@@ -305,6 +338,7 @@ pub fn plan_with(
             tokens: inputs.kv.min_tokens,
             kv_mib: kv_bytes(inputs.kv.min_tokens).div_ceil(MIB),
             left_mib: left / MIB,
+            usable_mib: usable / MIB,
         });
     };
     let left = left - kv_bytes(kv_reserved);
@@ -322,6 +356,8 @@ pub fn plan_with(
                     asked: n,
                     need_mib: (n * layer_experts).div_ceil(MIB),
                     fit,
+                    left_mib: left / MIB,
+                    usable_mib: usable / MIB,
                 });
             }
             n
