@@ -127,6 +127,8 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         Some((in_use, _)) => in_use,
         None => (free - free_after) as u64,
     };
+    // From here the pool's high-water mark is this engine's: start + step buffers.
+    gpu.dev.reset_pool_peak()?;
     let report = memory::MemoryReport {
         plan,
         context_used,
