@@ -32,7 +32,10 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
         return Ok(cfg);
     }
     super::synth_glm::config_like(name).with_context(|| {
-        let names: Vec<&str> = moe_sizing::known::KNOWN_MODELS.iter().map(|k| k.key).collect();
+        let names: Vec<&str> = moe_sizing::known::KNOWN_MODELS
+            .iter()
+            .map(|k| k.key)
+            .collect();
         format!(
             "--like {name}: choose {}, {}",
             names.join(", "),
