@@ -223,7 +223,9 @@ fn resource_rejections(node: &NodeFacts, sizing: &Sizing) -> Vec<Rejection> {
     let mut out = Vec::new();
     if let Some(have_mib) = node.gpu_memory_mib {
         let need_mib = sizing.gpu_bytes_per_gpu.div_ceil(MIB);
-        if need_mib as f64 > have_mib as f64 * sizing::GPU_USABLE_FRACTION {
+        // In bytes, as the plan computes `usable` (a plan may fill it to the byte).
+        let usable = ((have_mib * MIB) as f64 * sizing::GPU_USABLE_FRACTION) as u64;
+        if sizing.gpu_bytes_per_gpu > usable {
             out.push(Rejection::InsufficientGpuMemory { need_mib, have_mib });
         }
     }

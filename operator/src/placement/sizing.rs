@@ -24,7 +24,7 @@ use crate::quantity::{quantity_bytes, round_up_mib, GIB, MIB};
 
 use super::node_facts::NodeFacts;
 
-pub const GPU_USABLE_FRACTION: f64 = 0.90;
+pub const GPU_USABLE_FRACTION: f64 = moe_sizing::plan::USABLE_FRACTION;
 pub const RUNTIME_DRAM_BYTES: u64 = 4 * GIB;
 pub const DAEMONSET_CPU_RESERVE: u64 = 2;
 /// Full-length sequences whose KV cache must fit on the GPU next to the weights.
