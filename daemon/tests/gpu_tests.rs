@@ -6,6 +6,7 @@
 //! activations' precision differs between GPU and CPU experts).
 //! Fixtures: `MOE_FIXTURES` or ../tests/fixtures.
 mod common;
+mod consumer_gpu;
 
 use common::rel_l2;
 use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};

@@ -68,8 +68,20 @@ pub struct EngineOptions {
     pub routing_stats: Option<std::path::PathBuf>,
     /// Record routing statistics (saved by [`Engine::save_routing_stats`]).
     pub record_routing: bool,
-    /// GPU KV cache capacity in positions (all sequences together).
+    /// GPU KV cache capacity in positions (all sequences together), unless `kv_auto` sizes it.
     pub kv_cache_tokens: usize,
+    /// CUDA backend: size the KV cache from the memory left after the weights (at least
+    /// `min_tokens`); `None`: exactly `kv_cache_tokens`.
+    pub kv_auto: Option<moe_sizing::KvRequest>,
+    /// GPU memory the CUDA backend plans within (`None`: the card's); reproduces a smaller card.
+    pub gpu_memory_limit: Option<u64>,
+    /// Precision of the dense projections on the GPU (auto: bf16 unless the budget is tight).
+    pub dense_dtype: moe_sizing::DenseChoice,
+    /// Where the embedding table lives with the CUDA backend (auto: host memory when tight).
+    pub embeddings: moe_sizing::EmbeddingChoice,
+    /// Most tokens and sequences of one step, for the activation buffers the plan reserves.
+    pub max_step_tokens: usize,
+    pub max_step_seqs: usize,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
     /// DRAM experts (and, on the CPU backend, dense projections) run on the packed CPU kernels
@@ -102,6 +114,12 @@ impl Default for EngineOptions {
             routing_stats: None,
             record_routing: false,
             kv_cache_tokens: 65536,
+            kv_auto: None,
+            gpu_memory_limit: None,
+            dense_dtype: moe_sizing::DenseChoice::Auto,
+            embeddings: moe_sizing::EmbeddingChoice::Auto,
+            max_step_tokens: 2048,
+            max_step_seqs: 64,
             gpu_prefill_threshold: 1024,
             cpu_kernels: true,
             cpu_moe: Default::default(),
@@ -265,7 +283,7 @@ impl Engine {
             // threshold (a step never holds more tokens than the KV cache).
             if let Some(g) = gpu
                 .as_ref()
-                .filter(|_| opts.gpu_prefill_threshold <= opts.kv_cache_tokens)
+                .filter(|g| opts.gpu_prefill_threshold <= g.kv_positions())
             {
                 g.attach_expert_stream(&model, opts.gpu_stream_chunk_bytes)?;
             }
@@ -273,7 +291,11 @@ impl Engine {
         } else {
             None
         };
-        let blocks = kv::blocks_for(opts.kv_cache_tokens).max(1);
+        let blocks = match &gpu {
+            // the memory plan sized the device pool
+            Some(g) => g.kv.lock().unwrap_or_else(|e| e.into_inner()).total_blocks,
+            None => kv::blocks_for(opts.kv_cache_tokens).max(1),
+        };
         let (kv_blocks, cpu_kv) = match &gpu {
             Some(g) => {
                 let copier = gpu::kv::GpuKvCopier {
@@ -331,6 +353,17 @@ impl Engine {
                 .as_ref()
                 .map_or(0, |d| d.graphs.map.len())
         })
+    }
+
+    /// The GPU memory plan and what the start allocated (CUDA backend).
+    pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
+        self.gpu.as_ref().and_then(|g| g.memory.as_ref())
+    }
+
+    /// This engine's device allocations (CUDA backend): bytes in use now and the most in use so far
+    /// (weights, KV cache, step buffers; not the CUDA context and cuBLAS workspaces).
+    pub fn gpu_pool_usage(&self) -> Option<(u64, u64)> {
+        self.gpu.as_ref()?.dev.pool_usage().ok()?
     }
 
     /// Whether the CUDA backend runs this engine.

@@ -21,6 +21,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::{BuildError, BuildInput, ClassBuild, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
 use crate::placement::node_facts::RESOURCE_GPU;
+use crate::placement::sizing::Sizing;
 use crate::placement::{effective_tolerations, merge_node_affinity};
 use crate::quantity::{bytes_quantity, GIB};
 
@@ -290,7 +291,26 @@ pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> 
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(gpu_plan_args(sizing))
     .collect()
+}
+
+/// The shared memory plan's choices as daemon flags, so the daemon plans exactly what the operator
+/// sized (none when the shape is only known by byte counts: the daemon then plans on its own).
+fn gpu_plan_args(sizing: &Sizing) -> Vec<String> {
+    let Some(p) = &sizing.gpu_plan else {
+        return Vec::new();
+    };
+    vec![
+        "--dense-dtype".into(),
+        p.dense_dtype.as_str().into(),
+        "--host-embeddings".into(),
+        if p.host_embeddings { "on" } else { "off" }.into(),
+        "--kv-cache-tokens".into(),
+        p.kv_tokens.to_string(),
+        "--gpu-memory-limit".into(),
+        format!("{}MiB", p.gpu_memory_bytes >> 20),
+    ]
 }
 
 pub(crate) fn http_probe(path: &str, period: i32, failures: i32, timeout: i32) -> Probe {

@@ -50,8 +50,18 @@ impl GpuModel {
         n: usize,
         accumulate: bool,
     ) -> anyhow::Result<()> {
-        self.dev
-            .gemm_bf16(x, &l.w, y, n, l.out_dim, l.in_dim, accumulate)?;
+        let mut scratch = self
+            .dequant_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.dev.dense_matmul(
+            &l.w,
+            x,
+            y,
+            (n, l.out_dim, l.in_dim),
+            accumulate,
+            scratch.as_mut(),
+        )?;
         if let Some(b) = &l.bias {
             let total = n * l.out_dim;
             let cols = l.out_dim as i32;
@@ -339,12 +349,21 @@ impl GpuModel {
             attn: attn_bufs,
         } = acts;
 
-        // ---- embedding
-        {
-            let hd_i = hd as i32;
-            let mut l = dev.launch(&dev.k.embed_rows);
-            l.arg(&self.embed).arg(&index.ids).arg(&hd_i).arg(&mut *x);
-            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        // ---- embedding: a gather on the GPU, or rows gathered on the host and copied
+        match &self.embed {
+            super::EmbedTable::Device(table) => {
+                let hd_i = hd as i32;
+                let mut l = dev.launch(&dev.k.embed_rows);
+                l.arg(table).arg(&index.ids).arg(&hd_i).arg(&mut *x);
+                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+            }
+            super::EmbedTable::Host => {
+                let mut rows = vec![0f32; n * hd];
+                for (row, &id) in rows.chunks_mut(hd).zip(&ids) {
+                    host.embed.row_f32(id as usize, row);
+                }
+                s.memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
+            }
         }
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -555,7 +574,7 @@ impl GpuModel {
                                     .map(|(_, m)| m)
                                     .context("uploaded expert missing")?,
                             };
-                            ws.push((m.gate_up.w.slice(..), m.down.w.slice(..)));
+                            ws.push((m.gate_up.bf16()?.slice(..), m.down.bf16()?.slice(..)));
                         }
                         self.expert_phase(resident, &ws, &mut bufs)?;
                         if let Some(es) = stream.as_deref_mut() {
@@ -652,8 +671,13 @@ impl GpuModel {
         }
         let vocab = cfg.vocab_size;
         let mut out_logits = self.alloc::<f32>(rows * vocab)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        dev.gemm_bf16(&sel, head, &mut out_logits, rows, vocab, hd, false)?;
+        match (&self.lm_head, &self.embed) {
+            (Some(head), _) => self.linear(head, &sel, &mut out_logits, rows, false)?,
+            (None, super::EmbedTable::Device(table)) => {
+                dev.gemm_bf16(&sel, table, &mut out_logits, rows, vocab, hd, false)?
+            }
+            (None, super::EmbedTable::Host) => anyhow::bail!("tied lm_head without a GPU table"),
+        }
         let t0 = Instant::now();
         let host_logits = s.clone_dtoh(&out_logits)?;
         s.synchronize()?;
