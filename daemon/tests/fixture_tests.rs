@@ -150,7 +150,8 @@ fixture_tests!(
     qwen2,
     qwen3,
     smallthinker,
-    smallthinker_softmax
+    smallthinker_softmax,
+    glm5_next
 );
 
 #[test]

@@ -145,6 +145,9 @@ pub fn mla_forward(
         let row = &ckv[t * (lora + rd)..(t + 1) * (lora + rd)];
         latent[t * lora..(t + 1) * lora].copy_from_slice(&row[..lora]);
         k_rot[t * rd..(t + 1) * rd].copy_from_slice(&row[lora..]);
+        if rd == 0 {
+            continue; // NoPE MLA (GLM-5.3): nothing to rotate
+        }
         let (cos, sin) = rope.cos_sin(pos);
         rope.apply(&mut k_rot[t * rd..(t + 1) * rd], rd, &cos, &sin);
         for head in 0..nh {

@@ -13,12 +13,17 @@ pub struct MoeNames {
 
 impl MoeNames {
     pub fn new(arch: Arch, layer: usize) -> Self {
+        Self::in_model(arch, "model", layer)
+    }
+
+    /// Names under another text-model prefix (`model.language_model` in multimodal checkpoints).
+    pub fn in_model(arch: Arch, prefix: &str, layer: usize) -> Self {
         let (block, shared, shared_gate) = match arch {
             Arch::Mixtral | Arch::SmallThinker => {
-                (format!("model.layers.{layer}.block_sparse_moe"), None, None)
+                (format!("{prefix}.layers.{layer}.block_sparse_moe"), None, None)
             }
             Arch::Qwen2Moe => {
-                let b = format!("model.layers.{layer}.mlp");
+                let b = format!("{prefix}.layers.{layer}.mlp");
                 (
                     b.clone(),
                     Some(format!("{b}.shared_expert")),
@@ -26,7 +31,7 @@ impl MoeNames {
                 )
             }
             _ => {
-                let b = format!("model.layers.{layer}.mlp");
+                let b = format!("{prefix}.layers.{layer}.mlp");
                 (b.clone(), Some(format!("{b}.shared_experts")), None)
             }
         };
@@ -68,5 +73,10 @@ impl MoeNames {
 }
 
 pub fn layer(i: usize) -> String {
-    format!("model.layers.{i}")
+    layer_in("model", i)
+}
+
+/// Prefix of layer `i` under a text-model prefix.
+pub fn layer_in(prefix: &str, i: usize) -> String {
+    format!("{prefix}.layers.{i}")
 }

@@ -253,6 +253,9 @@ impl GpuModel {
                     kv_b: s.clone_htod(&a.kv_b)?,
                     o: upload_linear(&dev, &a.o)?,
                 },
+                Attention::Linear(_) => anyhow::bail!(
+                    "layer {li}: the CUDA backend does not run linear-attention layers yet"
+                ),
             };
             let ffn = match &mut layer.ffn {
                 Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m)?),

@@ -1,11 +1,14 @@
 //! KV caches. Block accounting (which block holds which positions, who shares it) is one thing for both
 //! backends ([`blocks`]); the rows themselves live in the backend's storage: [`CpuKvStore`] here, the
-//! GPU's paged pool in `engine::gpu::kv`.
+//! GPU's paged pool in `engine::gpu::kv`. Linear-attention layers keep a fixed-size per-sequence state
+//! instead ([`recurrent`]), carried by the sequence's [`SeqCache`].
 pub mod blocks;
+pub mod recurrent;
 
 pub use blocks::{
     blocks_for, BlockCopy, BlockId, BlockPool, KvError, SeqCache, SharedBlockPool, BLOCK,
 };
+pub use recurrent::RecurrentState;
 
 use std::sync::{Mutex, MutexGuard};
 
