@@ -24,10 +24,16 @@ fn preempted_chunked_and_batched_sequences_match_their_runs_alone() {
     for (i, (a, b)) in alone.iter().zip(&pressured).enumerate() {
         assert_eq!(a.0, b.0, "request {i}: tokens differ from the run alone");
         for (x, y) in a.1.iter().zip(&b.1) {
-            assert!((x - y).abs() <= 1e-4, "request {i}: logprob {y} vs {x} alone");
+            assert!(
+                (x - y).abs() <= 1e-4,
+                "request {i}: logprob {y} vs {x} alone"
+            );
         }
     }
-    assert!(metrics.preemptions.get() > 0, "no preemption: the cache was not under pressure");
+    assert!(
+        metrics.preemptions.get() > 0,
+        "no preemption: the cache was not under pressure"
+    );
     assert_eq!(
         metrics.prefix_cache_hit_tokens.get(),
         0,
@@ -63,7 +69,10 @@ fn prompt_split_into_chunks_equals_whole_prefill() {
     // The next token from both caches agrees too (the states are the same).
     let next = |c: &mut moe_daemon::engine::SeqCache| {
         engine
-            .reserve_and_forward(&mut [SeqInput { cache: c, tokens: &[7] }])
+            .reserve_and_forward(&mut [SeqInput {
+                cache: c,
+                tokens: &[7],
+            }])
             .unwrap()
             .remove(0)
     };
@@ -99,7 +108,11 @@ fn indexer_fixture_matches_transformers() {
     let o: Value =
         serde_json::from_str(&std::fs::read_to_string(root.join("oracle.json")).unwrap()).unwrap();
     let ids = |v: &Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
     };
     let prompt = ids(&o["prompt_ids"]);
     let engine = Engine::load(&root.join("model"), &exact()).unwrap();

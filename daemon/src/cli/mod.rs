@@ -5,3 +5,4 @@ pub mod generate;
 pub mod model_path;
 pub mod serve;
 pub mod synth;
+mod synth_glm5;

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b or smallthinker-4b.
+    /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, smallthinker-4b or
+    /// glm-5.3-flash.
     #[arg(long)]
     pub like: String,
     /// Number of decoder layers (fewer than the real model to fit a disk).
@@ -84,9 +85,10 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
             "max_position_embeddings": 32768, "vocab_size": 151936, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": true, "bos_token_id": 151643, "eos_token_id": [151643, 151645],
             "torch_dtype": "bfloat16"}),
+        "glm-5.3-flash" => super::synth_glm5::glm53_flash_config(),
         other => bail!(
-            "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b or \
-             smallthinker-4b"
+            "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, \
+             smallthinker-4b or glm-5.3-flash"
         ),
     })
 }
@@ -98,6 +100,11 @@ fn every_fourth_off(layers: usize) -> Vec<u8> {
 
 /// `--layers`: fewer decoder layers, with the per-layer layouts cut to match.
 fn set_layers(cfg: &mut Value, layers: usize) {
+    if let Some(text) = cfg.get_mut("text_config").filter(|t| t.is_object()) {
+        text["num_hidden_layers"] = layers.into();
+        super::synth_glm5::set_layers(text, layers);
+        return;
+    }
     cfg["num_hidden_layers"] = layers.into();
     for key in ["rope_layout", "sliding_window_layout"] {
         if let Some(a) = cfg.get_mut(key).and_then(Value::as_array_mut) {
@@ -124,34 +131,60 @@ struct Spec {
 
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
 fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
+    use super::synth_glm5::{IndexerShape, Values};
     use crate::model::config::{Arch, ModelConfig};
     use crate::model::names::MoeNames;
     let c = ModelConfig::from_json(v)?;
     let h = c.hidden_size;
+    // Multimodal checkpoints (GLM-5.3-Flash) keep the text model under `model.language_model`.
+    let hybrid = c.arch == Arch::Glm5Next;
+    let root = if hybrid {
+        "model.language_model"
+    } else {
+        "model"
+    };
+    let index = IndexerShape::of(v.get("text_config").unwrap_or(v));
     let mut s = Vec::new();
     let mut p = |name: String, shape: Vec<usize>, kind| s.push(Spec { name, shape, kind });
     p(
-        "model.embed_tokens.weight".into(),
+        format!("{root}.embed_tokens.weight"),
         vec![c.vocab_size, h],
         Kind::Proj,
     );
     if !c.tie_word_embeddings {
         p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
     }
-    p("model.norm.weight".into(), vec![h], Kind::Norm);
+    p(format!("{root}.norm.weight"), vec![h], Kind::Norm);
     for l in 0..c.num_layers {
-        let a = format!("model.layers.{l}.self_attn");
+        let a = format!("{root}.layers.{l}.self_attn");
         p(
-            format!("model.layers.{l}.input_layernorm.weight"),
+            format!("{root}.layers.{l}.input_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         p(
-            format!("model.layers.{l}.post_attention_layernorm.weight"),
+            format!("{root}.layers.{l}.post_attention_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         match &c.mla {
+            _ if hybrid => {
+                let mut add = |name: String, shape: Vec<usize>, values: Values| {
+                    let kind = match values {
+                        Values::Proj => Kind::Proj,
+                        Values::Norm => Kind::Norm,
+                        Values::F32 => Kind::VecF32,
+                    };
+                    p(name, shape, kind)
+                };
+                super::synth_glm5::mixer_specs(
+                    &c,
+                    index,
+                    l,
+                    &format!("{root}.layers.{l}"),
+                    &mut add,
+                );
+            }
             Some(m) => {
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
                 if let Some(r) = m.q_lora_rank {
@@ -208,7 +241,7 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
                 }
             }
         }
-        let mlp = format!("model.layers.{l}.mlp");
+        let mlp = format!("{root}.layers.{l}.mlp");
         let dense = |p: &mut dyn FnMut(String, Vec<usize>, Kind), prefix: &str, inter: usize| {
             p(
                 format!("{prefix}.gate_proj.weight"),
@@ -228,9 +261,9 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
         };
         match &c.moe {
             Some(m) if c.is_moe_layer(l) => {
-                let names = MoeNames::new(c.arch, l);
+                let names = MoeNames::in_model(c.arch, root, l);
                 p(names.router.clone(), vec![m.num_experts, h], Kind::Proj);
-                if matches!(c.arch, Arch::Glm4Moe | Arch::DeepseekV3) {
+                if matches!(c.arch, Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm5Next) {
                     p(
                         names.correction_bias.clone(),
                         vec![m.num_experts],
@@ -478,6 +511,25 @@ mod tests {
         assert!((3.8e9..4.2e9).contains(&(n as f64)), "{n}");
         assert!(c.tie_word_embeddings);
         assert!(c.layer_attention.iter().all(|l| *l == LayerAttention::FULL));
+    }
+
+    #[test]
+    fn glm53_flash_shape() {
+        // ~320 B parameters (text model without MTP and vision), 288 experts top-8 of 2048.
+        let (n, c) = params("glm-5.3-flash");
+        assert!((300e9..340e9).contains(&(n as f64)), "{n}");
+        use crate::model::hybrid::Mixer;
+        assert_eq!(
+            c.mixers.iter().filter(|m| **m == Mixer::Attention).count(),
+            11
+        );
+        assert_eq!(c.moe_layers.iter().filter(|m| **m).count(), 42);
+        assert_eq!(c.dense_attention_limit(), Some(2048));
+        let mut cfg = config_like("glm-5.3-flash").unwrap();
+        set_layers(&mut cfg, 5);
+        let c = ModelConfig::from_json(&cfg).unwrap();
+        assert_eq!(c.num_layers, 5);
+        assert_eq!(c.mixers[3], Mixer::Attention);
     }
 
     #[test]

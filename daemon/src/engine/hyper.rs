@@ -59,7 +59,11 @@ impl Residual {
 
     /// A block's input `[n, hidden]`, and how to fold its output back in. `hc` must be given exactly
     /// when the residual has hyper-connections (the model builder loads one per block).
-    pub fn block_input(&self, hc: Option<&HyperConnection>, hidden: usize) -> (Vec<f32>, Option<Vec<StreamMix>>) {
+    pub fn block_input(
+        &self,
+        hc: Option<&HyperConnection>,
+        hidden: usize,
+    ) -> (Vec<f32>, Option<Vec<StreamMix>>) {
         match (self, hc) {
             (Self::Plain(x), _) => (x.clone(), None),
             (Self::Hyper { cfg, streams, eps }, Some(hc)) => {
@@ -76,7 +80,9 @@ impl Residual {
                 }
                 (input, Some(mixes))
             }
-            (Self::Hyper { .. }, None) => unreachable!("hyper-connection weights are loaded per layer"),
+            (Self::Hyper { .. }, None) => {
+                unreachable!("hyper-connection weights are loaded per layer")
+            }
         }
     }
 
@@ -92,7 +98,9 @@ impl Residual {
                     .zip(mix.par_iter())
                     .for_each(|((s, yt), mx)| expand(mx, m, s, yt, hidden));
             }
-            (Self::Hyper { .. }, None) => unreachable!("block_input returns a mix for hyper residuals"),
+            (Self::Hyper { .. }, None) => {
+                unreachable!("block_input returns a mix for hyper residuals")
+            }
         }
     }
 
@@ -116,15 +124,17 @@ impl Residual {
 }
 
 /// One token's streams `s` `[m, hidden]` → the block input and the weights for its output.
-fn collapse(hc: &HyperConnection, cfg: &HyperConfig, eps: f32, s: &[f32], hidden: usize) -> (Vec<f32>, StreamMix) {
+fn collapse(
+    hc: &HyperConnection,
+    cfg: &HyperConfig,
+    eps: f32,
+    s: &[f32],
+    hidden: usize,
+) -> (Vec<f32>, StreamMix) {
     let m = cfg.mult;
     let inv = 1.0 / (dot(s, s) / s.len() as f32 + eps).sqrt();
     let width = m * hidden;
-    let mixed: Vec<f32> = hc
-        .proj
-        .chunks(width)
-        .map(|row| dot(row, s) * inv)
-        .collect();
+    let mixed: Vec<f32> = hc.proj.chunks(width).map(|row| dot(row, s) * inv).collect();
     let (pre_w, rest) = mixed.split_at(m);
     let (post_w, comb_w) = rest.split_at(m);
     let [ps, qs, cs] = hc.scale;
@@ -193,12 +203,17 @@ mod tests {
     #[test]
     fn sinkhorn_makes_rows_and_columns_sum_to_one() {
         let m = 4;
-        let mut c: Vec<f32> = (0..m * m).map(|i| ((i * 7 % 5) as f32 + 0.5).exp()).collect();
+        let mut c: Vec<f32> = (0..m * m)
+            .map(|i| ((i * 7 % 5) as f32 + 0.5).exp())
+            .collect();
         sinkhorn(&mut c, m, 20, 1e-6);
         for i in 0..m {
             let row: f32 = c[i * m..(i + 1) * m].iter().sum();
             let col: f32 = (0..m).map(|r| c[r * m + i]).sum();
-            assert!((row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5, "{row} {col}");
+            assert!(
+                (row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5,
+                "{row} {col}"
+            );
         }
     }
 

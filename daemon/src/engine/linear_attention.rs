@@ -73,7 +73,12 @@ pub fn linear_attention_forward(
 
 /// Log decay per channel `[n, qkv]`: `lower_bound · sigmoid(exp(A_log) · (f + dt_bias))`, or without a
 /// bound `-exp(A_log) · softplus(f + dt_bias)` (softplus linear above 20, as transformers).
-fn forget_gate(la: &LinearAttention, shape: &LinearAttentionConfig, h: &[f32], n: usize) -> Vec<f32> {
+fn forget_gate(
+    la: &LinearAttention,
+    shape: &LinearAttentionConfig,
+    h: &[f32],
+    n: usize,
+) -> Vec<f32> {
     let qkv = shape.qkv_dim();
     let mut g = la.f_b.forward(&la.f_a.forward(h, n), n);
     for row in g.chunks_mut(qkv) {
@@ -185,7 +190,8 @@ fn delta_rule(
         .collect();
     for (head, o) in per_head.iter().enumerate() {
         for t in 0..len {
-            out[t * qkv + head * d..t * qkv + (head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
+            out[t * qkv + head * d..t * qkv + (head + 1) * d]
+                .copy_from_slice(&o[t * d..(t + 1) * d]);
         }
     }
 }
@@ -220,7 +226,11 @@ pub fn kda_recurrent(
                 *m += x * kt[i];
             }
         }
-        let delta: Vec<f32> = vt.iter().zip(&mem).map(|(v, m)| (v - m) * beta[t]).collect();
+        let delta: Vec<f32> = vt
+            .iter()
+            .zip(&mem)
+            .map(|(v, m)| (v - m) * beta[t])
+            .collect();
         let o = &mut out[t * d..(t + 1) * d];
         for i in 0..d {
             let row = &mut s[i * d..(i + 1) * d];
@@ -334,7 +344,10 @@ fn chunk_step(
             if wi == 0.0 {
                 continue;
             }
-            for (x, sv) in v_new[t * d..(t + 1) * d].iter_mut().zip(&s[i * d..(i + 1) * d]) {
+            for (x, sv) in v_new[t * d..(t + 1) * d]
+                .iter_mut()
+                .zip(&s[i * d..(i + 1) * d])
+            {
                 *x -= wi * sv;
             }
         }
@@ -388,7 +401,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 

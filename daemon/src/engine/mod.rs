@@ -160,7 +160,9 @@ pub enum StepError {
     ForeignCache,
     #[error("sequence would reach {len} positions; this model's sparse attention is computed densely, which equals it only up to index_topk = {limit} positions (the indexer that selects keys beyond that is not implemented)")]
     BeyondDenseAttention { len: usize, limit: usize },
-    #[error("a sequence's cache has no linear-attention state: make caches with Engine::new_cache")]
+    #[error(
+        "a sequence's cache has no linear-attention state: make caches with Engine::new_cache"
+    )]
     NoRecurrentState,
     #[error("{0}")]
     Backend(String),
@@ -219,12 +221,19 @@ impl Engine {
                 cfg.arch_name
             );
         }
-        if let Some(limit) = cfg.dense_attention_limit {
+        if let Some(limit) = cfg.dense_attention_limit() {
             tracing::warn!(
                 limit,
                 "sparse-attention layers run densely: contexts are limited to index_topk positions, where dense attention selects the same keys as the indexer"
             );
         }
+        let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
+        tracing::info!(
+            kv_bytes_per_position = footprint.kv_per_position,
+            indexer_bytes_per_position = footprint.indexer_per_position,
+            linear_state_mib_per_sequence = footprint.state_per_sequence >> 20,
+            "context memory on the CPU backend (f32 rows)"
+        );
         let mut model = pool.install(|| build_model(cfg, src))?;
         let gpu = match opts.device {
             Device::Cpu => None,
@@ -407,7 +416,7 @@ impl Engine {
     /// compute exactly.
     pub fn max_context(&self) -> usize {
         let cfg = &self.model.config;
-        cfg.dense_attention_limit
+        cfg.dense_attention_limit()
             .map_or(cfg.max_position_embeddings, |l| {
                 l.min(cfg.max_position_embeddings)
             })
@@ -512,7 +521,7 @@ impl Engine {
                     max: cfg.max_position_embeddings,
                 });
             }
-            if let Some(limit) = cfg.dense_attention_limit.filter(|&l| len > l) {
+            if let Some(limit) = cfg.dense_attention_limit().filter(|&l| len > l) {
                 return Err(StepError::BeyondDenseAttention { len, limit });
             }
             let layers = s.cache.recurrent().map(|r| r.num_layers());

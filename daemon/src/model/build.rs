@@ -43,7 +43,12 @@ impl Loader<'_> {
     }
 
     /// `prefix.weight` `[out, in]` and `prefix.bias` `[out]` if the checkpoint has one.
-    pub(super) fn linear(&self, prefix: &str, out: usize, inp: usize) -> Result<Linear, BuildError> {
+    pub(super) fn linear(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Linear, BuildError> {
         let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
         let bias_name = format!("{prefix}.bias");
         let bias = if self.src.contains(&bias_name) {
@@ -77,10 +82,15 @@ pub fn build_model(cfg: ModelConfig, src: &dyn TensorSource) -> Result<Model, Bu
     let h = cfg.hidden_size;
     let prefix = text_prefix(src);
     if cfg.arch == super::Arch::Glm5Next {
-        tracing::info!("text model only: the vision tower (model.visual.*) and the MTP layer are not loaded");
+        tracing::info!(
+            "text model only: the vision tower (model.visual.*) and the MTP layer are not loaded"
+        );
     }
     let embed = Linear::new(
-        ld.tensor(&format!("{prefix}.embed_tokens.weight"), &[cfg.vocab_size, h])?,
+        ld.tensor(
+            &format!("{prefix}.embed_tokens.weight"),
+            &[cfg.vocab_size, h],
+        )?,
         None,
     );
     let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") {

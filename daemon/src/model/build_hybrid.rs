@@ -23,10 +23,9 @@ pub(super) fn linear_attention(
     cfg: &ModelConfig,
     p: &str,
 ) -> Result<LinearAttention, BuildError> {
-    let la = cfg
-        .linear_attention
-        .as_ref()
-        .ok_or_else(|| BuildError::Unsupported("linear-attention layer without its config".into()))?;
+    let la = cfg.linear_attention.as_ref().ok_or_else(|| {
+        BuildError::Unsupported("linear-attention layer without its config".into())
+    })?;
     let (h, heads, hd, kernel) = (cfg.hidden_size, la.num_heads, la.head_dim, la.conv_kernel);
     let qkv = la.qkv_dim();
     let a = format!("{p}.self_attn");

@@ -3,7 +3,7 @@
 //! Reads both the classic layout (`rope_theta`, `rope_scaling`, `partial_rotary_factor` at top level) and
 //! the newer `rope_parameters` object. Which optional tensors exist (biases, q/k norms) is decided from the
 //! checkpoint itself when the layers are built, not from config flags that differ per family.
-use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer};
+use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer, SparseAttention};
 use serde_json::Value;
 
 #[path = "config_limits.rs"]
@@ -207,10 +207,8 @@ pub struct ModelConfig {
     pub hyper: Option<HyperConfig>,
     /// SwiGLU clamp of every MLP and expert: gate ≤ limit, up within ±limit, before the activation.
     pub swiglu_limit: Option<f32>,
-    /// Longest context whose attention the engine computes exactly on sparse-attention layers: the
-    /// indexer's key budget (`index_topk`), within which it selects every key, so dense attention is
-    /// the same. None: no sparse attention.
-    pub dense_attention_limit: Option<usize>,
+    /// The indexer of sparse-attention (indexed MLA) layers. None: attention layers are dense.
+    pub sparse_attention: Option<SparseAttention>,
 }
 
 fn get_usize(v: &Value, key: &'static str) -> Result<usize, ConfigError> {
@@ -391,7 +389,7 @@ impl ModelConfig {
                 .map(|h| h.linear),
             hyper: hybrid.as_ref().map(|h| h.hyper),
             swiglu_limit: hybrid.as_ref().and_then(|h| h.swiglu_limit),
-            dense_attention_limit: hybrid.as_ref().map(|h| h.index_topk),
+            sparse_attention: hybrid.as_ref().map(|h| h.sparse),
         };
         limits::check_parsed(&cfg)?;
         Ok(cfg)
@@ -419,6 +417,12 @@ impl ModelConfig {
             }
         }
         Ok(cfg)
+    }
+
+    /// Longest context whose attention the engine computes exactly on sparse-attention layers while
+    /// they run densely: the indexer's key budget, within which it selects every key.
+    pub fn dense_attention_limit(&self) -> Option<usize> {
+        self.sparse_attention.map(|s| s.index_topk)
     }
 
     pub fn is_moe_layer(&self, layer: usize) -> bool {

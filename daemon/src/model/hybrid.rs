@@ -60,8 +60,19 @@ pub struct HybridFields {
     pub swiglu_limit: Option<f32>,
     /// Per layer: true when the FFN is the MoE block (`mlp_layer_types` "sparse").
     pub moe_layers: Vec<bool>,
-    /// Keys the sparse-attention indexer selects per query (`index_topk`).
+    pub sparse: SparseAttention,
+}
+
+/// The sparse-attention indexer of the indexed layers (its keys are cached per position).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseAttention {
+    /// Keys the indexer selects per query (`index_topk`): contexts up to this length attend to every
+    /// key, so dense attention is exact there.
     pub index_topk: usize,
+    /// Width of the indexer's key per position (`index_head_dim`).
+    pub key_dim: usize,
+    /// Keys pooled into one candidate (`index_kpool`).
+    pub kpool: usize,
 }
 
 /// The text model's fields: `text_config` over the top level (so `architectures`, quantization and
@@ -115,7 +126,9 @@ fn per_layer<T>(
             .iter()
             .map(|x| {
                 x.as_str().and_then(&parse).ok_or_else(|| {
-                    ConfigError::Invalid(format!("`{key}` holds {x}, which is not a known layer type"))
+                    ConfigError::Invalid(format!(
+                        "`{key}` holds {x}, which is not a known layer type"
+                    ))
                 })
             })
             .collect(),
@@ -141,7 +154,13 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
             }
             _ => None,
         },
-        |i| if i % 4 == 3 { Mixer::Attention } else { Mixer::Linear },
+        |i| {
+            if i % 4 == 3 {
+                Mixer::Attention
+            } else {
+                Mixer::Linear
+            }
+        },
     )?;
     let moe_layers = per_layer(
         v,
@@ -169,7 +188,9 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
             // The config class: a `linear_attn_config` with `safe_gate` (default on) and no bound
             // gets -5.
             Some(Value::Null)
-                if lac.is_some_and(|c| c.get("safe_gate").and_then(Value::as_bool) != Some(false)) =>
+                if lac.is_some_and(|c| {
+                    c.get("safe_gate").and_then(Value::as_bool) != Some(false)
+                }) =>
             {
                 Some(-5.0)
             }
@@ -212,9 +233,16 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
                 as f32,
         ),
     };
-    let index_topk = usize_or(v, "index_topk", 2048)?;
-    if index_topk == 0 {
-        return Err(ConfigError::Invalid("`index_topk` must be positive".into()));
+    let sparse = SparseAttention {
+        index_topk: usize_or(v, "index_topk", 2048)?,
+        key_dim: usize_or(v, "index_head_dim", 128)?,
+        kpool: usize_or(v, "index_kpool", 16)?,
+    };
+    if sparse.index_topk == 0 || sparse.key_dim == 0 || sparse.key_dim > 4096 || sparse.kpool == 0 {
+        return Err(ConfigError::Invalid(format!(
+            "sparse attention: index_topk {}, index_head_dim {}, index_kpool {} must be positive (head dim at most 4096)",
+            sparse.index_topk, sparse.key_dim, sparse.kpool
+        )));
     }
     Ok(HybridFields {
         mixers,
@@ -231,7 +259,7 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
         },
         swiglu_limit,
         moe_layers,
-        index_topk,
+        sparse,
     })
 }
 
@@ -248,12 +276,15 @@ mod tests {
             f.mixers,
             vec![Linear, Linear, Linear, Attention, Linear, Linear, Linear, Attention]
         );
-        assert_eq!(f.moe_layers, vec![false, false, false, true, true, true, true, true]);
+        assert_eq!(
+            f.moe_layers,
+            vec![false, false, false, true, true, true, true, true]
+        );
         assert_eq!(f.linear.lower_bound, Some(-5.0));
         assert_eq!((f.linear.num_heads, f.linear.head_dim), (64, 128));
         assert_eq!(f.hyper.mult, 4);
         assert_eq!(f.swiglu_limit, Some(10.0));
-        assert_eq!(f.index_topk, 2048);
+        assert_eq!(f.sparse.index_topk, 2048);
     }
 
     #[test]
@@ -262,8 +293,14 @@ mod tests {
                        "linear_attn_config": {"num_heads": 3, "head_dim": 8, "short_conv_kernel_size": 2},
                        "linear_lower_bound": null, "swiglu_limit": null});
         let f = parse(&v, 3).unwrap();
-        assert_eq!(f.mixers, vec![Mixer::Linear, Mixer::Attention, Mixer::Attention]);
-        assert_eq!((f.linear.num_heads, f.linear.head_dim, f.linear.conv_kernel), (3, 8, 2));
+        assert_eq!(
+            f.mixers,
+            vec![Mixer::Linear, Mixer::Attention, Mixer::Attention]
+        );
+        assert_eq!(
+            (f.linear.num_heads, f.linear.head_dim, f.linear.conv_kernel),
+            (3, 8, 2)
+        );
         // safe_gate defaults on: a nested config without a bound gets -5
         assert_eq!(f.linear.lower_bound, Some(-5.0));
         assert_eq!(f.swiglu_limit, None);

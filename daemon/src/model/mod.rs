@@ -76,6 +76,8 @@ pub struct LinearAttention {
     pub o: Linear,
 }
 
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     Gqa(GqaAttention),
     Mla(MlaAttention),

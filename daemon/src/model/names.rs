@@ -19,9 +19,11 @@ impl MoeNames {
     /// Names under another text-model prefix (`model.language_model` in multimodal checkpoints).
     pub fn in_model(arch: Arch, prefix: &str, layer: usize) -> Self {
         let (block, shared, shared_gate) = match arch {
-            Arch::Mixtral | Arch::SmallThinker => {
-                (format!("{prefix}.layers.{layer}.block_sparse_moe"), None, None)
-            }
+            Arch::Mixtral | Arch::SmallThinker => (
+                format!("{prefix}.layers.{layer}.block_sparse_moe"),
+                None,
+                None,
+            ),
             Arch::Qwen2Moe => {
                 let b = format!("{prefix}.layers.{layer}.mlp");
                 (

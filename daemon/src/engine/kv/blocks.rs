@@ -374,6 +374,36 @@ mod tests {
     }
 
     #[test]
+    fn recurrent_state_is_copied_by_clones_and_dropped_by_truncation() {
+        use crate::model::hybrid::{LinearAttentionConfig, Mixer};
+        let la = LinearAttentionConfig {
+            num_heads: 1,
+            head_dim: 2,
+            conv_kernel: 2,
+            lower_bound: None,
+        };
+        let (p, _) = pool(8);
+        let mut a = SeqCache::with_recurrent(p.clone(), RecurrentState::new(&[Mixer::Linear], &la));
+        assert!(!a.supports_prefix_reuse());
+        a.reserve(2 * BLOCK).unwrap();
+        a.advance(2 * BLOCK);
+        a.parts_mut().1.unwrap().layer_mut(0).unwrap().matrix[0] = 3.0;
+        let mut b = a.clone();
+        b.parts_mut().1.unwrap().layer_mut(0).unwrap().matrix[0] = 5.0;
+        let first = |c: &SeqCache| {
+            let mut r = c.recurrent().unwrap().clone();
+            r.layer_mut(0).unwrap().matrix[0]
+        };
+        assert_eq!((first(&a), first(&b)), (3.0, 5.0), "a clone owns its state");
+        // A prefix of a recurrent state does not exist: truncation starts the sequence over.
+        a.truncate(BLOCK);
+        assert_eq!((a.len(), a.blocks().len(), first(&a)), (0, 0, 0.0));
+        assert_eq!(used(&p), 2, "b still holds its blocks");
+        let (plain, _) = pool(2);
+        assert!(SeqCache::new(plain).supports_prefix_reuse());
+    }
+
+    #[test]
     fn truncate_and_clear_release_blocks() {
         let (p, _) = pool(8);
         let mut a = SeqCache::new(p.clone());

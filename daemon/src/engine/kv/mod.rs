@@ -3,6 +3,7 @@
 //! GPU's paged pool in `engine::gpu::kv`. Linear-attention layers keep a fixed-size per-sequence state
 //! instead ([`recurrent`]), carried by the sequence's [`SeqCache`].
 pub mod blocks;
+pub mod footprint;
 pub mod recurrent;
 
 pub use blocks::{
