@@ -14,6 +14,7 @@ use super::ops::{add_assign, sigmoid, softmax};
 use crate::model::hybrid::HyperConfig;
 use crate::model::HyperConnection;
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// How one block's output goes back into the streams (per token: `post` `[m]`, `comb` `[m, m]`).
 pub struct StreamMix {
@@ -57,15 +58,16 @@ impl Residual {
         }
     }
 
-    /// A block's input `[n, hidden]`, and how to fold its output back in. `hc` must be given exactly
-    /// when the residual has hyper-connections (the model builder loads one per block).
+    /// A block's input `[n, hidden]` (the plain stream itself, borrowed), and how to fold its output
+    /// back in. `hc` must be given exactly when the residual has hyper-connections (the model builder
+    /// loads one per block).
     pub fn block_input(
         &self,
         hc: Option<&HyperConnection>,
         hidden: usize,
-    ) -> (Vec<f32>, Option<Vec<StreamMix>>) {
+    ) -> (Cow<'_, [f32]>, Option<Vec<StreamMix>>) {
         match (self, hc) {
-            (Self::Plain(x), _) => (x.clone(), None),
+            (Self::Plain(x), _) => (Cow::Borrowed(x), None),
             (Self::Hyper { cfg, streams, eps }, Some(hc)) => {
                 let m = cfg.mult;
                 let per_token: Vec<(Vec<f32>, StreamMix)> = streams
@@ -78,7 +80,7 @@ impl Residual {
                     input.extend(x);
                     mixes.push(mix);
                 }
-                (input, Some(mixes))
+                (Cow::Owned(input), Some(mixes))
             }
             (Self::Hyper { .. }, None) => {
                 unreachable!("hyper-connection weights are loaded per layer")

@@ -17,8 +17,10 @@
 //! projections dominate as in attention layers; the state is 64 KiB per head in f32.
 use super::kv::recurrent::{LinearLayerState, RecurrentState};
 use super::linear::dot;
-use super::ops::{sigmoid, silu};
+use super::moe::activate;
+use super::ops::sigmoid;
 use super::Segment;
+use crate::model::config::Activation;
 use crate::model::config::ModelConfig;
 use crate::model::hybrid::LinearAttentionConfig;
 use crate::model::LinearAttention;
@@ -61,7 +63,7 @@ pub fn linear_attention_forward(
             .expect("the engine checks every cache has linear-attention state");
         let rows = seg.row0..seg.row0 + seg.len;
         let x = &mut mixed[rows.start * 3 * qkv..rows.end * 3 * qkv];
-        short_conv(&la.conv, &shape, x, &mut state.conv);
+        short_conv(&la.conv, &shape, cfg.activation, x, &mut state.conv);
         let out = &mut core[rows.start * qkv..rows.end * qkv];
         let g = &g[rows.start * qkv..rows.end * qkv];
         let beta = &beta[rows.start * shape.num_heads..rows.end * shape.num_heads];
@@ -94,9 +96,16 @@ fn forget_gate(
     g
 }
 
-/// Depthwise causal convolution with SiLU over one segment's `[len, channels]` rows, in place; `tail`
-/// holds the `kernel - 1` inputs before the segment (oldest first) and is advanced to the segment's end.
-fn short_conv(weight: &[f32], shape: &LinearAttentionConfig, x: &mut [f32], tail: &mut [f32]) {
+/// Depthwise causal convolution and the model's activation (`hidden_act`: SiLU) over one segment's
+/// `[len, channels]` rows, in place; `tail` holds the `kernel - 1` inputs before the segment (oldest
+/// first) and is advanced to the segment's end.
+fn short_conv(
+    weight: &[f32],
+    shape: &LinearAttentionConfig,
+    act: Activation,
+    x: &mut [f32],
+    tail: &mut [f32],
+) {
     let ch = 3 * shape.qkv_dim();
     let kern = shape.conv_kernel;
     let past = kern - 1;
@@ -110,7 +119,7 @@ fn short_conv(weight: &[f32], shape: &LinearAttentionConfig, x: &mut [f32], tail
             let w = &weight[c * kern..(c + 1) * kern];
             // Output t reads inputs t .. t + kern - 1 of `seq` (the last is token t itself).
             let acc: f32 = (0..kern).map(|j| w[j] * seq[(t + j) * ch + c]).sum();
-            *o = silu(acc);
+            *o = activate(act, acc);
         }
     });
     tail.copy_from_slice(&seq[len * ch..]);
@@ -453,14 +462,14 @@ mod tests {
         let x: Vec<f32> = (0..7 * ch).map(|_| lcg(&mut seed)).collect();
         let mut whole = x.clone();
         let mut tail = vec![0f32; 3 * ch];
-        short_conv(&w, &shape, &mut whole, &mut tail);
+        short_conv(&w, &shape, Activation::Silu, &mut whole, &mut tail);
         let mut parts = x.clone();
         let mut tail2 = vec![0f32; 3 * ch];
         let (a, b) = parts.split_at_mut(2 * ch);
-        short_conv(&w, &shape, a, &mut tail2);
+        short_conv(&w, &shape, Activation::Silu, a, &mut tail2);
         let (b1, b2) = b.split_at_mut(ch);
-        short_conv(&w, &shape, b1, &mut tail2);
-        short_conv(&w, &shape, b2, &mut tail2);
+        short_conv(&w, &shape, Activation::Silu, b1, &mut tail2);
+        short_conv(&w, &shape, Activation::Silu, b2, &mut tail2);
         for (p, q) in parts.iter().zip(&whole) {
             assert!((p - q).abs() < 1e-6);
         }

@@ -415,11 +415,7 @@ impl Engine {
     /// Longest sequence a step may reach: the model's context, within what sparse-attention layers
     /// compute exactly.
     pub fn max_context(&self) -> usize {
-        let cfg = &self.model.config;
-        cfg.dense_attention_limit()
-            .map_or(cfg.max_position_embeddings, |l| {
-                l.min(cfg.max_position_embeddings)
-            })
+        self.model.config.max_context()
     }
 
     /// One step; returns the logits at the last position of each entry, in order.
@@ -597,6 +593,7 @@ impl Engine {
             let t_attn = std::time::Instant::now();
             let (input, mix) = residual.block_input(layer.hyper.as_ref().map(|h| &h.attn), hd);
             let h = rms_norm(&input, &layer.attn_norm, cfg.rms_norm_eps);
+            drop(input);
             let rows = &mut kv_rows[li];
             let layout = cfg.layer_attention[li];
             let a = match &layer.attn {
@@ -621,6 +618,7 @@ impl Engine {
             times.attention_s += t_attn.elapsed().as_secs_f64();
             let (input, mix) = residual.block_input(layer.hyper.as_ref().map(|h| &h.ffn), hd);
             let h = rms_norm(&input, &layer.ffn_norm, cfg.rms_norm_eps);
+            drop(input);
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
                     let pool = self.cpu_pool.as_deref();

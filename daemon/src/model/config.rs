@@ -425,6 +425,15 @@ impl ModelConfig {
         self.sparse_attention.map(|s| s.index_topk)
     }
 
+    /// Longest sequence the engine runs: the model's context, within the dense-attention limit of
+    /// sparse-attention layers.
+    pub fn max_context(&self) -> usize {
+        self.dense_attention_limit()
+            .map_or(self.max_position_embeddings, |l| {
+                l.min(self.max_position_embeddings)
+            })
+    }
+
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.moe_layers.get(layer).copied().unwrap_or(false)
     }

@@ -174,9 +174,10 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
         |i| i >= 3,
     )?;
     let lac = v.get("linear_attn_config").filter(|x| x.is_object());
+    // `linear_attn_config.<nested>` when present, else the flat `<own>` field.
     let pick_usize = |own: &str, nested: &str, default: usize| -> Result<usize, ConfigError> {
-        match lac.and_then(|c| c.get(nested)).filter(|x| !x.is_null()) {
-            Some(_) => usize_or(lac.expect("checked"), nested, default),
+        match lac.filter(|c| c.get(nested).is_some_and(|x| !x.is_null())) {
+            Some(c) => usize_or(c, nested, default),
             None => usize_or(v, own, default),
         }
     };
@@ -321,6 +322,29 @@ mod tests {
         ] {
             assert!(parse(&v, 2).is_err(), "{v}");
         }
+    }
+
+    #[test]
+    fn glm5_next_model_config_from_nested_text_config() {
+        use crate::model::config::{Arch, ModelConfig};
+        let v = json!({"architectures": ["Glm5NextForConditionalGeneration"], "vision_config": {"depth": 2},
+            "text_config": {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 0, "q_lora_rank": 32,
+                "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 0, "v_head_dim": 8,
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "index_topk": 256, "linear_num_heads": 2, "linear_head_dim": 8}});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::Glm5Next);
+        assert_eq!(c.head_dim, 8, "NoPE MLA: the nope width, not the config's 0");
+        assert_eq!(c.rope.rotary_dim, 0);
+        assert_eq!(c.moe_layers, vec![false, false, false, true]);
+        assert_eq!(c.mixers[3], Mixer::Attention);
+        assert_eq!(c.max_context(), 256);
+        assert_eq!(c.moe.as_ref().unwrap().routed_scaling_factor, 2.5);
+        assert_eq!(c.rms_norm_eps, 1e-5);
+        let mut bad = v.clone();
+        bad["text_config"]["qk_rope_head_dim"] = json!(64);
+        assert!(ModelConfig::from_json(&bad).is_err());
     }
 
     #[test]
