@@ -335,7 +335,10 @@ mod tests {
                 "index_topk": 256, "linear_num_heads": 2, "linear_head_dim": 8}});
         let c = ModelConfig::from_json(&v).unwrap();
         assert_eq!(c.arch, Arch::Glm5Next);
-        assert_eq!(c.head_dim, 8, "NoPE MLA: the nope width, not the config's 0");
+        assert_eq!(
+            c.head_dim, 8,
+            "NoPE MLA: the nope width, not the config's 0"
+        );
         assert_eq!(c.rope.rotary_dim, 0);
         assert_eq!(c.moe_layers, vec![false, false, false, true]);
         assert_eq!(c.mixers[3], Mixer::Attention);
