@@ -205,9 +205,11 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
             ConfigError::Invalid("`linear_attn_config.gate_lower_bound` must be a number".into())
         })? as f32),
     };
+    // Far above GLM-5.3-Flash (64 heads of 128, kernel 4) and low enough that one sequence's state
+    // per layer (heads × head_dim² f32) stays within 256 MiB.
     for (name, x, max) in [
-        ("linear_num_heads", num_heads, 1024),
-        ("linear_head_dim", head_dim, 1024),
+        ("linear_num_heads", num_heads, 256),
+        ("linear_head_dim", head_dim, 512),
         ("linear_conv_kernel_dim", conv_kernel, 64),
     ] {
         if x == 0 || x > max {
@@ -317,6 +319,7 @@ mod tests {
             json!({"mlp_layer_types": ["dense", "moe"]}),
             json!({"hc_mult": 0}),
             json!({"linear_head_dim": 0}),
+            json!({"linear_num_heads": 1024}),
             json!({"swiglu_limit": -1.0}),
             json!({"index_topk": 0}),
         ] {
