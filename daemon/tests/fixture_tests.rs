@@ -151,7 +151,9 @@ fixture_tests!(
     qwen3,
     smallthinker,
     smallthinker_softmax,
-    glm5_next
+    glm5_next,
+    glm4_moe_lite,
+    glm_moe_dsa
 );
 
 #[test]
@@ -170,6 +172,8 @@ fn fast_expert_kernels_at_bf16_tolerance() {
         "qwen2_moe",
         "smallthinker",
         "smallthinker_softmax",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
     ] {
         check_with(name, "model_bf16", &EngineOptions::default(), 1e-2);
     }
@@ -191,7 +195,12 @@ fn reference_expert_path() {
 /// some layers' sliding window).
 #[test]
 fn chunked_prefill_equals_whole_prefill() {
-    for name in ["qwen3_moe", "deepseek_v3", "smallthinker_softmax"] {
+    for name in [
+        "qwen3_moe",
+        "deepseek_v3",
+        "smallthinker_softmax",
+        "glm_moe_dsa",
+    ] {
         let o = oracle(name);
         let engine =
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
@@ -222,7 +231,14 @@ fn chunked_prefill_equals_whole_prefill() {
 /// Sequences of different lengths in one batch give what each gives alone.
 #[test]
 fn batch_equals_members_alone() {
-    for name in ["glm4_moe", "deepseek_v3_plain", "mixtral", "smallthinker"] {
+    for name in [
+        "glm4_moe",
+        "deepseek_v3_plain",
+        "mixtral",
+        "smallthinker",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+    ] {
         let o = oracle(name);
         let engine =
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
@@ -299,4 +315,54 @@ fn early_routing_prefetches_experts_without_changing_logits() {
     .unwrap();
     assert_eq!(first(&off), with);
     assert_eq!(off.prefetched_expert_bytes(), 0);
+}
+
+/// The GLM-5 fixture exercises the sparse selection: the same checkpoint with an indexer budget above the
+/// sequence length (dense attention, as an engine without the indexer would compute) misses the oracle by
+/// far more than the tolerance, so `glm_moe_dsa::*` cannot pass without the indexer. GLM-4.7-Flash and
+/// GLM-5 also keep their logits under chunked prefill and batching (the indexer keys live in the blocks).
+#[test]
+fn glm5_dense_attention_misses_the_oracle() {
+    let o = oracle("glm_moe_dsa");
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture_dir("glm_moe_dsa").join("model");
+    for f in ["model.safetensors", "generation_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["index_topk"] = serde_json::json!(1 << 20);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let engine = Engine::load(dir.path(), &exact()).unwrap();
+    let mut cache = engine.new_cache();
+    let all = engine
+        .forward_all(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &o.prompt,
+        }])
+        .unwrap();
+    // Positions before index_topk (4) attend everything either way.
+    for p in 0..4 {
+        assert!(rel_l2(&all[p], &o.prefill_all[p]) <= TOL, "position {p}");
+    }
+    let worst = (4..o.prompt.len())
+        .map(|p| rel_l2(&all[p], &o.prefill_all[p]))
+        .fold(0f32, f32::max);
+    assert!(
+        worst > 50.0 * TOL,
+        "dense attention is within {worst} of the oracle"
+    );
+}
+
+/// GLM-5's indexer keys live in the same KV blocks as the MLA latent: under a cache too small for the
+/// load, requests that reuse cached prefix blocks (whose indexer keys they score without recomputing
+/// them) and preempted, recomputed sequences still give every token and log-probability of the request
+/// alone (40-token shared prefix, index_topk 4: every later query attends a sparse subset). Block copies
+/// of the indexer rows are checked in `engine::kv`'s unit test.
+#[test]
+fn glm5_indexer_keys_survive_prefix_sharing_and_preemption() {
+    let dir = fixture_dir("glm_moe_dsa").join("model");
+    let (alone, pressured, metrics) =
+        common::kv_pressure::run(&dir, &EngineOptions::default(), 512);
+    common::kv_pressure::check(&alone, &pressured, &metrics, 1e-4);
 }

@@ -21,6 +21,10 @@ pub mod tool_parser;
 pub mod tools;
 pub mod types;
 
+#[cfg(test)]
+#[path = "glm5_format_tests.rs"]
+mod glm5_format_tests;
+
 use crate::metrics::Metrics;
 use crate::sched::EngineHandle;
 use crate::text::tokenizer::{EncodeError, TokenizerPool};

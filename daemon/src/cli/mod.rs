@@ -5,4 +5,5 @@ pub mod generate;
 pub mod model_path;
 pub mod serve;
 pub mod synth;
+mod synth_glm;
 mod synth_glm5;

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, smallthinker-4b or
-    /// glm-5.3-flash.
+    /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, smallthinker-4b,
+    /// glm-4.7-flash, glm-5 or glm-5.3-flash.
     #[arg(long)]
     pub like: String,
     /// Number of decoder layers (fewer than the real model to fit a disk).
@@ -86,10 +86,14 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
             "tie_word_embeddings": true, "bos_token_id": 151643, "eos_token_id": [151643, 151645],
             "torch_dtype": "bfloat16"}),
         "glm-5.3-flash" => super::synth_glm5::glm53_flash_config(),
-        other => bail!(
-            "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, \
-             smallthinker-4b or glm-5.3-flash"
-        ),
+        other => match super::synth_glm::config_like(other) {
+            Some(cfg) => cfg,
+            None => bail!(
+                "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, \
+                 smallthinker-4b, {}, glm-5.3-flash",
+                super::synth_glm::NAMES
+            ),
+        },
     })
 }
 
@@ -111,10 +115,11 @@ fn set_layers(cfg: &mut Value, layers: usize) {
             a.truncate(layers);
         }
     }
+    super::synth_glm::set_layers(cfg, layers);
 }
 
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+pub(super) enum Kind {
     /// Projection weight `[out, in]`, random with std 1/sqrt(in).
     Proj,
     /// Norm weight: ones.
@@ -123,10 +128,10 @@ enum Kind {
     VecF32,
 }
 
-struct Spec {
-    name: String,
-    shape: Vec<usize>,
-    kind: Kind,
+pub(super) struct Spec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: Kind,
 }
 
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
@@ -225,6 +230,9 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
                     vec![h, c.num_heads * m.v_head_dim],
                     Kind::Proj,
                 );
+                let mut ix = vec![];
+                super::synth_glm::indexer_specs(&c, l, &mut ix);
+                ix.into_iter().for_each(|s| p(s.name, s.shape, s.kind));
             }
             None => {
                 let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
@@ -263,7 +271,14 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
             Some(m) if c.is_moe_layer(l) => {
                 let names = MoeNames::in_model(c.arch, root, l);
                 p(names.router.clone(), vec![m.num_experts, h], Kind::Proj);
-                if matches!(c.arch, Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm5Next) {
+                if matches!(
+                    c.arch,
+                    Arch::Glm4Moe
+                        | Arch::DeepseekV3
+                        | Arch::Glm4MoeLite
+                        | Arch::GlmMoeDsa
+                        | Arch::Glm5Next
+                ) {
                     p(
                         names.correction_bias.clone(),
                         vec![m.num_experts],
@@ -462,7 +477,26 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         entries.len(),
         total as f64 / (1u64 << 30) as f64
     );
+    eprintln!(
+        "{}",
+        kv_footprint(&crate::model::ModelConfig::from_json(&cfg)?)
+    );
     Ok(())
+}
+
+/// One line: the KV cache a position takes in this shape (every layer's rows, indexer keys included)
+/// and what 128K and 1M positions of context take.
+pub fn kv_footprint(c: &crate::model::ModelConfig) -> String {
+    let per = crate::engine::kv::bytes_per_position(c);
+    let gib = |n: usize| (per * n) as f64 / (1u64 << 30) as f64;
+    format!(
+        "KV cache: {:.1} KiB per position over {} layers (f32 rows, indexer keys included): \
+         {:.1} GiB at 128K positions, {:.1} GiB at 1M",
+        per as f64 / 1024.0,
+        c.num_layers,
+        gib(128 << 10),
+        gib(1 << 20)
+    )
 }
 
 #[cfg(test)]
@@ -530,6 +564,35 @@ mod tests {
         let c = ModelConfig::from_json(&cfg).unwrap();
         assert_eq!(c.num_layers, 5);
         assert_eq!(c.mixers[3], Mixer::Attention);
+    }
+
+    #[test]
+    fn glm_mla_shapes_match_the_published_sizes() {
+        // GLM-4.7-Flash: "30B-A3B" (31.2 B with the embeddings); GLM-5: 744 B parameters (model card:
+        // "744B total, 40B active"; 78 layers here, the MTP layer not counted).
+        let (n, c) = params("glm-4.7-flash");
+        assert!((29.0e9..32.0e9).contains(&(n as f64)), "{n}");
+        assert!(c.indexer.is_none());
+        let (n, c) = params("glm-5");
+        assert!((730.0e9..750.0e9).contains(&(n as f64)), "{n}");
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (32, 128, 2048));
+        // latent 512 + rope key 64 + indexer key 128 floats per layer and position
+        assert_eq!(
+            crate::engine::kv::bytes_per_position(&c),
+            78 * (512 + 64 + 128) * 4
+        );
+        assert!(
+            kv_footprint(&c).contains("214.5 KiB"),
+            "{}",
+            kv_footprint(&c)
+        );
+        let mut cfg = config_like("glm-5").unwrap();
+        cfg["indexer_types"] = json!(vec!["full"; 78]);
+        set_layers(&mut cfg, 4);
+        let c = ModelConfig::from_json(&cfg).unwrap();
+        assert_eq!(c.indexer.unwrap().layers.len(), 4);
+        assert_eq!(c.moe_layers, vec![false, false, false, true]);
     }
 
     #[test]

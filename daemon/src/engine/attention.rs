@@ -3,13 +3,14 @@
 //! with a causal limit at the token's position and, for sliding-window layers, a lower limit. Rows are
 //! written to and read from the layer's KV storage through each sequence's block table (reserved by the
 //! driver before the step).
+use super::indexer::{self, Selection};
 use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
 use super::ops::{rms_norm, rms_norm_rows, softmax};
 use super::rope::Rope;
 use super::Segment;
 use crate::model::config::{LayerAttention, ModelConfig};
-use crate::model::{GqaAttention, MlaAttention, MlaQuery};
+use crate::model::{GqaAttention, MlaAttention, MlaQuery, SparseAttention};
 use rayon::prelude::*;
 
 /// Per token: (segment index, absolute position).
@@ -42,18 +43,16 @@ fn write_rows(
     }
 }
 
-/// Softmax-weighted sum over positions `first..=pos`: scores from `score(p)`, values through
-/// `acc(p, w)`.
-fn attend(
-    first: usize,
-    pos: usize,
+/// Softmax-weighted sum over `positions`: scores from `score(p)`, values through `acc(p, w)`.
+fn attend<I: Iterator<Item = usize> + Clone>(
+    positions: I,
     scale: f32,
     score: impl Fn(usize) -> f32,
     mut acc: impl FnMut(usize, f32),
 ) {
-    let mut s: Vec<f32> = (first..=pos).map(|p| score(p) * scale).collect();
+    let mut s: Vec<f32> = positions.clone().map(|p| score(p) * scale).collect();
     softmax(&mut s);
-    for (p, w) in (first..).zip(s) {
+    for (p, w) in positions.zip(s) {
         acc(p, w);
     }
 }
@@ -98,8 +97,7 @@ pub fn gqa_forward(
         let qh = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
         let kh = (head / group) * hd;
         attend(
-            layout.first_attended(pos),
-            pos,
+            layout.first_attended(pos)..=pos,
             scale,
             |p| dot(qh, &rows.a_row(slot(table, p))[kh..kh + hd]),
             |p, w| {
@@ -112,14 +110,20 @@ pub fn gqa_forward(
     attn.o.forward(&out, n)
 }
 
+/// MLA over a step. `layout.rope` false: a NoPE layer (q and the shared key are not rotated). Layers with
+/// a sparse-attention indexer attend only the positions it selects: an `Own` layer runs its indexer and
+/// leaves the selection in `selection` for the `Shared` layers after it (same step, same tokens).
+#[allow(clippy::too_many_arguments)]
 pub fn mla_forward(
     attn: &MlaAttention,
     cfg: &ModelConfig,
+    layout: LayerAttention,
     rope: &Rope,
     h: &[f32],
     segments: &[Segment],
     tables: &[&[BlockId]],
     rows: &mut LayerRows,
+    selection: &mut Option<Selection>,
 ) -> Vec<f32> {
     let m = cfg.mla.as_ref().expect("MLA layer without MLA config");
     let n = h.len() / cfg.hidden_size;
@@ -131,10 +135,11 @@ pub fn mla_forward(
         m.kv_lora_rank,
     );
     let qk = nope + rd;
-    let mut q = match &attn.q {
-        MlaQuery::Direct(l) => l.forward(h, n),
+    let (mut q, q_resid) = match &attn.q {
+        MlaQuery::Direct(l) => (l.forward(h, n), None),
         MlaQuery::LowRank { a, norm, b } => {
-            b.forward(&rms_norm(&a.forward(h, n), norm, cfg.rms_norm_eps), n)
+            let r = rms_norm(&a.forward(h, n), norm, m.latent_norm_eps);
+            (b.forward(&r, n), Some(r))
         }
     };
     let ckv = attn.kv_a.forward(h, n);
@@ -145,8 +150,8 @@ pub fn mla_forward(
         let row = &ckv[t * (lora + rd)..(t + 1) * (lora + rd)];
         latent[t * lora..(t + 1) * lora].copy_from_slice(&row[..lora]);
         k_rot[t * rd..(t + 1) * rd].copy_from_slice(&row[lora..]);
-        if rd == 0 {
-            continue; // NoPE MLA (GLM-5.3): nothing to rotate
+        if !layout.rope || rd == 0 {
+            continue; // NoPE MLA (GLM-5.3's indexed layers): nothing to rotate
         }
         let (cos, sin) = rope.cos_sin(pos);
         rope.apply(&mut k_rot[t * rd..(t + 1) * rd], rd, &cos, &sin);
@@ -155,8 +160,23 @@ pub fn mla_forward(
             rope.apply(&mut qh[nope..], rd, &cos, &sin);
         }
     }
-    rms_norm_rows(&mut latent, &attn.kv_a_norm, cfg.rms_norm_eps);
+    rms_norm_rows(&mut latent, &attn.kv_a_norm, m.latent_norm_eps);
     write_rows(segments, tables, rows, (&latent, lora), (&k_rot, rd));
+    match (&attn.indexer, &cfg.indexer, &q_resid) {
+        (Some(SparseAttention::Own(w)), Some(ix), Some(r)) => {
+            *selection = Some(indexer::select(w, ix, rope, h, r, segments, tables, rows));
+        }
+        (Some(SparseAttention::Own(_)), ..) => {
+            unreachable!("an indexer is built only with its config and q-LoRA")
+        }
+        (Some(SparseAttention::Shared), ..) => debug_assert!(
+            selection.is_some(),
+            "a shared indexer layer with no earlier selection (the config requires one)"
+        ),
+        (None, ..) => *selection = None,
+    }
+    let dense = Selection::all(n);
+    let attended = selection.as_ref().unwrap_or(&dense);
     let rows = &*rows;
     let scale = cfg.attention_scale();
     let kv_b = &attn.kv_b;
@@ -177,8 +197,7 @@ pub fn mla_forward(
         }
         let mut o_lat = vec![0f32; lora];
         attend(
-            0,
-            pos,
+            attended.positions(t, pos),
             scale,
             |p| {
                 let sl = slot(table, p);

@@ -9,6 +9,7 @@ pub mod dense_pack;
 pub mod gpu;
 pub mod heap;
 pub mod hyper;
+pub mod indexer;
 pub mod kv;
 pub mod linear;
 pub mod linear_attention;
@@ -312,7 +313,8 @@ impl Engine {
                 )
             }
             None => {
-                let store = std::sync::Arc::new(kv::CpuKvStore::new(&kv_widths(&model)));
+                let store =
+                    std::sync::Arc::new(kv::CpuKvStore::new(&kv::row_widths(&model.config)));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
@@ -578,6 +580,8 @@ impl Engine {
             tables.push(table);
             states.extend(state);
         }
+        // The sparse-attention selection of the last layer that ran its own indexer.
+        let mut selection = None;
         for (li, layer) in m.layers.iter().enumerate() {
             // Routing from the layer input (SmallThinker) is decided before attention runs.
             let early = match (&layer.ffn, &cfg.moe, residual.plain()) {
@@ -602,9 +606,17 @@ impl Engine {
                 }
                 // Sparse-attention layers plug their indexer in here; within the dense limit the
                 // indexer would select every key, so dense MLA is exact.
-                Attention::Mla(a) => {
-                    attention::mla_forward(a, cfg, &self.rope, &h, &segments, &tables, rows)
-                }
+                Attention::Mla(a) => attention::mla_forward(
+                    a,
+                    cfg,
+                    layout,
+                    &self.rope,
+                    &h,
+                    &segments,
+                    &tables,
+                    rows,
+                    &mut selection,
+                ),
                 Attention::Linear(la) => linear_attention::linear_attention_forward(
                     la,
                     cfg,
@@ -660,23 +672,4 @@ impl Engine {
         *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
     }
-}
-
-/// Per layer, the widths of the two KV row kinds: K and V (`kv_heads × head_dim`), or MLA's normalised
-/// latent and roped shared key.
-fn kv_widths(model: &Model) -> Vec<(usize, usize)> {
-    let cfg = &model.config;
-    model
-        .layers
-        .iter()
-        .map(|l| match (&l.attn, &cfg.mla) {
-            (Attention::Mla(_), Some(m)) => (m.kv_lora_rank, m.qk_rope_head_dim),
-            // Linear attention keeps a per-sequence state instead of KV rows.
-            (Attention::Linear(_), _) => (0, 0),
-            _ => (
-                cfg.num_kv_heads * cfg.head_dim,
-                cfg.num_kv_heads * cfg.head_dim,
-            ),
-        })
-        .collect()
 }

@@ -124,6 +124,54 @@ fn text_prefix(src: &dyn TensorSource) -> &'static str {
     }
 }
 
+/// Layer `i`'s sparse-attention indexer (tensors under layer prefix `p`), if the config gives the model
+/// one.
+fn build_indexer(
+    ld: &Loader,
+    cfg: &ModelConfig,
+    p: &str,
+    i: usize,
+    m: &super::config::MlaConfig,
+) -> Result<Option<SparseAttention>, BuildError> {
+    use super::config::{IndexerLayer, IndexerPooling};
+    use crate::engine::indexer::{IndexerWeights, KeyPoolWeights};
+    let Some(ix) = &cfg.indexer else {
+        return Ok(None);
+    };
+    match ix.layers.get(i) {
+        Some(IndexerLayer::Own) => {}
+        Some(IndexerLayer::Shared) => return Ok(Some(SparseAttention::Shared)),
+        None => return Ok(None),
+    }
+    let Some(rank) = m.q_lora_rank else {
+        return Err(BuildError::Unsupported(
+            "a sparse-attention indexer without q-LoRA".into(),
+        ));
+    };
+    let p = super::names::indexer(p);
+    let (h, d) = (cfg.hidden_size, ix.head_dim);
+    let pool = match ix.pooling {
+        IndexerPooling::PerToken => None,
+        IndexerPooling::KeyPool { pool } => Some(KeyPoolWeights {
+            ape: ld
+                .tensor(&format!("{p}.index_kpool_compress_ape"), &[pool, d])?
+                .to_f32(),
+            gate: Linear::new(
+                ld.tensor(&format!("{p}.index_kpool_compress_gate"), &[d, h])?,
+                None,
+            ),
+        }),
+    };
+    Ok(Some(SparseAttention::Own(Box::new(IndexerWeights {
+        wq_b: ld.linear(&format!("{p}.wq_b"), ix.n_heads * d, rank)?,
+        wk: ld.linear(&format!("{p}.wk"), d, h)?,
+        k_norm_weight: ld.vector(&format!("{p}.k_norm.weight"), d)?,
+        k_norm_bias: ld.vector(&format!("{p}.k_norm.bias"), d)?,
+        weights_proj: ld.linear(&format!("{p}.weights_proj"), ix.n_heads, h)?,
+        pool,
+    }))))
+}
+
 fn build_layer(
     ld: &Loader,
     cfg: &ModelConfig,
@@ -177,6 +225,7 @@ fn build_layer(
                 kv_a_norm: ld.vector(&format!("{a}.kv_a_layernorm.weight"), m.kv_lora_rank)?,
                 kv_b: kv_b.to_f32(),
                 o: ld.linear(&format!("{a}.o_proj"), h, nh * m.v_head_dim)?,
+                indexer: build_indexer(ld, cfg, &p, i, m)?,
             })
         }
     };

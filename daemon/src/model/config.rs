@@ -6,8 +6,11 @@
 use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer, SparseAttention};
 use serde_json::Value;
 
+#[path = "config_glm.rs"]
+mod glm;
 #[path = "config_limits.rs"]
 mod limits;
+pub use glm::{IndexerConfig, IndexerLayer, IndexerPooling};
 
 /// Architectures the engine implements (the `architectures[0]` string of config.json).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +29,12 @@ pub enum Arch {
     /// GLM-5.3-Flash's text model: linear-attention (KDA) and indexed MLA layers, hyper-connections
     /// (`model/hybrid.rs`); the vision tower is not loaded.
     Glm5Next,
+    /// GLM-4.7-Flash: DeepSeek-style MLA (interleaved RoPE by default) with GLM-4.5's sigmoid router;
+    /// dense / MoE per layer from `mlp_layer_types`.
+    Glm4MoeLite,
+    /// GLM-5 (`glm_moe_dsa`): MLA with q-LoRA plus the DeepSeek sparse-attention indexer, which picks
+    /// `index_topk` earlier positions per query ([`IndexerConfig`]).
+    GlmMoeDsa,
 }
 
 pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
@@ -40,6 +49,8 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
     ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
     ("SmallThinkerForCausalLM", Arch::SmallThinker),
     ("Glm5NextForConditionalGeneration", Arch::Glm5Next),
+    ("Glm4MoeLiteForCausalLM", Arch::Glm4MoeLite),
+    ("GlmMoeDsaForCausalLM", Arch::GlmMoeDsa),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +113,9 @@ pub struct MlaConfig {
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
+    /// eps of the q-LoRA and latent RMSNorms: transformers builds them with the norm class default
+    /// (1e-6) in DeepSeek-V3, GLM-4.7-Flash and GLM-5, not with `rms_norm_eps`.
+    pub latent_norm_eps: f32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -209,6 +223,8 @@ pub struct ModelConfig {
     pub swiglu_limit: Option<f32>,
     /// The indexer of sparse-attention (indexed MLA) layers. None: attention layers are dense.
     pub sparse_attention: Option<SparseAttention>,
+    /// The sparse-attention indexer of MLA layers (GLM-5), if the model has one.
+    pub indexer: Option<IndexerConfig>,
 }
 
 fn get_usize(v: &Value, key: &'static str) -> Result<usize, ConfigError> {
@@ -282,6 +298,8 @@ impl ModelConfig {
             )));
         }
         let glm5_next = arch == Arch::Glm5Next;
+        let rms_norm_eps =
+            opt_f64(v, "rms_norm_eps").unwrap_or(if glm5_next { 1e-5 } else { 1e-6 }) as f32;
         let hybrid = if glm5_next {
             Some(hybrid::parse(v, num_layers)?)
         } else {
@@ -301,18 +319,22 @@ impl ModelConfig {
                 qk_nope_head_dim: opt_usize(v, "qk_nope_head_dim").unwrap_or(256),
                 qk_rope_head_dim: 0,
                 v_head_dim: opt_usize(v, "v_head_dim").unwrap_or(256),
+                // GLM-5.3's q-LoRA and latent norms are built with `rms_norm_eps`.
+                latent_norm_eps: rms_norm_eps,
             })
-        } else if arch == Arch::DeepseekV3 {
+        } else if matches!(arch, Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa) {
             Some(MlaConfig {
                 q_lora_rank: opt_usize(v, "q_lora_rank"),
                 kv_lora_rank: get_usize(v, "kv_lora_rank")?,
                 qk_nope_head_dim: get_usize(v, "qk_nope_head_dim")?,
                 qk_rope_head_dim: get_usize(v, "qk_rope_head_dim")?,
                 v_head_dim: get_usize(v, "v_head_dim")?,
+                latent_norm_eps: 1e-6,
             })
         } else {
             None
         };
+        glm::check_mla(v, arch, mla.as_ref())?;
         // SmallThinker's config class defaults (its config.json may leave these out).
         let smallthinker = arch == Arch::SmallThinker;
         let head_dim = match &mla {
@@ -342,6 +364,7 @@ impl ModelConfig {
             moe_layers = h.moe_layers.clone();
         }
         let layer_attention = parse_layer_attention(v, arch, num_layers)?;
+        let indexer = glm::parse_indexer(v, arch, num_layers, mla.as_ref())?;
         let mut eos = token_ids(v.get("eos_token_id"));
         let mut bos = token_ids(v.get("bos_token_id")).first().copied();
         if smallthinker && v.get("eos_token_id").is_none() {
@@ -360,16 +383,14 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
-            rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(if glm5_next { 1e-5 } else { 1e-6 })
-                as f32,
+            rms_norm_eps,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(smallthinker),
             max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(
-                if smallthinker {
-                    4096 * 32
-                } else if glm5_next {
-                    1 << 20
-                } else {
-                    4096
+                match arch {
+                    Arch::SmallThinker => 4096 * 32,
+                    Arch::Glm5Next => 1 << 20,
+                    Arch::Glm4MoeLite | Arch::GlmMoeDsa => 202752,
+                    _ => 4096,
                 },
             ),
             bos_token_id: bos,
@@ -390,6 +411,7 @@ impl ModelConfig {
             hyper: hybrid.as_ref().map(|h| h.hyper),
             swiglu_limit: hybrid.as_ref().and_then(|h| h.swiglu_limit),
             sparse_attention: hybrid.as_ref().map(|h| h.sparse),
+            indexer,
         };
         limits::check_parsed(&cfg)?;
         Ok(cfg)
@@ -492,7 +514,13 @@ fn parse_rope(
         Some(m) => m.qk_rope_head_dim,
         None => (head_dim as f64 * partial) as usize,
     };
-    let style = if arch == Arch::DeepseekV3 && opt_bool(v, "rope_interleave").unwrap_or(true) {
+    let interleave = match arch {
+        Arch::DeepseekV3 | Arch::Glm4MoeLite => opt_bool(v, "rope_interleave").unwrap_or(true),
+        // glm_moe_dsa's attention and indexer always rotate interleaved pairs (no `rope_interleave`).
+        Arch::GlmMoeDsa => true,
+        _ => false,
+    };
+    let style = if interleave {
         RopeStyle::Interleaved
     } else {
         RopeStyle::Neox
@@ -673,7 +701,7 @@ fn parse_moe(
                 layers,
             )
         }
-        Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm5Next => {
+        Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa | Arch::Glm5Next => {
             let num_experts = get_usize(v, "n_routed_experts")?;
             let inter = get_usize(v, "moe_intermediate_size")?;
             let first_dense = opt_usize(v, "first_k_dense_replace").unwrap_or(0);
@@ -686,9 +714,12 @@ fn parse_moe(
                 )));
             }
             let shared = opt_usize(v, "n_shared_experts").unwrap_or(0);
-            let layers = (0..num_layers)
-                .map(|i| i >= first_dense && i % freq == 0)
-                .collect();
+            let layers = match glm::mlp_layer_types(v, arch, num_layers)? {
+                Some(sparse) => sparse,
+                None => (0..num_layers)
+                    .map(|i| i >= first_dense && i % freq == 0)
+                    .collect(),
+            };
             (
                 MoeConfig {
                     num_experts,

@@ -50,6 +50,16 @@ pub struct MlaAttention {
     /// kv_b_proj as f32, `[heads × (nope + v), kv_lora_rank]`.
     pub kv_b: Vec<f32>,
     pub o: Linear,
+    /// Sparse attention (GLM-5): which earlier positions each query attends. None: all of them.
+    pub indexer: Option<SparseAttention>,
+}
+
+/// The sparse-attention indexer of an MLA layer ([`crate::engine::indexer`]).
+pub enum SparseAttention {
+    /// The layer runs its own indexer.
+    Own(Box<crate::engine::indexer::IndexerWeights>),
+    /// The layer attends the positions the nearest earlier `Own` layer selected for the same tokens.
+    Shared,
 }
 
 /// KDA-style gated delta-rule linear attention (GLM-5.3-Flash's linear layers). Per sequence it keeps a

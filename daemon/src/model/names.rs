@@ -82,3 +82,11 @@ pub fn layer(i: usize) -> String {
 pub fn layer_in(prefix: &str, i: usize) -> String {
     format!("{prefix}.layers.{i}")
 }
+
+/// Tensor names of a layer's sparse-attention indexer (`{layer}.self_attn.indexer.*`, `layer` from
+/// [`layer_in`]): `wq_b`, `wk`,
+/// `k_norm` (LayerNorm weight and bias), `weights_proj`, and the key-pool parameters of the pooled
+/// variant (`index_kpool_compress_ape`, `index_kpool_compress_gate`: plain parameters, no `.weight`).
+pub fn indexer(layer: &str) -> String {
+    format!("{layer}.self_attn.indexer")
+}

@@ -402,7 +402,7 @@ impl GpuModel {
                 let mut qa = self.alloc::<f32>(n * r)?;
                 self.linear(a, hb, &mut qa, n, false)?;
                 let mut qa_b = self.alloc::<bf16>(n * r)?;
-                self.rms_norm(&qa, norm, cfg.rms_norm_eps, r, n, &mut qa_b, None)?;
+                self.rms_norm(&qa, norm, m.latent_norm_eps, r, n, &mut qa_b, None)?;
                 self.linear(b, &qa_b, &mut q, n, false)?;
             }
         }
@@ -416,7 +416,7 @@ impl GpuModel {
             let mut l = dev.launch(&dev.k.mla_split_latent);
             l.arg(&ckv)
                 .arg(kv_a_norm)
-                .arg(&cfg.rms_norm_eps)
+                .arg(&m.latent_norm_eps)
                 .arg(&lora_i)
                 .arg(&rope_i)
                 .arg(&mut latent)

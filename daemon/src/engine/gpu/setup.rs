@@ -40,8 +40,14 @@ pub fn dense_bytes(cfg: &ModelConfig) -> usize {
 }
 
 pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow::Result<GpuModel> {
-    let dev = GpuDevice::open(ordinal)?;
     let cfg = model.config.clone();
+    if cfg.indexer.is_some() {
+        bail!(
+            "{}: the CUDA backend does not run the sparse-attention indexer yet; use --device cpu",
+            cfg.arch_name
+        );
+    }
+    let dev = GpuDevice::open(ordinal)?;
     let (free, total) = dev.memory()?;
     let blocks = opts.kv_cache_tokens.div_ceil(BLOCK).max(1);
     let widths = super::kv_widths(&cfg);

@@ -13,16 +13,28 @@ pub use recurrent::RecurrentState;
 
 use std::sync::{Mutex, MutexGuard};
 
-/// One layer's rows on the CPU: two row-major f32 arrays indexed by block (GQA: keys and values,
-/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key). They grow on demand
-/// to the highest block handed out, so memory follows the peak number of positions in use, not the
-/// configured capacity.
+/// One layer's rows on the CPU: row-major f32 arrays indexed by block (GQA: keys and values,
+/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key; `c`: the sparse
+/// attention indexer's keys of MLA layers that have one, empty elsewhere). They grow on demand to the
+/// highest block handed out, so memory follows the peak number of positions in use, not the configured
+/// capacity.
 #[derive(Debug, Default)]
 pub struct LayerRows {
     pub a: Vec<f32>,
     pub b: Vec<f32>,
+    pub c: Vec<f32>,
     pub a_width: usize,
     pub b_width: usize,
+    pub c_width: usize,
+}
+
+/// Floats per position of each row kind of one layer (see [`LayerRows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowWidths {
+    pub a: usize,
+    pub b: usize,
+    /// Indexer keys (0: the layer has none).
+    pub c: usize,
 }
 
 impl LayerRows {
@@ -31,6 +43,7 @@ impl LayerRows {
         if self.a.len() < rows * self.a_width {
             self.a.resize(rows * self.a_width, 0.0);
             self.b.resize(rows * self.b_width, 0.0);
+            self.c.resize(rows * self.c_width, 0.0);
         }
     }
 
@@ -39,6 +52,16 @@ impl LayerRows {
         self.ensure_block((slot / BLOCK) as BlockId);
         self.a[slot * self.a_width..(slot + 1) * self.a_width].copy_from_slice(a);
         self.b[slot * self.b_width..(slot + 1) * self.b_width].copy_from_slice(b);
+    }
+
+    /// Writes one position's indexer key row (layers with an indexer).
+    pub fn write_c(&mut self, slot: usize, c: &[f32]) {
+        self.ensure_block((slot / BLOCK) as BlockId);
+        self.c[slot * self.c_width..(slot + 1) * self.c_width].copy_from_slice(c);
+    }
+
+    pub fn c_row(&self, slot: usize) -> &[f32] {
+        &self.c[slot * self.c_width..(slot + 1) * self.c_width]
     }
 
     pub fn a_row(&self, slot: usize) -> &[f32] {
@@ -56,7 +79,42 @@ impl LayerRows {
         self.a.copy_within(f * aw..(f + BLOCK) * aw, t * aw);
         let bw = self.b_width;
         self.b.copy_within(f * bw..(f + BLOCK) * bw, t * bw);
+        let cw = self.c_width;
+        self.c.copy_within(f * cw..(f + BLOCK) * cw, t * cw);
     }
+}
+
+/// Per layer, the row widths a model's KV blocks hold (from its config alone): K and V
+/// (`kv_heads × head_dim` each), or MLA's normalised latent and roped shared key, plus the sparse-attention
+/// indexer's keys on layers that run their own indexer (GLM-5: 128 floats per position). Linear-attention
+/// layers keep a per-sequence recurrent state instead: no rows.
+pub fn row_widths(cfg: &crate::model::ModelConfig) -> Vec<RowWidths> {
+    use crate::model::config::IndexerLayer;
+    use crate::model::hybrid::Mixer;
+    (0..cfg.num_layers)
+        .map(|l| match &cfg.mla {
+            _ if cfg.mixers.get(l) == Some(&Mixer::Linear) => RowWidths { a: 0, b: 0, c: 0 },
+            Some(m) => RowWidths {
+                a: m.kv_lora_rank,
+                b: m.qk_rope_head_dim,
+                c: cfg
+                    .indexer
+                    .as_ref()
+                    .filter(|ix| ix.layers.get(l) == Some(&IndexerLayer::Own))
+                    .map_or(0, |ix| ix.row_width()),
+            },
+            None => RowWidths {
+                a: cfg.num_kv_heads * cfg.head_dim,
+                b: cfg.num_kv_heads * cfg.head_dim,
+                c: 0,
+            },
+        })
+        .collect()
+}
+
+/// Bytes one position takes in the CPU backend's KV blocks, all layers together (f32 rows).
+pub fn bytes_per_position(cfg: &crate::model::ModelConfig) -> usize {
+    row_widths(cfg).iter().map(|w| (w.a + w.b + w.c) * 4).sum()
 }
 
 /// The storage slot of position `pos` of a sequence with block table `blocks`.
@@ -71,13 +129,14 @@ pub struct CpuKvStore {
 }
 
 impl CpuKvStore {
-    /// `widths`: per layer, the widths of the two row kinds.
-    pub fn new(widths: &[(usize, usize)]) -> Self {
+    /// `widths`: per layer, the widths of its row kinds.
+    pub fn new(widths: &[RowWidths]) -> Self {
         let layers = widths
             .iter()
-            .map(|&(a_width, b_width)| LayerRows {
-                a_width,
-                b_width,
+            .map(|w| LayerRows {
+                a_width: w.a,
+                b_width: w.b,
+                c_width: w.c,
                 ..Default::default()
             })
             .collect();
@@ -95,7 +154,7 @@ impl CpuKvStore {
     pub fn bytes(&self) -> usize {
         self.lock()
             .iter()
-            .map(|l| (l.a.len() + l.b.len()) * 4)
+            .map(|l| (l.a.len() + l.b.len() + l.c.len()) * 4)
             .sum()
     }
 }
@@ -106,5 +165,26 @@ impl BlockCopy for CpuKvStore {
             l.copy_block(from, to);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The indexer's keys travel with the block: copy-on-write copies them, and the footprint counts them.
+    #[test]
+    fn indexer_rows_live_in_the_blocks() {
+        let store = CpuKvStore::new(&[RowWidths { a: 2, b: 1, c: 3 }]);
+        let slot_in = |block: usize, i: usize| block * BLOCK + i;
+        store.lock()[0].write(slot_in(1, 5), &[1.0, 2.0], &[3.0]);
+        store.lock()[0].write_c(slot_in(1, 5), &[4.0, 5.0, 6.0]);
+        store.copy_block(1, 3).unwrap();
+        {
+            let rows = &store.lock()[0];
+            assert_eq!(rows.c_row(slot_in(3, 5)), &[4.0, 5.0, 6.0]);
+            assert_eq!(rows.a_row(slot_in(3, 5)), &[1.0, 2.0]);
+        }
+        assert_eq!(store.bytes(), 4 * BLOCK * (2 + 1 + 3) * 4);
     }
 }
