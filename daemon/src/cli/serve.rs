@@ -178,7 +178,7 @@ fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
         let cfg = ModelConfig::from_dir(path)?;
         return Ok(ModelFiles {
             tokenizer: Some(tokenizer),
-            max_positions: cfg.max_context(),
+            max_positions: cfg.max_position_embeddings,
             gguf: None,
             name,
         });

@@ -136,7 +136,7 @@ pub(super) struct Spec {
 
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
 fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
-    use super::synth_glm5::{IndexerShape, Values};
+    use super::synth_glm5::Values;
     use crate::model::config::{Arch, ModelConfig};
     use crate::model::names::MoeNames;
     let c = ModelConfig::from_json(v)?;
@@ -148,7 +148,6 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
     } else {
         "model"
     };
-    let index = IndexerShape::of(v.get("text_config").unwrap_or(v));
     let mut s = Vec::new();
     let mut p = |name: String, shape: Vec<usize>, kind| s.push(Spec { name, shape, kind });
     p(
@@ -182,13 +181,7 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
                     };
                     p(name, shape, kind)
                 };
-                super::synth_glm5::mixer_specs(
-                    &c,
-                    index,
-                    l,
-                    &format!("{root}.layers.{l}"),
-                    &mut add,
-                );
+                super::synth_glm5::mixer_specs(&c, l, &format!("{root}.layers.{l}"), &mut add);
             }
             Some(m) => {
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
@@ -558,7 +551,18 @@ mod tests {
             11
         );
         assert_eq!(c.moe_layers.iter().filter(|m| **m).count(), 42);
-        assert_eq!(c.dense_attention_limit(), Some(2048));
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (32, 128, 2048));
+        assert_eq!(
+            ix.pooling,
+            crate::model::config::IndexerPooling::KeyPool { pool: 4 }
+        );
+        // 11 indexed layers: latent 512 + indexer key and gate logits 2 × 128 floats per position;
+        // linear-attention layers hold no rows
+        assert_eq!(
+            crate::engine::kv::bytes_per_position(&c),
+            11 * (512 + 256) * 4
+        );
         let mut cfg = config_like("glm-5.3-flash").unwrap();
         set_layers(&mut cfg, 5);
         let c = ModelConfig::from_json(&cfg).unwrap();

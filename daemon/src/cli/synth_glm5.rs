@@ -77,25 +77,6 @@ pub fn set_layers(text: &mut Value, layers: usize) {
     }
 }
 
-/// The indexer's sizes (`index_n_heads`, `index_head_dim`, `index_kpool`; class defaults 32, 128, 16).
-#[derive(Clone, Copy)]
-pub struct IndexerShape {
-    pub heads: usize,
-    pub head_dim: usize,
-    pub kpool: usize,
-}
-
-impl IndexerShape {
-    pub fn of(text: &Value) -> Self {
-        let get = |k: &str, d: u64| text.get(k).and_then(Value::as_u64).unwrap_or(d) as usize;
-        Self {
-            heads: get("index_n_heads", 32),
-            head_dim: get("index_head_dim", 128),
-            kpool: get("index_kpool", 16),
-        }
-    }
-}
-
 /// What kind of values a tensor holds (mirrors synth.rs's `Kind` without depending on it).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Values {
@@ -112,7 +93,6 @@ pub enum Values {
 /// code): `p(name, shape, values)`.
 pub fn mixer_specs(
     c: &crate::model::ModelConfig,
-    index: IndexerShape,
     l: usize,
     prefix: &str,
     p: &mut dyn FnMut(String, Vec<usize>, Values),
@@ -167,33 +147,7 @@ pub fn mixer_specs(
             vec![h, nh * m.v_head_dim],
             Values::Proj,
         );
-        // The indexer (loaded by the sparse-attention code; dense attention within index_topk
-        // does not read it).
-        let IndexerShape {
-            heads: ih,
-            head_dim: id,
-            kpool,
-        } = index;
-        let i = format!("{a}.indexer");
-        p(format!("{i}.wq_b.weight"), vec![ih * id, r], Values::Proj);
-        p(format!("{i}.wk.weight"), vec![id, h], Values::Proj);
-        p(format!("{i}.k_norm.weight"), vec![id], Values::Norm);
-        p(format!("{i}.k_norm.bias"), vec![id], Values::F32);
-        p(
-            format!("{i}.weights_proj.weight"),
-            vec![ih, h],
-            Values::Proj,
-        );
-        p(
-            format!("{i}.index_kpool_compress_ape"),
-            vec![kpool, id],
-            Values::F32,
-        );
-        p(
-            format!("{i}.index_kpool_compress_gate"),
-            vec![id, h],
-            Values::Proj,
-        );
+        indexer_specs(c, l, &a, r, p);
     }
     if let Some(hc) = &c.hyper {
         let rows = (2 + hc.mult) * hc.mult;
@@ -207,4 +161,44 @@ pub fn mixer_specs(
             p(format!("{prefix}.hc_{which}_scale"), vec![3], Values::F32);
         }
     }
+}
+
+/// The key-pool indexer's tensors under attention prefix `a` (`q_lora_rank` `r`), on a layer that runs
+/// its own indexer.
+fn indexer_specs(
+    c: &crate::model::ModelConfig,
+    l: usize,
+    a: &str,
+    r: usize,
+    p: &mut dyn FnMut(String, Vec<usize>, Values),
+) {
+    use crate::model::config::{IndexerLayer, IndexerPooling};
+    let Some(ix) = &c.indexer else { return };
+    let IndexerPooling::KeyPool { pool } = ix.pooling else {
+        return;
+    };
+    if ix.layers.get(l) != Some(&IndexerLayer::Own) {
+        return;
+    }
+    let (h, ih, id) = (c.hidden_size, ix.n_heads, ix.head_dim);
+    let i = format!("{a}.indexer");
+    p(format!("{i}.wq_b.weight"), vec![ih * id, r], Values::Proj);
+    p(format!("{i}.wk.weight"), vec![id, h], Values::Proj);
+    p(format!("{i}.k_norm.weight"), vec![id], Values::Norm);
+    p(format!("{i}.k_norm.bias"), vec![id], Values::F32);
+    p(
+        format!("{i}.weights_proj.weight"),
+        vec![ih, h],
+        Values::Proj,
+    );
+    p(
+        format!("{i}.index_kpool_compress_ape"),
+        vec![pool, id],
+        Values::F32,
+    );
+    p(
+        format!("{i}.index_kpool_compress_gate"),
+        vec![id, h],
+        Values::Proj,
+    );
 }

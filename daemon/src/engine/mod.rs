@@ -159,8 +159,6 @@ pub enum StepError {
     NotReserved { reserved: usize, needed: usize },
     #[error("a sequence's cache belongs to another engine's KV pool")]
     ForeignCache,
-    #[error("sequence would reach {len} positions; this model's sparse attention is computed densely, which equals it only up to index_topk = {limit} positions (the indexer that selects keys beyond that is not implemented)")]
-    BeyondDenseAttention { len: usize, limit: usize },
     #[error(
         "a sequence's cache has no linear-attention state: make caches with Engine::new_cache"
     )]
@@ -220,12 +218,6 @@ impl Engine {
             anyhow::bail!(
                 "{}: the CUDA backend does not run linear-attention layers and hyper-connections yet; use --device cpu",
                 cfg.arch_name
-            );
-        }
-        if let Some(limit) = cfg.dense_attention_limit() {
-            tracing::warn!(
-                limit,
-                "sparse-attention layers run densely: contexts are limited to index_topk positions, where dense attention selects the same keys as the indexer"
             );
         }
         let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
@@ -414,12 +406,6 @@ impl Engine {
         }
     }
 
-    /// Longest sequence a step may reach: the model's context, within what sparse-attention layers
-    /// compute exactly.
-    pub fn max_context(&self) -> usize {
-        self.model.config.max_context()
-    }
-
     /// One step; returns the logits at the last position of each entry, in order.
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, StepError> {
         if let Some(g) = &self.gpu {
@@ -519,9 +505,6 @@ impl Engine {
                     max: cfg.max_position_embeddings,
                 });
             }
-            if let Some(limit) = cfg.dense_attention_limit().filter(|&l| len > l) {
-                return Err(StepError::BeyondDenseAttention { len, limit });
-            }
             let layers = s.cache.recurrent().map(|r| r.num_layers());
             if cfg.linear_attention.is_some() && layers != Some(cfg.num_layers) {
                 return Err(StepError::NoRecurrentState);
@@ -604,8 +587,8 @@ impl Engine {
                 Attention::Gqa(g) => {
                     attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, &tables, rows)
                 }
-                // Sparse-attention layers plug their indexer in here; within the dense limit the
-                // indexer would select every key, so dense MLA is exact.
+                // Sparse-attention layers (GLM-5, GLM-5.3-Flash) run their indexer inside: an `Own`
+                // layer leaves its selection here for the `Shared` layer after it.
                 Attention::Mla(a) => attention::mla_forward(
                     a,
                     cfg,

@@ -3,7 +3,7 @@
 //! Reads both the classic layout (`rope_theta`, `rope_scaling`, `partial_rotary_factor` at top level) and
 //! the newer `rope_parameters` object. Which optional tensors exist (biases, q/k norms) is decided from the
 //! checkpoint itself when the layers are built, not from config flags that differ per family.
-use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer, SparseAttention};
+use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer};
 use serde_json::Value;
 
 #[path = "config_glm.rs"]
@@ -221,9 +221,8 @@ pub struct ModelConfig {
     pub hyper: Option<HyperConfig>,
     /// SwiGLU clamp of every MLP and expert: gate ≤ limit, up within ±limit, before the activation.
     pub swiglu_limit: Option<f32>,
-    /// The indexer of sparse-attention (indexed MLA) layers. None: attention layers are dense.
-    pub sparse_attention: Option<SparseAttention>,
-    /// The sparse-attention indexer of MLA layers (GLM-5), if the model has one.
+    /// The sparse-attention indexer of MLA layers (GLM-5 per token, GLM-5.3-Flash key pools), if the
+    /// model has one.
     pub indexer: Option<IndexerConfig>,
 }
 
@@ -364,7 +363,10 @@ impl ModelConfig {
             moe_layers = h.moe_layers.clone();
         }
         let layer_attention = parse_layer_attention(v, arch, num_layers)?;
-        let indexer = glm::parse_indexer(v, arch, num_layers, mla.as_ref())?;
+        let indexer = match &hybrid {
+            Some(h) => Some(glm::parse_pooled_indexer(v, &h.mixers)?),
+            None => glm::parse_indexer(v, arch, num_layers, mla.as_ref())?,
+        };
         let mut eos = token_ids(v.get("eos_token_id"));
         let mut bos = token_ids(v.get("bos_token_id")).first().copied();
         if smallthinker && v.get("eos_token_id").is_none() {
@@ -410,7 +412,6 @@ impl ModelConfig {
                 .map(|h| h.linear),
             hyper: hybrid.as_ref().map(|h| h.hyper),
             swiglu_limit: hybrid.as_ref().and_then(|h| h.swiglu_limit),
-            sparse_attention: hybrid.as_ref().map(|h| h.sparse),
             indexer,
         };
         limits::check_parsed(&cfg)?;
@@ -439,21 +440,6 @@ impl ModelConfig {
             }
         }
         Ok(cfg)
-    }
-
-    /// Longest context whose attention the engine computes exactly on sparse-attention layers while
-    /// they run densely: the indexer's key budget, within which it selects every key.
-    pub fn dense_attention_limit(&self) -> Option<usize> {
-        self.sparse_attention.map(|s| s.index_topk)
-    }
-
-    /// Longest sequence the engine runs: the model's context, within the dense-attention limit of
-    /// sparse-attention layers.
-    pub fn max_context(&self) -> usize {
-        self.dense_attention_limit()
-            .map_or(self.max_position_embeddings, |l| {
-                l.min(self.max_position_embeddings)
-            })
     }
 
     pub fn is_moe_layer(&self, layer: usize) -> bool {
@@ -601,6 +587,16 @@ fn parse_layer_attention(
     arch: Arch,
     num_layers: usize,
 ) -> Result<Vec<LayerAttention>, ConfigError> {
+    if arch == Arch::Glm5Next {
+        // Its indexed layers are NoPE MLA (linear-attention layers do not read a layout).
+        return Ok(vec![
+            LayerAttention {
+                rope: false,
+                window: None
+            };
+            num_layers
+        ]);
+    }
     if arch != Arch::SmallThinker {
         return Ok(vec![LayerAttention::FULL; num_layers]);
     }

@@ -60,19 +60,6 @@ pub struct HybridFields {
     pub swiglu_limit: Option<f32>,
     /// Per layer: true when the FFN is the MoE block (`mlp_layer_types` "sparse").
     pub moe_layers: Vec<bool>,
-    pub sparse: SparseAttention,
-}
-
-/// The sparse-attention indexer of the indexed layers (its keys are cached per position).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SparseAttention {
-    /// Keys the indexer selects per query (`index_topk`): contexts up to this length attend to every
-    /// key, so dense attention is exact there.
-    pub index_topk: usize,
-    /// Width of the indexer's key per position (`index_head_dim`).
-    pub key_dim: usize,
-    /// Keys pooled into one candidate (`index_kpool`).
-    pub kpool: usize,
 }
 
 /// The text model's fields: `text_config` over the top level (so `architectures`, quantization and
@@ -236,17 +223,6 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
                 as f32,
         ),
     };
-    let sparse = SparseAttention {
-        index_topk: usize_or(v, "index_topk", 2048)?,
-        key_dim: usize_or(v, "index_head_dim", 128)?,
-        kpool: usize_or(v, "index_kpool", 16)?,
-    };
-    if sparse.index_topk == 0 || sparse.key_dim == 0 || sparse.key_dim > 4096 || sparse.kpool == 0 {
-        return Err(ConfigError::Invalid(format!(
-            "sparse attention: index_topk {}, index_head_dim {}, index_kpool {} must be positive (head dim at most 4096)",
-            sparse.index_topk, sparse.key_dim, sparse.kpool
-        )));
-    }
     Ok(HybridFields {
         mixers,
         linear: LinearAttentionConfig {
@@ -262,7 +238,6 @@ pub fn parse(v: &Value, layers: usize) -> Result<HybridFields, ConfigError> {
         },
         swiglu_limit,
         moe_layers,
-        sparse,
     })
 }
 
@@ -287,7 +262,6 @@ mod tests {
         assert_eq!((f.linear.num_heads, f.linear.head_dim), (64, 128));
         assert_eq!(f.hyper.mult, 4);
         assert_eq!(f.swiglu_limit, Some(10.0));
-        assert_eq!(f.sparse.index_topk, 2048);
     }
 
     #[test]
@@ -321,7 +295,6 @@ mod tests {
             json!({"linear_head_dim": 0}),
             json!({"linear_num_heads": 1024}),
             json!({"swiglu_limit": -1.0}),
-            json!({"index_topk": 0}),
         ] {
             assert!(parse(&v, 2).is_err(), "{v}");
         }
@@ -329,7 +302,7 @@ mod tests {
 
     #[test]
     fn glm5_next_model_config_from_nested_text_config() {
-        use crate::model::config::{Arch, ModelConfig};
+        use crate::model::config::{Arch, IndexerPooling, ModelConfig};
         let v = json!({"architectures": ["Glm5NextForConditionalGeneration"], "vision_config": {"depth": 2},
             "text_config": {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 0, "q_lora_rank": 32,
@@ -345,12 +318,27 @@ mod tests {
         assert_eq!(c.rope.rotary_dim, 0);
         assert_eq!(c.moe_layers, vec![false, false, false, true]);
         assert_eq!(c.mixers[3], Mixer::Attention);
-        assert_eq!(c.max_context(), 256);
+        assert_eq!(c.max_position_embeddings, 1 << 20, "no cap at index_topk");
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (32, 128, 256));
+        assert_eq!(ix.pooling, IndexerPooling::KeyPool { pool: 16 });
+        assert_eq!(ix.rope_dim, 0);
+        assert!(!c.layer_attention[3].rope, "NoPE MLA");
+        assert_eq!(c.mla.as_ref().unwrap().latent_norm_eps, 1e-5);
         assert_eq!(c.moe.as_ref().unwrap().routed_scaling_factor, 2.5);
         assert_eq!(c.rms_norm_eps, 1e-5);
-        let mut bad = v.clone();
-        bad["text_config"]["qk_rope_head_dim"] = json!(64);
-        assert!(ModelConfig::from_json(&bad).is_err());
+        for (key, value) in [
+            ("qk_rope_head_dim", json!(64)),
+            ("index_topk", json!(0)),
+            ("index_topk", json!(250)), // not a multiple of index_kpool
+            ("index_kpool_always_select_tail", json!(false)),
+            // layer 3 would reuse the selection of layer 2, a linear-attention layer
+            ("indexer_types", json!(["full", "full", "full", "shared"])),
+        ] {
+            let mut bad = v.clone();
+            bad["text_config"][key] = value;
+            assert!(ModelConfig::from_json(&bad).is_err(), "{key}");
+        }
     }
 
     #[test]

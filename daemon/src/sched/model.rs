@@ -39,7 +39,9 @@ impl StepModel for Engine {
     }
 
     fn max_positions(&self) -> usize {
-        self.max_context().min(self.kv_capacity())
+        self.config()
+            .max_position_embeddings
+            .min(self.kv_capacity())
     }
 
     fn kv_usage(&self) -> f64 {

@@ -1,6 +1,7 @@
 //! What a sequence's context costs in memory, by layer kind: attention layers grow with every position
 //! (GQA: K and V rows; MLA: the normalised latent and the rotary key; sparse-attention layers also the
 //! indexer's keys), linear-attention layers hold a fixed state whatever the length.
+use crate::model::config::IndexerLayer;
 use crate::model::hybrid::Mixer;
 use crate::model::ModelConfig;
 
@@ -28,14 +29,21 @@ impl ContextFootprint {
             Some(m) => m.kv_lora_rank + m.qk_rope_head_dim,
             None => 2 * cfg.num_kv_heads * cfg.head_dim,
         };
-        let indexer = cfg.sparse_attention.map_or(0, |s| 2 * s.key_dim);
+        // Layers running their own indexer keep its rows (`IndexerConfig::row_width`) per position.
+        let indexer_floats: usize = cfg.indexer.as_ref().map_or(0, |ix| {
+            let own = (0..cfg.num_layers).filter(|&l| {
+                cfg.mixers.get(l) == Some(&Mixer::Attention)
+                    && ix.layers.get(l) == Some(&IndexerLayer::Own)
+            });
+            own.count() * ix.row_width()
+        });
         let state = cfg.linear_attention.map_or(0, |la| {
             let linear = cfg.num_layers - attention_layers;
             linear * la.state_floats() * 4
         });
         Self {
             kv_per_position: attention_layers * per_layer * value_bytes,
-            indexer_per_position: attention_layers * indexer * value_bytes,
+            indexer_per_position: indexer_floats * value_bytes,
             state_per_sequence: state,
         }
     }
