@@ -150,8 +150,8 @@ pub fn mla_forward(
         let row = &ckv[t * (lora + rd)..(t + 1) * (lora + rd)];
         latent[t * lora..(t + 1) * lora].copy_from_slice(&row[..lora]);
         k_rot[t * rd..(t + 1) * rd].copy_from_slice(&row[lora..]);
-        if !layout.rope || rd == 0 {
-            continue; // NoPE MLA (GLM-5.3's indexed layers): nothing to rotate
+        if !layout.rope {
+            continue;
         }
         let (cos, sin) = rope.cos_sin(pos);
         rope.apply(&mut k_rot[t * rd..(t + 1) * rd], rd, &cos, &sin);
