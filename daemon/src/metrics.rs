@@ -27,14 +27,20 @@ pub struct Metrics {
     pub gpu_expert_hit_ratio: Gauge,
     /// Time to compute one constrained sequence's token mask (grammar step), per sampled token.
     pub structured_mask_seconds: Histogram,
+    /// Time the sampler waited for a mask: zero when the mask, computed on a worker during the
+    /// forward pass, was ready in time; the remainder of its computation when it was late.
+    pub structured_mask_wait_seconds: Histogram,
+    /// Masks computed during the forward pass (on a mask worker) and on the engine thread after it.
+    pub structured_masks_overlapped: IntCounter,
+    pub structured_masks_inline: IntCounter,
     /// Time to compile a request's grammar (JSON schema, tool-call grammar), off the engine thread.
     pub structured_compile_seconds: Histogram,
 }
 
 /// Mask steps are normally tens of microseconds; llguidance's fuel limits cap one at ~10 ms.
 const MASK_BUCKETS: &[f64] = &[
-    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
-    0.05, 0.1,
+    0.000_001, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+    0.01, 0.025, 0.05, 0.1,
 ];
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -130,6 +136,21 @@ impl Metrics {
                     "Time to compute one constrained token mask (JSON schema / tool-call grammar)"
                 )
                 .buckets(MASK_BUCKETS.to_vec())
+            )?),
+            structured_mask_wait_seconds: reg!(Histogram::with_opts(
+                HistogramOpts::new(
+                    "moe:structured_output_mask_wait_seconds",
+                    "Time sampling waited for a token mask computed during the forward pass"
+                )
+                .buckets(MASK_BUCKETS.to_vec())
+            )?),
+            structured_masks_overlapped: reg!(IntCounter::new(
+                "moe:structured_output_masks_overlapped_total",
+                "Token masks computed on a mask worker while the forward pass ran"
+            )?),
+            structured_masks_inline: reg!(IntCounter::new(
+                "moe:structured_output_masks_inline_total",
+                "Token masks computed on the engine thread after the forward pass"
             )?),
             structured_compile_seconds: reg!(hist(
                 "moe:structured_output_compile_seconds",

@@ -8,6 +8,7 @@ MOE_DAEMON_BIN picks the binary (default: target/release/moe-daemon, else target
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,6 +50,35 @@ SCRIPT = {
          "reply": "<think>\nParis is the capital of France.\n</think>\n\nThe capital is Paris."},
         {"trigger": "talk for a long time",
          "reply": " ".join(["word"] * 3000)},
+    ],
+}
+
+
+# The same kind of script for a model whose chat template teaches GLM's XML tool calls (GLM-4.5 style:
+# newlines after the name and each tag; the second call of "two cities" is GLM-4.7 style, without).
+GLM_CALL = "<tool_call>{name}\n{args}</tool_call>"
+
+
+def glm_call(name, **args):
+    return GLM_CALL.format(name=name, args="".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()))
+
+
+GLM_SCRIPT = {
+    "step_delay_ms": 5,
+    "replies": [
+        {"trigger": "Sunny, 21 C", "reply": "It is sunny in Paris, 21 C."},
+        {"trigger": "The secret word is tangerine", "reply": "The file says the secret word is tangerine."},
+        # Wrong argument name and a string where the schema wants an integer: the grammar must not let
+        # either through.
+        {"trigger": "invent arguments", "reply": glm_call("get_weather", description="Paris", days="three")},
+        {"trigger": "weather in two cities",
+         "reply": glm_call("get_weather", city="Paris") + "\n"
+                  + "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>"},
+        {"trigger": "read hello.txt", "reply": glm_call("read", path="hello.txt")},
+        {"trigger": "weather in Paris",
+         "reply": "<think>The user wants the weather; call the tool.</think>"
+                  + glm_call("get_weather", city="Paris", days=3)},
     ],
 }
 
@@ -98,12 +128,12 @@ def _gguf():
 
 
 class Server:
-    def __init__(self, extra_args, tmp_path):
+    def __init__(self, extra_args, tmp_path, model=None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
-        args = [_binary(), "serve", "--model", _gguf(), "--port", str(self.port),
+        args = [_binary(), "serve", "--model", model or _gguf(), "--port", str(self.port),
                 "--served-model-name", "smollm2"] + extra_args
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
@@ -159,6 +189,73 @@ def scripted(tmp_path_factory):
     s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
                 "--max-running", "1", "--max-waiting", "2", "--max-model-len", "4096",
                 "--default-temperature", "0", "--clamp-max-tokens"], d)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def glm_scripted(tmp_path_factory):
+    """The scripted model behind a GLM-4.5-style chat template (tests/openai/templates): tool calls
+    in GLM's XML format, constrained by the GLM call grammar."""
+    d = tmp_path_factory.mktemp("glm")
+    script = d / "script.json"
+    script.write_text(json.dumps(GLM_SCRIPT))
+    template = os.path.join(ROOT, "tests", "openai", "templates", "glm45_style.jinja")
+    s = Server(["--scripted-replies", str(script), "--chat-template", template, "--reasoning-parser", "on",
+                "--api-key", API_KEY, "--max-running", "2", "--max-waiting", "4", "--max-model-len", "4096",
+                "--default-temperature", "0", "--clamp-max-tokens"], d)
+    yield s
+    s.stop()
+
+
+GLM_ADDED_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                    "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                    "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"]
+
+
+def _byte_char(b):
+    """GPT-2's byte -> printable character map (how byte-level BPE vocabularies are written)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    if b in printable:
+        return chr(b)
+    return chr(0x100 + sum(1 for x in range(b) if x not in printable))
+
+
+def glm_tokens_model(d):
+    """A model directory on the glm4_moe fixture (its config.json) with a byte-level tokenizer that,
+    like GLM's, has the role markers and the tool-call tags as single added tokens, and the GLM-4.5-style
+    template. Serves with --scripted-replies (no weights are read)."""
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "glm4_moe", "model", "config.json"), d / "config.json")
+    vocab = {_byte_char(b): b for b in range(256)}
+    added = [{"id": 256 + i, "content": t, "special": t.startswith("<|") or t in ("[gMASK]", "<sop>"),
+              "single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+             for i, t in enumerate(GLM_ADDED_TOKENS)]
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    (d / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+        "added_tokens": added, "pre_tokenizer": level, "decoder": level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": []}}))
+    template = open(os.path.join(ROOT, "tests", "openai", "templates", "glm45_style.jinja")).read()
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+    stops = [256 + GLM_ADDED_TOKENS.index(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def glm_tokens(tmp_path_factory):
+    """The scripted model on a GLM-like vocabulary (glm4_moe fixture config, the tool-call tags as single
+    tokens): the call grammar then names the tags as tokens."""
+    d = tmp_path_factory.mktemp("glm_tokens")
+    script = d / "script.json"
+    script.write_text(json.dumps(GLM_SCRIPT))
+    model = glm_tokens_model(d / "model")
+    s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
+                "--max-running", "2", "--max-waiting", "4", "--default-temperature", "0", "--clamp-max-tokens"],
+               d, model=str(model))
     yield s
     s.stop()
 

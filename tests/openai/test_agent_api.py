@@ -134,8 +134,13 @@ def test_json_schema_on_text_completions(real):
 
 def test_mask_time_is_in_the_metrics(real):
     m = real.metrics()
-    assert m["moe:structured_output_mask_seconds_count"] > 0
+    masks = m["moe:structured_output_mask_seconds_count"]
+    assert masks > 0
     assert m["moe:structured_output_compile_seconds_count"] > 0
+    # Every mask was started on a mask worker before the forward pass; the sampler's waits are counted.
+    assert m["moe:structured_output_masks_overlapped_total"] == masks
+    assert m["moe:structured_output_masks_inline_total"] == 0
+    assert m["moe:structured_output_mask_wait_seconds_count"] == masks
 
 
 def test_a_schema_llguidance_cannot_compile_is_400(real):

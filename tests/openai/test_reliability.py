@@ -204,6 +204,38 @@ def test_huge_prompts_are_refused_fast_and_health_stays_up(real):
     assert time.time() - t0 < 10
 
 
+def test_huge_tool_lists_are_refused_from_cheap_bounds(scripted):
+    """Tool lists are bounded before they are validated, rendered or tokenised: by count (--max-tools,
+    1024 by default) and by the least text they put in the prompt against the context."""
+    def chat(tools, choice):
+        t0 = time.time()
+        r = raw(scripted.base + "/v1/chat/completions",
+                {"model": "smollm2", "max_tokens": 1, "tool_choice": choice,
+                 "messages": [{"role": "user", "content": "hi"}], "tools": tools},
+                {"authorization": f"Bearer {API_KEY}"}, timeout=120)
+        return r, time.time() - t0
+
+    # 100,000 tools, 6.2 MB.
+    many = [{"type": "function", "function": {"name": f"tool_{i:06d}", "parameters": {}}} for i in range(100_000)]
+    for choice in ("auto", "required"):
+        r, seconds = chat(many, choice)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools", r.text
+        assert "100000 tools" in err["message"] and "--max-tools" in err["message"]
+        assert seconds < 10, f"refused after {seconds:.1f} s"
+    # 1,000 tools with long descriptions: under the count limit, but SmolLM2's template ignores tools,
+    # so the server would write ~2 MB of JSON into the system message (a 4096-token context).
+    long = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Looks things up. " * 120}}
+            for i in range(1000)]
+    r, seconds = chat(long, "auto")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "the 1000 tools alone need at least" in err["message"]
+    # Tools that fit are untouched by the bounds.
+    r, _ = chat(long[:3], "auto")
+    assert r.status_code == 200, r.text
+
+
 def test_tiny_temperature_is_greedy(real):
     c = real.client()
     msgs = [{"role": "user", "content": "Name a colour."}]

@@ -1,8 +1,9 @@
-//! The grammars that constrain output, written for llguidance: JSON (`response_format`) and Hermes-style
-//! tool calls (`<tool_call>\n{"name":…,"arguments":…}\n</tool_call>`) whose arguments follow each tool's
-//! `parameters` schema. JSON is on one line: at most one space after `,` and `:` (the Python `json.dumps`
+//! The grammars that constrain output, written for llguidance: JSON (`response_format`) and tool calls
+//! whose arguments follow each tool's `parameters` schema, in the model's call format: Hermes
+//! (`<tool_call>\n{"name":…,"arguments":…}\n</tool_call>`) or GLM's XML (`glm_calls.rs`). JSON is on one line: at most one space after `,` and `:` (the Python `json.dumps`
 //! style models were trained on, or none), no other whitespace — few tokens, no runaway indentation.
 //! Pure functions from request values to grammars; compiling them is `structured.rs`'s job.
+use super::glm_calls::{self, ArgTags, Tag};
 use llguidance::api::TopLevelGrammar;
 use serde_json::{json, Map, Value};
 
@@ -14,7 +15,7 @@ fn compact_options(lenient: bool) -> Value {
 }
 
 /// `schema` with llguidance's compact-JSON options attached (a schema's own `x-guidance` wins).
-fn with_options(schema: &Value, lenient: bool) -> Value {
+pub(super) fn with_options(schema: &Value, lenient: bool) -> Value {
     let mut s = match schema {
         Value::Object(o) => o.clone(),
         // `true` / absent: any JSON value.
@@ -57,32 +58,42 @@ impl ToolSpec {
     }
 }
 
+/// How a model writes tool calls (told by its chat template).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFormat {
+    /// `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>` (Qwen, Hermes, and the block the
+    /// server injects for templates that ignore tools).
+    Hermes,
+    /// `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>` (GLM-4.5 … 5.x).
+    Glm,
+}
+
 /// How the tool-call tags are written in the grammar: as special tokens when the vocabulary has them
-/// as single tokens (Qwen, Hermes models), otherwise as literal text.
+/// as single tokens (Qwen, Hermes, GLM models), otherwise as literal text.
 #[derive(Debug, Clone)]
 pub struct CallTags {
     pub open: String,
     pub close: String,
+    /// GLM's argument tags.
+    pub args: ArgTags,
 }
 
 pub const CALL_OPEN: &str = "<tool_call>";
 pub const CALL_CLOSE: &str = "</tool_call>";
 
 impl CallTags {
-    pub fn new(open_is_token: bool, close_is_token: bool) -> Self {
-        let atom = |tag: &str, token: bool| match token {
-            true => tag.to_string(),
-            false => lark_string(tag),
-        };
+    /// `is_token`: whether the vocabulary has this tag as one special token.
+    pub fn new(is_token: impl Fn(&str) -> bool) -> Self {
         Self {
-            open: atom(CALL_OPEN, open_is_token),
-            close: atom(CALL_CLOSE, close_is_token),
+            open: Tag::new(CALL_OPEN, is_token(CALL_OPEN)).atom(),
+            close: Tag::new(CALL_CLOSE, is_token(CALL_CLOSE)).atom(),
+            args: ArgTags::new(is_token),
         }
     }
 }
 
 /// A lark string literal.
-fn lark_string(s: &str) -> String {
+pub(super) fn lark_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 
@@ -114,18 +125,46 @@ pub enum CallCount {
     OneOrMore,
 }
 
-/// `tool_choice` required / named: the whole output is tool calls (one, or one or more), then the end.
-pub fn forced_calls(tools: &[ToolSpec], tags: &CallTags, count: CallCount) -> TopLevelGrammar {
-    let body = call_body_schema(tools);
-    let start = match count {
-        CallCount::One => "start: call",
-        CallCount::OneOrMore => "start: call (\"\\n\" call)*",
+/// Lark rules defining `call` (one whole call, tags included) and `call_rest` (what follows the
+/// opening tag, for `auto`) in `format`, plus the `calls` rule (`count` calls).
+fn call_rules(tools: &[ToolSpec], tags: &CallTags, format: CallFormat, count: CallCount) -> String {
+    let (open, close) = (&tags.open, &tags.close);
+    let (rules, sep) = match format {
+        CallFormat::Hermes => (
+            format!(
+                "call: {open} \"\\n\" body \"\\n\" {close}\n\
+                 call_rest: WS? body \"\\n\"? {close}\n\
+                 WS: /[ \\t\\r\\n]+/\n\
+                 body: %json {body}\n",
+                body = call_body_schema(tools),
+            ),
+            "\"\\n\"",
+        ),
+        CallFormat::Glm => (
+            format!(
+                "call: {open} glm_call_rest\ncall_rest: glm_call_rest\n{}",
+                glm_calls::call_rules(tools, &tags.args, close)
+            ),
+            // GLM-4.5 writes a newline between calls, 4.7 and later none.
+            "\"\\n\"?",
+        ),
     };
-    TopLevelGrammar::from_lark(format!(
-        "{start}\ncall: {open} \"\\n\" body \"\\n\" {close}\nbody: %json {body}\n",
-        open = tags.open,
-        close = tags.close,
-    ))
+    let calls = match count {
+        CallCount::One => "calls: call".to_string(),
+        CallCount::OneOrMore => format!("calls: call ({sep} call)*"),
+    };
+    format!("{calls}\n{rules}")
+}
+
+/// `tool_choice` required / named: the whole output is tool calls (one, or one or more), then the end.
+pub fn forced_calls(
+    tools: &[ToolSpec],
+    tags: &CallTags,
+    format: CallFormat,
+    count: CallCount,
+) -> TopLevelGrammar {
+    let rules = call_rules(tools, tags, format, count);
+    TopLevelGrammar::from_lark(format!("start: calls\n{rules}"))
 }
 
 /// `tool_choice: auto` with `response_format` JSON: either the JSON answer or tool calls.
@@ -134,30 +173,23 @@ pub fn json_or_calls(
     strict: bool,
     tools: &[ToolSpec],
     tags: &CallTags,
+    format: CallFormat,
     count: CallCount,
 ) -> TopLevelGrammar {
     let schema = schema.cloned().unwrap_or_else(|| json!({"type": "object"}));
     let answer = with_options(&schema, !strict);
-    let calls = match count {
-        CallCount::One => "call",
-        CallCount::OneOrMore => "call (\"\\n\" call)*",
-    };
+    let rules = call_rules(tools, tags, format, count);
     TopLevelGrammar::from_lark(format!(
-        "start: answer | {calls}\nanswer: %json {answer}\ncall: {open} \"\\n\" body \"\\n\" {close}\nbody: %json {body}\n",
-        open = tags.open,
-        close = tags.close,
-        body = call_body_schema(tools),
+        "start: answer | calls\nanswer: %json {answer}\n{rules}"
     ))
 }
 
-/// `tool_choice: auto`: the rest of one call, engaged once the model has written the opening tag and
-/// the `{` that starts a Hermes call (the whitespace before it is already written, whatever it is).
-pub fn call_after_open(tools: &[ToolSpec], tags: &CallTags) -> TopLevelGrammar {
-    let body = call_body_schema(tools);
-    TopLevelGrammar::from_lark(format!(
-        "start: WS? body \"\\n\"? {close}\nWS: /[ \\t\\r\\n]+/\nbody: %json {body}\n",
-        close = tags.close,
-    ))
+/// `tool_choice: auto`: the rest of one call, engaged once the model has written the opening tag (and,
+/// in the Hermes format, the `{` that starts the JSON; the whitespace before it is already written,
+/// whatever it is).
+pub fn call_after_open(tools: &[ToolSpec], tags: &CallTags, format: CallFormat) -> TopLevelGrammar {
+    let rules = call_rules(tools, tags, format, CallCount::One);
+    TopLevelGrammar::from_lark(format!("start: call_rest\n{rules}"))
 }
 
 #[cfg(test)]
@@ -182,9 +214,11 @@ mod tests {
     #[test]
     fn call_grammar_names_the_tags_and_the_schema() {
         let tools = [ToolSpec::from_openai(&weather()).unwrap()];
+        let tags = CallTags::new(|t| t == CALL_OPEN);
         let g = serde_json::to_string(&forced_calls(
             &tools,
-            &CallTags::new(true, false),
+            &tags,
+            CallFormat::Hermes,
             CallCount::One,
         ))
         .unwrap();

@@ -11,7 +11,9 @@ pub mod choice;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod glm_calls;
 pub mod grammar;
+pub mod mask_worker;
 pub mod plan;
 pub mod reasoning;
 pub mod responses;
@@ -63,10 +65,12 @@ pub struct AppState {
     /// Grammar-constrained decoding (JSON schema, tool calls); None when the tokenizer could not be
     /// mapped to bytes (then such requests get 400).
     pub structured: Option<Arc<structured::StructuredOutputs>>,
-    /// The chat template writes tool calls in GLM-4.5's XML form (then `tool_choice` is not enforced).
+    /// The chat template writes tool calls in GLM's XML form (GLM-4.5 … 5.x), not Hermes JSON.
     pub glm_tool_format: bool,
     /// Sampling values used where a request leaves them out.
     pub sampling_defaults: types::SamplingDefaults,
+    /// Bounds on a request's tools, checked before they are rendered or tokenised.
+    pub tool_limits: tools::ToolLimits,
     /// Clamp `max_tokens` to what fits the context instead of refusing the request.
     pub clamp_max_tokens: bool,
     /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.

@@ -7,7 +7,7 @@
 use super::choice::OutputOptions;
 use super::error::ApiError;
 use super::generate::{choice_sampling, fit_context, ChoiceSpec, Job};
-use super::grammar::{self, CallCount};
+use super::grammar::{self, CallCount, CallFormat};
 use super::reasoning::ReasoningParser;
 use super::structured::GrammarUse;
 use super::tools::{check_messages, inject_hermes_tools, ToolChoice, Tools};
@@ -34,6 +34,11 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         ApiError::bad_request("this model has no chat template; use /v1/completions")
     })?;
     check_messages(&mut req.messages, template.knows_developer_role)?;
+    if let Some(t) = req.tools.as_deref().filter(|_| !tool_choice_is_none(&req)) {
+        state
+            .tool_limits
+            .check(t, template.renders_tools, state.max_context)?;
+    }
     let tools = Tools::parse(
         req.tools.as_deref(),
         req.tool_choice.as_ref(),
@@ -98,9 +103,14 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
     })
 }
 
+/// `tool_choice: none`: the tools are dropped, not rendered.
+fn tool_choice_is_none(req: &ChatRequest) -> bool {
+    req.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none")
+}
+
 /// What constrains the output, compiled: forced tool calls, JSON (alone or beside `auto` tool calls),
-/// or `auto` tool calls once one opens. GLM-format templates write calls as free-text XML, which is
-/// parsed but not constrained.
+/// or `auto` tool calls once one opens, in the call format the chat template teaches (Hermes JSON or
+/// GLM's XML).
 fn output_grammar(
     state: &AppState,
     tools: Option<&Tools>,
@@ -111,7 +121,10 @@ fn output_grammar(
         ResponseFormat::JsonObject => Some((None, false)),
         ResponseFormat::JsonSchema { schema, strict } => Some((Some(schema), *strict)),
     };
-    let tools = tools.filter(|_| !state.glm_tool_format);
+    let format = match state.glm_tool_format {
+        true => CallFormat::Glm,
+        false => CallFormat::Hermes,
+    };
     let Some(so) = &state.structured else {
         if json.is_some() || tools.is_some_and(|t| t.forced_specs().is_some()) {
             return Err(ApiError::bad_request(
@@ -140,21 +153,22 @@ fn output_grammar(
     match (tools, json) {
         (Some(t), _) if t.forced_specs().is_some() => {
             let specs = t.forced_specs().unwrap_or_default();
-            let g = grammar::forced_calls(&specs, tags, count(t));
+            let g = grammar::forced_calls(&specs, tags, format, count(t));
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (Some(t), Some((schema, strict))) => {
-            let g = grammar::json_or_calls(schema, strict, &t.specs, tags, count(t));
+            let g = grammar::json_or_calls(schema, strict, &t.specs, tags, format, count(t));
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (None, Some((schema, strict))) => {
             let g = grammar::json_response(schema, strict);
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
-        (Some(t), None) => match compile(grammar::call_after_open(&t.specs, tags)) {
+        (Some(t), None) => match compile(grammar::call_after_open(&t.specs, tags, format)) {
             Ok(call) => Ok(Some(GrammarUse::AfterToolCallOpens {
                 call,
                 single: !t.parallel,
+                format,
             })),
             // `auto` still works unconstrained: the parser reads whatever calls the model writes.
             Err(e) => {

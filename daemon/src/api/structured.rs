@@ -2,19 +2,21 @@
 //! ([`StructuredOutputs`]), grammars compiled per request off the engine thread, and the per-sequence
 //! [`OutputControl`] the scheduler consults at every sampled token (grammar mask, `logit_bias`).
 //!
-//! Cost: a mask is computed once per sampled token of a constrained sequence, on the engine thread;
+//! Cost: a mask is computed once per sampled token of a constrained sequence, on a mask worker while
+//! the step's forward pass runs (`mask_worker.rs`; the engine thread waits only for a late one);
 //! llguidance's fuel limits (`ParserLimits`) bound one computation to milliseconds whatever the grammar
-//! (the `moe:structured_output_mask_seconds` histogram shows the real figures). Compiling — the expensive
-//! part for big schemas or many tools — happens in the HTTP handler's blocking task.
-use super::grammar::{CallTags, CALL_CLOSE, CALL_OPEN};
+//! (`moe:structured_output_mask_seconds` and `…_mask_wait_seconds` show the real figures). Compiling —
+//! the expensive part for big schemas or many tools — happens in the HTTP handler's blocking task.
+use super::grammar::{CallFormat, CallTags, CALL_OPEN};
+use super::mask_worker::{self, ComputedMask, MaskWorkers, PendingMask};
 use crate::metrics::Metrics;
 use crate::sched::TokenConstraint;
 use crate::text::TextTokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::TokEnv;
 use llguidance::{Matcher, ParserFactory};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Per-model state shared by every request's grammar.
 pub struct StructuredOutputs {
@@ -38,7 +40,7 @@ impl StructuredOutputs {
         factory.quiet();
         let trie = tok_env.tok_trie();
         let is_token = |tag: &str| trie.get_special_token(tag).is_some();
-        let call_tags = CallTags::new(is_token(CALL_OPEN), is_token(CALL_CLOSE));
+        let call_tags = CallTags::new(is_token);
         Ok(Self {
             factory,
             tok_env,
@@ -73,9 +75,14 @@ impl StructuredOutputs {
 pub enum GrammarUse {
     /// The whole output follows the grammar; the sequence ends when it does.
     Whole(Matcher),
-    /// Free text until the model writes the tool-call opening tag, then the grammar of one call's rest;
-    /// after the call, free text again (`single`: the sequence ends after the first call instead).
-    AfterToolCallOpens { call: Matcher, single: bool },
+    /// Free text until the model writes the tool-call opening tag, then the grammar of one call's rest
+    /// (written in `format`); after the call, free text again (`single`: the sequence ends after the
+    /// first call instead).
+    AfterToolCallOpens {
+        call: Matcher,
+        single: bool,
+        format: CallFormat,
+    },
 }
 
 impl GrammarUse {
@@ -83,9 +90,14 @@ impl GrammarUse {
     pub fn deep_clone(&self) -> Self {
         match self {
             GrammarUse::Whole(m) => GrammarUse::Whole(m.deep_clone()),
-            GrammarUse::AfterToolCallOpens { call, single } => GrammarUse::AfterToolCallOpens {
+            GrammarUse::AfterToolCallOpens {
+                call,
+                single,
+                format,
+            } => GrammarUse::AfterToolCallOpens {
                 call: call.deep_clone(),
                 single: *single,
+                format: *format,
             },
         }
     }
@@ -100,26 +112,40 @@ pub struct OutputControl {
     stop_ids: Vec<u32>,
     metrics: Arc<Metrics>,
     complete: bool,
+    /// Holds each mask worker back this long first (tests of late masks).
+    mask_delay: Duration,
 }
 
 struct GrammarState {
-    matcher: Matcher,
+    /// Shared with the mask worker while it computes the next mask.
+    matcher: Arc<Mutex<Matcher>>,
     tok_env: TokEnv,
     mode: Mode,
+    /// The next token's mask, started before the forward pass ([`TokenConstraint::prepare`]).
+    pending: Option<PendingMask>,
+}
+
+fn lock(m: &Mutex<Matcher>) -> MutexGuard<'_, Matcher> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 enum Mode {
     Whole,
-    Triggered { phase: CallPhase, single: bool },
+    Triggered {
+        phase: CallPhase,
+        single: bool,
+        format: CallFormat,
+    },
 }
 
 /// Where an `auto` sequence stands with respect to tool calls.
 enum CallPhase {
     /// Free text; `tail` keeps recent output bytes to spot the opening tag across token boundaries.
     Watching { tail: Vec<u8> },
-    /// The tag is written; `after` holds what followed it (whitespace so far). A `{` next starts a
-    /// Hermes JSON call, which the grammar then takes over; anything else (another model's call
-    /// format) is left to the parser.
+    /// The tag is written (Hermes format); `after` holds what followed it (whitespace so far). A `{`
+    /// next starts a Hermes JSON call, which the grammar then takes over; anything else (another
+    /// model's call format) is left to the parser. GLM calls skip this phase: the grammar takes over
+    /// right after the tag.
     Opened { after: Vec<u8> },
     /// The call grammar decides the tokens until the call closes.
     Engaged,
@@ -137,17 +163,24 @@ impl OutputControl {
     ) -> Self {
         let grammar = grammar.map(|(g, tok_env)| match g {
             GrammarUse::Whole(matcher) => GrammarState {
-                matcher,
+                matcher: Arc::new(Mutex::new(matcher)),
                 tok_env,
                 mode: Mode::Whole,
+                pending: None,
             },
-            GrammarUse::AfterToolCallOpens { call, single } => GrammarState {
-                matcher: call,
+            GrammarUse::AfterToolCallOpens {
+                call,
+                single,
+                format,
+            } => GrammarState {
+                matcher: Arc::new(Mutex::new(call)),
                 tok_env,
                 mode: Mode::Triggered {
                     phase: CallPhase::Watching { tail: Vec::new() },
                     single,
+                    format,
                 },
+                pending: None,
             },
         });
         Self {
@@ -156,7 +189,37 @@ impl OutputControl {
             stop_ids,
             metrics,
             complete: false,
+            mask_delay: Duration::ZERO,
         }
+    }
+
+    /// Mask workers wait `delay` before each mask (tests: a late mask must not change the output).
+    #[cfg(test)]
+    pub(crate) fn with_mask_delay(mut self, delay: Duration) -> Self {
+        self.mask_delay = delay;
+        self
+    }
+
+    /// The next mask: the one started before the forward pass (waiting for it if it is late), or
+    /// one computed here.
+    fn next_mask(&mut self) -> Option<ComputedMask> {
+        let g = self.grammar.as_mut()?;
+        let m = &self.metrics;
+        let computed = match g.pending.take().map(PendingMask::wait) {
+            Some((Some(c), waited)) => {
+                m.structured_mask_wait_seconds.observe(waited.as_secs_f64());
+                m.structured_masks_overlapped.inc();
+                c
+            }
+            _ => {
+                let c = mask_worker::compute(&g.matcher);
+                m.structured_mask_wait_seconds.observe(c.seconds);
+                m.structured_masks_inline.inc();
+                c
+            }
+        };
+        m.structured_mask_seconds.observe(computed.seconds);
+        Some(computed)
     }
 
     /// Whether the grammar decides this step's tokens.
@@ -171,15 +234,15 @@ impl OutputControl {
     }
 
     fn apply_mask(&mut self, logits: &mut [f32]) -> bool {
-        let Some(g) = &mut self.grammar else {
+        let Some(ComputedMask {
+            mask, accepting, ..
+        }) = self.next_mask()
+        else {
             return true;
         };
-        let t0 = Instant::now();
-        let mask = g.matcher.compute_mask();
-        let accepting = g.matcher.is_accepting().unwrap_or(false);
-        self.metrics
-            .structured_mask_seconds
-            .observe(t0.elapsed().as_secs_f64());
+        let Some(g) = &self.grammar else {
+            return true;
+        };
         let mask = match mask {
             Ok(m) => m,
             Err(e) => {
@@ -208,20 +271,31 @@ impl OutputControl {
     fn advance_grammar(&mut self, id: u32) {
         let stop = self.stop_ids.contains(&id);
         let Some(g) = &mut self.grammar else { return };
+        // A mask started for this token and not used is stale now.
+        g.pending = None;
+        let mut matcher = lock(&g.matcher);
         match &mut g.mode {
             Mode::Whole => {
-                if stop || g.matcher.consume_token(id).is_err() || g.matcher.is_stopped() {
+                if stop || matcher.consume_token(id).is_err() || matcher.is_stopped() {
                     self.complete = true;
                 }
             }
-            Mode::Triggered { phase, single } => {
+            Mode::Triggered {
+                phase,
+                single,
+                format,
+            } => {
                 let bytes = g.tok_env.tok_trie().token(id);
                 let next = match std::mem::replace(phase, CallPhase::Engaged) {
                     CallPhase::Watching { mut tail } => {
                         tail.extend_from_slice(bytes);
                         match find(&tail, CALL_OPEN.as_bytes()) {
                             Some(at) => {
-                                opened(&mut g.matcher, &g.tok_env, &tail[at + CALL_OPEN.len()..])
+                                let after = &tail[at + CALL_OPEN.len()..];
+                                match format {
+                                    CallFormat::Hermes => opened(&mut matcher, &g.tok_env, after),
+                                    CallFormat::Glm => engage(&mut matcher, &g.tok_env, after),
+                                }
                             }
                             None => {
                                 let cut = tail.len().saturating_sub(TAIL_BYTES);
@@ -232,18 +306,18 @@ impl OutputControl {
                     }
                     CallPhase::Opened { mut after } => {
                         after.extend_from_slice(bytes);
-                        opened(&mut g.matcher, &g.tok_env, &after)
+                        opened(&mut matcher, &g.tok_env, &after)
                     }
                     CallPhase::Engaged => {
-                        let ok = !stop && g.matcher.consume_token(id).is_ok();
-                        if ok && !g.matcher.is_stopped() {
+                        let ok = !stop && matcher.consume_token(id).is_ok();
+                        if ok && !matcher.is_stopped() {
                             CallPhase::Engaged
                         } else {
                             // The call is closed (or the grammar gave up): free text again.
                             if *single {
                                 self.complete = true;
                             }
-                            let _ = g.matcher.reset();
+                            let _ = matcher.reset();
                             CallPhase::Watching { tail: Vec::new() }
                         }
                     }
@@ -261,19 +335,23 @@ fn opened(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
         None => CallPhase::Opened {
             after: after.to_vec(),
         },
-        Some(b'{') => {
-            let tokens = tok_env.tokenize_bytes(after);
-            let fits = matcher
-                .try_consume_tokens(&tokens)
-                .is_ok_and(|n| n == tokens.len());
-            if fits {
-                CallPhase::Engaged
-            } else {
-                let _ = matcher.reset();
-                CallPhase::Watching { tail: Vec::new() }
-            }
-        }
+        Some(b'{') => engage(matcher, tok_env, after),
         Some(_) => CallPhase::Watching { tail: Vec::new() },
+    }
+}
+
+/// Hands the bytes written after the opening tag to the call grammar and engages it if they fit
+/// (back to watching otherwise: the parser then gets the text as the model wrote it).
+fn engage(matcher: &mut Matcher, tok_env: &TokEnv, after: &[u8]) -> CallPhase {
+    let tokens = tok_env.tokenize_bytes(after);
+    let fits = matcher
+        .try_consume_tokens(&tokens)
+        .is_ok_and(|n| n == tokens.len());
+    if fits {
+        CallPhase::Engaged
+    } else {
+        let _ = matcher.reset();
+        CallPhase::Watching { tail: Vec::new() }
     }
 }
 
@@ -292,6 +370,16 @@ impl TokenConstraint for OutputControl {
             }
         }
         logits.iter().any(|l| l.is_finite())
+    }
+
+    fn prepare(&mut self) {
+        if !self.masking() {
+            return;
+        }
+        let delay = self.mask_delay;
+        if let Some(g) = self.grammar.as_mut().filter(|g| g.pending.is_none()) {
+            g.pending = MaskWorkers::get().start(g.matcher.clone(), delay);
+        }
     }
 
     fn advance(&mut self, id: u32) {

@@ -1,11 +1,26 @@
 //! Grammar masks on a small byte-level tokenizer (one token per byte, plus end-of-turn and, in one
-//! variant, the tool-call tags as single tokens): what is allowed, when the grammar engages, when the
-//! sequence ends.
+//! variant, the tool-call tags — Hermes' and GLM's — as single tokens): what is allowed, when the
+//! grammar engages, when the sequence ends.
 use super::*;
-use crate::api::grammar::{self, CallCount, ToolSpec};
+use crate::api::grammar::{self, CallCount, CallFormat, ToolSpec};
 use serde_json::json;
+use std::time::Duration;
 
 const EOS: u32 = 256;
+/// The tags given single tokens (ids 257…) in the `tag_tokens` variant.
+const TAGS: [&str; 6] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+];
+
+/// The single token of `tag` in the `tag_tokens` variant.
+fn tag_id(tag: &str) -> u32 {
+    257 + TAGS.iter().position(|t| *t == tag).unwrap() as u32
+}
 
 /// GPT-2's byte → printable char map (what byte-level BPE vocabularies are written in).
 fn byte_char(b: u8) -> char {
@@ -26,7 +41,7 @@ fn byte_tokenizer(tag_tokens: bool) -> (TextTokenizer, tempfile::TempDir) {
     let mut added = vec![json!({"id": EOS, "content": "<|im_end|>", "special": true,
         "single_word": false, "lstrip": false, "rstrip": false, "normalized": false})];
     if tag_tokens {
-        for (i, t) in ["<tool_call>", "</tool_call>"].iter().enumerate() {
+        for (i, t) in TAGS.iter().enumerate() {
             added.push(json!({"id": 257 + i, "content": t, "special": false,
                 "single_word": false, "lstrip": false, "rstrip": false, "normalized": false}));
         }
@@ -70,10 +85,23 @@ fn fixture(tag_tokens: bool) -> Fixture {
 
 impl Fixture {
     fn control(&self, g: TopLevelGrammar, auto_single: Option<bool>) -> OutputControl {
+        self.control_in(g, auto_single, CallFormat::Hermes)
+    }
+
+    fn control_in(
+        &self,
+        g: TopLevelGrammar,
+        auto_single: Option<bool>,
+        format: CallFormat,
+    ) -> OutputControl {
         let m = self.so.compile(g, &self.metrics).unwrap();
         let use_ = match auto_single {
             None => GrammarUse::Whole(m),
-            Some(single) => GrammarUse::AfterToolCallOpens { call: m, single },
+            Some(single) => GrammarUse::AfterToolCallOpens {
+                call: m,
+                single,
+                format,
+            },
         };
         OutputControl::new(
             Some((use_, self.so.tok_env().clone())),
@@ -138,7 +166,7 @@ fn tools() -> Vec<ToolSpec> {
 #[test]
 fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes);
     let mut c = f.control(g, Some(true));
     feed(&mut c, f.vocab, "Let me check. <tool_call>\n");
     assert!(
@@ -165,7 +193,7 @@ fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
 #[test]
 fn another_call_format_after_the_tag_is_left_alone() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes);
     let mut c = f.control(g, Some(false));
     feed(
         &mut c,
@@ -179,22 +207,163 @@ fn another_call_format_after_the_tag_is_left_alone() {
 #[test]
 fn forced_calls_use_tag_tokens_when_the_vocabulary_has_them() {
     let f = fixture(true);
-    let g = grammar::forced_calls(&tools(), &f.so.call_tags, CallCount::One);
+    let g = grammar::forced_calls(
+        &tools(),
+        &f.so.call_tags,
+        CallFormat::Hermes,
+        CallCount::One,
+    );
     let mut c = f.control(g, None);
     assert!(
         !allowed(&mut c, f.vocab, b'<' as u32),
         "the tag token, not its spelling"
     );
-    assert!(allowed(&mut c, f.vocab, 257));
-    c.advance(257);
+    assert!(allowed(&mut c, f.vocab, tag_id("<tool_call>")));
+    c.advance(tag_id("<tool_call>"));
     feed(
         &mut c,
         f.vocab,
         "\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n",
     );
-    assert!(allowed(&mut c, f.vocab, 258) && !allowed(&mut c, f.vocab, EOS));
-    c.advance(258);
+    let close = tag_id("</tool_call>");
+    assert!(allowed(&mut c, f.vocab, close) && !allowed(&mut c, f.vocab, EOS));
+    c.advance(close);
     assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+/// A tool with a required enum string, an optional integer and an optional free string.
+fn glm_tools() -> Vec<ToolSpec> {
+    vec![ToolSpec::from_openai(
+        &json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Lyon"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "note": {"type": "string", "maxLength": 24}},
+        "required": ["city"], "additionalProperties": false}}}),
+    )
+    .unwrap()]
+}
+
+/// Feeds `text`, reading each GLM / Hermes tag as its single token when the vocabulary has one.
+fn feed_tagged(c: &mut OutputControl, vocab: usize, text: &str, tag_tokens: bool) {
+    let mut rest = text;
+    while !rest.is_empty() {
+        let tag = TAGS
+            .iter()
+            .find(|t| rest.starts_with(**t))
+            .filter(|_| tag_tokens);
+        match tag {
+            Some(t) => {
+                let id = tag_id(t);
+                assert!(allowed(c, vocab, id), "{t} refused in {text:?}");
+                c.advance(id);
+                rest = &rest[t.len()..];
+            }
+            None => {
+                let n = rest.chars().next().map_or(1, char::len_utf8);
+                feed(c, vocab, &rest[..n]);
+                rest = &rest[n..];
+            }
+        }
+    }
+}
+
+/// Whether `text` can come next (fed to a copy of the control).
+fn glm_accepts(f: &Fixture, g: &TopLevelGrammar, prefix: &str, tag_tokens: bool) -> bool {
+    let mut c = f.control_in(g.clone(), None, CallFormat::Glm);
+    let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        feed_tagged(&mut c, f.vocab, prefix, tag_tokens)
+    }));
+    ok.is_ok()
+}
+
+#[test]
+fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_tools(),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        );
+        let ok = |text: &str| glm_accepts(&f, &g, text, tag_tokens);
+        // GLM-4.5's newlines and 4.7's none; a JSON integer; raw (unquoted) text for a string.
+        let glm45 =
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
+                     <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>";
+        assert!(ok(glm45), "tags as tokens: {tag_tokens}");
+        assert!(ok("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value>\
+                    <arg_key>note</arg_key><arg_value>bring a \"coat\" <maybe></arg_value></tool_call>"));
+        // An invented name, a value outside the enum, a string for the integer, a quoted string,
+        // the required argument left out, an unknown tool.
+        for bad in [
+            "<tool_call>get_weather<arg_key>d",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>x",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>\"",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value><arg_key>note</arg_key><arg_value>twenty-five characters...",
+            "<tool_call>get_weather</tool_call>",
+            "<tool_call>get_time",
+        ] {
+            assert!(!ok(bad), "accepted {bad:?} (tags as tokens: {tag_tokens})");
+        }
+        let mut c = f.control_in(g.clone(), None, CallFormat::Glm);
+        feed_tagged(&mut c, f.vocab, glm45, tag_tokens);
+        assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    }
+}
+
+#[test]
+fn glm_auto_calls_engage_at_the_tag_and_end_after_one_call_when_single() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::call_after_open(&glm_tools(), &f.so.call_tags, CallFormat::Glm);
+        let mut c = f.control_in(g, Some(true), CallFormat::Glm);
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "I will look it up. <tool_call>",
+            tag_tokens,
+        );
+        assert!(
+            !allowed(&mut c, f.vocab, b'x' as u32),
+            "engaged: only the tool's name"
+        );
+        feed_tagged(&mut c, f.vocab, "get_weather\n<arg_key>", tag_tokens);
+        assert!(!allowed(&mut c, f.vocab, b'd' as u32), "only `city` first");
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+            tag_tokens,
+        );
+        assert!(c.is_complete(), "tags as tokens: {tag_tokens}");
+    }
+}
+
+#[test]
+fn glm_parallel_calls_and_a_json_answer_are_both_possible() {
+    let f = fixture(true);
+    let calls = grammar::forced_calls(
+        &glm_tools(),
+        &f.so.call_tags,
+        CallFormat::Glm,
+        CallCount::OneOrMore,
+    );
+    let one =
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
+    assert!(glm_accepts(&f, &calls, &format!("{one}\n{one}{one}"), true));
+    let either = grammar::json_or_calls(
+        None,
+        false,
+        &glm_tools(),
+        &f.so.call_tags,
+        CallFormat::Glm,
+        CallCount::One,
+    );
+    assert!(glm_accepts(&f, &either, one, true));
+    assert!(glm_accepts(&f, &either, "{\"a\": 1}", true));
 }
 
 #[test]
@@ -204,4 +373,144 @@ fn logit_bias_moves_logits_without_a_grammar() {
     let mut l = vec![0.0; 4];
     assert!(c.apply(&mut l));
     assert_eq!(l, vec![0.0, -100.0, 5.0, 0.0]);
+}
+
+// --- masks computed during the forward pass ---
+
+/// The scheduler calls `apply` / `advance` / `is_complete` but never `prepare`: every mask is
+/// computed on the engine thread after the forward pass (the reference).
+struct InlineOnly(OutputControl);
+
+impl TokenConstraint for InlineOnly {
+    fn apply(&mut self, logits: &mut [f32]) -> bool {
+        self.0.apply(logits)
+    }
+    fn advance(&mut self, id: u32) {
+        self.0.advance(id)
+    }
+    fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum MaskTiming {
+    Inline,
+    Overlapped,
+    /// Each mask worker sleeps longer than a step first: every mask is late.
+    Late,
+}
+
+/// Three sequences of a JSON-schema request through the real scheduler on the scripted model, which
+/// writes an answer off the schema (wrong enum value, a string for an integer, an extra key), sampled
+/// at temperature 1 with fixed seeds. Returns each sequence's output and the run's metrics.
+fn constrained_run(f: &Fixture, timing: MaskTiming) -> (Vec<String>, Arc<Metrics>) {
+    use crate::engine::sampling::SamplingParams;
+    use crate::sched::scripted::{ScriptedModel, ScriptedReplies};
+    use crate::sched::{spawn_engine, GenRequest, SchedulerConfig, SeqEvent};
+    let bytes = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
+    let model = ScriptedModel::new(ScriptedReplies {
+        replies: vec![(
+            bytes("go"),
+            bytes(r#"{"city": "Rome", "days": "many", "x": 1}"#),
+        )],
+        end_token: EOS,
+        vocab: f.vocab,
+        max_positions: 4096,
+        kv_cache_tokens: 65_536,
+        step_delay: Duration::from_millis(1),
+        step_stats: None,
+    });
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let h = spawn_engine(
+        move || Ok(model),
+        SchedulerConfig::default(),
+        metrics.clone(),
+    );
+    while !h.is_ready() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let schema = json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+        "days": {"type": "integer"}}, "required": ["city", "days"], "additionalProperties": false});
+    let mut rxs = Vec::new();
+    for seed in 0..3 {
+        let m =
+            f.so.compile(grammar::json_response(Some(&schema), true), &metrics)
+                .unwrap();
+        let control = OutputControl::new(
+            Some((GrammarUse::Whole(m), f.so.tok_env().clone())),
+            vec![],
+            vec![EOS],
+            metrics.clone(),
+        );
+        let constraint: Box<dyn TokenConstraint> = match timing {
+            MaskTiming::Inline => Box::new(InlineOnly(control)),
+            MaskTiming::Overlapped => Box::new(control),
+            MaskTiming::Late => Box::new(control.with_mask_delay(Duration::from_millis(15))),
+        };
+        let mut sampling = SamplingParams::greedy();
+        sampling.temperature = 1.0;
+        sampling.seed = Some(seed);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        h.submit(GenRequest {
+            prompt: bytes("go"),
+            sampling,
+            max_tokens: 64,
+            stop_token_ids: vec![EOS],
+            logprobs: None,
+            deadline: None,
+            events: tx,
+            constraint: Some(constraint),
+        })
+        .unwrap();
+        rxs.push(rx);
+    }
+    let outputs = rxs
+        .iter_mut()
+        .map(|rx| {
+            let mut out = Vec::new();
+            loop {
+                match rx.blocking_recv().expect("engine dropped the request") {
+                    SeqEvent::Token { id, .. } => out.push(id as u8),
+                    SeqEvent::Finished { .. } => break,
+                    SeqEvent::Error(e) => panic!("{e}"),
+                }
+            }
+            String::from_utf8(out).unwrap()
+        })
+        .collect();
+    (outputs, metrics)
+}
+
+#[test]
+fn masks_computed_during_the_forward_pass_late_or_not_give_the_same_output() {
+    let f = fixture(false);
+    let (reference, inline) = constrained_run(&f, MaskTiming::Inline);
+    for out in &reference {
+        let v: serde_json::Value =
+            serde_json::from_str(out).unwrap_or_else(|e| panic!("{out}: {e}"));
+        assert!(
+            ["Paris", "Lyon"].contains(&v["city"].as_str().unwrap()),
+            "{out}"
+        );
+        // An integer (JSON's `-0` included).
+        let days = v["days"].as_f64().unwrap();
+        assert!(
+            days.fract() == 0.0 && v.as_object().unwrap().len() == 2,
+            "{out}"
+        );
+    }
+    assert!(inline.structured_masks_inline.get() > 10);
+    assert_eq!(inline.structured_masks_overlapped.get(), 0);
+    for timing in [MaskTiming::Overlapped, MaskTiming::Late] {
+        let (outputs, metrics) = constrained_run(&f, timing);
+        assert_eq!(outputs, reference, "{timing:?}");
+        // Every mask came from a worker (the inline fallback is for a lost worker only).
+        assert_eq!(metrics.structured_masks_inline.get(), 0, "{timing:?}");
+        assert_eq!(
+            metrics.structured_masks_overlapped.get(),
+            inline.structured_masks_inline.get(),
+            "{timing:?}"
+        );
+    }
 }

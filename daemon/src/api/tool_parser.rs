@@ -2,10 +2,12 @@
 //! the opening tag:
 //! - Qwen3 / Hermes JSON: `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`
 //! - GLM-4.5 XML: `<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>`
-//!   (values are JSON when the tool's schema says the argument is not a string and they parse).
+//!   (a value is raw text when the tool's schema admits only strings, otherwise JSON when it parses:
+//!   `glm_calls::value_form`, the rule the call grammar writes values by).
 //!
 //! Streaming: text outside calls passes through as content (a tag split across tokens is held back);
 //! each call is emitted whole, name and complete arguments, once its closing tag arrives.
+use super::glm_calls::{value_form, ValueForm};
 use super::reasoning::partial_tag_suffix;
 use serde_json::{Map, Value};
 
@@ -112,7 +114,11 @@ impl ToolCallParser {
             return out;
         }
         self.inside = false;
-        match self.parse_call(&rest) {
+        // A GLM call without its closing tag is whole only if its last value is: one cut short by
+        // max_tokens (`<tool_call>get_wea`) is not a call.
+        let body = rest.trim();
+        let cut_short = !body.starts_with('{') && !body.ends_with("</arg_value>");
+        match self.parse_call(&rest).filter(|_| !cut_short) {
             Some(call) => ToolSplit {
                 content: String::new(),
                 calls: vec![call],
@@ -141,7 +147,8 @@ impl ToolCallParser {
         if name.is_empty() || name.contains(char::is_whitespace) {
             return None;
         }
-        let props = self.schemas.get(name).and_then(|s| s.get("properties"));
+        let schema = self.schemas.get(name).unwrap_or(&Value::Null);
+        let props = schema.get("properties");
         let mut args = Map::new();
         while let Some(k0) = rest.find("<arg_key>") {
             let after_k = &rest[k0 + "<arg_key>".len()..];
@@ -152,15 +159,10 @@ impl ToolCallParser {
             let after_v = &after[v0 + "<arg_value>".len()..];
             let v1 = after_v.find("</arg_value>")?;
             let raw = &after_v[..v1];
-            let is_string = props
-                .and_then(|p| p.get(&key))
-                .and_then(|p| p.get("type"))
-                .and_then(Value::as_str)
-                .is_none_or(|t| t == "string");
-            let value = if is_string {
-                Value::String(raw.to_string())
-            } else {
-                serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.to_string()))
+            let value = match value_form(props.and_then(|p| p.get(&key)), schema) {
+                ValueForm::Text => Value::String(raw.to_string()),
+                ValueForm::Json | ValueForm::Any => serde_json::from_str(raw.trim())
+                    .unwrap_or_else(|_| Value::String(raw.to_string())),
             };
             args.insert(key, value);
             rest = &after_v[v1 + "</arg_value>".len()..];
@@ -245,6 +247,23 @@ mod tests {
         assert_eq!(s.content, "");
         let args: Value = serde_json::from_str(&s.calls[0].arguments).unwrap();
         assert_eq!(args, json!({"city": "123", "days": 3}));
+    }
+
+    #[test]
+    fn unterminated_glm_calls_count_only_when_their_last_value_is_whole() {
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(
+            &mut p,
+            &["<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"],
+        );
+        assert_eq!(s.calls.len(), 1);
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(&mut p, &["<tool_call>get_wea"]);
+        assert!(s.calls.is_empty());
+        assert_eq!(s.content, "<tool_call>get_wea");
+        let mut p = ToolCallParser::new(&[]);
+        let s = run(&mut p, &["<tool_call>f<arg_key>a</arg_key><arg_value>Par"]);
+        assert!(s.calls.is_empty());
     }
 
     #[test]

@@ -2,10 +2,97 @@
 //! the `developer` role mapped to `system` where the template has no such role, non-text content parts
 //! refused (the served models read text only), and — when the template ignores `tools` — the tools
 //! written into the system message in the Hermes format, with earlier calls and results in that format.
+//! Before any of that, [`ToolLimits`] refuses tool lists too long to ever fit, in microseconds per tool
+//! and without rendering or tokenising them.
 use super::error::ApiError;
 use super::grammar::ToolSpec;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Default of `--max-tools`: OpenAI takes 128 functions per request; agents with many MCP servers send
+/// a few hundred.
+pub const DEFAULT_MAX_TOOLS: usize = 1024;
+
+/// Cheap bounds checked before a request's tools are validated, rendered or tokenised (a list of
+/// 100,000 tools costs seconds of rendering and tokenising, and far more when compiled into a grammar).
+#[derive(Debug, Clone)]
+pub struct ToolLimits {
+    /// `--max-tools`.
+    pub max_tools: usize,
+    /// The longest token of the vocabulary in bytes (an upper bound: its UTF-8 spelling in the
+    /// vocabulary), so that `bytes / max_token_bytes` is a lower bound on the tokens of any text.
+    pub max_token_bytes: usize,
+}
+
+impl ToolLimits {
+    /// `vocab`: the vocabulary's token strings.
+    pub fn new<'a>(max_tools: usize, vocab: impl IntoIterator<Item = &'a str>) -> Self {
+        let max_token_bytes = vocab.into_iter().map(str::len).max().unwrap_or(1).max(1);
+        Self {
+            max_tools,
+            max_token_bytes,
+        }
+    }
+
+    /// Refuses `tools` when there are more than `max_tools`, or when the text that must reach the
+    /// prompt for them cannot fit `max_context` tokens even at the vocabulary's longest token per
+    /// token. That text is each tool's name when the template renders the tools itself (every
+    /// template must name a tool for the model to call it), and each tool's whole JSON when the
+    /// server writes them into the system message (`template_renders_tools` false).
+    pub fn check(
+        &self,
+        tools: &[Value],
+        template_renders_tools: bool,
+        max_context: usize,
+    ) -> Result<(), ApiError> {
+        if tools.len() > self.max_tools {
+            return Err(ApiError::bad_param(
+                "tools",
+                format!(
+                    "the request has {} tools; this server takes at most {} (--max-tools)",
+                    tools.len(),
+                    self.max_tools
+                ),
+            ));
+        }
+        let bytes: usize = tools
+            .iter()
+            .map(|t| match template_renders_tools {
+                true => t
+                    .pointer("/function/name")
+                    .and_then(Value::as_str)
+                    .map_or(0, str::len),
+                false => json_len(t),
+            })
+            .sum();
+        let at_least = bytes.div_ceil(self.max_token_bytes);
+        if at_least > max_context {
+            return Err(ApiError::context_length(format!(
+                "This model's maximum context length is {max_context} tokens. However, the {} tools \
+                 alone need at least {at_least} tokens. Please send fewer tools.",
+                tools.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The length of `v` written as compact JSON, without writing it.
+fn json_len(v: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    let _ = serde_json::to_writer(&mut c, v);
+    c.0
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolChoice {
@@ -258,6 +345,29 @@ mod tests {
         let unknown = json!({"type": "function", "function": {"name": "nope"}});
         assert!(Tools::parse(Some(&tools), Some(&unknown), None).is_err());
         assert!(Tools::parse(Some(&[json!({"function": {}})]), None, None).is_err());
+    }
+
+    #[test]
+    fn tool_lists_too_long_for_the_context_are_refused_from_their_size() {
+        let limits = ToolLimits::new(8, ["a", "abcd", "ab"]);
+        assert_eq!(limits.max_token_bytes, 4);
+        let named = |name: &str| json!({"type": "function", "function": {"name": name}});
+        // Names: 3 tools × 8 bytes need at least 6 tokens of 4 bytes.
+        let tools = vec![named("12345678"); 3];
+        assert!(limits.check(&tools, true, 6).is_ok());
+        let e = limits.check(&tools, true, 5).unwrap_err();
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        assert!(e.message.contains("at least 6 tokens"), "{}", e.message);
+        // Injected tools count their whole JSON (50 bytes each: 38 tokens for three).
+        assert_eq!(json_len(&tools[0]), 50);
+        assert!(limits.check(&tools, false, 37).is_err());
+        assert!(limits.check(&tools, false, 38).is_ok());
+        let e = limits.check(&vec![named("f"); 9], true, 1000).unwrap_err();
+        assert!(
+            e.message.contains("at most 8 (--max-tools)"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -119,6 +119,11 @@ pub struct ServeArgs {
     /// instead of answering 400 context_length_exceeded (vLLM's, the default).
     #[arg(long)]
     pub clamp_max_tokens: bool,
+    /// Most tools one request may carry; more get 400 before they are rendered or tokenised. A tool
+    /// list whose names (or, for templates that ignore tools, whole JSON) cannot fit the context is
+    /// refused as early, with `context_length_exceeded`.
+    #[arg(long, default_value_t = api::tools::DEFAULT_MAX_TOOLS)]
+    pub max_tools: usize,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// TEST DOUBLE: instead of the model's weights, answer with scripted replies from this JSON file
@@ -408,6 +413,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         deadline_passed,
         sampling_defaults,
         clamp_max_tokens: args.clamp_max_tokens,
+        tool_limits: api::tools::ToolLimits::new(
+            args.max_tools,
+            tokenizer
+                .hf_tokenizer()
+                .get_vocab(true)
+                .keys()
+                .map(String::as_str),
+        ),
         allowed_origins: args.allowed_origins.clone(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -2,7 +2,9 @@
 //! score/softmax/value part runs per (token, head) in parallel against that token's own sequence cache,
 //! with a causal limit at the token's position and, for sliding-window layers, a lower limit. Rows are
 //! written to and read from the layer's KV storage through each sequence's block table (reserved by the
-//! driver before the step).
+//! driver before the step). The per-(token, head) work runs on the kernels' worker pool when the layer's
+//! projections are packed on one: its workers spin for a while after each region, so rayon threads
+//! started right after a projection would fight them for the same cores.
 use super::indexer::{self, Selection};
 use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
@@ -11,6 +13,7 @@ use super::rope::Rope;
 use super::Segment;
 use crate::model::config::{LayerAttention, ModelConfig};
 use crate::model::{GqaAttention, MlaAttention, MlaQuery, SparseAttention};
+use moe_kernels::cpu::WorkerPool;
 use rayon::prelude::*;
 
 /// Per token: (segment index, absolute position).
@@ -41,6 +44,34 @@ fn write_rows(
             );
         }
     }
+}
+
+/// Runs `f(idx, chunk)` for every `width`-wide chunk of `out` in parallel: on `pool` when there is one
+/// (chunk `idx` to group `idx % groups`), else on rayon.
+fn for_each_chunk(
+    pool: Option<&WorkerPool>,
+    out: &mut [f32],
+    width: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let Some(pool) = pool else {
+        out.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(idx, o)| f(idx, o));
+        return;
+    };
+    let n = out.len() / width;
+    let groups = pool.groups();
+    let per_group: Vec<usize> = (0..groups).map(|g| (n + groups - 1 - g) / groups).collect();
+    let base = out.as_mut_ptr() as usize;
+    pool.run(&per_group, &|g, i, _| {
+        let idx = i * groups + g;
+        // SAFETY: every idx < n is handed out exactly once, so the chunks are disjoint; `out` outlives
+        // the region (`run` returns when every item is done).
+        let chunk =
+            unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(idx * width), width) };
+        f(idx, chunk);
+    });
 }
 
 /// Softmax-weighted sum over `positions`: scores from `score(p)`, values through `acc(p, w)`.
@@ -90,7 +121,7 @@ pub fn gqa_forward(
     let scale = cfg.attention_scale();
     let group = nh / nkv;
     let mut out = vec![0f32; n * nh * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    for_each_chunk(attn.o.pool().map(|p| &**p), &mut out, hd, |idx, o| {
         let (t, head) = (idx / nh, idx % nh);
         let (s, pos) = tokens[t];
         let table = tables[s];
@@ -181,7 +212,7 @@ pub fn mla_forward(
     let scale = cfg.attention_scale();
     let kv_b = &attn.kv_b;
     let mut out = vec![0f32; n * nh * vd];
-    out.par_chunks_mut(vd).enumerate().for_each(|(idx, o)| {
+    for_each_chunk(attn.o.pool().map(|p| &**p), &mut out, vd, |idx, o| {
         let (t, head) = (idx / nh, idx % nh);
         let (s, pos) = tokens[t];
         let table = tables[s];

@@ -54,6 +54,15 @@ pub struct Linear {
 const ROWS_PER_TASK: usize = 16;
 
 impl Linear {
+    /// The worker pool that runs this weight's kernels, once packed (attention runs its per-head work on
+    /// the same threads).
+    pub fn pool(&self) -> Option<&Arc<WorkerPool>> {
+        match &self.w {
+            WeightData::Packed(p) => Some(&p.pool),
+            _ => None,
+        }
+    }
+
     /// Takes ownership of a `[out, in]` tensor (and optional `[out]` bias), keeping its precision.
     pub fn new(w: HostTensor, bias: Option<Vec<f32>>) -> Self {
         let (out_dim, in_dim) = crate::weights::matrix_dims(&w.shape);
@@ -129,8 +138,8 @@ impl Linear {
     }
 
     /// The packed format that keeps this weight's values: bf16 as is, FP8 with 128×128 blocks as is,
-    /// GGML Q4_0 / Q4_1 / Q8_0 bit for bit (K-quants requantized to group-32 int formats with f16
-    /// scales), f32 only when every value is a bf16 (else `None`: packing would round it).
+    /// GGML F16 / Q4_0 / Q4_1 / Q8_0 bit for bit, Q4_K / Q6_K with their codes kept (Q5_K requantized;
+    /// see `format_for_ggml`), f32 only when every value is a bf16 (else `None`: packing would round it).
     pub fn kernel_format(&self) -> Option<WeightFormat> {
         match &self.w {
             WeightData::Bf16(_) => Some(WeightFormat::Bf16),
@@ -261,21 +270,11 @@ fn fp8_table() -> &'static [f32; 256] {
     TABLE.get_or_init(fp8::e4m3_table)
 }
 
-/// f32 dot product with 8 independent accumulators (lets the compiler vectorise without fast-math).
+/// f32 dot product on the widest SIMD tier of this CPU (the kernels crate's runtime-dispatched
+/// `dot_f32`: this crate is compiled for baseline x86-64).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[i * 8 + l] * b[i * 8 + l];
-        }
-    }
-    let mut s = 0f32;
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s + acc.iter().sum::<f32>()
+    moe_kernels::cpu::dot_f32(a, b)
 }
 
 #[cfg(test)]

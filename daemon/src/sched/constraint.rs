@@ -1,11 +1,16 @@
 //! Constrained sampling: a request may restrict or bias which tokens it samples (JSON schema, tool-call
 //! grammars, `logit_bias`). Before each sampled token the constraint edits a copy of the logits — banned
 //! tokens to −∞, biases added — and the sampler draws from what is left; the constraint then advances
-//! past the chosen token.
+//! past the chosen token. Before the forward pass of a step in which a sequence samples, the scheduler
+//! calls `prepare`, so a constraint can compute its next mask while the model runs.
 use crate::engine::sampling::Sampler;
 
 /// Restricts or biases which tokens a sequence may sample.
 pub trait TokenConstraint: Send {
+    /// The forward pass that produces this sequence's next logits is about to run: a constraint may
+    /// start computing its next mask now, elsewhere, so that `apply` does not wait for it. Results
+    /// must not depend on whether (or when) this is called.
+    fn prepare(&mut self) {}
     /// Edits this step's logits (one per vocabulary id): tokens that may not come next become −∞,
     /// biased tokens move. Returns false when the constraint cannot go on (no token allowed, grammar
     /// error): the sequence then stops.

@@ -135,6 +135,7 @@ impl<M: StepModel> Scheduler<M> {
                 continue;
             }
             let t0 = Instant::now();
+            self.prepare_constraints(&work);
             // The step's engine figures are recorded before its tokens go out, so a client that has
             // seen its last token also sees the metrics of the step that produced it.
             match self.forward(&work) {
@@ -334,6 +335,19 @@ impl<M: StepModel> Scheduler<M> {
         }
         self.running.push(Running { seq, cache });
         Some(len)
+    }
+
+    /// The constraints of sequences that sample in this step start their next masks, so they are
+    /// computed while the forward pass runs.
+    fn prepare_constraints(&mut self, work: &[Work]) {
+        for w in work {
+            let s = &mut self.running[w.seq].seq;
+            if w.start + w.len == s.total_len() {
+                if let Some(c) = s.req.constraint.as_deref_mut() {
+                    c.prepare();
+                }
+            }
+        }
     }
 
     fn forward(&mut self, work: &[Work]) -> Result<Vec<Vec<f32>>, String> {

@@ -112,26 +112,43 @@ pub fn hf_config(g: &GgufFile, arch: &str) -> Result<Value, WeightError> {
                 .take_while(|&&l| l == dense_layers[0])
                 .count();
             let rot = meta_u64(g, arch, "rope.dimension_count").unwrap_or(head_dim / 2);
-            json!({
+            let mut glm = json!({
                 "architectures": ["Glm4MoeForCausalLM"],
                 "model_type": "glm4_moe",
-                "n_routed_experts": experts,
-                "n_shared_experts": meta_u64(g, arch, "expert_shared_count").unwrap_or(0),
-                "first_k_dense_replace": meta_u64(g, arch, "leading_dense_block_count")
-                    .unwrap_or(leading as u64),
-                "routed_scaling_factor": meta_f64(g, arch, "expert_weights_scale").unwrap_or(1.0),
-                "n_group": meta_u64(g, arch, "expert_group_count").unwrap_or(1),
-                "topk_group": meta_u64(g, arch, "expert_group_used_count").unwrap_or(1),
                 "partial_rotary_factor": rot as f64 / head_dim.max(1) as f64,
                 "attention_bias": has("blk.0.attn_q.bias".into()),
                 "use_qk_norm": has("blk.0.attn_q_norm.weight".into()),
-            })
+            });
+            merge(&mut glm, grouped_routing(g, arch, experts, leading));
+            glm
         }
     };
-    for (k, v) in extra.as_object().expect("object literal") {
-        cfg[k] = v.clone();
-    }
+    merge(&mut cfg, extra);
     Ok(cfg)
+}
+
+/// Copies every key of the object `from` into the object `into`.
+fn merge(into: &mut Value, from: Value) {
+    if let Value::Object(m) = from {
+        for (k, v) in m {
+            into[k] = v;
+        }
+    }
+}
+
+/// The routing keys GLM-4.5 and DeepSeek share, from `expert_*` metadata: routed and shared experts,
+/// leading dense layers (metadata, else `leading` as counted from the tensors), routed scaling and
+/// group-limited top-k.
+fn grouped_routing(g: &GgufFile, arch: &str, experts: u64, leading: usize) -> Value {
+    json!({
+        "n_routed_experts": experts,
+        "n_shared_experts": meta_u64(g, arch, "expert_shared_count").unwrap_or(0),
+        "first_k_dense_replace": meta_u64(g, arch, "leading_dense_block_count")
+            .unwrap_or(leading as u64),
+        "routed_scaling_factor": meta_f64(g, arch, "expert_weights_scale").unwrap_or(1.0),
+        "n_group": meta_u64(g, arch, "expert_group_count").unwrap_or(1),
+        "topk_group": meta_u64(g, arch, "expert_group_used_count").unwrap_or(1),
+    })
 }
 
 /// DeepSeek-V2/V3 (MLA, sigmoid group-limited routing, YaRN) from `deepseek2.*` metadata.
@@ -153,13 +170,6 @@ fn deepseek2_config(
     let mut cfg = json!({
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "n_routed_experts": experts,
-        "n_shared_experts": meta_u64(g, arch, "expert_shared_count").unwrap_or(0),
-        "first_k_dense_replace": meta_u64(g, arch, "leading_dense_block_count")
-            .unwrap_or(leading as u64),
-        "routed_scaling_factor": meta_f64(g, arch, "expert_weights_scale").unwrap_or(1.0),
-        "n_group": meta_u64(g, arch, "expert_group_count").unwrap_or(1),
-        "topk_group": meta_u64(g, arch, "expert_group_used_count").unwrap_or(1),
         "scoring_func": if gating == 1 { "softmax" } else { "sigmoid" },
         "topk_method": "noaux_tc",
         "q_lora_rank": meta_u64(g, arch, "attention.q_lora_rank").filter(|&r| r > 0),
@@ -169,6 +179,7 @@ fn deepseek2_config(
         "v_head_dim": v_dim,
         "rope_interleave": true,
     });
+    merge(&mut cfg, grouped_routing(g, arch, experts, leading));
     let scaling = g
         .get(&format!("{arch}.rope.scaling.type"))
         .and_then(GgufValue::as_str);

@@ -1,7 +1,8 @@
 //! GGML block formats (what GGUF files store): block sizes, exact dequantization with llama.cpp's
 //! reference formulas (`dequantize_row_*` in `ggml-quants.c`, same float operations in the same
 //! order, so the values are bit-identical), and the code/scale view the packer uses to repack
-//! Q4_0 / Q4_1 / Q8_0 into the kernels' tile formats without changing a single weight.
+//! Q4_0 / Q4_1 / Q8_0 into the kernels' tile formats without changing a single weight, and Q4_K / Q6_K
+//! keeping every code (their sub-block scales rounded once to f16).
 //!
 //! | type | elements per block | bytes | value |
 //! |---|---|---|---|
@@ -180,19 +181,30 @@ fn dequantize_block(kind: GgmlBlock, b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// One 32-element block of Q4_0 / Q4_1 / Q8_0 as unsigned codes and f16 scale bits, the form the
-/// packed int formats store: value = `(u − offset)·d` (Q4_0: offset 8; Q8_0: codes `q + 128`,
-/// offset 128) or `u·d + m` (Q4_1).
-pub(crate) struct BlockCodes {
-    pub codes: [u8; 32],
-    pub d: u16,
-    /// Q4_1's min (f16 bits); 0 for the others.
-    pub m: u16,
+/// Inputs per scale group of the packed int format that keeps `kind`'s codes: 32 for Q4_0, Q4_1, Q8_0
+/// and Q4_K (sub-blocks of 32), 16 for Q6_K (sub-blocks of 16); `None` for types without one (Q5_K's
+/// five-bit codes with a min fit no packed format; F16 / BF16 / F32 are not codes).
+pub(crate) fn code_group(kind: GgmlBlock) -> Option<usize> {
+    match kind {
+        GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q8_0 | GgmlBlock::Q4K => Some(32),
+        GgmlBlock::Q6K => Some(16),
+        _ => None,
+    }
 }
 
-/// The codes of a Q4_0 / Q4_1 / Q8_0 block, `None` for other types.
-pub(crate) fn block_codes(kind: GgmlBlock, b: &[u8]) -> Option<BlockCodes> {
+/// Calls `f(g, codes, d, m)` for each scale group `g` of one block of `kind` (one group for Q4_0 /
+/// Q4_1 / Q8_0, 8 for Q4_K, 16 for Q6_K; [`code_group`] inputs each), in the form the packed int
+/// formats store: unsigned codes with value `(u − offset)·d` (Q4_0: offset 8; Q8_0 and Q6_K: codes
+/// `q + 128`, offset 128) or `u·d + m` (Q4_1, Q4_K), `d` and `m` as f16 bits.
+///
+/// Q4_0 / Q4_1 / Q8_0 keep their f16 `d` and `m` as stored: bit for bit. The K-quants keep every code;
+/// their sub-block scale `d·sc` (and Q4_K's min `−dmin·m`), computed in f32 as llama.cpp does, is
+/// rounded to f16 once: a relative change of at most 2⁻¹¹ while it stays in f16's normal range
+/// (|x| ≥ 6.1e-5), which is what a packed format with f16 group scales can hold. Does nothing for
+/// types without codes.
+pub(crate) fn block_groups(kind: GgmlBlock, b: &[u8], mut f: impl FnMut(usize, &[u8], u16, u16)) {
     let bits = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+    let h = |x: f32| f16::from_f32(x).to_bits();
     let mut codes = [0u8; 32];
     let nibbles = |codes: &mut [u8; 32], qs: &[u8]| {
         for (j, &q) in qs.iter().enumerate() {
@@ -203,31 +215,55 @@ pub(crate) fn block_codes(kind: GgmlBlock, b: &[u8]) -> Option<BlockCodes> {
     match kind {
         GgmlBlock::Q4_0 => {
             nibbles(&mut codes, &b[2..18]);
-            Some(BlockCodes {
-                codes,
-                d: bits(0),
-                m: 0,
-            })
+            f(0, &codes, bits(0), 0);
         }
         GgmlBlock::Q4_1 => {
             nibbles(&mut codes, &b[4..20]);
-            Some(BlockCodes {
-                codes,
-                d: bits(0),
-                m: bits(2),
-            })
+            f(0, &codes, bits(0), bits(2));
         }
         GgmlBlock::Q8_0 => {
             for (c, &q) in codes.iter_mut().zip(&b[2..34]) {
                 *c = (q as i8 as i32 + 128) as u8;
             }
-            Some(BlockCodes {
-                codes,
-                d: bits(0),
-                m: 0,
-            })
+            f(0, &codes, bits(0), 0);
         }
-        _ => None,
+        GgmlBlock::Q4K => {
+            let (d, min) = (f16_at(b, 0), f16_at(b, 2));
+            let (scales, ql) = (&b[4..16], &b[16..144]);
+            for c in 0..4 {
+                for half in 0..2 {
+                    let (sc, m) = scale_min_k4(2 * c + half, scales);
+                    for (o, &q) in codes.iter_mut().zip(&ql[c * 32..c * 32 + 32]) {
+                        *o = if half == 0 { q & 0xF } else { q >> 4 };
+                    }
+                    f(2 * c + half, &codes, h(d * sc as f32), h(-(min * m as f32)));
+                }
+            }
+        }
+        GgmlBlock::Q6K => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            // Element e of the block: half n = e / 128, quarter i = (e % 128) / 32, lane l = e % 32;
+            // its scale is sc[8n + 2i + l / 16] (one per 16 elements).
+            for g in 0..16 {
+                let (n, i, l0) = (g / 8, (g % 8) / 2, (g % 2) * 16);
+                let (ql, qh) = (&ql[n * 64..], &qh[n * 32..]);
+                for (j, o) in codes[..16].iter_mut().enumerate() {
+                    let l = l0 + j;
+                    let q = ql[l + 32 * (i % 2)];
+                    let lo = if i < 2 { q & 0xF } else { q >> 4 };
+                    let hi = (qh[l] >> (2 * i)) & 3;
+                    *o = (lo | (hi << 4)) + 96; // q − 32 + 128
+                }
+                f(
+                    g,
+                    &codes[..16],
+                    h(d * sc[8 * n + 2 * i + l0 / 16] as i8 as f32),
+                    0,
+                );
+            }
+        }
+        GgmlBlock::Q5K | GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => {}
     }
 }
 
@@ -330,26 +366,59 @@ mod tests {
         assert_eq!(y[1], -2.0);
     }
 
+    /// The code view against the dequantized values: Q4_0 / Q4_1 / Q8_0 bit for bit; Q4_K / Q6_K with
+    /// every value within the one f16 rounding of its scale and min (2⁻¹¹ relative, 2⁻²⁵ absolute
+    /// below f16's normal range), on random blocks and on blocks with typical small scales.
     #[test]
-    fn block_codes_reproduce_the_values() {
-        for kind in [GgmlBlock::Q4_0, GgmlBlock::Q4_1, GgmlBlock::Q8_0] {
-            let mut b = bytes(kind.block().1, 7);
-            finite_f16(&mut b, 0);
-            if kind == GgmlBlock::Q4_1 {
-                finite_f16(&mut b, 2);
-            }
-            let mut want = vec![0f32; 32];
-            dequantize(kind, &b, &mut want);
-            let c = block_codes(kind, &b).unwrap();
-            let (d, m) = (f16::from_bits(c.d).to_f32(), f16::from_bits(c.m).to_f32());
-            for (i, &w) in want.iter().enumerate() {
-                let u = c.codes[i] as f32;
-                let v = match kind {
-                    GgmlBlock::Q4_0 => (u - 8.0) * d,
-                    GgmlBlock::Q4_1 => u * d + m,
-                    _ => (u - 128.0) * d,
-                };
-                assert_eq!(v.to_bits(), w.to_bits(), "{kind:?} {i}");
+    fn block_groups_reproduce_the_values() {
+        let kinds = [
+            GgmlBlock::Q4_0,
+            GgmlBlock::Q4_1,
+            GgmlBlock::Q8_0,
+            GgmlBlock::Q4K,
+            GgmlBlock::Q6K,
+        ];
+        for kind in kinds {
+            for seed in 1..6 {
+                let (per, bb) = kind.block();
+                let mut b = bytes(bb, seed * 7);
+                let d_at = if kind == GgmlBlock::Q6K { 208 } else { 0 };
+                finite_f16(&mut b, d_at);
+                if matches!(kind, GgmlBlock::Q4_1 | GgmlBlock::Q4K) {
+                    finite_f16(&mut b, 2);
+                }
+                if seed % 2 == 0 {
+                    // a typical super-block scale: d = 3e-4 (dmin 2e-4)
+                    b[d_at..d_at + 2].copy_from_slice(&f16::from_f32(3e-4).to_le_bytes());
+                    if kind == GgmlBlock::Q4K {
+                        b[2..4].copy_from_slice(&f16::from_f32(2e-4).to_le_bytes());
+                    }
+                }
+                let mut want = vec![0f32; per];
+                dequantize(kind, &b, &mut want);
+                let group = code_group(kind).unwrap();
+                let mut seen = 0;
+                block_groups(kind, &b, |g, codes, d, m| {
+                    assert_eq!(codes.len(), group);
+                    seen += group;
+                    let (d, m) = (f16::from_bits(d).to_f32(), f16::from_bits(m).to_f32());
+                    for (i, &c) in codes.iter().enumerate() {
+                        let w = want[g * group + i];
+                        let (u, v) = match kind {
+                            GgmlBlock::Q4_0 => (c as f32 - 8.0, (c as f32 - 8.0) * d),
+                            GgmlBlock::Q4_1 | GgmlBlock::Q4K => (c as f32, c as f32 * d + m),
+                            _ => (c as f32 - 128.0, (c as f32 - 128.0) * d),
+                        };
+                        if matches!(kind, GgmlBlock::Q4K | GgmlBlock::Q6K) {
+                            let err = |x: f32| x.abs() * 2f32.powi(-11) + 2f32.powi(-25);
+                            let tol = u.abs() * err(d) + err(m) + w.abs() * 1e-6;
+                            assert!((v - w).abs() <= tol, "{kind:?} {g}/{i}: {v} vs {w}");
+                        } else {
+                            assert_eq!(v.to_bits(), w.to_bits(), "{kind:?} {i}");
+                        }
+                    }
+                });
+                assert_eq!(seen, per, "{kind:?}: every element in one group");
             }
         }
     }

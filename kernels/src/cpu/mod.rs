@@ -1,7 +1,7 @@
 //! CPU kernels: the grouped-expert FFN of MoE layers ([`moe`]) and what it stands on — feature
 //! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology via hwloc
-//! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]) and the benchmark
-//! ([`bench`](mod@bench)).
+//! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]), the f32 dot the
+//! engine's small reductions use ([`vector`]) and the benchmark ([`bench`](mod@bench)).
 
 pub mod bench;
 pub mod dense;
@@ -14,6 +14,7 @@ pub mod moe;
 pub mod options;
 pub mod pool;
 pub mod topology;
+pub mod vector;
 
 pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix};
 pub use features::{detected_tier, CpuTier};
@@ -21,3 +22,4 @@ pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;
+pub use vector::dot_f32;

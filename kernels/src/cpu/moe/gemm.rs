@@ -8,7 +8,8 @@ use crate::cpu::features::CpuTier;
 /// Activation kind the kernels of `tier` read for weights of `format` over `k_pad` inputs.
 pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
     match (tier, format) {
-        (CpuTier::Scalar | CpuTier::Avx2, _) => ActKind::F32,
+        // F16 weights meet f32 activations on every tier (no f16 dot instruction before AVX-512 FP16).
+        (CpuTier::Scalar | CpuTier::Avx2, _) | (_, WeightFormat::F16) => ActKind::F32,
         (_, WeightFormat::Bf16 | WeightFormat::Fp8Block) => ActKind::Bf16,
         (_, WeightFormat::Int8) => ActKind::I8 { group: k_pad },
         (
@@ -38,15 +39,22 @@ thread_local! {
     static WIDE_ACT: std::cell::RefCell<(Vec<u16>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Int4 weights with many tokens: int8 activation rows → bf16 (code · scale), two N-tiles at a time
-/// widened to bf16 with the group scales folded in, then the bf16 kernel (AMX when `amx`). Costs one
-/// more bf16 rounding of weights and activations than the VNNI kernel, buys AMX throughput.
+/// Writes N-tiles `nt0 .. nt0 + count` of a packed matrix as bf16 tiles (`k_pad · 16` values each).
+#[cfg(target_arch = "x86_64")]
+pub(crate) type Widen = unsafe fn(&MatRef<'_>, usize, usize, &mut [u16]);
+
+/// Runs N-tiles `nt0 .. nt0 + nts` of `w` through the bf16 kernel of `tier` (AMX when `amx`): two
+/// N-tiles at a time widened by `widen` into a thread-local buffer (128 KiB of bf16 for k = 2048, stays
+/// in L2), reused by every row of the call.
 ///
 /// # Safety
-/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; `a` has int8 kind.
+/// The CPU has what `widen` needs for `w` (at least AVX-512 BF16); `a` has bf16 kind; shapes as for
+/// [`gemm`]; for `amx`, the view's rows are consecutive with 16-row-padded storage.
 #[cfg(target_arch = "x86_64")]
-pub(crate) unsafe fn int4_widened(
+pub(crate) unsafe fn gemm_widened(
+    tier: CpuTier,
     amx: bool,
+    widen: Widen,
     w: &MatRef<'_>,
     nt0: usize,
     nts: usize,
@@ -55,7 +63,48 @@ pub(crate) unsafe fn int4_widened(
     ldy: usize,
 ) {
     use super::pack::MatLayout;
-    use super::{kern_amx, kern_avx512};
+    let k_pad = w.l.k_pad;
+    WIDE.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(2 * 16 * k_pad, 0);
+        let mut t = 0;
+        while t < nts {
+            let c = (nts - t).min(2);
+            // SAFETY: (caller) the CPU has what `widen` needs; the buffer holds two N-tiles.
+            unsafe { widen(w, nt0 + t, c, &mut buf) };
+            // SAFETY: u16 storage viewed as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
+            };
+            let wide = MatRef {
+                l: MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad),
+                w: bytes,
+                s: &[],
+            };
+            gemm(tier, amx, &wide, 0, c, a, &mut y[16 * t..], ldy);
+            t += c;
+        }
+    })
+}
+
+/// Int4 weights with many tokens: int8 activation rows → bf16 (code · scale), then
+/// [`gemm_widened`] with the group scales folded into the weights (AMX when `amx`). Costs one more
+/// bf16 rounding of weights and activations than the VNNI kernel, buys AMX throughput.
+///
+/// # Safety
+/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; `a` has int8 kind.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn int4_widened(
+    tier: CpuTier,
+    amx: bool,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    use super::kern_avx512;
     let (k_pad, m) = (w.l.k_pad, a.rows.len());
     let m_pad = m.div_ceil(16) * 16;
     WIDE_ACT.with(|cell| {
@@ -79,88 +128,20 @@ pub(crate) unsafe fn int4_widened(
             scale: &[],
             gsum: &[],
         };
-        WIDE.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(2 * 16 * k_pad, 0);
-            let mut t = 0;
-            while t < nts {
-                let c = (nts - t).min(2);
-                // SAFETY: (caller) tier present; the buffer holds two N-tiles.
-                unsafe { kern_avx512::int4_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
-                let l = MatLayout::new(WeightFormat::Bf16, 16 * c, k_pad);
-                // SAFETY: u16 storage viewed as bytes.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
-                };
-                let wide = MatRef {
-                    l,
-                    w: bytes,
-                    s: &[],
-                };
-                let ys = &mut y[16 * t..];
-                // SAFETY: rows of `ab` are consecutive with 16-row-padded storage.
-                unsafe {
-                    if amx {
-                        kern_amx::gemm(&wide, 0, c, &ab, ys, ldy)
-                    } else {
-                        kern_avx512::gemm_bf16(&wide, 0, c, &ab, ys.as_mut_ptr(), ldy)
-                    }
-                }
-                t += c;
-            }
-        })
-    })
-}
-
-/// FP8 weights with many tokens: widen two N-tiles at a time (128 KiB of bf16 for k = 2048, stays in
-/// L2) and run the bf16 kernel on them.
-///
-/// # Safety
-/// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; for `amx`, the view's rows
-/// are consecutive with 16-row-padded storage.
-#[cfg(target_arch = "x86_64")]
-unsafe fn fp8_widened(
-    amx: bool,
-    w: &MatRef<'_>,
-    nt0: usize,
-    nts: usize,
-    a: &ActRef<'_>,
-    y: &mut [f32],
-    ldy: usize,
-) {
-    use super::pack::MatLayout;
-    use super::{kern_amx, kern_avx512};
-    let k_pad = w.l.k_pad;
-    WIDE.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        buf.resize(2 * 16 * k_pad, 0);
-        let mut t = 0;
-        while t < nts {
-            let c = (nts - t).min(2);
-            // SAFETY: (caller) tier present; the buffer holds two N-tiles.
-            unsafe { kern_avx512::fp8_to_bf16_tiles(w, nt0 + t, c, &mut buf) };
-            let mut l = MatLayout::new(WeightFormat::Bf16, 16 * c, w.l.k);
-            l.k_pad = k_pad;
-            l.k_tiles = k_pad / 32;
-            // SAFETY: u16 storage viewed as bytes.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 2 * 16 * k_pad * c)
-            };
-            let wide = MatRef {
-                l,
-                w: bytes,
-                s: &[],
-            };
-            let ys = &mut y[16 * t..];
-            // SAFETY: as above; `ys` keeps the row stride and covers the rows.
-            unsafe {
-                if amx {
-                    kern_amx::gemm(&wide, 0, c, a, ys, ldy)
-                } else {
-                    kern_avx512::gemm_bf16(&wide, 0, c, a, ys.as_mut_ptr(), ldy)
-                }
-            }
-            t += c;
+        // SAFETY: (caller) tier present; int4 is a format `widen_tiles` reads; the rows of `ab` are
+        // consecutive with 16-row-padded storage.
+        unsafe {
+            gemm_widened(
+                tier,
+                amx,
+                crate::cpu::dense_widen::widen_tiles,
+                w,
+                nt0,
+                nts,
+                &ab,
+                y,
+                ldy,
+            )
         }
     })
 }
@@ -187,7 +168,7 @@ pub(crate) fn gemm(
     #[cfg(target_arch = "x86_64")]
     {
         use super::kern_generic::gemm_avx2;
-        use super::{kern_amx, kern_avx512};
+        use super::{kern_amx, kern_avx512, kern_fp8};
         // SAFETY: the tier was detected on this CPU; shapes were checked above; activation kinds are
         // matched to the kernels below.
         unsafe {
@@ -199,16 +180,29 @@ pub(crate) fn gemm(
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Bf16) => {
                     return kern_avx512::gemm_bf16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
                 }
+                (CpuTier::Avx512 | CpuTier::Amx, ActKind::F32, WeightFormat::F16) => {
+                    return kern_avx512::gemm_f16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                }
                 (CpuTier::Amx, ActKind::I8 { .. }, WeightFormat::Int4 { .. }) if amx => {
-                    return int4_widened(true, w, nt0, nts, a, y, ldy)
+                    return int4_widened(tier, true, w, nt0, nts, a, y, ldy)
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
                     if m >= FP8_WIDEN_MIN_ROWS =>
                 {
-                    return fp8_widened(tier == CpuTier::Amx && amx, w, nt0, nts, a, y, ldy)
+                    return gemm_widened(
+                        tier,
+                        tier == CpuTier::Amx && amx,
+                        kern_fp8::fp8_to_bf16_tiles,
+                        w,
+                        nt0,
+                        nts,
+                        a,
+                        y,
+                        ldy,
+                    )
                 }
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block) => {
-                    return kern_avx512::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
+                    return kern_fp8::gemm_fp8(w, nt0, nts, a, y.as_mut_ptr(), ldy)
                 }
                 (
                     CpuTier::Avx512 | CpuTier::Amx,

@@ -1,10 +1,11 @@
 //! AVX-512 kernels for few tokens per expert (decode): one 64-byte load of a packed tile row feeds 16
-//! outputs of every token in the block through `vdpbf16ps` (bf16, fp8 via a LUT) or `vpdpbusd` (int8, int4).
+//! outputs of every token in the block through `vdpbf16ps` (bf16) or `vpdpbusd` (int8, int4); FP8 lives
+//! in `kern_fp8`, on the helpers here.
 //! At one token these are memory-bound by design: ~1 dot instruction per 64 bytes, two independent
 //! accumulator chains per token to cover the instruction latency, and a software prefetch
 //! [`prefetch_distance`] bytes ahead in the contiguous N-tile stream: without it one core keeps too few
 //! cache-line misses in flight and a decode token reached only ~65% of the DRAM bandwidth.
-//! Tokens are taken in blocks of up to 8 (4 for fp8, whose LUT decode needs more registers), so the
+//! Tokens are taken in blocks of up to 8, so the
 //! weight stream is read from DRAM once and from L2 once per further block. Twins:
 //! `kern_generic::{gemm_scalar, gemm_i8_twin}`.
 //!
@@ -17,7 +18,7 @@ use std::mem::transmute;
 use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef, WeightFormat};
+use super::pack::{MatRef, WeightFormat};
 
 /// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
 /// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
@@ -32,7 +33,7 @@ pub(crate) fn prefetch_distance() -> usize {
 }
 
 #[inline(always)]
-unsafe fn prefetch(p: *const u8, pf: usize) {
+pub(super) unsafe fn prefetch(p: *const u8, pf: usize) {
     if pf > 0 {
         // SAFETY: prefetches never fault, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf).cast()) };
@@ -43,7 +44,7 @@ unsafe fn prefetch(p: *const u8, pf: usize) {
 /// `pf` ahead, so without this each short stream (a down N-tile is 24 KiB) would start with a run of
 /// serial misses.
 #[inline(always)]
-unsafe fn prefetch_head(p: *const u8, pf: usize) {
+pub(super) unsafe fn prefetch_head(p: *const u8, pf: usize) {
     let mut off = 0;
     while off < pf {
         // SAFETY: prefetches never fault.
@@ -53,67 +54,79 @@ unsafe fn prefetch_head(p: *const u8, pf: usize) {
 }
 
 #[inline(always)]
-unsafe fn bh(v: __m512i) -> __m512bh {
+pub(super) unsafe fn bh(v: __m512i) -> __m512bh {
     // SAFETY: same size, any bit pattern is a valid bf16 vector.
     unsafe { transmute::<__m512i, __m512bh>(v) }
 }
 
 /// Calls `$f::<R>(args)` for the block size `$n` (1..=$max).
 macro_rules! by_rows {
+    ($n:expr, 4, $f:ident($($a:expr),*)) => {
+        match $n {
+            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
+        }
+    };
     ($n:expr, 8, $f:ident($($a:expr),*)) => {
         match $n {
             8 => $f::<8>($($a),*), 7 => $f::<7>($($a),*), 6 => $f::<6>($($a),*), 5 => $f::<5>($($a),*),
             4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
         }
     };
-    ($n:expr, 4, $f:ident($($a:expr),*)) => {
-        match $n {
-            4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
-        }
-    };
 }
 
-const MAX_ROWS: usize = 8;
+pub(super) const MAX_ROWS: usize = 8;
 
 /// Per block: activation row pointers (as 32-bit units), output pointers, and row indices.
-struct Block<T> {
-    x: [*const T; MAX_ROWS],
-    out: [*mut f32; MAX_ROWS],
+pub(super) struct Block<T> {
+    pub(super) x: [*const T; MAX_ROWS],
+    pub(super) out: [*mut f32; MAX_ROWS],
     row: [usize; MAX_ROWS],
 }
 
-/// Splits the view's rows into blocks of at most `max` and calls `f(block, n)` for each.
+/// The token-block loop of every few-token kernel: for each N-tile `nt0 .. nt0 + nts` (the head of
+/// the weight stream prefetched first) and each block of at most `max` of the view's rows, calls
+/// `f(nt, weights of N-tile nt, block, rows in the block)`; N-tile `nt` writes output columns
+/// `16·(nt − nt0) ..`. `base` and `elem`: the activation storage the kernel reads, its element size.
+///
+/// # Safety
+/// As the module contract for `w`, `a`, `y` and `ldy`; `base` is the view's storage of that kind.
 #[inline(always)]
-unsafe fn for_blocks<T>(
+pub(super) unsafe fn for_tiles<T>(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
     a: &ActRef<'_>,
-    base: *const u8,
-    elem: usize,
-    y: *mut f32,
-    ldy: usize,
-    col: usize,
+    (base, elem): (*const u8, usize),
+    (y, ldy): (*mut f32, usize),
     max: usize,
-    mut f: impl FnMut(&Block<T>, usize),
+    mut f: impl FnMut(usize, *const u8, &Block<T>, usize),
 ) {
+    // SAFETY: prefetch only.
+    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), prefetch_distance()) };
     let m = a.rows.len();
-    let mut r = 0;
-    while r < m {
-        let n = (m - r).min(max);
-        let mut b = Block {
-            x: [std::ptr::null(); MAX_ROWS],
-            out: [std::ptr::null_mut(); MAX_ROWS],
-            row: [0; MAX_ROWS],
-        };
-        for i in 0..n {
-            let row = a.rows[r + i] as usize;
-            b.row[i] = row;
-            // SAFETY: (contract) rows and y in range.
-            unsafe {
-                b.x[i] = base.add(row * a.k_pad * elem).cast();
-                b.out[i] = y.add((r + i) * ldy + col);
+    for nt in nt0..nt0 + nts {
+        let wp = w.ntile(nt).as_ptr();
+        let col = (nt - nt0) * 16;
+        let mut r = 0;
+        while r < m {
+            let n = (m - r).min(max);
+            let mut b = Block {
+                x: [std::ptr::null(); MAX_ROWS],
+                out: [std::ptr::null_mut(); MAX_ROWS],
+                row: [0; MAX_ROWS],
+            };
+            for i in 0..n {
+                let row = a.rows[r + i] as usize;
+                b.row[i] = row;
+                // SAFETY: (contract) rows and y in range.
+                unsafe {
+                    b.x[i] = base.add(row * a.k_pad * elem).cast();
+                    b.out[i] = y.add((r + i) * ldy + col);
+                }
             }
+            f(nt, wp, &b, n);
+            r += n;
         }
-        f(&b, n);
-        r += n;
     }
 }
 
@@ -129,23 +142,12 @@ pub(crate) unsafe fn gemm_bf16(
 ) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                8,
-                |b, n| by_rows!(n, 8, bf16_block(wp, pairs, pf, &b.x, &b.out)),
-            );
-        }
+    let act = (a.b.as_ptr().cast(), 2);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<u32>(w, nt0, nts, a, act, (y, ldy), 8, |_, wp, b, n| {
+            by_rows!(n, 8, bf16_block(wp, pairs, pf, &b.x, &b.out))
+        })
     }
 }
 
@@ -181,31 +183,11 @@ unsafe fn bf16_block<const R: usize>(
     }
 }
 
-/// FP8 E4M3 magnitudes (7 bits) as bf16 bit patterns (exact: E4M3 fits in bf16), NaN for 0x7F.
-fn fp8_lut() -> &'static [u16; 128] {
-    static LUT: OnceLock<[u16; 128]> = OnceLock::new();
-    LUT.get_or_init(|| std::array::from_fn(|i| f32_to_bf16(fp8_e4m3_to_f32(i as u8))))
-}
-
-#[inline(always)]
-unsafe fn fp8x32_to_bf16(v: __m256i, lut: &[__m512i; 4]) -> __m512bh {
-    // SAFETY: register-only AVX-512BW operations (caller has the features).
-    unsafe {
-        let w = _mm512_cvtepu8_epi16(v);
-        let mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-        let lo = _mm512_permutex2var_epi16(lut[0], mag, lut[1]);
-        let hi = _mm512_permutex2var_epi16(lut[2], mag, lut[3]);
-        let upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
-        let r = _mm512_mask_blend_epi16(upper, lo, hi);
-        let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0x80)));
-        bh(_mm512_or_si512(r, sign))
-    }
-}
-
-/// FP8 (128×128 block scales) weights × bf16 activations: bytes widened to bf16 through a LUT, one
-/// `vdpbf16ps` per 32 bytes, block scale applied once per 128 inputs.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn gemm_fp8(
+/// F16 weights × f32 activations: per 64-byte row (16 outputs × 2 inputs) two `vcvtph2ps` and two
+/// FMAs against the input pair broadcast as one 64-bit lane pattern; each output's two lanes are
+/// summed at the end. Exact f16 values, f32 products: no rounding of weights or activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(crate) unsafe fn gemm_f16(
     w: &MatRef<'_>,
     nt0: usize,
     nts: usize,
@@ -213,80 +195,60 @@ pub(crate) unsafe fn gemm_fp8(
     y: *mut f32,
     ldy: usize,
 ) {
-    let table = fp8_lut();
-    // SAFETY: 128 u16 = four 64-byte vectors.
-    let lut: [__m512i; 4] =
-        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
     let pairs = w.l.k_pad / 2;
-    let kb = w.l.k.div_ceil(128);
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
-        // SAFETY: (contract).
-        unsafe {
-            for_blocks::<u32>(
-                a,
-                a.b.as_ptr().cast(),
-                2,
-                y,
-                ldy,
-                (nt - nt0) * 16,
-                4,
-                |b, n| by_rows!(n, 4, fp8_block(wp, pairs, pf, scales, &lut, &b.x, &b.out)),
-            );
-        }
+    let act = (a.f.as_ptr().cast(), 4);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<u64>(w, nt0, nts, a, act, (y, ldy), 4, |_, wp, b, n| {
+            by_rows!(n, 4, f16_block(wp, pairs, pf, &b.x, &b.out))
+        })
     }
 }
 
 #[inline(always)]
-unsafe fn fp8_block<const R: usize>(
+unsafe fn f16_block<const R: usize>(
     wp: *const u8,
     pairs: usize,
     pf: usize,
-    scales: &[f32],
-    lut: &[__m512i; 4],
-    x: &[*const u32; MAX_ROWS],
+    x: &[*const u64; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
-    // SAFETY: (caller) rows of 32 bytes, `pairs` of them; x rows hold `pairs` u32.
+    // SAFETY: (caller) `pairs` (even) rows of 64 bytes; x rows hold `pairs` f32 pairs.
     unsafe {
-        let mut total = [_mm512_setzero_ps(); R];
-        for (b, &s) in scales.iter().enumerate() {
-            let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
-            if start >= end {
-                break;
-            }
-            let mut acc0 = [_mm512_setzero_ps(); R];
-            let mut acc1 = [_mm512_setzero_ps(); R];
-            let mut i = start;
-            while i < end {
-                prefetch(wp.add(i * 32), pf);
-                let w0 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32).cast()), lut);
-                let w1 = fp8x32_to_bf16(_mm256_loadu_si256(wp.add(i * 32 + 32).cast()), lut);
+        // Lanes 2j, 2j+1 of `lo` hold output j's two products (j < 8), of `hi` output 8 + j.
+        let mut lo = [[_mm512_setzero_ps(); 2]; R];
+        let mut hi = [[_mm512_setzero_ps(); 2]; R];
+        let mut i = 0;
+        while i < pairs {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
+            for u in 0..2 {
+                let v = _mm512_loadu_si512(wp.add((i + u) * 64).cast());
+                let wl = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+                let wh = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(v));
                 for r in 0..R {
-                    acc0[r] = _mm512_dpbf16_ps(
-                        acc0[r],
-                        w0,
-                        bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32)),
-                    );
-                    acc1[r] = _mm512_dpbf16_ps(
-                        acc1[r],
-                        w1,
-                        bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32)),
-                    );
+                    let xp = _mm512_castsi512_ps(_mm512_set1_epi64(
+                        x[r].add(i + u).read_unaligned() as i64,
+                    ));
+                    lo[r][u] = _mm512_fmadd_ps(wl, xp, lo[r][u]);
+                    hi[r][u] = _mm512_fmadd_ps(wh, xp, hi[r][u]);
                 }
-                i += 2;
             }
-            let sv = _mm512_set1_ps(s);
-            for r in 0..R {
-                total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
-            }
+            i += 2;
         }
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
+            let (l, h) = (
+                _mm512_add_ps(lo[r][0], lo[r][1]),
+                _mm512_add_ps(hi[r][0], hi[r][1]),
+            );
+            let sum = _mm512_add_ps(
+                _mm512_permutex2var_ps(l, even, h),
+                _mm512_permutex2var_ps(l, odd, h),
+            );
+            _mm512_storeu_ps(out[r], sum);
         }
     }
 }
@@ -303,95 +265,39 @@ pub(crate) unsafe fn gemm_int(
 ) {
     let groups = a.groups();
     let pf = prefetch_distance();
-    // SAFETY: prefetch only.
-    unsafe { prefetch_head(w.ntile(nt0).as_ptr(), pf) };
-    for nt in nt0..nt0 + nts {
-        let wp = w.ntile(nt).as_ptr();
-        // SAFETY: (contract).
-        unsafe {
+    let act = (a.q.as_ptr().cast(), 1);
+    // SAFETY: (contract).
+    unsafe {
+        for_tiles::<i32>(w, nt0, nts, a, act, (y, ldy), 8, |nt, wp, b, n| {
+            let (gs, xs) = row_terms(a, b, n, groups);
+            let (x, out) = (&b.x, &b.out);
             match w.l.format {
                 WeightFormat::Int4 { group } => {
                     let s = &w.s16()[nt * groups * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
+                    by_rows!(
+                        n,
                         8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i4_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
+                        i4_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
                     )
                 }
                 WeightFormat::Int4Min { group } => {
                     let s = &w.s16()[nt * groups * 32..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
+                    by_rows!(
+                        n,
                         8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i4m_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
+                        i4_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
                     )
                 }
                 WeightFormat::Int8Group { group } => {
                     let s = &w.s16()[nt * groups * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i8g_block(wp, group, groups, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
-                    )
+                    by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
                 }
                 _ => {
                     let s = &w.s[nt * 16..];
-                    for_blocks::<i32>(
-                        a,
-                        a.q.as_ptr().cast(),
-                        1,
-                        y,
-                        ldy,
-                        (nt - nt0) * 16,
-                        8,
-                        |b, n| {
-                            let (gs, xs) = row_terms(a, b, n, groups);
-                            by_rows!(
-                                n,
-                                8,
-                                i8_block(wp, a.k_pad / 4, pf, s, &b.x, &gs, &xs, &b.out)
-                            )
-                        },
-                    )
+                    by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
                 }
             }
-        }
+        })
     }
 }
 
@@ -412,6 +318,38 @@ fn row_terms(
     (gs, xs)
 }
 
+/// Per token: Σ over the quad rows `from .. to` (an even count, 64 bytes each: 16 outputs × 4 inputs)
+/// of `vpdpbusd(weights, activation quad)`, in two accumulator chains summed at the end.
+#[inline(always)]
+unsafe fn dot_quads<const R: usize>(
+    wp: *const u8,
+    from: usize,
+    to: usize,
+    pf: usize,
+    x: &[*const i32; MAX_ROWS],
+) -> [__m512i; R] {
+    // SAFETY: (caller) rows `from .. to` of 64 bytes; x rows hold `to` i32.
+    unsafe {
+        let mut acc0 = [_mm512_setzero_si512(); R];
+        let mut acc1 = [_mm512_setzero_si512(); R];
+        let mut i = from;
+        while i < to {
+            prefetch(wp.add(i * 64), pf);
+            prefetch(wp.add(i * 64 + 64), pf);
+            let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
+            let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
+            for r in 0..R {
+                let x0 = _mm512_set1_epi32(x[r].add(i).read_unaligned());
+                let x1 = _mm512_set1_epi32(x[r].add(i + 1).read_unaligned());
+                acc0[r] = _mm512_dpbusd_epi32(acc0[r], w0, x0);
+                acc1[r] = _mm512_dpbusd_epi32(acc1[r], w1, x1);
+            }
+            i += 2;
+        }
+        std::array::from_fn(|r| _mm512_add_epi32(acc0[r], acc1[r]))
+    }
+}
+
 #[inline(always)]
 unsafe fn i8_block<const R: usize>(
     wp: *const u8,
@@ -425,45 +363,24 @@ unsafe fn i8_block<const R: usize>(
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
     unsafe {
-        let mut acc0 = [_mm512_setzero_si512(); R];
-        let mut acc1 = [_mm512_setzero_si512(); R];
-        let mut i = 0;
-        while i < quads {
-            prefetch(wp.add(i * 64), pf);
-            prefetch(wp.add(i * 64 + 64), pf);
-            let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
-            let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
-            for r in 0..R {
-                acc0[r] = _mm512_dpbusd_epi32(
-                    acc0[r],
-                    w0,
-                    _mm512_set1_epi32(x[r].add(i).read_unaligned()),
-                );
-                acc1[r] = _mm512_dpbusd_epi32(
-                    acc1[r],
-                    w1,
-                    _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
-                );
-            }
-            i += 2;
-        }
+        let acc = dot_quads::<R>(wp, 0, quads, pf, x);
         let ws = _mm512_loadu_ps(wscale.as_ptr());
         for r in 0..R {
-            let acc = _mm512_sub_epi32(
-                _mm512_add_epi32(acc0[r], acc1[r]),
-                _mm512_set1_epi32(128 * *gsum[r]),
-            );
+            let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r]));
             let s = _mm512_mul_ps(ws, _mm512_set1_ps(*xs[r]));
             _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
         }
     }
 }
 
+/// Int4 with a group scale (Q4_0: `w = (u − 8)·d`) or, `with_min`, a group scale and min (Q4_1:
+/// `w = u·d + m`): per group `d·Σ u·x − 8d·Σx`, or `d·Σ u·x + m·Σ x`, both sums from integer dots.
 #[inline(always)]
 unsafe fn i4_block<const R: usize>(
     wp: *const u8,
     group: usize,
     groups: usize,
+    with_min: bool,
     pf: usize,
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
@@ -471,11 +388,13 @@ unsafe fn i4_block<const R: usize>(
     xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
-    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 16.
+    // SAFETY: (caller) `k_pad / 8` packed rows of 64 bytes; scales hold 16 (32 with the min) per
+    // group.
     unsafe {
         let nib = _mm512_set1_epi8(0x0F);
         let mut total = [_mm512_setzero_ps(); R];
         let per_group = group / 8;
+        let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
@@ -497,68 +416,24 @@ unsafe fn i4_block<const R: usize>(
                     );
                 }
             }
-            let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
-            for r in 0..R {
-                let acc = _mm512_sub_epi32(
-                    _mm512_add_epi32(lo_acc[r], hi_acc[r]),
-                    _mm512_set1_epi32(8 * *gsum[r].add(g)),
-                );
-                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
-            }
-        }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// Int4 with group scale and min (Q4_1): per group `d·Σ u·x + m·Σ x`, both sums from integer dots.
-#[inline(always)]
-unsafe fn i4m_block<const R: usize>(
-    wp: *const u8,
-    group: usize,
-    groups: usize,
-    pf: usize,
-    scales: &[u16],
-    x: &[*const i32; MAX_ROWS],
-    gsum: &[*const i32; MAX_ROWS],
-    xs: &[*const f32; MAX_ROWS],
-    out: &[*mut f32; MAX_ROWS],
-) {
-    // SAFETY: (caller) `groups * group / 8` packed rows of 64 bytes; scales hold groups × 32.
-    unsafe {
-        let nib = _mm512_set1_epi8(0x0F);
-        let mut total = [_mm512_setzero_ps(); R];
-        let per_group = group / 8;
-        for g in 0..groups {
-            let mut lo_acc = [_mm512_setzero_si512(); R];
-            let mut hi_acc = [_mm512_setzero_si512(); R];
-            for pr in g * per_group..(g + 1) * per_group {
-                prefetch(wp.add(pr * 64), pf);
-                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
-                let lo = _mm512_and_si512(v, nib);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
-                for r in 0..R {
-                    lo_acc[r] = _mm512_dpbusd_epi32(
-                        lo_acc[r],
-                        lo,
-                        _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned()),
-                    );
-                    hi_acc[r] = _mm512_dpbusd_epi32(
-                        hi_acc[r],
-                        hi,
-                        _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned()),
-                    );
-                }
-            }
-            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32).cast()));
-            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 32 + 16).cast()));
+            let at = scales.as_ptr().add(g * stride);
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
             for r in 0..R {
                 let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
-                let gs = _mm512_set1_ps(*gsum[r].add(g) as f32);
-                let part = _mm512_fmadd_ps(gs, mv, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv));
-                total[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(*xs[r].add(g)), total[r]);
+                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
+                total[r] = if with_min {
+                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
+                    let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv);
+                    let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
+                    _mm512_fmadd_ps(part, x_scale, total[r])
+                } else {
+                    let acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(8 * gs));
+                    _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acc),
+                        _mm512_mul_ps(dv, x_scale),
+                        total[r],
+                    )
+                };
             }
         }
         for r in 0..R {
@@ -585,162 +460,16 @@ unsafe fn i8g_block<const R: usize>(
         let mut total = [_mm512_setzero_ps(); R];
         let quads = group / 4;
         for g in 0..groups {
-            let mut acc0 = [_mm512_setzero_si512(); R];
-            let mut acc1 = [_mm512_setzero_si512(); R];
-            let mut i = g * quads;
-            while i < (g + 1) * quads {
-                prefetch(wp.add(i * 64), pf);
-                prefetch(wp.add(i * 64 + 64), pf);
-                let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
-                let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
-                for r in 0..R {
-                    acc0[r] = _mm512_dpbusd_epi32(
-                        acc0[r],
-                        w0,
-                        _mm512_set1_epi32(x[r].add(i).read_unaligned()),
-                    );
-                    acc1[r] = _mm512_dpbusd_epi32(
-                        acc1[r],
-                        w1,
-                        _mm512_set1_epi32(x[r].add(i + 1).read_unaligned()),
-                    );
-                }
-                i += 2;
-            }
+            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
             let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
             for r in 0..R {
-                let acc = _mm512_sub_epi32(
-                    _mm512_add_epi32(acc0[r], acc1[r]),
-                    _mm512_set1_epi32(128 * *gsum[r].add(g)),
-                );
+                let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r].add(g)));
                 let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
                 total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
             }
         }
         for r in 0..R {
             _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// Widens FP8 N-tiles `nt0 .. nt0 + nts` to the bf16 tile layout with each 128×128 block scale
-/// folded in (one bf16 rounding of `fp8 · scale`), into `out` (`nts · k_pad` bf16 values). Lets experts
-/// with many tokens run the bf16 kernels (AMX or AVX-512) instead of re-widening per token block.
-///
-/// # Safety
-/// As the module contract; `w` is FP8 and `out` holds `nts * w.l.k_pad * 16` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn fp8_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
-    let table = fp8_lut();
-    // SAFETY: 128 u16 = four 64-byte vectors.
-    let lut: [__m512i; 4] =
-        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(table.as_ptr().add(32 * i).cast()) });
-    let pairs = w.l.k_pad / 2;
-    let kb = w.l.k.div_ceil(128);
-    let pf = prefetch_distance();
-    assert!(out.len() >= nts * pairs * 32);
-    for t in 0..nts {
-        let nt = nt0 + t;
-        let wp = w.ntile(nt).as_ptr();
-        let scales = &w.s[(nt * 16 / 128) * kb..][..kb];
-        let dst = out[t * pairs * 32..].as_mut_ptr();
-        for i in 0..pairs {
-            // SAFETY: row i of the N-tile (32 bytes) and of the output (64 bytes) are in bounds.
-            unsafe {
-                prefetch(wp.add(i * 32), pf);
-                let b = transmute::<__m512bh, __m512i>(fp8x32_to_bf16(
-                    _mm256_loadu_si256(wp.add(i * 32).cast()),
-                    &lut,
-                ));
-                let s = _mm512_set1_ps(scales[i / 64]);
-                let lo = _mm512_mul_ps(
-                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
-                        _mm512_extracti64x4_epi64::<0>(b),
-                    )),
-                    s,
-                );
-                let hi = _mm512_mul_ps(
-                    _mm512_cvtpbh_ps(transmute::<__m256i, __m256bh>(
-                        _mm512_extracti64x4_epi64::<1>(b),
-                    )),
-                    s,
-                );
-                _mm512_storeu_si512(
-                    dst.add(i * 32).cast(),
-                    transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
-                );
-            }
-        }
-    }
-}
-
-/// Widens int4 N-tiles `nt0 .. nt0 + nts` to the bf16 tile layout with the group scales folded in
-/// (one bf16 rounding of `(u − 8) · d`), into `out` (`nts · k_pad · 16` values): lets AMX-BF16 run
-/// experts with many tokens. A quad row (16 outputs × 4 inputs) becomes pair rows 2kk and 2kk+1.
-///
-/// # Safety
-/// As the module contract; `w` is int4 and `out` holds `nts * w.l.k_pad * 16` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn int4_to_bf16_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
-    let WeightFormat::Int4 { group } = w.l.format else {
-        unreachable!("int4 only")
-    };
-    let k_pad = w.l.k_pad;
-    let groups = k_pad / group;
-    let quads = k_pad / 4;
-    let pf = prefetch_distance();
-    assert!(out.len() >= nts * k_pad * 16);
-    let even: __m512i =
-        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd: __m512i = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    // Lane l of value chunk c (values j*4+q, 16 per chunk) belongs to output j = 4c + l/4.
-    let lanes = _mm512_srli_epi32::<2>(_mm512_setr_epi32(
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-    ));
-    let lane_j: [__m512i; 4] =
-        std::array::from_fn(|c| _mm512_add_epi32(_mm512_set1_epi32(4 * c as i32), lanes));
-    let eight = _mm512_set1_ps(8.0);
-    let nib = _mm512_set1_epi8(0x0F);
-    let s16 = w.s16();
-    for t in 0..nts {
-        let nt = nt0 + t;
-        let wp = w.ntile(nt).as_ptr();
-        let dst = out[t * k_pad * 16..].as_mut_ptr();
-        for kk in 0..quads {
-            // SAFETY: packed row kk/2 (64 bytes), 16 f16 scales, pair rows 2kk, 2kk+1 are in bounds.
-            unsafe {
-                if kk % 2 == 0 {
-                    prefetch(wp.add(kk / 2 * 64), pf);
-                }
-                let v = _mm512_loadu_si512(wp.add(kk / 2 * 64).cast());
-                let codes = if kk % 2 == 0 {
-                    _mm512_and_si512(v, nib)
-                } else {
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib)
-                };
-                let g = kk * 4 / group;
-                let sv = _mm512_cvtph_ps(_mm256_loadu_si256(
-                    s16.as_ptr().add((nt * groups + g) * 16).cast(),
-                ));
-                let f = |c: usize, bytes: __m128i| {
-                    let x = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), eight);
-                    _mm512_mul_ps(x, _mm512_permutexvar_ps(lane_j[c], sv))
-                };
-                let c0 = f(0, _mm512_extracti32x4_epi32::<0>(codes));
-                let c1 = f(1, _mm512_extracti32x4_epi32::<1>(codes));
-                let c2 = f(2, _mm512_extracti32x4_epi32::<2>(codes));
-                let c3 = f(3, _mm512_extracti32x4_epi32::<3>(codes));
-                let x = transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(c1, c0));
-                let y = transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(c3, c2));
-                _mm512_storeu_si512(
-                    dst.add(2 * kk * 32).cast(),
-                    _mm512_permutex2var_epi32(x, even, y),
-                );
-                _mm512_storeu_si512(
-                    dst.add((2 * kk + 1) * 32).cast(),
-                    _mm512_permutex2var_epi32(x, odd, y),
-                );
-            }
         }
     }
 }

@@ -15,13 +15,18 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
     let (p, kt, tb) = l.format.tile_geometry();
     let tile = &w.ntile(nt)[ti * tb..(ti + 1) * tb];
     match l.format {
-        WeightFormat::Bf16 => {
+        WeightFormat::Bf16 | WeightFormat::F16 => {
+            let f16 = l.format == WeightFormat::F16;
             for kk in 0..kt / p {
                 for j in 0..16 {
                     for q in 0..2 {
                         let o = (kk * 32 + j * 2 + q) * 2;
-                        out[(kk * 2 + q) * 16 + j] =
-                            bf16_to_f32(u16::from_le_bytes([tile[o], tile[o + 1]]));
+                        let bits = u16::from_le_bytes([tile[o], tile[o + 1]]);
+                        out[(kk * 2 + q) * 16 + j] = if f16 {
+                            half::f16::from_bits(bits).to_f32()
+                        } else {
+                            bf16_to_f32(bits)
+                        };
                     }
                 }
             }

@@ -48,6 +48,7 @@ mod forward;
 pub(crate) mod gemm;
 mod kern_amx;
 mod kern_avx512;
+mod kern_fp8;
 mod kern_generic;
 pub(crate) mod pack;
 mod packed;
@@ -184,11 +185,7 @@ impl CpuExpertSet {
                 sources: sources.len(),
             });
         }
-        if let Some(group) = cfg.format.group() {
-            if ![32, 64, 128].contains(&group) {
-                return Err(PackError::Group(group).into());
-            }
-        }
+        cfg.format.check_group()?;
         let (h, i) = (cfg.hidden, cfg.inter);
         for (&id, s) in ids.iter().zip(sources) {
             let err = |source| MoeError::Expert { id, source };

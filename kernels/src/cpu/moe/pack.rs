@@ -9,6 +9,7 @@
 //! | format | P | KT (k per tile) | bytes per tile | scales |
 //! |---|---|---|---|---|
 //! | Bf16 | 2 | 32 | 1024 | none |
+//! | F16 (IEEE half, as GGUF F16 stores it) | 2 | 32 | 1024 | none |
 //! | Fp8Block (E4M3) | 2 | 32 | 512 | `weight_scale_inv` as stored, `[ceil(n/128)][ceil(k/128)]` |
 //! | Int8 (u8 = q + 128) | 4 | 64 | 1024 | per output row |
 //! | Int4 group G (u4 = q + 8) | 4 | 64 | 512: rows 2i and 2i+1 share bytes (low/high nibble) | f16 `[n_tile][k/G][16]` |
@@ -32,6 +33,8 @@ use crate::cpu::ggml::{self, GgmlBlock};
 pub enum WeightFormat {
     /// bf16 as in the checkpoint (or rounded from f32).
     Bf16,
+    /// IEEE f16 as in the checkpoint (GGUF F16), read through f32 (or rounded from f32).
+    F16,
     /// FP8 E4M3 with 128×128 block scales, bytes and scales used as stored.
     Fp8Block,
     /// int8 symmetric per output channel, quantized at load.
@@ -45,15 +48,17 @@ pub enum WeightFormat {
 }
 
 /// The names `WeightFormat` parses from.
-const EXPECTED: &str = "expected bf16, fp8, int8, int4, int4g64, int4g128, int4m32 or int8g32";
+const EXPECTED: &str =
+    "expected bf16, f16, fp8, int8, int4, int4g64, int4g128, int4m32, int8g32 or int8g16";
 
 impl std::str::FromStr for WeightFormat {
     type Err = String;
-    /// `bf16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`, `int4m32` (Q4_1 layout),
-    /// `int8g32` (Q8_0 layout).
+    /// `bf16|f16|fp8|int8|int4` (int4 with group 32), `int4g64`, `int4g128`, `int4m32` (Q4_1 layout),
+    /// `int8g32` (Q8_0 layout), `int8g16` (Q6_K's codes).
     fn from_str(s: &str) -> Result<WeightFormat, String> {
         Ok(match s {
             "bf16" => WeightFormat::Bf16,
+            "f16" => WeightFormat::F16,
             "fp8" => WeightFormat::Fp8Block,
             "int8" => WeightFormat::Int8,
             "int4" | "int4g32" => WeightFormat::Int4 { group: 32 },
@@ -61,6 +66,7 @@ impl std::str::FromStr for WeightFormat {
             "int4g128" => WeightFormat::Int4 { group: 128 },
             "int4m32" => WeightFormat::Int4Min { group: 32 },
             "int8g32" => WeightFormat::Int8Group { group: 32 },
+            "int8g16" => WeightFormat::Int8Group { group: 16 },
             _ => return Err(format!("unknown expert format {s:?} ({EXPECTED})")),
         })
     }
@@ -70,7 +76,7 @@ impl WeightFormat {
     /// (P, KT, tile bytes).
     pub(crate) fn tile_geometry(self) -> (usize, usize, usize) {
         match self {
-            WeightFormat::Bf16 => (2, 32, 1024),
+            WeightFormat::Bf16 | WeightFormat::F16 => (2, 32, 1024),
             WeightFormat::Fp8Block => (2, 32, 512),
             WeightFormat::Int8 | WeightFormat::Int8Group { .. } => (4, 64, 1024),
             WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => (4, 64, 512),
@@ -87,10 +93,18 @@ impl WeightFormat {
         }
     }
 
+    /// Checks the group size of the grouped formats: 32, 64 or 128, and 16 for `Int8Group` (Q6_K).
+    pub(crate) fn check_group(self) -> Result<(), PackError> {
+        match (self, self.group()) {
+            (WeightFormat::Int8Group { group: 16 }, _) | (_, None | Some(32 | 64 | 128)) => Ok(()),
+            (_, Some(g)) => Err(PackError::Group(g)),
+        }
+    }
+
     /// Bytes per weight, for bandwidth figures (scales excluded).
     pub fn bytes_per_weight(self) -> f64 {
         match self {
-            WeightFormat::Bf16 => 2.0,
+            WeightFormat::Bf16 | WeightFormat::F16 => 2.0,
             WeightFormat::Fp8Block | WeightFormat::Int8 | WeightFormat::Int8Group { .. } => 1.0,
             WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => 0.5,
         }
@@ -133,7 +147,7 @@ pub enum PackError {
     },
     #[error("the FP8 weight format needs FP8 E4M3 source tensors ({name} is not)")]
     NotFp8 { name: &'static str },
-    #[error("int4 group size {0} not supported (32, 64 or 128)")]
+    #[error("group size {0} not supported (32, 64 or 128; int8 groups also 16)")]
     Group(usize),
     #[error("tensor {name}: {cols} columns are not a whole number of {kind} blocks")]
     GgmlRow {
@@ -169,7 +183,7 @@ impl MatLayout {
         let n_tiles = n.div_ceil(16);
         let k_tiles = k_pad / kt;
         let s_len = match format {
-            WeightFormat::Bf16 => 0,
+            WeightFormat::Bf16 | WeightFormat::F16 => 0,
             WeightFormat::Fp8Block => n.div_ceil(128) * k.div_ceil(128),
             WeightFormat::Int8 => n_tiles * 16,
             WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => {
@@ -237,6 +251,10 @@ impl MatRef<'_> {
             WeightFormat::Bf16 => {
                 let o = (kk * 32 + j * 2 + q) * 2;
                 bf16_to_f32(u16::from_le_bytes([tile[o], tile[o + 1]]))
+            }
+            WeightFormat::F16 => {
+                let o = (kk * 32 + j * 2 + q) * 2;
+                half::f16::from_le_bytes([tile[o], tile[o + 1]]).to_f32()
             }
             WeightFormat::Fp8Block => {
                 if n >= l.n || k >= l.k {
@@ -393,23 +411,28 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
         let (nt, j) = (n / 16, n % 16);
         // Codes of this row: one byte per weight (bf16 handled separately).
         match (l.format, src) {
-            (_, SourceTensor::Ggml { kind, data }) if lossless(l.format, *kind) => {
+            (_, SourceTensor::Ggml { kind, data }) if keeps_codes(l.format, *kind) => {
                 let rb = kind.row_bytes(l.k).expect("checked by the caller");
-                let groups = l.k_pad / 32;
+                let group = ggml::code_group(*kind).expect("types with codes have groups");
+                debug_assert_eq!(l.format.group(), Some(group));
+                let groups = l.k_pad / group;
+                let per_block = kind.block().0 / group;
                 let s16 = s16_mut(s);
                 codes.fill(zero_code);
-                for (g, b) in data[n * rb..(n + 1) * rb]
+                for (blk, b) in data[n * rb..(n + 1) * rb]
                     .chunks_exact(kind.block().1)
                     .enumerate()
                 {
-                    let c = ggml::block_codes(*kind, b).expect("lossless types have codes");
-                    codes[g * 32..g * 32 + 32].copy_from_slice(&c.codes);
-                    if let WeightFormat::Int4Min { .. } = l.format {
-                        s16[(nt * groups + g) * 32 + j] = c.d;
-                        s16[(nt * groups + g) * 32 + 16 + j] = c.m;
-                    } else {
-                        s16[(nt * groups + g) * 16 + j] = c.d;
-                    }
+                    ggml::block_groups(*kind, b, |gb, c, d, m| {
+                        let g = blk * per_block + gb;
+                        codes[g * group..(g + 1) * group].copy_from_slice(c);
+                        if let WeightFormat::Int4Min { .. } = l.format {
+                            s16[(nt * groups + g) * 32 + j] = d;
+                            s16[(nt * groups + g) * 32 + 16 + j] = m;
+                        } else {
+                            s16[(nt * groups + g) * 16 + j] = d;
+                        }
+                    });
                 }
             }
             (WeightFormat::Bf16, SourceTensor::Bf16(d)) => {
@@ -419,6 +442,24 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
             (WeightFormat::Bf16, _) => {
                 source_row(src, l.k, n, &mut row);
                 place_bf16(l, w, nt, j, |k| f32_to_bf16(row[k]));
+                continue;
+            }
+            (
+                WeightFormat::F16,
+                SourceTensor::Ggml {
+                    kind: GgmlBlock::F16,
+                    data,
+                },
+            ) => {
+                let d = &data[2 * n * l.k..];
+                place_bf16(l, w, nt, j, |k| {
+                    u16::from_le_bytes([d[2 * k], d[2 * k + 1]])
+                });
+                continue;
+            }
+            (WeightFormat::F16, _) => {
+                source_row(src, l.k, n, &mut row);
+                place_bf16(l, w, nt, j, |k| half::f16::from_f32(row[k]).to_bits());
                 continue;
             }
             (WeightFormat::Fp8Block, SourceTensor::Fp8E4M3 { data, .. }) => {
@@ -518,28 +559,38 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
     }
 }
 
-/// Whether `kind` blocks are stored bit for bit by `format` (then repacked, not requantized).
-fn lossless(format: WeightFormat, kind: GgmlBlock) -> bool {
+/// Whether `format` keeps every code of `kind` blocks (then they are repacked, not requantized): bit
+/// for bit for Q4_0 / Q4_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q6_K
+/// (see [`ggml::block_groups`]).
+fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
     matches!(
         (format, kind),
         (WeightFormat::Int4 { group: 32 }, GgmlBlock::Q4_0)
-            | (WeightFormat::Int4Min { group: 32 }, GgmlBlock::Q4_1)
+            | (
+                WeightFormat::Int4Min { group: 32 },
+                GgmlBlock::Q4_1 | GgmlBlock::Q4K
+            )
             | (WeightFormat::Int8Group { group: 32 }, GgmlBlock::Q8_0)
+            | (WeightFormat::Int8Group { group: 16 }, GgmlBlock::Q6K)
     )
 }
 
-/// The packed format that holds a GGML type without loss where one exists (Q4_0, Q4_1, Q8_0, BF16),
-/// else the closest: F16 / F32 → Bf16, Q6_K / Q5_K → Int8Group 32 (requantized from the exact values
-/// with f16 group scales), Q4_K → Int4Min 32 (likewise).
+/// The packed format for a GGML type: one that keeps its codes where one exists (Q4_0, Q4_1, Q8_0 bit
+/// for bit; Q4_K → Int4Min 32 and Q6_K → Int8Group 16 with each sub-block scale rounded once to f16),
+/// BF16 and F16 as stored; else the closest: F32 → Bf16, Q5_K → Int8Group 32 (requantized from the
+/// exact values with f16 group scales: its five-bit codes with a min fit no packed format).
 pub fn format_for_ggml(kind: GgmlBlock) -> WeightFormat {
     match kind {
         GgmlBlock::Q4_0 => WeightFormat::Int4 { group: 32 },
         GgmlBlock::Q4_1 | GgmlBlock::Q4K => WeightFormat::Int4Min { group: 32 },
-        GgmlBlock::Q8_0 | GgmlBlock::Q5K | GgmlBlock::Q6K => WeightFormat::Int8Group { group: 32 },
-        GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => WeightFormat::Bf16,
+        GgmlBlock::Q8_0 | GgmlBlock::Q5K => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q6K => WeightFormat::Int8Group { group: 16 },
+        GgmlBlock::F16 => WeightFormat::F16,
+        GgmlBlock::F32 | GgmlBlock::Bf16 => WeightFormat::Bf16,
     }
 }
 
+/// Writes row `j` of N-tile `nt` of a 16-bit format (bf16 or f16 bits from `val(k)`).
 fn place_bf16(l: &MatLayout, w: &mut [u8], nt: usize, j: usize, val: impl Fn(usize) -> u16) {
     for k in 0..l.k {
         let (ti, kin) = (k / 32, k % 32);
@@ -578,6 +629,7 @@ mod tests {
             .collect();
         for fmt in [
             WeightFormat::Bf16,
+            WeightFormat::F16,
             WeightFormat::Int8,
             WeightFormat::Int4 { group: 32 },
             WeightFormat::Int4 { group: 128 },
@@ -589,6 +641,7 @@ mod tests {
             let m = MatRef { l, w: &w, s: &s };
             let tol = match fmt {
                 WeightFormat::Bf16 => 1.0 / 128.0,
+                WeightFormat::F16 => 1.0 / 1024.0,
                 WeightFormat::Int8 => 1.0 / 127.0,
                 _ => 1.0 / 8.0,
             };

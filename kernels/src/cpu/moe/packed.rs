@@ -46,13 +46,15 @@ pub struct PackedGeometry {
 }
 
 impl PackedGeometry {
-    /// The code `unpack_experts` takes for this format; `None` for formats it does not read (int4).
+    /// The code `unpack_experts` takes for this format; `None` for formats it does not read (f16, int4,
+    /// grouped int8).
     pub fn gpu_format_code(&self) -> Option<i32> {
         match self.format {
             WeightFormat::Bf16 => Some(0),
             WeightFormat::Fp8Block => Some(1),
             WeightFormat::Int8 => Some(2),
-            WeightFormat::Int4 { .. }
+            WeightFormat::F16
+            | WeightFormat::Int4 { .. }
             | WeightFormat::Int4Min { .. }
             | WeightFormat::Int8Group { .. } => None,
         }

@@ -41,8 +41,9 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
     (num / den.max(1e-30)).sqrt() as f32
 }
 
-const FORMATS: [WeightFormat; 8] = [
+const FORMATS: [WeightFormat; 10] = [
     WeightFormat::Bf16,
+    WeightFormat::F16,
     WeightFormat::Fp8Block,
     WeightFormat::Int8,
     WeightFormat::Int4 { group: 32 },
@@ -50,6 +51,7 @@ const FORMATS: [WeightFormat; 8] = [
     WeightFormat::Int4 { group: 128 },
     WeightFormat::Int4Min { group: 32 },
     WeightFormat::Int8Group { group: 32 },
+    WeightFormat::Int8Group { group: 16 },
 ];
 
 /// Random source tensor in the natural source dtype of `fmt` (FP8 bytes for Fp8Block, bf16 otherwise).
@@ -278,9 +280,12 @@ fn every_tier_against_reference(seed: u64, act: Activation, limit: Option<f32>) 
             let want = reference(&set, &x, &ids, &wts, k);
             for tier in CpuTier::available() {
                 set.set_max_tier(tier);
-                let mut got = vec![0.5f32; t * h]; // forward adds into out
+                // forward adds into out: start from a small offset (its own f32 rounding, 2^-31
+                // absolute, stays far below the f32 tiers' tolerance) and take it off again
+                let offset = 1.0 / 128.0;
+                let mut got = vec![offset; t * h];
                 set.forward(&pool, &x, &ids, &wts, k, &mut got).unwrap();
-                got.iter_mut().for_each(|v| *v -= 0.5);
+                got.iter_mut().for_each(|v| *v -= offset);
                 let e = rel_l2(&got, &want);
                 // f32 tiers: rounding only; bf16 activations: bf16 rounding of x and of the
                 // intermediate (2^-9 relative each); int8 activations: 1/254 of each row's range.
@@ -501,7 +506,7 @@ fn int4_widening_matches_twin() {
         let a = buf.view(kind, l.k_pad, &rows);
         let ld = 16 * 3;
         let (mut got, mut want) = (vec![0f32; rows.len() * ld], vec![0f32; rows.len() * ld]);
-        unsafe { super::gemm::int4_widened(false, &mat, 0, 3, &a, &mut got, ld) };
+        unsafe { super::gemm::int4_widened(CpuTier::Avx512, false, &mat, 0, 3, &a, &mut got, ld) };
         gemm_i8_twin(&mat, 0, 3, &a, &mut want, ld);
         let e = rel_l2(&got, &want);
         assert!(e > 0.0 && e < 4e-3, "group {group}: rel err {e}");
@@ -573,4 +578,74 @@ fn packed_experts_unpack_to_their_source_weights() {
     let layer = Layer::new(&mut rng, int4.format, 2, h, i);
     let set = CpuExpertSet::new(&int4, &layer.ids, &layer.sources(), &pool).unwrap();
     assert_eq!(set.packed_geometry().gpu_format_code(), None);
+}
+
+/// The two FP8 decoders of the AVX-512 tier (VBMI byte tables, 16-bit table), called directly so both
+/// run whichever one `gemm` picks here: the few-token kernel against the scalar twin (rel-L2 ≤ 2e-5,
+/// f32 sums in another order), and the widening to scaled bf16 tiles identical bit for bit across
+/// decoders and equal to `weight(n, k)` rounded to bf16.
+#[test]
+fn fp8_decoders_match_the_twin() {
+    use super::kern_fp8;
+    if CpuTier::Avx512.clamp_to_cpu() < CpuTier::Avx512 {
+        return;
+    }
+    let mut rng = Rng(0xF8);
+    let fmt = WeightFormat::Fp8Block;
+    for &(n, k) in &[(40usize, 256usize), (144, 416)] {
+        let src = Src::new(&mut rng, fmt, n, k, 0.05);
+        let l = MatLayout::new(fmt, n, k);
+        let mut w = vec![0u8; l.w_bytes];
+        let mut s = vec![0f32; l.s_len];
+        pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+        let mat = MatRef { l, w: &w, s: &s };
+        let kind = ActKind::Bf16;
+        let mut buf = ActBuf::default();
+        buf.reserve(kind, 8, l.k_pad);
+        let wr = buf.writer(kind, l.k_pad);
+        for r in 0..8 {
+            let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
+            unsafe { wr.write_row(r, &x) };
+        }
+        let (nt0, nts) = (1, l.n_tiles - 1);
+        let ld = 16 * nts + 3;
+        for m in 1..=7usize {
+            let rows: Vec<u32> = (0..m).map(|_| rng.below(8) as u32).collect();
+            let a = buf.view(kind, l.k_pad, &rows);
+            let mut want = vec![0f32; m * ld];
+            gemm_scalar(&mat, nt0, nts, &a, &mut want, ld);
+            let mut got = vec![0f32; m * ld];
+            unsafe { kern_fp8::gemm_fp8_lut16(&mat, nt0, nts, &a, got.as_mut_ptr(), ld) };
+            let e = rel_l2(&got, &want);
+            assert!(e < 2e-5, "16-bit table m={m} n={n} k={k}: rel err {e}");
+            if kern_fp8::has_vbmi() {
+                let mut got = vec![0f32; m * ld];
+                unsafe { kern_fp8::gemm_fp8_vbmi(&mat, nt0, nts, &a, got.as_mut_ptr(), ld) };
+                let e = rel_l2(&got, &want);
+                assert!(e < 2e-5, "VBMI m={m} n={n} k={k}: rel err {e}");
+            }
+        }
+        let mut wide = vec![0u16; nts * l.k_pad * 16];
+        unsafe { kern_fp8::fp8_to_bf16_tiles_lut16(&mat, nt0, nts, &mut wide) };
+        for t in 0..nts {
+            for kk in 0..l.k_pad / 2 {
+                for j in 0..16 {
+                    for q in 0..2 {
+                        let (row, col) = (16 * (nt0 + t) + j, 2 * kk + q);
+                        let at = t * l.k_pad * 16 + kk * 32 + 2 * j + q;
+                        assert_eq!(
+                            wide[at],
+                            f32_to_bf16(mat.weight(row, col)),
+                            "W[{row}][{col}]"
+                        );
+                    }
+                }
+            }
+        }
+        if kern_fp8::has_vbmi() {
+            let mut wide_vbmi = vec![0u16; nts * l.k_pad * 16];
+            unsafe { kern_fp8::fp8_to_bf16_tiles_vbmi(&mat, nt0, nts, &mut wide_vbmi) };
+            assert!(wide_vbmi == wide, "widened tiles differ between decoders");
+        }
+    }
 }

@@ -1,0 +1,176 @@
+"""GLM's XML tool calls (`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`)
+constrained by the tool's schema, through the real clients: the official `openai` client, LangChain,
+the OpenAI Agents SDK and the Pi coding agent. The model is the scripted test double behind a
+GLM-4.5-style chat template; its script writes invented argument names and wrongly typed values where
+the grammar must step in. Every call's arguments are validated with `jsonschema`."""
+import json
+import os
+from typing import Literal
+
+import jsonschema
+import pytest
+
+from conftest import API_KEY
+from test_pi_agent import PI, Recorder, run_pi, tool_calls_of
+
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                       "required": ["tz"]}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL)}
+
+
+def check_calls(calls):
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def ask(server, text, **kw):
+    kw.setdefault("max_tokens", 200)
+    kw.setdefault("temperature", 0)
+    return server.client(api_key=API_KEY).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], **kw)
+
+
+# Two vocabularies: SmolLM2's, where the tags are text the grammar spells out, and a GLM-like one (on the
+# glm4_moe fixture) where they are single tokens the grammar names.
+@pytest.fixture(params=["glm_scripted", "glm_tokens"])
+def glm_server(request):
+    return request.getfixturevalue(request.param)
+
+
+# --- the official openai client ---
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_glm_call_follows_the_schema(glm_server, choice):
+    r = ask(glm_server, "invent arguments", tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice,
+            parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    (call,) = ch.message.tool_calls
+    check_calls([call])
+    args = json.loads(call.function.arguments)
+    assert "description" not in args and args["city"] in ("Paris", "Lyon", "Nice")
+    assert not (ch.message.content or "").strip()
+
+
+def test_unconstrained_script_would_break_the_schema(glm_server):
+    # The same script without tools in the request is plain text: what the grammar corrected above.
+    r = ask(glm_server, "invent arguments")
+    assert "<arg_key>description</arg_key>" in r.choices[0].message.content
+
+
+def test_auto_glm_calls_engage_the_grammar_at_the_tag(glm_server):
+    r = ask(glm_server, "invent arguments", tools=[CITY_TOOL], tool_choice="auto")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    check_calls(calls)
+    assert all("description" not in json.loads(c.function.arguments) for c in calls)
+
+
+def test_two_streamed_glm_calls_both_formats(glm_server):
+    s = ask(glm_server, "weather in two cities", tools=[CITY_TOOL], stream=True)
+    content, calls = "", {}
+    for ch in s:
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            calls.setdefault(tc.index, tc)
+    assert content == ""
+    assert [json.loads(c.function.arguments)["city"] for c in calls.values()] == ["Paris", "Lyon"]
+    check_calls(calls.values())
+
+
+def test_glm_round_trip_with_typed_values_and_reasoning(glm_server):
+    c = glm_server.client(api_key=API_KEY)
+    msgs = [{"role": "user", "content": "weather in Paris"}]
+    r = c.chat.completions.create(model="smollm2", messages=msgs, tools=[CITY_TOOL], temperature=0)
+    m = r.choices[0].message
+    (call,) = m.tool_calls
+    check_calls([call])
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}  # an integer, not "3"
+    assert "call the tool" in (m.model_extra or {}).get("reasoning_content", "")
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    r2 = c.chat.completions.create(model="smollm2", messages=msgs, tools=[CITY_TOOL], temperature=0)
+    assert r2.choices[0].finish_reason == "stop"
+    assert "sunny" in r2.choices[0].message.content
+
+
+# --- LangChain ---
+
+def get_weather(city: Literal["Paris", "Lyon"], days: int = 1) -> str:
+    """Weather forecast for a city."""
+    return "Sunny, 21 C"
+
+
+@pytest.mark.parametrize("tool_choice", [None, "get_weather"])
+def test_langchain_bind_tools_glm(glm_scripted, tool_choice):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    weather = tool(get_weather)
+    llm = ChatOpenAI(base_url=glm_scripted.base + "/v1", api_key=API_KEY, model="smollm2", temperature=0,
+                     max_tokens=200, max_retries=0, timeout=120)
+    prompt = "weather in Paris" if tool_choice is None else "invent arguments"
+    bound = llm.bind_tools([weather], tool_choice=tool_choice)
+    msgs = [HumanMessage(prompt)]
+    ai = bound.invoke(msgs)
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], weather.args_schema.model_json_schema())
+    msgs += [ai, ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])]
+    final = llm.bind_tools([weather]).invoke(msgs)
+    assert "sunny" in final.content
+
+
+# --- OpenAI Agents SDK ---
+
+def test_agents_sdk_runs_a_glm_tool(glm_scripted):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def weather_tool(city: Literal["Paris", "Lyon"], days: int) -> str:
+        """Weather forecast for a city."""
+        calls.append({"city": city, "days": days})
+        return "Sunny, 21 C"
+
+    weather_tool.name = "get_weather"
+    client = AsyncOpenAI(base_url=glm_scripted.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    agent = Agent(name="weather", instructions="Use the tools.", tools=[weather_tool],
+                  model=OpenAIChatCompletionsModel(model="smollm2", openai_client=client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=200))
+    result = Runner.run_sync(agent, "weather in Paris", max_turns=4)
+    assert calls == [{"city": "Paris", "days": 3}]
+    jsonschema.validate(calls[0], weather_tool.params_json_schema)
+    assert "sunny" in result.final_output
+
+
+# --- the Pi coding agent ---
+
+@pytest.mark.skipif(not PI and not os.environ.get("CI"), reason="the Pi coding agent is not installed")
+def test_pi_tool_loop_over_glm_calls(glm_scripted, tmp_path):
+    rec = Recorder(glm_scripted.base)
+    try:
+        out = run_pi(tmp_path, rec.base, API_KEY, "read hello.txt and tell me the secret word.")
+    finally:
+        rec.close()
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "tangerine" in out.stdout, "\n".join(f"{s} {b[-2500:]}" for _, s, b in rec.exchanges)
+    validated = 0
+    for req, status, body in rec.exchanges:
+        if "messages" not in req:
+            continue
+        assert status == 200
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in req.get("tools") or []}
+        for name, args in tool_calls_of(body):
+            jsonschema.validate(json.loads(args), schemas[name])
+            validated += 1
+    assert validated == 1
