@@ -11,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, smallthinker-4b,
-    /// glm-4.7-flash or glm-5.
+    /// glm-4.7-flash, glm-5 or glm-5.3-flash.
     #[arg(long)]
     pub like: String,
     /// Number of decoder layers (fewer than the real model to fit a disk).
@@ -31,13 +31,16 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
     if let Some(cfg) = moe_sizing::known::config_json(name) {
         return Ok(cfg);
     }
+    if name == "glm-5.3-flash" {
+        return Ok(super::synth_glm5::glm53_flash_config());
+    }
     super::synth_glm::config_like(name).with_context(|| {
         let names: Vec<&str> = moe_sizing::known::KNOWN_MODELS
             .iter()
             .map(|k| k.key)
             .collect();
         format!(
-            "--like {name}: choose {}, {}",
+            "--like {name}: choose {}, {}, glm-5.3-flash",
             names.join(", "),
             super::synth_glm::NAMES
         )
@@ -46,6 +49,11 @@ pub fn config_like(name: &str) -> anyhow::Result<Value> {
 
 /// `--layers`: fewer decoder layers, with the per-layer layouts cut to match.
 fn set_layers(cfg: &mut Value, layers: usize) {
+    if let Some(text) = cfg.get_mut("text_config").filter(|t| t.is_object()) {
+        text["num_hidden_layers"] = layers.into();
+        super::synth_glm5::set_layers(text, layers);
+        return;
+    }
     cfg["num_hidden_layers"] = layers.into();
     for key in ["rope_layout", "sliding_window_layout"] {
         if let Some(a) = cfg.get_mut(key).and_then(Value::as_array_mut) {
@@ -73,34 +81,53 @@ pub(super) struct Spec {
 
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
 fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
+    use super::synth_glm5::Values;
     use crate::model::config::{Arch, ModelConfig};
     use crate::model::names::MoeNames;
     let c = ModelConfig::from_json(v)?;
     let h = c.hidden_size;
+    // Multimodal checkpoints (GLM-5.3-Flash) keep the text model under `model.language_model`.
+    let hybrid = c.arch == Arch::Glm5Next;
+    let root = if hybrid {
+        "model.language_model"
+    } else {
+        "model"
+    };
     let mut s = Vec::new();
     let mut p = |name: String, shape: Vec<usize>, kind| s.push(Spec { name, shape, kind });
     p(
-        "model.embed_tokens.weight".into(),
+        format!("{root}.embed_tokens.weight"),
         vec![c.vocab_size, h],
         Kind::Proj,
     );
     if !c.tie_word_embeddings {
         p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
     }
-    p("model.norm.weight".into(), vec![h], Kind::Norm);
+    p(format!("{root}.norm.weight"), vec![h], Kind::Norm);
     for l in 0..c.num_layers {
-        let a = format!("model.layers.{l}.self_attn");
+        let a = format!("{root}.layers.{l}.self_attn");
         p(
-            format!("model.layers.{l}.input_layernorm.weight"),
+            format!("{root}.layers.{l}.input_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         p(
-            format!("model.layers.{l}.post_attention_layernorm.weight"),
+            format!("{root}.layers.{l}.post_attention_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         match &c.mla {
+            _ if hybrid => {
+                let mut add = |name: String, shape: Vec<usize>, values: Values| {
+                    let kind = match values {
+                        Values::Proj => Kind::Proj,
+                        Values::Norm => Kind::Norm,
+                        Values::F32 => Kind::VecF32,
+                    };
+                    p(name, shape, kind)
+                };
+                super::synth_glm5::mixer_specs(&c, l, &format!("{root}.layers.{l}"), &mut add);
+            }
             Some(m) => {
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
                 if let Some(r) = m.q_lora_rank {
@@ -160,7 +187,7 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
                 }
             }
         }
-        let mlp = format!("model.layers.{l}.mlp");
+        let mlp = format!("{root}.layers.{l}.mlp");
         let dense = |p: &mut dyn FnMut(String, Vec<usize>, Kind), prefix: &str, inter: usize| {
             p(
                 format!("{prefix}.gate_proj.weight"),
@@ -180,11 +207,15 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
         };
         match &c.moe {
             Some(m) if c.is_moe_layer(l) => {
-                let names = MoeNames::new(c.arch, l);
+                let names = MoeNames::in_model(c.arch, root, l);
                 p(names.router.clone(), vec![m.num_experts, h], Kind::Proj);
                 if matches!(
                     c.arch,
-                    Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa
+                    Arch::Glm4Moe
+                        | Arch::DeepseekV3
+                        | Arch::Glm4MoeLite
+                        | Arch::GlmMoeDsa
+                        | Arch::Glm5Next
                 ) {
                     p(
                         names.correction_bias.clone(),
@@ -451,6 +482,36 @@ mod tests {
         assert!((3.8e9..4.2e9).contains(&(n as f64)), "{n}");
         assert!(c.tie_word_embeddings);
         assert!(c.layer_attention.iter().all(|l| *l == LayerAttention::FULL));
+    }
+
+    #[test]
+    fn glm53_flash_shape() {
+        // ~320 B parameters (text model without MTP and vision), 288 experts top-8 of 2048.
+        let (n, c) = params("glm-5.3-flash");
+        assert!((300e9..340e9).contains(&(n as f64)), "{n}");
+        use crate::model::hybrid::Mixer;
+        assert_eq!(
+            c.mixers.iter().filter(|m| **m == Mixer::Attention).count(),
+            11
+        );
+        assert_eq!(c.moe_layers.iter().filter(|m| **m).count(), 42);
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (32, 128, 2048));
+        assert_eq!(
+            ix.pooling,
+            crate::model::config::IndexerPooling::KeyPool { pool: 4 }
+        );
+        // 11 indexed layers: latent 512 + indexer key and gate logits 2 × 128 floats per position;
+        // linear-attention layers hold no rows
+        assert_eq!(
+            crate::engine::kv::bytes_per_position(&c),
+            11 * (512 + 256) * 4
+        );
+        let mut cfg = config_like("glm-5.3-flash").unwrap();
+        set_layers(&mut cfg, 5);
+        let c = ModelConfig::from_json(&cfg).unwrap();
+        assert_eq!(c.num_layers, 5);
+        assert_eq!(c.mixers[3], Mixer::Attention);
     }
 
     #[test]

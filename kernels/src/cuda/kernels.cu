@@ -249,12 +249,15 @@ extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, 
 }
 
 // act = f(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). act: 0 silu (SwiGLU), 1 gelu_tanh,
-// 2 relu (ReGLU).
-extern "C" __global__ void gated_mul(const float* gate_up, int inter, int rows, int act, bf16* out) {
+// 2 relu (ReGLU). limit: GLM's swiglu_limit (gate clamped to <= limit, up to [-limit, limit] first);
+// INFINITY for none.
+extern "C" __global__ void gated_mul(const float* gate_up, int inter, int rows, int act, float limit,
+                                     bf16* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * inter) return;
     size_t r = i / inter, c = i % inter;
-    float g = gate_up[r * 2 * inter + c], u = gate_up[r * 2 * inter + inter + c];
+    float g = fminf(gate_up[r * 2 * inter + c], limit);
+    float u = fmaxf(fminf(gate_up[r * 2 * inter + inter + c], limit), -limit);
     float a = act == 1   ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
               : act == 2 ? fmaxf(g, 0.f)
                          : g / (1.f + __expf(-g));

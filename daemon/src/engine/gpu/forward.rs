@@ -4,7 +4,7 @@ use super::graphs::ActBufs;
 use super::handoff::Handoff;
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
-use crate::engine::moe::{dram_experts_forward, Routing};
+use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
 use crate::engine::StepTimes;
 use crate::model::config::{Activation, RouterInput, RouterKind};
 use crate::model::{Ffn, Model};
@@ -108,7 +108,7 @@ impl GpuModel {
     fn mlp(
         &self,
         m: &GpuMlp,
-        act: Activation,
+        act: GatedAct,
         x: &CudaSlice<bf16>,
         y: &mut CudaSlice<f32>,
         n: usize,
@@ -123,17 +123,18 @@ impl GpuModel {
     }
 
     /// `out = f(gate) · up` to bf16 for `rows` rows of `gate_up` (`[rows, 2·inter]`, gate first), f
-    /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU).
+    /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU), after the optional SwiGLU clamp.
     pub(super) fn gated_act(
         &self,
         gate_up: &CudaView<'_, f32>,
         out: &mut CudaViewMut<'_, bf16>,
         inter: usize,
         rows: usize,
-        act: Activation,
+        act: GatedAct,
     ) -> anyhow::Result<()> {
-        // Codes of kernels.cu's `gated_mul`.
-        let code: i32 = match act {
+        // Codes of kernels.cu's `gated_mul`; no clamp is an infinite limit.
+        let limit = act.swiglu_limit.unwrap_or(f32::INFINITY);
+        let code: i32 = match act.act {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
             Activation::Relu => 2,
@@ -144,6 +145,7 @@ impl GpuModel {
             .arg(&inter_i)
             .arg(&rows_i)
             .arg(&code)
+            .arg(&limit)
             .arg(out);
         unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.map_err(launch_err)?;
         Ok(())
@@ -437,7 +439,7 @@ impl GpuModel {
                 }
             }
             match &layer.ffn {
-                GpuFfn::Dense(m) => self.mlp(m, cfg.activation, hb, x, n, true)?,
+                GpuFfn::Dense(m) => self.mlp(m, GatedAct::of(cfg), hb, x, n, true)?,
                 GpuFfn::Moe(moe) => {
                     let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
                     let Ffn::Moe(host_block) = &host.layers[li].ffn else {
@@ -473,10 +475,10 @@ impl GpuModel {
                     // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
                     if let Some(sh) = &moe.shared {
                         match &moe.shared_gate {
-                            None => self.mlp(sh, cfg.activation, hb, x, n, true)?,
+                            None => self.mlp(sh, GatedAct::of(cfg), hb, x, n, true)?,
                             Some(g) => {
                                 let mut tmp = self.alloc::<f32>(n * hd)?;
-                                self.mlp(sh, cfg.activation, hb, &mut tmp, n, false)?;
+                                self.mlp(sh, GatedAct::of(cfg), hb, &mut tmp, n, false)?;
                                 let hd_i = hd as i32;
                                 let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
                                 l.arg(&mut tmp).arg(&*hf).arg(g).arg(&hd_i);
@@ -561,7 +563,7 @@ impl GpuModel {
                             ye: &mut ye,
                             hd,
                             inter,
-                            activation: cfg.activation,
+                            activation: GatedAct::of(cfg),
                         };
                         let resident = &groups[..resident_groups];
                         let mut ws = Vec::with_capacity(resident.len());
@@ -643,7 +645,7 @@ impl GpuModel {
                         dram_experts_forward(
                             host_block,
                             cpu_pool,
-                            cfg.activation,
+                            GatedAct::of(cfg),
                             hx.slice(nx),
                             hd,
                             &routing,

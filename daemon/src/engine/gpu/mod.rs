@@ -343,6 +343,9 @@ impl GpuModel {
                     kv_b: s.clone_htod(&a.kv_b)?,
                     o: upload_linear(&dev, &a.o, fmt)?,
                 },
+                Attention::Linear(_) => anyhow::bail!(
+                    "layer {li}: the CUDA backend does not run linear-attention layers yet"
+                ),
             };
             let ffn = match &mut layer.ffn {
                 Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m, fmt)?),
