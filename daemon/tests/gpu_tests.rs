@@ -314,70 +314,70 @@ fn long_prefill_gemm_attention_and_expert_stream() {
 }
 
 /// The block-per-token router (`router_topk`) picks the same experts with the same weights as the
-/// one-thread-per-token reference (`router_topk_serial`): softmax top-8 of 128 with and without
-/// renormalisation, and sigmoid + correction bias with 8 groups keeping 4 (DeepSeek/GLM style) over
-/// 256 experts. Weights within 1e-6 (same f32 operations, reduction order aside).
+/// one-thread-per-token kernel (`router_topk_serial`) and the op layer's host reference: softmax top-8
+/// of 128 with and without renormalisation, and sigmoid + correction bias with 8 groups keeping 4
+/// (DeepSeek/GLM style) over 256 experts. Weights within 1e-6 of the serial kernel (same f32
+/// operations, reduction order aside) and 1e-5 of the host (libm's exp against the device's `__expf`).
 #[test]
 fn parallel_router_matches_serial_router() {
-    use cudarc::driver::PushKernelArg;
+    use moe_kernels::cuda::ops::{reference, RouterKind};
     use moe_kernels::cuda::GpuDevice;
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
     let mut next = xorshift(12345);
     let mut rnd = || (next() >> 11) as f32 / (1u64 << 53) as f32 * 8.0 - 4.0;
-    // (experts, k, kind, renorm, n_group, topk_group, scaling, bias)
+    let grouped = |n_group, topk_group, scaling| RouterKind::SigmoidGrouped {
+        n_group,
+        topk_group,
+        renormalize: true,
+        scaling,
+    };
+    // (experts, k, router, with correction bias)
     let cases = [
-        (128usize, 8usize, 0i32, 1i32, 1i32, 1i32, 1.0f32, false),
-        (128, 8, 0, 0, 1, 1, 1.0, false),
-        (256, 8, 1, 1, 8, 4, 2.5, true),
-        (160, 6, 1, 1, 1, 1, 1.0, true),
+        (
+            128usize,
+            8usize,
+            RouterKind::Softmax { renormalize: true },
+            false,
+        ),
+        (128, 8, RouterKind::Softmax { renormalize: false }, false),
+        (256, 8, grouped(8, 4, 2.5), true),
+        (160, 6, grouped(1, 1, 1.0), true),
     ];
-    for (e, k, kind, renorm, n_group, topk_group, scaling, with_bias) in cases {
+    for (e, k, kind, with_bias) in cases {
         let n = 37usize;
         let logits: Vec<f32> = (0..n * e).map(|_| rnd()).collect();
         let bias: Vec<f32> = (0..e).map(|_| rnd() * 0.05).collect();
         let d_logits = s.clone_htod(&logits).unwrap();
         let d_bias = s.clone_htod(&bias).unwrap();
         let mut out = Vec::new();
-        for (f, parallel) in [
-            (&dev.k.router_topk, true),
-            (&dev.k.router_topk_serial, false),
-        ] {
+        for parallel in [true, false] {
             let mut ids = s.alloc_zeros::<i32>(n * k).unwrap();
             let mut w = s.alloc_zeros::<f32>(n * k).unwrap();
-            let (n_i, e_i, k_i) = (n as i32, e as i32, k as i32);
-            let null = 0u64;
-            let mut l = dev.launch(f);
-            l.arg(&d_logits)
-                .arg(&n_i)
-                .arg(&e_i)
-                .arg(&k_i)
-                .arg(&kind)
-                .arg(&renorm);
-            if with_bias {
-                l.arg(&d_bias);
+            let b = with_bias.then_some(&d_bias);
+            if parallel {
+                dev.router_topk(&d_logits, (n, e, k), &kind, b, &mut ids, &mut w)
             } else {
-                l.arg(&null);
+                dev.router_topk_serial(&d_logits, (n, e, k), &kind, b, &mut ids, &mut w)
             }
-            l.arg(&n_group)
-                .arg(&topk_group)
-                .arg(&scaling)
-                .arg(&mut ids)
-                .arg(&mut w);
-            let cfg = if parallel {
-                GpuDevice::cfg((n as u32, 1), 128, (2 * e * 4) as u32)
-            } else {
-                GpuDevice::cfg(((n as u32).div_ceil(64), 1), 64, 0)
-            };
-            unsafe { l.launch(cfg) }.unwrap();
+            .unwrap();
             out.push((s.clone_dtoh(&ids).unwrap(), s.clone_dtoh(&w).unwrap()));
         }
-        assert_eq!(out[0].0, out[1].0, "experts {e} kind {kind}: ids differ");
-        for (a, b) in out[0].1.iter().zip(&out[1].1) {
-            assert!(
-                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
-                "weights {a} vs {b}"
+        let host = reference::router_topk(&logits, e, k, &kind, with_bias.then_some(&bias[..]));
+        out.push(host);
+        // the two kernels share their f32 operations; the host uses libm's exp
+        for (name, (ids, w), tol) in [("serial", &out[1], 1e-6), ("host reference", &out[2], 1e-5)]
+        {
+            assert_eq!(
+                &out[0].0, ids,
+                "experts {e} {kind:?}: ids differ from the {name}"
             );
+            for (a, b) in out[0].1.iter().zip(w) {
+                assert!(
+                    (a - b).abs() <= tol * b.abs().max(1.0),
+                    "{name}: weights {a} vs {b}"
+                );
+            }
         }
     }
 }
@@ -448,7 +448,6 @@ fn cuda_graph_decode_matches_eager() {
 /// and int8 experts, with sizes that are not multiples of any tile.
 #[test]
 fn gpu_unpack_matches_cpu_reader() {
-    use moe_daemon::engine::gpu::stream::launch_unpack;
     use moe_kernels::cpu::moe::{
         unpack_bf16, CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
     };
@@ -523,7 +522,8 @@ fn gpu_unpack_matches_cpu_reader() {
             .stream
             .alloc_zeros::<half::bf16>(experts * g.dense_elems())
             .unwrap();
-        launch_unpack(&dev, &g, &d_packed, experts, &mut dense).unwrap();
+        dev.unpack_experts(&g, &d_packed, experts, &mut dense)
+            .unwrap();
         let got = dev.stream.clone_dtoh(&dense).unwrap();
         for (e, &id) in ids.iter().enumerate() {
             let want = unpack_bf16(&g, set.packed_expert(id).unwrap());
@@ -541,9 +541,9 @@ fn gpu_unpack_matches_cpu_reader() {
 /// rounding of the output (relative 1e-2).
 #[test]
 fn gpu_gated_mul_clamps_like_cpu() {
-    use cudarc::driver::PushKernelArg;
     use moe_daemon::engine::moe::GatedAct;
     use moe_daemon::model::config::Activation;
+    use moe_kernels::cuda::ops::GateActivation;
     use moe_kernels::cuda::GpuDevice;
     let dev = GpuDevice::open(0).unwrap();
     let (rows, inter) = (3usize, 257usize);
@@ -559,21 +559,14 @@ fn gpu_gated_mul_clamps_like_cpu() {
         };
         let d_in = dev.stream.clone_htod(&gate_up).unwrap();
         let mut d_out = dev.stream.alloc_zeros::<half::bf16>(rows * inter).unwrap();
-        let (inter_i, rows_i, code, lim) = (
-            inter as i32,
-            rows as i32,
-            0i32,
-            limit.unwrap_or(f32::INFINITY),
-        );
-        let mut l = dev.launch(&dev.k.gated_mul);
-        l.arg(&d_in)
-            .arg(&inter_i)
-            .arg(&rows_i)
-            .arg(&code)
-            .arg(&lim)
-            .arg(&mut d_out);
-        // SAFETY: argument order and types as kernels.cu's gated_mul; buffers sized rows × (2·)inter.
-        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.unwrap();
+        dev.gated_mul(
+            &d_in,
+            (rows, inter),
+            GateActivation::Silu,
+            limit,
+            &mut d_out,
+        )
+        .unwrap();
         let got = dev.stream.clone_dtoh(&d_out).unwrap();
         for r in 0..rows {
             for c in 0..inter {
@@ -630,4 +623,70 @@ fn glm_mla_variants_on_cuda() {
         Err(e) => format!("{e:#}"),
     };
     assert!(e.contains("indexer") && e.contains("--device cpu"), "{e}");
+}
+
+/// The op layer's kernels against its host references (`moe_kernels::cuda::ops::reference`):
+/// `rms_norm` (bf16 and f32 outputs, a width that is not a multiple of the block) within 1e-5 in f32
+/// and bf16 rounding in bf16; `scatter_add_weighted` on a CSR with an empty token within 1e-6. And a
+/// buffer shorter than the shape it is launched with is refused before any launch.
+#[test]
+fn op_layer_matches_host_references() {
+    use moe_kernels::cuda::ops::reference;
+    use moe_kernels::cuda::GpuDevice;
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let mut next = xorshift(77);
+    let mut rnd = || (next() >> 11) as f32 / (1u64 << 53) as f32 * 4.0 - 2.0;
+    let (rows, dim) = (5usize, 1000usize);
+    let x: Vec<f32> = (0..rows * dim).map(|_| rnd()).collect();
+    let w: Vec<f32> = (0..dim).map(|_| rnd()).collect();
+    let (d_x, d_w) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+    let mut out_b = s.alloc_zeros::<half::bf16>(rows * dim).unwrap();
+    let mut out_f = s.alloc_zeros::<f32>(rows * dim).unwrap();
+    dev.rms_norm(&d_x, &d_w, 1e-6, (rows, dim), &mut out_b, Some(&mut out_f))
+        .unwrap();
+    let want = reference::rms_norm(&x, &w, 1e-6);
+    let (got_f, got_b) = (s.clone_dtoh(&out_f).unwrap(), s.clone_dtoh(&out_b).unwrap());
+    for ((f, b), r) in got_f.iter().zip(&got_b).zip(&want) {
+        assert!(
+            (f - r).abs() <= 1e-5 * r.abs().max(1.0),
+            "rms_norm f32 {f} vs {r}"
+        );
+        assert!(
+            (b.to_f32() - r).abs() <= 8e-3 * r.abs().max(1e-3),
+            "rms_norm bf16 {b} vs {r}"
+        );
+    }
+    let mut short = s.alloc_zeros::<half::bf16>(rows * dim - 1).unwrap();
+    let e = dev
+        .rms_norm(&d_x, &d_w, 1e-6, (rows, dim), &mut short, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("out_bf16"), "{e}");
+
+    // 4 tokens, 6 expert rows; token 2 has none
+    let (tokens, expert_rows, dim) = (4usize, 6usize, 300usize);
+    let y: Vec<f32> = (0..expert_rows * dim).map(|_| rnd()).collect();
+    let wts: Vec<f32> = (0..expert_rows).map(|_| rnd()).collect();
+    let offsets = [0i32, 2, 3, 3, 6];
+    let token_rows = [4i32, 0, 5, 1, 3, 2];
+    let base: Vec<f32> = (0..tokens * dim).map(|_| rnd()).collect();
+    let mut d_out = s.clone_htod(&base).unwrap();
+    dev.scatter_add_weighted(
+        &s.clone_htod(&y).unwrap(),
+        &s.clone_htod(&offsets).unwrap(),
+        &s.clone_htod(&token_rows).unwrap(),
+        &s.clone_htod(&wts).unwrap(),
+        (tokens, expert_rows, dim),
+        &mut d_out,
+    )
+    .unwrap();
+    let mut want = base.clone();
+    reference::scatter_add_weighted(&y, &offsets, &token_rows, &wts, dim, &mut want);
+    for (g, r) in s.clone_dtoh(&d_out).unwrap().iter().zip(&want) {
+        assert!(
+            (g - r).abs() <= 1e-6 * r.abs().max(1.0),
+            "scatter {g} vs {r}"
+        );
+    }
 }

@@ -4,6 +4,7 @@
 //! `dense_quant.cu`, which stream the weights once; larger steps dequantize slabs of rows into a bf16
 //! scratch buffer and multiply each slab with cuBLAS (the dequantization is amortised over the
 //! step's rows). bf16 weights always go to cuBLAS.
+use super::ops::grid;
 use super::quant::{DenseFormat, QuantizedMatrix};
 use super::{GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
@@ -148,9 +149,9 @@ impl GpuDevice {
         let xs = x.slice(t0 * inp..(t0 + rows) * inp);
         let mut ys = y.slice_mut(t0 * out..(t0 + rows) * out);
         let (n_i, out_i, in_i, acc_i) = (rows as i32, out as i32, inp as i32, accumulate as i32);
-        let cfg = GpuDevice::cfg(
-            (out.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, 1),
-            (GEMV_ROWS_PER_BLOCK * 32) as u32,
+        let cfg = grid(
+            (out.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1),
+            GEMV_ROWS_PER_BLOCK * 32,
             0,
         );
         match w {
@@ -206,7 +207,7 @@ impl GpuDevice {
         for r0 in (0..out).step_by(slab) {
             let rows = slab.min(out - r0);
             let r0_i = r0 as i32;
-            let cfg = GpuDevice::cfg((rows as u32, 1), 256, 0);
+            let cfg = grid((rows, 1, 1), 256, 0);
             match w {
                 DeviceDense::Int4 {
                     packed,

@@ -3,15 +3,15 @@
 //! compiles and the CPU path runs on machines without a GPU; [`GpuDevice::open`] says clearly why a GPU
 //! cannot be used.
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use std::sync::Arc;
 
 pub use cudarc::driver::DriverError;
 
 pub mod dense;
+pub mod graph;
+pub mod ops;
 pub mod quant;
 
 /// `kernels.cu` then `dense_quant.cu` (which uses the former's helpers), one NVRTC module.
@@ -42,8 +42,8 @@ pub fn supported_capability(major: i32, minor: i32) -> bool {
     matches!((major, minor), (8, 9) | (9, 0)) || major == 12
 }
 
-/// Loaded kernels, by name.
-pub struct Kernels {
+/// Loaded kernels, by name. Launched only through the typed ops of [`ops`] and [`dense`].
+pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub qk_norm_rope: CudaFunction,
     pub kv_append: CudaFunction,
@@ -88,7 +88,7 @@ pub struct GpuDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
-    pub k: Kernels,
+    pub(crate) k: Kernels,
     pub name: String,
     pub capability: (i32, i32),
 }
@@ -326,7 +326,6 @@ impl GpuDevice {
         .map_err(|e| GpuError::Blas(e.to_string()))
     }
 
-    /// Launch configuration: `grid` blocks of `block` threads, `smem` bytes of dynamic shared memory.
     /// The raw device address of a buffer (event tracking is off: nothing to synchronise on).
     pub fn addr<T>(&self, x: &impl DevicePtr<T>) -> u64 {
         x.device_ptr(&self.stream).0
@@ -460,28 +459,7 @@ impl GpuDevice {
         drop(d_table); // freed in stream order, after the GEMMs
         Ok(())
     }
-
-    pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (grid.0, grid.1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        }
-    }
-
-    /// Elementwise launch over `n` items.
-    pub fn cfg_elems(n: usize) -> LaunchConfig {
-        LaunchConfig::for_num_elems(n as u32)
-    }
-
-    /// Starts a launch of `f` on the engine stream.
-    pub fn launch<'a>(&'a self, f: &'a CudaFunction) -> cudarc::driver::LaunchArgs<'a> {
-        self.stream.launch_builder(f)
-    }
 }
-
-/// Re-exported so callers can push kernel arguments.
-pub use cudarc::driver::PushKernelArg as KernelArg;
 
 #[cfg(test)]
 mod tests {

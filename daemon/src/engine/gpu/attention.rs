@@ -1,15 +1,13 @@
 //! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
-use super::forward::launch_err;
 use super::kv::GpuKvPool;
 use super::{GpuAttention, GpuMlaQuery, GpuModel};
 use crate::engine::kv::BLOCK;
-use crate::model::config::RopeStyle;
 use crate::model::Model;
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use half::bf16;
-use moe_kernels::cuda::GpuDevice;
+use moe_kernels::cuda::ops::{MlaDims, PagedIndex, Rotation};
 
 /// Where each token of the step sits: positions, sequences, cache slots and block tables (device).
 pub struct StepIndex<'a> {
@@ -21,6 +19,19 @@ pub struct StepIndex<'a> {
     pub max_blocks: usize,
     /// Host view of the same: each sequence's rows in the step.
     pub seqs: &'a [SeqRows],
+}
+
+impl StepIndex<'_> {
+    /// The paged-cache index the attention kernels read.
+    pub fn paged(&self) -> PagedIndex<'_> {
+        PagedIndex {
+            block_tables: self.tables,
+            max_blocks: self.max_blocks,
+            seq_of_row: self.seq,
+            pos_of_row: self.pos,
+            block_size: BLOCK,
+        }
+    }
 }
 
 /// One sequence of a step: rows `row0..row0 + len` of the step, at positions `pos0..pos0 + len`, row
@@ -55,34 +66,20 @@ impl GpuModel {
         rotate: bool,
     ) -> anyhow::Result<()> {
         let cfg = &host.config;
-        let dev = &self.dev;
-        if norm.is_none() && !rotate {
-            return Ok(());
-        }
-        let (heads_i, dh_i, off) = (heads as i32, head_dim as i32, offset as i32);
-        let rd = if rotate {
-            cfg.rope.rotary_dim as i32
-        } else {
-            0
+        let rotation = Rotation {
+            positions: step.pos,
+            inv_freq: &self.inv_freq,
+            attn_factor: self.attn_factor,
+            rotary_dim: cfg.rope.rotary_dim,
+            offset,
+            style: super::kinds::rotary_style(cfg.rope.style),
         };
-        let style = (cfg.rope.style == RopeStyle::Interleaved) as i32;
-        let null = 0u64;
-        let mut l = dev.launch(&dev.k.qk_norm_rope);
-        l.arg(buf).arg(&heads_i).arg(&dh_i);
-        match norm {
-            Some(w) => l.arg(w),
-            None => l.arg(&null),
-        };
-        l.arg(&cfg.rms_norm_eps)
-            .arg(step.pos)
-            .arg(&self.inv_freq)
-            .arg(&self.attn_factor)
-            .arg(&rd)
-            .arg(&style)
-            .arg(&off);
-        let threads = (head_dim as u32).div_ceil(32) * 32;
-        unsafe { l.launch(GpuDevice::cfg((step.n as u32, heads as u32), threads, 0)) }
-            .map_err(launch_err)?;
+        self.dev.qk_norm_rope(
+            buf,
+            (step.n, heads, head_dim),
+            norm.map(|w| (w, cfg.rms_norm_eps)),
+            rotate.then_some(&rotation),
+        )?;
         Ok(())
     }
 
@@ -95,23 +92,16 @@ impl GpuModel {
         b: &CudaSlice<f32>,
         step: &StepIndex,
     ) -> anyhow::Result<()> {
-        let (aw, bw, block) = (pool.width as i32, pool.v_width as i32, BLOCK as i32);
-        let (kc, vc) = (
-            &mut pool.k[li] as *mut CudaSlice<bf16>,
-            &mut pool.v[li] as *mut CudaSlice<bf16>,
-        );
-        // SAFETY: the two caches are distinct allocations; the raw pointers only split the borrow.
-        let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };
-        let mut l = self.dev.launch(&self.dev.k.kv_append);
-        l.arg(a)
-            .arg(b)
-            .arg(&aw)
-            .arg(&bw)
-            .arg(kc)
-            .arg(vc)
-            .arg(step.slots)
-            .arg(&block);
-        unsafe { l.launch(GpuDevice::cfg((step.n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        let widths = (step.n, pool.width, pool.v_width);
+        self.dev.kv_append(
+            a,
+            b,
+            widths,
+            &mut pool.k[li],
+            &mut pool.v[li],
+            step.slots,
+            BLOCK,
+        )?;
         Ok(())
     }
 
@@ -155,8 +145,8 @@ impl GpuModel {
         self.append(pool, li, k, v, step)?;
         let (q, out) = (&*q, out);
         let scale = cfg.attention_scale();
-        // Sliding-window layers: the kernels skip keys before `pos - window + 1` (0: no window).
-        let window = layout.window.unwrap_or(0) as i32;
+        // Sliding-window layers: the kernels skip keys before `pos - window + 1`.
+        let window = layout.window;
         // Long prefill chunks: two GEMMs per KV head around a softmax (tensor cores); everything
         // else (decode rows, short chunks), in runs of consecutive rows: the paged kernel.
         let mut run: Option<(usize, usize)> = None; // (first row, rows) of short sequences
@@ -208,39 +198,21 @@ impl GpuModel {
         li: usize,
         step: &StepIndex,
         (nh, nkv, dh): (usize, usize, usize),
-        (scale, window): (f32, i32),
+        (scale, window): (f32, Option<usize>),
         row0: usize,
         rows: usize,
         out: &mut CudaSlice<bf16>,
     ) -> anyhow::Result<()> {
-        let (mb, nh_i, nkv_i, dh_i, blk, row0_i) = (
-            step.max_blocks as i32,
-            nh as i32,
-            nkv as i32,
-            dh as i32,
-            BLOCK as i32,
-            row0 as i32,
-        );
-        let dev = &self.dev;
-        let mut l = dev.launch(&dev.k.paged_attention);
-        l.arg(q)
-            .arg(&pool.k[li])
-            .arg(&pool.v[li])
-            .arg(step.tables)
-            .arg(&mb)
-            .arg(step.seq)
-            .arg(step.pos)
-            .arg(&nh_i)
-            .arg(&nkv_i)
-            .arg(&dh_i)
-            .arg(&blk)
-            .arg(&scale)
-            .arg(&window)
-            .arg(&row0_i)
-            .arg(out);
-        let smem = ((dh + 128) * 4) as u32;
-        unsafe { l.launch(GpuDevice::cfg((rows as u32, nh as u32), 128, smem)) }
-            .map_err(launch_err)?;
+        self.dev.paged_attention(
+            q,
+            &pool.k[li],
+            &pool.v[li],
+            &step.paged(),
+            (nh, nkv, dh),
+            (scale, window),
+            row0..row0 + rows,
+            out,
+        )?;
         Ok(())
     }
 
@@ -258,7 +230,7 @@ impl GpuModel {
         step: &StepIndex,
         s: &SeqRows,
         (nh, nkv, dh): (usize, usize, usize),
-        (scale, window): (f32, i32),
+        (scale, window): (f32, Option<usize>),
         out: &mut CudaSlice<bf16>,
     ) -> anyhow::Result<()> {
         let dev = &self.dev;
@@ -268,30 +240,22 @@ impl GpuModel {
         // bf16 Q of this chunk's rows, K and V of all its positions
         let qn = s.len * nh * dh;
         let mut qb = self.alloc::<bf16>(qn)?;
-        {
-            let q_rows = q.slice(s.row0 * nh * dh..s.row0 * nh * dh + qn);
-            let mut l = dev.launch(&dev.k.f32_to_bf16);
-            l.arg(&q_rows).arg(&qn).arg(&mut qb);
-            unsafe { l.launch(GpuDevice::cfg_elems(qn)) }.map_err(launch_err)?;
-        }
+        let q_rows = q.slice(s.row0 * nh * dh..s.row0 * nh * dh + qn);
+        dev.f32_to_bf16(&q_rows, qn, &mut qb)?;
         let mut kb = self.alloc::<bf16>(total * kw)?;
         let mut vb = self.alloc::<bf16>(total * vw)?;
-        {
-            let table = step
-                .tables
-                .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
-            let (blk, kw_i, vw_i) = (BLOCK as i32, kw as i32, vw as i32);
-            let mut l = dev.launch(&dev.k.gather_kv_bf16);
-            l.arg(&pool.k[li])
-                .arg(&pool.v[li])
-                .arg(&table)
-                .arg(&blk)
-                .arg(&kw_i)
-                .arg(&vw_i)
-                .arg(&mut kb)
-                .arg(&mut vb);
-            unsafe { l.launch(GpuDevice::cfg((total as u32, 1), 256, 0)) }.map_err(launch_err)?;
-        }
+        let table = step
+            .tables
+            .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
+        dev.gather_kv_bf16(
+            &pool.k[li],
+            &pool.v[li],
+            &table,
+            (total, BLOCK),
+            (kw, vw),
+            &mut kb,
+            &mut vb,
+        )?;
         // query rows per block: hq heads × rows × keys × (4 B score + 2 B probability) within budget
         let block_rows = (PREFILL_SCORE_BYTES / (hq * total * 6)).max(16).min(s.len);
         let scores = self.alloc::<f32>(hq * block_rows * total)?;
@@ -327,16 +291,14 @@ impl GpuModel {
                         false,
                     )?;
                 }
-                let (lk_i, rows_i, qpos) = (lk as i32, rows as i32, (s.pos0 + r0) as i32);
-                let mut l = dev.launch(&dev.k.causal_softmax_rows);
-                l.arg(&scores)
-                    .arg(&lk_i)
-                    .arg(&rows_i)
-                    .arg(&qpos)
-                    .arg(&window)
-                    .arg(&mut probs);
-                unsafe { l.launch(GpuDevice::cfg(((hq * rows) as u32, 1), 256, 0)) }
-                    .map_err(launch_err)?;
+                dev.causal_softmax_rows(
+                    &scores,
+                    (hq * rows, lk),
+                    rows,
+                    s.pos0 + r0,
+                    window,
+                    &mut probs,
+                )?;
                 // O_b (head h0 + b's columns of the chunk's rows) = column-major dh × rows: V-view · P_bᵀ
                 // SAFETY: as above; `out` has n × nh × dh elements and row s.row0 + r0 + rows ≤ n.
                 unsafe {
@@ -402,7 +364,7 @@ impl GpuModel {
                 let mut qa = self.alloc::<f32>(n * r)?;
                 self.linear(a, hb, &mut qa, n, false)?;
                 let mut qa_b = self.alloc::<bf16>(n * r)?;
-                self.rms_norm(&qa, norm, m.latent_norm_eps, r, n, &mut qa_b, None)?;
+                dev.rms_norm(&qa, norm, m.latent_norm_eps, (n, r), &mut qa_b, None)?;
                 self.linear(b, &qa_b, &mut q, n, false)?;
             }
         }
@@ -411,52 +373,35 @@ impl GpuModel {
         self.linear(kv_a, hb, &mut ckv, n, false)?;
         let mut latent = self.alloc::<f32>(n * lora)?;
         let mut krope = self.alloc::<f32>(n * rope)?;
-        {
-            let (lora_i, rope_i) = (lora as i32, rope as i32);
-            let mut l = dev.launch(&dev.k.mla_split_latent);
-            l.arg(&ckv)
-                .arg(kv_a_norm)
-                .arg(&m.latent_norm_eps)
-                .arg(&lora_i)
-                .arg(&rope_i)
-                .arg(&mut latent)
-                .arg(&mut krope);
-            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
-        }
+        dev.mla_split_latent(
+            &ckv,
+            kv_a_norm,
+            m.latent_norm_eps,
+            (n, lora, rope),
+            &mut latent,
+            &mut krope,
+        )?;
         self.norm_rope(host, &mut krope, step, 1, rope, None, 0, true)?;
         self.append(pool, li, &latent, &krope, step)?;
         let mut out = self.alloc::<bf16>(n * nh * vd)?;
-        let (mb, nh_i, nope_i, rope_i, lora_i, vd_i, blk) = (
-            step.max_blocks as i32,
-            nh as i32,
-            nope as i32,
-            rope as i32,
-            lora as i32,
-            vd as i32,
-            BLOCK as i32,
-        );
-        let scale = cfg.attention_scale();
-        let mut l = dev.launch(&dev.k.mla_attention);
-        l.arg(&q)
-            .arg(&pool.k[li])
-            .arg(&pool.v[li])
-            .arg(step.tables)
-            .arg(&mb)
-            .arg(step.seq)
-            .arg(step.pos)
-            .arg(&nh_i)
-            .arg(&nope_i)
-            .arg(&rope_i)
-            .arg(&lora_i)
-            .arg(&vd_i)
-            .arg(kv_b)
-            .arg(&blk)
-            .arg(&scale)
-            .arg(&mut out);
-        let threads = 128u32;
-        let smem = ((nope + rope + 2 * lora) as u32 + threads) * 4;
-        unsafe { l.launch(GpuDevice::cfg((n as u32, nh as u32), threads, smem)) }
-            .map_err(launch_err)?;
+        let dims = MlaDims {
+            heads: nh,
+            nope,
+            rope,
+            lora,
+            v_dim: vd,
+        };
+        dev.mla_attention(
+            &q,
+            &pool.k[li],
+            &pool.v[li],
+            &step.paged(),
+            n,
+            dims,
+            kv_b,
+            cfg.attention_scale(),
+            &mut out,
+        )?;
         self.linear(o, &out, x, n, true)
     }
 }

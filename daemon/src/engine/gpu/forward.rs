@@ -6,12 +6,11 @@ use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
 use crate::engine::StepTimes;
-use crate::model::config::{Activation, RouterInput, RouterKind};
+use crate::model::config::RouterInput;
 use crate::model::{Ffn, Model};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
@@ -20,10 +19,6 @@ pub struct GpuSeqInput<'a> {
     pub blocks: &'a [BlockId],
     pub pos0: usize,
     pub tokens: &'a [u32],
-}
-
-pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
-    anyhow::anyhow!("CUDA launch: {e}")
 }
 
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
@@ -63,11 +58,7 @@ impl GpuModel {
             scratch.as_mut(),
         )?;
         if let Some(b) = &l.bias {
-            let total = n * l.out_dim;
-            let cols = l.out_dim as i32;
-            let mut a = self.dev.launch(&self.dev.k.add_bias);
-            a.arg(y).arg(b).arg(&cols).arg(&total);
-            unsafe { a.launch(GpuDevice::cfg_elems(total)) }.map_err(launch_err)?;
+            self.dev.add_bias(y, b, (n, l.out_dim))?;
         }
         Ok(())
     }
@@ -79,29 +70,6 @@ impl GpuModel {
         // SAFETY: every buffer of a step is fully written by a kernel or GEMM before it is read (the
         // callers below are written that way), so skipping the memset is sound and saves a launch.
         Ok(unsafe { self.dev.stream.alloc::<T>(n.max(1)) }?)
-    }
-
-    /// RMSNorm of `rows` rows of x into bf16 (and optionally f32).
-    pub(super) fn rms_norm(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        eps: f32,
-        dim: usize,
-        rows: usize,
-        out_bf16: &mut CudaSlice<bf16>,
-        out_f32: Option<&mut CudaSlice<f32>>,
-    ) -> anyhow::Result<()> {
-        let dim_i = dim as i32;
-        let null = 0u64;
-        let mut a = self.dev.launch(&self.dev.k.rms_norm);
-        a.arg(x).arg(w).arg(&eps).arg(&dim_i).arg(out_bf16);
-        match out_f32 {
-            Some(o) => a.arg(o),
-            None => a.arg(&null),
-        };
-        unsafe { a.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
-        Ok(())
     }
 
     /// down(act(gate_up(x))) for `n` rows, accumulated into `y` when `accumulate`.
@@ -118,7 +86,7 @@ impl GpuModel {
         let mut gu = self.alloc::<f32>(n * 2 * inter)?;
         self.linear(&m.gate_up, x, &mut gu, n, false)?;
         let mut a = self.alloc::<bf16>(n * inter)?;
-        self.gated_act(&gu.slice(..), &mut a.slice_mut(..), inter, n, act)?;
+        self.gated_act(&gu, &mut a, inter, n, act)?;
         self.linear(&m.down, &a, y, n, accumulate)
     }
 
@@ -126,28 +94,15 @@ impl GpuModel {
     /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU), after the optional SwiGLU clamp.
     pub(super) fn gated_act(
         &self,
-        gate_up: &CudaView<'_, f32>,
-        out: &mut CudaViewMut<'_, bf16>,
+        gate_up: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<bf16>,
         inter: usize,
         rows: usize,
         act: GatedAct,
     ) -> anyhow::Result<()> {
-        // Codes of kernels.cu's `gated_mul`; no clamp is an infinite limit.
-        let limit = act.swiglu_limit.unwrap_or(f32::INFINITY);
-        let code: i32 = match act.act {
-            Activation::Silu => 0,
-            Activation::GeluTanh => 1,
-            Activation::Relu => 2,
-        };
-        let (inter_i, rows_i) = (inter as i32, rows as i32);
-        let mut l = self.dev.launch(&self.dev.k.gated_mul);
-        l.arg(gate_up)
-            .arg(&inter_i)
-            .arg(&rows_i)
-            .arg(&code)
-            .arg(&limit)
-            .arg(out);
-        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.map_err(launch_err)?;
+        let activation = super::kinds::gate_activation(act.act);
+        self.dev
+            .gated_mul(gate_up, (rows, inter), activation, act.swiglu_limit, out)?;
         Ok(())
     }
 
@@ -174,7 +129,7 @@ impl GpuModel {
             }
             _ => false,
         };
-        self.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, g.hb, None)?;
+        dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
         match &layer.attn {
             GpuAttention::Gqa { .. } => {
                 self.gqa_attention(&layer.attn, host, step, g.hb, pool, li, g.x, g.attn)?
@@ -183,12 +138,11 @@ impl GpuModel {
                 self.mla_attention(&layer.attn, host, step, g.hb, pool, li, g.x)?
             }
         }
-        self.rms_norm(
+        dev.rms_norm(
             g.x,
             &layer.ffn_norm,
             cfg.rms_norm_eps,
-            hd,
-            n,
+            (n, hd),
             g.hb,
             Some(&mut *g.hf),
         )?;
@@ -200,40 +154,14 @@ impl GpuModel {
         if !early_router {
             dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, e, hd)?;
         }
-        let (kind, renorm, n_group, topk_group, scaling) = match mc.router {
-            RouterKind::Softmax { renormalize } => (0i32, renormalize as i32, 1i32, 1i32, 1.0f32),
-            RouterKind::SigmoidGrouped {
-                n_group,
-                topk_group,
-                renormalize,
-            } => (
-                1,
-                renormalize as i32,
-                n_group as i32,
-                topk_group as i32,
-                mc.routed_scaling_factor,
-            ),
-        };
-        let (n_i, e_i, k_i) = (n as i32, e as i32, mc.top_k as i32);
-        let null = 0u64;
-        let mut l = dev.launch(&dev.k.router_topk);
-        l.arg(&*g.logits)
-            .arg(&n_i)
-            .arg(&e_i)
-            .arg(&k_i)
-            .arg(&kind)
-            .arg(&renorm);
-        match &moe.correction_bias {
-            Some(b) => l.arg(b),
-            None => l.arg(&null),
-        };
-        l.arg(&n_group)
-            .arg(&topk_group)
-            .arg(&scaling)
-            .arg(&mut *g.eids)
-            .arg(&mut *g.w);
-        let smem = (2 * e * 4) as u32;
-        unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 128, smem)) }.map_err(launch_err)?;
+        dev.router_topk(
+            &*g.logits,
+            (n, e, mc.top_k),
+            &super::kinds::router_kind(mc),
+            moe.correction_bias.as_ref(),
+            &mut *g.eids,
+            &mut *g.w,
+        )?;
         // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) into
         // pinned memory, asynchronously; the caller waits once.
         let (nk, nx) = (n * mc.top_k, n * hd);
@@ -242,13 +170,6 @@ impl GpuModel {
         if g.want_x {
             s.memcpy_dtoh(&g.hf.slice(..nx), g.hand.x.slice_mut(nx))?;
         }
-        Ok(())
-    }
-
-    fn add(&self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
-        let mut l = self.dev.launch(&self.dev.k.add_inplace);
-        l.arg(y).arg(x).arg(&n);
-        unsafe { l.launch(GpuDevice::cfg_elems(n)) }.map_err(launch_err)?;
         Ok(())
     }
 
@@ -354,10 +275,7 @@ impl GpuModel {
         // ---- embedding: a gather on the GPU, or rows gathered on the host and copied
         match &self.embed {
             super::EmbedTable::Device(table) => {
-                let hd_i = hd as i32;
-                let mut l = dev.launch(&dev.k.embed_rows);
-                l.arg(table).arg(&index.ids).arg(&hd_i).arg(&mut *x);
-                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+                dev.embed_rows(table, &index.ids, (n, hd), &mut *x)?
             }
             super::EmbedTable::Host => {
                 let mut rows = vec![0f32; n * hd];
@@ -407,18 +325,12 @@ impl GpuModel {
                         let key = (li, n);
                         #[allow(clippy::map_entry)] // the capture needs `set` free
                         if !set.map.contains_key(&key) {
-                            use cudarc::driver::sys::{
-                                CUgraphInstantiate_flags, CUstreamCaptureMode,
-                            };
-                            // Relaxed: the thread-local mode refused a call of this segment on the
-                            // H200 ("operation not permitted when stream is capturing").
-                            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                            let r = self.pre_experts(host, li, &step, &mut pool, &mut seg);
-                            // end the capture whatever happened, so the stream is usable again
-                            let g = s.end_capture(CUgraphInstantiate_flags(0));
+                            let (r, g) = dev.capture(|| {
+                                self.pre_experts(host, li, &step, &mut pool, &mut seg)
+                            })?;
                             match (r, g) {
                                 (Ok(()), Ok(Some(g))) => {
-                                    set.map.insert(key, super::graphs::Graph(g));
+                                    set.map.insert(key, g);
                                 }
                                 (r, g) => {
                                     tracing::warn!(
@@ -431,7 +343,7 @@ impl GpuModel {
                             }
                         }
                         match set.map.get(&key) {
-                            Some(g) if !set.broken => g.0.launch()?,
+                            Some(g) if !set.broken => g.replay()?,
                             _ => self.pre_experts(host, li, &step, &mut pool, &mut seg)?,
                         }
                     }
@@ -479,12 +391,8 @@ impl GpuModel {
                             Some(g) => {
                                 let mut tmp = self.alloc::<f32>(n * hd)?;
                                 self.mlp(sh, GatedAct::of(cfg), hb, &mut tmp, n, false)?;
-                                let hd_i = hd as i32;
-                                let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
-                                l.arg(&mut tmp).arg(&*hf).arg(g).arg(&hd_i);
-                                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
-                                    .map_err(launch_err)?;
-                                self.add(x, &tmp, n * hd)?;
+                                dev.sigmoid_gate_rows(&mut tmp, &*hf, g, (n, hd))?;
+                                dev.add_inplace(x, &tmp, n * hd)?;
                             }
                         }
                     }
@@ -540,7 +448,6 @@ impl GpuModel {
                     let rows = idx.len();
                     if rows > 0 || streaming {
                         let inter = mc.expert_intermediate;
-                        let hd_i = hd as i32;
                         let (d_idx, d_wts) = if rows > 0 {
                             (Some(s.clone_htod(&idx)?), Some(s.clone_htod(&wts)?))
                         } else {
@@ -548,10 +455,7 @@ impl GpuModel {
                         };
                         let mut xe = self.alloc::<bf16>(rows * hd)?;
                         if let Some(d_idx) = &d_idx {
-                            let mut l = dev.launch(&dev.k.gather_rows);
-                            l.arg(&*hb).arg(d_idx).arg(&hd_i).arg(&mut xe);
-                            unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }
-                                .map_err(launch_err)?;
+                            dev.gather_rows(&*hb, d_idx, (rows, hd), &mut xe)?;
                         }
                         let mut gu = self.alloc::<f32>(rows * 2 * inter)?;
                         let mut act = self.alloc::<bf16>(rows * inter)?;
@@ -620,15 +524,14 @@ impl GpuModel {
                             }
                             let d_off = s.clone_htod(&offsets)?;
                             let d_rows = s.clone_htod(&token_rows)?;
-                            let mut l = dev.launch(&dev.k.scatter_add_weighted);
-                            l.arg(&ye)
-                                .arg(&d_off)
-                                .arg(&d_rows)
-                                .arg(d_wts.as_ref().context("weights")?)
-                                .arg(&hd_i)
-                                .arg(&mut *x);
-                            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }
-                                .map_err(launch_err)?;
+                            dev.scatter_add_weighted(
+                                &ye,
+                                &d_off,
+                                &d_rows,
+                                d_wts.as_ref().context("weights")?,
+                                (n, rows, hd),
+                                &mut *x,
+                            )?;
                         }
                     }
                     // Meanwhile on the CPU: the DRAM experts of the same tokens.
@@ -655,7 +558,7 @@ impl GpuModel {
                         // Asynchronous from pinned memory: the next layer's wait (or the step's end)
                         // comes before the buffer is written again.
                         s.memcpy_htod(&*out, &mut cpu_sum.slice_mut(..nx))?;
-                        self.add(x, cpu_sum, nx)?;
+                        dev.add_inplace(x, cpu_sum, nx)?;
                     }
                 }
             }
@@ -663,14 +566,9 @@ impl GpuModel {
         // ---- final norm and lm_head on the last row of each sequence
         let rows = last_rows.len();
         let d_last = s.clone_htod(&last_rows)?;
-        self.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, hd, n, hb, None)?;
+        dev.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, (n, hd), hb, None)?;
         let mut sel = self.alloc::<bf16>(rows * hd)?;
-        {
-            let hd_i = hd as i32;
-            let mut l = dev.launch(&dev.k.gather_rows);
-            l.arg(&*hb).arg(&d_last).arg(&hd_i).arg(&mut sel);
-            unsafe { l.launch(GpuDevice::cfg((rows as u32, 1), 256, 0)) }.map_err(launch_err)?;
-        }
+        dev.gather_rows(&*hb, &d_last, (rows, hd), &mut sel)?;
         let vocab = cfg.vocab_size;
         let mut out_logits = self.alloc::<f32>(rows * vocab)?;
         match (&self.lm_head, &self.embed) {

@@ -22,8 +22,9 @@
 use super::handoff::Handoff;
 use super::{GpuAttention, GpuModel};
 use crate::model::ModelConfig;
-use cudarc::driver::{CudaGraph, CudaSlice};
+use cudarc::driver::CudaSlice;
 use half::bf16;
+use moe_kernels::cuda::graph::CapturedGraph;
 use std::collections::HashMap;
 
 /// Largest decode batch replayed from graphs (larger batches run eagerly).
@@ -126,16 +127,10 @@ impl GpuModel {
     }
 }
 
-/// A captured graph. `CudaGraph` is not `Send`: graphs are only touched under the model's
-/// `graphs` mutex, one step at a time, on whichever thread runs the step.
-pub struct Graph(pub CudaGraph);
-// SAFETY: see above — every access is serialised by the mutex that owns the `DecodeGraphs`.
-unsafe impl Send for Graph {}
-
 /// The graphs captured so far: (layer, rows) → the layer's pre-expert segment.
 #[derive(Default)]
 pub struct GraphSet {
-    pub map: HashMap<(usize, usize), Graph>,
+    pub map: HashMap<(usize, usize), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
 }

@@ -12,6 +12,7 @@ mod experts;
 pub mod forward;
 pub mod graphs;
 pub mod handoff;
+pub mod kinds;
 pub mod kv;
 pub mod memory;
 pub mod setup;

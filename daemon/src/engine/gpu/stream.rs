@@ -13,13 +13,13 @@
 //! - Every DRAM expert is sent, routed or not: with thousands of prompt tokens nearly all are, and sending
 //!   all lets the copy start before the router has run.
 use anyhow::Context;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use half::bf16;
 use moe_kernels::cpu::moe::{CpuExpertSet, PackedGeometry};
+use moe_kernels::cuda::ops::UnpackFormat;
 use moe_kernels::cuda::GpuDevice;
 use std::sync::Arc;
 
-use super::forward::launch_err;
 use crate::model::{Ffn, Model};
 
 /// Default target bytes of one chunk (per staging slot; the dense copy is about as large): big enough
@@ -107,7 +107,7 @@ impl ExpertStream {
             return Ok(None);
         };
         let geometry = first.packed_geometry();
-        if geometry.gpu_format_code().is_none()
+        if UnpackFormat::of(geometry.format).is_none()
             || sets.iter().any(|(_, s)| s.packed_geometry() != geometry)
         {
             tracing::info!(
@@ -250,13 +250,7 @@ impl ExpertStream {
         let slot = c % SLOTS;
         dev.stream.wait(&self.ready[slot])?;
         let count = self.chunks[c].ids.len();
-        launch_unpack(
-            dev,
-            &self.geometry,
-            &self.staging[slot],
-            count,
-            &mut self.dense,
-        )?;
+        dev.unpack_experts(&self.geometry, &self.staging[slot], count, &mut self.dense)?;
         self.free[slot].record(&dev.stream)?;
         self.consumed += 1;
         self.issue_ahead(dev, host)
@@ -289,50 +283,6 @@ pub fn copy_runs(starts: &[usize], each: usize) -> Vec<(usize, usize, usize)> {
         }
     }
     runs
-}
-
-/// Enqueues `unpack_experts` on the main stream: `count` packed experts laid out back to back in
-/// `packed` (`geometry.expert_bytes` each) → `dense` (`geometry.dense_elems()` bf16 each).
-pub fn launch_unpack(
-    dev: &GpuDevice,
-    g: &PackedGeometry,
-    packed: &CudaSlice<u8>,
-    count: usize,
-    dense: &mut CudaSlice<bf16>,
-) -> anyhow::Result<()> {
-    let fmt = g
-        .gpu_format_code()
-        .context("format not unpacked on the GPU")?;
-    anyhow::ensure!(
-        packed.len() >= count * g.expert_bytes && dense.len() >= count * g.dense_elems(),
-        "unpack buffers too small for {count} experts"
-    );
-    let (eb, inter, hidden) = (g.expert_bytes as i64, g.inter as i32, g.hidden as i32);
-    let (gkt, gwb, gb) = (
-        g.gate.k_tiles as i32,
-        g.gate.w_bytes as i64,
-        g.gate.bytes as i64,
-    );
-    let (dkt, dwb) = (g.down.k_tiles as i32, g.down.w_bytes as i64);
-    let mut l = dev.launch(&dev.k.unpack_experts);
-    l.arg(packed)
-        .arg(&eb)
-        .arg(&fmt)
-        .arg(&inter)
-        .arg(&hidden)
-        .arg(&gkt)
-        .arg(&gwb)
-        .arg(&gb)
-        .arg(&dkt)
-        .arg(&dwb)
-        .arg(dense);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (256, count as u32, 3),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    unsafe { l.launch(cfg) }.map_err(launch_err)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,297 @@
+//! Attention over paged bf16 caches: appending a step's rows, GQA and MLA (absorbed) attention of
+//! decode rows and short chunks, and the gather + causal softmax around long prefill's GEMMs.
+//!
+//! Caches are `[blocks · block_size, width]` bf16 rows; row `table[p / block_size] · block_size +
+//! p % block_size` holds position p of a sequence whose block table is `table`.
+use super::{ensure, grid, grid_dim, int, smem};
+use crate::cuda::{GpuDevice, GpuError};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+use std::ops::Range;
+
+/// Where each row of a step sits in the paged cache (device buffers, one entry per step row).
+///
+/// Trusted values: every table entry is a block of the cache the op is given, and a row's position
+/// lies inside its sequence's table (the scheduler's block manager reserves both before the step).
+pub struct PagedIndex<'a> {
+    /// `[sequences, max_blocks]` block ids.
+    pub block_tables: &'a CudaSlice<i32>,
+    pub max_blocks: usize,
+    /// Sequence (row of `block_tables`) and position of each step row.
+    pub seq_of_row: &'a CudaSlice<i32>,
+    pub pos_of_row: &'a CudaSlice<i32>,
+    /// Positions per cache block.
+    pub block_size: usize,
+}
+
+/// Head geometry of absorbed MLA: `heads` query heads of `nope + rope` dims, a `lora`-wide latent,
+/// `v_dim` output dims per head.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaDims {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub lora: usize,
+    pub v_dim: usize,
+}
+
+/// Threads of the attention kernels' blocks (one tile of positions per iteration).
+const ATTN_THREADS: usize = 128;
+/// `paged_attention` keeps two output dims per thread.
+const MAX_PAGED_HEAD_DIM: usize = 2 * ATTN_THREADS;
+
+impl GpuDevice {
+    /// Writes rows `k` (`[rows, k_width]`) and `v` (`[rows, v_width]`) into the caches at
+    /// `slot_of_row` (trusted: slots of the caches' blocks), rounded to bf16. MLA passes its latent and
+    /// rope key as k and v.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_append(
+        &self,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        (rows, k_width, v_width): (usize, usize, usize),
+        k_cache: &mut CudaSlice<bf16>,
+        v_cache: &mut CudaSlice<bf16>,
+        slot_of_row: &CudaSlice<i32>,
+        block_size: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "kv_append";
+        if rows == 0 {
+            return Ok(());
+        }
+        int(OP, "rows", rows)?;
+        let (kw, vw, blk) = (
+            int(OP, "k_width", k_width)?,
+            int(OP, "v_width", v_width)?,
+            int(OP, "block_size", block_size)?,
+        );
+        let kp = self.input(OP, "k", k, rows * k_width)?;
+        let vp = self.input(OP, "v", v, rows * v_width)?;
+        let kc = self.output(OP, "k_cache", k_cache, k_width)?;
+        let vc = self.output(OP, "v_cache", v_cache, v_width)?;
+        let sl = self.input(OP, "slot_of_row", slot_of_row, rows)?;
+        let mut l = self.stream.launch_builder(&self.k.kv_append);
+        l.arg(&kp).arg(&vp).arg(&kw).arg(&vw).arg(&kc).arg(&vc);
+        l.arg(&sl).arg(&blk);
+        // SAFETY: argument order and types as kernels.cu's `kv_append`; block t reads row t of k and v
+        // (checked) and writes cache row slot_of_row[t] (trusted to lie in the caches, see above).
+        unsafe { l.launch(grid((rows, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// GQA attention of step rows `rows` against their sequences' paged caches, positions
+    /// `lo..=pos` of each row (`lo = pos - window + 1` for a sliding window, else 0), online softmax.
+    /// `q`: `[step rows, heads, head_dim]` f32; `out`: bf16 rows of the same shape (only `rows` are
+    /// written). One block of 128 threads per (row, head); head_dim ≤ 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &impl DevicePtr<f32>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        index: &PagedIndex<'_>,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        (scale, window): (f32, Option<usize>),
+        rows: Range<usize>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "paged_attention";
+        if rows.is_empty() {
+            return Ok(());
+        }
+        ensure(OP, head_dim <= MAX_PAGED_HEAD_DIM, || {
+            format!("head_dim {head_dim} > {MAX_PAGED_HEAD_DIM}")
+        })?;
+        ensure(OP, kv_heads > 0 && heads % kv_heads == 0, || {
+            format!("{heads} heads over {kv_heads} KV heads")
+        })?;
+        grid_dim(OP, "heads", heads)?;
+        let end = rows.end;
+        let args = (
+            int(OP, "max_blocks", index.max_blocks)?,
+            int(OP, "heads", heads)?,
+            int(OP, "kv_heads", kv_heads)?,
+            int(OP, "head_dim", head_dim)?,
+            int(OP, "block_size", index.block_size)?,
+            int(OP, "window", window.unwrap_or(0))?,
+            int(OP, "row0", rows.start)?,
+        );
+        let (mb, h, kvh, dh, blk, win, row0) = args;
+        let width = kv_heads * head_dim;
+        let qp = self.input(OP, "q", q, end * heads * head_dim)?;
+        let kc = self.input(OP, "k_cache", k_cache, width)?;
+        let vc = self.input(OP, "v_cache", v_cache, width)?;
+        let tables = self.input(OP, "block_tables", index.block_tables, index.max_blocks)?;
+        let seq = self.input(OP, "seq_of_row", index.seq_of_row, end)?;
+        let pos = self.input(OP, "pos_of_row", index.pos_of_row, end)?;
+        let o = self.output(OP, "out", out, end * heads * head_dim)?;
+        let mut l = self.stream.launch_builder(&self.k.paged_attention);
+        l.arg(&qp)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&tables)
+            .arg(&mb)
+            .arg(&seq)
+            .arg(&pos);
+        l.arg(&h)
+            .arg(&kvh)
+            .arg(&dh)
+            .arg(&blk)
+            .arg(&scale)
+            .arg(&win)
+            .arg(&row0)
+            .arg(&o);
+        let shared = smem(OP, (head_dim + ATTN_THREADS) * 4)?;
+        // SAFETY: argument order and types as kernels.cu's `paged_attention`; block (t, h) reads q and
+        // writes out at row row0 + t < rows.end (checked), reads seq/pos of that row (checked) and the
+        // cache rows its table names (trusted, see `PagedIndex`); shared memory holds q and a tile.
+        unsafe { l.launch(grid((rows.len(), heads, 1), ATTN_THREADS, shared)) }?;
+        Ok(())
+    }
+
+    /// Absorbed MLA attention of every step row (`rows`) against the paged latent and rope-key caches:
+    /// `q_lat = W_ukᵀ q_nope`, scores over positions `0..=pos`, `o_lat = Σ p · latent`,
+    /// `out = W_uv o_lat` (bf16 `[rows, heads, v_dim]`). `kv_b`: kv_b_proj `[heads · (nope + v_dim),
+    /// lora]` f32. One block of 128 threads per (row, head).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention(
+        &self,
+        q: &impl DevicePtr<f32>,
+        latent_cache: &CudaSlice<bf16>,
+        rope_cache: &CudaSlice<bf16>,
+        index: &PagedIndex<'_>,
+        rows: usize,
+        d: MlaDims,
+        kv_b: &CudaSlice<f32>,
+        scale: f32,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "mla_attention";
+        if rows == 0 {
+            return Ok(());
+        }
+        grid_dim(OP, "heads", d.heads)?;
+        int(OP, "rows", rows)?;
+        let mb = int(OP, "max_blocks", index.max_blocks)?;
+        let (h, nope, rope) = (
+            int(OP, "heads", d.heads)?,
+            int(OP, "nope", d.nope)?,
+            int(OP, "rope", d.rope)?,
+        );
+        let (lora, vd, blk) = (
+            int(OP, "lora", d.lora)?,
+            int(OP, "v_dim", d.v_dim)?,
+            int(OP, "block_size", index.block_size)?,
+        );
+        let qp = self.input(OP, "q", q, rows * d.heads * (d.nope + d.rope))?;
+        let lc = self.input(OP, "latent_cache", latent_cache, d.lora)?;
+        let rc = self.input(OP, "rope_cache", rope_cache, d.rope)?;
+        let tables = self.input(OP, "block_tables", index.block_tables, index.max_blocks)?;
+        let seq = self.input(OP, "seq_of_row", index.seq_of_row, rows)?;
+        let pos = self.input(OP, "pos_of_row", index.pos_of_row, rows)?;
+        let kvb = self.input(OP, "kv_b", kv_b, d.heads * (d.nope + d.v_dim) * d.lora)?;
+        let o = self.output(OP, "out", out, rows * d.heads * d.v_dim)?;
+        let mut l = self.stream.launch_builder(&self.k.mla_attention);
+        l.arg(&qp)
+            .arg(&lc)
+            .arg(&rc)
+            .arg(&tables)
+            .arg(&mb)
+            .arg(&seq)
+            .arg(&pos);
+        l.arg(&h)
+            .arg(&nope)
+            .arg(&rope)
+            .arg(&lora)
+            .arg(&vd)
+            .arg(&kvb)
+            .arg(&blk);
+        l.arg(&scale).arg(&o);
+        let shared = smem(OP, (d.nope + d.rope + 2 * d.lora + ATTN_THREADS) * 4)?;
+        // SAFETY: argument order and types as kernels.cu's `mla_attention`; block (t, h) reads row t
+        // of q, seq and pos, head h's rows of kv_b and writes row t of out (all checked), and reads
+        // the cache rows its table names (trusted, see `PagedIndex`); shared memory holds q's parts,
+        // the latent query and output and a score tile.
+        unsafe { l.launch(grid((rows, d.heads, 1), ATTN_THREADS, shared)) }?;
+        Ok(())
+    }
+
+    /// Positions `0..positions` of one sequence (block table `table`, trusted as in [`PagedIndex`])
+    /// from the paged caches into contiguous bf16 `k_out` `[positions, k_width]` and `v_out`
+    /// `[positions, v_width]` (long prefill's GEMM operands).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_kv_bf16(
+        &self,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        table: &impl DevicePtr<i32>,
+        (positions, block_size): (usize, usize),
+        (k_width, v_width): (usize, usize),
+        k_out: &mut impl DevicePtrMut<bf16>,
+        v_out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "gather_kv_bf16";
+        if positions == 0 {
+            return Ok(());
+        }
+        int(OP, "positions", positions)?;
+        let (blk, kw, vw) = (
+            int(OP, "block_size", block_size)?,
+            int(OP, "k_width", k_width)?,
+            int(OP, "v_width", v_width)?,
+        );
+        let kc = self.input(OP, "k_cache", k_cache, k_width)?;
+        let vc = self.input(OP, "v_cache", v_cache, v_width)?;
+        let tp = self.input(OP, "table", table, positions.div_ceil(block_size.max(1)))?;
+        let ko = self.output(OP, "k_out", k_out, positions * k_width)?;
+        let vo = self.output(OP, "v_out", v_out, positions * v_width)?;
+        let mut l = self.stream.launch_builder(&self.k.gather_kv_bf16);
+        l.arg(&kc)
+            .arg(&vc)
+            .arg(&tp)
+            .arg(&blk)
+            .arg(&kw)
+            .arg(&vw)
+            .arg(&ko)
+            .arg(&vo);
+        // SAFETY: argument order and types as kernels.cu's `gather_kv_bf16`; block p reads table entry
+        // p / block_size (checked) and the cache row it names (trusted), and writes row p of the
+        // outputs (checked).
+        unsafe { l.launch(grid((positions, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Causal softmax of scaled scores `s` (`rows` rows of `lk` keys; row r is the query at absolute
+    /// position `q_pos0 + r % rows_per_head`, keys at positions `0..lk`) into bf16 probabilities `p`,
+    /// masked keys exactly 0 (and, with a `window`, keys before `q - window + 1`). One block per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal_softmax_rows(
+        &self,
+        s: &impl DevicePtr<f32>,
+        (rows, lk): (usize, usize),
+        rows_per_head: usize,
+        q_pos0: usize,
+        window: Option<usize>,
+        p: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "causal_softmax_rows";
+        if rows == 0 {
+            return Ok(());
+        }
+        int(OP, "rows", rows)?;
+        let (lk_i, rph, qp0, win) = (
+            int(OP, "lk", lk)?,
+            int(OP, "rows_per_head", rows_per_head)?,
+            int(OP, "q_pos0", q_pos0)?,
+            int(OP, "window", window.unwrap_or(0))?,
+        );
+        let sp = self.input(OP, "s", s, rows * lk)?;
+        let pp = self.output(OP, "p", p, rows * lk)?;
+        let mut l = self.stream.launch_builder(&self.k.causal_softmax_rows);
+        l.arg(&sp).arg(&lk_i).arg(&rph).arg(&qp0).arg(&win).arg(&pp);
+        // SAFETY: argument order and types as kernels.cu's `causal_softmax_rows`; block r reads row r of
+        // s and writes row r of p (rows·lk checked).
+        unsafe { l.launch(grid((rows, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+}
