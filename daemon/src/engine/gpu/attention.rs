@@ -1,7 +1,7 @@
 //! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
 use super::kv::GpuKvPool;
-use super::{GpuAttention, GpuMlaQuery, GpuModel};
+use super::{GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
 use crate::engine::kv::BLOCK;
 use crate::model::Model;
 use anyhow::Context;
@@ -108,7 +108,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gqa_attention(
         &self,
-        attn: &GpuAttention,
+        w: &GqaWeights,
         host: &Model,
         step: &StepIndex,
         hb: &CudaSlice<bf16>,
@@ -117,17 +117,14 @@ impl GpuModel {
         x: &mut CudaSlice<f32>,
         bufs: &mut super::graphs::AttnBufs,
     ) -> anyhow::Result<()> {
-        let GpuAttention::Gqa {
+        let GqaWeights {
             q: wq,
             k: wk,
             v: wv,
             o,
             q_norm,
             k_norm,
-        } = attn
-        else {
-            anyhow::bail!("layer {li}: not GQA");
-        };
+        } = w;
         let cfg = &host.config;
         let (n, nh, nkv, dh) = (step.n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         anyhow::ensure!(
@@ -327,7 +324,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mla_attention(
         &self,
-        attn: &GpuAttention,
+        w: &MlaWeights,
         host: &Model,
         step: &StepIndex,
         hb: &CudaSlice<bf16>,
@@ -335,16 +332,13 @@ impl GpuModel {
         li: usize,
         x: &mut CudaSlice<f32>,
     ) -> anyhow::Result<()> {
-        let GpuAttention::Mla {
+        let MlaWeights {
             q: wq,
             kv_a,
             kv_a_norm,
             kv_b,
             o,
-        } = attn
-        else {
-            anyhow::bail!("layer {li}: not MLA");
-        };
+        } = w;
         let cfg = &host.config;
         let m = cfg.mla.as_ref().context("MLA layer without MLA config")?;
         let (n, nh) = (step.n, cfg.num_heads);

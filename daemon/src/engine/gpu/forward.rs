@@ -131,12 +131,10 @@ impl GpuModel {
         };
         dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
         match &layer.attn {
-            GpuAttention::Gqa { .. } => {
-                self.gqa_attention(&layer.attn, host, step, g.hb, pool, li, g.x, g.attn)?
+            GpuAttention::Gqa(w) => {
+                self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
             }
-            GpuAttention::Mla { .. } => {
-                self.mla_attention(&layer.attn, host, step, g.hb, pool, li, g.x)?
-            }
+            GpuAttention::Mla(w) => self.mla_attention(w, host, step, g.hb, pool, li, g.x)?,
         }
         dev.rms_norm(
             g.x,

@@ -123,7 +123,7 @@ impl GpuModel {
     pub(super) fn all_gqa(&self) -> bool {
         self.layers
             .iter()
-            .all(|l| matches!(l.attn, GpuAttention::Gqa { .. }))
+            .all(|l| matches!(l.attn, GpuAttention::Gqa(_)))
     }
 }
 

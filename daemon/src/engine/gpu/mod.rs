@@ -87,24 +87,33 @@ pub enum GpuMlaQuery {
     },
 }
 
+/// Grouped-query attention's weights (`q_norm` / `k_norm`: Qwen3's per-head RMSNorm).
+pub struct GqaWeights {
+    pub q: GpuLinear,
+    pub k: GpuLinear,
+    pub v: GpuLinear,
+    pub o: GpuLinear,
+    pub q_norm: Option<CudaSlice<f32>>,
+    pub k_norm: Option<CudaSlice<f32>>,
+}
+
+/// Multi-head latent attention's weights, absorbed form (the cache holds latent + rope key).
+pub struct MlaWeights {
+    pub q: GpuMlaQuery,
+    pub kv_a: GpuLinear,
+    pub kv_a_norm: CudaSlice<f32>,
+    /// kv_b_proj `[heads × (nope + v), kv_lora_rank]` f32.
+    pub kv_b: CudaSlice<f32>,
+    pub o: GpuLinear,
+}
+
+/// A layer's attention; each variant's forward takes its own weights type, so one cannot be run
+/// with the other's.
+// One per layer, built once at load: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuAttention {
-    Gqa {
-        q: GpuLinear,
-        k: GpuLinear,
-        v: GpuLinear,
-        o: GpuLinear,
-        q_norm: Option<CudaSlice<f32>>,
-        k_norm: Option<CudaSlice<f32>>,
-    },
-    /// Multi-head latent attention, absorbed form (the cache holds latent + rope key).
-    Mla {
-        q: GpuMlaQuery,
-        kv_a: GpuLinear,
-        kv_a_norm: CudaSlice<f32>,
-        /// kv_b_proj `[heads × (nope + v), kv_lora_rank]` f32.
-        kv_b: CudaSlice<f32>,
-        o: GpuLinear,
-    },
+    Gqa(GqaWeights),
+    Mla(MlaWeights),
 }
 
 pub struct GpuLayer {
@@ -322,15 +331,15 @@ impl GpuModel {
         let mut layers = Vec::with_capacity(model.layers.len());
         for (li, layer) in model.layers.iter_mut().enumerate() {
             let attn = match &layer.attn {
-                Attention::Gqa(a) => GpuAttention::Gqa {
+                Attention::Gqa(a) => GpuAttention::Gqa(GqaWeights {
                     q: upload_linear(&dev, &a.q, fmt)?,
                     k: upload_linear(&dev, &a.k, fmt)?,
                     v: upload_linear(&dev, &a.v, fmt)?,
                     o: upload_linear(&dev, &a.o, fmt)?,
                     q_norm: a.q_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
                     k_norm: a.k_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
-                },
-                Attention::Mla(a) => GpuAttention::Mla {
+                }),
+                Attention::Mla(a) => GpuAttention::Mla(MlaWeights {
                     q: match &a.q {
                         MlaQuery::Direct(l) => GpuMlaQuery::Direct(upload_linear(&dev, l, fmt)?),
                         MlaQuery::LowRank { a, norm, b } => GpuMlaQuery::LowRank {
@@ -343,7 +352,7 @@ impl GpuModel {
                     kv_a_norm: s.clone_htod(&a.kv_a_norm)?,
                     kv_b: s.clone_htod(&a.kv_b)?,
                     o: upload_linear(&dev, &a.o, fmt)?,
-                },
+                }),
                 Attention::Linear(_) => anyhow::bail!(
                     "layer {li}: the CUDA backend does not run linear-attention layers yet"
                 ),
