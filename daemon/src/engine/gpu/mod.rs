@@ -8,6 +8,7 @@
 //! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
 //! the GPU instead and computed there.
 pub mod attention;
+pub mod dispatch;
 mod experts;
 pub mod forward;
 pub mod graphs;
