@@ -365,13 +365,7 @@ impl Engine {
 
     /// CUDA graphs captured so far (decode segments), 0 without the CUDA backend or with graphs off.
     pub fn cuda_graphs_captured(&self) -> usize {
-        self.gpu.as_ref().map_or(0, |g| {
-            g.graphs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_ref()
-                .map_or(0, |d| d.graphs.map.len())
-        })
+        self.gpu.as_ref().map_or(0, |g| g.graphs_captured())
     }
 
     /// The GPU memory plan and what the start allocated (CUDA backend).

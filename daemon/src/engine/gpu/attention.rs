@@ -115,7 +115,7 @@ impl GpuModel {
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
-        bufs: &mut super::graphs::AttnBufs,
+        bufs: &mut super::buffers::AttnBufs,
     ) -> anyhow::Result<()> {
         let GqaWeights {
             q: wq,
@@ -132,7 +132,7 @@ impl GpuModel {
             "attention buffers for {} rows, step has {n}",
             bufs.rows
         );
-        let super::graphs::AttnBufs { q, k, v, out, .. } = bufs;
+        let super::buffers::AttnBufs { q, k, v, out, .. } = bufs;
         self.linear(wq, hb, q, n, false)?;
         self.linear(wk, hb, k, n, false)?;
         self.linear(wv, hb, v, n, false)?;

@@ -1,4 +1,5 @@
 //! Routed experts computed on the GPU in phases: a run of experts whose token rows are consecutive.
+use super::dispatch::ExpertGroup;
 use super::GpuModel;
 use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
@@ -17,12 +18,11 @@ pub(super) struct PhaseBuffers<'a> {
 }
 
 impl GpuModel {
-    /// One phase of GPU experts: `groups` (expert, first row, rows) with consecutive rows, `ws` their
-    /// (gate_up `[2I, H]`, down `[H, I]`) weights: gate_up GEMMs, one activation over the phase's
-    /// rows, down GEMMs into `ye`.
+    /// One phase of GPU experts: `groups` with consecutive rows, `ws` their (gate_up `[2I, H]`, down
+    /// `[H, I]`) weights: gate_up GEMMs, one activation over the phase's rows, down GEMMs into `ye`.
     pub(super) fn expert_phase(
         &self,
-        groups: &[(usize, usize, usize)],
+        groups: &[ExpertGroup],
         ws: &[(CudaView<'_, bf16>, CudaView<'_, bf16>)],
         b: &mut PhaseBuffers<'_>,
     ) -> anyhow::Result<()> {
@@ -30,7 +30,7 @@ impl GpuModel {
             return Ok(());
         };
         let (hd, inter, dev) = (b.hd, b.inter, &self.dev);
-        let (r0, r1) = (first.1, last.1 + last.2);
+        let (r0, r1) = (first.row0, last.row0 + last.rows);
         // Byte addresses of row `r` of a buffer `width` elements wide.
         let (bf, f) = (size_of::<bf16>() as u64, size_of::<f32>() as u64);
         let row = |base: u64, r: usize, width: usize, elem: u64| base + (r * width) as u64 * elem;
@@ -38,11 +38,11 @@ impl GpuModel {
             groups
                 .iter()
                 .enumerate()
-                .map(|(i, &(_, g0, rows))| GemmItem {
-                    x: row(x, g0, x_width, bf),
+                .map(|(i, g)| GemmItem {
+                    x: row(x, g.row0, x_width, bf),
                     w: w(i),
-                    y: row(y, g0, y_width, f),
-                    rows,
+                    y: row(y, g.row0, y_width, f),
+                    rows: g.rows,
                 })
                 .collect::<Vec<_>>()
         };

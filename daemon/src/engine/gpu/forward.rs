@@ -1,16 +1,20 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
-use super::experts::PhaseBuffers;
-use super::graphs::ActBufs;
+use super::attention::{SeqRows, StepIndex};
+use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
+use super::dispatch::{expert_homes, ExpertHome};
+use super::graphs::GraphSet;
 use super::handoff::Handoff;
-use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
+use super::moe_layer::{MoeLayerBufs, MoeStep};
+use super::{EmbedTable, GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
-use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
+use crate::engine::moe::GatedAct;
 use crate::engine::StepTimes;
 use crate::model::config::RouterInput;
-use crate::model::{Ffn, Model};
+use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
+use std::collections::hash_map::Entry;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
@@ -21,6 +25,66 @@ pub struct GpuSeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
+/// The host side of a step's index: each row's token, position, sequence and cache slot, each
+/// sequence's rows, and the widest block table.
+pub(super) struct HostIndex {
+    pub ids: Vec<i32>,
+    pub pos: Vec<i32>,
+    pub seq_of: Vec<i32>,
+    pub slots: Vec<i32>,
+    /// Row of each sequence's last position (its logits are returned).
+    pub last_rows: Vec<i32>,
+    pub seqs: Vec<SeqRows>,
+    pub max_blocks: usize,
+}
+
+impl HostIndex {
+    pub fn new(batch: &[GpuSeqInput<'_>]) -> Self {
+        let mut h = HostIndex {
+            ids: Vec::new(),
+            pos: Vec::new(),
+            seq_of: Vec::new(),
+            slots: Vec::new(),
+            last_rows: Vec::with_capacity(batch.len()),
+            seqs: Vec::with_capacity(batch.len()),
+            max_blocks: batch
+                .iter()
+                .map(|b| b.blocks.len())
+                .max()
+                .unwrap_or(1)
+                .max(1),
+        };
+        for (si, b) in batch.iter().enumerate() {
+            h.seqs.push(SeqRows {
+                seq: si,
+                row0: h.ids.len(),
+                len: b.tokens.len(),
+                pos0: b.pos0,
+            });
+            for (i, &t) in b.tokens.iter().enumerate() {
+                let p = b.pos0 + i;
+                h.ids.push(t as i32);
+                h.pos.push(p as i32);
+                h.seq_of.push(si as i32);
+                h.slots.push(slot(b.blocks, p) as i32);
+            }
+            h.last_rows.push((h.ids.len() - 1) as i32);
+        }
+        h
+    }
+
+    /// The block tables as `[sequences, stride]` rows (zero past each table's end).
+    pub fn tables(batch: &[GpuSeqInput<'_>], stride: usize) -> Vec<i32> {
+        let mut tables = vec![0i32; batch.len() * stride];
+        for (si, b) in batch.iter().enumerate() {
+            for (j, &blk) in b.blocks.iter().enumerate() {
+                tables[si * stride + j] = blk as i32;
+            }
+        }
+        tables
+    }
+}
+
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
 struct Segment<'a> {
     x: &'a mut CudaSlice<f32>,
@@ -29,7 +93,7 @@ struct Segment<'a> {
     logits: &'a mut CudaSlice<f32>,
     eids: &'a mut CudaSlice<i32>,
     w: &'a mut CudaSlice<f32>,
-    attn: &'a mut super::graphs::AttnBufs,
+    attn: &'a mut super::buffers::AttnBufs,
     hand: &'a mut Handoff,
     /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
     want_x: bool,
@@ -72,8 +136,10 @@ impl GpuModel {
         Ok(unsafe { self.dev.stream.alloc::<T>(n.max(1)) }?)
     }
 
-    /// down(act(gate_up(x))) for `n` rows, accumulated into `y` when `accumulate`.
-    fn mlp(
+    /// down(act(gate_up(x))) for `n` rows, accumulated into `y` when `accumulate`; the intermediate
+    /// rows go through the step's MLP buffers (`gate_up`, `act`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mlp(
         &self,
         m: &GpuMlp,
         act: GatedAct,
@@ -81,13 +147,12 @@ impl GpuModel {
         y: &mut CudaSlice<f32>,
         n: usize,
         accumulate: bool,
+        (gate_up, a): (&mut CudaSlice<f32>, &mut CudaSlice<bf16>),
     ) -> anyhow::Result<()> {
         let inter = m.down.in_dim;
-        let mut gu = self.alloc::<f32>(n * 2 * inter)?;
-        self.linear(&m.gate_up, x, &mut gu, n, false)?;
-        let mut a = self.alloc::<bf16>(n * inter)?;
-        self.gated_act(&gu, &mut a, inter, n, act)?;
-        self.linear(&m.down, &a, y, n, accumulate)
+        self.linear(&m.gate_up, x, gate_up, n, false)?;
+        self.gated_act(&*gate_up, a, inter, n, act)?;
+        self.linear(&m.down, a, y, n, accumulate)
     }
 
     /// `out = f(gate) · up` to bf16 for `rows` rows of `gate_up` (`[rows, 2·inter]`, gate first), f
@@ -183,109 +248,42 @@ impl GpuModel {
     ) -> anyhow::Result<Vec<Vec<f32>>> {
         let cfg = &host.config;
         let dev = &self.dev;
-        let s = &dev.stream;
         let hd = cfg.hidden_size;
-        // ---- host-side bookkeeping: token ids, positions, cache slots, block tables
-        let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
-        let mut ids = Vec::new();
-        let mut pos = Vec::new();
-        let mut seq_of = Vec::new();
-        let mut slots = Vec::new();
-        let mut last_rows = Vec::new();
-        let mut seqs = Vec::with_capacity(batch.len());
-        for (si, b) in batch.iter().enumerate() {
-            seqs.push(super::attention::SeqRows {
-                seq: si,
-                row0: ids.len(),
-                len: b.tokens.len(),
-                pos0: b.pos0,
-            });
-            for (i, &t) in b.tokens.iter().enumerate() {
-                let p = b.pos0 + i;
-                ids.push(t as i32);
-                pos.push(p as i32);
-                seq_of.push(si as i32);
-                slots.push(slot(b.blocks, p) as i32);
-            }
-            last_rows.push((ids.len() - 1) as i32);
-        }
-        let n = ids.len();
-        let layerwise = n >= self.prefill_threshold;
-        let top_k = cfg.moe.as_ref().map_or(1, |m| m.top_k);
+        let hi = HostIndex::new(batch);
+        let n = hi.ids.len();
+        let long_prompt = n >= self.prefill_threshold;
         // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
         let graph_step = self.cuda_graphs
-            && !layerwise
-            && n <= super::graphs::MAX_GRAPH_ROWS
+            && !long_prompt
+            && n <= MAX_GRAPH_ROWS
             && batch.iter().all(|b| b.tokens.len() == 1)
             && self.all_gqa();
-        let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut hand_guard = self.handoff.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut own_index, mut own_acts);
-        let (index, acts, hand, mut graphs) = if graph_step {
-            if graphs_guard.is_none() {
-                *graphs_guard = Some(super::graphs::DecodeGraphs::new(
-                    self,
-                    cfg,
-                    pool.total_blocks,
-                )?);
-            }
-            let g = graphs_guard.as_mut().context("decode graphs")?;
-            (&mut g.index, &mut g.acts, &mut g.hand, Some(&mut g.graphs))
-        } else {
-            let stride = batch
-                .iter()
-                .map(|b| b.blocks.len())
-                .max()
-                .unwrap_or(1)
-                .max(1);
-            own_index = self.alloc_index(n, batch.len(), stride)?;
-            own_acts = self.alloc_acts(cfg, n)?;
-            let hand = match &mut *hand_guard {
-                Some(h) if h.fits(n * top_k, n * hd) => h,
-                slot => slot.insert(Handoff::new(dev, n * top_k, n * hd)?),
-            };
-            (&mut own_index, &mut own_acts, hand, None)
-        };
-        let max_blocks = index.stride;
-        let mut tables = vec![0i32; batch.len() * max_blocks];
-        for (si, b) in batch.iter().enumerate() {
-            for (j, &blk) in b.blocks.iter().enumerate() {
-                tables[si * max_blocks + j] = blk as i32;
-            }
-        }
-        s.memcpy_htod(&ids, &mut index.ids.slice_mut(..n))?;
-        s.memcpy_htod(&pos, &mut index.pos.slice_mut(..n))?;
-        s.memcpy_htod(&seq_of, &mut index.seq.slice_mut(..n))?;
-        s.memcpy_htod(&slots, &mut index.slots.slice_mut(..n))?;
-        s.memcpy_htod(&tables, &mut index.tables.slice_mut(..tables.len()))?;
-        let index = &*index;
+        let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sets = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        let class = BatchClass::of(n, batch.len(), self.cuda_graphs);
+        let shape = (n, batch.len(), hi.max_blocks);
+        let bufs = self.step_buffers(&mut sets, cfg, class, shape, pool.total_blocks)?;
+        self.upload_index(&hi, batch, &mut bufs.index)?;
+        let StepBuffers {
+            index, acts, hand, ..
+        } = bufs;
         let ActBufs {
             x,
             hb,
             hf,
             logits,
-            eids: d_eids,
-            w: d_w,
+            eids,
+            w,
             cpu_sum,
-            attn: attn_bufs,
+            attn,
+            mlp,
+            experts,
+            head,
         } = acts;
-
-        // ---- embedding: a gather on the GPU, or rows gathered on the host and copied
-        match &self.embed {
-            super::EmbedTable::Device(table) => {
-                dev.embed_rows(table, &index.ids, (n, hd), &mut *x)?
-            }
-            super::EmbedTable::Host => {
-                let mut rows = vec![0f32; n * hd];
-                for (row, &id) in rows.chunks_mut(hd).zip(&ids) {
-                    host.embed.row_f32(id as usize, row);
-                }
-                s.memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
-            }
-        }
-        // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
+        self.embed(host, &hi.ids, index, x)?;
+        // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        let mut stream = if layerwise {
+        let mut stream = if long_prompt {
             stream_guard.as_mut()
         } else {
             None
@@ -293,293 +291,215 @@ impl GpuModel {
         if let Some(es) = stream.as_deref_mut() {
             es.begin_step(dev, host)?;
         }
-        let step = super::attention::StepIndex {
+        let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut graphs = graph_step.then_some(&mut *graphs_guard);
+        let step = StepIndex {
             n,
             pos: &index.pos,
             seq: &index.seq,
             slots: &index.slots,
             tables: &index.tables,
-            max_blocks,
-            seqs: &seqs,
+            max_blocks: index.stride,
+            seqs: &hi.seqs,
         };
+        let act = GatedAct::of(cfg);
         for (li, layer) in self.layers.iter().enumerate() {
-            // ---- attention, norm, router and the routing copies: eager, or one graph replay
-            let want_x = !layerwise
-                && matches!(&layer.ffn, GpuFfn::Moe(m) if m.experts.iter().any(Option::is_none));
-            {
-                let mut seg = Segment {
-                    x: &mut *x,
-                    hb: &mut *hb,
-                    hf: &mut *hf,
-                    logits: &mut *logits,
-                    eids: &mut *d_eids,
-                    w: &mut *d_w,
-                    attn: &mut *attn_bufs,
-                    hand: &mut *hand,
-                    want_x,
-                };
-                match graphs.as_deref_mut() {
-                    Some(set) if !set.broken => {
-                        let key = (li, n);
-                        #[allow(clippy::map_entry)] // the capture needs `set` free
-                        if !set.map.contains_key(&key) {
-                            let (r, g) = dev.capture(|| {
-                                self.pre_experts(host, li, &step, &mut pool, &mut seg)
-                            })?;
-                            match (r, g) {
-                                (Ok(()), Ok(Some(g))) => {
-                                    set.map.insert(key, g);
-                                }
-                                (r, g) => {
-                                    tracing::warn!(
-                                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
-                                        r.err(),
-                                        g.err()
-                                    );
-                                    set.broken = true;
-                                }
-                            }
-                        }
-                        match set.map.get(&key) {
-                            Some(g) if !set.broken => g.replay()?,
-                            _ => self.pre_experts(host, li, &step, &mut pool, &mut seg)?,
-                        }
-                    }
-                    _ => self.pre_experts(host, li, &step, &mut pool, &mut seg)?,
-                }
-            }
-            match &layer.ffn {
-                GpuFfn::Dense(m) => self.mlp(m, GatedAct::of(cfg), hb, x, n, true)?,
+            // Where this layer's experts run: decides whether the normalised rows go to the host.
+            let homes = match &layer.ffn {
                 GpuFfn::Moe(moe) => {
-                    let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
-                    let Ffn::Moe(host_block) = &host.layers[li].ffn else {
-                        anyhow::bail!("layer {li}: host and GPU layer kinds differ");
+                    let resident: Vec<bool> = moe.experts.iter().map(Option::is_some).collect();
+                    let streamed = stream.as_deref().is_some_and(|es| es.has_layer(li));
+                    expert_homes(&resident, long_prompt, streamed)
+                }
+                GpuFfn::Dense(_) => Vec::new(),
+            };
+            let mut seg = Segment {
+                x: &mut *x,
+                hb: &mut *hb,
+                hf: &mut *hf,
+                logits: &mut *logits,
+                eids: &mut *eids,
+                w: &mut *w,
+                attn: &mut *attn,
+                hand: &mut *hand,
+                want_x: homes.contains(&ExpertHome::Cpu),
+            };
+            self.run_pre_experts(
+                host,
+                li,
+                (&step, &mut pool),
+                &mut seg,
+                graphs.as_deref_mut(),
+            )?;
+            match &layer.ffn {
+                GpuFfn::Dense(m) => {
+                    self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
+                }
+                GpuFfn::Moe(moe) => {
+                    let mut ctx = MoeStep {
+                        host,
+                        cpu_pool,
+                        n,
+                        stream: stream.as_deref_mut(),
+                        times: &mut *times,
                     };
-                    let e = mc.num_experts;
-                    let (nk, nx) = (n * mc.top_k, n * hd);
-                    let t0 = Instant::now();
-                    s.synchronize()?;
-                    times.gpu_wait_s += t0.elapsed().as_secs_f64();
-                    let eids: Vec<u32> = hand.ids.slice(nk).iter().map(|&x| x as u32).collect();
-                    let ew = hand.w.slice(nk).to_vec();
-                    on_routing(li, &eids);
-                    // Group tokens per expert; split GPU-resident from DRAM experts.
-                    let mut per_expert: Vec<Vec<(i32, f32)>> = vec![Vec::new(); e];
-                    for (j, (&id, &w)) in eids.iter().zip(&ew).enumerate() {
-                        per_expert[id as usize].push(((j / mc.top_k) as i32, w));
-                    }
-                    let mut cpu_ids = vec![crate::engine::moe::NOT_HERE; n * mc.top_k];
-                    let mut cpu_w = vec![0f32; n * mc.top_k];
-                    let mut any_cpu = false;
-                    for (j, &id) in eids.iter().enumerate() {
-                        times.expert_hits += 1;
-                        if moe.experts[id as usize].is_some() {
-                            times.gpu_expert_hits += 1;
-                        } else {
-                            cpu_ids[j] = id;
-                            cpu_w[j] = ew[j];
-                            any_cpu = true;
-                        }
-                    }
-                    let cpu_turn = any_cpu && want_x;
-                    // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
-                    if let Some(sh) = &moe.shared {
-                        match &moe.shared_gate {
-                            None => self.mlp(sh, GatedAct::of(cfg), hb, x, n, true)?,
-                            Some(g) => {
-                                let mut tmp = self.alloc::<f32>(n * hd)?;
-                                self.mlp(sh, GatedAct::of(cfg), hb, &mut tmp, n, false)?;
-                                dev.sigmoid_gate_rows(&mut tmp, &*hf, g, (n, hd))?;
-                                dev.add_inplace(x, &tmp, n * hd)?;
-                            }
-                        }
-                    }
-                    // Routed experts on the GPU: resident ones, then (layerwise prefill) the layer's
-                    // streamed chunks. Their tokens' rows are gathered once (resident experts first,
-                    // then chunk by chunk, so each phase's rows are one range), one GEMM pair per
-                    // expert on views, one activation per phase, one weighted scatter at the end.
-                    let chunk_list = match stream.as_deref() {
-                        Some(es) if layerwise => es.layer_chunks(li),
-                        _ => Vec::new(),
+                    let bufs = MoeLayerBufs {
+                        x: &mut *x,
+                        hb: &*hb,
+                        hf: &*hf,
+                        cpu_sum: &mut *cpu_sum,
+                        mlp: &mut *mlp,
+                        experts: &mut *experts,
+                        hand: &mut *hand,
                     };
-                    let streaming = !chunk_list.is_empty();
-                    let mut uploaded = Vec::new(); // layerwise without the stream (int4): per expert
-                    let mut groups: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first row, rows)
-                    let mut idx: Vec<i32> = Vec::new();
-                    let mut wts: Vec<f32> = Vec::new();
-                    let mut push = |eid: usize, groups: &mut Vec<(usize, usize, usize)>| {
-                        let toks = &per_expert[eid];
-                        groups.push((eid, idx.len(), toks.len()));
-                        idx.extend(toks.iter().map(|t| t.0));
-                        wts.extend(toks.iter().map(|t| t.1));
-                    };
-                    for (eid, toks) in per_expert.iter().enumerate() {
-                        let resident = moe.experts[eid].is_some();
-                        if !toks.is_empty() && (resident || (layerwise && !streaming)) {
-                            push(eid, &mut groups);
-                        }
-                    }
-                    let resident_groups = groups.len();
-                    // (chunk, first group, groups) per streamed chunk of this layer
-                    let mut chunk_groups = Vec::new();
-                    if let Some(es) = stream.as_deref() {
-                        for &c in &chunk_list {
-                            let g0 = groups.len();
-                            for &id in &es.chunk(c).ids {
-                                if !per_expert[id as usize].is_empty() {
-                                    push(id as usize, &mut groups);
-                                }
-                            }
-                            chunk_groups.push((c, g0, groups.len() - g0));
-                        }
-                    }
-                    if layerwise && !streaming {
-                        let t = Instant::now();
-                        for &(eid, _, _) in &groups {
-                            if moe.experts[eid].is_none() {
-                                uploaded
-                                    .push((eid, super::upload_dram_expert(dev, host_block, eid)?));
-                            }
-                        }
-                        times.transfer_s += t.elapsed().as_secs_f64();
-                    }
-                    let rows = idx.len();
-                    if rows > 0 || streaming {
-                        let inter = mc.expert_intermediate;
-                        let (d_idx, d_wts) = if rows > 0 {
-                            (Some(s.clone_htod(&idx)?), Some(s.clone_htod(&wts)?))
-                        } else {
-                            (None, None)
-                        };
-                        let mut xe = self.alloc::<bf16>(rows * hd)?;
-                        if let Some(d_idx) = &d_idx {
-                            dev.gather_rows(&*hb, d_idx, (rows, hd), &mut xe)?;
-                        }
-                        let mut gu = self.alloc::<f32>(rows * 2 * inter)?;
-                        let mut act = self.alloc::<bf16>(rows * inter)?;
-                        let mut ye = self.alloc::<f32>(rows * hd)?;
-                        let mut bufs = PhaseBuffers {
-                            xe: &xe,
-                            gu: &mut gu,
-                            act: &mut act,
-                            ye: &mut ye,
-                            hd,
-                            inter,
-                            activation: GatedAct::of(cfg),
-                        };
-                        let resident = &groups[..resident_groups];
-                        let mut ws = Vec::with_capacity(resident.len());
-                        for &(eid, _, _) in resident {
-                            let m = match &moe.experts[eid] {
-                                Some(m) => m,
-                                None => uploaded
-                                    .iter()
-                                    .find(|(e, _)| *e == eid)
-                                    .map(|(_, m)| m)
-                                    .context("uploaded expert missing")?,
-                            };
-                            ws.push((m.gate_up.bf16()?.slice(..), m.down.bf16()?.slice(..)));
-                        }
-                        self.expert_phase(resident, &ws, &mut bufs)?;
-                        if let Some(es) = stream.as_deref_mut() {
-                            let t = Instant::now();
-                            for &(c, g0, count) in &chunk_groups {
-                                es.take(dev, host, c)?;
-                                let gs = &groups[g0..g0 + count];
-                                let each = es.geometry.dense_elems();
-                                let split = 2 * inter * hd;
-                                let mut ws = Vec::with_capacity(gs.len());
-                                for &(eid, _, _) in gs {
-                                    let j = es
-                                        .chunk(c)
-                                        .ids
-                                        .iter()
-                                        .position(|&x| x as usize == eid)
-                                        .context("expert not in its chunk")?;
-                                    ws.push((
-                                        es.dense.slice(j * each..j * each + split),
-                                        es.dense.slice(j * each + split..(j + 1) * each),
-                                    ));
-                                }
-                                self.expert_phase(gs, &ws, &mut bufs)?;
-                            }
-                            times.transfer_s += t.elapsed().as_secs_f64();
-                        }
-                        if rows > 0 {
-                            // token → its rows, for a deterministic per-token sum
-                            let mut offsets = vec![0i32; n + 1];
-                            for &t in &idx {
-                                offsets[t as usize + 1] += 1;
-                            }
-                            for t in 0..n {
-                                offsets[t + 1] += offsets[t];
-                            }
-                            let mut fill = offsets.clone();
-                            let mut token_rows = vec![0i32; rows];
-                            for (r, &t) in idx.iter().enumerate() {
-                                token_rows[fill[t as usize] as usize] = r as i32;
-                                fill[t as usize] += 1;
-                            }
-                            let d_off = s.clone_htod(&offsets)?;
-                            let d_rows = s.clone_htod(&token_rows)?;
-                            dev.scatter_add_weighted(
-                                &ye,
-                                &d_off,
-                                &d_rows,
-                                d_wts.as_ref().context("weights")?,
-                                (n, rows, hd),
-                                &mut *x,
-                            )?;
-                        }
-                    }
-                    // Meanwhile on the CPU: the DRAM experts of the same tokens.
-                    if cpu_turn {
-                        let t = Instant::now();
-                        let routing = Routing {
-                            ids: cpu_ids,
-                            weights: cpu_w,
-                            top_k: mc.top_k,
-                        };
-                        let Handoff { x: hx, y: hy, .. } = &mut *hand;
-                        let out = hy.slice_mut(nx);
-                        out.fill(0.0);
-                        dram_experts_forward(
-                            host_block,
-                            cpu_pool,
-                            GatedAct::of(cfg),
-                            hx.slice(nx),
-                            hd,
-                            &routing,
-                            out,
-                        );
-                        times.cpu_experts_s += t.elapsed().as_secs_f64();
-                        // Asynchronous from pinned memory: the next layer's wait (or the step's end)
-                        // comes before the buffer is written again.
-                        s.memcpy_htod(&*out, &mut cpu_sum.slice_mut(..nx))?;
-                        dev.add_inplace(x, cpu_sum, nx)?;
-                    }
+                    self.moe_layer(li, moe, &homes, &mut ctx, bufs, &mut on_routing)?;
                 }
             }
         }
-        // ---- final norm and lm_head on the last row of each sequence
-        let rows = last_rows.len();
-        let d_last = s.clone_htod(&last_rows)?;
-        dev.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, (n, hd), hb, None)?;
-        let mut sel = self.alloc::<bf16>(rows * hd)?;
-        dev.gather_rows(&*hb, &d_last, (rows, hd), &mut sel)?;
-        let vocab = cfg.vocab_size;
-        let mut out_logits = self.alloc::<f32>(rows * vocab)?;
-        match (&self.lm_head, &self.embed) {
-            (Some(head), _) => self.linear(head, &sel, &mut out_logits, rows, false)?,
-            (None, super::EmbedTable::Device(table)) => {
-                dev.gemm_bf16(&sel, table, &mut out_logits, rows, vocab, hd, false)?
+        self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)
+    }
+
+    /// Copies the step's index into the class buffers (block tables at the buffers' stride).
+    fn upload_index(
+        &self,
+        hi: &HostIndex,
+        batch: &[GpuSeqInput<'_>],
+        index: &mut IndexBufs,
+    ) -> anyhow::Result<()> {
+        let (s, n) = (&self.dev.stream, hi.ids.len());
+        let tables = HostIndex::tables(batch, index.stride);
+        s.memcpy_htod(&hi.ids, &mut index.ids.slice_mut(..n))?;
+        s.memcpy_htod(&hi.pos, &mut index.pos.slice_mut(..n))?;
+        s.memcpy_htod(&hi.seq_of, &mut index.seq.slice_mut(..n))?;
+        s.memcpy_htod(&hi.slots, &mut index.slots.slice_mut(..n))?;
+        s.memcpy_htod(&tables, &mut index.tables.slice_mut(..tables.len()))?;
+        Ok(())
+    }
+
+    /// The step's embedding rows into `x`: a gather on the GPU, or rows gathered on the host and
+    /// copied.
+    fn embed(
+        &self,
+        host: &Model,
+        ids: &[i32],
+        index: &IndexBufs,
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let (n, hd) = (ids.len(), host.config.hidden_size);
+        match &self.embed {
+            EmbedTable::Device(table) => self.dev.embed_rows(table, &index.ids, (n, hd), x)?,
+            EmbedTable::Host => {
+                let mut rows = vec![0f32; n * hd];
+                for (row, &id) in rows.chunks_mut(hd).zip(ids) {
+                    host.embed.row_f32(id as usize, row);
+                }
+                self.dev
+                    .stream
+                    .memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
             }
-            (None, super::EmbedTable::Host) => anyhow::bail!("tied lm_head without a GPU table"),
         }
+        Ok(())
+    }
+
+    /// Layer `li`'s pre-expert segment: replayed from its graph in graph steps (captured the first
+    /// time a (layer, rows) pair is seen), else enqueued eagerly.
+    fn run_pre_experts(
+        &self,
+        host: &Model,
+        li: usize,
+        (step, pool): (&StepIndex<'_>, &mut super::kv::GpuKvPool),
+        seg: &mut Segment<'_>,
+        graphs: Option<&mut GraphSet>,
+    ) -> anyhow::Result<()> {
+        let set = match graphs {
+            Some(set) if !set.broken => set,
+            _ => return self.pre_experts(host, li, step, pool, seg),
+        };
+        let key = (li, step.n);
+        if let Entry::Vacant(slot) = set.map.entry(key) {
+            let (r, g) = self
+                .dev
+                .capture(|| self.pre_experts(host, li, step, pool, seg))?;
+            match (r, g) {
+                (Ok(()), Ok(Some(g))) => {
+                    slot.insert(g);
+                }
+                (r, g) => {
+                    tracing::warn!(
+                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
+                        r.err(),
+                        g.err()
+                    );
+                    set.broken = true;
+                }
+            }
+        }
+        match set.map.get(&key) {
+            Some(g) if !set.broken => Ok(g.replay()?),
+            _ => self.pre_experts(host, li, step, pool, seg),
+        }
+    }
+
+    /// Final norm and lm_head on the last row of each sequence; the step's one closing wait.
+    #[allow(clippy::too_many_arguments)]
+    fn lm_head(
+        &self,
+        cfg: &crate::model::ModelConfig,
+        last_rows: &[i32],
+        (n, hd): (usize, usize),
+        x: &CudaSlice<f32>,
+        hb: &mut CudaSlice<bf16>,
+        head: &mut HeadBufs,
+        times: &mut StepTimes,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let (dev, s) = (&self.dev, &self.dev.stream);
+        let (rows, vocab) = (last_rows.len(), cfg.vocab_size);
+        s.memcpy_htod(last_rows, &mut head.last_rows.slice_mut(..rows))?;
+        dev.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, (n, hd), hb, None)?;
+        dev.gather_rows(&*hb, &head.last_rows, (rows, hd), &mut head.rows)?;
+        match (&self.lm_head, &self.embed) {
+            (Some(l), _) => self.linear(l, &head.rows, &mut head.logits, rows, false)?,
+            (None, EmbedTable::Device(table)) => {
+                dev.gemm_bf16(&head.rows, table, &mut head.logits, rows, vocab, hd, false)?
+            }
+            (None, EmbedTable::Host) => anyhow::bail!("tied lm_head without a GPU table"),
+        }
+        let mut host_logits = vec![0f32; rows * vocab];
         let t0 = Instant::now();
-        let host_logits = s.clone_dtoh(&out_logits)?;
+        s.memcpy_dtoh(&head.logits.slice(..rows * vocab), &mut host_logits)?;
         s.synchronize()?;
         times.gpu_wait_s += t0.elapsed().as_secs_f64();
         Ok(host_logits.chunks(vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kv::BLOCK;
+
+    #[test]
+    fn host_index_of_a_mixed_step() {
+        // a decode row of a sequence at position 20 (blocks 7, 3) and a 3-token chunk from position 0
+        let a = GpuSeqInput {
+            blocks: &[7, 3],
+            pos0: 20,
+            tokens: &[11],
+        };
+        let b = GpuSeqInput {
+            blocks: &[5],
+            pos0: 0,
+            tokens: &[1, 2, 3],
+        };
+        let batch = [a, b];
+        let h = HostIndex::new(&batch);
+        assert_eq!(h.ids, vec![11, 1, 2, 3]);
+        assert_eq!(h.pos, vec![20, 0, 1, 2]);
+        assert_eq!(h.seq_of, vec![0, 1, 1, 1]);
+        let s = BLOCK as i32;
+        assert_eq!(h.slots, vec![3 * s + 20 - s, 5 * s, 5 * s + 1, 5 * s + 2]);
+        assert_eq!(h.last_rows, vec![0, 3]);
+        assert_eq!((h.seqs[1].row0, h.seqs[1].len, h.max_blocks), (1, 3, 2));
+        assert_eq!(HostIndex::tables(&batch, 3), vec![7, 3, 0, 5, 0, 0]);
     }
 }

@@ -5,7 +5,7 @@ use moe_kernels::cuda::GpuDevice;
 
 /// Pinned host buffers of the per-layer hand-off: routing ids and weights and the normalised
 /// activations down, the CPU experts' sum up. Copies into and out of pinned memory are asynchronous, so
-/// a layer waits for the GPU once; reallocated (larger) when a step outgrows them.
+/// a layer waits for the GPU once. One set per batch-size class of step buffers (`buffers`).
 pub struct Handoff {
     pub(super) ids: Pinned<i32>,
     pub(super) w: Pinned<f32>,
@@ -21,10 +21,6 @@ impl Handoff {
             x: Pinned::new(dev, elems)?,
             y: Pinned::new(dev, elems)?,
         })
-    }
-
-    pub(super) fn fits(&self, routes: usize, elems: usize) -> bool {
-        self.ids.len() >= routes && self.x.len() >= elems
     }
 }
 
@@ -52,10 +48,6 @@ impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Pinned<T> 
             _buf: buf,
             ptr,
         })
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.len
     }
 
     /// The first `n` elements (panics beyond the allocation).

@@ -8,6 +8,7 @@
 //! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
 //! the GPU instead and computed there.
 pub mod attention;
+pub mod buffers;
 pub mod dispatch;
 mod experts;
 pub mod forward;
@@ -16,6 +17,7 @@ pub mod handoff;
 pub mod kinds;
 pub mod kv;
 pub mod memory;
+mod moe_layer;
 pub mod setup;
 pub mod stream;
 
@@ -152,12 +154,14 @@ pub struct GpuModel {
     /// The packed-expert stream of layerwise prefill (set up by [`GpuModel::attach_expert_stream`]
     /// once the CPU kernels have packed the DRAM experts); `None`: per-expert uploads.
     pub stream: Mutex<Option<stream::ExpertStream>>,
-    /// Pinned hand-off buffers of the MoE layers (grown on demand).
-    pub handoff: Mutex<Option<handoff::Handoff>>,
     /// Replay decode steps' pre-expert segments from CUDA graphs.
     pub cuda_graphs: bool,
-    /// Persistent buffers and captured graphs of decode steps (created on the first one).
-    pub graphs: Mutex<Option<graphs::DecodeGraphs>>,
+    /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
+    pub buffers: Mutex<buffers::BufferClasses>,
+    /// Most rows and sequences of one step (the engine's limits, which the memory plan budgets).
+    pub max_step: (usize, usize),
+    /// Graphs captured so far.
+    pub graphs: Mutex<graphs::GraphSet>,
     /// The memory plan this engine started with and what the start allocated.
     pub memory: Option<memory::MemoryReport>,
 }
@@ -421,11 +425,21 @@ impl GpuModel {
             kv: Arc::new(Mutex::new(kv)),
             prefill_threshold,
             stream: Mutex::new(None),
-            handoff: Mutex::new(None),
             cuda_graphs: false,
-            graphs: Mutex::new(None),
+            buffers: Mutex::new(buffers::BufferClasses::default()),
+            max_step: (1, 1),
+            graphs: Mutex::new(graphs::GraphSet::default()),
             memory: None,
         })
+    }
+
+    /// CUDA graphs captured so far.
+    pub fn graphs_captured(&self) -> usize {
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .len()
     }
 
     /// Positions the device KV pool holds.

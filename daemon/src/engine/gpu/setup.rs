@@ -144,5 +144,6 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     eprintln!("{msg}");
     gpu.memory = Some(report);
     gpu.cuda_graphs = opts.cuda_graphs;
+    gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
     Ok(gpu)
 }

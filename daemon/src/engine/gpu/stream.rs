@@ -234,6 +234,11 @@ impl ExpertStream {
             .collect()
     }
 
+    /// Whether layer `li` has experts in the stream.
+    pub fn has_layer(&self, li: usize) -> bool {
+        self.chunks.iter().any(|c| c.layer == li)
+    }
+
     pub fn chunk(&self, c: usize) -> &Chunk {
         &self.chunks[c]
     }

@@ -1,0 +1,288 @@
+//! A step's device buffers, declared once per batch-size class and reused by every step of that class,
+//! eager or replayed from CUDA graphs: the layer loop allocates nothing.
+//!
+//! Classes (what the memory plan budgets, `moe_sizing::plan`):
+//! - `Decode`: up to [`MAX_GRAPH_ROWS`] rows and sequences, block tables as wide as the KV pool. Its
+//!   addresses are what captured graphs bake in, so it is allocated once and never moved; eager
+//!   steps of that size use it too. Only with CUDA graphs on (the plan's "CUDA graphs" item).
+//! - `Large`: every other step (all steps with graphs off), sized for the step's rows and sequences
+//!   (powers of two, capped by the engine's step limits) and grown when a step needs more (the plan's
+//!   "activations" item, a step of `max_step_tokens`).
+//!
+//! Each set holds its pinned hand-off buffers too (graphs bake their host addresses as well).
+use super::handoff::Handoff;
+use super::{GpuAttention, GpuFfn, GpuModel};
+use crate::model::ModelConfig;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+/// Largest decode batch replayed from graphs (larger batches run eagerly on the large class).
+pub const MAX_GRAPH_ROWS: usize = 64;
+
+/// Device copies of where each token of the step sits.
+pub struct IndexBufs {
+    pub ids: CudaSlice<i32>,
+    pub pos: CudaSlice<i32>,
+    pub seq: CudaSlice<i32>,
+    pub slots: CudaSlice<i32>,
+    /// `[sequences, stride]` block ids.
+    pub tables: CudaSlice<i32>,
+    /// Row stride of `tables`: the most blocks one sequence of a step of this class may hold.
+    pub stride: usize,
+}
+
+/// GQA attention's buffers (q, k, v in f32, the attention output in bf16); empty for MLA models.
+pub struct AttnBufs {
+    pub rows: usize,
+    pub q: CudaSlice<f32>,
+    pub k: CudaSlice<f32>,
+    pub v: CudaSlice<f32>,
+    pub out: CudaSlice<bf16>,
+}
+
+/// A dense MLP's (dense layers, shared experts) intermediate rows and an output for gated sums.
+pub struct MlpBufs {
+    /// `[rows, 2 · inter]` f32, `[rows, inter]` bf16 (inter: the widest MLP of the model).
+    pub gate_up: CudaSlice<f32>,
+    pub act: CudaSlice<bf16>,
+    /// `[rows, hidden]`: the shared expert's output before its sigmoid gate.
+    pub out: CudaSlice<f32>,
+}
+
+/// Routed experts computed on the GPU: every token's top-k rows at most.
+pub struct ExpertBufs {
+    /// The dispatch plan's row index (token and weight per row) and combine CSR.
+    pub row_token: CudaSlice<i32>,
+    pub row_weight: CudaSlice<f32>,
+    pub token_offsets: CudaSlice<i32>,
+    pub token_rows: CudaSlice<i32>,
+    /// Gathered inputs `[rows·k, hidden]` bf16, gate_up `[rows·k, 2·inter]` f32, activations
+    /// `[rows·k, inter]` bf16, outputs `[rows·k, hidden]` f32.
+    pub x: CudaSlice<bf16>,
+    pub gate_up: CudaSlice<f32>,
+    pub act: CudaSlice<bf16>,
+    pub y: CudaSlice<f32>,
+}
+
+/// Final norm rows and logits of each sequence's last position.
+pub struct HeadBufs {
+    pub last_rows: CudaSlice<i32>,
+    /// `[seqs, hidden]` bf16, `[seqs, vocab]` f32.
+    pub rows: CudaSlice<bf16>,
+    pub logits: CudaSlice<f32>,
+}
+
+/// Activations of a step, reused by every layer (each layer overwrites what it reads).
+pub struct ActBufs {
+    /// Residual stream `[rows, hidden]`.
+    pub x: CudaSlice<f32>,
+    /// Normalised rows as GEMM input (bf16) and for the CPU experts and the router (f32).
+    pub hb: CudaSlice<bf16>,
+    pub hf: CudaSlice<f32>,
+    /// Router logits `[rows, experts]`, top-k ids and weights `[rows, k]`.
+    pub logits: CudaSlice<f32>,
+    pub eids: CudaSlice<i32>,
+    pub w: CudaSlice<f32>,
+    /// The CPU experts' sum, uploaded to be added into `x`.
+    pub cpu_sum: CudaSlice<f32>,
+    pub attn: AttnBufs,
+    pub mlp: MlpBufs,
+    pub experts: ExpertBufs,
+    pub head: HeadBufs,
+}
+
+/// Every buffer of steps of up to `rows` rows and `seqs` sequences.
+pub struct StepBuffers {
+    pub rows: usize,
+    pub seqs: usize,
+    pub index: IndexBufs,
+    pub acts: ActBufs,
+    pub hand: Handoff,
+}
+
+/// The two classes' buffer sets (created on first use).
+#[derive(Default)]
+pub struct BufferClasses {
+    pub decode: Option<StepBuffers>,
+    pub large: Option<StepBuffers>,
+}
+
+/// Which class a step of `rows` rows and `seqs` sequences uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchClass {
+    Decode,
+    Large,
+}
+
+impl BatchClass {
+    pub fn of(rows: usize, seqs: usize, cuda_graphs: bool) -> BatchClass {
+        if cuda_graphs && rows <= MAX_GRAPH_ROWS && seqs <= MAX_GRAPH_ROWS {
+            BatchClass::Decode
+        } else {
+            BatchClass::Large
+        }
+    }
+}
+
+/// Capacity of a large-class set for `need` rows: the next power of two, but not beyond `limit`
+/// (the engine's step limit, what the plan budgets) unless the step itself is larger.
+pub fn large_capacity(need: usize, limit: usize) -> usize {
+    need.next_power_of_two().min(limit.max(need)).max(1)
+}
+
+impl GpuModel {
+    /// The buffer set of `class` for a step of `rows` rows, `seqs` sequences whose block tables hold
+    /// at most `blocks` blocks, allocated or grown as needed (the decode set only once).
+    pub(super) fn step_buffers<'a>(
+        &self,
+        sets: &'a mut BufferClasses,
+        cfg: &ModelConfig,
+        class: BatchClass,
+        (rows, seqs, blocks): (usize, usize, usize),
+        pool_blocks: usize,
+    ) -> anyhow::Result<&'a mut StepBuffers> {
+        let (limit_rows, limit_seqs) = self.max_step;
+        let (slot, want) = match class {
+            BatchClass::Decode => (
+                &mut sets.decode,
+                (MAX_GRAPH_ROWS, MAX_GRAPH_ROWS, pool_blocks),
+            ),
+            BatchClass::Large => (
+                &mut sets.large,
+                (
+                    large_capacity(rows, limit_rows),
+                    large_capacity(seqs, limit_seqs),
+                    large_capacity(blocks, pool_blocks),
+                ),
+            ),
+        };
+        let fits = |b: &StepBuffers| b.rows >= rows && b.seqs >= seqs && b.index.stride >= blocks;
+        if !slot.as_ref().is_some_and(fits) {
+            // Drop the smaller set first, so both never coexist (stream-ordered frees).
+            *slot = None;
+            let (r, s, stride) = want;
+            let b = StepBuffers {
+                rows: r,
+                seqs: s,
+                index: self.alloc_index(r, s, stride)?,
+                acts: self.alloc_acts(cfg, r, s)?,
+                hand: Handoff::new(
+                    &self.dev,
+                    r * cfg.moe.as_ref().map_or(1, |m| m.top_k),
+                    r * cfg.hidden_size,
+                )?,
+            };
+            // Allocations are stream-ordered; graphs captured later must find them done.
+            self.dev.stream.synchronize()?;
+            *slot = Some(b);
+        }
+        Ok(slot.as_mut().expect("set above"))
+    }
+
+    fn alloc_index(&self, rows: usize, seqs: usize, stride: usize) -> anyhow::Result<IndexBufs> {
+        Ok(IndexBufs {
+            ids: self.alloc(rows)?,
+            pos: self.alloc(rows)?,
+            seq: self.alloc(rows)?,
+            slots: self.alloc(rows)?,
+            tables: self.alloc(seqs * stride)?,
+            stride,
+        })
+    }
+
+    /// Activation buffers for `rows` rows and `seqs` sequences. GQA buffers only when every layer is
+    /// GQA (MLA allocates its own).
+    fn alloc_acts(&self, cfg: &ModelConfig, rows: usize, seqs: usize) -> anyhow::Result<ActBufs> {
+        let hd = cfg.hidden_size;
+        let (experts, k, inter) = cfg.moe.as_ref().map_or((1, 1, 0), |m| {
+            (m.num_experts, m.top_k, m.expert_intermediate)
+        });
+        let gqa = self.all_gqa();
+        let (qd, kd) = if gqa {
+            (
+                cfg.num_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            )
+        } else {
+            (0, 0)
+        };
+        let mlp_inter = self.widest_mlp();
+        let routed = if cfg.moe.is_some() { rows * k } else { 0 };
+        Ok(ActBufs {
+            x: self.alloc(rows * hd)?,
+            hb: self.alloc(rows * hd)?,
+            hf: self.alloc(rows * hd)?,
+            logits: self.alloc(rows * experts)?,
+            eids: self.alloc(rows * k)?,
+            w: self.alloc(rows * k)?,
+            cpu_sum: self.alloc(rows * hd)?,
+            attn: AttnBufs {
+                rows: if gqa { rows } else { 0 },
+                q: self.alloc(rows * qd)?,
+                k: self.alloc(rows * kd)?,
+                v: self.alloc(rows * kd)?,
+                out: self.alloc(rows * qd)?,
+            },
+            mlp: MlpBufs {
+                gate_up: self.alloc(rows * 2 * mlp_inter)?,
+                act: self.alloc(rows * mlp_inter)?,
+                out: self.alloc(rows * hd)?,
+            },
+            experts: ExpertBufs {
+                row_token: self.alloc(routed)?,
+                row_weight: self.alloc(routed)?,
+                token_offsets: self.alloc(rows + 1)?,
+                token_rows: self.alloc(routed)?,
+                x: self.alloc(routed * hd)?,
+                gate_up: self.alloc(routed * 2 * inter)?,
+                act: self.alloc(routed * inter)?,
+                y: self.alloc(routed * hd)?,
+            },
+            head: HeadBufs {
+                last_rows: self.alloc(seqs)?,
+                rows: self.alloc(seqs * hd)?,
+                logits: self.alloc(seqs * cfg.vocab_size)?,
+            },
+        })
+    }
+
+    pub(super) fn all_gqa(&self) -> bool {
+        self.layers
+            .iter()
+            .all(|l| matches!(l.attn, GpuAttention::Gqa(_)))
+    }
+
+    /// Intermediate width of the widest dense MLP or shared expert (0 without any).
+    fn widest_mlp(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                GpuFfn::Dense(m) => Some(m.down.in_dim),
+                GpuFfn::Moe(moe) => moe.shared.as_ref().map(|m| m.down.in_dim),
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_and_capacities() {
+        assert_eq!(BatchClass::of(1, 1, true), BatchClass::Decode);
+        assert_eq!(BatchClass::of(64, 64, true), BatchClass::Decode);
+        assert_eq!(BatchClass::of(65, 3, true), BatchClass::Large);
+        assert_eq!(
+            BatchClass::of(1, 1, false),
+            BatchClass::Large,
+            "graphs off: one class"
+        );
+        assert_eq!(large_capacity(300, 2048), 512);
+        assert_eq!(large_capacity(1500, 2048), 2048);
+        assert_eq!(large_capacity(1500, 1600), 1600, "capped by the step limit");
+        assert_eq!(large_capacity(5000, 2048), 5000, "a larger step still fits");
+        assert_eq!(large_capacity(0, 64), 1);
+    }
+}

@@ -1,0 +1,295 @@
+//! One MoE layer of a GPU step once its router has run: the layer's one wait for the routing, a
+//! [`MoeDispatchPlan`], then its phases in the order that keeps both sides busy:
+//!
+//! 1. the shared expert and `run_gpu_experts` (resident / uploaded experts, then each streamed chunk)
+//!    and `combine_gpu` (their rows summed into `x` per token, in a fixed order) are enqueued;
+//! 2. meanwhile `run_cpu_experts` computes the DRAM experts of the same tokens on the CPU pool;
+//! 3. `combine_cpu` copies their sum up (asynchronously, from pinned memory) and adds it into `x`.
+//!
+//! Nothing here allocates device memory except the weights of experts uploaded for a long prompt
+//! whose DRAM experts cannot be streamed (and cuBLAS's pointer tables of the batched GEMMs).
+use super::buffers::{ExpertBufs, MlpBufs};
+use super::dispatch::{ExpertHome, MoeDispatchPlan};
+use super::experts::PhaseBuffers;
+use super::handoff::Handoff;
+use super::stream::ExpertStream;
+use super::{GpuMlp, GpuModel, GpuMoe};
+use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
+use crate::engine::StepTimes;
+use crate::model::{Ffn, Model, MoeBlock};
+use anyhow::Context;
+use cudarc::driver::{CudaSlice, CudaView};
+use half::bf16;
+use std::time::Instant;
+
+/// What every MoE layer of a step shares.
+pub(super) struct MoeStep<'a> {
+    /// Holds the DRAM experts and the config.
+    pub host: &'a Model,
+    pub cpu_pool: Option<&'a moe_kernels::cpu::WorkerPool>,
+    /// Rows of the step.
+    pub n: usize,
+    /// The expert stream of a long prompt.
+    pub stream: Option<&'a mut ExpertStream>,
+    pub times: &'a mut StepTimes,
+}
+
+/// The step buffers an MoE layer reads and writes.
+pub(super) struct MoeLayerBufs<'a> {
+    /// Residual stream, which the experts' sum is added into.
+    pub x: &'a mut CudaSlice<f32>,
+    /// The FFN-normalised rows (bf16 GEMM input, f32 for the shared-expert gate).
+    pub hb: &'a CudaSlice<bf16>,
+    pub hf: &'a CudaSlice<f32>,
+    pub cpu_sum: &'a mut CudaSlice<f32>,
+    pub mlp: &'a mut MlpBufs,
+    pub experts: &'a mut ExpertBufs,
+    pub hand: &'a mut Handoff,
+}
+
+impl GpuModel {
+    /// Layer `li`'s experts, `homes` saying where each runs in this step.
+    pub(super) fn moe_layer(
+        &self,
+        li: usize,
+        moe: &GpuMoe,
+        homes: &[ExpertHome],
+        ctx: &mut MoeStep<'_>,
+        b: MoeLayerBufs<'_>,
+        on_routing: &mut impl FnMut(usize, &[u32]),
+    ) -> anyhow::Result<()> {
+        let cfg = &ctx.host.config;
+        let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
+        let Ffn::Moe(host_block) = &ctx.host.layers[li].ffn else {
+            anyhow::bail!("layer {li}: host and GPU layer kinds differ");
+        };
+        let (n, k, hd) = (ctx.n, mc.top_k, cfg.hidden_size);
+        // The layer's one wait: routing (and rows, for the CPU) are in pinned memory after it.
+        let t0 = Instant::now();
+        self.dev.stream.synchronize()?;
+        ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
+        let ids: Vec<u32> = b.hand.ids.slice(n * k).iter().map(|&x| x as u32).collect();
+        let weights = b.hand.w.slice(n * k).to_vec();
+        on_routing(li, &ids);
+        let plan = {
+            let es = ctx.stream.as_deref();
+            let chunks: Vec<(usize, &[u32])> = es.map_or(Vec::new(), |es| {
+                es.layer_chunks(li)
+                    .into_iter()
+                    .map(|c| (c, &es.chunk(c).ids[..]))
+                    .collect()
+            });
+            MoeDispatchPlan::new(&ids, &weights, k, homes, &chunks)
+        };
+        ctx.times.expert_hits += plan.expert_hits;
+        ctx.times.gpu_expert_hits += plan.gpu_expert_hits;
+        let act = GatedAct::of(cfg);
+        if let Some(sh) = &moe.shared {
+            self.shared_expert(
+                sh,
+                moe.shared_gate.as_ref(),
+                act,
+                (n, hd),
+                b.hb,
+                b.hf,
+                b.x,
+                b.mlp,
+            )?;
+        }
+        let shape = (n, hd, mc.expert_intermediate);
+        self.run_gpu_experts(&plan, moe, host_block, ctx, shape, b.hb, b.experts)?;
+        self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
+        if let Some(routing) = &plan.cpu {
+            let t = Instant::now();
+            self.run_cpu_experts(host_block, ctx.cpu_pool, act, routing, (n, hd), b.hand);
+            ctx.times.cpu_experts_s += t.elapsed().as_secs_f64();
+            self.combine_cpu((n, hd), b.hand, b.cpu_sum, b.x)?;
+        }
+        Ok(())
+    }
+
+    /// The always-on shared expert, added into `x` (through its sigmoid gate when it has one).
+    #[allow(clippy::too_many_arguments)]
+    fn shared_expert(
+        &self,
+        sh: &GpuMlp,
+        gate: Option<&CudaSlice<f32>>,
+        act: GatedAct,
+        (n, hd): (usize, usize),
+        hb: &CudaSlice<bf16>,
+        hf: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        mlp: &mut MlpBufs,
+    ) -> anyhow::Result<()> {
+        let MlpBufs {
+            gate_up,
+            act: a,
+            out,
+        } = mlp;
+        match gate {
+            None => self.mlp(sh, act, hb, x, n, true, (gate_up, a)),
+            Some(g) => {
+                self.mlp(sh, act, hb, out, n, false, (gate_up, a))?;
+                self.dev.sigmoid_gate_rows(out, hf, g, (n, hd))?;
+                self.dev.add_inplace(x, &*out, n * hd)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The plan's GPU experts: their rows gathered once, then phase by phase (resident and uploaded
+    /// experts, then each streamed chunk as it is unpacked) gate_up GEMMs, activation, down GEMMs
+    /// into the expert output rows.
+    fn run_gpu_experts(
+        &self,
+        plan: &MoeDispatchPlan,
+        moe: &GpuMoe,
+        host_block: &MoeBlock,
+        ctx: &mut MoeStep<'_>,
+        (_, hd, inter): (usize, usize, usize),
+        hb: &CudaSlice<bf16>,
+        bufs: &mut ExpertBufs,
+    ) -> anyhow::Result<()> {
+        if !plan.any_gpu_work() {
+            return Ok(());
+        }
+        let (dev, s) = (&self.dev, &self.dev.stream);
+        let rows = plan.gpu_rows();
+        let mut uploaded = Vec::with_capacity(plan.uploads.len());
+        if !plan.uploads.is_empty() {
+            let t = Instant::now();
+            for &e in &plan.uploads {
+                uploaded.push((e, super::upload_dram_expert(dev, host_block, e)?));
+            }
+            ctx.times.transfer_s += t.elapsed().as_secs_f64();
+        }
+        if rows > 0 {
+            s.memcpy_htod(&plan.row_token, &mut bufs.row_token.slice_mut(..rows))?;
+            s.memcpy_htod(&plan.row_weight, &mut bufs.row_weight.slice_mut(..rows))?;
+            dev.gather_rows(hb, &bufs.row_token, (rows, hd), &mut bufs.x)?;
+        }
+        let mut pb = PhaseBuffers {
+            xe: &bufs.x,
+            gu: &mut bufs.gate_up,
+            act: &mut bufs.act,
+            ye: &mut bufs.y,
+            hd,
+            inter,
+            activation: GatedAct::of(&ctx.host.config),
+        };
+        for phase in &plan.phases {
+            let groups = plan.phase_groups(phase);
+            let Some(c) = phase.chunk else {
+                let mut ws: Vec<(CudaView<'_, bf16>, CudaView<'_, bf16>)> =
+                    Vec::with_capacity(groups.len());
+                for g in groups {
+                    let m = match &moe.experts[g.expert] {
+                        Some(m) => m,
+                        None => uploaded
+                            .iter()
+                            .find(|(e, _)| *e == g.expert)
+                            .map(|(_, m)| m)
+                            .context("uploaded expert missing")?,
+                    };
+                    ws.push((m.gate_up.bf16()?.slice(..), m.down.bf16()?.slice(..)));
+                }
+                self.expert_phase(groups, &ws, &mut pb)?;
+                continue;
+            };
+            let es = ctx
+                .stream
+                .as_deref_mut()
+                .context("streamed phase without a stream")?;
+            let t = Instant::now();
+            es.take(dev, ctx.host, c)?;
+            let (each, split) = (es.geometry.dense_elems(), 2 * inter * hd);
+            let mut ws = Vec::with_capacity(groups.len());
+            for g in groups {
+                let j = es
+                    .chunk(c)
+                    .ids
+                    .iter()
+                    .position(|&x| x as usize == g.expert)
+                    .context("expert not in its chunk")?;
+                ws.push((
+                    es.dense.slice(j * each..j * each + split),
+                    es.dense.slice(j * each + split..(j + 1) * each),
+                ));
+            }
+            self.expert_phase(groups, &ws, &mut pb)?;
+            ctx.times.transfer_s += t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// The GPU experts' rows into `x`: token t gets the weighted sum of its rows, in the plan's fixed
+    /// order (deterministic, no atomics).
+    fn combine_gpu(
+        &self,
+        plan: &MoeDispatchPlan,
+        (n, hd): (usize, usize),
+        bufs: &mut ExpertBufs,
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let rows = plan.gpu_rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let s = &self.dev.stream;
+        s.memcpy_htod(
+            &plan.token_offsets,
+            &mut bufs.token_offsets.slice_mut(..n + 1),
+        )?;
+        s.memcpy_htod(&plan.token_rows, &mut bufs.token_rows.slice_mut(..rows))?;
+        let ExpertBufs {
+            y,
+            token_offsets,
+            token_rows,
+            row_weight,
+            ..
+        } = bufs;
+        self.dev.scatter_add_weighted(
+            &*y,
+            &*token_offsets,
+            &*token_rows,
+            &*row_weight,
+            (n, rows, hd),
+            x,
+        )?;
+        Ok(())
+    }
+
+    /// The DRAM experts of the step's tokens on the CPU pool, from the rows the hand-off brought down,
+    /// into the hand-off's upward buffer.
+    fn run_cpu_experts(
+        &self,
+        block: &MoeBlock,
+        pool: Option<&moe_kernels::cpu::WorkerPool>,
+        act: GatedAct,
+        routing: &Routing,
+        (n, hd): (usize, usize),
+        hand: &mut Handoff,
+    ) {
+        let Handoff { x, y, .. } = hand;
+        let out = y.slice_mut(n * hd);
+        out.fill(0.0);
+        dram_experts_forward(block, pool, act, x.slice(n * hd), hd, routing, out);
+    }
+
+    /// The CPU experts' sum up and into `x`. The copy is asynchronous from pinned memory: the next
+    /// layer's wait (or the step's end) comes before the buffer is written again.
+    fn combine_cpu(
+        &self,
+        (n, hd): (usize, usize),
+        hand: &mut Handoff,
+        cpu_sum: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let nx = n * hd;
+        self.dev
+            .stream
+            .memcpy_htod(hand.y.slice(nx), &mut cpu_sum.slice_mut(..nx))?;
+        self.dev.add_inplace(x, &*cpu_sum, nx)?;
+        Ok(())
+    }
+}
