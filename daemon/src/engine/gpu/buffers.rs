@@ -156,7 +156,13 @@ impl GpuModel {
                 ),
             ),
         };
-        let fits = |b: &StepBuffers| b.rows >= rows && b.seqs >= seqs && b.index.stride >= blocks;
+        let fits = |b: &StepBuffers| b.rows >= rows && b.seqs >= seqs;
+        if let Some(b) = slot.as_mut().filter(|b| fits(b) && b.index.stride < blocks) {
+            // Only a sequence's block table outgrew the set (a long decode): widen the tables alone.
+            let stride = want.2;
+            b.index.tables = self.alloc(b.seqs * stride)?;
+            b.index.stride = stride;
+        }
         if !slot.as_ref().is_some_and(fits) {
             // Drop the smaller set first, so both never coexist (stream-ordered frees).
             *slot = None;
