@@ -106,10 +106,8 @@ impl UnpackFormat {
             WeightFormat::Bf16 => Some(UnpackFormat::Bf16),
             WeightFormat::Fp8Block => Some(UnpackFormat::Fp8Block),
             WeightFormat::Int8 => Some(UnpackFormat::Int8),
-            WeightFormat::F16
-            | WeightFormat::Int4 { .. }
-            | WeightFormat::Int4Min { .. }
-            | WeightFormat::Int8Group { .. } => None,
+            // f16, int4 and the grouped int formats (GGUF blocks)
+            _ => None,
         }
     }
 
