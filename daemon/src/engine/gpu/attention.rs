@@ -1,5 +1,6 @@
 //! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
+use super::buffers::{AttnBufs, MlaBufs};
 use super::kv::GpuKvPool;
 use super::{GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
 use crate::engine::kv::BLOCK;
@@ -115,7 +116,7 @@ impl GpuModel {
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
-        bufs: &mut super::buffers::AttnBufs,
+        bufs: &mut AttnBufs,
     ) -> anyhow::Result<()> {
         let GqaWeights {
             q: wq,
@@ -132,7 +133,8 @@ impl GpuModel {
             "attention buffers for {} rows, step has {n}",
             bufs.rows
         );
-        let super::buffers::AttnBufs { q, k, v, out, .. } = bufs;
+        anyhow::ensure!(bufs.gqa, "step buffers without GQA buffers");
+        let AttnBufs { q, k, v, out, .. } = bufs;
         self.linear(wq, hb, q, n, false)?;
         self.linear(wk, hb, k, n, false)?;
         self.linear(wv, hb, v, n, false)?;
@@ -218,6 +220,11 @@ impl GpuModel {
     /// block and KV head `S = scale · Q Kᵀ` (strided-batched over the group's query heads), a causal
     /// softmax to bf16 `P`, and `O = P V` written straight into the head's columns of `out`.
     /// Query blocks keep the score buffer ≤ `PREFILL_SCORE_BYTES` and skip keys past the block (causal).
+    ///
+    /// Its buffers are the one allocation of the layer loop left on purpose: they are sized by the
+    /// sequence's whole context (its K/V so far), not by the step's rows, so holding them per batch-size
+    /// class would keep the longest context's worth of memory for good. They come from the stream-ordered
+    /// pool and go back to it in stream order when the call returns (the memory plan's prefill item).
     #[allow(clippy::too_many_arguments)]
     fn prefill_gqa(
         &self,
@@ -331,6 +338,7 @@ impl GpuModel {
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
+        bufs: &mut AttnBufs,
     ) -> anyhow::Result<()> {
         let MlaWeights {
             q: wq,
@@ -350,34 +358,44 @@ impl GpuModel {
         );
         let qk = nope + rope;
         let dev = &self.dev;
-        let mut q = self.alloc::<f32>(n * nh * qk)?;
+        anyhow::ensure!(
+            bufs.rows >= n,
+            "attention buffers for {} rows, step has {n}",
+            bufs.rows
+        );
+        let MlaBufs {
+            q,
+            q_a,
+            q_a_bf16,
+            ckv,
+            latent,
+            krope,
+            out,
+        } = bufs
+            .mla
+            .as_mut()
+            .context("step buffers without MLA buffers")?;
         match wq {
-            GpuMlaQuery::Direct(l) => self.linear(l, hb, &mut q, n, false)?,
+            GpuMlaQuery::Direct(l) => self.linear(l, hb, q, n, false)?,
             GpuMlaQuery::LowRank { a, norm, b } => {
                 let r = a.out_dim;
-                let mut qa = self.alloc::<f32>(n * r)?;
-                self.linear(a, hb, &mut qa, n, false)?;
-                let mut qa_b = self.alloc::<bf16>(n * r)?;
-                dev.rms_norm(&qa, norm, m.latent_norm_eps, (n, r), &mut qa_b, None)?;
-                self.linear(b, &qa_b, &mut q, n, false)?;
+                self.linear(a, hb, q_a, n, false)?;
+                dev.rms_norm(&*q_a, norm, m.latent_norm_eps, (n, r), q_a_bf16, None)?;
+                self.linear(b, q_a_bf16, q, n, false)?;
             }
         }
-        self.norm_rope(host, &mut q, step, nh, qk, None, nope, true)?;
-        let mut ckv = self.alloc::<f32>(n * (lora + rope))?;
-        self.linear(kv_a, hb, &mut ckv, n, false)?;
-        let mut latent = self.alloc::<f32>(n * lora)?;
-        let mut krope = self.alloc::<f32>(n * rope)?;
+        self.norm_rope(host, q, step, nh, qk, None, nope, true)?;
+        self.linear(kv_a, hb, ckv, n, false)?;
         dev.mla_split_latent(
-            &ckv,
+            &*ckv,
             kv_a_norm,
             m.latent_norm_eps,
             (n, lora, rope),
-            &mut latent,
-            &mut krope,
+            latent,
+            krope,
         )?;
-        self.norm_rope(host, &mut krope, step, 1, rope, None, 0, true)?;
-        self.append(pool, li, &latent, &krope, step)?;
-        let mut out = self.alloc::<bf16>(n * nh * vd)?;
+        self.norm_rope(host, krope, step, 1, rope, None, 0, true)?;
+        self.append(pool, li, latent, krope, step)?;
         let dims = MlaDims {
             heads: nh,
             nope,
@@ -386,7 +404,7 @@ impl GpuModel {
             v_dim: vd,
         };
         dev.mla_attention(
-            &q,
+            &*q,
             &pool.k[li],
             &pool.v[li],
             &step.paged(),
@@ -394,8 +412,8 @@ impl GpuModel {
             dims,
             kv_b,
             cfg.attention_scale(),
-            &mut out,
+            out,
         )?;
-        self.linear(o, &out, x, n, true)
+        self.linear(o, out, x, n, true)
     }
 }

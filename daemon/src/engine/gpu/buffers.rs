@@ -11,7 +11,7 @@
 //!
 //! Each set holds its pinned hand-off buffers too (graphs bake their host addresses as well).
 use super::handoff::Handoff;
-use super::{GpuAttention, GpuFfn, GpuModel};
+use super::{GpuAttention, GpuFfn, GpuMlaQuery, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -31,12 +31,30 @@ pub struct IndexBufs {
     pub stride: usize,
 }
 
-/// GQA attention's buffers (q, k, v in f32, the attention output in bf16); empty for MLA models.
+/// Attention's buffers: GQA's q, k, v (f32) and output (bf16), sized when every layer is GQA; MLA's
+/// when any layer is MLA.
 pub struct AttnBufs {
     pub rows: usize,
+    pub gqa: bool,
     pub q: CudaSlice<f32>,
     pub k: CudaSlice<f32>,
     pub v: CudaSlice<f32>,
+    pub out: CudaSlice<bf16>,
+    pub mla: Option<MlaBufs>,
+}
+
+/// MLA's per-step rows (absorbed form).
+pub struct MlaBufs {
+    /// Queries `[rows, heads, nope + rope]` f32.
+    pub q: CudaSlice<f32>,
+    /// The low-rank query's latent `[rows, q_lora_rank]`, f32 and normalised bf16.
+    pub q_a: CudaSlice<f32>,
+    pub q_a_bf16: CudaSlice<bf16>,
+    /// kv_a_proj output `[rows, lora + rope]`, split into the normalised latent and the rope key.
+    pub ckv: CudaSlice<f32>,
+    pub latent: CudaSlice<f32>,
+    pub krope: CudaSlice<f32>,
+    /// Attention output `[rows, heads, v_dim]` bf16.
     pub out: CudaSlice<bf16>,
 }
 
@@ -196,8 +214,7 @@ impl GpuModel {
         })
     }
 
-    /// Activation buffers for `rows` rows and `seqs` sequences. GQA buffers only when every layer is
-    /// GQA (MLA allocates its own).
+    /// Activation buffers for `rows` rows and `seqs` sequences.
     fn alloc_acts(&self, cfg: &ModelConfig, rows: usize, seqs: usize) -> anyhow::Result<ActBufs> {
         let hd = cfg.hidden_size;
         let (experts, k, inter) = cfg.moe.as_ref().map_or((1, 1, 0), |m| {
@@ -223,11 +240,13 @@ impl GpuModel {
             w: self.alloc(rows * k)?,
             cpu_sum: self.alloc(rows * hd)?,
             attn: AttnBufs {
-                rows: if gqa { rows } else { 0 },
+                rows,
+                gqa,
                 q: self.alloc(rows * qd)?,
                 k: self.alloc(rows * kd)?,
                 v: self.alloc(rows * kd)?,
                 out: self.alloc(rows * qd)?,
+                mla: self.alloc_mla(cfg, rows)?,
             },
             mlp: MlpBufs {
                 gate_up: self.alloc(rows * 2 * mlp_inter)?,
@@ -250,6 +269,41 @@ impl GpuModel {
                 logits: self.alloc(seqs * cfg.vocab_size)?,
             },
         })
+    }
+
+    /// MLA's buffers when some layer is MLA.
+    fn alloc_mla(&self, cfg: &ModelConfig, rows: usize) -> anyhow::Result<Option<MlaBufs>> {
+        let (Some(m), true) = (
+            &cfg.mla,
+            self.layers
+                .iter()
+                .any(|l| matches!(l.attn, GpuAttention::Mla(_))),
+        ) else {
+            return Ok(None);
+        };
+        let q_lora = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.attn {
+                GpuAttention::Mla(w) => match &w.q {
+                    GpuMlaQuery::LowRank { a, .. } => Some(a.out_dim),
+                    GpuMlaQuery::Direct(_) => None,
+                },
+                GpuAttention::Gqa(_) => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let (nh, qk) = (cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim);
+        let (lora, rope) = (m.kv_lora_rank, m.qk_rope_head_dim);
+        Ok(Some(MlaBufs {
+            q: self.alloc(rows * nh * qk)?,
+            q_a: self.alloc(rows * q_lora)?,
+            q_a_bf16: self.alloc(rows * q_lora)?,
+            ckv: self.alloc(rows * (lora + rope))?,
+            latent: self.alloc(rows * lora)?,
+            krope: self.alloc(rows * rope)?,
+            out: self.alloc(rows * nh * m.v_head_dim)?,
+        }))
     }
 
     pub(super) fn all_gqa(&self) -> bool {

@@ -199,7 +199,9 @@ impl GpuModel {
             GpuAttention::Gqa(w) => {
                 self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
             }
-            GpuAttention::Mla(w) => self.mla_attention(w, host, step, g.hb, pool, li, g.x)?,
+            GpuAttention::Mla(w) => {
+                self.mla_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
+            }
         }
         dev.rms_norm(
             g.x,
