@@ -131,8 +131,9 @@ impl GpuModel {
         &self,
         n: usize,
     ) -> anyhow::Result<CudaSlice<T>> {
-        // SAFETY: every buffer of a step is fully written by a kernel or GEMM before it is read (the
-        // callers below are written that way), so skipping the memset is sound and saves a launch.
+        // SAFETY: every element a step reads was written earlier in the same step by a kernel, GEMM or
+        // copy (the step buffers and the long-prefill scratch are used that way), so skipping the memset
+        // is sound and saves a launch.
         Ok(unsafe { self.dev.stream.alloc::<T>(n.max(1)) }?)
     }
 
