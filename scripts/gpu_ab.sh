@@ -12,6 +12,31 @@ export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
 echo "== gpu_tests (new build)"
 timeout 150 .device/gpu_tests --test-threads 1 --nocapture > "$OUT/gpu_tests.log" 2>&1
 echo "rc=$?"; grep -E "^test |panicked|test result" "$OUT/gpu_tests.log" | tail -30
+echo "== logits of both builds, bit for bit (fixtures; 4 GPU experts; decode, then a layerwise prompt)"
+P40=$(seq -s, 1 40)
+for fx in qwen3_moe qwen2_moe deepseek_v3 glm4_moe smallthinker; do
+    for mode in "decode:1,2,3,4,5" "layerwise:$P40"; do
+        ids=${mode#*:}; extra=""; [ "${mode%%:*}" = layerwise ] && extra="--gpu-prefill-threshold 16"
+        for bin in moe-daemon.base moe-daemon; do
+            timeout 60 ".device/$bin" generate --model "tests/fixtures/$fx/model_bf16" --device cuda \
+                --gpu-experts 4 $extra --prompt-ids "$ids" --max-tokens 12 --ignore-eos \
+                --logits-out "$OUT/$fx.${mode%%:*}.$bin.json" >/dev/null 2>"$OUT/$fx.${mode%%:*}.$bin.err" ||
+                echo "$fx ${mode%%:*} $bin: rc=$? ($(tail -1 "$OUT/$fx.${mode%%:*}.$bin.err"))"
+        done
+        python3 - "$OUT/$fx.${mode%%:*}.moe-daemon.base.json" "$OUT/$fx.${mode%%:*}.moe-daemon.json" <<'PY'
+import json, sys
+try:
+    a, b = (json.load(open(f))["steps"] for f in sys.argv[1:3])
+except Exception as e:
+    print(sys.argv[2], "unreadable:", e); sys.exit()
+fa = [x for s in a for x in (s["logits"] if isinstance(s, dict) else s)]
+fb = [x for s in b for x in (s["logits"] if isinstance(s, dict) else s)]
+d = max((abs(x - y) for x, y in zip(fa, fb)), default=float("nan"))
+same = len(fa) == len(fb) and fa == fb
+print(sys.argv[2].split("/")[-1].rsplit(".", 2)[0], "identical" if same else f"DIFFER: max |diff| {d:.3e} over {len(fa)} values")
+PY
+    done
+done
 M=/dev/shm/q$L
 timeout 240 .device/moe-daemon bench synth-checkpoint --like qwen3-30b-a3b --layers "$L" --out "$M" >/dev/null 2>&1
 echo "synth ($L layers) rc=$?"
