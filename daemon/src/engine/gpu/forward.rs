@@ -1,4 +1,8 @@
-//! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers).
+//! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers):
+//! the host index of the step's rows, the batch-size class's buffers (`buffers`), the embedding rows,
+//! then per layer its pre-expert segment (norm, attention, norm, router and the hand-off copies; eager
+//! or replayed from a CUDA graph) and its FFN (a dense MLP, or the MoE phases of `moe_layer`), and the
+//! lm_head on each sequence's last row.
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
 use super::dispatch::{expert_homes, ExpertHome};

@@ -7,6 +7,12 @@
 //! DRAM-resident experts of the same tokens; their sum comes back with one host→device copy and one add.
 //! Above `gpu_prefill_threshold` tokens a step is a long prefill: the layer's DRAM experts are streamed to
 //! the GPU instead and computed there.
+//!
+//! Files: `forward` (the step), `dispatch` (the pure per-layer MoE dispatch plan), `moe_layer` (its
+//! phases), `experts` (GPU expert GEMM phases), `attention`, `buffers` (step buffers per batch-size
+//! class), `graphs`, `handoff` (pinned buffers), `stream` (layerwise prefill's expert stream), `kv`,
+//! `memory` and `setup` (the memory plan and bring-up), `kinds` (config kinds → the op layer's).
+//! Kernels are launched only through `moe_kernels::cuda::ops`.
 pub mod attention;
 pub mod buffers;
 pub mod dispatch;
