@@ -1,5 +1,7 @@
 //! Engine flags shared by `generate`, `serve` and `bench`.
 use crate::engine::placement::{GpuExperts, PlacementStrategy};
+use crate::engine::placement_rules::RuleSet;
+use crate::engine::replacement::LiveOptions;
 use crate::engine::{Device, EngineOptions};
 use clap::{Args, ValueEnum};
 use moe_kernels::cpu::moe::WeightFormat;
@@ -59,6 +61,28 @@ pub struct EngineArgs {
     /// Record how often each expert is routed to and write the statistics to FILE at exit.
     #[arg(long)]
     pub record_routing: Option<PathBuf>,
+    /// Placement rules (YAML, docs/PLACEMENT.md): pin experts to the GPU or DRAM by name / layer /
+    /// expert, choose where long prompts compute them and their DRAM format; the first matching rule
+    /// wins, and --gpu-experts / --expert-placement fill the GPU from the experts no rule pins.
+    #[arg(long, value_name = "FILE")]
+    pub placement_rules: Option<PathBuf>,
+    /// As llama.cpp: the routed experts of the first N layers stay in DRAM, every other layer's
+    /// experts live on the GPU.
+    #[arg(long, value_name = "N", conflicts_with = "placement_rules")]
+    pub n_cpu_moe: Option<usize>,
+    /// Move experts between GPU and DRAM while serving, following the recent routing (the GPU holds
+    /// the hottest ones; DRAM keeps a copy of every expert).
+    #[arg(long)]
+    pub live_placement: bool,
+    /// PCIe budget of live re-placement's expert copies, MiB per second.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub live_pcie_mib_per_s: u64,
+    /// Steps after which a routing count has lost half its weight (live re-placement).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub live_half_life_steps: u32,
+    /// Steps between two re-plannings (live re-placement).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub live_interval_steps: u32,
     /// GPU KV cache capacity in positions, all sequences together.
     #[arg(long, default_value_t = 65536)]
     pub kv_cache_tokens: usize,
@@ -118,7 +142,20 @@ impl EngineArgs {
             max_tier: self.cpu_tier,
             ..Default::default()
         };
+        let placement_rules = match (&self.placement_rules, self.n_cpu_moe) {
+            (Some(path), _) => Some(RuleSet::load(path)?),
+            (None, Some(n)) => Some(RuleSet::n_cpu_moe(n)),
+            (None, None) => None,
+        };
+        let live_placement = self.live_placement.then(|| LiveOptions {
+            pcie_bytes_per_s: (self.live_pcie_mib_per_s << 20) as f64,
+            half_life_steps: self.live_half_life_steps as f64,
+            interval_steps: self.live_interval_steps,
+            ..Default::default()
+        });
         Ok(EngineOptions {
+            placement_rules,
+            live_placement,
             cpu_kernels: !self.reference_experts,
             cpu_moe,
             expert_format: self.expert_dtype,

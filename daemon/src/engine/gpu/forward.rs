@@ -367,8 +367,15 @@ impl GpuModel {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             // ---- attention, norm, router and the routing copies: eager, or one graph replay
-            let want_x = !layerwise
-                && matches!(&layer.ffn, GpuFfn::Moe(m) if m.experts.iter().any(Option::is_none));
+            // Rows go to the host when DRAM experts may run on the CPU: in decode, or in a long
+            // prompt's step for experts the placement rules keep on the CPU for prefill.
+            let prefill_cpu = self
+                .prefill_on_cpu
+                .get(li)
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            let want_x = (!layerwise || prefill_cpu.contains(&true))
+                && matches!(&layer.ffn, GpuFfn::Moe(m) if m.experts.read().iter().any(Option::is_none));
             {
                 let mut seg = Segment {
                     x: &mut *x,
@@ -425,11 +432,24 @@ impl GpuModel {
                         anyhow::bail!("layer {li}: host and GPU layer kinds differ");
                     };
                     let e = mc.num_experts;
+                    let table = moe.experts.read();
+                    let on_cpu_in_prefill =
+                        |id: usize| prefill_cpu.get(id).copied().unwrap_or(false);
                     let (nk, nx) = (n * mc.top_k, n * hd);
                     let t0 = Instant::now();
                     s.synchronize()?;
                     times.gpu_wait_s += t0.elapsed().as_secs_f64();
-                    let eids: Vec<u32> = hand.ids.slice(nk).iter().map(|&x| x as u32).collect();
+                    let mut eids: Vec<u32> = hand.ids.slice(nk).iter().map(|&x| x as u32).collect();
+                    if let Some(f) = self
+                        .routing_override
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_mut()
+                    {
+                        f(li, &mut eids);
+                        // out-of-range ids from an override would index past the tables
+                        eids.iter_mut().for_each(|id| *id = (*id).min(e as u32 - 1));
+                    }
                     let ew = hand.w.slice(nk).to_vec();
                     on_routing(li, &eids);
                     // Group tokens per expert; split GPU-resident from DRAM experts.
@@ -442,9 +462,9 @@ impl GpuModel {
                     let mut any_cpu = false;
                     for (j, &id) in eids.iter().enumerate() {
                         times.expert_hits += 1;
-                        if moe.experts[id as usize].is_some() {
+                        if table[id as usize].is_some() {
                             times.gpu_expert_hits += 1;
-                        } else {
+                        } else if !layerwise || on_cpu_in_prefill(id as usize) {
                             cpu_ids[j] = id;
                             cpu_w[j] = ew[j];
                             any_cpu = true;
@@ -487,8 +507,9 @@ impl GpuModel {
                         wts.extend(toks.iter().map(|t| t.1));
                     };
                     for (eid, toks) in per_expert.iter().enumerate() {
-                        let resident = moe.experts[eid].is_some();
-                        if !toks.is_empty() && (resident || (layerwise && !streaming)) {
+                        let resident = table[eid].is_some();
+                        let uploaded_here = layerwise && !streaming && !on_cpu_in_prefill(eid);
+                        if !toks.is_empty() && (resident || uploaded_here) {
                             push(eid, &mut groups);
                         }
                     }
@@ -499,7 +520,11 @@ impl GpuModel {
                         for &c in &chunk_list {
                             let g0 = groups.len();
                             for &id in &es.chunk(c).ids {
-                                if !per_expert[id as usize].is_empty() {
+                                let (id_u, resident) = (id as usize, table[id as usize].is_some());
+                                if !per_expert[id_u].is_empty()
+                                    && !resident
+                                    && !on_cpu_in_prefill(id_u)
+                                {
                                     push(id as usize, &mut groups);
                                 }
                             }
@@ -509,7 +534,7 @@ impl GpuModel {
                     if layerwise && !streaming {
                         let t = Instant::now();
                         for &(eid, _, _) in &groups {
-                            if moe.experts[eid].is_none() {
+                            if table[eid].is_none() {
                                 uploaded
                                     .push((eid, super::upload_dram_expert(dev, host_block, eid)?));
                             }
@@ -547,7 +572,7 @@ impl GpuModel {
                         let resident = &groups[..resident_groups];
                         let mut ws = Vec::with_capacity(resident.len());
                         for &(eid, _, _) in resident {
-                            let m = match &moe.experts[eid] {
+                            let m = match &table[eid] {
                                 Some(m) => m,
                                 None => uploaded
                                     .iter()

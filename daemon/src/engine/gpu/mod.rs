@@ -13,6 +13,7 @@ pub mod forward;
 pub mod graphs;
 pub mod handoff;
 pub mod kv;
+pub mod moves;
 pub mod setup;
 pub mod stream;
 
@@ -44,9 +45,43 @@ pub struct GpuMoe {
     pub router: CudaSlice<f32>,
     pub correction_bias: Option<CudaSlice<f32>>,
     /// Indexed by expert id; `None` = the expert lives in DRAM.
-    pub experts: Vec<Option<GpuMlp>>,
+    pub experts: ExpertTable,
     pub shared: Option<GpuMlp>,
     pub shared_gate: Option<CudaSlice<f32>>,
+}
+
+/// One MoE layer's GPU-resident experts by expert id (`None`: the expert lives in DRAM). A step reads
+/// the table once per layer; live re-placement ([`crate::engine::replacement`]) installs and evicts
+/// entries between steps, so a step never sees a half-made change.
+pub struct ExpertTable(std::sync::RwLock<Vec<Option<GpuMlp>>>);
+
+impl ExpertTable {
+    pub fn new(experts: Vec<Option<GpuMlp>>) -> Self {
+        Self(std::sync::RwLock::new(experts))
+    }
+
+    /// The table as the step sees it (held for one layer).
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Option<GpuMlp>>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Puts `m` in expert `e`'s slot; returns what was there.
+    pub fn install(&self, e: usize, m: GpuMlp) -> Option<GpuMlp> {
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        t.get_mut(e).and_then(|slot| slot.replace(m))
+    }
+
+    /// Empties expert `e`'s slot (the expert is computed from DRAM from the next step on); the
+    /// returned weights are freed when dropped.
+    pub fn evict(&self, e: usize) -> Option<GpuMlp> {
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        t.get_mut(e).and_then(Option::take)
+    }
+
+    /// Which experts are resident.
+    pub fn resident(&self) -> Vec<bool> {
+        self.read().iter().map(Option::is_some).collect()
+    }
 }
 
 pub enum GpuFfn {
@@ -111,7 +146,15 @@ pub struct GpuModel {
     pub cuda_graphs: bool,
     /// Persistent buffers and captured graphs of decode steps (created on the first one).
     pub graphs: Mutex<Option<graphs::DecodeGraphs>>,
+    /// Per layer and expert (from placement rules): a long prompt's step computes this DRAM expert on
+    /// the CPU instead of streaming it to the GPU. Empty rows: stream them all.
+    pub prefill_on_cpu: Vec<Vec<bool>>,
+    /// Rewrites each MoE layer's routed ids after the router (benchmarks' synthetic routing bias).
+    pub routing_override: Mutex<Option<RoutingOverride>>,
 }
+
+/// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
+pub type RoutingOverride = Box<dyn FnMut(usize, &mut [u32]) + Send>;
 
 pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
     let w = dev.stream.clone_htod(&linear_bf16(l))?;
@@ -166,8 +209,33 @@ pub fn upload_dram_expert(
     block: &crate::model::MoeBlock,
     eid: usize,
 ) -> anyhow::Result<GpuMlp> {
-    if let Some(m) = &block.experts[eid] {
-        return upload_mlp(dev, m);
+    upload_dram_expert_on(&dev.stream, block, eid)
+}
+
+/// [`upload_dram_expert`] on a given stream (live re-placement copies on a side stream).
+pub fn upload_dram_expert_on(
+    s: &Arc<cudarc::driver::CudaStream>,
+    block: &crate::model::MoeBlock,
+    eid: usize,
+) -> anyhow::Result<GpuMlp> {
+    if let Some(m) = block.experts.get(eid).and_then(Option::as_ref) {
+        return Ok(GpuMlp {
+            gate_up: GpuLinear {
+                w: s.clone_htod(&mlp_gate_up_bf16(m))?,
+                bias: None,
+                out_dim: 2 * m.gate.out_dim,
+                in_dim: m.gate.in_dim,
+            },
+            down: GpuLinear {
+                w: s.clone_htod(&linear_bf16(&m.down))?,
+                bias: match &m.down.bias {
+                    Some(b) => Some(s.clone_htod(b)?),
+                    None => None,
+                },
+                out_dim: m.down.out_dim,
+                in_dim: m.down.in_dim,
+            },
+        });
     }
     let set = block
         .cpu_set
@@ -180,13 +248,13 @@ pub fn upload_dram_expert(
     let as_bf16 = |v: Vec<u16>| -> Vec<bf16> { v.into_iter().map(bf16::from_bits).collect() };
     Ok(GpuMlp {
         gate_up: GpuLinear {
-            w: dev.stream.clone_htod(&as_bf16(gate_up))?,
+            w: s.clone_htod(&as_bf16(gate_up))?,
             bias: None,
             out_dim: 2 * i,
             in_dim: h,
         },
         down: GpuLinear {
-            w: dev.stream.clone_htod(&as_bf16(down))?,
+            w: s.clone_htod(&as_bf16(down))?,
             bias: None,
             out_dim: h,
             in_dim: i,
@@ -212,13 +280,15 @@ pub fn expert_bytes(hidden: usize, inter: usize) -> usize {
 
 impl GpuModel {
     /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
-    /// copies of those experts are released from `model` afterwards (one copy of each expert).
+    /// copies of those experts are released from `model` afterwards (one copy of each expert) unless
+    /// `keep_host_copies` (live re-placement: DRAM holds every expert, the GPU a cache of the hot ones).
     pub fn upload(
         dev: GpuDevice,
         model: &mut Model,
         placement: &[Vec<bool>],
         kv_blocks: usize,
         prefill_threshold: usize,
+        keep_host_copies: bool,
     ) -> anyhow::Result<Self> {
         let cfg = model.config.clone();
         let s = &dev.stream;
@@ -262,9 +332,12 @@ impl GpuModel {
                     for (e, slot) in block.experts.iter_mut().enumerate() {
                         if on_gpu.get(e).copied().unwrap_or(false) {
                             let m = slot
-                                .take()
+                                .as_ref()
                                 .with_context(|| format!("layer {li} expert {e} missing"))?;
-                            experts.push(Some(upload_mlp(&dev, &m)?));
+                            experts.push(Some(upload_mlp(&dev, m)?));
+                            if !keep_host_copies {
+                                *slot = None;
+                            }
                         } else {
                             experts.push(None);
                         }
@@ -275,7 +348,7 @@ impl GpuModel {
                             Some(b) => Some(s.clone_htod(b)?),
                             None => None,
                         },
-                        experts,
+                        experts: ExpertTable::new(experts),
                         shared: match &block.shared {
                             Some(m) => Some(upload_mlp(&dev, m)?),
                             None => None,
@@ -312,6 +385,8 @@ impl GpuModel {
             handoff: Mutex::new(None),
             cuda_graphs: false,
             graphs: Mutex::new(None),
+            prefill_on_cpu: Vec::new(),
+            routing_override: Mutex::new(None),
         })
     }
 

@@ -3,6 +3,7 @@ use super::kv::GpuKvPool;
 use super::{expert_bytes, GpuModel};
 use crate::engine::kv::BLOCK;
 use crate::engine::placement::{plan_placement, GpuExperts, MemoryPlan, RoutingStats};
+use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Context};
@@ -39,7 +40,14 @@ pub fn dense_bytes(cfg: &ModelConfig) -> usize {
     b
 }
 
-pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow::Result<GpuModel> {
+/// Opens GPU `ordinal`, places the experts (`rules`: the rule file's choices, resolved for this model)
+/// and uploads everything but the DRAM experts.
+pub fn build(
+    model: &mut Model,
+    ordinal: usize,
+    opts: &EngineOptions,
+    rules: Option<&PlacementPlan>,
+) -> anyhow::Result<GpuModel> {
     let cfg = model.config.clone();
     if cfg.indexer.is_some() {
         bail!(
@@ -68,30 +76,22 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
             + super::stream::device_bytes(each, experts, opts.gpu_stream_chunk_bytes),
         device_free: free,
     };
+    let pins = rules.map(PlacementPlan::pins);
+    let pinned_gpu: usize = pins
+        .iter()
+        .flatten()
+        .flatten()
+        .filter(|&&p| p == Some(true))
+        .count();
     let per_layer = match opts.gpu_experts {
         GpuExperts::Count(n) => n.min(experts),
         GpuExperts::Ratio(r) => ((experts as f64 * r).round() as usize).min(experts),
-        GpuExperts::Auto => plan.max_experts_per_layer(moe_layers, experts),
+        // What fits beside the pinned experts, spread evenly over the MoE layers.
+        GpuExperts::Auto => {
+            let room = plan.max_experts_per_layer(1, usize::MAX);
+            room.saturating_sub(pinned_gpu) / moe_layers.max(1)
+        }
     };
-    plan.gpu_experts_total = per_layer * moe_layers;
-    let msg = format!(
-        "{} ({}.{}), {:.1} GiB total: {}",
-        dev.name,
-        dev.capability.0,
-        dev.capability.1,
-        total as f64 / (1u64 << 30) as f64,
-        plan.describe()
-    );
-    tracing::info!("{msg}");
-    eprintln!("{msg}");
-    if !plan.fits() {
-        bail!(
-            "the model does not fit on {}: {}; at most {} GPU experts per layer would fit (use --gpu-experts auto), or lower --kv-cache-tokens",
-            dev.name,
-            plan.describe(),
-            plan.max_experts_per_layer(moe_layers, experts)
-        );
-    }
     let stats = match &opts.routing_stats {
         Some(p) => {
             let text =
@@ -119,15 +119,52 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         per_layer,
         stats.as_ref(),
         opts.placement_seed,
+        pins.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
+    plan.gpu_experts_total = placement.iter().flatten().filter(|&&g| g).count();
+    let msg = format!(
+        "{} ({}.{}), {:.1} GiB total: {}",
+        dev.name,
+        dev.capability.0,
+        dev.capability.1,
+        total as f64 / (1u64 << 30) as f64,
+        plan.describe()
+    );
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    if let Some(r) = rules {
+        let text = r.describe(&placement, &default_format_name(opts));
+        tracing::info!("{text}");
+        eprint!("{text}");
+    }
+    if !plan.fits() {
+        bail!(
+            "the model does not fit on {}: {}; at most {} GPU experts per layer would fit (use --gpu-experts auto, pin fewer experts to the GPU), or lower --kv-cache-tokens",
+            dev.name,
+            plan.describe(),
+            plan.max_experts_per_layer(moe_layers, experts)
+        );
+    }
     let mut gpu = GpuModel::upload(
         dev,
         model,
         &placement,
         blocks,
         opts.gpu_prefill_threshold.max(1),
+        opts.live_placement.is_some(),
     )?;
     gpu.cuda_graphs = opts.cuda_graphs;
+    if let Some(r) = rules {
+        gpu.prefill_on_cpu = r.prefill_on_cpu();
+    }
     Ok(gpu)
+}
+
+/// How the plan names DRAM experts that no rule gives a format: `--expert-dtype`, else as stored.
+pub fn default_format_name(opts: &EngineOptions) -> String {
+    opts.expert_format.map_or(
+        "as-stored".into(),
+        crate::engine::placement_rules::resolve::format_name,
+    )
 }
