@@ -66,9 +66,19 @@ pub struct EngineArgs {
     /// wins, and --gpu-experts / --expert-placement fill the GPU from the experts no rule pins.
     #[arg(long, value_name = "FILE")]
     pub placement_rules: Option<PathBuf>,
+    /// Placement rules as text instead of a file (the operator passes a MoEDeployment's inline
+    /// rules in MOE_PLACEMENT_RULES).
+    #[arg(
+        long,
+        value_name = "YAML",
+        env = "MOE_PLACEMENT_RULES",
+        hide_env_values = true,
+        conflicts_with = "placement_rules"
+    )]
+    pub placement_rules_yaml: Option<String>,
     /// As llama.cpp: the routed experts of the first N layers stay in DRAM, every other layer's
     /// experts live on the GPU.
-    #[arg(long, value_name = "N", conflicts_with = "placement_rules")]
+    #[arg(long, value_name = "N", conflicts_with_all = ["placement_rules", "placement_rules_yaml"])]
     pub n_cpu_moe: Option<usize>,
     /// Move experts between GPU and DRAM while serving, following the recent routing (the GPU holds
     /// the hottest ones; DRAM keeps a copy of every expert).
@@ -142,10 +152,10 @@ impl EngineArgs {
             max_tier: self.cpu_tier,
             ..Default::default()
         };
-        let placement_rules = match (&self.placement_rules, self.n_cpu_moe) {
+        let placement_rules = match (&self.placement_rules, &self.placement_rules_yaml) {
             (Some(path), _) => Some(RuleSet::load(path)?),
-            (None, Some(n)) => Some(RuleSet::n_cpu_moe(n)),
-            (None, None) => None,
+            (None, Some(text)) => Some(RuleSet::parse("MOE_PLACEMENT_RULES", text)?),
+            (None, None) => self.n_cpu_moe.map(RuleSet::n_cpu_moe),
         };
         let live_placement = self.live_placement.then(|| LiveOptions {
             pcie_bytes_per_s: (self.live_pcie_mib_per_s << 20) as f64,

@@ -282,9 +282,10 @@ fn hostile_input_is_bounded() {
 
 #[test]
 fn plan_lists_runs_of_layers_and_experts() {
-    let rules = parse(include_str!(
-        "../../../../examples/placement/qwen3-30b-hot-int4.yaml"
-    ))
+    let rules = RuleSet::parse(
+        "examples/placement/qwen3-30b-hot-int4.yaml",
+        include_str!("../../../../examples/placement/qwen3-30b-hot-int4.yaml"),
+    )
     .unwrap();
     let cfg = qwen3_30b();
     let plan = rules.resolve(&cfg).unwrap();
@@ -315,4 +316,20 @@ fn plan_lists_runs_of_layers_and_experts() {
         3,
         "{text}"
     );
+    // docs/PLACEMENT.md shows this plan: keep it what the daemon prints
+    let docs = include_str!("../../../../docs/PLACEMENT.md");
+    let shown: Vec<&str> = docs
+        .lines()
+        .skip_while(|l| {
+            !l.starts_with("placement plan (examples/placement/qwen3-30b-hot-int4.yaml)")
+        })
+        .take_while(|l| !l.starts_with("```"))
+        .collect();
+    assert_eq!(shown.len(), 6, "the docs' example plan");
+    for line in shown {
+        assert!(
+            text.lines().any(|l| l.trim_end() == line),
+            "docs line {line:?} not in\n{text}"
+        );
+    }
 }
