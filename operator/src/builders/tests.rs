@@ -450,8 +450,6 @@ fn placement_rules_reach_the_daemon() {
     assert_eq!(mount.read_only, Some(true));
     let volumes = sts
         .spec
-        .as_ref()
-        .unwrap()
         .template
         .spec
         .as_ref()
