@@ -305,7 +305,7 @@ fn plan_lists_runs_of_layers_and_experts() {
         .collect();
     assert_eq!(counts[..4], [128; 4]);
     assert_eq!(counts[4..], [32; 44]);
-    let text = plan.describe(&placement, "bf16");
+    let text = plan.describe(&placement, "as-stored");
     assert!(text.contains("layers 0-3"), "{text}");
     assert!(text.contains("layers 4-39"), "{text}");
     assert!(text.contains("layers 40-47"), "{text}");
