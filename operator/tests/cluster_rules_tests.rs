@@ -10,8 +10,11 @@ use std::sync::Arc;
 use fake_api::FakeApi;
 use harness::{current, h100, qwen_spec as qwen, stored, HPA_PATH, MD_PATH, STS_PATH, SVC_PATH};
 use http::Method;
+use kube::runtime::events::Reporter;
 use moe_operator::controller::reconcile::reconcile;
 use moe_operator::controller::Context;
+use moe_operator::crd::MoEDeployment;
+use moe_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
 const BACKEND_PATH: &str = "/api/v1/namespaces/ai/services/qwen-backend";

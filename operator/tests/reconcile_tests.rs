@@ -11,6 +11,7 @@ use harness::{condition, current, md as md_value, HPA_PATH, MD_PATH, STS_PATH, S
 use http::Method;
 use moe_operator::controller::reconcile::{reconcile, LEGACY_FINALIZER};
 use moe_operator::controller::{Context, Error};
+use moe_operator::crd::MoEDeployment;
 use serde_json::{json, Value};
 
 const HEADLESS_PATH: &str = "/api/v1/namespaces/ai/services/qwen-pods";
