@@ -84,6 +84,8 @@ impl ExpertTable {
     }
 }
 
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuFfn {
     Dense(GpuMlp),
     Moe(GpuMoe),
