@@ -573,6 +573,8 @@ fn glm_mla_variants_on_cuda() {
         Err(e) => format!("{e:#}"),
     };
     assert!(e.contains("indexer") && e.contains("--device cpu"), "{e}");
+}
+
 /// Live re-placement options that never move on their own (the test moves by hand).
 fn live_still() -> moe_daemon::engine::replacement::LiveOptions {
     moe_daemon::engine::replacement::LiveOptions {
