@@ -341,6 +341,7 @@ impl PlacementPlan {
 pub fn format_name(f: WeightFormat) -> String {
     match f {
         WeightFormat::Bf16 => "bf16".into(),
+        WeightFormat::F16 => "f16".into(),
         WeightFormat::Fp8Block => "fp8".into(),
         WeightFormat::Int8 => "int8".into(),
         WeightFormat::Int4 { group: 32 } => "int4".into(),
