@@ -151,6 +151,7 @@ fixture_tests!(
     qwen3,
     smallthinker,
     smallthinker_softmax,
+    glm5_next,
     glm4_moe_lite,
     glm_moe_dsa
 );

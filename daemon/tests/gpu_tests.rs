@@ -6,6 +6,7 @@
 //! activations' precision differs between GPU and CPU experts).
 //! Fixtures: `MOE_FIXTURES` or ../tests/fixtures.
 mod common;
+mod consumer_gpu;
 
 use common::rel_l2;
 use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};
@@ -531,6 +532,62 @@ fn gpu_unpack_matches_cpu_reader() {
                 .map(|x| x.to_bits())
                 .collect();
             assert!(got_e == want, "{fmt:?} expert {e}: GPU unpack differs");
+        }
+    }
+}
+
+/// `gated_mul` with GLM's `swiglu_limit` (gate ≤ limit, up within ±limit before SiLU) and without one
+/// (an infinite limit) equals the CPU backend's `GatedAct` on values on both sides of the limit, to bf16
+/// rounding of the output (relative 1e-2).
+#[test]
+fn gpu_gated_mul_clamps_like_cpu() {
+    use cudarc::driver::PushKernelArg;
+    use moe_daemon::engine::moe::GatedAct;
+    use moe_daemon::model::config::Activation;
+    use moe_kernels::cuda::GpuDevice;
+    let dev = GpuDevice::open(0).unwrap();
+    let (rows, inter) = (3usize, 257usize);
+    let mut next = xorshift(5);
+    // gate and up spread over about ±20, so a limit of 7 clamps a large share of both
+    let gate_up: Vec<f32> = (0..rows * 2 * inter)
+        .map(|_| (next() % 40_001) as f32 / 1000.0 - 20.0)
+        .collect();
+    for limit in [Some(7.0f32), None] {
+        let act = GatedAct {
+            act: Activation::Silu,
+            swiglu_limit: limit,
+        };
+        let d_in = dev.stream.clone_htod(&gate_up).unwrap();
+        let mut d_out = dev.stream.alloc_zeros::<half::bf16>(rows * inter).unwrap();
+        let (inter_i, rows_i, code, lim) = (
+            inter as i32,
+            rows as i32,
+            0i32,
+            limit.unwrap_or(f32::INFINITY),
+        );
+        let mut l = dev.launch(&dev.k.gated_mul);
+        l.arg(&d_in)
+            .arg(&inter_i)
+            .arg(&rows_i)
+            .arg(&code)
+            .arg(&lim)
+            .arg(&mut d_out);
+        // SAFETY: argument order and types as kernels.cu's gated_mul; buffers sized rows × (2·)inter.
+        unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.unwrap();
+        let got = dev.stream.clone_dtoh(&d_out).unwrap();
+        for r in 0..rows {
+            for c in 0..inter {
+                let (g, u) = (
+                    gate_up[r * 2 * inter + c],
+                    gate_up[r * 2 * inter + inter + c],
+                );
+                let want = act.apply(g, u);
+                let have = got[r * inter + c].to_f32();
+                assert!(
+                    (have - want).abs() <= 1e-2 * want.abs().max(1e-2),
+                    "limit {limit:?}: gate {g} up {u}: GPU {have}, CPU {want}"
+                );
+            }
         }
     }
 }

@@ -6,10 +6,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::builders::{desired_objects, BuildError, BuildInput, ClassBuild, DesiredObjects};
 use crate::crd::{
-    HardwareClassStatus, MoEDeployment, ModelShape, RejectedClassStatus, ResolvedPlacementStatus,
+    HardwareClassStatus, MoEDeployment, RejectedClassStatus, ResolvedPlacementStatus,
 };
 use crate::crd_bounds::check_name;
-use crate::model_shape::resolve_shape;
+use crate::model_shape::{resolve_shape, ResolvedShape};
 use crate::placement::classes::{plan_fleet, FleetPlan};
 use crate::placement::node_facts::NodeFacts;
 use crate::placement::sizing::Sizing;
@@ -27,7 +27,7 @@ pub enum DesiredError {
 
 #[derive(Clone, Debug)]
 pub struct DesiredState {
-    pub shape: Option<ModelShape>,
+    pub shape: Option<ResolvedShape>,
     /// Every node's verdict across all classes; `sizing` is the first (best) class's.
     pub decision: PlacementDecision,
     /// The hardware classes and the rejected ones.

@@ -1,65 +1,65 @@
-//! Model shapes placement sizes against: an explicit `spec.model.shape`, else a small built-in table
-//! of well-known MoE checkpoints (numbers from their `config.json`, bytes as published on the Hub).
+//! Model shapes placement sizes against: an explicit `spec.model.shape` (byte counts only), else a
+//! well-known checkpoint matched by name, whose `config.json` the shared sizing crate (`moe_sizing`,
+//! the daemon's own plan) turns into a full shape.
+use std::ops::Deref;
 
 use crate::crd::{ModelShape, ModelSpec};
 
-/// A well-known checkpoint, matched case-insensitively against the repo id or served name.
-struct KnownModel {
-    key: &'static str,
-    shape: ModelShape,
+/// KV bytes per cached value on the GPU (the daemon caches K/V in bf16).
+const KV_ELEM_BYTES: u64 = moe_sizing::plan::KV_ELEM_BYTES;
+
+/// The shape placement uses. Dereferences to the byte summary every sizing reads; `detail` is the
+/// full shape of a known model, with which the daemon's memory plan is computed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResolvedShape {
+    pub summary: ModelShape,
+    pub detail: Option<moe_sizing::ModelShape>,
 }
 
-const MIB: u64 = 1024 * 1024;
-
-fn known_models() -> [KnownModel; 3] {
-    [
-        // Qwen3-30B-A3B (bf16): 48 MoE layers, 128 experts, hidden 2048, moe_intermediate 768,
-        // 4 KV heads x 128 dims. Expert = 3 x 2048 x 768 x 2 bytes.
-        KnownModel {
-            key: "qwen3-30b-a3b",
-            shape: ModelShape {
-                moe_layers: 48,
-                experts_per_layer: 128,
-                expert_bytes: 3 * 2048 * 768 * 2,
-                dense_bytes: 3_100 * MIB,
-                kv_bytes_per_token: Some(2 * 48 * 4 * 128 * 2),
-            },
-        },
-        // GLM-4.5-Air (bf16): 46 layers of which 45 MoE, 128 routed + 1 shared expert, hidden 4096,
-        // moe_intermediate 1408, 8 KV heads x 128 dims.
-        KnownModel {
-            key: "glm-4.5-air",
-            shape: ModelShape {
-                moe_layers: 45,
-                experts_per_layer: 128,
-                expert_bytes: 3 * 4096 * 1408 * 2,
-                dense_bytes: 12_000 * MIB,
-                kv_bytes_per_token: Some(2 * 46 * 8 * 128 * 2),
-            },
-        },
-        // DeepSeek-V3 (fp8 block-quantised): 61 layers of which 58 MoE, 256 routed experts,
-        // hidden 7168, moe_intermediate 2048; MLA cache of 512 + 64 values per layer.
-        KnownModel {
-            key: "deepseek-v3",
-            shape: ModelShape {
-                moe_layers: 58,
-                experts_per_layer: 256,
-                expert_bytes: 3 * 7168 * 2048 + 3 * 56 * 16 * 4,
-                dense_bytes: 17_000 * MIB,
-                kv_bytes_per_token: Some(61 * (512 + 64) * 2),
-            },
-        },
-    ]
+impl Deref for ResolvedShape {
+    type Target = ModelShape;
+    fn deref(&self) -> &ModelShape {
+        &self.summary
+    }
 }
 
-/// The shape placement uses: the spec's own, else the built-in entry whose key appears in the
-/// Hugging Face repo id, the PVC/host path, or the served name.
-pub fn resolve_shape(model: &ModelSpec, resource_name: &str) -> Option<ModelShape> {
+impl From<ModelShape> for ResolvedShape {
+    fn from(summary: ModelShape) -> Self {
+        Self {
+            summary,
+            detail: None,
+        }
+    }
+}
+
+impl ResolvedShape {
+    /// A known model's shape, with its byte summary (experts as the checkpoint stores them; dense
+    /// weights at bf16; KV as the daemon caches it).
+    pub fn known(detail: moe_sizing::ModelShape) -> Self {
+        let dense = moe_sizing::dense_bytes(&detail, moe_sizing::DenseDtype::Bf16, false);
+        let summary = ModelShape {
+            moe_layers: detail.moe_layers() as u32,
+            experts_per_layer: detail.experts_per_layer() as u32,
+            expert_bytes: detail.checkpoint_expert_bytes(),
+            dense_bytes: dense.total(),
+            kv_bytes_per_token: Some(detail.kv_bytes_per_token(KV_ELEM_BYTES)),
+        };
+        Self {
+            summary,
+            detail: Some(detail),
+        }
+    }
+}
+
+/// The shape placement uses: the spec's own, else the known model whose key appears in the Hugging
+/// Face repo id, the PVC/host path, the URL, the served name or the resource name (an `fp8` in one of
+/// them selects the FP8 checkpoint's sizes).
+pub fn resolve_shape(model: &ModelSpec, resource_name: &str) -> Option<ResolvedShape> {
     if let Some(shape) = &model.shape {
-        return Some(shape.clone());
+        return Some(shape.clone().into());
     }
     let source = &model.source;
-    let haystacks = [
+    let names = [
         source.hugging_face.as_ref().map(|h| h.repo.as_str()),
         source.pvc.as_ref().and_then(|p| p.path.as_deref()),
         source.host_path.as_ref().map(|h| h.path.as_str()),
@@ -67,15 +67,11 @@ pub fn resolve_shape(model: &ModelSpec, resource_name: &str) -> Option<ModelShap
         model.served_name.as_deref(),
         Some(resource_name),
     ];
-    let haystacks: Vec<String> = haystacks
-        .iter()
-        .flatten()
-        .map(|s| s.to_lowercase())
-        .collect();
-    known_models()
-        .into_iter()
-        .find(|known| haystacks.iter().any(|h| h.contains(known.key)))
-        .map(|known| known.shape)
+    let names: Vec<&str> = names.into_iter().flatten().collect();
+    let (_, config) = moe_sizing::known::match_known(names.iter().copied())?;
+    // The table's configs are tested to parse; a failure here would be a bug in the table.
+    let detail = moe_sizing::ModelShape::from_config_json(&config).ok()?;
+    Some(ResolvedShape::known(detail))
 }
 
 impl ModelShape {
@@ -118,7 +114,7 @@ mod tests {
                 .checkpoint_bytes()
                 / 1_000_000_000
         };
-        // Published sizes: ~61 GB, ~221 GB, ~690 GB.
+        // Published sizes: ~61 GB, ~221 GB with the MTP layer the engine does not load, ~690 GB.
         assert!(
             (58..=64).contains(&gb("Qwen/Qwen3-30B-A3B")),
             "{}",
@@ -126,6 +122,13 @@ mod tests {
         );
         assert!((200..=230).contains(&gb("zai-org/GLM-4.5-Air")));
         assert!((650..=700).contains(&gb("deepseek-ai/DeepSeek-V3-0324")));
+        // An FP8 checkpoint of a bf16 model gets FP8 expert sizes.
+        assert!(
+            gb("Qwen/Qwen3-30B-A3B-FP8") < 35,
+            "{}",
+            gb("Qwen/Qwen3-30B-A3B-FP8")
+        );
+        assert!((40..=46).contains(&gb("PowerInfer/SmallThinker-21BA3B-Instruct")));
     }
 
     #[test]
@@ -140,7 +143,9 @@ mod tests {
             kv_bytes_per_token: None,
         };
         model.shape = Some(shape.clone());
-        assert_eq!(resolve_shape(&model, "unknown"), Some(shape));
+        let resolved = resolve_shape(&model, "unknown").unwrap();
+        assert_eq!(resolved.summary, shape);
+        assert!(resolved.detail.is_none());
     }
 
     #[test]

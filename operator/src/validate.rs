@@ -1,12 +1,13 @@
 //! Spec validation in Rust: the CEL rules of the CRD (so offline plans and the reconciler reject
 //! what the apiserver would) plus checks CEL cannot express (quantities, model shape).
 
-use crate::crd::{AutoOr, AutoscalingProvider, HugepageSize, MoEDeploymentSpec, ModelShape};
+use crate::crd::{AutoOr, AutoscalingProvider, HugepageSize, MoEDeploymentSpec};
+use crate::model_shape::ResolvedShape;
 use crate::placement::node_facts::CapabilityPattern;
 use crate::placement::sizing::check_spec;
 
 /// All problems found, each a sentence naming the field.
-pub fn validate_spec(spec: &MoEDeploymentSpec, shape: Option<&ModelShape>) -> Vec<String> {
+pub fn validate_spec(spec: &MoEDeploymentSpec, shape: Option<&ResolvedShape>) -> Vec<String> {
     let mut errors = Vec::new();
     let source = &spec.model.source;
     let set = [

@@ -15,10 +15,11 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(repo_file(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
-const EXAMPLES: [&str; 3] = [
+const EXAMPLES: [&str; 4] = [
     "examples/qwen3-30b-a3b.yaml",
     "examples/glm-4.5-air.yaml",
     "examples/deepseek-v3.yaml",
+    "examples/smallthinker-21b.yaml",
 ];
 
 #[test]
@@ -38,7 +39,7 @@ fn examples_plan_against_the_sample_cluster() {
     let nodes = read("examples/nodes.yaml");
     let qwen = plan(&read(EXAMPLES[0]), &nodes).unwrap();
     assert!(
-        qwen.contains("summary: \"1/5 nodes are available"),
+        qwen.contains("summary: \"2/6 nodes are available"),
         "{qwen}"
     );
     assert!(qwen.contains("GPU compute capability 8.6 is not accepted"));

@@ -230,12 +230,36 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
             100.0 * split.gpu_expert_hits as f64 / split.expert_hits.max(1) as f64
         );
     }
+    print_gpu_memory(&engine);
     Ok(())
+}
+
+/// The engine's device memory: planned, allocated at start, and the most in use (step buffers too).
+fn print_gpu_memory(engine: &Engine) {
+    let (Some(report), Some((_, peak))) = (engine.gpu_memory(), engine.gpu_pool_usage()) else {
+        return;
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "  GPU memory: peak {:.2} GiB in use by the engine (plan {:.2} GiB of {:.2} GiB usable; start {:.2} GiB, planned {:.2}); CUDA context etc. {:.2} GiB; dense {}, embeddings {}, {} GPU experts/layer, KV {} positions",
+        gib(peak),
+        gib(report.plan.total()),
+        gib(report.plan.usable_bytes),
+        gib(report.start_allocated),
+        gib(report.planned_at_start()),
+        gib(report.context_used),
+        report.plan.dense_dtype.as_str(),
+        if report.plan.host_embeddings { "host" } else { "GPU" },
+        report.plan.gpu_experts_per_layer,
+        report.plan.kv_tokens
+    );
 }
 
 fn prefill(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
-    time_prefill(&engine, a.prompt_len, a.chunk)
+    time_prefill(&engine, a.prompt_len, a.chunk)?;
+    print_gpu_memory(&engine);
+    Ok(())
 }
 
 fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()> {

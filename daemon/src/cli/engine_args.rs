@@ -6,6 +6,7 @@ use crate::engine::{Device, EngineOptions};
 use clap::{Args, ValueEnum};
 use moe_kernels::cpu::moe::WeightFormat;
 use moe_kernels::cpu::{CpuMoeOptions, CpuTier, HugepageMode, NumaMode};
+use moe_sizing::{DenseChoice, DenseDtype, EmbeddingChoice, KvRequest};
 use std::path::PathBuf;
 
 /// Precision of the activations the CPU expert kernels multiply with.
@@ -15,6 +16,58 @@ pub enum ExpertActivations {
     F32,
     /// The AVX-512 BF16 / AMX tiers, fastest.
     Bf16,
+}
+
+/// `--kv-cache-tokens`: a number of positions or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvTokens {
+    Auto,
+    Count(usize),
+}
+
+impl std::str::FromStr for KvTokens {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            n => n
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .map(Self::Count)
+                .ok_or_else(|| {
+                    format!("--kv-cache-tokens takes a positive number or `auto`, got `{s}`")
+                }),
+        }
+    }
+}
+
+/// Positions `--kv-cache-tokens auto` aims for outside `serve` (which sizes by its context length):
+/// at least 4096, up to the 65536 the fixed default used to be.
+const AUTO_KV_MIN: usize = 4096;
+const AUTO_KV_MAX: usize = 65536;
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseDtypeArg {
+    Auto,
+    Bf16,
+    Fp8,
+    Int4,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostEmbeddingsArg {
+    Auto,
+    On,
+    Off,
+}
+
+fn parse_gpu_memory_limit(s: &str) -> Result<u64, String> {
+    let b = moe_sizing::parse_bytes(s)?;
+    if b < 1 << 30 {
+        return Err(format!("`{s}` is below 1 GiB: the GPU backend needs more"));
+    }
+    Ok(b)
 }
 
 #[derive(Args, Debug, Clone)]
@@ -93,9 +146,23 @@ pub struct EngineArgs {
     /// Steps between two re-plannings (live re-placement).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub live_interval_steps: u32,
-    /// GPU KV cache capacity in positions, all sequences together.
-    #[arg(long, default_value_t = 65536)]
-    pub kv_cache_tokens: usize,
+    /// GPU KV cache capacity in positions, all sequences together, or `auto`: sized by the GPU memory
+    /// plan from what the weights leave (at least one --max-model-len sequence when serving).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_tokens: KvTokens,
+    /// GPU memory the engine may plan with, e.g. 24GiB or 16GiB (default: the card's), to run as a
+    /// smaller card would; what does not fit is refused with the reason.
+    #[arg(long, value_parser = parse_gpu_memory_limit)]
+    pub gpu_memory_limit: Option<u64>,
+    /// Precision of the dense projections on the GPU (attention, dense MLP, shared experts,
+    /// lm_head): bf16, fp8 (W8A16), int4 (W4A16, group-wise), or auto (bf16 unless the budget is
+    /// tight, then fp8, then int4).
+    #[arg(long, default_value = "auto")]
+    pub dense_dtype: DenseDtypeArg,
+    /// Keep the embedding table in host memory and copy each step's rows (on, off, or auto: when the
+    /// GPU budget is tight).
+    #[arg(long, default_value = "auto")]
+    pub host_embeddings: HostEmbeddingsArg,
     /// Steps with at least this many tokens prefill layer by layer on the GPU (DRAM experts streamed
     /// from pinned memory). Above --kv-cache-tokens it disables layerwise prefill and the pinning.
     #[arg(long, default_value_t = 1024)]
@@ -145,6 +212,9 @@ impl EngineArgs {
         if self.device == Device::Cpu && gpu_experts != GpuExperts::Count(0) {
             anyhow::bail!("--gpu-experts needs --device cuda");
         }
+        if self.device == Device::Cpu && self.gpu_memory_limit.is_some() {
+            anyhow::bail!("--gpu-memory-limit needs --device cuda");
+        }
         let cpu_moe = CpuMoeOptions {
             threads: (self.cpu_threads > 0).then_some(self.cpu_threads),
             numa: self.numa,
@@ -176,11 +246,65 @@ impl EngineArgs {
             placement_seed: self.placement_seed,
             routing_stats: self.routing_stats.clone(),
             record_routing: self.record_routing.is_some(),
-            kv_cache_tokens: self.kv_cache_tokens,
+            kv_cache_tokens: match self.kv_cache_tokens {
+                KvTokens::Count(n) => n,
+                KvTokens::Auto => AUTO_KV_MAX,
+            },
+            kv_auto: match self.kv_cache_tokens {
+                KvTokens::Count(_) => None,
+                KvTokens::Auto => Some(moe_sizing::KvRequest {
+                    min_tokens: AUTO_KV_MIN as u64,
+                    target_tokens: AUTO_KV_MAX as u64,
+                    max_tokens: AUTO_KV_MAX as u64,
+                }),
+            },
+            gpu_memory_limit: self.gpu_memory_limit,
+            dense_dtype: match self.dense_dtype {
+                DenseDtypeArg::Auto => DenseChoice::Auto,
+                DenseDtypeArg::Bf16 => DenseChoice::Fixed(DenseDtype::Bf16),
+                DenseDtypeArg::Fp8 => DenseChoice::Fixed(DenseDtype::Fp8),
+                DenseDtypeArg::Int4 => DenseChoice::Fixed(DenseDtype::Int4),
+            },
+            embeddings: match self.host_embeddings {
+                HostEmbeddingsArg::Auto => EmbeddingChoice::Auto,
+                HostEmbeddingsArg::On => EmbeddingChoice::Host,
+                HostEmbeddingsArg::Off => EmbeddingChoice::Gpu,
+            },
+            max_step_tokens: 2048,
+            max_step_seqs: 64,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
         })
+    }
+}
+
+impl EngineArgs {
+    /// Options for serving: KV (when `auto`) sized for `max_context`-position sequences, `max_seqs` of
+    /// them at most, and step buffers for `max_step_tokens` tokens.
+    pub fn serving_options(
+        &self,
+        max_context: usize,
+        max_seqs: usize,
+        max_step_tokens: usize,
+    ) -> anyhow::Result<EngineOptions> {
+        let mut o = self.options()?;
+        if self.kv_cache_tokens == KvTokens::Auto {
+            let req = KvRequest::serving(max_context as u64, max_seqs as u64);
+            o.kv_cache_tokens = req.target_tokens as usize;
+            o.kv_auto = Some(req);
+        }
+        o.max_step_tokens = max_step_tokens;
+        o.max_step_seqs = max_seqs;
+        Ok(o)
+    }
+
+    /// KV positions for engines without a memory plan (the CPU backend, the scripted test model).
+    pub fn kv_tokens_or(&self, auto: usize) -> usize {
+        match self.kv_cache_tokens {
+            KvTokens::Count(n) => n,
+            KvTokens::Auto => auto,
+        }
     }
 }

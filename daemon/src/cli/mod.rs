@@ -7,3 +7,4 @@ pub mod model_path;
 pub mod serve;
 pub mod synth;
 mod synth_glm;
+mod synth_glm5;

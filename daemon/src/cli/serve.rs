@@ -232,7 +232,7 @@ fn start_engine(
             end_token: tok.stop_token_ids.first().copied().unwrap_or(0),
             vocab: tok.vocab_size(),
             max_positions: files.max_positions,
-            kv_cache_tokens: args.engine.kv_cache_tokens,
+            kv_cache_tokens: args.engine.kv_tokens_or(65536),
             step_delay: Duration::from_millis(spec["step_delay_ms"].as_u64().unwrap_or(0)),
             step_stats: None,
         });
@@ -242,7 +242,11 @@ fn start_engine(
         );
         return Ok(spawn_engine(move || Ok(model), sched, metrics));
     }
-    let opts = args.engine.options()?;
+    let opts = args.engine.serving_options(
+        context_len(args, files),
+        args.max_running,
+        args.max_batch_tokens,
+    )?;
     let path = args.model.clone();
     let gguf = files.gguf.clone();
     Ok(spawn_engine(
@@ -380,10 +384,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (deadline_tx, deadline_passed) = tokio::sync::watch::channel(false);
     // A request must fit the context and, alone, the KV cache (the scheduler preempts to make room
     // for it, but cannot make the cache larger): longer ones get a 400 before they are queued.
-    let max_context = args
-        .max_model_len
-        .map_or(files.max_positions, |m| m.min(files.max_positions))
-        .min(kv_capacity_positions(args.engine.kv_cache_tokens));
+    // (`--kv-cache-tokens auto` plans at least one such sequence or refuses to start)
+    let context = context_len(&args, &files);
+    let max_context = context.min(kv_capacity_positions(args.engine.kv_tokens_or(context)));
     let state = Arc::new(AppState {
         served_model: args
             .served_model_name
@@ -563,6 +566,12 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// The longest sequence served: --max-model-len, at most the model's positions.
+fn context_len(args: &ServeArgs, files: &ModelFiles) -> usize {
+    args.max_model_len
+        .map_or(files.max_positions, |m| m.min(files.max_positions))
 }
 
 /// Positions the engine's KV cache holds for `--kv-cache-tokens` (whole blocks).

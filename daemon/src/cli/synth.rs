@@ -11,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Model shape: qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, smallthinker-4b,
-    /// glm-4.7-flash or glm-5.
+    /// glm-4.7-flash, glm-5 or glm-5.3-flash.
     #[arg(long)]
     pub like: String,
     /// Number of decoder layers (fewer than the real model to fit a disk).
@@ -26,83 +26,34 @@ pub struct SynthArgs {
     pub seed: u64,
 }
 
-/// Hub config.json of each shape.
+/// Hub config.json of each shape (the table the operator sizes with).
 pub fn config_like(name: &str) -> anyhow::Result<Value> {
-    Ok(match name {
-        "qwen3-30b-a3b" => json!({
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-            "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-            "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": null, "max_position_embeddings": 40960,
-            "tie_word_embeddings": false, "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
-            "torch_dtype": "bfloat16"}),
-        "glm-4.5-air" => json!({
-            "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
-            "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
-            "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128,
-            "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
-            "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": true, "partial_rotary_factor": 0.5,
-            "attention_bias": true, "use_qk_norm": false, "vocab_size": 151552, "rms_norm_eps": 1e-5,
-            "rope_theta": 1000000.0, "rope_scaling": null, "max_position_embeddings": 131072,
-            "tie_word_embeddings": false, "hidden_act": "silu", "eos_token_id": [151329, 151336, 151338],
-            "torch_dtype": "bfloat16"}),
-        "deepseek-v3" => json!({
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-            "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
-            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
-            "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "vocab_size": 129280,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_interleave": true,
-            "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-            "max_position_embeddings": 163840, "tie_word_embeddings": false, "hidden_act": "silu",
-            "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}),
-        // PowerInfer/SmallThinker-21BA3B-Instruct: shapes from its model card; every 4th layer (from
-        // layer 0) global NoPE attention, the others RoPE with a 4096-position sliding window, as
-        // llama.cpp's SMALLTHINKER loader lays it out (swa pattern 4, dense first; NoPE step 4).
-        "smallthinker-21b" => json!({
-            "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker",
-            "hidden_size": 2560, "num_hidden_layers": 52, "num_attention_heads": 28,
-            "num_key_value_heads": 4, "head_dim": 128, "moe_num_primary_experts": 64,
-            "moe_num_active_primary_experts": 6, "moe_ffn_hidden_size": 768,
-            "moe_primary_router_apply_softmax": true, "rope_layout": every_fourth_off(52),
-            "sliding_window_layout": every_fourth_off(52), "sliding_window_size": 4096,
-            "rope_theta": 1.5e6, "rope_scaling": null, "max_position_embeddings": 16384,
-            "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
-            "bos_token_id": 151643, "eos_token_id": [151643, 151645], "torch_dtype": "bfloat16"}),
-        // PowerInfer/SmallThinker-4BA0.6B-Instruct config.json: every layer RoPE and full attention,
-        // sigmoid-normalised router (no `moe_primary_router_apply_softmax`), tied embeddings.
-        "smallthinker-4b" => json!({
-            "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker",
-            "hidden_size": 1536, "num_hidden_layers": 32, "num_attention_heads": 12,
-            "num_key_value_heads": 2, "head_dim": 128, "moe_num_primary_experts": 32,
-            "moe_num_active_primary_experts": 4, "moe_ffn_hidden_size": 768, "norm_topk_prob": true,
-            "rope_layout": vec![1; 32], "sliding_window_layout": vec![0; 32],
-            "sliding_window_size": 4096, "rope_theta": 1.5e6, "rope_scaling": null,
-            "max_position_embeddings": 32768, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": true, "bos_token_id": 151643, "eos_token_id": [151643, 151645],
-            "torch_dtype": "bfloat16"}),
-        other => match super::synth_glm::config_like(other) {
-            Some(cfg) => cfg,
-            None => bail!(
-                "--like {other}: choose qwen3-30b-a3b, glm-4.5-air, deepseek-v3, smallthinker-21b, \
-                 smallthinker-4b, {}",
-                super::synth_glm::NAMES
-            ),
-        },
+    if let Some(cfg) = moe_sizing::known::config_json(name) {
+        return Ok(cfg);
+    }
+    if name == "glm-5.3-flash" {
+        return Ok(super::synth_glm5::glm53_flash_config());
+    }
+    super::synth_glm::config_like(name).with_context(|| {
+        let names: Vec<&str> = moe_sizing::known::KNOWN_MODELS
+            .iter()
+            .map(|k| k.key)
+            .collect();
+        format!(
+            "--like {name}: choose {}, {}, glm-5.3-flash",
+            names.join(", "),
+            super::synth_glm::NAMES
+        )
     })
-}
-
-/// `[0, 1, 1, 1, 0, 1, 1, 1, …]` over `layers` layers.
-fn every_fourth_off(layers: usize) -> Vec<u8> {
-    (0..layers).map(|l| u8::from(l % 4 != 0)).collect()
 }
 
 /// `--layers`: fewer decoder layers, with the per-layer layouts cut to match.
 fn set_layers(cfg: &mut Value, layers: usize) {
+    if let Some(text) = cfg.get_mut("text_config").filter(|t| t.is_object()) {
+        text["num_hidden_layers"] = layers.into();
+        super::synth_glm5::set_layers(text, layers);
+        return;
+    }
     cfg["num_hidden_layers"] = layers.into();
     for key in ["rope_layout", "sliding_window_layout"] {
         if let Some(a) = cfg.get_mut(key).and_then(Value::as_array_mut) {
@@ -130,34 +81,53 @@ pub(super) struct Spec {
 
 /// Every tensor of the checkpoint with its HF name, derived from the parsed config.
 fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
+    use super::synth_glm5::Values;
     use crate::model::config::{Arch, ModelConfig};
     use crate::model::names::MoeNames;
     let c = ModelConfig::from_json(v)?;
     let h = c.hidden_size;
+    // Multimodal checkpoints (GLM-5.3-Flash) keep the text model under `model.language_model`.
+    let hybrid = c.arch == Arch::Glm5Next;
+    let root = if hybrid {
+        "model.language_model"
+    } else {
+        "model"
+    };
     let mut s = Vec::new();
     let mut p = |name: String, shape: Vec<usize>, kind| s.push(Spec { name, shape, kind });
     p(
-        "model.embed_tokens.weight".into(),
+        format!("{root}.embed_tokens.weight"),
         vec![c.vocab_size, h],
         Kind::Proj,
     );
     if !c.tie_word_embeddings {
         p("lm_head.weight".into(), vec![c.vocab_size, h], Kind::Proj);
     }
-    p("model.norm.weight".into(), vec![h], Kind::Norm);
+    p(format!("{root}.norm.weight"), vec![h], Kind::Norm);
     for l in 0..c.num_layers {
-        let a = format!("model.layers.{l}.self_attn");
+        let a = format!("{root}.layers.{l}.self_attn");
         p(
-            format!("model.layers.{l}.input_layernorm.weight"),
+            format!("{root}.layers.{l}.input_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         p(
-            format!("model.layers.{l}.post_attention_layernorm.weight"),
+            format!("{root}.layers.{l}.post_attention_layernorm.weight"),
             vec![h],
             Kind::Norm,
         );
         match &c.mla {
+            _ if hybrid => {
+                let mut add = |name: String, shape: Vec<usize>, values: Values| {
+                    let kind = match values {
+                        Values::Proj => Kind::Proj,
+                        Values::Norm => Kind::Norm,
+                        Values::F32 => Kind::VecF32,
+                    };
+                    p(name, shape, kind)
+                };
+                super::synth_glm5::mixer_specs(&c, l, &format!("{root}.layers.{l}"), &mut add);
+            }
             Some(m) => {
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
                 if let Some(r) = m.q_lora_rank {
@@ -217,7 +187,7 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
                 }
             }
         }
-        let mlp = format!("model.layers.{l}.mlp");
+        let mlp = format!("{root}.layers.{l}.mlp");
         let dense = |p: &mut dyn FnMut(String, Vec<usize>, Kind), prefix: &str, inter: usize| {
             p(
                 format!("{prefix}.gate_proj.weight"),
@@ -237,11 +207,15 @@ fn tensor_specs(v: &Value) -> anyhow::Result<Vec<Spec>> {
         };
         match &c.moe {
             Some(m) if c.is_moe_layer(l) => {
-                let names = MoeNames::new(c.arch, l);
+                let names = MoeNames::in_model(c.arch, root, l);
                 p(names.router.clone(), vec![m.num_experts, h], Kind::Proj);
                 if matches!(
                     c.arch,
-                    Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa
+                    Arch::Glm4Moe
+                        | Arch::DeepseekV3
+                        | Arch::Glm4MoeLite
+                        | Arch::GlmMoeDsa
+                        | Arch::Glm5Next
                 ) {
                     p(
                         names.correction_bias.clone(),
@@ -321,8 +295,7 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         d => bail!("--dtype {d}: choose bf16 or fp8"),
     };
     if fp8 {
-        cfg["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
-            "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+        cfg["quantization_config"] = moe_sizing::known::fp8_quantization_config();
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     // (name, dtype, shape, kind, is_scale)
@@ -509,6 +482,36 @@ mod tests {
         assert!((3.8e9..4.2e9).contains(&(n as f64)), "{n}");
         assert!(c.tie_word_embeddings);
         assert!(c.layer_attention.iter().all(|l| *l == LayerAttention::FULL));
+    }
+
+    #[test]
+    fn glm53_flash_shape() {
+        // ~320 B parameters (text model without MTP and vision), 288 experts top-8 of 2048.
+        let (n, c) = params("glm-5.3-flash");
+        assert!((300e9..340e9).contains(&(n as f64)), "{n}");
+        use crate::model::hybrid::Mixer;
+        assert_eq!(
+            c.mixers.iter().filter(|m| **m == Mixer::Attention).count(),
+            11
+        );
+        assert_eq!(c.moe_layers.iter().filter(|m| **m).count(), 42);
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (32, 128, 2048));
+        assert_eq!(
+            ix.pooling,
+            crate::model::config::IndexerPooling::KeyPool { pool: 4 }
+        );
+        // 11 indexed layers: latent 512 + indexer key and gate logits 2 × 128 floats per position;
+        // linear-attention layers hold no rows
+        assert_eq!(
+            crate::engine::kv::bytes_per_position(&c),
+            11 * (512 + 256) * 4
+        );
+        let mut cfg = config_like("glm-5.3-flash").unwrap();
+        set_layers(&mut cfg, 5);
+        let c = ModelConfig::from_json(&cfg).unwrap();
+        assert_eq!(c.num_layers, 5);
+        assert_eq!(c.mixers[3], Mixer::Attention);
     }
 
     #[test]

@@ -70,7 +70,7 @@ pub fn indexer_specs(c: &ModelConfig, l: usize, out: &mut Vec<Spec>) {
     let (Some(rank), h, d) = (m.q_lora_rank, c.hidden_size, ix.head_dim) else {
         return;
     };
-    let p = crate::model::names::indexer(l);
+    let p = crate::model::names::indexer(&crate::model::names::layer(l));
     for (name, shape, kind) in [
         ("wq_b.weight", vec![ix.n_heads * d, rank], Kind::Proj),
         ("wk.weight", vec![d, h], Kind::Proj),

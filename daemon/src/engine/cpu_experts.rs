@@ -63,7 +63,7 @@ pub fn pack_model(
             &first.gate,
         );
         let set_cfg = ExpertSetConfig::new(cfg.hidden_size, mc.expert_intermediate, format)
-            .with_activation(act, None)
+            .with_activation(act, cfg.swiglu_limit)
             .with_hugepages(opts.hugepages)
             .with_max_tier(opts.max_tier);
         // FP8 with a block size other than the kernels' 128 stays on the exact reference path.

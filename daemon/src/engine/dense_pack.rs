@@ -85,6 +85,21 @@ pub fn pack_dense(
                     one("kv_a", &mut a.kv_a)?;
                     one("o", &mut a.o)?;
                 }
+                Attention::Linear(a) => {
+                    for (what, l) in [
+                        ("q", &mut a.q),
+                        ("k", &mut a.k),
+                        ("v", &mut a.v),
+                        ("f_a", &mut a.f_a),
+                        ("f_b", &mut a.f_b),
+                        ("b", &mut a.b),
+                        ("g_a", &mut a.g_a),
+                        ("g_b", &mut a.g_b),
+                        ("o", &mut a.o),
+                    ] {
+                        one(what, l)?;
+                    }
+                }
             }
             let mlp: Option<&mut Mlp> = match &mut layer.ffn {
                 Ffn::Dense(m) => Some(m),

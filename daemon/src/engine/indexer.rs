@@ -20,7 +20,7 @@
 //! - [`Selection::positions`]: what one token attends; layers marked `"shared"` reuse the previous
 //!   selection for the same tokens.
 //!
-//! Wiring a model to it (what GLM-5 does, and what GLM-5.3-Flash needs): an [`IndexerConfig`] in
+//! Wiring a model to it (what GLM-5 and GLM-5.3-Flash do): an [`IndexerConfig`] in
 //! `ModelConfig::indexer` (`pooling: KeyPool { pool }` and `rope_dim: 0` for the pooled variant; the
 //! pooled variant assumes `index_kpool_always_select_tail`, its config default: reject `false`), an
 //! `indexer: Some(SparseAttention::Own(..) | Shared)` on each MLA layer (built by `model::build` from

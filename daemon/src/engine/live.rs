@@ -39,7 +39,8 @@ impl LiveState {
             .moe
             .as_ref()
             .map_or((0, 0), |m| (m.num_experts, m.expert_intermediate));
-        let bytes = super::gpu::expert_bytes(cfg.hidden_size, inter);
+        // bf16 gate, up and down: what one copy moves over PCIe
+        let bytes = 3 * cfg.hidden_size * inter * 2;
         Ok(Self {
             policy: LivePlacement::new(opts, &cfg.moe_layers, experts, pinned, bytes),
             mover: ExpertMover::new(gpu)?,

@@ -8,9 +8,11 @@ pub mod cpu_experts;
 pub mod dense_pack;
 pub mod gpu;
 pub mod heap;
+pub mod hyper;
 pub mod indexer;
 pub mod kv;
 pub mod linear;
+pub mod linear_attention;
 pub mod live;
 pub mod moe;
 pub mod ops;
@@ -29,7 +31,7 @@ use crate::weights::safetensors::SafetensorsDir;
 use crate::weights::TensorSource;
 use anyhow::Context;
 pub use kv::{KvError, SeqCache};
-use ops::{add_assign, rms_norm};
+use ops::rms_norm;
 use rope::Rope;
 use std::path::Path;
 pub use step_times::StepTimes;
@@ -77,8 +79,20 @@ pub struct EngineOptions {
     pub placement_rules: Option<placement_rules::RuleSet>,
     /// Re-place experts between GPU and DRAM while serving (CUDA backend).
     pub live_placement: Option<replacement::LiveOptions>,
-    /// GPU KV cache capacity in positions (all sequences together).
+    /// GPU KV cache capacity in positions (all sequences together), unless `kv_auto` sizes it.
     pub kv_cache_tokens: usize,
+    /// CUDA backend: size the KV cache from the memory left after the weights (at least
+    /// `min_tokens`); `None`: exactly `kv_cache_tokens`.
+    pub kv_auto: Option<moe_sizing::KvRequest>,
+    /// GPU memory the CUDA backend plans within (`None`: the card's); reproduces a smaller card.
+    pub gpu_memory_limit: Option<u64>,
+    /// Precision of the dense projections on the GPU (auto: bf16 unless the budget is tight).
+    pub dense_dtype: moe_sizing::DenseChoice,
+    /// Where the embedding table lives with the CUDA backend (auto: host memory when tight).
+    pub embeddings: moe_sizing::EmbeddingChoice,
+    /// Most tokens and sequences of one step, for the activation buffers the plan reserves.
+    pub max_step_tokens: usize,
+    pub max_step_seqs: usize,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
     /// DRAM experts (and, on the CPU backend, dense projections) run on the packed CPU kernels
@@ -113,6 +127,12 @@ impl Default for EngineOptions {
             placement_rules: None,
             live_placement: None,
             kv_cache_tokens: 65536,
+            kv_auto: None,
+            gpu_memory_limit: None,
+            dense_dtype: moe_sizing::DenseChoice::Auto,
+            embeddings: moe_sizing::EmbeddingChoice::Auto,
+            max_step_tokens: 2048,
+            max_step_seqs: 64,
             gpu_prefill_threshold: 1024,
             cpu_kernels: true,
             cpu_moe: Default::default(),
@@ -168,6 +188,10 @@ pub enum StepError {
     NotReserved { reserved: usize, needed: usize },
     #[error("a sequence's cache belongs to another engine's KV pool")]
     ForeignCache,
+    #[error(
+        "a sequence's cache has no linear-attention state: make caches with Engine::new_cache"
+    )]
+    NoRecurrentState,
     #[error("{0}")]
     Backend(String),
 }
@@ -221,6 +245,19 @@ impl Engine {
             .thread_name(|i| format!("moe-cpu-{i}"))
             .build()?;
         let rope = Rope::new(&cfg.rope);
+        if opts.device != Device::Cpu && (cfg.linear_attention.is_some() || cfg.hyper.is_some()) {
+            anyhow::bail!(
+                "{}: the CUDA backend does not run linear-attention layers and hyper-connections yet; use --device cpu",
+                cfg.arch_name
+            );
+        }
+        let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
+        tracing::info!(
+            kv_bytes_per_position = footprint.kv_per_position,
+            indexer_bytes_per_position = footprint.indexer_per_position,
+            linear_state_mib_per_sequence = footprint.state_per_sequence >> 20,
+            "context memory on the CPU backend (f32 rows)"
+        );
         let mut model = pool.install(|| build_model(cfg, src))?;
         let rules = opts
             .placement_rules
@@ -304,7 +341,7 @@ impl Engine {
             // threshold (a step never holds more tokens than the KV cache).
             if let Some(g) = gpu
                 .as_ref()
-                .filter(|_| opts.gpu_prefill_threshold <= opts.kv_cache_tokens)
+                .filter(|g| opts.gpu_prefill_threshold <= g.kv_positions())
             {
                 g.attach_expert_stream(&model, opts.gpu_stream_chunk_bytes)?;
             }
@@ -312,7 +349,11 @@ impl Engine {
         } else {
             None
         };
-        let blocks = kv::blocks_for(opts.kv_cache_tokens).max(1);
+        let blocks = match &gpu {
+            // the memory plan sized the device pool
+            Some(g) => g.kv.lock().unwrap_or_else(|e| e.into_inner()).total_blocks,
+            None => kv::blocks_for(opts.kv_cache_tokens).max(1),
+        };
         let (kv_blocks, cpu_kv) = match &gpu {
             Some(g) => {
                 let copier = gpu::kv::GpuKvCopier {
@@ -388,6 +429,17 @@ impl Engine {
                 .as_ref()
                 .map_or(0, |d| d.graphs.map.len())
         })
+    }
+
+    /// The GPU memory plan and what the start allocated (CUDA backend).
+    pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
+        self.gpu.as_ref().and_then(|g| g.memory.as_ref())
+    }
+
+    /// This engine's device allocations (CUDA backend): bytes in use now and the most in use so far
+    /// (weights, KV cache, step buffers; not the CUDA context and cuBLAS workspaces).
+    pub fn gpu_pool_usage(&self) -> Option<(u64, u64)> {
+        self.gpu.as_ref()?.dev.pool_usage().ok()?
     }
 
     /// Whether the CUDA backend runs this engine.
@@ -479,9 +531,17 @@ impl Engine {
         &self.model
     }
 
-    /// An empty cache for a new sequence (no blocks until reserved).
+    /// An empty cache for a new sequence (no blocks until reserved; a zero linear-attention state for
+    /// models with linear layers).
     pub fn new_cache(&self) -> SeqCache {
-        SeqCache::new(self.kv_blocks.clone())
+        let cfg = &self.model.config;
+        match &cfg.linear_attention {
+            Some(la) => SeqCache::with_recurrent(
+                self.kv_blocks.clone(),
+                kv::RecurrentState::new(&cfg.mixers, la),
+            ),
+            None => SeqCache::new(self.kv_blocks.clone()),
+        }
     }
 
     /// One step; returns the logits at the last position of each entry, in order.
@@ -588,6 +648,10 @@ impl Engine {
                     max: cfg.max_position_embeddings,
                 });
             }
+            let layers = s.cache.recurrent().map(|r| r.num_layers());
+            if cfg.linear_attention.is_some() && layers != Some(cfg.num_layers) {
+                return Err(StepError::NoRecurrentState);
+            }
             if !std::sync::Arc::ptr_eq(s.cache.pool(), &self.kv_blocks) {
                 return Err(StepError::ForeignCache);
             }
@@ -611,6 +675,7 @@ impl Engine {
         let m = &self.model;
         let cfg = &m.config;
         let hd = cfg.hidden_size;
+        let act = moe::GatedAct::of(cfg);
         let mut segments = Vec::with_capacity(batch.len());
         let mut tokens = Vec::new();
         for s in batch.iter() {
@@ -627,32 +692,46 @@ impl Engine {
         for (t, &id) in tokens.iter().enumerate() {
             m.embed.row_f32(id as usize, &mut x[t * hd..(t + 1) * hd]);
         }
+        let mut residual = hyper::Residual::new(x, hd, cfg.hyper, cfg.rms_norm_eps);
         let store = self
             .cpu_kv
             .as_ref()
             .expect("the CPU backend has a CPU KV store");
         let mut kv_rows = store.lock();
-        let tables: Vec<&[kv::BlockId]> = batch.iter().map(|s| s.cache.blocks()).collect();
+        let mut tables: Vec<&[kv::BlockId]> = Vec::with_capacity(batch.len());
+        // Linear-attention state per entry (every entry has one when the model has linear layers).
+        let mut states: Vec<&mut kv::RecurrentState> = Vec::with_capacity(batch.len());
+        for s in batch.iter_mut() {
+            let (table, state) = s.cache.parts_mut();
+            tables.push(table);
+            states.extend(state);
+        }
         // The sparse-attention selection of the last layer that ran its own indexer.
         let mut selection = None;
         for (li, layer) in m.layers.iter().enumerate() {
             // Routing from the layer input (SmallThinker) is decided before attention runs.
-            let early = match (&layer.ffn, &cfg.moe) {
-                (Ffn::Moe(block), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
-                    let routing = moe::route(block, mc, &x, hd);
+            let early = match (&layer.ffn, &cfg.moe, residual.plain()) {
+                (Ffn::Moe(block), Some(mc), Some(x))
+                    if mc.router_input == RouterInput::LayerInput =>
+                {
+                    let routing = moe::route(block, mc, x, hd);
                     self.prefetch_experts(block, &routing);
                     Some(routing)
                 }
                 _ => None,
             };
             let t_attn = std::time::Instant::now();
-            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps);
+            let (input, mix) = residual.block_input(layer.hyper.as_ref().map(|h| &h.attn), hd);
+            let h = rms_norm(&input, &layer.attn_norm, cfg.rms_norm_eps);
+            drop(input);
             let rows = &mut kv_rows[li];
             let layout = cfg.layer_attention[li];
             let a = match &layer.attn {
                 Attention::Gqa(g) => {
                     attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, &tables, rows)
                 }
+                // Sparse-attention layers (GLM-5, GLM-5.3-Flash) run their indexer inside: an `Own`
+                // layer leaves its selection here for the `Shared` layer after it.
                 Attention::Mla(a) => attention::mla_forward(
                     a,
                     cfg,
@@ -664,10 +743,20 @@ impl Engine {
                     rows,
                     &mut selection,
                 ),
+                Attention::Linear(la) => linear_attention::linear_attention_forward(
+                    la,
+                    cfg,
+                    li,
+                    &h,
+                    &segments,
+                    &mut states,
+                ),
             };
-            add_assign(&mut x, &a);
+            residual.add_block_output(mix, &a, hd);
             times.attention_s += t_attn.elapsed().as_secs_f64();
-            let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps);
+            let (input, mix) = residual.block_input(layer.hyper.as_ref().map(|h| &h.ffn), hd);
+            let h = rms_norm(&input, &layer.ffn_norm, cfg.rms_norm_eps);
+            drop(input);
             let f = match (&layer.ffn, &cfg.moe) {
                 (Ffn::Moe(block), Some(mc)) => {
                     let pool = self.cpu_pool.as_deref();
@@ -678,16 +767,17 @@ impl Engine {
                     let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
                     times.expert_hits += routing.ids.len() as u64;
                     self.record(li, &routing.ids);
-                    let out = moe::moe_forward(block, pool, cfg.activation, &h, hd, &routing);
+                    let out = moe::moe_forward(block, pool, act, &h, hd, &routing);
                     times.cpu_experts_s += t.elapsed().as_secs_f64();
                     out
                 }
-                (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, cfg.activation, &h, n),
+                (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, act, &h, n),
                 (Ffn::Moe(_), None) => unreachable!("MoE layer built without MoE config"),
             };
-            add_assign(&mut x, &f);
+            residual.add_block_output(mix, &f, hd);
         }
-        drop((tables, kv_rows));
+        drop((tables, states, kv_rows));
+        let x = residual.into_hidden(hd);
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }

@@ -3,7 +3,7 @@
 //! input, or (SmallThinker) the layer input, in which case the engine routes before attention.
 use super::linear::dot;
 use super::ops::{add_assign, gelu_tanh, sigmoid, silu, softmax, top_k};
-use crate::model::config::{Activation, MoeConfig, RouterKind};
+use crate::model::config::{Activation, ModelConfig, MoeConfig, RouterKind};
 use crate::model::{Mlp, MoeBlock};
 use moe_kernels::cpu::WorkerPool;
 use rayon::prelude::*;
@@ -98,14 +98,36 @@ pub fn activate(act: Activation, g: f32) -> f32 {
     }
 }
 
+/// `act(gate) · up` of every gated MLP and expert of a model, with GLM-5's optional SwiGLU clamp
+/// (gate ≤ limit, up within ±limit, before the activation; the CPU kernels' `gated` and the GPU's
+/// `gated_mul` do the same).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GatedAct {
+    pub act: Activation,
+    pub swiglu_limit: Option<f32>,
+}
+
+impl GatedAct {
+    pub fn of(cfg: &ModelConfig) -> Self {
+        Self {
+            act: cfg.activation,
+            swiglu_limit: cfg.swiglu_limit,
+        }
+    }
+
+    #[inline]
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self.swiglu_limit {
+            Some(l) => activate(self.act, g.min(l)) * u.clamp(-l, l),
+            None => activate(self.act, g) * u,
+        }
+    }
+}
+
 /// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
-pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<f32> {
+pub fn mlp_forward(mlp: &Mlp, act: GatedAct, x: &[f32], tokens: usize) -> Vec<f32> {
     let [g, u] = crate::engine::linear::forward_many([&mlp.gate, &mlp.up], x, tokens);
-    let a: Vec<f32> = g
-        .iter()
-        .zip(&u)
-        .map(|(&g, &u)| activate(act, g) * u)
-        .collect();
+    let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g, u)).collect();
     mlp.down.forward(&a, tokens)
 }
 
@@ -114,7 +136,7 @@ pub fn mlp_forward(mlp: &Mlp, act: Activation, x: &[f32], tokens: usize) -> Vec<
 /// Ids equal to [`NOT_HERE`], or of experts not held in DRAM, are skipped (another device owns them).
 pub fn experts_forward(
     experts: &[Option<Mlp>],
-    act: Activation,
+    act: GatedAct,
     x: &[f32],
     hidden: usize,
     routing: &Routing,
@@ -155,7 +177,7 @@ pub fn experts_forward(
 pub fn dram_experts_forward(
     block: &MoeBlock,
     pool: Option<&WorkerPool>,
-    act: Activation,
+    act: GatedAct,
     x: &[f32],
     hidden: usize,
     routing: &Routing,
@@ -174,7 +196,7 @@ pub fn dram_experts_forward(
 pub fn moe_forward(
     block: &MoeBlock,
     pool: Option<&WorkerPool>,
-    act: Activation,
+    act: GatedAct,
     x: &[f32],
     hidden: usize,
     routing: &Routing,

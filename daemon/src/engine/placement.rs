@@ -1,4 +1,5 @@
-//! Which (layer, expert) lives on the GPU and which in DRAM, and the GPU memory plan that bounds it.
+//! Which (layer, expert) lives on the GPU and which in DRAM (the GPU memory plan that bounds it is the
+//! shared sizing crate's, see `engine/gpu/memory.rs`).
 //!
 //! Strategies (as KTransformers): `uniform` — the same N experts' slots on every MoE layer, the lowest ids;
 //! `frequency` — per layer, the N most-routed experts from a routing-statistics file written by
@@ -143,54 +144,6 @@ pub fn plan_placement(
     Ok(out)
 }
 
-/// GPU memory plan, in bytes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MemoryPlan {
-    pub dense_weights: usize,
-    pub expert_bytes_each: usize,
-    pub gpu_experts_total: usize,
-    pub kv_cache: usize,
-    pub workspace: usize,
-    pub device_free: usize,
-}
-
-impl MemoryPlan {
-    pub fn total(&self) -> usize {
-        self.dense_weights
-            + self.expert_bytes_each * self.gpu_experts_total
-            + self.kv_cache
-            + self.workspace
-    }
-
-    pub fn fits(&self) -> bool {
-        self.total() <= self.device_free
-    }
-
-    /// Most experts per layer that fit beside everything else (for `--gpu-experts auto`).
-    pub fn max_experts_per_layer(&self, moe_layers: usize, experts: usize) -> usize {
-        let fixed = self.dense_weights + self.kv_cache + self.workspace;
-        if fixed >= self.device_free || self.expert_bytes_each == 0 || moe_layers == 0 {
-            return 0;
-        }
-        ((self.device_free - fixed) / (self.expert_bytes_each * moe_layers)).min(experts)
-    }
-
-    pub fn describe(&self) -> String {
-        let g = |b: usize| b as f64 / (1u64 << 30) as f64;
-        format!(
-            "GPU memory plan: dense weights {:.2} GiB + {} experts × {:.1} MiB = {:.2} GiB + KV cache {:.2} GiB + workspace {:.2} GiB = {:.2} GiB of {:.2} GiB free",
-            g(self.dense_weights),
-            self.gpu_experts_total,
-            self.expert_bytes_each as f64 / (1u64 << 20) as f64,
-            g(self.expert_bytes_each * self.gpu_experts_total),
-            g(self.kv_cache),
-            g(self.workspace),
-            g(self.total()),
-            g(self.device_free)
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,28 +238,9 @@ mod tests {
     }
 
     #[test]
-    fn memory_plan_auto_fits() {
-        let p = MemoryPlan {
-            dense_weights: 100,
-            expert_bytes_each: 10,
-            gpu_experts_total: 0,
-            kv_cache: 50,
-            workspace: 50,
-            device_free: 1000,
-        };
-        let n = p.max_experts_per_layer(4, 128);
-        assert_eq!(n, 20); // (1000 - 200) / (10 × 4)
-        let full = MemoryPlan {
-            gpu_experts_total: n * 4,
-            ..p.clone()
-        };
-        assert!(full.fits());
-        let over = MemoryPlan {
-            gpu_experts_total: (n + 1) * 4,
-            ..p
-        };
-        assert!(!over.fits());
+    fn gpu_experts_parse() {
         assert!("x".parse::<GpuExperts>().is_err());
         assert_eq!("auto".parse::<GpuExperts>(), Ok(GpuExperts::Auto));
+        assert_eq!("12".parse::<GpuExperts>(), Ok(GpuExperts::Count(12)));
     }
 }

@@ -38,7 +38,7 @@ impl Default for LiveOptions {
             half_life_steps: 256.0,
             interval_steps: 16,
             hysteresis: 0.25,
-            max_in_flight: 4,
+            max_in_flight: moe_sizing::plan::LIVE_MOVE_SLOTS as usize,
         }
     }
 }

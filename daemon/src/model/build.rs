@@ -1,7 +1,7 @@
 //! Builds a [`Model`] from a [`TensorSource`], checking every tensor's shape against the config so a
 //! mismatched checkpoint fails at load with the tensor's name, never later in a kernel.
 use super::config::ModelConfig;
-use super::names::{layer, MoeNames};
+use super::names::{layer_in, MoeNames};
 use super::*;
 use crate::engine::linear::Linear;
 use crate::weights::{HostTensor, TensorSource, WeightError};
@@ -21,12 +21,12 @@ pub enum BuildError {
     Unsupported(String),
 }
 
-struct Loader<'a> {
-    src: &'a dyn TensorSource,
+pub(super) struct Loader<'a> {
+    pub(super) src: &'a dyn TensorSource,
 }
 
 impl Loader<'_> {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor, BuildError> {
+    pub(super) fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor, BuildError> {
         let t = self.src.load(name)?;
         if t.shape != shape {
             return Err(BuildError::Shape {
@@ -38,12 +38,17 @@ impl Loader<'_> {
         Ok(t)
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, BuildError> {
+    pub(super) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, BuildError> {
         Ok(self.tensor(name, &[len])?.to_f32())
     }
 
     /// `prefix.weight` `[out, in]` and `prefix.bias` `[out]` if the checkpoint has one.
-    fn linear(&self, prefix: &str, out: usize, inp: usize) -> Result<Linear, BuildError> {
+    pub(super) fn linear(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Linear, BuildError> {
         let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
         let bias_name = format!("{prefix}.bias");
         let bias = if self.src.contains(&bias_name) {
@@ -75,8 +80,17 @@ impl Loader<'_> {
 pub fn build_model(cfg: ModelConfig, src: &dyn TensorSource) -> Result<Model, BuildError> {
     let ld = Loader { src };
     let h = cfg.hidden_size;
+    let prefix = text_prefix(src);
+    if cfg.arch == super::Arch::Glm5Next {
+        tracing::info!(
+            "text model only: the vision tower (model.visual.*) and the MTP layer are not loaded"
+        );
+    }
     let embed = Linear::new(
-        ld.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?,
+        ld.tensor(
+            &format!("{prefix}.embed_tokens.weight"),
+            &[cfg.vocab_size, h],
+        )?,
         None,
     );
     let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") {
@@ -84,10 +98,10 @@ pub fn build_model(cfg: ModelConfig, src: &dyn TensorSource) -> Result<Model, Bu
     } else {
         Some(ld.linear("lm_head", cfg.vocab_size, h)?)
     };
-    let final_norm = ld.vector("model.norm.weight", h)?;
+    let final_norm = ld.vector(&format!("{prefix}.norm.weight"), h)?;
     let layers = (0..cfg.num_layers)
         .into_par_iter()
-        .map(|i| build_layer(&ld, &cfg, i))
+        .map(|i| build_layer(&ld, &cfg, prefix, i))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Model {
         config: cfg,
@@ -98,10 +112,24 @@ pub fn build_model(cfg: ModelConfig, src: &dyn TensorSource) -> Result<Model, Bu
     })
 }
 
-/// Layer `i`'s sparse-attention indexer, if the config gives the model one.
+/// Where the text model's tensors live: `model.language_model.*` in multimodal checkpoints (GLM-5.3-Flash
+/// as transformers saves it), `model.*` everywhere else.
+fn text_prefix(src: &dyn TensorSource) -> &'static str {
+    if !src.contains("model.embed_tokens.weight")
+        && src.contains("model.language_model.embed_tokens.weight")
+    {
+        "model.language_model"
+    } else {
+        "model"
+    }
+}
+
+/// Layer `i`'s sparse-attention indexer (tensors under layer prefix `p`), if the config gives the model
+/// one.
 fn build_indexer(
     ld: &Loader,
     cfg: &ModelConfig,
+    p: &str,
     i: usize,
     m: &super::config::MlaConfig,
 ) -> Result<Option<SparseAttention>, BuildError> {
@@ -120,7 +148,7 @@ fn build_indexer(
             "a sparse-attention indexer without q-LoRA".into(),
         ));
     };
-    let p = super::names::indexer(i);
+    let p = super::names::indexer(p);
     let (h, d) = (cfg.hidden_size, ix.head_dim);
     let pool = match ix.pooling {
         IndexerPooling::PerToken => None,
@@ -144,10 +172,17 @@ fn build_indexer(
     }))))
 }
 
-fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildError> {
-    let p = layer(i);
+fn build_layer(
+    ld: &Loader,
+    cfg: &ModelConfig,
+    prefix: &str,
+    i: usize,
+) -> Result<Layer, BuildError> {
+    let p = layer_in(prefix, i);
     let h = cfg.hidden_size;
+    let linear = cfg.mixers.get(i) == Some(&super::hybrid::Mixer::Linear);
     let attn = match &cfg.mla {
+        _ if linear => Attention::Linear(super::build_hybrid::linear_attention(ld, cfg, &p)?),
         None => {
             let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
             let a = format!("{p}.self_attn");
@@ -190,13 +225,13 @@ fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildE
                 kv_a_norm: ld.vector(&format!("{a}.kv_a_layernorm.weight"), m.kv_lora_rank)?,
                 kv_b: kv_b.to_f32(),
                 o: ld.linear(&format!("{a}.o_proj"), h, nh * m.v_head_dim)?,
-                indexer: build_indexer(ld, cfg, i, m)?,
+                indexer: build_indexer(ld, cfg, &p, i, m)?,
             })
         }
     };
     let ffn = match (&cfg.moe, cfg.is_moe_layer(i)) {
         (Some(moe), true) => {
-            let n = MoeNames::new(cfg.arch, i);
+            let n = MoeNames::in_model(cfg.arch, prefix, i);
             let e = moe.num_experts;
             let router = ld.tensor(&n.router, &[e, h])?.to_f32();
             let correction_bias = ld.opt_vector(&n.correction_bias, e)?;
@@ -236,5 +271,9 @@ fn build_layer(ld: &Loader, cfg: &ModelConfig, i: usize) -> Result<Layer, BuildE
         attn,
         ffn_norm: ld.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
         ffn,
+        hyper: match &cfg.hyper {
+            Some(hc) => Some(super::build_hybrid::layer_hyper(ld, cfg, hc, &p)?),
+            None => None,
+        },
     })
 }

@@ -3,6 +3,7 @@
 //! Reads both the classic layout (`rope_theta`, `rope_scaling`, `partial_rotary_factor` at top level) and
 //! the newer `rope_parameters` object. Which optional tensors exist (biases, q/k norms) is decided from the
 //! checkpoint itself when the layers are built, not from config flags that differ per family.
+use super::hybrid::{self, HyperConfig, LinearAttentionConfig, Mixer};
 use serde_json::Value;
 
 #[path = "config_glm.rs"]
@@ -25,6 +26,9 @@ pub enum Arch {
     /// PowerInfer SmallThinker (remote code `modeling_smallthinker.py`): ReGLU experts routed from the
     /// layer input, per-layer sliding-window and RoPE / NoPE layouts.
     SmallThinker,
+    /// GLM-5.3-Flash's text model: linear-attention (KDA) and indexed MLA layers, hyper-connections
+    /// (`model/hybrid.rs`); the vision tower is not loaded.
+    Glm5Next,
     /// GLM-4.7-Flash: DeepSeek-style MLA (interleaved RoPE by default) with GLM-4.5's sigmoid router;
     /// dense / MoE per layer from `mlp_layer_types`.
     Glm4MoeLite,
@@ -44,6 +48,7 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, Arch)] = &[
     ("Glm4MoeForCausalLM", Arch::Glm4Moe),
     ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
     ("SmallThinkerForCausalLM", Arch::SmallThinker),
+    ("Glm5NextForConditionalGeneration", Arch::Glm5Next),
     ("Glm4MoeLiteForCausalLM", Arch::Glm4MoeLite),
     ("GlmMoeDsaForCausalLM", Arch::GlmMoeDsa),
 ];
@@ -208,7 +213,16 @@ pub struct ModelConfig {
     pub moe_layers: Vec<bool>,
     /// Per layer: RoPE or NoPE, full or sliding-window attention.
     pub layer_attention: Vec<LayerAttention>,
-    /// The sparse-attention indexer of MLA layers (GLM-5), if the model has one.
+    /// Per layer: softmax attention or linear attention (every layer attends but GLM-5.3-Flash's).
+    pub mixers: Vec<Mixer>,
+    /// Shape of the linear-attention layers, when any layer is one.
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// Hyper-connection residual streams (GLM-5.3-Flash); None: one plain residual stream.
+    pub hyper: Option<HyperConfig>,
+    /// SwiGLU clamp of every MLP and expert: gate ≤ limit, up within ±limit, before the activation.
+    pub swiglu_limit: Option<f32>,
+    /// The sparse-attention indexer of MLA layers (GLM-5 per token, GLM-5.3-Flash key pools), if the
+    /// model has one.
     pub indexer: Option<IndexerConfig>,
 }
 
@@ -247,6 +261,16 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 impl ModelConfig {
     /// Parses a Hugging Face config.json value.
     pub fn from_json(v: &Value) -> Result<Self, ConfigError> {
+        // Multimodal checkpoints nest the text model's fields in `text_config`.
+        let mut text = hybrid::text_fields(v);
+        if text["architectures"][0] == "Glm5NextForConditionalGeneration" {
+            // Its config class overrides `head_dim` with the rotary width (0: NoPE); the engine
+            // derives the head width from the MLA fields.
+            if let Some(o) = text.as_object_mut() {
+                o.remove("head_dim");
+            }
+        }
+        let v = &text;
         limits::check_raw_sizes(v)?;
         let arch_name = v
             .get("architectures")
@@ -272,7 +296,32 @@ impl ModelConfig {
                 "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
-        let mla = if matches!(arch, Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa) {
+        let glm5_next = arch == Arch::Glm5Next;
+        let rms_norm_eps =
+            opt_f64(v, "rms_norm_eps").unwrap_or(if glm5_next { 1e-5 } else { 1e-6 }) as f32;
+        let hybrid = if glm5_next {
+            Some(hybrid::parse(v, num_layers)?)
+        } else {
+            None
+        };
+        let mla = if glm5_next {
+            // Indexed layers: MLA with q-LoRA and no rotary part (NoPE); the config class defaults.
+            let rope = opt_usize(v, "qk_rope_head_dim").unwrap_or(0);
+            if rope != 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "qk_rope_head_dim is {rope}; GLM-5.3 indexed layers are NoPE (0)"
+                )));
+            }
+            Some(MlaConfig {
+                q_lora_rank: Some(opt_usize(v, "q_lora_rank").unwrap_or(1536)),
+                kv_lora_rank: opt_usize(v, "kv_lora_rank").unwrap_or(512),
+                qk_nope_head_dim: opt_usize(v, "qk_nope_head_dim").unwrap_or(256),
+                qk_rope_head_dim: 0,
+                v_head_dim: opt_usize(v, "v_head_dim").unwrap_or(256),
+                // GLM-5.3's q-LoRA and latent norms are built with `rms_norm_eps`.
+                latent_norm_eps: rms_norm_eps,
+            })
+        } else if matches!(arch, Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa) {
             Some(MlaConfig {
                 q_lora_rank: opt_usize(v, "q_lora_rank"),
                 kv_lora_rank: get_usize(v, "kv_lora_rank")?,
@@ -309,9 +358,15 @@ impl ModelConfig {
             }
         };
         let rope = parse_rope(v, arch, head_dim, mla.as_ref())?;
-        let (moe, moe_layers) = parse_moe(v, arch, num_layers)?;
+        let (moe, mut moe_layers) = parse_moe(v, arch, num_layers)?;
+        if let Some(h) = &hybrid {
+            moe_layers = h.moe_layers.clone();
+        }
         let layer_attention = parse_layer_attention(v, arch, num_layers)?;
-        let indexer = glm::parse_indexer(v, arch, num_layers, mla.as_ref())?;
+        let indexer = match &hybrid {
+            Some(h) => Some(glm::parse_pooled_indexer(v, &h.mixers)?),
+            None => glm::parse_indexer(v, arch, num_layers, mla.as_ref())?,
+        };
         let mut eos = token_ids(v.get("eos_token_id"));
         let mut bos = token_ids(v.get("bos_token_id")).first().copied();
         if smallthinker && v.get("eos_token_id").is_none() {
@@ -330,11 +385,12 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             intermediate_size: opt_usize(v, "intermediate_size").unwrap_or(0),
-            rms_norm_eps: opt_f64(v, "rms_norm_eps").unwrap_or(1e-6) as f32,
+            rms_norm_eps,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings").unwrap_or(smallthinker),
             max_position_embeddings: opt_usize(v, "max_position_embeddings").unwrap_or(
                 match arch {
                     Arch::SmallThinker => 4096 * 32,
+                    Arch::Glm5Next => 1 << 20,
                     Arch::Glm4MoeLite | Arch::GlmMoeDsa => 202752,
                     _ => 4096,
                 },
@@ -347,6 +403,15 @@ impl ModelConfig {
             moe,
             moe_layers,
             layer_attention,
+            mixers: hybrid
+                .as_ref()
+                .map_or_else(|| vec![Mixer::Attention; num_layers], |h| h.mixers.clone()),
+            linear_attention: hybrid
+                .as_ref()
+                .filter(|h| h.mixers.contains(&Mixer::Linear))
+                .map(|h| h.linear),
+            hyper: hybrid.as_ref().map(|h| h.hyper),
+            swiglu_limit: hybrid.as_ref().and_then(|h| h.swiglu_limit),
             indexer,
         };
         limits::check_parsed(&cfg)?;
@@ -497,7 +562,9 @@ fn parse_rope(
             }
         }
     };
-    if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+    // GLM-5.3's MLA has no rotary part at all (rotary_dim 0).
+    let nope_allowed = arch == Arch::Glm5Next && rotary_dim == 0;
+    if !nope_allowed && (rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim) {
         return Err(ConfigError::Invalid(format!(
             "rotary dimension {rotary_dim} must be even and within head_dim {head_dim}"
         )));
@@ -520,6 +587,16 @@ fn parse_layer_attention(
     arch: Arch,
     num_layers: usize,
 ) -> Result<Vec<LayerAttention>, ConfigError> {
+    if arch == Arch::Glm5Next {
+        // Its indexed layers are NoPE MLA (linear-attention layers do not read a layout).
+        return Ok(vec![
+            LayerAttention {
+                rope: false,
+                window: None
+            };
+            num_layers
+        ]);
+    }
     if arch != Arch::SmallThinker {
         return Ok(vec![LayerAttention::FULL; num_layers]);
     }
@@ -620,7 +697,7 @@ fn parse_moe(
                 layers,
             )
         }
-        Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa => {
+        Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::GlmMoeDsa | Arch::Glm5Next => {
             let num_experts = get_usize(v, "n_routed_experts")?;
             let inter = get_usize(v, "moe_intermediate_size")?;
             let first_dense = opt_usize(v, "first_k_dense_replace").unwrap_or(0);
@@ -649,7 +726,8 @@ fn parse_moe(
                         topk_group,
                         renormalize: norm.unwrap_or(true),
                     },
-                    routed_scaling_factor: opt_f64(v, "routed_scaling_factor").unwrap_or(1.0)
+                    routed_scaling_factor: opt_f64(v, "routed_scaling_factor")
+                        .unwrap_or(if arch == Arch::Glm5Next { 2.5 } else { 1.0 })
                         as f32,
                     shared_intermediate: (shared > 0).then_some(inter * shared),
                     shared_gate: false,

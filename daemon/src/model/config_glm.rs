@@ -1,7 +1,9 @@
 //! The config.json fields of the GLM MLA family (GLM-4.7-Flash `glm4_moe_lite`, GLM-5 `glm_moe_dsa`):
 //! per-layer `mlp_layer_types`, MLA settings transformers does not read for them, and the sparse-attention
-//! indexer ([`IndexerConfig`]), as the transformers 5.24 config classes derive them.
+//! indexer ([`IndexerConfig`]; also GLM-5.3-Flash's key-pool variant), as the transformers 5.24 config
+//! classes derive them.
 use super::{opt_bool, opt_f64, opt_usize, Arch, ConfigError, MlaConfig};
+use crate::model::hybrid::Mixer;
 use serde_json::Value;
 
 /// Largest `index_n_heads` / `index_head_dim` / `index_topk` accepted (GLM-5: 32 / 128 / 2048).
@@ -116,6 +118,27 @@ pub(super) fn check_mla(v: &Value, arch: Arch, mla: Option<&MlaConfig>) -> Resul
     Ok(())
 }
 
+/// One `index_*` size: the config class default when absent, an error outside `1..=` its limit.
+fn indexer_size(v: &Value, key: &'static str, default: usize) -> Result<usize, ConfigError> {
+    let x = match v.get(key) {
+        None | Some(Value::Null) => default,
+        Some(raw) => raw
+            .as_u64()
+            .map(|x| x as usize)
+            .ok_or(ConfigError::Field(key))?,
+    };
+    let max = INDEXER_LIMITS
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(usize::MAX, |l| l.1);
+    if x == 0 || x > max {
+        return Err(ConfigError::Invalid(format!(
+            "`{key}` is {x}; expected an integer in 1..={max}"
+        )));
+    }
+    Ok(x)
+}
+
 /// The indexer of GLM-5 (`GlmMoeDsaConfig`): sizes, and per layer `indexer_types`, or else the pattern
 /// `index_topk_pattern` ("FSS…"), or else every `index_topk_freq`-th layer from
 /// `index_skip_topk_offset` runs its own indexer (defaults: every layer).
@@ -128,28 +151,9 @@ pub(super) fn parse_indexer(
     if arch != Arch::GlmMoeDsa {
         return Ok(None);
     }
-    let size = |key: &'static str, default: usize| -> Result<usize, ConfigError> {
-        let x = match v.get(key) {
-            None | Some(Value::Null) => default,
-            Some(raw) => raw
-                .as_u64()
-                .map(|x| x as usize)
-                .ok_or(ConfigError::Field(key))?,
-        };
-        let max = INDEXER_LIMITS
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map_or(usize::MAX, |l| l.1);
-        if x == 0 || x > max {
-            return Err(ConfigError::Invalid(format!(
-                "`{key}` is {x}; expected an integer in 1..={max}"
-            )));
-        }
-        Ok(x)
-    };
-    let n_heads = size("index_n_heads", 32)?;
-    let head_dim = size("index_head_dim", 128)?;
-    let topk = size("index_topk", 2048)?;
+    let n_heads = indexer_size(v, "index_n_heads", 32)?;
+    let head_dim = indexer_size(v, "index_head_dim", 128)?;
+    let topk = indexer_size(v, "index_topk", 2048)?;
     let rope_dim = mla.map_or(0, |m| m.qk_rope_head_dim);
     if rope_dim > head_dim {
         return Err(ConfigError::Invalid(format!(
@@ -175,9 +179,65 @@ pub(super) fn parse_indexer(
     }))
 }
 
+/// The key-pool indexer of GLM-5.3-Flash (`Glm5NextTextConfig`): sizes (class defaults 32 heads of 128,
+/// `index_topk` 2048, `index_kpool` 16) and the same per-layer `indexer_types` resolution as GLM-5. Its
+/// keys are not roped (the indexed layers are NoPE). transformers hands a `"shared"` layer the selection
+/// of the decoder layer just before it, so that layer must be an indexed layer with its own indexer;
+/// entries on linear-attention layers are not read.
+pub(super) fn parse_pooled_indexer(
+    v: &Value,
+    mixers: &[Mixer],
+) -> Result<IndexerConfig, ConfigError> {
+    let n_heads = indexer_size(v, "index_n_heads", 32)?;
+    let head_dim = indexer_size(v, "index_head_dim", 128)?;
+    let topk = indexer_size(v, "index_topk", 2048)?;
+    let pool = indexer_size(v, "index_kpool", 16)?;
+    if topk % pool != 0 {
+        return Err(ConfigError::Invalid(format!(
+            "index_topk ({topk}) must be divisible by index_kpool ({pool})"
+        )));
+    }
+    if opt_bool(v, "index_kpool_always_select_tail") == Some(false) {
+        return Err(ConfigError::Invalid(
+            "`index_kpool_always_select_tail` false is not supported (the query's own pool is always attended)"
+                .into(),
+        ));
+    }
+    let layers = indexer_layout(v, mixers.len())?;
+    for (i, (mixer, ix)) in mixers.iter().zip(&layers).enumerate() {
+        let previous_own =
+            i > 0 && mixers[i - 1] == Mixer::Attention && layers[i - 1] == IndexerLayer::Own;
+        if *mixer == Mixer::Attention && *ix == IndexerLayer::Shared && !previous_own {
+            return Err(ConfigError::Invalid(format!(
+                "layer {i}'s indexer is \"shared\", but the layer before it is not an indexed layer running its own indexer (the selection it would reuse)"
+            )));
+        }
+    }
+    Ok(IndexerConfig {
+        n_heads,
+        head_dim,
+        topk,
+        rope_dim: 0,
+        pooling: IndexerPooling::KeyPool { pool },
+        layers,
+    })
+}
+
 /// `indexer_types` / `index_topk_pattern` / `index_topk_freq` + `index_skip_topk_offset`, as
 /// `GlmMoeDsaConfig.__post_init__` resolves them. The first layer must run its own indexer.
 pub fn indexer_types(v: &Value, num_layers: usize) -> Result<Vec<IndexerLayer>, ConfigError> {
+    let layers = indexer_layout(v, num_layers)?;
+    if layers.first() == Some(&IndexerLayer::Shared) {
+        return Err(ConfigError::Invalid(
+            "the first layer's indexer is \"shared\": there is no earlier selection to reuse"
+                .into(),
+        ));
+    }
+    Ok(layers)
+}
+
+/// The per-layer entries of `indexer_types` (or its pattern / schedule), one per layer.
+fn indexer_layout(v: &Value, num_layers: usize) -> Result<Vec<IndexerLayer>, ConfigError> {
     let word = |x: &Value| match x.as_str() {
         Some("full") => Ok(IndexerLayer::Own),
         Some("shared") => Ok(IndexerLayer::Shared),
@@ -222,12 +282,6 @@ pub fn indexer_types(v: &Value, num_layers: usize) -> Result<Vec<IndexerLayer>, 
             "the indexer layout has {} entries; expected one per layer ({num_layers})",
             layers.len()
         )));
-    }
-    if layers.first() == Some(&IndexerLayer::Shared) {
-        return Err(ConfigError::Invalid(
-            "the first layer's indexer is \"shared\": there is no earlier selection to reuse"
-                .into(),
-        ));
     }
     Ok(layers)
 }

@@ -3,7 +3,9 @@
 //! names ([`names`]); the blocks (RMSNorm, GQA / MLA attention, dense MLP, MoE with its router variants)
 //! are shared.
 pub mod build;
+mod build_hybrid;
 pub mod config;
+pub mod hybrid;
 pub mod names;
 
 use crate::engine::linear::Linear;
@@ -60,9 +62,50 @@ pub enum SparseAttention {
     Shared,
 }
 
+/// KDA-style gated delta-rule linear attention (GLM-5.3-Flash's linear layers). Per sequence it keeps a
+/// `head_dim × head_dim` state per head and the last inputs of the short convolution instead of a KV
+/// cache (`engine::linear_attention`).
+pub struct LinearAttention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    /// Depthwise causal convolution over the concatenated q, k, v channels: `[3 · qkv_dim, kernel]`,
+    /// f32 (checkpoints store it as `q_conv1d`, `k_conv1d`, `v_conv1d`).
+    pub conv: Vec<f32>,
+    /// Forget gate: f_b(f_a(x)) + dt_bias, `A_log` per head.
+    pub f_a: Linear,
+    pub f_b: Linear,
+    pub dt_bias: Vec<f32>,
+    pub a_log: Vec<f32>,
+    /// Write strength β = sigmoid(b(x)), one per head.
+    pub b: Linear,
+    /// Output gate g_b(g_a(x)) of the gated RMSNorm (weight `o_norm`, per head).
+    pub g_a: Linear,
+    pub g_b: Linear,
+    pub o_norm: Vec<f32>,
+    pub o: Linear,
+}
+
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     Gqa(GqaAttention),
     Mla(MlaAttention),
+    Linear(LinearAttention),
+}
+
+/// One hyper-connection (before a layer's attention or its FFN): `fn` `[(2 + m) · m, m · hidden]`,
+/// `base` `[(2 + m) · m]` and three scales (pre, post, comb), all f32.
+pub struct HyperConnection {
+    pub proj: Vec<f32>,
+    pub base: Vec<f32>,
+    pub scale: [f32; 3],
+}
+
+/// The two hyper-connections of a layer.
+pub struct LayerHyper {
+    pub attn: HyperConnection,
+    pub ffn: HyperConnection,
 }
 
 /// Routed experts of one MoE layer plus its router and shared expert.
@@ -92,6 +135,8 @@ pub struct Layer {
     pub attn: Attention,
     pub ffn_norm: Vec<f32>,
     pub ffn: Ffn,
+    /// Hyper-connection weights (models with `hc_mult` residual streams).
+    pub hyper: Option<LayerHyper>,
 }
 
 pub struct Model {

@@ -13,12 +13,19 @@ pub struct MoeNames {
 
 impl MoeNames {
     pub fn new(arch: Arch, layer: usize) -> Self {
+        Self::in_model(arch, "model", layer)
+    }
+
+    /// Names under another text-model prefix (`model.language_model` in multimodal checkpoints).
+    pub fn in_model(arch: Arch, prefix: &str, layer: usize) -> Self {
         let (block, shared, shared_gate) = match arch {
-            Arch::Mixtral | Arch::SmallThinker => {
-                (format!("model.layers.{layer}.block_sparse_moe"), None, None)
-            }
+            Arch::Mixtral | Arch::SmallThinker => (
+                format!("{prefix}.layers.{layer}.block_sparse_moe"),
+                None,
+                None,
+            ),
             Arch::Qwen2Moe => {
-                let b = format!("model.layers.{layer}.mlp");
+                let b = format!("{prefix}.layers.{layer}.mlp");
                 (
                     b.clone(),
                     Some(format!("{b}.shared_expert")),
@@ -26,7 +33,7 @@ impl MoeNames {
                 )
             }
             _ => {
-                let b = format!("model.layers.{layer}.mlp");
+                let b = format!("{prefix}.layers.{layer}.mlp");
                 (b.clone(), Some(format!("{b}.shared_experts")), None)
             }
         };
@@ -68,12 +75,18 @@ impl MoeNames {
 }
 
 pub fn layer(i: usize) -> String {
-    format!("model.layers.{i}")
+    layer_in("model", i)
 }
 
-/// Tensor names of layer `i`'s sparse-attention indexer (`self_attn.indexer.*`): `wq_b`, `wk`,
+/// Prefix of layer `i` under a text-model prefix.
+pub fn layer_in(prefix: &str, i: usize) -> String {
+    format!("{prefix}.layers.{i}")
+}
+
+/// Tensor names of a layer's sparse-attention indexer (`{layer}.self_attn.indexer.*`, `layer` from
+/// [`layer_in`]): `wq_b`, `wk`,
 /// `k_norm` (LayerNorm weight and bias), `weights_proj`, and the key-pool parameters of the pooled
 /// variant (`index_kpool_compress_ape`, `index_kpool_compress_gate`: plain parameters, no `.weight`).
-pub fn indexer(i: usize) -> String {
-    format!("model.layers.{i}.self_attn.indexer")
+pub fn indexer(layer: &str) -> String {
+    format!("{layer}.self_attn.indexer")
 }

@@ -2,7 +2,9 @@
 //! starts from a clone of the longest cached prefix it shares (a clone shares the KV blocks, it copies
 //! nothing), so shared prompt prefixes (system prompts, few-shot examples, the n choices of one request)
 //! are computed once. Entries hold only full blocks, which are never written again. The scheduler evicts
-//! entries when it needs their blocks.
+//! entries when it needs their blocks. Models with linear-attention layers do not use it: their
+//! per-sequence recurrent state summarises the whole sequence and cannot be cut back to a prefix
+//! (snapshots at block boundaries would cost the state's size per block; not done).
 use crate::engine::kv::BLOCK;
 
 pub struct PrefixCache<C> {

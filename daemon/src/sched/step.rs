@@ -4,7 +4,9 @@
 //! scheduled chunk will write, so the model never finds the cache full. When a reservation fails it
 //! first evicts cached prefixes (least recently used), then preempts the newest running sequence: its
 //! blocks are freed and it goes back to the front of the queue with the tokens it has generated, to be
-//! recomputed when memory allows (its output continues exactly where it stopped).
+//! recomputed when memory allows (its output continues exactly where it stopped). A sequence's
+//! linear-attention state (hybrid models) lives in its cache and goes with it: preemption drops it and
+//! the recompute rebuilds it; such caches never enter the prefix cache.
 use super::constraint::sample_next;
 use super::prefix_cache::PrefixCache;
 use super::{
@@ -376,7 +378,12 @@ impl<M: StepModel> Scheduler<M> {
             if w.start + w.len < s.total_len() {
                 continue; // prefill (or recompute) chunk: no token yet
             }
-            if s.generated.is_empty() && self.prefixes.would_store(&s.req.prompt) {
+            // Caches with a linear-attention state cannot be cut back to a prefix: models with linear
+            // layers get no prefix reuse (every prompt is computed in full).
+            if s.generated.is_empty()
+                && cache.supports_prefix_reuse()
+                && self.prefixes.would_store(&s.req.prompt)
+            {
                 let aligned = p / BLOCK * BLOCK;
                 let mut shared = cache.clone();
                 shared.truncate(aligned);

@@ -97,13 +97,15 @@ extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const
     if (d < head_dim) xh[d] = v;
 }
 
-// Writes k and v rows of each token into the paged caches: cache[slot][width] (MLA: latent and rope key).
-extern "C" __global__ void kv_append(const float* k, const float* v, int k_width, int v_width, float* k_cache,
-                                     float* v_cache, const int* slot_of_token, int block_size) {
+// Writes k and v rows of each token into the paged caches, rounded to bf16: cache[slot][width] (MLA:
+// latent and rope key). The caches are bf16 (as vLLM's default for bf16 models): half the bytes of f32,
+// which is what lets a long context fit on a 24 GB card; attention reads them back into f32.
+extern "C" __global__ void kv_append(const float* k, const float* v, int k_width, int v_width, bf16* k_cache,
+                                     bf16* v_cache, const int* slot_of_token, int block_size) {
     int t = blockIdx.x;
     size_t slot = (size_t)slot_of_token[t];
-    for (int i = threadIdx.x; i < k_width; i += blockDim.x) k_cache[slot * k_width + i] = k[(size_t)t * k_width + i];
-    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_cache[slot * v_width + i] = v[(size_t)t * v_width + i];
+    for (int i = threadIdx.x; i < k_width; i += blockDim.x) k_cache[slot * k_width + i] = f2bf(k[(size_t)t * k_width + i]);
+    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_cache[slot * v_width + i] = f2bf(v[(size_t)t * v_width + i]);
 }
 
 // MLA: splits kv_a_proj_with_mqa's output [tokens, lora + rope] into the RMS-normalised latent [tokens, lora]
@@ -123,7 +125,7 @@ extern "C" __global__ void mla_split_latent(const float* ckv, const float* w, fl
 // MLA attention in absorbed form for one (token, head): q_lat = W_ukᵀ q_nope; scores against the cached
 // latent and rope key of positions 0..=pos (online softmax); o_lat = Σ p·latent; out = W_uv o_lat.
 // kv_b: [heads × (nope + v), lora] f32. grid (tokens, heads), block 128.
-extern "C" __global__ void mla_attention(const float* q, const float* lat_cache, const float* rope_cache,
+extern "C" __global__ void mla_attention(const float* q, const bf16* lat_cache, const bf16* rope_cache,
                                          const int* block_tables, int max_blocks, const int* seq_of_token,
                                          const int* pos_of_token, int heads, int nope, int rope, int lora,
                                          int vdim, const float* kv_b, int block_size, float scale,
@@ -155,11 +157,11 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
         float s = -INFINITY;
         if (p <= pos) {
             size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-            const float* lr = lat_cache + slot * lora;
-            const float* rr = rope_cache + slot * rope;
+            const bf16* lr = lat_cache + slot * lora;
+            const bf16* rr = rope_cache + slot * rope;
             float dot = 0.f;
-            for (int c = 0; c < lora; ++c) dot += q_lat[c] * lr[c];
-            for (int r = 0; r < rope; ++r) dot += qr[r] * rr[r];
+            for (int c = 0; c < lora; ++c) dot += q_lat[c] * bf2f(lr[c]);
+            for (int r = 0; r < rope; ++r) dot += qr[r] * bf2f(rr[r]);
             s = dot * scale;
         }
         float m_new = fmaxf(m, block_max(s, buf));
@@ -173,7 +175,7 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
             for (int j = 0; j < n; ++j) {
                 int pj = base + j;
                 size_t slot = (size_t)table[pj / block_size] * block_size + pj % block_size;
-                a += sc[j] * lat_cache[slot * lora + c];
+                a += sc[j] * bf2f(lat_cache[slot * lora + c]);
             }
             o_lat[c] = a;
         }
@@ -192,7 +194,7 @@ extern "C" __global__ void mla_attention(const float* q, const float* lat_cache,
 // pos - window + 1 for a sliding-window layer: window > 0), with an online softmax over tiles of
 // blockDim.x positions. grid: (tokens, heads); block: 128 threads; head_dim <= 256.
 // q: [tokens, heads, head_dim] f32; caches: [blocks*block_size, kv_heads*head_dim]; out bf16 [tokens, heads*head_dim].
-extern "C" __global__ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
+extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, const bf16* v_cache,
                                            const int* block_tables, int max_blocks, const int* seq_of_token,
                                            const int* pos_of_token, int heads, int kv_heads, int head_dim,
                                            int block_size, float scale, int window, int row0, bf16* out) {
@@ -215,9 +217,9 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
         float s = -INFINITY;
         if (p <= pos) {
             size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-            const float* kr = k_cache + slot * width + kvh * head_dim;
+            const bf16* kr = k_cache + slot * width + kvh * head_dim;
             float dot = 0.f;
-            for (int i = 0; i < head_dim; ++i) dot += qs[i] * kr[i];
+            for (int i = 0; i < head_dim; ++i) dot += qs[i] * bf2f(kr[i]);
             s = dot * scale;
         }
         float tile_max = block_max(s, buf);
@@ -233,10 +235,10 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
         for (int j = 0; j < n; ++j) {
             int pj = base + j;
             size_t slot = (size_t)table[pj / block_size] * block_size + pj % block_size;
-            const float* vr = v_cache + slot * width + kvh * head_dim;
+            const bf16* vr = v_cache + slot * width + kvh * head_dim;
             float w = sc[j];
-            if (tid < head_dim) acc0 += w * vr[tid];
-            if (tid + blockDim.x < head_dim) acc1 += w * vr[tid + blockDim.x];
+            if (tid < head_dim) acc0 += w * bf2f(vr[tid]);
+            if (tid + blockDim.x < head_dim) acc1 += w * bf2f(vr[tid + blockDim.x]);
         }
         m = m_new;
         __syncthreads();
@@ -247,12 +249,15 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
 }
 
 // act = f(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). act: 0 silu (SwiGLU), 1 gelu_tanh,
-// 2 relu (ReGLU).
-extern "C" __global__ void gated_mul(const float* gate_up, int inter, int rows, int act, bf16* out) {
+// 2 relu (ReGLU). limit: GLM's swiglu_limit (gate clamped to <= limit, up to [-limit, limit] first);
+// INFINITY for none.
+extern "C" __global__ void gated_mul(const float* gate_up, int inter, int rows, int act, float limit,
+                                     bf16* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * inter) return;
     size_t r = i / inter, c = i % inter;
-    float g = gate_up[r * 2 * inter + c], u = gate_up[r * 2 * inter + inter + c];
+    float g = fminf(gate_up[r * 2 * inter + c], limit);
+    float u = fmaxf(fminf(gate_up[r * 2 * inter + inter + c], limit), -limit);
     float a = act == 1   ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
               : act == 2 ? fmaxf(g, 0.f)
                          : g / (1.f + __expf(-g));
@@ -370,13 +375,13 @@ extern "C" __global__ void f32_to_bf16(const float* x, size_t n, bf16* y) {
 
 // ---- long prefill: attention as two cuBLAS GEMMs around this softmax (see gpu/attention.rs) ----
 
-// One sequence's cached K and V rows 0..len (paged, f32) → contiguous bf16 [len, width] (GEMM inputs).
-extern "C" __global__ void gather_kv_bf16(const float* k_cache, const float* v_cache, const int* table,
+// One sequence's cached K and V rows 0..len (paged bf16) → contiguous bf16 [len, width] (GEMM inputs).
+extern "C" __global__ void gather_kv_bf16(const bf16* k_cache, const bf16* v_cache, const int* table,
                                           int block_size, int width, int v_width, bf16* k_out, bf16* v_out) {
     int p = blockIdx.x;
     size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) k_out[(size_t)p * width + i] = f2bf(k_cache[slot * width + i]);
-    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_out[(size_t)p * v_width + i] = f2bf(v_cache[slot * v_width + i]);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) k_out[(size_t)p * width + i] = k_cache[slot * width + i];
+    for (int i = threadIdx.x; i < v_width; i += blockDim.x) v_out[(size_t)p * v_width + i] = v_cache[slot * v_width + i];
 }
 
 // Causal softmax of scaled scores s [rows, lk] (row r = query at absolute position q_pos0 + r % rows_per_head;

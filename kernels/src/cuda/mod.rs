@@ -11,7 +11,11 @@ use std::sync::Arc;
 
 pub use cudarc::driver::DriverError;
 
-const SOURCE: &str = include_str!("kernels.cu");
+pub mod dense;
+pub mod quant;
+
+/// `kernels.cu` then `dense_quant.cu` (which uses the former's helpers), one NVRTC module.
+const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("dense_quant.cu"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -29,6 +33,8 @@ pub enum GpuError {
     Compile(String),
     #[error("cuBLAS: {0}")]
     Blas(String),
+    #[error("{0}")]
+    Shape(String),
 }
 
 /// Compute capabilities the backend is built for.
@@ -57,6 +63,10 @@ pub struct Kernels {
     pub gather_kv_bf16: CudaFunction,
     pub causal_softmax_rows: CudaFunction,
     pub unpack_experts: CudaFunction,
+    pub gemv_w4a16: CudaFunction,
+    pub gemv_w8a16: CudaFunction,
+    pub dense_dequant_w4: CudaFunction,
+    pub dense_dequant_w8: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -148,6 +158,10 @@ impl GpuDevice {
             gather_kv_bf16: f("gather_kv_bf16")?,
             causal_softmax_rows: f("causal_softmax_rows")?,
             unpack_experts: f("unpack_experts")?,
+            gemv_w4a16: f("gemv_w4a16")?,
+            gemv_w8a16: f("gemv_w8a16")?,
+            dense_dequant_w4: f("dense_dequant_w4")?,
+            dense_dequant_w8: f("dense_dequant_w8")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -168,6 +182,58 @@ impl GpuDevice {
     /// Free and total device memory in bytes.
     pub fn memory(&self) -> Result<(usize, usize), GpuError> {
         Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Bytes of this process's stream-ordered allocations on the device (cudarc allocates every
+    /// buffer from the device's default memory pool when the driver supports it): in use now and
+    /// the most in use since the start (or the last [`GpuDevice::reset_pool_peak`]). `None` when the
+    /// driver has no memory pools (then allocations are synchronous and not counted here).
+    pub fn pool_usage(&self) -> Result<Option<(u64, u64)>, GpuError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let Some(pool) = self.default_pool()? else {
+            return Ok(None);
+        };
+        let read = |attr: A| -> Result<u64, GpuError> {
+            let mut v = 0u64;
+            // SAFETY: `pool` is the device's default pool; the attribute is a u64 (cuuint64_t).
+            unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v) as *mut u64 as *mut _) }
+                .result()?;
+            Ok(v)
+        };
+        Ok(Some((
+            read(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            read(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        )))
+    }
+
+    /// Restarts the high-water mark of [`GpuDevice::pool_usage`] at the current use.
+    pub fn reset_pool_peak(&self) -> Result<(), GpuError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        if let Some(pool) = self.default_pool()? {
+            let mut zero = 0u64;
+            // SAFETY: as above; resetting the high-water mark takes the value 0.
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero) as *mut u64 as *mut _,
+                )
+            }
+            .result()?;
+        }
+        Ok(())
+    }
+
+    fn default_pool(&self) -> Result<Option<cudarc::driver::sys::CUmemoryPool>, GpuError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: writes the device's default pool handle into `pool`.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(None);
+        }
+        Ok(Some(pool))
     }
 
     /// `y[n, m] (=|+=) x[n, k] · w[m, k]ᵀ`: bf16 inputs, f32 output and accumulation (cuBLAS GemmEx).
@@ -447,7 +513,10 @@ mod tests {
         }
         for arch in ["sm_89", "sm_90", "sm_120"] {
             let ptx = compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-            assert!(ptx.to_src().contains(".entry gated_mul"), "{arch}");
+            let src = ptx.to_src();
+            for entry in ["gated_mul", "gemv_w4a16", "gemv_w8a16", "dense_dequant_w4"] {
+                assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
+            }
         }
     }
 
@@ -473,6 +542,10 @@ mod tests {
             "gather_kv_bf16",
             "causal_softmax_rows",
             "unpack_experts",
+            "gemv_w4a16",
+            "gemv_w8a16",
+            "dense_dequant_w4",
+            "dense_dequant_w8",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

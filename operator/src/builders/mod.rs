@@ -19,7 +19,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::DynamicObject;
 use kube::Resource;
 
-use crate::crd::{AutoscalingProvider, MoEDeployment, ModelShape};
+use crate::crd::{AutoscalingProvider, MoEDeployment};
+use crate::model_shape::ResolvedShape;
 use crate::placement::classes::split_replicas;
 use crate::placement::sizing::Sizing;
 
@@ -52,7 +53,7 @@ pub enum BuildError {
 pub struct BuildInput {
     pub md: MoEDeployment,
     pub namespace: String,
-    pub shape: Option<ModelShape>,
+    pub shape: Option<ResolvedShape>,
     /// Hardware classes, best first; one StatefulSet each. Never empty for a build.
     pub classes: Vec<ClassBuild>,
     pub owner: Option<OwnerReference>,

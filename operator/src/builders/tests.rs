@@ -36,6 +36,7 @@ fn sizing() -> Sizing {
         memory_bytes: 8 * GIB,
         hugepages: Some((HugepageKind::OneGi, 48 * GIB)),
         gpu_bytes_per_gpu: 20 * GIB,
+        gpu_plan: None,
     }
 }
 

@@ -21,6 +21,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::{BuildError, BuildInput, ClassBuild, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
 use crate::placement::node_facts::RESOURCE_GPU;
+use crate::placement::sizing::Sizing;
 use crate::placement::{effective_tolerations, merge_node_affinity};
 use crate::quantity::{bytes_quantity, GIB};
 
@@ -246,9 +247,18 @@ fn model_volume(
 pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> Vec<String> {
     let spec = &input.md.spec;
     let sizing = &class.sizing;
-    let gpu_experts = sizing
-        .gpu_experts_per_layer
-        .map_or_else(|| "auto".to_string(), |n| n.to_string());
+    // Placement rules are resolved against the model's tensor names by the daemon, which counts the
+    // experts they pin to the GPU in its plan: with rules and an `auto` count the daemon fills each
+    // layer around the pins within the same budget and KV size (its plan logs the count it chose).
+    let rules_pick = spec.placement.rules.is_some()
+        && matches!(
+            spec.placement.gpu_experts_per_layer,
+            crate::crd::AutoOr::Auto
+        );
+    let gpu_experts = match sizing.gpu_experts_per_layer {
+        Some(n) if !rules_pick => n.to_string(),
+        _ => "auto".to_string(),
+    };
     let hugepages = sizing
         .hugepages
         .map_or("off", |(kind, _)| kind.daemon_arg());
@@ -290,8 +300,27 @@ pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> 
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(gpu_plan_args(sizing))
     .chain(placement_rule_args(&spec.placement))
     .collect()
+}
+
+/// The shared memory plan's choices as daemon flags, so the daemon plans exactly what the operator
+/// sized (none when the shape is only known by byte counts: the daemon then plans on its own).
+fn gpu_plan_args(sizing: &Sizing) -> Vec<String> {
+    let Some(p) = &sizing.gpu_plan else {
+        return Vec::new();
+    };
+    vec![
+        "--dense-dtype".into(),
+        p.dense_dtype.as_str().into(),
+        "--host-embeddings".into(),
+        if p.host_embeddings { "on" } else { "off" }.into(),
+        "--kv-cache-tokens".into(),
+        p.kv_tokens.to_string(),
+        "--gpu-memory-limit".into(),
+        format!("{}MiB", p.gpu_memory_bytes >> 20),
+    ]
 }
 
 /// Where a ConfigMap's rule file is mounted in the daemon container.

@@ -23,7 +23,8 @@ use super::node_facts::{
 };
 use super::sizing::Sizing;
 use super::{decide, NodeVerdict, PlacementDecision};
-use crate::crd::{MoEDeploymentSpec, ModelShape};
+use crate::crd::MoEDeploymentSpec;
+use crate::model_shape::ResolvedShape;
 
 /// The label-visible hardware of a node: what a node affinity can require.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -163,7 +164,7 @@ pub struct FleetPlan {
 /// Groups the nodes into classes and sizes each one.
 pub fn plan_fleet(
     spec: &MoEDeploymentSpec,
-    shape: Option<&ModelShape>,
+    shape: Option<&ResolvedShape>,
     nodes: &[NodeFacts],
 ) -> FleetPlan {
     let mut groups: BTreeMap<ClassKey, Vec<NodeFacts>> = BTreeMap::new();

@@ -22,7 +22,8 @@ use k8s_openapi::api::core::v1::{
     Toleration,
 };
 
-use crate::crd::{MoEDeploymentSpec, ModelShape};
+use crate::crd::MoEDeploymentSpec;
+use crate::model_shape::ResolvedShape;
 use crate::quantity::{format_bytes, MIB};
 use node_facts::{CapabilityPattern, ComputeCapability, NodeFacts};
 use sizing::{HugepageKind, Sizing, SizingError};
@@ -222,7 +223,9 @@ fn resource_rejections(node: &NodeFacts, sizing: &Sizing) -> Vec<Rejection> {
     let mut out = Vec::new();
     if let Some(have_mib) = node.gpu_memory_mib {
         let need_mib = sizing.gpu_bytes_per_gpu.div_ceil(MIB);
-        if need_mib as f64 > have_mib as f64 * sizing::GPU_USABLE_FRACTION {
+        // In bytes, as the plan computes `usable` (a plan may fill it to the byte).
+        let usable = ((have_mib * MIB) as f64 * sizing::GPU_USABLE_FRACTION) as u64;
+        if sizing.gpu_bytes_per_gpu > usable {
             out.push(Rejection::InsufficientGpuMemory { need_mib, have_mib });
         }
     }
@@ -257,6 +260,10 @@ fn sizing_rejection(err: SizingError) -> Rejection {
             need_mib: needed_mib,
             have_mib: available_mib,
         },
+        SizingError::GpuPlan(e) => {
+            let (need_mib, have_mib) = e.shortfall_mib();
+            Rejection::InsufficientGpuMemory { need_mib, have_mib }
+        }
         SizingError::TooFewCpus { whole_cpus } => Rejection::InsufficientCpu {
             need: sizing::DAEMONSET_CPU_RESERVE + 2,
             have: whole_cpus,
@@ -271,7 +278,7 @@ fn score(node: &NodeFacts) -> u64 {
 /// Decides placement. `check_spec` must have passed for the same spec and shape.
 pub fn decide(
     spec: &MoEDeploymentSpec,
-    shape: Option<&ModelShape>,
+    shape: Option<&ResolvedShape>,
     nodes: &[NodeFacts],
 ) -> PlacementDecision {
     let tolerations = effective_tolerations(spec);

@@ -1,5 +1,12 @@
 //! Turning `auto` into numbers: GPU experts per layer, CPU threads, DRAM and hugepages for one node's
-//! hardware and the model's shape. The formula (also in docs/OPERATOR.md):
+//! hardware and the model's shape.
+//!
+//! GPU memory of known models (a full shape from config.json) is planned by the shared sizing crate,
+//! the same plan the daemon makes at start (`moe_sizing::choose`: dense weights by dtype, embeddings,
+//! GPU experts, KV, step buffers, CUDA graphs within 90% of one GPU); its choices (dense dtype,
+//! embeddings in host memory, experts per layer, KV positions, the GPU's memory as the budget) are
+//! passed to the daemon as flags, so both run the same plan. An explicit `spec.model.shape` gives
+//! bytes only and keeps the coarse formula below (also in docs/OPERATOR.md):
 //!
 //! ```text
 //! gpu_budget   = 0.90 × gpu_memory × gpu_count − dense_bytes − kv_reserve
@@ -12,11 +19,12 @@
 //! ```
 
 use crate::crd::{AutoOr, HugepageSize, MoEDeploymentSpec, ModelShape};
+use crate::model_shape::ResolvedShape;
 use crate::quantity::{quantity_bytes, round_up_mib, GIB, MIB};
 
 use super::node_facts::NodeFacts;
 
-pub const GPU_USABLE_FRACTION: f64 = 0.90;
+pub const GPU_USABLE_FRACTION: f64 = moe_sizing::plan::USABLE_FRACTION;
 pub const RUNTIME_DRAM_BYTES: u64 = 4 * GIB;
 pub const DAEMONSET_CPU_RESERVE: u64 = 2;
 /// Full-length sequences whose KV cache must fit on the GPU next to the weights.
@@ -70,14 +78,80 @@ pub struct Sizing {
     pub hugepages: Option<(HugepageKind, u64)>,
     /// GPU memory per GPU the weights need (0 when unknown).
     pub gpu_bytes_per_gpu: u64,
+    /// The shared memory plan's choices (known models), passed to the daemon.
+    pub gpu_plan: Option<GpuPlanChoice>,
+}
+
+/// What the shared memory plan chose for one GPU of a node (`--dense-dtype`, `--host-embeddings`,
+/// `--kv-cache-tokens`, `--gpu-memory-limit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GpuPlanChoice {
+    pub dense_dtype: moe_sizing::DenseDtype,
+    pub host_embeddings: bool,
+    pub kv_tokens: u64,
+    pub gpu_memory_bytes: u64,
+}
+
+/// The plan inputs a deployment gives for a GPU of `gpu_memory_bytes` (the daemon derives the same
+/// from the flags the operator passes it).
+pub fn plan_inputs(
+    spec: &MoEDeploymentSpec,
+    detail: &moe_sizing::ModelShape,
+    gpu_memory_bytes: u64,
+) -> moe_sizing::PlanInputs {
+    let kv = moe_sizing::KvRequest::serving(
+        spec.serving.max_model_len as u64,
+        spec.serving.max_num_seqs as u64,
+    );
+    moe_sizing::PlanInputs {
+        budget_bytes: gpu_memory_bytes,
+        dense: moe_sizing::DenseChoice::Auto,
+        embeddings: moe_sizing::EmbeddingChoice::Auto,
+        experts: match spec.placement.gpu_experts_per_layer {
+            AutoOr::Auto => moe_sizing::ExpertsChoice::Auto,
+            AutoOr::Count(n) => moe_sizing::ExpertsChoice::PerLayer(n as u64),
+        },
+        kv,
+        max_step_tokens: spec.serving.max_num_batched_tokens as u64,
+        max_step_seqs: spec.serving.max_num_seqs as u64,
+        // the daemon sets up layerwise prefill's stream when its KV can hold such a step
+        stream_staging_bytes: if detail.moe.is_some()
+            && kv.max_tokens >= moe_sizing::plan::DEFAULT_PREFILL_THRESHOLD
+        {
+            moe_sizing::plan::stream_staging_bytes(
+                detail.gpu_expert_bytes(),
+                detail.experts_per_layer(),
+                moe_sizing::plan::STREAM_CHUNK_BYTES,
+            )
+        } else {
+            0
+        },
+        cuda_graphs: true,
+        // Rules are resolved against tensor names by the daemon; with rules the operator passes
+        // `--gpu-experts auto` and the daemon fits its fill around their pins (see daemon_args).
+        pins: Vec::new(),
+        move_slots: if spec.placement.live_placement {
+            moe_sizing::plan::LIVE_MOVE_SLOTS
+        } else {
+            0
+        },
+    }
 }
 
 /// Why a node's hardware cannot host any sizing at all.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SizingError {
     GpuMemoryUnknown,
-    DenseWeightsDoNotFit { needed_mib: u64, available_mib: u64 },
-    TooFewCpus { whole_cpus: u64 },
+    DenseWeightsDoNotFit {
+        needed_mib: u64,
+        available_mib: u64,
+    },
+    /// The shared plan found nothing that fits (dense weights, one full-length sequence of KV, or
+    /// the experts asked for).
+    GpuPlan(moe_sizing::PlanError),
+    TooFewCpus {
+        whole_cpus: u64,
+    },
 }
 
 /// Spec-level problems that no node can fix.
@@ -103,7 +177,7 @@ fn kv_reserve_bytes(spec: &MoEDeploymentSpec, shape: &ModelShape, gpu_total: u64
 /// Spec checks that do not depend on any node; run once before looking at nodes.
 pub fn check_spec(
     spec: &MoEDeploymentSpec,
-    shape: Option<&ModelShape>,
+    shape: Option<&ResolvedShape>,
 ) -> Result<(), SpecSizingError> {
     if let Some(q) = &spec.resources.memory {
         quantity_bytes(q).map_err(|_| SpecSizingError::BadQuantity {
@@ -135,14 +209,31 @@ pub fn check_spec(
 /// The sizing this node's hardware supports. Assumes `check_spec` passed.
 pub fn size_for_node(
     spec: &MoEDeploymentSpec,
-    shape: Option<&ModelShape>,
+    shape: Option<&ResolvedShape>,
     node: &NodeFacts,
 ) -> Result<Sizing, SizingError> {
     let gpu_count = spec.resources.gpu.count as u64;
     let gpu_memory_per_gpu = node.gpu_memory_mib.map(|m| m * MIB);
 
     // GPU experts and what they cost on the GPU.
+    let mut gpu_plan = None;
     let (gpu_experts, gpu_bytes_per_gpu) = match shape {
+        Some(ResolvedShape {
+            detail: Some(detail),
+            ..
+        }) => {
+            // One GPU: the daemon runs its model on one device.
+            let per_gpu = gpu_memory_per_gpu.ok_or(SizingError::GpuMemoryUnknown)?;
+            let plan = moe_sizing::choose(detail, &plan_inputs(spec, detail, per_gpu))
+                .map_err(SizingError::GpuPlan)?;
+            gpu_plan = Some(GpuPlanChoice {
+                dense_dtype: plan.dense_dtype,
+                host_embeddings: plan.host_embeddings,
+                kv_tokens: plan.kv_tokens,
+                gpu_memory_bytes: per_gpu,
+            });
+            (Some(plan.gpu_experts_per_layer as u32), plan.total())
+        }
         None => (
             match spec.placement.gpu_experts_per_layer {
                 AutoOr::Count(n) => Some(n),
@@ -248,5 +339,6 @@ pub fn size_for_node(
         memory_bytes,
         hugepages,
         gpu_bytes_per_gpu,
+        gpu_plan,
     })
 }

@@ -498,7 +498,9 @@ fn auto_puts_all_qwen_experts_on_an_80gb_gpu() {
 
 #[test]
 fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
-    // RTX 4090: 0.9 × 24564 MiB − 3100 MiB dense − 6 GiB KV leaves room for 29 of 128 experts.
+    // RTX 4090, the shared plan (the daemon's): 0.9 × 24564 MiB less bf16 dense weights and table
+    // (3.0 GiB), two 32K sequences of bf16 KV (6 GiB), a 2048-token step's buffers, CUDA graphs and
+    // layerwise prefill's staging (2.9 GiB) leaves room for 23 of 128 experts per layer.
     let node = NodeFixture {
         cc: Some((8, 9)),
         gpu_mib: 24564,
@@ -509,11 +511,15 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
     };
     let d = decide_for(&qwen_spec(), &[node]);
     let s = d.sizing.expect("sizing");
-    assert_eq!(s.gpu_experts_per_layer, Some(29));
-    // 99 experts × 48 layers × 9 MiB = 41.8 GiB → 42 pages of 1 GiB.
-    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 42 * GIB)));
+    assert_eq!(s.gpu_experts_per_layer, Some(23));
+    let plan = s.gpu_plan.expect("known model: the shared plan");
+    assert_eq!(plan.dense_dtype, moe_sizing::DenseDtype::Bf16);
+    assert!(!plan.host_embeddings && plan.kv_tokens >= 2 * 32768);
+    assert!(s.gpu_bytes_per_gpu as f64 <= 24564.0 * 1048576.0 * 0.9);
+    // 105 experts × 48 layers × 9 MiB = 44.3 GiB → 45 pages of 1 GiB.
+    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 45 * GIB)));
     // 4 GiB runtime + 5% of the DRAM experts.
-    assert_eq!(s.memory_bytes, 6235 * crate::quantity::MIB);
+    assert_eq!(s.memory_bytes, 6364 * crate::quantity::MIB);
     assert_eq!((s.cpus, s.cpu_threads), (30, 29));
     assert!(d.nodes[0].qualifies());
 }

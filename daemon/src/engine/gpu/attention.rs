@@ -97,8 +97,8 @@ impl GpuModel {
     ) -> anyhow::Result<()> {
         let (aw, bw, block) = (pool.width as i32, pool.v_width as i32, BLOCK as i32);
         let (kc, vc) = (
-            &mut pool.k[li] as *mut CudaSlice<f32>,
-            &mut pool.v[li] as *mut CudaSlice<f32>,
+            &mut pool.k[li] as *mut CudaSlice<bf16>,
+            &mut pool.v[li] as *mut CudaSlice<bf16>,
         );
         // SAFETY: the two caches are distinct allocations; the raw pointers only split the borrow.
         let (kc, vc) = unsafe { (&mut *kc, &mut *vc) };

@@ -1,6 +1,6 @@
 //! Routed experts computed on the GPU in phases: a run of experts whose token rows are consecutive.
 use super::GpuModel;
-use crate::model::config::Activation;
+use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use moe_kernels::cuda::GemmItem;
@@ -13,7 +13,7 @@ pub(super) struct PhaseBuffers<'a> {
     pub(super) ye: &'a mut CudaSlice<f32>,
     pub(super) hd: usize,
     pub(super) inter: usize,
-    pub(super) activation: Activation,
+    pub(super) activation: GatedAct,
 }
 
 impl GpuModel {

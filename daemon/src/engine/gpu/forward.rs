@@ -4,7 +4,7 @@ use super::graphs::ActBufs;
 use super::handoff::Handoff;
 use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
-use crate::engine::moe::{dram_experts_forward, Routing};
+use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
 use crate::engine::StepTimes;
 use crate::model::config::{Activation, RouterInput, RouterKind};
 use crate::model::{Ffn, Model};
@@ -50,8 +50,18 @@ impl GpuModel {
         n: usize,
         accumulate: bool,
     ) -> anyhow::Result<()> {
-        self.dev
-            .gemm_bf16(x, &l.w, y, n, l.out_dim, l.in_dim, accumulate)?;
+        let mut scratch = self
+            .dequant_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.dev.dense_matmul(
+            &l.w,
+            x,
+            y,
+            (n, l.out_dim, l.in_dim),
+            accumulate,
+            scratch.as_mut(),
+        )?;
         if let Some(b) = &l.bias {
             let total = n * l.out_dim;
             let cols = l.out_dim as i32;
@@ -98,7 +108,7 @@ impl GpuModel {
     fn mlp(
         &self,
         m: &GpuMlp,
-        act: Activation,
+        act: GatedAct,
         x: &CudaSlice<bf16>,
         y: &mut CudaSlice<f32>,
         n: usize,
@@ -113,17 +123,18 @@ impl GpuModel {
     }
 
     /// `out = f(gate) · up` to bf16 for `rows` rows of `gate_up` (`[rows, 2·inter]`, gate first), f
-    /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU).
+    /// the model's gate activation (SwiGLU, GELU-tanh, ReGLU), after the optional SwiGLU clamp.
     pub(super) fn gated_act(
         &self,
         gate_up: &CudaView<'_, f32>,
         out: &mut CudaViewMut<'_, bf16>,
         inter: usize,
         rows: usize,
-        act: Activation,
+        act: GatedAct,
     ) -> anyhow::Result<()> {
-        // Codes of kernels.cu's `gated_mul`.
-        let code: i32 = match act {
+        // Codes of kernels.cu's `gated_mul`; no clamp is an infinite limit.
+        let limit = act.swiglu_limit.unwrap_or(f32::INFINITY);
+        let code: i32 = match act.act {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
             Activation::Relu => 2,
@@ -134,6 +145,7 @@ impl GpuModel {
             .arg(&inter_i)
             .arg(&rows_i)
             .arg(&code)
+            .arg(&limit)
             .arg(out);
         unsafe { l.launch(GpuDevice::cfg_elems(rows * inter)) }.map_err(launch_err)?;
         Ok(())
@@ -339,12 +351,21 @@ impl GpuModel {
             attn: attn_bufs,
         } = acts;
 
-        // ---- embedding
-        {
-            let hd_i = hd as i32;
-            let mut l = dev.launch(&dev.k.embed_rows);
-            l.arg(&self.embed).arg(&index.ids).arg(&hd_i).arg(&mut *x);
-            unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+        // ---- embedding: a gather on the GPU, or rows gathered on the host and copied
+        match &self.embed {
+            super::EmbedTable::Device(table) => {
+                let hd_i = hd as i32;
+                let mut l = dev.launch(&dev.k.embed_rows);
+                l.arg(table).arg(&index.ids).arg(&hd_i).arg(&mut *x);
+                unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
+            }
+            super::EmbedTable::Host => {
+                let mut rows = vec![0f32; n * hd];
+                for (row, &id) in rows.chunks_mut(hd).zip(&ids) {
+                    host.embed.row_f32(id as usize, row);
+                }
+                s.memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
+            }
         }
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -425,7 +446,7 @@ impl GpuModel {
                 }
             }
             match &layer.ffn {
-                GpuFfn::Dense(m) => self.mlp(m, cfg.activation, hb, x, n, true)?,
+                GpuFfn::Dense(m) => self.mlp(m, GatedAct::of(cfg), hb, x, n, true)?,
                 GpuFfn::Moe(moe) => {
                     let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
                     let Ffn::Moe(host_block) = &host.layers[li].ffn else {
@@ -474,10 +495,10 @@ impl GpuModel {
                     // GPU work, enqueued: shared expert, resident experts (+ streamed ones in layerwise prefill).
                     if let Some(sh) = &moe.shared {
                         match &moe.shared_gate {
-                            None => self.mlp(sh, cfg.activation, hb, x, n, true)?,
+                            None => self.mlp(sh, GatedAct::of(cfg), hb, x, n, true)?,
                             Some(g) => {
                                 let mut tmp = self.alloc::<f32>(n * hd)?;
-                                self.mlp(sh, cfg.activation, hb, &mut tmp, n, false)?;
+                                self.mlp(sh, GatedAct::of(cfg), hb, &mut tmp, n, false)?;
                                 let hd_i = hd as i32;
                                 let mut l = dev.launch(&dev.k.sigmoid_gate_rows);
                                 l.arg(&mut tmp).arg(&*hf).arg(g).arg(&hd_i);
@@ -567,7 +588,7 @@ impl GpuModel {
                             ye: &mut ye,
                             hd,
                             inter,
-                            activation: cfg.activation,
+                            activation: GatedAct::of(cfg),
                         };
                         let resident = &groups[..resident_groups];
                         let mut ws = Vec::with_capacity(resident.len());
@@ -580,7 +601,7 @@ impl GpuModel {
                                     .map(|(_, m)| m)
                                     .context("uploaded expert missing")?,
                             };
-                            ws.push((m.gate_up.w.slice(..), m.down.w.slice(..)));
+                            ws.push((m.gate_up.bf16()?.slice(..), m.down.bf16()?.slice(..)));
                         }
                         self.expert_phase(resident, &ws, &mut bufs)?;
                         if let Some(es) = stream.as_deref_mut() {
@@ -649,7 +670,7 @@ impl GpuModel {
                         dram_experts_forward(
                             host_block,
                             cpu_pool,
-                            cfg.activation,
+                            GatedAct::of(cfg),
                             hx.slice(nx),
                             hd,
                             &routing,
@@ -677,8 +698,13 @@ impl GpuModel {
         }
         let vocab = cfg.vocab_size;
         let mut out_logits = self.alloc::<f32>(rows * vocab)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        dev.gemm_bf16(&sel, head, &mut out_logits, rows, vocab, hd, false)?;
+        match (&self.lm_head, &self.embed) {
+            (Some(head), _) => self.linear(head, &sel, &mut out_logits, rows, false)?,
+            (None, super::EmbedTable::Device(table)) => {
+                dev.gemm_bf16(&sel, table, &mut out_logits, rows, vocab, hd, false)?
+            }
+            (None, super::EmbedTable::Host) => anyhow::bail!("tied lm_head without a GPU table"),
+        }
         let t0 = Instant::now();
         let host_logits = s.clone_dtoh(&out_logits)?;
         s.synchronize()?;

@@ -1,14 +1,15 @@
-//! Paged KV storage on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` f32. Which
+//! Paged KV storage on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` bf16. Which
 //! block belongs to which sequence is decided by the driver through the engine's block pool
 //! (`engine::kv::blocks`); this file only holds the memory and copies blocks for copy-on-write.
 use crate::engine::kv::{BlockCopy, BlockId, BLOCK};
 use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
 use moe_kernels::cuda::GpuDevice;
 use std::sync::{Arc, Mutex};
 
 pub struct GpuKvPool {
-    pub k: Vec<CudaSlice<f32>>,
-    pub v: Vec<CudaSlice<f32>>,
+    pub k: Vec<CudaSlice<bf16>>,
+    pub v: Vec<CudaSlice<bf16>>,
     /// Row widths per layer: K and V (kv_heads × head_dim each), or MLA's latent and rope key.
     pub width: usize,
     pub v_width: usize,
@@ -25,8 +26,8 @@ impl GpuKvPool {
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(dev.stream.alloc_zeros::<f32>(blocks * BLOCK * width)?);
-            v.push(dev.stream.alloc_zeros::<f32>(blocks * BLOCK * v_width)?);
+            k.push(dev.stream.alloc_zeros::<bf16>(blocks * BLOCK * width)?);
+            v.push(dev.stream.alloc_zeros::<bf16>(blocks * BLOCK * v_width)?);
         }
         Ok(Self {
             k,
@@ -38,7 +39,7 @@ impl GpuKvPool {
     }
 
     pub fn bytes_for(layers: usize, (width, v_width): (usize, usize), blocks: usize) -> usize {
-        layers * blocks * BLOCK * (width + v_width) * 4
+        layers * blocks * BLOCK * (width + v_width) * std::mem::size_of::<bf16>()
     }
 }
 

@@ -13,25 +13,46 @@ pub mod forward;
 pub mod graphs;
 pub mod handoff;
 pub mod kv;
+pub mod memory;
 pub mod moves;
 pub mod setup;
 pub mod stream;
 
-use crate::engine::linear::Linear;
+use crate::engine::linear::{Linear, WeightData};
 use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kv::GpuKvPool;
+use moe_kernels::cuda::dense::DeviceDense;
+use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
 use std::sync::{Arc, Mutex};
 
-/// A weight matrix on the GPU, `[out, in]` bf16, with an optional f32 bias.
+/// A weight matrix on the GPU, `[out, in]` (bf16, FP8 or int4: see [`DeviceDense`]), with an
+/// optional f32 bias.
 pub struct GpuLinear {
-    pub w: CudaSlice<bf16>,
+    pub w: DeviceDense,
     pub bias: Option<CudaSlice<f32>>,
     pub out_dim: usize,
     pub in_dim: usize,
+}
+
+impl GpuLinear {
+    /// The bf16 weights (routed experts, which cuBLAS multiplies in grouped phases).
+    pub fn bf16(&self) -> anyhow::Result<&CudaSlice<bf16>> {
+        self.w
+            .as_bf16()
+            .context("routed expert weights on the GPU must be bf16")
+    }
+}
+
+/// Where the embedding table lives: on the GPU (a gather kernel), or in host memory with the step's
+/// rows gathered on the host and copied (KTransformers' choice on small cards: a 150k × 4096 table is
+/// 1.2 GiB of GPU memory for a few KiB read per decode step).
+pub enum EmbedTable {
+    Device(CudaSlice<bf16>),
+    Host,
 }
 
 /// gate and up stacked (`[2I, H]`, gate first) so one GEMM computes both; then down `[H, I]`.
@@ -91,6 +112,8 @@ pub enum GpuFfn {
     Moe(GpuMoe),
 }
 
+// One per MLA layer, built once at load and never moved afterwards: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuMlaQuery {
     Direct(GpuLinear),
     LowRank {
@@ -127,11 +150,24 @@ pub struct GpuLayer {
     pub ffn: GpuFfn,
 }
 
+/// How the dense weights go to the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DenseUpload {
+    /// Precision of attention, dense MLP, shared-expert and lm_head projections.
+    pub format: DenseFormat,
+    /// Keep the embedding table in host memory.
+    pub host_embeddings: bool,
+}
+
 pub struct GpuModel {
     pub dev: GpuDevice,
-    pub embed: CudaSlice<bf16>,
-    /// None when tied to the embedding.
-    pub lm_head: Option<CudaSlice<bf16>>,
+    pub embed: EmbedTable,
+    /// `None`: tied to the (bf16, on-GPU) embedding table.
+    pub lm_head: Option<GpuLinear>,
+    /// Precision the dense projections were uploaded in.
+    pub dense: DenseUpload,
+    /// bf16 slab the quantized projections of prefill steps dequantize into (`None` for bf16).
+    pub dequant_scratch: Mutex<Option<CudaSlice<bf16>>>,
     pub final_norm: CudaSlice<f32>,
     pub layers: Vec<GpuLayer>,
     pub inv_freq: CudaSlice<f32>,
@@ -153,13 +189,24 @@ pub struct GpuModel {
     pub prefill_on_cpu: Vec<Vec<bool>>,
     /// Rewrites each MoE layer's routed ids after the router (benchmarks' synthetic routing bias).
     pub routing_override: Mutex<Option<RoutingOverride>>,
+    /// The memory plan this engine started with and what the start allocated.
+    pub memory: Option<memory::MemoryReport>,
 }
 
 /// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
 pub type RoutingOverride = Box<dyn FnMut(usize, &mut [u32]) + Send>;
 
-pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
-    let w = dev.stream.clone_htod(&linear_bf16(l))?;
+/// Uploads a dense projection in `format` (quantized on the host at load; FP8 checkpoints keep their
+/// bytes and block scales). Widths the quantized kernels cannot take stay bf16.
+pub fn upload_linear(
+    dev: &GpuDevice,
+    l: &Linear,
+    format: DenseFormat,
+) -> anyhow::Result<GpuLinear> {
+    let w = match quantize_linear(l, format) {
+        Some(q) => dev.upload_quantized(&q)?,
+        None => DeviceDense::Bf16(dev.stream.clone_htod(&linear_bf16(l))?),
+    };
     let bias = match &l.bias {
         Some(b) => Some(dev.stream.clone_htod(b)?),
         None => None,
@@ -172,9 +219,29 @@ pub fn upload_linear(dev: &GpuDevice, l: &Linear) -> anyhow::Result<GpuLinear> {
     })
 }
 
+/// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take.
+pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatrix> {
+    if let (
+        DenseFormat::Fp8,
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        },
+    ) = (format, &l.w)
+    {
+        let kept =
+            QuantizedMatrix::from_fp8_blocks(l.out_dim, l.in_dim, bytes.clone(), scale_inv, *block);
+        if kept.is_some() {
+            return kept;
+        }
+    }
+    QuantizedMatrix::quantize(format, l.out_dim, l.in_dim, |r, buf| l.row_f32(r, buf))
+}
+
 /// A linear's weights as bf16 rows (bf16 checkpoints are copied; f32 / FP8 are rounded).
 pub fn linear_bf16(l: &Linear) -> Vec<bf16> {
-    if let crate::engine::linear::WeightData::Bf16(v) = &l.w {
+    if let WeightData::Bf16(v) = &l.w {
         return v.clone();
     }
     let mut row = vec![0f32; l.in_dim];
@@ -193,15 +260,30 @@ pub fn mlp_gate_up_bf16(m: &Mlp) -> Vec<bf16> {
     v
 }
 
-pub fn upload_mlp(dev: &GpuDevice, m: &Mlp) -> anyhow::Result<GpuMlp> {
+/// An MLP in `format` (dense layers and shared experts; routed experts are always bf16).
+pub fn upload_mlp(dev: &GpuDevice, m: &Mlp, format: DenseFormat) -> anyhow::Result<GpuMlp> {
+    let (i, h) = (m.gate.out_dim, m.gate.in_dim);
+    let stacked = || {
+        QuantizedMatrix::quantize(format, 2 * i, h, |r, buf| {
+            if r < i {
+                m.gate.row_f32(r, buf)
+            } else {
+                m.up.row_f32(r - i, buf)
+            }
+        })
+    };
+    let w = match stacked() {
+        Some(q) => dev.upload_quantized(&q)?,
+        None => DeviceDense::Bf16(dev.stream.clone_htod(&mlp_gate_up_bf16(m))?),
+    };
     Ok(GpuMlp {
         gate_up: GpuLinear {
-            w: dev.stream.clone_htod(&mlp_gate_up_bf16(m))?,
+            w,
             bias: None,
-            out_dim: 2 * m.gate.out_dim,
-            in_dim: m.gate.in_dim,
+            out_dim: 2 * i,
+            in_dim: h,
         },
-        down: upload_linear(dev, &m.down)?,
+        down: upload_linear(dev, &m.down, format)?,
     })
 }
 
@@ -214,7 +296,8 @@ pub fn upload_dram_expert(
     upload_dram_expert_on(&dev.stream, block, eid)
 }
 
-/// [`upload_dram_expert`] on a given stream (live re-placement copies on a side stream).
+/// [`upload_dram_expert`] on a given stream (live re-placement copies on a side stream). Routed experts
+/// are bf16 on the GPU whatever `--dense-dtype` says.
 pub fn upload_dram_expert_on(
     s: &Arc<cudarc::driver::CudaStream>,
     block: &crate::model::MoeBlock,
@@ -223,13 +306,13 @@ pub fn upload_dram_expert_on(
     if let Some(m) = block.experts.get(eid).and_then(Option::as_ref) {
         return Ok(GpuMlp {
             gate_up: GpuLinear {
-                w: s.clone_htod(&mlp_gate_up_bf16(m))?,
+                w: DeviceDense::Bf16(s.clone_htod(&mlp_gate_up_bf16(m))?),
                 bias: None,
                 out_dim: 2 * m.gate.out_dim,
                 in_dim: m.gate.in_dim,
             },
             down: GpuLinear {
-                w: s.clone_htod(&linear_bf16(&m.down))?,
+                w: DeviceDense::Bf16(s.clone_htod(&linear_bf16(&m.down))?),
                 bias: match &m.down.bias {
                     Some(b) => Some(s.clone_htod(b)?),
                     None => None,
@@ -250,13 +333,13 @@ pub fn upload_dram_expert_on(
     let as_bf16 = |v: Vec<u16>| -> Vec<bf16> { v.into_iter().map(bf16::from_bits).collect() };
     Ok(GpuMlp {
         gate_up: GpuLinear {
-            w: s.clone_htod(&as_bf16(gate_up))?,
+            w: DeviceDense::Bf16(s.clone_htod(&as_bf16(gate_up))?),
             bias: None,
             out_dim: 2 * i,
             in_dim: h,
         },
         down: GpuLinear {
-            w: s.clone_htod(&as_bf16(down))?,
+            w: DeviceDense::Bf16(s.clone_htod(&as_bf16(down))?),
             bias: None,
             out_dim: h,
             in_dim: i,
@@ -275,11 +358,6 @@ pub fn kv_widths(cfg: &crate::model::ModelConfig) -> (usize, usize) {
     }
 }
 
-/// Bytes one routed expert takes on the GPU (bf16 gate, up, down).
-pub fn expert_bytes(hidden: usize, inter: usize) -> usize {
-    3 * hidden * inter * 2
-}
-
 impl GpuModel {
     /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
     /// copies of those experts are released from `model` afterwards (one copy of each expert) unless
@@ -290,44 +368,60 @@ impl GpuModel {
         placement: &[Vec<bool>],
         kv_blocks: usize,
         prefill_threshold: usize,
+        dense: DenseUpload,
         keep_host_copies: bool,
     ) -> anyhow::Result<Self> {
         let cfg = model.config.clone();
         let s = &dev.stream;
-        let embed = s.clone_htod(&linear_bf16(&model.embed))?;
-        let lm_head = match &model.lm_head {
-            Some(l) => Some(s.clone_htod(&linear_bf16(l))?),
-            None => None,
+        let fmt = dense.format;
+        let embed = if dense.host_embeddings {
+            EmbedTable::Host
+        } else {
+            EmbedTable::Device(s.clone_htod(&linear_bf16(&model.embed))?)
+        };
+        // A tied lm_head shares the table only when both are bf16 on the GPU.
+        let lm_head = match (&model.lm_head, &embed, fmt) {
+            (Some(l), _, _) => Some(upload_linear(&dev, l, fmt)?),
+            (None, EmbedTable::Device(_), DenseFormat::Bf16) => None,
+            (None, _, _) => Some(upload_linear(&dev, &model.embed, fmt)?),
+        };
+        let dequant_scratch = if fmt == DenseFormat::Bf16 {
+            None
+        } else {
+            Some(dev.alloc_dequant_scratch()?)
         };
         let final_norm = s.clone_htod(&model.final_norm)?;
         let mut layers = Vec::with_capacity(model.layers.len());
         for (li, layer) in model.layers.iter_mut().enumerate() {
             let attn = match &layer.attn {
                 Attention::Gqa(a) => GpuAttention::Gqa {
-                    q: upload_linear(&dev, &a.q)?,
-                    k: upload_linear(&dev, &a.k)?,
-                    v: upload_linear(&dev, &a.v)?,
-                    o: upload_linear(&dev, &a.o)?,
+                    q: upload_linear(&dev, &a.q, fmt)?,
+                    k: upload_linear(&dev, &a.k, fmt)?,
+                    v: upload_linear(&dev, &a.v, fmt)?,
+                    o: upload_linear(&dev, &a.o, fmt)?,
                     q_norm: a.q_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
                     k_norm: a.k_norm.as_ref().map(|w| s.clone_htod(w)).transpose()?,
                 },
                 Attention::Mla(a) => GpuAttention::Mla {
                     q: match &a.q {
-                        MlaQuery::Direct(l) => GpuMlaQuery::Direct(upload_linear(&dev, l)?),
+                        MlaQuery::Direct(l) => GpuMlaQuery::Direct(upload_linear(&dev, l, fmt)?),
                         MlaQuery::LowRank { a, norm, b } => GpuMlaQuery::LowRank {
-                            a: upload_linear(&dev, a)?,
+                            a: upload_linear(&dev, a, fmt)?,
                             norm: s.clone_htod(norm)?,
-                            b: upload_linear(&dev, b)?,
+                            b: upload_linear(&dev, b, fmt)?,
                         },
                     },
-                    kv_a: upload_linear(&dev, &a.kv_a)?,
+                    kv_a: upload_linear(&dev, &a.kv_a, fmt)?,
                     kv_a_norm: s.clone_htod(&a.kv_a_norm)?,
                     kv_b: s.clone_htod(&a.kv_b)?,
-                    o: upload_linear(&dev, &a.o)?,
+                    o: upload_linear(&dev, &a.o, fmt)?,
                 },
+                Attention::Linear(_) => anyhow::bail!(
+                    "layer {li}: the CUDA backend does not run linear-attention layers yet"
+                ),
             };
             let ffn = match &mut layer.ffn {
-                Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m)?),
+                Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m, fmt)?),
                 Ffn::Moe(block) => {
                     let on_gpu = placement.get(li).map(Vec::as_slice).unwrap_or(&[]);
                     let mut experts = Vec::with_capacity(block.experts.len());
@@ -336,7 +430,7 @@ impl GpuModel {
                             let m = slot
                                 .as_ref()
                                 .with_context(|| format!("layer {li} expert {e} missing"))?;
-                            experts.push(Some(upload_mlp(&dev, m)?));
+                            experts.push(Some(upload_mlp(&dev, m, DenseFormat::Bf16)?));
                             if !keep_host_copies {
                                 *slot = None;
                             }
@@ -352,7 +446,7 @@ impl GpuModel {
                         },
                         experts: ExpertTable::new(experts),
                         shared: match &block.shared {
-                            Some(m) => Some(upload_mlp(&dev, m)?),
+                            Some(m) => Some(upload_mlp(&dev, m, fmt)?),
                             None => None,
                         },
                         shared_gate: match &block.shared_gate {
@@ -378,6 +472,8 @@ impl GpuModel {
             dev,
             embed,
             lm_head,
+            dense,
+            dequant_scratch: Mutex::new(dequant_scratch),
             final_norm,
             layers,
             inv_freq,
@@ -389,7 +485,17 @@ impl GpuModel {
             graphs: Mutex::new(None),
             prefill_on_cpu: Vec::new(),
             routing_override: Mutex::new(None),
+            memory: None,
         })
+    }
+
+    /// Positions the device KV pool holds.
+    pub fn kv_positions(&self) -> usize {
+        self.kv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .total_blocks
+            * crate::engine::kv::BLOCK
     }
 
     /// Prepares layerwise prefill's expert stream over `host`'s packed DRAM experts (pins them).

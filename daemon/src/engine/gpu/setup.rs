@@ -1,47 +1,21 @@
-//! Bringing up the CUDA backend: open the GPU, size the memory plan, choose the GPU experts, upload.
-use super::kv::GpuKvPool;
-use super::{expert_bytes, GpuModel};
+//! Bringing up the CUDA backend: open the GPU, plan its memory, choose the GPU experts, upload.
+use super::{memory, DenseUpload, GpuModel};
 use crate::engine::kv::BLOCK;
-use crate::engine::placement::{plan_placement, GpuExperts, MemoryPlan, RoutingStats};
+use crate::engine::placement::{plan_placement, RoutingStats};
 use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
-use crate::model::{Model, ModelConfig};
+use crate::model::Model;
 use anyhow::{bail, Context};
 use moe_kernels::cuda::GpuDevice;
+use moe_sizing::CheckpointFormat;
 
-/// bf16 bytes of everything but the routed experts (routers in f32).
-pub fn dense_bytes(cfg: &ModelConfig) -> usize {
-    let h = cfg.hidden_size;
-    let mut b = cfg.vocab_size * h * 2 * if cfg.tie_word_embeddings { 1 } else { 2 };
-    let attn = match &cfg.mla {
-        // q (low-rank or direct), kv_a, kv_b (f32 on the GPU), o
-        Some(m) => {
-            let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
-            let q = m
-                .q_lora_rank
-                .map_or(cfg.num_heads * qk * h, |r| r * h + cfg.num_heads * qk * r);
-            (q + (m.kv_lora_rank + m.qk_rope_head_dim) * h + cfg.num_heads * m.v_head_dim * h) * 2
-                + cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * 4
-        }
-        None => {
-            (cfg.num_heads * cfg.head_dim * h * 2 + cfg.num_kv_heads * cfg.head_dim * h * 2) * 2
-        }
-    };
-    for layer in 0..cfg.num_layers {
-        b += attn;
-        match &cfg.moe {
-            Some(m) if cfg.is_moe_layer(layer) => {
-                b += m.num_experts * h * 4;
-                b += m.shared_intermediate.map_or(0, |w| 3 * h * w * 2);
-            }
-            _ => b += 3 * h * cfg.intermediate_size * 2,
-        }
-    }
-    b
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
 }
 
-/// Opens GPU `ordinal`, places the experts (`rules`: the rule file's choices, resolved for this model)
-/// and uploads everything but the DRAM experts.
+/// Opens GPU `ordinal`, plans its memory with the shared sizing model (refusing with the reason what
+/// does not fit), places the experts (`rules`: the rule file's choices, resolved for this model;
+/// experts they pin to the GPU are planned) and uploads everything but the DRAM experts.
 pub fn build(
     model: &mut Model,
     ordinal: usize,
@@ -57,41 +31,62 @@ pub fn build(
     }
     let dev = GpuDevice::open(ordinal)?;
     let (free, total) = dev.memory()?;
-    let blocks = opts.kv_cache_tokens.div_ceil(BLOCK).max(1);
-    let widths = super::kv_widths(&cfg);
-    let (experts, inter) = cfg
-        .moe
-        .as_ref()
-        .map_or((0, 0), |m| (m.num_experts, m.expert_intermediate));
-    let each = expert_bytes(cfg.hidden_size, inter);
-    let moe_layers = cfg.moe_layers.iter().filter(|&&m| m).count();
-    let mut plan = MemoryPlan {
-        dense_weights: dense_bytes(&cfg),
-        expert_bytes_each: each,
-        gpu_experts_total: 0,
-        kv_cache: GpuKvPool::bytes_for(cfg.num_layers, widths, blocks),
-        // activations of a step, plus layerwise prefill's expert stream (two packed staging
-        // chunks and one dense chunk)
-        workspace: (1usize << 30)
-            + super::stream::device_bytes(each, experts, opts.gpu_stream_chunk_bytes),
-        device_free: free,
-    };
-    let pins = rules.map(PlacementPlan::pins);
-    let pinned_gpu: usize = pins
-        .iter()
-        .flatten()
-        .flatten()
-        .filter(|&&p| p == Some(true))
-        .count();
-    let per_layer = match opts.gpu_experts {
-        GpuExperts::Count(n) => n.min(experts),
-        GpuExperts::Ratio(r) => ((experts as f64 * r).round() as usize).min(experts),
-        // What fits beside the pinned experts, spread evenly over the MoE layers.
-        GpuExperts::Auto => {
-            let room = plan.max_experts_per_layer(1, usize::MAX);
-            room.saturating_sub(pinned_gpu) / moe_layers.max(1)
+    let context_used = (total - free) as u64;
+    let budget = match opts.gpu_memory_limit {
+        Some(limit) if limit > total as u64 => {
+            tracing::warn!(
+                "--gpu-memory-limit {:.2} GiB is above {}'s {:.2} GiB: planning with the card's memory",
+                gib(limit),
+                dev.name,
+                gib(total as u64)
+            );
+            total as u64
         }
+        Some(limit) => limit,
+        None => total as u64,
     };
+    let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
+    let experts = shape.experts_per_layer() as usize;
+    let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
+    let plan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
+        anyhow::anyhow!(
+            "{} does not fit in {:.2} GiB of {} ({}): {e}",
+            cfg.arch_name,
+            gib(budget),
+            dev.name,
+            if opts.gpu_memory_limit.is_some() {
+                "--gpu-memory-limit"
+            } else {
+                "the card's memory"
+            }
+        )
+    })?;
+    let msg = format!(
+        "{} ({}.{}), {:.1} GiB, {:.1} GiB free; dense projections {}, embeddings {}, {} GPU experts per layer, KV {} positions\n{}",
+        dev.name,
+        dev.capability.0,
+        dev.capability.1,
+        gib(total as u64),
+        gib(free as u64),
+        plan.dense_dtype.as_str(),
+        if plan.host_embeddings { "in host memory" } else { "on the GPU" },
+        plan.gpu_experts_per_layer,
+        plan.kv_tokens,
+        plan.describe()
+    );
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    // Another process may hold memory the budget assumed free.
+    if plan.total() > free as u64 {
+        bail!(
+            "the plan needs {:.2} GiB but {} has {:.2} GiB free (other processes use the rest): lower --gpu-memory-limit or free the GPU",
+            gib(plan.total()),
+            dev.name,
+            gib(free as u64)
+        );
+    }
+    let per_layer = plan.gpu_experts_per_layer as usize;
+    let blocks = (plan.kv_tokens as usize).div_ceil(BLOCK).max(1);
     let stats = match &opts.routing_stats {
         Some(p) => {
             let text =
@@ -112,6 +107,7 @@ pub fn build(
         }
         (s, _) => s,
     };
+    let pins = rules.map(PlacementPlan::pins);
     let placement = plan_placement(
         strategy,
         &cfg.moe_layers,
@@ -122,38 +118,56 @@ pub fn build(
         pins.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
-    plan.gpu_experts_total = placement.iter().flatten().filter(|&&g| g).count();
-    let msg = format!(
-        "{} ({}.{}), {:.1} GiB total: {}",
-        dev.name,
-        dev.capability.0,
-        dev.capability.1,
-        total as f64 / (1u64 << 30) as f64,
-        plan.describe()
-    );
-    tracing::info!("{msg}");
-    eprintln!("{msg}");
+    // The plan counted each layer's pins plus the strategy's fill; front-loading spreads the count
+    // unevenly, which with pins can place more than the plan holds.
+    let placed = placement.iter().flatten().filter(|&&g| g).count() as u64;
+    if placed > plan.gpu_experts_total {
+        bail!(
+            "the placement puts {placed} experts on the GPU but the memory plan holds {}: with placement rules that pin GPU experts use --expert-placement uniform, frequency or random",
+            plan.gpu_experts_total
+        );
+    }
     if let Some(r) = rules {
         let text = r.describe(&placement, &default_format_name(opts));
         tracing::info!("{text}");
         eprint!("{text}");
     }
-    if !plan.fits() {
-        bail!(
-            "the model does not fit on {}: {}; at most {} GPU experts per layer would fit (use --gpu-experts auto, pin fewer experts to the GPU), or lower --kv-cache-tokens",
-            dev.name,
-            plan.describe(),
-            plan.max_experts_per_layer(moe_layers, experts)
-        );
-    }
+    let dense = DenseUpload {
+        format: memory::dense_format(plan.dense_dtype),
+        host_embeddings: plan.host_embeddings,
+    };
+    let t = std::time::Instant::now();
     let mut gpu = GpuModel::upload(
         dev,
         model,
         &placement,
         blocks,
         opts.gpu_prefill_threshold.max(1),
+        dense,
         opts.live_placement.is_some(),
     )?;
+    let (free_after, _) = gpu.dev.memory()?;
+    // The pool counts exactly this engine's buffers; the free-memory delta is the fallback.
+    let start_allocated = match gpu.dev.pool_usage()? {
+        Some((in_use, _)) => in_use,
+        None => (free - free_after) as u64,
+    };
+    // From here the pool's high-water mark is this engine's: start + step buffers.
+    gpu.dev.reset_pool_peak()?;
+    let report = memory::MemoryReport {
+        plan,
+        context_used,
+        start_allocated,
+    };
+    let msg = format!(
+        "GPU memory at start: {:.2} GiB allocated for weights, KV and scratch (planned {:.2} GiB), uploaded in {:.1} s",
+        gib(report.start_allocated),
+        gib(report.planned_at_start()),
+        t.elapsed().as_secs_f64()
+    );
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    gpu.memory = Some(report);
     gpu.cuda_graphs = opts.cuda_graphs;
     if let Some(r) = rules {
         gpu.prefill_on_cpu = r.prefill_on_cpu();

@@ -24,7 +24,7 @@ use crate::model::{Ffn, Model};
 
 /// Default target bytes of one chunk (per staging slot; the dense copy is about as large): big enough
 /// that per-copy and per-GEMM overheads vanish, small enough for any GPU's workspace.
-pub const CHUNK_BYTES: usize = 256 << 20;
+pub const CHUNK_BYTES: usize = moe_sizing::plan::STREAM_CHUNK_BYTES as usize;
 
 /// Experts per chunk for experts of `expert_bytes` bytes each.
 pub fn chunk_experts(expert_bytes: usize, experts: usize, chunk_bytes: usize) -> usize {
@@ -35,13 +35,15 @@ pub fn chunk_experts(expert_bytes: usize, experts: usize, chunk_bytes: usize) ->
 /// (the last chunk's GEMMs, the next attention, the router hand-off) the copy engine has work queued.
 /// Measured on the H200 (6-layer 4K prefill): 32–37 ms per layer with four slots, 32 ms with two, against
 /// ~22 ms of PCIe; the slots are not what limits it (docs/PERF.md), four cost ~0.5 GiB more than two.
-pub const SLOTS: usize = 4;
+pub const SLOTS: usize = moe_sizing::plan::STREAM_SLOTS as usize;
 
-/// Device bytes the stream holds: the packed staging slots and one dense chunk (packed bytes are the
-/// dense bf16 size plus tile padding and scales: 5/4 covers them).
+/// Device bytes the stream holds (the memory plan's formula, shared with the operator).
 pub fn device_bytes(dense_expert_bytes: usize, experts: usize, chunk_bytes: usize) -> usize {
-    let c = chunk_experts(dense_expert_bytes, experts, chunk_bytes);
-    c * dense_expert_bytes * SLOTS * 5 / 4 + c * dense_expert_bytes
+    moe_sizing::plan::stream_staging_bytes(
+        dense_expert_bytes as u64,
+        experts as u64,
+        chunk_bytes as u64,
+    ) as usize
 }
 
 /// One chunk of one layer's DRAM experts.

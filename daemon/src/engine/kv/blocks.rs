@@ -12,6 +12,7 @@
 //! partial last block of a shared table can be written by two owners; the first reservation that will
 //! append into such a block takes a fresh block and has the storage copy the old one into it
 //! ([`BlockCopy`]) before anything is written.
+use super::recurrent::RecurrentState;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -123,13 +124,16 @@ pub fn blocks_for(positions: usize) -> usize {
     positions.div_ceil(BLOCK)
 }
 
-/// One sequence's KV: a block table in the shared pool and the number of positions written.
-/// Dropping it releases its blocks; cloning shares them.
+/// One sequence's KV: a block table in the shared pool and the number of positions written, plus the
+/// recurrent state of linear-attention layers for models that have them. Dropping it releases its
+/// blocks; cloning shares them (and copies the recurrent state, which cannot be shared: it changes with
+/// every token).
 #[derive(Debug)]
 pub struct SeqCache {
     pool: SharedBlockPool,
     blocks: Vec<BlockId>,
     len: usize,
+    recurrent: Option<Box<RecurrentState>>,
 }
 
 impl SeqCache {
@@ -138,7 +142,35 @@ impl SeqCache {
             pool,
             blocks: Vec::new(),
             len: 0,
+            recurrent: None,
         }
+    }
+
+    /// A cache that also carries linear-attention state (starting at zero).
+    pub fn with_recurrent(pool: SharedBlockPool, state: RecurrentState) -> Self {
+        Self {
+            pool,
+            blocks: Vec::new(),
+            len: 0,
+            recurrent: Some(Box::new(state)),
+        }
+    }
+
+    /// The linear-attention state, for models with linear layers.
+    pub fn recurrent(&self) -> Option<&RecurrentState> {
+        self.recurrent.as_deref()
+    }
+
+    /// The block table and the linear-attention state together (the executor reads one and writes
+    /// the other in the same step).
+    pub fn parts_mut(&mut self) -> (&[BlockId], Option<&mut RecurrentState>) {
+        (&self.blocks, self.recurrent.as_deref_mut())
+    }
+
+    /// Whether a prefix of this cache can be kept and reused (false with a recurrent state, which
+    /// summarises every position and cannot be cut back to a prefix).
+    pub fn supports_prefix_reuse(&self) -> bool {
+        self.recurrent.is_none()
     }
 
     /// Positions written so far.
@@ -193,9 +225,15 @@ impl SeqCache {
         Ok(())
     }
 
-    /// Keeps positions `0..n` (no-op if it holds fewer) and releases the blocks past them.
+    /// Keeps positions `0..n` (no-op if it holds fewer) and releases the blocks past them. A cache with
+    /// a recurrent state cannot keep a prefix: it starts over ([`Self::clear`]), and [`Self::len`]
+    /// says so.
     pub fn truncate(&mut self, n: usize) {
         if n >= self.len {
+            return;
+        }
+        if self.recurrent.is_some() {
+            self.clear();
             return;
         }
         self.len = n;
@@ -206,9 +244,12 @@ impl SeqCache {
         }
     }
 
-    /// Releases every block (the sequence starts over, e.g. after preemption).
+    /// Releases every block and zeroes the recurrent state (the sequence starts over).
     pub fn clear(&mut self) {
         self.len = 0;
+        if let Some(r) = &mut self.recurrent {
+            r.reset();
+        }
         let mut pool = lock(&self.pool);
         for id in self.blocks.drain(..) {
             pool.release(id);
@@ -241,6 +282,7 @@ impl Clone for SeqCache {
             pool: self.pool.clone(),
             blocks: self.blocks.clone(),
             len: self.len,
+            recurrent: self.recurrent.clone(),
         }
     }
 }
@@ -329,6 +371,36 @@ mod tests {
         assert_eq!(copies.0.lock().unwrap().len(), 1);
         drop(b);
         assert_eq!(used(&p), 2);
+    }
+
+    #[test]
+    fn recurrent_state_is_copied_by_clones_and_dropped_by_truncation() {
+        use crate::model::hybrid::{LinearAttentionConfig, Mixer};
+        let la = LinearAttentionConfig {
+            num_heads: 1,
+            head_dim: 2,
+            conv_kernel: 2,
+            lower_bound: None,
+        };
+        let (p, _) = pool(8);
+        let mut a = SeqCache::with_recurrent(p.clone(), RecurrentState::new(&[Mixer::Linear], &la));
+        assert!(!a.supports_prefix_reuse());
+        a.reserve(2 * BLOCK).unwrap();
+        a.advance(2 * BLOCK);
+        a.parts_mut().1.unwrap().layer_mut(0).unwrap().matrix[0] = 3.0;
+        let mut b = a.clone();
+        b.parts_mut().1.unwrap().layer_mut(0).unwrap().matrix[0] = 5.0;
+        let first = |c: &SeqCache| {
+            let mut r = c.recurrent().unwrap().clone();
+            r.layer_mut(0).unwrap().matrix[0]
+        };
+        assert_eq!((first(&a), first(&b)), (3.0, 5.0), "a clone owns its state");
+        // A prefix of a recurrent state does not exist: truncation starts the sequence over.
+        a.truncate(BLOCK);
+        assert_eq!((a.len(), a.blocks().len(), first(&a)), (0, 0, 0.0));
+        assert_eq!(used(&p), 2, "b still holds its blocks");
+        let (plain, _) = pool(2);
+        assert!(SeqCache::new(plain).supports_prefix_reuse());
     }
 
     #[test]

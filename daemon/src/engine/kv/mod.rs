@@ -1,11 +1,15 @@
 //! KV caches. Block accounting (which block holds which positions, who shares it) is one thing for both
 //! backends ([`blocks`]); the rows themselves live in the backend's storage: [`CpuKvStore`] here, the
-//! GPU's paged pool in `engine::gpu::kv`.
+//! GPU's paged pool in `engine::gpu::kv`. Linear-attention layers keep a fixed-size per-sequence state
+//! instead ([`recurrent`]), carried by the sequence's [`SeqCache`].
 pub mod blocks;
+pub mod footprint;
+pub mod recurrent;
 
 pub use blocks::{
     blocks_for, BlockCopy, BlockId, BlockPool, KvError, SeqCache, SharedBlockPool, BLOCK,
 };
+pub use recurrent::RecurrentState;
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -82,11 +86,14 @@ impl LayerRows {
 
 /// Per layer, the row widths a model's KV blocks hold (from its config alone): K and V
 /// (`kv_heads × head_dim` each), or MLA's normalised latent and roped shared key, plus the sparse-attention
-/// indexer's keys on layers that run their own indexer (GLM-5: 128 floats per position).
+/// indexer's keys on layers that run their own indexer (GLM-5: 128 floats per position). Linear-attention
+/// layers keep a per-sequence recurrent state instead: no rows.
 pub fn row_widths(cfg: &crate::model::ModelConfig) -> Vec<RowWidths> {
     use crate::model::config::IndexerLayer;
+    use crate::model::hybrid::Mixer;
     (0..cfg.num_layers)
         .map(|l| match &cfg.mla {
+            _ if cfg.mixers.get(l) == Some(&Mixer::Linear) => RowWidths { a: 0, b: 0, c: 0 },
             Some(m) => RowWidths {
                 a: m.kv_lora_rank,
                 b: m.qk_rope_head_dim,

@@ -252,6 +252,23 @@ impl PlacementPlan {
             .collect()
     }
 
+    /// Per MoE layer: how many experts the rules pin to the GPU and to DRAM, as the GPU memory plan
+    /// counts them.
+    pub fn layer_pins(&self) -> Vec<moe_sizing::LayerPins> {
+        self.experts
+            .iter()
+            .filter(|row| !row.is_empty())
+            .map(|row| {
+                let count =
+                    |r: Residency| row.iter().filter(|c| c.decode == Some(r)).count() as u64;
+                moe_sizing::LayerPins {
+                    gpu: count(Residency::Gpu),
+                    dram: count(Residency::Cpu),
+                }
+            })
+            .collect()
+    }
+
     /// Per layer and expert: computed on the CPU in long-prompt steps when it lives in DRAM.
     pub fn prefill_on_cpu(&self) -> Vec<Vec<bool>> {
         self.experts

@@ -1,0 +1,219 @@
+//! The GPU memory plan of this engine: the shared sizing model (`moe_sizing`, which the operator uses
+//! too) fed with the configuration actually loaded and the engine options, and what the start really
+//! allocated beside it.
+use crate::engine::placement::GpuExperts;
+use crate::engine::EngineOptions;
+use crate::model::{config::ModelConfig, Attention as HostAttention, Model};
+use moe_kernels::cuda::quant::DenseFormat;
+use moe_sizing::{
+    Attention, CheckpointFormat, ExpertsChoice, KvRequest, LayerPins, MemoryPlan, ModelShape, Moe,
+    PlanInputs,
+};
+
+/// The sizing shape of a loaded configuration (`qkv_bias`: q/k/v projections carry biases, which
+/// the loaded weights know and `ModelConfig` does not keep).
+pub fn shape_of(cfg: &ModelConfig, qkv_bias: bool, checkpoint: CheckpointFormat) -> ModelShape {
+    let attention = match &cfg.mla {
+        Some(m) => Attention::Mla {
+            heads: cfg.num_heads as u64,
+            q_lora_rank: m.q_lora_rank.map(|r| r as u64),
+            kv_lora_rank: m.kv_lora_rank as u64,
+            qk_nope_head_dim: m.qk_nope_head_dim as u64,
+            qk_rope_head_dim: m.qk_rope_head_dim as u64,
+            v_head_dim: m.v_head_dim as u64,
+        },
+        None => Attention::Gqa {
+            heads: cfg.num_heads as u64,
+            kv_heads: cfg.num_kv_heads as u64,
+            head_dim: cfg.head_dim as u64,
+            qkv_bias,
+        },
+    };
+    let moe = cfg.moe.as_ref().map(|m| Moe {
+        experts: m.num_experts as u64,
+        top_k: m.top_k as u64,
+        expert_intermediate: m.expert_intermediate as u64,
+        shared_intermediate: m.shared_intermediate.unwrap_or(0) as u64,
+        shared_gate: m.shared_gate,
+        moe_layers: cfg.moe_layers.iter().filter(|&&x| x).count() as u64,
+    });
+    ModelShape {
+        hidden: cfg.hidden_size as u64,
+        layers: cfg.num_layers as u64,
+        vocab: cfg.vocab_size as u64,
+        tied_embeddings: cfg.tie_word_embeddings,
+        attention,
+        dense_intermediate: cfg.intermediate_size as u64,
+        moe,
+        checkpoint,
+    }
+}
+
+/// Whether the loaded model's attention projections carry biases.
+pub fn has_qkv_bias(model: &Model) -> bool {
+    model
+        .layers
+        .first()
+        .is_some_and(|l| matches!(&l.attn, HostAttention::Gqa(a) if a.q.bias.is_some()))
+}
+
+/// Plan inputs from the engine options: `budget` bytes of GPU memory, `stream_staging` bytes for
+/// layerwise prefill's device buffers, `pins` per MoE layer from the placement rules (empty: none).
+pub fn plan_inputs(
+    opts: &EngineOptions,
+    shape: &ModelShape,
+    budget: u64,
+    stream_staging: u64,
+    pins: &[LayerPins],
+) -> PlanInputs {
+    let experts = shape.experts_per_layer();
+    PlanInputs {
+        budget_bytes: budget,
+        dense: opts.dense_dtype,
+        embeddings: opts.embeddings,
+        experts: match opts.gpu_experts {
+            GpuExperts::Auto => ExpertsChoice::Auto,
+            GpuExperts::Count(n) => ExpertsChoice::PerLayer(n as u64),
+            GpuExperts::Ratio(r) => {
+                ExpertsChoice::PerLayer(((experts as f64 * r).round() as u64).min(experts))
+            }
+        },
+        kv: opts
+            .kv_auto
+            .unwrap_or_else(|| KvRequest::exactly(opts.kv_cache_tokens as u64)),
+        max_step_tokens: opts.max_step_tokens as u64,
+        max_step_seqs: opts.max_step_seqs as u64,
+        stream_staging_bytes: stream_staging,
+        cuda_graphs: opts.cuda_graphs,
+        pins: pins.to_vec(),
+        move_slots: opts
+            .live_placement
+            .as_ref()
+            .map_or(0, |l| l.max_in_flight as u64),
+    }
+}
+
+/// The plan the engine starts with, within `budget` bytes of GPU memory; `pins`: the experts placement
+/// rules pin, per MoE layer (empty without rules).
+pub fn plan(
+    opts: &EngineOptions,
+    shape: &ModelShape,
+    budget: u64,
+    pins: &[LayerPins],
+) -> Result<MemoryPlan, moe_sizing::PlanError> {
+    // Layerwise prefill's stream is set up when the KV cache can hold a step that long.
+    let kv_most = opts
+        .kv_auto
+        .map_or(opts.kv_cache_tokens as u64, |k| k.max_tokens);
+    let staging = if (opts.gpu_prefill_threshold as u64) <= kv_most && shape.moe.is_some() {
+        moe_sizing::plan::stream_staging_bytes(
+            shape.gpu_expert_bytes(),
+            shape.experts_per_layer(),
+            opts.gpu_stream_chunk_bytes as u64,
+        )
+    } else {
+        0
+    };
+    moe_sizing::choose(shape, &plan_inputs(opts, shape, budget, staging, pins))
+}
+
+/// The kernels' format for a planned dense dtype.
+pub fn dense_format(d: moe_sizing::DenseDtype) -> DenseFormat {
+    match d {
+        moe_sizing::DenseDtype::Bf16 => DenseFormat::Bf16,
+        moe_sizing::DenseDtype::Fp8 => DenseFormat::Fp8,
+        moe_sizing::DenseDtype::Int4 => DenseFormat::Int4,
+    }
+}
+
+/// The plan and what the engine's start allocated on the device (the bytes of the device's memory
+/// pool that every buffer is allocated from; without pools, the drop in free memory).
+#[derive(Debug, Clone)]
+pub struct MemoryReport {
+    pub plan: MemoryPlan,
+    /// Device bytes in use once the CUDA context, cuBLAS and the kernels are loaded.
+    pub context_used: u64,
+    /// Device bytes the upload allocated (weights, KV cache, scratch).
+    pub start_allocated: u64,
+}
+
+impl MemoryReport {
+    /// What the plan says the start allocates (everything but per-step buffers and graphs, which are
+    /// allocated when steps run).
+    pub fn planned_at_start(&self) -> u64 {
+        self.plan.total()
+            - self.plan.item("activations")
+            - self.plan.item("CUDA graphs")
+            - self.plan.item("prefill staging")
+            - self.plan.item("live moves")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_config(name: &str) -> Option<serde_json::Value> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(name)
+            .join("model_bf16/config.json");
+        let text = std::fs::read_to_string(path).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// The operator reads config.json with the sizing crate; the engine with `ModelConfig`. Both
+    /// must give the same shape, or the operator would size a different model than the one loaded.
+    #[test]
+    fn sizing_reads_every_config_as_the_engine_does() {
+        let mut configs: Vec<(String, serde_json::Value)> = moe_sizing::known::KNOWN_MODELS
+            .iter()
+            .map(|k| {
+                (
+                    k.key.to_string(),
+                    moe_sizing::known::config_json(k.key).unwrap(),
+                )
+            })
+            .collect();
+        for name in [
+            "qwen3_moe",
+            "glm4_moe",
+            "mixtral",
+            "qwen2_moe",
+            "llama",
+            "qwen2",
+            "qwen3",
+            "deepseek_v3",
+            "deepseek_v3_plain",
+            "smallthinker",
+            "smallthinker_softmax",
+        ] {
+            if let Some(v) = fixture_config(name) {
+                configs.push((name.to_string(), v));
+            }
+        }
+        assert!(configs.len() >= 5);
+        for (name, v) in configs {
+            let sized = ModelShape::from_config_json(&v).unwrap();
+            let cfg = ModelConfig::from_json(&v).unwrap();
+            let bias = matches!(sized.attention, Attention::Gqa { qkv_bias: true, .. });
+            let engine = shape_of(&cfg, bias, sized.checkpoint);
+            assert_eq!(sized, engine, "{name}");
+        }
+    }
+
+    /// The sizing crate's alignment rule for quantized widths is the kernels'.
+    #[test]
+    fn quantized_groups_agree_with_the_kernels() {
+        use moe_kernels::cuda::quant::group_for;
+        for cols in [16, 32, 48, 64, 96, 100, 128, 1408, 2560, 10944, 12288] {
+            for d in moe_sizing::DenseDtype::ALL {
+                assert_eq!(
+                    d.group_for(cols as u64).map(|g| g as usize),
+                    group_for(dense_format(d), cols),
+                    "{d:?} {cols}"
+                );
+            }
+        }
+    }
+}

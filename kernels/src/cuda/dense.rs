@@ -1,0 +1,286 @@
+//! Dense projections on the GPU in bf16, FP8 (W8A16) or int4 (W4A16): one op, [`GpuDevice::dense_matmul`].
+//!
+//! Decode steps (at most [`GEMV_MAX_TOKENS_PER_CALL`] × 2 rows) run the quantized GEMVs of
+//! `dense_quant.cu`, which stream the weights once; larger steps dequantize slabs of rows into a bf16
+//! scratch buffer and multiply each slab with cuBLAS (the dequantization is amortised over the
+//! step's rows). bf16 weights always go to cuBLAS.
+use super::quant::{DenseFormat, QuantizedMatrix};
+use super::{GpuDevice, GpuError};
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+/// Tokens one GEMV launch handles (the kernel's register accumulators).
+pub const GEMV_MAX_TOKENS_PER_CALL: usize = 8;
+/// Steps of up to this many rows use the GEMV kernels (in launches of 8); more dequantize + cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 2 * GEMV_MAX_TOKENS_PER_CALL;
+/// Size of the bf16 dequantization scratch buffer prefill uses (slabs of rows of one matrix).
+pub const DEQUANT_SCRATCH_BYTES: usize = 64 << 20;
+const GEMV_ROWS_PER_BLOCK: usize = 4;
+
+/// A dense `[out, in]` weight on the GPU.
+pub enum DeviceDense {
+    Bf16(CudaSlice<bf16>),
+    Int4 {
+        /// `[out, in / 8]`
+        packed: CudaSlice<u32>,
+        /// f16 bits `[out, in / group]`
+        scales: CudaSlice<u16>,
+        group: usize,
+    },
+    Fp8 {
+        /// `[out, in]` E4M3
+        bytes: CudaSlice<u8>,
+        /// `[out, in / group]`
+        scales: CudaSlice<f32>,
+        group: usize,
+    },
+}
+
+impl DeviceDense {
+    pub fn format(&self) -> DenseFormat {
+        match self {
+            DeviceDense::Bf16(_) => DenseFormat::Bf16,
+            DeviceDense::Int4 { .. } => DenseFormat::Int4,
+            DeviceDense::Fp8 { .. } => DenseFormat::Fp8,
+        }
+    }
+
+    /// The bf16 matrix, for callers that need cuBLAS operands (routed experts are always bf16).
+    pub fn as_bf16(&self) -> Option<&CudaSlice<bf16>> {
+        match self {
+            DeviceDense::Bf16(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// Bytes this weight occupies on the GPU.
+    pub fn bytes(&self) -> usize {
+        match self {
+            DeviceDense::Bf16(w) => w.len() * 2,
+            DeviceDense::Int4 { packed, scales, .. } => packed.len() * 4 + scales.len() * 2,
+            DeviceDense::Fp8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
+        }
+    }
+}
+
+impl GpuDevice {
+    /// Uploads a quantized host matrix.
+    pub fn upload_quantized(&self, q: &QuantizedMatrix) -> Result<DeviceDense, GpuError> {
+        let s = &self.stream;
+        Ok(match q {
+            QuantizedMatrix::Int4 {
+                packed,
+                scales,
+                group,
+                ..
+            } => DeviceDense::Int4 {
+                packed: s.clone_htod(packed)?,
+                scales: s.clone_htod(scales)?,
+                group: *group,
+            },
+            QuantizedMatrix::Fp8 {
+                bytes,
+                scales,
+                group,
+                ..
+            } => DeviceDense::Fp8 {
+                bytes: s.clone_htod(bytes)?,
+                scales: s.clone_htod(scales)?,
+                group: *group,
+            },
+        })
+    }
+
+    /// The bf16 scratch buffer [`GpuDevice::dense_matmul`] dequantizes prefill slabs into.
+    pub fn alloc_dequant_scratch(&self) -> Result<CudaSlice<bf16>, GpuError> {
+        Ok(self.stream.alloc_zeros::<bf16>(DEQUANT_SCRATCH_BYTES / 2)?)
+    }
+
+    /// `y[n, out] (=|+=) x[n, in] · Wᵀ` with f32 accumulation, whatever W's format. `scratch` is
+    /// needed by quantized weights when `n > GEMV_MAX_ROWS` (it must hold at least one row).
+    pub fn dense_matmul(
+        &self,
+        w: &DeviceDense,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        (n, out, inp): (usize, usize, usize),
+        accumulate: bool,
+        scratch: Option<&mut CudaSlice<bf16>>,
+    ) -> Result<(), GpuError> {
+        if x.len() < n * inp || y.len() < n * out {
+            return Err(GpuError::Shape(format!(
+                "dense_matmul: x holds {} of {n}×{inp}, y {} of {n}×{out}",
+                x.len(),
+                y.len()
+            )));
+        }
+        match w {
+            DeviceDense::Bf16(w) => self.gemm_bf16(x, w, y, n, out, inp, accumulate),
+            _ if n <= GEMV_MAX_ROWS => {
+                for t0 in (0..n).step_by(GEMV_MAX_TOKENS_PER_CALL) {
+                    let rows = (n - t0).min(GEMV_MAX_TOKENS_PER_CALL);
+                    self.dense_gemv(w, x, y, (t0, rows), (out, inp), accumulate)?;
+                }
+                Ok(())
+            }
+            _ => {
+                let scratch = scratch.ok_or_else(|| {
+                    GpuError::Shape(
+                        "quantized prefill needs a dequantization scratch buffer".into(),
+                    )
+                })?;
+                self.dense_dequant_gemm(w, x, y, (n, out, inp), accumulate, scratch)
+            }
+        }
+    }
+
+    /// Rows `t0..t0+rows` (≤ 8) of the step through the quantized GEMV.
+    fn dense_gemv(
+        &self,
+        w: &DeviceDense,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        (t0, rows): (usize, usize),
+        (out, inp): (usize, usize),
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        let xs = x.slice(t0 * inp..(t0 + rows) * inp);
+        let mut ys = y.slice_mut(t0 * out..(t0 + rows) * out);
+        let (n_i, out_i, in_i, acc_i) = (rows as i32, out as i32, inp as i32, accumulate as i32);
+        let cfg = GpuDevice::cfg(
+            (out.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, 1),
+            (GEMV_ROWS_PER_BLOCK * 32) as u32,
+            0,
+        );
+        match w {
+            DeviceDense::Int4 {
+                packed,
+                scales,
+                group,
+            } => {
+                let g = *group as i32;
+                let mut l = self.stream.launch_builder(&self.k.gemv_w4a16);
+                l.arg(packed).arg(scales).arg(&xs).arg(&n_i).arg(&out_i);
+                l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
+                // SAFETY: packed holds out·in/8 words and scales out·in/group (built together by
+                // `QuantizedMatrix`), xs rows·in and ys rows·out elements (sliced above); the kernel
+                // reads and writes nothing else.
+                unsafe { l.launch(cfg) }?;
+            }
+            DeviceDense::Fp8 {
+                bytes,
+                scales,
+                group,
+            } => {
+                let g = *group as i32;
+                let mut l = self.stream.launch_builder(&self.k.gemv_w8a16);
+                l.arg(bytes).arg(scales).arg(&xs).arg(&n_i).arg(&out_i);
+                l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
+                // SAFETY: as for int4: bytes out·in, scales out·in/group, xs and ys sliced to the rows.
+                unsafe { l.launch(cfg) }?;
+            }
+            DeviceDense::Bf16(_) => unreachable!("bf16 weights go to cuBLAS"),
+        }
+        Ok(())
+    }
+
+    /// Prefill: slabs of W's rows dequantized into `scratch`, each multiplied into its columns of y.
+    fn dense_dequant_gemm(
+        &self,
+        w: &DeviceDense,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        (n, out, inp): (usize, usize, usize),
+        accumulate: bool,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> Result<(), GpuError> {
+        let slab = (scratch.len() / inp.max(1)).min(out);
+        if slab == 0 {
+            return Err(GpuError::Shape(format!(
+                "dequantization scratch of {} elements holds no row of {inp}",
+                scratch.len()
+            )));
+        }
+        let in_i = inp as i32;
+        for r0 in (0..out).step_by(slab) {
+            let rows = slab.min(out - r0);
+            let r0_i = r0 as i32;
+            let cfg = GpuDevice::cfg((rows as u32, 1), 256, 0);
+            match w {
+                DeviceDense::Int4 {
+                    packed,
+                    scales,
+                    group,
+                } => {
+                    let g = *group as i32;
+                    let mut l = self.stream.launch_builder(&self.k.dense_dequant_w4);
+                    l.arg(packed).arg(scales).arg(&in_i).arg(&g).arg(&r0_i);
+                    l.arg(&mut *scratch);
+                    // SAFETY: rows r0..r0+rows < out of the matrix are read; scratch holds
+                    // slab·in ≥ rows·in elements.
+                    unsafe { l.launch(cfg) }?;
+                }
+                DeviceDense::Fp8 {
+                    bytes,
+                    scales,
+                    group,
+                } => {
+                    let g = *group as i32;
+                    let mut l = self.stream.launch_builder(&self.k.dense_dequant_w8);
+                    l.arg(bytes).arg(scales).arg(&in_i).arg(&g).arg(&r0_i);
+                    l.arg(&mut *scratch);
+                    // SAFETY: as above.
+                    unsafe { l.launch(cfg) }?;
+                }
+                DeviceDense::Bf16(_) => unreachable!("bf16 weights go to cuBLAS"),
+            }
+            self.gemm_bf16_into_columns(x, scratch, y, (n, rows, inp), (r0, out), accumulate)?;
+        }
+        Ok(())
+    }
+
+    /// `y[:, c0..c0+m] (=|+=) x[n, k] · w[m, k]ᵀ` where y is row-major `[n, ld]`.
+    fn gemm_bf16_into_columns(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        y: &mut CudaSlice<f32>,
+        (n, m, k): (usize, usize, usize),
+        (c0, ld): (usize, usize),
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        let alpha = 1.0f32;
+        let beta = if accumulate { 1.0f32 } else { 0.0 };
+        let (xp, _rx) = x.device_ptr(&self.stream);
+        let (wp, _rw) = w.device_ptr(&self.stream);
+        let (yp, _ry) = y.device_ptr_mut(&self.stream);
+        let yp = yp + (c0 * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: x holds n·k and w m·k elements (checked by the caller), y n·ld with c0 + m ≤ ld, so
+        // the column-major view yᵀ (m × n, leading dimension ld) starting at column c0 stays inside y.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                xp as *const _,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                cublas_sys::cudaDataType_t::CUDA_R_32F,
+                ld as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| GpuError::Blas(e.to_string()))
+    }
+}

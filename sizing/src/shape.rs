@@ -1,0 +1,262 @@
+//! The numbers of a checkpoint that GPU memory depends on, read from its `config.json`.
+//!
+//! The daemon builds the same [`ModelShape`] from the configuration it actually loaded (its
+//! `ModelConfig`), and a daemon test checks that both readings agree for every fixture and every
+//! [`crate::known`] model, so the operator sizes with the shapes the engine allocates.
+use serde_json::Value;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attention {
+    /// Grouped-query attention (K and V caches of `kv_heads × head_dim` each).
+    Gqa {
+        heads: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        /// q, k and v projections carry biases (Qwen2, GLM-4.5).
+        qkv_bias: bool,
+    },
+    /// Multi-head latent attention (caches: latent + shared rope key).
+    Mla {
+        heads: u64,
+        q_lora_rank: Option<u64>,
+        kv_lora_rank: u64,
+        qk_nope_head_dim: u64,
+        qk_rope_head_dim: u64,
+        v_head_dim: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Moe {
+    /// Routed experts per MoE layer.
+    pub experts: u64,
+    pub top_k: u64,
+    pub expert_intermediate: u64,
+    /// Width of the shared expert(s) of each MoE layer (0: none).
+    pub shared_intermediate: u64,
+    /// Qwen2-MoE's sigmoid gate on the shared expert (one f32 row of `hidden`).
+    pub shared_gate: bool,
+    /// How many of the layers are MoE layers.
+    pub moe_layers: u64,
+}
+
+/// How the checkpoint stores projection weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointFormat {
+    Bf16,
+    /// E4M3 with one f32 scale per `block × block` tile (DeepSeek-V3, Qwen3-FP8).
+    Fp8 {
+        block: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    pub hidden: u64,
+    pub layers: u64,
+    pub vocab: u64,
+    pub tied_embeddings: bool,
+    pub attention: Attention,
+    /// `intermediate_size` of the dense (non-MoE) MLP layers.
+    pub dense_intermediate: u64,
+    pub moe: Option<Moe>,
+    pub checkpoint: CheckpointFormat,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    #[error("config.json: `{0}` is missing or not a positive integer")]
+    Field(&'static str),
+    #[error("config.json: architecture `{0}` is not one the engine runs")]
+    Architecture(String),
+}
+
+fn num(v: &Value, key: &str) -> Option<u64> {
+    v.get(key).and_then(Value::as_u64)
+}
+
+fn need(v: &Value, key: &'static str) -> Result<u64, ShapeError> {
+    num(v, key).filter(|&n| n > 0).ok_or(ShapeError::Field(key))
+}
+
+impl ModelShape {
+    /// Reads a Hugging Face `config.json` of an architecture the engine runs.
+    pub fn from_config_json(v: &Value) -> Result<Self, ShapeError> {
+        let arch = v
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .ok_or(ShapeError::Field("architectures"))?;
+        let hidden = need(v, "hidden_size")?;
+        let layers = need(v, "num_hidden_layers")?;
+        let heads = need(v, "num_attention_heads")?;
+        let smallthinker = arch == "SmallThinkerForCausalLM";
+        let attention = if arch == "DeepseekV3ForCausalLM" {
+            Attention::Mla {
+                heads,
+                q_lora_rank: num(v, "q_lora_rank").filter(|&r| r > 0),
+                kv_lora_rank: need(v, "kv_lora_rank")?,
+                qk_nope_head_dim: need(v, "qk_nope_head_dim")?,
+                qk_rope_head_dim: need(v, "qk_rope_head_dim")?,
+                v_head_dim: need(v, "v_head_dim")?,
+            }
+        } else {
+            let default_head_dim = if smallthinker { 128 } else { hidden / heads };
+            Attention::Gqa {
+                heads,
+                kv_heads: num(v, "num_key_value_heads").unwrap_or(heads),
+                head_dim: num(v, "head_dim").unwrap_or(default_head_dim),
+                qkv_bias: match arch {
+                    "Qwen2ForCausalLM" | "Qwen2MoeForCausalLM" => true,
+                    _ => v
+                        .get("attention_bias")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                },
+            }
+        };
+        let moe = parse_moe(v, arch, layers)?;
+        let checkpoint = match v.get("quantization_config") {
+            Some(q) if q.get("quant_method").and_then(Value::as_str) == Some("fp8") => {
+                let block = q
+                    .get("weight_block_size")
+                    .and_then(|b| b.get(0))
+                    .and_then(Value::as_u64)
+                    .unwrap_or(128);
+                CheckpointFormat::Fp8 { block }
+            }
+            _ => CheckpointFormat::Bf16,
+        };
+        Ok(Self {
+            hidden,
+            layers,
+            vocab: need(v, "vocab_size")?,
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(smallthinker),
+            attention,
+            dense_intermediate: num(v, "intermediate_size").unwrap_or(0),
+            moe,
+            checkpoint,
+        })
+    }
+
+    /// Width of the two per-layer caches (K and V, or MLA's latent and rope key).
+    pub fn kv_widths(&self) -> (u64, u64) {
+        match &self.attention {
+            Attention::Gqa {
+                kv_heads, head_dim, ..
+            } => (kv_heads * head_dim, kv_heads * head_dim),
+            Attention::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => (*kv_lora_rank, *qk_rope_head_dim),
+        }
+    }
+
+    /// KV cache bytes per token of context, all layers, at `elem_bytes` per cached value.
+    pub fn kv_bytes_per_token(&self, elem_bytes: u64) -> u64 {
+        let (k, v) = self.kv_widths();
+        self.layers * (k + v) * elem_bytes
+    }
+
+    pub fn moe_layers(&self) -> u64 {
+        self.moe.as_ref().map_or(0, |m| m.moe_layers)
+    }
+
+    pub fn experts_per_layer(&self) -> u64 {
+        self.moe.as_ref().map_or(0, |m| m.experts)
+    }
+
+    /// Bytes of one routed expert on the GPU (gate, up, down in bf16).
+    pub fn gpu_expert_bytes(&self) -> u64 {
+        self.moe
+            .as_ref()
+            .map_or(0, |m| 3 * self.hidden * m.expert_intermediate * 2)
+    }
+
+    /// Bytes of one routed expert as the checkpoint stores it.
+    pub fn checkpoint_expert_bytes(&self) -> u64 {
+        let Some(m) = &self.moe else { return 0 };
+        let (h, i) = (self.hidden, m.expert_intermediate);
+        match self.checkpoint {
+            CheckpointFormat::Bf16 => 3 * h * i * 2,
+            CheckpointFormat::Fp8 { block } => {
+                3 * h * i
+                    + 4 * (2 * i.div_ceil(block) * h.div_ceil(block)
+                        + h.div_ceil(block) * i.div_ceil(block))
+            }
+        }
+    }
+}
+
+fn parse_moe(v: &Value, arch: &str, layers: u64) -> Result<Option<Moe>, ShapeError> {
+    let top_k = || need(v, "num_experts_per_tok");
+    let moe = match arch {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => {
+            return Ok(None)
+        }
+        "MixtralForCausalLM" => Moe {
+            experts: need(v, "num_local_experts")?,
+            top_k: top_k()?,
+            expert_intermediate: need(v, "intermediate_size")?,
+            shared_intermediate: 0,
+            shared_gate: false,
+            moe_layers: layers,
+        },
+        "Qwen2MoeForCausalLM" | "Qwen3MoeForCausalLM" => {
+            let experts = num(v, "num_experts")
+                .or_else(|| num(v, "num_local_experts"))
+                .ok_or(ShapeError::Field("num_experts"))?;
+            let step = num(v, "decoder_sparse_step").unwrap_or(1).max(1);
+            let dense: Vec<u64> = v
+                .get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            let moe_layers = (0..layers)
+                .filter(|i| !dense.contains(i) && experts > 0 && (i + 1) % step == 0)
+                .count() as u64;
+            let qwen2 = arch == "Qwen2MoeForCausalLM";
+            Moe {
+                experts,
+                top_k: top_k()?,
+                expert_intermediate: need(v, "moe_intermediate_size")?,
+                shared_intermediate: if qwen2 {
+                    num(v, "shared_expert_intermediate_size").unwrap_or(0)
+                } else {
+                    0
+                },
+                shared_gate: qwen2,
+                moe_layers,
+            }
+        }
+        "Glm4MoeForCausalLM" | "DeepseekV3ForCausalLM" => {
+            let inter = need(v, "moe_intermediate_size")?;
+            let first_dense = num(v, "first_k_dense_replace").unwrap_or(0);
+            let freq = num(v, "moe_layer_freq").unwrap_or(1).max(1);
+            Moe {
+                experts: need(v, "n_routed_experts")?,
+                top_k: top_k()?,
+                expert_intermediate: inter,
+                shared_intermediate: inter * num(v, "n_shared_experts").unwrap_or(0),
+                shared_gate: false,
+                moe_layers: (0..layers)
+                    .filter(|&i| i >= first_dense && i % freq == 0)
+                    .count() as u64,
+            }
+        }
+        "SmallThinkerForCausalLM" => Moe {
+            experts: need(v, "moe_num_primary_experts")?,
+            top_k: need(v, "moe_num_active_primary_experts")?,
+            expert_intermediate: need(v, "moe_ffn_hidden_size")?,
+            shared_intermediate: 0,
+            shared_gate: false,
+            moe_layers: layers,
+        },
+        other => return Err(ShapeError::Architecture(other.to_string())),
+    };
+    Ok(Some(moe))
+}

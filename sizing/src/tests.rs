@@ -1,0 +1,240 @@
+use super::*;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn known(name: &str) -> ModelShape {
+    let (_, cfg) = known::match_known([name]).unwrap();
+    ModelShape::from_config_json(&cfg).unwrap()
+}
+
+fn params_b(s: &ModelShape) -> f64 {
+    // all weights at bf16, routed experts at 3·h·I
+    let dense = dense_bytes(s, DenseDtype::Bf16, false);
+    let dense_params = (dense.total() - dense.f32_small) as f64 / 2.0;
+    let experts = (s.moe_layers() * s.experts_per_layer() * s.gpu_expert_bytes()) as f64 / 2.0;
+    (dense_params + experts) / 1e9
+}
+
+/// Serving inputs as the operator builds them for a card of `card_mib`.
+fn serving(card_mib: u64, max_model_len: u64, seqs: u64) -> PlanInputs {
+    PlanInputs {
+        budget_bytes: card_mib * MIB,
+        dense: DenseChoice::Auto,
+        embeddings: EmbeddingChoice::Auto,
+        experts: ExpertsChoice::Auto,
+        kv: KvRequest::serving(max_model_len, seqs),
+        max_step_tokens: 2048,
+        max_step_seqs: seqs,
+        stream_staging_bytes: 0,
+        cuda_graphs: true,
+        pins: Vec::new(),
+        move_slots: 0,
+    }
+}
+
+#[test]
+fn known_models_have_their_published_sizes() {
+    // Published parameter counts: 30.5 B, 106 B (110 B with the MTP layer, not loaded), 671 B, 21.5 B.
+    let cases = [
+        ("Qwen/Qwen3-30B-A3B", 29.5..31.5),
+        ("zai-org/GLM-4.5-Air", 104.0..108.0),
+        ("deepseek-ai/DeepSeek-V3-0324", 655.0..675.0),
+        ("PowerInfer/SmallThinker-21BA3B-Instruct", 21.0..22.0),
+    ];
+    for (name, range) in cases {
+        let p = params_b(&known(name));
+        assert!(range.contains(&p), "{name}: {p:.1} B parameters");
+    }
+    let ds = known("deepseek-ai/DeepSeek-V3");
+    assert_eq!(ds.checkpoint, CheckpointFormat::Fp8 { block: 128 });
+    assert_eq!(ds.moe_layers(), 58);
+    assert!(matches!(
+        ds.attention,
+        Attention::Mla {
+            kv_lora_rank: 512,
+            ..
+        }
+    ));
+    // an FP8 repo of a bf16 model gets FP8 sizes; the plain one bf16
+    let q = known("Qwen/Qwen3-30B-A3B-FP8");
+    assert_eq!(q.checkpoint, CheckpointFormat::Fp8 { block: 128 });
+    assert_eq!(
+        known("Qwen/Qwen3-30B-A3B").checkpoint,
+        CheckpointFormat::Bf16
+    );
+    assert!(
+        q.checkpoint_expert_bytes() * 2
+            < known("qwen3-30b-a3b").checkpoint_expert_bytes() + 1_000_000
+    );
+    let glm = known("glm-4.5-air");
+    assert_eq!((glm.moe_layers(), glm.layers), (45, 46));
+    assert!(known::match_known(["someone/other-model"]).is_none());
+}
+
+#[test]
+fn int4_and_fp8_shrink_dense_weights_as_expected() {
+    let glm = known("glm-4.5-air");
+    let bf16 = dense_bytes(&glm, DenseDtype::Bf16, false);
+    let fp8 = dense_bytes(&glm, DenseDtype::Fp8, true);
+    let int4 = dense_bytes(&glm, DenseDtype::Int4, true);
+    let proj = |d: &DenseBytes| d.attention + d.dense_mlp + d.shared_experts;
+    let r8 = proj(&fp8) as f64 / proj(&bf16) as f64;
+    let r4 = proj(&int4) as f64 / proj(&bf16) as f64;
+    assert!((0.50..0.52).contains(&r8), "{r8}");
+    assert!((0.25..0.27).contains(&r4), "{r4}");
+    assert_eq!(int4.embeddings, 0);
+    assert_eq!(bf16.embeddings, glm.vocab * glm.hidden * 2);
+    // tied tables share the bf16 copy only
+    let st4 = known("smallthinker-4b");
+    assert_eq!(dense_bytes(&st4, DenseDtype::Bf16, false).lm_head, 0);
+    assert!(dense_bytes(&st4, DenseDtype::Int4, false).lm_head > 0);
+    assert_eq!(DenseDtype::Int4.group_for(10944), Some(64));
+    assert_eq!(DenseDtype::Int4.matrix_bytes(10, 48), 10 * 48 * 2);
+}
+
+#[test]
+fn a_24gb_card_runs_glm_45_air_and_smallthinker_at_the_examples_context() {
+    // RTX 4090: 24564 MiB. GLM-4.5-Air example: 65536 positions, 16 sequences.
+    let glm = known("glm-4.5-air");
+    let p = choose(&glm, &serving(24564, 65536, 16)).unwrap();
+    println!("{}", p.describe());
+    assert!(p.host_embeddings);
+    assert_ne!(p.dense_dtype, DenseDtype::Bf16);
+    assert!(p.kv_tokens >= 65536);
+    assert!(p.total() <= p.usable_bytes);
+    // bf16 dense weights alone do not leave room for one full-length sequence
+    assert!(plan_with(&glm, &serving(24564, 65536, 16), DenseDtype::Bf16, true).is_err());
+
+    let st = known("smallthinker-21b");
+    let p = choose(&st, &serving(24564, 16384, 16)).unwrap();
+    println!("{}", p.describe());
+    assert!(p.kv_tokens >= 2 * 16384);
+    assert!(p.gpu_experts_per_layer > 0);
+}
+
+#[test]
+fn large_cards_keep_bf16_and_the_table_on_the_gpu() {
+    let glm = known("glm-4.5-air");
+    let p = choose(&glm, &serving(81559, 65536, 16)).unwrap();
+    assert_eq!(p.dense_dtype, DenseDtype::Bf16);
+    assert!(!p.host_embeddings);
+    assert!(p.kv_tokens >= 2 * 65536);
+    assert!(p.gpu_experts_per_layer > 0 && p.gpu_experts_per_layer < 128);
+    // everything planned fits, and one more expert per layer would not
+    let left = p.usable_bytes - p.total();
+    assert!(left < glm.moe_layers() * glm.gpu_expert_bytes() || p.kv_tokens == 65536 * 16);
+}
+
+#[test]
+fn what_does_not_fit_is_refused_with_the_reason() {
+    let glm = known("glm-4.5-air");
+    let mut i = serving(8 * 1024, 65536, 1);
+    assert!(matches!(
+        choose(&glm, &i),
+        Err(PlanError::KvDoesNotFit { tokens: 65536, .. })
+    ));
+    i.kv = KvRequest::exactly(4096);
+    i.budget_bytes = 2 * GIB;
+    let e = choose(&glm, &i).unwrap_err();
+    assert!(
+        matches!(e, PlanError::DenseDoesNotFit { dtype: "int4", .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("MiB usable"));
+    let mut i = serving(24564, 4096, 1);
+    i.experts = ExpertsChoice::PerLayer(100);
+    i.dense = DenseChoice::Fixed(DenseDtype::Int4);
+    match choose(&glm, &i) {
+        Err(PlanError::ExpertsDoNotFit {
+            asked: 100, fit, ..
+        }) => assert!(fit > 0 && fit < 100),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn kv_grows_into_what_is_left_up_to_its_maximum() {
+    let st = known("smallthinker-21b");
+    let mut i = serving(24564, 16384, 4);
+    i.experts = ExpertsChoice::PerLayer(0);
+    let p = choose(&st, &i).unwrap();
+    assert_eq!(p.kv_tokens, 4 * 16384);
+    i.kv.max_tokens = u64::MAX / 2;
+    let p = choose(&st, &i).unwrap();
+    assert!(p.kv_tokens > 4 * 16384);
+    assert!(
+        p.usable_bytes - p.total() < st.kv_bytes_per_token(plan::KV_ELEM_BYTES) * plan::KV_BLOCK
+    );
+}
+
+#[test]
+fn pinned_experts_count_on_top_of_the_per_layer_fill() {
+    // Two layers of 8 experts: layer 0 pins 5 to the GPU, layer 1 keeps 6 in DRAM.
+    let pins = [LayerPins { gpu: 5, dram: 0 }, LayerPins { gpu: 0, dram: 6 }];
+    assert_eq!(gpu_experts_total(3, 8, 2, &pins), 5 + 2);
+    assert_eq!(gpu_experts_total(6, 8, 2, &pins), 6 + 2);
+    assert_eq!(gpu_experts_total(0, 8, 2, &pins), 5);
+    assert_eq!(gpu_experts_total(3, 8, 2, &[]), 6);
+
+    let q = known("qwen3-30b-a3b");
+    let each = q.gpu_expert_bytes();
+    let mut i = serving(48 * 1024, 32768, 2);
+    i.dense = DenseChoice::Fixed(DenseDtype::Bf16);
+    i.embeddings = EmbeddingChoice::Gpu;
+    let free = choose(&q, &i).unwrap();
+    // the first four layers' 128 experts pinned: auto fills fewer per layer, the bytes still fit
+    i.pins = (0..q.moe_layers())
+        .map(|l| LayerPins {
+            gpu: if l < 4 { 128 } else { 0 },
+            dram: 0,
+        })
+        .collect();
+    let pinned = choose(&q, &i).unwrap();
+    assert!(pinned.gpu_experts_per_layer < free.gpu_experts_per_layer);
+    let n = pinned.gpu_experts_per_layer;
+    assert_eq!(pinned.gpu_experts_total, 4 * 128 + (q.moe_layers() - 4) * n);
+    assert_eq!(pinned.item("GPU experts"), pinned.gpu_experts_total * each);
+    assert!(pinned.total() <= pinned.usable_bytes);
+    // one more per layer would not fit
+    assert!(
+        gpu_experts_total(n + 1, 128, q.moe_layers(), &i.pins) * each
+            > pinned.usable_bytes - pinned.total() + pinned.item("GPU experts")
+    );
+    // asking the count that fitted without pins is refused, naming the pins
+    i.experts = ExpertsChoice::PerLayer(free.gpu_experts_per_layer);
+    let e = choose(&q, &i).unwrap_err();
+    assert!(e.to_string().contains("pinned by placement rules"), "{e}");
+    // pins alone beyond the budget
+    i.pins = vec![LayerPins { gpu: 128, dram: 0 }; q.moe_layers() as usize];
+    i.budget_bytes = 24 * GIB;
+    assert!(matches!(
+        choose(&q, &i),
+        Err(PlanError::PinnedExpertsDoNotFit { pinned, .. }) if pinned == 128 * q.moe_layers()
+    ));
+}
+
+#[test]
+fn live_move_slots_are_planned() {
+    let q = known("qwen3-30b-a3b");
+    let mut i = serving(80 * 1024, 32768, 2);
+    i.experts = ExpertsChoice::PerLayer(32);
+    let off = choose(&q, &i).unwrap();
+    i.move_slots = 4;
+    let on = choose(&q, &i).unwrap();
+    assert_eq!(on.item("live moves"), 4 * q.gpu_expert_bytes());
+    assert_eq!(off.item("live moves"), 0);
+    assert_eq!(on.gpu_experts_per_layer, 32);
+}
+
+#[test]
+fn byte_sizes_parse_with_units() {
+    assert_eq!(parse_bytes("24GiB"), Ok(24 * GIB));
+    assert_eq!(parse_bytes("16Gi"), Ok(16 * GIB));
+    assert_eq!(parse_bytes("1.5GiB"), Ok(3 * GIB / 2));
+    assert_eq!(parse_bytes("24GB"), Ok(24_000_000_000));
+    assert_eq!(parse_bytes("4096"), Ok(4096));
+    assert!(parse_bytes("24 parsecs").is_err());
+    assert!(parse_bytes("GiB").is_err());
+    assert!(parse_bytes("0").is_err());
+}

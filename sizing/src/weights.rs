@@ -1,0 +1,152 @@
+//! Bytes of the weights the GPU holds apart from routed experts, per precision of the dense projections.
+//! Mirrors what the daemon uploads (`engine/gpu`): projections in the chosen format (widths the
+//! quantized kernels cannot take stay bf16), routers, MLA's `kv_b` and norms in f32, the embedding
+//! table in bf16 when it is on the GPU.
+use crate::shape::{Attention, ModelShape};
+
+/// Precision of the dense projections on the GPU (attention, dense MLP, shared experts, lm_head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DenseDtype {
+    #[default]
+    Bf16,
+    /// E4M3 weights, f32 scale per row and group of inputs (W8A16).
+    Fp8,
+    /// 4-bit symmetric, f16 scale per row and group of inputs (W4A16).
+    Int4,
+}
+
+impl DenseDtype {
+    pub const ALL: [DenseDtype; 3] = [DenseDtype::Bf16, DenseDtype::Fp8, DenseDtype::Int4];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DenseDtype::Bf16 => "bf16",
+            DenseDtype::Fp8 => "fp8",
+            DenseDtype::Int4 => "int4",
+        }
+    }
+
+    /// The group along the input dimension the quantized kernels use for a row of `cols`: the largest
+    /// of 128, 64, 32 (and 16 for fp8) dividing it; `None` (the matrix stays bf16) otherwise. The
+    /// kernels crate's `group_for` is the same rule (a daemon test compares them).
+    pub fn group_for(self, cols: u64) -> Option<u64> {
+        let candidates: &[u64] = match self {
+            DenseDtype::Bf16 => return None,
+            DenseDtype::Int4 => &[128, 64, 32],
+            DenseDtype::Fp8 => &[128, 64, 32, 16],
+        };
+        candidates
+            .iter()
+            .copied()
+            .find(|&g| cols > 0 && cols.is_multiple_of(g))
+    }
+
+    /// Bytes of an `[out, in]` projection in this format on the GPU, scales included.
+    pub fn matrix_bytes(self, out: u64, inp: u64) -> u64 {
+        match (self, self.group_for(inp)) {
+            (DenseDtype::Int4, Some(g)) => out * inp / 2 + out * (inp / g) * 2,
+            (DenseDtype::Fp8, Some(g)) => out * inp + out * (inp / g) * 4,
+            _ => out * inp * 2,
+        }
+    }
+}
+
+impl std::str::FromStr for DenseDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "bf16" => Ok(Self::Bf16),
+            "fp8" => Ok(Self::Fp8),
+            "int4" => Ok(Self::Int4),
+            _ => Err(format!("dense dtype `{s}`: bf16, fp8 or int4")),
+        }
+    }
+}
+
+/// GPU bytes of everything but routed experts, split the way the plan prints them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DenseBytes {
+    /// q/k/v/o or MLA projections, all layers (biases included).
+    pub attention: u64,
+    /// MLP of the dense (non-MoE) layers.
+    pub dense_mlp: u64,
+    pub shared_experts: u64,
+    /// Routers (f32), MLA's kv_b (f32), norms.
+    pub f32_small: u64,
+    pub lm_head: u64,
+    /// The embedding table (0 when it stays in host memory).
+    pub embeddings: u64,
+}
+
+impl DenseBytes {
+    pub fn total(&self) -> u64 {
+        self.attention
+            + self.dense_mlp
+            + self.shared_experts
+            + self.f32_small
+            + self.lm_head
+            + self.embeddings
+    }
+}
+
+/// The dense part of `shape` on the GPU with projections in `dtype`, the embedding table on the
+/// GPU unless `host_embeddings`.
+pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool) -> DenseBytes {
+    let h = shape.hidden;
+    let m = |out: u64, inp: u64| dtype.matrix_bytes(out, inp);
+    let mut b = DenseBytes::default();
+    let (attn, attn_small) = match &shape.attention {
+        Attention::Gqa {
+            heads,
+            kv_heads,
+            head_dim,
+            qkv_bias,
+        } => {
+            let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+            let bias = if *qkv_bias { (q + 2 * kv) * 4 } else { 0 };
+            // q_norm / k_norm (Qwen3, GLM with qk norm): two head_dim vectors
+            (m(q, h) + 2 * m(kv, h) + m(h, q) + bias, 2 * head_dim * 4)
+        }
+        Attention::Mla {
+            heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        } => {
+            let qk = qk_nope_head_dim + qk_rope_head_dim;
+            let (q, q_norm) = match q_lora_rank {
+                Some(r) => (m(*r, h) + m(heads * qk, *r), r * 4),
+                None => (m(heads * qk, h), 0),
+            };
+            let kv_a = m(kv_lora_rank + qk_rope_head_dim, h);
+            let o = m(h, heads * v_head_dim);
+            let kv_b = heads * (qk_nope_head_dim + v_head_dim) * kv_lora_rank * 4;
+            (q + kv_a + o, kv_b + q_norm + kv_lora_rank * 4)
+        }
+    };
+    let moe_layers = shape.moe_layers();
+    let dense_layers = shape.layers - moe_layers;
+    b.attention = attn * shape.layers;
+    b.f32_small = (attn_small + 2 * h * 4) * shape.layers + h * 4;
+    let mlp = |inter: u64| m(2 * inter, h) + m(h, inter);
+    b.dense_mlp = dense_layers * mlp(shape.dense_intermediate);
+    if let Some(moe) = &shape.moe {
+        if moe.shared_intermediate > 0 {
+            b.shared_experts = moe_layers * mlp(moe.shared_intermediate);
+        }
+        let gate = if moe.shared_gate { h * 4 } else { 0 };
+        // router [experts, hidden] f32 (+ correction bias)
+        b.f32_small += moe_layers * (moe.experts * h * 4 + moe.experts * 4 + gate);
+    }
+    let table_on_gpu = !host_embeddings;
+    b.embeddings = if table_on_gpu { shape.vocab * h * 2 } else { 0 };
+    // A tied lm_head shares the table only when both are bf16 on the GPU.
+    b.lm_head = if shape.tied_embeddings && table_on_gpu && dtype == DenseDtype::Bf16 {
+        0
+    } else {
+        m(shape.vocab, h)
+    };
+    b
+}
