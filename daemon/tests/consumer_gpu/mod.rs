@@ -6,12 +6,16 @@
 //! - kernels against the host reference of the same quantized weights and bf16 inputs: GEMV (≤ 16
 //!   rows) rel-L2 ≤ 1e-5 (f32 sums in another order); dequantize + cuBLAS (more rows) ≤ 5e-3 (the
 //!   dequantized weights are rounded to bf16 for the GEMM).
-//! - fixtures' logits against the bf16-dense engine, every step of every fixture: FP8 rel-L2 ≤ 0.15 per
-//!   step, ≤ 0.10 on average, top-1 equal on ≥ 85% of steps; int4 rel-L2 ≤ 0.50 per step, ≤ 0.35 on
-//!   average, top-1 equal on ≥ 60% of steps. The fixtures are tiny random models (hidden 48–96): a
-//!   64-wide dot product averages little of the rounding away and their logit gaps are small, so
-//!   these bounds are far looser than what a trained model shows (the first H200 run measured 0.060
-//!   for FP8 on qwen3_moe's first step). Host embeddings change nothing: rel-L2 ≤ 1e-6.
+//! - fixtures' logits with FP8 / int4 dense weights against transformers run on the same quantized
+//!   weights (`dense_quant.json`, written by tests/fixtures/make_dense_quant.py): rel-L2 ≤ 5e-2 per
+//!   step and the same top-1 where the reference's top-2 gap exceeds 0.1 — the bounds of the bf16
+//!   engine against transformers. This is what catches a wrong kernel or a projection quantized the
+//!   wrong way.
+//! - the same logits against the bf16-dense engine, which mixes in what quantization does to a tiny
+//!   random model (hidden 64, logit gaps small, routing decisions that flip): on average FP8 rel-L2
+//!   ≤ 0.10 with top-1 equal on ≥ 85% of steps, int4 ≤ 0.35 and ≥ 60%. No per-step bound: on
+//!   deepseek_v3's first step FP8 alone moves transformers' own logits by 0.575 (it flips a routing
+//!   decision), which the H200 reproduced to three digits. Host embeddings change nothing: rel-L2 ≤ 1e-6.
 //! - memory: the start's allocation (weights, KV, scratch) within 3% + 64 MiB of the plan; the peak
 //!   over a full-size prefill and graph-replayed decode steps at most the plan + 64 MiB.
 use crate::common::rel_l2;
@@ -109,16 +113,40 @@ fn engine(dir: &std::path::Path, dense: DenseDtype, host_embeddings: bool) -> En
     .unwrap()
 }
 
+/// The reference logits transformers gives with `fmt`'s quantized dense weights, per step.
+fn quantized_reference(name: &str, fmt: DenseDtype) -> Vec<(Vec<f32>, u64, f64)> {
+    let path = crate::fixtures().join(name).join("dense_quant.json");
+    let o: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    o["formats"][fmt.as_str()]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let logits = s["logits"].as_array().unwrap();
+            (
+                logits.iter().map(|x| x.as_f64().unwrap() as f32).collect(),
+                s["argmax"].as_u64().unwrap(),
+                s["top1_top2_gap"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
 #[test]
-fn dense_dtypes_agree_with_bf16_on_every_fixture() {
+fn dense_dtypes_match_their_quantized_reference_on_every_fixture() {
     let argmax = |v: &[f32]| moe_daemon::engine::sampling::argmax(v);
     let (mut summary, mut failures) = (Vec::new(), Vec::new());
-    for (fmt, max_step, max_mean, min_top1) in [
-        (DenseDtype::Fp8, 0.15f32, 0.10f32, 0.85f64),
-        (DenseDtype::Int4, 0.50, 0.35, 0.60),
+    for (fmt, max_mean, min_top1) in [
+        (DenseDtype::Fp8, 0.10f64, 0.85f64),
+        (DenseDtype::Int4, 0.35, 0.60),
     ] {
-        let (mut steps, mut agree, mut sum_err, mut worst) = (0usize, 0usize, 0f64, (0f32, ""));
+        let (mut steps, mut agree, mut sum_err, mut worst_ref) = (0usize, 0usize, 0f64, 0f32);
         for name in crate::ALL {
+            if name.starts_with("smallthinker") {
+                // not in transformers: no quantized reference
+                continue;
+            }
             let o = crate::oracle(name);
             let variant = if name.ends_with("fp8") {
                 "model"
@@ -137,37 +165,47 @@ fn dense_dtypes_agree_with_bf16_on_every_fixture() {
                     );
                 }
             }
+            let reference = quantized_reference(name, fmt);
             let got = crate::run(&engine(&dir, fmt, true), &o);
-            for (i, (g, b)) in got.iter().zip(&base).enumerate() {
-                let err = rel_l2(g, b);
+            for (i, ((g, b), (want, want_top, gap))) in
+                got.iter().zip(&base).zip(&reference).enumerate()
+            {
+                let (err_ref, err_bf16) = (rel_l2(g, want), rel_l2(g, b));
                 let same = argmax(g) == argmax(b);
                 println!(
-                    "{name} {}: step {i} rel-L2 {err:.3e} top-1 {}",
+                    "{name} {}: step {i} rel-L2 vs quantized reference {err_ref:.2e}, vs bf16 {err_bf16:.3e} top-1 {}",
                     fmt.as_str(),
                     if same { "=" } else { "≠" }
                 );
-                if err > worst.0 {
-                    worst = (err, name);
+                if err_ref > 5e-2 {
+                    failures.push(format!(
+                        "{name} {} step {i}: {err_ref} vs reference",
+                        fmt.as_str()
+                    ));
                 }
+                if *gap > 0.1 && argmax(g) as u64 != *want_top {
+                    failures.push(format!(
+                        "{name} {} step {i}: top-1 differs from reference",
+                        fmt.as_str()
+                    ));
+                }
+                worst_ref = worst_ref.max(err_ref);
                 steps += 1;
                 agree += same as usize;
-                sum_err += err as f64;
+                sum_err += err_bf16 as f64;
             }
         }
         let (top1, mean) = (agree as f64 / steps as f64, sum_err / steps as f64);
         summary.push(format!(
-            "{}: {steps} steps, mean rel-L2 {mean:.3e}, worst {:.3e} ({}), top-1 agreement {:.1}%",
+            "{}: {steps} steps, worst rel-L2 vs quantized reference {worst_ref:.2e}; vs bf16 mean {mean:.3e}, top-1 agreement {:.1}%",
             fmt.as_str(),
-            worst.0,
-            worst.1,
             100.0 * top1
         ));
         // measured for both formats before any assertion, so one run shows all the figures
-        if worst.0 > max_step || mean > max_mean as f64 || top1 < min_top1 {
+        if mean > max_mean || top1 < min_top1 {
             failures.push(format!(
-                "{}: worst {} (≤ {max_step}), mean {mean} (≤ {max_mean}), top-1 {top1} (≥ {min_top1})",
-                fmt.as_str(),
-                worst.0
+                "{} vs bf16: mean {mean} (≤ {max_mean}), top-1 {top1} (≥ {min_top1})",
+                fmt.as_str()
             ));
         }
     }

@@ -237,6 +237,66 @@ impl QuantizedMatrix {
         }
     }
 
+    /// `self`'s rows followed by `below`'s, when both have one format, width and group (the
+    /// gate and up projections stored as one matrix); `None` otherwise.
+    pub fn stack_rows(self, below: Self) -> Option<Self> {
+        match (self, below) {
+            (
+                QuantizedMatrix::Int4 {
+                    rows,
+                    cols,
+                    group,
+                    mut packed,
+                    mut scales,
+                },
+                QuantizedMatrix::Int4 {
+                    rows: rows_b,
+                    cols: cols_b,
+                    group: group_b,
+                    packed: packed_b,
+                    scales: scales_b,
+                },
+            ) if cols == cols_b && group == group_b => {
+                packed.extend(packed_b);
+                scales.extend(scales_b);
+                Some(QuantizedMatrix::Int4 {
+                    rows: rows + rows_b,
+                    cols,
+                    group,
+                    packed,
+                    scales,
+                })
+            }
+            (
+                QuantizedMatrix::Fp8 {
+                    rows,
+                    cols,
+                    group,
+                    mut bytes,
+                    mut scales,
+                },
+                QuantizedMatrix::Fp8 {
+                    rows: rows_b,
+                    cols: cols_b,
+                    group: group_b,
+                    bytes: bytes_b,
+                    scales: scales_b,
+                },
+            ) if cols == cols_b && group == group_b => {
+                bytes.extend(bytes_b);
+                scales.extend(scales_b);
+                Some(QuantizedMatrix::Fp8 {
+                    rows: rows + rows_b,
+                    cols,
+                    group,
+                    bytes,
+                    scales,
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// Row `r` as f32 (the slow reference of the GPU kernels).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         match self {
@@ -323,6 +383,30 @@ mod tests {
         let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (num / den).sqrt()
+    }
+
+    #[test]
+    fn stacking_quantized_rows_equals_quantizing_the_stack() {
+        let (rows, cols) = (6, 256);
+        let w = random_rows(2 * rows, cols, 7);
+        for format in [DenseFormat::Int4, DenseFormat::Fp8] {
+            let part = |r0: usize| {
+                QuantizedMatrix::quantize(format, rows, cols, |r, buf| {
+                    buf.copy_from_slice(&w[(r0 + r) * cols..(r0 + r + 1) * cols])
+                })
+                .unwrap()
+            };
+            let whole = QuantizedMatrix::quantize(format, 2 * rows, cols, |r, buf| {
+                buf.copy_from_slice(&w[r * cols..(r + 1) * cols])
+            })
+            .unwrap();
+            assert_eq!(part(0).stack_rows(part(rows)), Some(whole), "{format}");
+        }
+        // different groups do not stack
+        let narrow =
+            QuantizedMatrix::quantize(DenseFormat::Fp8, 1, 48, |_, b| b.fill(1.0)).unwrap();
+        let wide = QuantizedMatrix::quantize(DenseFormat::Fp8, 1, 64, |_, b| b.fill(1.0)).unwrap();
+        assert_eq!(narrow.stack_rows(wide), None);
     }
 
     #[test]

@@ -263,13 +263,19 @@ pub fn mlp_gate_up_bf16(m: &Mlp) -> Vec<bf16> {
 /// An MLP in `format` (dense layers and shared experts; routed experts are always bf16).
 pub fn upload_mlp(dev: &GpuDevice, m: &Mlp, format: DenseFormat) -> anyhow::Result<GpuMlp> {
     let (i, h) = (m.gate.out_dim, m.gate.in_dim);
+    // Each projection on its own first, so that FP8 checkpoint blocks are kept rather than
+    // rounded a second time; rows are quantized independently, so stacking them is the same as
+    // quantizing the stacked matrix whenever the groups agree.
     let stacked = || {
-        QuantizedMatrix::quantize(format, 2 * i, h, |r, buf| {
-            if r < i {
-                m.gate.row_f32(r, buf)
-            } else {
-                m.up.row_f32(r - i, buf)
-            }
+        let each = quantize_linear(&m.gate, format)?.stack_rows(quantize_linear(&m.up, format)?);
+        each.or_else(|| {
+            QuantizedMatrix::quantize(format, 2 * i, h, |r, buf| {
+                if r < i {
+                    m.gate.row_f32(r, buf)
+                } else {
+                    m.up.row_f32(r - i, buf)
+                }
+            })
         })
     };
     let w = match stacked() {
