@@ -1,7 +1,8 @@
 //! Prometheus metrics (`/metrics`), named in vLLM's `prefix:name` style with the `moe:` prefix.
 //! The engine thread and the HTTP handlers update them; `render` writes the text exposition format.
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -25,6 +26,11 @@ pub struct Metrics {
     pub cpu_expert_seconds: Histogram,
     /// Share of expert activations served by GPU-resident experts (fed by the engine's stats hook).
     pub gpu_expert_hit_ratio: Gauge,
+    /// Per MoE layer, the same share over the recent (decayed) traffic (live re-placement).
+    pub gpu_expert_hit_ratio_layer: GaugeVec,
+    /// Experts swapped between DRAM and the GPU by live re-placement, in all and over the last minute.
+    pub expert_moves: IntCounter,
+    pub expert_moves_per_minute: Gauge,
     /// Time to compute one constrained sequence's token mask (grammar step), per sampled token.
     pub structured_mask_seconds: Histogram,
     /// Time the sampler waited for a mask: zero when the mask, computed on a worker during the
@@ -129,6 +135,21 @@ impl Metrics {
             gpu_expert_hit_ratio: reg!(Gauge::new(
                 "moe:gpu_expert_hit_ratio",
                 "Share of routed-expert activations served by GPU-resident experts"
+            )?),
+            gpu_expert_hit_ratio_layer: reg!(GaugeVec::new(
+                Opts::new(
+                    "moe:gpu_expert_hit_ratio_layer",
+                    "Per MoE layer: share of recent routed-expert activations served by GPU experts (live re-placement)"
+                ),
+                &["layer"]
+            )?),
+            expert_moves: reg!(IntCounter::new(
+                "moe:expert_moves_total",
+                "Experts moved between DRAM and the GPU while serving (live re-placement)"
+            )?),
+            expert_moves_per_minute: reg!(Gauge::new(
+                "moe:expert_moves_per_minute",
+                "Experts moved between DRAM and the GPU in the last minute (live re-placement)"
             )?),
             structured_mask_seconds: reg!(Histogram::with_opts(
                 HistogramOpts::new(

@@ -690,3 +690,157 @@ fn op_layer_matches_host_references() {
         );
     }
 }
+
+/// Live re-placement options that never move on their own (the test moves by hand).
+fn live_still() -> moe_daemon::engine::replacement::LiveOptions {
+    moe_daemon::engine::replacement::LiveOptions {
+        interval_steps: 1_000_000,
+        ..Default::default()
+    }
+}
+
+/// Moving an expert between steps changes nothing but where it is computed: before the move the
+/// logits equal an engine without live re-placement, after it an engine placed that way from the
+/// start (same kernels on both sides, so to 1e-4 relative L2).
+#[test]
+fn live_move_keeps_logits() {
+    use moe_daemon::engine::placement_rules::RuleSet;
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let live = Engine::load(
+        &dir,
+        &EngineOptions {
+            live_placement: Some(live_still()),
+            ..gpu(4, PlacementStrategy::Uniform)
+        },
+    )
+    .unwrap();
+    let before = Engine::load(&dir, &gpu(4, PlacementStrategy::Uniform)).unwrap();
+    let rules = RuleSet::parse(
+        "t.yaml",
+        "- match: {experts: 8}\n  decode: gpu\n- match: {experts: 0}\n  decode: cpu\n",
+    )
+    .unwrap();
+    let after = Engine::load(
+        &dir,
+        &EngineOptions {
+            placement_rules: Some(rules),
+            ..gpu(4, PlacementStrategy::Uniform)
+        },
+    )
+    .unwrap();
+    let want_after: Vec<bool> = (0..16).map(|e| [1, 2, 3, 8].contains(&e)).collect();
+    assert_eq!(after.gpu_residency().unwrap()[1], want_after);
+    let mut next = xorshift(5);
+    let tokens: Vec<u32> = (0..16).map(|_| (next() % 500) as u32).collect();
+    let (mut cl, mut cb, mut ca) = (live.new_cache(), before.new_cache(), after.new_cache());
+    for (i, t) in tokens.chunks(1).enumerate() {
+        let t = if i == 0 { &tokens[..4] } else { t };
+        if i == 6 {
+            for layer in 0..3 {
+                live.move_expert_now(layer, 8, 0).unwrap();
+            }
+            assert_eq!(live.gpu_residency().unwrap()[1], want_after);
+        }
+        let got = step(&live, &mut cl, t);
+        let (b, a) = (step(&before, &mut cb, t), step(&after, &mut ca, t));
+        let reference = if i < 6 { &b } else { &a };
+        let e = rel_l2(&got, reference);
+        println!(
+            "step {i}: rel-L2 vs {} {e:.2e}",
+            if i < 6 { "before" } else { "after" }
+        );
+        assert!(e <= 1e-4, "step {i}: {e}");
+    }
+}
+
+/// A skewed router (4 of 16 experts take ~95 % of the hits, a different 4 from step 60): live
+/// re-placement moves the hot experts onto the GPU in the background, the GPU hit ratio recovers after
+/// the shift, and every step's logits stay those of the all-DRAM engine under the same routing
+/// (2e-2: GPU and CPU experts differ in activation precision only).
+#[test]
+fn live_placement_follows_skewed_routing() {
+    use moe_daemon::engine::replacement::LiveOptions;
+    use moe_daemon::engine::skewed_routing::SkewedRouting;
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let skew = SkewedRouting {
+        experts: 16,
+        top_k: 4,
+        hot_share: 0.25,
+        hot_mass: 0.95,
+        shift_at: 60,
+        seed: 3,
+    };
+    let routed = |e: &Engine| {
+        let mut step = 0u64;
+        let mut last = usize::MAX;
+        e.set_routing_override(Some(Box::new(move |layer, ids: &mut [u32]| {
+            if layer <= last {
+                step += 1;
+            }
+            last = layer;
+            for (t, chunk) in ids.chunks_mut(4).enumerate() {
+                skew.choose(layer, step, t, chunk);
+            }
+        })));
+    };
+    let live = Engine::load(
+        &dir,
+        &EngineOptions {
+            live_placement: Some(LiveOptions {
+                half_life_steps: 8.0,
+                interval_steps: 2,
+                ..Default::default()
+            }),
+            ..gpu(4, PlacementStrategy::Uniform)
+        },
+    )
+    .unwrap();
+    let reference = Engine::load(&dir, &gpu(0, PlacementStrategy::Uniform)).unwrap();
+    routed(&live);
+    routed(&reference);
+    let mut next = xorshift(11);
+    let batch = 8;
+    let (mut lc, mut rc): (Vec<_>, Vec<_>) = (
+        (0..batch).map(|_| live.new_cache()).collect(),
+        (0..batch).map(|_| reference.new_cache()).collect(),
+    );
+    let mut hits = Vec::new();
+    for i in 0..120 {
+        let toks: Vec<[u32; 1]> = (0..batch).map(|_| [(next() % 500) as u32]).collect();
+        let run = |e: &Engine, caches: &mut Vec<SeqCache>| {
+            let mut inputs: Vec<SeqInput> = caches
+                .iter_mut()
+                .zip(&toks)
+                .map(|(c, t)| SeqInput {
+                    cache: c,
+                    tokens: t,
+                })
+                .collect();
+            e.reserve_and_forward(&mut inputs).unwrap()
+        };
+        let (a, b) = (run(&live, &mut lc), run(&reference, &mut rc));
+        for (x, y) in a.iter().zip(&b) {
+            let e = rel_l2(x, y);
+            assert!(e <= 2e-2, "step {i}: {e}");
+        }
+        let t = live.last_step_times();
+        hits.push(t.gpu_expert_hits as f64 / t.expert_hits.max(1) as f64);
+    }
+    let stats = live.live_stats().unwrap();
+    let mean = |r: std::ops::Range<usize>| hits[r.clone()].iter().sum::<f64>() / r.len() as f64;
+    println!(
+        "GPU hit ratio: steps 0-9 {:.2}, 50-59 {:.2}, 60-69 {:.2}, 110-119 {:.2}; moves {}",
+        mean(0..10),
+        mean(50..60),
+        mean(60..70),
+        mean(110..120),
+        stats.moves_total
+    );
+    assert!(stats.moves_total >= 8, "{stats:?}");
+    assert!(mean(50..60) > 0.6, "before the shift");
+    assert!(mean(60..70) < mean(50..60), "the shift drops the hit ratio");
+    assert!(mean(110..120) > 0.6, "after the shift");
+    for row in live.gpu_residency().unwrap() {
+        assert_eq!(row.iter().filter(|&&r| r).count(), 4);
+    }
+}

@@ -303,6 +303,53 @@ pub struct PlacementSpec {
     pub numa: NumaPolicy,
     #[serde(default)]
     pub hugepages: HugepagesSpec,
+    /// Placement rules for the daemon (`--placement-rules`, docs/PLACEMENT.md): pin experts to the
+    /// GPU or DRAM, choose where long prompts compute them and their DRAM format. Read by the daemon at
+    /// start; it logs the resulting plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<PlacementRulesSpec>,
+    /// Move experts between DRAM and the GPU while serving, following the recent routing
+    /// (`--live-placement`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub live_placement: bool,
+}
+
+/// Longest inline rule set: a rule file is small, and the bound keeps the API server's CEL cost
+/// estimate and the pod's environment small.
+pub const MAX_INLINE_RULES_BYTES: usize = 65536;
+
+/// Where the rule file comes from: written inline, or a key of a ConfigMap in the namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("has(self.inline) != has(self.configMapRef)").message("placement.rules takes exactly one of inline, configMapRef"))]
+#[serde(rename_all = "camelCase")]
+pub struct PlacementRulesSpec {
+    /// The rule file's text (a YAML list of rules), at most 64 KiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 65536))]
+    pub inline: Option<String>,
+    /// A ConfigMap in the MoEDeployment's namespace holding the rule file (mounted into the pods;
+    /// edits reach the daemon when its pods restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_ref: Option<RulesConfigMapRef>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RulesConfigMapRef {
+    /// ConfigMap name (a DNS-1123 subdomain).
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub name: String,
+    /// Key of the rule file in the ConfigMap.
+    #[serde(default = "default_rules_key")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[-._a-zA-Z0-9]+$"))]
+    pub key: String,
+}
+
+fn default_rules_key() -> String {
+    "rules.yaml".into()
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -60,6 +60,20 @@ pub fn validate_spec(spec: &MoEDeploymentSpec, shape: Option<&ResolvedShape>) ->
     if hp.amount.is_some() && !matches!(hp.size, HugepageSize::OneGi | HugepageSize::TwoMi) {
         errors.push("placement.hugepages.amount needs size 1Gi or 2Mi".into());
     }
+    if let Some(r) = &spec.placement.rules {
+        if r.inline.is_some() == r.config_map_ref.is_some() {
+            errors.push("placement.rules takes exactly one of inline, configMapRef".into());
+        }
+        if let Some(text) = &r.inline {
+            if text.is_empty() || text.len() > crate::crd::MAX_INLINE_RULES_BYTES {
+                errors.push(format!(
+                    "placement.rules.inline must be 1 to {} bytes (got {})",
+                    crate::crd::MAX_INLINE_RULES_BYTES,
+                    text.len()
+                ));
+            }
+        }
+    }
     let gpu = &spec.resources.gpu;
     if !(1..=16).contains(&gpu.count) {
         errors.push(format!(

@@ -3,10 +3,12 @@
 //! scale subresource an HPA reads, and the scale-from-zero activator.
 
 mod fake_api;
+mod harness;
 
 use std::sync::Arc;
 
 use fake_api::FakeApi;
+use harness::{current, h100, qwen_spec as qwen, stored, HPA_PATH, MD_PATH, STS_PATH, SVC_PATH};
 use http::Method;
 use kube::runtime::events::Reporter;
 use moe_operator::controller::reconcile::reconcile;
@@ -15,65 +17,11 @@ use moe_operator::crd::MoEDeployment;
 use moe_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
-const MD_PATH: &str = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/qwen";
-const STS_PATH: &str = "/apis/apps/v1/namespaces/ai/statefulsets/qwen-sm90-80g";
-const SVC_PATH: &str = "/api/v1/namespaces/ai/services/qwen";
 const BACKEND_PATH: &str = "/api/v1/namespaces/ai/services/qwen-backend";
 const ACTIVATOR_PATH: &str = "/apis/apps/v1/namespaces/ai/deployments/qwen-activator";
-const HPA_PATH: &str = "/apis/autoscaling/v2/namespaces/ai/horizontalpodautoscalers/qwen";
-
-fn h100(name: &str) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {
-            "feature.node.kubernetes.io/cpu-cpuid.AVX512F": "true",
-            "nvidia.com/gpu.compute.major": "9",
-            "nvidia.com/gpu.compute.minor": "0",
-            "nvidia.com/gpu.memory": "81559",
-        }},
-        "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "1"}}
-    })
-}
-
-/// The MoEDeployment as the API server stores it: schema defaults applied (here `replicas`,
-/// read from the generated CRD so the test follows the schema).
-fn stored(spec: Value) -> Value {
-    let crd = moe_operator::crd::crd_value().unwrap();
-    let default = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-        ["properties"]["replicas"]["default"]
-        .clone();
-    let mut spec = spec;
-    if spec.get("replicas").is_none() && !default.is_null() {
-        spec["replicas"] = default;
-    }
-    json!({"apiVersion": "moe.inference.dev/v1alpha1", "kind": "MoEDeployment",
-           "metadata": {"name": "qwen", "namespace": "ai"}, "spec": spec})
-}
-
-fn qwen() -> Value {
-    json!({"model": {"source": {"huggingFace": {"repo": "Qwen/Qwen3-30B-A3B"}}}})
-}
 
 fn setup(spec: Value, nodes: &[&str]) -> (FakeApi, Arc<Context>) {
-    let fake = FakeApi::default();
-    for n in nodes {
-        fake.insert(&format!("/api/v1/nodes/{n}"), h100(n));
-    }
-    fake.insert(MD_PATH, stored(spec));
-    let reporter = Reporter {
-        controller: "moe-operator".into(),
-        instance: Some("test".into()),
-    };
-    let ctx = Arc::new(Context::new(
-        fake.client(),
-        reporter,
-        Metrics::new().unwrap(),
-    ));
-    (fake, ctx)
-}
-
-fn current(fake: &FakeApi) -> Arc<MoEDeployment> {
-    Arc::new(serde_json::from_value(fake.get(MD_PATH).unwrap()).unwrap())
+    harness::cluster(nodes.iter().map(|n| h100(n)), stored(spec))
 }
 
 fn degraded_message(fake: &FakeApi) -> String {

@@ -5,10 +5,15 @@
 //! operator estimated (margin 0: the same function on the same inputs). That the daemon then allocates
 //! what its plan says is the GPU test `consumer_gpu::plan_matches_allocation_for_every_example`
 //! (within 3% + 64 MiB at start, the peak within the plan + 64 MiB).
+//!
+//! Placement rules are resolved by the daemon against tensor names; the operator then passes
+//! `--gpu-experts auto` and the daemon fills each layer around the rules' pins within the same budget
+//! and KV size, so with rules the daemon's experts and bytes are at most the operator's.
 use clap::Parser;
 use moe_daemon::cli::serve::ServeArgs;
 use moe_daemon::engine::gpu::memory;
 use moe_daemon::model::config::ModelConfig;
+use moe_operator::builders::workload;
 use std::path::Path;
 
 #[derive(Parser)]
@@ -38,6 +43,7 @@ const EXAMPLES: [&str; 4] = [
 fn operator_sizing_is_the_daemons_plan_for_every_example() {
     let nodes = moe_operator::plan::parse_nodes(&read("examples/nodes.yaml"), "nodes").unwrap();
     let mut on_24gb = Vec::new();
+    let mut with_rules = Vec::new();
     for ex in EXAMPLES {
         let md = moe_operator::plan::parse_deployment(&read(&format!("examples/{ex}.yaml")), ex)
             .unwrap();
@@ -64,7 +70,21 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
         );
         assert!(!input.classes.is_empty());
         for class in &input.classes {
-            let args = moe_operator::builders::workload::daemon_args(input, class, "/models/m");
+            let mut args = moe_operator::builders::workload::daemon_args(input, class, "/models/m");
+            // The pod's rules: a ConfigMap's file (mounted) or inline text (in the environment).
+            let rules = md.spec.placement.rules.as_ref();
+            let mounted = format!("{}/rules.yaml", workload::RULES_MOUNT);
+            for a in args.iter_mut().filter(|a| **a == mounted) {
+                *a = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../examples/placement")
+                    .join(configmap_source(ex))
+                    .display()
+                    .to_string();
+            }
+            if let Some(text) = rules.and_then(|r| r.inline.clone()) {
+                // `=`: the text starts with `- ` (a YAML list), which clap would read as a flag
+                args.push(format!("--placement-rules-yaml={text}"));
+            }
             let parsed = Daemon::try_parse_from(
                 std::iter::once("moe-daemon".to_string()).chain(args.clone()),
             )
@@ -78,7 +98,13 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
             let budget = opts
                 .gpu_memory_limit
                 .expect("the operator passes the GPU's memory as --gpu-memory-limit");
-            let plan = memory::plan(&opts, &shape, budget)
+            let pins = opts
+                .placement_rules
+                .as_ref()
+                .map(|r| r.resolve(&cfg).unwrap().layer_pins())
+                .unwrap_or_default();
+            assert_eq!(rules.is_some(), !pins.is_empty(), "{ex}");
+            let plan = memory::plan(&opts, &shape, budget, &pins)
                 .unwrap_or_else(|e| panic!("{ex} {}: the daemon refuses: {e}", class.id));
             let choice = class.sizing.gpu_plan.unwrap();
             println!(
@@ -87,18 +113,32 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
                 class.sizing.gpu_bytes_per_gpu >> 20,
                 plan.describe()
             );
-            assert_eq!(
-                plan.total(),
-                class.sizing.gpu_bytes_per_gpu,
-                "{ex} {}",
-                class.id
-            );
-            assert_eq!(
-                Some(plan.gpu_experts_per_layer as u32),
-                class.sizing.gpu_experts_per_layer,
-                "{ex} {}",
-                class.id
-            );
+            let experts = Some(plan.gpu_experts_per_layer as u32);
+            if rules.is_some() {
+                assert!(
+                    plan.total() <= class.sizing.gpu_bytes_per_gpu,
+                    "{ex} {}",
+                    class.id
+                );
+                assert!(
+                    experts <= class.sizing.gpu_experts_per_layer,
+                    "{ex} {}",
+                    class.id
+                );
+                with_rules.push((ex, class.id.clone(), plan.gpu_experts_total));
+            } else {
+                assert_eq!(
+                    plan.total(),
+                    class.sizing.gpu_bytes_per_gpu,
+                    "{ex} {}",
+                    class.id
+                );
+                assert_eq!(
+                    experts, class.sizing.gpu_experts_per_layer,
+                    "{ex} {}",
+                    class.id
+                );
+            }
             assert_eq!(
                 (plan.dense_dtype, plan.host_embeddings, plan.kv_tokens),
                 (choice.dense_dtype, choice.host_embeddings, choice.kv_tokens),
@@ -118,4 +158,21 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
         .iter()
         .any(|(ex, d, host)| *ex == "glm-4.5-air" && *d != moe_sizing::DenseDtype::Bf16 && *host));
     assert!(on_24gb.iter().any(|(ex, ..)| *ex == "smallthinker-21b"));
+    // Rules reach the daemon's plan: Qwen3's pin the first four layers' 128 experts to the GPU; GLM's
+    // (KTransformers' Glm4Moe-serve) keep every routed expert in DRAM.
+    println!("GPU experts with rules: {with_rules:?}");
+    assert!(with_rules
+        .iter()
+        .any(|(ex, _, n)| *ex == "qwen3-30b-a3b" && *n >= 4 * 128));
+    assert!(with_rules
+        .iter()
+        .any(|(ex, _, n)| *ex == "glm-4.5-air" && *n == 0));
+}
+
+/// The file an example's placement-rules ConfigMap is created from (its comment says so).
+fn configmap_source(example: &str) -> &'static str {
+    match example {
+        "glm-4.5-air" => "glm4moe-serve.yaml",
+        other => panic!("{other}: no rule file known for its ConfigMap"),
+    }
 }

@@ -4,20 +4,15 @@
 //! Service, replicas spread over the classes, and status naming every class and every rejection.
 
 mod fake_api;
+mod harness;
 
 use std::sync::Arc;
 
 use fake_api::FakeApi;
-use kube::runtime::events::Reporter;
+use harness::{current, md, MD_PATH, STS_DIR as STS, SVC_PATH};
 use moe_operator::controller::reconcile::reconcile;
 use moe_operator::controller::Context;
-use moe_operator::crd::MoEDeployment;
-use moe_operator::metrics::Metrics;
 use serde_json::{json, Value};
-
-const MD_PATH: &str = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/qwen";
-const STS: &str = "/apis/apps/v1/namespaces/ai/statefulsets/";
-const SVC_PATH: &str = "/api/v1/namespaces/ai/services/qwen";
 
 fn fleet_nodes() -> Vec<Value> {
     let path = concat!(
@@ -44,32 +39,9 @@ fn rtx_3090() -> Value {
 }
 
 fn setup(replicas: i32) -> (FakeApi, Arc<Context>) {
-    let fake = FakeApi::default();
-    for node in fleet_nodes().into_iter().chain([rtx_3090()]) {
-        let name = node["metadata"]["name"].as_str().unwrap().to_string();
-        fake.insert(&format!("/api/v1/nodes/{name}"), node);
-    }
-    fake.insert(
-        MD_PATH,
-        json!({"apiVersion": "moe.inference.dev/v1alpha1", "kind": "MoEDeployment",
-               "metadata": {"name": "qwen", "namespace": "ai"},
-               "spec": {"replicas": replicas,
-                        "model": {"source": {"huggingFace": {"repo": "Qwen/Qwen3-30B-A3B"}}}}}),
-    );
-    let reporter = Reporter {
-        controller: "moe-operator".into(),
-        instance: Some("test".into()),
-    };
-    let ctx = Arc::new(Context::new(
-        fake.client(),
-        reporter,
-        Metrics::new().unwrap(),
-    ));
-    (fake, ctx)
-}
-
-fn current(fake: &FakeApi) -> Arc<MoEDeployment> {
-    Arc::new(serde_json::from_value(fake.get(MD_PATH).unwrap()).unwrap())
+    let spec = json!({"replicas": replicas,
+                      "model": {"source": {"huggingFace": {"repo": "Qwen/Qwen3-30B-A3B"}}}});
+    harness::cluster(fleet_nodes().into_iter().chain([rtx_3090()]), md(spec))
 }
 
 fn required_expressions(sts: &Value) -> Vec<(String, String, Vec<String>)> {

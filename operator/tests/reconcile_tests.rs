@@ -2,47 +2,32 @@
 //! finalizer, 409 conflict retry, API errors, unschedulable and invalid specs, provider switches.
 
 mod fake_api;
+mod harness;
 
 use std::sync::Arc;
 
 use fake_api::FakeApi;
+use harness::{condition, current, md as md_value, HPA_PATH, MD_PATH, STS_PATH, SVC_PATH};
 use http::Method;
-use kube::runtime::events::Reporter;
 use moe_operator::controller::reconcile::{reconcile, LEGACY_FINALIZER};
 use moe_operator::controller::{Context, Error};
 use moe_operator::crd::MoEDeployment;
-use moe_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
-const MD_PATH: &str = "/apis/moe.inference.dev/v1alpha1/namespaces/ai/moedeployments/qwen";
-const STS_PATH: &str = "/apis/apps/v1/namespaces/ai/statefulsets/qwen-sm90-80g";
-const SVC_PATH: &str = "/api/v1/namespaces/ai/services/qwen";
 const HEADLESS_PATH: &str = "/api/v1/namespaces/ai/services/qwen-pods";
 const PDB_PATH: &str = "/apis/policy/v1/namespaces/ai/poddisruptionbudgets/qwen";
-const HPA_PATH: &str = "/apis/autoscaling/v2/namespaces/ai/horizontalpodautoscalers/qwen";
 
+/// An H100 node with no 1 GiB hugepages reserved, with or without AVX-512.
 fn gpu_node(name: &str, avx512: bool) -> Value {
-    let mut labels = json!({
-        "nvidia.com/gpu.compute.major": "9",
-        "nvidia.com/gpu.compute.minor": "0",
-        "nvidia.com/gpu.memory": "81559",
-    });
-    if avx512 {
-        labels["feature.node.kubernetes.io/cpu-cpuid.AVX512F"] = "true".into();
+    let mut node = harness::h100(name);
+    if !avx512 {
+        node["metadata"]["labels"]
+            .as_object_mut()
+            .unwrap()
+            .remove("feature.node.kubernetes.io/cpu-cpuid.AVX512F");
     }
-    json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": labels},
-        "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "1", "hugepages-1Gi": "0"}}
-    })
-}
-
-fn md_value(spec: Value) -> Value {
-    json!({
-        "apiVersion": "moe.inference.dev/v1alpha1", "kind": "MoEDeployment",
-        "metadata": {"name": "qwen", "namespace": "ai"},
-        "spec": spec
-    })
+    node["status"]["allocatable"]["hugepages-1Gi"] = "0".into();
+    node
 }
 
 fn qwen_spec() -> Value {
@@ -50,32 +35,8 @@ fn qwen_spec() -> Value {
 }
 
 fn setup(spec: Value, nodes_with_avx: &[(&str, bool)]) -> (FakeApi, Arc<Context>) {
-    let fake = FakeApi::default();
-    for (name, avx) in nodes_with_avx {
-        fake.insert(&format!("/api/v1/nodes/{name}"), gpu_node(name, *avx));
-    }
-    fake.insert(MD_PATH, md_value(spec));
-    let reporter = Reporter {
-        controller: "moe-operator".into(),
-        instance: Some("test".into()),
-    };
-    let ctx = Arc::new(Context::new(
-        fake.client(),
-        reporter,
-        Metrics::new().unwrap(),
-    ));
-    (fake, ctx)
-}
-
-fn current(fake: &FakeApi) -> Arc<MoEDeployment> {
-    Arc::new(serde_json::from_value(fake.get(MD_PATH).expect("MoEDeployment stored")).unwrap())
-}
-
-fn condition<'a>(md: &'a Value, type_: &str) -> &'a Value {
-    md["status"]["conditions"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["type"] == type_))
-        .unwrap_or_else(|| panic!("condition {type_} missing in {}", md["status"]))
+    let nodes = nodes_with_avx.iter().map(|(n, avx)| gpu_node(n, *avx));
+    harness::cluster(nodes, md_value(spec))
 }
 
 /// A reconcile and the periodic resync after it (both must be idempotent).

@@ -10,8 +10,8 @@ pub mod shape;
 pub mod weights;
 
 pub use plan::{
-    choose, plan_with, DenseChoice, EmbeddingChoice, ExpertsChoice, KvRequest, MemoryPlan,
-    PlanError, PlanInputs, PlanItem,
+    choose, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice, ExpertsChoice, KvRequest,
+    LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
 };
 pub use shape::{Attention, CheckpointFormat, ModelShape, Moe, ShapeError};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};

@@ -6,7 +6,8 @@
 //!                + dequantization scratch + layerwise-prefill staging + CUDA graph buffers
 //! KV           = target tokens if they fit beside `fixed`, else at least min tokens (one
 //!                --max-model-len sequence), else the plan is refused
-//! GPU experts  = auto: ⌊(usable − fixed − KV) / (moe_layers × expert bytes)⌋ per layer, or the count asked
+//! GPU experts  = auto: ⌊(usable − fixed − KV) / (moe_layers × expert bytes)⌋ per layer, or the count asked;
+//!                a layer with more placement-rule GPU pins than that keeps them all (`gpu_experts_total`)
 //! KV (auto)    = then grows into what is left, up to max tokens
 //! ```
 //!
@@ -36,6 +37,9 @@ pub const GRAPH_ROWS: u64 = 64;
 /// Layerwise prefill's expert stream: staging slots, and the default bytes of one chunk.
 pub const STREAM_SLOTS: u64 = 4;
 pub const STREAM_CHUNK_BYTES: u64 = 256 * MIB;
+/// Expert copies live re-placement keeps in flight (the daemon's default), each holding one expert's
+/// GPU memory until its swap.
+pub const LIVE_MOVE_SLOTS: u64 = 4;
 /// Steps of at least this many tokens prefill layer by layer (the daemon's default
 /// --gpu-prefill-threshold); the stream's staging is planned when the KV cache can hold such a step.
 pub const DEFAULT_PREFILL_THRESHOLD: u64 = 1024;
@@ -108,6 +112,27 @@ impl KvRequest {
     }
 }
 
+/// Routed experts of one MoE layer that placement rules fix: `gpu` live on the GPU whatever the
+/// per-layer count, `dram` never do. The placement strategy fills the layer up to the count from the
+/// experts no rule pins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayerPins {
+    pub gpu: u64,
+    pub dram: u64,
+}
+
+/// GPU experts of all MoE layers when `per_layer` are asked of each: a layer keeps its GPU pins and
+/// the strategy adds unpinned experts until it holds `per_layer` (fewer when DRAM pins leave too few).
+/// `pins` has one entry per MoE layer, or none (no rules: `per_layer × moe_layers`).
+pub fn gpu_experts_total(per_layer: u64, experts: u64, moe_layers: u64, pins: &[LayerPins]) -> u64 {
+    if pins.is_empty() {
+        return per_layer.min(experts) * moe_layers;
+    }
+    pins.iter()
+        .map(|p| p.gpu.max(per_layer.min(experts.saturating_sub(p.dram))))
+        .sum()
+}
+
 /// Everything the plan depends on besides the model shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanInputs {
@@ -124,6 +149,11 @@ pub struct PlanInputs {
     /// Layerwise prefill's device staging (four packed chunks + one dense), 0 when off.
     pub stream_staging_bytes: u64,
     pub cuda_graphs: bool,
+    /// Per MoE layer, the experts placement rules pin (empty: no rules).
+    pub pins: Vec<LayerPins>,
+    /// Live re-placement's copies in flight, each holding one expert's GPU memory until its swap
+    /// (0: live re-placement off).
+    pub move_slots: u64,
 }
 
 /// One line of the plan.
@@ -140,6 +170,8 @@ pub struct MemoryPlan {
     pub dense_dtype: DenseDtype,
     pub host_embeddings: bool,
     pub gpu_experts_per_layer: u64,
+    /// GPU experts of all layers (`gpu_experts_per_layer × moe_layers` without placement rules).
+    pub gpu_experts_total: u64,
     pub kv_tokens: u64,
     pub budget_bytes: u64,
     pub usable_bytes: u64,
@@ -204,11 +236,21 @@ pub enum PlanError {
         left_mib: u64,
         usable_mib: u64,
     },
-    #[error("{asked} GPU experts per layer ({need_mib} MiB) do not fit: at most {fit} fit beside the dense weights and KV cache (use --gpu-experts auto)")]
+    #[error("{asked} GPU experts per layer ({need_mib} MiB{pinned_note}) do not fit: at most {fit} fit beside the dense weights and KV cache (use --gpu-experts auto{pin_hint})")]
     ExpertsDoNotFit {
         asked: u64,
         need_mib: u64,
         fit: u64,
+        left_mib: u64,
+        usable_mib: u64,
+        /// ", with N pinned by placement rules" when rules pin experts to the GPU.
+        pinned_note: String,
+        pin_hint: &'static str,
+    },
+    #[error("placement rules pin {pinned} experts to the GPU ({need_mib} MiB), more than the {left_mib} MiB left beside the dense weights and KV cache; pin fewer experts (decode: auto or cpu) or lower --max-model-len / --kv-cache-tokens")]
+    PinnedExpertsDoNotFit {
+        pinned: u64,
+        need_mib: u64,
         left_mib: u64,
         usable_mib: u64,
     },
@@ -231,6 +273,12 @@ impl PlanError {
                 ..
             }
             | PlanError::ExpertsDoNotFit {
+                need_mib,
+                left_mib,
+                usable_mib,
+                ..
+            }
+            | PlanError::PinnedExpertsDoNotFit {
                 need_mib,
                 left_mib,
                 usable_mib,
@@ -310,7 +358,8 @@ pub fn plan_with(
     } else {
         DEQUANT_SCRATCH_BYTES
     };
-    let work = steps + graphs + scratch + inputs.stream_staging_bytes;
+    let moves = inputs.move_slots * shape.gpu_expert_bytes();
+    let work = steps + graphs + scratch + inputs.stream_staging_bytes + moves;
     let fixed = dense.total() + work;
     let embed_note = if host_embeddings {
         ", embeddings in host memory"
@@ -342,28 +391,55 @@ pub fn plan_with(
         });
     };
     let left = left - kv_bytes(kv_reserved);
-    let layer_experts = shape.moe_layers() * shape.gpu_expert_bytes();
-    let fit = left
-        .checked_div(layer_experts)
-        .unwrap_or(0)
-        .min(shape.experts_per_layer());
+    let each = shape.gpu_expert_bytes();
+    let experts = shape.experts_per_layer();
+    let total_for = |n: u64| gpu_experts_total(n, experts, shape.moe_layers(), &inputs.pins);
+    let pinned = total_for(0);
+    if pinned * each > left {
+        return Err(PlanError::PinnedExpertsDoNotFit {
+            pinned,
+            need_mib: (pinned * each).div_ceil(MIB),
+            left_mib: left / MIB,
+            usable_mib: usable / MIB,
+        });
+    }
+    // The most experts per layer whose total fits (the total grows with the count), then the
+    // smallest count with that total: where pins fill a layer, a larger count adds nothing.
+    let fit = (0..=experts)
+        .rev()
+        .find(|&n| total_for(n) * each <= left)
+        .unwrap_or(0);
+    let fit = (0..=fit)
+        .find(|&n| total_for(n) == total_for(fit))
+        .unwrap_or(fit);
     let per_layer = match inputs.experts {
         ExpertsChoice::Auto => fit,
         ExpertsChoice::PerLayer(n) => {
-            let n = n.min(shape.experts_per_layer());
+            let n = n.min(experts);
             if n > fit {
                 return Err(PlanError::ExpertsDoNotFit {
                     asked: n,
-                    need_mib: (n * layer_experts).div_ceil(MIB),
+                    need_mib: (total_for(n) * each).div_ceil(MIB),
                     fit,
                     left_mib: left / MIB,
                     usable_mib: usable / MIB,
+                    pinned_note: if pinned > 0 {
+                        format!(", with {pinned} pinned by placement rules")
+                    } else {
+                        String::new()
+                    },
+                    pin_hint: if pinned > 0 {
+                        ", or pin fewer experts to the GPU"
+                    } else {
+                        ""
+                    },
                 });
             }
             n
         }
     };
-    let left = left - per_layer * layer_experts;
+    let gpu_experts = total_for(per_layer);
+    let left = left - gpu_experts * each;
     // KV grows into what is left, in whole blocks, up to its maximum.
     let extra_blocks = left / (KV_BLOCK * kv_token).max(1);
     let kv_tokens = (kv_reserved.div_ceil(KV_BLOCK) + extra_blocks)
@@ -416,11 +492,15 @@ pub fn plan_with(
         },
         PlanItem {
             what: "GPU experts",
-            bytes: per_layer * layer_experts,
+            bytes: gpu_experts * each,
             why: format!(
-                "{per_layer} of {} per layer × {} MoE layers, bf16 ({})",
-                shape.experts_per_layer(),
+                "{per_layer} of {experts} per layer × {} MoE layers{}, bf16 ({})",
                 shape.moe_layers(),
+                if inputs.pins.is_empty() {
+                    String::new()
+                } else {
+                    format!(", {gpu_experts} in all with the placement rules' pins")
+                },
                 match inputs.experts {
                     ExpertsChoice::Auto => "as many as fit",
                     ExpertsChoice::PerLayer(_) => "as asked",
@@ -460,6 +540,14 @@ pub fn plan_with(
             why: "bf16 slab for quantized prefill GEMMs".into(),
         },
         PlanItem {
+            what: "live moves",
+            bytes: moves,
+            why: format!(
+                "{} expert copies in flight for live re-placement",
+                inputs.move_slots
+            ),
+        },
+        PlanItem {
             what: "prefill staging",
             bytes: inputs.stream_staging_bytes,
             why: "layerwise prefill's expert stream".into(),
@@ -470,6 +558,7 @@ pub fn plan_with(
         dense_dtype: dtype,
         host_embeddings,
         gpu_experts_per_layer: per_layer,
+        gpu_experts_total: gpu_experts,
         kv_tokens,
         budget_bytes: inputs.budget_bytes,
         usable_bytes: usable,

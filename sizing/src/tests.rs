@@ -28,6 +28,8 @@ fn serving(card_mib: u64, max_model_len: u64, seqs: u64) -> PlanInputs {
         max_step_seqs: seqs,
         stream_staging_bytes: 0,
         cuda_graphs: true,
+        pins: Vec::new(),
+        move_slots: 0,
     }
 }
 
@@ -164,6 +166,70 @@ fn kv_grows_into_what_is_left_up_to_its_maximum() {
     assert!(
         p.usable_bytes - p.total() < st.kv_bytes_per_token(plan::KV_ELEM_BYTES) * plan::KV_BLOCK
     );
+}
+
+#[test]
+fn pinned_experts_count_on_top_of_the_per_layer_fill() {
+    // Two layers of 8 experts: layer 0 pins 5 to the GPU, layer 1 keeps 6 in DRAM.
+    let pins = [LayerPins { gpu: 5, dram: 0 }, LayerPins { gpu: 0, dram: 6 }];
+    assert_eq!(gpu_experts_total(3, 8, 2, &pins), 5 + 2);
+    assert_eq!(gpu_experts_total(6, 8, 2, &pins), 6 + 2);
+    assert_eq!(gpu_experts_total(0, 8, 2, &pins), 5);
+    assert_eq!(gpu_experts_total(3, 8, 2, &[]), 6);
+
+    let q = known("qwen3-30b-a3b");
+    let each = q.gpu_expert_bytes();
+    let mut i = serving(48 * 1024, 32768, 2);
+    i.dense = DenseChoice::Fixed(DenseDtype::Bf16);
+    i.embeddings = EmbeddingChoice::Gpu;
+    let free = choose(&q, &i).unwrap();
+    // the first four layers' 128 experts pinned: auto fills fewer per layer, the bytes still fit
+    i.pins = (0..q.moe_layers())
+        .map(|l| LayerPins {
+            gpu: if l < 4 { 128 } else { 0 },
+            dram: 0,
+        })
+        .collect();
+    let pinned = choose(&q, &i).unwrap();
+    println!("{}", pinned.describe());
+    assert!(pinned.gpu_experts_per_layer < free.gpu_experts_per_layer);
+    let n = pinned.gpu_experts_per_layer;
+    assert_eq!(pinned.gpu_experts_total, 4 * 128 + (q.moe_layers() - 4) * n);
+    assert_eq!(pinned.item("GPU experts"), pinned.gpu_experts_total * each);
+    assert!(pinned.total() <= pinned.usable_bytes);
+    // one more per layer would not fit
+    assert!(
+        gpu_experts_total(n + 1, 128, q.moe_layers(), &i.pins) * each
+            > pinned.usable_bytes - pinned.total() + pinned.item("GPU experts")
+    );
+    // asking the count that fitted without pins is refused, naming the pins
+    i.experts = ExpertsChoice::PerLayer(free.gpu_experts_per_layer);
+    let e = choose(&q, &i).unwrap_err();
+    assert!(e.to_string().contains("pinned by placement rules"), "{e}");
+    // pins alone beyond the budget
+    i.pins = vec![LayerPins { gpu: 128, dram: 0 }; q.moe_layers() as usize];
+    i.budget_bytes = 24 * GIB;
+    let e = choose(&q, &i);
+    if let Err(x) = &e {
+        println!("{x}");
+    }
+    assert!(matches!(
+        e,
+        Err(PlanError::PinnedExpertsDoNotFit { pinned, .. }) if pinned == 128 * q.moe_layers()
+    ));
+}
+
+#[test]
+fn live_move_slots_are_planned() {
+    let q = known("qwen3-30b-a3b");
+    let mut i = serving(80 * 1024, 32768, 2);
+    i.experts = ExpertsChoice::PerLayer(32);
+    let off = choose(&q, &i).unwrap();
+    i.move_slots = 4;
+    let on = choose(&q, &i).unwrap();
+    assert_eq!(on.item("live moves"), 4 * q.gpu_expert_bytes());
+    assert_eq!(off.item("live moves"), 0);
+    assert_eq!(on.gpu_experts_per_layer, 32);
 }
 
 #[test]

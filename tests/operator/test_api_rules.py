@@ -6,7 +6,8 @@ No kube-apiserver is installable here, so this gets as close as the reachable to
   values such as `1Gi` and `none` strings;
 - every built-in object is checked by `kubernetes-validate` in strict mode (unknown fields are
   errors) for Kubernetes 1.30 to 1.35;
-- KEDA ScaledObjects are checked by the validators generated from KEDA's API types
+- KEDA ScaledObjects are checked against KEDA's released CRD schema (openAPIV3Schema in strict mode
+  and its CEL rules, keda_crd.py) and by the validators generated from KEDA's API types
   (npm `@kubernetes-models/keda`, see keda_validate.mjs);
 - `api_rules.problems` applies the hand-written API server rules (node selector requirements,
   names, labels, HPA ranges, StatefulSet shape), and daemon pods must be in the Guaranteed QoS class.
@@ -28,6 +29,7 @@ import kubernetes_validate
 import yaml
 
 import api_rules
+import keda_crd
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -153,7 +155,22 @@ class PlanOutputTest(unittest.TestCase):
     def test_scaled_objects_pass_keda_schema(self):
         scaled = [o for k in self.plans for o in self.objects(*k) if o["kind"] == "ScaledObject"]
         self.assertTrue(scaled, "the deepseek example uses KEDA")
+        self.assertEqual(keda_crd.problems(scaled), [])
         self.assertEqual(keda_problems(scaled), [])
+
+    def test_keda_crd_check_rejects_what_keda_rejects(self):
+        good = next(o for k in self.plans for o in self.objects(*k) if o["kind"] == "ScaledObject")
+        cases = {
+            "unknown field": lambda o: o["spec"].update(pollingIntervall=5),
+            "min above max": lambda o: o["spec"].update(minReplicaCount=9, maxReplicaCount=2),
+            "no triggers": lambda o: o["spec"].pop("triggers"),
+            "trigger metadata not strings": lambda o: o["spec"]["triggers"][0]["metadata"].update(x=1),
+            "wrong version": lambda o: o.update(apiVersion="keda.sh/v1beta1"),
+        }
+        for what, breakit in cases.items():
+            obj = json.loads(json.dumps(good))
+            breakit(obj)
+            self.assertNotEqual(keda_crd.problems([obj]), [], what)
 
     def test_api_server_rules_and_guaranteed_qos(self):
         for (example, fleet) in self.plans:

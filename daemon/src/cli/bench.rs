@@ -18,6 +18,9 @@ pub enum BenchCommand {
     Prefill(RunArgs),
     /// CPU expert kernels alone: ms per MoE layer, GB/s and % of the DRAM read bandwidth it measures.
     CpuMoe(CpuMoeArgs),
+    /// Decode under a skewed synthetic router whose hot set shifts halfway: GPU hit ratio, tok/s and
+    /// slowest step over time for one placement mode (uniform, frequency, live).
+    Skew(super::bench_skew::SkewArgs),
 }
 
 /// `bench cpu-moe` flags (lists are comma separated).
@@ -118,6 +121,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::SynthCheckpoint(a) => super::synth::run(a),
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Prefill(a) => prefill(a),
+        BenchCommand::Skew(a) => super::bench_skew::run(a),
         BenchCommand::CpuMoe(a) => {
             let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&a.bench_args())?;
             print!("{report}");

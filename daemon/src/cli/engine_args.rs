@@ -1,5 +1,7 @@
 //! Engine flags shared by `generate`, `serve` and `bench`.
 use crate::engine::placement::{GpuExperts, PlacementStrategy};
+use crate::engine::placement_rules::RuleSet;
+use crate::engine::replacement::LiveOptions;
 use crate::engine::{Device, EngineOptions};
 use clap::{Args, ValueEnum};
 use moe_kernels::cpu::moe::WeightFormat;
@@ -112,6 +114,38 @@ pub struct EngineArgs {
     /// Record how often each expert is routed to and write the statistics to FILE at exit.
     #[arg(long)]
     pub record_routing: Option<PathBuf>,
+    /// Placement rules (YAML, docs/PLACEMENT.md): pin experts to the GPU or DRAM by name / layer /
+    /// expert, choose where long prompts compute them and their DRAM format; the first matching rule
+    /// wins, and --gpu-experts / --expert-placement fill the GPU from the experts no rule pins.
+    #[arg(long, value_name = "FILE")]
+    pub placement_rules: Option<PathBuf>,
+    /// Placement rules as text instead of a file (the operator passes a MoEDeployment's inline
+    /// rules in MOE_PLACEMENT_RULES).
+    #[arg(
+        long,
+        value_name = "YAML",
+        env = "MOE_PLACEMENT_RULES",
+        hide_env_values = true,
+        conflicts_with = "placement_rules"
+    )]
+    pub placement_rules_yaml: Option<String>,
+    /// As llama.cpp: the routed experts of the first N layers stay in DRAM, every other layer's
+    /// experts live on the GPU.
+    #[arg(long, value_name = "N", conflicts_with_all = ["placement_rules", "placement_rules_yaml"])]
+    pub n_cpu_moe: Option<usize>,
+    /// Move experts between GPU and DRAM while serving, following the recent routing (the GPU holds
+    /// the hottest ones; DRAM keeps a copy of every expert).
+    #[arg(long)]
+    pub live_placement: bool,
+    /// PCIe budget of live re-placement's expert copies, MiB per second.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub live_pcie_mib_per_s: u64,
+    /// Steps after which a routing count has lost half its weight (live re-placement).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub live_half_life_steps: u32,
+    /// Steps between two re-plannings (live re-placement).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub live_interval_steps: u32,
     /// GPU KV cache capacity in positions, all sequences together, or `auto`: sized by the GPU memory
     /// plan from what the weights leave (at least one --max-model-len sequence when serving).
     #[arg(long, default_value = "auto")]
@@ -188,7 +222,20 @@ impl EngineArgs {
             max_tier: self.cpu_tier,
             ..Default::default()
         };
+        let placement_rules = match (&self.placement_rules, &self.placement_rules_yaml) {
+            (Some(path), _) => Some(RuleSet::load(path)?),
+            (None, Some(text)) => Some(RuleSet::parse("MOE_PLACEMENT_RULES", text)?),
+            (None, None) => self.n_cpu_moe.map(RuleSet::n_cpu_moe),
+        };
+        let live_placement = self.live_placement.then(|| LiveOptions {
+            pcie_bytes_per_s: (self.live_pcie_mib_per_s << 20) as f64,
+            half_life_steps: self.live_half_life_steps as f64,
+            interval_steps: self.live_interval_steps,
+            ..Default::default()
+        });
         Ok(EngineOptions {
+            placement_rules,
+            live_placement,
             cpu_kernels: !self.reference_experts,
             cpu_moe,
             expert_format: self.expert_dtype,

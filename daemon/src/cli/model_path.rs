@@ -37,6 +37,16 @@ impl ModelPath {
         }
     }
 
+    /// The model's configuration, without loading weights.
+    pub fn config(&self) -> anyhow::Result<crate::model::ModelConfig> {
+        match self {
+            ModelPath::Dir(dir) => Ok(crate::model::ModelConfig::from_dir(dir)?),
+            ModelPath::Gguf { file, .. } => {
+                crate::model::ModelConfig::from_json(&file.hf_config()?).map_err(Into::into)
+            }
+        }
+    }
+
     pub fn load_engine(&self, opts: &EngineOptions) -> anyhow::Result<Engine> {
         match self {
             ModelPath::Dir(dir) => Engine::load(dir, opts),

@@ -30,11 +30,13 @@ pub fn pick_format(forced: Option<WeightFormat>, sample: &Linear) -> WeightForma
 }
 
 /// Packs every MoE layer's DRAM experts into a [`CpuExpertSet`] and releases their checkpoint copies.
+/// `layer_formats[layer]` (from placement rules) overrides `forced` for that layer.
 pub fn pack_model(
     model: &mut Model,
     pool: &WorkerPool,
     opts: &CpuMoeOptions,
     forced: Option<WeightFormat>,
+    layer_formats: &[Option<WeightFormat>],
 ) -> anyhow::Result<()> {
     let cfg = model.config.clone();
     let Some(mc) = &cfg.moe else { return Ok(()) };
@@ -56,7 +58,10 @@ pub fn pack_model(
         else {
             continue;
         };
-        let format = pick_format(forced, &first.gate);
+        let format = pick_format(
+            layer_formats.get(li).copied().flatten().or(forced),
+            &first.gate,
+        );
         let set_cfg = ExpertSetConfig::new(cfg.hidden_size, mc.expert_intermediate, format)
             .with_activation(act, cfg.swiglu_limit)
             .with_hugepages(opts.hugepages)

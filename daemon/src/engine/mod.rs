@@ -13,11 +13,15 @@ pub mod indexer;
 pub mod kv;
 pub mod linear;
 pub mod linear_attention;
+pub mod live;
 pub mod moe;
 pub mod ops;
 pub mod placement;
+pub mod placement_rules;
+pub mod replacement;
 pub mod rope;
 pub mod sampling;
+pub mod skewed_routing;
 mod step_times;
 
 use crate::model::build::build_model;
@@ -70,6 +74,11 @@ pub struct EngineOptions {
     pub routing_stats: Option<std::path::PathBuf>,
     /// Record routing statistics (saved by [`Engine::save_routing_stats`]).
     pub record_routing: bool,
+    /// Placement rules (`--placement-rules FILE`, `--n-cpu-moe N`): pinned homes, prefill devices and
+    /// DRAM formats per expert, applied before the strategy fills the GPU.
+    pub placement_rules: Option<placement_rules::RuleSet>,
+    /// Re-place experts between GPU and DRAM while serving (CUDA backend).
+    pub live_placement: Option<replacement::LiveOptions>,
     /// GPU KV cache capacity in positions (all sequences together), unless `kv_auto` sizes it.
     pub kv_cache_tokens: usize,
     /// CUDA backend: size the KV cache from the memory left after the weights (at least
@@ -115,6 +124,8 @@ impl Default for EngineOptions {
             placement_seed: 0,
             routing_stats: None,
             record_routing: false,
+            placement_rules: None,
+            live_placement: None,
             kv_cache_tokens: 65536,
             kv_auto: None,
             gpu_memory_limit: None,
@@ -186,6 +197,8 @@ pub enum StepError {
 }
 
 pub struct Engine {
+    /// Live re-placement (copies in flight on the GPU): dropped before the GPU model.
+    live: Option<std::sync::Mutex<live::LiveState>>,
     /// Declared (so dropped) before `model`: the GPU side pins memory the host model owns.
     gpu: Option<gpu::GpuModel>,
     model: Model,
@@ -246,9 +259,34 @@ impl Engine {
             "context memory on the CPU backend (f32 rows)"
         );
         let mut model = pool.install(|| build_model(cfg, src))?;
+        let rules = opts
+            .placement_rules
+            .as_ref()
+            .map(|r| r.resolve(&model.config))
+            .transpose()?;
+        if opts.live_placement.is_some() && !matches!(opts.device, Device::Cuda(_)) {
+            anyhow::bail!("--live-placement needs --device cuda");
+        }
         let gpu = match opts.device {
-            Device::Cpu => None,
-            Device::Cuda(ordinal) => Some(gpu::setup::build(&mut model, ordinal, opts)?),
+            Device::Cpu => {
+                if let Some(r) = &rules {
+                    if r.pins().iter().flatten().any(|p| *p == Some(true)) {
+                        tracing::warn!("placement rules pin experts to the GPU, but the device is the CPU: every expert stays in DRAM");
+                    }
+                    let placement: Vec<Vec<bool>> =
+                        r.experts.iter().map(|row| vec![false; row.len()]).collect();
+                    let text = r.describe(&placement, &gpu::setup::default_format_name(opts));
+                    tracing::info!("{text}");
+                    eprint!("{text}");
+                }
+                None
+            }
+            Device::Cuda(ordinal) => Some(gpu::setup::build(
+                &mut model,
+                ordinal,
+                opts,
+                rules.as_ref(),
+            )?),
         };
         let early_routing = model
             .config
@@ -287,7 +325,8 @@ impl Engine {
                 ),
             }
             let p = std::sync::Arc::new(p);
-            cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format)?;
+            let layer_formats = rules.as_ref().map_or(Vec::new(), |r| r.layer_dtype.clone());
+            cpu_experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format, &layer_formats)?;
             if on_cpu {
                 let s =
                     pool.install(|| dense_pack::pack_dense(&mut model, &p, cpu_moe.max_tier))?;
@@ -334,7 +373,25 @@ impl Engine {
         };
         // The loader's tensor buffers are dead now (packed or uploaded): give their pages back.
         heap::release_freed_heap("loading weights");
+        let live = match (&gpu, &opts.live_placement) {
+            (Some(g), Some(lo)) => {
+                let pinned = rules.as_ref().map_or(Vec::new(), |r| {
+                    r.pins()
+                        .iter()
+                        .map(|row| row.iter().map(Option::is_some).collect())
+                        .collect()
+                });
+                Some(std::sync::Mutex::new(live::LiveState::new(
+                    g,
+                    &model,
+                    lo.clone(),
+                    pinned,
+                )?))
+            }
+            _ => None,
+        };
         Ok(Self {
+            live,
             model,
             rope,
             pool,
@@ -403,7 +460,55 @@ impl Engine {
             .with_context(|| format!("writing {}", path.display()))
     }
 
+    /// Live re-placement figures (`None` when it is off).
+    pub fn live_stats(&self) -> Option<live::LiveStats> {
+        self.live
+            .as_ref()
+            .map(|l| l.lock().unwrap_or_else(|e| e.into_inner()).stats())
+    }
+
+    /// Waits for the expert copies in flight and swaps them in; returns how many (tests, bench).
+    pub fn settle_moves(&self) -> anyhow::Result<usize> {
+        match (&self.live, &self.gpu) {
+            (Some(l), Some(g)) => l.lock().unwrap_or_else(|e| e.into_inner()).settle(g),
+            _ => Ok(0),
+        }
+    }
+
+    /// Per layer and expert: on the GPU now (CUDA backend).
+    pub fn gpu_residency(&self) -> Option<Vec<Vec<bool>>> {
+        self.gpu.as_ref().map(gpu::GpuModel::residency)
+    }
+
+    /// Swaps expert `admit` of `layer` onto the GPU in place of `evict`, copying it now (tests).
+    pub fn move_expert_now(&self, layer: usize, admit: usize, evict: usize) -> anyhow::Result<()> {
+        let g = self
+            .gpu
+            .as_ref()
+            .context("moving experts needs the CUDA backend")?;
+        let Some(crate::model::Ffn::Moe(block)) = self.model.layers.get(layer).map(|l| &l.ffn)
+        else {
+            anyhow::bail!("layer {layer} is not an MoE layer");
+        };
+        let w = gpu::upload_dram_expert(&g.dev, block, admit)?;
+        g.dev.stream.synchronize()?;
+        g.swap_expert(layer, admit, evict, w)
+    }
+
+    /// Replaces the router's choices on the CUDA backend (`f(layer, ids)` rewrites a step's top-k ids
+    /// in place): the skewed-routing benchmark's synthetic router bias.
+    pub fn set_routing_override(&self, f: Option<gpu::RoutingOverride>) {
+        if let Some(g) = &self.gpu {
+            *g.routing_override.lock().unwrap_or_else(|e| e.into_inner()) = f;
+        }
+    }
+
     fn record(&self, layer: usize, ids: &[u32]) {
+        if let Some(live) = &self.live {
+            live.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(layer, ids);
+        }
         if let (Some(stats), Some(moe)) = (&self.routing_stats, &self.model.config.moe) {
             stats
                 .lock()
@@ -487,6 +592,11 @@ impl Engine {
             )
             .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
+        if let Some(live) = &self.live {
+            live.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .after_step(g, &self.model);
+        }
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }

@@ -70,6 +70,10 @@ impl RoutingStats {
 }
 
 /// `placement[layer][expert]` = true when the expert lives on the GPU. Non-MoE layers get empty rows.
+///
+/// `pins` (from placement rules) fix some experts' homes: `Some(true)` on the GPU whatever the count,
+/// `Some(false)` in DRAM; the strategy fills each layer up to `per_layer` GPU experts from the rest, in
+/// its order of preference.
 pub fn plan_placement(
     strategy: PlacementStrategy,
     moe_layers: &[bool],
@@ -77,6 +81,7 @@ pub fn plan_placement(
     per_layer: usize,
     stats: Option<&RoutingStats>,
     seed: u64,
+    pins: Option<&[Vec<Option<bool>>]>,
 ) -> Result<Vec<Vec<bool>>, String> {
     let per_layer = per_layer.min(experts);
     let n_moe = moe_layers.iter().filter(|&&m| m).count();
@@ -88,18 +93,22 @@ pub fn plan_placement(
             out.push(vec![]);
             continue;
         }
-        let mut row = vec![false; experts];
-        let chosen: Vec<usize> = match strategy {
-            PlacementStrategy::Uniform => (0..per_layer).collect(),
+        let pin = |e: usize| {
+            pins.and_then(|p| p.get(layer))
+                .and_then(|r| r.get(e).copied().flatten())
+        };
+        let mut want = per_layer;
+        // Experts in order of preference.
+        let ranking: Vec<usize> = match strategy {
+            PlacementStrategy::Uniform => (0..experts).collect(),
             PlacementStrategy::FrontLoading => {
-                let n = budget_left.min(experts);
-                budget_left -= n;
-                (0..n).collect()
+                want = budget_left.min(experts);
+                budget_left -= want;
+                (0..experts).collect()
             }
             PlacementStrategy::Random => {
                 let mut ids: Vec<usize> = (0..experts).collect();
                 ids.shuffle(&mut rng);
-                ids.truncate(per_layer);
                 ids
             }
             PlacementStrategy::Frequency => {
@@ -116,12 +125,19 @@ pub fn plan_placement(
                 }
                 let mut ids: Vec<usize> = (0..experts).collect();
                 ids.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
-                ids.truncate(per_layer);
                 ids
             }
         };
-        for e in chosen {
-            row[e] = true;
+        let mut row: Vec<bool> = (0..experts).map(|e| pin(e) == Some(true)).collect();
+        let mut placed = row.iter().filter(|&&g| g).count();
+        for e in ranking {
+            if placed >= want {
+                break;
+            }
+            if pin(e).is_none() {
+                row[e] = true;
+                placed += 1;
+            }
         }
         out.push(row);
     }
@@ -139,9 +155,18 @@ mod tests {
     #[test]
     fn uniform_and_front_loading_spend_the_same_budget() {
         let layers = [false, true, true, true];
-        let u = plan_placement(PlacementStrategy::Uniform, &layers, 8, 3, None, 0).unwrap();
+        let u = plan_placement(PlacementStrategy::Uniform, &layers, 8, 3, None, 0, None).unwrap();
         assert_eq!(count(&u), vec![0, 3, 3, 3]);
-        let f = plan_placement(PlacementStrategy::FrontLoading, &layers, 8, 3, None, 0).unwrap();
+        let f = plan_placement(
+            PlacementStrategy::FrontLoading,
+            &layers,
+            8,
+            3,
+            None,
+            0,
+            None,
+        )
+        .unwrap();
         assert_eq!(count(&f), vec![0, 8, 1, 0]);
     }
 
@@ -151,19 +176,65 @@ mod tests {
         let mut s = RoutingStats::default();
         s.record(0, 4, &[3, 3, 1, 2, 3, 1]);
         s.record(1, 4, &[0, 0, 2]);
-        let p = plan_placement(PlacementStrategy::Frequency, &layers, 4, 2, Some(&s), 0).unwrap();
+        let p = plan_placement(
+            PlacementStrategy::Frequency,
+            &layers,
+            4,
+            2,
+            Some(&s),
+            0,
+            None,
+        )
+        .unwrap();
         assert_eq!(p[0], vec![false, true, false, true]);
         assert_eq!(p[1], vec![true, false, true, false]);
-        assert!(plan_placement(PlacementStrategy::Frequency, &layers, 4, 2, None, 0).is_err());
+        assert!(
+            plan_placement(PlacementStrategy::Frequency, &layers, 4, 2, None, 0, None).is_err()
+        );
     }
 
     #[test]
     fn random_is_seeded() {
         let layers = [true; 3];
-        let a = plan_placement(PlacementStrategy::Random, &layers, 16, 5, None, 7).unwrap();
-        let b = plan_placement(PlacementStrategy::Random, &layers, 16, 5, None, 7).unwrap();
+        let a = plan_placement(PlacementStrategy::Random, &layers, 16, 5, None, 7, None).unwrap();
+        let b = plan_placement(PlacementStrategy::Random, &layers, 16, 5, None, 7, None).unwrap();
         assert_eq!(a, b);
         assert_eq!(count(&a), vec![5, 5, 5]);
+    }
+
+    #[test]
+    fn pins_come_first_and_the_strategy_fills_the_rest() {
+        let layers = [true, true];
+        let pins = vec![
+            vec![Some(true), Some(false), None, None, Some(true)],
+            vec![Some(false), Some(false), Some(false), None, None],
+        ];
+        let p = plan_placement(
+            PlacementStrategy::Uniform,
+            &layers,
+            5,
+            3,
+            None,
+            0,
+            Some(&pins),
+        )
+        .unwrap();
+        // layer 0: the two GPU pins plus the lowest free id (2); 1 is pinned to DRAM
+        assert_eq!(p[0], vec![true, false, true, false, true]);
+        // layer 1: only two experts are free, both go
+        assert_eq!(p[1], vec![false, false, false, true, true]);
+        // pins beyond the count are kept
+        let p = plan_placement(
+            PlacementStrategy::Uniform,
+            &layers,
+            5,
+            1,
+            None,
+            0,
+            Some(&pins),
+        )
+        .unwrap();
+        assert_eq!(count(&p), vec![2, 1]);
     }
 
     #[test]

@@ -27,6 +27,10 @@ pub trait StepModel: Send + 'static {
     fn last_step_stats(&self) -> Option<StepStats> {
         None
     }
+    /// Live re-placement figures (per-layer GPU hit ratio, moves), where it runs.
+    fn live_placement_stats(&self) -> Option<crate::engine::live::LiveStats> {
+        None
+    }
 }
 
 impl StepModel for Engine {
@@ -63,5 +67,9 @@ impl StepModel for Engine {
             expert_hits_gpu: t.gpu_expert_hits,
             expert_hits_total: t.expert_hits,
         })
+    }
+
+    fn live_placement_stats(&self) -> Option<crate::engine::live::LiveStats> {
+        self.live_stats()
     }
 }

@@ -143,6 +143,9 @@ impl<M: StepModel> Scheduler<M> {
                     if let Some(st) = self.model.last_step_stats() {
                         self.record_step_stats(st);
                     }
+                    if let Some(live) = self.model.live_placement_stats() {
+                        self.record_live_stats(&live);
+                    }
                     self.update(&work, logits)
                 }
                 Err(e) => self.fail(&work, &e),
@@ -467,6 +470,20 @@ impl<M: StepModel> Scheduler<M> {
             let share = self.expert_hits.0 as f64 / self.expert_hits.1 as f64;
             self.metrics.gpu_expert_hit_ratio.set(share);
         }
+    }
+
+    fn record_live_stats(&mut self, live: &crate::engine::live::LiveStats) {
+        let m = &self.metrics;
+        for (layer, r) in live.hit_ratio.iter().enumerate() {
+            if let Some(r) = r {
+                m.gpu_expert_hit_ratio_layer
+                    .with_label_values(&[layer.to_string()])
+                    .set(*r);
+            }
+        }
+        let seen = m.expert_moves.get();
+        m.expert_moves.inc_by(live.moves_total.saturating_sub(seen));
+        m.expert_moves_per_minute.set(live.moves_last_minute as f64);
     }
 
     fn publish_gauges(&self) {

@@ -240,6 +240,8 @@ fn plan_matches_allocation_for_every_example() {
                 max_step_seqs: seqs,
                 stream_staging_bytes: 0,
                 cuda_graphs: true,
+                pins: Vec::new(),
+                move_slots: 0,
             },
         )
         .unwrap();

@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::{Container, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use serde::de::DeserializeOwned;
 
+use super::workload::{RULES_ENV, RULES_MOUNT};
 use super::*;
 use crate::crd::MoEDeployment;
 use crate::model_shape::resolve_shape;
@@ -397,4 +398,106 @@ fn statefulset_names_carry_the_class_and_stay_within_52_characters() {
     // Another long name with the same prefix gets a different StatefulSet name.
     input.md.metadata.name = Some("a".repeat(45) + "-x-y-z-w");
     assert_ne!(input.statefulset_name(&class), name);
+}
+
+#[test]
+fn placement_rules_reach_the_daemon() {
+    // no rules: nothing added
+    let plain = desired_objects(&input(md(QWEN))).unwrap();
+    let c = daemon(&plain.statefulsets[0]);
+    let args = c.args.as_ref().unwrap();
+    assert!(!args
+        .iter()
+        .any(|a| a == "--placement-rules" || a == "--live-placement"));
+    assert!(!c.env.as_ref().unwrap().iter().any(|e| e.name == RULES_ENV));
+
+    let inline = format!(
+        "{QWEN}  placement:\n    livePlacement: true\n    rules:\n      inline: |\n        - match: {{layers: 0-3}}\n          decode: gpu\n"
+    );
+    let objects = desired_objects(&input(md(&inline))).unwrap();
+    let sts = &objects.statefulsets[0];
+    let c = daemon(sts);
+    let env = c.env.as_ref().unwrap();
+    let rules = env.iter().find(|e| e.name == RULES_ENV).expect("rules env");
+    assert_eq!(
+        rules.value.as_deref(),
+        Some("- match: {layers: 0-3}\n  decode: gpu\n")
+    );
+    let args = c.args.as_ref().unwrap();
+    assert!(args.contains(&"--live-placement".to_string()));
+    assert!(!args.contains(&"--placement-rules".to_string()));
+
+    let from_map = format!(
+        "{QWEN}  placement:\n    rules:\n      configMapRef: {{name: qwen-rules, key: hot.yaml}}\n"
+    );
+    let objects = desired_objects(&input(md(&from_map))).unwrap();
+    let sts = &objects.statefulsets[0];
+    let c = daemon(sts);
+    let joined = c.args.as_ref().unwrap().join(" ");
+    assert!(
+        joined.contains(&format!("--placement-rules {RULES_MOUNT}/rules.yaml")),
+        "{joined}"
+    );
+    assert!(!c.env.as_ref().unwrap().iter().any(|e| e.name == RULES_ENV));
+    let mount = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.mount_path == RULES_MOUNT)
+        .expect("rules mount");
+    assert_eq!(mount.read_only, Some(true));
+    let volumes = sts
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .volumes
+        .as_ref()
+        .unwrap();
+    let cm = volumes
+        .iter()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| v.config_map.as_ref())
+        .expect("ConfigMap volume");
+    assert_eq!(cm.name, "qwen-rules");
+    let item = &cm.items.as_ref().unwrap()[0];
+    assert_eq!(
+        (item.key.as_str(), item.path.as_str()),
+        ("hot.yaml", "rules.yaml")
+    );
+    assert_eq!(cm.optional, Some(false));
+    roundtrip(sts);
+}
+
+#[test]
+fn placement_rules_take_exactly_one_source() {
+    let both = format!(
+        "{QWEN}  placement:\n    rules:\n      inline: \"- match: {{layers: 0}}\"\n      configMapRef: {{name: r}}\n"
+    );
+    let errors = crate::validate::validate_spec(&md(&both).spec, None);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("exactly one of inline, configMapRef")),
+        "{errors:?}"
+    );
+    let neither = format!("{QWEN}  placement:\n    rules: {{}}\n");
+    let errors = crate::validate::validate_spec(&md(&neither).spec, None);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("exactly one of inline, configMapRef")),
+        "{errors:?}"
+    );
+    let huge = format!(
+        "{QWEN}  placement:\n    rules:\n      inline: \"{}\"\n",
+        "x".repeat(crate::crd::MAX_INLINE_RULES_BYTES + 1)
+    );
+    let errors = crate::validate::validate_spec(&md(&huge).spec, None);
+    assert!(
+        errors.iter().any(|e| e.contains("placement.rules.inline")),
+        "{errors:?}"
+    );
 }

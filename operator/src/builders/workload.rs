@@ -247,9 +247,18 @@ fn model_volume(
 pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> Vec<String> {
     let spec = &input.md.spec;
     let sizing = &class.sizing;
-    let gpu_experts = sizing
-        .gpu_experts_per_layer
-        .map_or_else(|| "auto".to_string(), |n| n.to_string());
+    // Placement rules are resolved against the model's tensor names by the daemon, which counts the
+    // experts they pin to the GPU in its plan: with rules and an `auto` count the daemon fills each
+    // layer around the pins within the same budget and KV size (its plan logs the count it chose).
+    let rules_pick = spec.placement.rules.is_some()
+        && matches!(
+            spec.placement.gpu_experts_per_layer,
+            crate::crd::AutoOr::Auto
+        );
+    let gpu_experts = match sizing.gpu_experts_per_layer {
+        Some(n) if !rules_pick => n.to_string(),
+        _ => "auto".to_string(),
+    };
     let hugepages = sizing
         .hugepages
         .map_or("off", |(kind, _)| kind.daemon_arg());
@@ -292,6 +301,7 @@ pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> 
     .iter()
     .map(|s| s.to_string())
     .chain(gpu_plan_args(sizing))
+    .chain(placement_rule_args(&spec.placement))
     .collect()
 }
 
@@ -311,6 +321,65 @@ fn gpu_plan_args(sizing: &Sizing) -> Vec<String> {
         "--gpu-memory-limit".into(),
         format!("{}MiB", p.gpu_memory_bytes >> 20),
     ]
+}
+
+/// Where a ConfigMap's rule file is mounted in the daemon container.
+pub const RULES_MOUNT: &str = "/etc/moe/placement";
+const RULES_VOLUME: &str = "placement-rules";
+/// The daemon reads inline rules from this variable (`moe-daemon --placement-rules-yaml`).
+pub const RULES_ENV: &str = "MOE_PLACEMENT_RULES";
+
+/// `--placement-rules` for a ConfigMap's rule file (inline rules travel in [`RULES_ENV`]) and
+/// `--live-placement`.
+fn placement_rule_args(p: &crate::crd::PlacementSpec) -> Vec<String> {
+    let mut args = Vec::new();
+    if p.rules.as_ref().is_some_and(|r| r.config_map_ref.is_some()) {
+        args.push("--placement-rules".to_string());
+        args.push(format!("{RULES_MOUNT}/rules.yaml"));
+    }
+    if p.live_placement {
+        args.push("--live-placement".to_string());
+    }
+    args
+}
+
+/// The rule set's volume, mount and environment (none without rules).
+fn placement_rules_plumbing(
+    p: &crate::crd::PlacementSpec,
+) -> (Option<Volume>, Option<VolumeMount>, Option<EnvVar>) {
+    let Some(rules) = &p.rules else {
+        return (None, None, None);
+    };
+    if let Some(cm) = &rules.config_map_ref {
+        let volume = Volume {
+            name: RULES_VOLUME.into(),
+            config_map: Some(k8s_openapi::api::core::v1::ConfigMapVolumeSource {
+                name: cm.name.clone(),
+                items: Some(vec![k8s_openapi::api::core::v1::KeyToPath {
+                    key: cm.key.clone(),
+                    path: "rules.yaml".into(),
+                    ..Default::default()
+                }]),
+                // the pod waits (ContainerCreating, with an event) until the ConfigMap exists
+                optional: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mount = VolumeMount {
+            name: RULES_VOLUME.into(),
+            mount_path: RULES_MOUNT.into(),
+            read_only: Some(true),
+            ..Default::default()
+        };
+        return (Some(volume), Some(mount), None);
+    }
+    let env = rules.inline.as_ref().map(|text| EnvVar {
+        name: RULES_ENV.into(),
+        value: Some(text.clone()),
+        value_from: None,
+    });
+    (None, None, env)
 }
 
 pub(crate) fn http_probe(path: &str, period: i32, failures: i32, timeout: i32) -> Probe {
@@ -440,6 +509,9 @@ pub fn statefulset(
         });
     }
 
+    let (rules_volume, rules_mount, rules_env) = placement_rules_plumbing(&spec.placement);
+    volumes.extend(rules_volume);
+    mounts.extend(rules_mount);
     let mut env = vec![EnvVar {
         name: "POD_NAME".into(),
         value: None,
@@ -451,6 +523,7 @@ pub fn statefulset(
             ..Default::default()
         }),
     }];
+    env.extend(rules_env);
     env.extend(spec.pod.env.iter().cloned());
 
     let resources = guaranteed_resources(input, class);

@@ -127,6 +127,14 @@ pub fn plan_inputs(
             0
         },
         cuda_graphs: true,
+        // Rules are resolved against tensor names by the daemon; with rules the operator passes
+        // `--gpu-experts auto` and the daemon fits its fill around their pins (see daemon_args).
+        pins: Vec::new(),
+        move_slots: if spec.placement.live_placement {
+            moe_sizing::plan::LIVE_MOVE_SLOTS
+        } else {
+            0
+        },
     }
 }
 
@@ -270,8 +278,14 @@ pub fn size_for_node(
         }
     };
 
-    // Expert bytes that stay in DRAM.
-    let cpu_expert_bytes = match (shape, gpu_experts) {
+    // Expert bytes that stay in DRAM: with live placement DRAM keeps every expert (the GPU holds
+    // copies of the hot ones, which can move back at no cost).
+    let gpu_experts_off_dram = if spec.placement.live_placement {
+        Some(0)
+    } else {
+        gpu_experts
+    };
+    let cpu_expert_bytes = match (shape, gpu_experts_off_dram) {
         (Some(shape), Some(g)) => {
             (shape.experts_per_layer - g.min(shape.experts_per_layer)) as u64
                 * shape.moe_layers as u64

@@ -525,6 +525,30 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
 }
 
 #[test]
+fn live_placement_keeps_every_expert_in_dram() {
+    // Live re-placement keeps a DRAM copy of the GPU experts too (they can move back), so the
+    // hugepages hold all 128 × 48 experts × 9 MiB = 54 GiB instead of the DRAM experts' 45 GiB.
+    let node = NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 24564,
+        cpu: "32",
+        memory: "128Gi",
+        hugepages_1gi: "64Gi",
+        ..NodeFixture::new("rtx4090")
+    };
+    let mut spec = qwen_spec();
+    let without = decide_for(&spec, std::slice::from_ref(&node))
+        .sizing
+        .unwrap();
+    assert_eq!(without.hugepages, Some((HugepageKind::OneGi, 45 * GIB)));
+    spec.placement.live_placement = true;
+    let d = decide_for(&spec, &[node]);
+    let s = d.sizing.expect("sizing");
+    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 54 * GIB)));
+    assert!(s.memory_bytes > without.memory_bytes);
+}
+
+#[test]
 fn hugepages_auto_falls_back_to_2mi_then_off() {
     let base = |name, h1, h2| NodeFixture {
         cc: Some((8, 9)),

@@ -26,15 +26,26 @@ pub enum ExpertHome {
 
 /// Every expert's home in a step: `resident` from the layer's expert table; `long_prompt` for
 /// layerwise-prefill steps, where DRAM experts go to the GPU (through the stream when `streamed`)
-/// instead of the CPU.
-pub fn expert_homes(resident: &[bool], long_prompt: bool, streamed: bool) -> Vec<ExpertHome> {
+/// instead of the CPU, except those `cpu_in_prefill` keeps on the CPU (placement rules; shorter
+/// than the experts: the rest are not kept).
+pub fn expert_homes(
+    resident: &[bool],
+    long_prompt: bool,
+    streamed: bool,
+    cpu_in_prefill: &[bool],
+) -> Vec<ExpertHome> {
     resident
         .iter()
-        .map(|&r| match (r, long_prompt, streamed) {
-            (true, _, _) => ExpertHome::Resident,
-            (false, false, _) => ExpertHome::Cpu,
-            (false, true, true) => ExpertHome::Streamed,
-            (false, true, false) => ExpertHome::Uploaded,
+        .enumerate()
+        .map(|(e, &r)| {
+            let kept_on_cpu = cpu_in_prefill.get(e).copied().unwrap_or(false);
+            match (r, long_prompt, streamed) {
+                (true, _, _) => ExpertHome::Resident,
+                (false, false, _) => ExpertHome::Cpu,
+                (false, true, _) if kept_on_cpu => ExpertHome::Cpu,
+                (false, true, true) => ExpertHome::Streamed,
+                (false, true, false) => ExpertHome::Uploaded,
+            }
         })
         .collect()
 }
@@ -197,20 +208,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn homes_follow_residency_and_step_kind() {
+    fn homes_follow_residency_step_kind_and_prefill_rules() {
         let resident = [true, false];
-        assert_eq!(expert_homes(&resident, false, true), vec![Resident, Cpu]);
-        assert_eq!(
-            expert_homes(&resident, true, true),
-            vec![Resident, Streamed]
-        );
-        assert_eq!(
-            expert_homes(&resident, true, false),
-            vec![Resident, Uploaded]
-        );
+        let homes = |long, streamed, keep: &[bool]| expert_homes(&resident, long, streamed, keep);
+        assert_eq!(homes(false, true, &[]), vec![Resident, Cpu]);
+        assert_eq!(homes(true, true, &[]), vec![Resident, Streamed]);
+        assert_eq!(homes(true, false, &[]), vec![Resident, Uploaded]);
+        // a rule keeps experts 0 and 1 on the CPU in long prompts: resident 0 stays on the GPU
+        assert_eq!(homes(true, true, &[true, true]), vec![Resident, Cpu]);
+        assert_eq!(homes(true, false, &[true, true]), vec![Resident, Cpu]);
     }
 
-    /// Decode-like step: 3 tokens, top-2, experts 0 and 2 resident, 1 and 3 in DRAM.
     #[test]
     fn decode_splits_gpu_rows_from_cpu_routing() {
         let home = [Resident, Cpu, Resident, Cpu];

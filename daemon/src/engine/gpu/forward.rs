@@ -314,9 +314,11 @@ impl GpuModel {
             // Where this layer's experts run: decides whether the normalised rows go to the host.
             let homes = match &layer.ffn {
                 GpuFfn::Moe(moe) => {
-                    let resident: Vec<bool> = moe.experts.iter().map(Option::is_some).collect();
                     let streamed = stream.as_deref().is_some_and(|es| es.has_layer(li));
-                    expert_homes(&resident, long_prompt, streamed)
+                    // placement rules may keep some DRAM experts on the CPU in long prompts too
+                    let cpu_in_prefill = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
+                    let resident = moe.experts.resident();
+                    expert_homes(&resident, long_prompt, streamed, cpu_in_prefill)
                 }
                 GpuFfn::Dense(_) => Vec::new(),
             };

@@ -6,7 +6,8 @@ use crate::engine::EngineOptions;
 use crate::model::{config::ModelConfig, Attention as HostAttention, Model};
 use moe_kernels::cuda::quant::DenseFormat;
 use moe_sizing::{
-    Attention, CheckpointFormat, ExpertsChoice, KvRequest, MemoryPlan, ModelShape, Moe, PlanInputs,
+    Attention, CheckpointFormat, ExpertsChoice, KvRequest, LayerPins, MemoryPlan, ModelShape, Moe,
+    PlanInputs,
 };
 
 /// The sizing shape of a loaded configuration (`qkv_bias`: q/k/v projections carry biases, which
@@ -57,12 +58,13 @@ pub fn has_qkv_bias(model: &Model) -> bool {
 }
 
 /// Plan inputs from the engine options: `budget` bytes of GPU memory, `stream_staging` bytes for
-/// layerwise prefill's device buffers.
+/// layerwise prefill's device buffers, `pins` per MoE layer from the placement rules (empty: none).
 pub fn plan_inputs(
     opts: &EngineOptions,
     shape: &ModelShape,
     budget: u64,
     stream_staging: u64,
+    pins: &[LayerPins],
 ) -> PlanInputs {
     let experts = shape.experts_per_layer();
     PlanInputs {
@@ -83,14 +85,21 @@ pub fn plan_inputs(
         max_step_seqs: opts.max_step_seqs as u64,
         stream_staging_bytes: stream_staging,
         cuda_graphs: opts.cuda_graphs,
+        pins: pins.to_vec(),
+        move_slots: opts
+            .live_placement
+            .as_ref()
+            .map_or(0, |l| l.max_in_flight as u64),
     }
 }
 
-/// The plan the engine starts with, within `budget` bytes of GPU memory.
+/// The plan the engine starts with, within `budget` bytes of GPU memory; `pins`: the experts placement
+/// rules pin, per MoE layer (empty without rules).
 pub fn plan(
     opts: &EngineOptions,
     shape: &ModelShape,
     budget: u64,
+    pins: &[LayerPins],
 ) -> Result<MemoryPlan, moe_sizing::PlanError> {
     // Layerwise prefill's stream is set up when the KV cache can hold a step that long.
     let kv_most = opts
@@ -105,7 +114,7 @@ pub fn plan(
     } else {
         0
     };
-    moe_sizing::choose(shape, &plan_inputs(opts, shape, budget, staging))
+    moe_sizing::choose(shape, &plan_inputs(opts, shape, budget, staging, pins))
 }
 
 /// The kernels' format for a planned dense dtype.
@@ -136,6 +145,7 @@ impl MemoryReport {
             - self.plan.item("activations")
             - self.plan.item("CUDA graphs")
             - self.plan.item("prefill staging")
+            - self.plan.item("live moves")
     }
 }
 

@@ -24,6 +24,7 @@ pub mod kinds;
 pub mod kv;
 pub mod memory;
 mod moe_layer;
+pub mod moves;
 pub mod setup;
 pub mod stream;
 
@@ -75,11 +76,47 @@ pub struct GpuMoe {
     pub router: CudaSlice<f32>,
     pub correction_bias: Option<CudaSlice<f32>>,
     /// Indexed by expert id; `None` = the expert lives in DRAM.
-    pub experts: Vec<Option<GpuMlp>>,
+    pub experts: ExpertTable,
     pub shared: Option<GpuMlp>,
     pub shared_gate: Option<CudaSlice<f32>>,
 }
 
+/// One MoE layer's GPU-resident experts by expert id (`None`: the expert lives in DRAM). A step reads
+/// the table once per layer; live re-placement ([`crate::engine::replacement`]) installs and evicts
+/// entries between steps, so a step never sees a half-made change.
+pub struct ExpertTable(std::sync::RwLock<Vec<Option<GpuMlp>>>);
+
+impl ExpertTable {
+    pub fn new(experts: Vec<Option<GpuMlp>>) -> Self {
+        Self(std::sync::RwLock::new(experts))
+    }
+
+    /// The table as the step sees it (held for one layer).
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Option<GpuMlp>>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Puts `m` in expert `e`'s slot; returns what was there.
+    pub fn install(&self, e: usize, m: GpuMlp) -> Option<GpuMlp> {
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        t.get_mut(e).and_then(|slot| slot.replace(m))
+    }
+
+    /// Empties expert `e`'s slot (the expert is computed from DRAM from the next step on); the
+    /// returned weights are freed when dropped.
+    pub fn evict(&self, e: usize) -> Option<GpuMlp> {
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        t.get_mut(e).and_then(Option::take)
+    }
+
+    /// Which experts are resident.
+    pub fn resident(&self) -> Vec<bool> {
+        self.read().iter().map(Option::is_some).collect()
+    }
+}
+
+// One per layer: the size difference between variants costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuFfn {
     Dense(GpuMlp),
     Moe(GpuMoe),
@@ -168,9 +205,17 @@ pub struct GpuModel {
     pub max_step: (usize, usize),
     /// Graphs captured so far.
     pub graphs: Mutex<graphs::GraphSet>,
+    /// Per layer and expert (from placement rules): a long prompt's step computes this DRAM expert on
+    /// the CPU instead of streaming it to the GPU. Empty rows: stream them all.
+    pub prefill_on_cpu: Vec<Vec<bool>>,
+    /// Rewrites each MoE layer's routed ids after the router (benchmarks' synthetic routing bias).
+    pub routing_override: Mutex<Option<RoutingOverride>>,
     /// The memory plan this engine started with and what the start allocated.
     pub memory: Option<memory::MemoryReport>,
 }
+
+/// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
+pub type RoutingOverride = Box<dyn FnMut(usize, &mut [u32]) + Send>;
 
 /// Uploads a dense projection in `format` (quantized on the host at load; FP8 checkpoints keep their
 /// bytes and block scales). Widths the quantized kernels cannot take stay bf16.
@@ -275,8 +320,34 @@ pub fn upload_dram_expert(
     block: &crate::model::MoeBlock,
     eid: usize,
 ) -> anyhow::Result<GpuMlp> {
-    if let Some(m) = &block.experts[eid] {
-        return upload_mlp(dev, m, DenseFormat::Bf16);
+    upload_dram_expert_on(&dev.stream, block, eid)
+}
+
+/// [`upload_dram_expert`] on a given stream (live re-placement copies on a side stream). Routed experts
+/// are bf16 on the GPU whatever `--dense-dtype` says.
+pub fn upload_dram_expert_on(
+    s: &Arc<cudarc::driver::CudaStream>,
+    block: &crate::model::MoeBlock,
+    eid: usize,
+) -> anyhow::Result<GpuMlp> {
+    if let Some(m) = block.experts.get(eid).and_then(Option::as_ref) {
+        return Ok(GpuMlp {
+            gate_up: GpuLinear {
+                w: DeviceDense::Bf16(s.clone_htod(&mlp_gate_up_bf16(m))?),
+                bias: None,
+                out_dim: 2 * m.gate.out_dim,
+                in_dim: m.gate.in_dim,
+            },
+            down: GpuLinear {
+                w: DeviceDense::Bf16(s.clone_htod(&linear_bf16(&m.down))?),
+                bias: match &m.down.bias {
+                    Some(b) => Some(s.clone_htod(b)?),
+                    None => None,
+                },
+                out_dim: m.down.out_dim,
+                in_dim: m.down.in_dim,
+            },
+        });
     }
     let set = block
         .cpu_set
@@ -289,13 +360,13 @@ pub fn upload_dram_expert(
     let as_bf16 = |v: Vec<u16>| -> Vec<bf16> { v.into_iter().map(bf16::from_bits).collect() };
     Ok(GpuMlp {
         gate_up: GpuLinear {
-            w: DeviceDense::Bf16(dev.stream.clone_htod(&as_bf16(gate_up))?),
+            w: DeviceDense::Bf16(s.clone_htod(&as_bf16(gate_up))?),
             bias: None,
             out_dim: 2 * i,
             in_dim: h,
         },
         down: GpuLinear {
-            w: DeviceDense::Bf16(dev.stream.clone_htod(&as_bf16(down))?),
+            w: DeviceDense::Bf16(s.clone_htod(&as_bf16(down))?),
             bias: None,
             out_dim: h,
             in_dim: i,
@@ -316,7 +387,8 @@ pub fn kv_widths(cfg: &crate::model::ModelConfig) -> (usize, usize) {
 
 impl GpuModel {
     /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
-    /// copies of those experts are released from `model` afterwards (one copy of each expert).
+    /// copies of those experts are released from `model` afterwards (one copy of each expert) unless
+    /// `keep_host_copies` (live re-placement: DRAM holds every expert, the GPU a cache of the hot ones).
     pub fn upload(
         dev: GpuDevice,
         model: &mut Model,
@@ -324,6 +396,7 @@ impl GpuModel {
         kv_blocks: usize,
         prefill_threshold: usize,
         dense: DenseUpload,
+        keep_host_copies: bool,
     ) -> anyhow::Result<Self> {
         let cfg = model.config.clone();
         let s = &dev.stream;
@@ -382,9 +455,12 @@ impl GpuModel {
                     for (e, slot) in block.experts.iter_mut().enumerate() {
                         if on_gpu.get(e).copied().unwrap_or(false) {
                             let m = slot
-                                .take()
+                                .as_ref()
                                 .with_context(|| format!("layer {li} expert {e} missing"))?;
-                            experts.push(Some(upload_mlp(&dev, &m, DenseFormat::Bf16)?));
+                            experts.push(Some(upload_mlp(&dev, m, DenseFormat::Bf16)?));
+                            if !keep_host_copies {
+                                *slot = None;
+                            }
                         } else {
                             experts.push(None);
                         }
@@ -395,7 +471,7 @@ impl GpuModel {
                             Some(b) => Some(s.clone_htod(b)?),
                             None => None,
                         },
-                        experts,
+                        experts: ExpertTable::new(experts),
                         shared: match &block.shared {
                             Some(m) => Some(upload_mlp(&dev, m, fmt)?),
                             None => None,
@@ -435,6 +511,8 @@ impl GpuModel {
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
             graphs: Mutex::new(graphs::GraphSet::default()),
+            prefill_on_cpu: Vec::new(),
+            routing_override: Mutex::new(None),
             memory: None,
         })
     }

@@ -68,8 +68,9 @@ impl GpuModel {
         let t0 = Instant::now();
         self.dev.stream.synchronize()?;
         ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
-        let ids: Vec<u32> = b.hand.ids.slice(n * k).iter().map(|&x| x as u32).collect();
+        let mut ids: Vec<u32> = b.hand.ids.slice(n * k).iter().map(|&x| x as u32).collect();
         let weights = b.hand.w.slice(n * k).to_vec();
+        self.override_routing(li, mc.num_experts, &mut ids);
         on_routing(li, &ids);
         let plan = {
             let es = ctx.stream.as_deref();
@@ -96,8 +97,10 @@ impl GpuModel {
                 b.mlp,
             )?;
         }
+        // The resident experts' weights as this step sees them (moves land between steps).
+        let table = moe.experts.read();
         let shape = (n, hd, mc.expert_intermediate);
-        self.run_gpu_experts(&plan, moe, host_block, ctx, shape, b.hb, b.experts)?;
+        self.run_gpu_experts(&plan, &table, host_block, ctx, shape, b.hb, b.experts)?;
         self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
         if let Some(routing) = &plan.cpu {
             let t = Instant::now();
@@ -106,6 +109,20 @@ impl GpuModel {
             self.combine_cpu((n, hd), b.hand, b.cpu_sum, b.x)?;
         }
         Ok(())
+    }
+
+    /// Benchmarks' synthetic routing: rewrites the layer's routed ids (clamped to the layer's experts).
+    fn override_routing(&self, li: usize, experts: usize, ids: &mut [u32]) {
+        let mut f = self
+            .routing_override
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = f.as_mut() {
+            f(li, ids);
+            // out-of-range ids from an override would index past the tables
+            ids.iter_mut()
+                .for_each(|id| *id = (*id).min(experts as u32 - 1));
+        }
     }
 
     /// The always-on shared expert, added into `x` (through its sigmoid gate when it has one).
@@ -143,7 +160,7 @@ impl GpuModel {
     fn run_gpu_experts(
         &self,
         plan: &MoeDispatchPlan,
-        moe: &GpuMoe,
+        table: &[Option<GpuMlp>],
         host_block: &MoeBlock,
         ctx: &mut MoeStep<'_>,
         (_, hd, inter): (usize, usize, usize),
@@ -183,7 +200,7 @@ impl GpuModel {
                 let mut ws: Vec<(CudaView<'_, bf16>, CudaView<'_, bf16>)> =
                     Vec::with_capacity(groups.len());
                 for g in groups {
-                    let m = match &moe.experts[g.expert] {
+                    let m = match &table[g.expert] {
                         Some(m) => m,
                         None => uploaded
                             .iter()

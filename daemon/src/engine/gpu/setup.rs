@@ -2,6 +2,7 @@
 use super::{memory, DenseUpload, GpuModel};
 use crate::engine::kv::BLOCK;
 use crate::engine::placement::{plan_placement, RoutingStats};
+use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
 use crate::model::Model;
 use anyhow::{bail, Context};
@@ -13,8 +14,14 @@ fn gib(b: u64) -> f64 {
 }
 
 /// Opens GPU `ordinal`, plans its memory with the shared sizing model (refusing with the reason what
-/// does not fit), chooses the GPU experts and uploads.
-pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow::Result<GpuModel> {
+/// does not fit), places the experts (`rules`: the rule file's choices, resolved for this model;
+/// experts they pin to the GPU are planned) and uploads everything but the DRAM experts.
+pub fn build(
+    model: &mut Model,
+    ordinal: usize,
+    opts: &EngineOptions,
+    rules: Option<&PlacementPlan>,
+) -> anyhow::Result<GpuModel> {
     let cfg = model.config.clone();
     if cfg.indexer.is_some() {
         bail!(
@@ -40,7 +47,8 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     };
     let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
     let experts = shape.experts_per_layer() as usize;
-    let plan = memory::plan(opts, &shape, budget).map_err(|e| {
+    let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
+    let plan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
         anyhow::anyhow!(
             "{} does not fit in {:.2} GiB of {} ({}): {e}",
             cfg.arch_name,
@@ -99,6 +107,7 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         }
         (s, _) => s,
     };
+    let pins = rules.map(PlacementPlan::pins);
     let placement = plan_placement(
         strategy,
         &cfg.moe_layers,
@@ -106,8 +115,23 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         per_layer,
         stats.as_ref(),
         opts.placement_seed,
+        pins.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
+    // The plan counted each layer's pins plus the strategy's fill; front-loading spreads the count
+    // unevenly, which with pins can place more than the plan holds.
+    let placed = placement.iter().flatten().filter(|&&g| g).count() as u64;
+    if placed > plan.gpu_experts_total {
+        bail!(
+            "the placement puts {placed} experts on the GPU but the memory plan holds {}: with placement rules that pin GPU experts use --expert-placement uniform, frequency or random",
+            plan.gpu_experts_total
+        );
+    }
+    if let Some(r) = rules {
+        let text = r.describe(&placement, &default_format_name(opts));
+        tracing::info!("{text}");
+        eprint!("{text}");
+    }
     let dense = DenseUpload {
         format: memory::dense_format(plan.dense_dtype),
         host_embeddings: plan.host_embeddings,
@@ -120,6 +144,7 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
         blocks,
         opts.gpu_prefill_threshold.max(1),
         dense,
+        opts.live_placement.is_some(),
     )?;
     let (free_after, _) = gpu.dev.memory()?;
     // The pool counts exactly this engine's buffers; the free-memory delta is the fallback.
@@ -145,5 +170,16 @@ pub fn build(model: &mut Model, ordinal: usize, opts: &EngineOptions) -> anyhow:
     gpu.memory = Some(report);
     gpu.cuda_graphs = opts.cuda_graphs;
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
+    if let Some(r) = rules {
+        gpu.prefill_on_cpu = r.prefill_on_cpu();
+    }
     Ok(gpu)
+}
+
+/// How the plan names DRAM experts that no rule gives a format: `--expert-dtype`, else as stored.
+pub fn default_format_name(opts: &EngineOptions) -> String {
+    opts.expert_format.map_or(
+        "as-stored".into(),
+        crate::engine::placement_rules::resolve::format_name,
+    )
 }

@@ -1,0 +1,335 @@
+use super::*;
+use crate::engine::placement::{plan_placement, PlacementStrategy};
+use crate::model::ModelConfig;
+use serde_json::json;
+
+/// GLM-4.5-Air's layout at a small size: 4 layers, the first dense, 16 experts.
+fn glm() -> ModelConfig {
+    ModelConfig::from_json(&json!({"architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 100,
+        "head_dim": 32, "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
+    .unwrap()
+}
+
+fn smallthinker() -> ModelConfig {
+    ModelConfig::from_json(&json!({"architectures": ["SmallThinkerForCausalLM"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 100,
+        "moe_num_primary_experts": 8, "moe_num_active_primary_experts": 2, "moe_ffn_hidden_size": 16,
+        "rope_layout": [0, 1, 1, 1], "sliding_window_layout": [0, 1, 1, 1], "sliding_window_size": 5}))
+    .unwrap()
+}
+
+/// Qwen3-30B-A3B's shape (48 layers, 128 experts), weights never loaded.
+fn qwen3_30b() -> ModelConfig {
+    ModelConfig::from_json(
+        &json!({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 48,
+        "vocab_size": 151936, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "intermediate_size": 6144, "rope_theta": 1000000.0}),
+    )
+    .unwrap()
+}
+
+fn parse(text: &str) -> Result<RuleSet, String> {
+    RuleSet::parse("rules.yaml", text).map_err(|e| e.to_string())
+}
+
+fn decode_of(plan: &PlacementPlan, layer: usize, e: usize) -> Option<Residency> {
+    plan.experts[layer][e].decode
+}
+
+#[test]
+fn glm_serve_file_reproduces_ktransformers_experts_on_cpu_for_decode_gpu_for_prefill() {
+    let rules = parse(include_str!(
+        "../../../../examples/placement/glm4moe-serve.yaml"
+    ))
+    .unwrap();
+    let plan = rules.resolve(&glm()).unwrap();
+    assert!(plan.experts[0].is_empty(), "layer 0 is dense");
+    for layer in 1..4 {
+        for e in 0..16 {
+            let c = plan.experts[layer][e];
+            assert_eq!(c.decode, Some(Residency::Cpu), "layer {layer} expert {e}");
+            assert_eq!(c.prefill, PrefillDevice::Gpu);
+        }
+    }
+    // decode: cpu pins every expert to DRAM, whatever --gpu-experts asks
+    let placement = plan_placement(
+        PlacementStrategy::Uniform,
+        &glm().moe_layers,
+        16,
+        8,
+        None,
+        0,
+        Some(&plan.pins()),
+    )
+    .unwrap();
+    assert!(placement.iter().flatten().all(|&g| !g));
+    assert!(plan.unused_rules.is_empty());
+}
+
+#[test]
+fn smallthinker_serve_file_matches_its_block_sparse_moe_names() {
+    let rules = parse(include_str!(
+        "../../../../examples/placement/smallthinker-serve.yaml"
+    ))
+    .unwrap();
+    let plan = rules.resolve(&smallthinker()).unwrap();
+    assert!(plan
+        .experts
+        .iter()
+        .flatten()
+        .all(|c| c.decode == Some(Residency::Cpu)));
+    // the GLM file names `.mlp.experts`, which SmallThinker does not have: nothing matches
+    let glm_rules = parse(include_str!(
+        "../../../../examples/placement/glm4moe-serve.yaml"
+    ))
+    .unwrap();
+    let plan = glm_rules.resolve(&smallthinker()).unwrap();
+    assert!(plan.experts.iter().flatten().all(|c| c.decode.is_none()));
+    assert_eq!(plan.unused_rules, vec![9]);
+}
+
+#[test]
+fn n_cpu_moe_file_and_flag_agree_with_llama_cpp_layer_split() {
+    let cfg = qwen3_30b();
+    let file = parse(include_str!(
+        "../../../../examples/placement/n-cpu-moe-24.yaml"
+    ))
+    .unwrap()
+    .resolve(&cfg)
+    .unwrap();
+    let flag = RuleSet::n_cpu_moe(24).resolve(&cfg).unwrap();
+    for layer in 0..48 {
+        let want = if layer < 24 {
+            Residency::Cpu
+        } else {
+            Residency::Gpu
+        };
+        for e in [0, 77, 127] {
+            assert_eq!(
+                decode_of(&file, layer, e),
+                Some(want),
+                "file, layer {layer}"
+            );
+            assert_eq!(
+                decode_of(&flag, layer, e),
+                Some(want),
+                "flag, layer {layer}"
+            );
+        }
+    }
+    // more layers than the model has: every layer in DRAM (as llama.cpp)
+    let all = RuleSet::n_cpu_moe(99).resolve(&glm()).unwrap();
+    assert!(all.experts[1..]
+        .iter()
+        .flatten()
+        .all(|c| c.decode == Some(Residency::Cpu)));
+}
+
+#[test]
+fn first_matching_rule_wins_and_names_experts_layers_and_tensors() {
+    let rules = parse(
+        r#"
+- match: {layers: 2, experts: "0-3"}
+  decode: gpu
+- match: {name: 'experts\.5\.down_proj'}
+  decode: gpu
+- match: {name: '^blk\.3\.ffn_gate_exps'}
+  decode: cpu
+  prefill: cpu
+  dtype: int8
+- match: {name: '.*'}
+  decode: cpu
+- match: {layers: 1}
+  decode: gpu
+"#,
+    )
+    .unwrap();
+    let plan = rules.resolve(&glm()).unwrap();
+    assert_eq!(decode_of(&plan, 2, 3), Some(Residency::Gpu));
+    assert_eq!(decode_of(&plan, 2, 4), Some(Residency::Cpu));
+    assert_eq!(decode_of(&plan, 1, 5), Some(Residency::Gpu), "tensor name");
+    assert_eq!(
+        decode_of(&plan, 3, 5),
+        Some(Residency::Gpu),
+        "rule 2 before rule 3"
+    );
+    let c = plan.experts[3][0];
+    assert_eq!(
+        (c.prefill, c.dtype),
+        (PrefillDevice::Cpu, Some(WeightFormat::Int8))
+    );
+    assert_eq!(plan.layer_dtype[3], Some(WeightFormat::Int8));
+    assert_eq!(
+        plan.unused_rules,
+        vec![12],
+        "rule 5 is hidden by the catch-all"
+    );
+}
+
+#[test]
+fn errors_carry_line_and_column() {
+    let cases = [
+        (
+            "- match: {name: '(unclosed'}\n  decode: gpu\n",
+            "rules.yaml:1:",
+            "not a valid regex",
+        ),
+        (
+            "- match:\n    layers: 3-1\n  decode: gpu\n",
+            "rules.yaml:2:13",
+            "runs backwards",
+        ),
+        (
+            "- match: {layers: 0}\n  decode: gpuu\n",
+            "rules.yaml:2:11",
+            "not gpu, cpu or auto",
+        ),
+        (
+            "- match: {layers: 0}\n  dtype: int3\n",
+            "rules.yaml:2:10",
+            "dtype",
+        ),
+        (
+            "- match: {layers: 0}\n  devise: gpu\n",
+            "rules.yaml:2:",
+            "devise",
+        ),
+        (
+            "- match: {}\n  decode: gpu\n",
+            "rules.yaml:1:",
+            "at least one of",
+        ),
+        (
+            "- match: {layers: 0}\n  prefill: npu\n",
+            "rules.yaml:2:12",
+            "not gpu or cpu",
+        ),
+        ("", "rules.yaml:1:1", "empty"),
+        ("[]", "rules.yaml:1:1", "no rules"),
+        (
+            "- match: {layers: 0\n",
+            "rules.yaml:",
+            "expected a list of rules",
+        ),
+        (
+            "- match: {layers: x}\n  decode: gpu\n",
+            "rules.yaml:1:19",
+            "not an index",
+        ),
+    ];
+    for (text, at, what) in cases {
+        let e = parse(text).unwrap_err();
+        assert!(e.starts_with(at) && e.contains(what), "{text:?}: {e}");
+    }
+}
+
+#[test]
+fn rules_are_checked_against_the_model() {
+    let bad_layer = parse("- match:\n    layers: 0-4\n  decode: gpu\n").unwrap();
+    let e = bad_layer.resolve(&glm()).unwrap_err().to_string();
+    assert!(
+        e.starts_with("rules.yaml:2:13") && e.contains("beyond the model's 4 layers"),
+        "{e}"
+    );
+    let bad_expert = parse("- match: {experts: 16}\n  decode: gpu\n").unwrap();
+    let e = bad_expert.resolve(&glm()).unwrap_err().to_string();
+    assert!(
+        e.contains("expert 16") && e.starts_with("rules.yaml:1:"),
+        "{e}"
+    );
+    let gpu_int4 = parse("- match: {layers: 1}\n  decode: gpu\n  dtype: int4\n").unwrap();
+    let e = gpu_int4.resolve(&glm()).unwrap_err().to_string();
+    assert!(
+        e.starts_with("rules.yaml:3:10") && e.contains("GPU are bf16"),
+        "{e}"
+    );
+    // two formats for DRAM experts of one layer
+    let mixed = parse(
+        "- match: {layers: 1, experts: 0-7}\n  dtype: int4\n- match: {layers: 1}\n  dtype: int8\n",
+    )
+    .unwrap();
+    let e = mixed.resolve(&glm()).unwrap_err().to_string();
+    assert!(
+        e.contains("layer 1") && e.contains("share one format"),
+        "{e}"
+    );
+    // ... unless the others live on the GPU
+    let ok = parse(
+        "- match: {layers: 1, experts: 0-7}\n  dtype: int4\n- match: {layers: 1}\n  decode: gpu\n",
+    )
+    .unwrap();
+    assert_eq!(
+        ok.resolve(&glm()).unwrap().layer_dtype[1],
+        Some(WeightFormat::Int4 { group: 32 })
+    );
+}
+
+#[test]
+fn hostile_input_is_bounded() {
+    let huge = "- match: {layers: 0}\n  decode: gpu\n".repeat(MAX_RULES + 1);
+    assert!(parse(&huge).unwrap_err().contains("more than"));
+    let e = parse("- match: {layers: '0-4294967295'}\n  decode: gpu\n").unwrap_err();
+    assert!(e.contains("above"), "{e}");
+    // catastrophic backtracking gives up instead of hanging (counted as no match)
+    let r = parse("- match: {name: '^(a+)+\\1$'}\n  decode: gpu\n").unwrap();
+    let plan = r.resolve(&glm()).unwrap();
+    assert!(plan.experts.iter().flatten().all(|c| c.decode.is_none()));
+}
+
+#[test]
+fn plan_lists_runs_of_layers_and_experts() {
+    let rules = RuleSet::parse(
+        "examples/placement/qwen3-30b-hot-int4.yaml",
+        include_str!("../../../../examples/placement/qwen3-30b-hot-int4.yaml"),
+    )
+    .unwrap();
+    let cfg = qwen3_30b();
+    let plan = rules.resolve(&cfg).unwrap();
+    let placement = plan_placement(
+        PlacementStrategy::Uniform,
+        &cfg.moe_layers,
+        128,
+        32,
+        None,
+        0,
+        Some(&plan.pins()),
+    )
+    .unwrap();
+    let counts: Vec<usize> = placement
+        .iter()
+        .map(|r| r.iter().filter(|&&g| g).count())
+        .collect();
+    assert_eq!(counts[..4], [128; 4]);
+    assert_eq!(counts[4..], [32; 44]);
+    let text = plan.describe(&placement, "as-stored");
+    assert!(text.contains("layers 0-3"), "{text}");
+    assert!(text.contains("layers 4-39"), "{text}");
+    assert!(text.contains("layers 40-47"), "{text}");
+    assert!(text.contains("int4"), "{text}");
+    assert!(text.contains("prefill cpu"), "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.contains("layers ")).count(),
+        3,
+        "{text}"
+    );
+    // docs/PLACEMENT.md shows this plan: keep it what the daemon prints
+    let docs = include_str!("../../../../docs/PLACEMENT.md");
+    let shown: Vec<&str> = docs
+        .lines()
+        .skip_while(|l| {
+            !l.starts_with("placement plan (examples/placement/qwen3-30b-hot-int4.yaml)")
+        })
+        .take_while(|l| !l.starts_with("```"))
+        .collect();
+    assert_eq!(shown.len(), 6, "the docs' example plan");
+    for line in shown {
+        assert!(
+            text.lines().any(|l| l.trim_end() == line),
+            "docs line {line:?} not in\n{text}"
+        );
+    }
+}
