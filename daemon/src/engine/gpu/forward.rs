@@ -424,7 +424,8 @@ impl GpuModel {
             Some(set) if !set.broken => set,
             _ => return self.pre_experts(host, li, step, pool, seg),
         };
-        let key = (li, step.n);
+        // The hand-off copies differ with `want_x` (a layer whose DRAM experts all moved to the GPU).
+        let key = (li, step.n, seg.want_x);
         if let Entry::Vacant(slot) = set.map.entry(key) {
             let (r, g) = self
                 .dev

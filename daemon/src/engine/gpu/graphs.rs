@@ -21,10 +21,10 @@
 use moe_kernels::cuda::graph::CapturedGraph;
 use std::collections::HashMap;
 
-/// The graphs captured so far: (layer, rows) → the layer's pre-expert segment.
+/// The graphs captured so far: (layer, rows, rows copied to the host) → the pre-expert segment.
 #[derive(Default)]
 pub struct GraphSet {
-    pub map: HashMap<(usize, usize), CapturedGraph>,
+    pub map: HashMap<(usize, usize, bool), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
 }
