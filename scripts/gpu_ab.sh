@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# A/B of two daemon builds on one synthetic Qwen3-30B-A3B-shape checkpoint, in one device call: the GPU
-# test binary of the new build, then `bench decode` (with its `--prefill-lens` prefill, the same timing
-# function as `bench prefill`) alternating the builds, base first, two rounds.
+# A/B of two daemon builds in one device call: the GPU test binary of the new build (extra arguments in
+# GPU_TEST_ARGS, e.g. "--skip dense_dtypes"), both builds' logits compared bit for bit on fixtures, then
+# on one synthetic Qwen3-30B-A3B-shape checkpoint `bench decode` (with its `--prefill-lens` prefill, the
+# same timing function as `bench prefill`) alternating the builds, base first, two rounds.
 # Stage (docs/GPU.md): .device/moe-daemon (new), .device/moe-daemon.base (base), .device/gpu_tests (new);
-# carry .device. Usage there: OUT=$OUT bash scripts/gpu_ab.sh [LAYERS]   (12 layers: ~6-8 min)
+# carry .device. Usage there: OUT=$OUT bash scripts/gpu_ab.sh [LAYERS]   (12 layers: ~7-9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 L=${1:-12}
 OUT=${OUT:-/tmp/gpu-ab}; mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
 echo "== gpu_tests (new build)"
-timeout 150 .device/gpu_tests --test-threads 1 --nocapture > "$OUT/gpu_tests.log" 2>&1
+# shellcheck disable=SC2086 # GPU_TEST_ARGS holds several arguments
+timeout 200 .device/gpu_tests --test-threads 1 --nocapture ${GPU_TEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
 echo "rc=$?"; grep -E "^test |panicked|test result" "$OUT/gpu_tests.log" | tail -30
 echo "== logits of both builds, bit for bit (fixtures; 4 GPU experts; decode, then a layerwise prompt)"
 P40=$(seq -s, 1 40)
@@ -50,7 +52,6 @@ for round in 1 2; do
     for bin in moe-daemon.base moe-daemon; do
         run "$bin" --steps 32 --gpu-experts 0 --prefill-lens 4096
         run "$bin" --steps 32 --gpu-experts 128
-        run "$bin" --steps 16 --gpu-experts 32 --batch 8
     done
 done 2>&1 | tee "$OUT/bench.log"
 rm -rf "$M"
