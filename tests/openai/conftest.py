@@ -76,6 +76,8 @@ GLM_SCRIPT = {
          "reply": glm_call("get_weather", city="Paris") + "\n"
                   + "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>"},
         {"trigger": "read hello.txt", "reply": glm_call("read", path="hello.txt")},
+        # Raw-text values that break the tool's `pattern` and `format`.
+        {"trigger": "book a flight", "reply": glm_call("book", code="abc-1234", day="2026-13-45")},
         {"trigger": "weather in Paris",
          "reply": "<think>The user wants the weather; call the tool.</think>"
                   + glm_call("get_weather", city="Paris", days=3)},

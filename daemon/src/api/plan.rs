@@ -133,8 +133,8 @@ fn output_grammar(
         }
         return Ok(None);
     };
-    let compile = |g: TopLevelGrammar| {
-        so.compile(g, &state.metrics).map_err(|e| {
+    let compile = |g: Result<TopLevelGrammar, String>| {
+        g.and_then(|g| so.compile(g, &state.metrics)).map_err(|e| {
             ApiError::bad_param(
                 if json.is_some() {
                     "response_format"
@@ -161,7 +161,7 @@ fn output_grammar(
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (None, Some((schema, strict))) => {
-            let g = grammar::json_response(schema, strict);
+            let g = Ok(grammar::json_response(schema, strict));
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (Some(t), None) => match compile(grammar::call_after_open(&t.specs, tags, format)) {
