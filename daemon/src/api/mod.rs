@@ -20,6 +20,7 @@ pub mod reasoning;
 pub mod responses;
 mod string_formats;
 pub mod structured;
+pub mod thinking;
 pub mod tokenize;
 pub mod tool_parser;
 pub mod tools;

@@ -3,6 +3,7 @@
 //! grammar engages, when the sequence ends.
 use super::*;
 use crate::api::grammar::{self, CallCount, CallFormat, ToolSpec};
+use crate::api::thinking::{ThinkStart, ThinkingGate, ThinkingSpec};
 use serde_json::json;
 use std::time::Duration;
 
@@ -671,4 +672,141 @@ fn masks_computed_during_the_forward_pass_late_or_not_give_the_same_output() {
             "{timing:?}"
         );
     }
+}
+
+// --- a reasoning section before the grammar ---
+
+fn thinking(
+    f: &Fixture,
+    c: OutputControl,
+    start: ThinkStart,
+    budget: Option<usize>,
+) -> OutputControl {
+    let gate = ThinkingGate::new(ThinkingSpec { start, budget }, &f.so.think_tokens);
+    c.with_thinking(gate, f.so.tok_env().clone())
+}
+
+#[test]
+fn forced_calls_wait_for_the_reasoning_to_close() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_tools(),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        )
+        .unwrap();
+        let mut c = thinking(
+            &f,
+            f.control_in(g, None, CallFormat::Glm),
+            ThinkStart::MayOpen,
+            None,
+        );
+        assert!(
+            !allowed(&mut c, f.vocab, b'x' as u32),
+            "the call or <think> first"
+        );
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<think>I should call get_weather ",
+            tag_tokens,
+        );
+        assert!(allowed(&mut c, f.vocab, b'x' as u32), "free text inside");
+        assert!(!allowed(&mut c, f.vocab, EOS), "no end before the call");
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<tool_call>, not yet.</think>\n\n",
+            tag_tokens,
+        );
+        assert!(
+            !allowed(&mut c, f.vocab, b'x' as u32),
+            "the grammar after </think>"
+        );
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>",
+            tag_tokens,
+        );
+        assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    }
+}
+
+#[test]
+fn a_model_that_does_not_think_answers_at_once() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_tools(),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        )
+        .unwrap();
+        let mut c = thinking(
+            &f,
+            f.control_in(g, None, CallFormat::Glm),
+            ThinkStart::MayOpen,
+            None,
+        );
+        let call =
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
+        feed_tagged(&mut c, f.vocab, call, tag_tokens);
+        assert!(
+            c.is_complete() || allowed(&mut c, f.vocab, EOS),
+            "tags as tokens: {tag_tokens}"
+        );
+    }
+    // A JSON answer: `{` is no way into `<think>`.
+    let f = fixture(false);
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let g = grammar::json_response(Some(&schema), true);
+    let mut c = thinking(&f, f.control(g, None), ThinkStart::MayOpen, None);
+    assert!(allowed(&mut c, f.vocab, b'<' as u32) && !allowed(&mut c, f.vocab, b'x' as u32));
+    feed(&mut c, f.vocab, "{\"a\":1}");
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+#[test]
+fn a_spent_budget_closes_the_reasoning_and_the_answer_follows() {
+    let f = fixture(false);
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let g = grammar::json_response(Some(&schema), true);
+    // The prompt opened <think>; 5 reasoning tokens allowed.
+    let mut c = thinking(&f, f.control(g, None), ThinkStart::Inside, Some(5));
+    feed(&mut c, f.vocab, "hmmmm");
+    let mut closing = Vec::new();
+    for _ in 0.."</think>".len() {
+        let mut l = vec![0.0; f.vocab];
+        assert!(c.apply(&mut l));
+        let only: Vec<usize> = (0..f.vocab).filter(|&i| l[i].is_finite()).collect();
+        assert_eq!(only.len(), 1, "the gate writes the tag itself");
+        closing.push(only[0] as u8);
+        c.advance(only[0] as u32);
+    }
+    assert_eq!(closing, b"</think>");
+    feed(&mut c, f.vocab, "\n{\"a\":2}");
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+#[test]
+fn auto_calls_are_not_watched_inside_the_reasoning() {
+    let f = fixture(false);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
+    let mut c = thinking(&f, f.control(g, Some(true)), ThinkStart::MayOpen, None);
+    feed(&mut c, f.vocab, "<think>maybe <tool_call>\n{\"x");
+    assert!(
+        allowed(&mut c, f.vocab, b'y' as u32),
+        "reasoning is free text"
+    );
+    feed(&mut c, f.vocab, "</think>Let me look. <tool_call>\n{\"");
+    assert!(
+        !allowed(&mut c, f.vocab, b'x' as u32),
+        "engaged after the reasoning"
+    );
 }
