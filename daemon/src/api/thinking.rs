@@ -187,16 +187,21 @@ impl ThinkingGate {
         let ThinkPhase::MayOpen { held } = &self.phase else {
             return Vec::new();
         };
+        // What `<think>` still needs after the non-blank part written so far (a proper prefix).
+        let written = strip_leading_ws(held);
+        let open = THINK_OPEN.as_bytes();
+        let needed = &open[written.len().min(open.len())..];
         (0..vocab.min(trie.vocab_size()) as u32)
             .filter(|&id| {
                 let b = token_text(trie, id);
-                if b.is_empty() {
-                    return false;
-                }
-                let mut h = held.clone();
-                h.extend_from_slice(b);
-                // Whitespace alone is the answer's to allow or not.
-                !strip_leading_ws(&h).is_empty() && !matches!(open_prefix(&h), OpenMatch::No)
+                // Leading whitespace only before anything of the tag; whitespace alone is the
+                // answer's to allow or not.
+                let b = if written.is_empty() {
+                    strip_leading_ws(b)
+                } else {
+                    b
+                };
+                !b.is_empty() && (needed.starts_with(b) || b.starts_with(needed))
             })
             .collect()
     }
