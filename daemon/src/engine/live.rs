@@ -35,14 +35,13 @@ impl LiveState {
         pinned: Vec<Vec<bool>>,
     ) -> anyhow::Result<Self> {
         let cfg = &host.config;
-        let (experts, inter) = cfg
-            .moe
-            .as_ref()
-            .map_or((0, 0), |m| (m.num_experts, m.expert_intermediate));
+        let (experts, top_k, inter) = cfg.moe.as_ref().map_or((0, 1, 0), |m| {
+            (m.num_experts, m.top_k, m.expert_intermediate)
+        });
         // bf16 gate, up and down: what one copy moves over PCIe
         let bytes = 3 * cfg.hidden_size * inter * 2;
         Ok(Self {
-            policy: LivePlacement::new(opts, &cfg.moe_layers, experts, pinned, bytes),
+            policy: LivePlacement::new(opts, &cfg.moe_layers, (experts, top_k), pinned, bytes),
             mover: ExpertMover::new(gpu)?,
             resident: gpu.residency(),
             failures: 0,
