@@ -669,18 +669,35 @@ fn live_move_keeps_logits() {
         },
     )
     .unwrap();
+    // The fixture's layer 0 is dense (`mlp_only_layers: [0]`): experts move in the MoE layers.
+    let moe_layers: Vec<usize> = (0..live.config().num_layers)
+        .filter(|&l| live.config().moe_layers[l])
+        .collect();
+    assert!(moe_layers.len() >= 2, "{moe_layers:?}");
     let want_after: Vec<bool> = (0..16).map(|e| [1, 2, 3, 8].contains(&e)).collect();
-    assert_eq!(after.gpu_residency().unwrap()[1], want_after);
+    let rows_after = after.gpu_residency().unwrap();
+    for (l, row) in rows_after.iter().enumerate() {
+        let want = if moe_layers.contains(&l) {
+            want_after.clone()
+        } else {
+            Vec::new()
+        };
+        assert_eq!(*row, want, "layer {l} of the engine placed by rules");
+    }
+    assert!(
+        live.move_expert_now(0, 8, 0).is_err(),
+        "moving an expert of the dense layer 0 must be refused"
+    );
     let mut next = xorshift(5);
     let tokens: Vec<u32> = (0..16).map(|_| (next() % 500) as u32).collect();
     let (mut cl, mut cb, mut ca) = (live.new_cache(), before.new_cache(), after.new_cache());
     for (i, t) in tokens.chunks(1).enumerate() {
         let t = if i == 0 { &tokens[..4] } else { t };
         if i == 6 {
-            for layer in 0..3 {
+            for &layer in &moe_layers {
                 live.move_expert_now(layer, 8, 0).unwrap();
             }
-            assert_eq!(live.gpu_residency().unwrap()[1], want_after);
+            assert_eq!(live.gpu_residency().unwrap(), rows_after);
         }
         let got = step(&live, &mut cl, t);
         let (b, a) = (step(&before, &mut cb, t), step(&after, &mut ca, t));
@@ -728,7 +745,7 @@ fn live_placement_follows_skewed_routing() {
         &dir,
         &EngineOptions {
             live_placement: Some(LiveOptions {
-                half_life_steps: 8.0,
+                half_life_tokens: 64.0,
                 interval_steps: 2,
                 ..Default::default()
             }),
@@ -781,7 +798,11 @@ fn live_placement_follows_skewed_routing() {
     assert!(mean(50..60) > 0.6, "before the shift");
     assert!(mean(60..70) < mean(50..60), "the shift drops the hit ratio");
     assert!(mean(110..120) > 0.6, "after the shift");
-    for row in live.gpu_residency().unwrap() {
-        assert_eq!(row.iter().filter(|&&r| r).count(), 4);
+    // Every MoE layer keeps exactly its 4 GPU experts; the dense layer 0 has none to keep.
+    let moe = &live.config().moe_layers;
+    for (l, row) in live.gpu_residency().unwrap().iter().enumerate() {
+        let want = if moe[l] { 4 } else { 0 };
+        assert_eq!(row.iter().filter(|&&r| r).count(), want, "layer {l}");
+        assert_eq!(row.is_empty(), !moe[l], "layer {l}");
     }
 }

@@ -486,19 +486,21 @@ impl Engine {
         self.gpu.as_ref().map(gpu::GpuModel::residency)
     }
 
-    /// Swaps expert `admit` of `layer` onto the GPU in place of `evict`, copying it now (tests).
+    /// Swaps expert `admit` of `layer` onto the GPU in place of `evict` through live re-placement's
+    /// copy path, and waits for it (tests; needs `live_placement`).
     pub fn move_expert_now(&self, layer: usize, admit: usize, evict: usize) -> anyhow::Result<()> {
-        let g = self
-            .gpu
-            .as_ref()
-            .context("moving experts needs the CUDA backend")?;
-        let Some(crate::model::Ffn::Moe(block)) = self.model.layers.get(layer).map(|l| &l.ffn)
-        else {
-            anyhow::bail!("layer {layer} is not an MoE layer");
+        let (Some(live), Some(g)) = (&self.live, &self.gpu) else {
+            anyhow::bail!("moving experts needs the CUDA backend and live re-placement");
         };
-        let w = gpu::upload_dram_expert(&g.dev, block, admit)?;
-        g.dev.stream.synchronize()?;
-        g.swap_expert(layer, admit, evict, w)
+        let mv = replacement::Move {
+            layer,
+            admit,
+            evict,
+            gain: 0.0,
+        };
+        live.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .move_now(g, &self.model, mv)
     }
 
     /// Replaces the router's choices on the CUDA backend (`f(layer, ids)` rewrites a step's top-k ids

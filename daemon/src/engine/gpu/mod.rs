@@ -86,17 +86,15 @@ impl ExpertTable {
         self.0.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Puts `m` in expert `e`'s slot; returns what was there.
-    pub fn install(&self, e: usize, m: GpuMlp) -> Option<GpuMlp> {
+    /// Under one write lock: `m` becomes expert `admit`'s weights and expert `evict` leaves the GPU
+    /// (computed from DRAM from the next step on). Returns the evicted weights (reused or freed by the
+    /// caller).
+    pub fn replace(&self, admit: usize, evict: usize, m: GpuMlp) -> Option<GpuMlp> {
         let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        t.get_mut(e).and_then(|slot| slot.replace(m))
-    }
-
-    /// Empties expert `e`'s slot (the expert is computed from DRAM from the next step on); the
-    /// returned weights are freed when dropped.
-    pub fn evict(&self, e: usize) -> Option<GpuMlp> {
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        t.get_mut(e).and_then(Option::take)
+        if let Some(slot) = t.get_mut(admit) {
+            *slot = Some(m);
+        }
+        t.get_mut(evict).and_then(Option::take)
     }
 
     /// Which experts are resident.

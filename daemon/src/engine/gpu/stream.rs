@@ -300,6 +300,18 @@ pub fn launch_unpack(
     count: usize,
     dense: &mut CudaSlice<bf16>,
 ) -> anyhow::Result<()> {
+    launch_unpack_on(&dev.stream, &dev.k.unpack_experts, g, packed, count, dense)
+}
+
+/// [`launch_unpack`] on `stream` (live re-placement's copies run on a side stream).
+pub fn launch_unpack_on(
+    stream: &Arc<CudaStream>,
+    kernel: &cudarc::driver::CudaFunction,
+    g: &PackedGeometry,
+    packed: &CudaSlice<u8>,
+    count: usize,
+    dense: &mut CudaSlice<bf16>,
+) -> anyhow::Result<()> {
     let fmt = g
         .gpu_format_code()
         .context("format not unpacked on the GPU")?;
@@ -314,7 +326,7 @@ pub fn launch_unpack(
         g.gate.bytes as i64,
     );
     let (dkt, dwb) = (g.down.k_tiles as i32, g.down.w_bytes as i64);
-    let mut l = dev.launch(&dev.k.unpack_experts);
+    let mut l = stream.launch_builder(kernel);
     l.arg(packed)
         .arg(&eb)
         .arg(&fmt)
