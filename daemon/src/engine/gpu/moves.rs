@@ -146,6 +146,8 @@ impl ExpertMover {
         let bytes = set
             .packed_expert(id)
             .context("expert not in the DRAM set")?;
+        // The raw copy below does not bind the context itself (steps may run on any pool thread).
+        self.stream.context().bind_to_thread()?;
         let u = &mut self.unpacking;
         anyhow::ensure!(
             bytes.len() <= u.packed.len(),
