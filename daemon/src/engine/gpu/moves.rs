@@ -73,10 +73,10 @@ impl ExpertMover {
             .map(|s| s.packed_geometry().expert_bytes)
             .max()
             .unwrap_or(0);
-        // SAFETY (all three): written by a copy or the unpack kernel before anything reads them.
         let spare = (0..slots.max(1))
             .map(|_| spare_expert(&stream, h, i))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // SAFETY (both): written by a copy or the unpack kernel before anything reads them.
         let unpacking = Unpacking {
             packed: unsafe { stream.alloc::<u8>(packed_bytes.max(1))? },
             dense: unsafe { stream.alloc::<bf16>((3 * h * i).max(1))? },
