@@ -42,8 +42,9 @@ struct Unpacking {
 pub struct ExpertMover {
     stream: Arc<CudaStream>,
     in_flight: Vec<InFlight>,
-    /// Expert buffers in no table: destinations of the next copies.
+    /// Expert buffers in no table: destinations of the next copies (at most `slots`).
     spare: Vec<GpuMlp>,
+    slots: usize,
     unpacking: Unpacking,
     unpack: cudarc::driver::CudaFunction,
     /// `(hidden, inter)` of the routed experts.
@@ -73,7 +74,8 @@ impl ExpertMover {
             .map(|s| s.packed_geometry().expert_bytes)
             .max()
             .unwrap_or(0);
-        let spare = (0..slots.max(1))
+        let slots = slots.max(1);
+        let spare = (0..slots)
             .map(|_| spare_expert(&stream, h, i))
             .collect::<anyhow::Result<Vec<_>>>()?;
         // SAFETY (both): written by a copy or the unpack kernel before anything reads them.
@@ -85,6 +87,7 @@ impl ExpertMover {
             stream,
             in_flight: Vec::new(),
             spare,
+            slots,
             unpacking,
             unpack,
             shape: (h, i),
@@ -197,9 +200,13 @@ impl ExpertMover {
         Ok(landed)
     }
 
-    /// Keeps `m` as a spare if it is a plain bf16 expert of the mover's shape (else frees it).
+    /// Keeps `m` as a spare if one is missing and it is a plain bf16 expert of the mover's shape (else
+    /// frees it).
     fn recycle(&mut self, m: Option<GpuMlp>) {
         let Some(m) = m else { return };
+        if self.spare.len() >= self.slots {
+            return;
+        }
         let (h, i) = self.shape;
         let fits = |l: &GpuLinear, len: usize| {
             l.bias.is_none() && l.w.as_bf16().is_some_and(|w| w.len() == len)
