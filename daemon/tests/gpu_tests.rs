@@ -698,6 +698,24 @@ fn live_move_keeps_logits() {
                 live.move_expert_now(layer, 8, 0).unwrap();
             }
             assert_eq!(live.gpu_residency().unwrap(), rows_after);
+            // The moved expert's weights (packed DRAM copy, unpacked on the GPU) are bit for bit
+            // those the engine placed that way uploaded at start.
+            for &layer in &moe_layers {
+                let (moved, placed) = (
+                    live.gpu_expert_bits(layer, 8).unwrap(),
+                    after.gpu_expert_bits(layer, 8).unwrap(),
+                );
+                let (m, p) = (moved.expect("moved"), placed.expect("placed"));
+                let diff = |a: &[u16], b: &[u16]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+                assert!(
+                    m == p,
+                    "layer {layer}: moved expert differs from the uploaded one in {} of {} gate_up and {} of {} down values",
+                    diff(&m.0, &p.0),
+                    p.0.len(),
+                    diff(&m.1, &p.1),
+                    p.1.len()
+                );
+            }
         }
         let got = step(&live, &mut cl, t);
         let (b, a) = (step(&before, &mut cb, t), step(&after, &mut ca, t));

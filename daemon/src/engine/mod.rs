@@ -503,6 +503,29 @@ impl Engine {
             .move_now(g, &self.model, mv)
     }
 
+    /// The bf16 bits of GPU-resident expert `e` of `layer` (gate_up, down), `None` when it is not on
+    /// the GPU (tests: a moved expert must equal one uploaded at start).
+    pub fn gpu_expert_bits(
+        &self,
+        layer: usize,
+        e: usize,
+    ) -> anyhow::Result<Option<(Vec<u16>, Vec<u16>)>> {
+        let g = self.gpu.as_ref().context("needs the CUDA backend")?;
+        let Some(gpu::GpuFfn::Moe(moe)) = g.layers.get(layer).map(|l| &l.ffn) else {
+            return Ok(None);
+        };
+        let table = moe.experts.read();
+        let Some(m) = table.get(e).and_then(Option::as_ref) else {
+            return Ok(None);
+        };
+        let s = &g.dev.stream;
+        let gate_up = s.clone_dtoh(m.gate_up.bf16()?)?;
+        let down = s.clone_dtoh(m.down.bf16()?)?;
+        s.synchronize()?;
+        let bits = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_bits).collect();
+        Ok(Some((bits(gate_up), bits(down))))
+    }
+
     /// Replaces the router's choices on the CUDA backend (`f(layer, ids)` rewrites a step's top-k ids
     /// in place): the skewed-routing benchmark's synthetic router bias.
     pub fn set_routing_override(&self, f: Option<gpu::RoutingOverride>) {
