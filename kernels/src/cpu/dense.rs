@@ -56,6 +56,7 @@ pub struct DenseMatrix {
     l: MatLayout,
     buf: HugeBuffer,
     tier: CpuTier,
+    grouped: GroupedInput,
     scratch: Mutex<Scratch>,
 }
 
@@ -116,6 +117,7 @@ impl DenseMatrix {
             l,
             buf,
             tier: max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
+            grouped: GroupedInput::default_for(format),
             scratch: Mutex::new(Scratch::default()),
         })
     }
@@ -141,9 +143,27 @@ impl DenseMatrix {
         self.tier = t.clamp_to_cpu();
     }
 
+    /// Sets what few-row calls feed grouped int weights ([`GroupedInput`]): tests, benchmarks.
+    pub fn set_grouped_input(&mut self, g: GroupedInput) {
+        self.grouped = g;
+    }
+
+    pub fn grouped_input(&self) -> GroupedInput {
+        self.grouped
+    }
+
     /// Bytes of packed weights and scales.
     pub fn bytes(&self) -> usize {
         self.l.bytes()
+    }
+
+    /// The activation kind a call of `tokens` rows converts its input to.
+    fn input_kind(&self, tokens: usize) -> ActKind {
+        if widened(self.tier, self.l.format, self.grouped, tokens) {
+            ActKind::Bf16
+        } else {
+            act_kind(self.tier, self.l.format, self.l.k_pad)
+        }
     }
 
     fn mat(&self) -> MatRef<'_> {
@@ -174,29 +194,56 @@ impl DenseMatrix {
         forward_group(pool, &mut [DenseCall { w: self, bias, y }], x, tokens)
     }
 
-    /// Whether this matrix and `o` read the same converted activations (same tier, activation kind
-    /// and width), so [`forward_group`] can run them together.
+    /// Whether this matrix and `o` read the same converted activations (same tier, width, and
+    /// activation kind at every row count), so [`forward_group`] can run them together.
     pub fn shares_input_with(&self, o: &DenseMatrix) -> bool {
         self.tier == o.tier
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
-            && input_kind(self.tier, self.l.format, self.l.k_pad)
-                == input_kind(o.tier, o.l.format, o.l.k_pad)
+            && [1, AMX_MIN_ROWS]
+                .iter()
+                .all(|&t| self.input_kind(t) == o.input_kind(t))
     }
 }
 
-/// Whether a matrix of `format` is widened to bf16 per chunk on `tier` (see `dense_widen`).
-fn widened(tier: CpuTier, format: WeightFormat) -> bool {
-    cfg!(target_arch = "x86_64") && tier >= CpuTier::Avx512 && widens(format)
+/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K
+/// codes) on AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupedInput {
+    /// int8 codes per scale group of the weights, with the group's scale (llama.cpp's q8_0 / q8_1
+    /// activations): one `vpdpbusd` per 64 weight bytes, so a decode GEMV runs at DRAM bandwidth.
+    Int8,
+    /// Weights widened to bf16 per chunk, bf16 activations: 2⁻⁹ relative per element whatever the
+    /// outliers, for ~20 more instructions per 64 weight bytes (`dense_widen`).
+    Bf16,
 }
 
-/// The activation kind a dense call converts its input to.
-fn input_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
-    if widened(tier, format) {
-        ActKind::Bf16
-    } else {
-        act_kind(tier, format, k_pad)
+impl GroupedInput {
+    /// The default for `format`: int8 for Int8Group (Q8_0's and Q6_K's 8-bit codes, where llama.cpp's
+    /// int8 activations match the weights' own precision), bf16 for the 4-bit formats (small models'
+    /// outlier channels: SmolLM2-135M Q4_1 drifted 15% in its logits with int8 activations).
+    /// `MOE_CPU_DENSE_INPUT=int8|bf16` overrides it for every format (A/B runs).
+    pub fn default_for(format: WeightFormat) -> GroupedInput {
+        static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
+        let forced = *FORCED.get_or_init(|| match std::env::var("MOE_CPU_DENSE_INPUT").as_deref() {
+            Ok("int8") => Some(GroupedInput::Int8),
+            Ok("bf16") => Some(GroupedInput::Bf16),
+            _ => None,
+        });
+        forced.unwrap_or(match format {
+            WeightFormat::Int8Group { .. } => GroupedInput::Int8,
+            _ => GroupedInput::Bf16,
+        })
     }
+}
+
+/// Whether a call of `tokens` rows widens a matrix of `format` to bf16 per chunk on `tier` (see
+/// `dense_widen`).
+fn widened(tier: CpuTier, format: WeightFormat, grouped: GroupedInput, tokens: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && tier >= CpuTier::Avx512
+        && widens(format)
+        && (grouped == GroupedInput::Bf16 || (tier == CpuTier::Amx && tokens >= AMX_MIN_ROWS))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -280,7 +327,7 @@ pub fn forward_group(
     let mut guard = first.scratch.lock().unwrap_or_else(|e| e.into_inner());
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
-    let kind = input_kind(tier, first.l.format, k_pad);
+    let kind = first.input_kind(tokens);
     // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
     s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
     s.rows.clear();
@@ -304,7 +351,7 @@ pub fn forward_group(
     let targets: Vec<Target<'_>> = calls
         .iter_mut()
         .map(|c| {
-            let wide = widened(tier, c.w.l.format);
+            let wide = widened(tier, c.w.l.format, c.w.grouped, tokens);
             let amx = c.w.tier == CpuTier::Amx
                 && (wide || amx_supports(c.w.l.format))
                 && tokens >= AMX_MIN_ROWS;
