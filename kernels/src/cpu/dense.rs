@@ -632,8 +632,14 @@ mod tests {
             k,
         ));
         let bias = rng_values(n, 9);
-        for (fmt, src, k) in cases {
-            let mut w = DenseMatrix::new(fmt, n, k, &src, None).unwrap();
+        let inputs = [GroupedInput::Int8, GroupedInput::Bf16];
+        for ((fmt, src, k), input) in cases
+            .iter()
+            .flat_map(|c| inputs.iter().map(move |i| (c, *i)))
+        {
+            let (fmt, k) = (*fmt, *k);
+            let mut w = DenseMatrix::new(fmt, n, k, src, None).unwrap();
+            w.set_grouped_input(input);
             for tier in CpuTier::available() {
                 w.set_max_tier(tier);
                 for tokens in [1usize, 5, 9, 33] {
@@ -647,7 +653,7 @@ mod tests {
                         }
                     }
                     let e = rel_l2(&y, &want);
-                    assert!(e < 1e-2, "{fmt:?} {tier} tokens={tokens}: rel err {e}");
+                    assert!(e < 1e-2, "{fmt:?} {input:?} {tier} tokens={tokens}: rel err {e}");
                     if tier <= CpuTier::Avx2 {
                         assert!(e < 1e-5, "{fmt:?} {tier} f32 path: rel err {e}");
                     }
@@ -660,7 +666,7 @@ mod tests {
     fn group_call_equals_separate_calls() {
         let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
         let k = 96;
-        let mats: Vec<DenseMatrix> = [
+        let mut mats: Vec<DenseMatrix> = [
             (WeightFormat::Int4Min { group: 32 }, 40),
             (WeightFormat::Int8Group { group: 32 }, 70),
             (WeightFormat::Int4 { group: 32 }, 17),
@@ -671,7 +677,13 @@ mod tests {
             DenseMatrix::new(f, n, k, &SourceTensor::F32(&src), None).unwrap()
         })
         .collect();
-        for tokens in [1usize, 7, 20] {
+        for (input, tokens) in [GroupedInput::Int8, GroupedInput::Bf16]
+            .into_iter()
+            .flat_map(|i| [1usize, 7, 20].map(|t| (i, t)))
+        {
+            for m in mats.iter_mut() {
+                m.set_grouped_input(input);
+            }
             let x = rng_values(tokens * k, 99);
             let mut outs: Vec<Vec<f32>> =
                 mats.iter().map(|m| vec![0.0; tokens * m.rows()]).collect();
@@ -696,8 +708,13 @@ mod tests {
         )
         .unwrap();
         if CpuTier::Avx512.clamp_to_cpu() == CpuTier::Avx512 {
+            mats[1].set_grouped_input(GroupedInput::Int8);
             assert!(
-                !bf.shares_input_with(&mats[0]),
+                !mats[0].shares_input_with(&mats[1]),
+                "bf16-widened and int8 inputs differ"
+            );
+            assert!(
+                !bf.shares_input_with(&mats[1]),
                 "bf16 and int8 activations differ"
             );
         }
