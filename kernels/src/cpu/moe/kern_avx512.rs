@@ -268,7 +268,11 @@ pub(crate) unsafe fn gemm_int(
     let act = (a.q.as_ptr().cast(), 1);
     // SAFETY: (contract).
     unsafe {
+        prefetch_scales(w, nt0);
         for_tiles::<i32>(w, nt0, nts, a, act, (y, ldy), 8, |nt, wp, b, n| {
+            if b.row[0] == a.rows[0] as usize && nt + 1 < nt0 + nts {
+                prefetch_scales(w, nt + 1);
+            }
             let (gs, xs) = row_terms(a, b, n, groups);
             let (x, out) = (&b.x, &b.out);
             match w.l.format {
@@ -298,6 +302,25 @@ pub(crate) unsafe fn gemm_int(
                 }
             }
         })
+    }
+}
+
+/// Prefetches the group scales of N-tile `nt` (grouped formats): they live apart from the tiles, so
+/// the weight stream's prefetch does not cover them, and without this every 64 bytes of scales (two
+/// groups of 16 outputs) was a demand miss in the middle of the weight stream.
+#[inline(always)]
+unsafe fn prefetch_scales(w: &MatRef<'_>, nt: usize) {
+    let per_tile = match w.l.format {
+        WeightFormat::Int4Min { group } => w.l.k_pad / group * 64,
+        WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => w.l.k_pad / group * 32,
+        _ => return,
+    };
+    let base = w.s.as_ptr().cast::<u8>().wrapping_add(nt * per_tile);
+    let mut off = 0;
+    while off < per_tile {
+        // SAFETY: prefetches never fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off).cast()) };
+        off += 64;
     }
 }
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# CPU-only decode / prefill on the H200 host against llama.cpp's CPU build, same call, 16 threads, on the
+# 12-layer Qwen3-30B-A3B-shape q8_0 GGUF; plus the dense GEMV benchmark (q8_0 attention projections and
+# lm_head with int8 activations per 32-block against the bf16-widened path) and the q8_0 expert kernel.
+# Staged in .device/: moe-daemon, cpu_dense_bench, cpu_moe_bench, peers/ (the peer kit with kit/).
+# Every step has its own timeout; results go to stdout and $OUT (when set).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+D=.device
+OUT=${OUT:-/tmp/cpu-path-out}; mkdir -p "$OUT"
+export WORK=/tmp/peer-cpu LAYERS=12 DTYPE=q8_0 MODEL_DIR=/dev/shm CUDA=OFF JOBS=16
+lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))'
+echo 7000 > /proc/sys/vm/nr_hugepages 2>/dev/null || true
+
+# llama.cpp CPU-only build runs while the GGUF is written.
+(timeout 300 bash $D/peers/run_peer.sh build > "$OUT/llama_build.log" 2>&1; echo "llama build rc=$?" >> "$OUT/llama_build.log") &
+BUILD=$!
+timeout 120 bash $D/peers/run_peer.sh gen > "$OUT/gen.log" 2>&1; echo "gen rc=$?"
+M=$(cat $WORK/model.path)
+
+echo "## dense GEMV (q8_0), 16 threads"
+timeout 90 $D/cpu_dense_bench --threads 16 --tokens 1,4 --iters 30 --probe-mib 2048 2>&1 | tee "$OUT/dense.md"
+echo "## q8_0 experts (int8g32), 16 threads"
+timeout 90 $D/cpu_moe_bench --experts 128 --topk 8 --hidden 2048 --inter 768 --layers 8 \
+    --dtype int8g32,int8 --tokens 1,4 --threads 16 --iters 30 2>&1 | grep -E "DRAM|dtype|^\| 16 " | tee "$OUT/moe.md"
+
+echo "## ours: bench decode (twice), then the old dense path (MOE_CPU_DENSE_INPUT=bf16) once"
+for run in 1 2 bf16; do
+  if [ $run = bf16 ]; then export MOE_CPU_DENSE_INPUT=bf16; fi
+  echo "run $run"
+  timeout 120 $D/moe-daemon bench decode --model "$M" --steps 32 --prompt-len 32 --prefill-lens 512 \
+      --cpu-threads 16 2>&1 | grep -E "^prefill \(warm|^decode|per step|rror|panick" | tee -a "$OUT/ours.md"
+done
+unset MOE_CPU_DENSE_INPUT
+
+wait $BUILD; tail -2 "$OUT/llama_build.log"
+echo "## llama.cpp CPU-only, same model"
+timeout 150 $WORK/build/bin/llama-bench -m "$M" -t 16 -ngl 0 -p 512 -n 64 -r 3 -o md 2>&1 | tee "$OUT/llama.md"
