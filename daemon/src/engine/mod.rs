@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod cpu_experts;
 pub mod dense_pack;
+mod flash;
 pub mod gpu;
 pub mod heap;
 pub mod hyper;
@@ -112,6 +113,8 @@ pub struct EngineOptions {
     /// attention runs, when routing is known before attention (router on the layer input) and the
     /// experts run on the packed CPU kernels; 0 = off.
     pub expert_prefetch_bytes: usize,
+    /// Element type of the CPU backend's KV rows (`None`: [`kv::default_dtype`] of the model).
+    pub cpu_kv_dtype: Option<kv::KvDtype>,
 }
 
 impl Default for EngineOptions {
@@ -140,6 +143,7 @@ impl Default for EngineOptions {
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
             expert_prefetch_bytes: 0,
+            cpu_kv_dtype: None,
         }
     }
 }
@@ -251,12 +255,14 @@ impl Engine {
                 cfg.arch_name
             );
         }
-        let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
+        let kv_dtype = opts.cpu_kv_dtype.unwrap_or_else(|| kv::default_dtype(&cfg));
+        let footprint = kv::footprint::ContextFootprint::of(&cfg, kv_dtype.bytes());
         tracing::info!(
             kv_bytes_per_position = footprint.kv_per_position,
             indexer_bytes_per_position = footprint.indexer_per_position,
             linear_state_mib_per_sequence = footprint.state_per_sequence >> 20,
-            "context memory on the CPU backend (f32 rows)"
+            ?kv_dtype,
+            "context memory on the CPU backend"
         );
         let mut model = pool.install(|| build_model(cfg, src))?;
         let rules = opts
@@ -366,8 +372,10 @@ impl Engine {
                 )
             }
             None => {
-                let store =
-                    std::sync::Arc::new(kv::CpuKvStore::new(&kv::row_widths(&model.config)));
+                let store = std::sync::Arc::new(kv::CpuKvStore::new(
+                    &kv::row_widths(&model.config),
+                    kv_dtype,
+                ));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
