@@ -513,18 +513,20 @@ pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u1
         let src = a.q[row * k..(row + 1) * k].as_ptr();
         let dst = out[r * k..].as_mut_ptr();
         for c in (0..k).step_by(32) {
-            let s = _mm512_set1_ps(a.scale[row * groups + c / group]);
+            // Groups are at least 16 inputs: each half of the 32 has one scale.
+            let s_lo = _mm512_set1_ps(a.scale[row * groups + c / group]);
+            let s_hi = _mm512_set1_ps(a.scale[row * groups + (c + 16) / group]);
             // SAFETY: 32 codes and 32 outputs in bounds.
             unsafe {
                 let lo = _mm512_mul_ps(
                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src.add(c).cast()))),
-                    s,
+                    s_lo,
                 );
                 let hi = _mm512_mul_ps(
                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                         src.add(c + 16).cast(),
                     ))),
-                    s,
+                    s_hi,
                 );
                 _mm512_storeu_si512(
                     dst.add(c).cast(),

@@ -478,16 +478,24 @@ fn bad_inputs_are_errors() {
     assert!(out.iter().all(|&v| v == 0.0));
 }
 
-/// The int4 → bf16 widening used for AMX, checked here through the AVX-512 bf16 kernel.
+/// The grouped int → bf16 widening used for AMX, checked here through the AVX-512 bf16 kernel.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn int4_widening_matches_twin() {
+fn int_widening_matches_twin() {
     if CpuTier::Avx512.clamp_to_cpu() != CpuTier::Avx512 {
         return; // needs AVX-512 BF16; the AMX machine also runs it through `gemm` above
     }
     let mut rng = Rng(77);
-    for group in [32, 64, 128] {
-        let fmt = WeightFormat::Int4 { group };
+    let formats = [
+        WeightFormat::Int4 { group: 32 },
+        WeightFormat::Int4 { group: 64 },
+        WeightFormat::Int4 { group: 128 },
+        WeightFormat::Int4Min { group: 32 },
+        WeightFormat::Int8Group { group: 32 },
+        WeightFormat::Int8Group { group: 16 },
+    ];
+    for fmt in formats {
+        let group = fmt.group().unwrap();
         let (n, k) = (48, 256);
         let src = Src::new(&mut rng, fmt, n, k, 0.05);
         let l = MatLayout::new(fmt, n, k);
@@ -506,10 +514,10 @@ fn int4_widening_matches_twin() {
         let a = buf.view(kind, l.k_pad, &rows);
         let ld = 16 * 3;
         let (mut got, mut want) = (vec![0f32; rows.len() * ld], vec![0f32; rows.len() * ld]);
-        unsafe { super::gemm::int4_widened(CpuTier::Avx512, false, &mat, 0, 3, &a, &mut got, ld) };
+        unsafe { super::gemm::int_widened(CpuTier::Avx512, false, &mat, 0, 3, &a, &mut got, ld) };
         gemm_i8_twin(&mat, 0, 3, &a, &mut want, ld);
         let e = rel_l2(&got, &want);
-        assert!(e > 0.0 && e < 4e-3, "group {group}: rel err {e}");
+        assert!(e > 0.0 && e < 4e-3, "{fmt:?}: rel err {e}");
     }
 }
 
