@@ -2,7 +2,10 @@
 # CPU-only decode / prefill on the H200 host against llama.cpp's CPU build, same call, 16 threads, on the
 # 12-layer Qwen3-30B-A3B-shape q8_0 GGUF; plus the dense GEMV benchmark (q8_0 attention projections and
 # lm_head with int8 activations per 32-block against the bf16-widened path) and the q8_0 expert kernel.
-# Staged in .device/: moe-daemon, cpu_dense_bench, cpu_moe_bench, peers/ (the peer kit with kit/).
+# Also: the kernels' unit tests on this CPU (AMX paths included), and decode at a 4096-token context
+# with the f16 and the f32 CPU KV cache (llama.cpp at the same depth).
+# Staged in .device/: moe-daemon, cpu_dense_bench, cpu_moe_bench, moe_kernels_tests, peers/ (the peer
+# kit with kit/).
 # Every step has its own timeout; results go to stdout and $OUT (when set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,10 +21,14 @@ BUILD=$!
 timeout 120 bash $D/peers/run_peer.sh gen > "$OUT/gen.log" 2>&1; echo "gen rc=$?"
 M=$(cat $WORK/model.path)
 
+echo "## kernels' unit tests"
+timeout 120 $D/moe_kernels_tests --test-threads 8 > "$OUT/tests.log" 2>&1
+grep -E "test result|panicked|FAILED" "$OUT/tests.log"
+
 echo "## dense GEMV (q8_0), 16 threads"
 timeout 90 $D/cpu_dense_bench --threads 16 --tokens 1,4 --iters 30 --probe-mib 2048 2>&1 | tee "$OUT/dense.md"
 echo "## q8_0 experts (int8g32), 16 threads"
-timeout 90 $D/cpu_moe_bench --experts 128 --topk 8 --hidden 2048 --inter 768 --layers 8 \
+timeout 90 $D/cpu_moe_bench --experts 128 --topk 8 --hidden 2048 --inter 768 --layers 4 \
     --dtype int8g32,int8 --tokens 1,4 --threads 16 --iters 30 2>&1 | grep -E "DRAM|dtype|^\| 16 " | tee "$OUT/moe.md"
 
 echo "## ours: bench decode (twice), then the old dense path (MOE_CPU_DENSE_INPUT=bf16) once"
@@ -35,4 +42,11 @@ unset MOE_CPU_DENSE_INPUT
 
 wait $BUILD; tail -2 "$OUT/llama_build.log"
 echo "## llama.cpp CPU-only, same model"
-timeout 150 $WORK/build/bin/llama-bench -m "$M" -t 16 -ngl 0 -p 512 -n 64 -r 3 -o md 2>&1 | tee "$OUT/llama.md"
+timeout 100 $WORK/build/bin/llama-bench -m "$M" -t 16 -ngl 0 -p 512 -n 64 -r 3 -o md 2>&1 | tee "$OUT/llama.md"
+echo "## ours at a 4096-token context: f16 KV (default), then f32 KV"
+for kv in f16 f32; do
+  timeout 150 $D/moe-daemon bench decode --model "$M" --steps 16 --prompt-len 4096 --cpu-threads 16 \
+      --cpu-kv-dtype $kv 2>&1 | grep -E "^decode|per step|rror|panick" | sed "s/^/kv $kv: /" | tee -a "$OUT/ours.md"
+done
+echo "## llama.cpp decode at depth 4096"
+timeout 120 $WORK/build/bin/llama-bench -m "$M" -t 16 -ngl 0 -p 0 -n 32 -d 4096 -r 1 -o md 2>&1 | tee -a "$OUT/llama.md"
