@@ -231,7 +231,7 @@ impl GroupedInput {
             _ => None,
         });
         forced.unwrap_or(match format {
-            WeightFormat::Int8Group { .. } => GroupedInput::Int8,
+            WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => GroupedInput::Int8,
             _ => GroupedInput::Bf16,
         })
     }
@@ -494,7 +494,7 @@ mod tests {
         for blk in b.chunks_exact_mut(bb) {
             match kind {
                 GgmlBlock::Q6K => blk[208..210].copy_from_slice(&f16(0.0007)),
-                GgmlBlock::Q4K => {
+                GgmlBlock::Q4K | GgmlBlock::Q5K => {
                     blk[..2].copy_from_slice(&f16(0.0011));
                     blk[2..4].copy_from_slice(&f16(0.0009));
                 }
@@ -507,14 +507,14 @@ mod tests {
         b
     }
 
-    /// Q4_K and Q6_K keep every code; each weight differs from llama.cpp's dequantized value only by
-    /// the one f16 rounding of its sub-block scale (and min): rel-L2 ≤ 3e-4 over the matrix (2⁻¹¹ =
-    /// 4.9e-4 is the largest relative change of one scale). Requantizing the values instead, as
-    /// before, gave ~1e-2.
+    /// Q4_K, Q5_K and Q6_K keep every code; each weight differs from llama.cpp's dequantized value
+    /// only by the one f16 rounding of its sub-block scale (and min): rel-L2 ≤ 3e-4 over the matrix
+    /// (2⁻¹¹ = 4.9e-4 is the largest relative change of one scale). Requantizing the values instead
+    /// gave ~1e-2 (Q4_K / Q6_K) and 3.6e-3 (Q5_K into Int8Group).
     #[test]
     fn kquants_keep_their_codes() {
         let (n, k) = (37, 512);
-        for kind in [GgmlBlock::Q4K, GgmlBlock::Q6K] {
+        for kind in [GgmlBlock::Q4K, GgmlBlock::Q5K, GgmlBlock::Q6K] {
             let data = ggml_bytes(kind, n, k, 21);
             let src = SourceTensor::Ggml { kind, data: &data };
             let w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
@@ -570,6 +570,7 @@ mod tests {
         let k_k = 256; // K-quant rows are whole super-blocks
         let f32_kq = rng_values(n * k_k, 13);
         let q6k = ggml_bytes(GgmlBlock::Q6K, n, k_k, 8);
+        let q5k = ggml_bytes(GgmlBlock::Q5K, n, k_k, 12);
         let f16 = ggml_bytes(GgmlBlock::F16, n, k, 10);
         let cases: Vec<(WeightFormat, SourceTensor)> = vec![
             (WeightFormat::Bf16, SourceTensor::F32(&f32_src)),
@@ -620,6 +621,19 @@ mod tests {
         ));
         cases.push((
             WeightFormat::Int8Group { group: 16 },
+            SourceTensor::F32(&f32_kq),
+            k_k,
+        ));
+        cases.push((
+            WeightFormat::Int8Min { group: 32 },
+            SourceTensor::Ggml {
+                kind: GgmlBlock::Q5K,
+                data: &q5k,
+            },
+            k_k,
+        ));
+        cases.push((
+            WeightFormat::Int8Min { group: 32 },
             SourceTensor::F32(&f32_kq),
             k_k,
         ));

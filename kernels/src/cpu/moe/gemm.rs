@@ -16,7 +16,8 @@ pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> Act
             _,
             WeightFormat::Int4 { group }
             | WeightFormat::Int4Min { group }
-            | WeightFormat::Int8Group { group },
+            | WeightFormat::Int8Group { group }
+            | WeightFormat::Int8Min { group },
         ) => ActKind::I8 { group },
     }
 }
@@ -33,6 +34,7 @@ pub(crate) fn amx_supports(format: WeightFormat) -> bool {
             | WeightFormat::Int4 { .. }
             | WeightFormat::Int4Min { .. }
             | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. }
     )
 }
 
@@ -93,7 +95,7 @@ pub(crate) unsafe fn gemm_widened(
     })
 }
 
-/// Grouped int weights (Int4 / Int4Min / Int8Group) with many tokens: int8 activation rows → bf16
+/// Grouped int weights (Int4 / Int4Min / Int8Group / Int8Min) with many tokens: int8 activation rows → bf16
 /// (code · scale), then [`gemm_widened`] with the group scales folded into the weights (AMX when
 /// `amx`). Costs one more bf16 rounding of weights and activations than the VNNI kernel, buys AMX
 /// throughput (the widening, ~20 instructions per 64 weight bytes, is shared by all rows).
@@ -195,7 +197,8 @@ pub(crate) fn gemm(
                     ActKind::I8 { .. },
                     WeightFormat::Int4 { .. }
                     | WeightFormat::Int4Min { .. }
-                    | WeightFormat::Int8Group { .. },
+                    | WeightFormat::Int8Group { .. }
+                    | WeightFormat::Int8Min { .. },
                 ) if amx => return int_widened(tier, true, w, nt0, nts, a, y, ldy),
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
                     if m >= FP8_WIDEN_MIN_ROWS =>
@@ -221,7 +224,8 @@ pub(crate) fn gemm(
                     WeightFormat::Int8
                     | WeightFormat::Int4 { .. }
                     | WeightFormat::Int4Min { .. }
-                    | WeightFormat::Int8Group { .. },
+                    | WeightFormat::Int8Group { .. }
+                    | WeightFormat::Int8Min { .. },
                 ) => return kern_avx512::gemm_int(w, nt0, nts, a, y.as_mut_ptr(), ldy),
                 (CpuTier::Avx2, ActKind::F32 | ActKind::Bf16, _) => {
                     return gemm_avx2(w, nt0, nts, a, y, ldy)

@@ -296,6 +296,10 @@ pub(crate) unsafe fn gemm_int(
                     let s = &w.s16()[nt * groups * 16..];
                     by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
                 }
+                WeightFormat::Int8Min { group } => {
+                    let s = &w.s16()[nt * groups * 32..];
+                    by_rows!(n, 8, i8m_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                }
                 _ => {
                     let s = &w.s[nt * 16..];
                     by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
@@ -311,7 +315,7 @@ pub(crate) unsafe fn gemm_int(
 #[inline(always)]
 unsafe fn prefetch_scales(w: &MatRef<'_>, nt: usize) {
     let per_tile = match w.l.format {
-        WeightFormat::Int4Min { group } => w.l.k_pad / group * 64,
+        WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => w.l.k_pad / group * 64,
         WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => w.l.k_pad / group * 32,
         _ => return,
     };
@@ -489,6 +493,42 @@ unsafe fn i8g_block<const R: usize>(
                 let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r].add(g)));
                 let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
                 total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], total[r]);
+        }
+    }
+}
+
+/// 8-bit codes with a group scale and min (Q5_K: `w = u·d + m`): per group `d·Σ u·x + m·Σ x`, both
+/// sums from integer dots.
+#[inline(always)]
+unsafe fn i8m_block<const R: usize>(
+    wp: *const u8,
+    group: usize,
+    groups: usize,
+    pf: usize,
+    scales: &[u16],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 32.
+    unsafe {
+        let mut total = [_mm512_setzero_ps(); R];
+        let quads = group / 4;
+        for g in 0..groups {
+            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
+            let at = scales.as_ptr().add(g * 32);
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
+            for r in 0..R {
+                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
+                let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), dv);
+                let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
+                total[r] = _mm512_fmadd_ps(part, x_scale, total[r]);
             }
         }
         for r in 0..R {

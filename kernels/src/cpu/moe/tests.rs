@@ -41,7 +41,7 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
     (num / den.max(1e-30)).sqrt() as f32
 }
 
-const FORMATS: [WeightFormat; 10] = [
+const FORMATS: [WeightFormat; 11] = [
     WeightFormat::Bf16,
     WeightFormat::F16,
     WeightFormat::Fp8Block,
@@ -52,6 +52,7 @@ const FORMATS: [WeightFormat; 10] = [
     WeightFormat::Int4Min { group: 32 },
     WeightFormat::Int8Group { group: 32 },
     WeightFormat::Int8Group { group: 16 },
+    WeightFormat::Int8Min { group: 32 },
 ];
 
 /// Random source tensor in the natural source dtype of `fmt` (FP8 bytes for Fp8Block, bf16 otherwise).
@@ -493,6 +494,7 @@ fn int_widening_matches_twin() {
         WeightFormat::Int4Min { group: 32 },
         WeightFormat::Int8Group { group: 32 },
         WeightFormat::Int8Group { group: 16 },
+        WeightFormat::Int8Min { group: 32 },
     ];
     for fmt in formats {
         let group = fmt.group().unwrap();
