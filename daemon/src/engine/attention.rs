@@ -6,10 +6,10 @@
 //! driver before the step). That work runs on the kernels' worker pool when the layer's projections
 //! are packed on one: its workers spin for a while after each region, so rayon threads started right
 //! after a projection would fight them for the same cores.
+use super::flash;
 use super::indexer::{self, Selection};
 use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
-use super::flash;
 use super::ops::{rms_norm, rms_norm_rows};
 use super::rope::Rope;
 use super::Segment;

@@ -272,7 +272,10 @@ mod tests {
                 .clone()
                 .map(|p| {
                     let k = &keys[p][kh..kh + hd];
-                    qh.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                    qh.iter()
+                        .zip(k)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
                         * shape.scale as f64
                 })
                 .collect();

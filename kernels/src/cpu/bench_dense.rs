@@ -29,7 +29,9 @@ impl std::str::FromStr for DenseShape {
     type Err = String;
     /// `name=ROWSxCOLS[+ROWSxCOLS…]`, e.g. `qkv=4096x2048+512x2048+512x2048`.
     fn from_str(s: &str) -> Result<DenseShape, String> {
-        let (name, dims) = s.split_once('=').ok_or(format!("{s:?}: expected name=RxC"))?;
+        let (name, dims) = s
+            .split_once('=')
+            .ok_or(format!("{s:?}: expected name=RxC"))?;
         let mats = dims
             .split('+')
             .map(|d| {
@@ -84,7 +86,13 @@ impl Default for CpuDenseBenchArgs {
 
 /// Random GGML blocks of `kind` for a `[rows, cols]` matrix: random codes, f16 scales set to small
 /// finite values (the codes' bytes would otherwise hold NaNs and infinities).
-fn random_blocks(pool: &WorkerPool, kind: GgmlBlock, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+fn random_blocks(
+    pool: &WorkerPool,
+    kind: GgmlBlock,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Vec<u8> {
     let rb = kind.row_bytes(cols).expect("cols checked by the caller");
     let (_, bb) = kind.block();
     let mut data = vec![0u8; rows * rb];
@@ -160,9 +168,7 @@ pub fn run_cpu_dense_bench(a: &CpuDenseBenchArgs) -> Result<String, BenchError> 
                 kind: a.kind,
                 data: &data,
             };
-            mats.push(
-                DenseMatrix::new(format, rows, cols, &src, a.tier)?,
-            );
+            mats.push(DenseMatrix::new(format, rows, cols, &src, a.tier)?);
         }
         let bytes: usize = mats.iter().map(DenseMatrix::bytes).sum();
         for &input in &a.inputs {
@@ -234,6 +240,10 @@ mod tests {
             ..Default::default()
         };
         let r = run_cpu_dense_bench(&a).unwrap();
-        assert_eq!(r.lines().filter(|l| l.starts_with("| a |")).count(), 4, "{r}");
+        assert_eq!(
+            r.lines().filter(|l| l.starts_with("| a |")).count(),
+            4,
+            "{r}"
+        );
     }
 }

@@ -225,11 +225,12 @@ impl GroupedInput {
     /// `MOE_CPU_DENSE_INPUT=int8|bf16` overrides it for every format (A/B runs).
     pub fn default_for(format: WeightFormat) -> GroupedInput {
         static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
-        let forced = *FORCED.get_or_init(|| match std::env::var("MOE_CPU_DENSE_INPUT").as_deref() {
-            Ok("int8") => Some(GroupedInput::Int8),
-            Ok("bf16") => Some(GroupedInput::Bf16),
-            _ => None,
-        });
+        let forced =
+            *FORCED.get_or_init(|| match std::env::var("MOE_CPU_DENSE_INPUT").as_deref() {
+                Ok("int8") => Some(GroupedInput::Int8),
+                Ok("bf16") => Some(GroupedInput::Bf16),
+                _ => None,
+            });
         forced.unwrap_or(match format {
             WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => GroupedInput::Int8,
             _ => GroupedInput::Bf16,
@@ -667,7 +668,10 @@ mod tests {
                         }
                     }
                     let e = rel_l2(&y, &want);
-                    assert!(e < 1e-2, "{fmt:?} {input:?} {tier} tokens={tokens}: rel err {e}");
+                    assert!(
+                        e < 1e-2,
+                        "{fmt:?} {input:?} {tier} tokens={tokens}: rel err {e}"
+                    );
                     if tier <= CpuTier::Avx2 {
                         assert!(e < 1e-5, "{fmt:?} {tier} f32 path: rel err {e}");
                     }

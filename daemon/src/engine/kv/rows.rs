@@ -30,7 +30,9 @@ impl std::str::FromStr for KvDtype {
             "f32" => Ok(KvDtype::F32),
             "f16" => Ok(KvDtype::F16),
             "bf16" => Ok(KvDtype::Bf16),
-            _ => Err(format!("unknown KV cache dtype {s:?} (expected f32, f16 or bf16)")),
+            _ => Err(format!(
+                "unknown KV cache dtype {s:?} (expected f32, f16 or bf16)"
+            )),
         }
     }
 }

@@ -445,7 +445,8 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                     ggml::block_groups(*kind, b, |gb, c, d, m| {
                         let g = blk * per_block + gb;
                         codes[g * group..(g + 1) * group].copy_from_slice(c);
-                        if let WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } = l.format
+                        if let WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } =
+                            l.format
                         {
                             s16[(nt * groups + g) * 32 + j] = d;
                             s16[(nt * groups + g) * 32 + 16 + j] = m;
