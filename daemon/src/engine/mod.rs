@@ -722,7 +722,7 @@ impl Engine {
                 (Ffn::Moe(block), Some(mc), Some(x))
                     if mc.router_input == RouterInput::LayerInput =>
                 {
-                    let routing = moe::route(block, mc, x, hd);
+                    let routing = moe::route(block, mc, x, hd, self.cpu_pool.as_deref());
                     self.prefetch_experts(block, &routing);
                     Some(routing)
                 }
@@ -772,7 +772,7 @@ impl Engine {
                     if let Some((p, _)) = &self.prefetch {
                         p.cancel(); // the kernels read the weights now
                     }
-                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
+                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd, pool));
                     times.expert_hits += routing.ids.len() as u64;
                     self.record(li, &routing.ids);
                     let out = moe::moe_forward(block, pool, act, &h, hd, &routing);
