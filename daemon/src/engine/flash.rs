@@ -8,7 +8,7 @@
 //! accumulator) triples are merged afterwards (flash-decoding).
 use super::kv::{slot, BlockId, LayerRows, BLOCK};
 use super::linear::dot;
-use moe_kernels::cpu::WorkerPool;
+use moe_kernels::cpu::{axpy_f32, WorkerPool};
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
@@ -197,10 +197,7 @@ fn attend_range(
             for j in 0..group {
                 let acc = &mut out[j * (hd + 2) + 2..(j + 1) * (hd + 2)];
                 for i in 0..n {
-                    let w = wt[j * BLOCK + i];
-                    for (x, v) in acc.iter_mut().zip(&vt[i * hd..(i + 1) * hd]) {
-                        *x += w * v;
-                    }
+                    axpy_f32(wt[j * BLOCK + i], &vt[i * hd..(i + 1) * hd], acc);
                 }
             }
             p0 = p1 + 1;

@@ -1,4 +1,4 @@
-//! f32 dot product for the engine's small reductions (attention scores, router logits, reference
+//! f32 dot product and axpy for the engine's small reductions (attention scores, router logits, reference
 //! linear rows) on the best tier of this CPU, detected once. The daemon is built for the baseline
 //! x86-64 target, so its own loops get 4-wide SSE; these run 16 lanes (AVX-512) or 8 (AVX2 + FMA).
 //! Results differ from a sequential sum only in rounding order (the tests bound it against f64).
@@ -21,6 +21,48 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     dot_scalar(a, b)
+}
+
+/// `y[i] += w · x[i]` over `y.len()` elements (`x` at least as long): attention's weighted sum of
+/// value rows.
+pub fn axpy_f32(w: f32, x: &[f32], y: &mut [f32]) {
+    let x = &x[..y.len()];
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; equal lengths.
+        return unsafe { axpy_avx512(w, x, y) };
+    }
+    axpy_scalar(w, x, y)
+}
+
+fn axpy_scalar(w: f32, x: &[f32], y: &mut [f32]) {
+    for (o, v) in y.iter_mut().zip(x) {
+        *o += w * v;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_avx512(w: f32, x: &[f32], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = y.len();
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let wv = _mm512_set1_ps(w);
+    let mut i = 0;
+    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
+    unsafe {
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let v = _mm512_maskz_loadu_ps(m, px.add(i));
+            let o = _mm512_maskz_loadu_ps(m, py.add(i));
+            _mm512_mask_storeu_ps(py.add(i), m, _mm512_fmadd_ps(wv, v, o));
+            i += 16;
+        }
+    }
 }
 
 /// The portable version (and the tail of the SIMD ones): eight interleaved partial sums.
@@ -108,6 +150,22 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every length around the vector width, against the scalar loop (one FMA per element: the
+    /// AVX-512 result may differ by one rounding of each product-sum, ≤ 1e-6 relative here).
+    #[test]
+    fn axpy_matches_the_scalar_loop() {
+        for n in [0usize, 1, 15, 16, 17, 33, 128, 130] {
+            let x: Vec<f32> = (0..n + 2).map(|i| (i as f32 * 0.37).sin()).collect();
+            let y0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let (mut got, mut want) = (y0.clone(), y0);
+            axpy_f32(0.73, &x, &mut got);
+            axpy_scalar(0.73, &x, &mut want);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "n={n}: {a} vs {b}");
+            }
+        }
+    }
 
     /// Every tier of this CPU against the f64 sum, lengths around the vector widths; relative to
     /// Σ|a·b| the error stays at f32 rounding (≤ 1e-6 here).
