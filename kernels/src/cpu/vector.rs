@@ -65,6 +65,43 @@ unsafe fn axpy_avx512(w: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// IEEE f16 bits → f32 (exact), `dst.len()` values: the CPU KV cache's rows as attention reads them
+/// (16 per `vcvtph2ps` on AVX-512; a generic F16C path converting 8 at a time through a function
+/// call per chunk made f16 rows slower to read than f32 ones).
+pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
+    let src = &src[..dst.len()];
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; equal lengths.
+        return unsafe { f16_to_f32_avx512(src, dst) };
+    }
+    for (o, &h) in dst.iter_mut().zip(src) {
+        *o = half::f16::from_bits(h).to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
+    unsafe {
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
+            _mm512_mask_storeu_ps(pd.add(i), m, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+    }
+}
+
 /// The portable version (and the tail of the SIMD ones): eight interleaved partial sums.
 fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -150,6 +187,25 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every f16 class (normal, subnormal, zero, infinity) converts exactly, at every length.
+    #[test]
+    fn f16_rows_widen_exactly() {
+        for n in [0usize, 1, 15, 16, 17, 128, 131] {
+            let src: Vec<u16> = (0..n as u32)
+                .map(|i| (i.wrapping_mul(2654435761) >> 16) as u16)
+                .collect();
+            let mut got = vec![f32::NAN; n];
+            f16_to_f32(&src, &mut got);
+            for (g, &h) in got.iter().zip(&src) {
+                let want = half::f16::from_bits(h).to_f32();
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "{h:#x}"
+                );
+            }
+        }
+    }
 
     /// Every length around the vector width, against the scalar loop (one FMA per element: the
     /// AVX-512 result may differ by one rounding of each product-sum, ≤ 1e-6 relative here).
