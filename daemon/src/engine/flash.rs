@@ -7,8 +7,7 @@
 //! head) so a single decode token still spreads over every worker; the partial (max, sum,
 //! accumulator) triples are merged afterwards (flash-decoding).
 use super::kv::{slot, BlockId, LayerRows, BLOCK};
-use super::linear::dot;
-use moe_kernels::cpu::{axpy_f32, WorkerPool};
+use moe_kernels::cpu::{dot_rows, weighted_rows, WorkerPool};
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
@@ -168,13 +167,14 @@ fn attend_range(
             for i in 0..n {
                 rows.read_a(s0 + i, g * hd, &mut kt[i * hd..(i + 1) * hd]);
             }
+            // Scores of the group's heads against the tile, `[group][n]`.
+            let q = &tq.q[g * group * hd..(g + 1) * group * hd];
+            dot_rows(q, &kt[..n * hd], hd, &mut wt[..group * n]);
             for j in 0..group {
-                let head = g * group + j;
-                let q = &tq.q[head * hd..(head + 1) * hd];
-                let w = &mut wt[j * BLOCK..j * BLOCK + n];
+                let w = &mut wt[j * n..(j + 1) * n];
                 let mut tile_max = f32::NEG_INFINITY;
-                for (i, s) in w.iter_mut().enumerate() {
-                    *s = dot(q, &kt[i * hd..(i + 1) * hd]) * shape.scale;
+                for s in w.iter_mut() {
+                    *s *= shape.scale;
                     tile_max = tile_max.max(*s);
                 }
                 let o = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
@@ -196,9 +196,7 @@ fn attend_range(
             }
             for j in 0..group {
                 let acc = &mut out[j * (hd + 2) + 2..(j + 1) * (hd + 2)];
-                for i in 0..n {
-                    axpy_f32(wt[j * BLOCK + i], &vt[i * hd..(i + 1) * hd], acc);
-                }
+                weighted_rows(&wt[j * n..(j + 1) * n], &vt[..n * hd], hd, acc);
             }
             p0 = p1 + 1;
         }

@@ -106,7 +106,7 @@ impl RowBuf {
         match self {
             RowBuf::F32(v) => dst.copy_from_slice(&v[at..end]),
             RowBuf::F16(v) => moe_kernels::cpu::f16_to_f32(v[at..end].reinterpret_cast(), dst),
-            RowBuf::Bf16(v) => v[at..end].convert_to_f32_slice(dst),
+            RowBuf::Bf16(v) => moe_kernels::cpu::bf16_to_f32(v[at..end].reinterpret_cast(), dst),
         }
     }
 
