@@ -249,12 +249,6 @@ impl Engine {
             .thread_name(|i| format!("moe-cpu-{i}"))
             .build()?;
         let rope = Rope::new(&cfg.rope);
-        if opts.device != Device::Cpu && (cfg.linear_attention.is_some() || cfg.hyper.is_some()) {
-            anyhow::bail!(
-                "{}: the CUDA backend does not run linear-attention layers and hyper-connections yet; use --device cpu",
-                cfg.arch_name
-            );
-        }
         let kv_dtype = opts.cpu_kv_dtype.unwrap_or_else(|| kv::default_dtype(&cfg));
         let footprint = kv::footprint::ContextFootprint::of(&cfg, kv_dtype.bytes());
         tracing::info!(
@@ -544,6 +538,11 @@ impl Engine {
     pub fn new_cache(&self) -> SeqCache {
         let cfg = &self.model.config;
         match &cfg.linear_attention {
+            // the CUDA backend keeps the state in GPU memory (made by the sequence's first step)
+            Some(_) if self.gpu.is_some() => SeqCache::with_recurrent(
+                self.kv_blocks.clone(),
+                kv::RecurrentState::on_device(cfg.num_layers),
+            ),
             Some(la) => SeqCache::with_recurrent(
                 self.kv_blocks.clone(),
                 kv::RecurrentState::new(&cfg.mixers, la),
@@ -587,12 +586,17 @@ impl Engine {
         g: &gpu::GpuModel,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, StepError> {
-        let inputs: Vec<_> = batch
-            .iter()
-            .map(|s| gpu::forward::GpuSeqInput {
-                blocks: s.cache.blocks(),
-                pos0: s.cache.len(),
-                tokens: s.tokens,
+        let mut inputs: Vec<_> = batch
+            .iter_mut()
+            .map(|s| {
+                let pos0 = s.cache.len();
+                let (blocks, state) = s.cache.parts_mut();
+                gpu::forward::GpuSeqInput {
+                    blocks,
+                    pos0,
+                    tokens: s.tokens,
+                    state: state.map(|r| r.device_mut()),
+                }
             })
             .collect();
         let mut times = StepTimes::default();
@@ -600,7 +604,7 @@ impl Engine {
             .forward(
                 &self.model,
                 self.cpu_pool.as_deref(),
-                &inputs,
+                &mut inputs,
                 &mut times,
                 |l, ids| self.record(l, ids),
             )

@@ -4,7 +4,8 @@
 //! step layout those kernels share: [`SegmentIndex`] (which rows belong to which sequence) and
 //! [`StateTable`] (each sequence's recurrent-state buffer).
 use super::{GpuDevice, GpuError};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
 use std::marker::PhantomData;
 
 pub const SOURCE: &str = include_str!("hybrid.cu");
@@ -106,6 +107,32 @@ pub(super) fn cfg(grid: (usize, usize, usize), block: u32, smem: u32) -> LaunchC
         grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
+    }
+}
+
+impl GpuDevice {
+    /// `y[..n]` ← `x[..n]` rounded to bf16 (GEMM inputs from f32 intermediates).
+    pub fn round_to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<bf16>,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        check(x.len() >= n && y.len() >= n, || {
+            format!(
+                "round_to_bf16: {n} values into buffers of {} and {}",
+                x.len(),
+                y.len()
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut l = self.stream.launch_builder(&self.k.f32_to_bf16);
+        l.arg(x).arg(&n).arg(y);
+        // SAFETY: both buffers hold n elements (checked above).
+        unsafe { l.launch(GpuDevice::cfg_elems(n)) }?;
+        Ok(())
     }
 }
 

@@ -180,7 +180,12 @@ impl HybridKernels {
                 && ape.len() >= pool * d
                 && out.len() >= layout.total * d
                 && paged.tables.len() >= layout.segments * paged.max_blocks,
-            || format!("idx_pool_keys: pool {pool} (≤ {MAX_POOL}), {} pools", layout.total),
+            || {
+                format!(
+                    "idx_pool_keys: pool {pool} (≤ {MAX_POOL}), {} pools",
+                    layout.total
+                )
+            },
         )?;
         if layout.max_pools == 0 {
             return Ok(());
@@ -318,7 +323,12 @@ impl HybridKernels {
                 && scores.len() >= rows * stride
                 && cand.len() >= rows
                 && pos.len() >= rows,
-            || format!("idx_topk: {rows} rows, top {topk} of pools of {pool}, list stride {}", sel.stride),
+            || {
+                format!(
+                    "idx_topk: {rows} rows, top {topk} of pools of {pool}, list stride {}",
+                    sel.stride
+                )
+            },
         )?;
         let (st, k, p, ss) = (stride as i32, topk as i32, pool as i32, sel.stride as i32);
         let mut l = dev.stream.launch_builder(&self.idx_topk);

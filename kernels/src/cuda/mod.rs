@@ -526,7 +526,10 @@ mod tests {
                 .unwrap_or_else(|e| panic!("hybrid.cu {arch}: {e}"))
                 .to_src();
             for entry in hybrid::ENTRIES {
-                assert!(src.contains(&format!(".entry {entry}")), "hybrid.cu {arch}: {entry}");
+                assert!(
+                    src.contains(&format!(".entry {entry}")),
+                    "hybrid.cu {arch}: {entry}"
+                );
             }
         }
     }
