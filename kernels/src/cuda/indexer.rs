@@ -91,6 +91,14 @@ impl DeviceSelection {
             len: dev.stream.alloc_zeros(rows.max(1))?,
         })
     }
+
+    /// The lists and their lengths, copied to the host (tests and diagnostics; synchronises).
+    pub fn to_host(&self, dev: &GpuDevice) -> Result<(Vec<i32>, Vec<i32>), GpuError> {
+        Ok((
+            dev.stream.clone_dtoh(&self.positions)?,
+            dev.stream.clone_dtoh(&self.len)?,
+        ))
+    }
 }
 
 /// Shape of absorbed MLA.
