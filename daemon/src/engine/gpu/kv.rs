@@ -22,24 +22,22 @@ pub struct GpuKvPool {
 }
 
 impl GpuKvPool {
+    /// `has_rows[layer]`: false for layers that keep no KV rows (linear attention: a per-sequence state
+    /// instead), which get a minimal placeholder.
     pub fn new(
         dev: &GpuDevice,
-        layers: usize,
+        has_rows: &[bool],
         (width, v_width): (usize, usize),
         blocks: usize,
     ) -> anyhow::Result<Self> {
+        let layers = has_rows.len();
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
-        for _ in 0..layers {
+        for &rows in has_rows {
+            let n = if rows { blocks * BLOCK } else { 0 };
             // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
-            k.push(
-                dev.stream
-                    .alloc_zeros::<bf16>((blocks * BLOCK * width).max(1))?,
-            );
-            v.push(
-                dev.stream
-                    .alloc_zeros::<bf16>((blocks * BLOCK * v_width).max(1))?,
-            );
+            k.push(dev.stream.alloc_zeros::<bf16>((n * width).max(1))?);
+            v.push(dev.stream.alloc_zeros::<bf16>((n * v_width).max(1))?);
         }
         Ok(Self {
             k,
@@ -91,8 +89,13 @@ impl BlockCopy for GpuKvCopier {
         let (kw, vw, cw) = (pool.width, pool.v_width, pool.c_width);
         let (from, to) = (from as usize, to as usize);
         for (k, v) in pool.k.iter_mut().zip(pool.v.iter_mut()) {
-            copy_rows(&self.stream, k, BLOCK * kw, from, to)?;
-            copy_rows(&self.stream, v, BLOCK * vw, from, to)?;
+            // (placeholders of layers without rows hold one element)
+            if k.len() > 1 {
+                copy_rows(&self.stream, k, BLOCK * kw, from, to)?;
+            }
+            if v.len() > 1 {
+                copy_rows(&self.stream, v, BLOCK * vw, from, to)?;
+            }
         }
         for c in pool.c.iter_mut().flatten() {
             copy_rows(&self.stream, c, BLOCK * cw, from, to)?;

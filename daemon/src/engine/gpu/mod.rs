@@ -478,7 +478,10 @@ impl GpuModel {
         }
         let rope = crate::engine::rope::Rope::new(&cfg.rope);
         let inv_freq = s.clone_htod(rope.inv_freq())?;
-        let mut kv = GpuKvPool::new(&dev, cfg.num_layers, kv_widths(&cfg), kv_blocks)?;
+        let has_rows: Vec<bool> = (0..cfg.num_layers)
+            .map(|l| cfg.mixers.get(l) != Some(&crate::model::hybrid::Mixer::Linear))
+            .collect();
+        let mut kv = GpuKvPool::new(&dev, &has_rows, kv_widths(&cfg), kv_blocks)?;
         let hybrid = hybrid::GpuHybrid::upload(&dev, model)?;
         if let (Some(h), Some(ix)) = (&hybrid, &cfg.indexer) {
             for (li, own) in h.indexers.iter().enumerate() {
