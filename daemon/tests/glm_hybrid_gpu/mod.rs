@@ -7,9 +7,10 @@
 //! only the GEMMs' row blocking differs.
 use super::common::rel_l2;
 use super::{fixtures, gpu, oracle, run, step};
-use moe_daemon::engine::placement::PlacementStrategy;
+use moe_daemon::engine::placement::{PlacementStrategy, RoutingStats};
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use serde_json::Value;
+use std::collections::BTreeMap;
 
 /// GLM-5.3-Flash with every layer kind and 4 streams; its indexer fixture (29 tokens, top 8 positions
 /// in pools of 4, a `shared` layer); GLM-5 (top 4 of 12+ tokens, roped indexer keys, a `shared` layer).
@@ -23,8 +24,74 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn check_against(name: &str, label: &str, got: &[Vec<f32>], cpu: &[Vec<f32>], o: &Value) {
+/// Each MoE layer's expert hit counts of one step (from the engine's routing statistics).
+type StepRouting = BTreeMap<usize, Vec<u64>>;
+
+/// Prefill + teacher-forced decode as `run`, also returning which experts each step routed to (the
+/// engine must record routing).
+fn run_routed(engine: &Engine, o: &Value, tag: &str) -> (Vec<Vec<f32>>, Vec<StepRouting>) {
+    let path = std::env::temp_dir().join(format!("glm-hybrid-routing-{tag}.json"));
+    let counts = || -> StepRouting {
+        engine.save_routing_stats(&path).unwrap();
+        let stats: RoutingStats =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        stats.counts
+    };
+    let prompt = ids(&o["prompt_ids"]);
+    let mut feeds = vec![prompt];
+    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
+    let mut c = engine.new_cache();
+    let (mut logits, mut routing) = (Vec::new(), Vec::new());
+    let mut before = counts();
+    for f in &feeds {
+        logits.push(step(engine, &mut c, f));
+        let after = counts();
+        let diff = after
+            .iter()
+            .map(|(l, v)| {
+                let old = before.get(l);
+                let d = v
+                    .iter()
+                    .enumerate()
+                    .map(|(e, x)| x - old.map_or(0, |o| o[e]))
+                    .collect();
+                (*l, d)
+            })
+            .collect();
+        routing.push(diff);
+        before = after;
+    }
+    let _ = std::fs::remove_file(&path);
+    (logits, routing)
+}
+
+/// The first step whose expert choice differs from the reference's, and its layers.
+fn routing_divergence(got: &[StepRouting], want: &[StepRouting]) -> Option<(usize, Vec<usize>)> {
+    got.iter().zip(want).enumerate().find_map(|(i, (g, w))| {
+        let layers: Vec<usize> = g
+            .iter()
+            .filter(|(l, v)| w.get(l) != Some(v))
+            .map(|(l, _)| *l)
+            .collect();
+        (!layers.is_empty()).then_some((i, layers))
+    })
+}
+
+/// Compares the steps before `until` (a routing divergence, or all); returns how many it compared.
+fn check_against(
+    name: &str,
+    label: &str,
+    got: &[Vec<f32>],
+    cpu: &[Vec<f32>],
+    o: &Value,
+    until: usize,
+) -> usize {
+    let mut compared = 0;
     for (i, (g, s)) in got.iter().zip(o["steps"].as_array().unwrap()).enumerate() {
+        if i >= until {
+            break;
+        }
+        compared += 1;
         let want: Vec<f32> = s["logits"]
             .as_array()
             .unwrap()
@@ -46,29 +113,55 @@ fn check_against(name: &str, label: &str, got: &[Vec<f32>], cpu: &[Vec<f32>], o:
             );
         }
     }
+    compared
 }
 
 /// Prefill then teacher-forced decode (the oracle's greedy tokens), experts all in DRAM and all on the
 /// GPU, FP32 and BF16 checkpoints.
+///
+/// These tiny random models have router near-ties (GLM-5.3-Flash's fixture: top-2 margins of 4e-3 to
+/// 6e-3 in sigmoid score at decode steps 2 and 3, transformers f32), which the GPU's bf16 activations
+/// can tip: a step whose expert choice differs from the CPU backend's, and every later step (its state
+/// carries the other expert's output), is reported and not compared (prompt positions: 1e-3 margins in
+/// the indexer fixture). Each fixture must still have at least half of its steps compared, so a wrong
+/// kernel, which moves the routing everywhere, fails.
 #[test]
 fn glm_hybrid_models_on_cuda() {
+    let routed = |o: &EngineOptions| EngineOptions {
+        record_routing: true,
+        ..o.clone()
+    };
     for name in HYBRID {
         let o = oracle(name);
+        let (mut compared, mut total) = (0, 0);
         for variant in ["model_bf16", "model"] {
             let dir = fixtures().join(name).join(variant);
-            let cpu = run(&Engine::load(&dir, &EngineOptions::default()).unwrap(), &o);
+            let cpu_engine = Engine::load(&dir, &routed(&EngineOptions::default())).unwrap();
+            let (cpu, cpu_routing) = run_routed(&cpu_engine, &o, &format!("{name}-cpu"));
+            drop(cpu_engine);
             for n_gpu in [0, 64] {
-                let e = Engine::load(&dir, &gpu(n_gpu, PlacementStrategy::Uniform)).unwrap();
-                let got = run(&e, &o);
-                check_against(
-                    name,
-                    &format!("{variant} gpu_experts={n_gpu}"),
-                    &got,
-                    &cpu,
-                    &o,
-                );
+                let label = format!("{variant} gpu_experts={n_gpu}");
+                let e =
+                    Engine::load(&dir, &routed(&gpu(n_gpu, PlacementStrategy::Uniform))).unwrap();
+                let (got, routing) = run_routed(&e, &o, &format!("{name}-gpu"));
+                let until = match routing_divergence(&routing, &cpu_routing) {
+                    Some((step, layers)) => {
+                        println!(
+                            "{name} {label}: expert choice differs from the CPU's at step {step} (layers {layers:?}): a router near-tie; steps {step}.. not compared"
+                        );
+                        step
+                    }
+                    None => got.len(),
+                };
+                compared += check_against(name, &label, &got, &cpu, &o, until);
+                total += got.len();
             }
         }
+        println!("{name}: {compared} of {total} steps compared");
+        assert!(
+            2 * compared >= total,
+            "{name}: only {compared} of {total} steps routed as on the CPU"
+        );
     }
 }
 
