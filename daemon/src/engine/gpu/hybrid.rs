@@ -16,7 +16,7 @@ use super::forward::GpuSeqInput;
 use super::indexer::GpuIndexer;
 use super::GpuModel;
 use crate::model::hybrid::{HyperConfig, Mixer};
-use crate::model::{Attention, Model, SparseAttention};
+use crate::model::{Attention, Model, ModelConfig, SparseAttention};
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use moe_kernels::cuda::hybrid::{HybridKernels, SegmentIndex, StateTable};
@@ -108,23 +108,7 @@ impl GpuHybrid {
             indexers.push(own);
             sparse.push(attends);
         }
-        let kda = cfg.linear_attention.map(|la| KdaShape {
-            heads: la.num_heads,
-            head_dim: la.head_dim,
-            conv_kernel: la.conv_kernel,
-            lower_bound: la.lower_bound,
-        });
-        let mut state_offsets = Vec::with_capacity(cfg.num_layers);
-        let mut state_floats = 0;
-        for li in 0..cfg.num_layers {
-            match (cfg.mixers.get(li), kda) {
-                (Some(Mixer::Linear), Some(shape)) => {
-                    state_offsets.push(Some(state_floats));
-                    state_floats += shape.state_floats();
-                }
-                _ => state_offsets.push(None),
-            }
-        }
+        let (kda, state_offsets, state_floats) = state_layout(cfg);
         if let Some(shape) = kda {
             anyhow::ensure!(
                 shape.head_dim <= 128,
@@ -151,6 +135,29 @@ impl GpuHybrid {
             state_floats,
         }))
     }
+}
+
+/// The linear layers' shape, each linear layer's offset in a sequence's state buffer, and the buffer's
+/// floats (0 without linear layers).
+pub fn state_layout(cfg: &ModelConfig) -> (Option<KdaShape>, Vec<Option<usize>>, usize) {
+    let kda = cfg.linear_attention.map(|la| KdaShape {
+        heads: la.num_heads,
+        head_dim: la.head_dim,
+        conv_kernel: la.conv_kernel,
+        lower_bound: la.lower_bound,
+    });
+    let mut offsets = Vec::with_capacity(cfg.num_layers);
+    let mut floats = 0;
+    for li in 0..cfg.num_layers {
+        match (cfg.mixers.get(li), kda) {
+            (Some(Mixer::Linear), Some(shape)) => {
+                offsets.push(Some(floats));
+                floats += shape.state_floats();
+            }
+            _ => offsets.push(None),
+        }
+    }
+    (kda, offsets, floats)
 }
 
 /// Residual streams of a step and the weights between a block's collapse and expansion.
@@ -328,5 +335,32 @@ impl GpuModel {
         hy.kernels
             .hc_mean(&self.dev, step.seg.rows, st.m, hidden, &st.streams, x)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GPU state buffer of GLM-5.3-Flash holds what the CPU's state holds (146 MiB per sequence),
+    /// one part per linear layer, back to back.
+    #[test]
+    fn glm53_flash_state_layout_matches_the_host_state() {
+        let v = crate::cli::synth::config_like("glm-5.3-flash").unwrap();
+        let cfg = ModelConfig::from_json(&v).unwrap();
+        let (shape, offsets, floats) = state_layout(&cfg);
+        let la = cfg.linear_attention.unwrap();
+        assert_eq!(shape.unwrap().state_floats(), la.state_floats());
+        let linear: Vec<usize> = offsets.iter().flatten().copied().collect();
+        assert_eq!(linear.len(), 34);
+        for (i, off) in linear.iter().enumerate() {
+            assert_eq!(*off, i * la.state_floats());
+        }
+        let host = crate::engine::kv::RecurrentState::new(&cfg.mixers, &la);
+        assert_eq!(floats * 4, host.bytes());
+        assert_eq!(
+            floats * 4,
+            crate::engine::kv::footprint::ContextFootprint::of(&cfg, 4).state_per_sequence
+        );
     }
 }
