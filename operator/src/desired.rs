@@ -14,6 +14,7 @@ use crate::placement::classes::{plan_fleet, FleetPlan};
 use crate::placement::node_facts::NodeFacts;
 use crate::placement::sizing::Sizing;
 use crate::placement::PlacementDecision;
+use crate::pod_cache::CpuRequests;
 use crate::quantity::format_bytes;
 use crate::validate::validate_spec;
 
@@ -102,10 +103,13 @@ pub const DEFAULT_OPERATOR_IMAGE: &str = concat!(
     env!("CARGO_PKG_VERSION")
 );
 
+/// `cpu_in_use`: CPU requested on each node by other workloads' pods (`None`: not known, as in
+/// `plan`; a fixed reserve stands in for it).
 pub fn compute_desired(
     md: &MoEDeployment,
     namespace: &str,
     nodes: &[Node],
+    cpu_in_use: Option<&CpuRequests>,
     owner: Option<OwnerReference>,
 ) -> Result<DesiredState, DesiredError> {
     let name = md.metadata.name.clone().ok_or(BuildError::MissingName)?;
@@ -117,7 +121,14 @@ pub fn compute_desired(
     if !errors.is_empty() {
         return Err(DesiredError::InvalidSpec(errors));
     }
-    let facts: Vec<NodeFacts> = nodes.iter().map(NodeFacts::from_node).collect();
+    let facts: Vec<NodeFacts> = nodes
+        .iter()
+        .map(|n| {
+            let mut facts = NodeFacts::from_node(n);
+            facts.cpu_requested_millis = cpu_in_use.map(|u| u.on(&facts.name));
+            facts
+        })
+        .collect();
     let fleet = plan_fleet(&md.spec, shape.as_ref(), &facts);
     let decision = fleet.overall.clone();
     let (objects, build_input) = if fleet.classes.is_empty() {

@@ -15,6 +15,7 @@ pub mod model_shape;
 pub mod node_cache;
 pub mod placement;
 pub mod plan;
+pub mod pod_cache;
 pub mod quantity;
 pub mod server;
 pub mod validate;

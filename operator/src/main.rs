@@ -16,6 +16,7 @@ use moe_operator::controller::{builtin_scaler, run_controller, Context};
 use moe_operator::leader::{self, LeaseConfig};
 use moe_operator::metrics::Metrics;
 use moe_operator::node_cache::NodeCache;
+use moe_operator::pod_cache::PodCache;
 use moe_operator::server::{router, Health, ServerState};
 use moe_operator::{activator, crd, manifests, plan};
 use tokio::sync::watch;
@@ -272,9 +273,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     // One Node watch for all controllers: reconciles read nodes from its cache.
     let node_cache = NodeCache::spawn(client.clone(), health.clone());
+    // And one Pod watch (bound, running pods only): what is already requested on each node.
+    let pod_cache = PodCache::spawn(client.clone(), health.clone());
     let ctx = Arc::new(
         Context::new(client.clone(), reporter, metrics.clone())
             .with_node_cache(node_cache)
+            .with_pod_cache(pod_cache)
             .with_health(health.clone()),
     );
     let namespaces: Vec<String> = args

@@ -134,7 +134,7 @@ pub fn plan(deployment_yaml: &str, nodes_yaml: &str) -> Result<String, PlanError
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
-    let desired = compute_desired(&md, &namespace, &nodes, None)?;
+    let desired = compute_desired(&md, &namespace, &nodes, None, None)?;
     let report = PlanReport {
         summary: desired.decision.summary(),
         resolved: desired.resolved_placement(),

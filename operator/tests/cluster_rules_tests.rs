@@ -8,7 +8,9 @@ mod harness;
 use std::sync::Arc;
 
 use fake_api::FakeApi;
-use harness::{current, h100, qwen_spec as qwen, stored, HPA_PATH, MD_PATH, STS_PATH, SVC_PATH};
+use harness::{
+    current, h100, pod, qwen_spec as qwen, stored, HPA_PATH, MD_PATH, STS_PATH, SVC_PATH,
+};
 use http::Method;
 use kube::runtime::events::Reporter;
 use moe_operator::controller::reconcile::reconcile;
@@ -242,4 +244,77 @@ async fn invalid_names_are_reported_before_anything_is_applied() {
         "{}",
         stored["status"]
     );
+}
+
+fn cpu_request(sts: &Value) -> Value {
+    sts["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"].clone()
+}
+
+#[tokio::test]
+async fn cpus_are_sized_from_what_other_pods_leave_free_on_the_node() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1"]);
+    let pods = "/api/v1/namespaces";
+    // Another team's pod and the DaemonSets: 10.5 of the node's 64 CPUs.
+    fake.insert(
+        &format!("{pods}/batch/pods/train-0"),
+        pod("batch", "train-0", "gpu-1", "10", "Running", json!({})),
+    );
+    fake.insert(
+        &format!("{pods}/kube-system/pods/proxy-gpu-1"),
+        pod(
+            "kube-system",
+            "proxy-gpu-1",
+            "gpu-1",
+            "500m",
+            "Running",
+            json!({}),
+        ),
+    );
+    // Not counted: a finished job, a pod on no node, and this deployment's own replica (its CPUs
+    // are the ones being sized).
+    fake.insert(
+        &format!("{pods}/batch/pods/done-0"),
+        pod("batch", "done-0", "gpu-1", "8", "Succeeded", json!({})),
+    );
+    fake.insert(
+        &format!("{pods}/batch/pods/waiting-0"),
+        pod("batch", "waiting-0", "", "8", "Pending", json!({})),
+    );
+    let own = json!({"app.kubernetes.io/name": "moe-daemon", "app.kubernetes.io/instance": "qwen"});
+    fake.insert(
+        &format!("{pods}/ai/pods/qwen-sm90-80g-0"),
+        pod("ai", "qwen-sm90-80g-0", "gpu-1", "62", "Running", own),
+    );
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    let sts = fake.get(STS_PATH).expect("StatefulSet applied");
+    assert_eq!(cpu_request(&sts), json!("53"), "64 − 10.5, whole CPUs");
+    let listed = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == Method::GET && r.path == "/api/v1/pods")
+        .collect::<Vec<_>>();
+    assert!(
+        listed.iter().all(|r| r.query.contains("fieldSelector=")),
+        "bound, running pods only"
+    );
+
+    // The other team's pod ends: its CPUs are free again at the next reconcile.
+    fake.update(&format!("{pods}/batch/pods/train-0"), |p| {
+        p["status"]["phase"] = json!("Failed")
+    });
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert_eq!(cpu_request(&fake.get(STS_PATH).unwrap()), json!("63"));
+}
+
+#[tokio::test]
+async fn a_node_with_too_few_free_cpus_is_rejected_with_the_reason() {
+    let (fake, ctx) = setup(qwen(), &["gpu-1"]);
+    fake.insert(
+        "/api/v1/namespaces/batch/pods/hog",
+        pod("batch", "hog", "gpu-1", "63", "Running", json!({})),
+    );
+    reconcile(current(&fake), ctx.clone()).await.unwrap();
+    assert!(fake.get(STS_PATH).is_none());
+    let msg = degraded_message(&fake);
+    assert!(msg.contains("insufficient cpu"), "{msg}");
 }

@@ -47,7 +47,8 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
     for ex in EXAMPLES {
         let md = moe_operator::plan::parse_deployment(&read(&format!("examples/{ex}.yaml")), ex)
             .unwrap();
-        let desired = moe_operator::desired::compute_desired(&md, "llm", &nodes, None).unwrap();
+        let desired =
+            moe_operator::desired::compute_desired(&md, "llm", &nodes, None, None).unwrap();
         let input = desired
             .build_input
             .as_ref()

@@ -41,7 +41,17 @@ fn rtx_3090() -> Value {
 fn setup(replicas: i32) -> (FakeApi, Arc<Context>) {
     let spec = json!({"replicas": replicas,
                       "model": {"source": {"huggingFace": {"repo": "Qwen/Qwen3-30B-A3B"}}}});
-    harness::cluster(fleet_nodes().into_iter().chain([rtx_3090()]), md(spec))
+    let nodes: Vec<Value> = fleet_nodes().into_iter().chain([rtx_3090()]).collect();
+    let (fake, ctx) = harness::cluster(nodes.clone(), md(spec));
+    for node in &nodes {
+        // Each node runs DaemonSet pods (device plugin, NFD, kube-proxy): 1.5 CPUs requested, so
+        // 2 whole CPUs are not free.
+        let name = node["metadata"]["name"].as_str().unwrap();
+        let agents = format!("agents-{name}");
+        let pod = harness::pod("kube-system", &agents, name, "1500m", "Running", json!({}));
+        fake.insert(&harness::pod_path("kube-system", &agents), pod);
+    }
+    (fake, ctx)
 }
 
 fn required_expressions(sts: &Value) -> Vec<(String, String, Vec<String>)> {
@@ -109,7 +119,7 @@ async fn every_hardware_class_gets_its_own_statefulset_behind_one_service() {
         h200["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"],
         "4Gi"
     );
-    // CPU threads follow each class's allocatable CPUs.
+    // CPU threads follow each class's free CPUs (allocatable less the DaemonSet pods' requests).
     assert_eq!(daemon_arg(&ws, "--cpu-threads"), "29");
     assert_eq!(daemon_arg(&bw, "--cpu-threads"), "61");
     assert_eq!(daemon_arg(&h200, "--cpu-threads"), "45");

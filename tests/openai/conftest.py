@@ -48,6 +48,9 @@ SCRIPT = {
                   "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"},
         {"trigger": "think about it",
          "reply": "<think>\nParis is the capital of France.\n</think>\n\nThe capital is Paris."},
+        # A structured answer after thinking (Qwen3's layout: newlines around the tags).
+        {"trigger": "plan a trip",
+         "reply": "<think>\nParis is lovely in spring; three days.\n</think>\n\n{\"city\": \"Paris\", \"days\": 3}"},
         {"trigger": "talk for a long time",
          "reply": " ".join(["word"] * 3000)},
     ],
@@ -64,9 +67,16 @@ def glm_call(name, **args):
         f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()))
 
 
+# Long reasoning, for the reasoning budget: once `</think>` is written after some "hmm " words, the first
+# reply takes over (its trigger is what the budget's cut leaves) and the call follows.
+PONDER_WORDS = 200
+
 GLM_SCRIPT = {
     "step_delay_ms": 5,
     "replies": [
+        {"trigger": "hmm </think>", "reply": "hmm </think>" + glm_call("get_weather", city="Lyon", days=2)},
+        {"trigger": "ponder at length",
+         "reply": "<think>" + "hmm " * PONDER_WORDS + "</think>" + glm_call("get_weather", city="Nice", days=1)},
         {"trigger": "Sunny, 21 C", "reply": "It is sunny in Paris, 21 C."},
         {"trigger": "The secret word is tangerine", "reply": "The file says the secret word is tangerine."},
         # Wrong argument name and a string where the schema wants an integer: the grammar must not let
@@ -76,6 +86,8 @@ GLM_SCRIPT = {
          "reply": glm_call("get_weather", city="Paris") + "\n"
                   + "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>"},
         {"trigger": "read hello.txt", "reply": glm_call("read", path="hello.txt")},
+        # Raw-text values that break the tool's `pattern` and `format`.
+        {"trigger": "book a flight", "reply": glm_call("book", code="abc-1234", day="2026-13-45")},
         {"trigger": "weather in Paris",
          "reply": "<think>The user wants the weather; call the tool.</think>"
                   + glm_call("get_weather", city="Paris", days=3)},

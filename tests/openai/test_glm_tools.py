@@ -5,9 +5,11 @@ GLM-4.5-style chat template; its script writes invented argument names and wrong
 the grammar must step in. Every call's arguments are validated with `jsonschema`."""
 import json
 import os
+import re
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 
 from conftest import API_KEY
@@ -22,7 +24,17 @@ CITY_TOOL = {"type": "function", "function": {
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
                                        "required": ["tz"]}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL)}
+BOOK_TOOL = {"type": "function", "function": {
+    "name": "book", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
+        "day": {"type": "string", "format": "date"}},
+        "required": ["code", "day"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL, BOOK_TOOL)}
+
+
+# RFC 3339's full-date (what JSON Schema's `date` format is). Python's `date.fromisoformat` would
+# refuse year 0000, which RFC 3339 allows and which the scripted model, once off its script, writes.
+RFC3339_DATE = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])")
 
 
 def check_calls(calls):
@@ -63,6 +75,32 @@ def test_unconstrained_script_would_break_the_schema(glm_server):
     # The same script without tools in the request is plain text: what the grammar corrected above.
     r = ask(glm_server, "invent arguments")
     assert "<arg_key>description</arg_key>" in r.choices[0].message.content
+
+
+def test_forced_glm_call_keeps_raw_text_to_pattern_and_format(glm_server):
+    # The script writes `abc-1234` and `2026-13-45`; the tool wants `^[A-Z]{3}-\d{2}$` and a date.
+    unconstrained = ask(glm_server, "book a flight").choices[0].message.content
+    assert "<arg_value>2026-13-45</arg_value>" in unconstrained
+    r = ask(glm_server, "book a flight", tools=[BOOK_TOOL], tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    check_calls(calls)
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", args["code"]), args
+        assert RFC3339_DATE.fullmatch(args["day"]), args
+
+
+def test_strict_tool_with_an_unknown_format_is_refused(glm_server):
+    tool = json.loads(json.dumps(BOOK_TOOL))
+    tool["function"]["strict"] = True
+    tool["function"]["parameters"]["properties"]["day"]["format"] = "lunar-date"
+    with pytest.raises(openai.BadRequestError, match="Unknown format: lunar-date"):
+        ask(glm_server, "book a flight", tools=[tool], tool_choice="required")
+    # Not strict: the format is ignored (any text), as for JSON values; the request is served.
+    tool["function"]["strict"] = False
+    r = ask(glm_server, "book a flight", tools=[tool], tool_choice="required", max_tokens=60)
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
 
 
 def test_auto_glm_calls_engage_the_grammar_at_the_tag(glm_server):

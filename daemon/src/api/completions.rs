@@ -3,7 +3,7 @@
 use super::choice::{ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
 use super::generate::{
-    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job,
+    choice_sampling, fit_context, now_unix, request_id, submit, ChoiceSpec, Job, SamplingControl,
 };
 use super::grammar;
 use super::structured::GrammarUse;
@@ -109,8 +109,11 @@ pub async fn completions(
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
-        grammar,
-        logit_bias,
+        control: SamplingControl {
+            grammar,
+            logit_bias,
+            thinking: None,
+        },
     };
     let id = request_id("cmpl");
     let running = submit(&state, &id, job)?;

@@ -4,6 +4,7 @@
 use super::choice::{ChoiceDecoder, ChoiceDelta, LogprobEntry, OutputOptions};
 use super::error::ApiError;
 use super::structured::{GrammarUse, OutputControl};
+use super::thinking::{ThinkingGate, ThinkingSpec};
 use super::tool_parser::ToolCall;
 use super::AppState;
 use crate::engine::sampling::SamplingParams;
@@ -34,9 +35,17 @@ pub struct Job {
     pub extra_stop_ids: Vec<u32>,
     /// Prompt tokens reported in usage (each distinct prompt once).
     pub prompt_tokens: usize,
-    /// Compiled output grammar (JSON, tool calls), copied for each choice.
+    pub control: SamplingControl,
+}
+
+/// What restricts a job's sampling, copied for each choice.
+#[derive(Default)]
+pub struct SamplingControl {
+    /// Compiled output grammar (JSON, tool calls).
     pub grammar: Option<GrammarUse>,
     pub logit_bias: Vec<(u32, f32)>,
+    /// The reasoning section before the grammar, and its budget.
+    pub thinking: Option<ThinkingSpec>,
 }
 
 pub struct Running {
@@ -68,7 +77,7 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
             logprobs: job.logprobs,
             deadline,
             events: tx,
-            constraint: output_control(state, job.grammar.as_ref(), &job.logit_bias, &stop_ids),
+            constraint: output_control(state, &job.control, &stop_ids),
         };
         reqs.push(req);
         streams.insert(spec.index, UnboundedReceiverStream::new(rx));
@@ -97,23 +106,28 @@ pub fn submit(state: &AppState, id: &str, job: Job) -> Result<Running, ApiError>
     })
 }
 
-/// The per-choice constraint, if the request has a grammar or a logit bias.
+/// The per-choice constraint, if the request has a grammar, a logit bias or a reasoning gate.
 fn output_control(
     state: &AppState,
-    grammar: Option<&GrammarUse>,
-    logit_bias: &[(u32, f32)],
+    job: &SamplingControl,
     stop_ids: &[u32],
 ) -> Option<Box<dyn TokenConstraint>> {
-    if grammar.is_none() && logit_bias.is_empty() {
+    let thinking = job.thinking.zip(state.structured.as_ref());
+    if job.grammar.is_none() && job.logit_bias.is_empty() && thinking.is_none() {
         return None;
     }
-    let grammar = grammar.zip(state.structured.as_ref());
-    Some(Box::new(OutputControl::new(
+    let grammar = job.grammar.as_ref().zip(state.structured.as_ref());
+    let mut control = OutputControl::new(
         grammar.map(|(g, s)| (g.deep_clone(), s.tok_env().clone())),
-        logit_bias.to_vec(),
+        job.logit_bias.clone(),
         stop_ids.to_vec(),
         state.metrics.clone(),
-    )))
+    );
+    if let Some((spec, so)) = thinking {
+        let gate = ThinkingGate::new(spec, &so.think_tokens);
+        control = control.with_thinking(gate, so.tok_env().clone());
+    }
+    Some(Box::new(control))
 }
 
 /// A finished choice.

@@ -9,8 +9,10 @@
 //! v`): an argument whose schema admits only strings is raw text, any other typed argument is compact
 //! JSON following its schema, an argument with no constraint at all is free text (read back as JSON
 //! when it parses). [`value_form`] is that rule, shared with the output parser so that what the grammar
-//! lets the model write is what the parser reads.
+//! lets the model write is what the parser reads. Raw text is held to the string keywords a JSON
+//! string would be (`raw_text.rs`: lengths, `pattern`, `format`).
 use super::grammar::{lark_string, with_options, ToolSpec};
+use super::raw_text::{self, ANY_TEXT};
 use serde_json::{Map, Value};
 use std::fmt::Write;
 
@@ -140,25 +142,26 @@ fn standalone(prop: &Value, root: &Value, lenient: bool) -> Value {
 
 /// Lark rules for GLM calls over `tools`: `glm_call_rest` (what follows the opening tag: the name,
 /// the arguments and the closing tag) plus the rules it uses. `close` is the `</tool_call>` atom.
-pub fn call_rules(tools: &[ToolSpec], tags: &ArgTags, close: &str) -> String {
+/// Err: a raw-text argument's `pattern` or `format` cannot be enforced (the message names it).
+pub fn call_rules(tools: &[ToolSpec], tags: &ArgTags, close: &str) -> Result<String, String> {
     let mut g = String::new();
     let alts: Vec<String> = (0..tools.len()).map(|i| format!("glm_tool_{i}")).collect();
     let _ = writeln!(g, "glm_call_rest: {}", alts.join(" | "));
     let _ = writeln!(g, "GLM_NL: \"\\n\"");
     for (i, tool) in tools.iter().enumerate() {
-        let args = tool_args(i, tool, tags, &mut g);
+        let args = tool_args(i, tool, tags, &mut g)?;
         let _ = writeln!(
             g,
             "glm_tool_{i}: {name} GLM_NL? {args}{close}",
             name = lark_string(&tool.name),
         );
     }
-    g
+    Ok(g)
 }
 
 /// Writes the rules of tool `i`'s arguments into `g`; returns the expansion that lists them (empty
 /// when the tool takes none, else ending in a space).
-fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> String {
+fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> Result<String, String> {
     let schema = &tool.parameters;
     let props = schema.get("properties").and_then(Value::as_object);
     let required: Vec<&str> = schema
@@ -171,15 +174,20 @@ fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> Strin
         // No named arguments: any names, free values (a schema with `properties: {}` and
         // `additionalProperties: false` takes none).
         if schema.get("additionalProperties") == Some(&Value::Bool(false)) {
-            return String::new();
+            return Ok(String::new());
         }
-        let name = text_until(&format!("glm_key_{i}"), "[^<\\n]+", &tags.key_end, g);
-        let val = text_until(&format!("glm_any_{i}"), "(?s:.*)", &tags.value_end, g);
+        let name = text_until(
+            &format!("glm_key_{i}"),
+            &["[^<\\n]+".into()],
+            &tags.key_end,
+            g,
+        );
+        let val = text_until(&format!("glm_any_{i}"), &[], &tags.value_end, g);
         let _ = writeln!(
             g,
             "glm_extra_{i}: {key} {name} GLM_NL? {value} {val} GLM_NL?"
         );
-        return format!("glm_extra_{i}* ");
+        return Ok(format!("glm_extra_{i}* "));
     };
     // Required names the schema does not describe still have to be written (with any value).
     let undescribed = required
@@ -194,7 +202,8 @@ fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> Strin
     let mut list = String::new();
     for (j, (arg, prop)) in args.iter().enumerate() {
         let rule = format!("glm_v_{i}_{j}");
-        let val = value_rule(&rule, prop, schema, tool.strict, tags, g);
+        let val = value_rule(&rule, prop, schema, tool.strict, tags, g)
+            .map_err(|e| format!("tool `{}`, argument `{arg}`: {e}", tool.name))?;
         let _ = writeln!(
             g,
             "glm_a_{i}_{j}: {key} {name} {key_end} GLM_NL? {value} {val} GLM_NL?",
@@ -207,7 +216,7 @@ fn tool_args(i: usize, tool: &ToolSpec, tags: &ArgTags, g: &mut String) -> Strin
         };
         let _ = write!(list, "glm_a_{i}_{j}{optional} ");
     }
-    list
+    Ok(list)
 }
 
 /// Writes the rule for one argument's value, closing tag included, into `g`; returns its name.
@@ -218,9 +227,9 @@ fn value_rule(
     strict: bool,
     tags: &ArgTags,
     g: &mut String,
-) -> String {
+) -> Result<String, String> {
     let end = tags.value_end.atom();
-    match value_form(Some(prop), root) {
+    Ok(match value_form(Some(prop), root) {
         ValueForm::Json => {
             let schema = standalone(prop, root, !strict);
             let _ = writeln!(g, "{rule}_json: %json {schema}");
@@ -235,26 +244,14 @@ fn value_rule(
                     let _ = writeln!(g, "{rule}: ({}) {end}", alts.join(" | "));
                     rule.to_string()
                 }
-                None => text_until(rule, &text_regex(prop), &tags.value_end, g),
+                None => {
+                    let regexes = raw_text::text_regexes(prop, strict)?;
+                    text_until(rule, &regexes, &tags.value_end, g)
+                }
             }
         }
-        ValueForm::Any => text_until(rule, "(?s:.*)", &tags.value_end, g),
-    }
-}
-
-/// Lengths above this are left unbounded (a counted repetition that large only costs compile time).
-const MAX_COUNTED_LENGTH: u64 = 4096;
-
-/// The regex of a raw-text value: any text, within `minLength` / `maxLength` characters when the
-/// schema gives them. (`pattern` and `format` are not enforced on raw text.)
-fn text_regex(prop: &Value) -> String {
-    let len = |k: &str| prop.get(k).and_then(Value::as_u64);
-    let min = len("minLength").unwrap_or(0).min(MAX_COUNTED_LENGTH);
-    match len("maxLength").filter(|&m| m <= MAX_COUNTED_LENGTH) {
-        Some(max) => format!("(?s:.{{{},{max}}})", min.min(max)),
-        None if min > 0 => format!("(?s:.{{{min},}})"),
-        None => "(?s:.*)".to_string(),
-    }
+        ValueForm::Any => text_until(rule, &[], &tags.value_end, g),
+    })
 }
 
 /// The values an only-strings schema allows when it lists them (`const`, `enum`).
@@ -266,18 +263,29 @@ fn string_choices(prop: &Value) -> Option<Vec<&str>> {
     e.iter().map(Value::as_str).collect()
 }
 
-/// A rule named `rule`: text matching `body` (a regex) up to and including the closing tag `end`,
-/// which the text cannot contain. A text tag ends the text at its first occurrence (a lazy
-/// lexeme); a special token cannot occur inside text at all.
-fn text_until(rule: &str, body: &str, end: &Tag, g: &mut String) -> String {
+/// A rule named `rule`: text matching every regex of `body` (any text when empty) up to and
+/// including the closing tag `end`, which the text cannot contain. A special token cannot occur
+/// inside text at all; a text tag ends the text at its first occurrence (a lazy lexeme), and a
+/// constrained text is also kept from containing it, so that a value the constraint rejects cannot
+/// run on past the tag.
+fn text_until(rule: &str, body: &[String], end: &Tag, g: &mut String) -> String {
+    let terminal = rule.to_uppercase();
     match end.special {
         true => {
-            let terminal = rule.to_uppercase();
-            let _ = writeln!(g, "{terminal}: /{body}/");
+            let _ = writeln!(g, "{terminal}: {}", raw_text::terminal_expr(body));
             let _ = writeln!(g, "{rule}: {terminal} {}", end.atom());
         }
+        false if body.is_empty() => {
+            let _ = writeln!(g, "{rule}[lazy]: /{ANY_TEXT}/ {}", end.atom());
+        }
         false => {
-            let _ = writeln!(g, "{rule}[lazy]: /{body}/ {}", end.atom());
+            let tag = llguidance::regex_to_lark(&regex_syntax::escape(end.text), "");
+            let _ = writeln!(
+                g,
+                "{terminal}: {} & ~/(?s:.*{tag}.*)/",
+                raw_text::terminal_expr(body)
+            );
+            let _ = writeln!(g, "{rule}[lazy]: {terminal} {}", end.atom());
         }
     }
     rule.to_string()
@@ -310,18 +318,6 @@ mod tests {
     }
 
     #[test]
-    fn raw_text_lengths_become_counted_repetitions() {
-        assert_eq!(text_regex(&json!({"type": "string"})), "(?s:.*)");
-        assert_eq!(text_regex(&json!({"maxLength": 20})), "(?s:.{0,20})");
-        assert_eq!(
-            text_regex(&json!({"minLength": 2, "maxLength": 5})),
-            "(?s:.{2,5})"
-        );
-        assert_eq!(text_regex(&json!({"minLength": 3})), "(?s:.{3,})");
-        assert_eq!(text_regex(&json!({"maxLength": 1_000_000})), "(?s:.*)");
-    }
-
-    #[test]
     fn rules_name_each_argument_and_type_each_value() {
         let tool =
             ToolSpec::from_openai(&json!({"function": {"name": "get_weather", "parameters": {
@@ -329,7 +325,7 @@ mod tests {
             "days": {"type": "integer"}, "note": {"type": "string"}}, "required": ["city"]}}}))
             .unwrap();
         let tags = ArgTags::new(|t| t == ARG_VALUE_END);
-        let g = call_rules(&[tool], &tags, "</tool_call>");
+        let g = call_rules(&[tool], &tags, "</tool_call>").unwrap();
         assert!(
             g.contains(
                 "glm_tool_0: \"get_weather\" GLM_NL? glm_a_0_0 glm_a_0_1? glm_a_0_2? </tool_call>"
@@ -349,7 +345,7 @@ mod tests {
         let tool = ToolSpec::from_openai(&json!({"function": {"name": "f", "parameters": {
             "type": "object", "properties": {"q": {"type": "string"}}}}}))
         .unwrap();
-        let g = call_rules(&[tool], &text_tags, "\"</tool_call>\"");
+        let g = call_rules(&[tool], &text_tags, "\"</tool_call>\"").unwrap();
         assert!(
             g.contains("glm_v_0_0[lazy]: /(?s:.*)/ \"</arg_value>\""),
             "{g}"
@@ -358,7 +354,7 @@ mod tests {
         let tool = ToolSpec::from_openai(&json!({"function": {"name": "f", "parameters": {
             "type": "object", "properties": {"q": {"type": "string"}}, "required": ["id"]}}}))
         .unwrap();
-        let g = call_rules(&[tool], &text_tags, "\"</tool_call>\"");
+        let g = call_rules(&[tool], &text_tags, "\"</tool_call>\"").unwrap();
         assert!(
             g.contains("GLM_NL? glm_a_0_0? glm_a_0_1 \"</tool_call>\""),
             "{g}"

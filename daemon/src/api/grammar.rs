@@ -126,8 +126,14 @@ pub enum CallCount {
 }
 
 /// Lark rules defining `call` (one whole call, tags included) and `call_rest` (what follows the
-/// opening tag, for `auto`) in `format`, plus the `calls` rule (`count` calls).
-fn call_rules(tools: &[ToolSpec], tags: &CallTags, format: CallFormat, count: CallCount) -> String {
+/// opening tag, for `auto`) in `format`, plus the `calls` rule (`count` calls). Err: a tool's schema
+/// asks for what the call format cannot enforce (the message says what).
+fn call_rules(
+    tools: &[ToolSpec],
+    tags: &CallTags,
+    format: CallFormat,
+    count: CallCount,
+) -> Result<String, String> {
     let (open, close) = (&tags.open, &tags.close);
     let (rules, sep) = match format {
         CallFormat::Hermes => (
@@ -143,7 +149,7 @@ fn call_rules(tools: &[ToolSpec], tags: &CallTags, format: CallFormat, count: Ca
         CallFormat::Glm => (
             format!(
                 "call: {open} glm_call_rest\ncall_rest: glm_call_rest\n{}",
-                glm_calls::call_rules(tools, &tags.args, close)
+                glm_calls::call_rules(tools, &tags.args, close)?
             ),
             // GLM-4.5 writes a newline between calls, 4.7 and later none.
             "\"\\n\"?",
@@ -153,7 +159,7 @@ fn call_rules(tools: &[ToolSpec], tags: &CallTags, format: CallFormat, count: Ca
         CallCount::One => "calls: call".to_string(),
         CallCount::OneOrMore => format!("calls: call ({sep} call)*"),
     };
-    format!("{calls}\n{rules}")
+    Ok(format!("{calls}\n{rules}"))
 }
 
 /// `tool_choice` required / named: the whole output is tool calls (one, or one or more), then the end.
@@ -162,9 +168,9 @@ pub fn forced_calls(
     tags: &CallTags,
     format: CallFormat,
     count: CallCount,
-) -> TopLevelGrammar {
-    let rules = call_rules(tools, tags, format, count);
-    TopLevelGrammar::from_lark(format!("start: calls\n{rules}"))
+) -> Result<TopLevelGrammar, String> {
+    let rules = call_rules(tools, tags, format, count)?;
+    Ok(TopLevelGrammar::from_lark(format!("start: calls\n{rules}")))
 }
 
 /// `tool_choice: auto` with `response_format` JSON: either the JSON answer or tool calls.
@@ -175,21 +181,27 @@ pub fn json_or_calls(
     tags: &CallTags,
     format: CallFormat,
     count: CallCount,
-) -> TopLevelGrammar {
+) -> Result<TopLevelGrammar, String> {
     let schema = schema.cloned().unwrap_or_else(|| json!({"type": "object"}));
     let answer = with_options(&schema, !strict);
-    let rules = call_rules(tools, tags, format, count);
-    TopLevelGrammar::from_lark(format!(
+    let rules = call_rules(tools, tags, format, count)?;
+    Ok(TopLevelGrammar::from_lark(format!(
         "start: answer | calls\nanswer: %json {answer}\n{rules}"
-    ))
+    )))
 }
 
 /// `tool_choice: auto`: the rest of one call, engaged once the model has written the opening tag (and,
 /// in the Hermes format, the `{` that starts the JSON; the whitespace before it is already written,
 /// whatever it is).
-pub fn call_after_open(tools: &[ToolSpec], tags: &CallTags, format: CallFormat) -> TopLevelGrammar {
-    let rules = call_rules(tools, tags, format, CallCount::One);
-    TopLevelGrammar::from_lark(format!("start: call_rest\n{rules}"))
+pub fn call_after_open(
+    tools: &[ToolSpec],
+    tags: &CallTags,
+    format: CallFormat,
+) -> Result<TopLevelGrammar, String> {
+    let rules = call_rules(tools, tags, format, CallCount::One)?;
+    Ok(TopLevelGrammar::from_lark(format!(
+        "start: call_rest\n{rules}"
+    )))
 }
 
 #[cfg(test)]
@@ -215,12 +227,9 @@ mod tests {
     fn call_grammar_names_the_tags_and_the_schema() {
         let tools = [ToolSpec::from_openai(&weather()).unwrap()];
         let tags = CallTags::new(|t| t == CALL_OPEN);
-        let g = serde_json::to_string(&forced_calls(
-            &tools,
-            &tags,
-            CallFormat::Hermes,
-            CallCount::One,
-        ))
+        let g = serde_json::to_string(
+            &forced_calls(&tools, &tags, CallFormat::Hermes, CallCount::One).unwrap(),
+        )
         .unwrap();
         assert!(g.contains("<tool_call>"), "{g}");
         assert!(g.contains(r#"\"</tool_call>\""#), "{g}");

@@ -6,10 +6,11 @@
 //! compiling a large schema must not hold up the async workers that stream other requests' tokens.
 use super::choice::OutputOptions;
 use super::error::ApiError;
-use super::generate::{choice_sampling, fit_context, ChoiceSpec, Job};
+use super::generate::{choice_sampling, fit_context, ChoiceSpec, Job, SamplingControl};
 use super::grammar::{self, CallCount, CallFormat};
 use super::reasoning::ReasoningParser;
 use super::structured::GrammarUse;
+use super::thinking::{self, ThinkStart, ThinkingSpec};
 use super::tools::{check_messages, inject_hermes_tools, ToolChoice, Tools};
 use super::types::{chat_logprobs, ChatRequest, ResponseFormat};
 use super::AppState;
@@ -73,6 +74,18 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
     let prompt = state.encode_prompt_blocking(&prompt_text)?;
     let max_tokens = fit_context(state, prompt.len(), req.common.max_tokens()?)?;
     let grammar = output_grammar(state, tools.as_ref(), &format)?;
+    let enable_thinking = kwargs.get("enable_thinking").and_then(|v| v.as_bool());
+    let thinking_off = thinking::thinking_off(&prompt_text, enable_thinking);
+    let prompt_opened_think = ReasoningParser::prompt_opens_think(&prompt_text) && !thinking_off;
+    let thinking = match state.reasoning && !thinking_off {
+        true => thinking_spec(
+            grammar.as_ref(),
+            prompt_opened_think,
+            req.thinking_token_budget,
+            max_tokens,
+        ),
+        false => None,
+    };
     Ok(Job {
         choices: (0..n)
             .map(|i| ChoiceSpec {
@@ -85,12 +98,7 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         logprobs,
         output: OutputOptions {
             stop: req.common.stop.strings(),
-            // A grammar over the whole output leaves no room for thinking: whatever the prompt opened,
-            // the output is the constrained answer.
-            reasoning: state.reasoning.then(|| {
-                !matches!(grammar, Some(GrammarUse::Whole(_)))
-                    && ReasoningParser::prompt_opens_think(&prompt_text)
-            }),
+            reasoning: state.reasoning.then_some(prompt_opened_think),
             tools: tools.as_ref().map(|t| t.raw.clone()),
             max_calls: tools.as_ref().filter(|t| !t.parallel).map(|_| 1),
             skip_special_tokens: true,
@@ -98,9 +106,39 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         ignore_eos: req.common.ignore_eos,
         extra_stop_ids: req.common.stop_token_ids.clone().unwrap_or_default(),
         prompt_tokens: prompt.len(),
-        grammar,
-        logit_bias,
+        control: SamplingControl {
+            grammar,
+            logit_bias,
+            thinking,
+        },
     })
+}
+
+/// The reasoning section of a request with a reasoning parser and thinking on. A grammar (forced
+/// calls, JSON, `auto` calls) starts after it; a whole-output one (the answer must come) gets a
+/// default budget of half of `max_tokens`. An explicit `thinking_token_budget` wins, kept under
+/// `max_tokens`. Nothing to gate: None.
+fn thinking_spec(
+    grammar: Option<&GrammarUse>,
+    prompt_opened_think: bool,
+    requested_budget: Option<usize>,
+    max_tokens: usize,
+) -> Option<ThinkingSpec> {
+    let whole = matches!(grammar, Some(GrammarUse::Whole(_)));
+    let budget = match (requested_budget, whole) {
+        (Some(b), true) => Some(b.min(max_tokens.saturating_sub(1))),
+        (Some(b), false) => Some(b),
+        (None, true) => Some(thinking::constrained_budget(max_tokens)),
+        (None, false) => None,
+    };
+    if grammar.is_none() && budget.is_none() {
+        return None;
+    }
+    let start = match prompt_opened_think {
+        true => ThinkStart::Inside,
+        false => ThinkStart::MayOpen,
+    };
+    Some(ThinkingSpec { start, budget })
 }
 
 /// `tool_choice: none`: the tools are dropped, not rendered.
@@ -133,8 +171,8 @@ fn output_grammar(
         }
         return Ok(None);
     };
-    let compile = |g: TopLevelGrammar| {
-        so.compile(g, &state.metrics).map_err(|e| {
+    let compile = |g: Result<TopLevelGrammar, String>| {
+        g.and_then(|g| so.compile(g, &state.metrics)).map_err(|e| {
             ApiError::bad_param(
                 if json.is_some() {
                     "response_format"
@@ -161,7 +199,7 @@ fn output_grammar(
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (None, Some((schema, strict))) => {
-            let g = grammar::json_response(schema, strict);
+            let g = Ok(grammar::json_response(schema, strict));
             Ok(Some(GrammarUse::Whole(compile(g)?)))
         }
         (Some(t), None) => match compile(grammar::call_after_open(&t.specs, tags, format)) {

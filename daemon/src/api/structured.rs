@@ -9,6 +9,7 @@
 //! the expensive part for big schemas or many tools — happens in the HTTP handler's blocking task.
 use super::grammar::{CallFormat, CallTags, CALL_OPEN};
 use super::mask_worker::{self, ComputedMask, MaskWorkers, PendingMask};
+use super::thinking::{token_text, Step, ThinkTokens, ThinkingGate};
 use crate::metrics::Metrics;
 use crate::sched::TokenConstraint;
 use crate::text::TextTokenizer;
@@ -23,6 +24,7 @@ pub struct StructuredOutputs {
     factory: ParserFactory,
     tok_env: TokEnv,
     pub call_tags: CallTags,
+    pub think_tokens: ThinkTokens,
 }
 
 impl StructuredOutputs {
@@ -41,10 +43,12 @@ impl StructuredOutputs {
         let trie = tok_env.tok_trie();
         let is_token = |tag: &str| trie.get_special_token(tag).is_some();
         let call_tags = CallTags::new(is_token);
+        let think_tokens = ThinkTokens::new(&tok_env);
         Ok(Self {
             factory,
             tok_env,
             call_tags,
+            think_tokens,
         })
     }
 
@@ -114,6 +118,23 @@ pub struct OutputControl {
     complete: bool,
     /// Holds each mask worker back this long first (tests of late masks).
     mask_delay: Duration,
+    /// The reasoning section before the grammar starts (`thinking.rs`).
+    thinking: Option<Thinking>,
+}
+
+struct Thinking {
+    gate: ThinkingGate,
+    tok_env: TokEnv,
+    /// While `<think>` may still open, the whole-output grammar refused a token written towards
+    /// it: the model is committed to thinking.
+    grammar_refused: bool,
+    /// Right after `</think>`: whitespace (the templates' newlines) may come before the answer.
+    after_close: bool,
+}
+
+/// Whether token text is whitespace only (and not empty).
+fn is_blank(b: &[u8]) -> bool {
+    !b.is_empty() && b.iter().all(u8::is_ascii_whitespace)
 }
 
 struct GrammarState {
@@ -190,7 +211,27 @@ impl OutputControl {
             metrics,
             complete: false,
             mask_delay: Duration::ZERO,
+            thinking: None,
         }
+    }
+
+    /// The grammar starts after a reasoning section governed by `gate`.
+    pub fn with_thinking(mut self, gate: ThinkingGate, tok_env: TokEnv) -> Self {
+        self.thinking = Some(Thinking {
+            gate,
+            tok_env,
+            grammar_refused: false,
+            after_close: false,
+        });
+        self
+    }
+
+    /// Whether the grammar covers the whole answer (which must then come: the sequence may not
+    /// end while reasoning).
+    fn whole_grammar(&self) -> bool {
+        self.grammar
+            .as_ref()
+            .is_some_and(|g| matches!(g.mode, Mode::Whole))
     }
 
     /// Mask workers wait `delay` before each mask (tests: a late mask must not change the output).
@@ -224,6 +265,11 @@ impl OutputControl {
 
     /// Whether the grammar decides this step's tokens.
     fn masking(&self) -> bool {
+        if let Some(t) = &self.thinking {
+            if t.gate.inside() || t.grammar_refused {
+                return false;
+            }
+        }
         match &self.grammar {
             Some(g) => match g.mode {
                 Mode::Whole => true,
@@ -359,10 +405,146 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+impl OutputControl {
+    /// The reasoning section's share of `apply`: the closing tag written for the model once its
+    /// budget is spent (true: this step's logits are settled), no end of sequence inside the
+    /// section when an answer must follow, and `<think>` allowed beside the answer's first tokens.
+    /// Returns the tokens to keep whatever the grammar masks, with their logits.
+    fn apply_thinking(&mut self, logits: &mut [f32]) -> (bool, Vec<(usize, f32)>) {
+        let whole = self.whole_grammar();
+        let Some(t) = &mut self.thinking else {
+            return (false, Vec::new());
+        };
+        if let Some(id) = t.gate.forced() {
+            for (i, l) in logits.iter_mut().enumerate() {
+                if i != id as usize {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            return (true, Vec::new());
+        }
+        if t.gate.inside() && whole {
+            for &s in &self.stop_ids {
+                if let Some(l) = logits.get_mut(s as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let trie = t.tok_env.tok_trie();
+        let ids: Vec<u32> = match (t.gate.may_open(), t.after_close && whole) {
+            (true, _) if whole => t.gate.open_continuations(trie, logits.len()),
+            (_, true) => (0..logits.len().min(trie.vocab_size()) as u32)
+                .filter(|&id| is_blank(token_text(trie, id)))
+                .collect(),
+            _ => return (false, Vec::new()),
+        };
+        let keep: Vec<(usize, f32)> = ids
+            .into_iter()
+            .map(|id| (id as usize, logits[id as usize]))
+            .collect();
+        if t.grammar_refused {
+            logits.fill(f32::NEG_INFINITY);
+        }
+        (false, keep)
+    }
+
+    /// Moves the reasoning section on by `id`; true when the token was the section's (the grammar
+    /// must not see it).
+    fn advance_thinking(&mut self, id: u32) -> bool {
+        let whole = self.whole_grammar();
+        let Some(t) = &mut self.thinking else {
+            return false;
+        };
+        let may_open = t.gate.may_open();
+        let text = token_text(t.tok_env.tok_trie(), id);
+        if t.after_close {
+            if is_blank(text) {
+                return true;
+            }
+            t.after_close = false;
+        }
+        let refused = t.grammar_refused;
+        match t.gate.advance(id, text) {
+            Step::Thinking if may_open && whole => {
+                // Either the answer's first token or `<think>` on its way: the grammar takes it
+                // if it can.
+                if !refused && !self.grammar_takes(id) {
+                    if let Some(t) = &mut self.thinking {
+                        t.grammar_refused = true;
+                    }
+                }
+                true
+            }
+            // A token towards `<think>` is also text the `auto` call watcher may see.
+            Step::Thinking if may_open => false,
+            Step::Thinking => true,
+            Step::Opened => {
+                self.restart_grammar(&[]);
+                true
+            }
+            Step::Closed { rest } => {
+                let n = rest.iter().take_while(|b| b.is_ascii_whitespace()).count();
+                if let Some(t) = &mut self.thinking {
+                    t.after_close = n == rest.len();
+                }
+                self.restart_grammar(&rest[n..]);
+                true
+            }
+            Step::Answering | Step::Done => false,
+        }
+    }
+
+    /// Feeds `id` to the whole-output grammar without ending the sequence if it refuses.
+    fn grammar_takes(&mut self, id: u32) -> bool {
+        let Some(g) = &mut self.grammar else {
+            return false;
+        };
+        g.pending = None;
+        let mut m = lock(&g.matcher);
+        m.try_consume_tokens(&[id]).is_ok_and(|n| n == 1)
+    }
+
+    /// The grammar from its start, with `after` (what followed `</think>` in the same token)
+    /// already written.
+    fn restart_grammar(&mut self, after: &[u8]) {
+        if let Some(t) = &mut self.thinking {
+            t.grammar_refused = false;
+        }
+        let Some(g) = &mut self.grammar else { return };
+        g.pending = None;
+        let mut m = lock(&g.matcher);
+        let _ = m.reset();
+        match &mut g.mode {
+            Mode::Whole => {
+                let tokens = g.tok_env.tokenize_bytes(after);
+                if !m
+                    .try_consume_tokens(&tokens)
+                    .is_ok_and(|n| n == tokens.len())
+                {
+                    // Not the answer's start: the grammar starts afresh.
+                    let _ = m.reset();
+                }
+            }
+            Mode::Triggered { phase, .. } => {
+                *phase = CallPhase::Watching {
+                    tail: after.to_vec(),
+                };
+            }
+        }
+    }
+}
+
 impl TokenConstraint for OutputControl {
     fn apply(&mut self, logits: &mut [f32]) -> bool {
+        let (settled, keep) = self.apply_thinking(logits);
+        if settled {
+            return true;
+        }
         if self.masking() && !self.apply_mask(logits) {
             return false;
+        }
+        for (id, l) in keep {
+            logits[id] = l;
         }
         for &(id, b) in &self.bias {
             if let Some(l) = logits.get_mut(id as usize) {
@@ -383,7 +565,9 @@ impl TokenConstraint for OutputControl {
     }
 
     fn advance(&mut self, id: u32) {
-        self.advance_grammar(id);
+        if !self.advance_thinking(id) {
+            self.advance_grammar(id);
+        }
     }
 
     fn is_complete(&self) -> bool {

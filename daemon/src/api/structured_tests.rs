@@ -3,6 +3,7 @@
 //! grammar engages, when the sequence ends.
 use super::*;
 use crate::api::grammar::{self, CallCount, CallFormat, ToolSpec};
+use crate::api::thinking::{ThinkStart, ThinkingGate, ThinkingSpec};
 use serde_json::json;
 use std::time::Duration;
 
@@ -166,7 +167,7 @@ fn tools() -> Vec<ToolSpec> {
 #[test]
 fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
     let mut c = f.control(g, Some(true));
     feed(&mut c, f.vocab, "Let me check. <tool_call>\n");
     assert!(
@@ -193,7 +194,7 @@ fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
 #[test]
 fn another_call_format_after_the_tag_is_left_alone() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
     let mut c = f.control(g, Some(false));
     feed(
         &mut c,
@@ -212,7 +213,8 @@ fn forced_calls_use_tag_tokens_when_the_vocabulary_has_them() {
         &f.so.call_tags,
         CallFormat::Hermes,
         CallCount::One,
-    );
+    )
+    .unwrap();
     let mut c = f.control(g, None);
     assert!(
         !allowed(&mut c, f.vocab, b'<' as u32),
@@ -286,7 +288,8 @@ fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
             &f.so.call_tags,
             CallFormat::Glm,
             CallCount::One,
-        );
+        )
+        .unwrap();
         let ok = |text: &str| glm_accepts(&f, &g, text, tag_tokens);
         // GLM-4.5's newlines and 4.7's none; a JSON integer; raw (unquoted) text for a string.
         let glm45 =
@@ -314,11 +317,165 @@ fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
     }
 }
 
+/// A tool whose raw-text arguments carry a `pattern` (anchored, and one matching anywhere) and
+/// `format`s.
+fn glm_formatted_tool(strict: bool) -> Vec<ToolSpec> {
+    vec![
+        ToolSpec::from_openai(&json!({"type": "function", "function": {"name": "book",
+        "strict": strict, "parameters": {"type": "object", "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
+            "ref": {"type": "string", "pattern": "x7"},
+            "day": {"type": "string", "format": "date"},
+            "id": {"type": "string", "format": "uuid"},
+            "host": {"type": "string", "format": "ipv4", "maxLength": 9}},
+        "required": ["code"], "additionalProperties": false}}}))
+        .unwrap(),
+    ]
+}
+
+#[test]
+fn glm_raw_text_values_follow_pattern_and_format() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_formatted_tool(true),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        )
+        .unwrap();
+        let call = |args: &[(&str, &str)]| {
+            let a: String = args
+                .iter()
+                .map(|(k, v)| format!("<arg_key>{k}</arg_key><arg_value>{v}</arg_value>"))
+                .collect();
+            format!("<tool_call>book{a}</tool_call>")
+        };
+        let ok = |args: &[(&str, &str)]| glm_accepts(&f, &g, &call(args), tag_tokens);
+        assert!(ok(&[("code", "ABC-12")]), "tags as tokens: {tag_tokens}");
+        assert!(ok(&[
+            ("code", "XYZ-99"),
+            ("ref", "ab x7 cd"),
+            ("day", "2026-02-28"),
+            ("id", "123e4567-e89b-12d3-a456-426614174000"),
+            ("host", "10.0.0.1")
+        ]));
+        for bad in [
+            &[("code", "abc-12")][..],
+            &[("code", "ABC-123")],
+            &[("code", "ABC-12"), ("ref", "x8")],
+            &[("code", "ABC-12"), ("day", "2026-02-30")],
+            &[("code", "ABC-12"), ("day", "tomorrow")],
+            &[("code", "ABC-12"), ("id", "123e4567")],
+            &[("code", "ABC-12"), ("host", "300.1.1.1")],
+            // ipv4 and at most 9 characters: both hold.
+            &[("code", "ABC-12"), ("host", "192.168.0.1")],
+        ] {
+            assert!(!ok(bad), "accepted {bad:?} (tags as tokens: {tag_tokens})");
+        }
+        // A text tag inside a constrained value cannot end it early and then carry on.
+        let early = "<tool_call>book<arg_key>ref</arg_key><arg_value>a</arg_value>x7";
+        assert!(!glm_accepts(&f, &g, early, tag_tokens));
+    }
+}
+
+#[test]
+fn glm_unknown_formats_are_refused_for_strict_tools_and_ignored_otherwise() {
+    let f = fixture(false);
+    let with_format = |strict: bool| {
+        let mut t = glm_formatted_tool(strict);
+        t[0].parameters["properties"]["day"]["format"] = json!("lunar-date");
+        grammar::forced_calls(&t, &f.so.call_tags, CallFormat::Glm, CallCount::One)
+    };
+    let err = with_format(true).unwrap_err();
+    assert!(
+        err.contains("Unknown format: lunar-date") && err.contains("`day`"),
+        "{err}"
+    );
+    let g = with_format(false).unwrap();
+    let text = "<tool_call>book<arg_key>code</arg_key><arg_value>ABC-12</arg_value>\
+                <arg_key>day</arg_key><arg_value>any text</arg_value></tool_call>";
+    assert!(glm_accepts(&f, &g, text, false));
+    // The JSON path refuses the same format the same way.
+    let schema = json!({"type": "string", "format": "lunar-date"});
+    let json =
+        f.so.compile(grammar::json_response(Some(&schema), true), &f.metrics);
+    assert!(json.err().unwrap().contains("Unknown format: lunar-date"));
+}
+
+/// Whether the grammar accepts `text` whole (and may end there).
+fn accepts_whole(f: &Fixture, g: &TopLevelGrammar, text: &str) -> bool {
+    let mut m = f.so.compile(g.clone(), &f.metrics).unwrap();
+    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    m.try_consume_tokens(&tokens)
+        .is_ok_and(|n| n == tokens.len())
+        && m.is_accepting().unwrap_or(false)
+}
+
+#[test]
+fn raw_text_formats_accept_what_the_json_path_accepts() {
+    let f = fixture(false);
+    let samples = [
+        "2026-02-28T12:30:00Z",
+        "2026-02-30T12:30:00Z",
+        "2026-12-01",
+        "2026-13-01",
+        "23:59:60+01:00",
+        "24:00:00Z",
+        "P3DT4H",
+        "a.b+c@example.org",
+        "a@@b",
+        "host-1.example",
+        "-host",
+        "192.168.0.1",
+        "256.1.1.1",
+        "::1",
+        "2001:db8::8a2e:370:7334",
+        "1::2::3",
+        "123e4567-e89b-12d3-a456-426614174000",
+        "123e4567e89b12d3a456426614174000",
+        "https://example.org/a?b=c#d",
+        "not a uri",
+    ];
+    let formats = [
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uuid",
+        "uri",
+    ];
+    for format in formats {
+        let prop = json!({"type": "string", "format": format});
+        let json = grammar::json_response(Some(&prop), true);
+        let regexes = crate::api::raw_text::text_regexes(&prop, true).unwrap();
+        let raw = TopLevelGrammar::from_lark(format!(
+            "start: V\nV: {}",
+            crate::api::raw_text::terminal_expr(&regexes)
+        ));
+        let mut accepted = 0;
+        for s in samples {
+            let by_json = accepts_whole(&f, &json, &serde_json::to_string(s).unwrap());
+            assert_eq!(
+                accepts_whole(&f, &raw, s),
+                by_json,
+                "{format} on {s:?}: raw text and JSON disagree"
+            );
+            accepted += usize::from(by_json);
+        }
+        assert!(accepted > 0, "{format}: no sample accepted");
+    }
+}
+
 #[test]
 fn glm_auto_calls_engage_at_the_tag_and_end_after_one_call_when_single() {
     for tag_tokens in [false, true] {
         let f = fixture(tag_tokens);
-        let g = grammar::call_after_open(&glm_tools(), &f.so.call_tags, CallFormat::Glm);
+        let g = grammar::call_after_open(&glm_tools(), &f.so.call_tags, CallFormat::Glm).unwrap();
         let mut c = f.control_in(g, Some(true), CallFormat::Glm);
         feed_tagged(
             &mut c,
@@ -350,7 +507,8 @@ fn glm_parallel_calls_and_a_json_answer_are_both_possible() {
         &f.so.call_tags,
         CallFormat::Glm,
         CallCount::OneOrMore,
-    );
+    )
+    .unwrap();
     let one =
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
     assert!(glm_accepts(&f, &calls, &format!("{one}\n{one}{one}"), true));
@@ -361,7 +519,8 @@ fn glm_parallel_calls_and_a_json_answer_are_both_possible() {
         &f.so.call_tags,
         CallFormat::Glm,
         CallCount::One,
-    );
+    )
+    .unwrap();
     assert!(glm_accepts(&f, &either, one, true));
     assert!(glm_accepts(&f, &either, "{\"a\": 1}", true));
 }
@@ -513,4 +672,141 @@ fn masks_computed_during_the_forward_pass_late_or_not_give_the_same_output() {
             "{timing:?}"
         );
     }
+}
+
+// --- a reasoning section before the grammar ---
+
+fn thinking(
+    f: &Fixture,
+    c: OutputControl,
+    start: ThinkStart,
+    budget: Option<usize>,
+) -> OutputControl {
+    let gate = ThinkingGate::new(ThinkingSpec { start, budget }, &f.so.think_tokens);
+    c.with_thinking(gate, f.so.tok_env().clone())
+}
+
+#[test]
+fn forced_calls_wait_for_the_reasoning_to_close() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_tools(),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        )
+        .unwrap();
+        let mut c = thinking(
+            &f,
+            f.control_in(g, None, CallFormat::Glm),
+            ThinkStart::MayOpen,
+            None,
+        );
+        assert!(
+            !allowed(&mut c, f.vocab, b'x' as u32),
+            "the call or <think> first"
+        );
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<think>I should call get_weather ",
+            tag_tokens,
+        );
+        assert!(allowed(&mut c, f.vocab, b'x' as u32), "free text inside");
+        assert!(!allowed(&mut c, f.vocab, EOS), "no end before the call");
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<tool_call>, not yet.</think>\n\n",
+            tag_tokens,
+        );
+        assert!(
+            !allowed(&mut c, f.vocab, b'x' as u32),
+            "the grammar after </think>"
+        );
+        feed_tagged(
+            &mut c,
+            f.vocab,
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>",
+            tag_tokens,
+        );
+        assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    }
+}
+
+#[test]
+fn a_model_that_does_not_think_answers_at_once() {
+    for tag_tokens in [false, true] {
+        let f = fixture(tag_tokens);
+        let g = grammar::forced_calls(
+            &glm_tools(),
+            &f.so.call_tags,
+            CallFormat::Glm,
+            CallCount::One,
+        )
+        .unwrap();
+        let mut c = thinking(
+            &f,
+            f.control_in(g, None, CallFormat::Glm),
+            ThinkStart::MayOpen,
+            None,
+        );
+        let call =
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
+        feed_tagged(&mut c, f.vocab, call, tag_tokens);
+        assert!(
+            c.is_complete() || allowed(&mut c, f.vocab, EOS),
+            "tags as tokens: {tag_tokens}"
+        );
+    }
+    // A JSON answer: `{` is no way into `<think>`.
+    let f = fixture(false);
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let g = grammar::json_response(Some(&schema), true);
+    let mut c = thinking(&f, f.control(g, None), ThinkStart::MayOpen, None);
+    assert!(allowed(&mut c, f.vocab, b'<' as u32) && !allowed(&mut c, f.vocab, b'x' as u32));
+    feed(&mut c, f.vocab, "{\"a\":1}");
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+#[test]
+fn a_spent_budget_closes_the_reasoning_and_the_answer_follows() {
+    let f = fixture(false);
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let g = grammar::json_response(Some(&schema), true);
+    // The prompt opened <think>; 5 reasoning tokens allowed.
+    let mut c = thinking(&f, f.control(g, None), ThinkStart::Inside, Some(5));
+    feed(&mut c, f.vocab, "hmmmm");
+    let mut closing = Vec::new();
+    for _ in 0.."</think>".len() {
+        let mut l = vec![0.0; f.vocab];
+        assert!(c.apply(&mut l));
+        let only: Vec<usize> = (0..f.vocab).filter(|&i| l[i].is_finite()).collect();
+        assert_eq!(only.len(), 1, "the gate writes the tag itself");
+        closing.push(only[0] as u8);
+        c.advance(only[0] as u32);
+    }
+    assert_eq!(closing, b"</think>");
+    feed(&mut c, f.vocab, "\n{\"a\":2}");
+    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+}
+
+#[test]
+fn auto_calls_are_not_watched_inside_the_reasoning() {
+    let f = fixture(false);
+    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
+    let mut c = thinking(&f, f.control(g, Some(true)), ThinkStart::MayOpen, None);
+    feed(&mut c, f.vocab, "<think>maybe <tool_call>\n{\"x");
+    assert!(
+        allowed(&mut c, f.vocab, b'y' as u32),
+        "reasoning is free text"
+    );
+    feed(&mut c, f.vocab, "</think>Let me look. <tool_call>\n{\"");
+    assert!(
+        !allowed(&mut c, f.vocab, b'x' as u32),
+        "engaged after the reasoning"
+    );
 }

@@ -128,6 +128,8 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,
+    /// Reasoning tokens after which `</think>` is written for the model (vLLM's field).
+    pub thinking_token_budget: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -84,6 +84,10 @@ pub struct EngineArgs {
     /// Format of DRAM experts: bf16, fp8, int8, int4 (group 32), int4g64, int4g128. Default: as stored.
     #[arg(long)]
     pub expert_dtype: Option<WeightFormat>,
+    /// Element type of the CPU backend's KV cache: f16, bf16 or f32 (default: f16 for GQA models, f32
+    /// for MLA models).
+    #[arg(long)]
+    pub cpu_kv_dtype: Option<crate::engine::kv::KvDtype>,
     /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
     #[arg(long)]
     pub cpu_tier: Option<CpuTier>,
@@ -282,6 +286,7 @@ impl EngineArgs {
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
+            cpu_kv_dtype: self.cpu_kv_dtype,
         })
     }
 }

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod cpu_experts;
 pub mod dense_pack;
+mod flash;
 pub mod gpu;
 pub mod heap;
 pub mod hyper;
@@ -112,6 +113,8 @@ pub struct EngineOptions {
     /// attention runs, when routing is known before attention (router on the layer input) and the
     /// experts run on the packed CPU kernels; 0 = off.
     pub expert_prefetch_bytes: usize,
+    /// Element type of the CPU backend's KV rows (`None`: [`kv::default_dtype`] of the model).
+    pub cpu_kv_dtype: Option<kv::KvDtype>,
 }
 
 impl Default for EngineOptions {
@@ -140,6 +143,7 @@ impl Default for EngineOptions {
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
             expert_prefetch_bytes: 0,
+            cpu_kv_dtype: None,
         }
     }
 }
@@ -245,18 +249,14 @@ impl Engine {
             .thread_name(|i| format!("moe-cpu-{i}"))
             .build()?;
         let rope = Rope::new(&cfg.rope);
-        if opts.device != Device::Cpu && (cfg.linear_attention.is_some() || cfg.hyper.is_some()) {
-            anyhow::bail!(
-                "{}: the CUDA backend does not run linear-attention layers and hyper-connections yet; use --device cpu",
-                cfg.arch_name
-            );
-        }
-        let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
+        let kv_dtype = opts.cpu_kv_dtype.unwrap_or_else(|| kv::default_dtype(&cfg));
+        let footprint = kv::footprint::ContextFootprint::of(&cfg, kv_dtype.bytes());
         tracing::info!(
             kv_bytes_per_position = footprint.kv_per_position,
             indexer_bytes_per_position = footprint.indexer_per_position,
             linear_state_mib_per_sequence = footprint.state_per_sequence >> 20,
-            "context memory on the CPU backend (f32 rows)"
+            ?kv_dtype,
+            "context memory on the CPU backend"
         );
         let mut model = pool.install(|| build_model(cfg, src))?;
         let rules = opts
@@ -366,8 +366,10 @@ impl Engine {
                 )
             }
             None => {
-                let store =
-                    std::sync::Arc::new(kv::CpuKvStore::new(&kv::row_widths(&model.config)));
+                let store = std::sync::Arc::new(kv::CpuKvStore::new(
+                    &kv::row_widths(&model.config),
+                    kv_dtype,
+                ));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
@@ -561,6 +563,11 @@ impl Engine {
     pub fn new_cache(&self) -> SeqCache {
         let cfg = &self.model.config;
         match &cfg.linear_attention {
+            // the CUDA backend keeps the state in GPU memory (made by the sequence's first step)
+            Some(_) if self.gpu.is_some() => SeqCache::with_recurrent(
+                self.kv_blocks.clone(),
+                kv::RecurrentState::on_device(cfg.num_layers),
+            ),
             Some(la) => SeqCache::with_recurrent(
                 self.kv_blocks.clone(),
                 kv::RecurrentState::new(&cfg.mixers, la),
@@ -604,12 +611,17 @@ impl Engine {
         g: &gpu::GpuModel,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, StepError> {
-        let inputs: Vec<_> = batch
-            .iter()
-            .map(|s| gpu::forward::GpuSeqInput {
-                blocks: s.cache.blocks(),
-                pos0: s.cache.len(),
-                tokens: s.tokens,
+        let mut inputs: Vec<_> = batch
+            .iter_mut()
+            .map(|s| {
+                let pos0 = s.cache.len();
+                let (blocks, state) = s.cache.parts_mut();
+                gpu::forward::GpuSeqInput {
+                    blocks,
+                    pos0,
+                    tokens: s.tokens,
+                    state: state.map(|r| r.device_mut()),
+                }
             })
             .collect();
         let mut times = StepTimes::default();
@@ -617,7 +629,7 @@ impl Engine {
             .forward(
                 &self.model,
                 self.cpu_pool.as_deref(),
-                &inputs,
+                &mut inputs,
                 &mut times,
                 |l, ids| self.record(l, ids),
             )
@@ -739,7 +751,7 @@ impl Engine {
                 (Ffn::Moe(block), Some(mc), Some(x))
                     if mc.router_input == RouterInput::LayerInput =>
                 {
-                    let routing = moe::route(block, mc, x, hd);
+                    let routing = moe::route(block, mc, x, hd, self.cpu_pool.as_deref());
                     self.prefetch_experts(block, &routing);
                     Some(routing)
                 }
@@ -789,7 +801,7 @@ impl Engine {
                     if let Some((p, _)) = &self.prefetch {
                         p.cancel(); // the kernels read the weights now
                     }
-                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
+                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd, pool));
                     times.expert_hits += routing.ids.len() as u64;
                     self.record(li, &routing.ids);
                     let out = moe::moe_forward(block, pool, act, &h, hd, &routing);

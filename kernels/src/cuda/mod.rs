@@ -12,6 +12,10 @@ use std::sync::Arc;
 pub use cudarc::driver::DriverError;
 
 pub mod dense;
+pub mod hybrid;
+pub mod hyper;
+pub mod indexer;
+pub mod linear_attention;
 pub mod quant;
 
 /// `kernels.cu` then `dense_quant.cu` (which uses the former's helpers), one NVRTC module.
@@ -516,6 +520,16 @@ mod tests {
             let src = ptx.to_src();
             for entry in ["gated_mul", "gemv_w4a16", "gemv_w8a16", "dense_dequant_w4"] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
+            }
+            // the hybrid-attention module (compiled on demand at start-up)
+            let src = hybrid::compile(arch)
+                .unwrap_or_else(|e| panic!("hybrid.cu {arch}: {e}"))
+                .to_src();
+            for entry in hybrid::ENTRIES {
+                assert!(
+                    src.contains(&format!(".entry {entry}")),
+                    "hybrid.cu {arch}: {entry}"
+                );
             }
         }
     }

@@ -27,6 +27,8 @@ use crate::placement::sizing::Sizing;
 pub const HTTP_PORT: i32 = 8000;
 pub const FIELD_MANAGER: &str = "moe-operator";
 pub const LABEL_NAME: &str = "app.kubernetes.io/name";
+/// The daemon pods' `app.kubernetes.io/name`.
+pub const DAEMON_APP_NAME: &str = "moe-daemon";
 pub const LABEL_INSTANCE: &str = "app.kubernetes.io/instance";
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const LABEL_DEPLOYMENT: &str = "moe.inference.dev/deployment";
@@ -113,7 +115,7 @@ impl BuildInput {
 
     pub fn selector_labels(&self) -> BTreeMap<String, String> {
         [
-            (LABEL_NAME.to_string(), "moe-daemon".to_string()),
+            (LABEL_NAME.to_string(), DAEMON_APP_NAME.to_string()),
             (LABEL_INSTANCE.to_string(), self.name()),
         ]
         .into()

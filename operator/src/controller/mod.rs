@@ -24,6 +24,7 @@ use crate::builders::{FIELD_MANAGER, LABEL_MANAGED_BY};
 use crate::crd::MoEDeployment;
 use crate::metrics::Metrics;
 use crate::node_cache::NodeCache;
+use crate::pod_cache::PodCache;
 use crate::server::Health;
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +46,8 @@ pub struct Context {
     pub autoscaler_states: Mutex<HashMap<String, AutoscalerState>>,
     /// Cached nodes from the cluster-wide Node watch; `None` (tests) lists nodes per reconcile.
     pub nodes: Option<NodeCache>,
+    /// Cached bound pods (for the CPU free on each node); `None` (tests) lists them per reconcile.
+    pub pods: Option<PodCache>,
     pub health: Arc<Health>,
 }
 
@@ -57,6 +60,7 @@ impl Context {
             failures: Mutex::default(),
             autoscaler_states: Mutex::default(),
             nodes: None,
+            pods: None,
             health: Arc::new(Health::default()),
         }
     }
@@ -64,6 +68,12 @@ impl Context {
     /// Reads nodes from `cache` and re-reconciles everything when their placement inputs change.
     pub fn with_node_cache(mut self, cache: NodeCache) -> Self {
         self.nodes = Some(cache);
+        self
+    }
+
+    /// Reads the pods bound to nodes from `cache`.
+    pub fn with_pod_cache(mut self, cache: PodCache) -> Self {
+        self.pods = Some(cache);
         self
     }
 

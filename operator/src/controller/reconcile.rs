@@ -28,11 +28,12 @@ use super::conditions::{self, Outcome};
 use super::ownership::{controlled_by, immutable_change};
 use super::{Context, Error};
 use crate::builders::{
-    autoscaling::keda_api_resource, owner_reference, DesiredObjects, FIELD_MANAGER,
-    LABEL_DEPLOYMENT,
+    autoscaling::keda_api_resource, owner_reference, DesiredObjects, DAEMON_APP_NAME,
+    FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_INSTANCE, LABEL_NAME,
 };
 use crate::crd::{MoEDeployment, MoEDeploymentStatus};
 use crate::desired::{compute_desired, DesiredError};
+use crate::pod_cache::{bound_pods, CpuRequests};
 
 /// Finalizer that older versions added; removed on sight so deletion never waits on the operator.
 pub const LEGACY_FINALIZER: &str = "moe.inference.dev/cleanup";
@@ -393,6 +394,30 @@ async fn pending_replicas(ctx: &Context, namespace: &str, selector: &str) -> Opt
     }
 }
 
+/// CPU requested on each node by pods other than this deployment's own replicas (whose CPUs are
+/// what is being sized). `None` when the pods cannot be read: sizing then falls back to a reserve.
+async fn cpu_requested_by_others(
+    ctx: &Context,
+    md: &MoEDeployment,
+    namespace: &str,
+) -> Option<CpuRequests> {
+    let pods = match bound_pods(&ctx.client, ctx.pods.as_ref()).await {
+        Ok(pods) => pods,
+        Err(e) => {
+            tracing::warn!(error = %e, "listing pods for free CPUs; sizing with a fixed reserve");
+            return None;
+        }
+    };
+    let name = md.name_any();
+    let own = |p: &Pod| {
+        let labels = p.labels();
+        p.namespace().as_deref() == Some(namespace)
+            && labels.get(LABEL_INSTANCE) == Some(&name)
+            && labels.get(LABEL_NAME).map(String::as_str) == Some(DAEMON_APP_NAME)
+    };
+    Some(CpuRequests::from_pods(&pods, own))
+}
+
 async fn publish(ctx: &Context, md: &MoEDeployment, type_: EventType, reason: &str, note: String) {
     let event = KubeEvent {
         type_,
@@ -444,6 +469,7 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
             nodes.list(&ListParams::default()).await?.items
         }
     };
+    let cpu_in_use = cpu_requested_by_others(ctx, md, namespace).await;
     let previous = md.status.clone().unwrap_or_default();
     let generation = md.metadata.generation;
     let now = Time(Timestamp::now());
@@ -454,7 +480,13 @@ async fn apply(md: &MoEDeployment, ctx: &Context, namespace: &str) -> Result<Act
         ..Default::default()
     };
 
-    let (outcome, action) = match compute_desired(md, namespace, &node_list, owner_reference(md)) {
+    let (outcome, action) = match compute_desired(
+        md,
+        namespace,
+        &node_list,
+        cpu_in_use.as_ref(),
+        owner_reference(md),
+    ) {
         Err(DesiredError::InvalidSpec(errors)) => {
             let msg = errors.join("; ");
             publish(ctx, md, EventType::Warning, "InvalidSpec", msg.clone()).await;

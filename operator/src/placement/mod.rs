@@ -111,7 +111,7 @@ impl std::fmt::Display for Rejection {
             Rejection::InsufficientCpu { need, have } => {
                 write!(
                     f,
-                    "insufficient cpu: needs {need} whole CPUs, allocatable {have}"
+                    "insufficient cpu: needs {need} whole CPUs, {have} available"
                 )
             }
             Rejection::InsufficientMemory { need, have } => write!(
@@ -229,10 +229,10 @@ fn resource_rejections(node: &NodeFacts, sizing: &Sizing) -> Vec<Rejection> {
             out.push(Rejection::InsufficientGpuMemory { need_mib, have_mib });
         }
     }
-    if (sizing.cpus as u64) > node.whole_cpus() {
+    if (sizing.cpus as u64) > node.schedulable_cpus() {
         out.push(Rejection::InsufficientCpu {
             need: sizing.cpus as u64,
-            have: node.whole_cpus(),
+            have: node.schedulable_cpus(),
         });
     }
     if sizing.memory_bytes > node.memory_bytes {
@@ -265,7 +265,7 @@ fn sizing_rejection(err: SizingError) -> Rejection {
             Rejection::InsufficientGpuMemory { need_mib, have_mib }
         }
         SizingError::TooFewCpus { whole_cpus } => Rejection::InsufficientCpu {
-            need: sizing::DAEMONSET_CPU_RESERVE + 2,
+            need: sizing::MIN_CPUS,
             have: whole_cpus,
         },
     }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 
+use super::sizing::DAEMONSET_CPU_RESERVE;
 use crate::quantity::{parse_bytes, parse_millicores};
 
 pub const LABEL_AVX512F: &str = "feature.node.kubernetes.io/cpu-cpuid.AVX512F";
@@ -42,6 +43,9 @@ pub struct NodeFacts {
     pub unschedulable: bool,
     pub taints: Vec<Taint>,
     pub cpu_millis: u64,
+    /// CPU requested here by other workloads' pods; `None` when not known (`plan` without a
+    /// cluster), when a fixed reserve stands in for it.
+    pub cpu_requested_millis: Option<u64>,
     pub memory_bytes: u64,
     pub hugepages_1gi_bytes: u64,
     pub hugepages_2mi_bytes: u64,
@@ -81,6 +85,7 @@ impl NodeFacts {
                 .get("cpu")
                 .and_then(|q| parse_millicores(&q.0).ok())
                 .unwrap_or(0),
+            cpu_requested_millis: None,
             memory_bytes: bytes("memory"),
             hugepages_1gi_bytes: bytes(RESOURCE_HUGEPAGES_1GI),
             hugepages_2mi_bytes: bytes(RESOURCE_HUGEPAGES_2MI),
@@ -106,9 +111,27 @@ impl NodeFacts {
             .count()
     }
 
-    /// Whole CPUs a Guaranteed pod can request here.
+    /// Whole CPUs of the node's allocatable.
     pub fn whole_cpus(&self) -> u64 {
         self.cpu_millis / 1000
+    }
+
+    /// Whole CPUs a Guaranteed pod can still request here: allocatable minus what other pods
+    /// request, or, when that is not known, allocatable minus a reserve for DaemonSets.
+    pub fn free_whole_cpus(&self) -> u64 {
+        match self.cpu_requested_millis {
+            Some(used) => self.cpu_millis.saturating_sub(used) / 1000,
+            None => self.whole_cpus().saturating_sub(DAEMONSET_CPU_RESERVE),
+        }
+    }
+
+    /// Whole CPUs a pod of a given size must fit in: the free ones when other pods' requests are
+    /// known, else all of allocatable (the reserve is only a sizing guess).
+    pub fn schedulable_cpus(&self) -> u64 {
+        match self.cpu_requested_millis {
+            Some(_) => self.free_whole_cpus(),
+            None => self.whole_cpus(),
+        }
     }
 }
 

@@ -15,7 +15,9 @@
 //! cpu_experts  = (experts_per_layer − gpu_experts) × moe_layers × expert_bytes
 //! hugepages    = cpu_experts rounded up to the page size (1Gi if the node has enough, else 2Mi, else off)
 //! memory       = 4 GiB runtime + 5% of cpu_experts + (cpu_experts when not in hugepages)
-//! cpus         = allocatable whole CPUs − 2 (left for DaemonSets); cpu_threads = cpus − 1
+//! cpus         = whole CPUs free on the node: allocatable − CPU requested by the pods already bound
+//!                there (other workloads', DaemonSets included); without a cluster (`plan`),
+//!                allocatable − 2 for DaemonSets.  cpu_threads = cpus − 1
 //! ```
 
 use crate::crd::{AutoOr, HugepageSize, MoEDeploymentSpec, ModelShape};
@@ -26,7 +28,10 @@ use super::node_facts::NodeFacts;
 
 pub const GPU_USABLE_FRACTION: f64 = moe_sizing::plan::USABLE_FRACTION;
 pub const RUNTIME_DRAM_BYTES: u64 = 4 * GIB;
+/// Whole CPUs assumed taken by DaemonSets when the pods on a node are not known.
 pub const DAEMONSET_CPU_RESERVE: u64 = 2;
+/// The fewest whole CPUs an `auto` pod takes: one worker thread and one for the engine and HTTP.
+pub const MIN_CPUS: u64 = 2;
 /// Full-length sequences whose KV cache must fit on the GPU next to the weights.
 pub const KV_RESERVED_SEQUENCES: u32 = 2;
 
@@ -269,11 +274,11 @@ pub fn size_for_node(
     let (cpus, cpu_threads) = match spec.placement.cpu_threads {
         AutoOr::Count(n) => (n.max(1) + 1, n.max(1)),
         AutoOr::Auto => {
-            let whole = node.whole_cpus();
-            if whole < DAEMONSET_CPU_RESERVE + 2 {
-                return Err(SizingError::TooFewCpus { whole_cpus: whole });
+            let free = node.free_whole_cpus();
+            if free < MIN_CPUS {
+                return Err(SizingError::TooFewCpus { whole_cpus: free });
             }
-            let cpus = (whole - DAEMONSET_CPU_RESERVE) as u32;
+            let cpus = u32::try_from(free).unwrap_or(u32::MAX);
             (cpus, cpus - 1)
         }
     };

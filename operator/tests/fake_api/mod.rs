@@ -196,10 +196,20 @@ impl FakeApi {
                     return (200, obj.clone());
                 }
                 let prefix = format!("{path}/");
+                let across_namespaces = cluster_wide_pattern(&path);
+                let fields = query_param(&req.query, "fieldSelector")
+                    .map(|f| percent_decode(&f))
+                    .unwrap_or_default();
                 let items: Vec<Value> = st
                     .objects
                     .iter()
-                    .filter(|(k, _)| k.starts_with(&prefix) && !k[prefix.len()..].contains('/'))
+                    .filter(|(k, _)| {
+                        (k.starts_with(&prefix) && !k[prefix.len()..].contains('/'))
+                            || across_namespaces
+                                .as_ref()
+                                .is_some_and(|(head, kind)| in_namespaced_list(k, head, kind))
+                    })
+                    .filter(|(_, v)| field_selector_matches(&fields, v))
                     .map(|(_, v)| v.clone())
                     .collect();
                 if looks_like_collection(&path) {
@@ -557,6 +567,68 @@ fn forbidden_statefulset_update(before: &Value, after: &Value) -> Option<String>
         .find(|k| b.get(*k) != a.get(*k))
         .map(|k| k.to_string());
     changed
+}
+
+/// A cluster-wide list of a namespaced kind (`/api/v1/pods`): ("/api/v1", "pods"). Kinds stored
+/// without namespaces (nodes) have no `namespaces/` keys, so the pattern finds nothing extra there.
+fn cluster_wide_pattern(path: &str) -> Option<(String, String)> {
+    let (head, kind) = path.rsplit_once('/')?;
+    let depth = head.trim_start_matches('/').split('/').count();
+    let api_root =
+        (head.starts_with("/api/") && depth == 2) || (head.starts_with("/apis/") && depth == 3);
+    api_root.then(|| (head.to_string(), kind.to_string()))
+}
+
+/// Whether `key` is `{head}/namespaces/{ns}/{kind}/{name}`.
+fn in_namespaced_list(key: &str, head: &str, kind: &str) -> bool {
+    let Some(rest) = key.strip_prefix(&format!("{head}/namespaces/")) else {
+        return false;
+    };
+    matches!(rest.split('/').collect::<Vec<_>>()[..], [_, k, _] if k == kind)
+}
+
+/// `%XX` escapes of a query value decoded (what field selectors need).
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A field selector (`a.b=v`, `a.b!=v`, comma-separated, all must hold) on `obj`; an absent field
+/// reads as "" as the API server's pod field sets do (`spec.nodeName!=` selects bound pods).
+fn field_selector_matches(selector: &str, obj: &Value) -> bool {
+    selector.split(',').filter(|t| !t.is_empty()).all(|term| {
+        let (path, want, negated) = match term.split_once("!=") {
+            Some((p, v)) => (p, v, true),
+            None => match term.split_once('=') {
+                Some((p, v)) => (p, v.trim_start_matches('='), false),
+                None => return true,
+            },
+        };
+        let pointer = format!("/{}", path.replace('.', "/"));
+        let have = obj.pointer(&pointer).and_then(Value::as_str).unwrap_or("");
+        (have == want) != negated
+    })
 }
 
 /// `/api/v1/nodes`, `/api/v1/namespaces/ns/pods`, `/apis/g/v/namespaces/ns/things`, `/apis/g/v/things`.

@@ -94,3 +94,24 @@ pub fn condition<'a>(md: &'a Value, type_: &str) -> &'a Value {
         .and_then(|c| c.iter().find(|c| c["type"] == type_))
         .unwrap_or_else(|| panic!("condition {type_} missing in {}", md["status"]))
 }
+
+/// Where the fake keeps pod `namespace/name`.
+pub fn pod_path(namespace: &str, name: &str) -> String {
+    format!("/api/v1/namespaces/{namespace}/pods/{name}")
+}
+
+/// A pod bound to `node` (none when empty) with one container requesting (and limited to) `cpu`.
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    node: &str,
+    cpu: &str,
+    phase: &str,
+    labels: Value,
+) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": namespace, "labels": labels},
+           "spec": {"nodeName": node, "containers": [
+               {"name": "c", "resources": {"requests": {"cpu": cpu}, "limits": {"cpu": cpu}}}]},
+           "status": {"phase": phase}})
+}

@@ -9,6 +9,7 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
+use moe_kernels::cuda::indexer::MlaDims;
 use moe_kernels::cuda::GpuDevice;
 
 /// Where each token of the step sits: positions, sequences, cache slots and block tables (device).
@@ -43,7 +44,7 @@ impl GpuModel {
     /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head
     /// (`rotate` false: a NoPE layer, norm only).
     #[allow(clippy::too_many_arguments)]
-    fn norm_rope(
+    pub(super) fn norm_rope(
         &self,
         host: &Model,
         buf: &mut CudaSlice<f32>,
@@ -372,6 +373,7 @@ impl GpuModel {
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
+        hybrid: Option<&mut super::hybrid::HybridStep<'_>>,
     ) -> anyhow::Result<()> {
         let GpuAttention::Mla {
             q: wq,
@@ -394,6 +396,10 @@ impl GpuModel {
         );
         let qk = nope + rope;
         let dev = &self.dev;
+        // Layers with sparse attention (GLM-5, GLM-5.3-Flash) attend what the indexer selects; it
+        // reads the q-LoRA output in f32.
+        let sparse = self.hybrid.as_ref().is_some_and(|h| h.sparse[li]);
+        let mut q_resid = None;
         let mut q = self.alloc::<f32>(n * nh * qk)?;
         match wq {
             GpuMlaQuery::Direct(l) => self.linear(l, hb, &mut q, n, false)?,
@@ -402,7 +408,18 @@ impl GpuModel {
                 let mut qa = self.alloc::<f32>(n * r)?;
                 self.linear(a, hb, &mut qa, n, false)?;
                 let mut qa_b = self.alloc::<bf16>(n * r)?;
-                self.rms_norm(&qa, norm, m.latent_norm_eps, r, n, &mut qa_b, None)?;
+                if sparse {
+                    q_resid = Some(self.alloc::<f32>(n * r)?);
+                }
+                self.rms_norm(
+                    &qa,
+                    norm,
+                    m.latent_norm_eps,
+                    r,
+                    n,
+                    &mut qa_b,
+                    q_resid.as_mut(),
+                )?;
                 self.linear(b, &qa_b, &mut q, n, false)?;
             }
         }
@@ -423,9 +440,25 @@ impl GpuModel {
                 .arg(&mut krope);
             unsafe { l.launch(GpuDevice::cfg((n as u32, 1), 256, 0)) }.map_err(launch_err)?;
         }
-        self.norm_rope(host, &mut krope, step, 1, rope, None, 0, true)?;
+        if rope > 0 {
+            self.norm_rope(host, &mut krope, step, 1, rope, None, 0, true)?;
+        }
         self.append(pool, li, &latent, &krope, step)?;
         let mut out = self.alloc::<bf16>(n * nh * vd)?;
+        if sparse {
+            let hy = hybrid.context("a sparse-attention layer without hybrid step state")?;
+            self.indexer_select(host, li, step, x, q_resid.as_ref(), pool, hy)?;
+            let dims = MlaDims {
+                heads: nh,
+                nope,
+                rope,
+                lora,
+                v_dim: vd,
+            };
+            let scale = cfg.attention_scale();
+            self.mla_selected(step, pool, li, dims, scale, &q, kv_b, hy, &mut out)?;
+            return self.linear(o, &out, x, n, true);
+        }
         let (mb, nh_i, nope_i, rope_i, lora_i, vd_i, blk) = (
             step.max_blocks as i32,
             nh as i32,

@@ -15,11 +15,13 @@ use moe_kernels::cuda::GpuDevice;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
-/// driver reserved them).
+/// driver reserved them). `state`: the sequence's recurrent-state buffer slot (models with
+/// linear-attention layers; see `gpu::hybrid`).
 pub struct GpuSeqInput<'a> {
     pub blocks: &'a [BlockId],
     pub pos0: usize,
     pub tokens: &'a [u32],
+    pub state: Option<&'a mut Option<CudaSlice<f32>>>,
 }
 
 pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
@@ -27,7 +29,7 @@ pub(super) fn launch_err(e: cudarc::driver::DriverError) -> anyhow::Error {
 }
 
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
-struct Segment<'a> {
+struct Segment<'a, 'b> {
     x: &'a mut CudaSlice<f32>,
     hb: &'a mut CudaSlice<bf16>,
     hf: &'a mut CudaSlice<f32>,
@@ -38,6 +40,8 @@ struct Segment<'a> {
     hand: &'a mut Handoff,
     /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
     want_x: bool,
+    /// Streams, recurrent states and indexer selection of hybrid models.
+    hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
 }
 
 impl GpuModel {
@@ -161,7 +165,7 @@ impl GpuModel {
         li: usize,
         step: &super::attention::StepIndex,
         pool: &mut super::kv::GpuKvPool,
-        g: &mut Segment<'_>,
+        g: &mut Segment<'_, '_>,
     ) -> anyhow::Result<()> {
         let cfg = &host.config;
         let (dev, s, hd, n) = (&self.dev, &self.dev.stream, cfg.hidden_size, step.n);
@@ -174,14 +178,36 @@ impl GpuModel {
             }
             _ => false,
         };
+        use super::hybrid::Block;
+        if let Some(hy) = g.hybrid.as_deref_mut() {
+            self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
+        }
         self.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, hd, n, g.hb, None)?;
         match &layer.attn {
             GpuAttention::Gqa { .. } => {
                 self.gqa_attention(&layer.attn, host, step, g.hb, pool, li, g.x, g.attn)?
             }
-            GpuAttention::Mla { .. } => {
-                self.mla_attention(&layer.attn, host, step, g.hb, pool, li, g.x)?
+            GpuAttention::Mla { .. } => self.mla_attention(
+                &layer.attn,
+                host,
+                step,
+                g.hb,
+                pool,
+                li,
+                g.x,
+                g.hybrid.as_deref_mut(),
+            )?,
+            GpuAttention::Linear(la) => {
+                let hy = g
+                    .hybrid
+                    .as_deref_mut()
+                    .context("linear attention without hybrid state")?;
+                self.linear_attention(la, host, li, g.hb, g.x, hy)?
             }
+        }
+        if let Some(hy) = g.hybrid.as_deref_mut() {
+            self.hyper_expand(hy, hd, g.x)?;
+            self.hyper_collapse(hy, li, Block::Ffn, hd, cfg.rms_norm_eps, g.x)?;
         }
         self.rms_norm(
             g.x,
@@ -258,7 +284,7 @@ impl GpuModel {
         &self,
         host: &Model,
         cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
-        batch: &[GpuSeqInput<'_>],
+        batch: &mut [GpuSeqInput<'_>],
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -367,6 +393,10 @@ impl GpuModel {
                 s.memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
             }
         }
+        let mut hybrid_step = match &self.hybrid {
+            Some(h) => Some(self.hybrid_begin_step(h, batch, hd, x)?),
+            None => None,
+        };
         // Layerwise prefill streams the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         let mut stream = if layerwise {
@@ -408,6 +438,7 @@ impl GpuModel {
                     attn: &mut *attn_bufs,
                     hand: &mut *hand,
                     want_x,
+                    hybrid: hybrid_step.as_mut(),
                 };
                 match graphs.as_deref_mut() {
                     Some(set) if !set.broken => {
@@ -684,7 +715,14 @@ impl GpuModel {
                     }
                 }
             }
+            if let Some(hy) = hybrid_step.as_mut() {
+                self.hyper_expand(hy, hd, x)?;
+            }
         }
+        if let Some(hy) = &hybrid_step {
+            self.hyper_head(hy, hd, x)?;
+        }
+        drop(hybrid_step);
         // ---- final norm and lm_head on the last row of each sequence
         let rows = last_rows.len();
         let d_last = s.clone_htod(&last_rows)?;
