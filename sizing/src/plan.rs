@@ -38,11 +38,21 @@ pub const GRAPH_ROWS: u64 = 64;
 pub const STREAM_SLOTS: u64 = 4;
 pub const STREAM_CHUNK_BYTES: u64 = 256 * MIB;
 /// Expert copies live re-placement keeps in flight (the daemon's default), each holding one expert's
-/// GPU memory until its swap.
-pub const LIVE_MOVE_SLOTS: u64 = 4;
+/// GPU memory until its swap; a copy lands within a step, so this also bounds the moves per step.
+pub const LIVE_MOVE_SLOTS: u64 = 8;
 /// Steps of at least this many tokens prefill layer by layer (the daemon's default
 /// --gpu-prefill-threshold); the stream's staging is planned when the KV cache can hold such a step.
 pub const DEFAULT_PREFILL_THRESHOLD: u64 = 1024;
+
+/// Device bytes of live re-placement's copies: `slots` experts in flight, plus one packed staging
+/// expert (the dense size plus tile padding and scales: 5/4) and one dense one the copies are unpacked
+/// through. Nothing when live re-placement is off (`slots` 0).
+pub fn live_move_bytes(dense_expert_bytes: u64, slots: u64) -> u64 {
+    if slots == 0 {
+        return 0;
+    }
+    slots * dense_expert_bytes + dense_expert_bytes * 5 / 4 + dense_expert_bytes
+}
 
 /// Device bytes of layerwise prefill's expert stream: `STREAM_SLOTS` packed staging chunks (packed
 /// bytes are the dense bf16 size plus tile padding and scales: 5/4 covers them) and one dense chunk,
@@ -358,7 +368,7 @@ pub fn plan_with(
     } else {
         DEQUANT_SCRATCH_BYTES
     };
-    let moves = inputs.move_slots * shape.gpu_expert_bytes();
+    let moves = live_move_bytes(shape.gpu_expert_bytes(), inputs.move_slots);
     let work = steps + graphs + scratch + inputs.stream_staging_bytes + moves;
     let fixed = dense.total() + work;
     let embed_note = if host_embeddings {
@@ -543,7 +553,7 @@ pub fn plan_with(
             what: "live moves",
             bytes: moves,
             why: format!(
-                "{} expert copies in flight for live re-placement",
+                "{} expert copies in flight for live re-placement, and their staging",
                 inputs.move_slots
             ),
         },

@@ -227,7 +227,8 @@ fn live_move_slots_are_planned() {
     let off = choose(&q, &i).unwrap();
     i.move_slots = 4;
     let on = choose(&q, &i).unwrap();
-    assert_eq!(on.item("live moves"), 4 * q.gpu_expert_bytes());
+    let e = q.gpu_expert_bytes();
+    assert_eq!(on.item("live moves"), 4 * e + e * 5 / 4 + e);
     assert_eq!(off.item("live moves"), 0);
     assert_eq!(on.gpu_experts_per_layer, 32);
 }

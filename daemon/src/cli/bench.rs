@@ -277,14 +277,16 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()>
         let s = t.elapsed().as_secs_f64();
         let st = engine.last_step_times();
         println!(
-            "prefill ({run}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s",
+            "prefill ({run}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s, CPU attention {:.3} s, final norm + lm_head {:.3} s",
             p.len(),
             s,
             p.len() as f64 / s,
             s * 1e3,
             st.transfer_s,
             st.cpu_experts_s,
-            st.gpu_wait_s
+            st.gpu_wait_s,
+            st.attention_s,
+            st.head_s
         );
     }
     Ok(())

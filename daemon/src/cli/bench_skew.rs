@@ -38,6 +38,9 @@ pub struct SkewArgs {
     /// Steps per reported window.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
     pub window: u32,
+    /// Untimed steps first (CUDA graph capture, first touches), under the first phase's routing.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub warmup_steps: u32,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -90,15 +93,13 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     let k = moe.top_k;
-    let mut step_no = 0u64;
-    let mut last_layer = usize::MAX;
+    // The routing's step: warm-up steps route as step 0, measured step `i` as step `i`.
+    let step_no = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let routed_step = step_no.clone();
     engine.set_routing_override(Some(Box::new(move |layer, ids: &mut [u32]| {
-        if layer <= last_layer {
-            step_no += 1;
-        }
-        last_layer = layer;
+        let step = routed_step.load(std::sync::atomic::Ordering::Relaxed);
         for (t, chunk) in ids.chunks_mut(k).enumerate() {
-            skew.choose(layer, step_no, t, chunk);
+            skew.choose(layer, step, t, chunk);
         }
     })));
     let batch = a.batch as usize;
@@ -110,23 +111,26 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
         a.steps,
         a.steps / 2
     );
-    println!("steps        hit_ratio  tok/s    median_ms  max_ms  moves");
+    let step_tokens = |step: u64| -> Vec<[u32; 1]> {
+        // prompts of one token, then a deterministic token stream: the router is synthetic anyway
+        (0..batch)
+            .map(|i| [((step * 7919 + i as u64 * 104_729) % vocab) as u32])
+            .collect()
+    };
+    for w in 0..u64::from(a.warmup_steps) {
+        let toks = step_tokens(w);
+        let mut inputs = inputs_of(&mut caches, &toks);
+        engine.reserve_and_forward(&mut inputs)?;
+    }
+    println!("steps        hit_ratio  tok/s    median_ms  max_ms  moves  max/median");
     let mut times = Vec::new();
     let (mut hits, mut all) = (0u64, 0u64);
-    let mut moves_before = 0;
+    let mut moves_before = engine.live_stats().map_or(0, |s| s.moves_total);
+    let mut report = SkewReport::default();
     for step in 0..a.steps as u64 {
-        // prompts of one token, then a deterministic token stream: the router is synthetic anyway
-        let toks: Vec<[u32; 1]> = (0..batch)
-            .map(|i| [((step * 7919 + i as u64 * 104_729) % vocab) as u32])
-            .collect();
-        let mut inputs: Vec<SeqInput> = caches
-            .iter_mut()
-            .zip(&toks)
-            .map(|(c, t)| SeqInput {
-                cache: c,
-                tokens: t,
-            })
-            .collect();
+        step_no.store(step, std::sync::atomic::Ordering::Relaxed);
+        let toks = step_tokens(step + u64::from(a.warmup_steps));
+        let mut inputs = inputs_of(&mut caches, &toks);
         let t = Instant::now();
         engine.reserve_and_forward(&mut inputs)?;
         times.push(t.elapsed().as_secs_f64());
@@ -140,16 +144,20 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
             let max = sorted[sorted.len() - 1];
             let total: f64 = times.iter().sum();
             let moves = engine.live_stats().map_or(0, |s| s.moves_total);
+            let first = step + 1 - times.len() as u64;
+            let ratio = hits as f64 / all.max(1) as f64;
             println!(
-                "{:>5}-{:<6} {:>9.3}  {:>7.1}  {:>9.2}  {:>6.2}  {}",
-                step + 1 - times.len() as u64,
+                "{:>5}-{:<6} {:>9.3}  {:>7.1}  {:>9.2}  {:>6.2}  {:>5}  {:>10.2}",
+                first,
                 step,
-                hits as f64 / all.max(1) as f64,
+                ratio,
                 (times.len() * batch) as f64 / total,
                 median * 1e3,
                 max * 1e3,
-                moves - moves_before
+                moves - moves_before,
+                max / median
             );
+            report.window(first, step, ratio, max / median, moves > moves_before);
             moves_before = moves;
             times.clear();
             hits = 0;
@@ -160,5 +168,64 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
             caches = (0..batch).map(|_| engine.new_cache()).collect();
         }
     }
+    report.print(u64::from(a.steps / 2));
     Ok(())
+}
+
+fn inputs_of<'a>(
+    caches: &'a mut [crate::engine::SeqCache],
+    toks: &'a [[u32; 1]],
+) -> Vec<SeqInput<'a>> {
+    caches
+        .iter_mut()
+        .zip(toks)
+        .map(|(c, t)| SeqInput {
+            cache: c,
+            tokens: t,
+        })
+        .collect()
+}
+
+/// The run's summary: how fast the hit ratio came back after the shift, and the slowest step
+/// against its window's median while experts moved.
+#[derive(Default)]
+struct SkewReport {
+    /// (first step, last step, hit ratio) per window.
+    windows: Vec<(u64, u64, f64)>,
+    /// Worst max/median of a window with moves, and its first step.
+    worst_moving: Option<(f64, u64)>,
+}
+
+impl SkewReport {
+    fn window(&mut self, first: u64, last: u64, ratio: f64, max_over_median: f64, moved: bool) {
+        self.windows.push((first, last, ratio));
+        if moved && self.worst_moving.is_none_or(|(w, _)| max_over_median > w) {
+            self.worst_moving = Some((max_over_median, first));
+        }
+    }
+
+    fn print(&self, shift: u64) {
+        let before = self.windows.iter().rfind(|w| w.1 < shift).map(|w| w.2);
+        if let Some(before) = before {
+            let back = self
+                .windows
+                .iter()
+                .find(|w| w.0 >= shift && w.2 >= 0.9 * before);
+            match back {
+                Some(w) => println!(
+                    "after the shift: hit ratio back to 90 % of {before:.3} in the window {}-{} ({} steps after the shift at most)",
+                    w.0,
+                    w.1,
+                    w.1 + 1 - shift
+                ),
+                None => println!("after the shift: hit ratio never back to 90 % of {before:.3}"),
+            }
+        }
+        match self.worst_moving {
+            Some((r, first)) => println!(
+                "slowest step while experts moved: {r:.2}x its window's median (window from step {first})"
+            ),
+            None => println!("no experts moved"),
+        }
+    }
 }

@@ -84,6 +84,10 @@ pub struct EngineArgs {
     /// Format of DRAM experts: bf16, fp8, int8, int4 (group 32), int4g64, int4g128. Default: as stored.
     #[arg(long)]
     pub expert_dtype: Option<WeightFormat>,
+    /// Element type of the CPU backend's KV cache: f16, bf16 or f32 (default: f16 for GQA models, f32
+    /// for MLA models).
+    #[arg(long)]
+    pub cpu_kv_dtype: Option<crate::engine::kv::KvDtype>,
     /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
     #[arg(long)]
     pub cpu_tier: Option<CpuTier>,
@@ -138,14 +142,19 @@ pub struct EngineArgs {
     #[arg(long)]
     pub live_placement: bool,
     /// PCIe budget of live re-placement's expert copies, MiB per second.
-    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, default_value_t = crate::engine::replacement::DEFAULT_PCIE_MIB_PER_S, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub live_pcie_mib_per_s: u64,
-    /// Steps after which a routing count has lost half its weight (live re-placement).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub live_half_life_steps: u32,
+    /// Tokens (all sequences together) after which a routing count has lost half its weight (live
+    /// re-placement): shorter follows shifts faster, longer needs more evidence for a move.
+    #[arg(long, default_value_t = crate::engine::replacement::DEFAULT_HALF_LIFE_TOKENS, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub live_half_life_tokens: u64,
     /// Steps between two re-plannings (live re-placement).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub live_interval_steps: u32,
+    /// Expert copies in flight at once (live re-placement): each holds one expert's GPU memory, and
+    /// bounds the moves per step.
+    #[arg(long, default_value_t = moe_sizing::plan::LIVE_MOVE_SLOTS as u32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub live_move_slots: u32,
     /// GPU KV cache capacity in positions, all sequences together, or `auto`: sized by the GPU memory
     /// plan from what the weights leave (at least one --max-model-len sequence when serving).
     #[arg(long, default_value = "auto")]
@@ -229,8 +238,9 @@ impl EngineArgs {
         };
         let live_placement = self.live_placement.then(|| LiveOptions {
             pcie_bytes_per_s: (self.live_pcie_mib_per_s << 20) as f64,
-            half_life_steps: self.live_half_life_steps as f64,
+            half_life_tokens: self.live_half_life_tokens as f64,
             interval_steps: self.live_interval_steps,
+            max_in_flight: self.live_move_slots as usize,
             ..Default::default()
         });
         Ok(EngineOptions {
@@ -276,6 +286,7 @@ impl EngineArgs {
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
+            cpu_kv_dtype: self.cpu_kv_dtype,
         })
     }
 }

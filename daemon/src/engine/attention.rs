@@ -1,20 +1,20 @@
 //! Attention over a batch of sequence chunks: projections run on all tokens of the batch at once; the
-//! score/softmax/value part runs per (token, head) in parallel against that token's own sequence cache,
-//! with a causal limit at the token's position and, for sliding-window layers, a lower limit. Rows are
-//! written to and read from the layer's KV storage through each sequence's block table (reserved by the
-//! driver before the step). The per-(token, head) work runs on the kernels' worker pool when the layer's
-//! projections are packed on one: its workers spin for a while after each region, so rayon threads
-//! started right after a projection would fight them for the same cores.
+//! score/softmax/value part reads each token's own sequence cache with a causal limit at the token's
+//! position and, for sliding-window layers, a lower limit, in one pass with an online softmax (GQA:
+//! [`flash`], per token and KV head in tiles of a KV block; MLA: per token and head). Rows are written
+//! to and read from the layer's KV storage through each sequence's block table (reserved by the
+//! driver before the step). That work runs on the kernels' worker pool when the layer's projections
+//! are packed on one: its workers spin for a while after each region, so rayon threads started right
+//! after a projection would fight them for the same cores.
+use super::flash;
 use super::indexer::{self, Selection};
 use super::kv::{slot, BlockId, LayerRows};
 use super::linear::dot;
-use super::ops::{rms_norm, rms_norm_rows, softmax};
+use super::ops::{rms_norm, rms_norm_rows};
 use super::rope::Rope;
 use super::Segment;
 use crate::model::config::{LayerAttention, ModelConfig};
 use crate::model::{GqaAttention, MlaAttention, MlaQuery, SparseAttention};
-use moe_kernels::cpu::WorkerPool;
-use rayon::prelude::*;
 
 /// Per token: (segment index, absolute position).
 fn token_positions(segments: &[Segment]) -> Vec<(usize, usize)> {
@@ -46,45 +46,33 @@ fn write_rows(
     }
 }
 
-/// Runs `f(idx, chunk)` for every `width`-wide chunk of `out` in parallel: on `pool` when there is one
-/// (chunk `idx` to group `idx % groups`), else on rayon.
-fn for_each_chunk(
-    pool: Option<&WorkerPool>,
-    out: &mut [f32],
-    width: usize,
-    f: impl Fn(usize, &mut [f32]) + Sync,
-) {
-    let Some(pool) = pool else {
-        out.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(idx, o)| f(idx, o));
-        return;
-    };
-    let n = out.len() / width;
-    let groups = pool.groups();
-    let per_group: Vec<usize> = (0..groups).map(|g| (n + groups - 1 - g) / groups).collect();
-    let base = out.as_mut_ptr() as usize;
-    pool.run(&per_group, &|g, i, _| {
-        let idx = i * groups + g;
-        // SAFETY: every idx < n is handed out exactly once, so the chunks are disjoint; `out` outlives
-        // the region (`run` returns when every item is done).
-        let chunk =
-            unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(idx * width), width) };
-        f(idx, chunk);
-    });
+/// Online softmax over a stream of scores (one pass, no score row): `push(s)` returns the factor
+/// the accumulator must be scaled by before adding `weight · value` for this score.
+struct OnlineSoftmax {
+    max: f32,
+    sum: f32,
 }
 
-/// Softmax-weighted sum over `positions`: scores from `score(p)`, values through `acc(p, w)`.
-fn attend<I: Iterator<Item = usize> + Clone>(
-    positions: I,
-    scale: f32,
-    score: impl Fn(usize) -> f32,
-    mut acc: impl FnMut(usize, f32),
-) {
-    let mut s: Vec<f32> = positions.clone().map(|p| score(p) * scale).collect();
-    softmax(&mut s);
-    for (p, w) in positions.zip(s) {
-        acc(p, w);
+impl OnlineSoftmax {
+    fn new() -> Self {
+        Self {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        }
+    }
+
+    /// `(rescale, weight)` for score `s`.
+    fn push(&mut self, s: f32) -> (f32, f32) {
+        if s > self.max {
+            let c = (self.max - s).exp(); // 0 on the first score
+            self.max = s;
+            self.sum = self.sum * c + 1.0;
+            (c, 1.0)
+        } else {
+            let w = (s - self.max).exp();
+            self.sum += w;
+            (1.0, w)
+        }
     }
 }
 
@@ -117,27 +105,22 @@ pub fn gqa_forward(
     }
     let kw = nkv * hd;
     write_rows(segments, tables, rows, (&k, kw), (&v, kw));
-    let rows = &*rows;
-    let scale = cfg.attention_scale();
-    let group = nh / nkv;
-    let mut out = vec![0f32; n * nh * hd];
-    for_each_chunk(attn.o.pool().map(|p| &**p), &mut out, hd, |idx, o| {
-        let (t, head) = (idx / nh, idx % nh);
-        let (s, pos) = tokens[t];
-        let table = tables[s];
-        let qh = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
-        let kh = (head / group) * hd;
-        attend(
-            layout.first_attended(pos)..=pos,
-            scale,
-            |p| dot(qh, &rows.a_row(slot(table, p))[kh..kh + hd]),
-            |p, w| {
-                for (x, y) in o.iter_mut().zip(&rows.b_row(slot(table, p))[kh..kh + hd]) {
-                    *x += w * y;
-                }
-            },
-        );
-    });
+    let shape = flash::GqaShape {
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+        scale: cfg.attention_scale(),
+    };
+    let queries: Vec<flash::TokenQuery> = tokens
+        .iter()
+        .enumerate()
+        .map(|(t, &(s, pos))| flash::TokenQuery {
+            q: &q[t * nh * hd..(t + 1) * nh * hd],
+            positions: layout.first_attended(pos)..=pos,
+            table: tables[s],
+        })
+        .collect();
+    let out = flash::gqa_attend(shape, &queries, rows, attn.o.pool().map(|p| &**p));
     attn.o.forward(&out, n)
 }
 
@@ -212,7 +195,7 @@ pub fn mla_forward(
     let scale = cfg.attention_scale();
     let kv_b = &attn.kv_b;
     let mut out = vec![0f32; n * nh * vd];
-    for_each_chunk(attn.o.pool().map(|p| &**p), &mut out, vd, |idx, o| {
+    flash::for_each_chunk(attn.o.pool().map(|p| &**p), &mut out, vd, &|idx, o| {
         let (t, head) = (idx / nh, idx % nh);
         let (s, pos) = tokens[t];
         let table = tables[s];
@@ -226,20 +209,22 @@ pub fn mla_forward(
                 *x += qh[d] * w;
             }
         }
+        // One pass: each position's latent row is widened once and used for its score and value.
         let mut o_lat = vec![0f32; lora];
-        attend(
-            attended.positions(t, pos),
-            scale,
-            |p| {
-                let sl = slot(table, p);
-                dot(&q_lat, rows.a_row(sl)) + dot(&qh[nope..], rows.b_row(sl))
-            },
-            |p, w| {
-                for (x, y) in o_lat.iter_mut().zip(rows.a_row(slot(table, p))) {
-                    *x += w * y;
-                }
-            },
-        );
+        let (mut lat, mut k_rot) = (vec![0f32; lora], vec![0f32; rd]);
+        let mut softmax = OnlineSoftmax::new();
+        for p in attended.positions(t, pos) {
+            let sl = slot(table, p);
+            rows.read_a(sl, 0, &mut lat);
+            rows.read_b(sl, 0, &mut k_rot);
+            let s = (dot(&q_lat, &lat) + dot(&qh[nope..], &k_rot)) * scale;
+            let (c, w) = softmax.push(s);
+            for (x, y) in o_lat.iter_mut().zip(&lat) {
+                *x = *x * c + w * y;
+            }
+        }
+        let inv = 1.0 / softmax.sum;
+        o_lat.iter_mut().for_each(|x| *x *= inv);
         // W_uv: v[j] = kv_b[head·(nope+v) + nope + j] · o_lat
         for (j, x) in o.iter_mut().enumerate() {
             *x = dot(&wk[(nope + j) * lora..(nope + j + 1) * lora], &o_lat);

@@ -138,8 +138,8 @@ impl Linear {
     }
 
     /// The packed format that keeps this weight's values: bf16 as is, FP8 with 128×128 blocks as is,
-    /// GGML F16 / Q4_0 / Q4_1 / Q8_0 bit for bit, Q4_K / Q6_K with their codes kept (Q5_K requantized;
-    /// see `format_for_ggml`), f32 only when every value is a bf16 (else `None`: packing would round it).
+    /// GGML F16 / Q4_0 / Q4_1 / Q8_0 bit for bit, Q4_K / Q5_K / Q6_K with their codes kept (see
+    /// `format_for_ggml`), f32 only when every value is a bf16 (else `None`: packing would round it).
     pub fn kernel_format(&self) -> Option<WeightFormat> {
         match &self.w {
             WeightData::Bf16(_) => Some(WeightFormat::Bf16),

@@ -2,7 +2,7 @@
 //! each step's routing, and the mover ([`gpu::moves`](super::gpu::moves)) run between steps.
 use super::gpu::moves::ExpertMover;
 use super::gpu::GpuModel;
-use super::replacement::{LiveOptions, LivePlacement};
+use super::replacement::{LiveOptions, LivePlacement, Move};
 use crate::model::Model;
 use std::time::Instant;
 
@@ -35,15 +35,25 @@ impl LiveState {
         pinned: Vec<Vec<bool>>,
     ) -> anyhow::Result<Self> {
         let cfg = &host.config;
-        let (experts, inter) = cfg
-            .moe
-            .as_ref()
-            .map_or((0, 0), |m| (m.num_experts, m.expert_intermediate));
-        // bf16 gate, up and down: what one copy moves over PCIe
-        let bytes = 3 * cfg.hidden_size * inter * 2;
+        let (experts, top_k, inter) = cfg.moe.as_ref().map_or((0, 1, 0), |m| {
+            (m.num_experts, m.top_k, m.expert_intermediate)
+        });
+        // What one copy moves over PCIe: the packed expert (DMA of the CPU kernels' bytes), or bf16
+        // gate, up and down where experts are kept as checkpoint tensors.
+        let packed = host
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                crate::model::Ffn::Moe(b) => b.cpu_set.as_ref(),
+                _ => None,
+            })
+            .map(|s| s.packed_geometry().expert_bytes)
+            .max();
+        let bytes = packed.unwrap_or(3 * cfg.hidden_size * inter * 2);
+        let slots = opts.max_in_flight.max(1);
         Ok(Self {
-            policy: LivePlacement::new(opts, &cfg.moe_layers, experts, pinned, bytes),
-            mover: ExpertMover::new(gpu)?,
+            policy: LivePlacement::new(opts, &cfg.moe_layers, (experts, top_k), pinned, bytes),
+            mover: ExpertMover::new(gpu, host, slots)?,
             resident: gpu.residency(),
             failures: 0,
         })
@@ -57,21 +67,8 @@ impl LiveState {
     /// Between two steps: swap in what landed, then start the moves the policy asks for.
     pub fn after_step(&mut self, gpu: &GpuModel, host: &Model) {
         let now = Instant::now();
-        match self.mover.swap_landed(gpu) {
-            Ok(done) => {
-                for m in &done {
-                    self.policy.finished(m, true, now);
-                }
-                if !done.is_empty() {
-                    self.resident = gpu.residency();
-                }
-            }
-            Err(e) => {
-                self.failures += 1;
-                tracing::warn!("live re-placement: swap failed: {e:#}");
-                self.resident = gpu.residency();
-            }
-        }
+        let landed = self.mover.swap_landed(gpu);
+        self.apply_landed(gpu, landed, now);
         for m in self.policy.after_step(now, &self.resident) {
             if let Err(e) = self.mover.start(host, m) {
                 self.failures += 1;
@@ -93,14 +90,53 @@ impl LiveState {
         }
     }
 
-    /// Waits for the copies in flight and swaps them in.
+    /// Moves `admit` of `layer` onto the GPU in place of `evict` through the live path (copy on the side
+    /// stream, swap) and waits for it (tests).
+    pub fn move_now(&mut self, gpu: &GpuModel, host: &Model, mv: Move) -> anyhow::Result<()> {
+        self.mover.start(host, mv)?;
+        self.settle(gpu)?;
+        anyhow::ensure!(
+            self.resident.get(mv.layer).and_then(|r| r.get(mv.admit)) == Some(&true),
+            "layer {}: expert {} did not arrive",
+            mv.layer,
+            mv.admit
+        );
+        Ok(())
+    }
+
+    /// Waits for the copies in flight and swaps them in; returns how many were swapped.
     pub fn settle(&mut self, gpu: &GpuModel) -> anyhow::Result<usize> {
-        let done = self.mover.finish_all(gpu)?;
-        let now = Instant::now();
-        for m in &done {
-            self.policy.finished(m, true, now);
+        let landed = self.mover.finish_all(gpu)?;
+        let swapped = landed.iter().filter(|(_, r)| r.is_ok()).count();
+        self.apply_landed(gpu, Ok(landed), Instant::now());
+        Ok(swapped)
+    }
+
+    /// Tells the policy which moves landed (and whether their swaps happened) and re-reads the
+    /// residency.
+    fn apply_landed(
+        &mut self,
+        gpu: &GpuModel,
+        landed: anyhow::Result<Vec<(Move, anyhow::Result<()>)>>,
+        now: Instant,
+    ) {
+        match landed {
+            Ok(landed) => {
+                for (m, r) in &landed {
+                    if let Err(e) = r {
+                        self.failures += 1;
+                        tracing::warn!("live re-placement: swap failed: {e:#}");
+                    }
+                    self.policy.finished(m, r.is_ok(), now);
+                }
+                if !landed.is_empty() {
+                    self.resident = gpu.residency();
+                }
+            }
+            Err(e) => {
+                self.failures += 1;
+                tracing::warn!("live re-placement: checking copies failed: {e:#}");
+            }
         }
-        self.resident = gpu.residency();
-        Ok(done.len())
     }
 }

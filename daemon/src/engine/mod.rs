@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod cpu_experts;
 pub mod dense_pack;
+mod flash;
 pub mod gpu;
 pub mod heap;
 pub mod hyper;
@@ -112,6 +113,8 @@ pub struct EngineOptions {
     /// attention runs, when routing is known before attention (router on the layer input) and the
     /// experts run on the packed CPU kernels; 0 = off.
     pub expert_prefetch_bytes: usize,
+    /// Element type of the CPU backend's KV rows (`None`: [`kv::default_dtype`] of the model).
+    pub cpu_kv_dtype: Option<kv::KvDtype>,
 }
 
 impl Default for EngineOptions {
@@ -140,6 +143,7 @@ impl Default for EngineOptions {
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
             expert_prefetch_bytes: 0,
+            cpu_kv_dtype: None,
         }
     }
 }
@@ -245,18 +249,14 @@ impl Engine {
             .thread_name(|i| format!("moe-cpu-{i}"))
             .build()?;
         let rope = Rope::new(&cfg.rope);
-        if opts.device != Device::Cpu && (cfg.linear_attention.is_some() || cfg.hyper.is_some()) {
-            anyhow::bail!(
-                "{}: the CUDA backend does not run linear-attention layers and hyper-connections yet; use --device cpu",
-                cfg.arch_name
-            );
-        }
-        let footprint = kv::footprint::ContextFootprint::of(&cfg, 4);
+        let kv_dtype = opts.cpu_kv_dtype.unwrap_or_else(|| kv::default_dtype(&cfg));
+        let footprint = kv::footprint::ContextFootprint::of(&cfg, kv_dtype.bytes());
         tracing::info!(
             kv_bytes_per_position = footprint.kv_per_position,
             indexer_bytes_per_position = footprint.indexer_per_position,
             linear_state_mib_per_sequence = footprint.state_per_sequence >> 20,
-            "context memory on the CPU backend (f32 rows)"
+            ?kv_dtype,
+            "context memory on the CPU backend"
         );
         let mut model = pool.install(|| build_model(cfg, src))?;
         let rules = opts
@@ -366,8 +366,10 @@ impl Engine {
                 )
             }
             None => {
-                let store =
-                    std::sync::Arc::new(kv::CpuKvStore::new(&kv::row_widths(&model.config)));
+                let store = std::sync::Arc::new(kv::CpuKvStore::new(
+                    &kv::row_widths(&model.config),
+                    kv_dtype,
+                ));
                 (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
             }
         };
@@ -480,19 +482,44 @@ impl Engine {
         self.gpu.as_ref().map(gpu::GpuModel::residency)
     }
 
-    /// Swaps expert `admit` of `layer` onto the GPU in place of `evict`, copying it now (tests).
+    /// Swaps expert `admit` of `layer` onto the GPU in place of `evict` through live re-placement's
+    /// copy path, and waits for it (tests; needs `live_placement`).
     pub fn move_expert_now(&self, layer: usize, admit: usize, evict: usize) -> anyhow::Result<()> {
-        let g = self
-            .gpu
-            .as_ref()
-            .context("moving experts needs the CUDA backend")?;
-        let Some(crate::model::Ffn::Moe(block)) = self.model.layers.get(layer).map(|l| &l.ffn)
-        else {
-            anyhow::bail!("layer {layer} is not an MoE layer");
+        let (Some(live), Some(g)) = (&self.live, &self.gpu) else {
+            anyhow::bail!("moving experts needs the CUDA backend and live re-placement");
         };
-        let w = gpu::upload_dram_expert(&g.dev, block, admit)?;
-        g.dev.stream.synchronize()?;
-        g.swap_expert(layer, admit, evict, w)
+        let mv = replacement::Move {
+            layer,
+            admit,
+            evict,
+            gain: 0.0,
+        };
+        live.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .move_now(g, &self.model, mv)
+    }
+
+    /// The bf16 bits of GPU-resident expert `e` of `layer` (gate_up, down), `None` when it is not on
+    /// the GPU (tests: a moved expert must equal one uploaded at start).
+    pub fn gpu_expert_bits(
+        &self,
+        layer: usize,
+        e: usize,
+    ) -> anyhow::Result<Option<(Vec<u16>, Vec<u16>)>> {
+        let g = self.gpu.as_ref().context("needs the CUDA backend")?;
+        let Some(gpu::GpuFfn::Moe(moe)) = g.layers.get(layer).map(|l| &l.ffn) else {
+            return Ok(None);
+        };
+        let table = moe.experts.read();
+        let Some(m) = table.get(e).and_then(Option::as_ref) else {
+            return Ok(None);
+        };
+        let s = &g.dev.stream;
+        let gate_up = s.clone_dtoh(m.gate_up.bf16()?)?;
+        let down = s.clone_dtoh(m.down.bf16()?)?;
+        s.synchronize()?;
+        let bits = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_bits).collect();
+        Ok(Some((bits(gate_up), bits(down))))
     }
 
     /// Replaces the router's choices on the CUDA backend (`f(layer, ids)` rewrites a step's top-k ids
@@ -530,6 +557,11 @@ impl Engine {
     pub fn new_cache(&self) -> SeqCache {
         let cfg = &self.model.config;
         match &cfg.linear_attention {
+            // the CUDA backend keeps the state in GPU memory (made by the sequence's first step)
+            Some(_) if self.gpu.is_some() => SeqCache::with_recurrent(
+                self.kv_blocks.clone(),
+                kv::RecurrentState::on_device(cfg.num_layers),
+            ),
             Some(la) => SeqCache::with_recurrent(
                 self.kv_blocks.clone(),
                 kv::RecurrentState::new(&cfg.mixers, la),
@@ -573,12 +605,17 @@ impl Engine {
         g: &gpu::GpuModel,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, StepError> {
-        let inputs: Vec<_> = batch
-            .iter()
-            .map(|s| gpu::forward::GpuSeqInput {
-                blocks: s.cache.blocks(),
-                pos0: s.cache.len(),
-                tokens: s.tokens,
+        let mut inputs: Vec<_> = batch
+            .iter_mut()
+            .map(|s| {
+                let pos0 = s.cache.len();
+                let (blocks, state) = s.cache.parts_mut();
+                gpu::forward::GpuSeqInput {
+                    blocks,
+                    pos0,
+                    tokens: s.tokens,
+                    state: state.map(|r| r.device_mut()),
+                }
             })
             .collect();
         let mut times = StepTimes::default();
@@ -586,7 +623,7 @@ impl Engine {
             .forward(
                 &self.model,
                 self.cpu_pool.as_deref(),
-                &inputs,
+                &mut inputs,
                 &mut times,
                 |l, ids| self.record(l, ids),
             )
@@ -708,7 +745,7 @@ impl Engine {
                 (Ffn::Moe(block), Some(mc), Some(x))
                     if mc.router_input == RouterInput::LayerInput =>
                 {
-                    let routing = moe::route(block, mc, x, hd);
+                    let routing = moe::route(block, mc, x, hd, self.cpu_pool.as_deref());
                     self.prefetch_experts(block, &routing);
                     Some(routing)
                 }
@@ -758,7 +795,7 @@ impl Engine {
                     if let Some((p, _)) = &self.prefetch {
                         p.cancel(); // the kernels read the weights now
                     }
-                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd));
+                    let routing = early.unwrap_or_else(|| moe::route(block, mc, &h, hd, pool));
                     times.expert_hits += routing.ids.len() as u64;
                     self.record(li, &routing.ids);
                     let out = moe::moe_forward(block, pool, act, &h, hd, &routing);

@@ -18,63 +18,68 @@ pub struct Routing {
     pub top_k: usize,
 }
 
-pub fn route(block: &MoeBlock, cfg: &MoeConfig, x: &[f32], hidden: usize) -> Routing {
+/// Routes every token of `x`; tokens in parallel on `pool` when given (its workers spin between
+/// regions, so rayon threads woken now would fight them for the cores), else on rayon.
+pub fn route(
+    block: &MoeBlock,
+    cfg: &MoeConfig,
+    x: &[f32],
+    hidden: usize,
+    pool: Option<&WorkerPool>,
+) -> Routing {
     let n = x.len() / hidden;
     let e = cfg.num_experts;
     let k = cfg.top_k;
-    let per_token: Vec<(Vec<u32>, Vec<f32>)> = (0..n)
-        .into_par_iter()
-        .map(|t| {
-            let xt = &x[t * hidden..(t + 1) * hidden];
-            let mut logits: Vec<f32> = (0..e)
-                .map(|j| dot(&block.router[j * hidden..(j + 1) * hidden], xt))
-                .collect();
-            match cfg.router {
-                RouterKind::Softmax { renormalize } => {
-                    softmax(&mut logits);
-                    let ids = top_k(&logits, k);
-                    let mut w: Vec<f32> = ids.iter().map(|&i| logits[i]).collect();
-                    if renormalize {
-                        let s: f32 = w.iter().sum();
-                        w.iter_mut().for_each(|v| *v /= s);
-                    }
-                    (ids.into_iter().map(|i| i as u32).collect(), w)
+    let per_token: Vec<(Vec<u32>, Vec<f32>)> = map_tokens(pool, n, |t| {
+        let xt = &x[t * hidden..(t + 1) * hidden];
+        let mut logits: Vec<f32> = (0..e)
+            .map(|j| dot(&block.router[j * hidden..(j + 1) * hidden], xt))
+            .collect();
+        match cfg.router {
+            RouterKind::Softmax { renormalize } => {
+                softmax(&mut logits);
+                let ids = top_k(&logits, k);
+                let mut w: Vec<f32> = ids.iter().map(|&i| logits[i]).collect();
+                if renormalize {
+                    let s: f32 = w.iter().sum();
+                    w.iter_mut().for_each(|v| *v /= s);
                 }
-                RouterKind::SigmoidGrouped {
-                    n_group,
-                    topk_group,
-                    renormalize,
-                } => {
-                    let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
-                    let mut choice: Vec<f32> = match &block.correction_bias {
-                        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-                        None => scores.clone(),
-                    };
-                    if n_group > 1 {
-                        let per = e / n_group;
-                        let group_score: Vec<f32> = choice
-                            .chunks(per)
-                            .map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum())
-                            .collect();
-                        let keep = top_k(&group_score, topk_group);
-                        for (g, chunk) in choice.chunks_mut(per).enumerate() {
-                            if !keep.contains(&g) {
-                                chunk.fill(f32::NEG_INFINITY);
-                            }
+                (ids.into_iter().map(|i| i as u32).collect(), w)
+            }
+            RouterKind::SigmoidGrouped {
+                n_group,
+                topk_group,
+                renormalize,
+            } => {
+                let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
+                let mut choice: Vec<f32> = match &block.correction_bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                if n_group > 1 {
+                    let per = e / n_group;
+                    let group_score: Vec<f32> = choice
+                        .chunks(per)
+                        .map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum())
+                        .collect();
+                    let keep = top_k(&group_score, topk_group);
+                    for (g, chunk) in choice.chunks_mut(per).enumerate() {
+                        if !keep.contains(&g) {
+                            chunk.fill(f32::NEG_INFINITY);
                         }
                     }
-                    let ids = top_k(&choice, k);
-                    let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
-                    if renormalize {
-                        let s: f32 = w.iter().sum::<f32>() + 1e-20;
-                        w.iter_mut().for_each(|v| *v /= s);
-                    }
-                    w.iter_mut().for_each(|v| *v *= cfg.routed_scaling_factor);
-                    (ids.into_iter().map(|i| i as u32).collect(), w)
                 }
+                let ids = top_k(&choice, k);
+                let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+                if renormalize {
+                    let s: f32 = w.iter().sum::<f32>() + 1e-20;
+                    w.iter_mut().for_each(|v| *v /= s);
+                }
+                w.iter_mut().for_each(|v| *v *= cfg.routed_scaling_factor);
+                (ids.into_iter().map(|i| i as u32).collect(), w)
             }
-        })
-        .collect();
+        }
+    });
     let mut ids = Vec::with_capacity(n * k);
     let mut weights = Vec::with_capacity(n * k);
     for (i, w) in per_token {
@@ -86,6 +91,28 @@ pub fn route(block: &MoeBlock, cfg: &MoeConfig, x: &[f32], hidden: usize) -> Rou
         weights,
         top_k: k,
     }
+}
+
+/// `f(t)` for `t` in `0..n`, in order, computed in parallel on `pool` (or rayon).
+fn map_tokens<T: Send + Sync>(
+    pool: Option<&WorkerPool>,
+    n: usize,
+    f: impl Fn(usize) -> T + Sync + Send,
+) -> Vec<T> {
+    let Some(pool) = pool else {
+        return (0..n).into_par_iter().map(f).collect();
+    };
+    let cells: Vec<std::sync::OnceLock<T>> = (0..n).map(|_| std::sync::OnceLock::new()).collect();
+    let groups = pool.groups();
+    let per_group: Vec<usize> = (0..groups).map(|g| (n + groups - 1 - g) / groups).collect();
+    pool.run(&per_group, &|g, i, _| {
+        let t = i * groups + g;
+        let _ = cells[t].set(f(t));
+    });
+    cells
+        .into_iter()
+        .map(|c| c.into_inner().expect("every token was routed"))
+        .collect()
 }
 
 /// The gate nonlinearity of a gated MLP.

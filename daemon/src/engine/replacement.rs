@@ -1,11 +1,18 @@
 //! Live re-placement: the GPU as a cache of the hot experts, re-chosen while serving.
 //!
-//! Every step's routing is counted per (layer, expert) with exponential decay (half-life in steps), so
-//! the counts describe the recent traffic. Every `interval_steps` the policy pairs, per layer, the
-//! hottest DRAM expert with the coldest GPU expert while the first is clearly hotter (hysteresis), and
-//! the mover starts those swaps as a bytes-per-second PCIe budget allows: copy the DRAM expert to the
-//! GPU on a side stream, and once the copy has landed, between two steps, point the layer's table at
-//! it and free the evicted one. The number of GPU experts per layer never changes, so the memory plan
+//! Every step's routing is counted per (layer, expert) with exponential decay whose half-life is counted
+//! in tokens (so a window holds the same evidence at batch 1 and batch 64), and the counts describe the
+//! recent traffic. After every step (`interval_steps`) the policy pairs, per layer, the hottest DRAM
+//! expert with the coldest GPU expert while the first is clearly hotter (hysteresis and a noise test),
+//! and the mover starts those swaps as a bytes-per-second PCIe budget and its copy slots allow: copy the
+//! DRAM expert to the GPU on a side stream, and once the copy has landed, between two steps, point the
+//! layer's table at it and recycle the evicted one's memory for the next copy.
+//!
+//! How fast it follows a shift of the hot set: an old hot expert's count halves every half-life while a
+//! new one's grows, and a swap needs the new one to lead by the noise test; with the defaults
+//! (128 tokens) that takes 2-4 half-lives, ~40 steps at batch 8. Then the copies: at most
+//! `max_in_flight` per step and the byte budget (4 GiB/s: 9 MiB Qwen3-30B experts at ~14 per 30 ms
+//! step), so re-placing 12 layers' hot fifth (~300 experts) takes another ~40 steps. The number of GPU experts per layer never changes, so the memory plan
 //! holds; experts pinned by placement rules never move. DRAM keeps every expert (the copy is the
 //! source of a later move back), so an eviction is free.
 //!
@@ -20,28 +27,36 @@ pub struct LiveOptions {
     /// PCIe budget for expert copies, bytes per second (the copies share the link with the
     /// activations' hand-off and long prompts' expert stream).
     pub pcie_bytes_per_s: f64,
-    /// Steps after which a routing count has lost half its weight.
-    pub half_life_steps: f64,
-    /// Steps between two re-plannings.
+    /// Tokens (of all sequences together) after which a routing count has lost half its weight.
+    pub half_life_tokens: f64,
+    /// Steps between two re-plannings (planning costs a sort of each layer's experts: microseconds).
     pub interval_steps: u32,
     /// A DRAM expert replaces a GPU one only when its decayed count exceeds the other's by this
     /// factor (0.25: 25 % hotter), so experts of similar heat do not trade places back and forth.
     pub hysteresis: f64,
-    /// Copies in flight at once (each needs one expert's GPU memory until its swap).
+    /// Copies in flight at once (each needs one expert's GPU memory until its swap). A copy lands
+    /// within the step after it starts, so this is also the most moves per step.
     pub max_in_flight: usize,
 }
 
 impl Default for LiveOptions {
     fn default() -> Self {
         Self {
-            pcie_bytes_per_s: 2e9,
-            half_life_steps: 256.0,
-            interval_steps: 16,
+            pcie_bytes_per_s: DEFAULT_PCIE_MIB_PER_S as f64 * (1 << 20) as f64,
+            half_life_tokens: DEFAULT_HALF_LIFE_TOKENS as f64,
+            interval_steps: 1,
             hysteresis: 0.25,
             max_in_flight: moe_sizing::plan::LIVE_MOVE_SLOTS as usize,
         }
     }
 }
+
+/// Default PCIe budget of the copies (MiB/s): under a tenth of an H200's ~50 GB/s link, a sixth of a
+/// PCIe 4 x16 one, and still ~14 Qwen3-30B experts per 30 ms step.
+pub const DEFAULT_PCIE_MIB_PER_S: u64 = 4096;
+/// Default half-life of the routing counts, in tokens: at batch 8 and top-8 that is 16 steps, and a
+/// window of ~1500 activations per layer, enough to tell a hot expert from a cold one.
+pub const DEFAULT_HALF_LIFE_TOKENS: u64 = 128;
 
 /// Decayed routing counts per (layer, expert) and decayed GPU hit counts per layer.
 #[derive(Debug, Clone)]
@@ -50,19 +65,23 @@ pub struct RoutingWindow {
     pub counts: Vec<Vec<f32>>,
     /// Per layer: decayed (GPU-served, all) expert activations.
     hits: Vec<(f64, f64)>,
-    decay: f32,
+    top_k: usize,
+    half_life_tokens: f64,
+    /// Most activations recorded by one layer in the current step (its tokens × top-k).
+    step_activations: usize,
 }
 
 impl RoutingWindow {
-    pub fn new(moe_layers: &[bool], experts: usize, half_life_steps: f64) -> Self {
-        let half_life = half_life_steps.max(1.0);
+    pub fn new(moe_layers: &[bool], experts: usize, top_k: usize, half_life_tokens: f64) -> Self {
         Self {
             counts: moe_layers
                 .iter()
                 .map(|&m| if m { vec![0.0; experts] } else { Vec::new() })
                 .collect(),
             hits: vec![(0.0, 0.0); moe_layers.len()],
-            decay: 0.5f64.powf(1.0 / half_life) as f32,
+            top_k: top_k.max(1),
+            half_life_tokens: half_life_tokens.max(1.0),
+            step_activations: 0,
         }
     }
 
@@ -71,6 +90,7 @@ impl RoutingWindow {
         let Some(row) = self.counts.get_mut(layer) else {
             return;
         };
+        self.step_activations = self.step_activations.max(ids.len());
         let mut gpu = 0u64;
         for &id in ids {
             if let Some(c) = row.get_mut(id as usize) {
@@ -83,9 +103,14 @@ impl RoutingWindow {
         h.1 += ids.len() as f64;
     }
 
-    /// Ages every count by one step.
+    /// Ages every count by the tokens of the step just recorded.
     pub fn end_step(&mut self) {
-        let d = self.decay;
+        let tokens = self.step_activations.div_ceil(self.top_k);
+        self.step_activations = 0;
+        if tokens == 0 {
+            return;
+        }
+        let d = 0.5f64.powf(tokens as f64 / self.half_life_tokens) as f32;
         for row in &mut self.counts {
             row.iter_mut().for_each(|c| *c *= d);
         }
@@ -215,19 +240,19 @@ pub struct LivePlacement {
 }
 
 impl LivePlacement {
-    /// `bytes_per_move`: bytes one expert copy moves over PCIe.
+    /// `top_k`: experts per token; `bytes_per_move`: bytes one expert copy moves over PCIe.
     pub fn new(
         opts: LiveOptions,
         moe_layers: &[bool],
-        experts: usize,
+        (experts, top_k): (usize, usize),
         pinned: Vec<Vec<bool>>,
         bytes_per_move: usize,
     ) -> Self {
         let bytes = bytes_per_move.max(1) as f64;
-        // Burst: one re-planning interval's worth of moves, at least one.
+        // Burst: as many moves as there are copy slots (at least one move, or none would ever fit).
         let burst = bytes * opts.max_in_flight.max(1) as f64;
         Self {
-            window: RoutingWindow::new(moe_layers, experts, opts.half_life_steps),
+            window: RoutingWindow::new(moe_layers, experts, top_k, opts.half_life_tokens),
             budget: ByteBudget::new(opts.pcie_bytes_per_s, burst),
             bytes_per_move: bytes,
             pinned,

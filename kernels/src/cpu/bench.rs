@@ -25,6 +25,8 @@ pub enum BenchError {
     Options(#[from] super::options::OptionsError),
     #[error(transparent)]
     Moe(#[from] super::moe::MoeError),
+    #[error(transparent)]
+    Dense(#[from] super::dense::DenseError),
 }
 
 /// Flags of `bench cpu-moe` (lists are comma separated).
@@ -157,7 +159,7 @@ fn sources<'a>(a: &CpuMoeBenchArgs, s: &'a LayerSource) -> Vec<ExpertSource<'a>>
 }
 
 /// DRAM read bandwidth in GB/s with every thread of `pool` summing its share of `buf` (best of 4).
-fn dram_read_bw(pool: &WorkerPool, buf: &HugeBuffer) -> f64 {
+pub(crate) fn dram_read_bw(pool: &WorkerPool, buf: &HugeBuffer) -> f64 {
     let chunk = 1 << 20;
     let n = buf.len() / chunk;
     let base = buf.as_ptr() as usize;

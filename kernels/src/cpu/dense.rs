@@ -56,6 +56,7 @@ pub struct DenseMatrix {
     l: MatLayout,
     buf: HugeBuffer,
     tier: CpuTier,
+    grouped: GroupedInput,
     scratch: Mutex<Scratch>,
 }
 
@@ -116,6 +117,7 @@ impl DenseMatrix {
             l,
             buf,
             tier: max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
+            grouped: GroupedInput::default_for(format),
             scratch: Mutex::new(Scratch::default()),
         })
     }
@@ -141,9 +143,27 @@ impl DenseMatrix {
         self.tier = t.clamp_to_cpu();
     }
 
+    /// Sets what few-row calls feed grouped int weights ([`GroupedInput`]): tests, benchmarks.
+    pub fn set_grouped_input(&mut self, g: GroupedInput) {
+        self.grouped = g;
+    }
+
+    pub fn grouped_input(&self) -> GroupedInput {
+        self.grouped
+    }
+
     /// Bytes of packed weights and scales.
     pub fn bytes(&self) -> usize {
         self.l.bytes()
+    }
+
+    /// The activation kind a call of `tokens` rows converts its input to.
+    fn input_kind(&self, tokens: usize) -> ActKind {
+        if widened(self.tier, self.l.format, self.grouped, tokens) {
+            ActKind::Bf16
+        } else {
+            act_kind(self.tier, self.l.format, self.l.k_pad)
+        }
     }
 
     fn mat(&self) -> MatRef<'_> {
@@ -174,29 +194,57 @@ impl DenseMatrix {
         forward_group(pool, &mut [DenseCall { w: self, bias, y }], x, tokens)
     }
 
-    /// Whether this matrix and `o` read the same converted activations (same tier, activation kind
-    /// and width), so [`forward_group`] can run them together.
+    /// Whether this matrix and `o` read the same converted activations (same tier, width, and
+    /// activation kind at every row count), so [`forward_group`] can run them together.
     pub fn shares_input_with(&self, o: &DenseMatrix) -> bool {
         self.tier == o.tier
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
-            && input_kind(self.tier, self.l.format, self.l.k_pad)
-                == input_kind(o.tier, o.l.format, o.l.k_pad)
+            && [1, AMX_MIN_ROWS]
+                .iter()
+                .all(|&t| self.input_kind(t) == o.input_kind(t))
     }
 }
 
-/// Whether a matrix of `format` is widened to bf16 per chunk on `tier` (see `dense_widen`).
-fn widened(tier: CpuTier, format: WeightFormat) -> bool {
-    cfg!(target_arch = "x86_64") && tier >= CpuTier::Avx512 && widens(format)
+/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K
+/// codes) on AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupedInput {
+    /// int8 codes per scale group of the weights, with the group's scale (llama.cpp's q8_0 / q8_1
+    /// activations): one `vpdpbusd` per 64 weight bytes, so a decode GEMV runs at DRAM bandwidth.
+    Int8,
+    /// Weights widened to bf16 per chunk, bf16 activations: 2⁻⁹ relative per element whatever the
+    /// outliers, for ~20 more instructions per 64 weight bytes (`dense_widen`).
+    Bf16,
 }
 
-/// The activation kind a dense call converts its input to.
-fn input_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> ActKind {
-    if widened(tier, format) {
-        ActKind::Bf16
-    } else {
-        act_kind(tier, format, k_pad)
+impl GroupedInput {
+    /// The default for `format`: int8 for Int8Group (Q8_0's and Q6_K's 8-bit codes, where llama.cpp's
+    /// int8 activations match the weights' own precision), bf16 for the 4-bit formats (small models'
+    /// outlier channels: SmolLM2-135M Q4_1 drifted 15% in its logits with int8 activations).
+    /// `MOE_CPU_DENSE_INPUT=int8|bf16` overrides it for every format (A/B runs).
+    pub fn default_for(format: WeightFormat) -> GroupedInput {
+        static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
+        let forced =
+            *FORCED.get_or_init(|| match std::env::var("MOE_CPU_DENSE_INPUT").as_deref() {
+                Ok("int8") => Some(GroupedInput::Int8),
+                Ok("bf16") => Some(GroupedInput::Bf16),
+                _ => None,
+            });
+        forced.unwrap_or(match format {
+            WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => GroupedInput::Int8,
+            _ => GroupedInput::Bf16,
+        })
     }
+}
+
+/// Whether a call of `tokens` rows widens a matrix of `format` to bf16 per chunk on `tier` (see
+/// `dense_widen`).
+fn widened(tier: CpuTier, format: WeightFormat, grouped: GroupedInput, tokens: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && tier >= CpuTier::Avx512
+        && widens(format)
+        && (grouped == GroupedInput::Bf16 || (tier == CpuTier::Amx && tokens >= AMX_MIN_ROWS))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -280,7 +328,7 @@ pub fn forward_group(
     let mut guard = first.scratch.lock().unwrap_or_else(|e| e.into_inner());
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
-    let kind = input_kind(tier, first.l.format, k_pad);
+    let kind = first.input_kind(tokens);
     // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
     s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
     s.rows.clear();
@@ -304,7 +352,7 @@ pub fn forward_group(
     let targets: Vec<Target<'_>> = calls
         .iter_mut()
         .map(|c| {
-            let wide = widened(tier, c.w.l.format);
+            let wide = widened(tier, c.w.l.format, c.w.grouped, tokens);
             let amx = c.w.tier == CpuTier::Amx
                 && (wide || amx_supports(c.w.l.format))
                 && tokens >= AMX_MIN_ROWS;
@@ -447,7 +495,7 @@ mod tests {
         for blk in b.chunks_exact_mut(bb) {
             match kind {
                 GgmlBlock::Q6K => blk[208..210].copy_from_slice(&f16(0.0007)),
-                GgmlBlock::Q4K => {
+                GgmlBlock::Q4K | GgmlBlock::Q5K => {
                     blk[..2].copy_from_slice(&f16(0.0011));
                     blk[2..4].copy_from_slice(&f16(0.0009));
                 }
@@ -460,14 +508,14 @@ mod tests {
         b
     }
 
-    /// Q4_K and Q6_K keep every code; each weight differs from llama.cpp's dequantized value only by
-    /// the one f16 rounding of its sub-block scale (and min): rel-L2 ≤ 3e-4 over the matrix (2⁻¹¹ =
-    /// 4.9e-4 is the largest relative change of one scale). Requantizing the values instead, as
-    /// before, gave ~1e-2.
+    /// Q4_K, Q5_K and Q6_K keep every code; each weight differs from llama.cpp's dequantized value
+    /// only by the one f16 rounding of its sub-block scale (and min): rel-L2 ≤ 3e-4 over the matrix
+    /// (2⁻¹¹ = 4.9e-4 is the largest relative change of one scale). Requantizing the values instead
+    /// gave ~1e-2 (Q4_K / Q6_K) and 3.6e-3 (Q5_K into Int8Group).
     #[test]
     fn kquants_keep_their_codes() {
         let (n, k) = (37, 512);
-        for kind in [GgmlBlock::Q4K, GgmlBlock::Q6K] {
+        for kind in [GgmlBlock::Q4K, GgmlBlock::Q5K, GgmlBlock::Q6K] {
             let data = ggml_bytes(kind, n, k, 21);
             let src = SourceTensor::Ggml { kind, data: &data };
             let w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
@@ -523,6 +571,7 @@ mod tests {
         let k_k = 256; // K-quant rows are whole super-blocks
         let f32_kq = rng_values(n * k_k, 13);
         let q6k = ggml_bytes(GgmlBlock::Q6K, n, k_k, 8);
+        let q5k = ggml_bytes(GgmlBlock::Q5K, n, k_k, 12);
         let f16 = ggml_bytes(GgmlBlock::F16, n, k, 10);
         let cases: Vec<(WeightFormat, SourceTensor)> = vec![
             (WeightFormat::Bf16, SourceTensor::F32(&f32_src)),
@@ -577,6 +626,19 @@ mod tests {
             k_k,
         ));
         cases.push((
+            WeightFormat::Int8Min { group: 32 },
+            SourceTensor::Ggml {
+                kind: GgmlBlock::Q5K,
+                data: &q5k,
+            },
+            k_k,
+        ));
+        cases.push((
+            WeightFormat::Int8Min { group: 32 },
+            SourceTensor::F32(&f32_kq),
+            k_k,
+        ));
+        cases.push((
             WeightFormat::F16,
             SourceTensor::Ggml {
                 kind: GgmlBlock::F16,
@@ -585,8 +647,14 @@ mod tests {
             k,
         ));
         let bias = rng_values(n, 9);
-        for (fmt, src, k) in cases {
-            let mut w = DenseMatrix::new(fmt, n, k, &src, None).unwrap();
+        let inputs = [GroupedInput::Int8, GroupedInput::Bf16];
+        for ((fmt, src, k), input) in cases
+            .iter()
+            .flat_map(|c| inputs.iter().map(move |i| (c, *i)))
+        {
+            let (fmt, k) = (*fmt, *k);
+            let mut w = DenseMatrix::new(fmt, n, k, src, None).unwrap();
+            w.set_grouped_input(input);
             for tier in CpuTier::available() {
                 w.set_max_tier(tier);
                 for tokens in [1usize, 5, 9, 33] {
@@ -600,7 +668,10 @@ mod tests {
                         }
                     }
                     let e = rel_l2(&y, &want);
-                    assert!(e < 1e-2, "{fmt:?} {tier} tokens={tokens}: rel err {e}");
+                    assert!(
+                        e < 1e-2,
+                        "{fmt:?} {input:?} {tier} tokens={tokens}: rel err {e}"
+                    );
                     if tier <= CpuTier::Avx2 {
                         assert!(e < 1e-5, "{fmt:?} {tier} f32 path: rel err {e}");
                     }
@@ -613,7 +684,7 @@ mod tests {
     fn group_call_equals_separate_calls() {
         let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
         let k = 96;
-        let mats: Vec<DenseMatrix> = [
+        let mut mats: Vec<DenseMatrix> = [
             (WeightFormat::Int4Min { group: 32 }, 40),
             (WeightFormat::Int8Group { group: 32 }, 70),
             (WeightFormat::Int4 { group: 32 }, 17),
@@ -624,7 +695,13 @@ mod tests {
             DenseMatrix::new(f, n, k, &SourceTensor::F32(&src), None).unwrap()
         })
         .collect();
-        for tokens in [1usize, 7, 20] {
+        for (input, tokens) in [GroupedInput::Int8, GroupedInput::Bf16]
+            .into_iter()
+            .flat_map(|i| [1usize, 7, 20].map(|t| (i, t)))
+        {
+            for m in mats.iter_mut() {
+                m.set_grouped_input(input);
+            }
             let x = rng_values(tokens * k, 99);
             let mut outs: Vec<Vec<f32>> =
                 mats.iter().map(|m| vec![0.0; tokens * m.rows()]).collect();
@@ -649,8 +726,13 @@ mod tests {
         )
         .unwrap();
         if CpuTier::Avx512.clamp_to_cpu() == CpuTier::Avx512 {
+            mats[1].set_grouped_input(GroupedInput::Int8);
             assert!(
-                !bf.shares_input_with(&mats[0]),
+                !mats[0].shares_input_with(&mats[1]),
+                "bf16-widened and int8 inputs differ"
+            );
+            assert!(
+                !bf.shares_input_with(&mats[1]),
                 "bf16 and int8 activations differ"
             );
         }

@@ -15,7 +15,10 @@ use crate::cpu::moe::pack::{MatRef, WeightFormat};
 pub(crate) fn widens(format: WeightFormat) -> bool {
     matches!(
         format,
-        WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } | WeightFormat::Int8Group { .. }
+        WeightFormat::Int4 { .. }
+            | WeightFormat::Int4Min { .. }
+            | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. }
     )
 }
 
@@ -31,9 +34,13 @@ pub(crate) unsafe fn widen_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &m
         WeightFormat::Int4 { group } => (group, 16, true),
         WeightFormat::Int4Min { group } => (group, 32, true),
         WeightFormat::Int8Group { group } => (group, 16, false),
+        WeightFormat::Int8Min { group } => (group, 32, false),
         f => unreachable!("{f:?} is not widened"),
     };
-    let with_min = matches!(w.l.format, WeightFormat::Int4Min { .. });
+    let with_min = matches!(
+        w.l.format,
+        WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. }
+    );
     let offset = match w.l.format {
         WeightFormat::Int4 { .. } => 8.0,
         WeightFormat::Int8Group { .. } => 128.0,

@@ -1,8 +1,8 @@
 //! GGML block formats (what GGUF files store): block sizes, exact dequantization with llama.cpp's
 //! reference formulas (`dequantize_row_*` in `ggml-quants.c`, same float operations in the same
 //! order, so the values are bit-identical), and the code/scale view the packer uses to repack
-//! Q4_0 / Q4_1 / Q8_0 into the kernels' tile formats without changing a single weight, and Q4_K / Q6_K
-//! keeping every code (their sub-block scales rounded once to f16).
+//! Q4_0 / Q4_1 / Q8_0 into the kernels' tile formats without changing a single weight, and Q4_K / Q5_K /
+//! Q6_K keeping every code (their sub-block scales and mins rounded once to f16).
 //!
 //! | type | elements per block | bytes | value |
 //! |---|---|---|---|
@@ -181,21 +181,23 @@ fn dequantize_block(kind: GgmlBlock, b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Inputs per scale group of the packed int format that keeps `kind`'s codes: 32 for Q4_0, Q4_1, Q8_0
-/// and Q4_K (sub-blocks of 32), 16 for Q6_K (sub-blocks of 16); `None` for types without one (Q5_K's
-/// five-bit codes with a min fit no packed format; F16 / BF16 / F32 are not codes).
+/// Inputs per scale group of the packed int format that keeps `kind`'s codes: 32 for Q4_0, Q4_1, Q8_0,
+/// Q4_K and Q5_K (sub-blocks of 32), 16 for Q6_K (sub-blocks of 16); `None` for F16 / BF16 / F32
+/// (not codes).
 pub(crate) fn code_group(kind: GgmlBlock) -> Option<usize> {
     match kind {
-        GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q8_0 | GgmlBlock::Q4K => Some(32),
+        GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q8_0 | GgmlBlock::Q4K | GgmlBlock::Q5K => {
+            Some(32)
+        }
         GgmlBlock::Q6K => Some(16),
         _ => None,
     }
 }
 
 /// Calls `f(g, codes, d, m)` for each scale group `g` of one block of `kind` (one group for Q4_0 /
-/// Q4_1 / Q8_0, 8 for Q4_K, 16 for Q6_K; [`code_group`] inputs each), in the form the packed int
-/// formats store: unsigned codes with value `(u − offset)·d` (Q4_0: offset 8; Q8_0 and Q6_K: codes
-/// `q + 128`, offset 128) or `u·d + m` (Q4_1, Q4_K), `d` and `m` as f16 bits.
+/// Q4_1 / Q8_0, 8 for Q4_K / Q5_K, 16 for Q6_K; [`code_group`] inputs each), in the form the packed
+/// int formats store: unsigned codes with value `(u − offset)·d` (Q4_0: offset 8; Q8_0 and Q6_K:
+/// codes `q + 128`, offset 128) or `u·d + m` (Q4_1, Q4_K, Q5_K), `d` and `m` as f16 bits.
 ///
 /// Q4_0 / Q4_1 / Q8_0 keep their f16 `d` and `m` as stored: bit for bit. The K-quants keep every code;
 /// their sub-block scale `d·sc` (and Q4_K's min `−dmin·m`), computed in f32 as llama.cpp does, is
@@ -227,14 +229,23 @@ pub(crate) fn block_groups(kind: GgmlBlock, b: &[u8], mut f: impl FnMut(usize, &
             }
             f(0, &codes, bits(0), 0);
         }
-        GgmlBlock::Q4K => {
+        GgmlBlock::Q4K | GgmlBlock::Q5K => {
             let (d, min) = (f16_at(b, 0), f16_at(b, 2));
-            let (scales, ql) = (&b[4..16], &b[16..144]);
+            let scales = &b[4..16];
+            let (qh, ql) = if kind == GgmlBlock::Q5K {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&b[0..0], &b[16..144])
+            };
             for c in 0..4 {
                 for half in 0..2 {
                     let (sc, m) = scale_min_k4(2 * c + half, scales);
-                    for (o, &q) in codes.iter_mut().zip(&ql[c * 32..c * 32 + 32]) {
+                    let bit = 1u8 << (2 * c + half);
+                    for (l, (o, &q)) in codes.iter_mut().zip(&ql[c * 32..c * 32 + 32]).enumerate() {
                         *o = if half == 0 { q & 0xF } else { q >> 4 };
+                        if !qh.is_empty() && qh[l] & bit != 0 {
+                            *o += 16;
+                        }
                     }
                     f(2 * c + half, &codes, h(d * sc as f32), h(-(min * m as f32)));
                 }
@@ -263,7 +274,7 @@ pub(crate) fn block_groups(kind: GgmlBlock, b: &[u8], mut f: impl FnMut(usize, &
                 );
             }
         }
-        GgmlBlock::Q5K | GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => {}
+        GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => {}
     }
 }
 
@@ -376,6 +387,7 @@ mod tests {
             GgmlBlock::Q4_1,
             GgmlBlock::Q8_0,
             GgmlBlock::Q4K,
+            GgmlBlock::Q5K,
             GgmlBlock::Q6K,
         ];
         for kind in kinds {
@@ -384,13 +396,13 @@ mod tests {
                 let mut b = bytes(bb, seed * 7);
                 let d_at = if kind == GgmlBlock::Q6K { 208 } else { 0 };
                 finite_f16(&mut b, d_at);
-                if matches!(kind, GgmlBlock::Q4_1 | GgmlBlock::Q4K) {
+                if matches!(kind, GgmlBlock::Q4_1 | GgmlBlock::Q4K | GgmlBlock::Q5K) {
                     finite_f16(&mut b, 2);
                 }
                 if seed % 2 == 0 {
                     // a typical super-block scale: d = 3e-4 (dmin 2e-4)
                     b[d_at..d_at + 2].copy_from_slice(&f16::from_f32(3e-4).to_le_bytes());
-                    if kind == GgmlBlock::Q4K {
+                    if matches!(kind, GgmlBlock::Q4K | GgmlBlock::Q5K) {
                         b[2..4].copy_from_slice(&f16::from_f32(2e-4).to_le_bytes());
                     }
                 }
@@ -406,10 +418,12 @@ mod tests {
                         let w = want[g * group + i];
                         let (u, v) = match kind {
                             GgmlBlock::Q4_0 => (c as f32 - 8.0, (c as f32 - 8.0) * d),
-                            GgmlBlock::Q4_1 | GgmlBlock::Q4K => (c as f32, c as f32 * d + m),
+                            GgmlBlock::Q4_1 | GgmlBlock::Q4K | GgmlBlock::Q5K => {
+                                (c as f32, c as f32 * d + m)
+                            }
                             _ => (c as f32 - 128.0, (c as f32 - 128.0) * d),
                         };
-                        if matches!(kind, GgmlBlock::Q4K | GgmlBlock::Q6K) {
+                        if matches!(kind, GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q6K) {
                             let err = |x: f32| x.abs() * 2f32.powi(-11) + 2f32.powi(-25);
                             let tol = u.abs() * err(d) + err(m) + w.abs() * 1e-6;
                             assert!((v - w).abs() <= tol, "{kind:?} {g}/{i}: {v} vs {w}");

@@ -4,6 +4,7 @@
 //! engine's small reductions use ([`vector`]) and the benchmark ([`bench`](mod@bench)).
 
 pub mod bench;
+pub mod bench_dense;
 pub mod dense;
 #[cfg(target_arch = "x86_64")]
 mod dense_widen;
@@ -16,10 +17,10 @@ pub mod pool;
 pub mod topology;
 pub mod vector;
 
-pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix};
+pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix, GroupedInput};
 pub use features::{detected_tier, CpuTier};
 pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;
-pub use vector::dot_f32;
+pub use vector::{bf16_to_f32, dot_f32, dot_rows, f16_to_f32, weighted_rows};

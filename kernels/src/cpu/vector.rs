@@ -1,6 +1,7 @@
-//! f32 dot product for the engine's small reductions (attention scores, router logits, reference
-//! linear rows) on the best tier of this CPU, detected once. The daemon is built for the baseline
-//! x86-64 target, so its own loops get 4-wide SSE; these run 16 lanes (AVX-512) or 8 (AVX2 + FMA).
+//! f32 dot products for the engine's small reductions (attention scores and value sums, router logits,
+//! reference linear rows) and the f16 widening of KV rows, on the best tier of this CPU, detected
+//! once. The daemon is built for the baseline x86-64 target, so its own loops get 4-wide SSE; these
+//! run 16 lanes (AVX-512) or 8 (AVX2 + FMA).
 //! Results differ from a sequential sum only in rounding order (the tests bound it against f64).
 
 use super::features::{detected_tier, CpuTier};
@@ -21,6 +22,165 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     dot_scalar(a, b)
+}
+
+fn axpy_scalar(w: f32, x: &[f32], y: &mut [f32]) {
+    for (o, v) in y.iter_mut().zip(x) {
+        *o += w * v;
+    }
+}
+
+/// Attention scores of a tile: `out[j·n + i] = q_j · k_i` for the `q.len() / hd` query rows and the
+/// `n = k.len() / hd` key rows (one call per tile instead of one per score).
+pub fn dot_rows(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
+    let (g, n) = (q.len() / hd, k.len() / hd);
+    assert!(out.len() >= g * n);
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; every row is `hd` long (checked above).
+        return unsafe { dot_rows_avx512(q, k, hd, out) };
+    }
+    for j in 0..g {
+        for i in 0..n {
+            out[j * n + i] = dot_scalar(&q[j * hd..(j + 1) * hd], &k[i * hd..(i + 1) * hd]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
+    let (g, n) = (q.len() / hd, k.len() / hd);
+    for j in 0..g {
+        for i in 0..n {
+            // SAFETY: (caller) AVX-512F present; equal lengths.
+            out[j * n + i] =
+                unsafe { dot_avx512(&q[j * hd..(j + 1) * hd], &k[i * hd..(i + 1) * hd]) };
+        }
+    }
+}
+
+/// A tile's weighted sum of value rows: `acc_j += Σ_i w[j·n + i] · v_i` for the `acc.len() / hd`
+/// accumulators and the `n = v.len() / hd` value rows; each accumulator stays in registers over the
+/// tile (one load and store per tile, not per row).
+pub fn weighted_rows(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
+    let (g, n) = (acc.len() / hd, v.len() / hd);
+    assert!(w.len() >= g * n);
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; lengths checked above.
+        return unsafe { weighted_rows_avx512(w, v, hd, acc) };
+    }
+    for j in 0..g {
+        for i in 0..n {
+            axpy_scalar(
+                w[j * n + i],
+                &v[i * hd..(i + 1) * hd],
+                &mut acc[j * hd..(j + 1) * hd],
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_avx512(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (g, n) = (acc.len() / hd, v.len() / hd);
+    let (pv, pa) = (v.as_ptr(), acc.as_mut_ptr());
+    for j in 0..g {
+        let mut c = 0;
+        while c < hd {
+            let m: __mmask16 = if hd - c >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (hd - c)) - 1
+            };
+            // SAFETY: elements c .. c + 16 (masked to hd) of accumulator j and of each value row.
+            unsafe {
+                let mut a = _mm512_maskz_loadu_ps(m, pa.add(j * hd + c));
+                for i in 0..n {
+                    let x = _mm512_maskz_loadu_ps(m, pv.add(i * hd + c));
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(w[j * n + i]), x, a);
+                }
+                _mm512_mask_storeu_ps(pa.add(j * hd + c), m, a);
+            }
+            c += 16;
+        }
+    }
+}
+
+/// IEEE f16 bits → f32 (exact), `dst.len()` values: the CPU KV cache's rows as attention reads them
+/// (16 per `vcvtph2ps` on AVX-512; a generic F16C path converting 8 at a time through a function
+/// call per chunk made f16 rows slower to read than f32 ones).
+pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
+    let src = &src[..dst.len()];
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; equal lengths.
+        return unsafe { f16_to_f32_avx512(src, dst) };
+    }
+    for (o, &h) in dst.iter_mut().zip(src) {
+        *o = half::f16::from_bits(h).to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn f16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
+    unsafe {
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
+            _mm512_mask_storeu_ps(pd.add(i), m, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+    }
+}
+
+/// bf16 bits → f32 (exact: the bits shifted into the high half).
+pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
+    let src = &src[..dst.len()];
+    #[cfg(target_arch = "x86_64")]
+    if detected_tier() >= CpuTier::Avx512 {
+        // SAFETY: the tier was detected on this CPU; equal lengths.
+        return unsafe { bf16_to_f32_avx512(src, dst) };
+    }
+    for (o, &h) in dst.iter_mut().zip(src) {
+        *o = f32::from_bits((h as u32) << 16);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn bf16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
+    unsafe {
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
+            let x = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+            _mm512_mask_storeu_ps(pd.add(i), m, _mm512_castsi512_ps(x));
+            i += 16;
+        }
+    }
 }
 
 /// The portable version (and the tail of the SIMD ones): eight interleaved partial sums.
@@ -108,6 +268,62 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tile kernels against their definitions, for head sizes on and off the vector width.
+    #[test]
+    fn tile_kernels_match_their_definitions() {
+        for hd in [16usize, 40, 128] {
+            let (g, n) = (3, 5);
+            let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0) - 1.0;
+            let q: Vec<f32> = (0..g * hd).map(f).collect();
+            let k: Vec<f32> = (0..n * hd).map(|i| f(i + 13)).collect();
+            let mut s = vec![0f32; g * n];
+            dot_rows(&q, &k, hd, &mut s);
+            let mut acc: Vec<f32> = (0..g * hd).map(|i| f(i + 99)).collect();
+            let mut want_acc = acc.clone();
+            weighted_rows(&s, &k, hd, &mut acc);
+            for j in 0..g {
+                for i in 0..n {
+                    let want: f64 = (0..hd)
+                        .map(|d| q[j * hd + d] as f64 * k[i * hd + d] as f64)
+                        .sum();
+                    assert!((s[j * n + i] as f64 - want).abs() < 1e-4, "hd {hd}");
+                    for d in 0..hd {
+                        want_acc[j * hd + d] += s[j * n + i] * k[i * hd + d];
+                    }
+                }
+            }
+            for (a, b) in acc.iter().zip(&want_acc) {
+                assert!(
+                    (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                    "hd {hd}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    /// Every f16 class (normal, subnormal, zero, infinity) converts exactly, at every length.
+    #[test]
+    fn f16_rows_widen_exactly() {
+        for n in [0usize, 1, 15, 16, 17, 128, 131] {
+            let src: Vec<u16> = (0..n as u32)
+                .map(|i| (i.wrapping_mul(2654435761) >> 16) as u16)
+                .collect();
+            let mut got = vec![f32::NAN; n];
+            bf16_to_f32(&src, &mut got);
+            for (g, &h) in got.iter().zip(&src) {
+                assert_eq!(g.to_bits(), (h as u32) << 16, "bf16 {h:#x}");
+            }
+            f16_to_f32(&src, &mut got);
+            for (g, &h) in got.iter().zip(&src) {
+                let want = half::f16::from_bits(h).to_f32();
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "{h:#x}"
+                );
+            }
+        }
+    }
 
     /// Every tier of this CPU against the f64 sum, lengths around the vector widths; relative to
     /// Σ|a·b| the error stays at f32 rounding (≤ 1e-6 here).

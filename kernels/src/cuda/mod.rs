@@ -11,6 +11,10 @@ pub use cudarc::driver::DriverError;
 
 pub mod dense;
 pub mod graph;
+pub mod hybrid;
+pub mod hyper;
+pub mod indexer;
+pub mod linear_attention;
 pub mod ops;
 pub mod quant;
 
@@ -494,6 +498,16 @@ mod tests {
             let src = ptx.to_src();
             for entry in ["gated_mul", "gemv_w4a16", "gemv_w8a16", "dense_dequant_w4"] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
+            }
+            // the hybrid-attention module (compiled on demand at start-up)
+            let src = hybrid::compile(arch)
+                .unwrap_or_else(|e| panic!("hybrid.cu {arch}: {e}"))
+                .to_src();
+            for entry in hybrid::ENTRIES {
+                assert!(
+                    src.contains(&format!(".entry {entry}")),
+                    "hybrid.cu {arch}: {entry}"
+                );
             }
         }
     }

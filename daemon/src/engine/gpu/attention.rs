@@ -55,7 +55,7 @@ impl GpuModel {
     /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head
     /// (`rotate` false: a NoPE layer, norm only).
     #[allow(clippy::too_many_arguments)]
-    fn norm_rope(
+    pub(super) fn norm_rope(
         &self,
         host: &Model,
         buf: &mut CudaSlice<f32>,
@@ -339,6 +339,7 @@ impl GpuModel {
         li: usize,
         x: &mut CudaSlice<f32>,
         bufs: &mut AttnBufs,
+        hybrid: Option<&mut super::hybrid::HybridStep<'_>>,
     ) -> anyhow::Result<()> {
         let MlaWeights {
             q: wq,
@@ -367,6 +368,7 @@ impl GpuModel {
             q,
             q_a,
             q_a_bf16,
+            q_a_norm,
             ckv,
             latent,
             krope,
@@ -375,12 +377,16 @@ impl GpuModel {
             .mla
             .as_mut()
             .context("step buffers without MLA buffers")?;
+        // Layers with sparse attention (GLM-5, GLM-5.3-Flash) attend what the indexer selects; it
+        // reads the q-LoRA output in f32.
+        let sparse = self.hybrid.as_ref().is_some_and(|h| h.sparse[li]);
         match wq {
             GpuMlaQuery::Direct(l) => self.linear(l, hb, q, n, false)?,
             GpuMlaQuery::LowRank { a, norm, b } => {
                 let r = a.out_dim;
                 self.linear(a, hb, q_a, n, false)?;
-                dev.rms_norm(&*q_a, norm, m.latent_norm_eps, (n, r), q_a_bf16, None)?;
+                let q_resid = if sparse { Some(&mut *q_a_norm) } else { None };
+                dev.rms_norm(&*q_a, norm, m.latent_norm_eps, (n, r), q_a_bf16, q_resid)?;
                 self.linear(b, q_a_bf16, q, n, false)?;
             }
         }
@@ -394,7 +400,9 @@ impl GpuModel {
             latent,
             krope,
         )?;
-        self.norm_rope(host, krope, step, 1, rope, None, 0, true)?;
+        if rope > 0 {
+            self.norm_rope(host, krope, step, 1, rope, None, 0, true)?;
+        }
         self.append(pool, li, latent, krope, step)?;
         let dims = MlaDims {
             heads: nh,
@@ -403,6 +411,14 @@ impl GpuModel {
             lora,
             v_dim: vd,
         };
+        let scale = cfg.attention_scale();
+        if sparse {
+            let hy = hybrid.context("a sparse-attention layer without hybrid step state")?;
+            let q_resid = matches!(wq, GpuMlaQuery::LowRank { .. }).then_some(&*q_a_norm);
+            self.indexer_select(host, li, step, x, q_resid, pool, hy)?;
+            self.mla_selected(step, pool, li, dims, scale, q, kv_b, hy, out)?;
+            return self.linear(o, out, x, n, true);
+        }
         dev.mla_attention(
             &*q,
             &pool.k[li],
@@ -411,7 +427,7 @@ impl GpuModel {
             n,
             dims,
             kv_b,
-            cfg.attention_scale(),
+            scale,
             out,
         )?;
         self.linear(o, out, x, n, true)

@@ -50,6 +50,8 @@ pub struct MlaBufs {
     /// The low-rank query's latent `[rows, q_lora_rank]`, f32 and normalised bf16.
     pub q_a: CudaSlice<f32>,
     pub q_a_bf16: CudaSlice<bf16>,
+    /// The normalised q latent in f32 (the sparse-attention indexer reads it).
+    pub q_a_norm: CudaSlice<f32>,
     /// kv_a_proj output `[rows, lora + rope]`, split into the normalised latent and the rope key.
     pub ckv: CudaSlice<f32>,
     pub latent: CudaSlice<f32>,
@@ -289,7 +291,7 @@ impl GpuModel {
                     GpuMlaQuery::LowRank { a, .. } => Some(a.out_dim),
                     GpuMlaQuery::Direct(_) => None,
                 },
-                GpuAttention::Gqa(_) => None,
+                GpuAttention::Gqa(_) | GpuAttention::Linear(_) => None,
             })
             .max()
             .unwrap_or(0);
@@ -299,6 +301,7 @@ impl GpuModel {
             q: self.alloc(rows * nh * qk)?,
             q_a: self.alloc(rows * q_lora)?,
             q_a_bf16: self.alloc(rows * q_lora)?,
+            q_a_norm: self.alloc(rows * q_lora)?,
             ckv: self.alloc(rows * (lora + rope))?,
             latent: self.alloc(rows * lora)?,
             krope: self.alloc(rows * rope)?,

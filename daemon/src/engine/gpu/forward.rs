@@ -22,11 +22,13 @@ use std::collections::hash_map::Entry;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
-/// driver reserved them).
+/// driver reserved them). `state`: the sequence's recurrent-state buffer slot (models with
+/// linear-attention layers; see `gpu::hybrid`).
 pub struct GpuSeqInput<'a> {
     pub blocks: &'a [BlockId],
     pub pos0: usize,
     pub tokens: &'a [u32],
+    pub state: Option<&'a mut Option<CudaSlice<f32>>>,
 }
 
 /// The host side of a step's index: each row's token, position, sequence and cache slot, each
@@ -90,7 +92,7 @@ impl HostIndex {
 }
 
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
-struct Segment<'a> {
+struct Segment<'a, 'b> {
     x: &'a mut CudaSlice<f32>,
     hb: &'a mut CudaSlice<bf16>,
     hf: &'a mut CudaSlice<f32>,
@@ -101,6 +103,8 @@ struct Segment<'a> {
     hand: &'a mut Handoff,
     /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
     want_x: bool,
+    /// Streams, recurrent states and indexer selection of hybrid models.
+    hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
 }
 
 impl GpuModel {
@@ -186,7 +190,7 @@ impl GpuModel {
         li: usize,
         step: &super::attention::StepIndex,
         pool: &mut super::kv::GpuKvPool,
-        g: &mut Segment<'_>,
+        g: &mut Segment<'_, '_>,
     ) -> anyhow::Result<()> {
         let cfg = &host.config;
         let (dev, s, hd, n) = (&self.dev, &self.dev.stream, cfg.hidden_size, step.n);
@@ -199,14 +203,37 @@ impl GpuModel {
             }
             _ => false,
         };
+        use super::hybrid::Block;
+        if let Some(hy) = g.hybrid.as_deref_mut() {
+            self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
+        }
         dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
         match &layer.attn {
             GpuAttention::Gqa(w) => {
                 self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
             }
-            GpuAttention::Mla(w) => {
-                self.mla_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
+            GpuAttention::Mla(w) => self.mla_attention(
+                w,
+                host,
+                step,
+                g.hb,
+                pool,
+                li,
+                g.x,
+                g.attn,
+                g.hybrid.as_deref_mut(),
+            )?,
+            GpuAttention::Linear(la) => {
+                let hy = g
+                    .hybrid
+                    .as_deref_mut()
+                    .context("linear attention without hybrid state")?;
+                self.linear_attention(la, host, li, g.hb, g.x, hy)?
             }
+        }
+        if let Some(hy) = g.hybrid.as_deref_mut() {
+            self.hyper_expand(hy, hd, g.x)?;
+            self.hyper_collapse(hy, li, Block::Ffn, hd, cfg.rms_norm_eps, g.x)?;
         }
         dev.rms_norm(
             g.x,
@@ -249,7 +276,7 @@ impl GpuModel {
         &self,
         host: &Model,
         cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
-        batch: &[GpuSeqInput<'_>],
+        batch: &mut [GpuSeqInput<'_>],
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -288,6 +315,12 @@ impl GpuModel {
             head,
         } = acts;
         self.embed(host, &hi.ids, index, x)?;
+        // Hybrid models (linear attention, hyper-connections, sparse attention): the step's streams,
+        // recurrent states and indexer selection.
+        let mut hybrid_step = match &self.hybrid {
+            Some(h) => Some(self.hybrid_begin_step(h, batch, hd, x)?),
+            None => None,
+        };
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         let mut stream = if long_prompt {
@@ -332,6 +365,7 @@ impl GpuModel {
                 attn: &mut *attn,
                 hand: &mut *hand,
                 want_x: homes.contains(&ExpertHome::Cpu),
+                hybrid: hybrid_step.as_mut(),
             };
             self.run_pre_experts(
                 host,
@@ -364,7 +398,14 @@ impl GpuModel {
                     self.moe_layer(li, moe, &homes, &mut ctx, bufs, &mut on_routing)?;
                 }
             }
+            if let Some(hy) = hybrid_step.as_mut() {
+                self.hyper_expand(hy, hd, x)?;
+            }
         }
+        if let Some(hy) = &hybrid_step {
+            self.hyper_head(hy, hd, x)?;
+        }
+        drop(hybrid_step);
         self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)
     }
 
@@ -417,7 +458,7 @@ impl GpuModel {
         host: &Model,
         li: usize,
         (step, pool): (&StepIndex<'_>, &mut super::kv::GpuKvPool),
-        seg: &mut Segment<'_>,
+        seg: &mut Segment<'_, '_>,
         graphs: Option<&mut GraphSet>,
     ) -> anyhow::Result<()> {
         let set = match graphs {
@@ -495,11 +536,13 @@ mod tests {
             blocks: &[7, 3],
             pos0: 20,
             tokens: &[11],
+            state: None,
         };
         let b = GpuSeqInput {
             blocks: &[5],
             pos0: 0,
             tokens: &[1, 2, 3],
+            state: None,
         };
         let batch = [a, b];
         let h = HostIndex::new(&batch);

@@ -1,6 +1,7 @@
 //! Paged KV storage on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` bf16. Which
 //! block belongs to which sequence is decided by the driver through the engine's block pool
-//! (`engine::kv::blocks`); this file only holds the memory and copies blocks for copy-on-write.
+//! (`engine::kv::blocks`); this file only holds the memory and copies blocks for copy-on-write. Layers
+//! with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by the same blocks.
 use crate::engine::kv::{BlockCopy, BlockId, BLOCK};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -14,20 +15,29 @@ pub struct GpuKvPool {
     pub width: usize,
     pub v_width: usize,
     pub total_blocks: usize,
+    /// Per layer, the indexer's rows `[blocks × BLOCK, c_width]` (f32) where the layer runs its own
+    /// indexer; added by [`GpuKvPool::add_indexer_rows`].
+    pub c: Vec<Option<CudaSlice<f32>>>,
+    pub c_width: usize,
 }
 
 impl GpuKvPool {
+    /// `has_rows[layer]`: false for layers that keep no KV rows (linear attention: a per-sequence state
+    /// instead), which get a minimal placeholder.
     pub fn new(
         dev: &GpuDevice,
-        layers: usize,
+        has_rows: &[bool],
         (width, v_width): (usize, usize),
         blocks: usize,
     ) -> anyhow::Result<Self> {
+        let layers = has_rows.len();
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            k.push(dev.stream.alloc_zeros::<bf16>(blocks * BLOCK * width)?);
-            v.push(dev.stream.alloc_zeros::<bf16>(blocks * BLOCK * v_width)?);
+        for &rows in has_rows {
+            let n = if rows { blocks * BLOCK } else { 0 };
+            // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
+            k.push(dev.stream.alloc_zeros::<bf16>((n * width).max(1))?);
+            v.push(dev.stream.alloc_zeros::<bf16>((n * v_width).max(1))?);
         }
         Ok(Self {
             k,
@@ -35,7 +45,29 @@ impl GpuKvPool {
             width,
             v_width,
             total_blocks: blocks,
+            c: (0..layers).map(|_| None).collect(),
+            c_width: 0,
         })
+    }
+
+    /// Allocates indexer rows of `width` f32 per position for `layer` (every indexed layer of a model
+    /// has the same width).
+    pub fn add_indexer_rows(
+        &mut self,
+        dev: &GpuDevice,
+        layer: usize,
+        width: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.c_width == 0 || self.c_width == width,
+            "indexer rows of two widths"
+        );
+        self.c_width = width;
+        self.c[layer] = Some(
+            dev.stream
+                .alloc_zeros::<f32>(self.total_blocks * BLOCK * width)?,
+        );
+        Ok(())
     }
 
     pub fn bytes_for(layers: usize, (width, v_width): (usize, usize), blocks: usize) -> usize {
@@ -54,21 +86,41 @@ impl BlockCopy for GpuKvCopier {
     fn copy_block(&self, from: BlockId, to: BlockId) -> Result<(), String> {
         let mut guard = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         let pool = &mut *guard;
-        let (kw, vw) = (pool.width, pool.v_width);
+        let (kw, vw, cw) = (pool.width, pool.v_width, pool.c_width);
         let (from, to) = (from as usize, to as usize);
         for (k, v) in pool.k.iter_mut().zip(pool.v.iter_mut()) {
-            for (cache, row) in [(k, BLOCK * kw), (v, BLOCK * vw)] {
-                // Source and destination are views of one allocation: stage through a temporary.
-                let tmp = self
-                    .stream
-                    .clone_dtod(&cache.slice(from * row..(from + 1) * row))
-                    .map_err(|e| e.to_string())?;
-                let mut dst = cache.slice_mut(to * row..(to + 1) * row);
-                self.stream
-                    .memcpy_dtod(&tmp, &mut dst)
-                    .map_err(|e| e.to_string())?;
+            // (placeholders of layers without rows hold one element)
+            if k.len() > 1 {
+                copy_rows(&self.stream, k, BLOCK * kw, from, to)?;
             }
+            if v.len() > 1 {
+                copy_rows(&self.stream, v, BLOCK * vw, from, to)?;
+            }
+        }
+        for c in pool.c.iter_mut().flatten() {
+            copy_rows(&self.stream, c, BLOCK * cw, from, to)?;
         }
         Ok(())
     }
+}
+
+/// Copies block `from`'s `row` elements over block `to`'s in `cache` (nothing for a zero width).
+fn copy_rows<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    cache: &mut CudaSlice<T>,
+    row: usize,
+    from: usize,
+    to: usize,
+) -> Result<(), String> {
+    if row == 0 {
+        return Ok(());
+    }
+    // Source and destination are views of one allocation: stage through a temporary.
+    let tmp = stream
+        .clone_dtod(&cache.slice(from * row..(from + 1) * row))
+        .map_err(|e| e.to_string())?;
+    let mut dst = cache.slice_mut(to * row..(to + 1) * row);
+    stream
+        .memcpy_dtod(&tmp, &mut dst)
+        .map_err(|e| e.to_string())
 }

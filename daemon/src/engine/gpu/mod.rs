@@ -20,8 +20,11 @@ mod experts;
 pub mod forward;
 pub mod graphs;
 pub mod handoff;
+pub mod hybrid;
+pub mod indexer;
 pub mod kinds;
 pub mod kv;
+pub mod linear_attention;
 pub mod memory;
 mod moe_layer;
 pub mod moves;
@@ -96,17 +99,15 @@ impl ExpertTable {
         self.0.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Puts `m` in expert `e`'s slot; returns what was there.
-    pub fn install(&self, e: usize, m: GpuMlp) -> Option<GpuMlp> {
+    /// Under one write lock: `m` becomes expert `admit`'s weights and expert `evict` leaves the GPU
+    /// (computed from DRAM from the next step on). Returns the evicted weights (reused or freed by the
+    /// caller).
+    pub fn replace(&self, admit: usize, evict: usize, m: GpuMlp) -> Option<GpuMlp> {
         let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        t.get_mut(e).and_then(|slot| slot.replace(m))
-    }
-
-    /// Empties expert `e`'s slot (the expert is computed from DRAM from the next step on); the
-    /// returned weights are freed when dropped.
-    pub fn evict(&self, e: usize) -> Option<GpuMlp> {
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        t.get_mut(e).and_then(Option::take)
+        if let Some(slot) = t.get_mut(admit) {
+            *slot = Some(m);
+        }
+        t.get_mut(evict).and_then(Option::take)
     }
 
     /// Which experts are resident.
@@ -160,6 +161,8 @@ pub struct MlaWeights {
 pub enum GpuAttention {
     Gqa(GqaWeights),
     Mla(MlaWeights),
+    /// KDA linear attention (GLM-5.3-Flash), per-sequence recurrent state instead of a KV cache.
+    Linear(Box<linear_attention::GpuLinearAttention>),
 }
 
 pub struct GpuLayer {
@@ -212,6 +215,8 @@ pub struct GpuModel {
     pub routing_override: Mutex<Option<RoutingOverride>>,
     /// The memory plan this engine started with and what the start allocated.
     pub memory: Option<memory::MemoryReport>,
+    /// Linear attention, hyper-connections and the sparse-attention indexer (models that have them).
+    pub hybrid: Option<hybrid::GpuHybrid>,
 }
 
 /// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
@@ -443,9 +448,9 @@ impl GpuModel {
                     kv_b: s.clone_htod(&a.kv_b)?,
                     o: upload_linear(&dev, &a.o, fmt)?,
                 }),
-                Attention::Linear(_) => anyhow::bail!(
-                    "layer {li}: the CUDA backend does not run linear-attention layers yet"
-                ),
+                Attention::Linear(la) => GpuAttention::Linear(Box::new(
+                    linear_attention::GpuLinearAttention::upload(&dev, la, fmt)?,
+                )),
             };
             let ffn = match &mut layer.ffn {
                 Ffn::Dense(m) => GpuFfn::Dense(upload_mlp(&dev, m, fmt)?),
@@ -492,7 +497,18 @@ impl GpuModel {
         }
         let rope = crate::engine::rope::Rope::new(&cfg.rope);
         let inv_freq = s.clone_htod(rope.inv_freq())?;
-        let kv = GpuKvPool::new(&dev, cfg.num_layers, kv_widths(&cfg), kv_blocks)?;
+        let has_rows: Vec<bool> = (0..cfg.num_layers)
+            .map(|l| cfg.mixers.get(l) != Some(&crate::model::hybrid::Mixer::Linear))
+            .collect();
+        let mut kv = GpuKvPool::new(&dev, &has_rows, kv_widths(&cfg), kv_blocks)?;
+        let hybrid = hybrid::GpuHybrid::upload(&dev, model)?;
+        if let (Some(h), Some(ix)) = (&hybrid, &cfg.indexer) {
+            for (li, own) in h.indexers.iter().enumerate() {
+                if own.is_some() {
+                    kv.add_indexer_rows(&dev, li, ix.row_width())?;
+                }
+            }
+        }
         dev.stream.synchronize()?;
         Ok(Self {
             attn_factor: rope.attention_factor(),
@@ -514,6 +530,7 @@ impl GpuModel {
             prefill_on_cpu: Vec::new(),
             routing_override: Mutex::new(None),
             memory: None,
+            hybrid,
         })
     }
 

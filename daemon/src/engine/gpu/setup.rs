@@ -23,12 +23,6 @@ pub fn build(
     rules: Option<&PlacementPlan>,
 ) -> anyhow::Result<GpuModel> {
     let cfg = model.config.clone();
-    if cfg.indexer.is_some() {
-        bail!(
-            "{}: the CUDA backend does not run the sparse-attention indexer yet; use --device cpu",
-            cfg.arch_name
-        );
-    }
     let dev = GpuDevice::open(ordinal)?;
     let (free, total) = dev.memory()?;
     let context_used = (total - free) as u64;

@@ -17,8 +17,8 @@ pub struct ContextFootprint {
 }
 
 impl ContextFootprint {
-    /// `value_bytes`: bytes of one cached K/V or latent value (2 for bf16 caches, 4 for the CPU
-    /// backend's f32 rows).
+    /// `value_bytes`: bytes of one cached K/V or latent value (2 for f16 / bf16 caches, 4 for f32
+    /// rows; the CPU backend's element type is `kv::default_dtype` unless the options name one).
     pub fn of(cfg: &ModelConfig, value_bytes: usize) -> Self {
         let attention_layers = cfg
             .mixers

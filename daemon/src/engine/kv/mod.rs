@@ -5,23 +5,26 @@
 pub mod blocks;
 pub mod footprint;
 pub mod recurrent;
+pub mod rows;
 
 pub use blocks::{
     blocks_for, BlockCopy, BlockId, BlockPool, KvError, SeqCache, SharedBlockPool, BLOCK,
 };
 pub use recurrent::RecurrentState;
+pub use rows::{KvDtype, RowBuf};
 
 use std::sync::{Mutex, MutexGuard};
 
-/// One layer's rows on the CPU: row-major f32 arrays indexed by block (GQA: keys and values,
-/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key; `c`: the sparse
-/// attention indexer's keys of MLA layers that have one, empty elsewhere). They grow on demand to the
+/// One layer's rows on the CPU: row-major arrays indexed by block (GQA: keys and values,
+/// `kv_heads × head_dim` wide; MLA: the normalised latent and the roped shared key, both in the
+/// store's [`KvDtype`]; `c`: the sparse attention indexer's keys (f32) of MLA layers that have one,
+/// empty elsewhere). They grow on demand to the
 /// highest block handed out, so memory follows the peak number of positions in use, not the configured
 /// capacity.
 #[derive(Debug, Default)]
 pub struct LayerRows {
-    pub a: Vec<f32>,
-    pub b: Vec<f32>,
+    pub a: RowBuf,
+    pub b: RowBuf,
     pub c: Vec<f32>,
     pub a_width: usize,
     pub b_width: usize,
@@ -41,8 +44,8 @@ impl LayerRows {
     fn ensure_block(&mut self, block: BlockId) {
         let rows = (block as usize + 1) * BLOCK;
         if self.a.len() < rows * self.a_width {
-            self.a.resize(rows * self.a_width, 0.0);
-            self.b.resize(rows * self.b_width, 0.0);
+            self.a.grow(rows * self.a_width);
+            self.b.grow(rows * self.b_width);
             self.c.resize(rows * self.c_width, 0.0);
         }
     }
@@ -50,8 +53,9 @@ impl LayerRows {
     /// Writes one position's rows into its slot.
     pub fn write(&mut self, slot: usize, a: &[f32], b: &[f32]) {
         self.ensure_block((slot / BLOCK) as BlockId);
-        self.a[slot * self.a_width..(slot + 1) * self.a_width].copy_from_slice(a);
-        self.b[slot * self.b_width..(slot + 1) * self.b_width].copy_from_slice(b);
+        debug_assert!(a.len() == self.a_width && b.len() == self.b_width);
+        self.a.write(slot * self.a_width, a);
+        self.b.write(slot * self.b_width, b);
     }
 
     /// Writes one position's indexer key row (layers with an indexer).
@@ -64,21 +68,23 @@ impl LayerRows {
         &self.c[slot * self.c_width..(slot + 1) * self.c_width]
     }
 
-    pub fn a_row(&self, slot: usize) -> &[f32] {
-        &self.a[slot * self.a_width..(slot + 1) * self.a_width]
+    /// Values `off .. off + dst.len()` of slot `slot`'s `a` row, widened to f32.
+    pub fn read_a(&self, slot: usize, off: usize, dst: &mut [f32]) {
+        self.a.read(slot * self.a_width + off, dst);
     }
 
-    pub fn b_row(&self, slot: usize) -> &[f32] {
-        &self.b[slot * self.b_width..(slot + 1) * self.b_width]
+    /// Values `off .. off + dst.len()` of slot `slot`'s `b` row, widened to f32.
+    pub fn read_b(&self, slot: usize, off: usize, dst: &mut [f32]) {
+        self.b.read(slot * self.b_width + off, dst);
     }
 
     fn copy_block(&mut self, from: BlockId, to: BlockId) {
         self.ensure_block(from.max(to));
         let (f, t) = (from as usize * BLOCK, to as usize * BLOCK);
         let aw = self.a_width;
-        self.a.copy_within(f * aw..(f + BLOCK) * aw, t * aw);
+        self.a.copy_within(f * aw, BLOCK * aw, t * aw);
         let bw = self.b_width;
-        self.b.copy_within(f * bw..(f + BLOCK) * bw, t * bw);
+        self.b.copy_within(f * bw, BLOCK * bw, t * bw);
         let cw = self.c_width;
         self.c.copy_within(f * cw..(f + BLOCK) * cw, t * cw);
     }
@@ -112,9 +118,25 @@ pub fn row_widths(cfg: &crate::model::ModelConfig) -> Vec<RowWidths> {
         .collect()
 }
 
-/// Bytes one position takes in the CPU backend's KV blocks, all layers together (f32 rows).
+/// The CPU KV rows' element type unless the engine options name one: f16 for GQA models (half the
+/// bytes attention reads per step), f32 for MLA models (their latent rows are already compressed, and
+/// the sparse-attention indexer's keys beside them are f32).
+pub fn default_dtype(cfg: &crate::model::ModelConfig) -> KvDtype {
+    if cfg.mla.is_some() {
+        KvDtype::F32
+    } else {
+        KvDtype::F16
+    }
+}
+
+/// Bytes one position takes in the CPU backend's KV blocks, all layers together, with the model's
+/// [`default_dtype`] rows (indexer keys f32).
 pub fn bytes_per_position(cfg: &crate::model::ModelConfig) -> usize {
-    row_widths(cfg).iter().map(|w| (w.a + w.b + w.c) * 4).sum()
+    let value = default_dtype(cfg).bytes();
+    row_widths(cfg)
+        .iter()
+        .map(|w| (w.a + w.b) * value + w.c * 4)
+        .sum()
 }
 
 /// The storage slot of position `pos` of a sequence with block table `blocks`.
@@ -129,11 +151,14 @@ pub struct CpuKvStore {
 }
 
 impl CpuKvStore {
-    /// `widths`: per layer, the widths of its row kinds.
-    pub fn new(widths: &[RowWidths]) -> Self {
+    /// `widths`: per layer, the widths of its row kinds; `dtype`: the element type of the `a` and `b`
+    /// rows.
+    pub fn new(widths: &[RowWidths], dtype: KvDtype) -> Self {
         let layers = widths
             .iter()
             .map(|w| LayerRows {
+                a: RowBuf::new(dtype),
+                b: RowBuf::new(dtype),
                 a_width: w.a,
                 b_width: w.b,
                 c_width: w.c,
@@ -154,7 +179,7 @@ impl CpuKvStore {
     pub fn bytes(&self) -> usize {
         self.lock()
             .iter()
-            .map(|l| (l.a.len() + l.b.len() + l.c.len()) * 4)
+            .map(|l| l.a.bytes() + l.b.bytes() + l.c.len() * 4)
             .sum()
     }
 }
@@ -175,7 +200,7 @@ mod tests {
     /// The indexer's keys travel with the block: copy-on-write copies them, and the footprint counts them.
     #[test]
     fn indexer_rows_live_in_the_blocks() {
-        let store = CpuKvStore::new(&[RowWidths { a: 2, b: 1, c: 3 }]);
+        let store = CpuKvStore::new(&[RowWidths { a: 2, b: 1, c: 3 }], KvDtype::F16);
         let slot_in = |block: usize, i: usize| block * BLOCK + i;
         store.lock()[0].write(slot_in(1, 5), &[1.0, 2.0], &[3.0]);
         store.lock()[0].write_c(slot_in(1, 5), &[4.0, 5.0, 6.0]);
@@ -183,8 +208,10 @@ mod tests {
         {
             let rows = &store.lock()[0];
             assert_eq!(rows.c_row(slot_in(3, 5)), &[4.0, 5.0, 6.0]);
-            assert_eq!(rows.a_row(slot_in(3, 5)), &[1.0, 2.0]);
+            let mut a = [0f32; 2];
+            rows.read_a(slot_in(3, 5), 0, &mut a);
+            assert_eq!(a, [1.0, 2.0]);
         }
-        assert_eq!(store.bytes(), 4 * BLOCK * (2 + 1 + 3) * 4);
+        assert_eq!(store.bytes(), 4 * BLOCK * ((2 + 1) * 2 + 3 * 4));
     }
 }

@@ -9,7 +9,12 @@
 //! What a recurrent state cannot do is go back: it summarises every position written, so a prefix of
 //! it cannot be recovered. Prefix reuse is therefore off for models with linear layers (the scheduler
 //! asks [`super::SeqCache::supports_prefix_reuse`]); truncating such a cache starts it over.
+//!
+//! On the CUDA backend the state lives in GPU memory instead ([`RecurrentState::on_device`]): one
+//! buffer per sequence holding every linear layer's part, created zeroed by the sequence's first step
+//! and zeroed again whenever the sequence starts over (a step at position 0); dropping the cache frees it.
 use crate::model::hybrid::{LinearAttentionConfig, Mixer};
+use cudarc::driver::CudaSlice;
 
 /// One linear layer's state for one sequence.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,9 +27,23 @@ pub struct LinearLayerState {
 }
 
 /// One sequence's states, indexed by layer (None for attention layers).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct RecurrentState {
     layers: Vec<Option<LinearLayerState>>,
+    /// The CUDA backend's copy of every linear layer's state (`engine::gpu::hybrid` lays it out); None
+    /// on the CPU backend and before the sequence's first GPU step.
+    device: Option<CudaSlice<f32>>,
+}
+
+impl Clone for RecurrentState {
+    /// Copies the state (on the GPU too; a device copy that fails leaves the clone without one, and
+    /// its next step fails with a clear error instead of continuing from a zero state).
+    fn clone(&self) -> Self {
+        Self {
+            layers: self.layers.clone(),
+            device: self.device.as_ref().and_then(|d| d.try_clone().ok()),
+        }
+    }
 }
 
 impl RecurrentState {
@@ -39,7 +58,23 @@ impl RecurrentState {
                 })
             })
             .collect();
-        Self { layers }
+        Self {
+            layers,
+            device: None,
+        }
+    }
+
+    /// A state kept in GPU memory by the CUDA backend (no host copy) for a model of `num_layers` layers.
+    pub fn on_device(num_layers: usize) -> Self {
+        Self {
+            layers: (0..num_layers).map(|_| None).collect(),
+            device: None,
+        }
+    }
+
+    /// The GPU buffer slot (CUDA backend).
+    pub fn device_mut(&mut self) -> &mut Option<CudaSlice<f32>> {
+        &mut self.device
     }
 
     /// Layer `li`'s state (None: not a linear layer).
@@ -47,7 +82,8 @@ impl RecurrentState {
         self.layers.get_mut(li).and_then(Option::as_mut)
     }
 
-    /// Back to the state before the first token.
+    /// Back to the state before the first token (a GPU copy is zeroed by the next step, which starts
+    /// at position 0).
     pub fn reset(&mut self) {
         for l in self.layers.iter_mut().flatten() {
             l.conv.fill(0.0);
@@ -55,13 +91,15 @@ impl RecurrentState {
         }
     }
 
-    /// Bytes held (f32 values of every linear layer).
+    /// Bytes held (f32 values of every linear layer, in host or GPU memory).
     pub fn bytes(&self) -> usize {
-        self.layers
+        let host: usize = self
+            .layers
             .iter()
             .flatten()
             .map(|l| (l.conv.len() + l.matrix.len()) * 4)
-            .sum()
+            .sum();
+        host + self.device.as_ref().map_or(0, |d| d.len() * 4)
     }
 
     /// Number of layers this state was sized for.

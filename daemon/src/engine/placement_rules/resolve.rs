@@ -365,6 +365,7 @@ pub fn format_name(f: WeightFormat) -> String {
         WeightFormat::Int4 { group } => format!("int4g{group}"),
         WeightFormat::Int4Min { group } => format!("int4m{group}"),
         WeightFormat::Int8Group { group } => format!("int8g{group}"),
+        WeightFormat::Int8Min { group } => format!("int8m{group}"),
     }
 }
 

@@ -16,17 +16,25 @@ pub(crate) fn act_kind(tier: CpuTier, format: WeightFormat, k_pad: usize) -> Act
             _,
             WeightFormat::Int4 { group }
             | WeightFormat::Int4Min { group }
-            | WeightFormat::Int8Group { group },
+            | WeightFormat::Int8Group { group }
+            | WeightFormat::Int8Min { group },
         ) => ActKind::I8 { group },
     }
 }
 
-/// Whether the AMX kernels handle this format (int4 uses AVX-512 at any token count; FP8 is widened
-/// to bf16 tiles first).
+/// Whether the AMX kernels handle this format: bf16 and int8 as tiles; FP8 and the grouped int
+/// formats (Q4_0 / Q4_1 / Q8_0 / Q6_K codes) widened to bf16 tiles first (their per-group scales fit
+/// no AMX-INT8 accumulation of 64 inputs).
 pub(crate) fn amx_supports(format: WeightFormat) -> bool {
     matches!(
         format,
-        WeightFormat::Bf16 | WeightFormat::Int8 | WeightFormat::Fp8Block
+        WeightFormat::Bf16
+            | WeightFormat::Int8
+            | WeightFormat::Fp8Block
+            | WeightFormat::Int4 { .. }
+            | WeightFormat::Int4Min { .. }
+            | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. }
     )
 }
 
@@ -87,14 +95,15 @@ pub(crate) unsafe fn gemm_widened(
     })
 }
 
-/// Int4 weights with many tokens: int8 activation rows → bf16 (code · scale), then
-/// [`gemm_widened`] with the group scales folded into the weights (AMX when `amx`). Costs one more
-/// bf16 rounding of weights and activations than the VNNI kernel, buys AMX throughput.
+/// Grouped int weights (Int4 / Int4Min / Int8Group / Int8Min) with many tokens: int8 activation rows → bf16
+/// (code · scale), then [`gemm_widened`] with the group scales folded into the weights (AMX when
+/// `amx`). Costs one more bf16 rounding of weights and activations than the VNNI kernel, buys AMX
+/// throughput (the widening, ~20 instructions per 64 weight bytes, is shared by all rows).
 ///
 /// # Safety
 /// Tier Avx512 (Amx when `amx`) on this CPU; shapes checked by `gemm`; `a` has int8 kind.
 #[cfg(target_arch = "x86_64")]
-pub(crate) unsafe fn int4_widened(
+pub(crate) unsafe fn int_widened(
     tier: CpuTier,
     amx: bool,
     w: &MatRef<'_>,
@@ -183,9 +192,14 @@ pub(crate) fn gemm(
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::F32, WeightFormat::F16) => {
                     return kern_avx512::gemm_f16(w, nt0, nts, a, y.as_mut_ptr(), ldy)
                 }
-                (CpuTier::Amx, ActKind::I8 { .. }, WeightFormat::Int4 { .. }) if amx => {
-                    return int4_widened(tier, true, w, nt0, nts, a, y, ldy)
-                }
+                (
+                    CpuTier::Amx,
+                    ActKind::I8 { .. },
+                    WeightFormat::Int4 { .. }
+                    | WeightFormat::Int4Min { .. }
+                    | WeightFormat::Int8Group { .. }
+                    | WeightFormat::Int8Min { .. },
+                ) if amx => return int_widened(tier, true, w, nt0, nts, a, y, ldy),
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
                     if m >= FP8_WIDEN_MIN_ROWS =>
                 {
@@ -210,7 +224,8 @@ pub(crate) fn gemm(
                     WeightFormat::Int8
                     | WeightFormat::Int4 { .. }
                     | WeightFormat::Int4Min { .. }
-                    | WeightFormat::Int8Group { .. },
+                    | WeightFormat::Int8Group { .. }
+                    | WeightFormat::Int8Min { .. },
                 ) => return kern_avx512::gemm_int(w, nt0, nts, a, y.as_mut_ptr(), ldy),
                 (CpuTier::Avx2, ActKind::F32 | ActKind::Bf16, _) => {
                     return gemm_avx2(w, nt0, nts, a, y, ldy)

@@ -268,7 +268,11 @@ pub(crate) unsafe fn gemm_int(
     let act = (a.q.as_ptr().cast(), 1);
     // SAFETY: (contract).
     unsafe {
+        prefetch_scales(w, nt0);
         for_tiles::<i32>(w, nt0, nts, a, act, (y, ldy), 8, |nt, wp, b, n| {
+            if b.row[0] == a.rows[0] as usize && nt + 1 < nt0 + nts {
+                prefetch_scales(w, nt + 1);
+            }
             let (gs, xs) = row_terms(a, b, n, groups);
             let (x, out) = (&b.x, &b.out);
             match w.l.format {
@@ -292,12 +296,35 @@ pub(crate) unsafe fn gemm_int(
                     let s = &w.s16()[nt * groups * 16..];
                     by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
                 }
+                WeightFormat::Int8Min { group } => {
+                    let s = &w.s16()[nt * groups * 32..];
+                    by_rows!(n, 8, i8m_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                }
                 _ => {
                     let s = &w.s[nt * 16..];
                     by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
                 }
             }
         })
+    }
+}
+
+/// Prefetches the group scales of N-tile `nt` (grouped formats): they live apart from the tiles, so
+/// the weight stream's prefetch does not cover them, and without this every 64 bytes of scales (two
+/// groups of 16 outputs) was a demand miss in the middle of the weight stream.
+#[inline(always)]
+unsafe fn prefetch_scales(w: &MatRef<'_>, nt: usize) {
+    let per_tile = match w.l.format {
+        WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => w.l.k_pad / group * 64,
+        WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => w.l.k_pad / group * 32,
+        _ => return,
+    };
+    let base = w.s.as_ptr().cast::<u8>().wrapping_add(nt * per_tile);
+    let mut off = 0;
+    while off < per_tile {
+        // SAFETY: prefetches never fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off).cast()) };
+        off += 64;
     }
 }
 
@@ -474,6 +501,42 @@ unsafe fn i8g_block<const R: usize>(
     }
 }
 
+/// 8-bit codes with a group scale and min (Q5_K: `w = u·d + m`): per group `d·Σ u·x + m·Σ x`, both
+/// sums from integer dots.
+#[inline(always)]
+unsafe fn i8m_block<const R: usize>(
+    wp: *const u8,
+    group: usize,
+    groups: usize,
+    pf: usize,
+    scales: &[u16],
+    x: &[*const i32; MAX_ROWS],
+    gsum: &[*const i32; MAX_ROWS],
+    xs: &[*const f32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 32.
+    unsafe {
+        let mut total = [_mm512_setzero_ps(); R];
+        let quads = group / 4;
+        for g in 0..groups {
+            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
+            let at = scales.as_ptr().add(g * 32);
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
+            for r in 0..R {
+                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
+                let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), dv);
+                let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
+                total[r] = _mm512_fmadd_ps(part, x_scale, total[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r], total[r]);
+        }
+    }
+}
+
 /// Int8 activation rows (code · row scale) as bf16 rows of `k_pad`, consecutive in `out`; rows
 /// `rows.len() .. m_pad` are zero.
 ///
@@ -490,18 +553,20 @@ pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u1
         let src = a.q[row * k..(row + 1) * k].as_ptr();
         let dst = out[r * k..].as_mut_ptr();
         for c in (0..k).step_by(32) {
-            let s = _mm512_set1_ps(a.scale[row * groups + c / group]);
+            // Groups are at least 16 inputs: each half of the 32 has one scale.
+            let s_lo = _mm512_set1_ps(a.scale[row * groups + c / group]);
+            let s_hi = _mm512_set1_ps(a.scale[row * groups + (c + 16) / group]);
             // SAFETY: 32 codes and 32 outputs in bounds.
             unsafe {
                 let lo = _mm512_mul_ps(
                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src.add(c).cast()))),
-                    s,
+                    s_lo,
                 );
                 let hi = _mm512_mul_ps(
                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                         src.add(c + 16).cast(),
                     ))),
-                    s,
+                    s_hi,
                 );
                 _mm512_storeu_si512(
                     dst.add(c).cast(),

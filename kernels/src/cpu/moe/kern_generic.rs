@@ -67,6 +67,19 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Int8Min { group } => {
+            let groups = l.k_pad / group;
+            for kk in 0..kt / p {
+                let g = (ti * kt + kk * 4) / group;
+                let s0 = (nt * groups + g) * 32;
+                for j in 0..16 {
+                    let (d, m) = (w.int4_scale(s0 + j), w.int4_scale(s0 + 16 + j));
+                    for q in 0..4 {
+                        out[(kk * 4 + q) * 16 + j] = tile[kk * 64 + j * 4 + q] as f32 * d + m;
+                    }
+                }
+            }
+        }
         WeightFormat::Int8Group { group } => {
             let groups = l.k_pad / group;
             for kk in 0..kt / p {
@@ -189,7 +202,7 @@ pub(crate) fn gemm_i8_twin(
         WeightFormat::Int4 { group } => (group, 8),
         WeightFormat::Int8Group { group } => (group, 128),
         // The min term replaces the offset: Σ (u·d + m)·x = d·Σ u·x + m·Σ x.
-        WeightFormat::Int4Min { group } => (group, 0),
+        WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => (group, 0),
         f => unreachable!("{f:?} has no int8 kernel"),
     };
     let groups = l.k_pad / group;
@@ -205,9 +218,9 @@ pub(crate) fn gemm_i8_twin(
                     for k in g * group..(g + 1) * group {
                         let (kk, q) = (k / 4, k % 4);
                         let u = match l.format {
-                            WeightFormat::Int8 | WeightFormat::Int8Group { .. } => {
-                                tiles[kk * 64 + j * 4 + q] as i32
-                            }
+                            WeightFormat::Int8
+                            | WeightFormat::Int8Group { .. }
+                            | WeightFormat::Int8Min { .. } => tiles[kk * 64 + j * 4 + q] as i32,
                             _ => {
                                 let b = tiles[(kk / 2) * 64 + j * 4 + q];
                                 (if kk % 2 == 0 { b & 15 } else { b >> 4 }) as i32
@@ -219,7 +232,7 @@ pub(crate) fn gemm_i8_twin(
                     let acc = acc - off * gsum;
                     total += match l.format {
                         WeightFormat::Int8 => acc as f32 * w.s[nt * 16 + j],
-                        WeightFormat::Int4Min { .. } => {
+                        WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } => {
                             let at = (nt * groups + g) * 32 + j;
                             acc as f32 * w.int4_scale(at) + gsum as f32 * w.int4_scale(at + 16)
                         }

@@ -15,9 +15,12 @@
 //! | Int4 group G (u4 = q + 8) | 4 | 64 | 512: rows 2i and 2i+1 share bytes (low/high nibble) | f16 `[n_tile][k/G][16]` |
 //! | Int4Min group G (w = u4·d + m) | 4 | 64 | 512, as Int4 | f16 `[n_tile][k/G][d ×16, m ×16]` |
 //! | Int8Group group G (u8 = q + 128) | 4 | 64 | 1024, as Int8 | f16 `[n_tile][k/G][16]` |
+//! | Int8Min group G (w = u8·d + m) | 4 | 64 | 1024, as Int8 | f16 `[n_tile][k/G][d ×16, m ×16]` |
 //!
 //! Int4 group 32, Int4Min group 32 and Int8Group group 32 hold llama.cpp's Q4_0, Q4_1 and Q8_0 blocks
-//! bit for bit ([`SourceTensor::Ggml`] sources of those types are repacked, not requantized).
+//! bit for bit ([`SourceTensor::Ggml`] sources of those types are repacked, not requantized); the
+//! K-quants keep every code with their sub-block scales rounded once to f16: Q4_K in Int4Min 32, Q5_K
+//! in Int8Min 32, Q6_K in Int8Group 16.
 //!
 //! Int4 scales are f16 (as llama.cpp's Q4_0): with f32 they would add 25% to the bytes a decode token
 //! reads at group 32.
@@ -45,11 +48,14 @@ pub enum WeightFormat {
     Int4Min { group: usize },
     /// int8 with an f16 scale per group (llama.cpp Q8_0): u8 = q + 128, w = q·d.
     Int8Group { group: usize },
+    /// 8-bit codes with an f16 scale and min per group: w = u·d + m, u in 0..256 (Q5_K's five-bit
+    /// codes with their sub-block scale and min).
+    Int8Min { group: usize },
 }
 
 /// The names `WeightFormat` parses from.
 const EXPECTED: &str =
-    "expected bf16, f16, fp8, int8, int4, int4g64, int4g128, int4m32, int8g32 or int8g16";
+    "expected bf16, f16, fp8, int8, int4, int4g64, int4g128, int4m32, int8g32, int8g16 or int8m32";
 
 impl std::str::FromStr for WeightFormat {
     type Err = String;
@@ -67,6 +73,7 @@ impl std::str::FromStr for WeightFormat {
             "int4m32" => WeightFormat::Int4Min { group: 32 },
             "int8g32" => WeightFormat::Int8Group { group: 32 },
             "int8g16" => WeightFormat::Int8Group { group: 16 },
+            "int8m32" => WeightFormat::Int8Min { group: 32 },
             _ => return Err(format!("unknown expert format {s:?} ({EXPECTED})")),
         })
     }
@@ -78,7 +85,9 @@ impl WeightFormat {
         match self {
             WeightFormat::Bf16 | WeightFormat::F16 => (2, 32, 1024),
             WeightFormat::Fp8Block => (2, 32, 512),
-            WeightFormat::Int8 | WeightFormat::Int8Group { .. } => (4, 64, 1024),
+            WeightFormat::Int8 | WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => {
+                (4, 64, 1024)
+            }
             WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => (4, 64, 512),
         }
     }
@@ -88,7 +97,8 @@ impl WeightFormat {
         match self {
             WeightFormat::Int4 { group }
             | WeightFormat::Int4Min { group }
-            | WeightFormat::Int8Group { group } => Some(group),
+            | WeightFormat::Int8Group { group }
+            | WeightFormat::Int8Min { group } => Some(group),
             _ => None,
         }
     }
@@ -105,7 +115,10 @@ impl WeightFormat {
     pub fn bytes_per_weight(self) -> f64 {
         match self {
             WeightFormat::Bf16 | WeightFormat::F16 => 2.0,
-            WeightFormat::Fp8Block | WeightFormat::Int8 | WeightFormat::Int8Group { .. } => 1.0,
+            WeightFormat::Fp8Block
+            | WeightFormat::Int8
+            | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. } => 1.0,
             WeightFormat::Int4 { .. } | WeightFormat::Int4Min { .. } => 0.5,
         }
     }
@@ -189,7 +202,9 @@ impl MatLayout {
             WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => {
                 (n_tiles * (k_pad / group) * 16).div_ceil(2)
             }
-            WeightFormat::Int4Min { group } => n_tiles * (k_pad / group) * 16,
+            WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => {
+                n_tiles * (k_pad / group) * 16
+            }
         };
         MatLayout {
             format,
@@ -279,6 +294,10 @@ impl MatRef<'_> {
             WeightFormat::Int8Group { group } => {
                 let at = (nt * (l.k_pad / group) + k / group) * 16 + j;
                 (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * self.int4_scale(at)
+            }
+            WeightFormat::Int8Min { group } => {
+                let at = (nt * (l.k_pad / group) + k / group) * 32 + j;
+                tile[kk * 64 + j * 4 + q] as f32 * self.int4_scale(at) + self.int4_scale(at + 16)
             }
         }
     }
@@ -399,7 +418,7 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
     }
     let zero_code = match l.format {
         WeightFormat::Int4 { .. } => 8,
-        WeightFormat::Int4Min { .. } => 0,
+        WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } => 0,
         _ => 128,
     };
     if let (WeightFormat::Fp8Block, SourceTensor::Fp8E4M3 { scale_inv, .. }) = (l.format, src) {
@@ -426,7 +445,9 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                     ggml::block_groups(*kind, b, |gb, c, d, m| {
                         let g = blk * per_block + gb;
                         codes[g * group..(g + 1) * group].copy_from_slice(c);
-                        if let WeightFormat::Int4Min { .. } = l.format {
+                        if let WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } =
+                            l.format
+                        {
                             s16[(nt * groups + g) * 32 + j] = d;
                             s16[(nt * groups + g) * 32 + 16 + j] = m;
                         } else {
@@ -519,6 +540,26 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                     }
                 }
             }
+            (WeightFormat::Int8Min { group }, _) => {
+                source_row(src, l.k, n, &mut row);
+                codes.fill(0);
+                let groups = l.k_pad / group;
+                let s16 = s16_mut(s);
+                for g in 0..l.k.div_ceil(group) {
+                    let part = &row[g * group..((g + 1) * group).min(l.k)];
+                    // As Q4_1 with 255 steps from the minimum to the maximum.
+                    let (lo, hi) = part
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                    let d = (hi - lo) / 255.0;
+                    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    s16[(nt * groups + g) * 32 + j] = half::f16::from_f32(d).to_bits();
+                    s16[(nt * groups + g) * 32 + 16 + j] = half::f16::from_f32(lo).to_bits();
+                    for (i, &x) in part.iter().enumerate() {
+                        codes[g * group + i] = ((x - lo) * inv + 0.5).min(255.0) as u8;
+                    }
+                }
+            }
             (WeightFormat::Int8Group { group }, _) => {
                 source_row(src, l.k, n, &mut row);
                 codes.fill(128);
@@ -560,8 +601,8 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
 }
 
 /// Whether `format` keeps every code of `kind` blocks (then they are repacked, not requantized): bit
-/// for bit for Q4_0 / Q4_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q6_K
-/// (see [`ggml::block_groups`]).
+/// for bit for Q4_0 / Q4_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q5_K /
+/// Q6_K (see [`ggml::block_groups`]).
 fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
     matches!(
         (format, kind),
@@ -572,18 +613,19 @@ fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
             )
             | (WeightFormat::Int8Group { group: 32 }, GgmlBlock::Q8_0)
             | (WeightFormat::Int8Group { group: 16 }, GgmlBlock::Q6K)
+            | (WeightFormat::Int8Min { group: 32 }, GgmlBlock::Q5K)
     )
 }
 
 /// The packed format for a GGML type: one that keeps its codes where one exists (Q4_0, Q4_1, Q8_0 bit
-/// for bit; Q4_K → Int4Min 32 and Q6_K → Int8Group 16 with each sub-block scale rounded once to f16),
-/// BF16 and F16 as stored; else the closest: F32 → Bf16, Q5_K → Int8Group 32 (requantized from the
-/// exact values with f16 group scales: its five-bit codes with a min fit no packed format).
+/// for bit; Q4_K → Int4Min 32, Q5_K → Int8Min 32 and Q6_K → Int8Group 16 with each sub-block scale
+/// (and min) rounded once to f16), BF16 and F16 as stored; F32 → Bf16.
 pub fn format_for_ggml(kind: GgmlBlock) -> WeightFormat {
     match kind {
         GgmlBlock::Q4_0 => WeightFormat::Int4 { group: 32 },
         GgmlBlock::Q4_1 | GgmlBlock::Q4K => WeightFormat::Int4Min { group: 32 },
-        GgmlBlock::Q8_0 | GgmlBlock::Q5K => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q8_0 => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q5K => WeightFormat::Int8Min { group: 32 },
         GgmlBlock::Q6K => WeightFormat::Int8Group { group: 16 },
         GgmlBlock::F16 => WeightFormat::F16,
         GgmlBlock::F32 | GgmlBlock::Bf16 => WeightFormat::Bf16,

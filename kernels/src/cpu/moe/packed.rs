@@ -56,7 +56,8 @@ impl PackedGeometry {
             WeightFormat::F16
             | WeightFormat::Int4 { .. }
             | WeightFormat::Int4Min { .. }
-            | WeightFormat::Int8Group { .. } => None,
+            | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. } => None,
         }
     }
 

@@ -24,16 +24,8 @@ pub struct PagedIndex<'a> {
     pub block_size: usize,
 }
 
-/// Head geometry of absorbed MLA: `heads` query heads of `nope + rope` dims, a `lora`-wide latent,
-/// `v_dim` output dims per head.
-#[derive(Debug, Clone, Copy)]
-pub struct MlaDims {
-    pub heads: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub lora: usize,
-    pub v_dim: usize,
-}
+/// Head geometry of absorbed MLA (shared with the sparse-attention indexer's kernels).
+pub use crate::cuda::indexer::MlaDims;
 
 /// Threads of the attention kernels' blocks (one tile of positions per iteration).
 const ATTN_THREADS: usize = 128;

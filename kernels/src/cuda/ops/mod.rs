@@ -20,7 +20,7 @@
 //! Launches are asynchronous: an op returns once the kernel is enqueued. Buffers passed in must stay
 //! allocated until the stream has run it (every caller keeps them for at least the step).
 use super::{GpuDevice, GpuError};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 pub mod attention;
 pub mod elementwise;
@@ -29,7 +29,7 @@ pub mod norm;
 pub mod reference;
 
 pub use attention::{MlaDims, PagedIndex};
-pub use moe::{GateActivation, RouterKind, UnpackFormat};
+pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
 
 /// Default dynamic shared memory a kernel may take without opting in (48 KiB on every supported GPU).
@@ -85,6 +85,28 @@ pub(crate) fn smem(op: &str, bytes: usize) -> Result<usize, GpuError> {
     Ok(bytes)
 }
 
+/// Address of a buffer an op reads on `stream`, after checking it holds `need` elements.
+pub(crate) fn input_on<T>(
+    stream: &CudaStream,
+    (op, what): (&str, &str),
+    x: &impl DevicePtr<T>,
+    need: usize,
+) -> Result<u64, GpuError> {
+    holds(op, what, x.len(), need)?;
+    Ok(x.device_ptr(stream).0)
+}
+
+/// Address of a buffer an op writes on `stream`, after checking it holds `need` elements.
+pub(crate) fn output_on<T>(
+    stream: &CudaStream,
+    (op, what): (&str, &str),
+    x: &mut impl DevicePtrMut<T>,
+    need: usize,
+) -> Result<u64, GpuError> {
+    holds(op, what, x.len(), need)?;
+    Ok(x.device_ptr_mut(stream).0)
+}
+
 impl GpuDevice {
     /// Address of a buffer an op reads, after checking it holds `need` elements.
     pub(crate) fn input<T>(
@@ -94,8 +116,7 @@ impl GpuDevice {
         x: &impl DevicePtr<T>,
         need: usize,
     ) -> Result<u64, GpuError> {
-        holds(op, what, x.len(), need)?;
-        Ok(x.device_ptr(&self.stream).0)
+        input_on(&self.stream, (op, what), x, need)
     }
 
     /// Address of a buffer an op writes, after checking it holds `need` elements.
@@ -106,8 +127,7 @@ impl GpuDevice {
         x: &mut impl DevicePtrMut<T>,
         need: usize,
     ) -> Result<u64, GpuError> {
-        holds(op, what, x.len(), need)?;
-        Ok(x.device_ptr_mut(&self.stream).0)
+        output_on(&self.stream, (op, what), x, need)
     }
 
     /// Address of an optional input (0, the kernels' "absent", for `None`).

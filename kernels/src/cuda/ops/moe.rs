@@ -1,9 +1,9 @@
 //! MoE ops: router top-k, gathering and scattering expert rows, gated activations, shared-expert gate,
 //! and unpacking the CPU kernels' packed experts for layerwise prefill.
-use super::{ensure, grid, grid_dim, int, per_elem, smem};
+use super::{ensure, grid, grid_dim, input_on, int, output_on, per_elem, smem};
 use crate::cpu::moe::{PackedGeometry, WeightFormat};
 use crate::cuda::{GpuDevice, GpuError};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
 /// How a router turns logits into top-k experts and weights.
@@ -355,9 +355,33 @@ impl GpuDevice {
 
     /// `count` packed experts laid out back to back in `packed` (`g.expert_bytes` each, as the CPU
     /// kernels pack them) → dense bf16 in `dense` (`g.dense_elems()` each: gate_up `[2I, H]` then down
-    /// `[H, I]`).
+    /// `[H, I]`), on the engine stream.
     pub fn unpack_experts(
         &self,
+        g: &PackedGeometry,
+        packed: &impl DevicePtr<u8>,
+        count: usize,
+        dense: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        self.expert_unpacker()
+            .unpack_on(&self.stream, g, packed, count, dense)
+    }
+
+    /// `unpack_experts` for another stream (live re-placement unpacks on a side stream).
+    pub fn expert_unpacker(&self) -> ExpertUnpacker {
+        ExpertUnpacker(self.k.unpack_experts.clone())
+    }
+}
+
+/// The `unpack_experts` kernel, to launch on a stream of the caller's choice.
+#[derive(Clone)]
+pub struct ExpertUnpacker(CudaFunction);
+
+impl ExpertUnpacker {
+    /// As [`GpuDevice::unpack_experts`], on `stream`.
+    pub fn unpack_on(
+        &self,
+        stream: &CudaStream,
         g: &PackedGeometry,
         packed: &impl DevicePtr<u8>,
         count: usize,
@@ -389,9 +413,9 @@ impl GpuDevice {
             int(OP, "down k_tiles", g.down.k_tiles)?,
             g.down.w_bytes as i64,
         );
-        let pp = self.input(OP, "packed", packed, count * g.expert_bytes)?;
-        let dp = self.output(OP, "dense", dense, count * g.dense_elems())?;
-        let mut l = self.stream.launch_builder(&self.k.unpack_experts);
+        let pp = input_on(stream, (OP, "packed"), packed, count * g.expert_bytes)?;
+        let dp = output_on(stream, (OP, "dense"), dense, count * g.dense_elems())?;
+        let mut l = stream.launch_builder(&self.0);
         l.arg(&pp)
             .arg(&eb)
             .arg(&fmt)

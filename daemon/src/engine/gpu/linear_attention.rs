@@ -1,0 +1,174 @@
+//! KDA linear-attention layers on the GPU (GLM-5.3-Flash): the CPU's `engine::linear_attention` with the
+//! projections as GEMMs (q, k and v stacked into one) and the convolution, gate, recurrence and gated
+//! norm as the kernels of `hybrid.cu`. Each sequence's state lives in its GPU state buffer
+//! (`gpu::hybrid`); decode steps and prefill chunks both run the per-token recurrence.
+use super::hybrid::HybridStep;
+use super::{upload_linear, GpuLinear, GpuModel};
+use crate::engine::linear::Linear;
+use crate::model::config::Activation;
+use crate::model::{LinearAttention, Model};
+use anyhow::Context;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use moe_kernels::cuda::dense::DeviceDense;
+use moe_kernels::cuda::linear_attention::ConvActivation;
+use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
+use moe_kernels::cuda::GpuDevice;
+
+pub struct GpuLinearAttention {
+    /// q, k, v stacked `[3 · qkv, hidden]`: one GEMM gives the convolution's input rows.
+    pub qkv: GpuLinear,
+    /// `[3 · qkv, kernel]`
+    pub conv: CudaSlice<f32>,
+    pub f_a: GpuLinear,
+    pub f_b: GpuLinear,
+    pub dt_bias: CudaSlice<f32>,
+    pub a_log: CudaSlice<f32>,
+    pub b: GpuLinear,
+    pub g_a: GpuLinear,
+    pub g_b: GpuLinear,
+    pub o_norm: CudaSlice<f32>,
+    pub o: GpuLinear,
+}
+
+/// q, k, v as one `[3 · out, in]` matrix in `format` (bf16 where the format cannot take the width).
+fn upload_stacked(
+    dev: &GpuDevice,
+    parts: [&Linear; 3],
+    format: DenseFormat,
+) -> anyhow::Result<GpuLinear> {
+    let (rows, cols) = (parts[0].out_dim, parts[0].in_dim);
+    anyhow::ensure!(
+        parts.iter().all(|p| p.out_dim == rows && p.in_dim == cols),
+        "q, k and v projections of a linear-attention layer differ in shape"
+    );
+    let w = match QuantizedMatrix::quantize(format, 3 * rows, cols, |r, buf| {
+        parts[r / rows].row_f32(r % rows, buf)
+    }) {
+        Some(q) => dev.upload_quantized(&q)?,
+        None => {
+            let mut all = Vec::with_capacity(3 * rows * cols);
+            for p in parts {
+                all.extend(super::linear_bf16(p));
+            }
+            DeviceDense::Bf16(dev.stream.clone_htod(&all)?)
+        }
+    };
+    Ok(GpuLinear {
+        w,
+        bias: None,
+        out_dim: 3 * rows,
+        in_dim: cols,
+    })
+}
+
+impl GpuLinearAttention {
+    pub fn upload(
+        dev: &GpuDevice,
+        la: &LinearAttention,
+        format: DenseFormat,
+    ) -> anyhow::Result<Self> {
+        let s = &dev.stream;
+        let up = |l: &Linear| upload_linear(dev, l, format);
+        Ok(Self {
+            qkv: upload_stacked(dev, [&la.q, &la.k, &la.v], format)?,
+            conv: s.clone_htod(&la.conv)?,
+            f_a: up(&la.f_a)?,
+            f_b: up(&la.f_b)?,
+            dt_bias: s.clone_htod(&la.dt_bias)?,
+            a_log: s.clone_htod(&la.a_log)?,
+            b: up(&la.b)?,
+            g_a: up(&la.g_a)?,
+            g_b: up(&la.g_b)?,
+            o_norm: s.clone_htod(&la.o_norm)?,
+            o: up(&la.o)?,
+        })
+    }
+}
+
+impl GpuModel {
+    /// `b(a(x))` for a low-rank pair, the intermediate rounded to bf16 as every GEMM input.
+    fn low_rank(
+        &self,
+        a: &GpuLinear,
+        b: &GpuLinear,
+        x: &CudaSlice<bf16>,
+        n: usize,
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        let mut mid = self.alloc::<f32>(n * a.out_dim)?;
+        self.linear(a, x, &mut mid, n, false)?;
+        let mut mid_b = self.alloc::<bf16>(n * a.out_dim)?;
+        self.dev.round_to_bf16(&mid, &mut mid_b, n * a.out_dim)?;
+        let mut out = self.alloc::<f32>(n * b.out_dim)?;
+        self.linear(b, &mid_b, &mut out, n, false)?;
+        Ok(out)
+    }
+
+    /// Layer `li`'s linear attention over the step from the normalised input `hb`; adds its output
+    /// projection into `x` and advances every sequence's state.
+    pub(super) fn linear_attention(
+        &self,
+        la: &GpuLinearAttention,
+        host: &Model,
+        li: usize,
+        hb: &CudaSlice<bf16>,
+        x: &mut CudaSlice<f32>,
+        hy: &mut HybridStep<'_>,
+    ) -> anyhow::Result<()> {
+        let cfg = &host.config;
+        let hybrid = self
+            .hybrid
+            .as_ref()
+            .context("linear attention without hybrid kernels")?;
+        let shape = hybrid.kda.context("linear attention without its config")?;
+        let off = hybrid.state_offsets[li]
+            .with_context(|| format!("layer {li} has no recurrent state part"))?;
+        let states = hy
+            .states
+            .as_mut()
+            .context("a linear-attention step without recurrent states")?;
+        let (dev, k, n, w) = (&self.dev, &hybrid.kernels, hy.seg.rows, shape.qkv());
+        let act = match cfg.activation {
+            Activation::Silu => ConvActivation::Silu,
+            Activation::GeluTanh => ConvActivation::GeluTanh,
+            Activation::Relu => ConvActivation::Relu,
+        };
+        let mut raw = self.alloc::<f32>(n * 3 * w)?;
+        self.linear(&la.qkv, hb, &mut raw, n, false)?;
+        let mut mixed = self.alloc::<f32>(n * 3 * w)?;
+        k.kda_conv(
+            dev, shape, act, &raw, &la.conv, &hy.seg, states, off, &mut mixed,
+        )?;
+        drop(raw);
+        let mut g = self.low_rank(&la.f_a, &la.f_b, hb, n)?;
+        let mut beta = self.alloc::<f32>(n * shape.heads)?;
+        self.linear(&la.b, hb, &mut beta, n, false)?;
+        let gate = self.low_rank(&la.g_a, &la.g_b, hb, n)?;
+        k.kda_prepare(
+            dev,
+            shape,
+            n,
+            &mut mixed,
+            &mut g,
+            &mut beta,
+            &la.a_log,
+            &la.dt_bias,
+        )?;
+        let mut core = self.alloc::<f32>(n * w)?;
+        k.kda_recurrent(
+            dev, shape, &mixed, &g, &beta, &hy.seg, states, off, &mut core,
+        )?;
+        let mut normed = self.alloc::<bf16>(n * w)?;
+        k.gated_rms_norm(
+            dev,
+            n,
+            shape.heads,
+            &core,
+            &gate,
+            &la.o_norm,
+            cfg.rms_norm_eps,
+            &mut normed,
+        )?;
+        self.linear(&la.o, &normed, x, n, true)
+    }
+}

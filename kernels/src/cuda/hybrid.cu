@@ -1,0 +1,597 @@
+// CUDA kernels of hybrid-attention models (GLM-5.3-Flash, GLM-5): KDA linear attention, hyper-connections,
+// the sparse-attention indexer and MLA over selected positions. A module of its own (compiled by NVRTC
+// only for models that need it), so it carries its own small helpers. All f32 unless a name says bf16.
+//
+// Step layout shared by the kernels: a step's rows are grouped by sequence ("segments", consecutive
+// rows); seg_row0[s] / seg_len[s] give segment s's rows and seg_of_row[t] the segment of row t.
+// Recurrent states: `states[s]` is the device address of segment s's state buffer (all linear layers of
+// one sequence, f32); a layer's part starts `layer_off` floats in: [heads, d, d] matrices, then the
+// convolution tail [kernel - 1, 3 * heads * d].
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef unsigned short bf16;
+__device__ __forceinline__ float hy_bf2f(bf16 b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ bf16 hy_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (bf16)(u >> 16);
+}
+__device__ __forceinline__ float hy_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+__device__ __forceinline__ float hy_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ float hy_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+// Block-wide sum / max for blockDim.x a multiple of 32, <= 1024; `buf` is 32 floats of shared memory.
+__device__ float hy_block_sum(float v, float* buf) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
+    v = hy_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) / 32;
+    v = (threadIdx.x < nw) ? buf[threadIdx.x] : 0.f;
+    if (wid == 0) v = hy_warp_sum(v);
+    if (threadIdx.x == 0) buf[0] = v;
+    __syncthreads();
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+__device__ float hy_block_max(float v, float* buf) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
+    v = hy_warp_max(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) / 32;
+    v = (threadIdx.x < nw) ? buf[threadIdx.x] : -INFINITY;
+    if (wid == 0) v = hy_warp_max(v);
+    if (threadIdx.x == 0) buf[0] = v;
+    __syncthreads();
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+// Exclusive prefix sum of one int per thread over the block; `buf` is 32 ints; returns the total in *total.
+__device__ int hy_block_scan(int v, int* buf, int* total) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffff, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) buf[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        int nw = (blockDim.x + 31) / 32;
+        int w = lane < nw ? buf[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffff, w, o);
+            if (lane >= o) w += y;
+        }
+        buf[lane] = w;  // inclusive per warp
+    }
+    __syncthreads();
+    int before = (wid > 0 ? buf[wid - 1] : 0) + x - v;
+    *total = buf[(blockDim.x + 31) / 32 - 1];
+    __syncthreads();
+    return before;
+}
+__device__ __forceinline__ float hy_act(int act, float g) {
+    return act == 1   ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
+           : act == 2 ? fmaxf(g, 0.f)
+                      : g / (1.f + expf(-g));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// KDA linear attention
+
+// Depthwise causal convolution + activation (0 SiLU, 1 GELU-tanh, 2 ReLU) of each row's `ch` channels:
+// out[t][c] = act(sum_j w[c][j] * seq[i + j][c]) where seq is the segment's tail (kern - 1 rows) then
+// its rows, i the row's index in its segment. grid: (rows, ceil(ch / 256)); block 256.
+extern "C" __global__ void kda_conv(const float* x, int ch, int kern, const float* w, const int* seg_of_row,
+                                    const int* seg_row0, const unsigned long long* states, long long conv_off,
+                                    int act, float* out) {
+    int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= ch) return;
+    int s = seg_of_row[t], i = t - seg_row0[s];
+    const float* tail = (const float*)states[s] + conv_off;
+    float acc = 0.f;
+    for (int j = 0; j < kern; ++j) {
+        int q = i + j;  // index in seq
+        float v = q < kern - 1 ? tail[(size_t)q * ch + c] : x[(size_t)(t + j - (kern - 1)) * ch + c];
+        acc += w[(size_t)c * kern + j] * v;
+    }
+    out[(size_t)t * ch + c] = hy_act(act, acc);
+}
+
+// Advances each segment's convolution tail to the segment's last kern - 1 inputs (run after kda_conv,
+// which reads the old tail). grid: (segments, ceil(ch / 256)); block 256.
+extern "C" __global__ void kda_conv_tail(const float* x, int ch, int kern, const int* seg_row0, const int* seg_len,
+                                         const unsigned long long* states, long long conv_off) {
+    int s = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= ch) return;
+    float* tail = (float*)states[s] + conv_off;
+    int len = seg_len[s], row0 = seg_row0[s];
+    // row r takes seq[len + r]; ascending r reads each old tail row before it is overwritten
+    for (int r = 0; r < kern - 1; ++r) {
+        int q = len + r;
+        float v = q < kern - 1 ? tail[(size_t)q * ch + c] : x[(size_t)(row0 + q - (kern - 1)) * ch + c];
+        tail[(size_t)r * ch + c] = v;
+    }
+}
+
+// Per (row, head): q and k L2-normalised (x / sqrt(sum x^2 + 1e-6)), q also scaled by 1/sqrt(d), in place
+// in qkv [rows, 3 * heads * d]; g [rows, heads * d] from the forget projection to the log decay
+// (bound: lb * sigmoid(exp(A_log) * (g + dt_bias)); else -exp(A_log) * softplus(g + dt_bias));
+// beta [rows, heads] through a sigmoid. grid: (rows, heads); block 128.
+extern "C" __global__ void kda_prepare(float* qkv, float* g, float* beta, const float* a_log, const float* dt_bias,
+                                       int heads, int d, int has_bound, float lower_bound) {
+    __shared__ float buf[32];
+    int t = blockIdx.x, h = blockIdx.y;
+    size_t w = (size_t)heads * d;
+    float* q = qkv + (size_t)t * 3 * w + (size_t)h * d;
+    float* k = q + w;
+    float sq = 0.f, sk = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        sq += q[i] * q[i];
+        sk += k[i] * k[i];
+    }
+    sq = hy_block_sum(sq, buf);
+    sk = hy_block_sum(sk, buf);
+    float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)d), ik = rsqrtf(sk + 1e-6f);
+    float rate = expf(a_log[h]);
+    float* gh = g + (size_t)t * w + (size_t)h * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        q[i] *= iq;
+        k[i] *= ik;
+        float raw = gh[i] + dt_bias[(size_t)h * d + i];
+        gh[i] = has_bound ? lower_bound * hy_sigmoid(rate * raw)
+                          : -rate * (raw > 20.f ? raw : log1pf(expf(raw)));
+    }
+    if (threadIdx.x == 0) beta[(size_t)t * heads + h] = hy_sigmoid(beta[(size_t)t * heads + h]);
+}
+
+// The gated delta rule token by token, for every segment and head: per token
+//   S <- diag(exp g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+// with S [d (key), d (value)] in the segment's state. Value columns are independent: each thread keeps
+// up to 32 rows of one column in registers; `parts` (1, 2 or 4: d <= 32, 64, 128) adjacent lanes share a
+// column.
+// grid: (segments, heads, ceil(d / (128 / parts))); block 128; d <= 128.
+#define KDA_ROWS 32
+extern "C" __global__ void kda_recurrent(const float* qkv, const float* g, const float* beta, int heads, int d,
+                                         const int* seg_row0, const int* seg_len,
+                                         const unsigned long long* states, long long layer_off, float* out) {
+    __shared__ float sq[128], sk[128], sg[128];
+    int parts = d <= 32 ? 1 : d <= 64 ? 2 : 4;
+    int per_block = blockDim.x / parts;
+    int tid = threadIdx.x, part = tid % parts;
+    int col = blockIdx.z * per_block + tid / parts;
+    bool active = col < d;
+    int s = blockIdx.x, h = blockIdx.y;
+    size_t w = (size_t)heads * d;
+    float* S = (float*)states[s] + layer_off + (size_t)h * d * d;
+    float reg[KDA_ROWS];
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = part + parts * r;
+        reg[r] = (active && i < d) ? S[(size_t)i * d + col] : 0.f;
+    }
+    int row0 = seg_row0[s], len = seg_len[s];
+    for (int tt = 0; tt < len; ++tt) {
+        size_t t = (size_t)row0 + tt;
+        const float* qt = qkv + t * 3 * w + (size_t)h * d;
+        for (int i = tid; i < d; i += blockDim.x) {
+            sq[i] = qt[i];
+            sk[i] = qt[w + i];
+            sg[i] = expf(g[t * w + (size_t)h * d + i]);
+        }
+        __syncthreads();
+        float mem = 0.f;
+#pragma unroll
+        for (int r = 0; r < KDA_ROWS; ++r) {
+            int i = part + parts * r;
+            if (i < d) {
+                reg[r] *= sg[i];
+                mem += reg[r] * sk[i];
+            }
+        }
+        for (int o = 1; o < parts; o <<= 1) mem += __shfl_xor_sync(0xffffffff, mem, o);
+        float v = active ? qt[2 * w + col] : 0.f;
+        float delta = beta[t * heads + h] * (v - mem);
+        float o_acc = 0.f;
+#pragma unroll
+        for (int r = 0; r < KDA_ROWS; ++r) {
+            int i = part + parts * r;
+            if (i < d) {
+                reg[r] += sk[i] * delta;
+                o_acc += reg[r] * sq[i];
+            }
+        }
+        for (int o = 1; o < parts; o <<= 1) o_acc += __shfl_xor_sync(0xffffffff, o_acc, o);
+        if (active && part == 0) out[t * w + (size_t)h * d + col] = o_acc;
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = part + parts * r;
+        if (active && i < d) S[(size_t)i * d + col] = reg[r];
+    }
+}
+
+// Gated RMSNorm per head: out = x / rms(x) * w * sigmoid(gate) -> bf16. x, gate: [rows, heads * d]; w: [d].
+// grid: (rows, heads); block 128.
+extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, const float* w, int heads, int d,
+                                          float eps, bf16* out) {
+    __shared__ float buf[32];
+    size_t off = ((size_t)blockIdx.x * heads + blockIdx.y) * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += x[off + i] * x[off + i];
+    ss = hy_block_sum(ss, buf);
+    float inv = rsqrtf(ss / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        out[off + i] = hy_f2bf(x[off + i] * inv * w[i] * hy_sigmoid(gate[off + i]));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Hyper-connections: streams [rows, m, hidden]; mix [rows, 2m + m*m] = pre, post, comb of one block.
+
+#define HC_MAX_M 8
+
+// x[t] = streams[t][c] for every stream. grid: (rows, ceil(hidden / 256)); block 256.
+extern "C" __global__ void hc_broadcast(const float* x, int m, int hidden, float* streams) {
+    int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float v = x[(size_t)t * hidden + c];
+    for (int i = 0; i < m; ++i) streams[((size_t)t * m + i) * hidden + c] = v;
+}
+
+// x[t][c] = mean over streams (the hyper head). grid: (rows, ceil(hidden / 256)); block 256.
+extern "C" __global__ void hc_mean(const float* streams, int m, int hidden, float* x) {
+    int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float a = 0.f;
+    for (int i = 0; i < m; ++i) a += streams[((size_t)t * m + i) * hidden + c];
+    x[(size_t)t * hidden + c] = a / m;
+}
+
+// A block's input and stream weights. `proj_out` [rows, (2 + m) * m] = streams . fn^T (not yet scaled
+// by the streams' 1/rms); base [(2 + m) * m]; scales (pre, post, comb). Writes mix and x = sum pre_i s_i.
+// grid: rows; block 256.
+extern "C" __global__ void hc_collapse(const float* streams, const float* proj_out, const float* base, float ps,
+                                       float qs, float cs, int m, int hidden, int iters, float hc_eps,
+                                       float norm_eps, float* mix, float* x) {
+    __shared__ float buf[32];
+    __shared__ float wsh[2 * HC_MAX_M + HC_MAX_M * HC_MAX_M];
+    int t = blockIdx.x;
+    size_t width = (size_t)m * hidden;
+    const float* s = streams + (size_t)t * width;
+    float ss = 0.f;
+    for (size_t i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
+    ss = hy_block_sum(ss, buf);
+    if (threadIdx.x == 0) {
+        float inv = rsqrtf(ss / (float)width + norm_eps);
+        const float* p = proj_out + (size_t)t * (2 + m) * m;
+        float* pre = wsh;
+        float* post = wsh + m;
+        float* comb = wsh + 2 * m;
+        for (int i = 0; i < m; ++i) {
+            pre[i] = hy_sigmoid(p[i] * inv * ps + base[i]) + hc_eps;
+            post[i] = 2.f * hy_sigmoid(p[m + i] * inv * qs + base[m + i]);
+        }
+        for (int i = 0; i < m * m; ++i) comb[i] = p[2 * m + i] * inv * cs + base[2 * m + i];
+        for (int r = 0; r < m; ++r) {  // row softmax, then + eps
+            float mx = -INFINITY;
+            for (int j = 0; j < m; ++j) mx = fmaxf(mx, comb[r * m + j]);
+            float sum = 0.f;
+            for (int j = 0; j < m; ++j) {
+                comb[r * m + j] = expf(comb[r * m + j] - mx);
+                sum += comb[r * m + j];
+            }
+            for (int j = 0; j < m; ++j) comb[r * m + j] = comb[r * m + j] / sum + hc_eps;
+        }
+        // Sinkhorn: columns, then iters - 1 rounds of rows and columns (transformers' order)
+        for (int it = 0; it < iters; ++it) {
+            if (it > 0) {
+                for (int r = 0; r < m; ++r) {
+                    float sum = hc_eps;
+                    for (int j = 0; j < m; ++j) sum += comb[r * m + j];
+                    for (int j = 0; j < m; ++j) comb[r * m + j] /= sum;
+                }
+            }
+            for (int j = 0; j < m; ++j) {
+                float sum = hc_eps;
+                for (int r = 0; r < m; ++r) sum += comb[r * m + j];
+                for (int r = 0; r < m; ++r) comb[r * m + j] /= sum;
+            }
+        }
+        float* mt = mix + (size_t)t * (2 * m + m * m);
+        for (int i = 0; i < 2 * m + m * m; ++i) mt[i] = wsh[i];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float a = 0.f;
+        for (int i = 0; i < m; ++i) a += wsh[i] * s[(size_t)i * hidden + c];
+        x[(size_t)t * hidden + c] = a;
+    }
+}
+
+// New streams after a block: y = x - sum pre_i s_i (x holds the block input plus the block's output),
+// s'_j = post_j y + sum_i comb[i][j] s_i. grid: (rows, ceil(hidden / 256)); block 256.
+extern "C" __global__ void hc_expand(float* streams, const float* x, const float* mix, int m, int hidden) {
+    int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    const float* mt = mix + (size_t)t * (2 * m + m * m);
+    float* s = streams + (size_t)t * m * hidden;
+    float old[HC_MAX_M];
+    float xin = 0.f;
+    for (int i = 0; i < m; ++i) {
+        old[i] = s[(size_t)i * hidden + c];
+        xin += mt[i] * old[i];
+    }
+    float y = x[(size_t)t * hidden + c] - xin;
+    for (int j = 0; j < m; ++j) {
+        float a = mt[m + j] * y;
+        for (int i = 0; i < m; ++i) a += mt[2 * m + i * m + j] * old[i];
+        s[(size_t)j * hidden + c] = a;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sparse-attention indexer. Rows of the indexer cache: [slots, width] f32, width = d (key) or 2d (key,
+// then the key-pool gate logits).
+
+// In place LayerNorm (eps 1e-6) of each row of k [rows, d]. grid: rows; block 128.
+extern "C" __global__ void idx_layer_norm(float* k, int d, const float* w, const float* b) {
+    __shared__ float buf[32];
+    float* x = k + (size_t)blockIdx.x * d;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s += x[i];
+    float mean = hy_block_sum(s, buf) / d;
+    float v = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) v += (x[i] - mean) * (x[i] - mean);
+    float inv = rsqrtf(hy_block_sum(v, buf) / d + 1e-6f);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = (x[i] - mean) * inv * w[i] + b[i];
+}
+
+// Writes each row's key (and gate logits when gate != null) into the indexer cache at its slot.
+// grid: rows; block 128.
+extern "C" __global__ void idx_write_rows(const float* key, const float* gate, int d, const int* slots, int width,
+                                          float* cache) {
+    int t = blockIdx.x;
+    float* row = cache + (size_t)slots[t] * width;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        row[i] = key[(size_t)t * d + i];
+        if (gate) row[d + i] = gate[(size_t)t * d + i];
+    }
+}
+
+// Keys of the complete pools of each segment's sequence (positions 0 .. pools_of[s] * pool): per channel,
+// softmax over the pool's slots of (gate + ape[slot]) weighs the slots' keys. out [pool_off[s] + j, d].
+// grid: (max pools, segments); block 128; pool <= 16.
+extern "C" __global__ void idx_pool_keys(const float* cache, int width, int d, int pool, const float* ape,
+                                         const int* tables, int max_blocks, int block_size, const int* pools_of,
+                                         const int* pool_off, float* out) {
+    int j = blockIdx.x, s = blockIdx.y;
+    if (j >= pools_of[s]) return;
+    const int* table = tables + (size_t)s * max_blocks;
+    const float* rows[16];
+    for (int i = 0; i < pool; ++i) {
+        int p = j * pool + i;
+        rows[i] = cache + ((size_t)table[p / block_size] * block_size + p % block_size) * width;
+    }
+    float* o = out + ((size_t)pool_off[s] + j) * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float lg[16];
+        float mx = -INFINITY;
+        for (int i = 0; i < pool; ++i) {
+            lg[i] = rows[i][d + c] + ape[(size_t)i * d + c];
+            mx = fmaxf(mx, lg[i]);
+        }
+        float sum = 0.f, acc = 0.f;
+        for (int i = 0; i < pool; ++i) {
+            float e = expf(lg[i] - mx);
+            sum += e;
+            acc += e * rows[i][c];
+        }
+        o[c] = acc / sum;
+    }
+}
+
+// Candidate scores of each query row: score[t][j] = sum_h w[t][h] * relu(scale * q[t][h] . key_j).
+// Keys: pooled (pool_off != null: key_j = pooled[pool_off[seg] + j], j < cand[t]) or per position
+// (key_j = the cache row of position j of the row's sequence). q [rows, heads, d]; w [rows, heads];
+// scores [rows, stride]. grid: (rows, ceil(max candidates / 128)); block 128; d <= 128;
+// dynamic shared memory: (heads * d + heads) floats.
+#define IDX_MAX_D 128
+extern "C" __global__ void idx_scores(const float* q, const float* w, int heads, int d, float scale,
+                                      const int* cand, const int* seg_of_row, const float* pooled,
+                                      const int* pool_off, const float* cache, int width, const int* tables,
+                                      int max_blocks, int block_size, int stride, float* scores) {
+    extern __shared__ float sm[];
+    float* qs = sm;
+    float* ws = sm + heads * d;
+    int t = blockIdx.x;
+    for (int i = threadIdx.x; i < heads * d; i += blockDim.x) qs[i] = q[(size_t)t * heads * d + i];
+    for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(size_t)t * heads + i];
+    __syncthreads();
+    int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= cand[t]) return;
+    int s = seg_of_row[t];
+    const float* key;
+    if (pool_off) {
+        key = pooled + ((size_t)pool_off[s] + j) * d;
+    } else {
+        const int* table = tables + (size_t)s * max_blocks;
+        key = cache + ((size_t)table[j / block_size] * block_size + j % block_size) * width;
+    }
+    float kr[IDX_MAX_D];
+#pragma unroll
+    for (int c = 0; c < IDX_MAX_D; ++c) kr[c] = c < d ? key[c] : 0.f;
+    float acc = 0.f;
+    for (int h = 0; h < heads; ++h) {
+        const float* qh = qs + h * d;
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < IDX_MAX_D; ++c)
+            if (c < d) dot += qh[c] * kr[c];
+        acc += ws[h] * fmaxf(dot * scale, 0.f);
+    }
+    scores[(size_t)t * stride + j] = acc;
+}
+
+__device__ __forceinline__ unsigned int hy_order_key(float f) {
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Per query row: the k = min(topk, cand[t]) best candidates (ties to the lower index), as positions in
+// ascending order: a candidate j stands for positions j * pool .. j * pool + pool - 1; then, for pooled
+// keys (pool > 1), the positions of the row's own incomplete pool, cand[t] * pool ..= pos[t].
+// sel [rows, sel_stride], sel_len [rows]. grid: rows; block 256.
+extern "C" __global__ void idx_topk(const float* scores, int stride, const int* cand, const int* pos, int topk,
+                                    int pool, int* sel, int sel_stride, int* sel_len) {
+    __shared__ float fbuf[32];
+    __shared__ int ibuf[32];
+    int t = blockIdx.x;
+    int count = cand[t];
+    int k = min(topk, count);
+    const float* sc = scores + (size_t)t * stride;
+    int per = (count + blockDim.x - 1) / blockDim.x;
+    int lo = threadIdx.x * per, hi = min(count, lo + per);
+    // The k-th largest order key, bit by bit from the top: the largest T with count(key >= T) >= k.
+    unsigned int thr = 0;
+    if (k < count && k > 0) {
+        for (int b = 31; b >= 0; --b) {
+            unsigned int cand_t = thr | (1u << b);
+            int c = 0;
+            for (int j = lo; j < hi; ++j) c += hy_order_key(sc[j]) >= cand_t;
+            float tot = hy_block_sum((float)c, fbuf);
+            if ((int)(tot + 0.5f) >= k) thr = cand_t;
+        }
+    }
+    // Selected: key > thr, plus the first (k - count(key > thr)) ties in index order.
+    int gt = 0, ties = 0;
+    if (k < count) {
+        for (int j = lo; j < hi; ++j) {
+            unsigned int key = hy_order_key(sc[j]);
+            gt += key > thr;
+            ties += key == thr;
+        }
+    } else {
+        gt = hi > lo ? hi - lo : 0;
+    }
+    int total_gt, total_ties;
+    int gt_before = hy_block_scan(gt, ibuf, &total_gt);
+    int ties_before = hy_block_scan(ties, ibuf, &total_ties);
+    int ties_wanted = k - total_gt;
+    int my_ties = max(0, min(ties, ties_wanted - ties_before));
+    int taken = gt + my_ties, total_taken;
+    int out0 = hy_block_scan(taken, ibuf, &total_taken);
+    int* o = sel + (size_t)t * sel_stride;
+    int w = out0, tie_seen = ties_before;
+    for (int j = lo; j < hi; ++j) {
+        bool take;
+        if (k < count) {
+            unsigned int key = hy_order_key(sc[j]);
+            take = key > thr;
+            if (key == thr) {
+                take = tie_seen < ties_wanted;
+                ++tie_seen;
+            }
+        } else {
+            take = true;
+        }
+        if (take) {
+            for (int i = 0; i < pool; ++i) o[(size_t)w * pool + i] = j * pool + i;
+            ++w;
+        }
+    }
+    int n = total_taken * pool;
+    if (pool > 1) {  // the own, incomplete pool
+        int first = count * pool, last = pos[t];
+        for (int p = first + threadIdx.x; p <= last; p += blockDim.x) o[n + (p - first)] = p;
+        n += max(0, last - first + 1);
+    }
+    if (threadIdx.x == 0) sel_len[t] = n;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// MLA (absorbed) attention of each (token, head) over the positions in sel[t][0 .. sel_len[t]] of its
+// sequence (the indexer's choice), with an online softmax; otherwise as kernels.cu's mla_attention.
+// grid: (tokens, heads); block 128; smem: (nope + rope + 2 * lora + blockDim.x) floats.
+extern "C" __global__ void mla_attention_selected(const float* q, const bf16* lat_cache, const bf16* rope_cache,
+                                                  const int* block_tables, int max_blocks, const int* seq_of_token,
+                                                  const int* sel, int sel_stride, const int* sel_len, int heads,
+                                                  int nope, int rope, int lora, int vdim, const float* kv_b,
+                                                  int block_size, float scale, bf16* out) {
+    extern __shared__ float smem[];
+    __shared__ float buf[32];
+    __shared__ int slots[128];
+    float* qn = smem;
+    float* qr = qn + nope;
+    float* q_lat = qr + rope;
+    float* o_lat = q_lat + lora;
+    float* sc = o_lat + lora;
+    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const float* qh = q + ((size_t)t * heads + h) * (nope + rope);
+    for (int i = tid; i < nope + rope; i += blockDim.x) {
+        if (i < nope) qn[i] = qh[i];
+        else qr[i - nope] = qh[i];
+    }
+    __syncthreads();
+    const float* wk = kv_b + (size_t)h * (nope + vdim) * lora;
+    for (int c = tid; c < lora; c += blockDim.x) {
+        float a = 0.f;
+        for (int d = 0; d < nope; ++d) a += qn[d] * wk[(size_t)d * lora + c];
+        q_lat[c] = a;
+        o_lat[c] = 0.f;
+    }
+    __syncthreads();
+    const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
+    const int* list = sel + (size_t)t * sel_stride;
+    int count = sel_len[t];
+    float m = -INFINITY, l = 0.f;
+    for (int base = 0; base < count; base += blockDim.x) {
+        int j = base + tid;
+        float s = -INFINITY;
+        if (j < count) {
+            int p = list[j];
+            int slot = table[p / block_size] * block_size + p % block_size;
+            slots[tid] = slot;
+            const bf16* lr = lat_cache + (size_t)slot * lora;
+            const bf16* rr = rope_cache + (size_t)slot * rope;
+            float dot = 0.f;
+            for (int c = 0; c < lora; ++c) dot += q_lat[c] * hy_bf2f(lr[c]);
+            for (int r = 0; r < rope; ++r) dot += qr[r] * hy_bf2f(rr[r]);
+            s = dot * scale;
+        }
+        float m_new = fmaxf(m, hy_block_max(s, buf));
+        float corr = expf(m - m_new);
+        float e = (j < count) ? expf(s - m_new) : 0.f;
+        sc[tid] = e;
+        l = l * corr + hy_block_sum(e, buf);
+        int n = min((int)blockDim.x, count - base);
+        for (int c = tid; c < lora; c += blockDim.x) {
+            float a = o_lat[c] * corr;
+            for (int jj = 0; jj < n; ++jj) a += sc[jj] * hy_bf2f(lat_cache[(size_t)slots[jj] * lora + c]);
+            o_lat[c] = a;
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    for (int j = tid; j < vdim; j += blockDim.x) {
+        const float* wv = wk + (size_t)(nope + j) * lora;
+        float a = 0.f;
+        for (int c = 0; c < lora; ++c) a += wv[c] * o_lat[c];
+        out[((size_t)t * heads + h) * vdim + j] = hy_f2bf(l > 0.f ? a / l : 0.f);
+    }
+}
