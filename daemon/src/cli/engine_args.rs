@@ -189,6 +189,10 @@ pub struct EngineArgs {
     /// one L3's worth; measured slower on a fully used CPU (docs/PERF.md).
     #[arg(long, default_value_t = 0)]
     pub expert_prefetch_mib: usize,
+    /// Keep every KV position of sliding-window layers (by default the blocks that left every such
+    /// layer's window are reused; outputs are the same either way).
+    #[arg(long)]
+    pub keep_window_kv: bool,
 }
 
 impl EngineArgs {
@@ -285,6 +289,7 @@ impl EngineArgs {
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
+            release_window_kv: !self.keep_window_kv,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
             cpu_kv_dtype: self.cpu_kv_dtype,
         })

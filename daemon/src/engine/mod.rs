@@ -115,6 +115,9 @@ pub struct EngineOptions {
     pub expert_prefetch_bytes: usize,
     /// Element type of the CPU backend's KV rows (`None`: [`kv::default_dtype`] of the model).
     pub cpu_kv_dtype: Option<kv::KvDtype>,
+    /// Sliding-window layers give back the KV blocks that left their window (false: every layer keeps
+    /// every position, as full-attention layers do).
+    pub release_window_kv: bool,
 }
 
 impl Default for EngineOptions {
@@ -144,6 +147,7 @@ impl Default for EngineOptions {
             cuda_graphs: false,
             expert_prefetch_bytes: 0,
             cpu_kv_dtype: None,
+            release_window_kv: true,
         }
     }
 }
@@ -216,6 +220,8 @@ pub struct Engine {
     kv_blocks: kv::SharedBlockPool,
     /// The rows of those blocks on the CPU backend (the CUDA backend keeps them in its own pool).
     cpu_kv: Option<std::sync::Arc<kv::CpuKvStore>>,
+    /// Which block table and storage slot each layer's KV uses (groups by sliding window).
+    kv_layout: kv::KvLayout,
     /// Reads a layer's chosen DRAM experts ahead while its attention runs (CPU backend, models routing
     /// from the layer input); None when off or not applicable.
     prefetch: Option<(moe_kernels::cpu::moe::ExpertPrefetcher, usize)>,
@@ -349,28 +355,35 @@ impl Engine {
         } else {
             None
         };
+        let kv_layout = match &gpu {
+            Some(g) => g.kv_layout.clone(),
+            None => kv::KvLayout::of(&model.config, opts.release_window_kv),
+        };
+        // The KV budget in bytes is that of `kv_cache_tokens` positions of every layer; grouped by
+        // sliding window, a block holds fewer layers, so the same bytes make more blocks.
         let blocks = match &gpu {
             // the memory plan sized the device pool
             Some(g) => g.kv.lock().unwrap_or_else(|e| e.into_inner()).total_blocks,
-            None => kv::blocks_for(opts.kv_cache_tokens).max(1),
+            None => kv_layout.blocks_for_budget(kv::blocks_for(opts.kv_cache_tokens).max(1)),
         };
+        let windows = kv_layout.group_windows();
         let (kv_blocks, cpu_kv) = match &gpu {
             Some(g) => {
                 let copier = gpu::kv::GpuKvCopier {
                     pool: g.kv.clone(),
                     stream: g.dev.stream.clone(),
                 };
+                let copier = std::sync::Arc::new(copier);
                 (
-                    kv::blocks::shared_pool(blocks, std::sync::Arc::new(copier)),
+                    kv::blocks::shared_grouped_pool(blocks, copier, windows),
                     None,
                 )
             }
             None => {
-                let store = std::sync::Arc::new(kv::CpuKvStore::new(
-                    &kv::row_widths(&model.config),
-                    kv_dtype,
-                ));
-                (kv::blocks::shared_pool(blocks, store.clone()), Some(store))
+                let widths = kv_layout.slot_widths(&kv::row_widths(&model.config));
+                let store = std::sync::Arc::new(kv::CpuKvStore::new(&widths, kv_dtype));
+                let pool = kv::blocks::shared_grouped_pool(blocks, store.clone(), windows);
+                (pool, Some(store))
             }
         };
         // The loader's tensor buffers are dead now (packed or uploaded): give their pages back.
@@ -404,6 +417,7 @@ impl Engine {
             last_step: Default::default(),
             kv_blocks,
             cpu_kv,
+            kv_layout,
         })
     }
 
@@ -413,13 +427,26 @@ impl Engine {
         pool.used() as f64 / pool.total().max(1) as f64
     }
 
-    /// Positions the KV cache holds in all (every sequence and cached prefix together).
+    /// The longest sequence the KV cache holds (alone). Without sliding-window groups, every sequence
+    /// and cached prefix together hold at most this many positions.
     pub fn kv_capacity(&self) -> usize {
-        self.kv_blocks
+        let total = self
+            .kv_blocks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .total()
-            * kv::BLOCK
+            .total();
+        self.kv_layout.max_positions(total)
+    }
+
+    /// How the layers' KV rows share the block pool.
+    pub fn kv_layout(&self) -> &kv::KvLayout {
+        &self.kv_layout
+    }
+
+    /// Bytes the CPU backend's KV rows take now (the high-water mark of blocks in use); None on the
+    /// CUDA backend, whose pool is allocated whole at start.
+    pub fn cpu_kv_bytes(&self) -> Option<usize> {
+        self.cpu_kv.as_ref().map(|s| s.bytes())
     }
 
     /// CUDA graphs captured so far (decode segments), 0 without the CUDA backend or with graphs off.
@@ -609,9 +636,9 @@ impl Engine {
             .iter_mut()
             .map(|s| {
                 let pos0 = s.cache.len();
-                let (blocks, state) = s.cache.parts_mut();
+                let (tables, state) = s.cache.parts_mut();
                 gpu::forward::GpuSeqInput {
-                    blocks,
+                    tables,
                     pos0,
                     tokens: s.tokens,
                     state: state.map(|r| r.device_mut()),
@@ -729,12 +756,16 @@ impl Engine {
             .as_ref()
             .expect("the CPU backend has a CPU KV store");
         let mut kv_rows = store.lock();
-        let mut tables: Vec<&[kv::BlockId]> = Vec::with_capacity(batch.len());
+        // Per group of layers (see `kv::layout`), each entry's block table.
+        let groups = self.kv_layout.groups().len();
+        let mut tables: Vec<Vec<&[kv::BlockId]>> = vec![Vec::with_capacity(batch.len()); groups];
         // Linear-attention state per entry (every entry has one when the model has linear layers).
         let mut states: Vec<&mut kv::RecurrentState> = Vec::with_capacity(batch.len());
         for s in batch.iter_mut() {
-            let (table, state) = s.cache.parts_mut();
-            tables.push(table);
+            let (group_tables, state) = s.cache.parts_mut();
+            for (g, t) in group_tables.into_iter().enumerate() {
+                tables[g].push(t);
+            }
             states.extend(state);
         }
         // The sparse-attention selection of the last layer that ran its own indexer.
@@ -755,11 +786,12 @@ impl Engine {
             let (input, mix) = residual.block_input(layer.hyper.as_ref().map(|h| &h.attn), hd);
             let h = rms_norm(&input, &layer.attn_norm, cfg.rms_norm_eps);
             drop(input);
-            let rows = &mut kv_rows[li];
+            let rows = &mut kv_rows[self.kv_layout.slot_of(li)];
+            let tables = &tables[self.kv_layout.group_of(li)];
             let layout = cfg.layer_attention[li];
             let a = match &layer.attn {
                 Attention::Gqa(g) => {
-                    attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, &tables, rows)
+                    attention::gqa_forward(g, cfg, layout, &self.rope, &h, &segments, tables, rows)
                 }
                 // Sparse-attention layers (GLM-5, GLM-5.3-Flash) run their indexer inside: an `Own`
                 // layer leaves its selection here for the `Shared` layer after it.
@@ -770,7 +802,7 @@ impl Engine {
                     &self.rope,
                     &h,
                     &segments,
-                    &tables,
+                    tables,
                     rows,
                     &mut selection,
                 ),

@@ -94,12 +94,13 @@ impl GpuModel {
         step: &StepIndex,
     ) -> anyhow::Result<()> {
         let widths = (step.n, pool.width, pool.v_width);
+        let kv = pool.slot(li);
         self.dev.kv_append(
             a,
             b,
             widths,
-            &mut pool.k[li],
-            &mut pool.v[li],
+            &mut pool.k[kv],
+            &mut pool.v[kv],
             step.slots,
             BLOCK,
         )?;
@@ -204,8 +205,8 @@ impl GpuModel {
     ) -> anyhow::Result<()> {
         self.dev.paged_attention(
             q,
-            &pool.k[li],
-            &pool.v[li],
+            &pool.k[pool.slot(li)],
+            &pool.v[pool.slot(li)],
             &step.paged(),
             (nh, nkv, dh),
             (scale, window),
@@ -252,8 +253,8 @@ impl GpuModel {
             .tables
             .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
         dev.gather_kv_bf16(
-            &pool.k[li],
-            &pool.v[li],
+            &pool.k[pool.slot(li)],
+            &pool.v[pool.slot(li)],
             &table,
             (total, BLOCK),
             (kw, vw),
@@ -421,8 +422,8 @@ impl GpuModel {
         }
         dev.mla_attention(
             &*q,
-            &pool.k[li],
-            &pool.v[li],
+            &pool.k[pool.slot(li)],
+            &pool.v[pool.slot(li)],
             &step.paged(),
             n,
             dims,

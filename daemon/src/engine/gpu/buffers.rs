@@ -24,9 +24,10 @@ pub struct IndexBufs {
     pub ids: CudaSlice<i32>,
     pub pos: CudaSlice<i32>,
     pub seq: CudaSlice<i32>,
-    pub slots: CudaSlice<i32>,
-    /// `[sequences, stride]` block ids.
-    pub tables: CudaSlice<i32>,
+    /// Per group of layers (`engine::kv::layout`): each row's cache slot, and `[sequences, stride]`
+    /// block ids.
+    pub slots: Vec<CudaSlice<i32>>,
+    pub tables: Vec<CudaSlice<i32>>,
     /// Row stride of `tables`: the most blocks one sequence of a step of this class may hold.
     pub stride: usize,
 }
@@ -180,7 +181,9 @@ impl GpuModel {
         if let Some(b) = slot.as_mut().filter(|b| fits(b) && b.index.stride < blocks) {
             // Only a sequence's block table outgrew the set (a long decode): widen the tables alone.
             let stride = want.2;
-            b.index.tables = self.alloc(b.seqs * stride)?;
+            for t in &mut b.index.tables {
+                *t = self.alloc(b.seqs * stride)?;
+            }
             b.index.stride = stride;
         }
         if !slot.as_ref().is_some_and(fits) {
@@ -206,12 +209,17 @@ impl GpuModel {
     }
 
     fn alloc_index(&self, rows: usize, seqs: usize, stride: usize) -> anyhow::Result<IndexBufs> {
+        let groups = self.kv_layout.groups().len();
         Ok(IndexBufs {
             ids: self.alloc(rows)?,
             pos: self.alloc(rows)?,
             seq: self.alloc(rows)?,
-            slots: self.alloc(rows)?,
-            tables: self.alloc(seqs * stride)?,
+            slots: (0..groups)
+                .map(|_| self.alloc(rows))
+                .collect::<Result<_, _>>()?,
+            tables: (0..groups)
+                .map(|_| self.alloc(seqs * stride))
+                .collect::<Result<_, _>>()?,
             stride,
         })
     }

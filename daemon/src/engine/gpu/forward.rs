@@ -21,23 +21,23 @@ use half::bf16;
 use std::collections::hash_map::Entry;
 use std::time::Instant;
 
-/// One sequence's chunk in a GPU step: its block table covers `pos0 + tokens.len()` positions (the
-/// driver reserved them). `state`: the sequence's recurrent-state buffer slot (models with
-/// linear-attention layers; see `gpu::hybrid`).
+/// One sequence's chunk in a GPU step: its block tables (one per group of layers,
+/// `engine::kv::layout`) cover `pos0 + tokens.len()` positions (the driver reserved them). `state`:
+/// the sequence's recurrent-state buffer slot (models with linear-attention layers; see `gpu::hybrid`).
 pub struct GpuSeqInput<'a> {
-    pub blocks: &'a [BlockId],
+    pub tables: Vec<&'a [BlockId]>,
     pub pos0: usize,
     pub tokens: &'a [u32],
     pub state: Option<&'a mut Option<CudaSlice<f32>>>,
 }
 
-/// The host side of a step's index: each row's token, position, sequence and cache slot, each
-/// sequence's rows, and the widest block table.
+/// The host side of a step's index: each row's token, position, sequence and cache slot (per group of
+/// layers), each sequence's rows, and the widest block table.
 pub(super) struct HostIndex {
     pub ids: Vec<i32>,
     pub pos: Vec<i32>,
     pub seq_of: Vec<i32>,
-    pub slots: Vec<i32>,
+    pub slots: Vec<Vec<i32>>,
     /// Row of each sequence's last position (its logits are returned).
     pub last_rows: Vec<i32>,
     pub seqs: Vec<SeqRows>,
@@ -50,12 +50,12 @@ impl HostIndex {
             ids: Vec::new(),
             pos: Vec::new(),
             seq_of: Vec::new(),
-            slots: Vec::new(),
+            slots: vec![Vec::new(); batch.first().map_or(1, |b| b.tables.len())],
             last_rows: Vec::with_capacity(batch.len()),
             seqs: Vec::with_capacity(batch.len()),
             max_blocks: batch
                 .iter()
-                .map(|b| b.blocks.len())
+                .map(|b| b.tables[0].len())
                 .max()
                 .unwrap_or(1)
                 .max(1),
@@ -72,18 +72,21 @@ impl HostIndex {
                 h.ids.push(t as i32);
                 h.pos.push(p as i32);
                 h.seq_of.push(si as i32);
-                h.slots.push(slot(b.blocks, p) as i32);
+                for (g, table) in b.tables.iter().enumerate() {
+                    h.slots[g].push(slot(table, p) as i32);
+                }
             }
             h.last_rows.push((h.ids.len() - 1) as i32);
         }
         h
     }
 
-    /// The block tables as `[sequences, stride]` rows (zero past each table's end).
-    pub fn tables(batch: &[GpuSeqInput<'_>], stride: usize) -> Vec<i32> {
+    /// Group `group`'s block tables as `[sequences, stride]` rows (zero past each table's end; entries
+    /// that left a sliding window hold stale ids of valid blocks, which the kernels skip).
+    pub fn tables(batch: &[GpuSeqInput<'_>], stride: usize, group: usize) -> Vec<i32> {
         let mut tables = vec![0i32; batch.len() * stride];
         for (si, b) in batch.iter().enumerate() {
-            for (j, &blk) in b.blocks.iter().enumerate() {
+            for (j, &blk) in b.tables[group].iter().enumerate() {
                 tables[si * stride + j] = blk as i32;
             }
         }
@@ -333,15 +336,18 @@ impl GpuModel {
         }
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let mut graphs = graph_step.then_some(&mut *graphs_guard);
-        let step = StepIndex {
-            n,
-            pos: &index.pos,
-            seq: &index.seq,
-            slots: &index.slots,
-            tables: &index.tables,
-            max_blocks: index.stride,
-            seqs: &hi.seqs,
-        };
+        // One view of the step per group of layers: its slots and block tables.
+        let steps: Vec<StepIndex> = (0..index.slots.len())
+            .map(|g| StepIndex {
+                n,
+                pos: &index.pos,
+                seq: &index.seq,
+                slots: &index.slots[g],
+                tables: &index.tables[g],
+                max_blocks: index.stride,
+                seqs: &hi.seqs,
+            })
+            .collect();
         let act = GatedAct::of(cfg);
         for (li, layer) in self.layers.iter().enumerate() {
             // Where this layer's experts run: decides whether the normalised rows go to the host.
@@ -370,7 +376,7 @@ impl GpuModel {
             self.run_pre_experts(
                 host,
                 li,
-                (&step, &mut pool),
+                (&steps[self.kv_layout.group_of(li)], &mut pool),
                 &mut seg,
                 graphs.as_deref_mut(),
             )?;
@@ -417,12 +423,14 @@ impl GpuModel {
         index: &mut IndexBufs,
     ) -> anyhow::Result<()> {
         let (s, n) = (&self.dev.stream, hi.ids.len());
-        let tables = HostIndex::tables(batch, index.stride);
         s.memcpy_htod(&hi.ids, &mut index.ids.slice_mut(..n))?;
         s.memcpy_htod(&hi.pos, &mut index.pos.slice_mut(..n))?;
         s.memcpy_htod(&hi.seq_of, &mut index.seq.slice_mut(..n))?;
-        s.memcpy_htod(&hi.slots, &mut index.slots.slice_mut(..n))?;
-        s.memcpy_htod(&tables, &mut index.tables.slice_mut(..tables.len()))?;
+        for (g, slots) in hi.slots.iter().enumerate() {
+            let tables = HostIndex::tables(batch, index.stride, g);
+            s.memcpy_htod(slots, &mut index.slots[g].slice_mut(..n))?;
+            s.memcpy_htod(&tables, &mut index.tables[g].slice_mut(..tables.len()))?;
+        }
         Ok(())
     }
 
@@ -533,13 +541,13 @@ mod tests {
     fn host_index_of_a_mixed_step() {
         // a decode row of a sequence at position 20 (blocks 7, 3) and a 3-token chunk from position 0
         let a = GpuSeqInput {
-            blocks: &[7, 3],
+            tables: vec![&[7, 3]],
             pos0: 20,
             tokens: &[11],
             state: None,
         };
         let b = GpuSeqInput {
-            blocks: &[5],
+            tables: vec![&[5]],
             pos0: 0,
             tokens: &[1, 2, 3],
             state: None,
@@ -550,9 +558,12 @@ mod tests {
         assert_eq!(h.pos, vec![20, 0, 1, 2]);
         assert_eq!(h.seq_of, vec![0, 1, 1, 1]);
         let s = BLOCK as i32;
-        assert_eq!(h.slots, vec![3 * s + 20 - s, 5 * s, 5 * s + 1, 5 * s + 2]);
+        assert_eq!(
+            h.slots,
+            vec![vec![3 * s + 20 - s, 5 * s, 5 * s + 1, 5 * s + 2]]
+        );
         assert_eq!(h.last_rows, vec![0, 3]);
         assert_eq!((h.seqs[1].row0, h.seqs[1].len, h.max_blocks), (1, 3, 2));
-        assert_eq!(HostIndex::tables(&batch, 3), vec![7, 3, 0, 5, 0, 0]);
+        assert_eq!(HostIndex::tables(&batch, 3, 0), vec![7, 3, 0, 5, 0, 0]);
     }
 }

@@ -1,8 +1,10 @@
-//! Paged KV storage on the GPU: per layer one K and one V pool of `blocks × BLOCK × width` bf16. Which
-//! block belongs to which sequence is decided by the driver through the engine's block pool
-//! (`engine::kv::blocks`); this file only holds the memory and copies blocks for copy-on-write. Layers
-//! with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by the same blocks.
-use crate::engine::kv::{BlockCopy, BlockId, BLOCK};
+//! Paged KV storage on the GPU: per storage slot one K and one V pool of `blocks × BLOCK × width` bf16
+//! (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
+//! `engine::kv::layout`). Which block belongs to which sequence is decided by the driver through the
+//! engine's block pool (`engine::kv::blocks`); this file only holds the memory and copies blocks for
+//! copy-on-write. Layers with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by
+//! the same blocks (such models have one slot per layer).
+use crate::engine::kv::{BlockCopy, BlockId, KvLayout, BLOCK};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
@@ -19,21 +21,30 @@ pub struct GpuKvPool {
     /// indexer; added by [`GpuKvPool::add_indexer_rows`].
     pub c: Vec<Option<CudaSlice<f32>>>,
     pub c_width: usize,
+    /// Per layer: the slot its rows live in.
+    slot_of: Vec<usize>,
 }
 
 impl GpuKvPool {
     /// `has_rows[layer]`: false for layers that keep no KV rows (linear attention: a per-sequence state
-    /// instead), which get a minimal placeholder.
+    /// instead), which get a minimal placeholder. One K and one V pool per slot of `layout`.
     pub fn new(
         dev: &GpuDevice,
+        layout: &KvLayout,
         has_rows: &[bool],
         (width, v_width): (usize, usize),
         blocks: usize,
     ) -> anyhow::Result<Self> {
-        let layers = has_rows.len();
+        // Slot i holds layer i of every group: its rows exist if the first group's layer has them.
+        let slot_rows: Vec<bool> = layout.groups()[0]
+            .layers
+            .iter()
+            .map(|&l| has_rows.get(l).copied().unwrap_or(true))
+            .collect();
+        let layers = slot_rows.len();
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
-        for &rows in has_rows {
+        for &rows in &slot_rows {
             let n = if rows { blocks * BLOCK } else { 0 };
             // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
             k.push(dev.stream.alloc_zeros::<bf16>((n * width).max(1))?);
@@ -47,7 +58,15 @@ impl GpuKvPool {
             total_blocks: blocks,
             c: (0..layers).map(|_| None).collect(),
             c_width: 0,
+            slot_of: (0..layout.num_layers())
+                .map(|l| layout.slot_of(l))
+                .collect(),
         })
+    }
+
+    /// The slot of layer `li`'s K and V rows.
+    pub fn slot(&self, li: usize) -> usize {
+        self.slot_of[li]
     }
 
     /// Allocates indexer rows of `width` f32 per position for `layer` (every indexed layer of a model

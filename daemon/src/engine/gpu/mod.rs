@@ -195,6 +195,8 @@ pub struct GpuModel {
     pub inv_freq: CudaSlice<f32>,
     pub attn_factor: f32,
     pub kv: Arc<Mutex<GpuKvPool>>,
+    /// Which block table (group) and KV slot each layer uses.
+    pub kv_layout: crate::engine::kv::KvLayout,
     /// Steps with at least this many tokens stream DRAM experts to the GPU (layerwise prefill).
     pub prefill_threshold: usize,
     /// The packed-expert stream of layerwise prefill (set up by [`GpuModel::attach_expert_stream`]
@@ -394,11 +396,12 @@ impl GpuModel {
     /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
     /// copies of those experts are released from `model` afterwards (one copy of each expert) unless
     /// `keep_host_copies` (live re-placement: DRAM holds every expert, the GPU a cache of the hot ones).
+    /// `kv_blocks`: the KV budget in blocks of every layer; `kv_layout` regroups it (same bytes).
     pub fn upload(
         dev: GpuDevice,
         model: &mut Model,
         placement: &[Vec<bool>],
-        kv_blocks: usize,
+        (kv_blocks, kv_layout): (usize, crate::engine::kv::KvLayout),
         prefill_threshold: usize,
         dense: DenseUpload,
         keep_host_copies: bool,
@@ -500,7 +503,8 @@ impl GpuModel {
         let has_rows: Vec<bool> = (0..cfg.num_layers)
             .map(|l| cfg.mixers.get(l) != Some(&crate::model::hybrid::Mixer::Linear))
             .collect();
-        let mut kv = GpuKvPool::new(&dev, &has_rows, kv_widths(&cfg), kv_blocks)?;
+        let blocks = kv_layout.blocks_for_budget(kv_blocks);
+        let mut kv = GpuKvPool::new(&dev, &kv_layout, &has_rows, kv_widths(&cfg), blocks)?;
         let hybrid = hybrid::GpuHybrid::upload(&dev, model)?;
         if let (Some(h), Some(ix)) = (&hybrid, &cfg.indexer) {
             for (li, own) in h.indexers.iter().enumerate() {
@@ -521,6 +525,7 @@ impl GpuModel {
             layers,
             inv_freq,
             kv: Arc::new(Mutex::new(kv)),
+            kv_layout,
             prefill_threshold,
             stream: Mutex::new(None),
             cuda_graphs: false,
@@ -543,13 +548,14 @@ impl GpuModel {
             .len()
     }
 
-    /// Positions the device KV pool holds.
+    /// The longest sequence the device KV pool holds.
     pub fn kv_positions(&self) -> usize {
-        self.kv
+        let total = self
+            .kv
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .total_blocks
-            * crate::engine::kv::BLOCK
+            .total_blocks;
+        self.kv_layout.max_positions(total)
     }
 
     /// Prepares layerwise prefill's expert stream over `host`'s packed DRAM experts (pins them).

@@ -1,6 +1,6 @@
 //! Bringing up the CUDA backend: open the GPU, plan its memory, choose the GPU experts, upload.
 use super::{memory, DenseUpload, GpuModel};
-use crate::engine::kv::BLOCK;
+use crate::engine::kv::{KvLayout, BLOCK};
 use crate::engine::placement::{plan_placement, RoutingStats};
 use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
@@ -135,7 +135,7 @@ pub fn build(
         dev,
         model,
         &placement,
-        blocks,
+        (blocks, KvLayout::of(&cfg, opts.release_window_kv)),
         opts.gpu_prefill_threshold.max(1),
         dense,
         opts.live_placement.is_some(),

@@ -12,6 +12,14 @@
 //! partial last block of a shared table can be written by two owners; the first reservation that will
 //! append into such a block takes a fresh block and has the storage copy the old one into it
 //! ([`BlockCopy`]) before anything is written.
+//!
+//! Sliding windows: a pool may serve several groups of layers ([`super::layout`]); a sequence then has
+//! one block table per group. The tables of sliding-window groups give their blocks back as soon as no
+//! later query can see them (before each reservation and after each step), so such a group holds about
+//! one window per sequence however long the sequence grows. Given-back entries stay in the table (their
+//! positions keep their index) but are never read: the attention of those layers starts inside the
+//! window.
+use super::layout::first_kept_position;
 use super::recurrent::RecurrentState;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -48,6 +56,8 @@ pub struct BlockPool {
     refs: Vec<u32>,
     free: BinaryHeap<Reverse<BlockId>>,
     storage: Arc<dyn BlockCopy>,
+    /// Per group of layers: its sliding window (None: the group keeps every block).
+    group_windows: Vec<Option<usize>>,
 }
 
 impl std::fmt::Debug for BlockPool {
@@ -62,13 +72,29 @@ impl std::fmt::Debug for BlockPool {
 }
 
 impl BlockPool {
+    /// One group of layers that keeps every block.
     pub fn new(total_blocks: usize, storage: Arc<dyn BlockCopy>) -> Self {
+        Self::grouped(total_blocks, storage, vec![None])
+    }
+
+    /// Groups of layers with their own block tables (`group_windows`: each group's sliding window).
+    pub fn grouped(
+        total_blocks: usize,
+        storage: Arc<dyn BlockCopy>,
+        group_windows: Vec<Option<usize>>,
+    ) -> Self {
         let total = total_blocks.min(BlockId::MAX as usize);
         Self {
             refs: vec![0; total],
             free: (0..total as BlockId).map(Reverse).collect(),
             storage,
+            group_windows,
         }
+    }
+
+    /// Block tables per sequence (groups of layers).
+    pub fn groups(&self) -> usize {
+        self.group_windows.len()
     }
 
     pub fn total(&self) -> usize {
@@ -115,6 +141,19 @@ pub fn shared_pool(total_blocks: usize, storage: Arc<dyn BlockCopy>) -> SharedBl
     Arc::new(Mutex::new(BlockPool::new(total_blocks, storage)))
 }
 
+/// A pool for groups of layers with their own tables (see [`BlockPool::grouped`]).
+pub fn shared_grouped_pool(
+    total_blocks: usize,
+    storage: Arc<dyn BlockCopy>,
+    group_windows: Vec<Option<usize>>,
+) -> SharedBlockPool {
+    Arc::new(Mutex::new(BlockPool::grouped(
+        total_blocks,
+        storage,
+        group_windows,
+    )))
+}
+
 fn lock(pool: &SharedBlockPool) -> MutexGuard<'_, BlockPool> {
     pool.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -124,23 +163,42 @@ pub fn blocks_for(positions: usize) -> usize {
     positions.div_ceil(BLOCK)
 }
 
-/// One sequence's KV: a block table in the shared pool and the number of positions written, plus the
-/// recurrent state of linear-attention layers for models that have them. Dropping it releases its
-/// blocks; cloning shares them (and copies the recurrent state, which cannot be shared: it changes with
-/// every token).
+/// One group's block table of one sequence.
+#[derive(Debug, Clone, Default)]
+struct Table {
+    /// Position `p` lives in `blocks[p / BLOCK]`.
+    blocks: Vec<BlockId>,
+    /// Leading entries given back (sliding-window groups): they are no longer owned and never read.
+    released: usize,
+}
+
+impl Table {
+    fn held(&self) -> &[BlockId] {
+        &self.blocks[self.released..]
+    }
+}
+
+/// One sequence's KV: a block table per group of layers in the shared pool (one table for most
+/// models) and the number of positions written, plus the recurrent state of linear-attention layers for
+/// models that have them. Dropping it releases its blocks; cloning shares them (and copies the recurrent
+/// state, which cannot be shared: it changes with every token).
 #[derive(Debug)]
 pub struct SeqCache {
     pool: SharedBlockPool,
-    blocks: Vec<BlockId>,
+    tables: Vec<Table>,
+    /// Per table: its group's sliding window (None: keeps every block).
+    windows: Vec<Option<usize>>,
     len: usize,
     recurrent: Option<Box<RecurrentState>>,
 }
 
 impl SeqCache {
     pub fn new(pool: SharedBlockPool) -> Self {
+        let windows = lock(&pool).group_windows.clone();
         Self {
             pool,
-            blocks: Vec::new(),
+            tables: vec![Table::default(); windows.len()],
+            windows,
             len: 0,
             recurrent: None,
         }
@@ -148,12 +206,9 @@ impl SeqCache {
 
     /// A cache that also carries linear-attention state (starting at zero).
     pub fn with_recurrent(pool: SharedBlockPool, state: RecurrentState) -> Self {
-        Self {
-            pool,
-            blocks: Vec::new(),
-            len: 0,
-            recurrent: Some(Box::new(state)),
-        }
+        let mut cache = Self::new(pool);
+        cache.recurrent = Some(Box::new(state));
+        cache
     }
 
     /// The linear-attention state, for models with linear layers.
@@ -161,10 +216,11 @@ impl SeqCache {
         self.recurrent.as_deref()
     }
 
-    /// The block table and the linear-attention state together (the executor reads one and writes
-    /// the other in the same step).
-    pub fn parts_mut(&mut self) -> (&[BlockId], Option<&mut RecurrentState>) {
-        (&self.blocks, self.recurrent.as_deref_mut())
+    /// Every group's block table and the linear-attention state together (the executor reads one and
+    /// writes the other in the same step).
+    pub fn parts_mut(&mut self) -> (Vec<&[BlockId]>, Option<&mut RecurrentState>) {
+        let tables = self.tables.iter().map(|t| t.blocks.as_slice()).collect();
+        (tables, self.recurrent.as_deref_mut())
     }
 
     /// Whether a prefix of this cache can be kept and reused (false with a recurrent state, which
@@ -182,26 +238,51 @@ impl SeqCache {
         self.len == 0
     }
 
-    /// The block table: position `p` lives in `blocks()[p / BLOCK]` at row `p % BLOCK`.
+    /// The block table of the first group (the only one of models without sliding windows): position
+    /// `p` lives in `blocks()[p / BLOCK]` at row `p % BLOCK`.
     pub fn blocks(&self) -> &[BlockId] {
-        &self.blocks
+        &self.tables[0].blocks
+    }
+
+    /// Group `g`'s block table. Entries of blocks that left a sliding window are stale (never read).
+    pub fn table(&self, group: usize) -> &[BlockId] {
+        &self.tables[group].blocks
+    }
+
+    /// Every group's block table, in group order.
+    pub fn tables(&self) -> Vec<&[BlockId]> {
+        self.tables.iter().map(|t| t.blocks.as_slice()).collect()
+    }
+
+    /// Blocks this sequence holds now, all groups together (shared ones included).
+    pub fn held_blocks(&self) -> usize {
+        self.tables.iter().map(|t| t.held().len()).sum()
     }
 
     /// Positions the reserved blocks can hold.
     pub fn capacity(&self) -> usize {
-        self.blocks.len() * BLOCK
+        self.tables[0].blocks.len() * BLOCK
     }
 
-    /// Makes positions `0..positions` writable: allocates missing blocks and, if the partial last block
-    /// is shared with another sequence, replaces it with a private copy. All or nothing: on failure no
-    /// block was taken.
+    /// Makes positions `0..positions` writable: gives back the blocks that left every sliding window,
+    /// allocates missing blocks in every group and, where the partial last block is shared with another
+    /// sequence, replaces it with a private copy. All or nothing: on failure no block was taken.
     pub fn reserve(&mut self, positions: usize) -> Result<(), KvError> {
+        self.release_outside_windows();
         let mut pool = lock(&self.pool);
-        let shared_tail = (!self.len.is_multiple_of(BLOCK) && positions > self.len)
-            .then_some(self.len / BLOCK)
-            .filter(|&i| pool.ref_count(self.blocks[i]) > 1);
-        let missing = blocks_for(positions).saturating_sub(self.blocks.len());
-        let needed = missing + usize::from(shared_tail.is_some());
+        let tail =
+            (!self.len.is_multiple_of(BLOCK) && positions > self.len).then_some(self.len / BLOCK);
+        let shared_tails: Vec<Option<usize>> = self
+            .tables
+            .iter()
+            .map(|t| tail.filter(|&i| pool.ref_count(t.blocks[i]) > 1))
+            .collect();
+        let missing: Vec<usize> = self
+            .tables
+            .iter()
+            .map(|t| blocks_for(positions).saturating_sub(t.blocks.len()))
+            .collect();
+        let needed = missing.iter().sum::<usize>() + shared_tails.iter().flatten().count();
         if needed > pool.free() {
             return Err(KvError::Full {
                 needed,
@@ -209,38 +290,70 @@ impl SeqCache {
                 total: pool.total(),
             });
         }
-        if let Some(i) = shared_tail {
-            let (from, to) = (self.blocks[i], pool.alloc().expect("counted above"));
-            if let Err(e) = pool.storage.copy_block(from, to) {
-                pool.release(to);
-                return Err(KvError::Copy(e));
+        for (t, shared_tail) in self.tables.iter_mut().zip(shared_tails) {
+            if let Some(i) = shared_tail {
+                let (from, to) = (t.blocks[i], pool.alloc().expect("counted above"));
+                if let Err(e) = pool.storage.copy_block(from, to) {
+                    pool.release(to);
+                    return Err(KvError::Copy(e));
+                }
+                pool.release(from);
+                t.blocks[i] = to;
             }
-            pool.release(from);
-            self.blocks[i] = to;
         }
-        for _ in 0..missing {
-            let id = pool.alloc().expect("counted above");
-            self.blocks.push(id);
+        for (t, missing) in self.tables.iter_mut().zip(missing) {
+            for _ in 0..missing {
+                let id = pool.alloc().expect("counted above");
+                t.blocks.push(id);
+            }
         }
         Ok(())
     }
 
-    /// Keeps positions `0..n` (no-op if it holds fewer) and releases the blocks past them. A cache with
-    /// a recurrent state cannot keep a prefix: it starts over ([`Self::clear`]), and [`Self::len`]
-    /// says so.
+    /// Gives back, in every sliding-window group, the blocks wholly before the window of the next
+    /// query (kept back to a block boundary, see [`first_kept_position`]).
+    fn release_outside_windows(&mut self) {
+        let mut pool = None;
+        for (t, w) in self.tables.iter_mut().zip(&self.windows) {
+            let Some(w) = *w else { continue };
+            let keep_from = (first_kept_position(w, self.len) / BLOCK).min(t.blocks.len());
+            if keep_from > t.released {
+                let pool = pool.get_or_insert_with(|| lock(&self.pool));
+                for &id in &t.blocks[t.released..keep_from] {
+                    pool.release(id);
+                }
+                t.released = keep_from;
+            }
+        }
+    }
+
+    /// Keeps positions `0..n` (no-op if it holds fewer) and releases the blocks past them. A cache that
+    /// cannot resume at `n` starts over instead ([`Self::clear`]), and [`Self::len`] says so: one with a
+    /// recurrent state (a prefix of it does not exist), or one whose sliding-window groups already gave
+    /// back blocks that a query at `n` would read.
     pub fn truncate(&mut self, n: usize) {
         if n >= self.len {
             return;
         }
-        if self.recurrent.is_some() {
+        let window_lost = self
+            .tables
+            .iter()
+            .zip(&self.windows)
+            .any(|(t, w)| w.is_some_and(|w| t.released * BLOCK > (n + 1).saturating_sub(w)));
+        if self.recurrent.is_some() || window_lost {
             self.clear();
             return;
         }
         self.len = n;
         let keep = blocks_for(n);
         let mut pool = lock(&self.pool);
-        for id in self.blocks.drain(keep..) {
-            pool.release(id);
+        for t in &mut self.tables {
+            let from = keep.max(t.released);
+            for &id in t.blocks.get(from..).unwrap_or(&[]) {
+                pool.release(id);
+            }
+            t.blocks.truncate(keep);
+            t.released = t.released.min(keep);
         }
     }
 
@@ -251,18 +364,23 @@ impl SeqCache {
             r.reset();
         }
         let mut pool = lock(&self.pool);
-        for id in self.blocks.drain(..) {
-            pool.release(id);
+        for t in &mut self.tables {
+            for &id in t.held() {
+                pool.release(id);
+            }
+            *t = Table::default();
         }
     }
 
-    /// Records that the step wrote `n` more positions (the executor calls this after writing them).
+    /// Records that the step wrote `n` more positions (the executor calls this after writing them), and
+    /// gives back what left the sliding windows.
     pub fn advance(&mut self, n: usize) {
         debug_assert!(
             self.len + n <= self.capacity(),
             "wrote past the reserved blocks"
         );
         self.len += n;
+        self.release_outside_windows();
     }
 
     /// The pool this cache draws from.
@@ -275,12 +393,15 @@ impl Clone for SeqCache {
     /// Shares the blocks: no memory is copied; a later write into a shared partial block copies it.
     fn clone(&self) -> Self {
         let mut pool = lock(&self.pool);
-        for &id in &self.blocks {
-            pool.retain(id);
+        for t in &self.tables {
+            for &id in t.held() {
+                pool.retain(id);
+            }
         }
         Self {
             pool: self.pool.clone(),
-            blocks: self.blocks.clone(),
+            tables: self.tables.clone(),
+            windows: self.windows.clone(),
             len: self.len,
             recurrent: self.recurrent.clone(),
         }
@@ -290,8 +411,10 @@ impl Clone for SeqCache {
 impl Drop for SeqCache {
     fn drop(&mut self) {
         let mut pool = lock(&self.pool);
-        for &id in &self.blocks {
-            pool.release(id);
+        for t in &self.tables {
+            for &id in t.held() {
+                pool.release(id);
+            }
         }
     }
 }
@@ -401,6 +524,77 @@ mod tests {
         assert_eq!(used(&p), 2, "b still holds its blocks");
         let (plain, _) = pool(2);
         assert!(SeqCache::new(plain).supports_prefix_reuse());
+    }
+
+    /// Group 0 keeps everything, group 1 slides over 20 positions.
+    fn sliding_pool(blocks: usize) -> SharedBlockPool {
+        shared_grouped_pool(blocks, Arc::new(Copies::default()), vec![None, Some(20)])
+    }
+
+    #[test]
+    fn sliding_groups_give_back_blocks_that_left_the_window() {
+        let p = sliding_pool(64);
+        let mut a = SeqCache::new(p.clone());
+        // Decode one position at a time up to 200: the full group grows, the sliding one stays small.
+        let mut most_sliding = 0;
+        for len in 1..=200 {
+            a.reserve(len).unwrap();
+            a.advance(1);
+            most_sliding = most_sliding.max(a.held_blocks() - a.table(0).len());
+        }
+        assert_eq!(a.table(0).len(), 13);
+        assert_eq!(a.table(1).len(), 13, "tables keep their positions' indices");
+        // Blocks 0..10 left the window of a query at 200 (first kept: 192 - 19 = 173, block 10).
+        assert_eq!(a.held_blocks(), 13 + 3);
+        assert_eq!(used(&p), 16);
+        assert!(most_sliding <= 3, "{most_sliding}");
+        // The held sliding blocks are the table's last ones, and the window's positions are in them.
+        let window_blocks: Vec<_> = (180..200).map(|p| a.table(1)[p / BLOCK]).collect();
+        assert!(window_blocks.iter().all(|b| a.table(1)[10..].contains(b)));
+        drop(a);
+        assert_eq!(used(&p), 0, "dropping gives back exactly what is held");
+    }
+
+    #[test]
+    fn clones_and_prefixes_of_sliding_tables() {
+        let p = sliding_pool(64);
+        let mut a = SeqCache::new(p.clone());
+        a.reserve(100).unwrap();
+        a.advance(100); // full: 7 blocks; sliding: first kept 96 - 19 = 77, blocks 4..7
+        assert_eq!(a.held_blocks(), 7 + 3);
+        let b = a.clone();
+        assert_eq!(used(&p), 10, "a clone shares only the held blocks");
+        // Cut back to the block boundary the window was kept for: it can resume there.
+        let mut c = a.clone();
+        c.truncate(96);
+        assert_eq!((c.len(), c.table(0).len(), c.table(1).len()), (96, 6, 6));
+        // Cut back further than the window reaches: the sliding rows a query at 40 needs are gone,
+        // so the cache starts over rather than resume with holes.
+        let mut d = b.clone();
+        d.truncate(40);
+        assert_eq!((d.len(), d.held_blocks()), (0, 0));
+        drop((a, b, c, d));
+        assert_eq!(used(&p), 0);
+    }
+
+    #[test]
+    fn reservations_count_every_group_and_a_full_pool_takes_nothing() {
+        let p = sliding_pool(5);
+        let mut a = SeqCache::new(p.clone());
+        a.reserve(2 * BLOCK).unwrap(); // 2 blocks in each group
+        assert_eq!(used(&p), 4);
+        a.advance(2 * BLOCK); // the window (20) reaches back into block 0: nothing given back yet
+        assert_eq!(used(&p), 4);
+        let err = a.reserve(3 * BLOCK + 1).unwrap_err();
+        assert_eq!(
+            err,
+            KvError::Full {
+                needed: 4,
+                free: 1,
+                total: 5
+            }
+        );
+        assert_eq!(used(&p), 4, "a failed reservation takes nothing");
     }
 
     #[test]

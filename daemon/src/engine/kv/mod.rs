@@ -4,12 +4,14 @@
 //! instead ([`recurrent`]), carried by the sequence's [`SeqCache`].
 pub mod blocks;
 pub mod footprint;
+pub mod layout;
 pub mod recurrent;
 pub mod rows;
 
 pub use blocks::{
     blocks_for, BlockCopy, BlockId, BlockPool, KvError, SeqCache, SharedBlockPool, BLOCK,
 };
+pub use layout::KvLayout;
 pub use recurrent::RecurrentState;
 pub use rows::{KvDtype, RowBuf};
 
@@ -144,14 +146,15 @@ pub fn slot(blocks: &[BlockId], pos: usize) -> usize {
     blocks[pos / BLOCK] as usize * BLOCK + pos % BLOCK
 }
 
-/// Every layer's rows of the CPU backend, shared by all sequences through their block tables.
+/// Every layer's rows of the CPU backend, shared by all sequences through their block tables: one
+/// [`LayerRows`] per storage slot of the [`KvLayout`] (per layer without sliding-window groups).
 #[derive(Debug)]
 pub struct CpuKvStore {
     layers: Mutex<Vec<LayerRows>>,
 }
 
 impl CpuKvStore {
-    /// `widths`: per layer, the widths of its row kinds; `dtype`: the element type of the `a` and `b`
+    /// `widths`: per slot, the widths of its row kinds; `dtype`: the element type of the `a` and `b`
     /// rows.
     pub fn new(widths: &[RowWidths], dtype: KvDtype) -> Self {
         let layers = widths
