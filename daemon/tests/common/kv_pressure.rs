@@ -88,6 +88,17 @@ pub fn run(
     opts: &EngineOptions,
     vocab: u32,
 ) -> (Vec<Output>, Vec<Output>, Arc<Metrics>) {
+    run_with(dir, opts, vocab, 160)
+}
+
+/// [`run`] with the tight cache's size in positions of every layer (models whose sliding-window layers
+/// give back blocks fit more in the same bytes, so they need a tighter one to be under pressure).
+pub fn run_with(
+    dir: &Path,
+    opts: &EngineOptions,
+    vocab: u32,
+    tight_tokens: usize,
+) -> (Vec<Output>, Vec<Output>, Arc<Metrics>) {
     let prompts = prompts(vocab);
     let roomy = start(
         dir,
@@ -107,7 +118,7 @@ pub fn run(
     let tight = start(
         dir,
         EngineOptions {
-            kv_cache_tokens: 160,
+            kv_cache_tokens: tight_tokens,
             ..opts.clone()
         },
         metrics.clone(),

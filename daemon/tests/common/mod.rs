@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod kv_pressure;
+pub mod sliding;
 use std::path::PathBuf;
 
 /// `tests/fixtures`, or `MOE_FIXTURES` when set (the GPU machine runs test binaries from elsewhere).

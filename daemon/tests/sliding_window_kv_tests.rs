@@ -1,0 +1,64 @@
+//! Sliding-window layers' KV (SmallThinker fixture: one full layer, three with a 5-position window):
+//! giving back the blocks that left the window changes no output, and a long sequence holds only the
+//! window in those layers.
+mod common;
+
+use common::kv_pressure;
+use common::sliding::{engine, model_dir, run, DECODE, PROMPT};
+use moe_daemon::engine::EngineOptions;
+
+#[test]
+fn releasing_window_blocks_changes_no_logit_and_holds_only_the_window() {
+    let positions = PROMPT + DECODE;
+    let blocks = positions.div_ceil(16);
+    // 4 layers × 16 positions × (K + V: 2 heads × 16) × 4 B.
+    let layer_block = 16 * 2 * 2 * 16 * 4;
+    for window in [5usize, 37] {
+        let dir = model_dir(window);
+        let (keep, keep_blocks, keep_bytes) =
+            run(&engine(dir.path(), false, &EngineOptions::default()));
+        let sliding = engine(dir.path(), true, &EngineOptions::default());
+        assert_eq!(
+            sliding.kv_layout().groups().len(),
+            4,
+            "one full layer and three sliding ones, a layer per group"
+        );
+        let (release, release_blocks, release_bytes) = run(&sliding);
+        // The same positions are read in the same order: bit for bit.
+        assert_eq!(keep.len(), release.len());
+        for (i, (a, b)) in keep.iter().zip(&release).enumerate() {
+            assert!(a == b, "window {window}, step {i}: logits differ");
+        }
+        // Keeping everything: one table per sequence, each block holds all 4 layers. Released: the
+        // full layer's table plus, per sliding layer, the blocks from the window's start back to its
+        // block boundary.
+        assert_eq!(keep_blocks, 2 * blocks);
+        assert_eq!(keep_bytes, 2 * blocks * 4 * layer_block);
+        let per_sliding = (window - 1).div_ceil(16) + 1;
+        assert!(
+            release_blocks <= 2 * (blocks + 3 * per_sliding),
+            "window {window}: {release_blocks} blocks held"
+        );
+        // The store grows to the most blocks in use at once: the full layers' plus, per sliding layer,
+        // a window and a prefill chunk (written before its blocks can go).
+        let peak = 2 * (blocks + 3 * (per_sliding + 3));
+        assert!(
+            release_bytes <= peak * layer_block,
+            "window {window}: {release_bytes} B"
+        );
+        eprintln!(
+            "window {window}, 2 × {positions} positions: KV {keep_bytes} B keeping every position, {release_bytes} B with windows released ({release_blocks} of {} layer-blocks held at the end)",
+            4 * keep_blocks
+        );
+    }
+}
+
+/// The scheduler on a tight cache: preemption, prefix sharing and batching over sliding tables give
+/// every request the tokens it gets alone (log-probabilities within the CPU batch tolerance).
+#[test]
+fn tight_cache_with_sliding_windows_matches_requests_alone() {
+    let dir = common::fixtures_root().join("smallthinker/model");
+    let (alone, pressured, metrics) =
+        kv_pressure::run_with(&dir, &EngineOptions::default(), 512, 80);
+    kv_pressure::check(&alone, &pressured, &metrics, 1e-4);
+}
