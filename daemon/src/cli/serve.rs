@@ -171,6 +171,8 @@ struct ModelFiles {
     max_positions: usize,
     gguf: Option<Arc<GgufFile>>,
     name: String,
+    /// config.json's `architectures[0]` (for a GGUF file, the architecture it maps to).
+    architecture: String,
 }
 
 fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
@@ -186,17 +188,23 @@ fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
             max_positions: cfg.max_position_embeddings,
             gguf: None,
             name,
+            architecture: cfg.arch_name.clone(),
         });
     }
     let g = GgufFile::open(path)?;
     let tokenizer = TextTokenizer::from_gguf(&g)?;
     let cfg = g.hf_config()?;
     let max_positions = cfg["max_position_embeddings"].as_u64().unwrap_or(2048) as usize;
+    let architecture = cfg["architectures"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     Ok(ModelFiles {
         tokenizer: Some(tokenizer),
         max_positions,
         gguf: Some(Arc::new(g)),
         name,
+        architecture,
     })
 }
 
@@ -345,12 +353,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         other => bail!("--client-special-tokens must be parse or text, got {other}"),
     }
     let tokenizer = Arc::new(tokenizer);
-    let template_src = match &args.chat_template {
+    let from_flag = match &args.chat_template {
         Some(p) => {
             Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
         }
-        None => tokenizer.chat_template.clone(),
+        None => None,
     };
+    let template_src = crate::text::chat_template::choose_source(
+        from_flag,
+        tokenizer.chat_template.as_deref(),
+        &files.architecture,
+    );
     let glm_tool_format = template_src
         .as_deref()
         .is_some_and(|t| t.contains("<arg_key>"));

@@ -5,6 +5,36 @@ use super::TextError;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::Value as Json;
 
+/// A template for checkpoints of `architecture` (config.json's `architectures[0]`, or what a GGUF file's
+/// architecture maps to) that come without one of their own: GGUF files written without
+/// `tokenizer.chat_template`, synthetic checkpoints. `--chat-template` and the checkpoint's own template
+/// come first.
+pub fn builtin_for_architecture(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        // SmallThinker's hub template could not be read here (the hub stores the file in Xet; only
+        // its size, 7.27 kB, is visible). The model uses Qwen2.5's tokenizer (151,936 ids; EOS
+        // `<|endoftext|>` and `<|im_end|>` in generation_config.json) and its tokenizer_config.json has
+        // the size of Qwen2.5-Instruct's, whose published template this is (ChatML with Hermes tool
+        // calls).
+        "SmallThinkerForCausalLM" => {
+            Some(include_str!("testdata/smallthinker_chat_template.jinja"))
+        }
+        _ => None,
+    }
+}
+
+/// The template `serve` renders with: `--chat-template`'s file, else the checkpoint's own, else the
+/// built-in one of its architecture.
+pub fn choose_source(
+    from_flag: Option<String>,
+    from_checkpoint: Option<&str>,
+    architecture: &str,
+) -> Option<String> {
+    from_flag
+        .or_else(|| from_checkpoint.map(str::to_string))
+        .or_else(|| builtin_for_architecture(architecture).map(str::to_string))
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,

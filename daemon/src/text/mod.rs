@@ -6,6 +6,9 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat_template::ChatTemplate;
+
+#[cfg(test)]
+mod builtin_template_tests;
 pub use detokenizer::IncrementalDetokenizer;
 pub use stop::StopMatcher;
 pub use tokenizer::TextTokenizer;
