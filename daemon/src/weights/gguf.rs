@@ -240,7 +240,7 @@ impl GgufFile {
         }
         if arch != "llama" {
             return Err(self.invalid(format!(
-                "GGUF architecture `{arch}` is not supported (supported: llama, qwen3moe, glm4moe)"
+                "GGUF architecture `{arch}` is not supported (supported: llama, qwen3moe, glm4moe, deepseek2, smallthinker)"
             )));
         }
         let heads = self.arch_u64("attention.head_count")?;

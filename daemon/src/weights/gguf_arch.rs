@@ -1,5 +1,5 @@
-//! GGUF MoE architectures (`qwen3moe`, `glm4moe`, `deepseek2` with MLA): llama.cpp's metadata turned
-//! into the Hugging Face
+//! GGUF MoE architectures (`qwen3moe`, `glm4moe`, `deepseek2` with MLA, `smallthinker`): llama.cpp's
+//! metadata turned into the Hugging Face
 //! `config.json` the engine reads, and HF tensor names mapped to GGUF ones. llama.cpp stores each
 //! layer's routed experts merged (`blk.N.ffn_gate_exps` `[E, I, H]`); an HF expert name maps to one
 //! slice of it. None of these converters permutes Q/K rows (only `llama`'s does). `deepseek2` files
@@ -31,7 +31,7 @@ impl GgufRef {
 
 /// The MoE architectures mapped here.
 pub fn is_moe_arch(arch: &str) -> bool {
-    matches!(arch, "qwen3moe" | "glm4moe" | "deepseek2")
+    matches!(arch, "qwen3moe" | "glm4moe" | "deepseek2" | "smallthinker")
 }
 
 fn meta_u64(g: &GgufFile, arch: &str, key: &str) -> Option<u64> {
@@ -105,6 +105,7 @@ pub fn hf_config(g: &GgufFile, arch: &str) -> Result<Value, WeightError> {
             "mlp_only_layers": dense_layers,
         }),
         "deepseek2" => deepseek2_config(g, arch, experts, head_dim, &dense_layers)?,
+        "smallthinker" => smallthinker_config(g, arch, layers, experts, expert_ff),
         _ => {
             // GLM: dense layers lead; rotary over `rope.dimension_count` of each head.
             let leading = dense_layers
@@ -148,6 +149,42 @@ fn grouped_routing(g: &GgufFile, arch: &str, experts: u64, leading: usize) -> Va
         "routed_scaling_factor": meta_f64(g, arch, "expert_weights_scale").unwrap_or(1.0),
         "n_group": meta_u64(g, arch, "expert_group_count").unwrap_or(1),
         "topk_group": meta_u64(g, arch, "expert_group_used_count").unwrap_or(1),
+    })
+}
+
+/// SmallThinker from `smallthinker.*` metadata. llama.cpp's converter keeps no per-layer layouts, only
+/// `attention.sliding_window` when some layer slides; its loader then makes every fourth layer, from
+/// layer 0, a full-attention NoPE layer and the others RoPE layers over the window (the layout of both
+/// released models), and without a window every layer full attention with RoPE. Those layouts are
+/// written here. One difference: llama.cpp fixes that window at 4096 whatever the file says; the value
+/// in the file (what the converter copied from `sliding_window_size`, 4096 for both models) is used
+/// here. Routing: `expert_gating_func` 1 is the softmax router, otherwise sigmoid.
+fn smallthinker_config(
+    g: &GgufFile,
+    arch: &str,
+    layers: u64,
+    experts: u64,
+    expert_ff: u64,
+) -> Value {
+    let window = meta_u64(g, arch, "attention.sliding_window").filter(|&w| w > 0);
+    let layout: Vec<u8> = (0..layers)
+        .map(|l| u8::from(window.is_none() || l % 4 != 0))
+        .collect();
+    let sliding: Vec<u8> = (0..layers)
+        .map(|l| u8::from(window.is_some() && l % 4 != 0))
+        .collect();
+    let gating = meta_u64(g, arch, "expert_gating_func").unwrap_or(2);
+    json!({
+        "architectures": ["SmallThinkerForCausalLM"],
+        "model_type": "smallthinker",
+        "hidden_act": "relu",
+        "moe_num_primary_experts": experts,
+        "moe_num_active_primary_experts": meta_u64(g, arch, "expert_used_count"),
+        "moe_ffn_hidden_size": expert_ff,
+        "moe_primary_router_apply_softmax": gating == 1,
+        "rope_layout": layout,
+        "sliding_window_layout": sliding,
+        "sliding_window_size": window.unwrap_or(4096),
     })
 }
 
@@ -206,12 +243,16 @@ pub fn tensor_ref(arch: &str, hf: &str) -> Option<GgufRef> {
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let blk = |n: &str| Some(GgufRef::plain(format!("blk.{layer}.{n}")));
-    if let Some(e) = suffix.strip_prefix("mlp.experts.") {
+    // SmallThinker's experts are `block_sparse_moe.experts.E.{gate,up,down}.weight`.
+    let experts = suffix
+        .strip_prefix("mlp.experts.")
+        .or_else(|| suffix.strip_prefix("block_sparse_moe.experts."));
+    if let Some(e) = experts {
         let (e, proj) = e.split_once('.')?;
         let merged = match proj {
-            "gate_proj.weight" => "ffn_gate_exps.weight",
-            "up_proj.weight" => "ffn_up_exps.weight",
-            "down_proj.weight" => "ffn_down_exps.weight",
+            "gate_proj.weight" | "gate.weight" => "ffn_gate_exps.weight",
+            "up_proj.weight" | "up.weight" => "ffn_up_exps.weight",
+            "down_proj.weight" | "down.weight" => "ffn_down_exps.weight",
             _ => return None,
         };
         return Some(GgufRef {
@@ -243,7 +284,7 @@ pub fn tensor_ref(arch: &str, hf: &str) -> Option<GgufRef> {
         "self_attn.kv_b_proj.weight" => blk("attn_kv_b.weight"),
         "self_attn.q_norm.weight" => blk("attn_q_norm.weight"),
         "self_attn.k_norm.weight" => blk("attn_k_norm.weight"),
-        "mlp.gate.weight" => blk("ffn_gate_inp.weight"),
+        "mlp.gate.weight" | "block_sparse_moe.primary_router.weight" => blk("ffn_gate_inp.weight"),
         "mlp.gate.e_score_correction_bias" => blk("exp_probs_b.bias"),
         "mlp.gate_proj.weight" => blk("ffn_gate.weight"),
         "mlp.up_proj.weight" => blk("ffn_up.weight"),

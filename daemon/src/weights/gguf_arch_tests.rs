@@ -265,3 +265,57 @@ fn deepseek2_gguf_matches_safetensors() {
 fn glm4moe_gguf_matches_safetensors() {
     check("glm4_moe", "glm4moe");
 }
+
+/// SmallThinker metadata without a sliding window and with the softmax router (the 21B file has a
+/// window and sigmoid; the fixture GGUF in daemon/tests covers that): every layer RoPE and full
+/// attention, as llama.cpp's loader makes it, and a config the engine accepts.
+#[test]
+fn smallthinker_without_window_is_all_rope_full_attention() {
+    let key = |k: &str| format!("smallthinker.{k}");
+    let meta: Vec<(String, GgufValue)> = vec![
+        (
+            "general.architecture".into(),
+            GgufValue::Str("smallthinker".into()),
+        ),
+        (key("block_count"), GgufValue::U64(6)),
+        (key("embedding_length"), GgufValue::U64(64)),
+        (key("attention.head_count"), GgufValue::U64(4)),
+        (key("attention.head_count_kv"), GgufValue::U64(2)),
+        (key("attention.key_length"), GgufValue::U64(16)),
+        (key("expert_count"), GgufValue::U64(8)),
+        (key("expert_used_count"), GgufValue::U64(2)),
+        (key("expert_feed_forward_length"), GgufValue::U64(32)),
+        (key("expert_gating_func"), GgufValue::U64(1)),
+        (key("vocab_size"), GgufValue::U64(128)),
+    ];
+    let meta_refs: Vec<(&str, GgufValue)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let path = std::env::temp_dir().join(format!("moe-st-meta-{}.gguf", std::process::id()));
+    std::fs::write(&path, write_gguf(&meta_refs, &[])).unwrap();
+    let cfg = GgufFile::open(&path).unwrap().hf_config().unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(cfg["rope_layout"], serde_json::json!([1, 1, 1, 1, 1, 1]));
+    assert_eq!(
+        cfg["sliding_window_layout"],
+        serde_json::json!([0, 0, 0, 0, 0, 0])
+    );
+    assert_eq!(cfg["moe_primary_router_apply_softmax"], true);
+    let c = crate::model::ModelConfig::from_json(&cfg).unwrap();
+    assert_eq!(c.arch, crate::model::config::Arch::SmallThinker);
+    assert_eq!(c.activation, crate::model::config::Activation::Relu);
+    assert!(c
+        .layer_attention
+        .iter()
+        .all(|a| a.rope && a.window.is_none()));
+    assert_eq!(
+        tensor_ref(
+            "smallthinker",
+            "model.layers.3.block_sparse_moe.experts.5.down.weight"
+        ),
+        Some(GgufRef {
+            name: "blk.3.ffn_down_exps.weight".into(),
+            permute: None,
+            expert: Some(5)
+        })
+    );
+}
