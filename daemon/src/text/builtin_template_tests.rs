@@ -47,7 +47,9 @@ fn smallthinker_template_renders_as_transformers_does() {
     assert!(t.renders_tools);
     let expected: Value = serde_json::from_str(EXPECTED).unwrap();
     let none = serde_json::Map::new();
-    let cases: [(&str, Vec<Value>, Option<Vec<Value>>, bool); 4] = [
+    // (case, messages, tools, generation prompt)
+    type Case = (&'static str, Vec<Value>, Option<Vec<Value>>, bool);
+    let cases: [Case; 4] = [
         ("default_system", plain(), None, true),
         ("tools", agent(), Some(tools()), true),
         (
