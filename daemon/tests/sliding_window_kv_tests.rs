@@ -62,3 +62,44 @@ fn tight_cache_with_sliding_windows_matches_requests_alone() {
         kv_pressure::run_with(&dir, &EngineOptions::default(), 512, 80);
     kv_pressure::check(&alone, &pressured, &metrics, 1e-4);
 }
+
+/// The measurement behind the figure in docs/SMALLTHINKER.md (not in CI: about a minute of prefill): one
+/// 16K-position sequence with the 21B's layout in small (layer 0 of 4 full, the others a 4096 window),
+/// the CPU store's bytes keeping every position and releasing the window's leftovers.
+/// `cargo test -p moe-daemon --test sliding_window_kv_tests -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn sixteen_k_sequence_bytes() {
+    let dir = model_dir(4096);
+    let positions = 16384;
+    let mut bytes = vec![];
+    for release in [false, true] {
+        let e = moe_daemon::engine::Engine::load(
+            dir.path(),
+            &EngineOptions {
+                release_window_kv: release,
+                kv_cache_tokens: positions,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut c = e.new_cache();
+        let tokens: Vec<u32> = (0..positions as u32).map(|i| (i * 37 + 11) % 512).collect();
+        for chunk in tokens.chunks(512) {
+            let mut batch = [moe_daemon::engine::SeqInput {
+                cache: &mut c,
+                tokens: chunk,
+            }];
+            e.reserve_and_forward(&mut batch).unwrap();
+        }
+        bytes.push((e.cpu_kv_bytes().unwrap(), c.held_blocks()));
+    }
+    let ((keep, keep_blocks), (release, release_blocks)) = (bytes[0], bytes[1]);
+    eprintln!(
+        "{positions} positions: keeping every position {keep} B ({keep_blocks} blocks of 4 layers); \
+         windows released {release} B at the peak, {release_blocks} one-layer blocks held at the end \
+         ({:.1}% of the bytes)",
+        100.0 * release as f64 / keep as f64
+    );
+    assert!(release < keep / 2);
+}

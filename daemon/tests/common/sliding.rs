@@ -12,7 +12,7 @@ pub const DECODE: usize = 40;
 const CHUNKS: [usize; 2] = [70, 23];
 
 /// The SmallThinker fixture with its sliding window set to `window` (5 in the fixture; a window
-/// wider than a block keeps several blocks per sliding layer).
+/// wider than a block keeps several blocks per sliding layer) and a 32K context.
 pub fn model_dir(window: usize) -> tempfile::TempDir {
     let src = super::fixtures_root().join("smallthinker/model");
     let dir = tempfile::tempdir().unwrap();
@@ -22,6 +22,8 @@ pub fn model_dir(window: usize) -> tempfile::TempDir {
     let mut cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
     cfg["sliding_window_size"] = window.into();
+    // Room for long sequences (no RoPE scaling: the context length changes nothing else).
+    cfg["max_position_embeddings"] = 32768.into();
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     dir
 }
