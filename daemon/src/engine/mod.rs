@@ -367,6 +367,15 @@ impl Engine {
             None => kv_layout.blocks_for_budget(kv::blocks_for(opts.kv_cache_tokens).max(1)),
         };
         let windows = kv_layout.group_windows();
+        if windows.len() > 1 {
+            tracing::info!(
+                groups = windows.len(),
+                layers_per_block = kv_layout.slots(),
+                blocks,
+                longest_sequence = kv_layout.max_positions(blocks),
+                "KV cache: sliding-window layers have their own block tables and keep only their window"
+            );
+        }
         let (kv_blocks, cpu_kv) = match &gpu {
             Some(g) => {
                 let copier = gpu::kv::GpuKvCopier {

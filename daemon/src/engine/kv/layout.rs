@@ -216,6 +216,24 @@ mod tests {
         assert!(max > 3 * 16384, "{max}");
     }
 
+    /// The configs `bench synth-checkpoint` writes for the two released models: the 21B groups by
+    /// window, the 4B (no sliding layer) keeps the single table; `--keep-window-kv` keeps it for both.
+    #[test]
+    fn released_smallthinker_configs() {
+        let layout = |name: &str, release: bool| {
+            let v = crate::cli::synth::config_like(name).unwrap();
+            KvLayout::of(&crate::model::ModelConfig::from_json(&v).unwrap(), release)
+        };
+        let big = layout("smallthinker-21b", true);
+        assert_eq!((big.groups().len(), big.slots()), (4, 13));
+        assert_eq!(
+            big.group_windows(),
+            vec![None, Some(4096), Some(4096), Some(4096)]
+        );
+        assert_eq!(layout("smallthinker-21b", false), KvLayout::single(52));
+        assert_eq!(layout("smallthinker-4b", true), KvLayout::single(32));
+    }
+
     #[test]
     fn uneven_kinds_fall_back_to_one_layer_per_group_and_unlike_rows_to_one_group() {
         let windows = [None, Some(5), Some(5), None, Some(5)];
