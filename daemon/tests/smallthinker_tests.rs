@@ -1,11 +1,23 @@
-//! Sliding-window layers' KV (SmallThinker fixture: one full layer, three with a 5-position window):
-//! giving back the blocks that left the window changes no output, and a long sequence holds only the
-//! window in those layers.
+//! SmallThinker beyond the architecture itself.
+//!
+//! Sliding-window layers' KV (fixture: one full layer, three with a 5-position window): giving back the
+//! blocks that left the window changes no output, and a long sequence holds only the window in those
+//! layers.
+//!
+//! GGUF input: tests/fixtures/smallthinker/model.gguf was written by the `gguf` PyPI package from the
+//! safetensors fixture the way llama.cpp's converter writes SmallThinker files
+//! (tests/fixtures/make_smallthinker_gguf.py: its metadata, its tensor-name map, experts stacked per
+//! layer, the tied lm_head left out). Loaded through the GGUF reader it must give the safetensors
+//! fixture's logits (rel-L2 ≤ 1e-6: F32 weights both, summation order only) at the prefill and at decode
+//! steps past the window, and the model repository's own logits from oracle.json at the fixture
+//! tolerance (1e-3).
 mod common;
 
 use common::kv_pressure;
+use common::rel_l2;
 use common::sliding::{engine, model_dir, run, DECODE, PROMPT};
-use moe_daemon::engine::EngineOptions;
+use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+use moe_daemon::weights::gguf::GgufFile;
 
 #[test]
 fn releasing_window_blocks_changes_no_logit_and_holds_only_the_window() {
@@ -66,7 +78,7 @@ fn tight_cache_with_sliding_windows_matches_requests_alone() {
 /// The measurement behind the figure in docs/SMALLTHINKER.md (not in CI: about a minute of prefill): one
 /// 16K-position sequence with the 21B's layout in small (layer 0 of 4 full, the others a 4096 window),
 /// the CPU store's bytes keeping every position and releasing the window's leftovers.
-/// `cargo test -p moe-daemon --test sliding_window_kv_tests -- --ignored --nocapture`
+/// `cargo test -p moe-daemon --test smallthinker_tests -- --ignored --nocapture`
 #[test]
 #[ignore]
 fn sixteen_k_sequence_bytes() {
@@ -74,7 +86,7 @@ fn sixteen_k_sequence_bytes() {
     let positions = 16384;
     let mut bytes = vec![];
     for release in [false, true] {
-        let e = moe_daemon::engine::Engine::load(
+        let e = Engine::load(
             dir.path(),
             &EngineOptions {
                 release_window_kv: release,
@@ -86,7 +98,7 @@ fn sixteen_k_sequence_bytes() {
         let mut c = e.new_cache();
         let tokens: Vec<u32> = (0..positions as u32).map(|i| (i * 37 + 11) % 512).collect();
         for chunk in tokens.chunks(512) {
-            let mut batch = [moe_daemon::engine::SeqInput {
+            let mut batch = [SeqInput {
                 cache: &mut c,
                 tokens: chunk,
             }];
@@ -102,4 +114,70 @@ fn sixteen_k_sequence_bytes() {
         100.0 * release as f64 / keep as f64
     );
     assert!(release < keep / 2);
+}
+
+// ---- GGUF input
+
+/// Prefill `prompt`, then feed `steps` one token at a time; every step's logits.
+fn run_steps(e: &Engine, prompt: &[u32], steps: &[u32]) -> Vec<Vec<f32>> {
+    let mut c = e.new_cache();
+    let mut out = vec![];
+    let mut feed = |tokens: &[u32]| {
+        let mut batch = [SeqInput {
+            cache: &mut c,
+            tokens,
+        }];
+        out.push(e.reserve_and_forward(&mut batch).unwrap().remove(0));
+    };
+    feed(prompt);
+    for t in steps {
+        feed(std::slice::from_ref(t));
+    }
+    out
+}
+
+#[test]
+fn smallthinker_gguf_matches_safetensors_and_the_reference() {
+    let root = common::fixtures_root().join("smallthinker");
+    let g = GgufFile::open(&root.join("model.gguf")).unwrap();
+    let cfg = g.hf_config().unwrap();
+    assert_eq!(cfg["architectures"][0], "SmallThinkerForCausalLM");
+    assert_eq!(cfg["rope_layout"], serde_json::json!([0, 1, 1, 1]));
+    assert_eq!(
+        cfg["sliding_window_layout"],
+        serde_json::json!([0, 1, 1, 1])
+    );
+    assert_eq!(cfg["tie_word_embeddings"], true);
+    // Expert kernels capped at the f32-activation tier: exact arithmetic, as the fixture tests run.
+    let mut opts = EngineOptions::default();
+    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
+    let from_gguf = Engine::from_source(&cfg, &g, &opts).unwrap();
+    let from_st = Engine::load(&root.join("model"), &opts).unwrap();
+    let oracle: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("oracle.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let prompt = ids(&oracle["prompt_ids"]);
+    let greedy = ids(&oracle["greedy_tokens"]);
+    let got = run_steps(&from_gguf, &prompt, &greedy);
+    let want = run_steps(&from_st, &prompt, &greedy);
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        let err = rel_l2(a, b);
+        assert!(err <= 1e-6, "step {i}: GGUF vs safetensors rel-L2 {err}");
+    }
+    for (i, step) in oracle["steps"].as_array().unwrap().iter().enumerate() {
+        let reference: Vec<f32> = step["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let err = rel_l2(&got[i], &reference);
+        assert!(err <= 1e-3, "step {i}: GGUF vs the model's own code {err}");
+    }
 }
