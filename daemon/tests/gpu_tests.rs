@@ -447,7 +447,8 @@ fn cuda_graph_decode_matches_eager() {
 /// Sliding-window layers that give back KV blocks (their own block tables, per-group slots and tables
 /// on the device, GEMM prefill attention gathering given-back entries, graph-replayed decode) give the
 /// logits of keeping every block: same kernels over the same rows, within 1e-5 rel-L2 (bit-identical
-/// expected); and the prefill logits of the CPU backend within the bf16 tolerance (5e-2).
+/// expected); and the prefill logits of the CPU backend within the bf16 tolerance (5e-2) where they are
+/// not router near-ties.
 #[test]
 fn sliding_window_kv_release_matches_keeping_every_block() {
     use common::sliding::{engine, model_dir, run, DECODE};
@@ -475,15 +476,33 @@ fn sliding_window_kv_release_matches_keeping_every_block() {
                 assert!(err <= 1e-5, "window {window}, {name}, step {i}: {err}");
             }
         }
+        // Against the CPU backend, on the outputs that are not near-ties: the sequences are random and
+        // unscreened, so a router's top-k can flip under any bf16 rounding (window 5's output 8 moves
+        // by 9e-2 between the CPU's own f32 reference path and its bf16-activation kernels, as on the
+        // GPU). Such outputs are found on the CPU (its two paths differ by more than 1e-2) and left out.
         let (cpu, ..) = run(&engine(dir.path(), true, &EngineOptions::default()));
+        let f32_path = EngineOptions {
+            cpu_kernels: false,
+            ..Default::default()
+        };
+        let (cpu_f32, ..) = run(&engine(dir.path(), true, &f32_path));
         let prefill = cpu.len() - 2 * DECODE;
-        for (i, (x, y)) in release.iter().zip(&cpu).take(prefill).enumerate() {
-            let err = rel_l2(x, y);
+        let mut compared = 0;
+        for i in 0..prefill {
+            if rel_l2(&cpu[i], &cpu_f32[i]) > 1e-2 {
+                continue;
+            }
+            compared += 1;
+            let err = rel_l2(&release[i], &cpu_f32[i]);
             assert!(
                 err <= 5e-2,
                 "window {window}, prefill output {i}: GPU vs CPU {err}"
             );
         }
+        assert!(
+            compared * 4 >= prefill * 3,
+            "window {window}: only {compared} of {prefill} outputs are not near-ties"
+        );
     }
 }
 
