@@ -6,8 +6,15 @@
 //! scheduler and block manager, and a position read from the wrong block changes the answer. Used by the
 //! scheduler tests and by `moe-daemon serve --scripted-replies` in the HTTP tests of the tool-call and
 //! reasoning parsers, which need a model that emits those formats (SmolLM2-135M does not).
+//!
+//! With a sliding window ([`ScriptedModel::with_sliding_window`]) it has a second, windowed "layer" with
+//! its own block table, as sliding-window models do (`engine::kv::layout`): each step also writes there
+//! and checks that every query's window reads back the tokens the full table holds, so a block given
+//! back too early, or reused while still in a window, fails the request.
 use super::StepModel;
-use crate::engine::kv::{blocks, slot, BlockCopy, BlockId, SeqCache, SharedBlockPool, BLOCK};
+use crate::engine::kv::{
+    blocks, slot, BlockCopy, BlockId, KvLayout, RowWidths, SeqCache, SharedBlockPool, BLOCK,
+};
 use std::sync::{Arc, Mutex};
 
 /// What the scripted model answers, and its limits.
@@ -54,6 +61,8 @@ pub struct ScriptedModel {
     spec: ScriptedReplies,
     pool: SharedBlockPool,
     rows: Arc<TokenRows>,
+    /// The windowed second table's window, and the layout of the two tables.
+    window: Option<(usize, KvLayout)>,
 }
 
 fn contains(hay: &[u32], needle: &[u32]) -> bool {
@@ -67,7 +76,30 @@ impl ScriptedModel {
             blocks::blocks_for(spec.kv_cache_tokens).max(1),
             rows.clone(),
         );
-        Self { spec, pool, rows }
+        Self {
+            spec,
+            pool,
+            rows,
+            window: None,
+        }
+    }
+
+    /// A full "layer" and one that attends over the last `window` positions, each with its own block
+    /// table in one pool of `kv_cache_tokens / BLOCK` blocks (the windowed table gives blocks back).
+    pub fn with_sliding_window(spec: ScriptedReplies, window: usize) -> Self {
+        let rows = Arc::new(TokenRows::default());
+        let layout = KvLayout::grouped(&[None, Some(window)], &[RowWidths::default(); 2]);
+        let pool = blocks::shared_grouped_pool(
+            blocks::blocks_for(spec.kv_cache_tokens).max(1),
+            rows.clone(),
+            layout.group_windows(),
+        );
+        Self {
+            spec,
+            pool,
+            rows,
+            window: Some((window, layout)),
+        }
     }
 
     /// Next token: the reply of the first trigger seen, continued after the longest reply prefix that
@@ -94,14 +126,30 @@ impl ScriptedModel {
             ));
         }
         let mut rows = self.rows.rows();
-        for (i, &t) in tokens.iter().enumerate() {
-            let s = slot(cache.blocks(), pos0 + i);
-            if rows.len() <= s {
-                rows.resize((s / BLOCK + 1) * BLOCK, UNWRITTEN);
+        for table in cache.tables() {
+            for (i, &t) in tokens.iter().enumerate() {
+                let s = slot(table, pos0 + i);
+                if rows.len() <= s {
+                    rows.resize((s / BLOCK + 1) * BLOCK, UNWRITTEN);
+                }
+                rows[s] = t;
             }
-            rows[s] = t;
         }
-        let seq = (0..end).map(|p| rows[slot(cache.blocks(), p)]).collect();
+        let seq: Vec<u32> = (0..end).map(|p| rows[slot(cache.blocks(), p)]).collect();
+        if let Some((w, _)) = &self.window {
+            let windowed = cache.table(1);
+            for q in pos0..end {
+                for p in (q + 1).saturating_sub(*w)..=q {
+                    let got = rows[slot(windowed, p)];
+                    if got != seq[p] {
+                        return Err(format!(
+                            "windowed table: the query at {q} reads {got} at position {p}, not {}",
+                            seq[p]
+                        ));
+                    }
+                }
+            }
+        }
         drop(rows);
         cache.advance(tokens.len());
         Ok(seq)
@@ -117,7 +165,11 @@ impl StepModel for ScriptedModel {
     }
     fn max_positions(&self) -> usize {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        self.spec.max_positions.min(pool.total() * BLOCK)
+        let held = match &self.window {
+            Some((_, layout)) => layout.max_positions(pool.total()),
+            None => pool.total() * BLOCK,
+        };
+        self.spec.max_positions.min(held)
     }
     fn kv_usage(&self) -> f64 {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());

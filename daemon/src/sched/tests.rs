@@ -12,8 +12,17 @@ fn engine(cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
 
 /// The scripted model with a KV cache of `kv_cache_tokens` positions.
 fn engine_with_kv(cfg: SchedulerConfig, kv_cache_tokens: usize) -> (EngineHandle, Arc<Metrics>) {
+    engine_with(cfg, kv_cache_tokens, None)
+}
+
+/// The scripted model, with a second, sliding-window table when `window` is set.
+fn engine_with(
+    cfg: SchedulerConfig,
+    kv_cache_tokens: usize,
+    window: Option<usize>,
+) -> (EngineHandle, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new().unwrap());
-    let model = ScriptedModel::new(ScriptedReplies {
+    let spec = ScriptedReplies {
         replies: vec![
             (vec![7, 7], (100..180).collect()),
             (vec![8, 8], vec![50, 51, 52]),
@@ -28,7 +37,11 @@ fn engine_with_kv(cfg: SchedulerConfig, kv_cache_tokens: usize) -> (EngineHandle
             expert_hits_gpu: 3,
             expert_hits_total: 4,
         }),
-    });
+    };
+    let model = match window {
+        Some(w) => ScriptedModel::with_sliding_window(spec, w),
+        None => ScriptedModel::new(spec),
+    };
     let h = spawn_engine(move || Ok(model), cfg, metrics.clone());
     while !h.is_ready() {
         std::thread::sleep(Duration::from_millis(1));
@@ -360,4 +373,76 @@ fn a_request_is_queued_whole_or_not_at_all() {
     drop(busy);
     assert_eq!(collect(&mut rx_a).0, vec![50, 51, 52]);
     assert_eq!(collect(&mut rx_b).0, vec![50, 51, 52]);
+}
+
+/// A model whose second table slides over 20 positions (its blocks given back as they leave the
+/// window), on a cache too small for the load: preemption, recompute, chunked prefill and prefix hits
+/// all go through both tables, every query's window reads the right tokens (the scripted model checks)
+/// and every output equals the request run alone.
+#[test]
+fn sliding_window_tables_under_preemption_and_prefix_reuse() {
+    // Group 0 shares a 64-token prefix; group 1 shares only its first 32 tokens (a cached group-0
+    // entry has given back the windowed blocks those would need: it must be recomputed, not resumed);
+    // group 2 shares its own 64. The trigger ends each prompt.
+    let shared: Vec<u32> = (0..64).map(|j| 1 + j % 90).collect();
+    let prompts: Vec<Vec<u32>> = (0..48u32)
+        .map(|i| {
+            let mut p: Vec<u32> = match i % 3 {
+                0 => shared.clone(),
+                1 => [&shared[..32], &(40..72).collect::<Vec<_>>()].concat(),
+                _ => (0..64).map(|j| 1 + (j * 7 + 3) % 90).collect(),
+            };
+            p.extend((0..5).map(|j| 1 + (i * 7 + j) % 90));
+            p.extend([7, 7]);
+            p
+        })
+        .collect();
+    let want = alone(&prompts, 40);
+    let cfg = SchedulerConfig {
+        max_batch_tokens: 40,
+        max_waiting: 64,
+        ..Default::default()
+    };
+    // 40 blocks: a request holds up to 7 full-table blocks and 2-4 windowed ones.
+    let (h, m) = engine_with(cfg, 40 * BLOCK, Some(20));
+    let mut rxs = Vec::new();
+    for p in &prompts {
+        let (r, rx) = request(p.clone(), 40);
+        h.submit(r).unwrap();
+        rxs.push(rx);
+    }
+    for (i, (rx, want)) in rxs.iter_mut().zip(&want).enumerate() {
+        let (got, reason, _) = collect(rx);
+        assert_eq!(&got, want, "request {i}");
+        assert_eq!(reason, FinishReason::Length);
+    }
+    assert!(m.preemptions.get() > 0, "the cache never ran out");
+    assert!(m.prefix_cache_hit_tokens.get() > 0, "no prefix was reused");
+}
+
+/// A cached prefix whose windowed table has given back the blocks a shorter shared prefix would need
+/// (and whose blocks were reused since) is not resumed from: the request is computed from the start.
+#[test]
+fn a_cached_prefix_without_its_window_is_recomputed_not_resumed() {
+    let shared: Vec<u32> = (0..64).map(|j| 1 + j % 90).collect();
+    let first = [shared.clone(), vec![41, 42, 7, 7]].concat();
+    let filler = [
+        (100..180).map(|j| j % 90 + 1).collect::<Vec<u32>>(),
+        vec![7, 7],
+    ]
+    .concat();
+    let second = [&shared[..32], &(40..72).collect::<Vec<u32>>(), &[43, 7, 7]].concat();
+    let want = alone(&[first.clone(), filler.clone(), second.clone()], 4);
+    let (h, _) = engine_with(SchedulerConfig::default(), 24 * BLOCK, Some(20));
+    for (i, p) in [first, filler, second].into_iter().enumerate() {
+        let (r, mut rx) = request(p, 4);
+        h.submit(r).unwrap();
+        let (got, _, cached) = collect(&mut rx);
+        assert_eq!(got, want[i], "request {i}");
+        if i == 2 {
+            // The first prompt's entry matches 32 positions, but its windowed table gave back
+            // positions 0-31 while a query at 32 reads 13-32: nothing is served from it.
+            assert_eq!(cached, 0);
+        }
+    }
 }
