@@ -436,15 +436,21 @@ impl Engine {
         pool.used() as f64 / pool.total().max(1) as f64
     }
 
-    /// The longest sequence the KV cache holds (alone). Without sliding-window groups, every sequence
-    /// and cached prefix together hold at most this many positions.
+    /// The longest sequence the KV cache holds (alone) between steps. Without sliding-window groups,
+    /// every sequence and cached prefix together hold at most this many positions.
     pub fn kv_capacity(&self) -> usize {
+        self.kv_capacity_with_steps(0)
+    }
+
+    /// The longest sequence the KV cache holds (alone) while it runs steps of up to `step_tokens`
+    /// positions: sliding-window groups hold a step's new blocks before giving back old ones.
+    pub fn kv_capacity_with_steps(&self, step_tokens: usize) -> usize {
         let total = self
             .kv_blocks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .total();
-        self.kv_layout.max_positions(total)
+        self.kv_layout.max_positions_with_steps(total, step_tokens)
     }
 
     /// How the layers' KV rows share the block pool.

@@ -18,6 +18,13 @@ pub trait StepModel: Send + 'static {
     fn vocab_size(&self) -> usize;
     /// Longest sequence (prompt + output) a step may reach: the model's context, at most the KV cache.
     fn max_positions(&self) -> usize;
+    /// [`Self::max_positions`] when steps write up to `step_tokens` positions of one sequence (models
+    /// whose sliding-window layers hold a step's new KV blocks before giving back old ones need room
+    /// for them).
+    fn max_positions_with_steps(&self, step_tokens: usize) -> usize {
+        let _ = step_tokens;
+        self.max_positions()
+    }
     /// Share of the KV blocks in use (running sequences and cached prefixes), 0 to 1.
     fn kv_usage(&self) -> f64;
     /// One step: each entry's cache is extended by its tokens (its blocks already reserved); returns
@@ -46,6 +53,12 @@ impl StepModel for Engine {
         self.config()
             .max_position_embeddings
             .min(self.kv_capacity())
+    }
+
+    fn max_positions_with_steps(&self, step_tokens: usize) -> usize {
+        self.config()
+            .max_position_embeddings
+            .min(self.kv_capacity_with_steps(step_tokens))
     }
 
     fn kv_usage(&self) -> f64 {

@@ -157,6 +157,12 @@ impl<M: StepModel> Scheduler<M> {
         }
     }
 
+    /// Longest sequence the model and its KV cache hold with this scheduler's steps in flight.
+    fn max_positions(&self) -> usize {
+        self.model
+            .max_positions_with_steps(self.cfg.max_batch_tokens.max(1))
+    }
+
     /// Moves submitted requests into the waiting queue; blocks (briefly) when idle. False: shut down.
     fn intake(&mut self) -> bool {
         if self.running.is_empty() && self.waiting.is_empty() {
@@ -181,11 +187,11 @@ impl<M: StepModel> Scheduler<M> {
             Some(format!(
                 "token id {id} is outside the vocabulary (size {vocab})"
             ))
-        } else if req.prompt.len() >= self.model.max_positions() {
+        } else if req.prompt.len() >= self.max_positions() {
             Some(format!(
                 "the prompt has {} tokens; the context (and KV cache) holds {}",
                 req.prompt.len(),
-                self.model.max_positions()
+                self.max_positions()
             ))
         } else {
             None
@@ -372,6 +378,7 @@ impl<M: StepModel> Scheduler<M> {
 
     fn update(&mut self, work: &[Work], logits: Vec<Vec<f32>>) {
         let mut finished = Vec::new();
+        let max_positions = self.max_positions();
         for (w, logits) in work.iter().zip(logits) {
             let Running { seq: s, cache } = &mut self.running[w.seq];
             let p = s.req.prompt.len();
@@ -416,7 +423,7 @@ impl<M: StepModel> Scheduler<M> {
                 self.metrics.generation_tokens.inc();
                 let logprob = s.req.logprobs.map(|k| token_logprob(&logits, id, k));
                 let _ = s.req.events.send(SeqEvent::Token { id, logprob });
-                let full = s.total_len() >= self.model.max_positions();
+                let full = s.total_len() >= max_positions;
                 (s.generated.len() >= s.req.max_tokens || full).then_some(FinishReason::Length)
             } else {
                 Some(FinishReason::Stop)

@@ -142,13 +142,27 @@ impl KvLayout {
             .sum()
     }
 
-    /// The longest sequence a pool of `total_blocks` holds alone (what the scheduler admits).
+    /// The longest sequence a pool of `total_blocks` holds alone between steps.
     pub fn max_positions(&self, total_blocks: usize) -> usize {
+        self.max_positions_with_steps(total_blocks, 0)
+    }
+
+    /// The longest sequence a pool of `total_blocks` holds alone while steps of up to `step_tokens`
+    /// positions run (what the scheduler admits): a sliding group holds a step's new blocks before
+    /// the ones that step moves out of the window are given back.
+    pub fn max_positions_with_steps(&self, total_blocks: usize, step_tokens: usize) -> usize {
+        let sliding = self.groups.iter().filter(|g| g.window.is_some()).count();
+        // A step's new blocks, plus the partial block it starts in.
+        let per_group = blocks_for(step_tokens) + usize::from(step_tokens > 0);
+        let in_flight = sliding * per_group;
+        let Some(budget) = total_blocks.checked_sub(in_flight) else {
+            return 0;
+        };
         // blocks_held grows with positions: binary search on whole blocks.
         let (mut lo, mut hi) = (0usize, total_blocks);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if self.blocks_held(mid * BLOCK) <= total_blocks {
+            if self.blocks_held(mid * BLOCK) <= budget {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -214,6 +228,13 @@ mod tests {
         let max = layout.max_positions(total);
         assert!(layout.blocks_held(max) <= total && layout.blocks_held(max + BLOCK) > total);
         assert!(max > 3 * 16384, "{max}");
+        // With steps of 2048 positions in flight, each sliding group needs 129 blocks more.
+        let stepped = layout.max_positions_with_steps(total, 2048);
+        assert!(layout.blocks_held(stepped) + 3 * 129 <= total, "{stepped}");
+        assert!(stepped > 2 * 16384 && stepped < max, "{stepped}");
+        // Without sliding groups nothing is in flight beyond the positions themselves.
+        let single = KvLayout::single(52);
+        assert_eq!(single.max_positions_with_steps(1024, 2048), 1024 * BLOCK);
     }
 
     /// The configs `bench synth-checkpoint` writes for the two released models: the 21B groups by
