@@ -23,12 +23,12 @@ use moe_daemon::weights::gguf::GgufFile;
 fn releasing_window_blocks_changes_no_logit_and_holds_only_the_window() {
     let positions = PROMPT + DECODE;
     let blocks = positions.div_ceil(16);
-    // 4 layers × 16 positions × (K + V: 2 heads × 16) × 4 B.
-    let layer_block = 16 * 2 * 2 * 16 * 4;
     for window in [5usize, 37] {
         let dir = model_dir(window);
-        let (keep, keep_blocks, keep_bytes) =
-            run(&engine(dir.path(), false, &EngineOptions::default()));
+        let keep_engine = engine(dir.path(), false, &EngineOptions::default());
+        // One layer's rows of one block: 16 positions of K and V (4 layers in a position's bytes).
+        let layer_block = 16 * moe_daemon::engine::kv::bytes_per_position(keep_engine.config()) / 4;
+        let (keep, keep_blocks, keep_bytes) = run(&keep_engine);
         let sliding = engine(dir.path(), true, &EngineOptions::default());
         assert_eq!(
             sliding.kv_layout().groups().len(),
