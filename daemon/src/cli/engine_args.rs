@@ -184,6 +184,12 @@ pub struct EngineArgs {
     /// eagerly anyway).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Decode with the CUDA backend: defer this many of each token's routed CPU experts (those with
+    /// the lowest routing weight) to the next layer, so the CPU computes them while the GPU runs that
+    /// layer (KTransformers' deferred experts). Faster, but not exact: the logits change (docs/PERF.md
+    /// gives the measured difference). 0 (default): exact.
+    #[arg(long, default_value_t = 0)]
+    pub defer_experts: usize,
     /// MiB of the chosen experts' weights prefetched into the CPU caches while attention runs, per layer,
     /// for models that route from the layer input (SmallThinker); 0 (default) turns it off. 32 is about
     /// one L3's worth; measured slower on a fully used CPU (docs/PERF.md).
@@ -289,6 +295,7 @@ impl EngineArgs {
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
+            defer_experts: self.defer_experts,
             release_window_kv: !self.keep_window_kv,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
             cpu_kv_dtype: self.cpu_kv_dtype,

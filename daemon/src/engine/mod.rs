@@ -109,6 +109,11 @@ pub struct EngineOptions {
     /// capture has been seen to work on the test GPU (the first attempt was refused there and fell
     /// back to eager steps; see docs/PERF.md).
     pub cuda_graphs: bool,
+    /// CUDA backend, decode: of each token's routed experts, this many with the lowest routing
+    /// weight are deferred when the CPU computes them (KTransformers' deferred experts): their output
+    /// is added one layer later, so the CPU computes them while the GPU runs the next layer. Changes
+    /// the model's output (docs/PERF.md states by how much); 0 (default) is exact.
+    pub defer_experts: usize,
     /// Bytes of the chosen experts' packed weights prefetched into the CPU caches per layer while
     /// attention runs, when routing is known before attention (router on the layer input) and the
     /// experts run on the packed CPU kernels; 0 = off.
@@ -145,6 +150,7 @@ impl Default for EngineOptions {
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
+            defer_experts: 0,
             expert_prefetch_bytes: 0,
             cpu_kv_dtype: None,
             release_window_kv: true,

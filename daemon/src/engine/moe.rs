@@ -12,6 +12,7 @@ use rayon::prelude::*;
 pub const NOT_HERE: u32 = u32::MAX;
 
 /// Routing decision for a batch: `top_k` expert ids and weights per token.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Routing {
     pub ids: Vec<u32>,
     pub weights: Vec<f32>,

@@ -18,8 +18,13 @@ pub mod linear_attention;
 pub mod ops;
 pub mod quant;
 
-/// `kernels.cu` then `dense_quant.cu` (which uses the former's helpers), one NVRTC module.
-const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("dense_quant.cu"));
+/// `kernels.cu` then `dense_quant.cu` and `handoff.cu` (which use the former's helpers), one NVRTC
+/// module.
+const SOURCE: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("dense_quant.cu"),
+    include_str!("handoff.cu")
+);
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -71,6 +76,8 @@ pub(crate) struct Kernels {
     pub gemv_w8a16: CudaFunction,
     pub dense_dequant_w4: CudaFunction,
     pub dense_dequant_w8: CudaFunction,
+    pub handoff_publish: CudaFunction,
+    pub handoff_wait_add: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -166,6 +173,8 @@ impl GpuDevice {
             gemv_w8a16: f("gemv_w8a16")?,
             dense_dequant_w4: f("dense_dequant_w4")?,
             dense_dequant_w8: f("dense_dequant_w8")?,
+            handoff_publish: f("handoff_publish")?,
+            handoff_wait_add: f("handoff_wait_add")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -496,7 +505,14 @@ mod tests {
         for arch in ["sm_89", "sm_90", "sm_120"] {
             let ptx = compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
             let src = ptx.to_src();
-            for entry in ["gated_mul", "gemv_w4a16", "gemv_w8a16", "dense_dequant_w4"] {
+            for entry in [
+                "gated_mul",
+                "gemv_w4a16",
+                "gemv_w8a16",
+                "dense_dequant_w4",
+                "handoff_publish",
+                "handoff_wait_add",
+            ] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
             }
             // the hybrid-attention module (compiled on demand at start-up)
@@ -538,6 +554,8 @@ mod tests {
             "gemv_w8a16",
             "dense_dequant_w4",
             "dense_dequant_w8",
+            "handoff_publish",
+            "handoff_wait_add",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

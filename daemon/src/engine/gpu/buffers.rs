@@ -9,7 +9,7 @@
 //!   (powers of two, capped by the engine's step limits) and grown when a step needs more (the plan's
 //!   "activations" item, a step of `max_step_tokens`).
 //!
-//! Each set holds its pinned hand-off buffers too (graphs bake their host addresses as well).
+//! Each set holds its mapped hand-off buffers too (graphs bake their addresses as well).
 use super::handoff::Handoff;
 use super::{GpuAttention, GpuFfn, GpuMlaQuery, GpuModel};
 use crate::model::ModelConfig;
@@ -104,8 +104,6 @@ pub struct ActBufs {
     pub logits: CudaSlice<f32>,
     pub eids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
-    /// The CPU experts' sum, uploaded to be added into `x`.
-    pub cpu_sum: CudaSlice<f32>,
     pub attn: AttnBufs,
     pub mlp: MlpBufs,
     pub experts: ExpertBufs,
@@ -248,7 +246,6 @@ impl GpuModel {
             logits: self.alloc(rows * experts)?,
             eids: self.alloc(rows * k)?,
             w: self.alloc(rows * k)?,
-            cpu_sum: self.alloc(rows * hd)?,
             attn: AttnBufs {
                 rows,
                 gqa,

@@ -202,6 +202,51 @@ fn rows_by_token(row_token: &[i32], tokens: usize) -> (Vec<i32>, Vec<i32>) {
     (offsets, rows)
 }
 
+/// Deferred experts (KTransformers' `max_deferred_experts_per_token`): of each token's `top_k` routes,
+/// the `defer` with the lowest routing weight (`weights`, all routes of the layer, ties broken
+/// towards the later route) are deferred when the CPU serves them: their output is added one layer
+/// later, so the CPU computes them while the GPU runs the next layer. Returns the CPU routing split
+/// into (now, later); `later` is `None` when nothing is deferred. GPU routes are never deferred (the
+/// GPU's share costs no CPU time).
+pub fn split_deferred(
+    cpu: &Routing,
+    weights: &[f32],
+    defer: usize,
+) -> (Option<Routing>, Option<Routing>) {
+    let k = cpu.top_k.max(1);
+    let mut now = cpu.clone();
+    let mut later = Routing {
+        ids: vec![NOT_HERE; cpu.ids.len()],
+        weights: vec![0.0; cpu.ids.len()],
+        top_k: cpu.top_k,
+    };
+    let mut order: Vec<usize> = Vec::with_capacity(k);
+    for t in 0..cpu.ids.len() / k {
+        let row = t * k..(t + 1) * k;
+        order.clear();
+        order.extend(0..k);
+        // lowest weight first; the later route first among equals
+        order.sort_by(|&a, &b| {
+            weights[row.start + a]
+                .total_cmp(&weights[row.start + b])
+                .then(b.cmp(&a))
+        });
+        for &j in order.iter().take(defer.min(k)) {
+            let r = row.start + j;
+            if cpu.ids[r] != NOT_HERE {
+                later.ids[r] = cpu.ids[r];
+                later.weights[r] = cpu.weights[r];
+                now.ids[r] = NOT_HERE;
+                now.weights[r] = 0.0;
+            }
+        }
+    }
+    let any = |r: &Routing| r.ids.iter().any(|&id| id != NOT_HERE);
+    let later = any(&later).then_some(later);
+    let now = any(&now).then_some(now);
+    (now, later)
+}
+
 #[cfg(test)]
 mod tests {
     use super::ExpertHome::{Cpu, Resident, Streamed, Uploaded};
@@ -402,5 +447,40 @@ mod tests {
                 assert!(rows.iter().all(|&r| p.row_token[r as usize] == t as i32));
             }
         }
+    }
+    #[test]
+    fn deferral_takes_each_tokens_lowest_weight_cpu_routes() {
+        // two tokens, top-3; expert 9 is on the GPU (NOT_HERE in the CPU routing)
+        let weights = [0.5, 0.2, 0.3, 0.1, 0.1, 0.8];
+        let cpu = Routing {
+            ids: vec![1, 2, 3, NOT_HERE, 5, 6],
+            weights: weights.to_vec(),
+            top_k: 3,
+        };
+        let (now, later) = split_deferred(&cpu, &weights, 1);
+        let (now, later) = (now.unwrap(), later.unwrap());
+        // token 0 defers expert 2 (0.2); token 1's lowest are the GPU route and expert 5 at 0.1:
+        // the later route (expert 5) goes first
+        assert_eq!(now.ids, vec![1, NOT_HERE, 3, NOT_HERE, NOT_HERE, 6]);
+        assert_eq!(
+            later.ids,
+            vec![NOT_HERE, 2, NOT_HERE, NOT_HERE, 5, NOT_HERE]
+        );
+        assert_eq!(later.weights, vec![0.0, 0.2, 0.0, 0.0, 0.1, 0.0]);
+        // deferring 2: token 1 keeps only its best route; nothing is lost or doubled
+        let (now, later) = split_deferred(&cpu, &weights, 2);
+        let (now, later) = (now.unwrap(), later.unwrap());
+        for j in 0..6 {
+            let served = [now.ids[j], later.ids[j]]
+                .iter()
+                .filter(|&&i| i != NOT_HERE)
+                .count();
+            assert_eq!(served, usize::from(cpu.ids[j] != NOT_HERE), "route {j}");
+        }
+        assert_eq!(now.ids, vec![1, NOT_HERE, NOT_HERE, NOT_HERE, NOT_HERE, 6]);
+        // none deferred, or all: one side empty
+        assert_eq!(split_deferred(&cpu, &weights, 0), (Some(cpu.clone()), None));
+        let (now, later) = split_deferred(&cpu, &weights, 3);
+        assert!(now.is_none() && later.unwrap().ids == cpu.ids);
     }
 }

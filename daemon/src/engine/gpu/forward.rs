@@ -1,13 +1,17 @@
 //! One engine step on the GPU (see the module docs of `gpu` for the CPU‖GPU split of MoE layers):
 //! the host index of the step's rows, the batch-size class's buffers (`buffers`), the embedding rows,
-//! then per layer its pre-expert segment (norm, attention, norm, router and the hand-off copies; eager
-//! or replayed from a CUDA graph) and its FFN (a dense MLP, or the MoE phases of `moe_layer`), and the
-//! lm_head on each sequence's last row.
+//! then per layer its pre-expert segment (norm, attention, norm, router and the routing published to
+//! the host; eager or replayed from a CUDA graph) and its FFN (a dense MLP, or the MoE phases of
+//! `moe_layer`), and the lm_head on each sequence's last row.
+//!
+//! Pipelined steps (decode, `GpuModel::pipelined`) enqueue layer l + 1's segment before the CPU
+//! experts of layer l run: the GPU waits for their sum on a flag and starts the next layer the moment
+//! it lands, with no host launch between.
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
 use super::dispatch::{expert_homes, ExpertHome};
 use super::graphs::GraphSet;
-use super::handoff::Handoff;
+use super::handoff::{CpuHalf, Handoff};
 use super::moe_layer::{MoeLayerBufs, MoeStep};
 use super::{EmbedTable, GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
@@ -103,8 +107,8 @@ struct Segment<'a, 'b> {
     eids: &'a mut CudaSlice<i32>,
     w: &'a mut CudaSlice<f32>,
     attn: &'a mut super::buffers::AttnBufs,
-    hand: &'a mut Handoff,
-    /// Also copy the normalised rows to the host (the layer has DRAM experts and is not streamed).
+    hand: &'a Handoff,
+    /// Also publish the normalised rows to the host (the layer has DRAM experts and is not streamed).
     want_x: bool,
     /// Streams, recurrent states and indexer selection of hybrid models.
     hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
@@ -184,9 +188,10 @@ impl GpuModel {
     }
 
     /// Layer `li` up to its experts, enqueued: attention norm, attention (adds into `x`), FFN norm
-    /// (`hb`, `hf`), and for MoE layers the router, top-k and the asynchronous copies of the routing
-    /// (and, if `want_x`, of `hf`) into the pinned hand-off buffers. Nothing here waits or allocates
-    /// for GQA layers, so it can be captured as a graph.
+    /// (`hb`, `hf`), and for MoE layers the router, top-k and the routing (and, if `want_x`, `hf`)
+    /// published into the mapped hand-off buffers. Nothing here waits or allocates for GQA layers,
+    /// so it can be captured as a graph (and enqueued while the host still owes the previous layer's
+    /// CPU experts: the stream waits for them on a flag).
     fn pre_experts(
         &self,
         host: &Model,
@@ -196,7 +201,7 @@ impl GpuModel {
         g: &mut Segment<'_, '_>,
     ) -> anyhow::Result<()> {
         let cfg = &host.config;
-        let (dev, s, hd, n) = (&self.dev, &self.dev.stream, cfg.hidden_size, step.n);
+        let (dev, hd, n) = (&self.dev, cfg.hidden_size, step.n);
         let layer = &self.layers[li];
         // Routers that read the layer input (SmallThinker) run before attention changes `x`.
         let early_router = match (&layer.ffn, &cfg.moe) {
@@ -262,14 +267,11 @@ impl GpuModel {
             &mut *g.eids,
             &mut *g.w,
         )?;
-        // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) into
-        // pinned memory, asynchronously; the caller waits once.
+        // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) written
+        // into mapped host memory, then the flag the host polls.
         let (nk, nx) = (n * mc.top_k, n * hd);
-        s.memcpy_dtoh(&g.eids.slice(..nk), g.hand.ids.slice_mut(nk))?;
-        s.memcpy_dtoh(&g.w.slice(..nk), g.hand.w.slice_mut(nk))?;
-        if g.want_x {
-            s.memcpy_dtoh(&g.hf.slice(..nx), g.hand.x.slice_mut(nx))?;
-        }
+        let rows = g.want_x.then_some((&*g.hf, nx));
+        dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
         Ok(())
     }
 
@@ -290,10 +292,11 @@ impl GpuModel {
         let n = hi.ids.len();
         let long_prompt = n >= self.prefill_threshold;
         // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
+        let decode_rows = batch.iter().all(|b| b.tokens.len() == 1);
         let graph_step = self.cuda_graphs
             && !long_prompt
             && n <= MAX_GRAPH_ROWS
-            && batch.iter().all(|b| b.tokens.len() == 1)
+            && decode_rows
             && self.all_gqa();
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut sets = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
@@ -304,6 +307,8 @@ impl GpuModel {
         let StepBuffers {
             index, acts, hand, ..
         } = bufs;
+        let hand: &Handoff = hand;
+        hand.begin_step()?;
         let ActBufs {
             x,
             hb,
@@ -311,7 +316,6 @@ impl GpuModel {
             logits,
             eids,
             w,
-            cpu_sum,
             attn,
             mlp,
             experts,
@@ -349,6 +353,9 @@ impl GpuModel {
             })
             .collect();
         let act = GatedAct::of(cfg);
+        let pipelined = self.pipelined(long_prompt, decode_rows, n);
+        // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
+        let mut owed: Option<CpuHalf<'_>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             // Where this layer's experts run: decides whether the normalised rows go to the host.
             let homes = match &layer.ffn {
@@ -369,7 +376,7 @@ impl GpuModel {
                 eids: &mut *eids,
                 w: &mut *w,
                 attn: &mut *attn,
-                hand: &mut *hand,
+                hand,
                 want_x: homes.contains(&ExpertHome::Cpu),
                 hybrid: hybrid_step.as_mut(),
             };
@@ -380,6 +387,9 @@ impl GpuModel {
                 &mut seg,
                 graphs.as_deref_mut(),
             )?;
+            if let Some(half) = owed.take() {
+                times.cpu_experts_s += half.run();
+            }
             match &layer.ffn {
                 GpuFfn::Dense(m) => {
                     self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
@@ -388,6 +398,7 @@ impl GpuModel {
                     let mut ctx = MoeStep {
                         host,
                         cpu_pool,
+                        hand,
                         n,
                         stream: stream.as_deref_mut(),
                         times: &mut *times,
@@ -396,17 +407,34 @@ impl GpuModel {
                         x: &mut *x,
                         hb: &*hb,
                         hf: &*hf,
-                        cpu_sum: &mut *cpu_sum,
                         mlp: &mut *mlp,
                         experts: &mut *experts,
-                        hand: &mut *hand,
                     };
-                    self.moe_layer(li, moe, &homes, &mut ctx, bufs, &mut on_routing)?;
+                    // deferred experts only in pipelined steps, and only into a next MoE layer
+                    let next_moe = matches!(
+                        self.layers.get(li + 1).map(|l| &l.ffn),
+                        Some(GpuFfn::Moe(_))
+                    );
+                    let defer = if pipelined && next_moe {
+                        self.defer_experts
+                    } else {
+                        0
+                    };
+                    let half =
+                        self.moe_layer(li, moe, &homes, &mut ctx, bufs, defer, &mut on_routing)?;
+                    match half {
+                        Some(h) if pipelined => owed = Some(h),
+                        Some(h) => times.cpu_experts_s += h.run(),
+                        None => {}
+                    }
                 }
             }
             if let Some(hy) = hybrid_step.as_mut() {
                 self.hyper_expand(hy, hd, x)?;
             }
+        }
+        if let Some(half) = owed.take() {
+            times.cpu_experts_s += half.run();
         }
         if let Some(hy) = &hybrid_step {
             self.hyper_head(hy, hd, x)?;

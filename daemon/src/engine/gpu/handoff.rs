@@ -1,65 +1,172 @@
-//! The per-layer hand-off between GPU and host: pinned buffers the routing and activations are copied
-//! into, and the CPU experts' sum is copied out of.
-use cudarc::driver::PinnedHostSlice;
+//! The per-layer hand-off between the GPU and the CPU expert pool, through mapped pinned host memory
+//! with flags polled on both sides (`moe_kernels::cuda::ops::handoff`): the GPU publishes a layer's
+//! routing and normalised rows into host memory, the host polls for them, the CPU experts write their
+//! sum into host memory and raise a flag that a GPU kernel (enqueued earlier, possibly before the
+//! host even saw the routing) waits on before adding the sum into the residual rows.
+//!
+//! [`CpuHalf`] is the host's side of one layer. In pipelined steps (`forward`) the engine enqueues
+//! the GPU's wait-and-add and the next layer's segment first and runs the CPU half afterwards, so
+//! the GPU starts the next layer the moment the sum lands instead of after the host's launches.
+//! With deferred experts on, part of a layer's CPU experts is computed after the flag and added one
+//! layer later (see `dispatch::split_deferred`).
+use super::GpuModel;
+use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
+use crate::model::MoeBlock;
+use moe_kernels::cpu::WorkerPool;
+use moe_kernels::cuda::ops::HandoffPort;
 use moe_kernels::cuda::GpuDevice;
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
 
-/// Pinned host buffers of the per-layer hand-off: routing ids and weights and the normalised
-/// activations down, the CPU experts' sum up. Copies into and out of pinned memory are asynchronous, so
-/// a layer waits for the GPU once. One set per batch-size class of step buffers (`buffers`).
+/// How long the host spins on the routing flag before asking the driver whether the GPU failed.
+const POLL_CHECK_AFTER: Duration = Duration::from_millis(50);
+
+/// Mapped host buffers and flags of the per-layer hand-off, plus the deferred experts' carry. One set
+/// per batch-size class of step buffers (`buffers`; graphs bake the buffers' addresses).
 pub struct Handoff {
-    pub(super) ids: Pinned<i32>,
-    pub(super) w: Pinned<f32>,
-    pub(super) x: Pinned<f32>,
-    pub(super) y: Pinned<f32>,
+    pub(super) port: HandoffPort,
+    deferred: RefCell<Deferred>,
+}
+
+/// Deferred experts of the previous MoE layer: its rows (copied before the GPU may overwrite the
+/// port) and the sum computed from them, added with the next layer's CPU sum.
+#[derive(Default)]
+struct Deferred {
+    x: Vec<f32>,
+    sum: Vec<f32>,
+    /// Elements of `sum` waiting to be added (0: nothing pending).
+    pending: usize,
 }
 
 impl Handoff {
     pub(super) fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
         Ok(Handoff {
-            ids: Pinned::new(dev, routes)?,
-            w: Pinned::new(dev, routes)?,
-            x: Pinned::new(dev, elems)?,
-            y: Pinned::new(dev, elems)?,
-        })
-    }
-}
-
-/// Pinned host memory read and written through a raw pointer taken once: no event synchronisation on
-/// access (cudarc's accessors synchronise an event, which a graph capture may refuse). Ordering
-/// against the copies is the caller's: it reads after the stream synchronised and writes only what no
-/// pending copy still reads.
-pub(super) struct Pinned<T> {
-    _buf: PinnedHostSlice<T>,
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: the pointer is into the owned allocation; every access goes through the model's mutex.
-unsafe impl<T> Send for Pinned<T> {}
-
-impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Pinned<T> {
-    pub(super) fn new(dev: &GpuDevice, n: usize) -> anyhow::Result<Pinned<T>> {
-        // Plain (not write-combined) pinned memory: the host reads what the GPU writes here.
-        // SAFETY: every element is written (by a copy or by the host) before it is read.
-        let mut buf = unsafe { dev.ctx.alloc_pinned_with_flags::<T>(n.max(1), 0)? };
-        let ptr = buf.as_mut_ptr()?;
-        Ok(Pinned {
-            len: buf.len(),
-            _buf: buf,
-            ptr,
+            port: HandoffPort::new(dev, routes, elems)?,
+            deferred: RefCell::new(Deferred::default()),
         })
     }
 
-    /// The first `n` elements (panics beyond the allocation).
-    pub(super) fn slice(&self, n: usize) -> &[T] {
-        assert!(n <= self.len);
-        // SAFETY: in bounds of the live allocation; see the type's note on ordering.
-        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    /// Starts a step: the flags lowered and nothing deferred. The GPU must be idle (the previous step
+    /// ended with a synchronisation); fails if a GPU wait of the previous step timed out.
+    pub(super) fn begin_step(&self) -> anyhow::Result<()> {
+        self.deferred.borrow_mut().pending = 0;
+        anyhow::ensure!(
+            !self.port.reset(),
+            "the GPU timed out waiting for the CPU experts in the previous step"
+        );
+        Ok(())
     }
 
-    pub(super) fn slice_mut(&mut self, n: usize) -> &mut [T] {
-        assert!(n <= self.len);
-        // SAFETY: as in `slice`, and `&mut self` makes this the only host view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
+    /// Whether the previous MoE layer left deferred experts to add.
+    pub(super) fn has_deferred(&self) -> bool {
+        self.deferred.borrow().pending > 0
+    }
+
+    /// Waits until the GPU has published the layer's routing: polls the flag, and after
+    /// `POLL_CHECK_AFTER` synchronises the stream (which surfaces a GPU failure) and fails if the
+    /// routing still did not arrive.
+    pub(super) fn wait_routing(&self, dev: &GpuDevice) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        while !self.port.take_published() {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && t0.elapsed() > POLL_CHECK_AFTER {
+                // nothing of the host's is pending on the stream here (every earlier CPU half
+                // raised its flag), so this cannot wait on ourselves
+                dev.stream.synchronize()?;
+                anyhow::ensure!(
+                    self.port.take_published(),
+                    "the GPU finished without publishing the layer's routing"
+                );
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Routed ids and weights of the layer just published (`routes` pairs).
+    pub(super) fn routing(&self, routes: usize) -> (Vec<u32>, Vec<f32>) {
+        // SAFETY: after `wait_routing`, the GPU writes these only after the layer's CPU half raised
+        // its flag, which happens after this copy.
+        let (ids, w) = unsafe { (self.port.ids.host(routes), self.port.w.host(routes)) };
+        (ids.iter().map(|&x| x as u32).collect(), w.to_vec())
+    }
+}
+
+/// The host's side of one MoE layer: the CPU experts of its tokens (`now`) plus what the previous
+/// layer deferred go into the port's sum, then the flag is raised; experts deferred from this layer
+/// (`later`) run after the flag. Dropped without running (an error in between), it raises the flag
+/// anyway so the GPU never waits on a host that gave up.
+pub(super) struct CpuHalf<'a> {
+    pub block: &'a MoeBlock,
+    pub pool: Option<&'a WorkerPool>,
+    pub act: GatedAct,
+    pub now: Option<Routing>,
+    pub later: Option<Routing>,
+    /// Rows and hidden width of the step.
+    pub n: usize,
+    pub hd: usize,
+    pub hand: &'a Handoff,
+    pub raised: bool,
+}
+
+impl CpuHalf<'_> {
+    /// Computes the layer's CPU experts and raises the flag; returns the host seconds spent on experts.
+    pub fn run(mut self) -> f64 {
+        let t = Instant::now();
+        let nx = self.n * self.hd;
+        let mut d = self.hand.deferred.borrow_mut();
+        {
+            // SAFETY: the GPU reads `y` and writes `x` only after the flag raised below; the rows
+            // were published before this half was built (`wait_routing`).
+            let (x, y) = unsafe { (self.hand.port.x.host(nx), self.hand.port.y.host_mut(nx)) };
+            if d.pending == nx {
+                y.copy_from_slice(&d.sum[..nx]);
+            } else {
+                y.fill(0.0);
+            }
+            d.pending = 0;
+            if let Some(r) = &self.now {
+                dram_experts_forward(self.block, self.pool, self.act, x, self.hd, r, y);
+            }
+            if self.later.is_some() {
+                d.x.clear();
+                d.x.extend_from_slice(x);
+            }
+        }
+        self.hand.port.raise_sum();
+        self.raised = true;
+        if let Some(r) = &self.later {
+            let Deferred { x, sum, pending } = &mut *d;
+            sum.clear();
+            sum.resize(nx, 0.0);
+            dram_experts_forward(self.block, self.pool, self.act, x, self.hd, r, sum);
+            *pending = nx;
+        }
+        t.elapsed().as_secs_f64()
+    }
+}
+
+impl Drop for CpuHalf<'_> {
+    fn drop(&mut self) {
+        if !self.raised {
+            self.hand.port.raise_sum();
+        }
+    }
+}
+
+impl GpuModel {
+    /// Whether a step's layers may be pipelined: the next layer's segment enqueued before the CPU
+    /// half of this one. Only when nothing enqueued in between can make the host wait for the
+    /// stream (which would wait on the flag the host has not raised yet): decode steps (one row per
+    /// sequence) of GQA models without hybrid-attention state, whose segments enqueue kernels only
+    /// (the same segments CUDA graphs capture).
+    pub(super) fn pipelined(&self, long_prompt: bool, decode_rows: bool, rows: usize) -> bool {
+        !long_prompt
+            && decode_rows
+            && rows <= super::buffers::MAX_GRAPH_ROWS
+            && self.hybrid.is_none()
+            && self.all_gqa()
     }
 }

@@ -204,6 +204,8 @@ pub struct GpuModel {
     pub stream: Mutex<Option<stream::ExpertStream>>,
     /// Replay decode steps' pre-expert segments from CUDA graphs.
     pub cuda_graphs: bool,
+    /// Routes per token whose CPU experts decode steps may defer to the next layer (0: exact).
+    pub defer_experts: usize,
     /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
     pub buffers: Mutex<buffers::BufferClasses>,
     /// Most rows and sequences of one step (the engine's limits, which the memory plan budgets).
@@ -529,6 +531,7 @@ impl GpuModel {
             prefill_threshold,
             stream: Mutex::new(None),
             cuda_graphs: false,
+            defer_experts: 0,
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
             graphs: Mutex::new(graphs::GraphSet::default()),

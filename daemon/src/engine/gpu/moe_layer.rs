@@ -1,20 +1,22 @@
-//! One MoE layer of a GPU step once its router has run: the layer's one wait for the routing, a
-//! [`MoeDispatchPlan`], then its phases in the order that keeps both sides busy:
+//! One MoE layer of a GPU step once its router has run: the layer's one wait for the routing (a
+//! flag polled in mapped host memory, `handoff`), a [`MoeDispatchPlan`], then its phases in the
+//! order that keeps both sides busy:
 //!
 //! 1. the shared expert and `run_gpu_experts` (resident / uploaded experts, then each streamed chunk)
 //!    and `combine_gpu` (their rows summed into `x` per token, in a fixed order) are enqueued;
-//! 2. meanwhile `run_cpu_experts` computes the DRAM experts of the same tokens on the CPU pool;
-//! 3. `combine_cpu` copies their sum up (asynchronously, from pinned memory) and adds it into `x`.
+//! 2. so is the GPU's wait for the CPU experts' sum and its add into `x` (`handoff_wait_add`);
+//! 3. the returned [`CpuHalf`] computes the DRAM experts of the same tokens on the CPU pool and
+//!    raises the flag: right away, or after the caller enqueued the next layer (pipelined steps).
 //!
 //! Nothing here allocates device memory except the weights of experts uploaded for a long prompt
 //! whose DRAM experts cannot be streamed (and cuBLAS's pointer tables of the batched GEMMs).
 use super::buffers::{ExpertBufs, MlpBufs};
-use super::dispatch::{ExpertHome, MoeDispatchPlan};
+use super::dispatch::{split_deferred, ExpertHome, MoeDispatchPlan};
 use super::experts::PhaseBuffers;
-use super::handoff::Handoff;
+use super::handoff::{CpuHalf, Handoff};
 use super::stream::ExpertStream;
 use super::{GpuMlp, GpuModel, GpuMoe};
-use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
+use crate::engine::moe::GatedAct;
 use crate::engine::StepTimes;
 use crate::model::{Ffn, Model, MoeBlock};
 use anyhow::Context;
@@ -22,16 +24,18 @@ use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use std::time::Instant;
 
-/// What every MoE layer of a step shares.
-pub(super) struct MoeStep<'a> {
+/// What every MoE layer of a step shares: `'h` what outlives the layer's CPU half (model, pool,
+/// hand-off), `'s` what the layer only borrows.
+pub(super) struct MoeStep<'h, 's> {
     /// Holds the DRAM experts and the config.
-    pub host: &'a Model,
-    pub cpu_pool: Option<&'a moe_kernels::cpu::WorkerPool>,
+    pub host: &'h Model,
+    pub cpu_pool: Option<&'h moe_kernels::cpu::WorkerPool>,
+    pub hand: &'h Handoff,
     /// Rows of the step.
     pub n: usize,
     /// The expert stream of a long prompt.
-    pub stream: Option<&'a mut ExpertStream>,
-    pub times: &'a mut StepTimes,
+    pub stream: Option<&'s mut ExpertStream>,
+    pub times: &'s mut StepTimes,
 }
 
 /// The step buffers an MoE layer reads and writes.
@@ -41,35 +45,38 @@ pub(super) struct MoeLayerBufs<'a> {
     /// The FFN-normalised rows (bf16 GEMM input, f32 for the shared-expert gate).
     pub hb: &'a CudaSlice<bf16>,
     pub hf: &'a CudaSlice<f32>,
-    pub cpu_sum: &'a mut CudaSlice<f32>,
     pub mlp: &'a mut MlpBufs,
     pub experts: &'a mut ExpertBufs,
-    pub hand: &'a mut Handoff,
 }
 
 impl GpuModel {
-    /// Layer `li`'s experts, `homes` saying where each runs in this step.
-    pub(super) fn moe_layer(
+    /// Layer `li`'s experts, `homes` saying where each runs in this step. Returns the layer's CPU
+    /// half when it has one (DRAM experts routed, or experts the previous layer deferred): the GPU's
+    /// add of its sum is already enqueued and waits for it. `defer`: routes per token whose CPU
+    /// experts may be deferred to the next layer (0: exact).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_layer<'h>(
         &self,
         li: usize,
         moe: &GpuMoe,
         homes: &[ExpertHome],
-        ctx: &mut MoeStep<'_>,
+        ctx: &mut MoeStep<'h, '_>,
         b: MoeLayerBufs<'_>,
+        defer: usize,
         on_routing: &mut impl FnMut(usize, &[u32]),
-    ) -> anyhow::Result<()> {
-        let cfg = &ctx.host.config;
+    ) -> anyhow::Result<Option<CpuHalf<'h>>> {
+        let (host, hand) = (ctx.host, ctx.hand);
+        let cfg = &host.config;
         let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
-        let Ffn::Moe(host_block) = &ctx.host.layers[li].ffn else {
+        let Ffn::Moe(host_block) = &host.layers[li].ffn else {
             anyhow::bail!("layer {li}: host and GPU layer kinds differ");
         };
         let (n, k, hd) = (ctx.n, mc.top_k, cfg.hidden_size);
-        // The layer's one wait: routing (and rows, for the CPU) are in pinned memory after it.
+        // The layer's one wait: routing (and rows, for the CPU) are in mapped host memory after it.
         let t0 = Instant::now();
-        self.dev.stream.synchronize()?;
+        hand.wait_routing(&self.dev)?;
         ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
-        let mut ids: Vec<u32> = b.hand.ids.slice(n * k).iter().map(|&x| x as u32).collect();
-        let weights = b.hand.w.slice(n * k).to_vec();
+        let (mut ids, weights) = hand.routing(n * k);
         self.override_routing(li, mc.num_experts, &mut ids);
         on_routing(li, &ids);
         let plan = {
@@ -102,13 +109,27 @@ impl GpuModel {
         let shape = (n, hd, mc.expert_intermediate);
         self.run_gpu_experts(&plan, &table, host_block, ctx, shape, b.hb, b.experts)?;
         self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
-        if let Some(routing) = &plan.cpu {
-            let t = Instant::now();
-            self.run_cpu_experts(host_block, ctx.cpu_pool, act, routing, (n, hd), b.hand);
-            ctx.times.cpu_experts_s += t.elapsed().as_secs_f64();
-            self.combine_cpu((n, hd), b.hand, b.cpu_sum, b.x)?;
+        if plan.cpu.is_none() && !hand.has_deferred() {
+            return Ok(None);
         }
-        Ok(())
+        let (now, later) = match plan.cpu {
+            Some(r) if defer > 0 => split_deferred(&r, &weights, defer),
+            r => (r, None),
+        };
+        let half = CpuHalf {
+            block: host_block,
+            pool: ctx.cpu_pool,
+            act,
+            now,
+            later,
+            n,
+            hd,
+            hand,
+            raised: false,
+        };
+        // the GPU adds the sum once the half raises its flag
+        self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
+        Ok(Some(half))
     }
 
     /// Benchmarks' synthetic routing: rewrites the layer's routed ids (clamped to the layer's experts).
@@ -162,7 +183,7 @@ impl GpuModel {
         plan: &MoeDispatchPlan,
         table: &[Option<GpuMlp>],
         host_block: &MoeBlock,
-        ctx: &mut MoeStep<'_>,
+        ctx: &mut MoeStep<'_, '_>,
         (_, hd, inter): (usize, usize, usize),
         hb: &CudaSlice<bf16>,
         bufs: &mut ExpertBufs,
@@ -273,40 +294,6 @@ impl GpuModel {
             (n, rows, hd),
             x,
         )?;
-        Ok(())
-    }
-
-    /// The DRAM experts of the step's tokens on the CPU pool, from the rows the hand-off brought down,
-    /// into the hand-off's upward buffer.
-    fn run_cpu_experts(
-        &self,
-        block: &MoeBlock,
-        pool: Option<&moe_kernels::cpu::WorkerPool>,
-        act: GatedAct,
-        routing: &Routing,
-        (n, hd): (usize, usize),
-        hand: &mut Handoff,
-    ) {
-        let Handoff { x, y, .. } = hand;
-        let out = y.slice_mut(n * hd);
-        out.fill(0.0);
-        dram_experts_forward(block, pool, act, x.slice(n * hd), hd, routing, out);
-    }
-
-    /// The CPU experts' sum up and into `x`. The copy is asynchronous from pinned memory: the next
-    /// layer's wait (or the step's end) comes before the buffer is written again.
-    fn combine_cpu(
-        &self,
-        (n, hd): (usize, usize),
-        hand: &mut Handoff,
-        cpu_sum: &mut CudaSlice<f32>,
-        x: &mut CudaSlice<f32>,
-    ) -> anyhow::Result<()> {
-        let nx = n * hd;
-        self.dev
-            .stream
-            .memcpy_htod(hand.y.slice(nx), &mut cpu_sum.slice_mut(..nx))?;
-        self.dev.add_inplace(x, &*cpu_sum, nx)?;
         Ok(())
     }
 }

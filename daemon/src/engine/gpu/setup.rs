@@ -163,6 +163,7 @@ pub fn build(
     eprintln!("{msg}");
     gpu.memory = Some(report);
     gpu.cuda_graphs = opts.cuda_graphs;
+    gpu.defer_experts = opts.defer_experts;
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
     if let Some(r) = rules {
         gpu.prefill_on_cpu = r.prefill_on_cpu();

@@ -14,7 +14,8 @@
 //!
 //! Layout: `norm` (RMSNorm, per-head norm + RoPE, MLA's latent split), `attention` (paged caches,
 //! MLA, the long-prefill softmax), `moe` (router, row gathers and scatters, gated activations, packed
-//! expert unpacking), `elementwise` (adds, embedding rows, bf16 conversion). `reference` holds slow
+//! expert unpacking), `elementwise` (adds, embedding rows, bf16 conversion), `handoff` (the decode hand-off with the CPU
+//! experts through mapped host memory). `reference` holds slow
 //! host versions of the ops whose numerics the GPU tests compare against.
 //!
 //! Launches are asynchronous: an op returns once the kernel is enqueued. Buffers passed in must stay
@@ -24,11 +25,13 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 pub mod attention;
 pub mod elementwise;
+pub mod handoff;
 pub mod moe;
 pub mod norm;
 pub mod reference;
 
 pub use attention::{MlaDims, PagedIndex};
+pub use handoff::{HandoffPort, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
 

@@ -1,0 +1,262 @@
+//! The decode hand-off between the GPU and the CPU expert pool through mapped pinned host memory
+//! (`handoff.cu`): the GPU publishes a layer's routing and rows into host memory and raises a flag the
+//! host polls; the host writes the CPU experts' sum into host memory and raises a flag the GPU waits
+//! on before adding it. No copy and no event per layer: each direction costs one kernel's latency, and
+//! the GPU's half can be enqueued before the host has produced its own (see [`HandoffPort`]).
+use super::{ensure, int};
+use crate::cuda::{GpuDevice, GpuError};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKernelArg};
+use std::sync::atomic::{fence, Ordering};
+use std::time::Duration;
+
+/// Threads per block of both hand-off kernels.
+const THREADS: usize = 256;
+/// Most blocks one hand-off kernel uses (each block's writes cross PCIe; more only adds flag traffic).
+const MAX_BLOCKS: usize = 64;
+/// How long the GPU waits for the host's sum before it gives up and reports it. Decode layers take
+/// milliseconds; this only bounds a host that failed between enqueueing the wait and raising the flag.
+const GPU_WAIT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Pinned host memory mapped into the device's address space: the GPU reads and writes it directly.
+/// Host views are raw: ordering against the GPU is the flag protocol's (see [`HandoffPort`]).
+pub struct MappedHost<T> {
+    _buf: PinnedHostSlice<T>,
+    host: *mut T,
+    dev: u64,
+    len: usize,
+}
+
+// SAFETY: the pointers are into the owned allocation; the owner serialises host access (the engine
+// holds the buffers under its step lock).
+unsafe impl<T> Send for MappedHost<T> {}
+unsafe impl<T> Sync for MappedHost<T> {}
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> MappedHost<T> {
+    /// `len` zeroed elements (at least one).
+    pub fn new(dev: &GpuDevice, len: usize) -> Result<MappedHost<T>, GpuError> {
+        let len = len.max(1);
+        // Plain (not write-combined) memory: the host reads what the GPU writes here, and the CPU
+        // experts accumulate into it.
+        // SAFETY: zeroed below before any read.
+        let mut buf = unsafe {
+            dev.ctx
+                .alloc_pinned_with_flags::<T>(len, sys::CU_MEMHOSTALLOC_DEVICEMAP)?
+        };
+        let host = buf.as_mut_ptr()?;
+        // SAFETY: `host` points at `len` elements of the live allocation; all-zero bits are valid T.
+        unsafe { std::ptr::write_bytes(host, 0, len) };
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was returned by cuMemHostAlloc with DEVICEMAP in this context (bound by the
+        // allocation above); flags must be 0.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host.cast(), 0).result()? };
+        Ok(MappedHost {
+            _buf: buf,
+            host,
+            dev: dptr,
+            len,
+        })
+    }
+}
+
+impl<T> MappedHost<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first `n` elements as the host sees them.
+    ///
+    /// # Safety
+    /// No GPU work that writes them may be pending or running (the flag protocol says when).
+    pub unsafe fn host(&self, n: usize) -> &[T] {
+        assert!(n <= self.len, "mapped buffer of {} read at {n}", self.len);
+        // SAFETY: in bounds of the live allocation; the caller rules out concurrent GPU writes.
+        unsafe { std::slice::from_raw_parts(self.host, n) }
+    }
+
+    /// The first `n` elements, writable by the host.
+    ///
+    /// # Safety
+    /// No GPU work that reads or writes them may be pending or running, and no other host view of
+    /// them may be alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn host_mut(&self, n: usize) -> &mut [T] {
+        assert!(
+            n <= self.len,
+            "mapped buffer of {} written at {n}",
+            self.len
+        );
+        // SAFETY: in bounds; exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.host, n) }
+    }
+
+    /// Device address of element `i` (checked against the length).
+    fn dev_at(&self, op: &str, what: &str, i: usize, need: usize) -> Result<u64, GpuError> {
+        ensure(op, i + need <= self.len, || {
+            format!(
+                "{what} holds {} elements, the launch reaches {}",
+                self.len,
+                i + need
+            )
+        })?;
+        Ok(self.dev + (i * std::mem::size_of::<T>()) as u64)
+    }
+}
+
+/// Flag slots of a port (one `i32` each).
+const DOWN: usize = 0;
+const UP: usize = 1;
+const TIMED_OUT: usize = 2;
+
+/// One hand-off's buffers and flags. The protocol, per MoE layer with CPU experts:
+/// 1. GPU: [`GpuDevice::handoff_publish`] writes ids, weights (and rows) to `ids`, `w`, `x`, then
+///    raises DOWN.
+/// 2. Host: [`HandoffPort::take_published`] sees DOWN, lowers it, reads `ids`, `w`, `x`; the CPU
+///    experts write their sum into `y`; [`HandoffPort::raise_sum`] raises UP.
+/// 3. GPU: [`GpuDevice::handoff_wait_add`] (enqueued at any time after step 1 was enqueued) waits for
+///    UP, adds `y` into the residual rows, lowers UP.
+///
+/// One layer is in flight at a time: the GPU only publishes the next layer after it consumed this
+/// layer's sum, so a single set of buffers and flags serves every layer.
+pub struct HandoffPort {
+    pub ids: MappedHost<i32>,
+    pub w: MappedHost<f32>,
+    pub x: MappedHost<f32>,
+    pub y: MappedHost<f32>,
+    flags: MappedHost<i32>,
+    /// Finished-block counter of the kernels (device memory, 0 between launches; the kernels run one
+    /// after the other on the engine stream).
+    blocks_done: CudaSlice<u32>,
+}
+
+impl HandoffPort {
+    /// Room for `routes` (token, expert) pairs and `elems` row elements each way.
+    pub fn new(dev: &GpuDevice, routes: usize, elems: usize) -> Result<HandoffPort, GpuError> {
+        Ok(HandoffPort {
+            ids: MappedHost::new(dev, routes)?,
+            w: MappedHost::new(dev, routes)?,
+            x: MappedHost::new(dev, elems)?,
+            y: MappedHost::new(dev, elems)?,
+            flags: MappedHost::new(dev, 4)?,
+            blocks_done: dev.stream.alloc_zeros::<u32>(1)?,
+        })
+    }
+
+    fn flag(&self, i: usize) -> *mut i32 {
+        // SAFETY: i < 4, the flags' length.
+        unsafe { self.flags.host.add(i) }
+    }
+
+    /// Whether the GPU has published a layer since the last call; lowers the flag when it has.
+    /// After `true`, `ids`, `w` and `x` hold the layer's values until the host raises UP.
+    pub fn take_published(&self) -> bool {
+        // SAFETY: an aligned i32 of the live allocation, written by the GPU: volatile read.
+        if unsafe { self.flag(DOWN).read_volatile() } == 0 {
+            return false;
+        }
+        // the GPU's data writes were visible before its flag write: order our reads after the flag
+        fence(Ordering::Acquire);
+        // SAFETY: as above; the GPU writes DOWN again only after the host raised UP.
+        unsafe { self.flag(DOWN).write_volatile(0) };
+        true
+    }
+
+    /// Tells the GPU the CPU experts' sum is in `y`.
+    pub fn raise_sum(&self) {
+        // every host write of `y` before the flag (x86 keeps stores in order; the fence keeps the
+        // compiler from moving them)
+        fence(Ordering::Release);
+        // SAFETY: an aligned i32 of the live allocation; the GPU only reads it until it lowers it.
+        unsafe { self.flag(UP).write_volatile(1) };
+    }
+
+    /// Clears the flags and reports whether a GPU wait timed out since the last reset. Only while no
+    /// hand-off kernel is pending (between steps, after the stream synchronised).
+    pub fn reset(&self) -> bool {
+        // SAFETY: aligned i32s of the live allocation, and the GPU is idle (the caller's contract).
+        unsafe {
+            let timed_out = self.flag(TIMED_OUT).read_volatile() != 0;
+            for i in [DOWN, UP, TIMED_OUT] {
+                self.flag(i).write_volatile(0);
+            }
+            timed_out
+        }
+    }
+}
+
+/// Blocks for `work` items per thread pass (at least one, at most [`MAX_BLOCKS`]).
+fn blocks(work: usize) -> usize {
+    work.div_ceil(THREADS).clamp(1, MAX_BLOCKS)
+}
+
+impl GpuDevice {
+    /// Hand-off step 1 (see [`HandoffPort`]): `nk` routed ids and weights and, when `x` is given, its
+    /// first `nx` elements into the port's host buffers, then DOWN raised.
+    pub fn handoff_publish(
+        &self,
+        ids: &impl DevicePtr<i32>,
+        w: &impl DevicePtr<f32>,
+        nk: usize,
+        x: Option<(&impl DevicePtr<f32>, usize)>,
+        port: &HandoffPort,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "handoff_publish";
+        ensure(OP, nk > 0, || "no routes to publish".into())?;
+        let nk_i = int(OP, "routes", nk)?;
+        let ip = self.input(OP, "ids", ids, nk)?;
+        let wp = self.input(OP, "w", w, nk)?;
+        let (xp, nx) = match x {
+            Some((x, nx)) => (self.input(OP, "x", x, nx)?, nx),
+            None => (0, 0),
+        };
+        let nx_i = int(OP, "row elements", nx)?;
+        let (ih, wh) = (
+            port.ids.dev_at(OP, "ids_h", 0, nk)?,
+            port.w.dev_at(OP, "w_h", 0, nk)?,
+        );
+        let xh = port.x.dev_at(OP, "x_h", 0, nx)?;
+        let done = port.blocks_done.device_ptr(&self.stream).0;
+        let flag = port.flags.dev_at(OP, "flags", DOWN, 1)?;
+        let b = blocks(nk.max(nx / 4));
+        let mut l = self.stream.launch_builder(&self.k.handoff_publish);
+        l.arg(&ip).arg(&wp).arg(&nk_i).arg(&xp).arg(&nx_i);
+        l.arg(&ih).arg(&wh).arg(&xh).arg(&done).arg(&flag);
+        // SAFETY: argument order and types as handoff.cu's `handoff_publish`; threads read ids, w
+        // (nk, checked) and x (nx, checked, or null) and write the mapped host buffers (checked
+        // lengths, device addresses of live DEVICEMAP allocations); block counter and flag are the
+        // port's own.
+        unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
+        Ok(())
+    }
+
+    /// Hand-off step 3 (see [`HandoffPort`]): waits for UP, then `x[i] += y[i]` for `n` elements with
+    /// `y` read from the port's host buffer, then lowers UP.
+    pub fn handoff_wait_add(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        n: usize,
+        port: &HandoffPort,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "handoff_wait_add";
+        ensure(OP, n > 0, || "nothing to add".into())?;
+        let xp = self.output(OP, "x", x, n)?;
+        let yh = port.y.dev_at(OP, "y_h", 0, n)?;
+        let flag = port.flags.dev_at(OP, "flags", UP, 1)?;
+        let timed_out = port.flags.dev_at(OP, "flags", TIMED_OUT, 1)?;
+        let timeout = GPU_WAIT_TIMEOUT.as_nanos() as u64;
+        let done = port.blocks_done.device_ptr(&self.stream).0;
+        let b = blocks(n);
+        let mut l = self.stream.launch_builder(&self.k.handoff_wait_add);
+        l.arg(&xp).arg(&yh).arg(&n).arg(&flag).arg(&timed_out);
+        l.arg(&timeout).arg(&done);
+        // SAFETY: argument order and types as handoff.cu's `handoff_wait_add` (n a size_t, timeout an
+        // unsigned long long); threads update x[i < n] (checked) from the mapped y (checked length);
+        // flags and counter are the port's own.
+        unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
+        Ok(())
+    }
+}
