@@ -308,7 +308,7 @@ impl GpuModel {
             index, acts, hand, ..
         } = bufs;
         let hand: &Handoff = hand;
-        hand.begin_step()?;
+        hand.begin_step(dev)?;
         let ActBufs {
             x,
             hb,

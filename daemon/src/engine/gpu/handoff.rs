@@ -46,9 +46,11 @@ impl Handoff {
         })
     }
 
-    /// Starts a step: the flags lowered and nothing deferred. The GPU must be idle (the previous step
-    /// ended with a synchronisation); fails if a GPU wait of the previous step timed out.
-    pub(super) fn begin_step(&self) -> anyhow::Result<()> {
+    /// Starts a step: the flags lowered and nothing deferred, once the stream is idle (a step that
+    /// failed half-way may have left kernels that still publish); fails if a GPU wait of the
+    /// previous step timed out.
+    pub(super) fn begin_step(&self, dev: &GpuDevice) -> anyhow::Result<()> {
+        dev.stream.synchronize()?;
         self.deferred.borrow_mut().pending = 0;
         anyhow::ensure!(
             !self.port.reset(),
