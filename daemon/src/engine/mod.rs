@@ -420,7 +420,7 @@ impl Engine {
             }
             _ => None,
         };
-        Ok(Self {
+        let engine = Self {
             live,
             model,
             rope,
@@ -433,7 +433,10 @@ impl Engine {
             kv_blocks,
             cpu_kv,
             kv_layout,
-        })
+        };
+        // the largest step the plan budgets, so the first request finds everything warm
+        engine.warm_up_gpu(opts.max_step_tokens);
+        Ok(engine)
     }
 
     /// Share of the KV blocks in use (sequences and cached prefixes), 0 to 1.

@@ -211,9 +211,32 @@ pub fn dram_experts_forward(
     routing: &Routing,
     out: &mut [f32],
 ) {
+    dram_experts_forward_timed(block, pool, act, x, hidden, routing, out, None)
+}
+
+/// [`dram_experts_forward`], adding the packed kernels' time per region to `regions` when given.
+#[allow(clippy::too_many_arguments)]
+pub fn dram_experts_forward_timed(
+    block: &MoeBlock,
+    pool: Option<&WorkerPool>,
+    act: GatedAct,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    out: &mut [f32],
+    regions: Option<&mut moe_kernels::cpu::moe::RegionTimes>,
+) {
     match (&block.cpu_set, pool) {
         (Some(set), Some(pool)) => set
-            .forward(pool, x, &routing.ids, &routing.weights, routing.top_k, out)
+            .forward_timed(
+                pool,
+                x,
+                &routing.ids,
+                &routing.weights,
+                routing.top_k,
+                out,
+                regions,
+            )
             .expect("expert kernel inputs are sized by the engine"),
         _ => experts_forward(&block.experts, act, x, hidden, routing, out),
     }

@@ -17,6 +17,8 @@ pub struct StepTimes {
     /// Expert evaluations served by the GPU / all expert evaluations.
     pub gpu_expert_hits: u64,
     pub expert_hits: u64,
+    /// CUDA backend: the CPU expert kernels' time by region (`CpuExpertSet::forward_timed`).
+    pub cpu_regions: moe_kernels::cpu::moe::RegionTimes,
 }
 
 impl StepTimes {
@@ -29,5 +31,6 @@ impl StepTimes {
         self.head_s += o.head_s;
         self.gpu_expert_hits += o.gpu_expert_hits;
         self.expert_hits += o.expert_hits;
+        self.cpu_regions.add(&o.cpu_regions);
     }
 }

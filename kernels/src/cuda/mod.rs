@@ -182,14 +182,16 @@ impl GpuDevice {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| GpuError::Blas(e.to_string()))?;
-        Ok(Self {
+        let dev = Self {
             ctx,
             stream,
             blas,
             k,
             name,
             capability: (major, minor),
-        })
+        };
+        dev.keep_pool_memory()?;
+        Ok(dev)
     }
 
     /// Free and total device memory in bytes.
@@ -217,6 +219,27 @@ impl GpuDevice {
             read(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
             read(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
         )))
+    }
+
+    /// Lets the default memory pool keep what it grew to instead of returning it to the driver at
+    /// every synchronisation (the pool's release threshold is 0 by default, so a long prompt's
+    /// scratch would be unmapped after each step and mapped again, page by page, by the next). The
+    /// memory plan budgets the peak a step may use, which is what the pool then holds.
+    pub fn keep_pool_memory(&self) -> Result<(), GpuError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        if let Some(pool) = self.default_pool()? {
+            let mut keep = u64::MAX;
+            // SAFETY: `pool` is the device's default pool; the release threshold is a u64.
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut keep) as *mut u64 as *mut _,
+                )
+            }
+            .result()?;
+        }
+        Ok(())
     }
 
     /// Restarts the high-water mark of [`GpuDevice::pool_usage`] at the current use.

@@ -388,7 +388,7 @@ impl GpuModel {
                 graphs.as_deref_mut(),
             )?;
             if let Some(half) = owed.take() {
-                times.cpu_experts_s += half.run();
+                half.run(times);
             }
             match &layer.ffn {
                 GpuFfn::Dense(m) => {
@@ -424,7 +424,7 @@ impl GpuModel {
                         self.moe_layer(li, moe, &homes, &mut ctx, bufs, defer, &mut on_routing)?;
                     match half {
                         Some(h) if pipelined => owed = Some(h),
-                        Some(h) => times.cpu_experts_s += h.run(),
+                        Some(h) => h.run(times),
                         None => {}
                     }
                 }
@@ -434,7 +434,7 @@ impl GpuModel {
             }
         }
         if let Some(half) = owed.take() {
-            times.cpu_experts_s += half.run();
+            half.run(times);
         }
         if let Some(hy) = &hybrid_step {
             self.hyper_head(hy, hd, x)?;

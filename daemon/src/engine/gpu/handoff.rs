@@ -10,7 +10,8 @@
 //! With deferred experts on, part of a layer's CPU experts is computed after the flag and added one
 //! layer later (see `dispatch::split_deferred`).
 use super::GpuModel;
-use crate::engine::moe::{dram_experts_forward, GatedAct, Routing};
+use crate::engine::moe::{dram_experts_forward_timed, GatedAct, Routing};
+use crate::engine::StepTimes;
 use crate::model::MoeBlock;
 use moe_kernels::cpu::WorkerPool;
 use moe_kernels::cuda::ops::HandoffPort;
@@ -114,8 +115,10 @@ pub(super) struct CpuHalf<'a> {
 }
 
 impl CpuHalf<'_> {
-    /// Computes the layer's CPU experts and raises the flag; returns the host seconds spent on experts.
-    pub fn run(mut self) -> f64 {
+    /// Computes the layer's CPU experts and raises the flag; adds the host time (and the kernels'
+    /// regions) to `times`.
+    pub fn run(mut self, times: &mut StepTimes) {
+        let regions = &mut times.cpu_regions;
         let t = Instant::now();
         let nx = self.n * self.hd;
         let mut d = self.hand.deferred.borrow_mut();
@@ -130,7 +133,8 @@ impl CpuHalf<'_> {
             }
             d.pending = 0;
             if let Some(r) = &self.now {
-                dram_experts_forward(self.block, self.pool, self.act, x, self.hd, r, y);
+                let (b, p, a, hd) = (self.block, self.pool, self.act, self.hd);
+                dram_experts_forward_timed(b, p, a, x, hd, r, y, Some(&mut *regions));
             }
             if self.later.is_some() {
                 d.x.clear();
@@ -143,10 +147,11 @@ impl CpuHalf<'_> {
             let Deferred { x, sum, pending } = &mut *d;
             sum.clear();
             sum.resize(nx, 0.0);
-            dram_experts_forward(self.block, self.pool, self.act, x, self.hd, r, sum);
+            let (b, p, a, hd) = (self.block, self.pool, self.act, self.hd);
+            dram_experts_forward_timed(b, p, a, x, hd, r, sum, Some(&mut *regions));
             *pending = nx;
         }
-        t.elapsed().as_secs_f64()
+        times.cpu_experts_s += t.elapsed().as_secs_f64();
     }
 }
 

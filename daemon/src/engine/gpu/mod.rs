@@ -30,6 +30,7 @@ mod moe_layer;
 pub mod moves;
 pub mod setup;
 pub mod stream;
+mod warm;
 
 use crate::engine::linear::{Linear, WeightData};
 use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};

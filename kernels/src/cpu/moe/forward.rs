@@ -96,6 +96,19 @@ pub struct RegionTimes {
     pub calls: u64,
 }
 
+impl RegionTimes {
+    /// Adds another's times and calls to these.
+    pub fn add(&mut self, o: &RegionTimes) {
+        self.route_s += o.route_s;
+        self.convert_s += o.convert_s;
+        self.gate_up_s += o.gate_up_s;
+        self.down_act_s += o.down_act_s;
+        self.down_s += o.down_s;
+        self.reduce_s += o.reduce_s;
+        self.calls += o.calls;
+    }
+}
+
 /// Adds each region's time to a [`RegionTimes`] when one is given; reads no clock otherwise.
 struct RegionClock<'a> {
     times: Option<&'a mut RegionTimes>,

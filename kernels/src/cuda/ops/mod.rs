@@ -57,6 +57,20 @@ pub(crate) fn int(op: &str, what: &str, v: usize) -> Result<i32, GpuError> {
     i32::try_from(v).map_err(|_| GpuError::Shape(format!("{op}: {what} = {v} exceeds a CUDA int")))
 }
 
+/// The two extents of a launch over `rows` rows (tokens, routed rows…) of `cols` each, named `what`,
+/// as the kernel's ints: `None` when there are no rows (the op enqueues nothing), a shape error when
+/// either does not fit a CUDA int.
+pub(crate) fn rows_cols(
+    op: &str,
+    what: (&str, &str),
+    (rows, cols): (usize, usize),
+) -> Result<Option<(i32, i32)>, GpuError> {
+    if rows == 0 {
+        return Ok(None);
+    }
+    Ok(Some((int(op, what.0, rows)?, int(op, what.1, cols)?)))
+}
+
 /// Fails unless `cond`, with `msg` (built only on failure) prefixed by the op's name.
 pub(crate) fn ensure(op: &str, cond: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {
     if cond {
@@ -159,6 +173,16 @@ mod tests {
         assert!(grid_dim("op", "heads", 65_536).is_err());
         assert!(smem("op", 49 << 10).is_err());
         assert_eq!(smem("op", 1024).unwrap(), 1024);
+        assert_eq!(
+            rows_cols("op", ("rows", "dim"), (0, 1 << 40)).unwrap(),
+            None
+        );
+        assert_eq!(
+            rows_cols("op", ("rows", "dim"), (3, 64)).unwrap(),
+            Some((3, 64))
+        );
+        let e = rows_cols("op", ("tokens", "dim"), (2, 1 << 31)).unwrap_err();
+        assert!(e.to_string().contains("dim = 2147483648"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! MoE ops: router top-k, gathering and scattering expert rows, gated activations, shared-expert gate,
 //! and unpacking the CPU kernels' packed experts for layerwise prefill.
-use super::{ensure, grid, grid_dim, input_on, int, output_on, per_elem, smem};
+use super::{ensure, grid, grid_dim, input_on, int, output_on, per_elem, rows_cols, smem};
 use crate::cpu::moe::{PackedGeometry, WeightFormat};
 use crate::cuda::{GpuDevice, GpuError};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
@@ -187,15 +187,11 @@ impl GpuDevice {
         weights: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         const OP: &str = "router_topk";
-        if tokens == 0 {
+        let Some((n_i, e_i)) = rows_cols(OP, ("tokens", "experts"), (tokens, experts))? else {
             return Ok(());
-        }
+        };
         let (kind_i, renorm, n_group, topk_group, scaling) = kind.args(OP, experts, k)?;
-        let (n_i, e_i, k_i) = (
-            int(OP, "tokens", tokens)?,
-            int(OP, "experts", experts)?,
-            int(OP, "k", k)?,
-        );
+        let k_i = int(OP, "k", k)?;
         let lp = self.input(OP, "logits", logits, tokens * experts)?;
         let bp = self.optional(OP, "bias", bias, experts)?;
         let ip = self.output(OP, "ids", ids, tokens * k)?;
@@ -245,11 +241,9 @@ impl GpuDevice {
         dst: &mut impl DevicePtrMut<bf16>,
     ) -> Result<(), GpuError> {
         const OP: &str = "gather_rows";
-        if rows == 0 {
+        let Some((_, dim_i)) = rows_cols(OP, ("rows", "dim"), (rows, dim))? else {
             return Ok(());
-        }
-        int(OP, "rows", rows)?;
-        let dim_i = int(OP, "dim", dim)?;
+        };
         let sp = self.input(OP, "src", src, dim)?;
         let ip = self.input(OP, "idx", idx, rows)?;
         let dp = self.output(OP, "dst", dst, rows * dim)?;
@@ -275,11 +269,9 @@ impl GpuDevice {
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         const OP: &str = "scatter_add_weighted";
-        if tokens == 0 {
+        let Some((_, dim_i)) = rows_cols(OP, ("tokens", "dim"), (tokens, dim))? else {
             return Ok(());
-        }
-        int(OP, "tokens", tokens)?;
-        let dim_i = int(OP, "dim", dim)?;
+        };
         let yp = self.input(OP, "y", y, expert_rows * dim)?;
         let op = self.input(OP, "offsets", offsets, tokens + 1)?;
         let rp = self.input(OP, "token_rows", token_rows, expert_rows)?;
@@ -303,11 +295,9 @@ impl GpuDevice {
         (rows, dim): (usize, usize),
     ) -> Result<(), GpuError> {
         const OP: &str = "sigmoid_gate_rows";
-        if rows == 0 {
+        let Some((_, dim_i)) = rows_cols(OP, ("rows", "dim"), (rows, dim))? else {
             return Ok(());
-        }
-        int(OP, "rows", rows)?;
-        let dim_i = int(OP, "dim", dim)?;
+        };
         let yp = self.output(OP, "y", y, rows * dim)?;
         let xp = self.input(OP, "x", x, rows * dim)?;
         let gp = self.input(OP, "gate_w", gate_w, dim)?;
@@ -330,10 +320,13 @@ impl GpuDevice {
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<(), GpuError> {
         const OP: &str = "gated_mul";
-        if rows * inter == 0 {
+        let Some((rows_i, inter_i)) = rows_cols(OP, ("rows", "inter"), (rows, inter))? else {
+            return Ok(());
+        };
+        if inter == 0 {
             return Ok(());
         }
-        let (inter_i, rows_i) = (int(OP, "inter", inter)?, int(OP, "rows", rows)?);
+        // one thread per output element
         int(OP, "rows·inter", rows * inter)?;
         // No clamp is an infinite limit.
         let lim = limit.unwrap_or(f32::INFINITY);
