@@ -3,7 +3,7 @@
 //! compiles and the CPU path runs on machines without a GPU; [`GpuDevice::open`] says clearly why a GPU
 //! cannot be used.
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use std::sync::Arc;
 
@@ -426,7 +426,9 @@ impl GpuDevice {
     /// `y_i[rows_i, m] = x_i[rows_i, k] · w_iᵀ` for every item (bf16 in, f32 out and accumulation), as
     /// one cuBLAS batched GEMM per distinct row count instead of one GEMM per item. For MoE experts on
     /// the GPU: at batch-1 decode every chosen expert sees one row, so a layer's gate/up (or down)
-    /// projections of all its experts are one launch. Costs one small upload of the pointer table.
+    /// projections of all its experts are one launch. Costs one small upload of the pointer table
+    /// into `table` (the caller's device buffer, at least 3 entries per item: reused call after call,
+    /// since each upload is ordered after the previous call's GEMMs on the stream).
     ///
     /// # Safety
     /// Each item's addresses (from [`GpuDevice::addr`], possibly offset in bytes) must cover
@@ -436,6 +438,7 @@ impl GpuDevice {
         items: &[GemmItem],
         m: usize,
         k: usize,
+        table: &mut CudaSlice<u64>,
     ) -> Result<(), GpuError> {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
@@ -446,12 +449,14 @@ impl GpuDevice {
         order.sort_by_key(|&i| items[i].rows);
         let n = order.len();
         // Device pointer table: all weights, then all inputs, then all outputs, each in `order`.
-        let table: Vec<u64> = [|g: &GemmItem| g.w, |g: &GemmItem| g.x, |g: &GemmItem| g.y]
+        let host_table: Vec<u64> = [|g: &GemmItem| g.w, |g: &GemmItem| g.x, |g: &GemmItem| g.y]
             .iter()
             .flat_map(|field| order.iter().map(|&i| field(&items[i])))
             .collect();
-        let d_table = self.stream.clone_htod(&table)?;
-        let base = self.addr(&d_table);
+        let base = self.output("gemm_bf16_items", "table", table, host_table.len())?;
+        // from pageable memory: the driver stages the bytes before returning, so `host_table` may go
+        self.stream
+            .memcpy_htod(&host_table, &mut table.slice_mut(..host_table.len()))?;
         let at = |part: usize, j: usize| base + 8 * (part * n + j) as u64;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut start = 0;
@@ -462,7 +467,7 @@ impl GpuDevice {
                 .take_while(|&&i| items[i].rows == rows)
                 .count();
             // Row-major y[rows,m] = x·wᵀ is column-major yᵀ[m,rows] = op(W)[m,k]·xᵀ, as in `gemm_ex`.
-            // SAFETY: the table lives on the device until its stream-ordered free after these GEMMs;
+            // SAFETY: the table (checked to hold 3·n entries) is the caller's, alive for the step;
             // the caller guarantees every address it holds.
             unsafe {
                 cublas_sys::cublasGemmBatchedEx(
@@ -492,7 +497,6 @@ impl GpuDevice {
             .map_err(|e| GpuError::Blas(e.to_string()))?;
             start += count;
         }
-        drop(d_table); // freed in stream order, after the GEMMs
         Ok(())
     }
 }

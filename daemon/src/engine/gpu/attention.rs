@@ -1,6 +1,6 @@
 //! Attention of one layer on the GPU: GQA over a paged K/V cache, and MLA in absorbed form over a paged
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
-use super::buffers::{AttnBufs, MlaBufs};
+use super::buffers::{AttnBufs, MlaBufs, PrefillScratch};
 use super::kv::GpuKvPool;
 use super::{GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
 use crate::engine::kv::BLOCK;
@@ -135,7 +135,14 @@ impl GpuModel {
             bufs.rows
         );
         anyhow::ensure!(bufs.gqa, "step buffers without GQA buffers");
-        let AttnBufs { q, k, v, out, .. } = bufs;
+        let AttnBufs {
+            q,
+            k,
+            v,
+            out,
+            prefill,
+            ..
+        } = bufs;
         self.linear(wq, hb, q, n, false)?;
         self.linear(wk, hb, k, n, false)?;
         self.linear(wv, hb, v, n, false)?;
@@ -165,7 +172,8 @@ impl GpuModel {
                         out,
                     )?;
                 }
-                self.prefill_gqa(q, pool, li, step, s, (nh, nkv, dh), (scale, window), out)?;
+                let shape = ((nh, nkv, dh), (scale, window));
+                self.prefill_gqa(q, pool, li, step, s, shape, prefill, out)?;
             } else {
                 run = Some(match run {
                     Some((r0, c)) => (r0, c + s.len),
@@ -222,10 +230,8 @@ impl GpuModel {
     /// softmax to bf16 `P`, and `O = P V` written straight into the head's columns of `out`.
     /// Query blocks keep the score buffer ≤ `PREFILL_SCORE_BYTES` and skip keys past the block (causal).
     ///
-    /// Its buffers are the one allocation of the layer loop left on purpose: they are sized by the
-    /// sequence's whole context (its K/V so far), not by the step's rows, so holding them per batch-size
-    /// class would keep the longest context's worth of memory for good. They come from the stream-ordered
-    /// pool and go back to it in stream order when the call returns (the memory plan's prefill item).
+    /// Its buffers are the step buffers' [`PrefillScratch`], sized by the sequence's whole context
+    /// (its K/V so far) and grown when a longer one arrives (the memory plan's prefill item).
     #[allow(clippy::too_many_arguments)]
     fn prefill_gqa(
         &self,
@@ -234,8 +240,8 @@ impl GpuModel {
         li: usize,
         step: &StepIndex,
         s: &SeqRows,
-        (nh, nkv, dh): (usize, usize, usize),
-        (scale, window): (f32, Option<usize>),
+        ((nh, nkv, dh), (scale, window)): ((usize, usize, usize), (f32, Option<usize>)),
+        scratch: &mut PrefillScratch,
         out: &mut CudaSlice<bf16>,
     ) -> anyhow::Result<()> {
         let dev = &self.dev;
@@ -244,11 +250,18 @@ impl GpuModel {
         let hq = nh / nkv;
         // bf16 Q of this chunk's rows, K and V of all its positions
         let qn = s.len * nh * dh;
-        let mut qb = self.alloc::<bf16>(qn)?;
+        let PrefillScratch {
+            q: qb,
+            k: kb,
+            v: vb,
+            scores,
+            probs,
+        } = scratch;
+        let qb = self.grown(qb, qn)?;
         let q_rows = q.slice(s.row0 * nh * dh..s.row0 * nh * dh + qn);
-        dev.f32_to_bf16(&q_rows, qn, &mut qb)?;
-        let mut kb = self.alloc::<bf16>(total * kw)?;
-        let mut vb = self.alloc::<bf16>(total * vw)?;
+        dev.f32_to_bf16(&q_rows, qn, qb)?;
+        let kb = self.grown(kb, total * kw)?;
+        let vb = self.grown(vb, total * vw)?;
         let table = step
             .tables
             .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
@@ -258,19 +271,19 @@ impl GpuModel {
             &table,
             (total, BLOCK),
             (kw, vw),
-            &mut kb,
-            &mut vb,
+            &mut *kb,
+            &mut *vb,
         )?;
         // query rows per block: hq heads × rows × keys × (4 B score + 2 B probability) within budget
         let block_rows = (PREFILL_SCORE_BYTES / (hq * total * 6)).max(16).min(s.len);
-        let scores = self.alloc::<f32>(hq * block_rows * total)?;
-        let mut probs = self.alloc::<bf16>(hq * block_rows * total)?;
+        let scores = self.grown(scores, hq * block_rows * total)?;
+        let probs = self.grown(probs, hq * block_rows * total)?;
         let (qa, ka, va, sa, pa, oa) = (
-            dev.addr(&qb),
-            dev.addr(&kb),
-            dev.addr(&vb),
-            dev.addr(&scores),
-            dev.addr(&probs),
+            dev.addr(&*qb),
+            dev.addr(&*kb),
+            dev.addr(&*vb),
+            dev.addr(&*scores),
+            dev.addr(&*probs),
             dev.addr(&*out),
         );
         const B16: u64 = 2;
@@ -297,12 +310,12 @@ impl GpuModel {
                     )?;
                 }
                 dev.causal_softmax_rows(
-                    &scores,
+                    &*scores,
                     (hq * rows, lk),
                     rows,
                     s.pos0 + r0,
                     window,
-                    &mut probs,
+                    &mut *probs,
                 )?;
                 // O_b (head h0 + b's columns of the chunk's rows) = column-major dh × rows: V-view · P_bᵀ
                 // SAFETY: as above; `out` has n × nh × dh elements and row s.row0 + r0 + rows ≤ n.

@@ -42,6 +42,41 @@ pub struct AttnBufs {
     pub v: CudaSlice<f32>,
     pub out: CudaSlice<bf16>,
     pub mla: Option<MlaBufs>,
+    /// Long-prefill GQA attention's scratch (`prefill_gqa`).
+    pub prefill: PrefillScratch,
+}
+
+/// Long-prefill GQA attention's scratch: the chunk's queries, its sequence's keys and values so far
+/// (bf16), and one query block's scores (f32) and probabilities (bf16). Sized by the longest context
+/// seen, not by the step's rows, so each buffer is grown when a longer context first arrives (at most
+/// once per step, at its first layer) and otherwise reused by every layer and step; the memory plan's
+/// prefill item budgets its largest size.
+#[derive(Default)]
+pub struct PrefillScratch {
+    pub q: Option<CudaSlice<bf16>>,
+    pub k: Option<CudaSlice<bf16>>,
+    pub v: Option<CudaSlice<bf16>>,
+    pub scores: Option<CudaSlice<f32>>,
+    pub probs: Option<CudaSlice<bf16>>,
+}
+
+impl GpuModel {
+    /// `slot`'s buffer, reallocated first when it holds fewer than `n` elements.
+    pub(super) fn grown<'a, T>(
+        &self,
+        slot: &'a mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> anyhow::Result<&'a mut CudaSlice<T>>
+    where
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    {
+        if slot.as_ref().is_none_or(|b| b.len() < n) {
+            // the old buffer goes back to the pool first (stream-ordered), so both never coexist
+            *slot = None;
+            *slot = Some(self.alloc(n)?);
+        }
+        Ok(slot.as_mut().expect("allocated above"))
+    }
 }
 
 /// MLA's per-step rows (absorbed form).
@@ -83,6 +118,9 @@ pub struct ExpertBufs {
     pub gate_up: CudaSlice<f32>,
     pub act: CudaSlice<bf16>,
     pub y: CudaSlice<f32>,
+    /// cuBLAS's pointer table of the batched expert GEMMs (weights, inputs, outputs of each GPU
+    /// expert of a phase; `gemm_bf16_items`).
+    pub gemm_table: CudaSlice<u64>,
 }
 
 /// Final norm rows and logits of each sequence's last position.
@@ -254,6 +292,7 @@ impl GpuModel {
                 v: self.alloc(rows * kd)?,
                 out: self.alloc(rows * qd)?,
                 mla: self.alloc_mla(cfg, rows)?,
+                prefill: PrefillScratch::default(),
             },
             mlp: MlpBufs {
                 gate_up: self.alloc(rows * 2 * mlp_inter)?,
@@ -269,6 +308,8 @@ impl GpuModel {
                 gate_up: self.alloc(routed * 2 * inter)?,
                 act: self.alloc(routed * inter)?,
                 y: self.alloc(routed * hd)?,
+                // one entry of each kind per GPU expert a phase can hold
+                gemm_table: self.alloc(3 * routed.min(experts.max(1)))?,
             },
             head: HeadBufs {
                 last_rows: self.alloc(seqs)?,

@@ -12,6 +12,7 @@ pub(super) struct PhaseBuffers<'a> {
     pub(super) gu: &'a mut CudaSlice<f32>,
     pub(super) act: &'a mut CudaSlice<bf16>,
     pub(super) ye: &'a mut CudaSlice<f32>,
+    pub(super) table: &'a mut CudaSlice<u64>,
     pub(super) hd: usize,
     pub(super) inter: usize,
     pub(super) activation: GatedAct,
@@ -51,7 +52,7 @@ impl GpuModel {
         });
         // SAFETY: each group's rows lie inside the phase buffers (sized for every routed row) and each
         // weight view is a whole [2I, H] / [H, I] matrix; all outlive the stream's use of them.
-        unsafe { dev.gemm_bf16_items(&gate_up, 2 * inter, hd)? };
+        unsafe { dev.gemm_bf16_items(&gate_up, 2 * inter, hd, b.table)? };
         self.gated_act(
             &b.gu.slice(r0 * 2 * inter..r1 * 2 * inter),
             &mut b.act.slice_mut(r0 * inter..r1 * inter),
@@ -63,7 +64,7 @@ impl GpuModel {
             dev.addr(&ws[i].1)
         });
         // SAFETY: as for gate_up.
-        unsafe { dev.gemm_bf16_items(&down, hd, inter)? };
+        unsafe { dev.gemm_bf16_items(&down, hd, inter, b.table)? };
         Ok(())
     }
 }

@@ -211,6 +211,7 @@ impl GpuModel {
             gu: &mut bufs.gate_up,
             act: &mut bufs.act,
             ye: &mut bufs.y,
+            table: &mut bufs.gemm_table,
             hd,
             inter,
             activation: GatedAct::of(&ctx.host.config),
