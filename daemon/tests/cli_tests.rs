@@ -124,3 +124,74 @@ fn bad_input_is_an_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// What the daemon prints at start when its placement rules come from several sources (a user's text in
+/// MOE_PLACEMENT_RULES, then a node class's file as the operator writes it): each source in the order
+/// tried, the file's leading comment, each rule with the routed experts it decided, and every run of
+/// experts labelled with the `SOURCE:LINE` of its rule. A mistake in the second source names that file.
+#[test]
+fn placement_rule_sources_are_printed_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let class = dir.path().join("sm90-140g.yaml");
+    std::fs::write(
+        &class,
+        "# Written by moe-operator for MoEDeployment llm/glm, node class sm90-140g:\n\
+         # NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512).\n\
+         - match: {name: \".*\"}\n  decode: cpu\n",
+    )
+    .unwrap();
+    let run = |class_file: &std::path::Path| {
+        daemon()
+            .args(["generate", "--model"])
+            .arg(fixture("glm4_moe").join("model_bf16"))
+            .args([
+                "--prompt-ids",
+                "1,2,3",
+                "--max-tokens",
+                "1",
+                "--placement-rules",
+            ])
+            .arg(class_file)
+            .env(
+                "MOE_PLACEMENT_RULES",
+                "- match: {layers: 2, experts: 0-3}\n  decode: cpu\n",
+            )
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
+    };
+    let o = run(&class);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let f = class.display();
+    for want in [
+        format!(
+            "placement plan (MOE_PLACEMENT_RULES + {f}): 0 routed experts on the GPU, 32 in DRAM"
+        ),
+        "  rules, first match wins:".to_string(),
+        "    1. MOE_PLACEMENT_RULES (1 rule)".to_string(),
+        "         line 1    {layers: 2, experts: 0-3} decode cpu -> 4 routed experts".to_string(),
+        format!("    2. {f} (1 rule)"),
+        "         # Written by moe-operator for MoEDeployment llm/glm, node class sm90-140g:"
+            .to_string(),
+        "         # NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512).".to_string(),
+        "         line 3    {name: '.*'} decode cpu -> 28 routed experts".to_string(),
+        format!("rule {f}:3"),
+        "rule MOE_PLACEMENT_RULES:1".to_string(),
+    ] {
+        assert!(
+            err.lines().any(|l| l.contains(&want)),
+            "{want:?} not in\n{err}"
+        );
+    }
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "# sizing\n- match: {layers: 7}\n  decode: cpu\n").unwrap();
+    let o = run(&bad);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains(&format!("{}:2:", bad.display())) && err.contains("layer 7 is beyond"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -121,16 +121,17 @@ pub struct EngineArgs {
     /// Placement rules (YAML, docs/PLACEMENT.md): pin experts to the GPU or DRAM by name / layer /
     /// expert, choose where long prompts compute them and their DRAM format; the first matching rule
     /// wins, and --gpu-experts / --expert-placement fill the GPU from the experts no rule pins.
+    /// Repeatable: the files are tried in order, after --placement-rules-yaml (a user's rules first,
+    /// then, e.g., the rules the operator writes for the node class).
     #[arg(long, value_name = "FILE")]
-    pub placement_rules: Option<PathBuf>,
-    /// Placement rules as text instead of a file (the operator passes a MoEDeployment's inline
-    /// rules in MOE_PLACEMENT_RULES).
+    pub placement_rules: Vec<PathBuf>,
+    /// Placement rules as text, tried before any --placement-rules file (the operator passes a
+    /// MoEDeployment's inline rules in MOE_PLACEMENT_RULES).
     #[arg(
         long,
         value_name = "YAML",
         env = "MOE_PLACEMENT_RULES",
-        hide_env_values = true,
-        conflicts_with = "placement_rules"
+        hide_env_values = true
     )]
     pub placement_rules_yaml: Option<String>,
     /// As llama.cpp: the routed experts of the first N layers stay in DRAM, every other layer's
@@ -202,6 +203,19 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// The rule sources joined in the order tried: the text of --placement-rules-yaml, then each
+    /// --placement-rules file.
+    fn rule_sets(&self) -> anyhow::Result<Option<RuleSet>> {
+        let mut sets = Vec::new();
+        if let Some(text) = &self.placement_rules_yaml {
+            sets.push(RuleSet::parse("MOE_PLACEMENT_RULES", text)?);
+        }
+        for path in &self.placement_rules {
+            sets.push(RuleSet::load(path)?);
+        }
+        Ok(RuleSet::join(sets))
+    }
+
     /// Engine options; `exact_by_default` picks f32 expert activations when the flag is absent.
     pub fn options_with(&self, exact_by_default: bool) -> anyhow::Result<EngineOptions> {
         let exact = match self.expert_activations {
@@ -241,10 +255,9 @@ impl EngineArgs {
             max_tier: self.cpu_tier,
             ..Default::default()
         };
-        let placement_rules = match (&self.placement_rules, &self.placement_rules_yaml) {
-            (Some(path), _) => Some(RuleSet::load(path)?),
-            (None, Some(text)) => Some(RuleSet::parse("MOE_PLACEMENT_RULES", text)?),
-            (None, None) => self.n_cpu_moe.map(RuleSet::n_cpu_moe),
+        let placement_rules = match self.n_cpu_moe {
+            Some(n) => Some(RuleSet::n_cpu_moe(n)),
+            None => self.rule_sets()?,
         };
         let live_placement = self.live_placement.then(|| LiveOptions {
             pcie_bytes_per_s: (self.live_pcie_mib_per_s << 20) as f64,

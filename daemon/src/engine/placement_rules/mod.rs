@@ -4,13 +4,16 @@
 //! wins, as in KTransformers' optimize rules and llama.cpp's `-ot` overrides (docs/PLACEMENT.md).
 //!
 //! This file parses and checks a rule file on its own (syntax, regexes, ranges, formats), with the line
-//! and column of every mistake; [`resolve`] applies a checked rule set to a model's shape.
+//! and column of every mistake, and joins rule sets from several sources (a user's rules, then the
+//! operator's per-node-class rules: the first match across all of them wins); [`resolve`] applies a
+//! checked rule set to a model's shape and prints the plan, naming the source and line of each rule.
 pub mod resolve;
 
 use moe_kernels::cpu::moe::WeightFormat;
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 use std::path::Path;
+use std::sync::Arc;
 
 pub use resolve::{ExpertChoice, PlacementPlan, ResolveError};
 
@@ -86,6 +89,20 @@ impl IndexSet {
     }
 }
 
+impl std::fmt::Display for IndexSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, &(a, b)) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            if a == b {
+                write!(f, "{sep}{a}")?;
+            } else {
+                write!(f, "{sep}{a}-{b}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `layers:` / `experts:` as written: a string of ranges, a number, or a list of either.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -151,6 +168,8 @@ struct RawMatch {
 /// A checked rule.
 #[derive(Debug, Clone)]
 pub struct Rule {
+    /// The file (or flag, or variable) the rule comes from.
+    pub source: Arc<str>,
     /// Line of the rule's `match:` in its file (1-based), for the plan and for errors.
     pub line: usize,
     pub name: Option<fancy_regex::Regex>,
@@ -180,11 +199,24 @@ impl std::fmt::Display for Position {
     }
 }
 
-/// A checked, ordered rule set and where it came from (a file, or a flag such as `--n-cpu-moe`).
+/// A checked, ordered rule set and where it came from (a file, or a flag such as `--n-cpu-moe`; several
+/// joined by [`RuleSet::then`]).
 #[derive(Debug, Clone)]
 pub struct RuleSet {
+    /// The sources' names joined with ` + `, in order.
     pub source: String,
     pub rules: Vec<Rule>,
+    /// Where the rules come from, in the order they are tried.
+    pub sources: Vec<RuleSource>,
+}
+
+/// One file (or flag, or variable) of a rule set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSource {
+    pub name: Arc<str>,
+    /// The file's leading comment lines (without `#`), printed with the plan: what the file says it
+    /// is for (the operator writes the node class and its sizing figures there).
+    pub comment: Vec<String>,
 }
 
 /// A rule file that cannot be used: `source:line:column: message`.
@@ -264,42 +296,133 @@ impl RuleSet {
                 format!("more than {MAX_RULES} rules"),
             ));
         }
+        let source: Arc<str> = source_name.into();
         let mut rules = Vec::with_capacity(raw.len());
         for r in &raw {
-            rules.push(check_rule(r).map_err(|(at, m)| err(at, m))?);
+            rules.push(check_rule(r, &source).map_err(|(at, m)| err(at, m))?);
         }
         Ok(Self {
             source: source_name.to_string(),
             rules,
+            sources: vec![RuleSource {
+                name: source,
+                comment: leading_comment(text),
+            }],
         })
+    }
+
+    /// These rules, then `later`'s (which decide only what none of these matched).
+    pub fn then(mut self, later: RuleSet) -> RuleSet {
+        self.source = format!("{} + {}", self.source, later.source);
+        self.rules.extend(later.rules);
+        self.sources.extend(later.sources);
+        self
+    }
+
+    /// The sets joined in order (the first match across all of them wins); `None` when there are none.
+    pub fn join(sets: impl IntoIterator<Item = RuleSet>) -> Option<RuleSet> {
+        sets.into_iter().reduce(RuleSet::then)
     }
 
     /// llama.cpp's `--n-cpu-moe N`: the routed experts of layers 0..N live in DRAM, every other
     /// layer's on the GPU.
     pub fn n_cpu_moe(n: usize) -> Self {
+        let source: Arc<str> = format!("--n-cpu-moe {n}").into();
         let mut rules = Vec::new();
         if n > 0 {
             rules.push(Rule {
                 layers: Some(IndexSet(vec![(0, n.min(MAX_INDEX as usize) as u32 - 1)])),
                 decode: Some(Residency::Cpu),
-                ..Rule::everything()
+                ..Rule::everything(source.clone())
             });
         }
         rules.push(Rule {
             decode: Some(Residency::Gpu),
-            ..Rule::everything()
+            ..Rule::everything(source.clone())
         });
         Self {
-            source: format!("--n-cpu-moe {n}"),
+            source: source.to_string(),
             rules,
+            sources: vec![RuleSource {
+                name: source,
+                comment: Vec::new(),
+            }],
         }
     }
 }
 
+/// Leading comment lines shown with the plan: at most this many, each clipped to [`COMMENT_CHARS`].
+const COMMENT_LINES: usize = 12;
+const COMMENT_CHARS: usize = 200;
+
+/// The comment lines a rule file starts with (blank lines and a `---` before them skipped), without
+/// their `#`, bounded.
+fn leading_comment(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .skip_while(|l| l.is_empty() || *l == "---")
+        .take_while(|l| l.starts_with('#'))
+        .map(|l| l.trim_start_matches('#').trim())
+        .filter(|l| !l.is_empty())
+        .take(COMMENT_LINES)
+        .map(|l| clip(l, COMMENT_CHARS))
+        .collect()
+}
+
+/// `text` cut at a word boundary within `max` characters, with `…` when cut.
+fn clip(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let cut: String = text.chars().take(max).collect();
+    let end = cut.rfind(' ').unwrap_or(cut.len());
+    format!("{}…", &cut[..end])
+}
+
 impl Rule {
+    /// Where the rule is: `SOURCE:LINE` (`SOURCE` alone for a rule built from a flag).
+    pub fn label(&self) -> String {
+        match self.line {
+            0 => self.source.to_string(),
+            n => format!("{}:{n}", self.source),
+        }
+    }
+
+    /// The rule as the plan prints it, e.g. `{layers: 0-3, experts: 0-7} decode gpu`.
+    pub fn summary(&self) -> String {
+        let mut m = Vec::new();
+        if let Some(n) = &self.name {
+            m.push(format!("name: '{}'", n.as_str()));
+        }
+        if let Some(l) = &self.layers {
+            m.push(format!("layers: {l}"));
+        }
+        if let Some(e) = &self.experts {
+            m.push(format!("experts: {e}"));
+        }
+        let mut s = if m.is_empty() {
+            "{every routed expert}".to_string()
+        } else {
+            format!("{{{}}}", m.join(", "))
+        };
+        s.push_str(match self.decode {
+            Some(Residency::Gpu) => " decode gpu",
+            Some(Residency::Cpu) => " decode cpu",
+            None => " decode auto",
+        });
+        if self.prefill == PrefillDevice::Cpu {
+            s.push_str(" prefill cpu");
+        }
+        if let Some(d) = self.dtype {
+            s.push_str(&format!(" dtype {}", resolve::format_name(d)));
+        }
+        s
+    }
+
     /// A rule matching every routed expert, deciding nothing (`decode: auto`).
-    fn everything() -> Self {
+    fn everything(source: Arc<str>) -> Self {
         Rule {
+            source,
             line: 0,
             name: None,
             layers: None,
@@ -314,7 +437,7 @@ impl Rule {
     }
 }
 
-fn check_rule(r: &Spanned<RawRule>) -> Result<Rule, (Position, String)> {
+fn check_rule(r: &Spanned<RawRule>, source: &Arc<str>) -> Result<Rule, (Position, String)> {
     let m = &r.value.matcher;
     let name = match &m.value.name {
         Some(n) => Some(
@@ -373,6 +496,7 @@ fn check_rule(r: &Spanned<RawRule>) -> Result<Rule, (Position, String)> {
         .transpose()?;
     let at = |s: &Option<Spanned<String>>| s.as_ref().map_or(Position::default(), pos);
     Ok(Rule {
+        source: source.clone(),
         line: pos(r).line,
         name,
         layers_at: layers.as_ref().map_or(Position::default(), |l| l.1),

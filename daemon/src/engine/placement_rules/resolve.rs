@@ -6,12 +6,13 @@
 //! (`….gate_proj.weight`), the layer's experts module (`model.layers.3.mlp.experts`, what
 //! KTransformers' rules name) and the layer's GGUF tensors (`blk.3.ffn_gate_exps.weight`, what
 //! llama.cpp's `-ot` patterns name).
-use super::{Position, PrefillDevice, Residency, RuleSet};
+use super::{Position, PrefillDevice, Residency, RuleSet, RuleSource};
 use crate::model::config::Arch;
 use crate::model::names::MoeNames;
 use crate::model::ModelConfig;
 use moe_kernels::cpu::moe::WeightFormat;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 /// What the rules decided for one routed expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -34,8 +35,14 @@ pub struct PlacementPlan {
     pub layer_dtype: Vec<Option<WeightFormat>>,
     /// File lines of rules that matched no routed expert.
     pub unused_rules: Vec<usize>,
-    /// Line of each rule, by index.
-    rule_lines: Vec<usize>,
+    /// How the plan names each rule, by index: `line 5`, or `FILE:5` when the set joins sources.
+    rule_labels: Vec<String>,
+    /// Each rule as the plan lists it, under its source.
+    rule_summaries: Vec<(Arc<str>, usize, String)>,
+    /// Routed experts each rule decided (the first match), by index.
+    rule_hits: Vec<usize>,
+    /// Where the rules come from, in the order tried.
+    sources: Vec<RuleSource>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -80,8 +87,8 @@ fn any_match(re: &fancy_regex::Regex, names: &[String]) -> bool {
 impl RuleSet {
     /// Each routed expert's choice under these rules, checked against `cfg`.
     pub fn resolve(&self, cfg: &ModelConfig) -> Result<PlacementPlan, ResolveError> {
-        let err = |at: Position, message: String| ResolveError {
-            source_name: self.source.clone(),
+        let err = |source: &str, at: Position, message: String| ResolveError {
+            source_name: source.to_string(),
             at,
             message,
         };
@@ -92,6 +99,7 @@ impl RuleSet {
             if let Some(l) = &r.layers {
                 if l.max() as usize >= cfg.num_layers {
                     return Err(err(
+                        &r.source,
                         r.layers_at,
                         format!(
                             "layer {} is beyond the model's {} layers (0-{})",
@@ -105,6 +113,7 @@ impl RuleSet {
             if let Some(x) = &r.experts {
                 if x.max() as usize >= experts {
                     return Err(err(
+                        &r.source,
                         r.experts_at,
                         format!(
                             "expert {} is beyond the model's {experts} routed experts per layer",
@@ -116,12 +125,13 @@ impl RuleSet {
             if r.decode == Some(Residency::Gpu) && r.dtype.is_some_and(|d| d != WeightFormat::Bf16)
             {
                 return Err(err(
+                    &r.source,
                     r.dtype_at,
                     "dtype is the format of DRAM experts; experts kept on the GPU are bf16 (use decode: cpu or auto with this dtype)".into(),
                 ));
             }
         }
-        let mut used = vec![false; self.rules.len()];
+        let mut hits = vec![0usize; self.rules.len()];
         let mut out = Vec::with_capacity(cfg.num_layers);
         let mut layer_dtype = vec![None; cfg.num_layers];
         for layer in 0..cfg.num_layers {
@@ -163,7 +173,7 @@ impl RuleSet {
                 });
                 row.push(match hit {
                     Some((i, r)) => {
-                        used[i] = true;
+                        hits[i] += 1;
                         ExpertChoice {
                             decode: r.decode,
                             prefill: r.prefill,
@@ -176,9 +186,18 @@ impl RuleSet {
             }
             layer_dtype[layer] = self
                 .layer_format(layer, &row)
-                .map_err(|(at, m)| err(at, m))?;
+                .map_err(|(source, at, m)| err(&source, at, m))?;
             out.push(row);
         }
+        let one_source = self.sources.len() <= 1;
+        let rule_labels: Vec<String> = self
+            .rules
+            .iter()
+            .map(|r| match one_source {
+                true => format!("line {}", r.line),
+                false => r.label(),
+            })
+            .collect();
         Ok(PlacementPlan {
             source: self.source.clone(),
             experts: out,
@@ -186,11 +205,18 @@ impl RuleSet {
             unused_rules: self
                 .rules
                 .iter()
-                .zip(&used)
-                .filter(|(_, &u)| !u)
+                .zip(&hits)
+                .filter(|(_, &n)| n == 0)
                 .map(|(r, _)| r.line)
                 .collect(),
-            rule_lines: self.rules.iter().map(|r| r.line).collect(),
+            rule_labels,
+            rule_summaries: self
+                .rules
+                .iter()
+                .map(|r| (r.source.clone(), r.line, r.summary()))
+                .collect(),
+            rule_hits: hits,
+            sources: self.sources.clone(),
         })
     }
 
@@ -200,7 +226,7 @@ impl RuleSet {
         &self,
         layer: usize,
         row: &[ExpertChoice],
-    ) -> Result<Option<WeightFormat>, (Position, String)> {
+    ) -> Result<Option<WeightFormat>, (String, Position, String)> {
         let mut first: Option<(usize, &ExpertChoice)> = None;
         for (e, c) in row.iter().enumerate() {
             if c.decode == Some(Residency::Gpu) {
@@ -210,18 +236,23 @@ impl RuleSet {
                 None => first = Some((e, c)),
                 Some((e0, c0)) if c0.dtype != c.dtype => {
                     let rule = |c: &ExpertChoice| c.rule.map(|i| &self.rules[i]);
-                    let at = rule(c)
-                        .or(rule(c0))
-                        .map_or(Position::default(), |r| Position {
-                            line: r.line,
-                            column: 1,
-                        });
+                    let (source, at) = rule(c).or(rule(c0)).map_or(
+                        (self.source.clone(), Position::default()),
+                        |r| {
+                            let at = Position {
+                                line: r.line,
+                                column: 1,
+                            };
+                            (r.source.to_string(), at)
+                        },
+                    );
                     let show =
                         |d: Option<WeightFormat>| d.map_or("the default".into(), format_name);
                     let by = |c: &ExpertChoice| {
-                        rule(c).map_or("no rule".into(), |r| format!("the rule at line {}", r.line))
+                        rule(c).map_or("no rule".into(), |r| format!("the rule at {}", r.label()))
                     };
                     return Err((
+                        source,
                         at,
                         format!(
                             "layer {layer}: DRAM experts {e0} and {e} would get different formats ({} by {}, {} by {}); a layer's DRAM experts share one format",
@@ -294,8 +325,8 @@ impl PlacementPlan {
                 let c = &row[e];
                 let gpu = on_gpu.get(e).copied().unwrap_or(false);
                 let how = match (c.rule, c.decode) {
-                    (Some(i), Some(_)) => format!("rule line {}", self.rule_lines[i]),
-                    (Some(i), None) => format!("strategy (rule line {})", self.rule_lines[i]),
+                    (Some(i), Some(_)) => format!("rule {}", self.rule_labels[i]),
+                    (Some(i), None) => format!("strategy (rule {})", self.rule_labels[i]),
                     (None, _) => "strategy (no rule)".to_string(),
                 };
                 if gpu {
@@ -333,6 +364,7 @@ impl PlacementPlan {
             self.source,
             all - gpu_total
         );
+        self.describe_rules(&mut s);
         for (a, b, parts) in &layer_lines {
             let head = format!("  layers {:<8}", range(*a, *b));
             for (i, p) in parts.iter().enumerate() {
@@ -344,13 +376,49 @@ impl PlacementPlan {
                 let _ = writeln!(s, "{lead} {p}");
             }
         }
-        for line in &self.unused_rules {
-            let _ = writeln!(
-                s,
-                "  note: the rule at line {line} matched no routed expert (attention, norms, routers, shared experts and embeddings always run on the GPU with --device cuda)"
-            );
+        for (i, hits) in self.rule_hits.iter().enumerate() {
+            if *hits == 0 {
+                let _ = writeln!(
+                    s,
+                    "  note: the rule at {} matched no routed expert (attention, norms, routers, shared experts and embeddings always run on the GPU with --device cuda)",
+                    self.rule_labels[i]
+                );
+            }
         }
         s
+    }
+
+    /// The rules under their sources, in the order tried: each source's leading comment (what the
+    /// file says it is, e.g. the operator's node class and sizing) and each rule with the routed
+    /// experts it decided.
+    fn describe_rules(&self, s: &mut String) {
+        let _ = writeln!(s, "  rules, first match wins:");
+        for (n, src) in self.sources.iter().enumerate() {
+            let count = self
+                .rule_summaries
+                .iter()
+                .filter(|(from, ..)| Arc::ptr_eq(from, &src.name))
+                .count();
+            let plural = if count == 1 { "" } else { "s" };
+            let _ = writeln!(s, "    {}. {} ({count} rule{plural})", n + 1, src.name);
+            for line in &src.comment {
+                let _ = writeln!(s, "         # {line}");
+            }
+            for (i, (from, line, summary)) in self.rule_summaries.iter().enumerate() {
+                if !Arc::ptr_eq(from, &src.name) {
+                    continue;
+                }
+                let at = match line {
+                    0 => "flag".to_string(),
+                    l => format!("line {l}"),
+                };
+                let _ = writeln!(
+                    s,
+                    "         {at:<9} {summary} -> {} routed experts",
+                    self.rule_hits[i]
+                );
+            }
+        }
     }
 }
 

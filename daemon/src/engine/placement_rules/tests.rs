@@ -325,11 +325,128 @@ fn plan_lists_runs_of_layers_and_experts() {
         })
         .take_while(|l| !l.starts_with("```"))
         .collect();
-    assert_eq!(shown.len(), 6, "the docs' example plan");
+    assert_eq!(shown.len(), 15, "the docs' example plan");
     for line in shown {
         assert!(
             text.lines().any(|l| l.trim_end() == line),
             "docs line {line:?} not in\n{text}"
         );
     }
+}
+
+/// An operator-style rule file: a leading comment naming the node class and its sizing, then rules.
+const CLASS_RULES: &str =
+    "# moe-operator sizing for node class sm90-140g: NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512, AMX)
+# 32 of 128 routed experts per layer on the GPU
+- match: {experts: 0-31}
+  decode: gpu
+- match: {name: \".*\"}
+  decode: cpu
+";
+
+#[test]
+fn joined_sources_try_the_users_rules_first_and_the_plan_names_each_rules_source() {
+    let user = RuleSet::parse(
+        "MOE_PLACEMENT_RULES",
+        "- match: {layers: 0-3}\n  decode: cpu\n",
+    )
+    .unwrap();
+    let class = RuleSet::parse("/etc/moe/sizing/sm90-140g.yaml", CLASS_RULES).unwrap();
+    let rules = RuleSet::join([user, class]).unwrap();
+    assert_eq!(
+        rules.source,
+        "MOE_PLACEMENT_RULES + /etc/moe/sizing/sm90-140g.yaml"
+    );
+    let cfg = qwen3_30b();
+    let plan = rules.resolve(&cfg).unwrap();
+    // the user's rule decides layers 0-3 (all in DRAM) although the class rule pins 0-31 to the GPU
+    for e in [0, 31, 127] {
+        assert_eq!(decode_of(&plan, 2, e), Some(Residency::Cpu), "expert {e}");
+    }
+    assert_eq!(decode_of(&plan, 4, 0), Some(Residency::Gpu));
+    assert_eq!(decode_of(&plan, 4, 31), Some(Residency::Gpu));
+    assert_eq!(decode_of(&plan, 4, 32), Some(Residency::Cpu));
+    let pins = plan.layer_pins();
+    assert_eq!((pins[0].gpu, pins[0].dram), (0, 128));
+    assert_eq!((pins[47].gpu, pins[47].dram), (32, 96));
+    let placement = plan_placement(
+        PlacementStrategy::Uniform,
+        &cfg.moe_layers,
+        128,
+        32,
+        None,
+        0,
+        Some(&plan.pins()),
+    )
+    .unwrap();
+    let text = plan.describe(&placement, "as-stored");
+    let expect = [
+        "placement plan (MOE_PLACEMENT_RULES + /etc/moe/sizing/sm90-140g.yaml): 1408 routed experts on the GPU, 4736 in DRAM",
+        "    1. MOE_PLACEMENT_RULES (1 rule)",
+        "         line 1    {layers: 0-3} decode cpu -> 512 routed experts",
+        "    2. /etc/moe/sizing/sm90-140g.yaml (2 rules)",
+        "         # moe-operator sizing for node class sm90-140g: NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512, AMX)",
+        "         # 32 of 128 routed experts per layer on the GPU",
+        "         line 3    {experts: 0-31} decode gpu -> 1408 routed experts",
+        "         line 5    {name: '.*'} decode cpu -> 4224 routed experts",
+        "rule MOE_PLACEMENT_RULES:1",
+        "rule /etc/moe/sizing/sm90-140g.yaml:3",
+        "rule /etc/moe/sizing/sm90-140g.yaml:5",
+    ];
+    for e in expect {
+        assert!(text.contains(e), "{e:?} not in\n{text}");
+    }
+    assert!(!text.contains("note:"), "{text}");
+}
+
+#[test]
+fn an_error_in_a_later_source_names_that_source() {
+    let user = parse("- match: {layers: 0-3}\n  decode: cpu\n").unwrap();
+    let bad = RuleSet::parse(
+        "class.yaml",
+        "# sizing\n- match: {layers: 60-63}\n  decode: gpu\n",
+    )
+    .unwrap();
+    let err = RuleSet::join([user, bad])
+        .unwrap()
+        .resolve(&qwen3_30b())
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("class.yaml:2:"), "{err}");
+    assert!(
+        err.contains("layer 63 is beyond the model's 48 layers"),
+        "{err}"
+    );
+    // a rule that matches nothing in a later source is reported with its source
+    let user = parse("- match: {name: \".*\"}\n  decode: cpu\n").unwrap();
+    let class = RuleSet::parse("class.yaml", CLASS_RULES).unwrap();
+    let cfg = qwen3_30b();
+    let plan = RuleSet::join([user, class]).unwrap().resolve(&cfg).unwrap();
+    let text = plan.describe(&vec![vec![false; 128]; 48], "as-stored");
+    assert!(
+        text.contains("note: the rule at class.yaml:3 matched no routed expert"),
+        "{text}"
+    );
+    assert!(text.contains("-> 0 routed experts"), "{text}");
+}
+
+#[test]
+fn a_sources_leading_comment_is_kept_short() {
+    let long = "x".repeat(300);
+    let mut text = format!("---\n\n# {long}\n");
+    for i in 0..40 {
+        text.push_str(&format!("# line {i}\n"));
+    }
+    text.push_str("- match: {layers: 0}\n  decode: cpu\n# not leading\n");
+    let rules = parse(&text).unwrap();
+    let comment = &rules.sources[0].comment;
+    assert_eq!(comment.len(), 12);
+    assert!(comment[0].chars().count() <= 201, "{}", comment[0]);
+    assert!(comment[0].ends_with('…'));
+    assert_eq!(comment[11], "line 10");
+    assert!(parse("- match: {layers: 0}\n  decode: cpu\n")
+        .unwrap()
+        .sources[0]
+        .comment
+        .is_empty());
 }
