@@ -69,6 +69,8 @@ fn byte_tokenizer(tag_tokens: bool) -> (TextTokenizer, tempfile::TempDir) {
 struct Fixture {
     so: StructuredOutputs,
     vocab: usize,
+    /// The Hermes and GLM tags are single tokens of the vocabulary.
+    tag_tokens: bool,
     metrics: Arc<Metrics>,
     _dir: tempfile::TempDir,
 }
@@ -79,22 +81,33 @@ fn fixture(tag_tokens: bool) -> Fixture {
     Fixture {
         so: StructuredOutputs::new(&tok, vocab).unwrap(),
         vocab,
+        tag_tokens,
         metrics: Arc::new(Metrics::new().unwrap()),
         _dir: dir,
     }
 }
 
+/// Runs `test` on both vocabularies: tags spelled out byte by byte, and tags as single tokens.
+fn on_both_vocabularies(test: impl Fn(&Fixture)) {
+    for tag_tokens in [false, true] {
+        test(&fixture(tag_tokens));
+    }
+}
+
 impl Fixture {
-    fn control(&self, g: TopLevelGrammar, auto_single: Option<bool>) -> OutputControl {
-        self.control_in(g, auto_single, CallFormat::Hermes)
+    /// A sequence whose whole output follows `g` (Hermes call format).
+    fn whole(&self, g: TopLevelGrammar) -> Seq {
+        self.seq(g, None, CallFormat::Hermes)
     }
 
-    fn control_in(
-        &self,
-        g: TopLevelGrammar,
-        auto_single: Option<bool>,
-        format: CallFormat,
-    ) -> OutputControl {
+    /// A sequence whose whole output follows `g`, in GLM's call format.
+    fn whole_glm(&self, g: TopLevelGrammar) -> Seq {
+        self.seq(g, None, CallFormat::Glm)
+    }
+
+    /// `auto_single`: `None` the whole output follows `g`; `Some(single)` `g` engages once a tool call
+    /// opens (`single`: the sequence ends after one call).
+    fn seq(&self, g: TopLevelGrammar, auto_single: Option<bool>, format: CallFormat) -> Seq {
         let m = self.so.compile(g, &self.metrics).unwrap();
         let use_ = match auto_single {
             None => GrammarUse::Whole(m),
@@ -104,30 +117,99 @@ impl Fixture {
                 format,
             },
         };
-        OutputControl::new(
-            Some((use_, self.so.tok_env().clone())),
-            vec![],
-            vec![EOS],
-            self.metrics.clone(),
-        )
+        Seq {
+            c: OutputControl::new(
+                Some((use_, self.so.tok_env().clone())),
+                vec![],
+                vec![EOS],
+                self.metrics.clone(),
+            ),
+            vocab: self.vocab,
+            tag_tokens: self.tag_tokens,
+        }
+    }
+
+    /// Forced calls of `tools` in GLM's format.
+    fn glm_calls(&self, tools: &[ToolSpec], count: CallCount) -> TopLevelGrammar {
+        grammar::forced_calls(tools, &self.so.call_tags, CallFormat::Glm, count).unwrap()
+    }
+
+    /// `auto` calls of `tools`, engaged once a call opens.
+    fn auto_calls(&self, tools: &[ToolSpec], format: CallFormat) -> TopLevelGrammar {
+        grammar::call_after_open(tools, &self.so.call_tags, format).unwrap()
+    }
+
+    /// Whether a GLM-format sequence under `g` takes `text` (fed to a fresh sequence).
+    fn glm_accepts(&self, g: &TopLevelGrammar, text: &str) -> bool {
+        let mut s = self.whole_glm(g.clone());
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.feed(text))).is_ok()
+    }
+
+    /// Whether the grammar accepts `text` whole (and may end there).
+    fn accepts_whole(&self, g: &TopLevelGrammar, text: &str) -> bool {
+        let mut m = self.so.compile(g.clone(), &self.metrics).unwrap();
+        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        m.try_consume_tokens(&tokens)
+            .is_ok_and(|n| n == tokens.len())
+            && m.is_accepting().unwrap_or(false)
     }
 }
 
-fn allowed(c: &mut OutputControl, vocab: usize, id: u32) -> bool {
-    let mut l = vec![0.0; vocab];
-    c.apply(&mut l);
-    l[id as usize].is_finite()
+/// One sequence's output control, driven token by token as the sampler would.
+struct Seq {
+    c: OutputControl,
+    vocab: usize,
+    tag_tokens: bool,
 }
 
-/// Feeds `text` byte by byte, each byte first checked against the mask.
-fn feed(c: &mut OutputControl, vocab: usize, text: &str) {
-    for b in text.bytes() {
-        assert!(
-            allowed(c, vocab, b as u32),
-            "{:?} refused in {text:?}",
-            b as char
-        );
-        c.advance(b as u32);
+impl Seq {
+    /// Whether the mask lets `id` through.
+    fn allows(&mut self, id: u32) -> bool {
+        let mut l = vec![0.0; self.vocab];
+        self.c.apply(&mut l);
+        l[id as usize].is_finite()
+    }
+
+    fn allows_byte(&mut self, b: u8) -> bool {
+        self.allows(b as u32)
+    }
+
+    /// Feeds `text` one token at a time (each tag as its single token where the vocabulary has one,
+    /// else byte by byte), each first checked against the mask.
+    fn feed(&mut self, text: &str) {
+        let mut rest = text;
+        while !rest.is_empty() {
+            let tag = TAGS
+                .iter()
+                .find(|t| rest.starts_with(**t))
+                .filter(|_| self.tag_tokens);
+            let (ids, len) = match tag {
+                Some(t) => (vec![tag_id(t)], t.len()),
+                None => {
+                    let n = rest.chars().next().map_or(1, char::len_utf8);
+                    (rest.as_bytes()[..n].iter().map(|&b| b as u32).collect(), n)
+                }
+            };
+            for id in ids {
+                assert!(self.allows(id), "{:?} refused in {text:?}", &rest[..len]);
+                self.c.advance(id);
+            }
+            rest = &rest[len..];
+        }
+    }
+
+    /// The grammar is done or lets the sequence end.
+    fn may_end(&mut self) -> bool {
+        self.c.is_complete() || self.allows(EOS)
+    }
+
+    /// With a reasoning section before the grammar.
+    fn thinking(self, f: &Fixture, start: ThinkStart, budget: Option<usize>) -> Seq {
+        let gate = ThinkingGate::new(ThinkingSpec { start, budget }, &f.so.think_tokens);
+        Seq {
+            c: self.c.with_thinking(gate, f.so.tok_env().clone()),
+            ..self
+        }
     }
 }
 
@@ -136,22 +218,17 @@ fn json_schema_mask_follows_the_schema_on_one_line() {
     let f = fixture(false);
     let schema = json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
                         "required": ["city"], "additionalProperties": false});
-    let mut c = f.control(grammar::json_response(Some(&schema), true), None);
-    assert!(!allowed(&mut c, f.vocab, b'x' as u32) && !allowed(&mut c, f.vocab, EOS));
-    feed(&mut c, f.vocab, "{\"city\": ");
+    let mut s = f.whole(grammar::json_response(Some(&schema), true));
+    assert!(!s.allows_byte(b'x') && !s.allows(EOS));
+    s.feed("{\"city\": ");
     // One space after `:` at most; no newline; only the enum's values.
     for b in [b' ', b'\n', b'"'] {
-        assert_eq!(
-            allowed(&mut c, f.vocab, b as u32),
-            b == b'"',
-            "{:?}",
-            b as char
-        );
+        assert_eq!(s.allows_byte(b), b == b'"', "{:?}", b as char);
     }
-    feed(&mut c, f.vocab, "\"P");
-    assert!(!allowed(&mut c, f.vocab, b'L' as u32));
-    feed(&mut c, f.vocab, "aris\"}");
-    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    s.feed("\"P");
+    assert!(!s.allows_byte(b'L'));
+    s.feed("aris\"}");
+    assert!(s.may_end());
     assert!(f.metrics.structured_mask_seconds.get_sample_count() > 5);
 }
 
@@ -167,26 +244,17 @@ fn tools() -> Vec<ToolSpec> {
 #[test]
 fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
-    let mut c = f.control(g, Some(true));
-    feed(&mut c, f.vocab, "Let me check. <tool_call>\n");
+    let g = f.auto_calls(&tools(), CallFormat::Hermes);
+    let mut s = f.seq(g, Some(true), CallFormat::Hermes);
+    s.feed("Let me check. <tool_call>\n");
+    assert!(s.allows_byte(b'x'), "still free before the brace");
+    s.feed("{\"");
+    assert!(!s.allows_byte(b'x'), "engaged: only `name` may follow");
+    s.feed("name\":\"get_weather\",\"arguments\":{\"");
+    assert!(!s.allows_byte(b'd'), "only the schema's `city`");
+    s.feed("city\":\"Paris\"}}\n</tool_call>");
     assert!(
-        allowed(&mut c, f.vocab, b'x' as u32),
-        "still free before the brace"
-    );
-    feed(&mut c, f.vocab, "{\"");
-    assert!(
-        !allowed(&mut c, f.vocab, b'x' as u32),
-        "engaged: only `name` may follow"
-    );
-    feed(&mut c, f.vocab, "name\":\"get_weather\",\"arguments\":{\"");
-    assert!(
-        !allowed(&mut c, f.vocab, b'd' as u32),
-        "only the schema's `city`"
-    );
-    feed(&mut c, f.vocab, "city\":\"Paris\"}}\n</tool_call>");
-    assert!(
-        c.is_complete(),
+        s.c.is_complete(),
         "parallel_tool_calls false: the sequence ends after one call"
     );
 }
@@ -194,15 +262,11 @@ fn auto_calls_are_free_until_the_tag_and_the_brace_then_follow_the_schema() {
 #[test]
 fn another_call_format_after_the_tag_is_left_alone() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
-    let mut c = f.control(g, Some(false));
-    feed(
-        &mut c,
-        f.vocab,
-        "<tool_call>get_weather\n<arg_key>city</arg_key>",
-    );
-    assert!(allowed(&mut c, f.vocab, b'x' as u32));
-    assert!(!c.is_complete());
+    let g = f.auto_calls(&tools(), CallFormat::Hermes);
+    let mut s = f.seq(g, Some(false), CallFormat::Hermes);
+    s.feed("<tool_call>get_weather\n<arg_key>city</arg_key>");
+    assert!(s.allows_byte(b'x'));
+    assert!(!s.c.is_complete());
 }
 
 #[test]
@@ -215,22 +279,13 @@ fn forced_calls_use_tag_tokens_when_the_vocabulary_has_them() {
         CallCount::One,
     )
     .unwrap();
-    let mut c = f.control(g, None);
-    assert!(
-        !allowed(&mut c, f.vocab, b'<' as u32),
-        "the tag token, not its spelling"
-    );
-    assert!(allowed(&mut c, f.vocab, tag_id("<tool_call>")));
-    c.advance(tag_id("<tool_call>"));
-    feed(
-        &mut c,
-        f.vocab,
-        "\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n",
-    );
+    let mut s = f.whole(g);
+    assert!(!s.allows_byte(b'<'), "the tag token, not its spelling");
+    s.feed("<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Nice\"}}\n");
     let close = tag_id("</tool_call>");
-    assert!(allowed(&mut c, f.vocab, close) && !allowed(&mut c, f.vocab, EOS));
-    c.advance(close);
-    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    assert!(s.allows(close) && !s.allows(EOS));
+    s.c.advance(close);
+    assert!(s.may_end());
 }
 
 /// A tool with a required enum string, an optional integer and an optional free string.
@@ -246,56 +301,16 @@ fn glm_tools() -> Vec<ToolSpec> {
     .unwrap()]
 }
 
-/// Feeds `text`, reading each GLM / Hermes tag as its single token when the vocabulary has one.
-fn feed_tagged(c: &mut OutputControl, vocab: usize, text: &str, tag_tokens: bool) {
-    let mut rest = text;
-    while !rest.is_empty() {
-        let tag = TAGS
-            .iter()
-            .find(|t| rest.starts_with(**t))
-            .filter(|_| tag_tokens);
-        match tag {
-            Some(t) => {
-                let id = tag_id(t);
-                assert!(allowed(c, vocab, id), "{t} refused in {text:?}");
-                c.advance(id);
-                rest = &rest[t.len()..];
-            }
-            None => {
-                let n = rest.chars().next().map_or(1, char::len_utf8);
-                feed(c, vocab, &rest[..n]);
-                rest = &rest[n..];
-            }
-        }
-    }
-}
-
-/// Whether `text` can come next (fed to a copy of the control).
-fn glm_accepts(f: &Fixture, g: &TopLevelGrammar, prefix: &str, tag_tokens: bool) -> bool {
-    let mut c = f.control_in(g.clone(), None, CallFormat::Glm);
-    let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        feed_tagged(&mut c, f.vocab, prefix, tag_tokens)
-    }));
-    ok.is_ok()
-}
-
 #[test]
 fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
-    for tag_tokens in [false, true] {
-        let f = fixture(tag_tokens);
-        let g = grammar::forced_calls(
-            &glm_tools(),
-            &f.so.call_tags,
-            CallFormat::Glm,
-            CallCount::One,
-        )
-        .unwrap();
-        let ok = |text: &str| glm_accepts(&f, &g, text, tag_tokens);
+    on_both_vocabularies(|f| {
+        let g = f.glm_calls(&glm_tools(), CallCount::One);
+        let ok = |text: &str| f.glm_accepts(&g, text);
         // GLM-4.5's newlines and 4.7's none; a JSON integer; raw (unquoted) text for a string.
         let glm45 =
             "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
                      <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>";
-        assert!(ok(glm45), "tags as tokens: {tag_tokens}");
+        assert!(ok(glm45), "tags as tokens: {}", f.tag_tokens);
         assert!(ok("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value>\
                     <arg_key>note</arg_key><arg_value>bring a \"coat\" <maybe></arg_value></tool_call>"));
         // An invented name, a value outside the enum, a string for the integer, a quoted string,
@@ -309,12 +324,12 @@ fn glm_forced_calls_take_the_schemas_names_and_typed_values() {
             "<tool_call>get_weather</tool_call>",
             "<tool_call>get_time",
         ] {
-            assert!(!ok(bad), "accepted {bad:?} (tags as tokens: {tag_tokens})");
+            assert!(!ok(bad), "accepted {bad:?} (tags as tokens: {})", f.tag_tokens);
         }
-        let mut c = f.control_in(g.clone(), None, CallFormat::Glm);
-        feed_tagged(&mut c, f.vocab, glm45, tag_tokens);
-        assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
-    }
+        let mut s = f.whole_glm(g.clone());
+        s.feed(glm45);
+        assert!(s.may_end());
+    });
 }
 
 /// A tool whose raw-text arguments carry a `pattern` (anchored, and one matching anywhere) and
@@ -335,15 +350,8 @@ fn glm_formatted_tool(strict: bool) -> Vec<ToolSpec> {
 
 #[test]
 fn glm_raw_text_values_follow_pattern_and_format() {
-    for tag_tokens in [false, true] {
-        let f = fixture(tag_tokens);
-        let g = grammar::forced_calls(
-            &glm_formatted_tool(true),
-            &f.so.call_tags,
-            CallFormat::Glm,
-            CallCount::One,
-        )
-        .unwrap();
+    on_both_vocabularies(|f| {
+        let g = f.glm_calls(&glm_formatted_tool(true), CallCount::One);
         let call = |args: &[(&str, &str)]| {
             let a: String = args
                 .iter()
@@ -351,8 +359,12 @@ fn glm_raw_text_values_follow_pattern_and_format() {
                 .collect();
             format!("<tool_call>book{a}</tool_call>")
         };
-        let ok = |args: &[(&str, &str)]| glm_accepts(&f, &g, &call(args), tag_tokens);
-        assert!(ok(&[("code", "ABC-12")]), "tags as tokens: {tag_tokens}");
+        let ok = |args: &[(&str, &str)]| f.glm_accepts(&g, &call(args));
+        assert!(
+            ok(&[("code", "ABC-12")]),
+            "tags as tokens: {}",
+            f.tag_tokens
+        );
         assert!(ok(&[
             ("code", "XYZ-99"),
             ("ref", "ab x7 cd"),
@@ -371,12 +383,16 @@ fn glm_raw_text_values_follow_pattern_and_format() {
             // ipv4 and at most 9 characters: both hold.
             &[("code", "ABC-12"), ("host", "192.168.0.1")],
         ] {
-            assert!(!ok(bad), "accepted {bad:?} (tags as tokens: {tag_tokens})");
+            assert!(
+                !ok(bad),
+                "accepted {bad:?} (tags as tokens: {})",
+                f.tag_tokens
+            );
         }
         // A text tag inside a constrained value cannot end it early and then carry on.
         let early = "<tool_call>book<arg_key>ref</arg_key><arg_value>a</arg_value>x7";
-        assert!(!glm_accepts(&f, &g, early, tag_tokens));
-    }
+        assert!(!f.glm_accepts(&g, early));
+    });
 }
 
 #[test]
@@ -395,21 +411,12 @@ fn glm_unknown_formats_are_refused_for_strict_tools_and_ignored_otherwise() {
     let g = with_format(false).unwrap();
     let text = "<tool_call>book<arg_key>code</arg_key><arg_value>ABC-12</arg_value>\
                 <arg_key>day</arg_key><arg_value>any text</arg_value></tool_call>";
-    assert!(glm_accepts(&f, &g, text, false));
+    assert!(f.glm_accepts(&g, text));
     // The JSON path refuses the same format the same way.
     let schema = json!({"type": "string", "format": "lunar-date"});
     let json =
         f.so.compile(grammar::json_response(Some(&schema), true), &f.metrics);
     assert!(json.err().unwrap().contains("Unknown format: lunar-date"));
-}
-
-/// Whether the grammar accepts `text` whole (and may end there).
-fn accepts_whole(f: &Fixture, g: &TopLevelGrammar, text: &str) -> bool {
-    let mut m = f.so.compile(g.clone(), &f.metrics).unwrap();
-    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
-    m.try_consume_tokens(&tokens)
-        .is_ok_and(|n| n == tokens.len())
-        && m.is_accepting().unwrap_or(false)
 }
 
 #[test]
@@ -459,9 +466,9 @@ fn raw_text_formats_accept_what_the_json_path_accepts() {
         ));
         let mut accepted = 0;
         for s in samples {
-            let by_json = accepts_whole(&f, &json, &serde_json::to_string(s).unwrap());
+            let by_json = f.accepts_whole(&json, &serde_json::to_string(s).unwrap());
             assert_eq!(
-                accepts_whole(&f, &raw, s),
+                f.accepts_whole(&raw, s),
                 by_json,
                 "{format} on {s:?}: raw text and JSON disagree"
             );
@@ -473,45 +480,25 @@ fn raw_text_formats_accept_what_the_json_path_accepts() {
 
 #[test]
 fn glm_auto_calls_engage_at_the_tag_and_end_after_one_call_when_single() {
-    for tag_tokens in [false, true] {
-        let f = fixture(tag_tokens);
-        let g = grammar::call_after_open(&glm_tools(), &f.so.call_tags, CallFormat::Glm).unwrap();
-        let mut c = f.control_in(g, Some(true), CallFormat::Glm);
-        feed_tagged(
-            &mut c,
-            f.vocab,
-            "I will look it up. <tool_call>",
-            tag_tokens,
-        );
-        assert!(
-            !allowed(&mut c, f.vocab, b'x' as u32),
-            "engaged: only the tool's name"
-        );
-        feed_tagged(&mut c, f.vocab, "get_weather\n<arg_key>", tag_tokens);
-        assert!(!allowed(&mut c, f.vocab, b'd' as u32), "only `city` first");
-        feed_tagged(
-            &mut c,
-            f.vocab,
-            "city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
-            tag_tokens,
-        );
-        assert!(c.is_complete(), "tags as tokens: {tag_tokens}");
-    }
+    on_both_vocabularies(|f| {
+        let g = f.auto_calls(&glm_tools(), CallFormat::Glm);
+        let mut s = f.seq(g, Some(true), CallFormat::Glm);
+        s.feed("I will look it up. <tool_call>");
+        assert!(!s.allows_byte(b'x'), "engaged: only the tool's name");
+        s.feed("get_weather\n<arg_key>");
+        assert!(!s.allows_byte(b'd'), "only `city` first");
+        s.feed("city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>");
+        assert!(s.c.is_complete(), "tags as tokens: {}", f.tag_tokens);
+    });
 }
 
 #[test]
 fn glm_parallel_calls_and_a_json_answer_are_both_possible() {
     let f = fixture(true);
-    let calls = grammar::forced_calls(
-        &glm_tools(),
-        &f.so.call_tags,
-        CallFormat::Glm,
-        CallCount::OneOrMore,
-    )
-    .unwrap();
+    let calls = f.glm_calls(&glm_tools(), CallCount::OneOrMore);
     let one =
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
-    assert!(glm_accepts(&f, &calls, &format!("{one}\n{one}{one}"), true));
+    assert!(f.glm_accepts(&calls, &format!("{one}\n{one}{one}")));
     let either = grammar::json_or_calls(
         None,
         false,
@@ -521,8 +508,8 @@ fn glm_parallel_calls_and_a_json_answer_are_both_possible() {
         CallCount::One,
     )
     .unwrap();
-    assert!(glm_accepts(&f, &either, one, true));
-    assert!(glm_accepts(&f, &either, "{\"a\": 1}", true));
+    assert!(f.glm_accepts(&either, one));
+    assert!(f.glm_accepts(&either, "{\"a\": 1}"));
 }
 
 #[test]
@@ -676,99 +663,43 @@ fn masks_computed_during_the_forward_pass_late_or_not_give_the_same_output() {
 
 // --- a reasoning section before the grammar ---
 
-fn thinking(
-    f: &Fixture,
-    c: OutputControl,
-    start: ThinkStart,
-    budget: Option<usize>,
-) -> OutputControl {
-    let gate = ThinkingGate::new(ThinkingSpec { start, budget }, &f.so.think_tokens);
-    c.with_thinking(gate, f.so.tok_env().clone())
-}
-
 #[test]
 fn forced_calls_wait_for_the_reasoning_to_close() {
-    for tag_tokens in [false, true] {
-        let f = fixture(tag_tokens);
-        let g = grammar::forced_calls(
-            &glm_tools(),
-            &f.so.call_tags,
-            CallFormat::Glm,
-            CallCount::One,
-        )
-        .unwrap();
-        let mut c = thinking(
-            &f,
-            f.control_in(g, None, CallFormat::Glm),
-            ThinkStart::MayOpen,
-            None,
-        );
-        assert!(
-            !allowed(&mut c, f.vocab, b'x' as u32),
-            "the call or <think> first"
-        );
-        feed_tagged(
-            &mut c,
-            f.vocab,
-            "<think>I should call get_weather ",
-            tag_tokens,
-        );
-        assert!(allowed(&mut c, f.vocab, b'x' as u32), "free text inside");
-        assert!(!allowed(&mut c, f.vocab, EOS), "no end before the call");
-        feed_tagged(
-            &mut c,
-            f.vocab,
-            "<tool_call>, not yet.</think>\n\n",
-            tag_tokens,
-        );
-        assert!(
-            !allowed(&mut c, f.vocab, b'x' as u32),
-            "the grammar after </think>"
-        );
-        feed_tagged(
-            &mut c,
-            f.vocab,
+    on_both_vocabularies(|f| {
+        let g = f.glm_calls(&glm_tools(), CallCount::One);
+        let mut s = f.whole_glm(g).thinking(f, ThinkStart::MayOpen, None);
+        assert!(!s.allows_byte(b'x'), "the call or <think> first");
+        s.feed("<think>I should call get_weather ");
+        assert!(s.allows_byte(b'x'), "free text inside");
+        assert!(!s.allows(EOS), "no end before the call");
+        s.feed("<tool_call>, not yet.</think>\n\n");
+        assert!(!s.allows_byte(b'x'), "the grammar after </think>");
+        s.feed(
             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value></tool_call>",
-            tag_tokens,
         );
-        assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
-    }
+        assert!(s.may_end());
+    });
 }
 
 #[test]
 fn a_model_that_does_not_think_answers_at_once() {
-    for tag_tokens in [false, true] {
-        let f = fixture(tag_tokens);
-        let g = grammar::forced_calls(
-            &glm_tools(),
-            &f.so.call_tags,
-            CallFormat::Glm,
-            CallCount::One,
-        )
-        .unwrap();
-        let mut c = thinking(
-            &f,
-            f.control_in(g, None, CallFormat::Glm),
-            ThinkStart::MayOpen,
-            None,
+    on_both_vocabularies(|f| {
+        let g = f.glm_calls(&glm_tools(), CallCount::One);
+        let mut s = f.whole_glm(g).thinking(f, ThinkStart::MayOpen, None);
+        s.feed(
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
         );
-        let call =
-            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
-        feed_tagged(&mut c, f.vocab, call, tag_tokens);
-        assert!(
-            c.is_complete() || allowed(&mut c, f.vocab, EOS),
-            "tags as tokens: {tag_tokens}"
-        );
-    }
+        assert!(s.may_end(), "tags as tokens: {}", f.tag_tokens);
+    });
     // A JSON answer: `{` is no way into `<think>`.
     let f = fixture(false);
     let schema =
         json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
     let g = grammar::json_response(Some(&schema), true);
-    let mut c = thinking(&f, f.control(g, None), ThinkStart::MayOpen, None);
-    assert!(allowed(&mut c, f.vocab, b'<' as u32) && !allowed(&mut c, f.vocab, b'x' as u32));
-    feed(&mut c, f.vocab, "{\"a\":1}");
-    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    let mut s = f.whole(g).thinking(&f, ThinkStart::MayOpen, None);
+    assert!(s.allows_byte(b'<') && !s.allows_byte(b'x'));
+    s.feed("{\"a\":1}");
+    assert!(s.may_end());
 }
 
 #[test]
@@ -778,35 +709,31 @@ fn a_spent_budget_closes_the_reasoning_and_the_answer_follows() {
         json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
     let g = grammar::json_response(Some(&schema), true);
     // The prompt opened <think>; 5 reasoning tokens allowed.
-    let mut c = thinking(&f, f.control(g, None), ThinkStart::Inside, Some(5));
-    feed(&mut c, f.vocab, "hmmmm");
+    let mut s = f.whole(g).thinking(&f, ThinkStart::Inside, Some(5));
+    s.feed("hmmmm");
     let mut closing = Vec::new();
     for _ in 0.."</think>".len() {
         let mut l = vec![0.0; f.vocab];
-        assert!(c.apply(&mut l));
+        assert!(s.c.apply(&mut l));
         let only: Vec<usize> = (0..f.vocab).filter(|&i| l[i].is_finite()).collect();
         assert_eq!(only.len(), 1, "the gate writes the tag itself");
         closing.push(only[0] as u8);
-        c.advance(only[0] as u32);
+        s.c.advance(only[0] as u32);
     }
     assert_eq!(closing, b"</think>");
-    feed(&mut c, f.vocab, "\n{\"a\":2}");
-    assert!(c.is_complete() || allowed(&mut c, f.vocab, EOS));
+    s.feed("\n{\"a\":2}");
+    assert!(s.may_end());
 }
 
 #[test]
 fn auto_calls_are_not_watched_inside_the_reasoning() {
     let f = fixture(false);
-    let g = grammar::call_after_open(&tools(), &f.so.call_tags, CallFormat::Hermes).unwrap();
-    let mut c = thinking(&f, f.control(g, Some(true)), ThinkStart::MayOpen, None);
-    feed(&mut c, f.vocab, "<think>maybe <tool_call>\n{\"x");
-    assert!(
-        allowed(&mut c, f.vocab, b'y' as u32),
-        "reasoning is free text"
-    );
-    feed(&mut c, f.vocab, "</think>Let me look. <tool_call>\n{\"");
-    assert!(
-        !allowed(&mut c, f.vocab, b'x' as u32),
-        "engaged after the reasoning"
-    );
+    let g = f.auto_calls(&tools(), CallFormat::Hermes);
+    let mut s = f
+        .seq(g, Some(true), CallFormat::Hermes)
+        .thinking(&f, ThinkStart::MayOpen, None);
+    s.feed("<think>maybe <tool_call>\n{\"x");
+    assert!(s.allows_byte(b'y'), "reasoning is free text");
+    s.feed("</think>Let me look. <tool_call>\n{\"");
+    assert!(!s.allows_byte(b'x'), "engaged after the reasoning");
 }
