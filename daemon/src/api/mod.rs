@@ -76,6 +76,9 @@ pub struct AppState {
     pub tool_limits: tools::ToolLimits,
     /// Clamp `max_tokens` to what fits the context instead of refusing the request.
     pub clamp_max_tokens: bool,
+    /// Reasoning budget of requests that give no `thinking_token_budget` (`--reasoning-budget`);
+    /// `None`: unrestricted.
+    pub default_thinking_budget: Option<usize>,
     /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.
     pub allowed_origins: Vec<String>,
     /// Prompts are tokenised here, off the async runtime.

@@ -81,7 +81,7 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
         true => thinking_spec(
             grammar.as_ref(),
             prompt_opened_think,
-            req.thinking_token_budget,
+            req.thinking_token_budget.or(state.default_thinking_budget),
             max_tokens,
         ),
         false => None,
@@ -116,8 +116,8 @@ pub fn plan_chat(state: &AppState, mut req: ChatRequest) -> Result<Job, ApiError
 
 /// The reasoning section of a request with a reasoning parser and thinking on. A grammar (forced
 /// calls, JSON, `auto` calls) starts after it; a whole-output one (the answer must come) gets a
-/// default budget of half of `max_tokens`. An explicit `thinking_token_budget` wins, kept under
-/// `max_tokens`. Nothing to gate: None.
+/// default budget of half of `max_tokens`. A budget asked for (the request's `thinking_token_budget`,
+/// else the server's `--reasoning-budget`) wins, kept under `max_tokens`. Nothing to gate: None.
 fn thinking_spec(
     grammar: Option<&GrammarUse>,
     prompt_opened_think: bool,

@@ -42,6 +42,23 @@ pub fn thinking_off(prompt: &str, enable_thinking: Option<bool>) -> bool {
     enable_thinking == Some(false) || prompt.trim_end().ends_with(THINK_CLOSE)
 }
 
+/// The server's reasoning budget (`--reasoning-budget`, as llama.cpp's): `-1` unrestricted (`None`),
+/// `0` ends reasoning at once, `N` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReasoningBudget(pub Option<usize>);
+
+impl std::str::FromStr for ReasoningBudget {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "-1" => Ok(Self(None)),
+            n => n.parse::<usize>().map(|n| Self(Some(n))).map_err(|_| {
+                format!("`{s}` is not a reasoning budget: -1 (unrestricted), 0 (no reasoning) or a number of tokens")
+            }),
+        }
+    }
+}
+
 /// The default reasoning budget of a constrained answer: half of `max_tokens`, so that the answer
 /// keeps at least the other half.
 pub fn constrained_budget(max_tokens: usize) -> usize {
@@ -300,6 +317,20 @@ mod tests {
             g.advance(1, b"<think></think>"),
             Step::Closed { rest: vec![] }
         );
+    }
+
+    #[test]
+    fn the_server_budget_reads_as_llama_cpp_writes_it() {
+        let parse = |s: &str| s.parse::<ReasoningBudget>();
+        assert_eq!(parse("-1"), Ok(ReasoningBudget(None)));
+        assert_eq!(parse("0"), Ok(ReasoningBudget(Some(0))));
+        assert_eq!(parse("512"), Ok(ReasoningBudget(Some(512))));
+        for bad in ["-2", "x", "1.5", ""] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        // 0 ends the reasoning at once
+        let mut g = gate(ThinkStart::Inside, Some(0));
+        assert_eq!(g.forced(), Some(900));
     }
 
     #[test]

@@ -87,6 +87,12 @@ pub struct ServeArgs {
     /// Split `<think>…</think>` into `reasoning_content`: auto (when the vocabulary has `</think>`), on, off.
     #[arg(long, default_value = "auto")]
     pub reasoning_parser: String,
+    /// Reasoning tokens a request may spend before the server writes `</think>` for the model, when the
+    /// request gives no `thinking_token_budget` (which wins): -1 unrestricted (the default; constrained
+    /// answers still get half of max_tokens), 0 ends reasoning at once, N > 0 a budget (llama.cpp's
+    /// `--reasoning-budget`).
+    #[arg(long, default_value = "-1", allow_negative_numbers = true)]
+    pub reasoning_budget: api::thinking::ReasoningBudget,
     /// Special-token strings typed in chat messages and tools: `parse` turns them into control tokens
     /// (vLLM's behaviour; a user can then open a system turn), `text` tokenises them as the text they
     /// are while the template's own markers stay control tokens.
@@ -382,6 +388,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "auto" => tokenizer.token_to_id("</think>").is_some(),
         other => bail!("--reasoning-parser must be auto, on or off, got {other}"),
     };
+    if args.reasoning_budget.0.is_some() && !reasoning {
+        tracing::warn!("--reasoning-budget has no effect: the reasoning parser is off (--reasoning-parser on turns it on)");
+    }
     let metrics = Arc::new(Metrics::new()?);
     let sampling_defaults = sampling_defaults(&args)?;
     let structured = structured_outputs(&tokenizer);
@@ -429,6 +438,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         deadline_passed,
         sampling_defaults,
         clamp_max_tokens: args.clamp_max_tokens,
+        default_thinking_budget: args.reasoning_budget.0,
         tool_limits: api::tools::ToolLimits::new(
             args.max_tools,
             tokenizer
