@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -93,6 +94,29 @@ GLM_SCRIPT = {
                   + glm_call("get_weather", city="Paris", days=3)},
     ],
 }
+
+
+# The tool most tests call: its enum and bounds show whether the grammar kept the arguments to the schema.
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city"], "additionalProperties": False}}}
+
+
+def chat(server, text, key=API_KEY, max_tokens=120, **kw):
+    """One user turn through the official `openai` client, greedy unless `temperature` is given."""
+    kw.setdefault("temperature", 0)
+    return server.client(api_key=key).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], max_tokens=max_tokens, **kw)
+
+
+def check_calls(calls, tools):
+    """Every call names one of `tools` and its arguments validate against that tool's schema."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
 
 
 class RawResponse:
@@ -270,6 +294,28 @@ def glm_tokens(tmp_path_factory):
                d, model=str(model))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def glm_tokens_budget(tmp_path_factory):
+    """The GLM-like vocabulary's scripted model with a server-wide reasoning budget of 40 tokens
+    (`--reasoning-budget`, llama.cpp's flag): 10 of the script's "hmm " words."""
+    d = tmp_path_factory.mktemp("glm_tokens_budget")
+    script = d / "script.json"
+    script.write_text(json.dumps(GLM_SCRIPT))
+    model = glm_tokens_model(d / "model")
+    s = Server(["--scripted-replies", str(script), "--reasoning-parser", "on", "--api-key", API_KEY,
+                "--max-running", "2", "--max-waiting", "4", "--default-temperature", "0",
+                "--reasoning-budget", "40"], d, model=str(model))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["glm_scripted", "glm_tokens"])
+def glm_server(request):
+    """Both GLM-call vocabularies: SmolLM2's, where the tags are text the grammar spells out, and the
+    GLM-like one, where they are single tokens the grammar names."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="session")

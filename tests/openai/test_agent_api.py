@@ -9,30 +9,20 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import API_KEY, raw
+from conftest import API_KEY, CITY_TOOL, chat, raw
+from conftest import check_calls as check_tool_calls
 
-CITY_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"], "additionalProperties": False}}}
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL)}
 
 
 def check_calls(calls):
     """Every call names a known tool and its arguments validate against that tool's schema."""
-    for c in calls:
-        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    check_tool_calls(calls, [CITY_TOOL, TIME_TOOL])
 
 
 def ask(server, text, key=API_KEY, **kw):
-    kw.setdefault("max_tokens", 120)
-    kw.setdefault("temperature", 0)
-    return server.client(api_key=key).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": text}], **kw)
+    return chat(server, text, key=key, **kw)
 
 
 # --- schema-constrained tool calls (scripted model that writes wrong argument names) ---

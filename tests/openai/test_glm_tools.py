@@ -12,15 +12,10 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import API_KEY
+from conftest import API_KEY, CITY_TOOL, chat
+from conftest import check_calls as check_tool_calls
 from test_pi_agent import PI, Recorder, run_pi, tool_calls_of
 
-CITY_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"], "additionalProperties": False}}}
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
                                        "required": ["tz"]}}}
@@ -29,7 +24,6 @@ BOOK_TOOL = {"type": "function", "function": {
         "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
         "day": {"type": "string", "format": "date"}},
         "required": ["code", "day"], "additionalProperties": False}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL, BOOK_TOOL)}
 
 
 # RFC 3339's full-date (what JSON Schema's `date` format is). Python's `date.fromisoformat` would
@@ -38,22 +32,16 @@ RFC3339_DATE = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])")
 
 
 def check_calls(calls):
-    for c in calls:
-        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    check_tool_calls(calls, [CITY_TOOL, TIME_TOOL, BOOK_TOOL])
 
 
 def ask(server, text, **kw):
     kw.setdefault("max_tokens", 200)
-    kw.setdefault("temperature", 0)
-    return server.client(api_key=API_KEY).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": text}], **kw)
+    return chat(server, text, **kw)
 
 
-# Two vocabularies: SmolLM2's, where the tags are text the grammar spells out, and a GLM-like one (on the
-# glm4_moe fixture) where they are single tokens the grammar names.
-@pytest.fixture(params=["glm_scripted", "glm_tokens"])
-def glm_server(request):
-    return request.getfixturevalue(request.param)
+# `glm_server` (conftest) runs each test on two vocabularies: SmolLM2's, where the tags are text the
+# grammar spells out, and a GLM-like one (on the glm4_moe fixture) where they are single tokens.
 
 
 # --- the official openai client ---

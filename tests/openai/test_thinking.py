@@ -1,8 +1,8 @@
 """Reasoning before a constrained answer, as vLLM does with a reasoning parser and structured outputs:
 with `tool_choice` required / named or `response_format` json_schema, a reasoning model first thinks
 (`reasoning_content`), then the grammar takes over after `</think>`; the reasoning is bounded (half of
-`max_tokens` by default, `thinking_token_budget` when given), and `enable_thinking: false` leaves no
-room for it. Through the official `openai` client, LangChain and the OpenAI Agents SDK, on the scripted
+`max_tokens` by default, `thinking_token_budget` when given, else the server's `--reasoning-budget`),
+and `enable_thinking: false` leaves no room for it. Through the official `openai` client, LangChain and the OpenAI Agents SDK, on the scripted
 test model: SmolLM2's vocabulary with Hermes calls (Qwen3's layout) and the GLM-like vocabulary with
 GLM's XML calls."""
 import json
@@ -11,22 +11,16 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from conftest import API_KEY
+from conftest import API_KEY, CITY_TOOL
+from conftest import chat as one_turn
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"], "additionalProperties": False}}}
+WEATHER = CITY_TOOL
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def chat(server, text, **kw):
     kw.setdefault("max_tokens", 200)
-    kw.setdefault("temperature", 0)
-    return server.client(api_key=API_KEY).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": text}], **kw)
+    return one_turn(server, text, **kw)
 
 
 def reasoning_of(message):
@@ -51,11 +45,6 @@ def test_forced_hermes_call_after_thinking(scripted, choice):
     assert the_call(ch) == {"city": "Paris", "days": 3}
     assert "call the tool" in reasoning_of(ch.message)
     assert not (ch.message.content or "").strip()
-
-
-@pytest.fixture(params=["glm_scripted", "glm_tokens"])
-def glm_server(request):
-    return request.getfixturevalue(request.param)
 
 
 def test_forced_glm_call_after_thinking(glm_server):
@@ -99,6 +88,26 @@ def test_thinking_token_budget_bounds_plain_answers_too(glm_tokens):
     r = chat(glm_tokens, "ponder at length", max_tokens=300)
     assert r.choices[0].finish_reason == "length"
     assert reasoning_of(r.choices[0].message).count("hmm") > 5 * 10
+
+
+def test_server_reasoning_budget_bounds_requests_that_give_none(glm_tokens_budget):
+    # --reasoning-budget 40: 10 "hmm " words of 4 byte tokens, then the script's call as the answer
+    r = chat(glm_tokens_budget, "ponder at length", max_tokens=300)
+    m = r.choices[0].message
+    assert reasoning_of(m).count("hmm") == 10
+    assert "<tool_call>get_weather" in (m.content or "")
+    assert r.choices[0].finish_reason == "stop"
+    # the request's own budget wins, smaller or larger
+    for budget, words in ((20, 5), (80, 20), (0, 0)):
+        r = chat(glm_tokens_budget, "ponder at length", max_tokens=300,
+                 extra_body={"thinking_token_budget": budget})
+        assert reasoning_of(r.choices[0].message).count("hmm") == words, budget
+    # a forced call keeps the server's budget (not half of max_tokens) and still arrives
+    r = chat(glm_tokens_budget, "ponder at length", tools=[WEATHER], tool_choice="required",
+             parallel_tool_calls=False, max_tokens=200)
+    ch = r.choices[0]
+    assert the_call(ch) == {"city": "Lyon", "days": 2}
+    assert reasoning_of(ch.message).count("hmm") == 10
 
 
 def test_enable_thinking_false_leaves_no_room_to_think(glm_server):
