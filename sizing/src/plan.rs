@@ -426,7 +426,9 @@ pub fn plan_with(
         ExpertsChoice::Auto => fit,
         ExpertsChoice::PerLayer(n) => {
             let n = n.min(experts);
-            if n > fit {
+            // By the total, not the count: where pins decide whole layers, any count gives the
+            // same total, and `fit` is the smallest such count.
+            if total_for(n) > total_for(fit) {
                 return Err(PlanError::ExpertsDoNotFit {
                     asked: n,
                     need_mib: (total_for(n) * each).div_ceil(MIB),

@@ -220,6 +220,37 @@ fn pinned_experts_count_on_top_of_the_per_layer_fill() {
 }
 
 #[test]
+fn a_count_that_pins_already_hold_is_planned_as_without_pins() {
+    // Rules pinning exactly the lowest N of every layer to the GPU and the rest to DRAM (what
+    // `uniform` places): asking N plans the same bytes and experts as asking N without rules.
+    let q = known("qwen3-30b-a3b");
+    let mut i = serving(48 * 1024, 32768, 2);
+    let free = choose(&q, &i).unwrap();
+    let n = free.gpu_experts_per_layer;
+    assert!(n > 0 && n < 128, "{n}");
+    i.experts = ExpertsChoice::PerLayer(n);
+    let asked = choose(&q, &i).unwrap();
+    i.pins = vec![
+        LayerPins {
+            gpu: n,
+            dram: 128 - n
+        };
+        q.moe_layers() as usize
+    ];
+    let pinned = choose(&q, &i).unwrap();
+    assert_eq!(pinned.gpu_experts_per_layer, n);
+    assert_eq!(pinned.gpu_experts_total, asked.gpu_experts_total);
+    assert_eq!(pinned.total(), asked.total());
+    // a count above what the pins hold still has to fit
+    i.pins = vec![LayerPins { gpu: n, dram: 0 }; q.moe_layers() as usize];
+    i.experts = ExpertsChoice::PerLayer(128);
+    assert!(matches!(
+        choose(&q, &i),
+        Err(PlanError::ExpertsDoNotFit { asked: 128, .. })
+    ));
+}
+
+#[test]
 fn live_move_slots_are_planned() {
     let q = known("qwen3-30b-a3b");
     let mut i = serving(80 * 1024, 32768, 2);
