@@ -639,6 +639,10 @@ pub struct HardwareClassStatus {
     /// This class's share of `spec.replicas`.
     pub replicas: i32,
     pub placement: ResolvedPlacementStatus,
+    /// The ConfigMap holding the placement rules written from this class's sizing (mounted into its
+    /// pods, tried after `spec.placement.rules`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement_rules: Option<String>,
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]

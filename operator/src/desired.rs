@@ -72,6 +72,8 @@ impl DesiredState {
                 nodes: class.nodes.clone(),
                 replicas,
                 placement: resolved(&class.sizing),
+                placement_rules: crate::builders::class_rules::class_rules(input, build)
+                    .map(|r| r.config_map_name),
             })
             .collect()
     }
@@ -143,6 +145,7 @@ pub fn compute_desired(
                 .iter()
                 .map(|c| ClassBuild {
                     id: c.id.clone(),
+                    description: c.description.clone(),
                     sizing: c.sizing.clone(),
                     node_affinity: Some(c.key.node_affinity()),
                     nodes: c.nodes.len(),

@@ -94,8 +94,48 @@ def qos_class(pod_spec):
     return "Burstable" if any_set else "BestEffort"
 
 
+CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# core validation.ValidateConfigMap: data and binaryData together at most MaxSecretSize.
+MAX_CONFIG_MAP_BYTES = 1024 * 1024
+
+
+def _config_map(where, obj, out):
+    # core validation.ValidateConfigMap: keys are IsConfigMapKey, the total size is bounded.
+    data = obj.get("data") or {}
+    for k in data:
+        if len(k) > 253 or not CONFIG_MAP_KEY.match(k) or k in (".", "..") or k.startswith(".."):
+            out.append(f"{where}: data key {k!r} is not a valid ConfigMap key (IsConfigMapKey)")
+    size = sum(len(k) + len(v.encode()) for k, v in data.items())
+    if size > MAX_CONFIG_MAP_BYTES:
+        out.append(f"{where}: data is {size} bytes, above the {MAX_CONFIG_MAP_BYTES} a ConfigMap may hold")
+
+
+def _volumes(where, spec, out):
+    # core validation.ValidateVolumes: unique DNS-1123 label names; configMap items with relative
+    # paths and no `..` (validateKeyToPath / validateLocalDescendingPath).
+    names = [v["name"] for v in spec.get("volumes") or []]
+    for n in names:
+        if not DNS1123_LABEL.match(n) or len(n) > 63:
+            out.append(f"{where}: volume name {n!r} is not a DNS-1123 label")
+    for n in {n for n in names if names.count(n) > 1}:
+        out.append(f"{where}: volume {n!r} is declared twice")
+    for v in spec.get("volumes") or []:
+        for item in (v.get("configMap") or {}).get("items") or []:
+            path = item.get("path", "")
+            if not path or path.startswith("/") or ".." in path.split("/"):
+                out.append(f"{where}: volume {v['name']!r} item path {path!r} must be relative without '..'")
+            if not item.get("key"):
+                out.append(f"{where}: volume {v['name']!r} item without a key")
+    # core validation.ValidateVolumeMounts: mount paths unique within a container.
+    for c in (spec.get("initContainers") or []) + spec.get("containers", []):
+        paths = [m["mountPath"] for m in c.get("volumeMounts") or []]
+        for p in {p for p in paths if paths.count(p) > 1}:
+            out.append(f"{where}.{c['name']}: mountPath {p!r} must be unique")
+
+
 def _pod(where, spec, out):
     _affinity(f"{where}.affinity", spec.get("affinity"), out)
+    _volumes(where, spec, out)
     for c in (spec.get("initContainers") or []) + spec.get("containers", []):
         res = c.get("resources") or {}
         requests = res.get("requests") or {}
@@ -157,6 +197,8 @@ def problems(obj):
             w = rules.get("stabilizationWindowSeconds")
             if w is not None and not 0 <= w <= 3600:
                 out.append(f"{where}: {direction}.stabilizationWindowSeconds must be within 0..3600")
+    elif kind == "ConfigMap":
+        _config_map(where, obj, out)
     elif kind == "PodDisruptionBudget":
         if spec.get("minAvailable") is not None and spec.get("maxUnavailable") is not None:
             out.append(f"{where}: minAvailable and maxUnavailable are exclusive")

@@ -190,6 +190,16 @@ class PlanOutputTest(unittest.TestCase):
         bad["spec"]["template"]["spec"]["initContainers"] = [{"name": "fetch", "image": "x"}]
         self.assertTrue(any("exactly one value" in p for p in api_rules.problems(bad)))
         self.assertEqual(api_rules.qos_class(bad["spec"]["template"]["spec"]), "Burstable")
+        twice = json.loads(json.dumps(sts))
+        pod = twice["spec"]["template"]["spec"]
+        pod["volumes"].append(dict(pod["volumes"][0]))
+        pod["containers"][0]["volumeMounts"].append(dict(pod["containers"][0]["volumeMounts"][0], name="tmp"))
+        found = api_rules.problems(twice)
+        self.assertTrue(any("declared twice" in p for p in found), found)
+        self.assertTrue(any("must be unique" in p for p in found), found)
+        cm = next(o for o in self.objects("qwen3-30b-a3b.yaml", "identical-h100") if o["kind"] == "ConfigMap")
+        for bad in ({"a/b.yaml": "x"}, {"..x": "x"}, {"big.yaml": "x" * (1 << 20)}):
+            self.assertTrue(api_rules.problems({**cm, "data": bad}), bad)
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "glm-4.5"}, "spec": {}}
         self.assertTrue(api_rules.problems(svc))
         hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
@@ -221,6 +231,34 @@ class PlanOutputTest(unittest.TestCase):
         experts = {s["metadata"]["name"]: s["spec"]["template"]["spec"]["containers"][0]["args"] for s in sets}
         ws = experts["qwen3-30b-a3b-sm89-24g"]
         self.assertNotEqual(ws[ws.index("--gpu-experts") + 1], "128")
+
+    def test_each_class_reads_its_rule_file_from_its_configmap(self):
+        """Every StatefulSet's class rule file is a key of a ConfigMap in the same output, mounted where
+        the daemon is told to read it, after the deployment's own rules; the text reads (YAML 1.1, as
+        PyYAML) as a list of rules under a comment naming the class."""
+        for (example, fleet) in self.plans:
+            objs = self.objects(example, fleet)
+            maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+            sets = [o for o in objs if o["kind"] == "StatefulSet"]
+            self.assertEqual(len(maps), len(sets), (example, fleet))
+            for sts in sets:
+                with self.subTest(example=example, fleet=fleet, sts=sts["metadata"]["name"]):
+                    pod = sts["spec"]["template"]["spec"]
+                    args = pod["containers"][0]["args"]
+                    files = [args[i + 1] for i, a in enumerate(args) if a == "--placement-rules"]
+                    cls = sts["spec"]["template"]["metadata"]["labels"]["moe.inference.dev/hardware-class"]
+                    self.assertEqual(files[-1], f"/etc/moe/class-rules/{cls}.yaml")
+                    mount = next(m for m in pod["containers"][0]["volumeMounts"]
+                                 if m["mountPath"] == "/etc/moe/class-rules")
+                    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+                    cm = maps[volume["configMap"]["name"]]
+                    self.assertEqual(cm["metadata"]["labels"]["moe.inference.dev/hardware-class"], cls)
+                    text = cm["data"][f"{cls}.yaml"]
+                    self.assertIn(f"node class {cls}:", text.splitlines()[0])
+                    rules = yaml.safe_load(text)
+                    self.assertIsInstance(rules, list)
+                    self.assertTrue(all(set(r) == {"match", "decode"} for r in rules), rules)
+                    self.assertEqual(volume["configMap"]["items"], [{"key": f"{cls}.yaml", "path": f"{cls}.yaml"}])
 
     def test_hpa_example_starts_above_zero(self):
         sts = next(o for o in self.objects("glm-4.5-air.yaml", "identical-h100") if o["kind"] == "StatefulSet")

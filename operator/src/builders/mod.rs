@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod autoscaling;
+pub mod class_rules;
 pub mod network;
 #[cfg(test)]
 mod tests;
@@ -13,7 +14,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{NodeAffinity, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, NodeAffinity, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::DynamicObject;
@@ -68,6 +69,8 @@ pub struct BuildInput {
 pub struct ClassBuild {
     /// DNS-label-safe class id, e.g. `sm89-24g`.
     pub id: String,
+    /// The class's hardware as the labels tell it, e.g. `NVIDIA-H200 (SM 9.0, 143771 MiB, AVX-512)`.
+    pub description: String,
     pub sizing: Sizing,
     pub node_affinity: Option<NodeAffinity>,
     /// Qualifying nodes of the class: the weight of its replica share.
@@ -172,6 +175,9 @@ impl BuildInput {
 pub struct DesiredObjects {
     /// One per hardware class, in the order of `BuildInput::classes`.
     pub statefulsets: Vec<StatefulSet>,
+    /// The placement rule file of each class whose sizing fixed an expert count (mounted into that
+    /// class's pods; see [`class_rules`]).
+    pub class_rules: Vec<ConfigMap>,
     pub service: Service,
     pub headless_service: Service,
     pub pdb: PodDisruptionBudget,
@@ -193,8 +199,17 @@ pub fn desired_objects(input: &BuildInput) -> Result<DesiredObjects, BuildError>
         .zip(input.class_replicas())
         .map(|(class, replicas)| workload::statefulset(input, class, replicas))
         .collect::<Result<Vec<_>, _>>()?;
+    let class_rules = input
+        .classes
+        .iter()
+        .filter_map(|class| {
+            class_rules::class_rules(input, class)
+                .map(|r| class_rules::config_map(input, class, &r))
+        })
+        .collect();
     Ok(DesiredObjects {
         statefulsets,
+        class_rules,
         service: network::service(input),
         headless_service: network::headless_service(input),
         pdb: network::pod_disruption_budget(input),
@@ -240,6 +255,9 @@ impl DesiredObjects {
             out.push(typed(activator)?);
         }
         out.extend([typed(&self.service)?]);
+        for cm in &self.class_rules {
+            out.push(typed(cm)?);
+        }
         for sts in &self.statefulsets {
             out.push(typed(sts)?);
         }

@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Container, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use serde::de::DeserializeOwned;
 
@@ -48,6 +48,7 @@ fn input(resource: MoEDeployment) -> BuildInput {
         namespace: "ai".into(),
         classes: vec![ClassBuild {
             id: "sm90-80g".into(),
+            description: "NVIDIA-H100 (SM 9.0, 81559 MiB, AVX-512)".into(),
             sizing: sizing(),
             node_affinity: None,
             nodes: 1,
@@ -360,6 +361,7 @@ fn every_object_deserializes_into_its_k8s_openapi_type() {
             "HorizontalPodAutoscaler" => {
                 drop(serde_json::from_str::<HorizontalPodAutoscaler>(&text).unwrap())
             }
+            "ConfigMap" => drop(serde_json::from_str::<ConfigMap>(&text).unwrap()),
             other => panic!("unexpected kind {other}"),
         }
         assert!(v["apiVersion"].is_string());
@@ -402,13 +404,18 @@ fn statefulset_names_carry_the_class_and_stay_within_52_characters() {
 
 #[test]
 fn placement_rules_reach_the_daemon() {
-    // no rules: nothing added
+    // no rules of the user's: only the class's own rule file
     let plain = desired_objects(&input(md(QWEN))).unwrap();
     let c = daemon(&plain.statefulsets[0]);
     let args = c.args.as_ref().unwrap();
-    assert!(!args
+    assert!(!args.iter().any(|a| a == "--live-placement"));
+    let files: Vec<&String> = args
         .iter()
-        .any(|a| a == "--placement-rules" || a == "--live-placement"));
+        .zip(args.iter().skip(1))
+        .filter(|(a, _)| *a == "--placement-rules")
+        .map(|(_, f)| f)
+        .collect();
+    assert_eq!(files, ["/etc/moe/class-rules/sm90-80g.yaml"]);
     assert!(!c.env.as_ref().unwrap().iter().any(|e| e.name == RULES_ENV));
 
     let inline = format!(
@@ -425,7 +432,12 @@ fn placement_rules_reach_the_daemon() {
     );
     let args = c.args.as_ref().unwrap();
     assert!(args.contains(&"--live-placement".to_string()));
-    assert!(!args.contains(&"--placement-rules".to_string()));
+    // inline rules travel in the environment, which the daemon tries before any file
+    assert_eq!(
+        args.iter().filter(|a| *a == "--placement-rules").count(),
+        1,
+        "{args:?}"
+    );
 
     let from_map = format!(
         "{QWEN}  placement:\n    rules:\n      configMapRef: {{name: qwen-rules, key: hot.yaml}}\n"
@@ -434,8 +446,11 @@ fn placement_rules_reach_the_daemon() {
     let sts = &objects.statefulsets[0];
     let c = daemon(sts);
     let joined = c.args.as_ref().unwrap().join(" ");
+    // the user's file first, the class's after it
     assert!(
-        joined.contains(&format!("--placement-rules {RULES_MOUNT}/rules.yaml")),
+        joined.contains(&format!(
+            "--placement-rules {RULES_MOUNT}/rules.yaml --placement-rules /etc/moe/class-rules/sm90-80g.yaml"
+        )),
         "{joined}"
     );
     assert!(!c.env.as_ref().unwrap().iter().any(|e| e.name == RULES_ENV));
@@ -500,4 +515,142 @@ fn placement_rules_take_exactly_one_source() {
         errors.iter().any(|e| e.contains("placement.rules.inline")),
         "{errors:?}"
     );
+}
+
+/// The class's rule text for a deployment with `placement` (YAML under `spec.placement`) and
+/// `gpu_experts` of Qwen3-30B-A3B's 128 per layer fitting.
+fn class_rules_of(placement: &str, gpu_experts: u32) -> String {
+    let yaml = format!("{QWEN}  placement:\n{placement}");
+    let mut input = input(md(&yaml));
+    input.classes[0].sizing.gpu_experts_per_layer = Some(gpu_experts);
+    let objects = desired_objects(&input).unwrap();
+    let cm = &objects.class_rules[0];
+    cm.data.as_ref().unwrap()["sm90-80g.yaml"].clone()
+}
+
+/// The rules after the leading comment.
+fn rules_only(text: &str) -> String {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn each_class_gets_a_rule_file_saying_what_its_sizing_decided() {
+    let objects = desired_objects(&input(md(QWEN))).unwrap();
+    assert_eq!(objects.class_rules.len(), 1);
+    let cm = &objects.class_rules[0];
+    assert_eq!(cm.metadata.name.as_deref(), Some("qwen-sm90-80g-placement"));
+    let labels = cm.metadata.labels.as_ref().unwrap();
+    assert_eq!(labels[LABEL_HARDWARE_CLASS], "sm90-80g");
+    assert_eq!(labels[LABEL_DEPLOYMENT], "qwen");
+    assert!(cm.metadata.owner_references.is_some());
+    roundtrip(cm);
+    let text = &cm.data.as_ref().unwrap()["sm90-80g.yaml"];
+    for want in [
+        "# Written by moe-operator for MoEDeployment ai/qwen, node class sm90-80g:",
+        "# NVIDIA-H100 (SM 9.0, 81559 MiB, AVX-512).",
+        "# Sizing (gpuExpertsPerLayer auto): 15 of 128 routed experts per layer on the GPU, 48 MoE layers.",
+        "# CPU: 29 worker threads on 30 whole CPUs; 8Gi DRAM, 48Gi of hugepages-1Gi.",
+        "# Experts: frequency placement picks which experts.",
+    ] {
+        assert!(text.contains(want), "{want:?} not in\n{text}");
+    }
+    // the default strategy (frequency) picks the experts: the rules leave it to it
+    assert_eq!(
+        rules_only(text),
+        "- match: {name: \".*\"}\n  decode: auto\n"
+    );
+
+    // mounted where the daemon is told to read it, and hashed into the pod template
+    let sts = &objects.statefulsets[0];
+    let pod = sts.spec.template.spec.as_ref().unwrap();
+    let volume = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| {
+            v.config_map
+                .as_ref()
+                .is_some_and(|c| c.name == "qwen-sm90-80g-placement")
+        })
+        .expect("class rules volume");
+    let mount = daemon(sts)
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.name == volume.name)
+        .expect("class rules mount");
+    assert_eq!(mount.mount_path, "/etc/moe/class-rules");
+    let annotations = sts
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .annotations
+        .as_ref();
+    let hash = &annotations.unwrap()[class_rules::RULES_HASH_ANNOTATION];
+    assert_eq!(hash.len(), 16);
+
+    // uniform without rules or live placement: the lowest ids pinned, exactly as uniform places them
+    let uniform = class_rules_of("    expertPlacement: uniform\n", 15);
+    assert_eq!(
+        rules_only(&uniform),
+        "- match: {experts: \"0-14\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n"
+    );
+    assert!(uniform.contains("# Experts: these rules pin every routed expert."));
+    assert_eq!(
+        rules_only(&class_rules_of("    expertPlacement: uniform\n", 1)),
+        "- match: {experts: \"0\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n"
+    );
+    // live placement moves experts: nothing pinned
+    let live = class_rules_of(
+        "    expertPlacement: uniform\n    livePlacement: true\n",
+        15,
+    );
+    assert_eq!(
+        rules_only(&live),
+        "- match: {name: \".*\"}\n  decode: auto\n"
+    );
+    assert!(live.contains("live re-placement moves experts"));
+    // the user's rules come first and the daemon refits around them: nothing pinned
+    let user = class_rules_of(
+        "    expertPlacement: uniform\n    rules:\n      inline: \"- match: {layers: 0}\\n  decode: gpu\"\n",
+        15,
+    );
+    assert_eq!(
+        rules_only(&user),
+        "- match: {name: \".*\"}\n  decode: auto\n"
+    );
+    assert!(user.contains("Tried after the deployment's own rules"));
+    // all or none fit: every expert pinned
+    assert_eq!(
+        rules_only(&class_rules_of("    livePlacement: true\n", 128)),
+        "- match: {name: \".*\"}\n  decode: gpu\n"
+    );
+    assert_eq!(
+        rules_only(&class_rules_of("    gpuExpertsPerLayer: 0\n", 0)),
+        "- match: {name: \".*\"}\n  decode: cpu\n"
+    );
+    // same inputs, same text (no node names or counts in it)
+    let mut more_nodes = input(md(QWEN));
+    more_nodes.classes[0].nodes = 7;
+    assert_eq!(
+        desired_objects(&more_nodes).unwrap().class_rules,
+        objects.class_rules
+    );
+}
+
+#[test]
+fn no_class_rules_when_the_expert_count_is_left_to_the_daemon() {
+    let mut input = input(md(QWEN));
+    input.classes[0].sizing.gpu_experts_per_layer = None;
+    let objects = desired_objects(&input).unwrap();
+    assert!(objects.class_rules.is_empty());
+    let args = daemon(&objects.statefulsets[0]).args.clone().unwrap();
+    assert!(!args.contains(&"--placement-rules".to_string()), "{args:?}");
 }

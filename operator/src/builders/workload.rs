@@ -18,6 +18,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use super::class_rules::{class_rules, RULES_HASH_ANNOTATION};
 use super::{BuildError, BuildInput, ClassBuild, HTTP_PORT};
 use crate::crd::{NumaPolicy, DEFAULT_IMAGE};
 use crate::placement::node_facts::RESOURCE_GPU;
@@ -302,6 +303,16 @@ pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> 
     .map(|s| s.to_string())
     .chain(gpu_plan_args(sizing))
     .chain(placement_rule_args(&spec.placement))
+    .chain(
+        class_rules(input, class)
+            .into_iter()
+            .flat_map(|r| ["--placement-rules".to_string(), r.path()]),
+    )
+    .chain(
+        spec.placement
+            .live_placement
+            .then(|| "--live-placement".to_string()),
+    )
     .collect()
 }
 
@@ -329,16 +340,13 @@ const RULES_VOLUME: &str = "placement-rules";
 /// The daemon reads inline rules from this variable (`moe-daemon --placement-rules-yaml`).
 pub const RULES_ENV: &str = "MOE_PLACEMENT_RULES";
 
-/// `--placement-rules` for a ConfigMap's rule file (inline rules travel in [`RULES_ENV`]) and
-/// `--live-placement`.
+/// `--placement-rules` for a ConfigMap's rule file (inline rules travel in [`RULES_ENV`], which the
+/// daemon tries first); the class's own rule file comes after it.
 fn placement_rule_args(p: &crate::crd::PlacementSpec) -> Vec<String> {
     let mut args = Vec::new();
     if p.rules.as_ref().is_some_and(|r| r.config_map_ref.is_some()) {
         args.push("--placement-rules".to_string());
         args.push(format!("{RULES_MOUNT}/rules.yaml"));
-    }
-    if p.live_placement {
-        args.push("--live-placement".to_string());
     }
     args
 }
@@ -512,6 +520,11 @@ pub fn statefulset(
     let (rules_volume, rules_mount, rules_env) = placement_rules_plumbing(&spec.placement);
     volumes.extend(rules_volume);
     mounts.extend(rules_mount);
+    let class_rules = class_rules(input, class);
+    if let Some(r) = &class_rules {
+        volumes.push(r.volume());
+        mounts.push(r.mount());
+    }
     let mut env = vec![EnvVar {
         name: "POD_NAME".into(),
         value: None,
@@ -563,6 +576,10 @@ pub fn statefulset(
         ..Default::default()
     };
 
+    let mut pod_annotations = spec.pod.annotations.clone();
+    if let Some(r) = &class_rules {
+        pod_annotations.insert(RULES_HASH_ANNOTATION.into(), r.hash());
+    }
     let mut pod_labels = spec.pod.labels.clone();
     pod_labels.extend(input.labels());
     pod_labels.extend(input.class_selector_labels(class));
@@ -610,8 +627,7 @@ pub fn statefulset(
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),
-                    annotations: (!spec.pod.annotations.is_empty())
-                        .then(|| spec.pod.annotations.clone()),
+                    annotations: (!pod_annotations.is_empty()).then_some(pod_annotations),
                     ..Default::default()
                 }),
                 spec: Some(pod_spec),

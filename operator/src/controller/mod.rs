@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -152,16 +153,25 @@ pub async fn run_controller(
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
     let client = ctx.client.clone();
-    let (mds, sets): (Api<MoEDeployment>, Api<StatefulSet>) = match &namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client, ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client)),
-    };
+    let (mds, sets, config_maps): (Api<MoEDeployment>, Api<StatefulSet>, Api<ConfigMap>) =
+        match &namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client, ns),
+            ),
+            None => (
+                Api::all(client.clone()),
+                Api::all(client.clone()),
+                Api::all(client),
+            ),
+        };
     let owned = watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
-    let mut controller =
-        Controller::new(mds, watcher::Config::default().any_semantic()).owns(sets, owned);
+    // A class's placement-rule ConfigMap deleted or edited by hand is rewritten at once: its pods
+    // cannot start without it.
+    let mut controller = Controller::new(mds, watcher::Config::default().any_semantic())
+        .owns(sets, owned.clone())
+        .owns(config_maps, owned);
     if let Some(cache) = &ctx.nodes {
         // A node joining, leaving or changing labels/taints/allocatable can change every placement.
         controller = controller.reconcile_all_on(cache.triggers());

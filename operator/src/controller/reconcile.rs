@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -245,23 +245,24 @@ async fn apply_statefulset(
         .map_err(|e| apply_error(&what, e))
 }
 
-/// Deletes the StatefulSets this MoEDeployment controls that are no longer desired: a hardware
-/// class that left the cluster, or the single `<name>` StatefulSet of older versions.
-async fn delete_stale_statefulsets(
-    api: &Api<StatefulSet>,
-    md: &MoEDeployment,
-    desired: &[StatefulSet],
-) -> Result<(), ApplyError> {
+/// Deletes the objects of one kind this MoEDeployment controls that are no longer desired: e.g. the
+/// StatefulSet and placement-rule ConfigMap of a hardware class that left the cluster, or the single
+/// `<name>` StatefulSet of older versions.
+async fn delete_stale<K>(api: &Api<K>, md: &MoEDeployment, desired: &[K]) -> Result<(), ApplyError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let kind = K::kind(&());
     let selector = format!("{LABEL_DEPLOYMENT}={}", md.name_any());
     let listed = api
         .list(&ListParams::default().labels(&selector))
         .await
-        .map_err(|e| apply_error("StatefulSet list", e))?;
+        .map_err(|e| apply_error(&format!("{kind} list"), e))?;
     let keep: Vec<String> = desired.iter().map(|s| s.name_any()).collect();
-    for sts in listed.items {
-        let name = sts.name_any();
-        if !keep.contains(&name) && controlled_by(sts.meta(), md) {
-            delete_if_owned(api, &name, md, &format!("StatefulSet/{name}")).await?;
+    for obj in listed.items {
+        let name = obj.name_any();
+        if !keep.contains(&name) && controlled_by(obj.meta(), md) {
+            delete_if_owned(api, &name, md, &format!("{kind}/{name}")).await?;
         }
     }
     Ok(())
@@ -324,12 +325,26 @@ async fn apply_objects(
     if objects.backend_service.is_none() {
         delete_if_owned(&services, &backend, md, &format!("Service/{backend}")).await?;
     }
+    // Each class's placement rules before the StatefulSet whose pods mount them.
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    for cm in &objects.class_rules {
+        let cm_name = cm.name_any();
+        apply_owned(
+            &config_maps,
+            &cm_name,
+            cm,
+            md,
+            &format!("ConfigMap/{cm_name}"),
+        )
+        .await?;
+    }
     let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
     let mut applied = Vec::with_capacity(objects.statefulsets.len());
     for desired in &objects.statefulsets {
         applied.push(apply_statefulset(ctx, &sts_api, md, desired).await?);
     }
-    delete_stale_statefulsets(&sts_api, md, &objects.statefulsets).await?;
+    delete_stale(&sts_api, md, &objects.statefulsets).await?;
+    delete_stale(&config_maps, md, &objects.class_rules).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), namespace);
     apply_owned(
         &pdbs,
