@@ -207,13 +207,29 @@ async fn fewer_replicas_than_classes_go_to_the_classes_with_more_gpu_experts() {
 
 #[tokio::test]
 async fn a_class_leaving_the_cluster_loses_its_statefulset() {
+    const CM: &str = "/api/v1/namespaces/ai/configmaps/";
     let (fake, ctx) = setup(3);
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert!(fake.get(&format!("{STS}qwen-sm89-24g")).is_some());
+    // each class's placement rules, in a ConfigMap the operator owns
+    let rules = fake
+        .get(&format!("{CM}qwen-sm89-24g-placement"))
+        .expect("the class's rule file");
+    assert!(rules["data"]["sm89-24g.yaml"]
+        .as_str()
+        .unwrap()
+        .starts_with("# Written by moe-operator for MoEDeployment ai/qwen, node class sm89-24g:"));
+    assert_eq!(
+        rules["metadata"]["ownerReferences"][0]["kind"],
+        "MoEDeployment"
+    );
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(fake.client());
     nodes.delete("ws-4090", &Default::default()).await.unwrap();
     reconcile(current(&fake), ctx.clone()).await.unwrap();
     assert!(fake.get(&format!("{STS}qwen-sm89-24g")).is_none());
+    // its rule file goes with it; the other classes keep theirs
+    assert!(fake.get(&format!("{CM}qwen-sm89-24g-placement")).is_none());
+    assert!(fake.get(&format!("{CM}qwen-sm90-140g-placement")).is_some());
     // The other classes keep their StatefulSets and now share the three replicas.
     let total: i64 = ["qwen-sm120-96g-amx", "qwen-sm90-140g"]
         .iter()
