@@ -96,6 +96,27 @@ pub fn selection_stride(ix: &IndexerConfig) -> usize {
     (ix.topk / unit) * unit + unit
 }
 
+/// Values (f32-sized; bf16 ones counted whole, an upper bound) per step row of [`HybridBufs`], score
+/// rows not included: what the memory plan budgets per row of each batch-size class.
+pub fn step_row_values(cfg: &ModelConfig) -> usize {
+    let hd = cfg.hidden_size;
+    let mut v = 3 + 2; // segment index (row0, len, seg_of_row) and a state-table address per row
+    if let Some(h) = cfg.hyper {
+        v += h.mult * hd + mix_width(h.mult) + (2 + h.mult) * h.mult;
+    }
+    if let Some(la) = cfg.linear_attention {
+        let w = la.qkv_dim();
+        // raw, mixed; mid f32 + bf16 (rank = head_dim); g, gate, core, normed; beta
+        v += 6 * w + 2 * la.head_dim + 4 * w + la.num_heads;
+    }
+    if let Some(ix) = &cfg.indexer {
+        let (nh, d) = (ix.n_heads, ix.head_dim);
+        // h32, hb; q, key, weights, gate; selection lists and lengths
+        v += 2 * hd + nh * d + 2 * d + nh + selection_stride(ix) + 1;
+    }
+    v
+}
+
 impl GpuModel {
     /// Hybrid buffers for `rows` rows and `seqs` sequences; `score_positions`: the positions the decode
     /// class's score rows cover (0 for the large class).
