@@ -246,16 +246,19 @@ extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, con
 
 #define HC_MAX_M 8
 
-// x[t] = streams[t][c] for every stream. grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_broadcast(const float* x, int m, int hidden, float* streams) {
+// The element-wise stream kernels share one signature (m, hidden, input, second input or null, output)
+// and one launch shape. grid: (rows, ceil(hidden / 256)); block 256.
+
+// streams[t][i][c] = x[t][c] for every stream i.
+extern "C" __global__ void hc_broadcast(int m, int hidden, const float* x, const float* unused, float* streams) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     float v = x[(size_t)t * hidden + c];
     for (int i = 0; i < m; ++i) streams[((size_t)t * m + i) * hidden + c] = v;
 }
 
-// x[t][c] = mean over streams (the hyper head). grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_mean(const float* streams, int m, int hidden, float* x) {
+// x[t][c] = mean over streams (the hyper head).
+extern "C" __global__ void hc_mean(int m, int hidden, const float* streams, const float* unused, float* x) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     float a = 0.f;
@@ -325,8 +328,8 @@ extern "C" __global__ void hc_collapse(const float* streams, const float* proj_o
 }
 
 // New streams after a block: y = x - sum pre_i s_i (x holds the block input plus the block's output),
-// s'_j = post_j y + sum_i comb[i][j] s_i. grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_expand(float* streams, const float* x, const float* mix, int m, int hidden) {
+// s'_j = post_j y + sum_i comb[i][j] s_i, in place.
+extern "C" __global__ void hc_expand(int m, int hidden, const float* x, const float* mix, float* streams) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     const float* mt = mix + (size_t)t * (2 * m + m * m);
