@@ -67,6 +67,11 @@ pub struct HybridShape {
     /// f32-sized values per step row of the hybrid step buffers (residual streams, linear-attention
     /// intermediates, indexer projections and selection), score rows not included.
     pub step_row_values: u64,
+    /// Heads and head width of the linear-attention layers (their projections replace the attention
+    /// shape's in those layers), and the convolution's taps.
+    pub linear_heads: u64,
+    pub linear_head_dim: u64,
+    pub conv_kernel: u64,
 }
 
 impl HybridShape {

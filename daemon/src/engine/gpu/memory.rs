@@ -80,6 +80,9 @@ pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
         indexer_row_floats,
         indexer_unit,
         step_row_values: super::hybrid_bufs::step_row_values(cfg) as u64,
+        linear_heads: cfg.linear_attention.map_or(0, |la| la.num_heads) as u64,
+        linear_head_dim: cfg.linear_attention.map_or(0, |la| la.head_dim) as u64,
+        conv_kernel: cfg.linear_attention.map_or(0, |la| la.conv_kernel) as u64,
     })
 }
 
@@ -305,6 +308,41 @@ mod tests {
             p.gpu_experts_per_layer
         );
         println!("{}", p.describe());
+    }
+
+    /// The plan's attention weights of a hybrid model are what the loaded checkpoint holds: linear
+    /// layers' own projections (q, k, v, the gates' low-rank pairs, β, o) and MLA's in the indexed
+    /// layers, bf16 bytes of every `Linear` (glm5_next fixture: 3 linear, 2 indexed layers).
+    #[test]
+    fn glm53_plan_counts_linear_layer_projections() {
+        use crate::model::{Attention as A, MlaQuery};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let e =
+            crate::engine::Engine::load(&dir, &crate::engine::EngineOptions::default()).unwrap();
+        let bytes = |l: &crate::engine::linear::Linear| (l.out_dim * l.in_dim * 2) as u64;
+        let mut want = 0;
+        for layer in &e.model().layers {
+            want += match &layer.attn {
+                A::Linear(la) => [
+                    &la.q, &la.k, &la.v, &la.f_a, &la.f_b, &la.b, &la.g_a, &la.g_b, &la.o,
+                ]
+                .into_iter()
+                .map(bytes)
+                .sum::<u64>(),
+                A::Mla(m) => {
+                    let q = match &m.q {
+                        MlaQuery::LowRank { a, b, .. } => bytes(a) + bytes(b),
+                        MlaQuery::Direct(l) => bytes(l),
+                    };
+                    q + bytes(&m.kv_a) + bytes(&m.o)
+                }
+                A::Gqa(_) => unreachable!("no GQA layer in GLM-5.3-Flash"),
+            };
+        }
+        let shape = shape_of(e.config(), false, CheckpointFormat::Bf16);
+        let got = moe_sizing::dense_bytes(&shape, moe_sizing::DenseDtype::Bf16, false).attention;
+        assert_eq!(got, want);
     }
 
     /// The sizing crate's alignment rule for quantized widths is the kernels'.
