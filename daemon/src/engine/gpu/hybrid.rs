@@ -1,10 +1,12 @@
 //! What hybrid-attention models (GLM-5.3-Flash, GLM-5) add to a GPU step: the kernels of `hybrid.cu`,
-//! per-layer hyper-connection and indexer weights, and the per-step buffers of both (residual streams,
-//! recurrent-state table, the indexer's selection).
+//! per-layer hyper-connection and indexer weights, and the step's view of its class buffers
+//! (`hybrid_bufs`: residual streams, recurrent-state table, linear-attention and indexer rows).
 //!
 //! How a step uses it (`forward.rs` calls these hooks; layers without hyper-connections skip them):
 //! - [`GpuModel::hybrid_begin_step`]: each sequence's recurrent state made ready (allocated zeroed by its
-//!   first step, zeroed again when it starts over), the embeddings copied into every stream;
+//!   first step, zeroed again when it starts over), the step's segment layout and state addresses
+//!   written into the class buffers (what captured decode graphs read), the embeddings copied into
+//!   every stream;
 //! - per block (attention, FFN): [`GpuModel::hyper_collapse`] writes the block's input into `x`; the
 //!   block adds its output into `x` as for any model; [`GpuModel::hyper_expand`] folds it into the streams;
 //! - [`GpuModel::hyper_head`]: the streams' mean into `x` before the final norm.
