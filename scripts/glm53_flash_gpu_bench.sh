@@ -5,13 +5,15 @@
 # A 4-layer view of the same files (one MoE layer) gives the cost of layers 4-7 by difference; layers
 # 4..44 of the real model follow the same 3 linear : 1 indexed pattern, so full depth is extrapolated as
 # T(45) = T(4) + 41/4 · (T(8) - T(4)).
-# Stage (build machine): .device/moe-daemon (release, stripped); carry .device.
-# Usage there, one phase per call (each < 10 min): bash scripts/glm53_flash_gpu_bench.sh synth|dram|gpu14|small
+# Stage (build machine): .device/moe-daemon (release, stripped; or B=path/to/moe-daemon); carry .device.
+# Usage there, one phase per call (each < 10 min):
+#   bash scripts/glm53_flash_gpu_bench.sh synth|dram|gpu14|small|graphs|graphs-small|clean
+# `graphs` / `graphs-small`: decode only, CUDA graphs on and off (--no-cuda-graphs) at 8 / 4 layers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/glm53-out}; mkdir -p "$OUT"
 M=/tmp/glm53-8; V=/tmp/glm53-4
-B=.device/moe-daemon
+B=${B:-.device/moe-daemon}
 bench() { # label, model, extra args
     local label=$1 model=$2; shift 2
     echo "== $label"
@@ -44,6 +46,14 @@ gpu14) bench "8 layers, 14 GPU experts per layer" "$M" --gpu-experts 14 --prefil
 small)
     bench "4 layers, all routed experts in DRAM" "$V" --gpu-experts 0
     bench "4 layers, 14 GPU experts per layer" "$V" --gpu-experts 14 ;;
+graphs)
+    bench "8 layers, all routed experts in DRAM, CUDA graphs" "$M" --gpu-experts 0
+    bench "8 layers, all routed experts in DRAM, no CUDA graphs" "$M" --gpu-experts 0 --no-cuda-graphs
+    bench "8 layers, 14 GPU experts per layer, CUDA graphs" "$M" --gpu-experts 14 ;;
+graphs-small)
+    bench "4 layers, all routed experts in DRAM, CUDA graphs" "$V" --gpu-experts 0
+    bench "4 layers, all routed experts in DRAM, no CUDA graphs" "$V" --gpu-experts 0 --no-cuda-graphs
+    bench "4 layers, 14 GPU experts per layer, CUDA graphs" "$V" --gpu-experts 14 ;;
 clean) rm -rf "$M" "$V" ;;
-*) echo "usage: $0 synth|dram|gpu14|small|clean"; exit 2 ;;
+*) echo "usage: $0 synth|dram|gpu14|small|graphs|graphs-small|clean"; exit 2 ;;
 esac

@@ -389,58 +389,73 @@ fn parallel_router_matches_serial_router() {
 #[test]
 fn cuda_graph_decode_matches_eager() {
     for name in ["qwen3_moe", "glm4_moe", "llama", "smallthinker"] {
-        let dir = fixtures().join(name).join("model_bf16");
-        let engine = |graphs: bool| {
-            Engine::load(
-                &dir,
-                &EngineOptions {
-                    cuda_graphs: graphs,
-                    ..gpu(4, PlacementStrategy::Uniform)
-                },
-            )
-            .unwrap()
-        };
-        let (with, without) = (engine(true), engine(false));
-        let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (10..24).collect(), vec![7]];
-        let run = |e: &Engine, batch: &[Vec<u32>]| -> Vec<Vec<f32>> {
-            let mut caches: Vec<_> = batch.iter().map(|_| e.new_cache()).collect();
-            let mut next: Vec<u32> = Vec::new();
-            for (c, p) in caches.iter_mut().zip(batch) {
-                let l = step(e, c, p);
-                next.push(moe_daemon::engine::sampling::argmax(&l) as u32);
-            }
-            let mut all = Vec::new();
-            for _ in 0..20 {
-                let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-                let mut inputs: Vec<SeqInput> = caches
-                    .iter_mut()
-                    .zip(&toks)
-                    .map(|(c, t)| SeqInput {
-                        cache: c,
-                        tokens: t,
-                    })
-                    .collect();
-                let out = e.reserve_and_forward(&mut inputs).unwrap();
-                next = out
-                    .iter()
-                    .map(|l| moe_daemon::engine::sampling::argmax(l) as u32)
-                    .collect();
-                all.extend(out);
-            }
-            all
-        };
-        for batch in [&prompts[..1], &prompts[..]] {
-            let (a, b) = (run(&with, batch), run(&without, batch));
-            assert!(
-                with.cuda_graphs_captured() > 0,
-                "{name}: no CUDA graph was captured (the capture fell back to eager steps)"
-            );
-            assert_eq!(without.cuda_graphs_captured(), 0);
-            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-                let err = rel_l2(x, y);
-                assert!(err <= 1e-5, "{name} batch {} step {i}: {err}", batch.len());
-            }
+        graphs_match_eager(name, 4);
+    }
+}
+
+/// `name`'s fixture with `gpu_experts` GPU experts per layer, graphs on and off: prompts of 3, 14 and 1
+/// tokens, then 20 greedy decode steps, alone and as a batch; asserts that graphs were captured and
+/// every step's logits agree within 1e-5 rel-L2 (prints the largest difference).
+fn graphs_match_eager(name: &str, gpu_experts: usize) {
+    let dir = fixtures().join(name).join("model_bf16");
+    let engine = |graphs: bool| {
+        Engine::load(
+            &dir,
+            &EngineOptions {
+                cuda_graphs: graphs,
+                ..gpu(gpu_experts, PlacementStrategy::Uniform)
+            },
+        )
+        .unwrap()
+    };
+    let (with, without) = (engine(true), engine(false));
+    let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (10..24).collect(), vec![7]];
+    let run = |e: &Engine, batch: &[Vec<u32>]| -> Vec<Vec<f32>> {
+        let mut caches: Vec<_> = batch.iter().map(|_| e.new_cache()).collect();
+        let mut next: Vec<u32> = Vec::new();
+        for (c, p) in caches.iter_mut().zip(batch) {
+            let l = step(e, c, p);
+            next.push(moe_daemon::engine::sampling::argmax(&l) as u32);
         }
+        let mut all = Vec::new();
+        for _ in 0..20 {
+            let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let mut inputs: Vec<SeqInput> = caches
+                .iter_mut()
+                .zip(&toks)
+                .map(|(c, t)| SeqInput {
+                    cache: c,
+                    tokens: t,
+                })
+                .collect();
+            let out = e.reserve_and_forward(&mut inputs).unwrap();
+            next = out
+                .iter()
+                .map(|l| moe_daemon::engine::sampling::argmax(l) as u32)
+                .collect();
+            all.extend(out);
+        }
+        all
+    };
+    for batch in [&prompts[..1], &prompts[..]] {
+        let (a, b) = (run(&with, batch), run(&without, batch));
+        assert!(
+            with.cuda_graphs_captured() > 0,
+            "{name}: no CUDA graph was captured (the capture fell back to eager steps)"
+        );
+        assert_eq!(without.cuda_graphs_captured(), 0);
+        let mut worst = 0f32;
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            let err = rel_l2(x, y);
+            worst = worst.max(err);
+            assert!(err <= 1e-5, "{name} batch {} step {i}: {err}", batch.len());
+        }
+        println!(
+            "{name} graphs vs eager, batch {}, {} GPU experts: {} graphs, worst rel-L2 {worst:.2e}",
+            batch.len(),
+            gpu_experts,
+            with.cuda_graphs_captured()
+        );
     }
 }
 

@@ -4,8 +4,11 @@
 //! usable       = USABLE_FRACTION × budget            (the rest: CUDA context, cuBLAS, allocator slack)
 //! fixed        = dense weights (by dtype) + embeddings (unless in host memory) + activations
 //!                + dequantization scratch + layerwise-prefill staging + CUDA graph buffers
+//!                + recurrent states (linear-attention models: one per sequence of a step)
 //! KV           = target tokens if they fit beside `fixed`, else at least min tokens (one
-//!                --max-model-len sequence), else the plan is refused
+//!                --max-model-len sequence), else the plan is refused; per position: K/V rows of
+//!                the layers that keep them, indexer key rows, and (CUDA graphs) the decode
+//!                buffers' indexer score columns, which cover every position of the pool
 //! GPU experts  = auto: ⌊(usable − fixed − KV) / (moe_layers × expert bytes)⌋ per layer, or the count asked;
 //!                a layer with more placement-rule GPU pins than that keeps them all (`gpu_experts_total`)
 //! KV (auto)    = then grows into what is left, up to max tokens
@@ -345,7 +348,19 @@ pub fn step_buffer_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
     } else {
         0
     };
-    tokens * per_token + logits + prefill_attn
+    // hybrid models: streams, linear-attention and indexer rows of the step (score rows: `plan_with`)
+    let hybrid = shape.hybrid.as_ref().map_or(0, |hy| hy.step_row_values * 4);
+    tokens * (per_token + hybrid) + logits + prefill_attn
+}
+
+/// KV bytes per position of the pool: the cache rows at bf16, and with CUDA graphs the decode buffers'
+/// indexer score columns (their rows cover every position the pool holds).
+pub fn kv_bytes_per_position(shape: &ModelShape, cuda_graphs: bool) -> u64 {
+    let scores = match (&shape.hybrid, cuda_graphs) {
+        (Some(hy), true) if hy.indexer_unit > 0 => (GRAPH_ROWS * 4).div_ceil(hy.indexer_unit),
+        _ => 0,
+    };
+    shape.kv_bytes_per_token(KV_ELEM_BYTES) + scores
 }
 
 /// The plan for fixed choices of dense dtype and embedding home.
@@ -369,7 +384,16 @@ pub fn plan_with(
         DEQUANT_SCRATCH_BYTES
     };
     let moves = live_move_bytes(shape.gpu_expert_bytes(), inputs.move_slots);
-    let work = steps + graphs + scratch + inputs.stream_staging_bytes + moves;
+    // Linear-attention models: each sequence of a step holds its recurrent state on the GPU; the
+    // indexer of a large step scores up to one longest sequence's context per row.
+    let (states, scores) = shape.hybrid.as_ref().map_or((0, 0), |hy| {
+        (
+            hy.state_bytes(inputs.max_step_seqs),
+            hy.score_bytes(inputs.max_step_tokens, inputs.kv.min_tokens),
+        )
+    });
+    let steps = steps + scores;
+    let work = steps + graphs + scratch + inputs.stream_staging_bytes + moves + states;
     let fixed = dense.total() + work;
     let embed_note = if host_embeddings {
         ", embeddings in host memory"
@@ -385,7 +409,7 @@ pub fn plan_with(
             usable_mib: usable / MIB,
         });
     }
-    let kv_token = shape.kv_bytes_per_token(KV_ELEM_BYTES);
+    let kv_token = kv_bytes_per_position(shape, inputs.cuda_graphs);
     let kv_bytes = |tokens: u64| tokens.div_ceil(KV_BLOCK) * KV_BLOCK * kv_token;
     let left = usable - fixed;
     let kv_reserved = if kv_bytes(inputs.kv.target_tokens) <= left {
@@ -523,9 +547,13 @@ pub fn plan_with(
             what: "KV cache",
             bytes: kv_bytes(kv_tokens),
             why: format!(
-                "{kv_tokens} positions × {} KiB (bf16 K/V, {} layers); at least {}",
+                "{kv_tokens} positions × {} KiB (bf16 K/V, {} layers{}); at least {}",
                 kv_token / 1024,
-                shape.layers,
+                shape.layers - shape.hybrid.as_ref().map_or(0, |h| h.linear_layers),
+                match &shape.hybrid {
+                    Some(h) if h.indexer_layers > 0 => ", f32 indexer rows",
+                    _ => "",
+                },
                 inputs.kv.min_tokens
             ),
         },
@@ -545,6 +573,15 @@ pub fn plan_with(
             } else {
                 "off".into()
             },
+        },
+        PlanItem {
+            what: "recurrent states",
+            bytes: states,
+            why: format!(
+                "{} sequences × {} linear-attention layers, f32",
+                inputs.max_step_seqs,
+                shape.hybrid.as_ref().map_or(0, |h| h.linear_layers)
+            ),
         },
         PlanItem {
             what: "dequant scratch",

@@ -50,6 +50,45 @@ pub enum CheckpointFormat {
     },
 }
 
+/// What hybrid-attention models (GLM-5.3-Flash, GLM-5) keep beyond the KV rows of their attention
+/// layers: linear-attention layers have no KV rows but a fixed recurrent state per running sequence,
+/// and layers with a sparse-attention indexer keep its key rows (f32) per position.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HybridShape {
+    /// Linear-attention layers (no KV rows).
+    pub linear_layers: u64,
+    /// f32 values of one sequence's recurrent state in one linear layer (matrices and convolution tail).
+    pub state_floats: u64,
+    /// Layers that run their own indexer, and the f32 values of one position's indexer row.
+    pub indexer_layers: u64,
+    pub indexer_row_floats: u64,
+    /// Positions per indexer candidate (the key pool; 1 for per-token keys, 0 without an indexer).
+    pub indexer_unit: u64,
+    /// f32-sized values per step row of the hybrid step buffers (residual streams, linear-attention
+    /// intermediates, indexer projections and selection), score rows not included.
+    pub step_row_values: u64,
+    /// Heads and head width of the linear-attention layers (their projections replace the attention
+    /// shape's in those layers), and the convolution's taps.
+    pub linear_heads: u64,
+    pub linear_head_dim: u64,
+    pub conv_kernel: u64,
+}
+
+impl HybridShape {
+    /// Bytes of every running sequence's recurrent state, `seqs` sequences.
+    pub fn state_bytes(&self, seqs: u64) -> u64 {
+        seqs * self.linear_layers * self.state_floats * 4
+    }
+
+    /// Bytes of indexer score rows for `rows` query rows over a context of `positions` positions.
+    pub fn score_bytes(&self, rows: u64, positions: u64) -> u64 {
+        if self.indexer_unit == 0 {
+            return 0;
+        }
+        rows * (positions / self.indexer_unit) * 4
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelShape {
     pub hidden: u64,
@@ -61,6 +100,8 @@ pub struct ModelShape {
     pub dense_intermediate: u64,
     pub moe: Option<Moe>,
     pub checkpoint: CheckpointFormat,
+    /// Linear attention and the indexer's rows (hybrid-attention models); `None` for the others.
+    pub hybrid: Option<HybridShape>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -139,6 +180,7 @@ impl ModelShape {
             dense_intermediate: num(v, "intermediate_size").unwrap_or(0),
             moe,
             checkpoint,
+            hybrid: None,
         })
     }
 
@@ -156,10 +198,14 @@ impl ModelShape {
         }
     }
 
-    /// KV cache bytes per token of context, all layers, at `elem_bytes` per cached value.
+    /// KV cache bytes per token of context, all layers, at `elem_bytes` per cached value: K and V (or
+    /// MLA's latent and rope key) of every layer that keeps rows, plus the indexer's f32 key rows.
     pub fn kv_bytes_per_token(&self, elem_bytes: u64) -> u64 {
         let (k, v) = self.kv_widths();
-        self.layers * (k + v) * elem_bytes
+        let (linear, indexer) = self.hybrid.as_ref().map_or((0, 0), |h| {
+            (h.linear_layers, h.indexer_layers * h.indexer_row_floats * 4)
+        });
+        (self.layers - linear.min(self.layers)) * (k + v) * elem_bytes + indexer
     }
 
     pub fn moe_layers(&self) -> u64 {

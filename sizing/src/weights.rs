@@ -128,8 +128,26 @@ pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool)
     };
     let moe_layers = shape.moe_layers();
     let dense_layers = shape.layers - moe_layers;
-    b.attention = attn * shape.layers;
-    b.f32_small = (attn_small + 2 * h * 4) * shape.layers + h * 4;
+    // Linear-attention layers (hybrid models) have projections of their own instead.
+    let (linear, linear_attn, linear_small) = match &shape.hybrid {
+        Some(hy) if hy.linear_layers > 0 => {
+            let (w, rank, heads) = (
+                hy.linear_heads * hy.linear_head_dim,
+                hy.linear_head_dim,
+                hy.linear_heads,
+            );
+            // q, k, v stacked; forget and output gates as low-rank pairs (rank = head width); β; o
+            let proj = m(3 * w, h) + 2 * (m(rank, h) + m(w, rank)) + m(heads, h) + m(h, w);
+            // convolution [3w, kernel], dt_bias [w], A_log [heads], o_norm [head width], f32
+            let small = (3 * w * hy.conv_kernel + w + heads + hy.linear_head_dim) * 4;
+            (hy.linear_layers.min(shape.layers), proj, small)
+        }
+        _ => (0, 0, 0),
+    };
+    b.attention = attn * (shape.layers - linear) + linear_attn * linear;
+    b.f32_small = (attn_small + 2 * h * 4) * (shape.layers - linear)
+        + (linear_small + 2 * h * 4) * linear
+        + h * 4;
     let mlp = |inter: u64| m(2 * inter, h) + m(h, inter);
     b.dense_mlp = dense_layers * mlp(shape.dense_intermediate);
     if let Some(moe) = &shape.moe {

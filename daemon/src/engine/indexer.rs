@@ -16,7 +16,8 @@
 //! - [`select`]: projects a step's tokens, stores their indexer rows in the layer's KV blocks
 //!   ([`LayerRows::c`](super::kv::LayerRows), `IndexerConfig::row_width` floats per position, so they
 //!   are shared, copied on write and freed with the MLA latent of the same blocks), and returns a
-//!   [`Selection`],
+//!   [`Selection`]; with key pools, a pool's key is computed once, by the step that writes the pool's
+//!   last position, and kept in place of that position's (no longer needed) gate logits,
 //! - [`Selection::positions`]: what one token attends; layers marked `"shared"` reuse the previous
 //!   selection for the same tokens.
 //!
@@ -182,6 +183,11 @@ pub fn select(
             rows.write_c(slot(table, pos), &row);
         }
     }
+    if let (IndexerPooling::KeyPool { pool }, Some(pw)) = (cfg.pooling, &w.pool) {
+        for (seg, table) in segments.iter().zip(tables) {
+            complete_pools(rows, table, seg.pos0..seg.pos0 + seg.len, pool, d, &pw.ape);
+        }
+    }
     let rows = &*rows;
     let scale = (d as f32).powf(-0.5);
     // Σ_h w_h · relu(q_h · key · scale) for token t.
@@ -197,17 +203,15 @@ pub fn select(
     for (s, seg) in segments.iter().enumerate() {
         let table = tables[s];
         let per_token: Vec<Option<Vec<u32>>> = match (cfg.pooling, &w.pool) {
-            (IndexerPooling::KeyPool { pool }, Some(pw)) => {
-                let keys = pool_keys(rows, table, seg.pos0 + seg.len, pool, d, &pw.ape);
+            (IndexerPooling::KeyPool { pool }, Some(_)) => {
+                // each complete pool's key, in its last slot's gate columns
+                let key = |j: usize| &rows.c_row(slot(table, j * pool + pool - 1))[d..2 * d];
                 (0..seg.len)
                     .into_par_iter()
                     .map(|i| {
                         let (t, pos) = (seg.row0 + i, seg.pos0 + i);
                         let visible = (pos + 1) / pool;
-                        let scores: Vec<f32> = keys[..visible * d]
-                            .chunks(d)
-                            .map(|key| score(t, key))
-                            .collect();
+                        let scores: Vec<f32> = (0..visible).map(|j| score(t, key(j))).collect();
                         let chosen = top_k_ascending(&scores, (cfg.topk / pool).min(visible));
                         let mut list: Vec<u32> = chosen
                             .iter()
@@ -239,32 +243,38 @@ pub fn select(
     Selection { tokens: out }
 }
 
-/// Keys of the complete pools among positions `0..len` (`[len / pool, d]`): per channel, the softmax
-/// over the pool's slots of `gate + ape[slot]` weighs the slots' keys.
-fn pool_keys(
-    rows: &LayerRows,
+/// For each position of `written` that ends a pool (`(p + 1) % pool == 0`): that pool's key, per
+/// channel the softmax over the pool's slots of `gate + ape[slot]` weighing the slots' keys, stored in
+/// the gate columns (`d..2d`) of the pool's last slot. A complete pool's gate logits are not read again,
+/// so each pooled key is computed once per sequence, when its pool gains its last key (the GPU's
+/// `idx_pool_complete` does the same). Every slot of the pool must be written already.
+fn complete_pools(
+    rows: &mut LayerRows,
     table: &[BlockId],
-    len: usize,
+    written: std::ops::Range<usize>,
     pool: usize,
     d: usize,
     ape: &[f32],
-) -> Vec<f32> {
-    let pools = len / pool;
-    let mut keys = vec![0f32; pools * d];
-    keys.par_chunks_mut(d).enumerate().for_each(|(j, key)| {
-        let slots: Vec<&[f32]> = (0..pool)
-            .map(|i| rows.c_row(slot(table, j * pool + i)))
-            .collect();
-        let mut logits = vec![0f32; pool];
-        for (c, out) in key.iter_mut().enumerate() {
-            for (i, r) in slots.iter().enumerate() {
-                logits[i] = r[d + c] + ape[i * d + c];
+) {
+    let mut logits = vec![0f32; pool];
+    for last in written.filter(|p| (p + 1) % pool == 0) {
+        let first = last + 1 - pool;
+        let mut key = vec![0f32; d];
+        {
+            let slots: Vec<&[f32]> = (first..=last).map(|p| rows.c_row(slot(table, p))).collect();
+            for (c, out) in key.iter_mut().enumerate() {
+                for (i, r) in slots.iter().enumerate() {
+                    logits[i] = r[d + c] + ape[i * d + c];
+                }
+                super::ops::softmax(&mut logits);
+                *out = slots.iter().zip(&logits).map(|(r, p)| p * r[c]).sum();
             }
-            super::ops::softmax(&mut logits);
-            *out = slots.iter().zip(&logits).map(|(r, p)| p * r[c]).sum();
         }
-    });
-    keys
+        let at = slot(table, last);
+        let mut row = rows.c_row(at).to_vec();
+        row[d..2 * d].copy_from_slice(&key);
+        rows.write_c(at, &row);
+    }
 }
 
 #[cfg(test)]

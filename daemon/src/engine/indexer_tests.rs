@@ -190,3 +190,204 @@ fn key_pool_indexer_matches_transformers() {
         assert!(e < 1e-4, "query {p}: rel-L2 {e}");
     }
 }
+
+/// The indexer as it was before pooled keys were kept: every step pools every complete pool of each
+/// sequence again from the keys and gate logits of its positions (which this reference keeps in rows of
+/// its own). The reference `select_incremental_pools_matches_recomputing_every_step` compares against.
+#[allow(clippy::too_many_arguments)]
+fn select_recomputing_pools(
+    w: &IndexerWeights,
+    cfg: &IndexerConfig,
+    h: &[f32],
+    q_resid: &[f32],
+    segments: &[Segment],
+    tables: &[&[BlockId]],
+    rows: &mut LayerRows,
+) -> (Selection, Vec<Vec<f32>>) {
+    let IndexerPooling::KeyPool { pool } = cfg.pooling else {
+        unreachable!("a key-pool config")
+    };
+    let pw = w.pool.as_ref().unwrap();
+    let n = segments.iter().map(|s| s.len).sum::<usize>();
+    let (nh, d) = (cfg.n_heads, cfg.head_dim);
+    let q = w.wq_b.forward(q_resid, n);
+    let mut k = w.wk.forward(h, n);
+    let mut weights = w.weights_proj.forward(h, n);
+    let head_weight = (nh as f32).powf(-0.5);
+    weights.iter_mut().for_each(|x| *x *= head_weight);
+    let gate = pw.gate.forward(h, n);
+    let mut row = vec![0f32; 2 * d];
+    for (seg, table) in segments.iter().zip(tables) {
+        for i in 0..seg.len {
+            let (t, pos) = (seg.row0 + i, seg.pos0 + i);
+            let kt = &mut k[t * d..(t + 1) * d];
+            layer_norm(kt, &w.k_norm_weight, &w.k_norm_bias, K_NORM_EPS);
+            row[..d].copy_from_slice(kt);
+            row[d..].copy_from_slice(&gate[t * d..(t + 1) * d]);
+            rows.write_c(slot(table, pos), &row);
+        }
+    }
+    let scale = (d as f32).powf(-0.5);
+    let score = |t: usize, key: &[f32]| -> f32 {
+        (0..nh)
+            .map(|hh| {
+                let s = dot(&q[(t * nh + hh) * d..(t * nh + hh + 1) * d], key) * scale;
+                weights[t * nh + hh] * s.max(0.0)
+            })
+            .sum()
+    };
+    let (mut out, mut all_keys) = (Vec::new(), Vec::new());
+    for (seg, table) in segments.iter().zip(tables) {
+        let pools = (seg.pos0 + seg.len) / pool;
+        let mut keys = vec![0f32; pools * d];
+        for (j, key) in keys.chunks_mut(d).enumerate() {
+            let slots: Vec<&[f32]> = (0..pool)
+                .map(|i| rows.c_row(slot(table, j * pool + i)))
+                .collect();
+            let mut logits = vec![0f32; pool];
+            for (c, o) in key.iter_mut().enumerate() {
+                for (i, r) in slots.iter().enumerate() {
+                    logits[i] = r[d + c] + pw.ape[i * d + c];
+                }
+                crate::engine::ops::softmax(&mut logits);
+                *o = slots.iter().zip(&logits).map(|(r, p)| p * r[c]).sum();
+            }
+        }
+        for i in 0..seg.len {
+            let (t, pos) = (seg.row0 + i, seg.pos0 + i);
+            let visible = (pos + 1) / pool;
+            let scores: Vec<f32> = keys[..visible * d].chunks(d).map(|k| score(t, k)).collect();
+            let chosen = top_k_ascending(&scores, (cfg.topk / pool).min(visible));
+            let mut list: Vec<u32> = chosen
+                .iter()
+                .flat_map(|&j| j as usize * pool..(j as usize + 1) * pool)
+                .map(|p| p as u32)
+                .collect();
+            list.extend((visible * pool..=pos).map(|p| p as u32));
+            out.push(Some(list));
+        }
+        all_keys.push(keys);
+    }
+    (Selection::from_lists(out), all_keys)
+}
+
+/// Pooled keys kept per sequence (computed once, when a pool completes, and stored in the pool's last
+/// slot) select exactly what recomputing every pool at every step selected, and the kept keys are
+/// bit-identical to the recomputed ones: two sequences through non-contiguous blocks, prefill chunks
+/// that end inside and on pool boundaries, a step holding a chunk of one and a decode token of the
+/// other, then decode steps past the top-k budget (so the selection really chooses).
+#[test]
+fn select_incremental_pools_matches_recomputing_every_step() {
+    use crate::engine::kv::BLOCK;
+    use crate::model::config::IndexerLayer;
+    use crate::weights::{HostData, HostTensor};
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut uni = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let (hidden, q_lora, nh, d, pool) = (24usize, 16usize, 4usize, 8usize, 4usize);
+    let mut linear = |out: usize, inp: usize| {
+        Linear::new(
+            HostTensor {
+                shape: vec![out, inp],
+                data: HostData::F32((0..out * inp).map(|_| uni()).collect()),
+            },
+            None,
+        )
+    };
+    let w = IndexerWeights {
+        wq_b: linear(nh * d, q_lora),
+        wk: linear(d, hidden),
+        k_norm_weight: vec![1.0; d],
+        k_norm_bias: vec![0.0; d],
+        weights_proj: linear(nh, hidden),
+        pool: Some(KeyPoolWeights {
+            ape: (0..pool * d).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect(),
+            gate: linear(d, hidden),
+        }),
+    };
+    let cfg = IndexerConfig {
+        n_heads: nh,
+        head_dim: d,
+        topk: 3 * pool,
+        rope_dim: 0,
+        pooling: IndexerPooling::KeyPool { pool },
+        layers: vec![IndexerLayer::Own],
+    };
+    // no rotation (rope_dim 0): the rope is never applied
+    let rope = Rope::new(&crate::model::config::RopeConfig {
+        theta: 10000.0,
+        rotary_dim: 2,
+        style: crate::model::config::RopeStyle::Neox,
+        scaling: crate::model::config::RopeScaling::None,
+    });
+    let tables: [Vec<BlockId>; 2] = [vec![5, 1, 3, 8], vec![2, 7, 0, 4]];
+    // (rows grow with the latent `a`, so it needs a width)
+    let new_rows = || LayerRows {
+        a_width: 1,
+        c_width: cfg.row_width(),
+        ..Default::default()
+    };
+    let (mut kept, mut recomputed) = (new_rows(), new_rows());
+    let mut pos = [0usize; 2];
+    // (tokens of sequence 0, tokens of sequence 1) per step
+    let steps: Vec<(usize, usize)> = [(6, 0), (0, 9), (2, 1), (5, 3), (1, 4)]
+        .into_iter()
+        .chain(std::iter::repeat_n((1, 1), 30))
+        .collect();
+    let mut compared = 0;
+    for (a, b) in steps {
+        let mut segments = Vec::new();
+        let mut seg_tables: Vec<&[BlockId]> = Vec::new();
+        for (s, len) in [(0, a), (1, b)] {
+            if len > 0 {
+                let row0 = segments.iter().map(|g: &Segment| g.len).sum();
+                segments.push(Segment {
+                    row0,
+                    len,
+                    pos0: pos[s],
+                });
+                seg_tables.push(&tables[s]);
+            }
+        }
+        let n = a + b;
+        let h: Vec<f32> = (0..n * hidden).map(|_| uni()).collect();
+        let q_resid: Vec<f32> = (0..n * q_lora).map(|_| uni()).collect();
+        let got = select(
+            &w,
+            &cfg,
+            &rope,
+            &h,
+            &q_resid,
+            &segments,
+            &seg_tables,
+            &mut kept,
+        );
+        let (want, keys) = select_recomputing_pools(
+            &w,
+            &cfg,
+            &h,
+            &q_resid,
+            &segments,
+            &seg_tables,
+            &mut recomputed,
+        );
+        assert_eq!(got, want, "selection at positions {pos:?}");
+        for (seg, (table, keys)) in segments.iter().zip(seg_tables.iter().zip(&keys)) {
+            for (j, key) in keys.chunks(d).enumerate() {
+                let at = slot(table, j * pool + pool - 1);
+                let kept_key = &kept.c_row(at)[d..2 * d];
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(kept_key), bits(key), "pool {j} at {}", seg.pos0);
+            }
+        }
+        compared += got.len();
+        pos[0] += a;
+        pos[1] += b;
+    }
+    assert!(pos.iter().all(|&p| p > 3 * pool + pool && p < 4 * BLOCK));
+    assert!(compared > 60);
+}

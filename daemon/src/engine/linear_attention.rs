@@ -44,15 +44,9 @@ pub fn linear_attention_forward(
         .expect("a linear-attention layer has its config");
     let n = h.len() / cfg.hidden_size;
     let qkv = shape.qkv_dim();
-    let [q, k, v] = super::linear::forward_many([&la.q, &la.k, &la.v], h, n);
+    let qkv_rows = super::linear::forward_many([&la.q, &la.k, &la.v], h, n);
+    // the convolution's outputs `[n, 3·qkv]` (q | k | v per row), read straight from the projections
     let mut mixed = vec![0f32; n * 3 * qkv];
-    for t in 0..n {
-        let row = &mut mixed[t * 3 * qkv..(t + 1) * 3 * qkv];
-        row[..qkv].copy_from_slice(&q[t * qkv..(t + 1) * qkv]);
-        row[qkv..2 * qkv].copy_from_slice(&k[t * qkv..(t + 1) * qkv]);
-        row[2 * qkv..].copy_from_slice(&v[t * qkv..(t + 1) * qkv]);
-    }
-    drop((q, k, v));
     let g = forget_gate(la, &shape, h, n);
     let beta: Vec<f32> = la.b.forward(h, n).into_iter().map(sigmoid).collect();
     let gate = la.g_b.forward(&la.g_a.forward(h, n), n);
@@ -63,12 +57,16 @@ pub fn linear_attention_forward(
             .expect("the engine checks every cache has linear-attention state");
         let rows = seg.row0..seg.row0 + seg.len;
         let x = &mut mixed[rows.start * 3 * qkv..rows.end * 3 * qkv];
-        short_conv(&la.conv, &shape, cfg.activation, x, &mut state.conv);
+        let inputs = qkv_rows
+            .each_ref()
+            .map(|p| &p[rows.start * qkv..rows.end * qkv]);
+        short_conv(&la.conv, &shape, cfg.activation, inputs, &mut state.conv, x);
         let out = &mut core[rows.start * qkv..rows.end * qkv];
         let g = &g[rows.start * qkv..rows.end * qkv];
         let beta = &beta[rows.start * shape.num_heads..rows.end * shape.num_heads];
         delta_rule(&shape, x, g, beta, state, out);
     }
+    drop(qkv_rows);
     gated_rms_norm(&mut core, &gate, &la.o_norm, cfg.rms_norm_eps);
     la.o.forward(&core, n)
 }
@@ -97,32 +95,59 @@ fn forget_gate(
 }
 
 /// Depthwise causal convolution and the model's activation (`hidden_act`: SiLU) over one segment's
-/// `[len, channels]` rows, in place; `tail` holds the `kernel - 1` inputs before the segment (oldest
-/// first) and is advanced to the segment's end.
+/// rows: `inputs` the q, k and v projections `[len, qkv]` each (the channels q | k | v), `out`
+/// `[len, 3·qkv]`; `tail` holds the `kernel - 1` input rows before the segment (oldest first,
+/// `[kernel - 1, 3·qkv]`) and is advanced to the segment's end. Reads the projections and the tail
+/// where they are (a decode step copies nothing but the new tail row).
 fn short_conv(
     weight: &[f32],
     shape: &LinearAttentionConfig,
     act: Activation,
-    x: &mut [f32],
+    inputs: [&[f32]; 3],
     tail: &mut [f32],
+    out: &mut [f32],
 ) {
-    let ch = 3 * shape.qkv_dim();
+    let qkv = shape.qkv_dim();
+    let ch = 3 * qkv;
     let kern = shape.conv_kernel;
     let past = kern - 1;
-    let len = x.len() / ch;
-    // History then segment: [past + len, ch].
-    let mut seq = Vec::with_capacity((past + len) * ch);
-    seq.extend_from_slice(tail);
-    seq.extend_from_slice(x);
-    x.par_chunks_mut(ch).enumerate().for_each(|(t, out)| {
-        for (c, o) in out.iter_mut().enumerate() {
-            let w = &weight[c * kern..(c + 1) * kern];
-            // Output t reads inputs t .. t + kern - 1 of `seq` (the last is token t itself).
-            let acc: f32 = (0..kern).map(|j| w[j] * seq[(t + j) * ch + c]).sum();
-            *o = activate(act, acc);
+    let len = out.len() / ch;
+    // Input row `i` of history-then-segment (`i < past`: the tail), part `p` (q, k, v).
+    fn row<'a>(
+        tail: &'a [f32],
+        inputs: &[&'a [f32]; 3],
+        (past, qkv): (usize, usize),
+        i: usize,
+        p: usize,
+    ) -> &'a [f32] {
+        if i < past {
+            &tail[(i * 3 + p) * qkv..(i * 3 + p + 1) * qkv]
+        } else {
+            &inputs[p][(i - past) * qkv..(i - past + 1) * qkv]
+        }
+    }
+    let history = &*tail;
+    out.par_chunks_mut(ch).enumerate().for_each(|(t, o)| {
+        for (p, o) in o.chunks_mut(qkv).enumerate() {
+            for (cc, o) in o.iter_mut().enumerate() {
+                let c = p * qkv + cc;
+                let w = &weight[c * kern..(c + 1) * kern];
+                // Output t reads input rows t .. t + kern - 1 (the last is token t itself).
+                let acc: f32 = (0..kern)
+                    .map(|j| w[j] * row(history, &inputs, (past, qkv), t + j, p)[cc])
+                    .sum();
+                *o = activate(act, acc);
+            }
         }
     });
-    tail.copy_from_slice(&seq[len * ch..]);
+    // The new tail: the last `past` input rows (some may still come from the old tail).
+    let mut next = vec![0f32; past * ch];
+    for (r, dst) in next.chunks_mut(ch).enumerate() {
+        for (p, d) in dst.chunks_mut(qkv).enumerate() {
+            d.copy_from_slice(row(tail, &inputs, (past, qkv), len + r, p));
+        }
+    }
+    tail.copy_from_slice(&next);
 }
 
 /// x / sqrt(Σx² + 1e-6), as transformers' `l2norm` (FLA's epsilon convention).
@@ -447,7 +472,9 @@ mod tests {
         assert!(err(&s_chunk, &s_rec) < 1e-5, "{}", err(&s_chunk, &s_rec));
     }
 
-    /// The convolution over a split segment equals it over the whole (the tail carries the history).
+    /// The convolution over a segment is its definition (zero history before the first token, q, k
+    /// and v read from their own projections), and over a split segment equals it over the whole (the
+    /// tail carries the history): bit for bit.
     #[test]
     fn short_conv_carries_its_tail() {
         let shape = LinearAttentionConfig {
@@ -456,23 +483,51 @@ mod tests {
             conv_kernel: 4,
             lower_bound: None,
         };
-        let ch = 6;
+        let (qkv, ch, len) = (2, 6, 7);
         let mut seed = 3;
         let w: Vec<f32> = (0..ch * 4).map(|_| lcg(&mut seed)).collect();
-        let x: Vec<f32> = (0..7 * ch).map(|_| lcg(&mut seed)).collect();
-        let mut whole = x.clone();
+        let proj: [Vec<f32>; 3] =
+            std::array::from_fn(|_| (0..len * qkv).map(|_| lcg(&mut seed)).collect());
+        let input = |t: usize, c: usize| proj[c / qkv][t * qkv + c % qkv];
+        let parts_of = |rows: std::ops::Range<usize>| {
+            proj.each_ref()
+                .map(|p| &p[rows.start * qkv..rows.end * qkv])
+        };
+        let mut whole = vec![0f32; len * ch];
         let mut tail = vec![0f32; 3 * ch];
-        short_conv(&w, &shape, Activation::Silu, &mut whole, &mut tail);
-        let mut parts = x.clone();
+        short_conv(
+            &w,
+            &shape,
+            Activation::Silu,
+            parts_of(0..len),
+            &mut tail,
+            &mut whole,
+        );
+        for t in 0..len {
+            for c in 0..ch {
+                let acc: f32 = (0..4)
+                    .filter(|&j| t + j >= 3)
+                    .map(|j| w[c * 4 + j] * input(t + j - 3, c))
+                    .sum();
+                let want = activate(Activation::Silu, acc);
+                assert!((whole[t * ch + c] - want).abs() <= 1e-6 * want.abs().max(1.0));
+            }
+        }
+        let mut parts = vec![0f32; len * ch];
         let mut tail2 = vec![0f32; 3 * ch];
-        let (a, b) = parts.split_at_mut(2 * ch);
-        short_conv(&w, &shape, Activation::Silu, a, &mut tail2);
-        let (b1, b2) = b.split_at_mut(ch);
-        short_conv(&w, &shape, Activation::Silu, b1, &mut tail2);
-        short_conv(&w, &shape, Activation::Silu, b2, &mut tail2);
-        for (p, q) in parts.iter().zip(&whole) {
-            assert!((p - q).abs() < 1e-6);
+        for rows in [0..2, 2..3, 3..len] {
+            let out = &mut parts[rows.start * ch..rows.end * ch];
+            short_conv(
+                &w,
+                &shape,
+                Activation::Silu,
+                parts_of(rows),
+                &mut tail2,
+                out,
+            );
         }
         assert_eq!(tail, tail2);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&parts), bits(&whole));
     }
 }

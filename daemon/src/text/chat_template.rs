@@ -19,6 +19,15 @@ pub fn builtin_for_architecture(architecture: &str) -> Option<&'static str> {
         "SmallThinkerForCausalLM" => {
             Some(include_str!("testdata/smallthinker_chat_template.jinja"))
         }
+        // GLM-5.3-Flash's `chat_template.jinja` (zai-org/GLM-5.3-Flash on the Hugging Face hub), as
+        // vendored unchanged in the GitHub repository Weschera/GLM-5.3-Flash-NVIDIA-NVFP4-2x-DGX-Spark
+        // (commit 957c19e, 10,720 bytes, sha256 3406cc91…). The hub itself cannot be read from here; two
+        // other vendored copies differ only by local edits (the generation prompt's thinking switch,
+        // early loop exits). The `[gMASK]<sop>` prefix, `<|system|>Reasoning Effort: …` line, tool
+        // header, `<arg_key>` calls and `<think>` handling are those the server's GLM parsers expect.
+        "Glm5NextForConditionalGeneration" => {
+            Some(include_str!("testdata/glm53_flash_chat_template.jinja"))
+        }
         _ => None,
     }
 }

@@ -246,16 +246,19 @@ extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, con
 
 #define HC_MAX_M 8
 
-// x[t] = streams[t][c] for every stream. grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_broadcast(const float* x, int m, int hidden, float* streams) {
+// The element-wise stream kernels share one signature (m, hidden, input, second input or null, output)
+// and one launch shape. grid: (rows, ceil(hidden / 256)); block 256.
+
+// streams[t][i][c] = x[t][c] for every stream i.
+extern "C" __global__ void hc_broadcast(int m, int hidden, const float* x, const float* unused, float* streams) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     float v = x[(size_t)t * hidden + c];
     for (int i = 0; i < m; ++i) streams[((size_t)t * m + i) * hidden + c] = v;
 }
 
-// x[t][c] = mean over streams (the hyper head). grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_mean(const float* streams, int m, int hidden, float* x) {
+// x[t][c] = mean over streams (the hyper head).
+extern "C" __global__ void hc_mean(int m, int hidden, const float* streams, const float* unused, float* x) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     float a = 0.f;
@@ -325,8 +328,8 @@ extern "C" __global__ void hc_collapse(const float* streams, const float* proj_o
 }
 
 // New streams after a block: y = x - sum pre_i s_i (x holds the block input plus the block's output),
-// s'_j = post_j y + sum_i comb[i][j] s_i. grid: (rows, ceil(hidden / 256)); block 256.
-extern "C" __global__ void hc_expand(float* streams, const float* x, const float* mix, int m, int hidden) {
+// s'_j = post_j y + sum_i comb[i][j] s_i, in place.
+extern "C" __global__ void hc_expand(int m, int hidden, const float* x, const float* mix, float* streams) {
     int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     const float* mt = mix + (size_t)t * (2 * m + m * m);
@@ -347,7 +350,7 @@ extern "C" __global__ void hc_expand(float* streams, const float* x, const float
 
 // ---------------------------------------------------------------------------------------------------
 // Sparse-attention indexer. Rows of the indexer cache: [slots, width] f32, width = d (key) or 2d (key,
-// then the key-pool gate logits).
+// then the key-pool gate logits, which the pooled key replaces in a complete pool's last slot).
 
 // In place LayerNorm (eps 1e-6) of each row of k [rows, d]. grid: rows; block 128.
 extern "C" __global__ void idx_layer_norm(float* k, int d, const float* w, const float* b) {
@@ -374,21 +377,24 @@ extern "C" __global__ void idx_write_rows(const float* key, const float* gate, i
     }
 }
 
-// Keys of the complete pools of each segment's sequence (positions 0 .. pools_of[s] * pool): per channel,
-// softmax over the pool's slots of (gate + ape[slot]) weighs the slots' keys. out [pool_off[s] + j, d].
-// grid: (max pools, segments); block 128; pool <= 16.
-extern "C" __global__ void idx_pool_keys(const float* cache, int width, int d, int pool, const float* ape,
-                                         const int* tables, int max_blocks, int block_size, const int* pools_of,
-                                         const int* pool_off, float* out) {
-    int j = blockIdx.x, s = blockIdx.y;
-    if (j >= pools_of[s]) return;
-    const int* table = tables + (size_t)s * max_blocks;
-    const float* rows[16];
+// Pools completed by this step's rows: a row whose position p ends a pool (p + 1 a multiple of `pool`)
+// computes that pool's key, per channel the softmax over the pool's slots of (gate + ape[slot]) weighing
+// the slots' keys, and stores it in the gate columns (d .. 2d) of the pool's last slot: once a pool is
+// complete its gate logits are not read again, and each pooled key is computed once per sequence.
+// Every slot of the pool was written before (this step's rows by idx_write_rows). One thread per
+// channel reads that channel of every slot before it overwrites it. grid: rows; block 128; pool <= 16.
+extern "C" __global__ void idx_pool_complete(float* cache, int width, int d, int pool, const float* ape,
+                                             const int* tables, int max_blocks, int block_size,
+                                             const int* seq_of_row, const int* pos) {
+    int t = blockIdx.x;
+    int last = pos[t];
+    if ((last + 1) % pool != 0) return;
+    const int* table = tables + (size_t)seq_of_row[t] * max_blocks;
+    float* rows[16];
     for (int i = 0; i < pool; ++i) {
-        int p = j * pool + i;
+        int p = last + 1 - pool + i;
         rows[i] = cache + ((size_t)table[p / block_size] * block_size + p % block_size) * width;
     }
-    float* o = out + ((size_t)pool_off[s] + j) * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float lg[16];
         float mx = -INFINITY;
@@ -402,50 +408,50 @@ extern "C" __global__ void idx_pool_keys(const float* cache, int width, int d, i
             sum += e;
             acc += e * rows[i][c];
         }
-        o[c] = acc / sum;
+        rows[pool - 1][d + c] = acc / sum;
     }
 }
 
-// Candidate scores of each query row: score[t][j] = sum_h w[t][h] * relu(scale * q[t][h] . key_j).
-// Keys: pooled (pool_off != null: key_j = pooled[pool_off[seg] + j], j < cand[t]) or per position
-// (key_j = the cache row of position j of the row's sequence). q [rows, heads, d]; w [rows, heads];
-// scores [rows, stride]. grid: (rows, ceil(max candidates / 128)); block 128; d <= 128;
+// Candidate scores of each query row: score[t][j] = sum_h w[t][h] * relu(scale * q[t][h] . key_j) for
+// the row's (pos[t] + 1) / unit candidates (capped at `stride`): candidate j's key is columns
+// key_off .. key_off + d of the indexer row of position j * unit + unit - 1 of the row's sequence (per
+// position: unit 1, key_off 0; key pools: unit = pool, key_off = d, where idx_pool_complete put it).
+// q [rows, heads, d]; w [rows, heads]; scores [rows, stride]. Everything that varies per step is read from
+// device memory (positions, tables), so a captured graph replays it at any context length.
+// grid: (rows, any); each block strides over the candidates; block 128; d <= 128;
 // dynamic shared memory: (heads * d + heads) floats.
 #define IDX_MAX_D 128
 extern "C" __global__ void idx_scores(const float* q, const float* w, int heads, int d, float scale,
-                                      const int* cand, const int* seg_of_row, const float* pooled,
-                                      const int* pool_off, const float* cache, int width, const int* tables,
-                                      int max_blocks, int block_size, int stride, float* scores) {
+                                      const int* pos, const int* seg_of_row, int unit, const float* cache,
+                                      int width, int key_off, const int* tables, int max_blocks,
+                                      int block_size, int stride, float* scores) {
     extern __shared__ float sm[];
+    int t = blockIdx.x;
+    int count = min((pos[t] + 1) / unit, stride);
+    if ((int)(blockIdx.y * blockDim.x) >= count) return;  // the whole block: before any barrier
     float* qs = sm;
     float* ws = sm + heads * d;
-    int t = blockIdx.x;
     for (int i = threadIdx.x; i < heads * d; i += blockDim.x) qs[i] = q[(size_t)t * heads * d + i];
     for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(size_t)t * heads + i];
     __syncthreads();
-    int j = blockIdx.y * blockDim.x + threadIdx.x;
-    if (j >= cand[t]) return;
-    int s = seg_of_row[t];
-    const float* key;
-    if (pool_off) {
-        key = pooled + ((size_t)pool_off[s] + j) * d;
-    } else {
-        const int* table = tables + (size_t)s * max_blocks;
-        key = cache + ((size_t)table[j / block_size] * block_size + j % block_size) * width;
-    }
-    float kr[IDX_MAX_D];
+    const int* table = tables + (size_t)seg_of_row[t] * max_blocks;
+    for (int j = blockIdx.y * blockDim.x + threadIdx.x; j < count; j += gridDim.y * blockDim.x) {
+        int p = j * unit + unit - 1;
+        const float* key = cache + ((size_t)table[p / block_size] * block_size + p % block_size) * width + key_off;
+        float kr[IDX_MAX_D];
 #pragma unroll
-    for (int c = 0; c < IDX_MAX_D; ++c) kr[c] = c < d ? key[c] : 0.f;
-    float acc = 0.f;
-    for (int h = 0; h < heads; ++h) {
-        const float* qh = qs + h * d;
-        float dot = 0.f;
+        for (int c = 0; c < IDX_MAX_D; ++c) kr[c] = c < d ? key[c] : 0.f;
+        float acc = 0.f;
+        for (int h = 0; h < heads; ++h) {
+            const float* qh = qs + h * d;
+            float dot = 0.f;
 #pragma unroll
-        for (int c = 0; c < IDX_MAX_D; ++c)
-            if (c < d) dot += qh[c] * kr[c];
-        acc += ws[h] * fmaxf(dot * scale, 0.f);
+            for (int c = 0; c < IDX_MAX_D; ++c)
+                if (c < d) dot += qh[c] * kr[c];
+            acc += ws[h] * fmaxf(dot * scale, 0.f);
+        }
+        scores[(size_t)t * stride + j] = acc;
     }
-    scores[(size_t)t * stride + j] = acc;
 }
 
 __device__ __forceinline__ unsigned int hy_order_key(float f) {
@@ -453,16 +459,16 @@ __device__ __forceinline__ unsigned int hy_order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Per query row: the k = min(topk, cand[t]) best candidates (ties to the lower index), as positions in
-// ascending order: a candidate j stands for positions j * pool .. j * pool + pool - 1; then, for pooled
-// keys (pool > 1), the positions of the row's own incomplete pool, cand[t] * pool ..= pos[t].
-// sel [rows, sel_stride], sel_len [rows]. grid: rows; block 256.
-extern "C" __global__ void idx_topk(const float* scores, int stride, const int* cand, const int* pos, int topk,
-                                    int pool, int* sel, int sel_stride, int* sel_len) {
+// Per query row: the k = min(topk, count) best of its count = (pos[t] + 1) / pool candidates (ties to the
+// lower index), as positions in ascending order: a candidate j stands for positions j * pool .. j * pool +
+// pool - 1; then, for pooled keys (pool > 1), the positions of the row's own incomplete pool,
+// count * pool ..= pos[t]. sel [rows, sel_stride], sel_len [rows]. grid: rows; block 256.
+extern "C" __global__ void idx_topk(const float* scores, int stride, const int* pos, int topk, int pool, int* sel,
+                                    int sel_stride, int* sel_len) {
     __shared__ float fbuf[32];
     __shared__ int ibuf[32];
     int t = blockIdx.x;
-    int count = cand[t];
+    int count = min((pos[t] + 1) / pool, stride);
     int k = min(topk, count);
     const float* sc = scores + (size_t)t * stride;
     int per = (count + blockDim.x - 1) / blockDim.x;

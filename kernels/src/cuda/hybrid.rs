@@ -23,7 +23,7 @@ pub const ENTRIES: [&str; 15] = [
     "hc_expand",
     "idx_layer_norm",
     "idx_write_rows",
-    "idx_pool_keys",
+    "idx_pool_complete",
     "idx_scores",
     "idx_topk",
     "mla_attention_selected",
@@ -55,7 +55,7 @@ pub struct HybridKernels {
     pub(super) hc_expand: CudaFunction,
     pub(super) idx_layer_norm: CudaFunction,
     pub(super) idx_write_rows: CudaFunction,
-    pub(super) idx_pool_keys: CudaFunction,
+    pub(super) idx_pool_complete: CudaFunction,
     pub(super) idx_scores: CudaFunction,
     pub(super) idx_topk: CudaFunction,
     pub(super) mla_attention_selected: CudaFunction,
@@ -84,7 +84,7 @@ impl HybridKernels {
             hc_expand: f("hc_expand")?,
             idx_layer_norm: f("idx_layer_norm")?,
             idx_write_rows: f("idx_write_rows")?,
-            idx_pool_keys: f("idx_pool_keys")?,
+            idx_pool_complete: f("idx_pool_complete")?,
             idx_scores: f("idx_scores")?,
             idx_topk: f("idx_topk")?,
             mla_attention_selected: f("mla_attention_selected")?,
@@ -137,11 +137,15 @@ impl GpuDevice {
 }
 
 /// Which rows of a step belong to which sequence (segments of consecutive rows), on the device.
+///
+/// The device arrays are allocated once for `capacity` rows and rewritten by [`SegmentIndex::set`] before
+/// each step, so kernels captured into a CUDA graph keep reading the current step's layout.
 pub struct SegmentIndex {
     pub rows: usize,
     pub segments: usize,
     /// Longest segment (rows).
     pub max_len: usize,
+    pub capacity: usize,
     pub(super) row0: CudaSlice<i32>,
     pub(super) len: CudaSlice<i32>,
     pub(super) seg_of_row: CudaSlice<i32>,
@@ -151,34 +155,70 @@ impl SegmentIndex {
     /// `lens[s]` rows per segment, in row order (segment s starts where s - 1 ends); every segment has
     /// at least one row.
     pub fn new(dev: &GpuDevice, lens: &[usize]) -> Result<Self, GpuError> {
+        let mut seg = Self::with_capacity(dev, lens.iter().sum::<usize>().max(1))?;
+        seg.set(dev, lens)?;
+        Ok(seg)
+    }
+
+    /// Device arrays for steps of up to `capacity` rows (and as many segments); empty until [`Self::set`].
+    pub fn with_capacity(dev: &GpuDevice, capacity: usize) -> Result<Self, GpuError> {
+        let s = &dev.stream;
+        let n = capacity.max(1);
+        Ok(Self {
+            rows: 0,
+            segments: 0,
+            max_len: 0,
+            capacity: n,
+            row0: s.alloc_zeros(n)?,
+            len: s.alloc_zeros(n)?,
+            seg_of_row: s.alloc_zeros(n)?,
+        })
+    }
+
+    /// Rewrites the layout for a step of `lens[s]` rows per segment (stream-ordered copies).
+    pub fn set(&mut self, dev: &GpuDevice, lens: &[usize]) -> Result<(), GpuError> {
         check(!lens.is_empty() && lens.iter().all(|&l| l > 0), || {
             format!("segments need at least one row each: {lens:?}")
         })?;
+        let rows: usize = lens.iter().sum();
+        check(rows <= self.capacity, || {
+            format!(
+                "a step of {rows} rows in a segment index for {}",
+                self.capacity
+            )
+        })?;
         let mut row0 = Vec::with_capacity(lens.len());
-        let mut seg_of_row = Vec::new();
+        let mut seg_of_row = Vec::with_capacity(rows);
         for (s, &l) in lens.iter().enumerate() {
             row0.push(seg_of_row.len() as i32);
             seg_of_row.extend(std::iter::repeat_n(s as i32, l));
         }
         let len: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
         let s = &dev.stream;
-        Ok(Self {
-            rows: seg_of_row.len(),
-            segments: lens.len(),
-            max_len: lens.iter().copied().max().unwrap_or(0),
-            row0: s.clone_htod(&row0)?,
-            len: s.clone_htod(&len)?,
-            seg_of_row: s.clone_htod(&seg_of_row)?,
-        })
+        s.memcpy_htod(&row0, &mut self.row0.slice_mut(..lens.len()))?;
+        s.memcpy_htod(&len, &mut self.len.slice_mut(..lens.len()))?;
+        s.memcpy_htod(&seg_of_row, &mut self.seg_of_row.slice_mut(..rows))?;
+        self.rows = rows;
+        self.segments = lens.len();
+        self.max_len = lens.iter().copied().max().unwrap_or(0);
+        Ok(())
+    }
+
+    /// Each row's segment (its sequence's row of the block tables).
+    pub fn seg_of_row(&self) -> &CudaSlice<i32> {
+        &self.seg_of_row
     }
 }
 
 /// The recurrent-state buffers of a step's sequences (one per segment, in segment order), as a device
-/// table of addresses. It borrows every buffer mutably for as long as it lives, so nothing else can
-/// read, write or free them while kernels launched with the table may still run (the owner keeps the
-/// borrow until the step's final synchronisation).
+/// table of addresses written into a table buffer the caller keeps (a CUDA graph bakes the table's
+/// address; the table holds the current step's states). It borrows every state buffer mutably for as
+/// long as it lives, so nothing else can read, write or free them while kernels launched with the
+/// table may still run (the owner keeps the borrow until the step's final synchronisation). The table
+/// buffer itself is only read by kernels, in stream order with its writes and its free.
 pub struct StateTable<'a> {
-    pub(super) addrs: CudaSlice<u64>,
+    /// Device address of the table.
+    pub(super) addrs: u64,
     /// Floats every buffer holds at least.
     pub per_sequence: usize,
     pub segments: usize,
@@ -186,18 +226,29 @@ pub struct StateTable<'a> {
 }
 
 impl<'a> StateTable<'a> {
-    /// Fails unless every buffer holds at least `per_sequence` floats.
+    /// Writes the buffers' addresses into `table`; fails unless every buffer holds at least
+    /// `per_sequence` floats and the table has room for them.
     pub fn new(
         dev: &GpuDevice,
+        table: &mut CudaSlice<u64>,
         buffers: Vec<&'a mut CudaSlice<f32>>,
         per_sequence: usize,
     ) -> Result<Self, GpuError> {
         check(buffers.iter().all(|b| b.len() >= per_sequence), || {
             format!("a recurrent-state buffer holds fewer than {per_sequence} floats")
         })?;
+        check(buffers.len() <= table.len(), || {
+            format!(
+                "{} recurrent states for a table of {}",
+                buffers.len(),
+                table.len()
+            )
+        })?;
         let addrs: Vec<u64> = buffers.iter().map(|b| dev.addr(&**b)).collect();
+        dev.stream
+            .memcpy_htod(&addrs, &mut table.slice_mut(..addrs.len()))?;
         Ok(Self {
-            addrs: dev.stream.clone_htod(&addrs)?,
+            addrs: dev.addr(&*table),
             per_sequence,
             segments: buffers.len(),
             _borrow: PhantomData,

@@ -4,7 +4,7 @@
 //! projection itself is one f32 GEMM by the caller (`streams · fnᵀ`); these kernels do the rest.
 use super::hybrid::{cfg, check, HybridKernels};
 use super::{GpuDevice, GpuError};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
 
 /// Most streams the kernels take (their per-thread arrays).
 pub const MAX_STREAMS: usize = 8;
@@ -34,6 +34,41 @@ fn check_streams(m: usize) -> Result<(), GpuError> {
 }
 
 impl HybridKernels {
+    /// One of the element-wise stream kernels (`hc_broadcast`, `hc_mean`, `hc_expand`: one thread per
+    /// (row, hidden element), arguments `(m, hidden, input, second input or null, output)`), after the
+    /// caller's size check `fits`.
+    #[allow(clippy::too_many_arguments)]
+    fn per_element(
+        &self,
+        dev: &GpuDevice,
+        f: &CudaFunction,
+        (rows, m, hidden): (usize, usize, usize),
+        fits: bool,
+        input: &CudaSlice<f32>,
+        second: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        check_streams(m)?;
+        check(fits, || {
+            format!("hyper-connection buffers too small for {rows} × {m} × {hidden}")
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (m_i, h_i, null) = (m as i32, hidden as i32, 0u64);
+        let mut l = dev.stream.launch_builder(f);
+        l.arg(&m_i).arg(&h_i).arg(input);
+        match second {
+            Some(b) => l.arg(b),
+            None => l.arg(&null),
+        };
+        l.arg(out);
+        // SAFETY: m ≤ MAX_STREAMS (the kernels' register arrays); the caller checked that every buffer
+        // holds what rows × m × hidden (and the mix width) indexing reaches.
+        unsafe { l.launch(cfg((rows, hidden.div_ceil(ELEMS as usize), 1), ELEMS, 0)) }?;
+        Ok(())
+    }
+
     /// Every stream of each row ← `x` `[rows, hidden]` (the embeddings).
     pub fn hc_broadcast(
         &self,
@@ -44,17 +79,9 @@ impl HybridKernels {
         x: &CudaSlice<f32>,
         streams: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
-        check_streams(m)?;
-        check(
-            x.len() >= rows * hidden && streams.len() >= rows * m * hidden,
-            || format!("hc_broadcast: buffers too small for {rows} × {m} × {hidden}"),
-        )?;
-        let (m_i, h_i) = (m as i32, hidden as i32);
-        let mut l = dev.stream.launch_builder(&self.hc_broadcast);
-        l.arg(x).arg(&m_i).arg(&h_i).arg(streams);
-        // SAFETY: sizes checked above.
-        unsafe { l.launch(cfg((rows, hidden.div_ceil(ELEMS as usize), 1), ELEMS, 0)) }?;
-        Ok(())
+        let fits = x.len() >= rows * hidden && streams.len() >= rows * m * hidden;
+        let shape = (rows, m, hidden);
+        self.per_element(dev, &self.hc_broadcast, shape, fits, x, None, streams)
     }
 
     /// `x` ← the streams' mean (the hyper head before the final norm).
@@ -67,17 +94,9 @@ impl HybridKernels {
         streams: &CudaSlice<f32>,
         x: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
-        check_streams(m)?;
-        check(
-            x.len() >= rows * hidden && streams.len() >= rows * m * hidden,
-            || format!("hc_mean: buffers too small for {rows} × {m} × {hidden}"),
-        )?;
-        let (m_i, h_i) = (m as i32, hidden as i32);
-        let mut l = dev.stream.launch_builder(&self.hc_mean);
-        l.arg(streams).arg(&m_i).arg(&h_i).arg(x);
-        // SAFETY: sizes checked above.
-        unsafe { l.launch(cfg((rows, hidden.div_ceil(ELEMS as usize), 1), ELEMS, 0)) }?;
-        Ok(())
+        let fits = x.len() >= rows * hidden && streams.len() >= rows * m * hidden;
+        let shape = (rows, m, hidden);
+        self.per_element(dev, &self.hc_mean, shape, fits, streams, None, x)
     }
 
     /// A block's input `x` `[rows, hidden]` and its weights `mix`, from the streams and their projection
@@ -127,6 +146,7 @@ impl HybridKernels {
     }
 
     /// New streams after a block: `x` holds the block's input plus its output (the block added into it).
+    #[allow(clippy::too_many_arguments)]
     pub fn hc_expand(
         &self,
         dev: &GpuDevice,
@@ -137,18 +157,10 @@ impl HybridKernels {
         mix: &CudaSlice<f32>,
         streams: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
-        check_streams(m)?;
-        check(
-            streams.len() >= rows * m * hidden
-                && mix.len() >= rows * mix_width(m)
-                && x.len() >= rows * hidden,
-            || format!("hc_expand: buffers too small for {rows} × {m} × {hidden}"),
-        )?;
-        let (m_i, h_i) = (m as i32, hidden as i32);
-        let mut l = dev.stream.launch_builder(&self.hc_expand);
-        l.arg(streams).arg(x).arg(mix).arg(&m_i).arg(&h_i);
-        // SAFETY: m ≤ MAX_STREAMS (the kernel's register array); sizes checked above.
-        unsafe { l.launch(cfg((rows, hidden.div_ceil(ELEMS as usize), 1), ELEMS, 0)) }?;
-        Ok(())
+        let fits = streams.len() >= rows * m * hidden
+            && mix.len() >= rows * mix_width(m)
+            && x.len() >= rows * hidden;
+        let shape = (rows, m, hidden);
+        self.per_element(dev, &self.hc_expand, shape, fits, x, Some(mix), streams)
     }
 }

@@ -2,16 +2,18 @@
 //! attention over the positions it selects.
 //!
 //! Indexer rows live in a per-layer f32 cache `[slots, width]` addressed by the same block tables as the
-//! MLA latent (width = d for per-token keys; 2d for key pools: key, then the pooling gate logits).
+//! MLA latent (width = d for per-token keys; 2d for key pools: key, then the pooling gate logits, which
+//! a complete pool's last slot trades for the pooled key).
 //! A step: keys normalised ([`HybridKernels::idx_layer_norm`]) and written
-//! ([`HybridKernels::idx_write_rows`]); for key pools, each sequence's complete pools pooled
-//! ([`HybridKernels::idx_pool_keys`]); every query scores its candidates
+//! ([`HybridKernels::idx_write_rows`]); for key pools, the pools this step completes pooled
+//! ([`HybridKernels::idx_pool_complete`]); every query scores its candidates
 //! ([`HybridKernels::idx_scores`]) and keeps the best ([`HybridKernels::idx_topk`], a radix select per
 //! row: 32 counting passes, ties to the lower index); MLA then attends the list
 //! ([`HybridKernels::mla_attention_selected`]).
 //!
 //! Cost per query and layer: `heads × d` multiply-adds per candidate (pools, or positions), all of the
-//! sequence's candidates every step, as on the CPU; pooled keys are recomputed every step.
+//! sequence's candidates every step, as on the CPU; each pooled key is computed once, when its pool
+//! completes.
 use super::hybrid::{cfg, check, HybridKernels, SegmentIndex};
 use super::{GpuDevice, GpuError};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -21,35 +23,9 @@ use half::bf16;
 pub const MAX_HEAD_DIM: usize = 128;
 /// Largest key pool.
 pub const MAX_POOL: usize = 16;
+/// Most blocks of [`HybridKernels::idx_scores`] per query row (each strides over its share).
+const SCORE_BLOCKS_PER_ROW: usize = 256;
 const BLOCK: u32 = 128;
-
-/// Each segment's complete pools: segment `s` has `pools[s]` pools, stored from `offset[s]`.
-pub struct PoolLayout {
-    pub total: usize,
-    pub max_pools: usize,
-    segments: usize,
-    count: CudaSlice<i32>,
-    offset: CudaSlice<i32>,
-}
-
-impl PoolLayout {
-    pub fn new(dev: &GpuDevice, pools: &[usize]) -> Result<Self, GpuError> {
-        let mut offset = Vec::with_capacity(pools.len());
-        let mut total = 0usize;
-        for &p in pools {
-            offset.push(total as i32);
-            total += p;
-        }
-        let count: Vec<i32> = pools.iter().map(|&p| p as i32).collect();
-        Ok(Self {
-            total,
-            max_pools: pools.iter().copied().max().unwrap_or(0),
-            segments: pools.len(),
-            count: dev.stream.clone_htod(&count)?,
-            offset: dev.stream.clone_htod(&offset)?,
-        })
-    }
-}
 
 /// Where a paged cache's positions live: per sequence, `max_blocks` block ids (`[sequences, max_blocks]`
 /// i32), `block_size` positions per block.
@@ -59,19 +35,17 @@ pub struct PagedTables<'a> {
     pub block_size: usize,
 }
 
-/// The keys a query scores.
-pub enum ScoreKeys<'a> {
-    /// Pooled keys `[layout.total, d]`: candidate j of a row is its sequence's pool j.
-    Pooled {
-        keys: &'a CudaSlice<f32>,
-        layout: &'a PoolLayout,
-    },
-    /// Candidate j of a row is position j of its sequence, read from the indexer cache.
-    PerPosition {
-        cache: &'a CudaSlice<f32>,
-        width: usize,
-        paged: &'a PagedTables<'a>,
-    },
+/// One layer's indexer rows `[slots, width]` f32 and how a query's candidates map onto them:
+/// candidate j of a row is the key in columns `key_off .. key_off + d` of the row of position
+/// `j · unit + unit − 1` of the query's sequence (per-position keys: unit 1, key_off 0; key pools:
+/// unit = pool, key_off = d, the pooled key in the pool's last slot). A query at position p has
+/// `(p + 1) / unit` candidates.
+pub struct IndexerRows<'a> {
+    pub cache: &'a CudaSlice<f32>,
+    pub width: usize,
+    pub unit: usize,
+    pub key_off: usize,
+    pub paged: &'a PagedTables<'a>,
 }
 
 /// The positions each query row attends: `[rows, stride]` ascending lists of `len[row]` positions.
@@ -90,6 +64,22 @@ impl DeviceSelection {
             positions: dev.stream.alloc_zeros(rows * stride.max(1))?,
             len: dev.stream.alloc_zeros(rows.max(1))?,
         })
+    }
+
+    /// Uses the first `rows` rows of the buffers (a persistent selection reused by steps of any size up
+    /// to the one it was allocated for).
+    pub fn set_rows(&mut self, rows: usize) -> Result<(), GpuError> {
+        check(
+            rows <= self.len.len() && rows * self.stride <= self.positions.len(),
+            || {
+                format!(
+                    "a selection of {rows} rows in buffers for {}",
+                    self.len.len()
+                )
+            },
+        )?;
+        self.rows = rows;
+        Ok(())
     }
 
     /// The lists and their lengths, copied to the host (tests and diagnostics; synchronises).
@@ -169,33 +159,32 @@ impl HybridKernels {
         Ok(())
     }
 
-    /// Pooled keys of each segment's complete pools into `out` `[layout.total, d]`: per channel a
-    /// softmax over the pool's slots of (gate logit + `ape[slot]`) weighs the slots' keys.
+    /// For each row whose position ends a pool of `pool` positions: that pool's key (per channel, a
+    /// softmax over the pool's slots of gate logit + `ape[slot]` weighs the slots' keys) into the gate
+    /// columns of the pool's last slot, which no one reads once the pool is complete. Runs after
+    /// [`Self::idx_write_rows`] of the same step, so each pooled key is computed once, when its pool
+    /// gains its last key. `pos`, `seq_of_row` `[rows]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn idx_pool_keys(
+    pub fn idx_pool_complete(
         &self,
         dev: &GpuDevice,
-        cache: &CudaSlice<f32>,
+        rows: usize,
+        cache: &mut CudaSlice<f32>,
         d: usize,
         pool: usize,
         ape: &CudaSlice<f32>,
         paged: &PagedTables<'_>,
-        layout: &PoolLayout,
-        out: &mut CudaSlice<f32>,
+        seq_of_row: &CudaSlice<i32>,
+        pos: &CudaSlice<i32>,
     ) -> Result<(), GpuError> {
         check(
             (1..=MAX_POOL).contains(&pool)
                 && ape.len() >= pool * d
-                && out.len() >= layout.total * d
-                && paged.tables.len() >= layout.segments * paged.max_blocks,
-            || {
-                format!(
-                    "idx_pool_keys: pool {pool} (≤ {MAX_POOL}), {} pools",
-                    layout.total
-                )
-            },
+                && pos.len() >= rows
+                && seq_of_row.len() >= rows,
+            || format!("idx_pool_complete: pool {pool} (≤ {MAX_POOL}), {rows} rows"),
         )?;
-        if layout.max_pools == 0 {
+        if rows == 0 {
             return Ok(());
         }
         let (w_i, d_i, p_i, mb, bs) = (
@@ -205,7 +194,7 @@ impl HybridKernels {
             paged.max_blocks as i32,
             paged.block_size as i32,
         );
-        let mut l = dev.stream.launch_builder(&self.idx_pool_keys);
+        let mut l = dev.stream.launch_builder(&self.idx_pool_complete);
         l.arg(cache)
             .arg(&w_i)
             .arg(&d_i)
@@ -214,17 +203,18 @@ impl HybridKernels {
             .arg(paged.tables)
             .arg(&mb)
             .arg(&bs)
-            .arg(&layout.count)
-            .arg(&layout.offset)
-            .arg(out);
-        // SAFETY: pool ≤ MAX_POOL (the kernel's arrays); the pools counted per segment are complete
-        // positions of its sequence, inside its reserved blocks (whose rows the cache holds).
-        unsafe { l.launch(cfg((layout.max_pools, layout.segments, 1), BLOCK, 0)) }?;
+            .arg(seq_of_row)
+            .arg(pos);
+        // SAFETY: pool ≤ MAX_POOL (the kernel's arrays); a row's pool is positions ≤ its own, all in its
+        // sequence's reserved blocks (whose rows the cache holds) and written by this or earlier steps.
+        unsafe { l.launch(cfg((rows, 1, 1), BLOCK, 0)) }?;
         Ok(())
     }
 
-    /// Scores of each row's `cand[row]` candidates (≤ `stride`): Σ_h w[h] · relu(scale · q_h · key).
-    /// `q` `[rows, heads, d]`, `w` `[rows, heads]`, `scores` `[rows, stride]`.
+    /// Scores of each row's `(pos[row] + 1) / keys.unit` candidates (at most `stride`, the rest of the
+    /// row untouched): Σ_h w[h] · relu(scale · q_h · key). `q` `[rows, heads, d]`, `w` `[rows, heads]`,
+    /// `scores` `[rows, stride]`. Nothing per step is a launch argument (see `hybrid.cu`), so a graph
+    /// captured at one context length replays at any other up to `stride` candidates.
     #[allow(clippy::too_many_arguments)]
     pub fn idx_scores(
         &self,
@@ -234,8 +224,8 @@ impl HybridKernels {
         scale: f32,
         q: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
-        cand: &CudaSlice<i32>,
-        keys: &ScoreKeys<'_>,
+        pos: &CudaSlice<i32>,
+        keys: &IndexerRows<'_>,
         stride: usize,
         scores: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
@@ -243,81 +233,56 @@ impl HybridKernels {
         check(
             d > 0
                 && d <= MAX_HEAD_DIM
+                && keys.unit >= 1
+                && keys.width >= keys.key_off + d
                 && q.len() >= rows * heads * d
                 && w.len() >= rows * heads
-                && cand.len() >= rows
+                && pos.len() >= rows
                 && scores.len() >= rows * stride,
             || format!("idx_scores: {rows} rows, {heads} heads × {d} (d ≤ {MAX_HEAD_DIM})"),
         )?;
-        if stride == 0 {
+        if stride == 0 || rows == 0 {
             return Ok(());
         }
         let (h_i, d_i, s_i) = (heads as i32, d as i32, stride as i32);
-        let null = 0u64;
-        let zero = 0i32;
-        let (mb, bs, width) = match keys {
-            ScoreKeys::Pooled { .. } => (0, 0, 0),
-            ScoreKeys::PerPosition { width, paged, .. } => (
-                paged.max_blocks as i32,
-                paged.block_size as i32,
-                *width as i32,
-            ),
-        };
+        let (unit, width, off) = (keys.unit as i32, keys.width as i32, keys.key_off as i32);
+        let (mb, bs) = (keys.paged.max_blocks as i32, keys.paged.block_size as i32);
         let mut l = dev.stream.launch_builder(&self.idx_scores);
         l.arg(q)
             .arg(w)
             .arg(&h_i)
             .arg(&d_i)
             .arg(&scale)
-            .arg(cand)
-            .arg(&seg.seg_of_row);
-        match keys {
-            ScoreKeys::Pooled { keys, layout } => {
-                check(
-                    keys.len() >= layout.total * d && layout.segments == seg.segments,
-                    || "idx_scores: pooled keys do not match the step".into(),
-                )?;
-                l.arg(*keys)
-                    .arg(&layout.offset)
-                    .arg(&null)
-                    .arg(&zero)
-                    .arg(&null)
-                    .arg(&zero)
-                    .arg(&zero);
-            }
-            ScoreKeys::PerPosition {
-                cache,
-                width: wd,
-                paged,
-            } => {
-                check(*wd >= d, || "idx_scores: cache rows narrower than d".into())?;
-                l.arg(&null)
-                    .arg(&null)
-                    .arg(*cache)
-                    .arg(&width)
-                    .arg(paged.tables)
-                    .arg(&mb)
-                    .arg(&bs);
-            }
-        }
-        l.arg(&s_i).arg(scores);
+            .arg(pos)
+            .arg(&seg.seg_of_row)
+            .arg(&unit)
+            .arg(keys.cache)
+            .arg(&width)
+            .arg(&off)
+            .arg(keys.paged.tables)
+            .arg(&mb)
+            .arg(&bs)
+            .arg(&s_i)
+            .arg(scores);
         let smem = ((heads * d + heads) * 4) as u32;
-        // SAFETY: d ≤ MAX_HEAD_DIM (the kernel's register array); sizes checked above; candidate counts
-        // are ≤ stride and name complete pools or written positions of the row's own sequence.
-        unsafe { l.launch(cfg((rows, stride.div_ceil(BLOCK as usize), 1), BLOCK, smem)) }?;
+        // Blocks per row stride over the candidates: enough to fill the GPU at one row, and no more
+        // than the candidates need.
+        let per_row = stride.div_ceil(BLOCK as usize).min(SCORE_BLOCKS_PER_ROW);
+        // SAFETY: d ≤ MAX_HEAD_DIM (the kernel's register array); sizes checked above; the kernel caps
+        // each row's candidates at `stride`, and they name written positions of the row's own sequence.
+        unsafe { l.launch(cfg((rows, per_row, 1), BLOCK, smem)) }?;
         Ok(())
     }
 
-    /// Per row: the best `min(topk, cand[row])` candidates (ties to the lower index) as ascending
-    /// positions (candidate j = positions j·pool .. j·pool + pool − 1), then with pools (pool > 1) the
-    /// row's own incomplete pool `cand·pool ..= pos[row]`.
+    /// Per row: the best `min(topk, count)` of its `count = (pos[row] + 1) / pool` candidates (ties to
+    /// the lower index) as ascending positions (candidate j = positions j·pool .. j·pool + pool − 1),
+    /// then with pools (pool > 1) the row's own incomplete pool `count·pool ..= pos[row]`.
     #[allow(clippy::too_many_arguments)]
     pub fn idx_topk(
         &self,
         dev: &GpuDevice,
         scores: &CudaSlice<f32>,
         stride: usize,
-        cand: &CudaSlice<i32>,
         pos: &CudaSlice<i32>,
         topk: usize,
         pool: usize,
@@ -329,7 +294,6 @@ impl HybridKernels {
                 && pool >= 1
                 && sel.stride >= topk * pool + pool
                 && scores.len() >= rows * stride
-                && cand.len() >= rows
                 && pos.len() >= rows,
             || {
                 format!(
@@ -342,7 +306,6 @@ impl HybridKernels {
         let mut l = dev.stream.launch_builder(&self.idx_topk);
         l.arg(scores)
             .arg(&st)
-            .arg(cand)
             .arg(pos)
             .arg(&k)
             .arg(&p)
@@ -350,7 +313,7 @@ impl HybridKernels {
             .arg(&ss)
             .arg(&mut sel.len);
         // SAFETY: a row keeps ≤ topk candidates of `pool` positions plus < pool own positions, within
-        // the list stride (checked); scores hold rows × stride.
+        // the list stride (checked); scores hold rows × stride and the kernel reads ≤ stride per row.
         unsafe { l.launch(cfg((rows, 1, 1), 256, 0)) }?;
         Ok(())
     }

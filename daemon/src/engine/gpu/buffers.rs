@@ -155,6 +155,8 @@ pub struct StepBuffers {
     pub index: IndexBufs,
     pub acts: ActBufs,
     pub hand: Handoff,
+    /// Hybrid-attention models' buffers (`hybrid_bufs`).
+    pub hybrid: Option<super::hybrid_bufs::HybridBufs>,
 }
 
 /// The two classes' buffer sets (created on first use).
@@ -199,6 +201,11 @@ impl GpuModel {
         pool_blocks: usize,
     ) -> anyhow::Result<&'a mut StepBuffers> {
         let (limit_rows, limit_seqs) = self.max_step;
+        // The decode class's indexer score rows cover every position of the KV pool (graphs).
+        let score_positions = match class {
+            BatchClass::Decode => pool_blocks * crate::engine::kv::BLOCK,
+            BatchClass::Large => 0,
+        };
         let (slot, want) = match class {
             BatchClass::Decode => (
                 &mut sets.decode,
@@ -236,6 +243,7 @@ impl GpuModel {
                     r * cfg.moe.as_ref().map_or(1, |m| m.top_k),
                     r * cfg.hidden_size,
                 )?,
+                hybrid: self.alloc_hybrid(cfg, r, s, score_positions)?,
             };
             // Allocations are stream-ordered; graphs captured later must find them done.
             self.dev.stream.synchronize()?;

@@ -297,7 +297,7 @@ impl GpuModel {
             && !long_prompt
             && n <= MAX_GRAPH_ROWS
             && decode_rows
-            && self.all_gqa();
+            && (self.all_gqa() || self.hybrid.is_some());
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut sets = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
         let class = BatchClass::of(n, batch.len(), self.cuda_graphs);
@@ -305,7 +305,11 @@ impl GpuModel {
         let bufs = self.step_buffers(&mut sets, cfg, class, shape, pool.total_blocks)?;
         self.upload_index(&hi, batch, &mut bufs.index)?;
         let StepBuffers {
-            index, acts, hand, ..
+            index,
+            acts,
+            hand,
+            hybrid,
+            ..
         } = bufs;
         let hand: &Handoff = hand;
         hand.begin_step(dev)?;
@@ -324,9 +328,9 @@ impl GpuModel {
         self.embed(host, &hi.ids, index, x)?;
         // Hybrid models (linear attention, hyper-connections, sparse attention): the step's streams,
         // recurrent states and indexer selection.
-        let mut hybrid_step = match &self.hybrid {
-            Some(h) => Some(self.hybrid_begin_step(h, batch, hd, x)?),
-            None => None,
+        let mut hybrid_step = match (&self.hybrid, hybrid.as_mut()) {
+            (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, x, b)?),
+            _ => None,
         };
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -439,7 +443,6 @@ impl GpuModel {
         if let Some(hy) = &hybrid_step {
             self.hyper_head(hy, hd, x)?;
         }
-        drop(hybrid_step);
         self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)
     }
 

@@ -11,8 +11,14 @@
 //! ids, positions, cache slots and block tables are copied into them before the replays, and the block
 //! tables have a fixed stride (the most blocks one sequence can hold). Everything else of the layer
 //! (shared and GPU experts, the CPU experts' sum coming back) stays eager: it depends on the routing
-//! the graph just produced. Steps that are not plain decode (prefill chunks, MLA models, larger
-//! batches) run the same segment eagerly.
+//! the graph just produced. Steps that are not plain decode (prefill chunks, larger batches) and models
+//! with plain MLA layers (DeepSeek-V3, GLM-4.7-Flash) run the same segment eagerly.
+//!
+//! Hybrid-attention models (GLM-5.3-Flash, GLM-5) are captured too: their per-step layout (segments,
+//! recurrent-state addresses, streams, indexer rows and selection) lives in the class's hybrid buffers
+//! (`hybrid_bufs`), written by `hybrid_begin_step` before the replays; the indexer derives each query's
+//! candidate count from its position on the device. The hyper-connection expansion after the FFN stays
+//! eager. `gpu_tests::glm_hybrid_gpu::glm_hybrid_cuda_graphs_match_eager` checks them.
 //!
 //! On by default in `serve`, `generate` and `bench` (`--no-cuda-graphs` turns them off). Capture uses the
 //! relaxed mode (the thread-local one refused a call of the segment on the H200) and no event

@@ -1,10 +1,12 @@
 //! What hybrid-attention models (GLM-5.3-Flash, GLM-5) add to a GPU step: the kernels of `hybrid.cu`,
-//! per-layer hyper-connection and indexer weights, and the per-step buffers of both (residual streams,
-//! recurrent-state table, the indexer's selection).
+//! per-layer hyper-connection and indexer weights, and the step's view of its class buffers
+//! (`hybrid_bufs`: residual streams, recurrent-state table, linear-attention and indexer rows).
 //!
 //! How a step uses it (`forward.rs` calls these hooks; layers without hyper-connections skip them):
 //! - [`GpuModel::hybrid_begin_step`]: each sequence's recurrent state made ready (allocated zeroed by its
-//!   first step, zeroed again when it starts over), the embeddings copied into every stream;
+//!   first step, zeroed again when it starts over), the step's segment layout and state addresses
+//!   written into the class buffers (what captured decode graphs read), the embeddings copied into
+//!   every stream;
 //! - per block (attention, FFN): [`GpuModel::hyper_collapse`] writes the block's input into `x`; the
 //!   block adds its output into `x` as for any model; [`GpuModel::hyper_expand`] folds it into the streams;
 //! - [`GpuModel::hyper_head`]: the streams' mean into `x` before the final norm.
@@ -13,15 +15,15 @@
 //! matrices then the convolution tail `(kernel − 1) × 3 · heads · d` (GLM-5.3-Flash: 146 MiB, as on the
 //! CPU). It belongs to the sequence's cache: preemption and finishing drop it with the cache.
 use super::forward::GpuSeqInput;
+use super::hybrid_bufs::HybridBufs;
 use super::indexer::GpuIndexer;
 use super::GpuModel;
 use crate::model::hybrid::{HyperConfig, Mixer};
 use crate::model::{Attention, Model, ModelConfig, SparseAttention};
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
-use moe_kernels::cuda::hybrid::{HybridKernels, SegmentIndex, StateTable};
-use moe_kernels::cuda::hyper::{mix_width, HyperParams};
-use moe_kernels::cuda::indexer::DeviceSelection;
+use moe_kernels::cuda::hybrid::{HybridKernels, StateTable};
+use moe_kernels::cuda::hyper::HyperParams;
 use moe_kernels::cuda::linear_attention::KdaShape;
 use moe_kernels::cuda::GpuDevice;
 
@@ -48,6 +50,8 @@ pub enum Block {
 pub struct GpuHybrid {
     pub kernels: HybridKernels,
     pub hyper_cfg: Option<HyperConfig>,
+    /// The indexer's config (models with sparse attention).
+    pub indexer: Option<crate::model::config::IndexerConfig>,
     /// Per layer (None without hyper-connections).
     pub hyper: Vec<Option<GpuLayerHyper>>,
     /// Per layer: the indexer of layers that run their own.
@@ -127,6 +131,7 @@ impl GpuHybrid {
         Ok(Some(Self {
             kernels,
             hyper_cfg: cfg.hyper,
+            indexer: cfg.indexer.clone(),
             hyper,
             indexers,
             sparse,
@@ -160,45 +165,54 @@ pub fn state_layout(cfg: &ModelConfig) -> (Option<KdaShape>, Vec<Option<usize>>,
     (kda, offsets, floats)
 }
 
-/// Residual streams of a step and the weights between a block's collapse and expansion.
-pub struct Streams {
-    pub m: usize,
-    /// `[rows, m, hidden]`
-    pub streams: CudaSlice<f32>,
-    /// `[rows, 2m + m²]`
-    pub mix: CudaSlice<f32>,
-    /// `[rows, (2 + m)·m]`: streams · fnᵀ
-    pub proj_out: CudaSlice<f32>,
-}
-
-/// Per-step buffers of a hybrid model.
+/// A hybrid model's step: its buffers (`hybrid_bufs`, of the step's batch-size class) and the
+/// recurrent-state table of its sequences.
 pub struct HybridStep<'s> {
-    pub seg: SegmentIndex,
+    pub bufs: &'s mut HybridBufs,
     /// Every sequence's recurrent state (models with linear layers).
     pub states: Option<StateTable<'s>>,
-    pub streams: Option<Streams>,
-    /// What the last layer with its own indexer selected (for the `shared` layers after it).
-    pub selection: Option<DeviceSelection>,
-    /// Host view of the segments: (first position, length) per sequence.
-    pub spans: Vec<(usize, usize)>,
+}
+
+impl HybridStep<'_> {
+    pub fn rows(&self) -> usize {
+        self.bufs.seg.rows
+    }
 }
 
 impl GpuModel {
-    /// Readies a step of a hybrid model (see the module docs); `x` holds the embeddings.
+    /// Readies a step of a hybrid model (see the module docs) in the class buffers `bufs`; `x` holds the
+    /// embeddings. Everything a captured decode segment reads that varies per step is written here.
     pub(super) fn hybrid_begin_step<'s>(
         &self,
         hy: &GpuHybrid,
         batch: &'s mut [GpuSeqInput<'_>],
         hidden: usize,
         x: &CudaSlice<f32>,
+        bufs: &'s mut HybridBufs,
     ) -> anyhow::Result<HybridStep<'s>> {
         let dev = &self.dev;
         let lens: Vec<usize> = batch.iter().map(|b| b.tokens.len()).collect();
-        let spans: Vec<(usize, usize)> = batch.iter().map(|b| (b.pos0, b.tokens.len())).collect();
         let rows: usize = lens.iter().sum();
-        let seg = SegmentIndex::new(dev, &lens)?;
+        anyhow::ensure!(
+            rows <= bufs.rows && batch.len() <= bufs.state_table.len(),
+            "hybrid buffers for {} rows, step has {rows}",
+            bufs.rows
+        );
+        bufs.seg.set(dev, &lens)?;
+        if let (Some(ix), Some(ib)) = (self.indexer_config(), bufs.indexer.as_mut()) {
+            ib.selection.set_rows(rows)?;
+            // Score rows of the decode class cover every position the KV pool holds (a captured
+            // graph cannot grow them); larger steps size theirs per call.
+            let most = batch.iter().map(|b| b.pos0 + b.tokens.len()).max();
+            let need = super::hybrid_bufs::max_candidates(ix, most.unwrap_or(0));
+            anyhow::ensure!(
+                ib.score_stride == 0 || need <= ib.score_stride,
+                "{need} indexer candidates for score rows of {}",
+                ib.score_stride
+            );
+        }
         let states = if hy.state_floats > 0 {
-            let mut bufs = Vec::with_capacity(batch.len());
+            let mut held = Vec::with_capacity(batch.len());
             for b in batch.iter_mut() {
                 let slot = b
                     .state
@@ -219,34 +233,27 @@ impl GpuModel {
                         b.pos0
                     )
                 })?;
-                bufs.push(buf);
+                held.push(buf);
             }
-            Some(StateTable::new(dev, bufs, hy.state_floats)?)
+            Some(StateTable::new(
+                dev,
+                &mut bufs.state_table,
+                held,
+                hy.state_floats,
+            )?)
         } else {
             None
         };
-        let streams = match hy.hyper_cfg {
-            Some(h) => {
-                let m = h.mult;
-                let mut streams = self.alloc::<f32>(rows * m * hidden)?;
-                hy.kernels
-                    .hc_broadcast(dev, rows, m, hidden, x, &mut streams)?;
-                Some(Streams {
-                    m,
-                    streams,
-                    mix: self.alloc::<f32>(rows * mix_width(m))?,
-                    proj_out: self.alloc::<f32>(rows * (2 + m) * m)?,
-                })
-            }
-            None => None,
-        };
-        Ok(HybridStep {
-            seg,
-            states,
-            streams,
-            selection: None,
-            spans,
-        })
+        if let Some(st) = bufs.streams.as_mut() {
+            hy.kernels
+                .hc_broadcast(dev, rows, st.m, hidden, x, &mut st.streams)?;
+        }
+        Ok(HybridStep { bufs, states })
+    }
+
+    /// The indexer's config of a model whose layers run one.
+    pub(super) fn indexer_config(&self) -> Option<&crate::model::config::IndexerConfig> {
+        self.hybrid.as_ref().and_then(|h| h.indexer.as_ref())
     }
 
     /// The input of layer `li`'s `block` into `x` (models with hyper-connections; no-op otherwise).
@@ -259,7 +266,8 @@ impl GpuModel {
         norm_eps: f32,
         x: &mut CudaSlice<f32>,
     ) -> anyhow::Result<()> {
-        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.streams.as_mut()) else {
+        let rows = step.rows();
+        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.bufs.streams.as_mut()) else {
             return Ok(());
         };
         let cfg = hy.hyper_cfg.context("streams without a hyper config")?;
@@ -270,7 +278,7 @@ impl GpuModel {
             Block::Attention => &hc.attn,
             Block::Ffn => &hc.ffn,
         };
-        let (rows, m) = (step.seg.rows, st.m);
+        let m = st.m;
         self.dev.gemm_f32(
             &st.streams,
             &hc.proj,
@@ -307,18 +315,12 @@ impl GpuModel {
         hidden: usize,
         x: &CudaSlice<f32>,
     ) -> anyhow::Result<()> {
-        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.streams.as_mut()) else {
+        let rows = step.rows();
+        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.bufs.streams.as_mut()) else {
             return Ok(());
         };
-        hy.kernels.hc_expand(
-            &self.dev,
-            step.seg.rows,
-            st.m,
-            hidden,
-            x,
-            &st.mix,
-            &mut st.streams,
-        )?;
+        hy.kernels
+            .hc_expand(&self.dev, rows, st.m, hidden, x, &st.mix, &mut st.streams)?;
         Ok(())
     }
 
@@ -329,11 +331,11 @@ impl GpuModel {
         hidden: usize,
         x: &mut CudaSlice<f32>,
     ) -> anyhow::Result<()> {
-        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.streams.as_ref()) else {
+        let (Some(hy), Some(st)) = (self.hybrid.as_ref(), step.bufs.streams.as_ref()) else {
             return Ok(());
         };
         hy.kernels
-            .hc_mean(&self.dev, step.seg.rows, st.m, hidden, &st.streams, x)?;
+            .hc_mean(&self.dev, step.rows(), st.m, hidden, &st.streams, x)?;
         Ok(())
     }
 }

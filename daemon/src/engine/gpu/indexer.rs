@@ -10,6 +10,7 @@
 //! (GLM-5.3-Flash: 2 × 32 × 128 × 2048 + 2 × 128 × 4096 + 32 × 4096 floats, ~40 MiB per indexed layer).
 use super::attention::StepIndex;
 use super::hybrid::HybridStep;
+use super::hybrid_bufs::candidate_unit;
 use super::kv::GpuKvPool;
 use super::GpuModel;
 use crate::engine::indexer::IndexerWeights;
@@ -20,7 +21,7 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use moe_kernels::cuda::indexer::{DeviceSelection, MlaDims, PagedTables, PoolLayout, ScoreKeys};
+use moe_kernels::cuda::indexer::{IndexerRows, MlaDims, PagedTables};
 use moe_kernels::cuda::GpuDevice;
 
 /// One layer's indexer weights, f32.
@@ -88,9 +89,11 @@ impl GpuIndexer {
 }
 
 impl GpuModel {
-    /// Runs layer `li`'s own indexer over the step and leaves its selection in `hy.selection` (a
+    /// Runs layer `li`'s own indexer over the step and leaves its selection in the step's buffers (a
     /// `shared` layer keeps the one there). `x` is the layer input, `q_resid` the normalised q-LoRA
-    /// output `[n, q_lora_rank]` (f32).
+    /// output `[n, q_lora_rank]` (f32). Decode-class steps enqueue kernels and GEMMs on the step's
+    /// buffers only, so they can be captured; each query's candidate count comes from its position on
+    /// the device.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn indexer_select(
         &self,
@@ -106,11 +109,10 @@ impl GpuModel {
             .hybrid
             .as_ref()
             .context("indexer without hybrid kernels")?;
+        // A `shared` layer attends the selection the layer before it left in the step's buffers (the
+        // model loader refuses a shared layer whose previous layer has no indexer of its own). No
+        // per-step flag: a replayed graph would not set it.
         let Some(w) = hybrid.indexers[li].as_ref() else {
-            anyhow::ensure!(
-                hy.selection.is_some(),
-                "layer {li} shares a selection no earlier layer made"
-            );
             return Ok(());
         };
         let cfg = &host.config;
@@ -118,103 +120,92 @@ impl GpuModel {
         let q_resid = q_resid.context("the indexer needs the q-LoRA output")?;
         let (dev, k) = (&self.dev, &hybrid.kernels);
         let (n, hd, nh, d) = (step.n, cfg.hidden_size, ix.n_heads, ix.head_dim);
+        let seg = &hy.bufs.seg;
+        let b = hy
+            .bufs
+            .indexer
+            .as_mut()
+            .context("an indexed step without indexer buffers")?;
         // f32 normalised layer input (the CPU indexer's `h`)
-        let mut h32 = self.alloc::<f32>(n * hd)?;
-        let mut hb = self.alloc::<bf16>(n * hd)?;
         dev.rms_norm(
             x,
             &self.layers[li].attn_norm,
             cfg.rms_norm_eps,
             (n, hd),
-            &mut hb,
-            Some(&mut h32),
+            &mut b.hb,
+            Some(&mut b.h32),
         )?;
-        drop(hb);
-        let mut q = self.alloc::<f32>(n * nh * d)?;
-        dev.gemm_f32(q_resid, &w.wq_b, &mut q, n, nh * d, w.q_lora_rank)?;
-        let mut key = self.alloc::<f32>(n * d)?;
-        dev.gemm_f32(&h32, &w.wk, &mut key, n, d, hd)?;
-        let mut weights = self.alloc::<f32>(n * nh)?;
-        dev.gemm_f32(&h32, &w.weights_proj, &mut weights, n, nh, hd)?;
-        k.idx_layer_norm(dev, n, &mut key, &w.k_norm_weight, &w.k_norm_bias)?;
+        dev.gemm_f32(q_resid, &w.wq_b, &mut b.q, n, nh * d, w.q_lora_rank)?;
+        dev.gemm_f32(&b.h32, &w.wk, &mut b.key, n, d, hd)?;
+        dev.gemm_f32(&b.h32, &w.weights_proj, &mut b.weights, n, nh, hd)?;
+        k.idx_layer_norm(dev, n, &mut b.key, &w.k_norm_weight, &w.k_norm_bias)?;
         if ix.rope_dim > 0 {
-            self.norm_rope(host, &mut key, step, 1, d, None, 0, true)?;
-            self.norm_rope(host, &mut q, step, nh, d, None, 0, true)?;
+            self.norm_rope(host, &mut b.key, step, 1, d, None, 0, true)?;
+            self.norm_rope(host, &mut b.q, step, nh, d, None, 0, true)?;
         }
-        let gate = match &w.pool {
-            Some((_, g)) => {
-                let mut gl = self.alloc::<f32>(n * d)?;
-                dev.gemm_f32(&h32, g, &mut gl, n, d, hd)?;
-                Some(gl)
-            }
-            None => None,
-        };
+        if let Some((_, g)) = &w.pool {
+            dev.gemm_f32(&b.h32, g, &mut b.gate, n, d, hd)?;
+        }
+        let gate = w.pool.as_ref().map(|_| &b.gate);
         let width = pool.c_width;
         let rows = pool.c[li]
             .as_mut()
             .with_context(|| format!("layer {li} has no indexer rows"))?;
-        k.idx_write_rows(dev, n, d, &key, gate.as_ref(), step.slots, rows, width)?;
-        let rows = &*rows;
+        k.idx_write_rows(dev, n, d, &b.key, gate, step.slots, rows, width)?;
         let paged = PagedTables {
             tables: step.tables,
             max_blocks: step.max_blocks,
             block_size: BLOCK,
         };
-        // Candidates per query: complete pools (key pools) or positions 0..=pos.
-        let unit = match ix.pooling {
-            IndexerPooling::KeyPool { pool } => pool,
-            IndexerPooling::PerToken => 1,
-        };
-        let mut cand = Vec::with_capacity(n);
-        for &(pos0, len) in &hy.spans {
-            cand.extend((pos0..pos0 + len).map(|p| ((p + 1) / unit) as i32));
+        let unit = candidate_unit(ix);
+        if let (Some((ape, _)), IndexerPooling::KeyPool { pool: p }) = (&w.pool, ix.pooling) {
+            k.idx_pool_complete(dev, n, rows, d, p, ape, &paged, step.seq, step.pos)?;
         }
-        let stride = cand.iter().copied().max().unwrap_or(0).max(1) as usize;
-        let d_cand = dev.stream.clone_htod(&cand)?;
-        let mut scores = self.alloc::<f32>(n * stride)?;
-        let scale = (d as f32).powf(-0.5);
-        let topk = ix.topk / unit;
-        let pooled;
-        let layout;
-        let keys = match (&w.pool, ix.pooling) {
-            (Some((ape, _)), IndexerPooling::KeyPool { pool: p }) => {
-                let counts: Vec<usize> = hy.spans.iter().map(|&(p0, l)| (p0 + l) / p).collect();
-                layout = PoolLayout::new(dev, &counts)?;
-                let mut out = self.alloc::<f32>(layout.total * d)?;
-                k.idx_pool_keys(dev, rows, d, p, ape, &paged, &layout, &mut out)?;
-                pooled = out;
-                ScoreKeys::Pooled {
-                    keys: &pooled,
-                    layout: &layout,
-                }
-            }
-            _ => ScoreKeys::PerPosition {
-                cache: rows,
-                width,
-                paged: &paged,
-            },
+        let keys = IndexerRows {
+            cache: rows,
+            width,
+            unit,
+            key_off: if unit > 1 { d } else { 0 },
+            paged: &paged,
         };
+        // Score rows: the decode class's cover every candidate; larger steps size theirs by their
+        // context, for this call (stream-ordered allocation and free).
+        let mut own_scores;
+        let (scores, stride) = if b.score_stride > 0 {
+            (&mut b.scores, b.score_stride)
+        } else {
+            let most = step.seqs.iter().map(|s| s.pos0 + s.len).max().unwrap_or(0);
+            let stride = (most / unit).max(1);
+            own_scores = self.alloc::<f32>(n * stride)?;
+            (&mut own_scores, stride)
+        };
+        let scale = (d as f32).powf(-0.5);
         k.idx_scores(
             dev,
-            &hy.seg,
+            seg,
             (nh, d),
             scale,
-            &q,
-            &weights,
-            &d_cand,
+            &b.q,
+            &b.weights,
+            step.pos,
             &keys,
             stride,
-            &mut scores,
+            scores,
         )?;
-        let mut sel = DeviceSelection::alloc(dev, n, topk * unit + unit)?;
         k.idx_topk(
-            dev, &scores, stride, &d_cand, step.pos, topk, unit, &mut sel,
+            dev,
+            scores,
+            stride,
+            step.pos,
+            ix.topk / unit,
+            unit,
+            &mut b.selection,
         )?;
-        hy.selection = Some(sel);
         Ok(())
     }
 
-    /// Absorbed MLA of layer `li` over the positions in `hy.selection` (bf16 `out` `[n, heads·v]`).
+    /// Absorbed MLA of layer `li` over the positions in the step's selection (bf16 `out`
+    /// `[n, heads·v]`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mla_selected(
         &self,
@@ -232,10 +223,10 @@ impl GpuModel {
             .hybrid
             .as_ref()
             .context("sparse MLA without hybrid kernels")?;
-        let sel = hy
-            .selection
-            .as_ref()
-            .with_context(|| format!("layer {li}: no indexer selection"))?;
+        let sel = match &hy.bufs.indexer {
+            Some(b) => &b.selection,
+            None => anyhow::bail!("layer {li}: sparse attention without indexer buffers"),
+        };
         let paged = PagedTables {
             tables: step.tables,
             max_blocks: step.max_blocks,

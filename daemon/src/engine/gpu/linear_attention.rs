@@ -87,25 +87,24 @@ impl GpuLinearAttention {
 }
 
 impl GpuModel {
-    /// `b(a(x))` for a low-rank pair, the intermediate rounded to bf16 as every GEMM input.
+    /// `b(a(x))` for a low-rank pair into `out`, the middle rounded to bf16 as every GEMM input
+    /// (`mid`, `mid_b`: the step's low-rank buffers).
     fn low_rank(
         &self,
-        a: &GpuLinear,
-        b: &GpuLinear,
+        (a, b): (&GpuLinear, &GpuLinear),
         x: &CudaSlice<bf16>,
         n: usize,
-    ) -> anyhow::Result<CudaSlice<f32>> {
-        let mut mid = self.alloc::<f32>(n * a.out_dim)?;
-        self.linear(a, x, &mut mid, n, false)?;
-        let mut mid_b = self.alloc::<bf16>(n * a.out_dim)?;
-        self.dev.round_to_bf16(&mid, &mut mid_b, n * a.out_dim)?;
-        let mut out = self.alloc::<f32>(n * b.out_dim)?;
-        self.linear(b, &mid_b, &mut out, n, false)?;
-        Ok(out)
+        (mid, mid_b): (&mut CudaSlice<f32>, &mut CudaSlice<bf16>),
+        out: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        self.linear(a, x, mid, n, false)?;
+        self.dev.round_to_bf16(mid, mid_b, n * a.out_dim)?;
+        self.linear(b, mid_b, out, n, false)
     }
 
     /// Layer `li`'s linear attention over the step from the normalised input `hb`; adds its output
-    /// projection into `x` and advances every sequence's state.
+    /// projection into `x` and advances every sequence's state. Enqueues kernels and GEMMs on the
+    /// step's buffers only (no allocation, no host data), so a decode step can be captured.
     pub(super) fn linear_attention(
         &self,
         la: &GpuLinearAttention,
@@ -123,52 +122,70 @@ impl GpuModel {
         let shape = hybrid.kda.context("linear attention without its config")?;
         let off = hybrid.state_offsets[li]
             .with_context(|| format!("layer {li} has no recurrent state part"))?;
-        let states = hy
-            .states
+        let n = hy.rows();
+        let HybridStep { bufs, states, .. } = hy;
+        let states = states
             .as_mut()
             .context("a linear-attention step without recurrent states")?;
-        let (dev, k, n, w) = (&self.dev, &hybrid.kernels, hy.seg.rows, shape.qkv());
+        let seg = &bufs.seg;
+        let b = bufs
+            .linear
+            .as_mut()
+            .context("a linear-attention step without its buffers")?;
+        let (dev, k) = (&self.dev, &hybrid.kernels);
         let act = match cfg.activation {
             Activation::Silu => ConvActivation::Silu,
             Activation::GeluTanh => ConvActivation::GeluTanh,
             Activation::Relu => ConvActivation::Relu,
         };
-        let mut raw = self.alloc::<f32>(n * 3 * w)?;
-        self.linear(&la.qkv, hb, &mut raw, n, false)?;
-        let mut mixed = self.alloc::<f32>(n * 3 * w)?;
+        self.linear(&la.qkv, hb, &mut b.raw, n, false)?;
         k.kda_conv(
-            dev, shape, act, &raw, &la.conv, &hy.seg, states, off, &mut mixed,
+            dev,
+            shape,
+            act,
+            &b.raw,
+            &la.conv,
+            seg,
+            states,
+            off,
+            &mut b.mixed,
         )?;
-        drop(raw);
-        let mut g = self.low_rank(&la.f_a, &la.f_b, hb, n)?;
-        let mut beta = self.alloc::<f32>(n * shape.heads)?;
-        self.linear(&la.b, hb, &mut beta, n, false)?;
-        let gate = self.low_rank(&la.g_a, &la.g_b, hb, n)?;
+        let mid = (&mut b.mid, &mut b.mid_b);
+        self.low_rank((&la.f_a, &la.f_b), hb, n, mid, &mut b.g)?;
+        self.linear(&la.b, hb, &mut b.beta, n, false)?;
+        let mid = (&mut b.mid, &mut b.mid_b);
+        self.low_rank((&la.g_a, &la.g_b), hb, n, mid, &mut b.gate)?;
         k.kda_prepare(
             dev,
             shape,
             n,
-            &mut mixed,
-            &mut g,
-            &mut beta,
+            &mut b.mixed,
+            &mut b.g,
+            &mut b.beta,
             &la.a_log,
             &la.dt_bias,
         )?;
-        let mut core = self.alloc::<f32>(n * w)?;
         k.kda_recurrent(
-            dev, shape, &mixed, &g, &beta, &hy.seg, states, off, &mut core,
+            dev,
+            shape,
+            &b.mixed,
+            &b.g,
+            &b.beta,
+            seg,
+            states,
+            off,
+            &mut b.core,
         )?;
-        let mut normed = self.alloc::<bf16>(n * w)?;
         k.gated_rms_norm(
             dev,
             n,
             shape.heads,
-            &core,
-            &gate,
+            &b.core,
+            &b.gate,
             &la.o_norm,
             cfg.rms_norm_eps,
-            &mut normed,
+            &mut b.normed,
         )?;
-        self.linear(&la.o, &normed, x, n, true)
+        self.linear(&la.o, &b.normed, x, n, true)
     }
 }

@@ -6,8 +6,8 @@ use crate::engine::EngineOptions;
 use crate::model::{config::ModelConfig, Attention as HostAttention, Model};
 use moe_kernels::cuda::quant::DenseFormat;
 use moe_sizing::{
-    Attention, CheckpointFormat, ExpertsChoice, KvRequest, LayerPins, MemoryPlan, ModelShape, Moe,
-    PlanInputs,
+    Attention, CheckpointFormat, ExpertsChoice, HybridShape, KvRequest, LayerPins, MemoryPlan,
+    ModelShape, Moe, PlanInputs,
 };
 
 /// The sizing shape of a loaded configuration (`qkv_bias`: q/k/v projections carry biases, which
@@ -38,6 +38,7 @@ pub fn shape_of(cfg: &ModelConfig, qkv_bias: bool, checkpoint: CheckpointFormat)
         moe_layers: cfg.moe_layers.iter().filter(|&&x| x).count() as u64,
     });
     ModelShape {
+        hybrid: hybrid_shape(cfg),
         hidden: cfg.hidden_size as u64,
         layers: cfg.num_layers as u64,
         vocab: cfg.vocab_size as u64,
@@ -47,6 +48,42 @@ pub fn shape_of(cfg: &ModelConfig, qkv_bias: bool, checkpoint: CheckpointFormat)
         moe,
         checkpoint,
     }
+}
+
+/// What a hybrid-attention model adds to the plan (`None` for the others): linear layers and their
+/// per-sequence state, indexer rows, and the hybrid step buffers per row (`gpu::hybrid_bufs`).
+pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
+    use crate::model::config::IndexerLayer;
+    use crate::model::hybrid::Mixer;
+    if cfg.hyper.is_none() && cfg.linear_attention.is_none() && cfg.indexer.is_none() {
+        return None;
+    }
+    let linear = |li: usize| cfg.mixers.get(li) == Some(&Mixer::Linear);
+    let linear_layers = match cfg.linear_attention {
+        Some(_) => (0..cfg.num_layers).filter(|&l| linear(l)).count() as u64,
+        None => 0,
+    };
+    let (indexer_layers, indexer_row_floats, indexer_unit) = match &cfg.indexer {
+        Some(ix) => (
+            (0..cfg.num_layers)
+                .filter(|&l| !linear(l) && ix.layers.get(l) == Some(&IndexerLayer::Own))
+                .count() as u64,
+            ix.row_width() as u64,
+            super::hybrid_bufs::candidate_unit(ix) as u64,
+        ),
+        None => (0, 0, 0),
+    };
+    Some(HybridShape {
+        linear_layers,
+        state_floats: cfg.linear_attention.map_or(0, |la| la.state_floats()) as u64,
+        indexer_layers,
+        indexer_row_floats,
+        indexer_unit,
+        step_row_values: super::hybrid_bufs::step_row_values(cfg) as u64,
+        linear_heads: cfg.linear_attention.map_or(0, |la| la.num_heads) as u64,
+        linear_head_dim: cfg.linear_attention.map_or(0, |la| la.head_dim) as u64,
+        conv_kernel: cfg.linear_attention.map_or(0, |la| la.conv_kernel) as u64,
+    })
 }
 
 /// Whether the loaded model's attention projections carry biases.
@@ -146,6 +183,7 @@ impl MemoryReport {
             - self.plan.item("CUDA graphs")
             - self.plan.item("prefill staging")
             - self.plan.item("live moves")
+            - self.plan.item("recurrent states")
     }
 }
 
@@ -200,6 +238,111 @@ mod tests {
             let engine = shape_of(&cfg, bias, sized.checkpoint);
             assert_eq!(sized, engine, "{name}");
         }
+    }
+
+    /// GLM-5.3-Flash's plan counts what the GPU engine holds for it: no KV rows in its 34 linear
+    /// layers, the MLA latent (512 bf16) and the f32 indexer row (key + pool gate, 256 floats) in its
+    /// 11 indexed layers, the decode buffers' indexer score column (64 rows / pool of 4 × 4 B) per KV
+    /// position, a 146 MiB recurrent state per sequence of a step (64: 9.1 GiB), and the hybrid step
+    /// rows; `auto` GPU experts get what is left after all of it (without the hybrid terms the same
+    /// budget would have promised more experts than fit).
+    #[test]
+    fn glm53_flash_plan_counts_states_and_indexer_rows() {
+        let v = crate::cli::synth::config_like("glm-5.3-flash").unwrap();
+        let cfg = ModelConfig::from_json(&v).unwrap();
+        let shape = shape_of(&cfg, false, CheckpointFormat::Fp8 { block: 128 });
+        let hy = shape.hybrid.clone().expect("a hybrid shape");
+        assert_eq!((hy.linear_layers, hy.indexer_layers), (34, 11));
+        assert_eq!((hy.indexer_row_floats, hy.indexer_unit), (256, 4));
+        // 64 heads × 128² matrices + a 3-tap tail of q, k and v (3 × 8192), f32
+        assert_eq!(hy.state_floats, 64 * 128 * 128 + 3 * 3 * 8192);
+        let state_per_seq = hy.state_bytes(1);
+        assert_eq!(state_per_seq, 152_633_344); // 145.6 MiB
+        assert_eq!(
+            shape.kv_bytes_per_token(2),
+            11 * 512 * 2 + 11 * 256 * 4,
+            "11 KiB of latent + 11 KiB of indexer rows per position"
+        );
+        assert_eq!(
+            moe_sizing::plan::kv_bytes_per_position(&shape, true),
+            11 * 512 * 2 + 11 * 256 * 4 + 64 * 4 / 4
+        );
+        // A step row (hidden 4096): 4 streams + mix 24 + proj 24; linear 10 × 8192 + 2 × 128 + 64;
+        // indexer 2 × 4096 + 32 × 128 + 2 × 128 + 32 + (512 × 4 + 4) + 1; segment 5.
+        let row = (4 * 4096 + 24 + 24)
+            + (10 * 8192 + 256 + 64)
+            + (2 * 4096 + 4096 + 256 + 32)
+            + 2052
+            + 1
+            + 5;
+        assert_eq!(hy.step_row_values, row);
+        let inputs = PlanInputs {
+            budget_bytes: 80 << 30,
+            dense: moe_sizing::DenseChoice::Fixed(moe_sizing::DenseDtype::Fp8),
+            embeddings: moe_sizing::EmbeddingChoice::Gpu,
+            experts: ExpertsChoice::Auto,
+            kv: KvRequest::exactly(131072),
+            max_step_tokens: 2048,
+            max_step_seqs: 64,
+            stream_staging_bytes: 0,
+            cuda_graphs: true,
+            pins: Vec::new(),
+            move_slots: 0,
+        };
+        let p = moe_sizing::choose(&shape, &inputs).unwrap();
+        assert_eq!(p.item("recurrent states"), 64 * state_per_seq);
+        assert_eq!(p.item("KV cache"), 131072 * (22 * 1024 + 64));
+        // the large step's score rows: 2048 queries × 131072 / 4 candidates × 4 B = 256 MiB
+        let plain_steps = moe_sizing::plan::step_buffer_bytes(&shape, 2048, 64);
+        assert_eq!(p.item("activations"), plain_steps + (256 << 20));
+        assert!(p.total() <= p.usable_bytes);
+        let blind = ModelShape {
+            hybrid: None,
+            ..shape.clone()
+        };
+        let q = moe_sizing::choose(&blind, &inputs).unwrap();
+        assert!(
+            q.gpu_experts_per_layer > p.gpu_experts_per_layer,
+            "without the hybrid terms: {} experts per layer, with them {}",
+            q.gpu_experts_per_layer,
+            p.gpu_experts_per_layer
+        );
+        println!("{}", p.describe());
+    }
+
+    /// The plan's attention weights of a hybrid model are what the loaded checkpoint holds: linear
+    /// layers' own projections (q, k, v, the gates' low-rank pairs, β, o) and MLA's in the indexed
+    /// layers, bf16 bytes of every `Linear` (glm5_next fixture: 3 linear, 2 indexed layers).
+    #[test]
+    fn glm53_plan_counts_linear_layer_projections() {
+        use crate::model::{Attention as A, MlaQuery};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let e =
+            crate::engine::Engine::load(&dir, &crate::engine::EngineOptions::default()).unwrap();
+        let bytes = |l: &crate::engine::linear::Linear| (l.out_dim * l.in_dim * 2) as u64;
+        let mut want = 0;
+        for layer in &e.model().layers {
+            want += match &layer.attn {
+                A::Linear(la) => [
+                    &la.q, &la.k, &la.v, &la.f_a, &la.f_b, &la.b, &la.g_a, &la.g_b, &la.o,
+                ]
+                .into_iter()
+                .map(bytes)
+                .sum::<u64>(),
+                A::Mla(m) => {
+                    let q = match &m.q {
+                        MlaQuery::LowRank { a, b, .. } => bytes(a) + bytes(b),
+                        MlaQuery::Direct(l) => bytes(l),
+                    };
+                    q + bytes(&m.kv_a) + bytes(&m.o)
+                }
+                A::Gqa(_) => unreachable!("no GQA layer in GLM-5.3-Flash"),
+            };
+        }
+        let shape = shape_of(e.config(), false, CheckpointFormat::Bf16);
+        let got = moe_sizing::dense_bytes(&shape, moe_sizing::DenseDtype::Bf16, false).attention;
+        assert_eq!(got, want);
     }
 
     /// The sizing crate's alignment rule for quantized widths is the kernels'.

@@ -21,6 +21,7 @@ pub mod forward;
 pub mod graphs;
 pub mod handoff;
 pub mod hybrid;
+pub mod hybrid_bufs;
 pub mod indexer;
 pub mod kinds;
 pub mod kv;
