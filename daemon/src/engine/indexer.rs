@@ -25,7 +25,7 @@
 //! `ModelConfig::indexer` (`pooling: KeyPool { pool }` and `rope_dim: 0` for the pooled variant; the
 //! pooled variant assumes `index_kpool_always_select_tail`, its config default: reject `false`), an
 //! `indexer: Some(SparseAttention::Own(..) | Shared)` on each MLA layer (built by `model::build` from
-//! `indexer.layers`), and `engine::attention::mla_forward`, which runs [`select`] and attends only the
+//! `indexer.layers`), and `engine::cpu::attention::mla_forward`, which runs [`select`] and attends only the
 //! selected positions (`layout.rope == false` gives NoPE MLA). `engine::kv::row_widths` sizes the rows.
 //!
 //! Cost: scoring is `n_heads × head_dim` multiply-adds per (query, earlier position) plus a linear-time

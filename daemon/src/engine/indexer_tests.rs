@@ -43,7 +43,7 @@ fn selection_positions() {
 /// the attention output within 1e-4 rel-L2 (f32 on both sides).
 #[test]
 fn key_pool_indexer_matches_transformers() {
-    use crate::engine::attention::mla_forward;
+    use crate::engine::cpu::attention::mla_forward;
     use crate::engine::kv::{LayerRows, BLOCK};
     use crate::engine::Segment;
     use crate::model::config::{IndexerLayer, LayerAttention, ModelConfig};

@@ -64,7 +64,7 @@ pub enum SparseAttention {
 
 /// KDA-style gated delta-rule linear attention (GLM-5.3-Flash's linear layers). Per sequence it keeps a
 /// `head_dim × head_dim` state per head and the last inputs of the short convolution instead of a KV
-/// cache (`engine::linear_attention`).
+/// cache (`engine::cpu::linear_attention`).
 pub struct LinearAttention {
     pub q: Linear,
     pub k: Linear,

@@ -266,7 +266,7 @@ fn glm_hybrid_chunks_batches_and_restarts_on_cuda() {
 /// with many exact ties, per position and in pools. f32 throughout: ≤ 1e-4 rel-L2, lists equal.
 #[test]
 fn hybrid_kernels_match_host_references() {
-    use moe_daemon::engine::linear_attention::kda_recurrent;
+    use moe_daemon::engine::cpu::linear_attention::kda_recurrent;
     use moe_kernels::cuda::hybrid::{HybridKernels, SegmentIndex, StateTable};
     use moe_kernels::cuda::indexer::DeviceSelection;
     use moe_kernels::cuda::linear_attention::KdaShape;

@@ -9,8 +9,8 @@
 //!
 //! Cost per token and block: one `[(2 + m)·m, m·hidden]` projection (24 × 16384 for GLM-5.3-Flash)
 //! plus `m`² stream mixing; small beside attention and the experts.
-use super::linear::dot;
-use super::ops::{add_assign, sigmoid, softmax};
+use crate::engine::linear::dot;
+use crate::engine::ops::{add_assign, sigmoid, softmax};
 use crate::model::hybrid::HyperConfig;
 use crate::model::HyperConnection;
 use rayon::prelude::*;

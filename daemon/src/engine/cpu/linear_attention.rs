@@ -15,11 +15,11 @@
 //!
 //! Cost per token and head: about 4·d² flops for the recurrence (d = 128 in GLM-5.3-Flash: 64k), the
 //! projections dominate as in attention layers; the state is 64 KiB per head in f32.
-use super::kv::recurrent::{LinearLayerState, RecurrentState};
-use super::linear::dot;
-use super::moe::activate;
-use super::ops::sigmoid;
-use super::Segment;
+use crate::engine::kv::recurrent::{LinearLayerState, RecurrentState};
+use crate::engine::linear::dot;
+use crate::engine::moe::activate;
+use crate::engine::ops::sigmoid;
+use crate::engine::Segment;
 use crate::model::config::Activation;
 use crate::model::config::ModelConfig;
 use crate::model::hybrid::LinearAttentionConfig;
@@ -44,7 +44,7 @@ pub fn linear_attention_forward(
         .expect("a linear-attention layer has its config");
     let n = h.len() / cfg.hidden_size;
     let qkv = shape.qkv_dim();
-    let qkv_rows = super::linear::forward_many([&la.q, &la.k, &la.v], h, n);
+    let qkv_rows = crate::engine::linear::forward_many([&la.q, &la.k, &la.v], h, n);
     // the convolution's outputs `[n, 3·qkv]` (q | k | v per row), read straight from the projections
     let mut mixed = vec![0f32; n * 3 * qkv];
     let g = forget_gate(la, &shape, h, n);

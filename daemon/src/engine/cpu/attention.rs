@@ -7,12 +7,12 @@
 //! are packed on one: its workers spin for a while after each region, so rayon threads started right
 //! after a projection would fight them for the same cores.
 use super::flash;
-use super::indexer::{self, Selection};
-use super::kv::{slot, BlockId, LayerRows};
-use super::linear::dot;
-use super::ops::{rms_norm, rms_norm_rows};
-use super::rope::Rope;
-use super::Segment;
+use crate::engine::indexer::{self, Selection};
+use crate::engine::kv::{slot, BlockId, LayerRows};
+use crate::engine::linear::dot;
+use crate::engine::ops::{rms_norm, rms_norm_rows};
+use crate::engine::rope::Rope;
+use crate::engine::Segment;
 use crate::model::config::{LayerAttention, ModelConfig};
 use crate::model::{GqaAttention, MlaAttention, MlaQuery, SparseAttention};
 

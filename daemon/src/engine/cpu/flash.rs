@@ -6,7 +6,7 @@
 //! reads each cached row once per layer. Long contexts are split over several items per (token, KV
 //! head) so a single decode token still spreads over every worker; the partial (max, sum,
 //! accumulator) triples are merged afterwards (flash-decoding).
-use super::kv::{slot, BlockId, LayerRows, BLOCK};
+use crate::engine::kv::{slot, BlockId, LayerRows, BLOCK};
 use moe_kernels::cpu::{dot_rows, weighted_rows, WorkerPool};
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
