@@ -34,10 +34,9 @@ fn parse(args: &[String]) -> Result<CpuDenseBenchArgs, String> {
                 }
             }
             "--input" => {
-                a.inputs = list(v, |s| match s {
-                    "int8" => Ok(GroupedInput::Int8),
-                    "bf16" => Ok(GroupedInput::Bf16),
-                    _ => Err(format!("--input: {s:?} is not int8 or bf16")),
+                a.inputs = list(v, |s| {
+                    s.parse::<GroupedInput>()
+                        .map_err(|e| format!("--input: {e}"))
                 })?
             }
             "--tokens" => a.tokens = list(v, num)?,

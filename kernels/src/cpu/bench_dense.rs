@@ -74,7 +74,11 @@ impl Default for CpuDenseBenchArgs {
                 shape("lm_head=151936x2048"),
             ],
             kind: GgmlBlock::Q8_0,
-            inputs: vec![GroupedInput::Int8, GroupedInput::Bf16],
+            inputs: vec![
+                GroupedInput::Int8,
+                GroupedInput::Int8Pair,
+                GroupedInput::Bf16,
+            ],
             tokens: vec![1, 4],
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             iters: 20,

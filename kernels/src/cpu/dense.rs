@@ -166,6 +166,12 @@ impl DenseMatrix {
         }
     }
 
+    /// Whether a call of `tokens` rows feeds each token as two int8 rows ([`GroupedInput::Int8Pair`]).
+    fn split_rows(&self, tokens: usize) -> bool {
+        self.grouped == GroupedInput::Int8Pair
+            && matches!(self.input_kind(tokens), ActKind::I8 { .. })
+    }
+
     fn mat(&self) -> MatRef<'_> {
         let w = &self.buf[..self.l.w_bytes];
         let sb = &self.buf[self.l.w_bytes..self.l.w_bytes + 4 * self.l.s_len];
@@ -200,40 +206,57 @@ impl DenseMatrix {
         self.tier == o.tier
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
-            && [1, AMX_MIN_ROWS]
-                .iter()
-                .all(|&t| self.input_kind(t) == o.input_kind(t))
+            && [1, AMX_MIN_ROWS].iter().all(|&t| {
+                self.input_kind(t) == o.input_kind(t) && self.split_rows(t) == o.split_rows(t)
+            })
     }
 }
 
-/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K
-/// codes) on AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
+/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K codes) on
+/// AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupedInput {
     /// int8 codes per scale group of the weights, with the group's scale (llama.cpp's q8_0 / q8_1
-    /// activations): one `vpdpbusd` per 64 weight bytes, so a decode GEMV runs at DRAM bandwidth.
+    /// activations): one `vpdpbusd` per 64 weight bytes, so a decode GEMV runs at DRAM bandwidth. An
+    /// outlier channel coarsens the other 31 values of its group (step amax/127).
     Int8,
+    /// Two int8 rows per token: the codes of `Int8`, then the codes of what they left over (the
+    /// residual, quantized per group with its own scale), summed after the dot. ~amax/32000 per value
+    /// (bf16's precision or better) for two `vpdpbusd` per 64 weight bytes and row: the same kernel
+    /// run on twice the rows, weights read once, no widening.
+    Int8Pair,
     /// Weights widened to bf16 per chunk, bf16 activations: 2⁻⁹ relative per element whatever the
     /// outliers, for ~20 more instructions per 64 weight bytes (`dense_widen`).
     Bf16,
 }
 
+impl std::str::FromStr for GroupedInput {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "int8" => Ok(GroupedInput::Int8),
+            "int8pair" => Ok(GroupedInput::Int8Pair),
+            "bf16" => Ok(GroupedInput::Bf16),
+            _ => Err(format!("{s:?} is not int8, int8pair or bf16")),
+        }
+    }
+}
+
 impl GroupedInput {
-    /// The default for `format`: int8 for Int8Group (Q8_0's and Q6_K's 8-bit codes, where llama.cpp's
-    /// int8 activations match the weights' own precision), bf16 for the 4-bit formats (small models'
-    /// outlier channels: SmolLM2-135M Q4_1 drifted 15% in its logits with int8 activations).
-    /// `MOE_CPU_DENSE_INPUT=int8|bf16` overrides it for every format (A/B runs).
+    /// The default for `format`: `Int8` for 8-bit codes (Q8_0, Q5_K, Q6_K: llama.cpp's int8 activations
+    /// match the weights' own precision), `Int8Pair` for 4-bit codes (small models' outlier channels:
+    /// SmolLM2-135M Q4_1 drifted 15% in its logits with plain int8 activations).
+    /// `MOE_CPU_DENSE_INPUT=int8|int8pair|bf16` overrides it for every format (A/B runs).
     pub fn default_for(format: WeightFormat) -> GroupedInput {
         static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
-        let forced =
-            *FORCED.get_or_init(|| match std::env::var("MOE_CPU_DENSE_INPUT").as_deref() {
-                Ok("int8") => Some(GroupedInput::Int8),
-                Ok("bf16") => Some(GroupedInput::Bf16),
-                _ => None,
-            });
+        let forced = *FORCED.get_or_init(|| {
+            std::env::var("MOE_CPU_DENSE_INPUT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        });
         forced.unwrap_or(match format {
             WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => GroupedInput::Int8,
-            _ => GroupedInput::Bf16,
+            _ => GroupedInput::Int8Pair,
         })
     }
 }
@@ -329,11 +352,22 @@ pub fn forward_group(
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
     let kind = first.input_kind(tokens);
+    // Activation rows per token: two with `Int8Pair` (codes, then the codes of the residual).
+    let per_token = if first.split_rows(tokens) { 2 } else { 1 };
+    let act_rows = per_token * tokens;
     // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
-    s.act.reserve(kind, tokens.div_ceil(16) * 16, k_pad);
+    s.act.reserve(kind, act_rows.div_ceil(16) * 16, k_pad);
     s.rows.clear();
-    s.rows.extend(0..tokens as u32);
-    convert_rows(pool, &mut s.act, kind, k_pad, x, k, tokens);
+    s.rows.extend(0..act_rows as u32);
+    convert_rows(
+        pool,
+        &mut s.act,
+        kind,
+        k_pad,
+        (x, k),
+        tokens,
+        per_token == 2,
+    );
     let a = s.act.view(kind, k_pad, &s.rows);
 
     // Work items: chunks of N-tiles of every matrix, in order.
@@ -382,8 +416,8 @@ pub fn forward_group(
         let ld = 16 * nts;
         TILE_OUT.with(|buf| {
             let mut buf = buf.borrow_mut();
-            if buf.len() < tokens * ld {
-                buf.resize(tokens * ld, 0.0);
+            if buf.len() < act_rows * ld {
+                buf.resize(act_rows * ld, 0.0);
             }
             if *wide {
                 gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
@@ -393,8 +427,12 @@ pub fn forward_group(
             let col0 = 16 * nt0;
             let cols = ld.min(n - col0);
             for t in 0..tokens {
-                let src = &buf[t * ld..t * ld + cols];
+                let at = per_token * t * ld;
+                let src = &buf[at..at + cols];
+                // the residual row's dot, for split tokens
+                let rest = &buf[at + (per_token - 1) * ld..][..cols];
                 for (j, &v) in src.iter().enumerate() {
+                    let v = if per_token == 2 { v + rest[j] } else { v };
                     let b = bias.map_or(0.0, |b| b[col0 + j]);
                     // SAFETY: element (t, col0 + j) of this call's `y` (checked length) belongs to
                     // this chunk alone; `y` outlives the region.
@@ -406,22 +444,30 @@ pub fn forward_group(
     Ok(())
 }
 
-/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind`, in parallel when there are
-/// several blocks of rows and the conversion is more than a copy.
+/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind` (with `split`, token `t` into
+/// rows `2t` and `2t + 1`: codes and residual codes), in parallel when there are several blocks of rows
+/// and the conversion is more than a copy.
 fn convert_rows(
     pool: &WorkerPool,
     act: &mut ActBuf,
     kind: ActKind,
     k_pad: usize,
-    x: &[f32],
-    cols: usize,
+    (x, cols): (&[f32], usize),
     tokens: usize,
+    split: bool,
 ) {
     let writer = act.writer(kind, k_pad);
     let convert = |first: usize| {
         for t in first..(first + CONVERT_ROWS).min(tokens) {
+            let src = &x[t * cols..(t + 1) * cols];
             // SAFETY: rows were reserved by the caller; each item writes its own rows.
-            unsafe { writer.write_row(t, &x[t * cols..(t + 1) * cols]) };
+            unsafe {
+                if split {
+                    writer.write_row_split(2 * t, 2 * t + 1, src)
+                } else {
+                    writer.write_row(t, src)
+                }
+            };
         }
     };
     let items = tokens.div_ceil(CONVERT_ROWS);
@@ -647,7 +693,11 @@ mod tests {
             k,
         ));
         let bias = rng_values(n, 9);
-        let inputs = [GroupedInput::Int8, GroupedInput::Bf16];
+        let inputs = [
+            GroupedInput::Int8,
+            GroupedInput::Int8Pair,
+            GroupedInput::Bf16,
+        ];
         for ((fmt, src, k), input) in cases
             .iter()
             .flat_map(|c| inputs.iter().map(move |i| (c, *i)))
@@ -695,9 +745,13 @@ mod tests {
             DenseMatrix::new(f, n, k, &SourceTensor::F32(&src), None).unwrap()
         })
         .collect();
-        for (input, tokens) in [GroupedInput::Int8, GroupedInput::Bf16]
-            .into_iter()
-            .flat_map(|i| [1usize, 7, 20].map(|t| (i, t)))
+        for (input, tokens) in [
+            GroupedInput::Int8,
+            GroupedInput::Int8Pair,
+            GroupedInput::Bf16,
+        ]
+        .into_iter()
+        .flat_map(|i| [1usize, 7, 20].map(|t| (i, t)))
         {
             for m in mats.iter_mut() {
                 m.set_grouped_input(input);
@@ -734,6 +788,50 @@ mod tests {
             assert!(
                 !bf.shares_input_with(&mats[1]),
                 "bf16 and int8 activations differ"
+            );
+        }
+    }
+
+    /// Hidden states with outlier channels (a few values 60× the rest, as in small LLMs): one int8 row
+    /// per token rounds the other values of an outlier's group to steps of amax/127, a pair of rows
+    /// (codes and residual codes) to ~amax/32000. Q4_1 weights, 1 and 5 tokens, against the f64
+    /// evaluation of the packed weights with the exact inputs.
+    #[test]
+    fn int8_pair_keeps_outlier_groups_accurate() {
+        if CpuTier::Avx512.clamp_to_cpu() < CpuTier::Avx512 {
+            return; // int8 activations exist from the AVX-512 tier on
+        }
+        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
+        let (n, k) = (64, 576);
+        let q41 = ggml_bytes(GgmlBlock::Q4_1, n, k, 17);
+        let src = SourceTensor::Ggml {
+            kind: GgmlBlock::Q4_1,
+            data: &q41,
+        };
+        let mut w = DenseMatrix::new(format_for_ggml(GgmlBlock::Q4_1), n, k, &src, None).unwrap();
+        w.set_max_tier(CpuTier::Avx512);
+        for tokens in [1usize, 5] {
+            let mut x = rng_values(tokens * k, 40 + tokens as u64);
+            for t in 0..tokens {
+                for c in [7, 100, 333] {
+                    x[t * k + c] = 60.0;
+                }
+            }
+            let want = naive(&w, &x, tokens);
+            let err = |input| {
+                let mut w2 =
+                    DenseMatrix::new(format_for_ggml(GgmlBlock::Q4_1), n, k, &src, None).unwrap();
+                w2.set_max_tier(CpuTier::Avx512);
+                w2.set_grouped_input(input);
+                let mut y = vec![0f32; tokens * n];
+                w2.forward(&pool, &x, tokens, None, &mut y).unwrap();
+                rel_l2(&y, &want)
+            };
+            let (pair, single) = (err(GroupedInput::Int8Pair), err(GroupedInput::Int8));
+            assert!(pair < 2e-4, "tokens={tokens}: pair rel err {pair}");
+            assert!(
+                single > 10.0 * pair,
+                "tokens={tokens}: single {single} vs pair {pair}"
             );
         }
     }

@@ -329,6 +329,33 @@ impl ActWriter {
         }
     }
 
+    /// Converts `src` into int8 row `hi` and what those codes leave over (`src − code·scale` per group,
+    /// quantized with its own group scales) into row `lo`: the two rows' dots sum to `W·src` within
+    /// ~amax/32000 per value instead of amax/254.
+    ///
+    /// # Safety
+    /// As [`write_row`](Self::write_row), for both rows; the kind is int8.
+    pub unsafe fn write_row_split(&self, hi: usize, lo: usize, src: &[f32]) {
+        let ActKind::I8 { group } = self.kind else {
+            unreachable!("only int8 rows split")
+        };
+        let (k, groups) = (self.k_pad, self.k_pad / group);
+        // SAFETY: (caller) both rows are reserved and exclusively ours; row `hi` is read back after
+        // it is written.
+        unsafe {
+            self.write_row(hi, src);
+            let q = std::slice::from_raw_parts(self.q.add(hi * k), src.len());
+            let sc = std::slice::from_raw_parts(self.scale.add(hi * groups), groups);
+            let rest: Vec<f32> = src
+                .iter()
+                .zip(q)
+                .enumerate()
+                .map(|(i, (&x, &c))| x - c as f32 * sc[i / group])
+                .collect();
+            self.write_row(lo, &rest);
+        }
+    }
+
     /// Converts `src` into columns `col0 ..` of row `row` (F32 and Bf16 kinds: elementwise); with
     /// `zero_tail` the padding after it up to `k_pad` is zeroed.
     ///
