@@ -4,8 +4,8 @@
 # same call. Every timed run is pinned to CPUs 0,1 (`taskset -c 0,1`, 2 threads); llama.cpp is built first
 # on all cores, before anything is measured. The GGUF is generated here (`make_gguf_llama.py`, random
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
-#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), llama.cpp pp64/tg64, 8 streams,
-#                                     an A/B of the dense activation input (MOE_CPU_DENSE_INPUT)
+#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams, an A/B of the dense
+#                                     activation input (MOE_CPU_DENSE_INPUT=int8|bf16), llama.cpp pp64/tg64
 #   bash smollm2_on_device.sh tests   the kernels' unit tests on this CPU (AMX paths included)
 # Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, peers/ (the peer kit with
 # kit/; else .device/peers); make_gguf_llama.py beside this script. Results to stdout and $OUT.
@@ -36,9 +36,10 @@ for PART in "$@"; do
     run "1 stream, run 1" --prompt-len 64 --steps 64 --prefill-lens 64
     run "1 stream, run 2" --prompt-len 64 --steps 64 --prefill-lens 64
     run "8 streams" --batch 8 --prompt-len 64 --steps 32
-    MOE_CPU_DENSE_INPUT=int8 run "1 stream, int8 activations for every format" --prompt-len 64 --steps 64 --prefill-lens 64
-    MOE_CPU_DENSE_INPUT=int8 run "8 streams, int8 activations for every format" --batch 8 --prompt-len 64 --steps 32
-    MOE_CPU_DENSE_INPUT=bf16 run "1 stream, bf16 activations for every format" --prompt-len 64 --steps 64
+    for input in int8 bf16; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
+      MOE_CPU_DENSE_INPUT=$input run "1 stream, $input activations for every format" --prompt-len 64 --steps 64
+      MOE_CPU_DENSE_INPUT=$input run "8 streams, $input activations for every format" --batch 8 --prompt-len 64 --steps 32
+    done
     echo "### llama.cpp CPU build, same model, 2 threads pinned"
     timeout 90 $PIN $LLAMA -m $M -t 2 -p 64 -n 64 -r 5 -o md 2>&1 | tee "$OUT/llama.md"
     ;;

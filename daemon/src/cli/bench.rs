@@ -217,12 +217,17 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     if !engine.on_gpu() {
         let ms = |s: f64| s / n * 1e3;
         println!(
-            "  per step: attention {:.2} ms, experts {:.2} ms ({:.3} ms/layer), final norm + lm_head {:.2} ms, other {:.2} ms",
+            "  per step: attention {:.2} ms, experts {:.2} ms ({:.3} ms/layer), dense MLP {:.2} ms, final norm + lm_head {:.2} ms, other {:.2} ms",
             ms(split.attention_s),
             ms(split.cpu_experts_s),
             ms(split.cpu_experts_s) / layers,
+            ms(split.dense_mlp_s),
             ms(split.head_s),
-            ms(elapsed - split.attention_s - split.cpu_experts_s - split.head_s)
+            ms(elapsed
+                - split.attention_s
+                - split.cpu_experts_s
+                - split.dense_mlp_s
+                - split.head_s)
         );
     }
     if engine.on_gpu() {
@@ -296,7 +301,7 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()>
         let s = t.elapsed().as_secs_f64();
         let st = engine.last_step_times();
         println!(
-            "prefill ({run}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s, CPU attention {:.3} s, final norm + lm_head {:.3} s",
+            "prefill ({run}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s, CPU attention {:.3} s, dense MLP {:.3} s, final norm + lm_head {:.3} s",
             p.len(),
             s,
             p.len() as f64 / s,
@@ -305,6 +310,7 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()>
             st.cpu_experts_s,
             st.gpu_wait_s,
             st.attention_s,
+            st.dense_mlp_s,
             st.head_s
         );
     }

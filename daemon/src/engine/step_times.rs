@@ -1,6 +1,6 @@
 //! Where the time of one engine step went, as both backends measure it (`bench`, `/metrics`).
 
-/// Where time went in a step. The CPU backend fills the expert, attention and head figures; the CUDA
+/// Where time went in a step. The CPU backend fills the expert, attention, MLP and head figures; the CUDA
 /// backend the expert, wait and transfer figures.
 #[derive(Debug, Default, Clone)]
 pub struct StepTimes {
@@ -14,6 +14,8 @@ pub struct StepTimes {
     pub attention_s: f64,
     /// CPU backend: final norm and lm_head.
     pub head_s: f64,
+    /// CPU backend: dense MLP blocks (dense models' FFN; not shared experts, which count as experts).
+    pub dense_mlp_s: f64,
     /// Expert evaluations served by the GPU / all expert evaluations.
     pub gpu_expert_hits: u64,
     pub expert_hits: u64,
@@ -29,6 +31,7 @@ impl StepTimes {
         self.transfer_s += o.transfer_s;
         self.attention_s += o.attention_s;
         self.head_s += o.head_s;
+        self.dense_mlp_s += o.dense_mlp_s;
         self.gpu_expert_hits += o.gpu_expert_hits;
         self.expert_hits += o.expert_hits;
         self.cpu_regions.add(&o.cpu_regions);

@@ -131,7 +131,12 @@ impl Engine {
                     times.cpu_experts_s += t.elapsed().as_secs_f64();
                     out
                 }
-                (Ffn::Dense(mlp), _) => moe::mlp_forward(mlp, act, &h, n),
+                (Ffn::Dense(mlp), _) => {
+                    let t = std::time::Instant::now();
+                    let out = moe::mlp_forward(mlp, act, &h, n);
+                    times.dense_mlp_s += t.elapsed().as_secs_f64();
+                    out
+                }
                 (Ffn::Moe(_), None) => unreachable!("MoE layer built without MoE config"),
             };
             residual.add_block_output(mix, &f, hd);
