@@ -246,7 +246,7 @@ mod tests {
         let r = run_cpu_dense_bench(&a).unwrap();
         assert_eq!(
             r.lines().filter(|l| l.starts_with("| a |")).count(),
-            4,
+            6, // tokens × inputs
             "{r}"
         );
     }

@@ -33,16 +33,35 @@ fn axpy_scalar(w: f32, x: &[f32], y: &mut [f32]) {
 /// Attention scores of a tile: `out[j·n + i] = q_j · k_i` for the `q.len() / hd` query rows and the
 /// `n = k.len() / hd` key rows (one call per tile instead of one per score).
 pub fn dot_rows(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
-    let (g, n) = (q.len() / hd, k.len() / hd);
-    assert!(out.len() >= g * n);
+    assert!(out.len() >= (q.len() / hd) * (k.len() / hd));
     #[cfg(target_arch = "x86_64")]
-    if detected_tier() >= CpuTier::Avx512 {
-        // SAFETY: the tier was detected on this CPU; every row is `hd` long (checked above).
-        return unsafe { dot_rows_avx512(q, k, hd, out) };
+    {
+        let tier = detected_tier();
+        if tier >= CpuTier::Avx512 {
+            // SAFETY: the tier was detected on this CPU; every row is `hd` long (checked above).
+            return unsafe { dot_rows_avx512(q, k, hd, out) };
+        }
+        if tier >= CpuTier::Avx2 {
+            // SAFETY: as above.
+            return unsafe { dot_rows_avx2(q, k, hd, out) };
+        }
     }
-    for j in 0..g {
-        for i in 0..n {
-            out[j * n + i] = dot_scalar(&q[j * hd..(j + 1) * hd], &k[i * hd..(i + 1) * hd]);
+    dot_rows_body(q, k, hd, out, dot_scalar)
+}
+
+/// The loop of [`dot_rows`] over one dot product of `hd` values, inlined into each tier's build.
+#[inline(always)]
+fn dot_rows_body(
+    q: &[f32],
+    k: &[f32],
+    hd: usize,
+    out: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) {
+    let n = k.len() / hd;
+    for (j, qj) in q.chunks_exact(hd).enumerate() {
+        for (i, ki) in k.chunks_exact(hd).enumerate() {
+            out[j * n + i] = dot(qj, ki);
         }
     }
 }
@@ -50,34 +69,32 @@ pub fn dot_rows(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_rows_avx512(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
-    let (g, n) = (q.len() / hd, k.len() / hd);
-    for j in 0..g {
-        for i in 0..n {
-            // SAFETY: (caller) AVX-512F present; equal lengths.
-            out[j * n + i] =
-                unsafe { dot_avx512(&q[j * hd..(j + 1) * hd], &k[i * hd..(i + 1) * hd]) };
-        }
-    }
+    // SAFETY: (caller) AVX-512F present; chunks are equally long.
+    dot_rows_body(q, k, hd, out, |a, b| unsafe { dot_avx512(a, b) })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows_avx2(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
+    // SAFETY: (caller) AVX2 and FMA present; chunks are equally long.
+    dot_rows_body(q, k, hd, out, |a, b| unsafe { dot_avx2(a, b) })
 }
 
 /// A tile's weighted sum of value rows: `acc_j += Σ_i w[j·n + i] · v_i` for the `acc.len() / hd`
 /// accumulators and the `n = v.len() / hd` value rows; each accumulator stays in registers over the
 /// tile (one load and store per tile, not per row).
 pub fn weighted_rows(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
-    let (g, n) = (acc.len() / hd, v.len() / hd);
-    assert!(w.len() >= g * n);
+    assert!(w.len() >= (acc.len() / hd) * (v.len() / hd));
     #[cfg(target_arch = "x86_64")]
     if detected_tier() >= CpuTier::Avx512 {
         // SAFETY: the tier was detected on this CPU; lengths checked above.
         return unsafe { weighted_rows_avx512(w, v, hd, acc) };
     }
-    for j in 0..g {
-        for i in 0..n {
-            axpy_scalar(
-                w[j * n + i],
-                &v[i * hd..(i + 1) * hd],
-                &mut acc[j * hd..(j + 1) * hd],
-            );
+    // Portable: the compiler vectorizes the row update.
+    let n = v.len() / hd;
+    for (j, a) in acc.chunks_exact_mut(hd).enumerate() {
+        for (i, vi) in v.chunks_exact(hd).enumerate() {
+            axpy_scalar(w[j * n + i], vi, a);
         }
     }
 }
@@ -89,13 +106,7 @@ unsafe fn weighted_rows_avx512(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32])
     let (g, n) = (acc.len() / hd, v.len() / hd);
     let (pv, pa) = (v.as_ptr(), acc.as_mut_ptr());
     for j in 0..g {
-        let mut c = 0;
-        while c < hd {
-            let m: __mmask16 = if hd - c >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (hd - c)) - 1
-            };
+        for_lanes16(hd, |c, m| {
             // SAFETY: elements c .. c + 16 (masked to hd) of accumulator j and of each value row.
             unsafe {
                 let mut a = _mm512_maskz_loadu_ps(m, pa.add(j * hd + c));
@@ -105,8 +116,27 @@ unsafe fn weighted_rows_avx512(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32])
                 }
                 _mm512_mask_storeu_ps(pa.add(j * hd + c), m, a);
             }
-            c += 16;
-        }
+        });
+    }
+}
+
+/// Calls `f(i, mask)` for `i = 0, 16, 32, … < n` with the mask of the lanes `i .. min(i + 16, n)`:
+/// the loop of every 16-lane AVX-512 pass over a row whose length is not a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn for_lanes16(n: usize, mut f: impl FnMut(usize, u16)) {
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        f(
+            i,
+            if left >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << left) - 1
+            },
+        );
+        i += 16;
     }
 }
 
@@ -129,22 +159,12 @@ pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn f16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n = dst.len();
     let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
-    let mut i = 0;
-    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
-    unsafe {
-        while i < n {
-            let m: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
-            let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
-            _mm512_mask_storeu_ps(pd.add(i), m, _mm512_cvtph_ps(h));
-            i += 16;
-        }
-    }
+    // SAFETY: every access covers elements i .. i + 16 (masked to the length) of both slices.
+    for_lanes16(dst.len(), |i, m| unsafe {
+        let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
+        _mm512_mask_storeu_ps(pd.add(i), m, _mm512_cvtph_ps(h));
+    });
 }
 
 /// bf16 bits → f32 (exact: the bits shifted into the high half).
@@ -164,23 +184,13 @@ pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn bf16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n = dst.len();
     let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
-    let mut i = 0;
-    // SAFETY: every access covers elements i .. i + 16 ≤ n (or masked to n) of both slices.
-    unsafe {
-        while i < n {
-            let m: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
-            let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
-            let x = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
-            _mm512_mask_storeu_ps(pd.add(i), m, _mm512_castsi512_ps(x));
-            i += 16;
-        }
-    }
+    // SAFETY: every access covers elements i .. i + 16 (masked to the length) of both slices.
+    for_lanes16(dst.len(), |i, m| unsafe {
+        let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
+        let x = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+        _mm512_mask_storeu_ps(pd.add(i), m, _mm512_castsi512_ps(x));
+    });
 }
 
 /// The portable version (and the tail of the SIMD ones): eight interleaved partial sums.
@@ -221,19 +231,13 @@ unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
             }
             i += 32;
         }
-        while i < n {
-            let m: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
+        for_lanes16(n - i, |t, m| {
             let (x, y) = (
-                _mm512_maskz_loadu_ps(m, pa.add(i)),
-                _mm512_maskz_loadu_ps(m, pb.add(i)),
+                _mm512_maskz_loadu_ps(m, pa.add(i + t)),
+                _mm512_maskz_loadu_ps(m, pb.add(i + t)),
             );
             acc[0] = _mm512_fmadd_ps(x, y, acc[0]);
-            i += 16;
-        }
+        });
         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
     }
 }
@@ -279,6 +283,19 @@ mod tests {
             let k: Vec<f32> = (0..n * hd).map(|i| f(i + 13)).collect();
             let mut s = vec![0f32; g * n];
             dot_rows(&q, &k, hd, &mut s);
+            // every tier's build of the score loop gives the same scores as the dispatched one
+            let mut tiers = vec![vec![0f32; g * n]];
+            dot_rows_body(&q, &k, hd, &mut tiers[0], dot_scalar);
+            #[cfg(target_arch = "x86_64")]
+            if detected_tier() >= CpuTier::Avx2 {
+                tiers.push(vec![0f32; g * n]);
+                unsafe { dot_rows_avx2(&q, &k, hd, tiers.last_mut().unwrap()) };
+            }
+            for t in &tiers {
+                for (a, b) in t.iter().zip(&s) {
+                    assert!((a - b).abs() < 1e-5, "hd {hd}: {a} vs {b}");
+                }
+            }
             let mut acc: Vec<f32> = (0..g * hd).map(|i| f(i + 99)).collect();
             let mut want_acc = acc.clone();
             weighted_rows(&s, &k, hd, &mut acc);

@@ -294,11 +294,19 @@ pub(crate) unsafe fn gemm_int(
                 }
                 WeightFormat::Int8Group { group } => {
                     let s = &w.s16()[nt * groups * 16..];
-                    by_rows!(n, 8, i8g_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                    by_rows!(
+                        n,
+                        8,
+                        i8_grouped_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
+                    )
                 }
                 WeightFormat::Int8Min { group } => {
                     let s = &w.s16()[nt * groups * 32..];
-                    by_rows!(n, 8, i8m_block(wp, group, groups, pf, s, x, &gs, &xs, out))
+                    by_rows!(
+                        n,
+                        8,
+                        i8_grouped_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
+                    )
                 }
                 _ => {
                     let s = &w.s[nt * 16..];
@@ -463,18 +471,18 @@ unsafe fn i4_block<const R: usize>(
                 };
             }
         }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
+        store_rows(&total, out);
     }
 }
 
-/// Int8 with group scales (Q8_0): per group an integer dot, offset-corrected, times the f16 scale.
+/// 8-bit codes with a group scale (Q8_0 / Q6_K: `w = (u − 128)·d`) or, `with_min`, a group scale and min
+/// (Q5_K: `w = u·d + m`): per group an integer dot, then `d·(Σ u·x − 128·Σ x)` or `d·Σ u·x + m·Σ x`.
 #[inline(always)]
-unsafe fn i8g_block<const R: usize>(
+unsafe fn i8_grouped_block<const R: usize>(
     wp: *const u8,
     group: usize,
     groups: usize,
+    with_min: bool,
     pf: usize,
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
@@ -482,58 +490,39 @@ unsafe fn i8g_block<const R: usize>(
     xs: &[*const f32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
-    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 16.
+    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold 16 (32 with the min) per
+    // group.
     unsafe {
         let mut total = [_mm512_setzero_ps(); R];
         let quads = group / 4;
+        let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
             let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
-            let sv = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(g * 16).cast()));
-            for r in 0..R {
-                let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r].add(g)));
-                let s = _mm512_mul_ps(sv, _mm512_set1_ps(*xs[r].add(g)));
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, total[r]);
-            }
-        }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
-    }
-}
-
-/// 8-bit codes with a group scale and min (Q5_K: `w = u·d + m`): per group `d·Σ u·x + m·Σ x`, both
-/// sums from integer dots.
-#[inline(always)]
-unsafe fn i8m_block<const R: usize>(
-    wp: *const u8,
-    group: usize,
-    groups: usize,
-    pf: usize,
-    scales: &[u16],
-    x: &[*const i32; MAX_ROWS],
-    gsum: &[*const i32; MAX_ROWS],
-    xs: &[*const f32; MAX_ROWS],
-    out: &[*mut f32; MAX_ROWS],
-) {
-    // SAFETY: (caller) `groups * group / 4` rows of 64 bytes; scales hold groups × 32.
-    unsafe {
-        let mut total = [_mm512_setzero_ps(); R];
-        let quads = group / 4;
-        for g in 0..groups {
-            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
-            let at = scales.as_ptr().add(g * 32);
+            let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
-            let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
             for r in 0..R {
                 let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
-                let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), dv);
-                let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
+                let part = if with_min {
+                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
+                    let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), dv);
+                    _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part)
+                } else {
+                    let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * gs));
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv)
+                };
                 total[r] = _mm512_fmadd_ps(part, x_scale, total[r]);
             }
         }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r], total[r]);
-        }
+        store_rows(&total, out);
+    }
+}
+
+/// Stores each row's 16 outputs.
+#[inline(always)]
+unsafe fn store_rows<const R: usize>(total: &[__m512; R], out: &[*mut f32; MAX_ROWS]) {
+    for r in 0..R {
+        // SAFETY: (caller) each output row holds 16 values.
+        unsafe { _mm512_storeu_ps(out[r], total[r]) };
     }
 }
 
