@@ -28,6 +28,18 @@ const HUGEPAGE_MIN_BYTES: usize = 8 << 20;
 /// Calls with at least this many rows use AMX when the tier and format have it.
 const AMX_MIN_ROWS: usize = 16;
 
+/// [`AMX_MIN_ROWS`], or `MOE_CPU_DENSE_AMX_MIN_ROWS` when set (A/B runs of where AMX starts to pay).
+fn amx_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("MOE_CPU_DENSE_AMX_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&r| r >= 1)
+            .unwrap_or(AMX_MIN_ROWS)
+    })
+}
+
 /// Rows converted per work item when activations are converted in parallel.
 const CONVERT_ROWS: usize = 4;
 
@@ -206,7 +218,7 @@ impl DenseMatrix {
         self.tier == o.tier
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
-            && [1, AMX_MIN_ROWS].iter().all(|&t| {
+            && [1, amx_min_rows()].iter().all(|&t| {
                 self.input_kind(t) == o.input_kind(t) && self.split_rows(t) == o.split_rows(t)
             })
     }
@@ -267,7 +279,7 @@ fn widened(tier: CpuTier, format: WeightFormat, grouped: GroupedInput, tokens: u
     cfg!(target_arch = "x86_64")
         && tier >= CpuTier::Avx512
         && widens(format)
-        && (grouped == GroupedInput::Bf16 || (tier == CpuTier::Amx && tokens >= AMX_MIN_ROWS))
+        && (grouped == GroupedInput::Bf16 || (tier == CpuTier::Amx && tokens >= amx_min_rows()))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -389,7 +401,7 @@ pub fn forward_group(
             let wide = widened(tier, c.w.l.format, c.w.grouped, tokens);
             let amx = c.w.tier == CpuTier::Amx
                 && (wide || amx_supports(c.w.l.format))
-                && tokens >= AMX_MIN_ROWS;
+                && tokens >= amx_min_rows();
             Target {
                 mat: c.w.mat(),
                 wide,
