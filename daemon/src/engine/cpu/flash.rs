@@ -7,7 +7,7 @@
 //! head) so a single decode token still spreads over every worker; the partial (max, sum,
 //! accumulator) triples are merged afterwards (flash-decoding).
 use crate::engine::kv::{slot, BlockId, LayerRows, BLOCK};
-use moe_kernels::cpu::{dot_rows, weighted_rows, WorkerPool};
+use moe_kernels::cpu::{dot_rows, exp_sub_sum, weighted_rows, WorkerPool};
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
@@ -180,11 +180,7 @@ fn attend_range(
                 let o = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
                 let m = o[0].max(tile_max);
                 let c = (o[0] - m).exp(); // 0 for the first tile (max was -inf)
-                let mut sum = 0.0;
-                for s in w.iter_mut() {
-                    *s = (*s - m).exp();
-                    sum += *s;
-                }
+                let sum = exp_sub_sum(w, m);
                 o[0] = m;
                 o[1] = o[1] * c + sum;
                 if c != 1.0 {
