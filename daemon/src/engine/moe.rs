@@ -143,6 +143,16 @@ impl GatedAct {
         }
     }
 
+    /// The same activation as the CPU kernels name it.
+    pub fn kernel_activation(self) -> moe_kernels::cpu::moe::Activation {
+        use moe_kernels::cpu::moe::Activation as K;
+        match self.act {
+            Activation::Silu => K::Silu,
+            Activation::GeluTanh => K::GeluTanh,
+            Activation::Relu => K::Relu,
+        }
+    }
+
     #[inline]
     pub fn apply(self, g: f32, u: f32) -> f32 {
         match self.swiglu_limit {
@@ -155,7 +165,8 @@ impl GatedAct {
 /// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
 pub fn mlp_forward(mlp: &Mlp, act: GatedAct, x: &[f32], tokens: usize) -> Vec<f32> {
     let [g, u] = crate::engine::linear::forward_many([&mlp.gate, &mlp.up], x, tokens);
-    let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g, u)).collect();
+    let mut a = vec![0f32; g.len()];
+    moe_kernels::cpu::moe::gated_rows(act.kernel_activation(), act.swiglu_limit, &g, &u, &mut a);
     mlp.down.forward(&a, tokens)
 }
 

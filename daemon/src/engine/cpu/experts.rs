@@ -5,11 +5,10 @@
 //! into the kernel layout (optionally quantized to int8 / int4) and the checkpoint-layout copies are
 //! dropped, so one copy of every expert stays in memory.
 use crate::engine::linear::{Linear, WeightData};
-use crate::model::config::Activation as ModelActivation;
 use crate::model::{Ffn, Model};
 use anyhow::Context;
 use moe_kernels::cpu::moe::{
-    Activation, CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
+    CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
 };
 use moe_kernels::cpu::{CpuMoeOptions, WorkerPool};
 
@@ -40,11 +39,7 @@ pub fn pack_model(
 ) -> anyhow::Result<()> {
     let cfg = model.config.clone();
     let Some(mc) = &cfg.moe else { return Ok(()) };
-    let act = match cfg.activation {
-        ModelActivation::Silu => Activation::Silu,
-        ModelActivation::GeluTanh => Activation::GeluTanh,
-        ModelActivation::Relu => Activation::Relu,
-    };
+    let act = crate::engine::moe::GatedAct::of(&cfg).kernel_activation();
     for (li, layer) in model.layers.iter_mut().enumerate() {
         let Ffn::Moe(block) = &mut layer.ffn else {
             continue;

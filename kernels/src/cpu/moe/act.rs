@@ -73,6 +73,13 @@ pub(crate) fn gated_row(
     gated_row_body(act, limit, g, u, w, out)
 }
 
+/// `out[i] = act(g[i]) · u[i]` (with the `limit` clamp) over whole rows, vectorized with AVX-512 when
+/// present: the dense MLP's gate, where libm's scalar `exp` per element cost as much as the projections
+/// of a small model.
+pub fn gated_rows(act: Activation, limit: Option<f32>, g: &[f32], u: &[f32], out: &mut [f32]) {
+    gated_row(act, limit, g, u, 1.0, out)
+}
+
 /// Whether the elementwise helpers may use their AVX-512 builds.
 #[cfg(target_arch = "x86_64")]
 #[inline]

@@ -56,7 +56,7 @@ mod prefetch;
 #[cfg(test)]
 mod tests;
 
-pub use act::Activation;
+pub use act::{gated_rows, Activation};
 pub use forward::RegionTimes;
 pub use pack::{
     bf16_to_f32, f32_to_bf16, format_for_ggml, fp8_e4m3_to_f32, PackError, SourceTensor,
