@@ -805,9 +805,10 @@ mod tests {
     }
 
     /// Hidden states with outlier channels (a few values 60× the rest, as in small LLMs): one int8 row
-    /// per token rounds the other values of an outlier's group to steps of amax/127, a pair of rows
-    /// (codes and residual codes) to ~amax/32000. Q4_1 weights, 1 and 5 tokens, against the f64
-    /// evaluation of the packed weights with the exact inputs.
+    /// per token rounds the other values of an outlier's group to steps of amax/127; the pair (codes,
+    /// then residual codes in the outlier groups) keeps those at ~amax/32000 and the rest at amax/254.
+    /// Q4_1 weights, 1 and 5 tokens, against the f64 evaluation of the packed weights with the exact
+    /// inputs: the pair's error is below 1e-3 and a tenth of one row's.
     #[test]
     fn int8_pair_keeps_outlier_groups_accurate() {
         if CpuTier::Avx512.clamp_to_cpu() < CpuTier::Avx512 {
@@ -840,7 +841,10 @@ mod tests {
                 rel_l2(&y, &want)
             };
             let (pair, single) = (err(GroupedInput::Int8Pair), err(GroupedInput::Int8));
-            assert!(pair < 2e-4, "tokens={tokens}: pair rel err {pair}");
+            assert!(
+                pair < 1e-3,
+                "tokens={tokens}: pair rel err {pair} (single {single})"
+            );
             assert!(
                 single > 10.0 * pair,
                 "tokens={tokens}: single {single} vs pair {pair}"

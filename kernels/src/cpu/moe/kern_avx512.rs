@@ -354,7 +354,8 @@ fn row_terms(
 }
 
 /// Per token: Σ over the quad rows `from .. to` (an even count, 64 bytes each: 16 outputs × 4 inputs)
-/// of `vpdpbusd(weights, activation quad)`, in two accumulator chains summed at the end.
+/// of `vpdpbusd(weights, activation quad)`, in two accumulator chains summed at the end. Rows not `live`
+/// (a group of zero codes: the residual row of a group without outliers) are skipped and give 0.
 #[inline(always)]
 unsafe fn dot_quads<const R: usize>(
     wp: *const u8,
@@ -362,6 +363,7 @@ unsafe fn dot_quads<const R: usize>(
     to: usize,
     pf: usize,
     x: &[*const i32; MAX_ROWS],
+    live: [bool; R],
 ) -> [__m512i; R] {
     // SAFETY: (caller) rows `from .. to` of 64 bytes; x rows hold `to` i32.
     unsafe {
@@ -374,6 +376,9 @@ unsafe fn dot_quads<const R: usize>(
             let w0 = _mm512_loadu_si512(wp.add(i * 64).cast());
             let w1 = _mm512_loadu_si512(wp.add(i * 64 + 64).cast());
             for r in 0..R {
+                if !live[r] {
+                    continue;
+                }
                 let x0 = _mm512_set1_epi32(x[r].add(i).read_unaligned());
                 let x1 = _mm512_set1_epi32(x[r].add(i + 1).read_unaligned());
                 acc0[r] = _mm512_dpbusd_epi32(acc0[r], w0, x0);
@@ -383,6 +388,14 @@ unsafe fn dot_quads<const R: usize>(
         }
         std::array::from_fn(|r| _mm512_add_epi32(acc0[r], acc1[r]))
     }
+}
+
+/// Which rows of a block have a non-zero activation scale for group `g` (a zero scale marks a group
+/// whose codes are all zero: [`dot_quads`] and `i4_block` skip it).
+#[inline(always)]
+unsafe fn live_rows<const R: usize>(xs: &[*const f32; MAX_ROWS], g: usize) -> [bool; R] {
+    // SAFETY: (caller) every row has a scale for group g.
+    std::array::from_fn(|r| unsafe { *xs[r].add(g) } != 0.0)
 }
 
 #[inline(always)]
@@ -398,7 +411,7 @@ unsafe fn i8_block<const R: usize>(
 ) {
     // SAFETY: (caller) `quads` rows of 64 bytes; x rows hold `quads` i32; 16 scales.
     unsafe {
-        let acc = dot_quads::<R>(wp, 0, quads, pf, x);
+        let acc = dot_quads::<R>(wp, 0, quads, pf, x, [true; R]);
         let ws = _mm512_loadu_ps(wscale.as_ptr());
         for r in 0..R {
             let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * *gsum[r]));
@@ -431,6 +444,7 @@ unsafe fn i4_block<const R: usize>(
         let per_group = group / 8;
         let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
+            let live: [bool; R] = live_rows(xs, g);
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
             for pr in g * per_group..(g + 1) * per_group {
@@ -439,6 +453,9 @@ unsafe fn i4_block<const R: usize>(
                 let lo = _mm512_and_si512(v, nib);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
                 for r in 0..R {
+                    if !live[r] {
+                        continue;
+                    }
                     lo_acc[r] = _mm512_dpbusd_epi32(
                         lo_acc[r],
                         lo,
@@ -454,6 +471,9 @@ unsafe fn i4_block<const R: usize>(
             let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
             for r in 0..R {
+                if !live[r] {
+                    continue;
+                }
                 let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
                 let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
                 total[r] = if with_min {
@@ -497,10 +517,14 @@ unsafe fn i8_grouped_block<const R: usize>(
         let quads = group / 4;
         let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
-            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x);
+            let live: [bool; R] = live_rows(xs, g);
+            let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x, live);
             let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
-            for r in 0..R {
+            for (r, &live) in live.iter().enumerate() {
+                if !live {
+                    continue;
+                }
                 let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
                 let part = if with_min {
                     let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
