@@ -4,8 +4,8 @@
 # same call. Every timed run is pinned to CPUs 0,1 (`taskset -c 0,1`, 2 threads); llama.cpp is built first
 # on all cores, before anything is measured. The GGUF is generated here (`make_gguf_llama.py`, random
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
-#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams (AMX from 16, 8 or 4 rows),
-#                                     an A/B of the dense activation input (MOE_CPU_DENSE_INPUT=int8pair|int8|bf16),
+#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams (AMX from 16 or 8 rows),
+#                                     an A/B of the dense activation input (MOE_CPU_DENSE_INPUT=int8pair|int8),
 #                                     llama.cpp pp64/tg64
 #   bash smollm2_on_device.sh tests   the kernels' unit tests on this CPU (AMX paths included)
 # Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, peers/ (the peer kit with
@@ -37,10 +37,10 @@ for PART in "$@"; do
     run "1 stream, run 1" --prompt-len 64 --steps 64 --prefill-lens 64
     run "1 stream, run 2" --prompt-len 64 --steps 64 --prefill-lens 64
     run "8 streams" --batch 8 --prompt-len 64 --steps 32
-    for rows in 4 8; do  # AMX (through bf16 widening) from this many rows on, instead of 16
+    for rows in 8; do  # AMX (through bf16 widening) from this many rows on, instead of 16
       MOE_CPU_DENSE_AMX_MIN_ROWS=$rows run "8 streams, AMX from $rows rows" --batch 8 --prompt-len 64 --steps 32
     done
-    for input in int8pair int8 bf16; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
+    for input in int8pair int8; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
       MOE_CPU_DENSE_INPUT=$input run "1 stream, $input activations for every format" --prompt-len 64 --steps 64
       MOE_CPU_DENSE_INPUT=$input run "8 streams, $input activations for every format" --batch 8 --prompt-len 64 --steps 32
     done
