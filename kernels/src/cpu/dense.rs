@@ -224,18 +224,19 @@ impl DenseMatrix {
     }
 }
 
-/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K codes) on
-/// AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
+/// What a call of fewer than [`AMX_MIN_ROWS`] rows feeds grouped int weights (Q4_0 / Q4_1 / Q8_0 / Q6_K
+/// codes) on AVX-512. Calls of more rows on AMX always widen to bf16 (AMX-BF16 tiles).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupedInput {
     /// int8 codes per scale group of the weights, with the group's scale (llama.cpp's q8_0 / q8_1
     /// activations): one `vpdpbusd` per 64 weight bytes, so a decode GEMV runs at DRAM bandwidth. An
     /// outlier channel coarsens the other 31 values of its group (step amax/127).
     Int8,
-    /// Two int8 rows per token: the codes of `Int8`, then the codes of what they left over (the
-    /// residual, quantized per group with its own scale), summed after the dot. ~amax/32000 per value
-    /// (bf16's precision or better) for two `vpdpbusd` per 64 weight bytes and row: the same kernel
-    /// run on twice the rows, weights read once, no widening.
+    /// Two int8 rows per token: the codes of `Int8`, then, in the groups that hold an outlier, the codes
+    /// of what they left over (the residual, with its own group scales); the dots are summed. Outlier
+    /// groups get ~amax/32000 per value, the rest amax/254 as with `Int8`; the kernels skip the residual
+    /// row's other groups (zero scale), so it costs about one int8 row plus the outlier groups (see
+    /// `ActWriter::write_row_split`). Same kernel on twice the rows, weights read once, no widening.
     Int8Pair,
     /// Weights widened to bf16 per chunk, bf16 activations: 2⁻⁹ relative per element whatever the
     /// outliers, for ~20 more instructions per 64 weight bytes (`dense_widen`).
@@ -257,7 +258,7 @@ impl std::str::FromStr for GroupedInput {
 impl GroupedInput {
     /// The default for `format`: `Int8` for 8-bit codes (Q8_0, Q5_K, Q6_K: llama.cpp's int8 activations
     /// match the weights' own precision), `Int8Pair` for 4-bit codes (small models' outlier channels:
-    /// SmolLM2-135M Q4_1 drifted 15% in its logits with plain int8 activations).
+    /// SmolLM2-135M Q4_1's logits drift 2–11% with `Int8` everywhere, 0.02–0.09% with pairs).
     /// `MOE_CPU_DENSE_INPUT=int8|int8pair|bf16` overrides it for every format (A/B runs).
     pub fn default_for(format: WeightFormat) -> GroupedInput {
         static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
