@@ -1,0 +1,204 @@
+//! Host-side slicing by the sharding plan: a rank's rows or columns of a [`Linear`] (FP8 checkpoint
+//! blocks kept whole), and a rank's [`Model`] — its slices of the dense weights plus the routed
+//! experts it holds, moved out of the full model — which `GpuModel::upload` then uploads as it
+//! uploads a whole model. The rank model lives only while it is uploaded.
+use super::plan::{AttentionShard, RankShard, ShardError, ShardPlan};
+use crate::engine::linear::{Linear, WeightData};
+use crate::model::{Attention, Ffn, GqaAttention, Layer, Mlp, Model, MoeBlock};
+use std::ops::Range;
+
+fn slice_err(what: &str, detail: String) -> ShardError {
+    ShardError::Slice {
+        what: what.to_string(),
+        detail,
+    }
+}
+
+/// Rows `r` of `l` (its output units), with their biases.
+pub fn rows(l: &Linear, r: Range<usize>, what: &str) -> Result<Linear, ShardError> {
+    if r.end > l.out_dim || r.start > r.end {
+        return Err(slice_err(what, format!("rows {r:?} of {}", l.out_dim)));
+    }
+    let n = l.in_dim;
+    let w = match &l.w {
+        WeightData::F32(v) => WeightData::F32(v[r.start * n..r.end * n].to_vec()),
+        WeightData::Bf16(v) => WeightData::Bf16(v[r.start * n..r.end * n].to_vec()),
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        } => {
+            let b = *block;
+            if r.start % b != 0 || !(r.end % b == 0 || r.end == l.out_dim) {
+                return Err(slice_err(
+                    what,
+                    format!("rows {r:?}: not on the checkpoint's {b}-row FP8 blocks"),
+                ));
+            }
+            let scale_cols = n.div_ceil(b);
+            WeightData::F8 {
+                bytes: bytes[r.start * n..r.end * n].to_vec(),
+                scale_inv: scale_inv[r.start / b * scale_cols..r.end.div_ceil(b) * scale_cols]
+                    .to_vec(),
+                block: b,
+            }
+        }
+        WeightData::Ggml { kind, bytes } => {
+            let row = bytes.len() / l.out_dim.max(1);
+            WeightData::Ggml {
+                kind: *kind,
+                bytes: bytes[r.start * row..r.end * row].to_vec(),
+            }
+        }
+        WeightData::Packed(_) => {
+            return Err(slice_err(what, "weights already packed for the CPU".into()))
+        }
+    };
+    Ok(Linear {
+        out_dim: r.len(),
+        in_dim: n,
+        w,
+        bias: l.bias.as_ref().map(|b| b[r.clone()].to_vec()),
+    })
+}
+
+/// Columns `c` of `l` (a slice of its inputs); the bias, added once to the reduced sum, is kept only
+/// when `keep_bias` (rank 0).
+pub fn cols(l: &Linear, c: Range<usize>, keep_bias: bool, what: &str) -> Result<Linear, ShardError> {
+    if c.end > l.in_dim || c.start > c.end {
+        return Err(slice_err(what, format!("columns {c:?} of {}", l.in_dim)));
+    }
+    let (out, n) = (l.out_dim, l.in_dim);
+    fn take<T: Copy>(v: &[T], n: usize, c: &Range<usize>) -> Vec<T> {
+        v.chunks(n).flat_map(|row| row[c.clone()].iter().copied()).collect()
+    }
+    let w = match &l.w {
+        WeightData::F32(v) => WeightData::F32(take(v, n, &c)),
+        WeightData::Bf16(v) => WeightData::Bf16(take(v, n, &c)),
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        } => {
+            let b = *block;
+            if c.start % b != 0 || !(c.end % b == 0 || c.end == n) {
+                return Err(slice_err(
+                    what,
+                    format!("columns {c:?}: not on the checkpoint's {b}-column FP8 blocks"),
+                ));
+            }
+            let scale_c = c.start / b..c.end.div_ceil(b);
+            WeightData::F8 {
+                bytes: take(bytes, n, &c),
+                scale_inv: take(scale_inv, n.div_ceil(b), &scale_c),
+                block: b,
+            }
+        }
+        WeightData::Ggml { .. } | WeightData::Packed(_) => {
+            return Err(slice_err(
+                what,
+                "columns of GGML-block or CPU-packed weights".into(),
+            ))
+        }
+    };
+    Ok(Linear {
+        out_dim: out,
+        in_dim: c.len(),
+        w,
+        bias: if keep_bias { l.bias.clone() } else { None },
+    })
+}
+
+/// A gated MLP's intermediate units `u` (gate / up rows, down columns).
+fn mlp(m: &Mlp, u: Range<usize>, rank: usize, what: &str) -> Result<Mlp, ShardError> {
+    Ok(Mlp {
+        gate: rows(&m.gate, u.clone(), what)?,
+        up: rows(&m.up, u.clone(), what)?,
+        down: cols(&m.down, u, rank == 0, what)?,
+    })
+}
+
+fn gqa(a: &GqaAttention, s: &RankShard, head_dim: usize) -> Result<GqaAttention, ShardError> {
+    let AttentionShard::Gqa {
+        q_heads, kv_heads, ..
+    } = &s.attention
+    else {
+        return Err(ShardError::Unsupported("MLA attention (execution)"));
+    };
+    let q = q_heads.start * head_dim..q_heads.end * head_dim;
+    let kv = kv_heads.start * head_dim..kv_heads.end * head_dim;
+    Ok(GqaAttention {
+        q: rows(&a.q, q.clone(), "q_proj")?,
+        k: rows(&a.k, kv.clone(), "k_proj")?,
+        v: rows(&a.v, kv, "v_proj")?,
+        o: cols(&a.o, q, s.rank == 0, "o_proj")?,
+        q_norm: a.q_norm.clone(),
+        k_norm: a.k_norm.clone(),
+    })
+}
+
+/// Rank `r`'s model: its slices of the dense weights, with the routed experts `mine[layer][expert]`
+/// marks moved out of `full` (they leave the host when the rank uploads them). Executes GQA models
+/// only (MLA and linear attention are planned, not run, so far).
+pub fn rank_model(
+    full: &mut Model,
+    plan: &ShardPlan,
+    r: usize,
+    mine: &[Vec<bool>],
+) -> Result<Model, ShardError> {
+    let s = &plan.ranks[r];
+    let cfg = &full.config;
+    let head_dim = cfg.head_dim;
+    let mut layers = Vec::with_capacity(full.layers.len());
+    for (li, layer) in full.layers.iter_mut().enumerate() {
+        let attn = match &layer.attn {
+            Attention::Gqa(a) => Attention::Gqa(gqa(a, s, head_dim)?),
+            Attention::Mla(_) => return Err(ShardError::Unsupported("MLA attention (execution)")),
+            Attention::Linear(_) => return Err(ShardError::Unsupported("linear attention (KDA)")),
+        };
+        let ffn = match &mut layer.ffn {
+            Ffn::Dense(m) => Ffn::Dense(mlp(m, s.dense_mlp.clone(), r, "dense MLP")?),
+            Ffn::Moe(b) => {
+                let on_rank = mine.get(li).map(Vec::as_slice).unwrap_or(&[]);
+                let experts = b
+                    .experts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(e, slot)| {
+                        if on_rank.get(e).copied().unwrap_or(false) {
+                            slot.take()
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let shared = match (&b.shared, &s.shared_expert) {
+                    (Some(m), Some(u)) => Some(mlp(m, u.clone(), r, "shared expert")?),
+                    _ => None,
+                };
+                Ffn::Moe(MoeBlock {
+                    router: b.router.clone(),
+                    correction_bias: b.correction_bias.clone(),
+                    experts,
+                    shared,
+                    shared_gate: b.shared_gate.clone(),
+                    cpu_set: None,
+                })
+            }
+        };
+        layers.push(Layer {
+            attn_norm: layer.attn_norm.clone(),
+            attn,
+            ffn_norm: layer.ffn_norm.clone(),
+            ffn,
+            hyper: None,
+        });
+    }
+    Ok(Model {
+        config: plan.rank_config(&full.config, r),
+        embed: rows(&full.embed, 0..full.embed.out_dim, "embed_tokens")?,
+        layers,
+        final_norm: full.final_norm.clone(),
+        lm_head: Some(rows(full.lm_head(), s.vocab.clone(), "lm_head")?),
+    })
+}
