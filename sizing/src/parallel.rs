@@ -271,7 +271,7 @@ mod tests {
         let glm = known("glm-4.5-air"); // 96 heads, 8 KV heads, dense 10944, shared 1408
         assert!(device_shape(&glm, 8).is_ok());
         let mut narrow = glm.clone();
-        narrow.dense_intermediate = 10946;
+        narrow.dense_intermediate = 10945;
         assert!(matches!(
             device_shape(&narrow, 2),
             Err(SplitError::Intermediate {
