@@ -288,3 +288,174 @@ pub fn rank_placement(homes: &[Vec<Option<usize>>], r: usize) -> Vec<Vec<bool>> 
         .map(|row| row.iter().map(|&h| h == Some(r)).collect())
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(key: &str) -> ModelConfig {
+        ModelConfig::from_json(&moe_sizing::known::config_json(key).unwrap()).unwrap()
+    }
+
+    /// Every query head on exactly one rank, in order, and the KV head it reads on that rank.
+    fn check_heads(cfg: &ModelConfig, plan: &ShardPlan) {
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        let mut next = 0;
+        for s in &plan.ranks {
+            let AttentionShard::Gqa {
+                q_heads,
+                kv_heads,
+                kv_replicas,
+            } = &s.attention
+            else {
+                panic!("GQA model planned as MLA");
+            };
+            assert_eq!(q_heads.start, next);
+            next = q_heads.end;
+            for h in q_heads.clone() {
+                assert!(kv_heads.contains(&(h / group)), "rank {} head {h}", s.rank);
+            }
+            assert_eq!(*kv_replicas, (plan.world / cfg.num_kv_heads).max(1));
+        }
+        assert_eq!(next, cfg.num_heads);
+    }
+
+    #[test]
+    fn gqa_heads_split_and_kv_heads_replicate_past_their_count() {
+        let cfg = config("qwen3-30b-a3b"); // 32 query heads, 4 KV heads, vocab 151936
+        for world in [1, 2, 4, 8, 16, 32] {
+            let plan = ShardPlan::new(&cfg, world).unwrap();
+            check_heads(&cfg, &plan);
+            let kv: Vec<usize> = plan
+                .ranks
+                .iter()
+                .map(|s| match &s.attention {
+                    AttentionShard::Gqa { kv_heads, .. } => kv_heads.len(),
+                    _ => 0,
+                })
+                .collect();
+            assert!(kv.iter().all(|&k| k == (4 / world).max(1)), "{world}: {kv:?}");
+            // vocabulary rows: contiguous, covering, sizes within one
+            let mut end = 0;
+            for s in &plan.ranks {
+                assert_eq!(s.vocab.start, end);
+                end = s.vocab.end;
+            }
+            assert_eq!(end, cfg.vocab_size);
+        }
+        // 8 GPUs: KV head 2 is on ranks 4 and 5, which hold query heads 16..24
+        let plan = ShardPlan::new(&cfg, 8).unwrap();
+        assert_eq!(
+            plan.ranks[5].attention,
+            AttentionShard::Gqa {
+                q_heads: 20..24,
+                kv_heads: 2..3,
+                kv_replicas: 2
+            }
+        );
+        let c5 = plan.rank_config(&cfg, 5);
+        assert_eq!((c5.num_heads, c5.num_kv_heads, c5.vocab_size), (4, 1, 18992));
+    }
+
+    #[test]
+    fn uneven_vocabularies_split_within_one_row() {
+        let parts: Vec<_> = (0..3).map(|i| part_uneven(10, 3, i)).collect();
+        assert_eq!(parts, vec![0..4, 4..7, 7..10]);
+    }
+
+    #[test]
+    fn dense_and_shared_experts_split_by_intermediate_units() {
+        let cfg = config("glm-4.5-air"); // 96 heads, 8 KV, dense 10944, shared 1408
+        let plan = ShardPlan::new(&cfg, 4).unwrap();
+        assert_eq!(plan.ranks[1].dense_mlp, 2736..5472);
+        assert_eq!(plan.ranks[3].shared_expert, Some(1056..1408));
+        let c = plan.rank_config(&cfg, 3);
+        assert_eq!(c.intermediate_size, 2736);
+        assert_eq!(c.moe.as_ref().unwrap().shared_intermediate, Some(352));
+        // routed experts are not split
+        assert_eq!(
+            c.moe.as_ref().unwrap().expert_intermediate,
+            cfg.moe.as_ref().unwrap().expert_intermediate
+        );
+    }
+
+    #[test]
+    fn mla_splits_heads() {
+        let cfg = config("deepseek-v3");
+        let plan = ShardPlan::new(&cfg, 8).unwrap();
+        assert_eq!(plan.ranks[7].attention, AttentionShard::Mla { heads: 112..128 });
+        assert_eq!(plan.rank_config(&cfg, 7).num_heads, 16);
+    }
+
+    #[test]
+    fn what_does_not_divide_is_refused_with_the_reason() {
+        let cfg = config("qwen3-30b-a3b");
+        assert_eq!(
+            ShardPlan::new(&cfg, 3),
+            Err(ShardError::Heads { heads: 32, world: 3 })
+        );
+        assert_eq!(ShardPlan::new(&cfg, 0), Err(ShardError::Zero));
+        let mut kv = cfg.clone();
+        (kv.num_heads, kv.num_kv_heads) = (24, 4);
+        let e = ShardPlan::new(&kv, 6).unwrap_err();
+        assert_eq!(e, ShardError::KvHeads { kv_heads: 4, world: 6 });
+        assert!(e.to_string().contains("4 KV heads and 6 GPUs"), "{e}");
+        let mut glm = config("glm-4.5-air");
+        glm.intermediate_size = 10945;
+        assert!(matches!(
+            ShardPlan::new(&glm, 2),
+            Err(ShardError::Intermediate {
+                what: "dense MLP",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn quantization_groups_must_divide_each_slice() {
+        // GLM-4.5-Air over 8 GPUs: 1368 dense and 176 shared-expert units per GPU
+        let cfg = config("glm-4.5-air");
+        let plan = ShardPlan::new(&cfg, 8).unwrap();
+        assert!(plan.check_groups(&cfg, (1, "bf16"), None).is_ok());
+        assert!(plan.check_groups(&cfg, (16, "fp8"), None).is_ok());
+        let e = plan.check_groups(&cfg, (32, "int4"), None).unwrap_err();
+        assert!(
+            matches!(e, ShardError::QuantGroup { width: 1368, group: 32, .. }),
+            "{e}"
+        );
+        // checkpoint FP8 blocks of 128 kept whole: 176 shared units are not whole blocks
+        let e = plan.check_groups(&cfg, (16, "fp8"), Some(128)).unwrap_err();
+        assert!(matches!(e, ShardError::QuantGroup { group: 128, .. }), "{e}");
+        // Qwen3-30B-A3B-FP8 over 8 GPUs: 4 heads × 128 and one KV head per GPU, all whole blocks
+        let q = config("qwen3-30b-a3b");
+        let plan = ShardPlan::new(&q, 8).unwrap();
+        assert!(plan.check_groups(&q, (16, "fp8"), Some(128)).is_ok());
+        // one GPU never refuses
+        let one = ShardPlan::new(&cfg, 1).unwrap();
+        assert!(one.check_groups(&cfg, (32, "int4"), Some(128)).is_ok());
+    }
+
+    #[test]
+    fn gpu_experts_are_spread_evenly_and_once() {
+        // 3 layers of 8 experts: 4, 3 and 0 on the GPUs
+        let placement = vec![
+            vec![true, false, true, true, false, true, false, false],
+            vec![false, true, true, false, false, false, true, false],
+            vec![false; 8],
+        ];
+        let homes = spread_experts(&placement, 2);
+        for (li, row) in homes.iter().enumerate() {
+            for (e, h) in row.iter().enumerate() {
+                assert_eq!(h.is_some(), placement[li][e], "layer {li} expert {e}");
+            }
+        }
+        assert_eq!(homes[0], vec![Some(0), None, Some(1), Some(0), None, Some(1), None, None]);
+        // odd counts alternate which rank takes the extra expert
+        assert_eq!(homes[1], vec![None, Some(1), Some(0), None, None, None, Some(1), None]);
+        let r1 = rank_placement(&homes, 1);
+        let held: usize = r1.iter().flatten().filter(|&&b| b).count();
+        assert_eq!(held, 4);
+        let r0 = rank_placement(&homes, 0);
+        assert_eq!(r0.iter().flatten().filter(|&&b| b).count(), 3);
+    }
+}

@@ -202,3 +202,87 @@ pub fn rank_model(
         lm_head: Some(rows(full.lm_head(), s.vocab.clone(), "lm_head")?),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// A `[out, in]` bf16 linear with values from a small integer pattern (exact in bf16) and a bias.
+    fn linear(out: usize, inp: usize) -> Linear {
+        let w = (0..out * inp)
+            .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 8.0))
+            .collect();
+        Linear {
+            out_dim: out,
+            in_dim: inp,
+            w: WeightData::Bf16(w),
+            bias: Some((0..out).map(|i| i as f32).collect()),
+        }
+    }
+
+    fn apply(l: &Linear, x: &[f32]) -> Vec<f32> {
+        let mut row = vec![0f32; l.in_dim];
+        (0..l.out_dim)
+            .map(|r| {
+                l.row_f32(r, &mut row);
+                let dot: f32 = row.iter().zip(x).map(|(a, b)| a * b).sum();
+                dot + l.bias.as_ref().map_or(0.0, |b| b[r])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_slices_concatenate_and_column_slices_sum_to_the_whole() {
+        let l = linear(6, 8);
+        let x: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let full = apply(&l, &x);
+        // column-parallel: rows 0..2 and 2..6
+        let mut cat = apply(&rows(&l, 0..2, "t").unwrap(), &x);
+        cat.extend(apply(&rows(&l, 2..6, "t").unwrap(), &x));
+        assert_eq!(cat, full);
+        // row-parallel: input columns 0..4 on rank 0 (with the bias) and 4..8 on rank 1
+        let a = apply(&cols(&l, 0..4, true, "t").unwrap(), &x[..4]);
+        let b = apply(&cols(&l, 4..8, false, "t").unwrap(), &x[4..]);
+        for i in 0..6 {
+            assert!((a[i] + b[i] - full[i]).abs() < 1e-5, "row {i}");
+        }
+    }
+
+    #[test]
+    fn fp8_slices_keep_whole_blocks_and_their_scales() {
+        // 4 × 4 FP8 weights in 2 × 2 blocks, each block with its own scale
+        let bytes: Vec<u8> = (0..16u8).map(|i| 0x30 + i).collect();
+        let l = Linear {
+            out_dim: 4,
+            in_dim: 4,
+            w: WeightData::F8 {
+                bytes,
+                scale_inv: vec![1.0, 2.0, 3.0, 4.0],
+                block: 2,
+            },
+            bias: None,
+        };
+        let whole = |l: &Linear| -> Vec<Vec<f32>> {
+            (0..l.out_dim)
+                .map(|r| {
+                    let mut v = vec![0f32; l.in_dim];
+                    l.row_f32(r, &mut v);
+                    v
+                })
+                .collect()
+        };
+        let full = whole(&l);
+        let bottom = whole(&rows(&l, 2..4, "t").unwrap());
+        assert_eq!(bottom, full[2..4].to_vec());
+        let right = whole(&cols(&l, 2..4, false, "t").unwrap());
+        for r in 0..4 {
+            assert_eq!(right[r], full[r][2..4].to_vec(), "row {r}");
+        }
+        let Err(e) = rows(&l, 1..3, "q_proj") else {
+            panic!("rows 1..3 split a 2-row block")
+        };
+        assert!(e.to_string().contains("FP8 blocks"), "{e}");
+        assert!(cols(&l, 1..4, false, "o_proj").is_err());
+    }
+}
