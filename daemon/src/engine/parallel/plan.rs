@@ -413,19 +413,26 @@ mod tests {
 
     #[test]
     fn quantization_groups_must_divide_each_slice() {
-        // GLM-4.5-Air over 8 GPUs: 1368 dense and 176 shared-expert units per GPU
+        // GLM-4.5-Air over 4 GPUs: 2736 dense and 352 shared-expert units per GPU
         let cfg = config("glm-4.5-air");
-        let plan = ShardPlan::new(&cfg, 8).unwrap();
+        let plan = ShardPlan::new(&cfg, 4).unwrap();
         assert!(plan.check_groups(&cfg, (1, "bf16"), None).is_ok());
         assert!(plan.check_groups(&cfg, (16, "fp8"), None).is_ok());
         let e = plan.check_groups(&cfg, (32, "int4"), None).unwrap_err();
         assert!(
-            matches!(e, ShardError::QuantGroup { width: 1368, group: 32, .. }),
+            matches!(e, ShardError::QuantGroup { width: 2736, group: 32, .. }),
             "{e}"
         );
-        // checkpoint FP8 blocks of 128 kept whole: 176 shared units are not whole blocks
+        assert!(e.to_string().contains("2736 input columns per GPU"), "{e}");
+        // checkpoint FP8 blocks of 128 kept whole: 2736 dense units are not whole blocks
         let e = plan.check_groups(&cfg, (16, "fp8"), Some(128)).unwrap_err();
-        assert!(matches!(e, ShardError::QuantGroup { group: 128, .. }), "{e}");
+        assert!(
+            matches!(e, ShardError::QuantGroup { width: 2736, group: 128, .. }),
+            "{e}"
+        );
+        // over 8 GPUs even fp8's 16-wide groups do not divide 1368 units
+        let eight = ShardPlan::new(&cfg, 8).unwrap();
+        assert!(eight.check_groups(&cfg, (16, "fp8"), None).is_err());
         // Qwen3-30B-A3B-FP8 over 8 GPUs: 4 heads × 128 and one KV head per GPU, all whole blocks
         let q = config("qwen3-30b-a3b");
         let plan = ShardPlan::new(&q, 8).unwrap();
