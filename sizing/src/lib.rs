@@ -11,8 +11,8 @@ pub mod shape;
 pub mod weights;
 
 pub use plan::{
-    choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice, ExpertsChoice, KvRequest,
-    LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
+    choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice,
+    ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
 };
 pub use shape::{Attention, CheckpointFormat, HybridShape, ModelShape, Moe, ShapeError};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};

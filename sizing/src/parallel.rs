@@ -198,8 +198,14 @@ mod tests {
         assert_eq!(two.gpus, 2);
         assert_eq!(two.dense.attention * 2, one.dense.attention);
         assert_eq!(two.dense.lm_head * 2, one.dense.lm_head);
-        assert_eq!(two.dense.embeddings, one.dense.embeddings, "the table is replicated");
-        assert_eq!(two.dense.f32_small, one.dense.f32_small, "routers and norms replicated");
+        assert_eq!(
+            two.dense.embeddings, one.dense.embeddings,
+            "the table is replicated"
+        );
+        assert_eq!(
+            two.dense.f32_small, one.dense.f32_small,
+            "routers and norms replicated"
+        );
         // 4 KV heads → 2 per GPU: half the KV bytes per position, the same positions in less memory
         assert_eq!(two.item("KV cache") * 2, one.item("KV cache"));
         // less dense weight per GPU leaves at least as many experts on each; the node has twice that
@@ -266,7 +272,10 @@ mod tests {
         };
         assert_eq!(
             device_shape(&odd, 6),
-            Err(SplitError::KvHeads { kv_heads: 4, gpus: 6 })
+            Err(SplitError::KvHeads {
+                kv_heads: 4,
+                gpus: 6
+            })
         );
         let glm = known("glm-4.5-air"); // 96 heads, 8 KV heads, dense 10944, shared 1408
         assert!(device_shape(&glm, 8).is_ok());

@@ -548,7 +548,10 @@ pub(crate) fn plan_with_inputs(
             why: if dense.lm_head == 0 {
                 "tied to the embedding table".into()
             } else if dense.lm_head < dtype.matrix_bytes(shape.vocab, shape.hidden) {
-                format!("this GPU's rows of {} × {} in {fmt}", shape.vocab, shape.hidden)
+                format!(
+                    "this GPU's rows of {} × {} in {fmt}",
+                    shape.vocab, shape.hidden
+                )
             } else {
                 format!("{} × {} in {fmt}", shape.vocab, shape.hidden)
             },

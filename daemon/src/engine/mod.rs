@@ -691,7 +691,14 @@ impl Engine {
         let on_routing = |l: usize, ids: &[u32]| self.record(l, ids);
         let cpu_pool = self.cpu_pool.as_deref();
         let out = match &self.tp {
-            Some(group) => group.forward(g, &self.model, cpu_pool, &mut inputs, &mut times, on_routing),
+            Some(group) => group.forward(
+                g,
+                &self.model,
+                cpu_pool,
+                &mut inputs,
+                &mut times,
+                on_routing,
+            ),
             None => g.forward(&self.model, cpu_pool, &mut inputs, &mut times, on_routing),
         }
         .map_err(|e| StepError::Backend(format!("{e:#}")))?;

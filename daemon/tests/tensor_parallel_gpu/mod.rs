@@ -85,7 +85,12 @@ fn tensor_parallel_loopback_matches_one_gpu() {
             for &world in worlds {
                 let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
                 let got = run(&e, &o);
-                check(&format!("{name} tp={world} gpu_experts={n_gpu}"), &got, &one, &o);
+                check(
+                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
+                    &got,
+                    &one,
+                    &o,
+                );
             }
         }
     }
@@ -104,7 +109,12 @@ fn tensor_parallel_loopback_layerwise_prefill() {
     };
     let one = run(&Engine::load(&dir, &base).unwrap(), &o);
     let e = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
-    check(&format!("{name} tp=2 layerwise prefill"), &run(&e, &o), &one, &o);
+    check(
+        &format!("{name} tp=2 layerwise prefill"),
+        &run(&e, &o),
+        &one,
+        &o,
+    );
 }
 
 /// `--tensor-parallel 1` (whatever the communicator) is today's single-GPU step, bit for bit.
@@ -119,7 +129,10 @@ fn tensor_parallel_one_is_the_single_gpu_path() {
             let got = run(&Engine::load(&dir, &tp(base.clone(), 1, comm)).unwrap(), &o);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same && g.len() == w.len(), "{name} {comm:?} step {i}: not bit-identical");
+                assert!(
+                    same && g.len() == w.len(),
+                    "{name} {comm:?} step {i}: not bit-identical"
+                );
             }
         }
     }
@@ -132,7 +145,10 @@ fn tensor_parallel_refuses_what_does_not_divide() {
     let opts = tp(gpu(0, PlacementStrategy::Uniform), 3, CommKind::Loopback);
     let err = Engine::load(&dir, &opts).err().expect("3 ranks of 4 heads");
     let text = format!("{err:#}");
-    assert!(text.contains("4 attention heads do not split over 3 GPUs"), "{text}");
+    assert!(
+        text.contains("4 attention heads do not split over 3 GPUs"),
+        "{text}"
+    );
 }
 
 /// Two or more visible GPUs: NCCL all-reduce, one GPU per rank (skipped on one GPU).

@@ -758,7 +758,9 @@ fn two_gpus_are_planned_per_gpu_with_the_experts_of_both() {
         hugepages_1gi: "64Gi",
         ..NodeFixture::new(name)
     };
-    let one = decide_for(&qwen_spec(), &[card("one", 1)]).sizing.expect("one GPU");
+    let one = decide_for(&qwen_spec(), &[card("one", 1)])
+        .sizing
+        .expect("one GPU");
     let mut s = qwen_spec();
     s.resources.gpu.count = 2;
     let two = decide_for(&s, &[card("two", 2)]).sizing.expect("two GPUs");

@@ -153,7 +153,11 @@ pub fn plan(
     };
     // With --tensor-parallel N: the plan of each of the N GPUs (experts counted on all of them).
     let gpus = opts.tensor_parallel.size.max(1) as u64;
-    moe_sizing::choose_devices(shape, &plan_inputs(opts, shape, budget, staging, pins), gpus)
+    moe_sizing::choose_devices(
+        shape,
+        &plan_inputs(opts, shape, budget, staging, pins),
+        gpus,
+    )
 }
 
 /// The kernels' format for a planned dense dtype.

@@ -184,7 +184,11 @@ impl Communicator for Loopback {
     ) -> anyhow::Result<()> {
         let s = &dev.stream;
         let bytes = len * std::mem::size_of::<f32>();
-        anyhow::ensure!(buf.len() >= len, "all-reduce of {len} values in a buffer of {}", buf.len());
+        anyhow::ensure!(
+            buf.len() >= len,
+            "all-reduce of {len} values in a buffer of {}",
+            buf.len()
+        );
         // This rank's partial sums are complete once its stream is idle.
         s.synchronize()?;
         let ptr = {
@@ -194,7 +198,8 @@ impl Communicator for Loopback {
         self.gate.lock().unwrap_or_else(|e| e.into_inner()).bufs[rank] = ptr;
         self.barrier()?;
         if rank == 0 {
-            let peers: Vec<u64> = self.gate.lock().unwrap_or_else(|e| e.into_inner()).bufs[1..].to_vec();
+            let peers: Vec<u64> =
+                self.gate.lock().unwrap_or_else(|e| e.into_inner()).bufs[1..].to_vec();
             let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             if scratch.as_ref().is_none_or(|t| t.len() < len) {
                 *scratch = Some(s.alloc_zeros::<f32>(len)?);

@@ -334,7 +334,10 @@ mod tests {
                     _ => 0,
                 })
                 .collect();
-            assert!(kv.iter().all(|&k| k == (4 / world).max(1)), "{world}: {kv:?}");
+            assert!(
+                kv.iter().all(|&k| k == (4 / world).max(1)),
+                "{world}: {kv:?}"
+            );
             // vocabulary rows: contiguous, covering, sizes within one
             let mut end = 0;
             for s in &plan.ranks {
@@ -354,7 +357,10 @@ mod tests {
             }
         );
         let c5 = plan.rank_config(&cfg, 5);
-        assert_eq!((c5.num_heads, c5.num_kv_heads, c5.vocab_size), (4, 1, 18992));
+        assert_eq!(
+            (c5.num_heads, c5.num_kv_heads, c5.vocab_size),
+            (4, 1, 18992)
+        );
     }
 
     #[test]
@@ -383,7 +389,10 @@ mod tests {
     fn mla_splits_heads() {
         let cfg = config("deepseek-v3");
         let plan = ShardPlan::new(&cfg, 8).unwrap();
-        assert_eq!(plan.ranks[7].attention, AttentionShard::Mla { heads: 112..128 });
+        assert_eq!(
+            plan.ranks[7].attention,
+            AttentionShard::Mla { heads: 112..128 }
+        );
         assert_eq!(plan.rank_config(&cfg, 7).num_heads, 16);
     }
 
@@ -392,13 +401,22 @@ mod tests {
         let cfg = config("qwen3-30b-a3b");
         assert_eq!(
             ShardPlan::new(&cfg, 3),
-            Err(ShardError::Heads { heads: 32, world: 3 })
+            Err(ShardError::Heads {
+                heads: 32,
+                world: 3
+            })
         );
         assert_eq!(ShardPlan::new(&cfg, 0), Err(ShardError::Zero));
         let mut kv = cfg.clone();
         (kv.num_heads, kv.num_kv_heads) = (24, 4);
         let e = ShardPlan::new(&kv, 6).unwrap_err();
-        assert_eq!(e, ShardError::KvHeads { kv_heads: 4, world: 6 });
+        assert_eq!(
+            e,
+            ShardError::KvHeads {
+                kv_heads: 4,
+                world: 6
+            }
+        );
         assert!(e.to_string().contains("4 KV heads and 6 GPUs"), "{e}");
         let mut glm = config("glm-4.5-air");
         glm.intermediate_size = 10945;
@@ -420,14 +438,28 @@ mod tests {
         assert!(plan.check_groups(&cfg, (16, "fp8"), None).is_ok());
         let e = plan.check_groups(&cfg, (32, "int4"), None).unwrap_err();
         assert!(
-            matches!(e, ShardError::QuantGroup { width: 2736, group: 32, .. }),
+            matches!(
+                e,
+                ShardError::QuantGroup {
+                    width: 2736,
+                    group: 32,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(e.to_string().contains("2736 input columns per GPU"), "{e}");
         // checkpoint FP8 blocks of 128 kept whole: 2736 dense units are not whole blocks
         let e = plan.check_groups(&cfg, (16, "fp8"), Some(128)).unwrap_err();
         assert!(
-            matches!(e, ShardError::QuantGroup { width: 2736, group: 128, .. }),
+            matches!(
+                e,
+                ShardError::QuantGroup {
+                    width: 2736,
+                    group: 128,
+                    ..
+                }
+            ),
             "{e}"
         );
         // over 8 GPUs even fp8's 16-wide groups do not divide 1368 units
@@ -456,9 +488,15 @@ mod tests {
                 assert_eq!(h.is_some(), placement[li][e], "layer {li} expert {e}");
             }
         }
-        assert_eq!(homes[0], vec![Some(0), None, Some(1), Some(0), None, Some(1), None, None]);
+        assert_eq!(
+            homes[0],
+            vec![Some(0), None, Some(1), Some(0), None, Some(1), None, None]
+        );
         // odd counts alternate which rank takes the extra expert
-        assert_eq!(homes[1], vec![None, Some(1), Some(0), None, None, None, Some(1), None]);
+        assert_eq!(
+            homes[1],
+            vec![None, Some(1), Some(0), None, None, None, Some(1), None]
+        );
         let r1 = rank_placement(&homes, 1);
         let held: usize = r1.iter().flatten().filter(|&&b| b).count();
         assert_eq!(held, 4);

@@ -106,12 +106,14 @@ mod tests {
     fn each_expert_is_computed_by_exactly_one_rank() {
         // experts 0, 1 on GPU 0 and 1; 2 and 3 in DRAM (CPU in decode, streamed in a long prompt)
         let owners = [Some(0), Some(1), None, None];
-        let homes = |r: usize| vec![
-            if r == 0 { Resident } else { Cpu },
-            if r == 1 { Resident } else { Cpu },
-            Cpu,
-            Streamed,
-        ];
+        let homes = |r: usize| {
+            vec![
+                if r == 0 { Resident } else { Cpu },
+                if r == 1 { Resident } else { Cpu },
+                Cpu,
+                Streamed,
+            ]
+        };
         let r0 = tp_expert_homes(homes(0), 0, &owners);
         let r1 = tp_expert_homes(homes(1), 1, &owners);
         assert_eq!(r0, vec![Resident, Peer, Cpu, Streamed]);

@@ -79,7 +79,9 @@ pub fn build(
         bail!("--live-placement is not supported with --tensor-parallel above 1 yet");
     }
     if opts.cuda_graphs {
-        tracing::info!("CUDA graphs are not captured with --tensor-parallel above 1: decode runs eagerly");
+        tracing::info!(
+            "CUDA graphs are not captured with --tensor-parallel above 1: decode runs eagerly"
+        );
     }
     let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
     let ordinals: Vec<usize> = match tp.comm {
@@ -98,7 +100,11 @@ pub fn build(
         total = total.min(t as u64);
         free = free.min(f as u64);
     }
-    let sharing = if tp.comm == CommKind::Loopback { world as u64 } else { 1 };
+    let sharing = if tp.comm == CommKind::Loopback {
+        world as u64
+    } else {
+        1
+    };
     let card = opts.gpu_memory_limit.unwrap_or(total).min(total);
     let budget = card / sharing;
     let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);

@@ -64,13 +64,20 @@ pub fn rows(l: &Linear, r: Range<usize>, what: &str) -> Result<Linear, ShardErro
 
 /// Columns `c` of `l` (a slice of its inputs); the bias, added once to the reduced sum, is kept only
 /// when `keep_bias` (rank 0).
-pub fn cols(l: &Linear, c: Range<usize>, keep_bias: bool, what: &str) -> Result<Linear, ShardError> {
+pub fn cols(
+    l: &Linear,
+    c: Range<usize>,
+    keep_bias: bool,
+    what: &str,
+) -> Result<Linear, ShardError> {
     if c.end > l.in_dim || c.start > c.end {
         return Err(slice_err(what, format!("columns {c:?} of {}", l.in_dim)));
     }
     let (out, n) = (l.out_dim, l.in_dim);
     fn take<T: Copy>(v: &[T], n: usize, c: &Range<usize>) -> Vec<T> {
-        v.chunks(n).flat_map(|row| row[c.clone()].iter().copied()).collect()
+        v.chunks(n)
+            .flat_map(|row| row[c.clone()].iter().copied())
+            .collect()
     }
     let w = match &l.w {
         WeightData::F32(v) => WeightData::F32(take(v, n, &c)),
