@@ -508,6 +508,17 @@ impl Engine {
     }
 
     /// Whether the CUDA backend runs this engine.
+    /// What each GPU holds: one entry per GPU of a tensor-parallel group (rank order), one for a
+    /// single GPU, none on the CPU backend.
+    pub fn gpu_shards(&self) -> Vec<parallel::ShardSummary> {
+        let peers = self.tp.iter().flat_map(|t| t.peers.iter());
+        self.gpu
+            .iter()
+            .chain(peers)
+            .map(gpu::GpuModel::shard_summary)
+            .collect()
+    }
+
     pub fn on_gpu(&self) -> bool {
         self.gpu.is_some()
     }

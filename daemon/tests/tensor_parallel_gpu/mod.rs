@@ -178,3 +178,103 @@ fn tensor_parallel_nccl_matches_one_gpu() {
         }
     }
 }
+
+/// Each GPU holds its slice, read back from the uploaded device weights: the logits above match one
+/// GPU while every rank computes only its heads, MLP units, vocabulary rows and experts, which they
+/// can only do through the all-reduce. (They match bit for bit on these fixtures: every GEMM takes
+/// bf16-rounded activations, so the last-bit differences of the f32 reductions rarely survive.)
+#[test]
+fn tensor_parallel_ranks_hold_their_slices() {
+    use moe_daemon::engine::parallel::ShardSummary;
+    // qwen3_moe: 4 heads × 32 (2 KV heads), dense layer 0 of 128 units, vocabulary 512, two MoE
+    // layers with 6 of 16 experts on the GPUs
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let base = gpu(6, PlacementStrategy::Uniform);
+    let one = Engine::load(&dir, &base).unwrap().gpu_shards();
+    assert_eq!(one.len(), 1);
+    assert_eq!(
+        (one[0].q_rows, one[0].kv_width, one[0].gpu_experts),
+        (128, 64, 12)
+    );
+    let two = Engine::load(&dir, &tp(base.clone(), 2, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    for (r, s) in two.iter().enumerate() {
+        let want = ShardSummary {
+            rank: r,
+            q_rows: 64,
+            o_cols: 64,
+            kv_width: 32,
+            dense_units: 64,
+            lm_head_rows: 256,
+            gpu_experts: 6,
+        };
+        assert_eq!(s, &want);
+    }
+    let four = Engine::load(&dir, &tp(base, 4, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    assert_eq!(four.len(), 4);
+    for s in &four {
+        // one query head each; the 2 KV heads replicated on 2 ranks each
+        assert_eq!(
+            (
+                s.q_rows,
+                s.o_cols,
+                s.kv_width,
+                s.dense_units,
+                s.lm_head_rows
+            ),
+            (32, 32, 32, 32, 128)
+        );
+        assert!((1..=4).contains(&s.gpu_experts), "{s:?}");
+    }
+    assert_eq!(four.iter().map(|s| s.gpu_experts).sum::<usize>(), 12);
+}
+
+/// The loopback all-reduce sums every rank's buffer into all of them (only the first `len` values),
+/// and a rank that fails wakes the others with an error instead of leaving them waiting.
+#[test]
+fn loopback_all_reduce_sums_every_rank_and_aborts() {
+    use moe_daemon::engine::parallel::comm::{Communicator, Loopback};
+    use moe_kernels::cuda::GpuDevice;
+    let world = 3;
+    let comm = Loopback::new(world);
+    let devs: Vec<GpuDevice> = (0..world).map(|_| GpuDevice::open(0).unwrap()).collect();
+    std::thread::scope(|s| {
+        for (r, d) in devs.iter().enumerate() {
+            let comm = &comm;
+            s.spawn(move || {
+                d.ctx.bind_to_thread().unwrap();
+                let mut b = d.stream.clone_htod(&vec![(r + 1) as f32; 1000]).unwrap();
+                for _ in 0..3 {
+                    // repeated: the barrier generations must not mix reductions
+                    comm.all_reduce_sum(r, d, &mut b, 700).unwrap();
+                    let fill = d.stream.clone_htod(&vec![(r + 1) as f32; 700]).unwrap();
+                    d.stream
+                        .memcpy_dtod(&fill, &mut b.slice_mut(..700))
+                        .unwrap();
+                }
+                comm.all_reduce_sum(r, d, &mut b, 700).unwrap();
+                let h = d.stream.clone_dtoh(&b).unwrap();
+                assert!(h[..700].iter().all(|&v| v == 6.0), "rank {r}: {}", h[0]);
+                assert!(
+                    h[700..].iter().all(|&v| v == (r + 1) as f32),
+                    "rank {r} past len"
+                );
+            });
+        }
+    });
+    let two = Loopback::new(2);
+    let d = &devs[0];
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            d.ctx.bind_to_thread().unwrap();
+            let mut b = d.stream.clone_htod(&[1f32; 8]).unwrap();
+            two.all_reduce_sum(0, d, &mut b, 8)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        two.abort();
+        assert!(waiting.join().unwrap().is_err());
+    });
+}

@@ -61,12 +61,7 @@ impl TpGroup {
                 .zip(peer_batches)
                 .map(|(g, mut inputs)| {
                     scope.spawn(move || {
-                        let mut run = || -> anyhow::Result<Vec<Vec<f32>>> {
-                            g.dev.ctx.bind_to_thread()?;
-                            let mut t = StepTimes::default();
-                            g.forward(host, None, &mut inputs, &mut t, |_, _| {})
-                        };
-                        let out = run();
+                        let out = peer_step(g, host, &mut inputs);
                         if out.is_err() {
                             comm.abort();
                         }
@@ -113,6 +108,18 @@ impl TpGroup {
         }
         Arc::new(EveryRank(all))
     }
+}
+
+/// A rank other than 0: no CPU pool (the DRAM experts are rank 0's), no routing callbacks, its own
+/// timings dropped.
+fn peer_step(
+    g: &GpuModel,
+    host: &Model,
+    inputs: &mut [GpuSeqInput<'_>],
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    g.dev.ctx.bind_to_thread()?;
+    let mut times = StepTimes::default();
+    g.forward(host, None, inputs, &mut times, |_, _| {})
 }
 
 /// A block copy made in each rank's KV pool.

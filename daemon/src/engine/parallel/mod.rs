@@ -17,5 +17,5 @@ pub mod shard;
 pub use comm::CommKind;
 pub use group::TpGroup;
 pub use plan::{ShardError, ShardPlan};
-pub use rank::RankCtx;
+pub use rank::{RankCtx, ShardSummary};
 pub use setup::TensorParallel;

@@ -12,7 +12,7 @@
 //! Without a `RankCtx` (one GPU) none of this runs: the step is today's, bit for bit.
 use super::comm::Communicator;
 use crate::engine::gpu::dispatch::ExpertHome;
-use crate::engine::gpu::GpuModel;
+use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -48,7 +48,54 @@ pub fn tp_expert_homes(
         .collect()
 }
 
+/// What one GPU's uploaded model holds (read back from its device weights: the start-up log and tests
+/// check the split against the plan with it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSummary {
+    pub rank: usize,
+    /// Output rows of the first GQA layer's q projection, input columns of its o projection.
+    pub q_rows: usize,
+    pub o_cols: usize,
+    /// Row width of the K cache.
+    pub kv_width: usize,
+    /// Intermediate units of the first dense MLP (0: none).
+    pub dense_units: usize,
+    /// lm_head rows (0: tied to the embedding table).
+    pub lm_head_rows: usize,
+    /// Routed experts resident on this GPU, all layers.
+    pub gpu_experts: usize,
+}
+
 impl GpuModel {
+    /// This GPU's share as uploaded.
+    pub fn shard_summary(&self) -> ShardSummary {
+        let gqa = self.layers.iter().find_map(|l| match &l.attn {
+            GpuAttention::Gqa(w) => Some((w.q.out_dim, w.o.in_dim)),
+            _ => None,
+        });
+        let dense = self.layers.iter().find_map(|l| match &l.ffn {
+            GpuFfn::Dense(m) => Some(m.down.in_dim),
+            GpuFfn::Moe(_) => None,
+        });
+        let experts = self
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.experts.resident().iter().filter(|&&r| r).count(),
+                GpuFfn::Dense(_) => 0,
+            })
+            .sum();
+        ShardSummary {
+            rank: self.shard.as_ref().map_or(0, |s| s.rank),
+            q_rows: gqa.map_or(0, |g| g.0),
+            o_cols: gqa.map_or(0, |g| g.1),
+            kv_width: self.kv.lock().unwrap_or_else(|e| e.into_inner()).width,
+            dense_units: dense.unwrap_or(0),
+            lm_head_rows: self.lm_head.as_ref().map_or(0, |l| l.out_dim),
+            gpu_experts: experts,
+        }
+    }
+
     /// (query heads, KV heads) this GPU's attention computes.
     pub fn tp_heads(&self, cfg: &ModelConfig) -> (usize, usize) {
         self.shard
