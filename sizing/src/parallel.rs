@@ -42,7 +42,7 @@ pub fn device_shape(shape: &ModelShape, gpus: u64) -> Result<ModelShape, SplitEr
         return Ok(s);
     }
     let heads_split = |heads: u64| {
-        if heads % gpus == 0 {
+        if heads.is_multiple_of(gpus) {
             Ok(heads / gpus)
         } else {
             Err(SplitError::Heads { heads, gpus })
@@ -56,9 +56,9 @@ pub fn device_shape(shape: &ModelShape, gpus: u64) -> Result<ModelShape, SplitEr
             qkv_bias,
         } => {
             let heads = heads_split(heads)?;
-            let kv = if kv_heads % gpus == 0 {
+            let kv = if kv_heads.is_multiple_of(gpus) {
                 kv_heads / gpus
-            } else if kv_heads > 0 && gpus % kv_heads == 0 {
+            } else if kv_heads > 0 && gpus.is_multiple_of(kv_heads) {
                 1
             } else {
                 return Err(SplitError::KvHeads { kv_heads, gpus });
@@ -87,7 +87,7 @@ pub fn device_shape(shape: &ModelShape, gpus: u64) -> Result<ModelShape, SplitEr
         },
     };
     let split = |what, size: u64| {
-        if size % gpus == 0 {
+        if size.is_multiple_of(gpus) {
             Ok(size / gpus)
         } else {
             Err(SplitError::Intermediate { what, size, gpus })

@@ -105,7 +105,7 @@ fn part_uneven(size: usize, world: usize, i: usize) -> Range<usize> {
 }
 
 fn split(what: &'static str, size: usize, world: usize) -> Result<(), ShardError> {
-    if size % world == 0 {
+    if size.is_multiple_of(world) {
         Ok(())
     } else {
         Err(ShardError::Intermediate { what, size, world })
@@ -125,14 +125,15 @@ impl ShardPlan {
         if cfg.hyper.is_some() {
             return Err(ShardError::Unsupported("hyper-connections"));
         }
-        if cfg.num_heads % world != 0 {
+        if !cfg.num_heads.is_multiple_of(world) {
             return Err(ShardError::Heads {
                 heads: cfg.num_heads,
                 world,
             });
         }
         let kv = cfg.num_kv_heads;
-        if cfg.mla.is_none() && !(kv % world == 0 || (kv > 0 && world % kv == 0)) {
+        if cfg.mla.is_none() && !(kv.is_multiple_of(world) || (kv > 0 && world.is_multiple_of(kv)))
+        {
             return Err(ShardError::KvHeads {
                 kv_heads: kv,
                 world,
@@ -212,7 +213,7 @@ impl ShardPlan {
             outputs.push(("shared expert gate_proj / up_proj", s.len()));
         }
         let check = |what, width: usize, axis, group: usize, format| {
-            if group > 1 && width % group != 0 {
+            if group > 1 && !width.is_multiple_of(group) {
                 return Err(ShardError::QuantGroup {
                     what,
                     width,

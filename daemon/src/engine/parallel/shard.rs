@@ -29,7 +29,10 @@ pub fn rows(l: &Linear, r: Range<usize>, what: &str) -> Result<Linear, ShardErro
             block,
         } => {
             let b = *block;
-            if r.start % b != 0 || !(r.end % b == 0 || r.end == l.out_dim) {
+            if b == 0 {
+                return Err(slice_err(what, "FP8 weights without a block size".into()));
+            }
+            if !r.start.is_multiple_of(b) || !(r.end.is_multiple_of(b) || r.end == l.out_dim) {
                 return Err(slice_err(
                     what,
                     format!("rows {r:?}: not on the checkpoint's {b}-row FP8 blocks"),
@@ -88,7 +91,10 @@ pub fn cols(
             block,
         } => {
             let b = *block;
-            if c.start % b != 0 || !(c.end % b == 0 || c.end == n) {
+            if b == 0 {
+                return Err(slice_err(what, "FP8 weights without a block size".into()));
+            }
+            if !c.start.is_multiple_of(b) || !(c.end.is_multiple_of(b) || c.end == n) {
                 return Err(slice_err(
                     what,
                     format!("columns {c:?}: not on the checkpoint's {b}-column FP8 blocks"),
