@@ -184,10 +184,17 @@ pub fn build(
         });
         ranks.push(g);
     }
-    let msg = format!(
+    let mut msg = format!(
         "tensor-parallel shards uploaded in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    for g in &ranks {
+        let s = g.shard_summary();
+        msg.push_str(&format!(
+            "\n  GPU {}: q rows {}, K width {}, dense MLP units {}, lm_head rows {}, {} routed experts",
+            s.rank, s.q_rows, s.kv_width, s.dense_units, s.lm_head_rows, s.gpu_experts
+        ));
+    }
     tracing::info!("{msg}");
     eprintln!("{msg}");
     let mut ranks = ranks.into_iter();
