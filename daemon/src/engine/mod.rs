@@ -301,8 +301,7 @@ impl Engine {
                 None
             }
             Device::Cuda(ordinal) if opts.tensor_parallel.size > 1 => {
-                let (g, group) =
-                    parallel::setup::build(&mut model, ordinal, opts, rules.is_some())?;
+                let (g, group) = parallel::setup::build(&mut model, ordinal, opts, rules.as_ref())?;
                 tp = Some(group);
                 Some(g)
             }

@@ -10,6 +10,7 @@ use crate::engine::gpu::{memory, DenseUpload, GpuModel};
 use crate::engine::kv::{KvLayout, BLOCK};
 use crate::engine::linear::WeightData;
 use crate::engine::placement::{plan_placement, PlacementStrategy, RoutingStats};
+use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
 use crate::model::{Attention, Model};
 use anyhow::{bail, Context};
@@ -62,19 +63,17 @@ fn kept_fp8_block(model: &Model, d: DenseDtype) -> Option<usize> {
 
 /// Opens `opts.tensor_parallel.size` GPUs (from `ordinal` on; all on `ordinal` for the loopback
 /// communicator), plans and uploads each one's share. Returns rank 0 (the engine's GPU model, which
-/// runs the CPU hand-off) and the group of the others.
+/// runs the CPU hand-off) and the group of the others. `rules`: placement rules resolved for this
+/// model; their GPU pins are placed on the node's GPUs (each GPU plans for its share of a layer's pins).
 pub fn build(
     model: &mut Model,
     ordinal: usize,
     opts: &EngineOptions,
-    rules: bool,
+    rules: Option<&PlacementPlan>,
 ) -> anyhow::Result<(GpuModel, TpGroup)> {
     let tp = opts.tensor_parallel;
     let world = tp.size;
     let cfg = model.config.clone();
-    if rules {
-        bail!("placement rules are not supported with --tensor-parallel above 1 yet");
-    }
     if opts.live_placement.is_some() {
         bail!("--live-placement is not supported with --tensor-parallel above 1 yet");
     }
@@ -108,7 +107,8 @@ pub fn build(
     let card = opts.gpu_memory_limit.unwrap_or(total).min(total);
     let budget = card / sharing;
     let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
-    let mplan = memory::plan(opts, &shape, budget, &[]).map_err(|e| {
+    let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
+    let mplan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
         anyhow::anyhow!(
             "{} does not fit in {:.2} GiB per GPU over {world} GPUs: {e}",
             cfg.arch_name,
@@ -138,7 +138,21 @@ pub fn build(
         kept_fp8_block(model, mplan.dense_dtype),
     )
     .context("--tensor-parallel")?;
-    let placement = node_placement(opts, &cfg, mplan.node_experts_per_layer as usize)?;
+    let pins = rules.map(PlacementPlan::pins);
+    let placement = node_placement(
+        opts,
+        &cfg,
+        mplan.node_experts_per_layer as usize,
+        pins.as_deref(),
+    )?;
+    if let Some(r) = rules {
+        let text = r.describe(
+            &placement,
+            &crate::engine::gpu::setup::default_format_name(opts),
+        );
+        tracing::info!("{text}");
+        eprint!("{text}");
+    }
     let owners = spread_experts(&placement, world);
     let comm: Arc<dyn Communicator> = match tp.comm {
         CommKind::Nccl => Arc::new(Nccl::new(&devs.iter().collect::<Vec<_>>())?),
@@ -198,8 +212,12 @@ pub fn build(
     tracing::info!("{msg}");
     eprintln!("{msg}");
     let mut ranks = ranks.into_iter();
-    let first = ranks.next().context("empty tensor-parallel group")?;
+    let mut first = ranks.next().context("empty tensor-parallel group")?;
     first.dev.ctx.bind_to_thread()?;
+    if let Some(r) = rules {
+        // long prompts' DRAM experts are rank 0's
+        first.prefill_on_cpu = r.prefill_on_cpu();
+    }
     Ok((
         first,
         TpGroup {
@@ -210,11 +228,12 @@ pub fn build(
 }
 
 /// The routed experts the node's GPUs hold together: `per_layer` per MoE layer chosen by the
-/// placement strategy, as on one GPU.
+/// placement strategy around the rules' pins, as on one GPU.
 fn node_placement(
     opts: &EngineOptions,
     cfg: &crate::model::ModelConfig,
     per_layer: usize,
+    pins: Option<&[Vec<Option<bool>>]>,
 ) -> anyhow::Result<Vec<Vec<bool>>> {
     let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     let stats = match &opts.routing_stats {
@@ -242,7 +261,7 @@ fn node_placement(
         per_layer,
         stats.as_ref(),
         opts.placement_seed,
-        None,
+        pins,
     )
     .map_err(anyhow::Error::msg)
 }
