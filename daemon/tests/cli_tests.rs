@@ -110,6 +110,14 @@ fn bad_input_is_an_error_not_a_panic() {
             vec!["--prompt-ids", "1", "--temperature", "-1"],
             "temperature",
         ),
+        (
+            vec!["--prompt-ids", "1", "--tensor-parallel", "2"],
+            "--tensor-parallel needs --device cuda",
+        ),
+        (
+            vec!["--prompt-ids", "1", "--tensor-parallel", "0"],
+            "--tensor-parallel",
+        ),
     ];
     for (args, want) in cases {
         let o = daemon()

@@ -8,6 +8,7 @@
 mod common;
 mod consumer_gpu;
 mod glm_hybrid_gpu;
+mod tensor_parallel_gpu;
 
 use common::rel_l2;
 use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};

@@ -106,6 +106,17 @@ pub fn validate_spec(spec: &MoEDeploymentSpec, shape: Option<&ResolvedShape>) ->
             ));
         }
     }
+    // The pod's GPUs run the model tensor-parallel: its heads and widths must split over them.
+    if let Some(detail) = shape.and_then(|s| s.detail.as_ref()) {
+        if (2..=16).contains(&gpu.count) {
+            if let Err(e) = moe_sizing::parallel::device_shape(detail, gpu.count as u64) {
+                errors.push(format!(
+                    "resources.gpu.count {}: the GPUs run the model tensor-parallel, and {e}",
+                    gpu.count
+                ));
+            }
+        }
+    }
     if let Err(e) = check_spec(spec, shape) {
         errors.push(e.to_string());
     }
@@ -118,6 +129,19 @@ mod tests {
 
     fn spec(yaml: &str) -> MoEDeploymentSpec {
         serde_yaml::from_str(yaml).expect("spec parses")
+    }
+
+    #[test]
+    fn gpu_count_must_split_the_model() {
+        let two = spec("model: {source: {huggingFace: {repo: Qwen/Qwen3-30B-A3B}}}\nresources: {gpu: {count: 2}}");
+        let shape = crate::model_shape::resolve_shape(&two.model, "x");
+        assert_eq!(validate_spec(&two, shape.as_ref()), Vec::<String>::new());
+        let three = spec("model: {source: {huggingFace: {repo: Qwen/Qwen3-30B-A3B}}}\nresources: {gpu: {count: 3}}");
+        let errors = validate_spec(&three, shape.as_ref());
+        assert_eq!(
+            errors,
+            vec!["resources.gpu.count 3: the GPUs run the model tensor-parallel, and 32 attention heads do not split over 3 GPUs"]
+        );
     }
 
     #[test]

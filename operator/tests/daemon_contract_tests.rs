@@ -226,7 +226,7 @@ fn operator_sizing_is_the_daemons_plan_for_every_example() {
                     )),
                     "{printed}"
                 );
-                let experts = Some(plan.gpu_experts_per_layer as u32);
+                let experts = Some(plan.node_experts_per_layer as u32);
                 if user_rules {
                     assert!(
                         printed.contains("1. MOE_PLACEMENT_RULES") || printed.contains("1. /"),

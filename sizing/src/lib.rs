@@ -5,13 +5,14 @@
 //! experts per layer, which dense dtype and where the embeddings go, then passes those choices to
 //! the daemon as flags, so both plans are the same plan. No heavy dependencies: serde_json only.
 pub mod known;
+pub mod parallel;
 pub mod plan;
 pub mod shape;
 pub mod weights;
 
 pub use plan::{
-    choose, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice, ExpertsChoice, KvRequest,
-    LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
+    choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice,
+    ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
 };
 pub use shape::{Attention, CheckpointFormat, HybridShape, ModelShape, Moe, ShapeError};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};

@@ -20,6 +20,8 @@
 use crate::shape::ModelShape;
 use crate::weights::{dense_bytes, DenseBytes, DenseDtype};
 
+pub use crate::parallel::SplitError;
+
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
@@ -182,7 +184,12 @@ pub struct PlanItem {
 pub struct MemoryPlan {
     pub dense_dtype: DenseDtype,
     pub host_embeddings: bool,
+    /// Routed experts per MoE layer on each GPU.
     pub gpu_experts_per_layer: u64,
+    /// GPUs of the tensor-parallel group this plan is one GPU of (1: a single GPU).
+    pub gpus: u64,
+    /// Routed experts per MoE layer on all the group's GPUs together (the count to place).
+    pub node_experts_per_layer: u64,
     /// GPU experts of all layers (`gpu_experts_per_layer × moe_layers` without placement rules).
     pub gpu_experts_total: u64,
     pub kv_tokens: u64,
@@ -209,7 +216,15 @@ impl MemoryPlan {
     /// Multi-line table for the daemon's start-up log and the operator's explanations.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "GPU memory plan: {:.2} GiB of {:.2} GiB usable ({:.0}% of a {:.2} GiB budget)\n",
+            "GPU memory plan{}: {:.2} GiB of {:.2} GiB usable ({:.0}% of a {:.2} GiB budget)\n",
+            if self.gpus > 1 {
+                format!(
+                    " (each of {} tensor-parallel GPUs; {} experts per layer on them all)",
+                    self.gpus, self.node_experts_per_layer
+                )
+            } else {
+                String::new()
+            },
             gib(self.total()),
             gib(self.usable_bytes),
             USABLE_FRACTION * 100.0,
@@ -260,6 +275,8 @@ pub enum PlanError {
         pinned_note: String,
         pin_hint: &'static str,
     },
+    #[error("the model does not split over the GPUs of the node: {0}")]
+    DoesNotSplit(SplitError),
     #[error("placement rules pin {pinned} experts to the GPU ({need_mib} MiB), more than the {left_mib} MiB left beside the dense weights and KV cache; pin fewer experts (decode: auto or cpu) or lower --max-model-len / --kv-cache-tokens")]
     PinnedExpertsDoNotFit {
         pinned: u64,
@@ -273,6 +290,8 @@ impl PlanError {
     /// MiB the smallest plan asked for would need, and MiB usable.
     pub fn shortfall_mib(&self) -> (u64, u64) {
         match *self {
+            // not a question of memory
+            PlanError::DoesNotSplit(_) => (0, 0),
             PlanError::DenseDoesNotFit {
                 dense_mib,
                 work_mib,
@@ -370,8 +389,23 @@ pub fn plan_with(
     dtype: DenseDtype,
     host_embeddings: bool,
 ) -> Result<MemoryPlan, PlanError> {
-    let usable = (inputs.budget_bytes as f64 * USABLE_FRACTION) as u64;
     let dense = dense_bytes(shape, dtype, host_embeddings);
+    let mut plan = plan_with_inputs(shape, shape, dense, inputs, dtype, host_embeddings)?;
+    plan.node_experts_per_layer = plan.gpu_experts_per_layer;
+    Ok(plan)
+}
+
+/// The plan of one GPU holding `dense` and the KV heads of `device` (one GPU of a tensor-parallel
+/// group, or `device` = `shape` for a single GPU); step buffers are those of the full `shape`.
+pub(crate) fn plan_with_inputs(
+    shape: &ModelShape,
+    device: &ModelShape,
+    dense: DenseBytes,
+    inputs: &PlanInputs,
+    dtype: DenseDtype,
+    host_embeddings: bool,
+) -> Result<MemoryPlan, PlanError> {
+    let usable = (inputs.budget_bytes as f64 * USABLE_FRACTION) as u64;
     let steps = step_buffer_bytes(shape, inputs.max_step_tokens, inputs.max_step_seqs);
     let graphs = if inputs.cuda_graphs {
         step_buffer_bytes(shape, GRAPH_ROWS, GRAPH_ROWS).saturating_sub(PREFILL_ATTENTION_BYTES)
@@ -409,7 +443,7 @@ pub fn plan_with(
             usable_mib: usable / MIB,
         });
     }
-    let kv_token = kv_bytes_per_position(shape, inputs.cuda_graphs);
+    let kv_token = kv_bytes_per_position(device, inputs.cuda_graphs);
     let kv_bytes = |tokens: u64| tokens.div_ceil(KV_BLOCK) * KV_BLOCK * kv_token;
     let left = usable - fixed;
     let kv_reserved = if kv_bytes(inputs.kv.target_tokens) <= left {
@@ -513,6 +547,11 @@ pub fn plan_with(
             bytes: dense.lm_head,
             why: if dense.lm_head == 0 {
                 "tied to the embedding table".into()
+            } else if dense.lm_head < dtype.matrix_bytes(shape.vocab, shape.hidden) {
+                format!(
+                    "this GPU's rows of {} × {} in {fmt}",
+                    shape.vocab, shape.hidden
+                )
             } else {
                 format!("{} × {} in {fmt}", shape.vocab, shape.hidden)
             },
@@ -607,6 +646,8 @@ pub fn plan_with(
         dense_dtype: dtype,
         host_embeddings,
         gpu_experts_per_layer: per_layer,
+        gpus: 1,
+        node_experts_per_layer: per_layer,
         gpu_experts_total: gpu_experts,
         kv_tokens,
         budget_bytes: inputs.budget_bytes,
@@ -618,6 +659,16 @@ pub fn plan_with(
 
 /// The plan, resolving `auto` dense dtype and embedding home (see the module docs).
 pub fn choose(shape: &ModelShape, inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
+    choose_devices(shape, inputs, 1)
+}
+
+/// [`choose`] for each GPU of a tensor-parallel group of `gpus` identical GPUs (`inputs.budget_bytes`
+/// is one GPU's; see [`crate::parallel`]). One GPU gives exactly [`choose`]'s plan.
+pub fn choose_devices(
+    shape: &ModelShape,
+    inputs: &PlanInputs,
+    gpus: u64,
+) -> Result<MemoryPlan, PlanError> {
     let dtypes: Vec<DenseDtype> = match inputs.dense {
         DenseChoice::Fixed(d) => vec![d],
         DenseChoice::Auto => DenseDtype::ALL.to_vec(),
@@ -638,7 +689,12 @@ pub fn choose(shape: &ModelShape, inputs: &PlanInputs) -> Result<MemoryPlan, Pla
     let mut first_fit = None;
     let mut last_err = None;
     for (d, host) in candidates {
-        match plan_with(shape, inputs, d, host) {
+        let plan = if gpus == 1 {
+            plan_with(shape, inputs, d, host)
+        } else {
+            crate::parallel::device_plan_with(shape, inputs, d, host, gpus)
+        };
+        match plan {
             Ok(p) if p.kv_tokens >= inputs.kv.target_tokens => return Ok(p),
             Ok(p) => {
                 first_fit.get_or_insert(p);

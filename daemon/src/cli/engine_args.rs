@@ -100,6 +100,14 @@ pub struct EngineArgs {
     /// Backend for attention, dense layers and GPU experts: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// GPUs of this node that run the model together (tensor parallel, from the --device GPU on):
+    /// attention heads and dense projections split across them, GPU experts spread over them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: u32,
+    /// All-reduce of --tensor-parallel: nccl (one GPU per rank), or loopback (every rank on the
+    /// --device GPU; checks the sharded model on one GPU, slowly).
+    #[arg(long, default_value = "nccl", hide = true)]
+    pub tensor_parallel_comm: crate::engine::parallel::CommKind,
     /// Routed experts per MoE layer kept on the GPU, or `auto` (as many as fit).
     #[arg(long, default_value = "0", conflicts_with = "gpu_experts_ratio")]
     pub gpu_experts: GpuExperts,
@@ -248,6 +256,9 @@ impl EngineArgs {
         if self.device == Device::Cpu && self.gpu_memory_limit.is_some() {
             anyhow::bail!("--gpu-memory-limit needs --device cuda");
         }
+        if self.device == Device::Cpu && self.tensor_parallel > 1 {
+            anyhow::bail!("--tensor-parallel needs --device cuda");
+        }
         let cpu_moe = CpuMoeOptions {
             threads: (self.cpu_threads > 0).then_some(self.cpu_threads),
             numa: self.numa,
@@ -312,6 +323,10 @@ impl EngineArgs {
             release_window_kv: !self.keep_window_kv,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,
             cpu_kv_dtype: self.cpu_kv_dtype,
+            tensor_parallel: crate::engine::parallel::TensorParallel {
+                size: self.tensor_parallel as usize,
+                comm: self.tensor_parallel_comm,
+            },
         })
     }
 }

@@ -12,6 +12,7 @@ pub mod linear;
 pub mod live;
 pub mod moe;
 pub mod ops;
+pub mod parallel;
 pub mod placement;
 pub mod placement_rules;
 pub mod replacement;
@@ -117,6 +118,8 @@ pub struct EngineOptions {
     /// Sliding-window layers give back the KV blocks that left their window (false: every layer keeps
     /// every position, as full-attention layers do).
     pub release_window_kv: bool,
+    /// GPUs of the node that run the model together (CUDA backend; 1: one GPU).
+    pub tensor_parallel: parallel::TensorParallel,
 }
 
 impl Default for EngineOptions {
@@ -148,6 +151,7 @@ impl Default for EngineOptions {
             expert_prefetch_bytes: 0,
             cpu_kv_dtype: None,
             release_window_kv: true,
+            tensor_parallel: Default::default(),
         }
     }
 }
@@ -207,6 +211,8 @@ pub enum StepError {
 pub struct Engine {
     /// Live re-placement (copies in flight on the GPU): dropped before the GPU model.
     live: Option<std::sync::Mutex<live::LiveState>>,
+    /// The other GPUs of a tensor-parallel group (`gpu` is its rank 0).
+    tp: Option<parallel::TpGroup>,
     /// Declared (so dropped) before `model`: the GPU side pins memory the host model owns.
     gpu: Option<gpu::GpuModel>,
     model: Model,
@@ -273,6 +279,7 @@ impl Engine {
         if opts.live_placement.is_some() && !matches!(opts.device, Device::Cuda(_)) {
             anyhow::bail!("--live-placement needs --device cuda");
         }
+        let mut tp = None;
         let gpu = match opts.device {
             Device::Cpu => {
                 if let Some(r) = &rules {
@@ -286,6 +293,11 @@ impl Engine {
                     eprint!("{text}");
                 }
                 None
+            }
+            Device::Cuda(ordinal) if opts.tensor_parallel.size > 1 => {
+                let (g, group) = parallel::setup::build(&mut model, ordinal, opts, rules.as_ref())?;
+                tp = Some(group);
+                Some(g)
             }
             Device::Cuda(ordinal) => Some(gpu::setup::build(
                 &mut model,
@@ -382,7 +394,11 @@ impl Engine {
                     pool: g.kv.clone(),
                     stream: g.dev.stream.clone(),
                 };
-                let copier = std::sync::Arc::new(copier);
+                let mut copier: std::sync::Arc<dyn kv::blocks::BlockCopy> =
+                    std::sync::Arc::new(copier);
+                if let Some(group) = &tp {
+                    copier = group.block_copier(copier);
+                }
                 (
                     kv::blocks::shared_grouped_pool(blocks, copier, windows),
                     None,
@@ -416,6 +432,7 @@ impl Engine {
         };
         let engine = Self {
             live,
+            tp,
             model,
             rope,
             pool,
@@ -484,6 +501,17 @@ impl Engine {
     }
 
     /// Whether the CUDA backend runs this engine.
+    /// What each GPU holds: one entry per GPU of a tensor-parallel group (rank order), one for a
+    /// single GPU, none on the CPU backend.
+    pub fn gpu_shards(&self) -> Vec<parallel::ShardSummary> {
+        let peers = self.tp.iter().flat_map(|t| t.peers.iter());
+        self.gpu
+            .iter()
+            .chain(peers)
+            .map(gpu::GpuModel::shard_summary)
+            .collect()
+    }
+
     pub fn on_gpu(&self) -> bool {
         self.gpu.is_some()
     }
@@ -664,15 +692,20 @@ impl Engine {
             })
             .collect();
         let mut times = StepTimes::default();
-        let out = g
-            .forward(
+        let on_routing = |l: usize, ids: &[u32]| self.record(l, ids);
+        let cpu_pool = self.cpu_pool.as_deref();
+        let out = match &self.tp {
+            Some(group) => group.forward(
+                g,
                 &self.model,
-                self.cpu_pool.as_deref(),
+                cpu_pool,
                 &mut inputs,
                 &mut times,
-                |l, ids| self.record(l, ids),
-            )
-            .map_err(|e| StepError::Backend(format!("{e:#}")))?;
+                on_routing,
+            ),
+            None => g.forward(&self.model, cpu_pool, &mut inputs, &mut times, on_routing),
+        }
+        .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         if let Some(live) = &self.live {
             live.lock()

@@ -118,6 +118,7 @@ fn daemon_args_follow_spec_and_sizing() {
         "--port 8000",
         "--host 0.0.0.0",
         "--device cuda",
+        "--tensor-parallel 1",
     ] {
         assert!(joined.contains(expected), "missing {expected} in {joined}");
     }

@@ -298,6 +298,9 @@ pub fn daemon_args(input: &BuildInput, class: &ClassBuild, model_path: &str) -> 
         "0.0.0.0",
         "--device",
         "cuda",
+        // the pod's GPUs run the model together (heads and dense projections split, experts spread)
+        "--tensor-parallel",
+        &spec.resources.gpu.count.max(1).to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

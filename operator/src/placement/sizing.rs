@@ -227,9 +227,11 @@ pub fn size_for_node(
             detail: Some(detail),
             ..
         }) => {
-            // One GPU: the daemon runs its model on one device.
+            // `gpu.count` GPUs run the model tensor-parallel (`--tensor-parallel`): the plan is each
+            // GPU's, with the experts of all of them counted.
             let per_gpu = gpu_memory_per_gpu.ok_or(SizingError::GpuMemoryUnknown)?;
-            let plan = moe_sizing::choose(detail, &plan_inputs(spec, detail, per_gpu))
+            let inputs = plan_inputs(spec, detail, per_gpu);
+            let plan = moe_sizing::choose_devices(detail, &inputs, gpu_count.max(1))
                 .map_err(SizingError::GpuPlan)?;
             gpu_plan = Some(GpuPlanChoice {
                 dense_dtype: plan.dense_dtype,
@@ -237,7 +239,7 @@ pub fn size_for_node(
                 kv_tokens: plan.kv_tokens,
                 gpu_memory_bytes: per_gpu,
             });
-            (Some(plan.gpu_experts_per_layer as u32), plan.total())
+            (Some(plan.node_experts_per_layer as u32), plan.total())
         }
         None => (
             match spec.placement.gpu_experts_per_layer {

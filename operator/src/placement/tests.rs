@@ -743,3 +743,33 @@ fn empty_cluster_summary() {
     assert_eq!(d.summary(), "0/0 nodes are available.");
     assert!(d.sizing.is_none());
 }
+
+#[test]
+fn two_gpus_are_planned_per_gpu_with_the_experts_of_both() {
+    // Qwen3-30B-A3B on 24 GB cards: one card holds 23 experts per layer (see above); two cards
+    // tensor-parallel hold half the attention, KV and lm_head each, so each holds more experts and
+    // the node more than twice as many.
+    let card = |name, gpus| NodeFixture {
+        cc: Some((8, 9)),
+        gpu_mib: 24564,
+        gpus,
+        cpu: "32",
+        memory: "128Gi",
+        hugepages_1gi: "64Gi",
+        ..NodeFixture::new(name)
+    };
+    let one = decide_for(&qwen_spec(), &[card("one", 1)])
+        .sizing
+        .expect("one GPU");
+    let mut s = qwen_spec();
+    s.resources.gpu.count = 2;
+    let two = decide_for(&s, &[card("two", 2)]).sizing.expect("two GPUs");
+    let (e1, e2) = (
+        one.gpu_experts_per_layer.unwrap(),
+        two.gpu_experts_per_layer.unwrap(),
+    );
+    assert!(e2 > 2 * e1, "{e1} experts on one GPU, {e2} on two");
+    assert!(two.gpu_bytes_per_gpu as f64 <= 24564.0 * 1048576.0 * 0.9);
+    // fewer experts stay in DRAM: fewer hugepages
+    assert!(two.hugepages.unwrap().1 < one.hugepages.unwrap().1);
+}

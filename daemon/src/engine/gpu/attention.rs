@@ -128,7 +128,7 @@ impl GpuModel {
             k_norm,
         } = w;
         let cfg = &host.config;
-        let (n, nh, nkv, dh) = (step.n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let ((nh, nkv), n, dh) = (self.tp_heads(cfg), step.n, cfg.head_dim);
         anyhow::ensure!(
             bufs.rows >= n,
             "attention buffers for {} rows, step has {n}",

@@ -22,6 +22,8 @@ pub enum ExpertHome {
     Streamed,
     /// In DRAM, uploaded for this step (long prompts without the stream).
     Uploaded,
+    /// Computed by another GPU of a tensor-parallel group (see `engine::parallel`).
+    Peer,
 }
 
 /// Every expert's home in a step: `resident` from the layer's expert table; `long_prompt` for
@@ -118,6 +120,11 @@ impl MoeDispatchPlan {
                     continue;
                 }
                 ExpertHome::Streamed | ExpertHome::Uploaded => {}
+                // another GPU's rows (rank 0 counts them with the GPU hits)
+                ExpertHome::Peer => {
+                    plan.gpu_expert_hits += 1;
+                    continue;
+                }
             }
             per_expert[e].push(((j / top_k) as i32, w));
         }

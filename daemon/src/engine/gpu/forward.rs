@@ -216,6 +216,7 @@ impl GpuModel {
             self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
         }
         dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
+        self.tp_keep_residual_on_rank0(g.x, n * hd)?;
         match &layer.attn {
             GpuAttention::Gqa(w) => {
                 self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
@@ -239,6 +240,7 @@ impl GpuModel {
                 self.linear_attention(la, host, li, g.hb, g.x, hy)?
             }
         }
+        self.tp_all_reduce(g.x, n * hd)?;
         if let Some(hy) = g.hybrid.as_deref_mut() {
             self.hyper_expand(hy, hd, g.x)?;
             self.hyper_collapse(hy, li, Block::Ffn, hd, cfg.rms_norm_eps, g.x)?;
@@ -251,6 +253,7 @@ impl GpuModel {
             g.hb,
             Some(&mut *g.hf),
         )?;
+        self.tp_keep_residual_on_rank0(g.x, n * hd)?;
         let GpuFfn::Moe(moe) = &layer.ffn else {
             return Ok(());
         };
@@ -368,7 +371,8 @@ impl GpuModel {
                     // placement rules may keep some DRAM experts on the CPU in long prompts too
                     let cpu_in_prefill = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
                     let resident = moe.experts.resident();
-                    expert_homes(&resident, long_prompt, streamed, cpu_in_prefill)
+                    let homes = expert_homes(&resident, long_prompt, streamed, cpu_in_prefill);
+                    self.tp_homes(li, homes)
                 }
                 GpuFfn::Dense(_) => Vec::new(),
             };
@@ -433,6 +437,7 @@ impl GpuModel {
                     }
                 }
             }
+            self.tp_all_reduce(x, n * hd)?;
             if let Some(hy) = hybrid_step.as_mut() {
                 self.hyper_expand(hy, hd, x)?;
             }
@@ -543,7 +548,7 @@ impl GpuModel {
         times: &mut StepTimes,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
         let (dev, s) = (&self.dev, &self.dev.stream);
-        let (rows, vocab) = (last_rows.len(), cfg.vocab_size);
+        let (rows, vocab) = (last_rows.len(), self.tp_vocab(cfg));
         s.memcpy_htod(last_rows, &mut head.last_rows.slice_mut(..rows))?;
         dev.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, (n, hd), hb, None)?;
         dev.gather_rows(&*hb, &head.last_rows, (rows, hd), &mut head.rows)?;

@@ -130,8 +130,8 @@ pub fn plan_inputs(
     }
 }
 
-/// The plan the engine starts with, within `budget` bytes of GPU memory; `pins`: the experts placement
-/// rules pin, per MoE layer (empty without rules).
+/// The plan the engine starts with, within `budget` bytes of GPU memory (of each GPU of a
+/// tensor-parallel group); `pins`: the experts placement rules pin, per MoE layer (empty without rules).
 pub fn plan(
     opts: &EngineOptions,
     shape: &ModelShape,
@@ -151,7 +151,13 @@ pub fn plan(
     } else {
         0
     };
-    moe_sizing::choose(shape, &plan_inputs(opts, shape, budget, staging, pins))
+    // With --tensor-parallel N: the plan of each of the N GPUs (experts counted on all of them).
+    let gpus = opts.tensor_parallel.size.max(1) as u64;
+    moe_sizing::choose_devices(
+        shape,
+        &plan_inputs(opts, shape, budget, staging, pins),
+        gpus,
+    )
 }
 
 /// The kernels' format for a planned dense dtype.

@@ -223,6 +223,8 @@ pub struct GpuModel {
     pub memory: Option<memory::MemoryReport>,
     /// Linear attention, hyper-connections and the sparse-attention indexer (models that have them).
     pub hybrid: Option<hybrid::GpuHybrid>,
+    /// This GPU's share of a tensor-parallel group (`None`: the model runs on this GPU alone).
+    pub shard: Option<crate::engine::parallel::RankCtx>,
 }
 
 /// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
@@ -541,6 +543,7 @@ impl GpuModel {
             routing_override: Mutex::new(None),
             memory: None,
             hybrid,
+            shard: None,
         })
     }
 

@@ -1,0 +1,132 @@
+//! One step over a tensor-parallel group, driven from one process: rank 0 runs on the engine thread
+//! (it owns the CPU expert hand-off and the routing callbacks), every other rank on a scoped thread of
+//! its own; each runs the ordinary GPU step over its shard and meets the others in the all-reduces.
+//! The logits come back per rank (its vocabulary rows) and are joined on the host.
+//!
+//! Cost: one thread spawn per other rank per step (tens of microseconds beside steps of milliseconds).
+use super::comm::Communicator;
+use crate::engine::gpu::forward::GpuSeqInput;
+use crate::engine::gpu::GpuModel;
+use crate::engine::kv::blocks::BlockCopy;
+use crate::engine::kv::BlockId;
+use crate::engine::StepTimes;
+use crate::model::Model;
+use anyhow::Context;
+use std::sync::Arc;
+
+/// The GPUs of a group other than rank 0 (which is the engine's `GpuModel`), and the communicator
+/// they share.
+pub struct TpGroup {
+    /// Ranks 1..N.
+    pub peers: Vec<GpuModel>,
+    pub comm: Arc<dyn Communicator>,
+}
+
+impl TpGroup {
+    /// GPUs in the group.
+    pub fn world(&self) -> usize {
+        self.peers.len() + 1
+    }
+
+    /// One step of every rank; rank 0 is `first`. Returns the full logits of each entry.
+    pub fn forward(
+        &self,
+        first: &GpuModel,
+        host: &Model,
+        cpu_pool: Option<&moe_kernels::cpu::WorkerPool>,
+        batch: &mut [GpuSeqInput<'_>],
+        times: &mut StepTimes,
+        on_routing: impl FnMut(usize, &[u32]),
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let peer_batches: Vec<Vec<GpuSeqInput<'_>>> = self
+            .peers
+            .iter()
+            .map(|_| {
+                batch
+                    .iter()
+                    .map(|b| GpuSeqInput {
+                        tables: b.tables.clone(),
+                        pos0: b.pos0,
+                        tokens: b.tokens,
+                        state: None,
+                    })
+                    .collect()
+            })
+            .collect();
+        let comm = &self.comm;
+        let (first_out, peer_outs) = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .peers
+                .iter()
+                .zip(peer_batches)
+                .map(|(g, mut inputs)| {
+                    scope.spawn(move || {
+                        let out = peer_step(g, host, &mut inputs);
+                        if out.is_err() {
+                            comm.abort();
+                        }
+                        out
+                    })
+                })
+                .collect();
+            let first_out = first
+                .dev
+                .ctx
+                .bind_to_thread()
+                .map_err(anyhow::Error::from)
+                .and_then(|()| first.forward(host, cpu_pool, batch, times, on_routing));
+            if first_out.is_err() {
+                comm.abort();
+            }
+            let peer_outs: Vec<anyhow::Result<Vec<Vec<f32>>>> = handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a tensor-parallel rank panicked")))
+                })
+                .collect();
+            (first_out, peer_outs)
+        });
+        let mut out = first_out.context("tensor-parallel rank 0")?;
+        for (r, part) in peer_outs.into_iter().enumerate() {
+            let part = part.with_context(|| format!("tensor-parallel rank {}", r + 1))?;
+            for (row, more) in out.iter_mut().zip(part) {
+                row.extend(more);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copy-on-write of KV blocks in every rank's pool (rank 0's copier first).
+    pub fn block_copier(&self, first: Arc<dyn BlockCopy>) -> Arc<dyn BlockCopy> {
+        let mut all = vec![first];
+        for g in &self.peers {
+            all.push(Arc::new(crate::engine::gpu::kv::GpuKvCopier {
+                pool: g.kv.clone(),
+                stream: g.dev.stream.clone(),
+            }));
+        }
+        Arc::new(EveryRank(all))
+    }
+}
+
+/// A rank other than 0: no CPU pool (the DRAM experts are rank 0's), no routing callbacks, its own
+/// timings dropped.
+fn peer_step(
+    g: &GpuModel,
+    host: &Model,
+    inputs: &mut [GpuSeqInput<'_>],
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    g.dev.ctx.bind_to_thread()?;
+    let mut times = StepTimes::default();
+    g.forward(host, None, inputs, &mut times, |_, _| {})
+}
+
+/// A block copy made in each rank's KV pool.
+struct EveryRank(Vec<Arc<dyn BlockCopy>>);
+
+impl BlockCopy for EveryRank {
+    fn copy_block(&self, from: BlockId, to: BlockId) -> Result<(), String> {
+        self.0.iter().try_for_each(|c| c.copy_block(from, to))
+    }
+}

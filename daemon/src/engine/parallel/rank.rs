@@ -1,0 +1,173 @@
+//! What one GPU of a tensor-parallel group knows about its share ([`RankCtx`], held by its
+//! `GpuModel`), and the few points where a step differs from a single GPU's:
+//!
+//! - the residual stream `x` is whole on every rank between layers; each attention block and MLP /
+//!   MoE block adds this rank's partial sum into it. So that the all-reduce after the block adds the
+//!   residual once, ranks other than 0 zero their copy of `x` right after the block's norm has read
+//!   it ([`GpuModel::tp_keep_residual_on_rank0`]), then [`GpuModel::tp_all_reduce`] sums;
+//! - attention runs this rank's heads ([`GpuModel::tp_heads`]), lm_head its vocabulary rows;
+//! - a MoE layer's experts resident on another GPU are that GPU's work, and DRAM experts are rank
+//!   0's (the one CPU hand-off of the layer): [`tp_expert_homes`].
+//!
+//! Without a `RankCtx` (one GPU) none of this runs: the step is today's, bit for bit.
+use super::comm::Communicator;
+use crate::engine::gpu::dispatch::ExpertHome;
+use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
+use crate::model::ModelConfig;
+use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+
+/// One rank of a tensor-parallel group.
+pub struct RankCtx {
+    pub rank: usize,
+    pub comm: Arc<dyn Communicator>,
+    /// Query and KV heads this rank's attention computes.
+    pub heads: (usize, usize),
+    /// lm_head rows (logits) this rank computes.
+    pub vocab: usize,
+    /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
+    pub expert_owner: Vec<Vec<Option<usize>>>,
+}
+
+/// A layer's expert homes as rank `rank` computes them: experts on another GPU are skipped
+/// ([`ExpertHome::Peer`]), and so are the DRAM experts on every rank but 0.
+pub fn tp_expert_homes(
+    homes: Vec<ExpertHome>,
+    rank: usize,
+    owners: &[Option<usize>],
+) -> Vec<ExpertHome> {
+    homes
+        .into_iter()
+        .enumerate()
+        .map(|(e, h)| match (owners.get(e).copied().flatten(), h) {
+            (Some(o), ExpertHome::Resident) if o == rank => h,
+            (Some(_), _) => ExpertHome::Peer,
+            (None, _) if rank == 0 => h,
+            (None, _) => ExpertHome::Peer,
+        })
+        .collect()
+}
+
+/// What one GPU's uploaded model holds (read back from its device weights: the start-up log and tests
+/// check the split against the plan with it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSummary {
+    pub rank: usize,
+    /// Output rows of the first GQA layer's q projection, input columns of its o projection.
+    pub q_rows: usize,
+    pub o_cols: usize,
+    /// Row width of the K cache.
+    pub kv_width: usize,
+    /// Intermediate units of the first dense MLP (0: none).
+    pub dense_units: usize,
+    /// lm_head rows (0: tied to the embedding table).
+    pub lm_head_rows: usize,
+    /// Routed experts resident on this GPU, all layers.
+    pub gpu_experts: usize,
+}
+
+impl GpuModel {
+    /// This GPU's share as uploaded.
+    pub fn shard_summary(&self) -> ShardSummary {
+        let gqa = self.layers.iter().find_map(|l| match &l.attn {
+            GpuAttention::Gqa(w) => Some((w.q.out_dim, w.o.in_dim)),
+            _ => None,
+        });
+        let dense = self.layers.iter().find_map(|l| match &l.ffn {
+            GpuFfn::Dense(m) => Some(m.down.in_dim),
+            GpuFfn::Moe(_) => None,
+        });
+        let experts = self
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.experts.resident().iter().filter(|&&r| r).count(),
+                GpuFfn::Dense(_) => 0,
+            })
+            .sum();
+        ShardSummary {
+            rank: self.shard.as_ref().map_or(0, |s| s.rank),
+            q_rows: gqa.map_or(0, |g| g.0),
+            o_cols: gqa.map_or(0, |g| g.1),
+            kv_width: self.kv.lock().unwrap_or_else(|e| e.into_inner()).width,
+            dense_units: dense.unwrap_or(0),
+            lm_head_rows: self.lm_head.as_ref().map_or(0, |l| l.out_dim),
+            gpu_experts: experts,
+        }
+    }
+
+    /// (query heads, KV heads) this GPU's attention computes.
+    pub fn tp_heads(&self, cfg: &ModelConfig) -> (usize, usize) {
+        self.shard
+            .as_ref()
+            .map_or((cfg.num_heads, cfg.num_kv_heads), |s| s.heads)
+    }
+
+    /// Logits (lm_head rows) this GPU computes.
+    pub fn tp_vocab(&self, cfg: &ModelConfig) -> usize {
+        self.shard.as_ref().map_or(cfg.vocab_size, |s| s.vocab)
+    }
+
+    /// After a block's norm read `x[..len]`: ranks other than 0 zero their copy, so the reduction
+    /// after the block counts the residual once.
+    pub fn tp_keep_residual_on_rank0(
+        &self,
+        x: &mut CudaSlice<f32>,
+        len: usize,
+    ) -> anyhow::Result<()> {
+        match &self.shard {
+            Some(s) if s.rank > 0 => {
+                self.dev.stream.memset_zeros(&mut x.slice_mut(..len))?;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Sums the ranks' `x[..len]` after a block (nothing on one GPU).
+    pub fn tp_all_reduce(&self, x: &mut CudaSlice<f32>, len: usize) -> anyhow::Result<()> {
+        match &self.shard {
+            Some(s) => s.comm.all_reduce_sum(s.rank, &self.dev, x, len),
+            None => Ok(()),
+        }
+    }
+
+    /// Layer `li`'s expert homes for this GPU (unchanged on one GPU).
+    pub fn tp_homes(&self, li: usize, homes: Vec<ExpertHome>) -> Vec<ExpertHome> {
+        match &self.shard {
+            Some(s) => {
+                let owners = s.expert_owner.get(li).map_or(&[][..], Vec::as_slice);
+                tp_expert_homes(homes, s.rank, owners)
+            }
+            None => homes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ExpertHome::*;
+
+    #[test]
+    fn each_expert_is_computed_by_exactly_one_rank() {
+        // experts 0, 1 on GPU 0 and 1; 2 and 3 in DRAM (CPU in decode, streamed in a long prompt)
+        let owners = [Some(0), Some(1), None, None];
+        let homes = |r: usize| {
+            vec![
+                if r == 0 { Resident } else { Cpu },
+                if r == 1 { Resident } else { Cpu },
+                Cpu,
+                Streamed,
+            ]
+        };
+        let r0 = tp_expert_homes(homes(0), 0, &owners);
+        let r1 = tp_expert_homes(homes(1), 1, &owners);
+        assert_eq!(r0, vec![Resident, Peer, Cpu, Streamed]);
+        assert_eq!(r1, vec![Peer, Resident, Peer, Peer]);
+        for e in 0..owners.len() {
+            let doers = [r0[e], r1[e]].iter().filter(|h| **h != Peer).count();
+            assert_eq!(doers, 1, "expert {e}");
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! Bringing up a tensor-parallel group: open the GPUs, plan each one's memory with the shared sizing
+//! model (per GPU, experts counted on all of them), place the routed experts on the node and spread
+//! them over the GPUs, then slice and upload each rank's share.
+use super::comm::{CommKind, Communicator, Loopback, Nccl};
+use super::group::TpGroup;
+use super::plan::{rank_placement, spread_experts, ShardPlan};
+use super::rank::RankCtx;
+use super::shard::rank_model;
+use crate::engine::gpu::{memory, DenseUpload, GpuModel};
+use crate::engine::kv::{KvLayout, BLOCK};
+use crate::engine::linear::WeightData;
+use crate::engine::placement::{plan_placement, PlacementStrategy, RoutingStats};
+use crate::engine::placement_rules::PlacementPlan;
+use crate::engine::EngineOptions;
+use crate::model::{Attention, Model};
+use anyhow::{bail, Context};
+use moe_kernels::cuda::GpuDevice;
+use moe_sizing::{CheckpointFormat, DenseDtype};
+use std::sync::Arc;
+
+/// `--tensor-parallel`: how many GPUs of the node run the model together, and how they reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorParallel {
+    pub size: usize,
+    pub comm: CommKind,
+}
+
+impl Default for TensorParallel {
+    fn default() -> Self {
+        Self {
+            size: 1,
+            comm: CommKind::Nccl,
+        }
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// The narrowest input group the quantized kernels take in `d` (1: bf16, no groups).
+fn min_group(d: DenseDtype) -> usize {
+    match d {
+        DenseDtype::Bf16 => 1,
+        DenseDtype::Fp8 => 16,
+        DenseDtype::Int4 => 32,
+    }
+}
+
+/// The FP8 block of a checkpoint whose blocks the dense upload keeps (fp8 dense dtype).
+fn kept_fp8_block(model: &Model, d: DenseDtype) -> Option<usize> {
+    if d != DenseDtype::Fp8 {
+        return None;
+    }
+    model.layers.iter().find_map(|l| match &l.attn {
+        Attention::Gqa(a) => match &a.q.w {
+            WeightData::F8 { block, .. } => Some(*block),
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
+/// Opens `opts.tensor_parallel.size` GPUs (from `ordinal` on; all on `ordinal` for the loopback
+/// communicator), plans and uploads each one's share. Returns rank 0 (the engine's GPU model, which
+/// runs the CPU hand-off) and the group of the others. `rules`: placement rules resolved for this
+/// model; their GPU pins are placed on the node's GPUs (each GPU plans for its share of a layer's pins).
+pub fn build(
+    model: &mut Model,
+    ordinal: usize,
+    opts: &EngineOptions,
+    rules: Option<&PlacementPlan>,
+) -> anyhow::Result<(GpuModel, TpGroup)> {
+    let tp = opts.tensor_parallel;
+    let world = tp.size;
+    let cfg = model.config.clone();
+    if opts.live_placement.is_some() {
+        bail!("--live-placement is not supported with --tensor-parallel above 1 yet");
+    }
+    if opts.cuda_graphs {
+        tracing::info!(
+            "CUDA graphs are not captured with --tensor-parallel above 1: decode runs eagerly"
+        );
+    }
+    let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
+    let ordinals: Vec<usize> = match tp.comm {
+        CommKind::Loopback => vec![ordinal; world],
+        CommKind::Nccl => (ordinal..ordinal + world).collect(),
+    };
+    let devs = ordinals
+        .iter()
+        .map(|&o| GpuDevice::open(o).with_context(|| format!("tensor-parallel GPU {o}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Plan for the smallest card; the loopback's ranks share one card.
+    let mut total = u64::MAX;
+    let mut free = u64::MAX;
+    for d in &devs {
+        let (f, t) = d.memory()?;
+        total = total.min(t as u64);
+        free = free.min(f as u64);
+    }
+    let sharing = if tp.comm == CommKind::Loopback {
+        world as u64
+    } else {
+        1
+    };
+    let card = opts.gpu_memory_limit.unwrap_or(total).min(total);
+    let budget = card / sharing;
+    let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
+    let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
+    let mplan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
+        anyhow::anyhow!(
+            "{} does not fit in {:.2} GiB per GPU over {world} GPUs: {e}",
+            cfg.arch_name,
+            gib(budget)
+        )
+    })?;
+    let msg = format!(
+        "tensor parallel over {world} GPUs ({:?}), {} GPU experts per layer on each ({} on the node), KV {} positions\n{}",
+        tp.comm,
+        mplan.gpu_experts_per_layer,
+        mplan.node_experts_per_layer,
+        mplan.kv_tokens,
+        mplan.describe()
+    );
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    if mplan.total() * sharing > free {
+        bail!(
+            "the plan needs {:.2} GiB per GPU but a GPU of the group has {:.2} GiB free: lower --gpu-memory-limit or free the GPUs",
+            gib(mplan.total() * sharing),
+            gib(free)
+        );
+    }
+    plan.check_groups(
+        &cfg,
+        (min_group(mplan.dense_dtype), mplan.dense_dtype.as_str()),
+        kept_fp8_block(model, mplan.dense_dtype),
+    )
+    .context("--tensor-parallel")?;
+    let pins = rules.map(PlacementPlan::pins);
+    let placement = node_placement(
+        opts,
+        &cfg,
+        mplan.node_experts_per_layer as usize,
+        pins.as_deref(),
+    )?;
+    if let Some(r) = rules {
+        let text = r.describe(
+            &placement,
+            &crate::engine::gpu::setup::default_format_name(opts),
+        );
+        tracing::info!("{text}");
+        eprint!("{text}");
+    }
+    let owners = spread_experts(&placement, world);
+    let comm: Arc<dyn Communicator> = match tp.comm {
+        CommKind::Nccl => Arc::new(Nccl::new(&devs.iter().collect::<Vec<_>>())?),
+        CommKind::Loopback => Arc::new(Loopback::new(world)),
+    };
+    let dense = DenseUpload {
+        format: memory::dense_format(mplan.dense_dtype),
+        host_embeddings: mplan.host_embeddings,
+    };
+    let blocks = (mplan.kv_tokens as usize).div_ceil(BLOCK).max(1);
+    let layout = KvLayout::of(&cfg, opts.release_window_kv);
+    let mut ranks = Vec::with_capacity(world);
+    let t = std::time::Instant::now();
+    for (r, dev) in devs.into_iter().enumerate() {
+        dev.ctx.bind_to_thread()?;
+        let mine = rank_placement(&owners, r);
+        let mut part = rank_model(model, &plan, r, &mine).context("--tensor-parallel")?;
+        let (free_before, _) = dev.memory()?;
+        let mut g = GpuModel::upload(
+            dev,
+            &mut part,
+            &mine,
+            (blocks, layout.clone()),
+            opts.gpu_prefill_threshold.max(1),
+            dense,
+            false,
+        )
+        .with_context(|| format!("uploading tensor-parallel rank {r}"))?;
+        let (free_after, _) = g.dev.memory()?;
+        g.memory = Some(memory::MemoryReport {
+            plan: mplan.clone(),
+            context_used: total.saturating_sub(free_before as u64),
+            start_allocated: free_before.saturating_sub(free_after) as u64,
+        });
+        g.max_step = (opts.max_step_tokens, opts.max_step_seqs);
+        let rc = &part.config;
+        g.shard = Some(RankCtx {
+            rank: r,
+            comm: comm.clone(),
+            heads: (rc.num_heads, rc.num_kv_heads),
+            vocab: rc.vocab_size,
+            expert_owner: owners.clone(),
+        });
+        ranks.push(g);
+    }
+    let mut msg = format!(
+        "tensor-parallel shards uploaded in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    for g in &ranks {
+        let s = g.shard_summary();
+        msg.push_str(&format!(
+            "\n  GPU {}: q rows {}, K width {}, dense MLP units {}, lm_head rows {}, {} routed experts",
+            s.rank, s.q_rows, s.kv_width, s.dense_units, s.lm_head_rows, s.gpu_experts
+        ));
+    }
+    tracing::info!("{msg}");
+    eprintln!("{msg}");
+    let mut ranks = ranks.into_iter();
+    let mut first = ranks.next().context("empty tensor-parallel group")?;
+    first.dev.ctx.bind_to_thread()?;
+    if let Some(r) = rules {
+        // long prompts' DRAM experts are rank 0's
+        first.prefill_on_cpu = r.prefill_on_cpu();
+    }
+    Ok((
+        first,
+        TpGroup {
+            peers: ranks.collect(),
+            comm,
+        },
+    ))
+}
+
+/// The routed experts the node's GPUs hold together: `per_layer` per MoE layer chosen by the
+/// placement strategy around the rules' pins, as on one GPU.
+fn node_placement(
+    opts: &EngineOptions,
+    cfg: &crate::model::ModelConfig,
+    per_layer: usize,
+    pins: Option<&[Vec<Option<bool>>]>,
+) -> anyhow::Result<Vec<Vec<bool>>> {
+    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let stats = match &opts.routing_stats {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(
+                serde_json::from_str::<RoutingStats>(&text)
+                    .with_context(|| format!("{}: not routing statistics", p.display()))?,
+            )
+        }
+        None => None,
+    };
+    let strategy = match (opts.placement, &stats) {
+        (PlacementStrategy::Frequency, None) => {
+            tracing::warn!("--expert-placement frequency without --routing-stats: using uniform until statistics exist");
+            PlacementStrategy::Uniform
+        }
+        (s, _) => s,
+    };
+    plan_placement(
+        strategy,
+        &cfg.moe_layers,
+        experts,
+        per_layer,
+        stats.as_ref(),
+        opts.placement_seed,
+        pins,
+    )
+    .map_err(anyhow::Error::msg)
+}

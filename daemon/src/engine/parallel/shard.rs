@@ -1,0 +1,301 @@
+//! Host-side slicing by the sharding plan: a rank's rows or columns of a [`Linear`] (FP8 checkpoint
+//! blocks kept whole), and a rank's [`Model`] — its slices of the dense weights plus the routed
+//! experts it holds, moved out of the full model — which `GpuModel::upload` then uploads as it
+//! uploads a whole model. The rank model lives only while it is uploaded.
+use super::plan::{AttentionShard, RankShard, ShardError, ShardPlan};
+use crate::engine::linear::{Linear, WeightData};
+use crate::model::{Attention, Ffn, GqaAttention, Layer, Mlp, Model, MoeBlock};
+use std::ops::Range;
+
+fn slice_err(what: &str, detail: String) -> ShardError {
+    ShardError::Slice {
+        what: what.to_string(),
+        detail,
+    }
+}
+
+/// Rows `r` of `l` (its output units), with their biases.
+pub fn rows(l: &Linear, r: Range<usize>, what: &str) -> Result<Linear, ShardError> {
+    if r.end > l.out_dim || r.start > r.end {
+        return Err(slice_err(what, format!("rows {r:?} of {}", l.out_dim)));
+    }
+    let n = l.in_dim;
+    let w = match &l.w {
+        WeightData::F32(v) => WeightData::F32(v[r.start * n..r.end * n].to_vec()),
+        WeightData::Bf16(v) => WeightData::Bf16(v[r.start * n..r.end * n].to_vec()),
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        } => {
+            let b = *block;
+            if b == 0 {
+                return Err(slice_err(what, "FP8 weights without a block size".into()));
+            }
+            if !r.start.is_multiple_of(b) || !(r.end.is_multiple_of(b) || r.end == l.out_dim) {
+                return Err(slice_err(
+                    what,
+                    format!("rows {r:?}: not on the checkpoint's {b}-row FP8 blocks"),
+                ));
+            }
+            let scale_cols = n.div_ceil(b);
+            WeightData::F8 {
+                bytes: bytes[r.start * n..r.end * n].to_vec(),
+                scale_inv: scale_inv[r.start / b * scale_cols..r.end.div_ceil(b) * scale_cols]
+                    .to_vec(),
+                block: b,
+            }
+        }
+        WeightData::Ggml { kind, bytes } => {
+            let row = bytes.len() / l.out_dim.max(1);
+            WeightData::Ggml {
+                kind: *kind,
+                bytes: bytes[r.start * row..r.end * row].to_vec(),
+            }
+        }
+        WeightData::Packed(_) => {
+            return Err(slice_err(what, "weights already packed for the CPU".into()))
+        }
+    };
+    Ok(Linear {
+        out_dim: r.len(),
+        in_dim: n,
+        w,
+        bias: l.bias.as_ref().map(|b| b[r.clone()].to_vec()),
+    })
+}
+
+/// Columns `c` of `l` (a slice of its inputs); the bias, added once to the reduced sum, is kept only
+/// when `keep_bias` (rank 0).
+pub fn cols(
+    l: &Linear,
+    c: Range<usize>,
+    keep_bias: bool,
+    what: &str,
+) -> Result<Linear, ShardError> {
+    if c.end > l.in_dim || c.start > c.end {
+        return Err(slice_err(what, format!("columns {c:?} of {}", l.in_dim)));
+    }
+    let (out, n) = (l.out_dim, l.in_dim);
+    fn take<T: Copy>(v: &[T], n: usize, c: &Range<usize>) -> Vec<T> {
+        v.chunks(n)
+            .flat_map(|row| row[c.clone()].iter().copied())
+            .collect()
+    }
+    let w = match &l.w {
+        WeightData::F32(v) => WeightData::F32(take(v, n, &c)),
+        WeightData::Bf16(v) => WeightData::Bf16(take(v, n, &c)),
+        WeightData::F8 {
+            bytes,
+            scale_inv,
+            block,
+        } => {
+            let b = *block;
+            if b == 0 {
+                return Err(slice_err(what, "FP8 weights without a block size".into()));
+            }
+            if !c.start.is_multiple_of(b) || !(c.end.is_multiple_of(b) || c.end == n) {
+                return Err(slice_err(
+                    what,
+                    format!("columns {c:?}: not on the checkpoint's {b}-column FP8 blocks"),
+                ));
+            }
+            let scale_c = c.start / b..c.end.div_ceil(b);
+            WeightData::F8 {
+                bytes: take(bytes, n, &c),
+                scale_inv: take(scale_inv, n.div_ceil(b), &scale_c),
+                block: b,
+            }
+        }
+        WeightData::Ggml { .. } | WeightData::Packed(_) => {
+            return Err(slice_err(
+                what,
+                "columns of GGML-block or CPU-packed weights".into(),
+            ))
+        }
+    };
+    Ok(Linear {
+        out_dim: out,
+        in_dim: c.len(),
+        w,
+        bias: if keep_bias { l.bias.clone() } else { None },
+    })
+}
+
+/// A gated MLP's intermediate units `u` (gate / up rows, down columns).
+fn mlp(m: &Mlp, u: Range<usize>, rank: usize, what: &str) -> Result<Mlp, ShardError> {
+    Ok(Mlp {
+        gate: rows(&m.gate, u.clone(), what)?,
+        up: rows(&m.up, u.clone(), what)?,
+        down: cols(&m.down, u, rank == 0, what)?,
+    })
+}
+
+fn gqa(a: &GqaAttention, s: &RankShard, head_dim: usize) -> Result<GqaAttention, ShardError> {
+    let AttentionShard::Gqa {
+        q_heads, kv_heads, ..
+    } = &s.attention
+    else {
+        return Err(ShardError::Unsupported("MLA attention (execution)"));
+    };
+    let q = q_heads.start * head_dim..q_heads.end * head_dim;
+    let kv = kv_heads.start * head_dim..kv_heads.end * head_dim;
+    Ok(GqaAttention {
+        q: rows(&a.q, q.clone(), "q_proj")?,
+        k: rows(&a.k, kv.clone(), "k_proj")?,
+        v: rows(&a.v, kv, "v_proj")?,
+        o: cols(&a.o, q, s.rank == 0, "o_proj")?,
+        q_norm: a.q_norm.clone(),
+        k_norm: a.k_norm.clone(),
+    })
+}
+
+/// Rank `r`'s model: its slices of the dense weights, with the routed experts `mine[layer][expert]`
+/// marks moved out of `full` (they leave the host when the rank uploads them). Executes GQA models
+/// only (MLA and linear attention are planned, not run, so far).
+pub fn rank_model(
+    full: &mut Model,
+    plan: &ShardPlan,
+    r: usize,
+    mine: &[Vec<bool>],
+) -> Result<Model, ShardError> {
+    let s = &plan.ranks[r];
+    let cfg = &full.config;
+    let head_dim = cfg.head_dim;
+    let mut layers = Vec::with_capacity(full.layers.len());
+    for (li, layer) in full.layers.iter_mut().enumerate() {
+        let attn = match &layer.attn {
+            Attention::Gqa(a) => Attention::Gqa(gqa(a, s, head_dim)?),
+            Attention::Mla(_) => return Err(ShardError::Unsupported("MLA attention (execution)")),
+            Attention::Linear(_) => return Err(ShardError::Unsupported("linear attention (KDA)")),
+        };
+        let ffn = match &mut layer.ffn {
+            Ffn::Dense(m) => Ffn::Dense(mlp(m, s.dense_mlp.clone(), r, "dense MLP")?),
+            Ffn::Moe(b) => {
+                let on_rank = mine.get(li).map(Vec::as_slice).unwrap_or(&[]);
+                let experts = b
+                    .experts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(e, slot)| {
+                        if on_rank.get(e).copied().unwrap_or(false) {
+                            slot.take()
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let shared = match (&b.shared, &s.shared_expert) {
+                    (Some(m), Some(u)) => Some(mlp(m, u.clone(), r, "shared expert")?),
+                    _ => None,
+                };
+                Ffn::Moe(MoeBlock {
+                    router: b.router.clone(),
+                    correction_bias: b.correction_bias.clone(),
+                    experts,
+                    shared,
+                    shared_gate: b.shared_gate.clone(),
+                    cpu_set: None,
+                })
+            }
+        };
+        layers.push(Layer {
+            attn_norm: layer.attn_norm.clone(),
+            attn,
+            ffn_norm: layer.ffn_norm.clone(),
+            ffn,
+            hyper: None,
+        });
+    }
+    Ok(Model {
+        config: plan.rank_config(&full.config, r),
+        embed: rows(&full.embed, 0..full.embed.out_dim, "embed_tokens")?,
+        layers,
+        final_norm: full.final_norm.clone(),
+        lm_head: Some(rows(full.lm_head(), s.vocab.clone(), "lm_head")?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// A `[out, in]` bf16 linear with values from a small integer pattern (exact in bf16) and a bias.
+    fn linear(out: usize, inp: usize) -> Linear {
+        let w = (0..out * inp)
+            .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 8.0))
+            .collect();
+        Linear {
+            out_dim: out,
+            in_dim: inp,
+            w: WeightData::Bf16(w),
+            bias: Some((0..out).map(|i| i as f32).collect()),
+        }
+    }
+
+    fn apply(l: &Linear, x: &[f32]) -> Vec<f32> {
+        let mut row = vec![0f32; l.in_dim];
+        (0..l.out_dim)
+            .map(|r| {
+                l.row_f32(r, &mut row);
+                let dot: f32 = row.iter().zip(x).map(|(a, b)| a * b).sum();
+                dot + l.bias.as_ref().map_or(0.0, |b| b[r])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_slices_concatenate_and_column_slices_sum_to_the_whole() {
+        let l = linear(6, 8);
+        let x: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let full = apply(&l, &x);
+        // column-parallel: rows 0..2 and 2..6
+        let mut cat = apply(&rows(&l, 0..2, "t").unwrap(), &x);
+        cat.extend(apply(&rows(&l, 2..6, "t").unwrap(), &x));
+        assert_eq!(cat, full);
+        // row-parallel: input columns 0..4 on rank 0 (with the bias) and 4..8 on rank 1
+        let a = apply(&cols(&l, 0..4, true, "t").unwrap(), &x[..4]);
+        let b = apply(&cols(&l, 4..8, false, "t").unwrap(), &x[4..]);
+        for i in 0..6 {
+            assert!((a[i] + b[i] - full[i]).abs() < 1e-5, "row {i}");
+        }
+    }
+
+    #[test]
+    fn fp8_slices_keep_whole_blocks_and_their_scales() {
+        // 4 × 4 FP8 weights in 2 × 2 blocks, each block with its own scale
+        let bytes: Vec<u8> = (0..16u8).map(|i| 0x30 + i).collect();
+        let l = Linear {
+            out_dim: 4,
+            in_dim: 4,
+            w: WeightData::F8 {
+                bytes,
+                scale_inv: vec![1.0, 2.0, 3.0, 4.0],
+                block: 2,
+            },
+            bias: None,
+        };
+        let whole = |l: &Linear| -> Vec<Vec<f32>> {
+            (0..l.out_dim)
+                .map(|r| {
+                    let mut v = vec![0f32; l.in_dim];
+                    l.row_f32(r, &mut v);
+                    v
+                })
+                .collect()
+        };
+        let full = whole(&l);
+        let bottom = whole(&rows(&l, 2..4, "t").unwrap());
+        assert_eq!(bottom, full[2..4].to_vec());
+        let right = whole(&cols(&l, 2..4, false, "t").unwrap());
+        for r in 0..4 {
+            assert_eq!(right[r], full[r][2..4].to_vec(), "row {r}");
+        }
+        let Err(e) = rows(&l, 1..3, "q_proj") else {
+            panic!("rows 1..3 split a 2-row block")
+        };
+        assert!(e.to_string().contains("FP8 blocks"), "{e}");
+        assert!(cols(&l, 1..4, false, "o_proj").is_err());
+    }
+}

@@ -1,0 +1,280 @@
+//! Tensor parallelism (`--tensor-parallel N`) on the CUDA backend.
+//!
+//! On one GPU the loopback communicator runs every rank on the same device (separate weights, KV
+//! pools, streams and buffers; the all-reduce sums the ranks' buffers with device adds), so the sharded
+//! model — head and KV-head splits, KV heads replicated over 4 ranks, column / row-parallel MLPs and
+//! shared experts, lm_head by vocabulary, GPU experts spread over the ranks, DRAM experts once on rank
+//! 0 — is checked against one GPU. With two GPUs or more the NCCL test runs too.
+//!
+//! Tolerance: the ranks' partial sums are added in another order than one GEMM adds them, which
+//! moves the bf16 GEMM inputs of later layers by a rounding step: logits agree with one GPU to
+//! rel-L2 ≤ 2e-2 per step (the bound placements of one model agree to), and with transformers to
+//! ≤ 5e-2 as every GPU test. `--tensor-parallel 1` is the single-GPU path: bit for bit.
+use super::common::rel_l2;
+use super::{fixtures, gpu, oracle, run};
+use moe_daemon::engine::parallel::{CommKind, TensorParallel};
+use moe_daemon::engine::placement::PlacementStrategy;
+use moe_daemon::engine::{Engine, EngineOptions};
+use serde_json::Value;
+
+/// GQA fixtures: Qwen3-MoE (dense first layer, qk-norm), Qwen2-MoE (gated shared expert), Mixtral,
+/// GLM-4.5 (shared expert, q/k/v biases, partial rotary, sigmoid router), dense Llama and Qwen3 (tied
+/// embeddings), Qwen2 (q/k/v biases), SmallThinker (router on the layer input, sliding windows,
+/// NoPE layers). Each has 4 query and 2 KV heads.
+const GQA: &[&str] = &[
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "glm4_moe",
+    "llama",
+    "qwen3",
+    "qwen2",
+    "smallthinker",
+];
+
+fn tp(opts: EngineOptions, size: usize, comm: CommKind) -> EngineOptions {
+    EngineOptions {
+        tensor_parallel: TensorParallel { size, comm },
+        ..opts
+    }
+}
+
+fn oracle_logits(o: &Value) -> Vec<Vec<f32>> {
+    o["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            s["logits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect()
+}
+
+/// `got` against one GPU (≤ 2e-2) and transformers (≤ 5e-2), step by step.
+fn check(tag: &str, got: &[Vec<f32>], one_gpu: &[Vec<f32>], o: &Value) {
+    let want = oracle_logits(o);
+    assert_eq!(got.len(), one_gpu.len(), "{tag}: steps");
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.len(), one_gpu[i].len(), "{tag} step {i}: vocabulary rows");
+        let e1 = rel_l2(g, &one_gpu[i]);
+        let eo = rel_l2(g, &want[i]);
+        println!("{tag} step {i}: rel-L2 vs one GPU {e1:.2e}, vs transformers {eo:.2e}");
+        assert!(e1 <= 2e-2 && eo <= 5e-2, "{tag} step {i}: {e1} / {eo}");
+    }
+}
+
+#[test]
+fn tensor_parallel_loopback_matches_one_gpu() {
+    for name in GQA {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        // all routed experts in DRAM (rank 0's hand-off), and 6 per layer spread over the ranks
+        for n_gpu in [0, 6] {
+            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+            let worlds: &[usize] = if matches!(*name, "qwen3_moe" | "glm4_moe") {
+                &[2, 4] // 4 ranks: each of the 2 KV heads replicated on 2 ranks
+            } else {
+                &[2]
+            };
+            for &world in worlds {
+                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
+                let got = run(&e, &o);
+                check(
+                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
+                    &got,
+                    &one,
+                    &o,
+                );
+            }
+        }
+    }
+}
+
+/// Long prompts: rank 0 streams (or uploads) the DRAM experts while the other ranks compute their
+/// resident ones.
+#[test]
+fn tensor_parallel_loopback_layerwise_prefill() {
+    let name = "qwen3_moe";
+    let o = oracle(name);
+    let dir = fixtures().join(name).join("model_bf16");
+    let base = EngineOptions {
+        gpu_prefill_threshold: 4,
+        ..gpu(6, PlacementStrategy::Uniform)
+    };
+    let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+    let e = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+    check(
+        &format!("{name} tp=2 layerwise prefill"),
+        &run(&e, &o),
+        &one,
+        &o,
+    );
+}
+
+/// `--tensor-parallel 1` (whatever the communicator) is today's single-GPU step, bit for bit.
+#[test]
+fn tensor_parallel_one_is_the_single_gpu_path() {
+    for name in ["qwen3_moe", "glm4_moe"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        let base = gpu(6, PlacementStrategy::Uniform);
+        let want = run(&Engine::load(&dir, &base).unwrap(), &o);
+        for comm in [CommKind::Nccl, CommKind::Loopback] {
+            let got = run(&Engine::load(&dir, &tp(base.clone(), 1, comm)).unwrap(), &o);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && g.len() == w.len(),
+                    "{name} {comm:?} step {i}: not bit-identical"
+                );
+            }
+        }
+    }
+}
+
+/// What the model cannot split over is refused with the reason, before any upload.
+#[test]
+fn tensor_parallel_refuses_what_does_not_divide() {
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let opts = tp(gpu(0, PlacementStrategy::Uniform), 3, CommKind::Loopback);
+    let err = Engine::load(&dir, &opts).err().expect("3 ranks of 4 heads");
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("4 attention heads do not split over 3 GPUs"),
+        "{text}"
+    );
+}
+
+/// Two or more visible GPUs: NCCL all-reduce, one GPU per rank (skipped on one GPU).
+#[test]
+fn tensor_parallel_nccl_matches_one_gpu() {
+    let visible = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    if visible < 2 {
+        println!("tensor_parallel_nccl_matches_one_gpu: {visible} GPU visible, skipped");
+        return;
+    }
+    let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
+    for name in ["qwen3_moe", "glm4_moe", "qwen2_moe", "llama"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        for n_gpu in [0, 6] {
+            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+            for &world in &worlds {
+                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Nccl)).unwrap();
+                check(
+                    &format!("{name} nccl tp={world} gpu_experts={n_gpu}"),
+                    &run(&e, &o),
+                    &one,
+                    &o,
+                );
+            }
+        }
+    }
+}
+
+/// Each GPU holds its slice, read back from the uploaded device weights: the logits above match one
+/// GPU while every rank computes only its heads, MLP units, vocabulary rows and experts, which they
+/// can only do through the all-reduce. (They match bit for bit on these fixtures: every GEMM takes
+/// bf16-rounded activations, so the last-bit differences of the f32 reductions rarely survive.)
+#[test]
+fn tensor_parallel_ranks_hold_their_slices() {
+    use moe_daemon::engine::parallel::ShardSummary;
+    // qwen3_moe: 4 heads × 32 (2 KV heads), dense layer 0 of 128 units, vocabulary 512, two MoE
+    // layers with 6 of 16 experts on the GPUs
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let base = gpu(6, PlacementStrategy::Uniform);
+    let one = Engine::load(&dir, &base).unwrap().gpu_shards();
+    assert_eq!(one.len(), 1);
+    assert_eq!(
+        (one[0].q_rows, one[0].kv_width, one[0].gpu_experts),
+        (128, 64, 12)
+    );
+    let two = Engine::load(&dir, &tp(base.clone(), 2, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    for (r, s) in two.iter().enumerate() {
+        let want = ShardSummary {
+            rank: r,
+            q_rows: 64,
+            o_cols: 64,
+            kv_width: 32,
+            dense_units: 64,
+            lm_head_rows: 256,
+            gpu_experts: 6,
+        };
+        assert_eq!(s, &want);
+    }
+    let four = Engine::load(&dir, &tp(base, 4, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    assert_eq!(four.len(), 4);
+    for s in &four {
+        // one query head each; the 2 KV heads replicated on 2 ranks each
+        assert_eq!(
+            (
+                s.q_rows,
+                s.o_cols,
+                s.kv_width,
+                s.dense_units,
+                s.lm_head_rows
+            ),
+            (32, 32, 32, 32, 128)
+        );
+        assert!((1..=4).contains(&s.gpu_experts), "{s:?}");
+    }
+    assert_eq!(four.iter().map(|s| s.gpu_experts).sum::<usize>(), 12);
+}
+
+/// The loopback all-reduce sums every rank's buffer into all of them (only the first `len` values),
+/// and a rank that fails wakes the others with an error instead of leaving them waiting.
+#[test]
+fn loopback_all_reduce_sums_every_rank_and_aborts() {
+    use moe_daemon::engine::parallel::comm::{Communicator, Loopback};
+    use moe_kernels::cuda::GpuDevice;
+    let world = 3;
+    let comm = Loopback::new(world);
+    let devs: Vec<GpuDevice> = (0..world).map(|_| GpuDevice::open(0).unwrap()).collect();
+    std::thread::scope(|s| {
+        for (r, d) in devs.iter().enumerate() {
+            let comm = &comm;
+            s.spawn(move || {
+                d.ctx.bind_to_thread().unwrap();
+                let mut b = d.stream.clone_htod(&vec![(r + 1) as f32; 1000]).unwrap();
+                for _ in 0..3 {
+                    // repeated: the barrier generations must not mix reductions
+                    comm.all_reduce_sum(r, d, &mut b, 700).unwrap();
+                    let fill = d.stream.clone_htod(&vec![(r + 1) as f32; 700]).unwrap();
+                    d.stream
+                        .memcpy_dtod(&fill, &mut b.slice_mut(..700))
+                        .unwrap();
+                }
+                comm.all_reduce_sum(r, d, &mut b, 700).unwrap();
+                let h = d.stream.clone_dtoh(&b).unwrap();
+                assert!(h[..700].iter().all(|&v| v == 6.0), "rank {r}: {}", h[0]);
+                assert!(
+                    h[700..].iter().all(|&v| v == (r + 1) as f32),
+                    "rank {r} past len"
+                );
+            });
+        }
+    });
+    let two = Loopback::new(2);
+    let d = &devs[0];
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            d.ctx.bind_to_thread().unwrap();
+            let mut b = d.stream.clone_htod(&[1f32; 8]).unwrap();
+            two.all_reduce_sum(0, d, &mut b, 8)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        two.abort();
+        assert!(waiting.join().unwrap().is_err());
+    });
+}
