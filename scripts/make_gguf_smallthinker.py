@@ -10,6 +10,7 @@ random pools of the peer kit's make_gguf_qwen3moe.py (imported from PEERS, defau
 
     python3 scripts/make_gguf_smallthinker.py --out /dev/shm/st21.gguf            # ~40 GiB, bf16
     python3 scripts/make_gguf_smallthinker.py --layers 2 --vocab 4096 --out /tmp/s.gguf   # smoke test
+    python3 scripts/make_gguf_smallthinker.py --dense-dtype q4_k --output-dtype q6_k --out ...  # Q4_K_M-style dense
 """
 import argparse
 import os
@@ -41,32 +42,43 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--window", type=int, default=4096, help="0: no sliding window")
     ap.add_argument("--sigmoid", action="store_true", help="sigmoid router (default softmax, as the 21B)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="type of the expert tensors")
+    ap.add_argument("--dense-dtype", choices=sorted(DTYPES), default=None,
+                    help="attention projections and token_embd (default: --dtype); q4_k with --output-dtype "
+                         "q6_k is llama.cpp's Q4_K_M choice for those tensors")
+    ap.add_argument("--output-dtype", choices=sorted(DTYPES), default=None,
+                    help="output.weight (lm_head; default: --dense-dtype)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true", help="print the size only")
     a = ap.parse_args()
 
     qt, f32 = DTYPES[a.dtype], QT.F32
+    dt = DTYPES[a.dense_dtype or a.dtype]
+    ot = DTYPES[a.output_dtype or a.dense_dtype or a.dtype]
     H, F, E, L, V, HD = a.hidden, a.inter, a.experts, a.layers, a.vocab, a.head_dim
     NQ, NKV = a.heads * HD, a.kv_heads * HD
-    tensors = [("token_embd.weight", (V, H), qt, "w")]
+    tensors = [("token_embd.weight", (V, H), dt, "w")]
     for i in range(L):
         p = f"blk.{i}."
         tensors += [
             (p + "attn_norm.weight", (H,), f32, "one"),
-            (p + "attn_q.weight", (NQ, H), qt, "w"),
-            (p + "attn_k.weight", (NKV, H), qt, "w"),
-            (p + "attn_v.weight", (NKV, H), qt, "w"),
-            (p + "attn_output.weight", (H, NQ), qt, "w"),
+            (p + "attn_q.weight", (NQ, H), dt, "w"),
+            (p + "attn_k.weight", (NKV, H), dt, "w"),
+            (p + "attn_v.weight", (NKV, H), dt, "w"),
+            (p + "attn_output.weight", (H, NQ), dt, "w"),
             (p + "ffn_norm.weight", (H,), f32, "one"),
             (p + "ffn_gate_inp.weight", (E, H), f32, "router"),
             (p + "ffn_gate_exps.weight", (E, F, H), qt, "w"),
             (p + "ffn_up_exps.weight", (E, F, H), qt, "w"),
             (p + "ffn_down_exps.weight", (E, H, F), qt, "w"),
         ]
-    tensors += [("output_norm.weight", (H,), f32, "one"), ("output.weight", (V, H), qt, "w")]
+    tensors += [("output_norm.weight", (H,), f32, "one"), ("output.weight", (V, H), ot, "w")]
     sizes = [nbytes_of(s, t) for _, s, t, _ in tensors]
-    print(f"smallthinker L={L} H={H} E={E} top{a.topk} F={F} {a.dtype}: {sum(sizes)/2**30:.2f} GiB", flush=True)
+    print(f"smallthinker L={L} H={H} E={E} top{a.topk} F={F} experts {a.dtype}, dense {dt.name}, output {ot.name}: "
+          f"{sum(sizes)/2**30:.2f} GiB", flush=True)
+    if a.dry_run:
+        return
 
     w = gguf.GGUFWriter(path=None, arch="smallthinker")
     w.add_context_length(a.ctx)
@@ -102,7 +114,7 @@ def main() -> None:
 
     pad(fout.tell())
     rng = np.random.default_rng(a.seed)
-    pool = Pool(qt, 64 << 20, rng, False)
+    pools = {t: Pool(t, 64 << 20, rng, False) for t in sorted({qt, dt, ot})}
     t0 = time.time()
     for (name, shape, t, kind), nb in zip(tensors, sizes):
         n = int(np.prod(shape))
@@ -111,7 +123,7 @@ def main() -> None:
         elif kind == "router":
             fout.write((rng.standard_normal(n, dtype=np.float32) * STD).tobytes())
         else:
-            for mv in pool.chunks(nb, 8 << 20):
+            for mv in pools[t].chunks(nb, 8 << 20):
                 fout.write(mv)
         pad(nb)
     w.close()

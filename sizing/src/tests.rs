@@ -275,3 +275,60 @@ fn byte_sizes_parse_with_units() {
     assert!(parse_bytes("GiB").is_err());
     assert!(parse_bytes("0").is_err());
 }
+
+/// The inputs `moe-daemon bench decode --gpu-memory-limit L --dense-dtype D --host-embeddings on
+/// --gpu-experts auto` plans with (KV auto between 4096 and 65536 positions, 2048-token steps, 64
+/// sequences, CUDA graphs, the layerwise-prefill stream of 256 MiB chunks).
+fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) -> PlanInputs {
+    PlanInputs {
+        budget_bytes: limit_gib * GIB,
+        dense: DenseChoice::Fixed(dense),
+        embeddings: EmbeddingChoice::Host,
+        experts: ExpertsChoice::Auto,
+        kv: KvRequest {
+            min_tokens: 4096,
+            target_tokens: 65536,
+            max_tokens: 65536,
+        },
+        max_step_tokens: 2048,
+        max_step_seqs: 64,
+        stream_staging_bytes: plan::stream_staging_bytes(
+            s.gpu_expert_bytes(),
+            s.experts_per_layer(),
+            256 * MIB,
+        ),
+        cuda_graphs: true,
+        pins: Vec::new(),
+        move_slots: 0,
+    }
+}
+
+#[test]
+fn glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights() {
+    // The seed runs GLM-4.5-Air in ~14 GB of GPU memory with 4-bit dense weights. The device runs
+    // benchmark fewer layers with the per-layer GPU experts these full-depth plans give (printed).
+    let glm = known("glm-4.5-air");
+    for limit in [16, 24] {
+        for dense in [DenseDtype::Int4, DenseDtype::Fp8] {
+            let p = choose(&glm, &bench_inputs(&glm, limit, dense)).unwrap();
+            println!(
+                "GLM-4.5-Air, 46 layers, {limit} GiB, {}: {} GPU experts per layer, KV {}, plan {:.2} GiB\n{}",
+                dense.as_str(),
+                p.gpu_experts_per_layer,
+                p.kv_tokens,
+                p.total() as f64 / GIB as f64,
+                p.describe()
+            );
+            assert_eq!(p.dense_dtype, dense);
+            assert!(p.total() <= p.usable_bytes);
+            assert!(p.kv_tokens >= 4096, "{limit} GiB {dense:?}");
+        }
+    }
+    // int4 needs about half the dense bytes of fp8, so it leaves room for more GPU experts
+    let e = |limit, d| {
+        choose(&glm, &bench_inputs(&glm, limit, d))
+            .unwrap()
+            .gpu_experts_per_layer
+    };
+    assert!(e(16, DenseDtype::Int4) > e(16, DenseDtype::Fp8));
+}
