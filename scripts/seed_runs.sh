@@ -28,8 +28,8 @@ PEERS=${PEERS:-$PWD/.device/peers}
 OUT=${OUT:-/tmp/seed-out}
 THREADS=${THREADS:-16}
 SHM=${SHM:-/dev/shm}
-A_BUDGET=${A_BUDGET:-300}       # seconds for phase a
-B_BUDGET=${B_BUDGET:-230}       # seconds for phase b
+A_BUDGET=${A_BUDGET:-280}       # seconds for phase a
+B_BUDGET=${B_BUDGET:-210}       # seconds for phase b
 GLM_LAYERS=${GLM_LAYERS:-16}
 GEN_EXTRA=${GEN_EXTRA:-}        # smoke test: GEN_EXTRA="--layers 1 --vocab 4096" ROOM_CHECK=0
 ROOM_CHECK=${ROOM_CHECK:-1}
