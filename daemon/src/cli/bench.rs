@@ -18,6 +18,9 @@ pub enum BenchCommand {
     Prefill(RunArgs),
     /// CPU expert kernels alone: ms per MoE layer, GB/s and % of the DRAM read bandwidth it measures.
     CpuMoe(CpuMoeArgs),
+    /// Perplexity of a text on the CPU backend with the dense weights as stored or as the GPU holds
+    /// them under --dense-dtype bf16 / fp8 / int4 (the loader's own quantization round trip).
+    Perplexity(super::bench_perplexity::PerplexityArgs),
     /// Decode under a skewed synthetic router whose hot set shifts halfway: GPU hit ratio, tok/s and
     /// slowest step over time for one placement mode (uniform, frequency, live).
     Skew(super::bench_skew::SkewArgs),
@@ -122,6 +125,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Prefill(a) => prefill(a),
         BenchCommand::Skew(a) => super::bench_skew::run(a),
+        BenchCommand::Perplexity(a) => super::bench_perplexity::run(a),
         BenchCommand::CpuMoe(a) => {
             let report = moe_kernels::cpu::bench::run_cpu_moe_bench(&a.bench_args())?;
             print!("{report}");

@@ -8,7 +8,7 @@ use super::ops::grid;
 use super::quant::{DenseFormat, QuantizedMatrix};
 use super::{GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, PushKernelArg};
 use half::bf16;
 
 /// Tokens one GEMV launch handles (the kernel's register accumulators).
@@ -136,6 +136,25 @@ impl GpuDevice {
         }
     }
 
+    /// The quantized weight's GEMV and slab-dequantization kernels and its group (bf16 weights have
+    /// none: they go to cuBLAS).
+    fn quantized_kernels(
+        &self,
+        w: &DeviceDense,
+    ) -> Result<(&CudaFunction, &CudaFunction, i32), GpuError> {
+        match w {
+            DeviceDense::Int4 { group, .. } => {
+                Ok((&self.k.gemv_w4a16, &self.k.dense_dequant_w4, *group as i32))
+            }
+            DeviceDense::Fp8 { group, .. } => {
+                Ok((&self.k.gemv_w8a16, &self.k.dense_dequant_w8, *group as i32))
+            }
+            DeviceDense::Bf16(_) => Err(GpuError::Shape(
+                "bf16 weights have no quantized kernels (they go to cuBLAS)".into(),
+            )),
+        }
+    }
+
     /// Rows `t0..t0+rows` (≤ 8) of the step through the quantized GEMV.
     fn dense_gemv(
         &self,
@@ -146,6 +165,7 @@ impl GpuDevice {
         (out, inp): (usize, usize),
         accumulate: bool,
     ) -> Result<(), GpuError> {
+        let (gemv, _, g) = self.quantized_kernels(w)?;
         let xs = x.slice(t0 * inp..(t0 + rows) * inp);
         let mut ys = y.slice_mut(t0 * out..(t0 + rows) * out);
         let (n_i, out_i, in_i, acc_i) = (rows as i32, out as i32, inp as i32, accumulate as i32);
@@ -154,35 +174,14 @@ impl GpuDevice {
             GEMV_ROWS_PER_BLOCK * 32,
             0,
         );
-        match w {
-            DeviceDense::Int4 {
-                packed,
-                scales,
-                group,
-            } => {
-                let g = *group as i32;
-                let mut l = self.stream.launch_builder(&self.k.gemv_w4a16);
-                l.arg(packed).arg(scales).arg(&xs).arg(&n_i).arg(&out_i);
-                l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
-                // SAFETY: packed holds out·in/8 words and scales out·in/group (built together by
-                // `QuantizedMatrix`), xs rows·in and ys rows·out elements (sliced above); the kernel
-                // reads and writes nothing else.
-                unsafe { l.launch(cfg) }?;
-            }
-            DeviceDense::Fp8 {
-                bytes,
-                scales,
-                group,
-            } => {
-                let g = *group as i32;
-                let mut l = self.stream.launch_builder(&self.k.gemv_w8a16);
-                l.arg(bytes).arg(scales).arg(&xs).arg(&n_i).arg(&out_i);
-                l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
-                // SAFETY: as for int4: bytes out·in, scales out·in/group, xs and ys sliced to the rows.
-                unsafe { l.launch(cfg) }?;
-            }
-            DeviceDense::Bf16(_) => unreachable!("bf16 weights go to cuBLAS"),
-        }
+        let mut l = self.stream.launch_builder(gemv);
+        push_quantized_weight(&mut l, w);
+        l.arg(&xs).arg(&n_i).arg(&out_i);
+        l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
+        // SAFETY: the weight's codes hold out·in values and its scales out·in/group (built together
+        // by `QuantizedMatrix`), xs rows·in and ys rows·out elements (sliced above); the kernel reads
+        // and writes nothing else.
+        unsafe { l.launch(cfg) }?;
         Ok(())
     }
 
@@ -196,6 +195,7 @@ impl GpuDevice {
         accumulate: bool,
         scratch: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
+        let (_, dequant, g) = self.quantized_kernels(w)?;
         let slab = (scratch.len() / inp.max(1)).min(out);
         if slab == 0 {
             return Err(GpuError::Shape(format!(
@@ -208,34 +208,13 @@ impl GpuDevice {
             let rows = slab.min(out - r0);
             let r0_i = r0 as i32;
             let cfg = grid((rows, 1, 1), 256, 0);
-            match w {
-                DeviceDense::Int4 {
-                    packed,
-                    scales,
-                    group,
-                } => {
-                    let g = *group as i32;
-                    let mut l = self.stream.launch_builder(&self.k.dense_dequant_w4);
-                    l.arg(packed).arg(scales).arg(&in_i).arg(&g).arg(&r0_i);
-                    l.arg(&mut *scratch);
-                    // SAFETY: rows r0..r0+rows < out of the matrix are read; scratch holds
-                    // slab·in ≥ rows·in elements.
-                    unsafe { l.launch(cfg) }?;
-                }
-                DeviceDense::Fp8 {
-                    bytes,
-                    scales,
-                    group,
-                } => {
-                    let g = *group as i32;
-                    let mut l = self.stream.launch_builder(&self.k.dense_dequant_w8);
-                    l.arg(bytes).arg(scales).arg(&in_i).arg(&g).arg(&r0_i);
-                    l.arg(&mut *scratch);
-                    // SAFETY: as above.
-                    unsafe { l.launch(cfg) }?;
-                }
-                DeviceDense::Bf16(_) => unreachable!("bf16 weights go to cuBLAS"),
-            }
+            let mut l = self.stream.launch_builder(dequant);
+            push_quantized_weight(&mut l, w);
+            l.arg(&in_i).arg(&g).arg(&r0_i);
+            l.arg(&mut *scratch);
+            // SAFETY: rows r0..r0+rows < out of the matrix are read; scratch holds slab·in ≥
+            // rows·in elements.
+            unsafe { l.launch(cfg) }?;
             self.gemm_bf16_into_columns(x, scratch, y, (n, rows, inp), (r0, out), accumulate)?;
         }
         Ok(())
@@ -283,5 +262,19 @@ impl GpuDevice {
             )
         }
         .map_err(|e| GpuError::Blas(e.to_string()))
+    }
+}
+
+/// The first two kernel arguments of every quantized kernel: the codes and their scales.
+fn push_quantized_weight<'a>(l: &mut LaunchArgs<'a>, w: &'a DeviceDense) {
+    match w {
+        DeviceDense::Int4 { packed, scales, .. } => {
+            l.arg(packed).arg(scales);
+        }
+        DeviceDense::Fp8 { bytes, scales, .. } => {
+            l.arg(bytes).arg(scales);
+        }
+        // `quantized_kernels` refused bf16 weights before any launch was built.
+        DeviceDense::Bf16(_) => {}
     }
 }

@@ -297,6 +297,39 @@ impl QuantizedMatrix {
         }
     }
 
+    /// GGML Q4_0 blocks as int4 groups of 32, exactly: the same codes and scales (a Q4_0 block is an
+    /// f16 `d` and 16 bytes, element j in the low nibble of byte j and element j+16 in the high one,
+    /// value d·(q−8): the int4 layout's symmetric group with its scale). `None` unless `blocks` is
+    /// `rows` rows of whole blocks.
+    pub fn from_q4_0_blocks(rows: usize, cols: usize, blocks: &[u8]) -> Option<Self> {
+        const QK: usize = 32;
+        const BLOCK_BYTES: usize = 2 + QK / 2;
+        if cols == 0 || !cols.is_multiple_of(QK) || blocks.len() != rows * cols / QK * BLOCK_BYTES {
+            return None;
+        }
+        let mut packed = vec![0u32; rows * cols / 8];
+        let mut scales = vec![0u16; rows * cols / QK];
+        for ((block, words), scale) in blocks
+            .chunks_exact(BLOCK_BYTES)
+            .zip(packed.chunks_exact_mut(QK / 8))
+            .zip(scales.iter_mut())
+        {
+            *scale = u16::from_le_bytes([block[0], block[1]]);
+            for (j, &byte) in block[2..].iter().enumerate() {
+                let (lo, hi) = (j, j + QK / 2);
+                words[lo / 8] |= ((byte & 15) as u32) << (4 * (lo % 8));
+                words[hi / 8] |= ((byte >> 4) as u32) << (4 * (hi % 8));
+            }
+        }
+        Some(QuantizedMatrix::Int4 {
+            rows,
+            cols,
+            group: QK,
+            packed,
+            scales,
+        })
+    }
+
     /// Row `r` as f32 (the slow reference of the GPU kernels).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         match self {
@@ -383,6 +416,35 @@ mod tests {
         let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (num / den).sqrt()
+    }
+
+    #[test]
+    fn q4_0_blocks_become_int4_groups_without_rounding() {
+        use crate::cpu::ggml::{self, GgmlBlock};
+        let (rows, cols) = (3, 96);
+        let mut s = 11u64;
+        let mut blocks = Vec::new();
+        for b in 0..rows * cols / 32 {
+            let d =
+                half::f16::from_f32(0.01 + 0.003 * b as f32 * if b % 2 == 0 { 1.0 } else { -1.0 });
+            blocks.extend(d.to_bits().to_le_bytes());
+            for _ in 0..16 {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                blocks.push((s >> 24) as u8);
+            }
+        }
+        let mut want = vec![0f32; rows * cols];
+        ggml::dequantize(GgmlBlock::Q4_0, &blocks, &mut want);
+        let q = QuantizedMatrix::from_q4_0_blocks(rows, cols, &blocks).unwrap();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            q.dequantize_row(r, &mut row);
+            assert_eq!(row, want[r * cols..(r + 1) * cols], "row {r}");
+        }
+        assert!(QuantizedMatrix::from_q4_0_blocks(rows, cols, &blocks[1..]).is_none());
+        assert!(QuantizedMatrix::from_q4_0_blocks(rows, 48, &blocks).is_none());
     }
 
     #[test]

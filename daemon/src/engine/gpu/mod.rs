@@ -39,6 +39,7 @@ use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kv::GpuKvPool;
+use moe_kernels::cpu::GgmlBlock;
 use moe_kernels::cuda::dense::DeviceDense;
 use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
@@ -253,24 +254,33 @@ pub fn upload_linear(
     })
 }
 
-/// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take.
+/// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take. Weights
+/// already in a GPU layout keep their values: FP8 checkpoints' blocks (fp8) and GGUF Q4_0 blocks
+/// (int4, groups of 32); everything else is quantized from its f32 rows.
 pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatrix> {
-    if let (
-        DenseFormat::Fp8,
-        WeightData::F8 {
-            bytes,
-            scale_inv,
-            block,
-        },
-    ) = (format, &l.w)
-    {
-        let kept =
-            QuantizedMatrix::from_fp8_blocks(l.out_dim, l.in_dim, bytes.clone(), scale_inv, *block);
-        if kept.is_some() {
-            return kept;
+    let kept = match (format, &l.w) {
+        (
+            DenseFormat::Fp8,
+            WeightData::F8 {
+                bytes,
+                scale_inv,
+                block,
+            },
+        ) => {
+            QuantizedMatrix::from_fp8_blocks(l.out_dim, l.in_dim, bytes.clone(), scale_inv, *block)
         }
-    }
-    QuantizedMatrix::quantize(format, l.out_dim, l.in_dim, |r, buf| l.row_f32(r, buf))
+        (
+            DenseFormat::Int4,
+            WeightData::Ggml {
+                kind: GgmlBlock::Q4_0,
+                bytes,
+            },
+        ) => QuantizedMatrix::from_q4_0_blocks(l.out_dim, l.in_dim, bytes),
+        _ => None,
+    };
+    kept.or_else(|| {
+        QuantizedMatrix::quantize(format, l.out_dim, l.in_dim, |r, buf| l.row_f32(r, buf))
+    })
 }
 
 /// A linear's weights as bf16 rows (bf16 checkpoints are copied; f32 / FP8 are rounded).
@@ -294,25 +304,17 @@ pub fn mlp_gate_up_bf16(m: &Mlp) -> Vec<bf16> {
     v
 }
 
-/// An MLP in `format` (dense layers and shared experts; routed experts are always bf16).
+/// An MLP in `format` (dense layers and shared experts; routed experts are always bf16). Gate and up
+/// are quantized each on its own (so kept FP8 / Q4_0 blocks stay exact) and stacked into one
+/// `[2I, H]` matrix; rows are quantized independently, so the stack is what quantizing `[2I, H]`
+/// would give. Both projections of one checkpoint have the same width and source format, hence the
+/// same group; should they not, the pair stays bf16 rather than mix groups.
 pub fn upload_mlp(dev: &GpuDevice, m: &Mlp, format: DenseFormat) -> anyhow::Result<GpuMlp> {
     let (i, h) = (m.gate.out_dim, m.gate.in_dim);
-    // Each projection on its own first, so that FP8 checkpoint blocks are kept rather than
-    // rounded a second time; rows are quantized independently, so stacking them is the same as
-    // quantizing the stacked matrix whenever the groups agree.
-    let stacked = || {
-        let each = quantize_linear(&m.gate, format)?.stack_rows(quantize_linear(&m.up, format)?);
-        each.or_else(|| {
-            QuantizedMatrix::quantize(format, 2 * i, h, |r, buf| {
-                if r < i {
-                    m.gate.row_f32(r, buf)
-                } else {
-                    m.up.row_f32(r - i, buf)
-                }
-            })
-        })
-    };
-    let w = match stacked() {
+    let stacked = quantize_linear(&m.gate, format)
+        .zip(quantize_linear(&m.up, format))
+        .and_then(|(gate, up)| gate.stack_rows(up));
+    let w = match stacked {
         Some(q) => dev.upload_quantized(&q)?,
         None => DeviceDense::Bf16(dev.stream.clone_htod(&mlp_gate_up_bf16(m))?),
     };
