@@ -190,21 +190,30 @@ extern "C" __global__ void mla_attention(const float* q, const bf16* lat_cache, 
     }
 }
 
-// Attention of one (token, head) against its sequence's paged cache, positions lo..=pos (lo = 0, or
+// How attention reads cached K/V: `at(slot, kvh, i)` is element i of KV head kvh in cache row `slot`.
+// bf16 rows here; FP8 rows with per-(row, head) scales in kv_fp8.cu.
+struct KvBf16 {
+    const bf16* rows;
+    int width, head_dim;
+    __device__ __forceinline__ float at(size_t slot, int kvh, int i) const {
+        return bf2f(rows[slot * width + (size_t)kvh * head_dim + i]);
+    }
+};
+
+// GQA attention of one (token, head) against its sequence's paged cache, positions lo..=pos (lo = 0, or
 // pos - window + 1 for a sliding-window layer: window > 0), with an online softmax over tiles of
 // blockDim.x positions. grid: (tokens, heads); block: 128 threads; head_dim <= 256.
 // q: [tokens, heads, head_dim] f32; caches: [blocks*block_size, kv_heads*head_dim]; out bf16 [tokens, heads*head_dim].
-extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, const bf16* v_cache,
-                                           const int* block_tables, int max_blocks, const int* seq_of_token,
-                                           const int* pos_of_token, int heads, int kv_heads, int head_dim,
-                                           int block_size, float scale, int window, int row0, bf16* out) {
+template <typename KV>
+__device__ void paged_attention_rows(const float* q, KV kc, KV vc, const int* block_tables, int max_blocks,
+                                     const int* seq_of_token, const int* pos_of_token, int heads, int kv_heads,
+                                     int head_dim, int block_size, float scale, int window, int row0, bf16* out) {
     extern __shared__ float smem[];  // q (head_dim) + scores (blockDim.x)
     __shared__ float buf[32];
     float* qs = smem;
     float* sc = smem + head_dim;
     int t = blockIdx.x + row0, h = blockIdx.y, tid = threadIdx.x;
     int kvh = h / (heads / kv_heads);
-    int width = kv_heads * head_dim;
     const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
     int pos = pos_of_token[t];
     for (int i = tid; i < head_dim; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * head_dim + i];
@@ -217,9 +226,8 @@ extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, 
         float s = -INFINITY;
         if (p <= pos) {
             size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-            const bf16* kr = k_cache + slot * width + kvh * head_dim;
             float dot = 0.f;
-            for (int i = 0; i < head_dim; ++i) dot += qs[i] * bf2f(kr[i]);
+            for (int i = 0; i < head_dim; ++i) dot += qs[i] * kc.at(slot, kvh, i);
             s = dot * scale;
         }
         float tile_max = block_max(s, buf);
@@ -235,10 +243,9 @@ extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, 
         for (int j = 0; j < n; ++j) {
             int pj = base + j;
             size_t slot = (size_t)table[pj / block_size] * block_size + pj % block_size;
-            const bf16* vr = v_cache + slot * width + kvh * head_dim;
             float w = sc[j];
-            if (tid < head_dim) acc0 += w * bf2f(vr[tid]);
-            if (tid + blockDim.x < head_dim) acc1 += w * bf2f(vr[tid + blockDim.x]);
+            if (tid < head_dim) acc0 += w * vc.at(slot, kvh, tid);
+            if (tid + blockDim.x < head_dim) acc1 += w * vc.at(slot, kvh, tid + blockDim.x);
         }
         m = m_new;
         __syncthreads();
@@ -246,6 +253,16 @@ extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, 
     bf16* o = out + ((size_t)t * heads + h) * head_dim;
     if (tid < head_dim) o[tid] = f2bf(acc0 / l);
     if (tid + blockDim.x < head_dim) o[tid + blockDim.x] = f2bf(acc1 / l);
+}
+
+extern "C" __global__ void paged_attention(const float* q, const bf16* k_cache, const bf16* v_cache,
+                                           const int* block_tables, int max_blocks, const int* seq_of_token,
+                                           const int* pos_of_token, int heads, int kv_heads, int head_dim,
+                                           int block_size, float scale, int window, int row0, bf16* out) {
+    int width = kv_heads * head_dim;
+    paged_attention_rows(q, KvBf16{k_cache, width, head_dim}, KvBf16{v_cache, width, head_dim}, block_tables,
+                         max_blocks, seq_of_token, pos_of_token, heads, kv_heads, head_dim, block_size, scale,
+                         window, row0, out);
 }
 
 // act = f(gate) * up -> bf16, from gate_up [rows, 2*inter] (gate first). act: 0 silu (SwiGLU), 1 gelu_tanh,

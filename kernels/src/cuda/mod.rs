@@ -16,14 +16,16 @@ pub mod hyper;
 pub mod indexer;
 pub mod linear_attention;
 pub mod ops;
+pub mod kv_fp8;
 pub mod quant;
 
-/// `kernels.cu` then `dense_quant.cu` and `handoff.cu` (which use the former's helpers), one NVRTC
-/// module.
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_fp8.cu` (which use the helpers of those
+/// before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
-    include_str!("handoff.cu")
+    include_str!("handoff.cu"),
+    include_str!("kv_fp8.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +80,9 @@ pub(crate) struct Kernels {
     pub dense_dequant_w8: CudaFunction,
     pub handoff_publish: CudaFunction,
     pub handoff_wait_add: CudaFunction,
+    pub kv_append_fp8: CudaFunction,
+    pub paged_attention_fp8: CudaFunction,
+    pub gather_kv_fp8: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -175,6 +180,9 @@ impl GpuDevice {
             dense_dequant_w8: f("dense_dequant_w8")?,
             handoff_publish: f("handoff_publish")?,
             handoff_wait_add: f("handoff_wait_add")?,
+            kv_append_fp8: f("kv_append_fp8")?,
+            paged_attention_fp8: f("paged_attention_fp8")?,
+            gather_kv_fp8: f("gather_kv_fp8")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -534,11 +542,15 @@ mod tests {
             let src = ptx.to_src();
             for entry in [
                 "gated_mul",
+                "paged_attention",
                 "gemv_w4a16",
                 "gemv_w8a16",
                 "dense_dequant_w4",
                 "handoff_publish",
                 "handoff_wait_add",
+                "kv_append_fp8",
+                "paged_attention_fp8",
+                "gather_kv_fp8",
             ] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
             }
@@ -583,6 +595,9 @@ mod tests {
             "dense_dequant_w8",
             "handoff_publish",
             "handoff_wait_add",
+            "kv_append_fp8",
+            "paged_attention_fp8",
+            "gather_kv_fp8",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),
