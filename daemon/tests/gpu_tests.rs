@@ -8,6 +8,7 @@
 mod common;
 mod consumer_gpu;
 mod glm_hybrid_gpu;
+mod kv_fp8_gpu;
 mod tensor_parallel_gpu;
 
 use common::rel_l2;

@@ -14,7 +14,9 @@ pub use plan::{
     choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice,
     ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
 };
-pub use shape::{Attention, CheckpointFormat, HybridShape, ModelShape, Moe, ShapeError};
+pub use shape::{
+    Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe, ShapeError,
+};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};
 
 /// Parses a byte size: a plain number of bytes or a number with a binary (KiB, MiB, GiB, TiB;

@@ -157,6 +157,8 @@ pub struct PlanInputs {
     pub embeddings: EmbeddingChoice,
     pub experts: ExpertsChoice,
     pub kv: KvRequest,
+    /// Element type of the KV cache.
+    pub kv_dtype: crate::KvCacheDtype,
     /// Most tokens one engine step computes (prefill chunk + decode tokens).
     pub max_step_tokens: u64,
     /// Most sequences in one step (rows of the logits).
@@ -374,12 +376,16 @@ pub fn step_buffer_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
 
 /// KV bytes per position of the pool: the cache rows at bf16, and with CUDA graphs the decode buffers'
 /// indexer score columns (their rows cover every position the pool holds).
-pub fn kv_bytes_per_position(shape: &ModelShape, cuda_graphs: bool) -> u64 {
+pub fn kv_bytes_per_position(
+    shape: &ModelShape,
+    cuda_graphs: bool,
+    kv_dtype: crate::KvCacheDtype,
+) -> u64 {
     let scores = match (&shape.hybrid, cuda_graphs) {
         (Some(hy), true) if hy.indexer_unit > 0 => (GRAPH_ROWS * 4).div_ceil(hy.indexer_unit),
         _ => 0,
     };
-    shape.kv_bytes_per_token(KV_ELEM_BYTES) + scores
+    shape.kv_cache_bytes_per_token(kv_dtype) + scores
 }
 
 /// The plan for fixed choices of dense dtype and embedding home.
@@ -443,7 +449,7 @@ pub(crate) fn plan_with_inputs(
             usable_mib: usable / MIB,
         });
     }
-    let kv_token = kv_bytes_per_position(device, inputs.cuda_graphs);
+    let kv_token = kv_bytes_per_position(device, inputs.cuda_graphs, inputs.kv_dtype);
     let kv_bytes = |tokens: u64| tokens.div_ceil(KV_BLOCK) * KV_BLOCK * kv_token;
     let left = usable - fixed;
     let kv_reserved = if kv_bytes(inputs.kv.target_tokens) <= left {
@@ -586,8 +592,9 @@ pub(crate) fn plan_with_inputs(
             what: "KV cache",
             bytes: kv_bytes(kv_tokens),
             why: format!(
-                "{kv_tokens} positions × {} KiB (bf16 K/V, {} layers{}); at least {}",
+                "{kv_tokens} positions × {} KiB ({} K/V, {} layers{}); at least {}",
                 kv_token / 1024,
+                inputs.kv_dtype.as_str(),
                 shape.layers - shape.hybrid.as_ref().map_or(0, |h| h.linear_layers),
                 match &shape.hybrid {
                     Some(h) if h.indexer_layers > 0 => ", f32 indexer rows",

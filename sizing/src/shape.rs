@@ -89,6 +89,24 @@ impl HybridShape {
     }
 }
 
+/// Element type of the GPU KV cache (`--kv-cache-dtype`, vLLM's name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    #[default]
+    Bf16,
+    /// E4M3 with one scale per KV head and cached position.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::Fp8 => "fp8",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelShape {
     pub hidden: u64,
@@ -206,6 +224,26 @@ impl ModelShape {
             (h.linear_layers, h.indexer_layers * h.indexer_row_floats * 4)
         });
         (self.layers - linear.min(self.layers)) * (k + v) * elem_bytes + indexer
+    }
+
+    /// KV cache bytes per token of context, all layers, with the cache in `dtype`: bf16 values, or
+    /// E4M3 bytes plus one f32 scale per KV head and row for K and for V (MLA's latent rows count as one
+    /// head).
+    pub fn kv_cache_bytes_per_token(&self, dtype: KvCacheDtype) -> u64 {
+        match dtype {
+            KvCacheDtype::Bf16 => self.kv_bytes_per_token(2),
+            KvCacheDtype::Fp8 => {
+                let (k, v) = self.kv_widths();
+                let heads = match &self.attention {
+                    Attention::Gqa { kv_heads, .. } => *kv_heads,
+                    Attention::Mla { .. } => 1,
+                };
+                let (linear, indexer) = self.hybrid.as_ref().map_or((0, 0), |h| {
+                    (h.linear_layers, h.indexer_layers * h.indexer_row_floats * 4)
+                });
+                (self.layers - linear.min(self.layers)) * (k + v + 2 * 4 * heads) + indexer
+            }
+        }
     }
 
     pub fn moe_layers(&self) -> u64 {

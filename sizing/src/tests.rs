@@ -24,6 +24,7 @@ fn serving(card_mib: u64, max_model_len: u64, seqs: u64) -> PlanInputs {
         embeddings: EmbeddingChoice::Auto,
         experts: ExpertsChoice::Auto,
         kv: KvRequest::serving(max_model_len, seqs),
+        kv_dtype: KvCacheDtype::Bf16,
         max_step_tokens: 2048,
         max_step_seqs: seqs,
         stream_staging_bytes: 0,
@@ -290,6 +291,7 @@ fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) -> PlanInputs
             target_tokens: 65536,
             max_tokens: 65536,
         },
+        kv_dtype: KvCacheDtype::Bf16,
         max_step_tokens: 2048,
         max_step_seqs: 64,
         stream_staging_bytes: plan::stream_staging_bytes(

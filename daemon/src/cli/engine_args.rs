@@ -56,6 +56,12 @@ pub enum DenseDtypeArg {
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCacheDtypeArg {
+    Bf16,
+    Fp8,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostEmbeddingsArg {
     Auto,
     On,
@@ -88,6 +94,10 @@ pub struct EngineArgs {
     /// for MLA models).
     #[arg(long)]
     pub cpu_kv_dtype: Option<crate::engine::kv::KvDtype>,
+    /// Element type of the GPU KV cache: bf16, or fp8 (E4M3 with one scale per KV head and position:
+    /// about half the bytes, so twice the context; GQA models only).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub kv_cache_dtype: KvCacheDtypeArg,
     /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
     #[arg(long)]
     pub cpu_tier: Option<CpuTier>,
@@ -259,6 +269,11 @@ impl EngineArgs {
         if self.device == Device::Cpu && self.tensor_parallel > 1 {
             anyhow::bail!("--tensor-parallel needs --device cuda");
         }
+        if self.device == Device::Cpu && self.kv_cache_dtype != KvCacheDtypeArg::Bf16 {
+            anyhow::bail!(
+                "--kv-cache-dtype is the GPU cache's (the CPU backend's is --cpu-kv-dtype)"
+            );
+        }
         let cpu_moe = CpuMoeOptions {
             threads: (self.cpu_threads > 0).then_some(self.cpu_threads),
             numa: self.numa,
@@ -326,6 +341,10 @@ impl EngineArgs {
             tensor_parallel: crate::engine::parallel::TensorParallel {
                 size: self.tensor_parallel as usize,
                 comm: self.tensor_parallel_comm,
+            },
+            kv_cache_dtype: match self.kv_cache_dtype {
+                KvCacheDtypeArg::Bf16 => moe_sizing::KvCacheDtype::Bf16,
+                KvCacheDtypeArg::Fp8 => moe_sizing::KvCacheDtype::Fp8,
             },
         })
     }

@@ -115,6 +115,9 @@ pub struct EngineOptions {
     pub expert_prefetch_bytes: usize,
     /// Element type of the CPU backend's KV rows (`None`: [`kv::default_dtype`] of the model).
     pub cpu_kv_dtype: Option<kv::KvDtype>,
+    /// Element type of the CUDA backend's KV cache: bf16, or FP8 rows with per-head scales (GQA
+    /// attention only).
+    pub kv_cache_dtype: moe_sizing::KvCacheDtype,
     /// Sliding-window layers give back the KV blocks that left their window (false: every layer keeps
     /// every position, as full-attention layers do).
     pub release_window_kv: bool,
@@ -150,6 +153,7 @@ impl Default for EngineOptions {
             defer_experts: 0,
             expert_prefetch_bytes: 0,
             cpu_kv_dtype: None,
+            kv_cache_dtype: moe_sizing::KvCacheDtype::Bf16,
             release_window_kv: true,
             tensor_parallel: Default::default(),
         }

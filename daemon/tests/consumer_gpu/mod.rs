@@ -236,6 +236,7 @@ fn plan_matches_allocation_for_every_example() {
                 embeddings: EmbeddingChoice::Auto,
                 experts: moe_sizing::ExpertsChoice::Auto,
                 kv: KvRequest::serving(max_len, seqs),
+                kv_dtype: moe_sizing::KvCacheDtype::Bf16,
                 max_step_tokens: 2048,
                 max_step_seqs: seqs,
                 stream_staging_bytes: 0,

@@ -76,7 +76,10 @@ impl GpuDevice {
         }
         int(OP, "rows", rows)?;
         let width = kv_heads * head_dim;
-        let (kvh, dh) = (int(OP, "kv_heads", kv_heads)?, int(OP, "head_dim", head_dim)?);
+        let (kvh, dh) = (
+            int(OP, "kv_heads", kv_heads)?,
+            int(OP, "head_dim", head_dim)?,
+        );
         let kp = self.input(OP, "k", k, rows * width)?;
         let vp = self.input(OP, "v", v, rows * width)?;
         let kc = self.output(OP, "k codes", &mut k_cache.codes, width)?;
@@ -211,7 +214,10 @@ mod tests {
             for (a, b) in head.iter().zip(&back) {
                 // 3 mantissa bits: rounding error ≤ 2^-4 relative for normal values, ≤ half the
                 // subnormal step 2^-9 (in units of the scale) below 2^-6
-                assert!((a - b).abs() <= a.abs() / 16.0 + s * 2f32.powi(-10), "{a} {b}");
+                assert!(
+                    (a - b).abs() <= a.abs() / 16.0 + s * 2f32.powi(-10),
+                    "{a} {b}"
+                );
             }
         }
         let (codes, s) = quantize_row(&[0.0; 8]);

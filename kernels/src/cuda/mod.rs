@@ -14,9 +14,9 @@ pub mod graph;
 pub mod hybrid;
 pub mod hyper;
 pub mod indexer;
+pub mod kv_fp8;
 pub mod linear_attention;
 pub mod ops;
-pub mod kv_fp8;
 pub mod quant;
 
 /// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_fp8.cu` (which use the helpers of those

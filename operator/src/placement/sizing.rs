@@ -117,6 +117,8 @@ pub fn plan_inputs(
             AutoOr::Count(n) => moe_sizing::ExpertsChoice::PerLayer(n as u64),
         },
         kv,
+        // the operator does not pass --kv-cache-dtype: the daemon's default
+        kv_dtype: moe_sizing::KvCacheDtype::Bf16,
         max_step_tokens: spec.serving.max_num_batched_tokens as u64,
         max_step_seqs: spec.serving.max_num_seqs as u64,
         // the daemon sets up layerwise prefill's stream when its KV can hold such a step

@@ -93,18 +93,7 @@ impl GpuModel {
         b: &CudaSlice<f32>,
         step: &StepIndex,
     ) -> anyhow::Result<()> {
-        let widths = (step.n, pool.width, pool.v_width);
-        let kv = pool.slot(li);
-        self.dev.kv_append(
-            a,
-            b,
-            widths,
-            &mut pool.k[kv],
-            &mut pool.v[kv],
-            step.slots,
-            BLOCK,
-        )?;
-        Ok(())
+        pool.append(&self.dev, li, (a, b), step.n, step.slots)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -211,17 +200,16 @@ impl GpuModel {
         rows: usize,
         out: &mut CudaSlice<bf16>,
     ) -> anyhow::Result<()> {
-        self.dev.paged_attention(
+        pool.paged_attention(
+            &self.dev,
+            li,
             q,
-            &pool.k[pool.slot(li)],
-            &pool.v[pool.slot(li)],
             &step.paged(),
             (nh, nkv, dh),
             (scale, window),
             row0..row0 + rows,
             out,
-        )?;
-        Ok(())
+        )
     }
 
     /// Causal attention of one long chunk (`s`) as GEMMs: its cached K/V rows (the chunk's own rows were
@@ -265,15 +253,7 @@ impl GpuModel {
         let table = step
             .tables
             .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
-        dev.gather_kv_bf16(
-            &pool.k[pool.slot(li)],
-            &pool.v[pool.slot(li)],
-            &table,
-            (total, BLOCK),
-            (kw, vw),
-            &mut *kb,
-            &mut *vb,
-        )?;
+        pool.gather_bf16(dev, li, &table, total, (&mut *kb, &mut *vb))?;
         // query rows per block: hq heads × rows × keys × (4 B score + 2 B probability) within budget
         let block_rows = (PREFILL_SCORE_BYTES / (hq * total * 6)).max(16).min(s.len);
         let scores = self.grown(scores, hq * block_rows * total)?;
@@ -433,10 +413,11 @@ impl GpuModel {
             self.mla_selected(step, pool, li, dims, scale, q, kv_b, hy, out)?;
             return self.linear(o, out, x, n, true);
         }
+        let (lat_cache, rope_cache) = pool.bf16_rows(li)?;
         dev.mla_attention(
             &*q,
-            &pool.k[pool.slot(li)],
-            &pool.v[pool.slot(li)],
+            lat_cache,
+            rope_cache,
             &step.paged(),
             n,
             dims,

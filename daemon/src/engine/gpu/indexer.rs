@@ -232,18 +232,9 @@ impl GpuModel {
             max_blocks: step.max_blocks,
             block_size: BLOCK,
         };
+        let (lat_cache, rope_cache) = pool.bf16_rows(li)?;
         hybrid.kernels.mla_attention_selected(
-            &self.dev,
-            dims,
-            q,
-            &pool.k[pool.slot(li)],
-            &pool.v[pool.slot(li)],
-            &paged,
-            step.seq,
-            sel,
-            kv_b,
-            scale,
-            out,
+            &self.dev, dims, q, lat_cache, rope_cache, &paged, step.seq, sel, kv_b, scale, out,
         )?;
         Ok(())
     }

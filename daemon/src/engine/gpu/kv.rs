@@ -1,18 +1,43 @@
-//! Paged KV storage on the GPU: per storage slot one K and one V pool of `blocks × BLOCK × width` bf16
-//! (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
+//! Paged KV storage on the GPU: per storage slot one K and one V pool of `blocks × BLOCK` rows of
+//! `width` values, bf16 or (`--kv-cache-dtype fp8`, GQA models) E4M3 with one scale per KV head and row
+//! (`moe_kernels::cuda::kv_fp8`), and the ops that read and write them in either form (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
 //! `engine::kv::layout`). Which block belongs to which sequence is decided by the driver through the
 //! engine's block pool (`engine::kv::blocks`); this file only holds the memory and copies blocks for
 //! copy-on-write. Layers with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by
 //! the same blocks (such models have one slot per layer).
 use crate::engine::kv::{BlockCopy, BlockId, KvLayout, BLOCK};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
+use moe_kernels::cuda::kv_fp8::Fp8Rows;
+use moe_kernels::cuda::ops::PagedIndex;
 use moe_kernels::cuda::GpuDevice;
+use moe_sizing::KvCacheDtype;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+/// One storage slot's K or V rows.
+pub enum KvRows {
+    Bf16(CudaSlice<bf16>),
+    /// E4M3 codes and per-(row, KV head) scales.
+    Fp8(Fp8Rows),
+}
+
+impl KvRows {
+    /// The bf16 rows (MLA layers and the indexer read only those; FP8 caches are refused for them at
+    /// start).
+    pub fn bf16(&self) -> anyhow::Result<&CudaSlice<bf16>> {
+        match self {
+            KvRows::Bf16(rows) => Ok(rows),
+            KvRows::Fp8(_) => anyhow::bail!("this attention reads bf16 KV rows only"),
+        }
+    }
+}
+
 pub struct GpuKvPool {
-    pub k: Vec<CudaSlice<bf16>>,
-    pub v: Vec<CudaSlice<bf16>>,
+    pub k: Vec<KvRows>,
+    pub v: Vec<KvRows>,
+    /// FP8 rows' KV heads and head dim (`None`: bf16 rows).
+    fp8_heads: Option<(usize, usize)>,
     /// Row widths per layer: K and V (kv_heads × head_dim each), or MLA's latent and rope key.
     pub width: usize,
     pub v_width: usize,
@@ -27,14 +52,25 @@ pub struct GpuKvPool {
 
 impl GpuKvPool {
     /// `has_rows[layer]`: false for layers that keep no KV rows (linear attention: a per-sequence state
-    /// instead), which get a minimal placeholder. One K and one V pool per slot of `layout`.
+    /// instead), which get a minimal placeholder. One K and one V pool per slot of `layout`, in
+    /// `dtype`; `fp8_heads` (KV heads, head dim) are needed for FP8 rows (GQA attention).
     pub fn new(
         dev: &GpuDevice,
         layout: &KvLayout,
         has_rows: &[bool],
         (width, v_width): (usize, usize),
         blocks: usize,
+        (dtype, fp8_heads): (KvCacheDtype, Option<(usize, usize)>),
     ) -> anyhow::Result<Self> {
+        let fp8_heads = match (dtype, fp8_heads) {
+            (KvCacheDtype::Bf16, _) => None,
+            (KvCacheDtype::Fp8, Some((heads, dim))) if heads * dim == width && width == v_width => {
+                Some((heads, dim))
+            }
+            (KvCacheDtype::Fp8, _) => anyhow::bail!(
+                "--kv-cache-dtype fp8 needs grouped-query attention (K and V rows of KV heads); this model's attention keeps bf16 rows only"
+            ),
+        };
         // Slot i holds layer i of every group: its rows exist if the first group's layer has them.
         let slot_rows: Vec<bool> = layout.groups()[0]
             .layers
@@ -46,13 +82,26 @@ impl GpuKvPool {
         let mut v = Vec::with_capacity(layers);
         for &rows in &slot_rows {
             let n = if rows { blocks * BLOCK } else { 0 };
-            // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
-            k.push(dev.stream.alloc_zeros::<bf16>((n * width).max(1))?);
-            v.push(dev.stream.alloc_zeros::<bf16>((n * v_width).max(1))?);
+            match fp8_heads {
+                Some(geometry) => {
+                    k.push(KvRows::Fp8(Fp8Rows::alloc(dev, n, geometry)?));
+                    v.push(KvRows::Fp8(Fp8Rows::alloc(dev, n, geometry)?));
+                }
+                None => {
+                    // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
+                    k.push(KvRows::Bf16(
+                        dev.stream.alloc_zeros::<bf16>((n * width).max(1))?,
+                    ));
+                    v.push(KvRows::Bf16(
+                        dev.stream.alloc_zeros::<bf16>((n * v_width).max(1))?,
+                    ));
+                }
+            }
         }
         Ok(Self {
             k,
             v,
+            fp8_heads,
             width,
             v_width,
             total_blocks: blocks,
@@ -89,8 +138,96 @@ impl GpuKvPool {
         Ok(())
     }
 
-    pub fn bytes_for(layers: usize, (width, v_width): (usize, usize), blocks: usize) -> usize {
-        layers * blocks * BLOCK * (width + v_width) * std::mem::size_of::<bf16>()
+    pub fn dtype(&self) -> KvCacheDtype {
+        match self.fp8_heads {
+            Some(_) => KvCacheDtype::Fp8,
+            None => KvCacheDtype::Bf16,
+        }
+    }
+
+    /// Writes a step's `rows` rows `k` and `v` into layer `li`'s caches at `slots` (rounded to bf16, or
+    /// quantized to FP8 with their scales). MLA passes its latent and rope key as k and v.
+    pub fn append(
+        &mut self,
+        dev: &GpuDevice,
+        li: usize,
+        (k, v): (&CudaSlice<f32>, &CudaSlice<f32>),
+        rows: usize,
+        slots: &CudaSlice<i32>,
+    ) -> anyhow::Result<()> {
+        let s = self.slot(li);
+        match (&mut self.k[s], &mut self.v[s], self.fp8_heads) {
+            (KvRows::Bf16(kc), KvRows::Bf16(vc), _) => {
+                dev.kv_append(k, v, (rows, self.width, self.v_width), kc, vc, slots, BLOCK)?
+            }
+            (KvRows::Fp8(kc), KvRows::Fp8(vc), Some((heads, dim))) => {
+                dev.kv_append_fp8(k, v, (rows, heads, dim), kc, vc, slots)?
+            }
+            _ => anyhow::bail!("layer {li}: K and V rows of different types"),
+        }
+        Ok(())
+    }
+
+    /// GQA attention of step rows `rows` against layer `li`'s caches (see
+    /// `GpuDevice::paged_attention`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        dev: &GpuDevice,
+        li: usize,
+        q: &impl DevicePtr<f32>,
+        index: &PagedIndex<'_>,
+        heads: (usize, usize, usize),
+        (scale, window): (f32, Option<usize>),
+        rows: Range<usize>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> anyhow::Result<()> {
+        let s = self.slot(li);
+        match (&self.k[s], &self.v[s]) {
+            (KvRows::Bf16(kc), KvRows::Bf16(vc)) => {
+                dev.paged_attention(q, kc, vc, index, heads, (scale, window), rows, out)?
+            }
+            (KvRows::Fp8(kc), KvRows::Fp8(vc)) => {
+                dev.paged_attention_fp8(q, kc, vc, index, heads, (scale, window), rows, out)?
+            }
+            _ => anyhow::bail!("layer {li}: K and V rows of different types"),
+        }
+        Ok(())
+    }
+
+    /// Positions `0..positions` of one sequence (block `table`) of layer `li` as contiguous bf16 rows
+    /// (`[positions, width]` and `[positions, v_width]`: long prefill's GEMM operands).
+    pub fn gather_bf16(
+        &self,
+        dev: &GpuDevice,
+        li: usize,
+        table: &impl DevicePtr<i32>,
+        positions: usize,
+        (k_out, v_out): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    ) -> anyhow::Result<()> {
+        let s = self.slot(li);
+        match (&self.k[s], &self.v[s], self.fp8_heads) {
+            (KvRows::Bf16(kc), KvRows::Bf16(vc), _) => dev.gather_kv_bf16(
+                kc,
+                vc,
+                table,
+                (positions, BLOCK),
+                (self.width, self.v_width),
+                k_out,
+                v_out,
+            )?,
+            (KvRows::Fp8(kc), KvRows::Fp8(vc), Some(geometry)) => {
+                dev.gather_kv_fp8(kc, vc, table, (positions, BLOCK), geometry, k_out, v_out)?
+            }
+            _ => anyhow::bail!("layer {li}: K and V rows of different types"),
+        }
+        Ok(())
+    }
+
+    /// Layer `li`'s bf16 K and V rows (MLA attention and the sparse indexer read them directly).
+    pub fn bf16_rows(&self, li: usize) -> anyhow::Result<(&CudaSlice<bf16>, &CudaSlice<bf16>)> {
+        let s = self.slot(li);
+        Ok((self.k[s].bf16()?, self.v[s].bf16()?))
     }
 }
 
@@ -107,13 +244,23 @@ impl BlockCopy for GpuKvCopier {
         let pool = &mut *guard;
         let (kw, vw, cw) = (pool.width, pool.v_width, pool.c_width);
         let (from, to) = (from as usize, to as usize);
-        for (k, v) in pool.k.iter_mut().zip(pool.v.iter_mut()) {
-            // (placeholders of layers without rows hold one element)
-            if k.len() > 1 {
-                copy_rows(&self.stream, k, BLOCK * kw, from, to)?;
-            }
-            if v.len() > 1 {
-                copy_rows(&self.stream, v, BLOCK * vw, from, to)?;
+        let heads = pool.fp8_heads.map_or(0, |(h, _)| h);
+        for (rows, width) in pool
+            .k
+            .iter_mut()
+            .map(|k| (k, kw))
+            .chain(pool.v.iter_mut().map(|v| (v, vw)))
+        {
+            match rows {
+                // (placeholders of layers without rows hold one element)
+                KvRows::Bf16(r) if r.len() > 1 => {
+                    copy_rows(&self.stream, r, BLOCK * width, from, to)?
+                }
+                KvRows::Fp8(r) if r.codes.len() > 1 => {
+                    copy_rows(&self.stream, &mut r.codes, BLOCK * width, from, to)?;
+                    copy_rows(&self.stream, &mut r.scales, BLOCK * heads, from, to)?;
+                }
+                _ => {}
             }
         }
         for c in pool.c.iter_mut().flatten() {

@@ -118,6 +118,7 @@ pub fn plan_inputs(
         kv: opts
             .kv_auto
             .unwrap_or_else(|| KvRequest::exactly(opts.kv_cache_tokens as u64)),
+        kv_dtype: opts.kv_cache_dtype,
         max_step_tokens: opts.max_step_tokens as u64,
         max_step_seqs: opts.max_step_seqs as u64,
         stream_staging_bytes: stream_staging,
@@ -270,7 +271,7 @@ mod tests {
             "11 KiB of latent + 11 KiB of indexer rows per position"
         );
         assert_eq!(
-            moe_sizing::plan::kv_bytes_per_position(&shape, true),
+            moe_sizing::plan::kv_bytes_per_position(&shape, true, moe_sizing::KvCacheDtype::Bf16),
             11 * 512 * 2 + 11 * 256 * 4 + 64 * 4 / 4
         );
         // A step row (hidden 4096): 4 streams + mix 24 + proj 24; linear 10 × 8192 + 2 × 128 + 64;
@@ -288,6 +289,7 @@ mod tests {
             embeddings: moe_sizing::EmbeddingChoice::Gpu,
             experts: ExpertsChoice::Auto,
             kv: KvRequest::exactly(131072),
+            kv_dtype: moe_sizing::KvCacheDtype::Bf16,
             max_step_tokens: 2048,
             max_step_seqs: 64,
             stream_staging_bytes: 0,

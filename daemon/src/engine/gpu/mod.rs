@@ -404,12 +404,17 @@ impl GpuModel {
     /// Uploads everything but the DRAM experts. `placement[layer][expert]` marks GPU experts; the host
     /// copies of those experts are released from `model` afterwards (one copy of each expert) unless
     /// `keep_host_copies` (live re-placement: DRAM holds every expert, the GPU a cache of the hot ones).
-    /// `kv_blocks`: the KV budget in blocks of every layer; `kv_layout` regroups it (same bytes).
+    /// `kv_blocks`: the KV budget in blocks of every layer; `kv_layout` regroups it (same bytes);
+    /// `kv_dtype`: bf16 or FP8 rows (FP8 only for grouped-query attention).
     pub fn upload(
         dev: GpuDevice,
         model: &mut Model,
         placement: &[Vec<bool>],
-        (kv_blocks, kv_layout): (usize, crate::engine::kv::KvLayout),
+        (kv_blocks, kv_layout, kv_dtype): (
+            usize,
+            crate::engine::kv::KvLayout,
+            moe_sizing::KvCacheDtype,
+        ),
         prefill_threshold: usize,
         dense: DenseUpload,
         keep_host_copies: bool,
@@ -512,7 +517,18 @@ impl GpuModel {
             .map(|l| cfg.mixers.get(l) != Some(&crate::model::hybrid::Mixer::Linear))
             .collect();
         let blocks = kv_layout.blocks_for_budget(kv_blocks);
-        let mut kv = GpuKvPool::new(&dev, &kv_layout, &has_rows, kv_widths(&cfg), blocks)?;
+        let gqa_heads = cfg
+            .mla
+            .is_none()
+            .then_some((cfg.num_kv_heads, cfg.head_dim));
+        let mut kv = GpuKvPool::new(
+            &dev,
+            &kv_layout,
+            &has_rows,
+            kv_widths(&cfg),
+            blocks,
+            (kv_dtype, gqa_heads),
+        )?;
         let hybrid = hybrid::GpuHybrid::upload(&dev, model)?;
         if let (Some(h), Some(ix)) = (&hybrid, &cfg.indexer) {
             for (li, own) in h.indexers.iter().enumerate() {

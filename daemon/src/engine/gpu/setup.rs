@@ -135,7 +135,11 @@ pub fn build(
         dev,
         model,
         &placement,
-        (blocks, KvLayout::of(&cfg, opts.release_window_kv)),
+        (
+            blocks,
+            KvLayout::of(&cfg, opts.release_window_kv),
+            opts.kv_cache_dtype,
+        ),
         opts.gpu_prefill_threshold.max(1),
         dense,
         opts.live_placement.is_some(),
