@@ -371,7 +371,8 @@ impl GpuModel {
                     // placement rules may keep some DRAM experts on the CPU in long prompts too
                     let cpu_in_prefill = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
                     let resident = moe.experts.resident();
-                    let homes = expert_homes(&resident, long_prompt, streamed, cpu_in_prefill);
+                    let to_gpu = long_prompt && super::stream::gpu_can_take_dram_experts(host, li);
+                    let homes = expert_homes(&resident, to_gpu, streamed, cpu_in_prefill);
                     self.tp_homes(li, homes)
                 }
                 GpuFfn::Dense(_) => Vec::new(),

@@ -84,6 +84,15 @@ pub struct ExpertStream {
     _registered: Registered,
 }
 
+/// Whether a long prompt can bring layer `li`'s DRAM experts to the GPU cheaply: their packed format is
+/// one the GPU unpacks (bf16, FP8 blocks, int8), or the layer has none packed. Packed int4 experts
+/// (GGUF Q4_0 / Q4_K, `--expert-dtype int4`) would be dequantized on the host expert by expert (minutes
+/// for a 4096-token prompt of a GLM-4.5-Air layer set, measured), so such layers compute their DRAM
+/// experts on the CPU kernels in long prompts too.
+pub fn gpu_can_take_dram_experts(host: &Model, li: usize) -> bool {
+    layer_set(host, li).is_none_or(|s| UnpackFormat::of(s.packed_geometry().format).is_some())
+}
+
 /// The CPU expert set of layer `li`, if that layer keeps experts in DRAM.
 fn layer_set(host: &Model, li: usize) -> Option<&CpuExpertSet> {
     match &host.layers.get(li)?.ffn {
