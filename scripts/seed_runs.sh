@@ -11,6 +11,10 @@
 #      are not whole Q4_K blocks): ours int4 at 24GiB, fp8 at 16GiB, int4 at 16GiB (host embeddings; GPU
 #      experts per layer as the full-depth plan); then SmallThinker-21B (bf16 experts, Q4_K dense, Q6_K output,
 #      38 GiB): ours int4 at 24GiB and fp8 at 16GiB with --gpu-experts auto.
+#   c  Early routing on the CUDA backend (SmallThinker routes from the layer input): a 16-layer
+#      SmallThinker-21B-shape checkpoint, decode with every expert in DRAM, routing after attention
+#      (--expert-prefetch-mib 0) against early routing with the chosen experts prefetched while attention
+#      runs (32 MiB per layer), two rounds each (A B A B).
 #
 # GPU memory: ours prints its plan and peak; for both, a sampler records nvidia-smi's memory.used.
 # llama.cpp: built here with CUDA from the peer kit in the background (its processes are stopped while our
@@ -30,6 +34,7 @@ THREADS=${THREADS:-16}
 SHM=${SHM:-/dev/shm}
 A_BUDGET=${A_BUDGET:-280}       # seconds for phase a
 B_BUDGET=${B_BUDGET:-210}       # seconds for phase b
+C_BUDGET=${C_BUDGET:-150}       # seconds for phase c
 GLM_LAYERS=${GLM_LAYERS:-16}
 GEN_EXTRA=${GEN_EXTRA:-}        # smoke test: GEN_EXTRA="--layers 1 --vocab 4096" ROOM_CHECK=0
 ROOM_CHECK=${ROOM_CHECK:-1}
@@ -129,7 +134,7 @@ ours() {
   sampler_stop "$name"
   sleep 0.2
   echo "  rc=$rc"
-  grep -hE "^loaded|dense projections|GPU memory plan|^  (attention|dense MLP|shared experts|lm_head|embeddings|GPU experts|KV cache|activations) |GPU memory at start|^prefill|^decode|per step|GPU memory:|rror|panick|does not fit" \
+  grep -hE "^loaded|dense projections|GPU memory plan|^  (attention|dense MLP|shared experts|lm_head|embeddings|GPU experts|KV cache|activations) |GPU memory at start|^prefill|^decode|per step|early routing|GPU memory:|rror|panick|does not fit" \
     "$OUT/$name.err" "$OUT/$name.log" | sed 's/^/  /' | cut -c1-400
 }
 
@@ -207,6 +212,21 @@ phase_b() {
   rm -f "$S"
 }
 
+phase_c() {
+  DEADLINE=$(( $(date +%s) + C_BUDGET ))
+  log "phase c: early routing A/B, budget ${C_BUDGET}s"
+  local M=$SHM/st21-L16
+  log "synth-checkpoint smallthinker-21b, 16 layers"
+  timeout 90 "$MOE" bench synth-checkpoint --like smallthinker-21b --layers 16 --out "$M" > "$OUT/synth_c.log" 2>&1 \
+    || { tail -3 "$OUT/synth_c.log"; rm -rf "$M"; return 1; }
+  local round
+  for round in 1 2; do
+    ours st16_route_after_r$round 60 --model "$M" --gpu-experts 0 --steps 32 --prompt-len 64 --expert-prefetch-mib 0
+    ours st16_route_early_r$round 60 --model "$M" --gpu-experts 0 --steps 32 --prompt-len 64 --expert-prefetch-mib 32
+  done
+  rm -rf "$M"
+}
+
 facts
 gguf_env
 [ $# -ge 1 ] || set -- a b
@@ -214,7 +234,8 @@ for p in "$@"; do
   case $p in
     a) phase_a ;;
     b) phase_b ;;
-    *) echo "unknown phase $p (a, b)"; exit 2 ;;
+    c) phase_c ;;
+    *) echo "unknown phase $p (a, b, c)"; exit 2 ;;
   esac
 done
 [ -n "$BUILD_SID" ] && { build_signal CONT; log "llama.cpp build still running: left to finish in the background"; }
