@@ -333,4 +333,27 @@ fn glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights() {
             .gpu_experts_per_layer
     };
     assert!(e(16, DenseDtype::Int4) > e(16, DenseDtype::Fp8));
+    // An FP8 KV cache (one byte per value plus a scale per head and position) frees room for experts.
+    for dense in [DenseDtype::Int4, DenseDtype::Fp8] {
+        let bf16_kv = choose(&glm, &bench_inputs(&glm, 24, dense)).unwrap();
+        let mut inputs = bench_inputs(&glm, 24, dense);
+        inputs.kv_dtype = KvCacheDtype::Fp8;
+        let fp8_kv = choose(&glm, &inputs).unwrap();
+        println!(
+            "GLM-4.5-Air, 24 GiB, {} dense, fp8 KV: {} GPU experts per layer (bf16 KV: {}), KV {} ({:.2} GiB)",
+            dense.as_str(),
+            fp8_kv.gpu_experts_per_layer,
+            bf16_kv.gpu_experts_per_layer,
+            fp8_kv.kv_tokens,
+            fp8_kv.item("KV cache") as f64 / GIB as f64
+        );
+        assert_eq!(fp8_kv.kv_tokens, bf16_kv.kv_tokens);
+        assert!(fp8_kv.gpu_experts_per_layer >= bf16_kv.gpu_experts_per_layer + 3);
+    }
+    // 128-wide heads: 128 codes and a 4-byte scale per head, against 256 bytes of bf16
+    let (b, f) = (
+        glm.kv_cache_bytes_per_token(KvCacheDtype::Bf16),
+        glm.kv_cache_bytes_per_token(KvCacheDtype::Fp8),
+    );
+    assert_eq!(f * 256, b * 132);
 }
