@@ -166,6 +166,7 @@ mod tests {
             embeddings: EmbeddingChoice::Gpu,
             experts,
             kv: KvRequest::exactly(32768),
+            kv_dtype: crate::KvCacheDtype::Bf16,
             max_step_tokens: 2048,
             max_step_seqs: 16,
             stream_staging_bytes: 0,

@@ -175,7 +175,7 @@ pub fn build(
             dev,
             &mut part,
             &mine,
-            (blocks, layout.clone()),
+            (blocks, layout.clone(), opts.kv_cache_dtype),
             opts.gpu_prefill_threshold.max(1),
             dense,
             false,
