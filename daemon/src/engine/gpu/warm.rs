@@ -13,7 +13,9 @@ impl Engine {
     /// logged: the first request then pays the costs instead.
     pub fn warm_up_gpu(&self, tokens: usize) {
         let Some(g) = &self.gpu else { return };
-        if g.hybrid.is_some() || tokens == 0 {
+        // A tensor-parallel step must run on every rank (the group's forward); the warm-up below drives
+        // rank 0's model alone, whose all-reduces would wait for ranks that never run.
+        if g.hybrid.is_some() || tokens == 0 || self.tp.is_some() {
             return;
         }
         // leave a block's worth for the decode step
