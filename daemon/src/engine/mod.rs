@@ -172,6 +172,24 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
+/// The GPU backend's view of a batch: each sequence's block tables, first position, tokens and
+/// recurrent state (borrowed from its cache for the step).
+fn gpu_seq_inputs<'a>(batch: &'a mut [SeqInput<'_>]) -> Vec<gpu::forward::GpuSeqInput<'a>> {
+    batch
+        .iter_mut()
+        .map(|s| {
+            let pos0 = s.cache.len();
+            let (tables, state) = s.cache.parts_mut();
+            gpu::forward::GpuSeqInput {
+                tables,
+                pos0,
+                tokens: s.tokens,
+                state: state.map(|r| r.device_mut()),
+            }
+        })
+        .collect()
+}
+
 /// Reserves the positions each entry's step will write (for drivers without a scheduler: `generate`,
 /// `bench`, tests). All entries or an error; a sequence that fails keeps what it had.
 pub fn reserve_batch(batch: &mut [SeqInput<'_>]) -> Result<(), KvError> {
@@ -682,19 +700,7 @@ impl Engine {
         g: &gpu::GpuModel,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, StepError> {
-        let mut inputs: Vec<_> = batch
-            .iter_mut()
-            .map(|s| {
-                let pos0 = s.cache.len();
-                let (tables, state) = s.cache.parts_mut();
-                gpu::forward::GpuSeqInput {
-                    tables,
-                    pos0,
-                    tokens: s.tokens,
-                    state: state.map(|r| r.device_mut()),
-                }
-            })
-            .collect();
+        let mut inputs = gpu_seq_inputs(batch);
         let mut times = StepTimes::default();
         let on_routing = |l: usize, ids: &[u32]| self.record(l, ids);
         let cpu_pool = self.cpu_pool.as_deref();

@@ -4,7 +4,7 @@
 //! keeps), the large step buffers, the expert stream's first chunks, lazily loaded kernels and the
 //! decode step's CUDA graphs. The prompt's KV blocks come from the engine's block pool and go back
 //! to it; nothing it routes is recorded (placement statistics stay those of real requests).
-use crate::engine::{reserve_batch, Engine, SeqInput, StepTimes};
+use crate::engine::{gpu_seq_inputs, reserve_batch, Engine, SeqInput, StepTimes};
 use std::time::Instant;
 
 impl Engine {
@@ -59,19 +59,7 @@ impl Engine {
                 tokens: chunk,
             }];
             reserve_batch(&mut batch)?;
-            let mut inputs: Vec<_> = batch
-                .iter_mut()
-                .map(|s| {
-                    let pos0 = s.cache.len();
-                    let (tables, state) = s.cache.parts_mut();
-                    super::forward::GpuSeqInput {
-                        tables,
-                        pos0,
-                        tokens: s.tokens,
-                        state: state.map(|r| r.device_mut()),
-                    }
-                })
-                .collect();
+            let mut inputs = gpu_seq_inputs(&mut batch);
             let mut times = StepTimes::default();
             g.forward(
                 &self.model,
