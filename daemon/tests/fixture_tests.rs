@@ -10,19 +10,12 @@
 //! at bf16 tolerance (≤ 1e-2, greedy tokens equal), and the reference expert path at 1e-3.
 mod common;
 
-use common::rel_l2;
+use common::{exact_cpu, floats, ids, oracle_step_logits, prefill_all, rel_l2, step};
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use serde_json::Value;
 use std::path::PathBuf;
 
 const TOL: f32 = 1e-3;
-
-/// Expert kernels capped at the f32-activation tier (AVX2/FMA or scalar): exact arithmetic.
-fn exact() -> EngineOptions {
-    let mut o = EngineOptions::default();
-    o.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-    o
-}
 
 fn fixture_dir(name: &str) -> PathBuf {
     common::fixtures_root().join(name)
@@ -37,31 +30,11 @@ struct Oracle {
 }
 
 fn oracle(name: &str) -> Oracle {
-    let text = std::fs::read_to_string(fixture_dir(name).join("oracle.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let floats = |v: &Value| -> Vec<f32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect()
-    };
+    let v = common::oracle(name);
     Oracle {
         prompt: ids(&v["prompt_ids"]),
         greedy: ids(&v["greedy_tokens"]),
-        steps: v["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| floats(&s["logits"]))
-            .collect(),
+        steps: oracle_step_logits(&v),
         prefill_all: v["prefill_all_logits"]
             .as_array()
             .unwrap()
@@ -76,7 +49,7 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 fn check(name: &str, variant: &str) {
-    check_with(name, variant, &exact(), TOL);
+    check_with(name, variant, &exact_cpu(), TOL);
 }
 
 fn check_with(name: &str, variant: &str, opts: &EngineOptions, tol: f32) {
@@ -84,12 +57,7 @@ fn check_with(name: &str, variant: &str, opts: &EngineOptions, tol: f32) {
     let engine = Engine::load(&fixture_dir(name).join(variant), opts)
         .unwrap_or_else(|e| panic!("{name}/{variant}: {e:#}"));
     let mut cache = engine.new_cache();
-    let all = engine
-        .forward_all(&mut [SeqInput {
-            cache: &mut cache,
-            tokens: &o.prompt,
-        }])
-        .unwrap();
+    let all = prefill_all(&engine, &mut cache, &o.prompt);
     assert_eq!(all.len(), o.prompt.len());
     for (p, (got, want)) in all.iter().zip(&o.prefill_all).enumerate() {
         let e = rel_l2(got, want);
@@ -100,21 +68,15 @@ fn check_with(name: &str, variant: &str, opts: &EngineOptions, tol: f32) {
     }
     let mut logits = all.last().unwrap().clone();
     let mut generated = vec![];
-    for (step, want) in o.steps.iter().enumerate() {
+    for (i, want) in o.steps.iter().enumerate() {
         let e = rel_l2(&logits, want);
-        assert!(e <= tol, "{name}/{variant}: step {step}: rel-L2 {e}");
+        assert!(e <= tol, "{name}/{variant}: step {i}: rel-L2 {e}");
         let tok = argmax(&logits);
         generated.push(tok);
-        if step + 1 == o.steps.len() {
+        if i + 1 == o.steps.len() {
             break;
         }
-        logits = engine
-            .reserve_and_forward(&mut [SeqInput {
-                cache: &mut cache,
-                tokens: &[tok],
-            }])
-            .unwrap()
-            .remove(0);
+        logits = step(&engine, &mut cache, &[tok]);
     }
     // The oracle lists the tokens fed back (one fewer than the steps checked).
     assert_eq!(
@@ -205,23 +167,11 @@ fn chunked_prefill_equals_whole_prefill() {
         let engine =
             Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
         let mut whole = engine.new_cache();
-        let want = engine
-            .reserve_and_forward(&mut [SeqInput {
-                cache: &mut whole,
-                tokens: &o.prompt,
-            }])
-            .unwrap()
-            .remove(0);
+        let want = step(&engine, &mut whole, &o.prompt);
         let mut chunked = engine.new_cache();
         let mut got = vec![];
         for chunk in o.prompt.chunks(5) {
-            got = engine
-                .reserve_and_forward(&mut [SeqInput {
-                    cache: &mut chunked,
-                    tokens: chunk,
-                }])
-                .unwrap()
-                .remove(0);
+            got = step(&engine, &mut chunked, chunk);
         }
         assert!(rel_l2(&got, &want) < 1e-5, "{name}");
         assert_eq!(chunked.len(), o.prompt.len());
@@ -249,27 +199,12 @@ fn batch_equals_members_alone() {
         ];
         let alone: Vec<Vec<f32>> = prompts
             .iter()
-            .map(|p| {
-                let mut c = engine.new_cache();
-                engine
-                    .reserve_and_forward(&mut [SeqInput {
-                        cache: &mut c,
-                        tokens: p,
-                    }])
-                    .unwrap()
-                    .remove(0)
-            })
+            .map(|p| step(&engine, &mut engine.new_cache(), p))
             .collect();
         let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache()).collect();
-        let mut batch: Vec<SeqInput> = caches
-            .iter_mut()
-            .zip(&prompts)
-            .map(|(c, p)| SeqInput {
-                cache: c,
-                tokens: p,
-            })
-            .collect();
-        let together = engine.reserve_and_forward(&mut batch).unwrap();
+        let together = engine
+            .reserve_and_forward(&mut SeqInput::batch(&mut caches, &prompts))
+            .unwrap();
         for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
             assert!(rel_l2(a, b) < 1e-5, "{name}: member {i}");
         }
@@ -282,20 +217,12 @@ fn batch_equals_members_alone() {
 fn early_routing_prefetches_experts_without_changing_logits() {
     let dir = fixture_dir("smallthinker").join("model");
     let o = oracle("smallthinker");
-    let first = |e: &Engine| {
-        let mut c = e.new_cache();
-        e.reserve_and_forward(&mut [SeqInput {
-            cache: &mut c,
-            tokens: &o.prompt,
-        }])
-        .unwrap()
-        .remove(0)
-    };
+    let first = |e: &Engine| step(e, &mut e.new_cache(), &o.prompt);
     let on = Engine::load(
         &dir,
         &EngineOptions {
             expert_prefetch_bytes: moe_daemon::engine::DEFAULT_EXPERT_PREFETCH_BYTES,
-            ..exact()
+            ..exact_cpu()
         },
     )
     .unwrap();
@@ -309,7 +236,7 @@ fn early_routing_prefetches_experts_without_changing_logits() {
         &dir,
         &EngineOptions {
             expert_prefetch_bytes: 0,
-            ..exact()
+            ..exact_cpu()
         },
     )
     .unwrap();
@@ -333,14 +260,9 @@ fn glm5_dense_attention_misses_the_oracle() {
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     cfg["index_topk"] = serde_json::json!(1 << 20);
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
-    let engine = Engine::load(dir.path(), &exact()).unwrap();
+    let engine = Engine::load(dir.path(), &exact_cpu()).unwrap();
     let mut cache = engine.new_cache();
-    let all = engine
-        .forward_all(&mut [SeqInput {
-            cache: &mut cache,
-            tokens: &o.prompt,
-        }])
-        .unwrap();
+    let all = prefill_all(&engine, &mut cache, &o.prompt);
     // Positions before index_topk (4) attend everything either way.
     for p in 0..4 {
         assert!(rel_l2(&all[p], &o.prefill_all[p]) <= TOL, "position {p}");

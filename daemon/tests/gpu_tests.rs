@@ -11,68 +11,11 @@ mod glm_hybrid_gpu;
 mod kv_fp8_gpu;
 mod tensor_parallel_gpu;
 
-use common::rel_l2;
-use moe_daemon::engine::placement::{GpuExperts, PlacementStrategy};
+use common::gpu::{gpu, graphs_match_eager};
+use common::{fixtures_root as fixtures, oracle, rel_l2, run, step, xorshift};
+use moe_daemon::engine::placement::PlacementStrategy;
 use moe_daemon::engine::{Device, Engine, EngineOptions, SeqCache, SeqInput};
 use serde_json::Value;
-use std::path::PathBuf;
-
-fn fixtures() -> PathBuf {
-    common::fixtures_root()
-}
-
-/// One step of one sequence: `tokens` appended to `cache`; the logits at its last position.
-fn step(e: &Engine, cache: &mut SeqCache, tokens: &[u32]) -> Vec<f32> {
-    e.reserve_and_forward(&mut [SeqInput { cache, tokens }])
-        .unwrap()
-        .remove(0)
-}
-
-/// xorshift64 stream (deterministic test inputs).
-fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
-    move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    }
-}
-
-fn gpu(n: usize, placement: PlacementStrategy) -> EngineOptions {
-    EngineOptions {
-        device: Device::Cuda(0),
-        gpu_experts: GpuExperts::Count(n),
-        placement,
-        kv_cache_tokens: 4096,
-        ..Default::default()
-    }
-}
-
-/// Prefill + teacher-forced decode over the oracle's sequence; returns per-step final logits.
-fn run(engine: &Engine, o: &Value) -> Vec<Vec<f32>> {
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let prompt = ids(&o["prompt_ids"]);
-    let greedy = ids(&o["greedy_tokens"]);
-    let mut c = engine.new_cache();
-    let mut out = vec![step(engine, &mut c, &prompt)];
-    for t in greedy {
-        out.push(step(engine, &mut c, &[t]));
-    }
-    out
-}
-
-fn oracle(name: &str) -> Value {
-    serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join(name).join("oracle.json")).unwrap(),
-    )
-    .unwrap()
-}
 
 const ALL: &[&str] = &[
     "qwen3_moe",
@@ -394,72 +337,6 @@ fn parallel_router_matches_serial_router() {
 fn cuda_graph_decode_matches_eager() {
     for name in ["qwen3_moe", "glm4_moe", "llama", "smallthinker"] {
         graphs_match_eager(name, 4);
-    }
-}
-
-/// `name`'s fixture with `gpu_experts` GPU experts per layer, graphs on and off: prompts of 3, 14 and 1
-/// tokens, then 20 greedy decode steps, alone and as a batch; asserts that graphs were captured and
-/// every step's logits agree within 1e-5 rel-L2 (prints the largest difference).
-fn graphs_match_eager(name: &str, gpu_experts: usize) {
-    let dir = fixtures().join(name).join("model_bf16");
-    let engine = |graphs: bool| {
-        Engine::load(
-            &dir,
-            &EngineOptions {
-                cuda_graphs: graphs,
-                ..gpu(gpu_experts, PlacementStrategy::Uniform)
-            },
-        )
-        .unwrap()
-    };
-    let (with, without) = (engine(true), engine(false));
-    let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (10..24).collect(), vec![7]];
-    let run = |e: &Engine, batch: &[Vec<u32>]| -> Vec<Vec<f32>> {
-        let mut caches: Vec<_> = batch.iter().map(|_| e.new_cache()).collect();
-        let mut next: Vec<u32> = Vec::new();
-        for (c, p) in caches.iter_mut().zip(batch) {
-            let l = step(e, c, p);
-            next.push(moe_daemon::engine::sampling::argmax(&l) as u32);
-        }
-        let mut all = Vec::new();
-        for _ in 0..20 {
-            let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-            let mut inputs: Vec<SeqInput> = caches
-                .iter_mut()
-                .zip(&toks)
-                .map(|(c, t)| SeqInput {
-                    cache: c,
-                    tokens: t,
-                })
-                .collect();
-            let out = e.reserve_and_forward(&mut inputs).unwrap();
-            next = out
-                .iter()
-                .map(|l| moe_daemon::engine::sampling::argmax(l) as u32)
-                .collect();
-            all.extend(out);
-        }
-        all
-    };
-    for batch in [&prompts[..1], &prompts[..]] {
-        let (a, b) = (run(&with, batch), run(&without, batch));
-        assert!(
-            with.cuda_graphs_captured() > 0,
-            "{name}: no CUDA graph was captured (the capture fell back to eager steps)"
-        );
-        assert_eq!(without.cuda_graphs_captured(), 0);
-        let mut worst = 0f32;
-        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            let err = rel_l2(x, y);
-            worst = worst.max(err);
-            assert!(err <= 1e-5, "{name} batch {} step {i}: {err}", batch.len());
-        }
-        println!(
-            "{name} graphs vs eager, batch {}, {} GPU experts: {} graphs, worst rel-L2 {worst:.2e}",
-            batch.len(),
-            gpu_experts,
-            with.cuda_graphs_captured()
-        );
     }
 }
 

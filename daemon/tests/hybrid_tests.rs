@@ -7,15 +7,8 @@
 //! whole model against transformers.
 mod common;
 
-use common::{kv_pressure, rel_l2};
-use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
-use serde_json::Value;
-
-fn exact() -> EngineOptions {
-    let mut o = EngineOptions::default();
-    o.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-    o
-}
+use common::{exact_cpu, floats, ids, kv_pressure, prefill_all, rel_l2, step};
+use moe_daemon::engine::Engine;
 
 /// glm5_next attends every key (its prompts stay within index_topk 64); glm5_next_indexer (index_topk 8)
 /// selects pools, so preempted sequences also recompute their indexer keys.
@@ -23,7 +16,7 @@ fn exact() -> EngineOptions {
 fn preempted_chunked_and_batched_sequences_match_their_runs_alone() {
     for fixture in ["glm5_next", "glm5_next_indexer"] {
         let dir = common::fixtures_root().join(fixture).join("model");
-        let (alone, pressured, metrics) = kv_pressure::run(&dir, &exact(), 512);
+        let (alone, pressured, metrics) = kv_pressure::run(&dir, &exact_cpu(), 512);
         for (i, (a, b)) in alone.iter().zip(&pressured).enumerate() {
             assert_eq!(
                 a.0, b.0,
@@ -51,38 +44,20 @@ fn preempted_chunked_and_batched_sequences_match_their_runs_alone() {
 #[test]
 fn prompt_split_into_chunks_equals_whole_prefill() {
     let dir = common::fixtures_root().join("glm5_next/model");
-    let engine = Engine::load(&dir, &exact()).unwrap();
+    let engine = Engine::load(&dir, &exact_cpu()).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
     let mut whole = engine.new_cache();
-    let want = engine
-        .reserve_and_forward(&mut [SeqInput {
-            cache: &mut whole,
-            tokens: &prompt,
-        }])
-        .unwrap();
+    let want = step(&engine, &mut whole, &prompt);
     // Chunks of 1 (the recurrent form), 3 and longer ones (the chunked form), from a carried state.
     let mut split = engine.new_cache();
     let mut got = vec![];
     for r in [0..1, 1..4, 4..5, 5..23, 23..40] {
-        got = engine
-            .reserve_and_forward(&mut [SeqInput {
-                cache: &mut split,
-                tokens: &prompt[r],
-            }])
-            .unwrap();
+        got = step(&engine, &mut split, &prompt[r]);
     }
-    let e = rel_l2(&got[0], &want[0]);
+    let e = rel_l2(&got, &want);
     assert!(e < 1e-5, "chunked prefill differs: rel-L2 {e}");
     // The next token from both caches agrees too (the states are the same).
-    let next = |c: &mut moe_daemon::engine::SeqCache| {
-        engine
-            .reserve_and_forward(&mut [SeqInput {
-                cache: c,
-                tokens: &[7],
-            }])
-            .unwrap()
-            .remove(0)
-    };
+    let next = |c: &mut moe_daemon::engine::SeqCache| step(&engine, c, &[7]);
     let e = rel_l2(&next(&mut split), &next(&mut whole));
     assert!(e < 1e-5, "decode after chunked prefill differs: rel-L2 {e}");
 }
@@ -97,31 +72,11 @@ fn prompt_split_into_chunks_equals_whole_prefill() {
 #[test]
 fn indexer_fixture_matches_transformers() {
     let root = common::fixtures_root().join("glm5_next_indexer");
-    let o: Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("oracle.json")).unwrap()).unwrap();
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let floats = |v: &Value| -> Vec<f32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect()
-    };
+    let o = common::oracle("glm5_next_indexer");
     let prompt = ids(&o["prompt_ids"]);
-    let engine = Engine::load(&root.join("model"), &exact()).unwrap();
+    let engine = Engine::load(&root.join("model"), &exact_cpu()).unwrap();
     let mut cache = engine.new_cache();
-    let all = engine
-        .forward_all(&mut [SeqInput {
-            cache: &mut cache,
-            tokens: &prompt,
-        }])
-        .unwrap();
+    let all = prefill_all(&engine, &mut cache, &prompt);
     let want_all = o["prefill_all_logits"].as_array().unwrap();
     assert_eq!(all.len(), want_all.len());
     for (p, (got, want)) in all.iter().zip(want_all).enumerate() {
@@ -130,23 +85,17 @@ fn indexer_fixture_matches_transformers() {
     }
     let mut cache = engine.new_cache();
     let mut tokens = prompt.clone();
-    for (step, s) in o["steps"].as_array().unwrap().iter().enumerate() {
+    for (i, s) in o["steps"].as_array().unwrap().iter().enumerate() {
         let want = floats(&s["logits"]);
-        let got = engine
-            .reserve_and_forward(&mut [SeqInput {
-                cache: &mut cache,
-                tokens: &tokens,
-            }])
-            .unwrap()
-            .remove(0);
+        let got = step(&engine, &mut cache, &tokens);
         let e = rel_l2(&got, &want);
-        println!("glm5_next_indexer step {step}: rel-L2 {e:.2e}");
-        assert!(e <= 1e-4, "step {step}: rel-L2 {e}");
+        println!("glm5_next_indexer step {i}: rel-L2 {e:.2e}");
+        assert!(e <= 1e-4, "step {i}: rel-L2 {e}");
         let argmax = s["argmax"].as_u64().unwrap() as u32;
         assert_eq!(
             moe_daemon::engine::sampling::argmax(&got) as u32,
             argmax,
-            "step {step}"
+            "step {i}"
         );
         tokens = vec![argmax];
     }

@@ -13,10 +13,9 @@
 //! tolerance (1e-3).
 mod common;
 
-use common::kv_pressure;
-use common::rel_l2;
 use common::sliding::{engine, model_dir, run, DECODE, PROMPT};
-use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+use common::{exact_cpu, ids, kv_pressure, oracle_step_logits, rel_l2, run_steps, step};
+use moe_daemon::engine::{Engine, EngineOptions};
 use moe_daemon::weights::gguf::GgufFile;
 
 #[test]
@@ -98,11 +97,7 @@ fn sixteen_k_sequence_bytes() {
         let mut c = e.new_cache();
         let tokens: Vec<u32> = (0..positions as u32).map(|i| (i * 37 + 11) % 512).collect();
         for chunk in tokens.chunks(512) {
-            let mut batch = [SeqInput {
-                cache: &mut c,
-                tokens: chunk,
-            }];
-            e.reserve_and_forward(&mut batch).unwrap();
+            step(&e, &mut c, chunk);
         }
         bytes.push((e.cpu_kv_bytes().unwrap(), c.held_blocks()));
     }
@@ -118,24 +113,6 @@ fn sixteen_k_sequence_bytes() {
 
 // ---- GGUF input
 
-/// Prefill `prompt`, then feed `steps` one token at a time; every step's logits.
-fn run_steps(e: &Engine, prompt: &[u32], steps: &[u32]) -> Vec<Vec<f32>> {
-    let mut c = e.new_cache();
-    let mut out = vec![];
-    let mut feed = |tokens: &[u32]| {
-        let mut batch = [SeqInput {
-            cache: &mut c,
-            tokens,
-        }];
-        out.push(e.reserve_and_forward(&mut batch).unwrap().remove(0));
-    };
-    feed(prompt);
-    for t in steps {
-        feed(std::slice::from_ref(t));
-    }
-    out
-}
-
 #[test]
 fn smallthinker_gguf_matches_safetensors_and_the_reference() {
     let root = common::fixtures_root().join("smallthinker");
@@ -149,19 +126,10 @@ fn smallthinker_gguf_matches_safetensors_and_the_reference() {
     );
     assert_eq!(cfg["tie_word_embeddings"], true);
     // Expert kernels capped at the f32-activation tier: exact arithmetic, as the fixture tests run.
-    let mut opts = EngineOptions::default();
-    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
+    let opts = exact_cpu();
     let from_gguf = Engine::from_source(&cfg, &g, &opts).unwrap();
     let from_st = Engine::load(&root.join("model"), &opts).unwrap();
-    let oracle: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("oracle.json")).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let oracle = common::oracle("smallthinker");
     let prompt = ids(&oracle["prompt_ids"]);
     let greedy = ids(&oracle["greedy_tokens"]);
     let got = run_steps(&from_gguf, &prompt, &greedy);
@@ -170,14 +138,8 @@ fn smallthinker_gguf_matches_safetensors_and_the_reference() {
         let err = rel_l2(a, b);
         assert!(err <= 1e-6, "step {i}: GGUF vs safetensors rel-L2 {err}");
     }
-    for (i, step) in oracle["steps"].as_array().unwrap().iter().enumerate() {
-        let reference: Vec<f32> = step["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
-        let err = rel_l2(&got[i], &reference);
+    for (i, reference) in oracle_step_logits(&oracle).iter().enumerate() {
+        let err = rel_l2(&got[i], reference);
         assert!(err <= 1e-3, "step {i}: GGUF vs the model's own code {err}");
     }
 }

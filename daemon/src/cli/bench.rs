@@ -188,14 +188,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     let mut elapsed = 0.0;
     for step in 0..a.steps + 2 {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut batch: Vec<SeqInput> = caches
-            .iter_mut()
-            .zip(&toks)
-            .map(|(c, t)| SeqInput {
-                cache: c,
-                tokens: t,
-            })
-            .collect();
+        let mut batch = SeqInput::batch(&mut caches, &toks);
         let t = Instant::now();
         let logits = engine.reserve_and_forward(&mut batch)?;
         if step >= 2 {

@@ -119,7 +119,7 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
     };
     for w in 0..u64::from(a.warmup_steps) {
         let toks = step_tokens(w);
-        let mut inputs = inputs_of(&mut caches, &toks);
+        let mut inputs = SeqInput::batch(&mut caches, &toks);
         engine.reserve_and_forward(&mut inputs)?;
     }
     println!("steps        hit_ratio  tok/s    median_ms  max_ms  moves  max/median");
@@ -130,7 +130,7 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
     for step in 0..a.steps as u64 {
         step_no.store(step, std::sync::atomic::Ordering::Relaxed);
         let toks = step_tokens(step + u64::from(a.warmup_steps));
-        let mut inputs = inputs_of(&mut caches, &toks);
+        let mut inputs = SeqInput::batch(&mut caches, &toks);
         let t = Instant::now();
         engine.reserve_and_forward(&mut inputs)?;
         times.push(t.elapsed().as_secs_f64());
@@ -170,20 +170,6 @@ pub fn run(a: SkewArgs) -> anyhow::Result<()> {
     }
     report.print(u64::from(a.steps / 2));
     Ok(())
-}
-
-fn inputs_of<'a>(
-    caches: &'a mut [crate::engine::SeqCache],
-    toks: &'a [[u32; 1]],
-) -> Vec<SeqInput<'a>> {
-    caches
-        .iter_mut()
-        .zip(toks)
-        .map(|(c, t)| SeqInput {
-            cache: c,
-            tokens: t,
-        })
-        .collect()
 }
 
 /// The run's summary: how fast the hit ratio came back after the shift, and the slowest step

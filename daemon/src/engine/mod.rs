@@ -172,6 +172,20 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
+impl<'a> SeqInput<'a> {
+    /// A batch of one entry per cache, `tokens[i]` fed to `caches[i]` (the shorter list decides).
+    pub fn batch<T: AsRef<[u32]>>(caches: &'a mut [SeqCache], tokens: &'a [T]) -> Vec<Self> {
+        caches
+            .iter_mut()
+            .zip(tokens)
+            .map(|(cache, t)| SeqInput {
+                cache,
+                tokens: t.as_ref(),
+            })
+            .collect()
+    }
+}
+
 /// The GPU backend's view of a batch: each sequence's block tables, first position, tokens and
 /// recurrent state (borrowed from its cache for the step).
 fn gpu_seq_inputs<'a>(batch: &'a mut [SeqInput<'_>]) -> Vec<gpu::forward::GpuSeqInput<'a>> {

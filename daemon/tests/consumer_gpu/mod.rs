@@ -18,21 +18,12 @@
 //!   decision), which the H200 reproduced to three digits. Host embeddings change nothing: rel-L2 ≤ 1e-6.
 //! - memory: the start's allocation (weights, KV, scratch) within 3% + 64 MiB of the plan; the peak
 //!   over a full-size prefill and graph-replayed decode steps at most the plan + 64 MiB.
-use crate::common::rel_l2;
+use crate::common::{floats, rel_l2, uniform};
 use moe_daemon::engine::placement::GpuExperts;
 use moe_daemon::engine::{Device, Engine, EngineOptions};
 use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
 use moe_sizing::{DenseChoice, DenseDtype, EmbeddingChoice, KvRequest};
-
-fn xorshift(mut seed: u64) -> impl FnMut() -> f32 {
-    move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-}
 
 #[test]
 fn quantized_dense_kernels_match_reference() {
@@ -47,7 +38,7 @@ fn quantized_dense_kernels_match_reference() {
         (1000, 10944),
         (20000, 2048),
     ] {
-        let mut rnd = xorshift(out as u64 * 31 + inp as u64);
+        let mut rnd = uniform(out as u64 * 31 + inp as u64);
         let w: Vec<f32> = (0..out * inp).map(|_| rnd() * 0.1).collect();
         for fmt in [DenseFormat::Int4, DenseFormat::Fp8] {
             let q = QuantizedMatrix::quantize(fmt, out, inp, |r, buf| {
@@ -123,9 +114,8 @@ fn quantized_reference(name: &str, fmt: DenseDtype) -> Vec<(Vec<f32>, u64, f64)>
         .unwrap()
         .iter()
         .map(|s| {
-            let logits = s["logits"].as_array().unwrap();
             (
-                logits.iter().map(|x| x.as_f64().unwrap() as f32).collect(),
+                floats(&s["logits"]),
                 s["argmax"].as_u64().unwrap(),
                 s["top1_top2_gap"].as_f64().unwrap(),
             )

@@ -5,8 +5,8 @@
 //! CPU backend, argmax equal where the oracle's top-1/top-2 gap exceeds 0.1. Runs of the same engine
 //! that only regroup the work (chunked prefill, batching, a cache that starts over) agree to ≤ 2e-2:
 //! only the GEMMs' row blocking differs.
-use super::common::rel_l2;
-use super::{fixtures, gpu, oracle, run, step};
+use crate::common::gpu::{check_against_oracle, gpu, graphs_match_eager};
+use crate::common::{fixtures_root as fixtures, ids, oracle, rel_l2, run, step, uniform, xorshift};
 use moe_daemon::engine::placement::{PlacementStrategy, RoutingStats};
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use serde_json::Value;
@@ -15,14 +15,6 @@ use std::collections::BTreeMap;
 /// GLM-5.3-Flash with every layer kind and 4 streams; its indexer fixture (29 tokens, top 8 positions
 /// in pools of 4, a `shared` layer); GLM-5 (top 4 of 12+ tokens, roped indexer keys, a `shared` layer).
 const HYBRID: &[&str] = &["glm5_next", "glm5_next_indexer", "glm_moe_dsa"];
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// Each MoE layer's expert hit counts of one step (from the engine's routing statistics).
 type StepRouting = BTreeMap<usize, Vec<u64>>;
@@ -77,45 +69,6 @@ fn routing_divergence(got: &[StepRouting], want: &[StepRouting]) -> Option<(usiz
     })
 }
 
-/// Compares the steps before `until` (a routing divergence, or all); returns how many it compared.
-fn check_against(
-    name: &str,
-    label: &str,
-    got: &[Vec<f32>],
-    cpu: &[Vec<f32>],
-    o: &Value,
-    until: usize,
-) -> usize {
-    let mut compared = 0;
-    for (i, (g, s)) in got.iter().zip(o["steps"].as_array().unwrap()).enumerate() {
-        if i >= until {
-            break;
-        }
-        compared += 1;
-        let want: Vec<f32> = s["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
-        let (err, err_cpu) = (rel_l2(g, &want), rel_l2(g, &cpu[i]));
-        println!("{name} {label} step {i}: rel-L2 vs transformers {err:.2e}, vs CPU {err_cpu:.2e}");
-        assert!(
-            err <= 5e-2 && err_cpu <= 5e-2,
-            "{name} {label} step {i}: {err} / {err_cpu}"
-        );
-        if s["top1_top2_gap"].as_f64().unwrap() > 0.1 {
-            let am = moe_daemon::engine::sampling::argmax(g) as u64;
-            assert_eq!(
-                am,
-                s["argmax"].as_u64().unwrap(),
-                "{name} {label} step {i} argmax"
-            );
-        }
-    }
-    compared
-}
-
 /// Prefill then teacher-forced decode (the oracle's greedy tokens), experts all in DRAM and all on the
 /// GPU, FP32 and BF16 checkpoints.
 ///
@@ -153,7 +106,7 @@ fn glm_hybrid_models_on_cuda() {
                     }
                     None => got.len(),
                 };
-                compared += check_against(name, &label, &got, &cpu, &o, until);
+                compared += check_against_oracle(name, &label, &got, &cpu, &o, until);
                 total += got.len();
             }
         }
@@ -174,7 +127,7 @@ fn glm_hybrid_models_on_cuda() {
 fn glm_hybrid_cuda_graphs_match_eager() {
     for name in HYBRID {
         for gpu_experts in [0, 64] {
-            super::graphs_match_eager(name, gpu_experts);
+            graphs_match_eager(name, gpu_experts);
         }
     }
 }
@@ -274,8 +227,7 @@ fn hybrid_kernels_match_host_references() {
     let dev = GpuDevice::open(0).unwrap();
     let k = HybridKernels::load(&dev).unwrap();
     let s = &dev.stream;
-    let mut rng = super::xorshift(17);
-    let mut uni = move || (rng() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+    let mut uni = uniform(17);
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
     for d in [16usize, 128] {
         let heads = 2;
@@ -376,7 +328,7 @@ fn hybrid_kernels_match_host_references() {
     let (stride, topk) = (1000usize, 64usize);
     let cand = [1000i32, 700, 5, 64];
     let rows = cand.len();
-    let mut rng = super::xorshift(5);
+    let mut rng = xorshift(5);
     let scores: Vec<f32> = (0..rows * stride)
         .map(|_| ((rng() % 40) as f32 - 20.0) * 0.25)
         .collect();

@@ -10,8 +10,8 @@
 //! moves the bf16 GEMM inputs of later layers by a rounding step: logits agree with one GPU to
 //! rel-L2 ≤ 2e-2 per step (the bound placements of one model agree to), and with transformers to
 //! ≤ 5e-2 as every GPU test. `--tensor-parallel 1` is the single-GPU path: bit for bit.
-use super::common::rel_l2;
-use super::{fixtures, gpu, oracle, run};
+use crate::common::gpu::gpu;
+use crate::common::{fixtures_root as fixtures, oracle, oracle_step_logits, rel_l2, run};
 use moe_daemon::engine::parallel::{CommKind, TensorParallel};
 use moe_daemon::engine::placement::PlacementStrategy;
 use moe_daemon::engine::{Engine, EngineOptions};
@@ -39,25 +39,9 @@ fn tp(opts: EngineOptions, size: usize, comm: CommKind) -> EngineOptions {
     }
 }
 
-fn oracle_logits(o: &Value) -> Vec<Vec<f32>> {
-    o["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            s["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
-        })
-        .collect()
-}
-
 /// `got` against one GPU (≤ 2e-2) and transformers (≤ 5e-2), step by step.
 fn check(tag: &str, got: &[Vec<f32>], one_gpu: &[Vec<f32>], o: &Value) {
-    let want = oracle_logits(o);
+    let want = oracle_step_logits(o);
     assert_eq!(got.len(), one_gpu.len(), "{tag}: steps");
     for (i, g) in got.iter().enumerate() {
         assert_eq!(g.len(), one_gpu[i].len(), "{tag} step {i}: vocabulary rows");
