@@ -4,11 +4,15 @@
 # same call. Every timed run is pinned to CPUs 0,1 (`taskset -c 0,1`, 2 threads); llama.cpp is built first
 # on all cores, before anything is measured. The GGUF is generated here (`make_gguf_llama.py`, random
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
-#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams (AMX from 16 or 8 rows),
-#                                     an A/B of the dense activation input (MOE_CPU_DENSE_INPUT=int8pair|int8),
-#                                     llama.cpp pp64/tg64
+#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams, A/B runs (AMX-INT8 from
+#                                     4 rows: MOE_CPU_DENSE_AMX_INT_MIN_ROWS; prefill 64 on AMX-INT8 instead of
+#                                     bf16-widened AMX; int8 activations for every format:
+#                                     MOE_CPU_DENSE_INPUT=int8), llama.cpp pp64/tg64
+#   bash smollm2_on_device.sh dense   the dense kernels alone on this model's shapes (cpu_dense_bench, Q4_1
+#                                     projections and the Q8_0 lm_head, 1 / 8 / 64 rows, VNNI or AMX-INT8
+#                                     for 8 rows), 2 threads pinned
 #   bash smollm2_on_device.sh tests   the kernels' unit tests on this CPU (AMX paths included)
-# Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, peers/ (the peer kit with
+# Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, cpu_dense_bench, peers/ (the peer kit with
 # kit/; else .device/peers); make_gguf_llama.py beside this script. Results to stdout and $OUT.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,15 +41,28 @@ for PART in "$@"; do
     run "1 stream, run 1" --prompt-len 64 --steps 64 --prefill-lens 64
     run "1 stream, run 2" --prompt-len 64 --steps 64 --prefill-lens 64
     run "8 streams" --batch 8 --prompt-len 64 --steps 32
-    for rows in 8; do  # AMX (through bf16 widening) from this many rows on, instead of 16
-      MOE_CPU_DENSE_AMX_MIN_ROWS=$rows run "8 streams, AMX from $rows rows" --batch 8 --prompt-len 64 --steps 32
-    done
-    for input in int8pair int8; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
+    MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "8 streams, AMX-INT8 from 4 rows" --batch 8 --prompt-len 64 --steps 32
+    MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "1 stream + prefill 64, AMX-INT8 from 4 rows" --prompt-len 64 --steps 64 --prefill-lens 64
+    MOE_CPU_DENSE_AMX_MIN_ROWS=100000 MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 \
+      run "prefill 64 on AMX-INT8 (no bf16 widening)" --prompt-len 64 --steps 8 --prefill-lens 64
+    for input in int8; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
       MOE_CPU_DENSE_INPUT=$input run "1 stream, $input activations for every format" --prompt-len 64 --steps 64
       MOE_CPU_DENSE_INPUT=$input run "8 streams, $input activations for every format" --batch 8 --prompt-len 64 --steps 32
     done
     echo "### llama.cpp CPU build, same model, 2 threads pinned"
     timeout 90 $PIN $LLAMA -m $M -t 2 -p 64 -n 64 -r 5 -o md 2>&1 | tee "$OUT/llama.md"
+    ;;
+  dense)
+    echo "### dense kernels alone, SmolLM2-135M shapes, 2 threads pinned"
+    [ -x $D/cpu_dense_bench ] || { echo "no $D/cpu_dense_bench staged: skipped"; continue; }
+    SHAPES=qkv=576x576+192x576+192x576,o=576x576,gate_up=1536x576+1536x576,down=576x1536
+    for amx_int in 0 4; do
+      echo "MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int" | tee -a "$OUT/dense.md"
+      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int timeout 60 $PIN $D/cpu_dense_bench --threads 2 --ggml q4_1 \
+        --shapes $SHAPES --tokens 1,8,64 --input int8pair,int8,bf16 --iters 50 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
+      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int timeout 60 $PIN $D/cpu_dense_bench --threads 2 --ggml q8_0 \
+        --shapes lm_head=49152x576 --tokens 1,8 --input int8 --iters 20 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
+    done
     ;;
   tests)
     echo "### the kernels' unit tests on this CPU"
@@ -53,6 +70,6 @@ for PART in "$@"; do
     timeout 150 $D/moe_kernels_tests --test-threads 8 > "$OUT/tests.log" 2>&1
     grep -E "test result|panicked|FAILED" "$OUT/tests.log"
     ;;
-  *) echo "unknown part $PART (main | tests)"; exit 2 ;;
+  *) echo "unknown part $PART (main | dense | tests)"; exit 2 ;;
   esac
 done

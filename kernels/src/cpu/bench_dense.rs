@@ -77,6 +77,7 @@ impl Default for CpuDenseBenchArgs {
             inputs: vec![
                 GroupedInput::Int8,
                 GroupedInput::Int8Pair,
+                GroupedInput::Int8PairAll,
                 GroupedInput::Bf16,
             ],
             tokens: vec![1, 4],
@@ -246,7 +247,7 @@ mod tests {
         let r = run_cpu_dense_bench(&a).unwrap();
         assert_eq!(
             r.lines().filter(|l| l.starts_with("| a |")).count(),
-            6, // tokens × inputs
+            8, // tokens × inputs
             "{r}"
         );
     }

@@ -16,7 +16,8 @@ use std::sync::Mutex;
 use crate::cpu::features::CpuTier;
 use crate::cpu::memory::{HugeBuffer, HugepageMode};
 use crate::cpu::moe::act::{ActBuf, ActKind, ActRef};
-use crate::cpu::moe::gemm::{act_kind, amx_supports, gemm};
+use crate::cpu::moe::act_i8::OUTLIER_RMS_RATIO;
+use crate::cpu::moe::gemm::{act_kind, amx_int_supports, amx_supports, gemm, gemm_amx_int};
 use crate::cpu::moe::pack::{check_source, pack_matrix, MatLayout, MatRef};
 use crate::cpu::moe::{PackError, SourceTensor, WeightFormat};
 use crate::cpu::pool::WorkerPool;
@@ -37,6 +38,20 @@ fn amx_min_rows() -> usize {
             .and_then(|v| v.parse().ok())
             .filter(|&r| r >= 1)
             .unwrap_or(AMX_MIN_ROWS)
+    })
+}
+
+/// Calls of fewer rows than [`amx_min_rows`] but at least this many run grouped int weights on
+/// AMX-INT8 (`kern_amx_int`) with the same int8 activations as one row: `MOE_CPU_DENSE_AMX_INT_MIN_ROWS`
+/// (0 or unset: off, the VNNI kernels).
+fn amx_int_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("MOE_CPU_DENSE_AMX_INT_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&r| r >= 1)
+            .unwrap_or(usize::MAX)
     })
 }
 
@@ -69,6 +84,8 @@ pub struct DenseMatrix {
     buf: HugeBuffer,
     tier: CpuTier,
     grouped: GroupedInput,
+    /// Calls from this many rows on (below the bf16-widened AMX path) use AMX-INT8.
+    amx_int_min_rows: usize,
     scratch: Mutex<Scratch>,
 }
 
@@ -93,6 +110,8 @@ struct Target<'a> {
     /// Widened to bf16 per chunk (grouped int formats on AVX-512).
     wide: bool,
     amx: bool,
+    /// Grouped int codes on AMX-INT8 with int8 activations.
+    amx_int: bool,
     bias: Option<&'a [f32]>,
     y: SyncPtr,
 }
@@ -130,6 +149,7 @@ impl DenseMatrix {
             buf,
             tier: max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
             grouped: GroupedInput::default_for(format),
+            amx_int_min_rows: amx_int_min_rows(),
             scratch: Mutex::new(Scratch::default()),
         })
     }
@@ -160,6 +180,19 @@ impl DenseMatrix {
         self.grouped = g;
     }
 
+    /// Sets from how many rows a call runs on AMX-INT8 when the tier has it (tests, benchmarks).
+    pub fn set_amx_int_min_rows(&mut self, rows: usize) {
+        self.amx_int_min_rows = rows.max(1);
+    }
+
+    /// Whether a call of `tokens` rows runs on AMX-INT8 ([`gemm_amx_int`]).
+    fn amx_int(&self, tokens: usize) -> bool {
+        self.tier == CpuTier::Amx
+            && tokens >= self.amx_int_min_rows
+            && amx_int_supports(self.l.format)
+            && matches!(self.input_kind(tokens), ActKind::I8 { .. })
+    }
+
     pub fn grouped_input(&self) -> GroupedInput {
         self.grouped
     }
@@ -178,10 +211,17 @@ impl DenseMatrix {
         }
     }
 
-    /// Whether a call of `tokens` rows feeds each token as two int8 rows ([`GroupedInput::Int8Pair`]).
-    fn split_rows(&self, tokens: usize) -> bool {
-        self.grouped == GroupedInput::Int8Pair
-            && matches!(self.input_kind(tokens), ActKind::I8 { .. })
+    /// With a call of `tokens` rows feeding each token as two int8 rows (codes, then the residual in
+    /// the groups whose amax is above this ratio times the row's RMS): the ratio.
+    fn residual_ratio(&self, tokens: usize) -> Option<f32> {
+        if !matches!(self.input_kind(tokens), ActKind::I8 { .. }) {
+            return None;
+        }
+        match self.grouped {
+            GroupedInput::Int8Pair => Some(OUTLIER_RMS_RATIO),
+            GroupedInput::Int8PairAll => Some(0.0),
+            GroupedInput::Int8 | GroupedInput::Bf16 => None,
+        }
     }
 
     fn mat(&self) -> MatRef<'_> {
@@ -219,7 +259,8 @@ impl DenseMatrix {
             && self.l.k == o.l.k
             && self.l.k_pad == o.l.k_pad
             && [1, amx_min_rows()].iter().all(|&t| {
-                self.input_kind(t) == o.input_kind(t) && self.split_rows(t) == o.split_rows(t)
+                self.input_kind(t) == o.input_kind(t)
+                    && self.residual_ratio(t) == o.residual_ratio(t)
             })
     }
 }
@@ -238,6 +279,10 @@ pub enum GroupedInput {
     /// row's other groups (zero scale), so it costs about one int8 row plus the outlier groups (see
     /// `ActWriter::write_row_split`). Same kernel on twice the rows, weights read once, no widening.
     Int8Pair,
+    /// `Int8Pair` with the residual in every group: ~int16 precision (SmolLM2-135M Q4_1's logits
+    /// within 0.02–0.09% of the f32 path, against 0.7–2.6% with `Int8Pair`), for twice the dot work
+    /// of `Int8`.
+    Int8PairAll,
     /// Weights widened to bf16 per chunk, bf16 activations: 2⁻⁹ relative per element whatever the
     /// outliers, for ~20 more instructions per 64 weight bytes (`dense_widen`).
     Bf16,
@@ -249,17 +294,23 @@ impl std::str::FromStr for GroupedInput {
         match s {
             "int8" => Ok(GroupedInput::Int8),
             "int8pair" => Ok(GroupedInput::Int8Pair),
+            "int8pairall" => Ok(GroupedInput::Int8PairAll),
             "bf16" => Ok(GroupedInput::Bf16),
-            _ => Err(format!("{s:?} is not int8, int8pair or bf16")),
+            _ => Err(format!("{s:?} is not int8, int8pair, int8pairall or bf16")),
         }
     }
 }
 
 impl GroupedInput {
-    /// The default for `format`: `Int8` for 8-bit codes (Q8_0, Q5_K, Q6_K: llama.cpp's int8 activations
-    /// match the weights' own precision), `Int8Pair` for 4-bit codes (small models' outlier channels:
-    /// SmolLM2-135M Q4_1's logits drift 2–11% with `Int8` everywhere, 0.02–0.09% with pairs).
-    /// `MOE_CPU_DENSE_INPUT=int8|int8pair|bf16` overrides it for every format (A/B runs).
+    /// The default for `format`: `Int8PairAll` for 8-bit codes (Q8_0, Q5_K, Q6_K, int8), `Int8Pair`
+    /// for 4-bit codes. One int8 row per token (llama.cpp's scheme) is not enough for small models'
+    /// outlier channels: on the real SmolLM2-135M Q4_1 the first greedy token of "What is the capital
+    /// of France?" has a 0.086 logit margin in f32, and int8 rows into the Q8_0 lm_head alone turned
+    /// it the other way; pairs with the residual in outlier groups only left it at the mercy of
+    /// rounding order (−0.001 to 0.084 across builds); the lm_head's input decides the logits
+    /// directly, so its weights' precision gets matching activations (`generate --expert-activations
+    /// bf16 --logits-out`). `MOE_CPU_DENSE_INPUT=int8|int8pair|int8pairall|bf16` overrides it for
+    /// every format (A/B runs).
     pub fn default_for(format: WeightFormat) -> GroupedInput {
         static FORCED: std::sync::OnceLock<Option<GroupedInput>> = std::sync::OnceLock::new();
         let forced = *FORCED.get_or_init(|| {
@@ -268,7 +319,9 @@ impl GroupedInput {
                 .and_then(|v| v.parse().ok())
         });
         forced.unwrap_or(match format {
-            WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => GroupedInput::Int8,
+            WeightFormat::Int8 | WeightFormat::Int8Group { .. } | WeightFormat::Int8Min { .. } => {
+                GroupedInput::Int8PairAll
+            }
             _ => GroupedInput::Int8Pair,
         })
     }
@@ -365,23 +418,20 @@ pub fn forward_group(
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
     let kind = first.input_kind(tokens);
-    // Activation rows per token: two with `Int8Pair` (codes, then the codes of the residual).
-    let per_token = if first.split_rows(tokens) { 2 } else { 1 };
-    let act_rows = per_token * tokens;
-    // AMX loads 16 rows per A tile: storage rounded up (the extra rows' results are discarded).
-    s.act.reserve(kind, act_rows.div_ceil(16) * 16, k_pad);
+    // Activation rows: one per token, and with `Int8Pair` a second block of `tokens` rows after
+    // them (the codes of the residual, zero outside outlier groups), run as a second view so the
+    // kernels see whole blocks of residual rows and skip the groups none of them needs.
+    let residual = first.residual_ratio(tokens);
+    let split = residual.is_some();
+    let act_rows = if split { 2 * tokens } else { tokens };
+    // AMX loads 16 rows per A tile from a view's first row: storage rounded up past the last view's
+    // start (the extra rows' results are discarded).
+    s.act.reserve(kind, act_rows.div_ceil(16) * 16 + 16, k_pad);
     s.rows.clear();
     s.rows.extend(0..act_rows as u32);
-    convert_rows(
-        pool,
-        &mut s.act,
-        kind,
-        k_pad,
-        (x, k),
-        tokens,
-        per_token == 2,
-    );
-    let a = s.act.view(kind, k_pad, &s.rows);
+    convert_rows(pool, &mut s.act, kind, k_pad, (x, k), tokens, residual);
+    let a = s.act.view(kind, k_pad, &s.rows[..tokens]);
+    let a_rest = split.then(|| s.act.view(kind, k_pad, &s.rows[tokens..]));
 
     // Work items: chunks of N-tiles of every matrix, in order.
     let mut items: Vec<(usize, usize, usize)> = Vec::new(); // (call, first tile, tiles)
@@ -407,6 +457,7 @@ pub fn forward_group(
                 mat: c.w.mat(),
                 wide,
                 amx,
+                amx_int: c.w.amx_int(tokens),
                 bias: c.bias,
                 y: SyncPtr(c.y.as_mut_ptr()),
             }
@@ -422,6 +473,7 @@ pub fn forward_group(
             mat,
             wide,
             amx,
+            amx_int,
             bias,
             y: yp,
         } = &targets[ci];
@@ -434,18 +486,25 @@ pub fn forward_group(
             }
             if *wide {
                 gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+            } else if *amx_int {
+                gemm_amx_int(mat, nt0, nts, &a, &mut buf[..], ld);
+                if let Some(r) = &a_rest {
+                    gemm_amx_int(mat, nt0, nts, r, &mut buf[tokens * ld..], ld);
+                }
             } else {
                 gemm(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+                if let Some(r) = &a_rest {
+                    gemm(tier, *amx, mat, nt0, nts, r, &mut buf[tokens * ld..], ld);
+                }
             }
             let col0 = 16 * nt0;
             let cols = ld.min(n - col0);
             for t in 0..tokens {
-                let at = per_token * t * ld;
-                let src = &buf[at..at + cols];
+                let src = &buf[t * ld..t * ld + cols];
                 // the residual row's dot, for split tokens
-                let rest = &buf[at + (per_token - 1) * ld..][..cols];
+                let rest = &buf[(tokens * usize::from(split) + t) * ld..][..cols];
                 for (j, &v) in src.iter().enumerate() {
-                    let v = if per_token == 2 { v + rest[j] } else { v };
+                    let v = if split { v + rest[j] } else { v };
                     let b = bias.map_or(0.0, |b| b[col0 + j]);
                     // SAFETY: element (t, col0 + j) of this call's `y` (checked length) belongs to
                     // this chunk alone; `y` outlives the region.
@@ -457,9 +516,9 @@ pub fn forward_group(
     Ok(())
 }
 
-/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind` (with `split`, token `t` into
-/// rows `2t` and `2t + 1`: codes and residual codes), in parallel when there are several blocks of rows
-/// and the conversion is more than a copy.
+/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind` (with a `residual` ratio,
+/// token `t` into rows `t` and `tokens + t`: codes and residual codes), in parallel when there are
+/// several blocks of rows and the conversion is more than a copy.
 fn convert_rows(
     pool: &WorkerPool,
     act: &mut ActBuf,
@@ -467,7 +526,7 @@ fn convert_rows(
     k_pad: usize,
     (x, cols): (&[f32], usize),
     tokens: usize,
-    split: bool,
+    residual: Option<f32>,
 ) {
     let writer = act.writer(kind, k_pad);
     let convert = |first: usize| {
@@ -475,10 +534,9 @@ fn convert_rows(
             let src = &x[t * cols..(t + 1) * cols];
             // SAFETY: rows were reserved by the caller; each item writes its own rows.
             unsafe {
-                if split {
-                    writer.write_row_split(2 * t, 2 * t + 1, src)
-                } else {
-                    writer.write_row(t, src)
+                match residual {
+                    Some(ratio) => writer.write_row_split(t, tokens + t, src, ratio),
+                    None => writer.write_row(t, src),
                 }
             };
         }
@@ -498,385 +556,5 @@ fn convert_rows(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::ggml::{self, GgmlBlock};
-    use crate::cpu::moe::format_for_ggml;
-    use std::time::Duration;
-
-    fn rng_values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn naive(w: &DenseMatrix, x: &[f32], tokens: usize) -> Vec<f32> {
-        let (n, k) = (w.rows(), w.cols());
-        let mut row = vec![0f32; k];
-        let mut y = vec![0f32; tokens * n];
-        for r in 0..n {
-            w.row_f32(r, &mut row);
-            for t in 0..tokens {
-                y[t * n + r] = (0..k)
-                    .map(|c| row[c] as f64 * x[t * k + c] as f64)
-                    .sum::<f64>() as f32;
-            }
-        }
-        y
-    }
-
-    fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
-        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        let den: f32 = b.iter().map(|y| y * y).sum();
-        (num / den.max(1e-30)).sqrt()
-    }
-
-    /// GGML bytes of a `[rows, cols]` matrix: random blocks with finite f16 scales.
-    fn ggml_bytes(kind: GgmlBlock, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        if kind == GgmlBlock::F16 {
-            return rng_values(rows * cols, seed)
-                .iter()
-                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-                .collect();
-        }
-        let (_, bb) = kind.block();
-        let mut b: Vec<u8> = rng_values(rows * kind.row_bytes(cols).unwrap(), seed)
-            .iter()
-            .map(|v| ((v + 1.0) * 127.5) as u8)
-            .collect();
-        let f16 = |x: f32| half::f16::from_f32(x).to_le_bytes();
-        for blk in b.chunks_exact_mut(bb) {
-            match kind {
-                GgmlBlock::Q6K => blk[208..210].copy_from_slice(&f16(0.0007)),
-                GgmlBlock::Q4K | GgmlBlock::Q5K => {
-                    blk[..2].copy_from_slice(&f16(0.0011));
-                    blk[2..4].copy_from_slice(&f16(0.0009));
-                }
-                _ => blk[..2].copy_from_slice(&f16(0.01)),
-            }
-            if kind == GgmlBlock::Q4_1 {
-                blk[2..4].copy_from_slice(&f16(-0.07));
-            }
-        }
-        b
-    }
-
-    /// Q4_K, Q5_K and Q6_K keep every code; each weight differs from llama.cpp's dequantized value
-    /// only by the one f16 rounding of its sub-block scale (and min): rel-L2 ≤ 3e-4 over the matrix
-    /// (2⁻¹¹ = 4.9e-4 is the largest relative change of one scale). Requantizing the values instead
-    /// gave ~1e-2 (Q4_K / Q6_K) and 3.6e-3 (Q5_K into Int8Group).
-    #[test]
-    fn kquants_keep_their_codes() {
-        let (n, k) = (37, 512);
-        for kind in [GgmlBlock::Q4K, GgmlBlock::Q5K, GgmlBlock::Q6K] {
-            let data = ggml_bytes(kind, n, k, 21);
-            let src = SourceTensor::Ggml { kind, data: &data };
-            let w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
-            let mut want = vec![0f32; n * k];
-            ggml::dequantize(kind, &data, &mut want);
-            let mut got = vec![0f32; n * k];
-            for r in 0..n {
-                w.row_f32(r, &mut got[r * k..(r + 1) * k]);
-            }
-            let e = rel_l2(&got, &want);
-            assert!(e < 3e-4, "{kind:?}: rel-L2 {e}");
-        }
-    }
-
-    #[test]
-    fn ggml_blocks_repack_bit_for_bit() {
-        let (n, k) = (35, 96);
-        for kind in [
-            GgmlBlock::Q4_0,
-            GgmlBlock::Q4_1,
-            GgmlBlock::Q8_0,
-            GgmlBlock::F16,
-        ] {
-            let data = ggml_bytes(kind, n, k, 3);
-            let src = SourceTensor::Ggml { kind, data: &data };
-            let w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
-            let mut want = vec![0f32; n * k];
-            ggml::dequantize(kind, &data, &mut want);
-            let mut row = vec![0f32; k];
-            for r in 0..n {
-                w.row_f32(r, &mut row);
-                for c in 0..k {
-                    assert_eq!(
-                        row[c].to_bits(),
-                        want[r * k + c].to_bits(),
-                        "{kind:?} ({r},{c})"
-                    );
-                }
-            }
-        }
-    }
-
-    /// Every tier against the f64 evaluation of the packed weights; int8 activations (per-row
-    /// scale) bound the error at ~1% relative L2, bf16 activations at ~0.5%.
-    #[test]
-    fn forward_matches_naive_on_every_tier_and_format() {
-        let pool = WorkerPool::new(&[vec![0, 0, 0]], false, Duration::from_micros(50));
-        let (n, k) = (83, 160);
-        let f32_src = rng_values(n * k, 11);
-        let q41 = ggml_bytes(GgmlBlock::Q4_1, n, k, 5);
-        let q80 = ggml_bytes(GgmlBlock::Q8_0, n, k, 6);
-        let q40 = ggml_bytes(GgmlBlock::Q4_0, n, k, 7);
-        let k_k = 256; // K-quant rows are whole super-blocks
-        let f32_kq = rng_values(n * k_k, 13);
-        let q6k = ggml_bytes(GgmlBlock::Q6K, n, k_k, 8);
-        let q5k = ggml_bytes(GgmlBlock::Q5K, n, k_k, 12);
-        let f16 = ggml_bytes(GgmlBlock::F16, n, k, 10);
-        let cases: Vec<(WeightFormat, SourceTensor)> = vec![
-            (WeightFormat::Bf16, SourceTensor::F32(&f32_src)),
-            (WeightFormat::Int8, SourceTensor::F32(&f32_src)),
-            (
-                WeightFormat::Int4 { group: 32 },
-                SourceTensor::F32(&f32_src),
-            ),
-            (
-                WeightFormat::Int4Min { group: 32 },
-                SourceTensor::F32(&f32_src),
-            ),
-            (
-                WeightFormat::Int8Group { group: 32 },
-                SourceTensor::F32(&f32_src),
-            ),
-            (
-                WeightFormat::Int4Min { group: 32 },
-                SourceTensor::Ggml {
-                    kind: GgmlBlock::Q4_1,
-                    data: &q41,
-                },
-            ),
-            (
-                WeightFormat::Int8Group { group: 32 },
-                SourceTensor::Ggml {
-                    kind: GgmlBlock::Q8_0,
-                    data: &q80,
-                },
-            ),
-            (
-                WeightFormat::Int4 { group: 32 },
-                SourceTensor::Ggml {
-                    kind: GgmlBlock::Q4_0,
-                    data: &q40,
-                },
-            ),
-        ];
-        let mut cases: Vec<(WeightFormat, SourceTensor, usize)> =
-            cases.into_iter().map(|(f, s)| (f, s, k)).collect();
-        cases.push((
-            WeightFormat::Int8Group { group: 16 },
-            SourceTensor::Ggml {
-                kind: GgmlBlock::Q6K,
-                data: &q6k,
-            },
-            k_k,
-        ));
-        cases.push((
-            WeightFormat::Int8Group { group: 16 },
-            SourceTensor::F32(&f32_kq),
-            k_k,
-        ));
-        cases.push((
-            WeightFormat::Int8Min { group: 32 },
-            SourceTensor::Ggml {
-                kind: GgmlBlock::Q5K,
-                data: &q5k,
-            },
-            k_k,
-        ));
-        cases.push((
-            WeightFormat::Int8Min { group: 32 },
-            SourceTensor::F32(&f32_kq),
-            k_k,
-        ));
-        cases.push((
-            WeightFormat::F16,
-            SourceTensor::Ggml {
-                kind: GgmlBlock::F16,
-                data: &f16,
-            },
-            k,
-        ));
-        let bias = rng_values(n, 9);
-        let inputs = [
-            GroupedInput::Int8,
-            GroupedInput::Int8Pair,
-            GroupedInput::Bf16,
-        ];
-        for ((fmt, src, k), input) in cases
-            .iter()
-            .flat_map(|c| inputs.iter().map(move |i| (c, *i)))
-        {
-            let (fmt, k) = (*fmt, *k);
-            let mut w = DenseMatrix::new(fmt, n, k, src, None).unwrap();
-            w.set_grouped_input(input);
-            for tier in CpuTier::available() {
-                w.set_max_tier(tier);
-                for tokens in [1usize, 5, 9, 33] {
-                    let x = rng_values(tokens * k, tokens as u64);
-                    let mut y = vec![f32::NAN; tokens * n];
-                    w.forward(&pool, &x, tokens, Some(&bias), &mut y).unwrap();
-                    let mut want = naive(&w, &x, tokens);
-                    for t in 0..tokens {
-                        for r in 0..n {
-                            want[t * n + r] += bias[r];
-                        }
-                    }
-                    let e = rel_l2(&y, &want);
-                    assert!(
-                        e < 1e-2,
-                        "{fmt:?} {input:?} {tier} tokens={tokens}: rel err {e}"
-                    );
-                    if tier <= CpuTier::Avx2 {
-                        assert!(e < 1e-5, "{fmt:?} {tier} f32 path: rel err {e}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn group_call_equals_separate_calls() {
-        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
-        let k = 96;
-        let mut mats: Vec<DenseMatrix> = [
-            (WeightFormat::Int4Min { group: 32 }, 40),
-            (WeightFormat::Int8Group { group: 32 }, 70),
-            (WeightFormat::Int4 { group: 32 }, 17),
-        ]
-        .iter()
-        .map(|&(f, n)| {
-            let src = rng_values(n * k, n as u64);
-            DenseMatrix::new(f, n, k, &SourceTensor::F32(&src), None).unwrap()
-        })
-        .collect();
-        for (input, tokens) in [
-            GroupedInput::Int8,
-            GroupedInput::Int8Pair,
-            GroupedInput::Bf16,
-        ]
-        .into_iter()
-        .flat_map(|i| [1usize, 7, 20].map(|t| (i, t)))
-        {
-            for m in mats.iter_mut() {
-                m.set_grouped_input(input);
-            }
-            let x = rng_values(tokens * k, 99);
-            let mut outs: Vec<Vec<f32>> =
-                mats.iter().map(|m| vec![0.0; tokens * m.rows()]).collect();
-            let mut calls: Vec<DenseCall> = mats
-                .iter()
-                .zip(outs.iter_mut())
-                .map(|(w, y)| DenseCall { w, bias: None, y })
-                .collect();
-            forward_group(&pool, &mut calls, &x, tokens).unwrap();
-            for (m, got) in mats.iter().zip(&outs) {
-                let mut want = vec![0.0; tokens * m.rows()];
-                m.forward(&pool, &x, tokens, None, &mut want).unwrap();
-                assert_eq!(got, &want);
-            }
-        }
-        let bf = DenseMatrix::new(
-            WeightFormat::Bf16,
-            16,
-            k,
-            &SourceTensor::F32(&[0.0; 16 * 96]),
-            None,
-        )
-        .unwrap();
-        if CpuTier::Avx512.clamp_to_cpu() == CpuTier::Avx512 {
-            mats[1].set_grouped_input(GroupedInput::Int8);
-            assert!(
-                !mats[0].shares_input_with(&mats[1]),
-                "bf16-widened and int8 inputs differ"
-            );
-            assert!(
-                !bf.shares_input_with(&mats[1]),
-                "bf16 and int8 activations differ"
-            );
-        }
-    }
-
-    /// Hidden states with outlier channels (a few values 60× the rest, as in small LLMs): one int8 row
-    /// per token rounds the other values of an outlier's group to steps of amax/127; the pair (codes,
-    /// then residual codes in the outlier groups) keeps those at ~amax/32000 and the rest at amax/254.
-    /// Q4_1 weights, 1 and 5 tokens, against the f64 evaluation of the packed weights with the exact
-    /// inputs: the pair's error is below 1e-3 and a tenth of one row's.
-    #[test]
-    fn int8_pair_keeps_outlier_groups_accurate() {
-        if CpuTier::Avx512.clamp_to_cpu() < CpuTier::Avx512 {
-            return; // int8 activations exist from the AVX-512 tier on
-        }
-        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
-        let (n, k) = (64, 576);
-        let q41 = ggml_bytes(GgmlBlock::Q4_1, n, k, 17);
-        let src = SourceTensor::Ggml {
-            kind: GgmlBlock::Q4_1,
-            data: &q41,
-        };
-        let mut w = DenseMatrix::new(format_for_ggml(GgmlBlock::Q4_1), n, k, &src, None).unwrap();
-        w.set_max_tier(CpuTier::Avx512);
-        for tokens in [1usize, 5] {
-            let mut x = rng_values(tokens * k, 40 + tokens as u64);
-            for t in 0..tokens {
-                for c in [7, 100, 333] {
-                    x[t * k + c] = 60.0;
-                }
-            }
-            let want = naive(&w, &x, tokens);
-            let err = |input| {
-                let mut w2 =
-                    DenseMatrix::new(format_for_ggml(GgmlBlock::Q4_1), n, k, &src, None).unwrap();
-                w2.set_max_tier(CpuTier::Avx512);
-                w2.set_grouped_input(input);
-                let mut y = vec![0f32; tokens * n];
-                w2.forward(&pool, &x, tokens, None, &mut y).unwrap();
-                rel_l2(&y, &want)
-            };
-            let (pair, single) = (err(GroupedInput::Int8Pair), err(GroupedInput::Int8));
-            assert!(
-                pair < 1e-3,
-                "tokens={tokens}: pair rel err {pair} (single {single})"
-            );
-            assert!(
-                single > 10.0 * pair,
-                "tokens={tokens}: single {single} vs pair {pair}"
-            );
-        }
-    }
-
-    #[test]
-    fn bad_lengths_are_errors() {
-        let pool = WorkerPool::new(&[vec![0]], false, Duration::from_micros(50));
-        let src = vec![0f32; 32 * 64];
-        let w =
-            DenseMatrix::new(WeightFormat::Bf16, 32, 64, &SourceTensor::F32(&src), None).unwrap();
-        let mut y = vec![0f32; 32];
-        assert!(w.forward(&pool, &[0.0; 63], 1, None, &mut y).is_err());
-        assert!(w
-            .forward(&pool, &[0.0; 64], 1, Some(&[0.0; 3]), &mut y)
-            .is_err());
-        assert!(DenseMatrix::new(
-            WeightFormat::Bf16,
-            32,
-            64,
-            &SourceTensor::F32(&src[1..]),
-            None
-        )
-        .is_err());
-        let q = vec![0u8; 18 * 2];
-        let bad = SourceTensor::Ggml {
-            kind: GgmlBlock::Q4_0,
-            data: &q,
-        };
-        assert!(DenseMatrix::new(WeightFormat::Int4 { group: 32 }, 1, 48, &bad, None).is_err());
-    }
-}
+#[path = "dense_tests.rs"]
+mod tests;

@@ -23,4 +23,7 @@ pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;
-pub use vector::{bf16_to_f32, dot_f32, dot_rows, exp_sub_sum, f16_to_f32, weighted_rows};
+pub use vector::{
+    bf16_to_f32, dot_f32, dot_rows, exp_sub_sum, f16_to_f32, rms_norm_rows, weighted_rows,
+    widen_rows,
+};

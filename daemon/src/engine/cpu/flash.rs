@@ -6,8 +6,9 @@
 //! reads each cached row once per layer. Long contexts are split over several items per (token, KV
 //! head) so a single decode token still spreads over every worker; the partial (max, sum,
 //! accumulator) triples are merged afterwards (flash-decoding).
-use crate::engine::kv::{slot, BlockId, LayerRows, BLOCK};
-use moe_kernels::cpu::{dot_rows, exp_sub_sum, weighted_rows, WorkerPool};
+use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
+use half::slice::HalfFloatSliceExt;
+use moe_kernels::cpu::{dot_rows, exp_sub_sum, weighted_rows, widen_rows, WorkerPool};
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
@@ -164,9 +165,7 @@ fn attend_range(
             let p1 = hi.min((p0 / BLOCK + 1) * BLOCK - 1);
             let n = p1 + 1 - p0;
             let s0 = slot(tq.table, p0);
-            for i in 0..n {
-                rows.read_a(s0 + i, g * hd, &mut kt[i * hd..(i + 1) * hd]);
-            }
+            read_tile(&rows.a, rows.a_width, s0, g * hd, &mut kt[..n * hd], hd);
             // Scores of the group's heads against the tile, `[group][n]`.
             let q = &tq.q[g * group * hd..(g + 1) * group * hd];
             dot_rows(q, &kt[..n * hd], hd, &mut wt[..group * n]);
@@ -187,9 +186,7 @@ fn attend_range(
                     o[2..].iter_mut().for_each(|x| *x *= c);
                 }
             }
-            for i in 0..n {
-                rows.read_b(s0 + i, g * hd, &mut vt[i * hd..(i + 1) * hd]);
-            }
+            read_tile(&rows.b, rows.b_width, s0, g * hd, &mut vt[..n * hd], hd);
             for j in 0..group {
                 let acc = &mut out[j * (hd + 2) + 2..(j + 1) * (hd + 2)];
                 weighted_rows(&wt[j * n..(j + 1) * n], &vt[..n * hd], hd, acc);
@@ -197,6 +194,26 @@ fn attend_range(
             p0 = p1 + 1;
         }
     });
+}
+
+/// Values `off .. off + hd` of the consecutive slots `s0 ..` (`dst.len() / hd` of them, rows `width`
+/// apart in `buf`), widened to f32 into `dst` in one call.
+fn read_tile(buf: &RowBuf, width: usize, s0: usize, off: usize, dst: &mut [f32], hd: usize) {
+    let n = dst.len() / hd;
+    if n == 0 {
+        return;
+    }
+    let src = s0 * width + off..s0 * width + off + (n - 1) * width + hd;
+    match buf {
+        RowBuf::F32(v) => {
+            let v = &v[src];
+            for (i, d) in dst.chunks_exact_mut(hd).enumerate() {
+                d.copy_from_slice(&v[i * width..i * width + hd]);
+            }
+        }
+        RowBuf::F16(v) => widen_rows(v[src].reinterpret_cast(), width, false, dst, hd),
+        RowBuf::Bf16(v) => widen_rows(v[src].reinterpret_cast(), width, true, dst, hd),
+    }
 }
 
 /// Runs `f(idx, chunk)` for every `width`-wide chunk of `out` in parallel: on `pool` when there is one

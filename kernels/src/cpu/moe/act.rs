@@ -1,6 +1,7 @@
 //! Activations: the gating nonlinearity, and activation rows converted to what a kernel family reads
 //! (f32 for scalar/AVX2, bf16 pairs for `vdpbf16ps`/AMX-BF16, int8 per row for VNNI/AMX-INT8).
 
+use super::act_i8::{quantize_row, quantize_row_split, I8Row};
 #[cfg(test)]
 use super::pack::bf16_to_f32;
 use super::pack::f32_to_bf16;
@@ -158,33 +159,6 @@ fn to_bf16_row_body(src: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// Symmetric int8 quantization of a row; returns the scale (amax / 127).
-fn to_i8_row(src: &[f32], dst: &mut [i8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if wide_simd() {
-        // SAFETY: AVX-512F/BW/VL present.
-        return unsafe { to_i8_row_avx512(src, dst) };
-    }
-    to_i8_row_body(src, dst)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn to_i8_row_avx512(src: &[f32], dst: &mut [i8]) -> f32 {
-    to_i8_row_body(src, dst)
-}
-
-#[inline(always)]
-fn to_i8_row_body(src: &[f32], dst: &mut [i8]) -> f32 {
-    let amax = src.iter().fold(0f32, |a, &x| a.max(x.abs()));
-    let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
-    let inv = 1.0 / scale;
-    for (o, &x) in dst.iter_mut().zip(src) {
-        *o = (x * inv).round() as i8;
-    }
-    scale
-}
-
 /// In-memory form of activation rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ActKind {
@@ -197,13 +171,6 @@ pub(crate) enum ActKind {
         group: usize,
     },
 }
-
-/// A group of activations whose largest magnitude exceeds this many times the row's RMS holds an
-/// outlier channel (small LLMs' hidden states have a few channels 20–100× the rest): its residual is
-/// kept by [`ActWriter::write_row_split`]. Gaussian groups of 32 have amax ≈ 2.5 RMS. At 6 the
-/// default model (SmolLM2-135M Q4_1) changed its greedy answer to "What is the capital of France?";
-/// at 3 it keeps it, as with a residual for every group.
-pub(crate) const OUTLIER_RMS_RATIO: f32 = 3.0;
 
 /// Owned activation rows, `rows × k_pad`, reused across calls.
 #[derive(Default)]
@@ -321,69 +288,48 @@ impl ActWriter {
                     to_bf16_row(src, d);
                     d[src.len()..].fill(0);
                 }
-                ActKind::I8 { group } => {
-                    let d = std::slice::from_raw_parts_mut(self.q.add(row * k), k);
-                    let groups = k / group;
-                    let gs = std::slice::from_raw_parts_mut(self.gsum.add(row * groups), groups);
-                    let sc = std::slice::from_raw_parts_mut(self.scale.add(row * groups), groups);
-                    for (g, s) in sc.iter_mut().enumerate() {
-                        let part =
-                            &src[(g * group).min(src.len())..((g + 1) * group).min(src.len())];
-                        *s = to_i8_row(part, &mut d[g * group..g * group + part.len()]);
-                    }
-                    d[src.len()..].fill(0);
-                    for (g, s) in gs.iter_mut().enumerate() {
-                        *s = d[g * group..(g + 1) * group]
-                            .iter()
-                            .map(|&v| v as i32)
-                            .sum();
-                    }
-                }
+                ActKind::I8 { group } => quantize_row(src, group, self.i8_row(row, group)),
             }
         }
     }
 
     /// Converts `src` into int8 row `hi`, and into row `lo` what those codes leave over (`src − code·scale`,
-    /// quantized with its own group scales) in the groups that hold an outlier (amax above
-    /// [`OUTLIER_RMS_RATIO`] times the row's RMS); the other groups of `lo` get zero codes and a zero
-    /// scale, which the VNNI kernels skip. The two rows' dots sum to `W·src` within ~amax/32000 per
-    /// value in outlier groups (amax/254 with one row: an outlier coarsens the other values of its
+    /// quantized with its own group scales) in the groups whose amax is above `ratio` times the row's
+    /// RMS (`act_i8::quantize_row_split`); the other groups of `lo` get zero codes and a zero scale,
+    /// which the kernels skip. The two rows' dots sum to `W·src` within ~amax/32000 per value in the
+    /// groups with a residual (amax/254 with one row: an outlier coarsens the other values of its
     /// group) and amax/254 elsewhere, as llama.cpp's int8 activations.
     ///
     /// # Safety
     /// As [`write_row`](Self::write_row), for both rows; the kind is int8.
-    pub unsafe fn write_row_split(&self, hi: usize, lo: usize, src: &[f32]) {
+    pub unsafe fn write_row_split(&self, hi: usize, lo: usize, src: &[f32], ratio: f32) {
         let ActKind::I8 { group } = self.kind else {
             unreachable!("only int8 rows split")
         };
-        let (k, groups) = (self.k_pad, self.k_pad / group);
-        let rms = (src.iter().map(|v| v * v).sum::<f32>() / src.len().max(1) as f32).sqrt();
-        // SAFETY: (caller) both rows are reserved and exclusively ours; row `hi` is read back after
-        // it is written.
+        // SAFETY: (caller) both rows are reserved and exclusively ours.
         unsafe {
-            self.write_row(hi, src);
-            let q = std::slice::from_raw_parts(self.q.add(hi * k), src.len());
-            let sc = std::slice::from_raw_parts(self.scale.add(hi * groups), groups);
-            let rest: Vec<f32> = src
-                .iter()
-                .zip(q)
-                .enumerate()
-                .map(|(i, (&x, &c))| {
-                    let g = i / group;
-                    if sc[g] * 127.0 > OUTLIER_RMS_RATIO * rms {
-                        x - c as f32 * sc[g]
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            self.write_row(lo, &rest);
-            let lo_scale = std::slice::from_raw_parts_mut(self.scale.add(lo * groups), groups);
-            let lo_codes = std::slice::from_raw_parts(self.q.add(lo * k), k);
-            for (g, s) in lo_scale.iter_mut().enumerate() {
-                if lo_codes[g * group..(g + 1) * group].iter().all(|&c| c == 0) {
-                    *s = 0.0; // skipped by the kernels
-                }
+            quantize_row_split(
+                src,
+                group,
+                ratio,
+                self.i8_row(hi, group),
+                self.i8_row(lo, group),
+            )
+        }
+    }
+
+    /// Int8 row `row`'s codes, scales and group sums.
+    ///
+    /// # Safety
+    /// As [`write_row`](Self::write_row); the kind is int8 with this group.
+    unsafe fn i8_row(&self, row: usize, group: usize) -> I8Row<'_> {
+        let (k, groups) = (self.k_pad, self.k_pad / group);
+        // SAFETY: (caller) the row is reserved and exclusively ours.
+        unsafe {
+            I8Row {
+                codes: std::slice::from_raw_parts_mut(self.q.add(row * k), k),
+                scale: std::slice::from_raw_parts_mut(self.scale.add(row * groups), groups),
+                gsum: std::slice::from_raw_parts_mut(self.gsum.add(row * groups), groups),
             }
         }
     }

@@ -155,6 +155,64 @@ pub(crate) unsafe fn int_widened(
     })
 }
 
+/// Whether [`gemm_amx_int`] runs this format on AMX-INT8.
+pub(crate) fn amx_int_supports(format: WeightFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::kern_amx_int::amx_int_supports(format);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// Grouped int weights × int8 activations on AMX-INT8 (`kern_amx_int`) when this CPU has AMX, the
+/// format has the kernel and the view's rows are consecutive; else [`gemm`] on the best tier.
+/// Same contract as [`gemm`]; the rows' storage extends 16 rows past the view's first row.
+pub(crate) fn gemm_amx_int(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    let m = a.rows.len();
+    if m == 0 || nts == 0 {
+        return;
+    }
+    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
+    assert_eq!(a.k_pad, w.l.k_pad);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let grouped = match (a.kind, w.l.format) {
+            (
+                ActKind::I8 { group: ag },
+                WeightFormat::Int4 { group }
+                | WeightFormat::Int4Min { group }
+                | WeightFormat::Int8Group { group }
+                | WeightFormat::Int8Min { group },
+            ) => ag == group,
+            _ => false,
+        };
+        let r0 = a.rows[0] as usize;
+        let consecutive = a
+            .rows
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| r as usize == r0 + i);
+        let stored = a.q.len() >= (r0 + m.div_ceil(16) * 16) * a.k_pad;
+        if CpuTier::Amx.clamp_to_cpu() == CpuTier::Amx
+            && amx_int_supports(w.l.format)
+            && grouped
+            && consecutive
+            && stored
+        {
+            // SAFETY: AMX present (tier detected, permission taken by the detection); format,
+            // activation kind, group, row order and storage checked above; shapes as for `gemm`.
+            return unsafe { super::kern_amx_int::gemm_grouped(w, nt0, nts, a, y, ldy) };
+        }
+    }
+    gemm(CpuTier::Amx, false, w, nt0, nts, a, y, ldy)
+}
+
 /// Runs the kernel of `tier` (clamped to the CPU). `amx` requests the AMX kernel, which needs the
 /// view's rows consecutive and storage for the rows rounded up to 16.
 pub(crate) fn gemm(

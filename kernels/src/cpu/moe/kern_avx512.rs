@@ -445,6 +445,9 @@ unsafe fn i4_block<const R: usize>(
         let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
             let live: [bool; R] = live_rows(xs, g);
+            if live == [false; R] {
+                continue; // residual rows of a group without outliers: no loads at all
+            }
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
             for pr in g * per_group..(g + 1) * per_group {
@@ -518,6 +521,9 @@ unsafe fn i8_grouped_block<const R: usize>(
         let stride = if with_min { 32 } else { 16 };
         for g in 0..groups {
             let live: [bool; R] = live_rows(xs, g);
+            if live == [false; R] {
+                continue;
+            }
             let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x, live);
             let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));

@@ -43,10 +43,13 @@
 //! (from DRAM; token blocks after the first re-read them from L2); everything else is small.
 
 pub(crate) mod act;
+pub(crate) mod act_i8;
 mod export;
 mod forward;
 pub(crate) mod gemm;
 mod kern_amx;
+#[cfg(target_arch = "x86_64")]
+mod kern_amx_int;
 mod kern_avx512;
 mod kern_fp8;
 mod kern_generic;

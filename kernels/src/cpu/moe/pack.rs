@@ -520,43 +520,29 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
                     }
                 }
             }
-            (WeightFormat::Int4Min { group }, _) => {
+            (WeightFormat::Int4Min { group }, _) | (WeightFormat::Int8Min { group }, _) => {
+                // ggml's quantize_row_q4_1_ref: 15 steps (4-bit codes; 255 for 8-bit) from the
+                // minimum to the maximum.
+                let steps = if matches!(l.format, WeightFormat::Int4Min { .. }) {
+                    15.0
+                } else {
+                    255.0
+                };
                 source_row(src, l.k, n, &mut row);
                 codes.fill(0);
                 let groups = l.k_pad / group;
                 let s16 = s16_mut(s);
                 for g in 0..l.k.div_ceil(group) {
                     let part = &row[g * group..((g + 1) * group).min(l.k)];
-                    // ggml's quantize_row_q4_1_ref: 15 steps from the minimum to the maximum.
                     let (lo, hi) = part
                         .iter()
                         .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                    let d = (hi - lo) / 15.0;
+                    let d = (hi - lo) / steps;
                     let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
                     s16[(nt * groups + g) * 32 + j] = half::f16::from_f32(d).to_bits();
                     s16[(nt * groups + g) * 32 + 16 + j] = half::f16::from_f32(lo).to_bits();
                     for (i, &x) in part.iter().enumerate() {
-                        codes[g * group + i] = (((x - lo) * inv + 0.5) as u8).min(15);
-                    }
-                }
-            }
-            (WeightFormat::Int8Min { group }, _) => {
-                source_row(src, l.k, n, &mut row);
-                codes.fill(0);
-                let groups = l.k_pad / group;
-                let s16 = s16_mut(s);
-                for g in 0..l.k.div_ceil(group) {
-                    let part = &row[g * group..((g + 1) * group).min(l.k)];
-                    // As Q4_1 with 255 steps from the minimum to the maximum.
-                    let (lo, hi) = part
-                        .iter()
-                        .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                    let d = (hi - lo) / 255.0;
-                    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    s16[(nt * groups + g) * 32 + j] = half::f16::from_f32(d).to_bits();
-                    s16[(nt * groups + g) * 32 + 16 + j] = half::f16::from_f32(lo).to_bits();
-                    for (i, &x) in part.iter().enumerate() {
-                        codes[g * group + i] = ((x - lo) * inv + 0.5).min(255.0) as u8;
+                        codes[g * group + i] = ((x - lo) * inv + 0.5).min(steps) as u8;
                     }
                 }
             }
