@@ -6,8 +6,9 @@
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
 #   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams, A/B runs (AMX-INT8 from
 #                                     4 rows: MOE_CPU_DENSE_AMX_INT_MIN_ROWS; prefill 64 on AMX-INT8 instead of
-#                                     bf16-widened AMX; int8 activations for every format:
-#                                     MOE_CPU_DENSE_INPUT=int8), llama.cpp pp64/tg64
+#                                     bf16-widened AMX; int8 pairs with residuals in outlier groups only, or
+#                                     one int8 row, for every format: MOE_CPU_DENSE_INPUT=int8pair|int8),
+#                                     llama.cpp pp64/tg64
 #   bash smollm2_on_device.sh dense   the dense kernels alone on this model's shapes (cpu_dense_bench, Q4_1
 #                                     projections and the Q8_0 lm_head, 1 / 8 / 64 rows, VNNI or AMX-INT8
 #                                     for 8 rows), 2 threads pinned
@@ -45,7 +46,7 @@ for PART in "$@"; do
     MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "1 stream + prefill 64, AMX-INT8 from 4 rows" --prompt-len 64 --steps 64 --prefill-lens 64
     MOE_CPU_DENSE_AMX_MIN_ROWS=100000 MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 \
       run "prefill 64 on AMX-INT8 (no bf16 widening)" --prompt-len 64 --steps 8 --prefill-lens 64
-    for input in int8; do  # the defaults: int8pair for 4-bit codes, int8 for 8-bit codes
+    for input in int8pair int8; do  # the defaults: int8pair for 4-bit codes, int8pairall for 8-bit codes
       MOE_CPU_DENSE_INPUT=$input run "1 stream, $input activations for every format" --prompt-len 64 --steps 64
       MOE_CPU_DENSE_INPUT=$input run "8 streams, $input activations for every format" --batch 8 --prompt-len 64 --steps 32
     done
