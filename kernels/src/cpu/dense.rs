@@ -418,20 +418,22 @@ pub fn forward_group(
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
     let kind = first.input_kind(tokens);
-    // Activation rows: one per token, and with `Int8Pair` a second block of `tokens` rows after
-    // them (the codes of the residual, zero outside outlier groups), run as a second view so the
-    // kernels see whole blocks of residual rows and skip the groups none of them needs.
-    let residual = first.residual_ratio(tokens);
-    let split = residual.is_some();
-    let act_rows = if split { 2 * tokens } else { tokens };
+    let rows = RowLayout::of(first.residual_ratio(tokens));
+    let act_rows = rows.act_rows(tokens);
     // AMX loads 16 rows per A tile from a view's first row: storage rounded up past the last view's
     // start (the extra rows' results are discarded).
     s.act.reserve(kind, act_rows.div_ceil(16) * 16 + 16, k_pad);
     s.rows.clear();
     s.rows.extend(0..act_rows as u32);
-    convert_rows(pool, &mut s.act, kind, k_pad, (x, k), tokens, residual);
-    let a = s.act.view(kind, k_pad, &s.rows[..tokens]);
-    let a_rest = split.then(|| s.act.view(kind, k_pad, &s.rows[tokens..]));
+    convert_rows(pool, &mut s.act, kind, k_pad, (x, k), tokens, rows);
+    // The rows the kernels run, and for `Blocks` the residual rows as a second view.
+    let (a, a_rest) = match rows {
+        RowLayout::Blocks(_) => (
+            s.act.view(kind, k_pad, &s.rows[..tokens]),
+            Some(s.act.view(kind, k_pad, &s.rows[tokens..])),
+        ),
+        _ => (s.act.view(kind, k_pad, &s.rows), None),
+    };
 
     // Work items: chunks of N-tiles of every matrix, in order.
     let mut items: Vec<(usize, usize, usize)> = Vec::new(); // (call, first tile, tiles)
@@ -486,25 +488,28 @@ pub fn forward_group(
             }
             if *wide {
                 gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
-            } else if *amx_int {
-                gemm_amx_int(mat, nt0, nts, &a, &mut buf[..], ld);
-                if let Some(r) = &a_rest {
-                    gemm_amx_int(mat, nt0, nts, r, &mut buf[tokens * ld..], ld);
-                }
             } else {
-                gemm(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
+                let run = |a: &ActRef<'_>, out: &mut [f32]| {
+                    if *amx_int {
+                        gemm_amx_int(mat, nt0, nts, a, out, ld)
+                    } else {
+                        gemm(tier, *amx, mat, nt0, nts, a, out, ld)
+                    }
+                };
+                run(&a, &mut buf[..]);
                 if let Some(r) = &a_rest {
-                    gemm(tier, *amx, mat, nt0, nts, r, &mut buf[tokens * ld..], ld);
+                    run(r, &mut buf[tokens * ld..]);
                 }
             }
             let col0 = 16 * nt0;
             let cols = ld.min(n - col0);
             for t in 0..tokens {
-                let src = &buf[t * ld..t * ld + cols];
+                let (main, rest) = rows.rows_of(t, tokens);
+                let src = &buf[main * ld..main * ld + cols];
                 // the residual row's dot, for split tokens
-                let rest = &buf[(tokens * usize::from(split) + t) * ld..][..cols];
+                let rest = rest.map(|r| &buf[r * ld..r * ld + cols]);
                 for (j, &v) in src.iter().enumerate() {
-                    let v = if split { v + rest[j] } else { v };
+                    let v = rest.map_or(v, |r| v + r[j]);
                     let b = bias.map_or(0.0, |b| b[col0 + j]);
                     // SAFETY: element (t, col0 + j) of this call's `y` (checked length) belongs to
                     // this chunk alone; `y` outlives the region.
@@ -516,9 +521,57 @@ pub fn forward_group(
     Ok(())
 }
 
-/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind` (with a `residual` ratio,
-/// token `t` into rows `t` and `tokens + t`: codes and residual codes), in parallel when there are
-/// several blocks of rows and the conversion is more than a copy.
+/// Where a call's activation rows live. A token is one int8 row, or with a residual ratio
+/// ([`GroupedInput::Int8Pair`], [`GroupedInput::Int8PairAll`]) two: its codes and the codes of what
+/// they leave over.
+#[derive(Clone, Copy)]
+enum RowLayout {
+    /// Row `t` per token.
+    Single,
+    /// Residual in every group: rows `2t`, `2t + 1` side by side, so each weight load of the kernels
+    /// serves both (and a batch of 8 fills one 16-row AMX tile).
+    Interleaved,
+    /// Residual in outlier groups only (ratio): codes in rows `0 .. T`, residuals in rows `T .. 2T`,
+    /// run as a second view so the kernels see whole blocks of residual rows and skip the groups
+    /// none of them needs.
+    Blocks(f32),
+}
+
+impl RowLayout {
+    fn of(residual: Option<f32>) -> RowLayout {
+        match residual {
+            None => RowLayout::Single,
+            Some(r) if r > 0.0 => RowLayout::Blocks(r),
+            Some(_) => RowLayout::Interleaved,
+        }
+    }
+
+    fn act_rows(self, tokens: usize) -> usize {
+        match self {
+            RowLayout::Single => tokens,
+            _ => 2 * tokens,
+        }
+    }
+
+    /// The rows of token `t`'s codes and residual codes.
+    fn rows_of(self, t: usize, tokens: usize) -> (usize, Option<usize>) {
+        match self {
+            RowLayout::Single => (t, None),
+            RowLayout::Interleaved => (2 * t, Some(2 * t + 1)),
+            RowLayout::Blocks(_) => (t, Some(tokens + t)),
+        }
+    }
+
+    fn ratio(self) -> f32 {
+        match self {
+            RowLayout::Blocks(r) => r,
+            _ => 0.0,
+        }
+    }
+}
+
+/// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind`, laid out as `rows`, in
+/// parallel when there are several blocks of rows and the conversion is more than a copy.
 fn convert_rows(
     pool: &WorkerPool,
     act: &mut ActBuf,
@@ -526,7 +579,7 @@ fn convert_rows(
     k_pad: usize,
     (x, cols): (&[f32], usize),
     tokens: usize,
-    residual: Option<f32>,
+    rows: RowLayout,
 ) {
     let writer = act.writer(kind, k_pad);
     let convert = |first: usize| {
@@ -534,9 +587,9 @@ fn convert_rows(
             let src = &x[t * cols..(t + 1) * cols];
             // SAFETY: rows were reserved by the caller; each item writes its own rows.
             unsafe {
-                match residual {
-                    Some(ratio) => writer.write_row_split(t, tokens + t, src, ratio),
-                    None => writer.write_row(t, src),
+                match rows.rows_of(t, tokens) {
+                    (main, Some(rest)) => writer.write_row_split(main, rest, src, rows.ratio()),
+                    (main, None) => writer.write_row(main, src),
                 }
             };
         }
