@@ -418,7 +418,7 @@ pub fn forward_group(
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
     let kind = first.input_kind(tokens);
-    let rows = RowLayout::of(first.residual_ratio(tokens));
+    let rows = RowLayout::of(first.residual_ratio(tokens), first.amx_int(tokens));
     let act_rows = rows.act_rows(tokens);
     // AMX loads 16 rows per A tile from a view's first row: storage rounded up past the last view's
     // start (the extra rows' results are discarded).
@@ -506,14 +506,30 @@ pub fn forward_group(
             for t in 0..tokens {
                 let (main, rest) = rows.rows_of(t, tokens);
                 let src = &buf[main * ld..main * ld + cols];
-                // the residual row's dot, for split tokens
-                let rest = rest.map(|r| &buf[r * ld..r * ld + cols]);
-                for (j, &v) in src.iter().enumerate() {
-                    let v = rest.map_or(v, |r| v + r[j]);
-                    let b = bias.map_or(0.0, |b| b[col0 + j]);
-                    // SAFETY: element (t, col0 + j) of this call's `y` (checked length) belongs to
-                    // this chunk alone; `y` outlives the region.
-                    unsafe { yp.get().add(t * n + col0 + j).write(v + b) };
+                // SAFETY: columns col0 .. col0 + cols of row t of this call's `y` (checked length)
+                // belong to this chunk alone; `y` outlives the region.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(t * n + col0), cols) };
+                // plain slice loops per case: a 64-token prefill copies ~330K outputs per layer here
+                match (rest.map(|r| &buf[r * ld..r * ld + cols]), bias) {
+                    (None, None) => dst.copy_from_slice(src),
+                    (None, Some(b)) => {
+                        for ((d, &v), &b) in dst.iter_mut().zip(src).zip(&b[col0..col0 + cols]) {
+                            *d = v + b;
+                        }
+                    }
+                    // the residual row's dot, for split tokens
+                    (Some(r), None) => {
+                        for ((d, &v), &r) in dst.iter_mut().zip(src).zip(r) {
+                            *d = v + r;
+                        }
+                    }
+                    (Some(r), Some(b)) => {
+                        let b = &b[col0..col0 + cols];
+                        for (((d, &v), &r), &b) in dst.iter_mut().zip(src).zip(r).zip(b) {
+                            *d = v + r + b;
+                        }
+                    }
                 }
             }
         })
@@ -528,9 +544,9 @@ pub fn forward_group(
 enum RowLayout {
     /// Row `t` per token.
     Single,
-    /// Residual in every group: rows `2t`, `2t + 1` side by side, so each weight load of the kernels
-    /// serves both (and a batch of 8 fills one 16-row AMX tile).
-    Interleaved,
+    /// Rows `2t`, `2t + 1` side by side (residual ratio): with a residual in every group each weight
+    /// load of the VNNI kernels serves both; on AMX-INT8 a batch of 8 fills one 16-row tile.
+    Interleaved(f32),
     /// Residual in outlier groups only (ratio): codes in rows `0 .. T`, residuals in rows `T .. 2T`,
     /// run as a second view so the kernels see whole blocks of residual rows and skip the groups
     /// none of them needs.
@@ -538,11 +554,11 @@ enum RowLayout {
 }
 
 impl RowLayout {
-    fn of(residual: Option<f32>) -> RowLayout {
+    fn of(residual: Option<f32>, amx_int: bool) -> RowLayout {
         match residual {
             None => RowLayout::Single,
-            Some(r) if r > 0.0 => RowLayout::Blocks(r),
-            Some(_) => RowLayout::Interleaved,
+            Some(r) if r > 0.0 && !amx_int => RowLayout::Blocks(r),
+            Some(r) => RowLayout::Interleaved(r),
         }
     }
 
@@ -557,15 +573,15 @@ impl RowLayout {
     fn rows_of(self, t: usize, tokens: usize) -> (usize, Option<usize>) {
         match self {
             RowLayout::Single => (t, None),
-            RowLayout::Interleaved => (2 * t, Some(2 * t + 1)),
+            RowLayout::Interleaved(_) => (2 * t, Some(2 * t + 1)),
             RowLayout::Blocks(_) => (t, Some(tokens + t)),
         }
     }
 
     fn ratio(self) -> f32 {
         match self {
-            RowLayout::Blocks(r) => r,
-            _ => 0.0,
+            RowLayout::Blocks(r) | RowLayout::Interleaved(r) => r,
+            RowLayout::Single => 0.0,
         }
     }
 }

@@ -52,59 +52,45 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Int4Min { group } => {
+        WeightFormat::Int4 { group }
+        | WeightFormat::Int4Min { group }
+        | WeightFormat::Int8Group { group }
+        | WeightFormat::Int8Min { group } => {
+            // w = (u − off)·d, or u·d + m with a min; 4-bit codes two to a byte (low nibbles first).
+            let (int4, with_min, off) = match l.format {
+                WeightFormat::Int4 { .. } => (true, false, 8),
+                WeightFormat::Int4Min { .. } => (true, true, 0),
+                WeightFormat::Int8Group { .. } => (false, false, 128),
+                _ => (false, true, 0),
+            };
+            let stride = if with_min { 32 } else { 16 };
             let groups = l.k_pad / group;
             for kk in 0..kt / p {
                 let g = (ti * kt + kk * 4) / group;
-                let s0 = (nt * groups + g) * 32;
-                for j in 0..16 {
-                    let (d, m) = (w.int4_scale(s0 + j), w.int4_scale(s0 + 16 + j));
-                    for q in 0..4 {
-                        let b = tile[(kk / 2) * 64 + j * 4 + q];
-                        let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
-                        out[(kk * 4 + q) * 16 + j] = u as f32 * d + m;
-                    }
-                }
-            }
-        }
-        WeightFormat::Int8Min { group } => {
-            let groups = l.k_pad / group;
-            for kk in 0..kt / p {
-                let g = (ti * kt + kk * 4) / group;
-                let s0 = (nt * groups + g) * 32;
-                for j in 0..16 {
-                    let (d, m) = (w.int4_scale(s0 + j), w.int4_scale(s0 + 16 + j));
-                    for q in 0..4 {
-                        out[(kk * 4 + q) * 16 + j] = tile[kk * 64 + j * 4 + q] as f32 * d + m;
-                    }
-                }
-            }
-        }
-        WeightFormat::Int8Group { group } => {
-            let groups = l.k_pad / group;
-            for kk in 0..kt / p {
-                let g = (ti * kt + kk * 4) / group;
-                let s0 = (nt * groups + g) * 16;
+                let s0 = (nt * groups + g) * stride;
                 for j in 0..16 {
                     let d = w.int4_scale(s0 + j);
+                    let m = if with_min {
+                        w.int4_scale(s0 + 16 + j)
+                    } else {
+                        0.0
+                    };
                     for q in 0..4 {
-                        out[(kk * 4 + q) * 16 + j] =
-                            (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * d;
-                    }
-                }
-            }
-        }
-        WeightFormat::Int4 { group } => {
-            let groups = l.k_pad / group;
-            for kk in 0..kt / p {
-                let g = (ti * kt + kk * 4) / group;
-                let s0 = (nt * groups + g) * 16;
-                for j in 0..16 {
-                    let s = w.int4_scale(s0 + j);
-                    for q in 0..4 {
-                        let b = tile[(kk / 2) * 64 + j * 4 + q];
-                        let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
-                        out[(kk * 4 + q) * 16 + j] = (u as i32 - 8) as f32 * s;
+                        let u = if int4 {
+                            let b = tile[(kk / 2) * 64 + j * 4 + q];
+                            if kk % 2 == 0 {
+                                b & 15
+                            } else {
+                                b >> 4
+                            }
+                        } else {
+                            tile[kk * 64 + j * 4 + q]
+                        };
+                        out[(kk * 4 + q) * 16 + j] = if with_min {
+                            u as f32 * d + m
+                        } else {
+                            (u as i32 - off) as f32 * d
+                        };
                     }
                 }
             }

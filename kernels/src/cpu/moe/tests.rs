@@ -105,28 +105,40 @@ impl Src {
     }
 }
 
+/// A random `[n, k]` matrix of `fmt` (source as [`Src::new`] with amplitude 0.05), packed.
+fn packed(rng: &mut Rng, fmt: WeightFormat, n: usize, k: usize) -> (MatLayout, Vec<u8>, Vec<f32>) {
+    let src = Src::new(rng, fmt, n, k, 0.05);
+    let l = MatLayout::new(fmt, n, k);
+    let (mut w, mut s) = (vec![0u8; l.w_bytes], vec![0f32; l.s_len]);
+    pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+    (l, w, s)
+}
+
+/// `rows` activation rows of `kind` from standard normal values (`k` of `k_pad` per row).
+fn random_rows(rng: &mut Rng, kind: ActKind, rows: usize, k: usize, k_pad: usize) -> ActBuf {
+    let mut buf = ActBuf::default();
+    buf.reserve(kind, rows, k_pad);
+    let wr = buf.writer(kind, k_pad);
+    for r in 0..rows {
+        let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
+        // SAFETY: row r is reserved and written by this thread only.
+        unsafe { wr.write_row(r, &x) };
+    }
+    buf
+}
+
 #[test]
 fn kernels_match_their_scalar_twins() {
     let mut rng = Rng(0x1234_5678);
     for fmt in FORMATS {
         for &(n, k) in &[(40usize, 256usize), (130, 384), (16, 128)] {
-            let src = Src::new(&mut rng, fmt, n, k, 0.05);
-            let l = MatLayout::new(fmt, n, k);
-            let mut w = vec![0u8; l.w_bytes];
-            let mut s = vec![0f32; l.s_len];
-            pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+            let (l, w, s) = packed(&mut rng, fmt, n, k);
             let mat = MatRef { l, w: &w, s: &s };
             for tier in CpuTier::available() {
                 let kind = act_kind(tier, fmt, l.k_pad);
                 for m in [1usize, 3, 5, 17, 33] {
                     let total = 40;
-                    let mut buf = ActBuf::default();
-                    buf.reserve(kind, total + 16, l.k_pad);
-                    let wr = buf.writer(kind, l.k_pad);
-                    for r in 0..total + 16 {
-                        let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
-                        unsafe { wr.write_row(r, &x) };
-                    }
+                    let buf = random_rows(&mut rng, kind, total + 16, k, l.k_pad);
                     // Indexed rows for the SIMD paths; consecutive rows (padded storage) for AMX.
                     let amx = tier == CpuTier::Amx && m >= 16;
                     let rows: Vec<u32> = if amx {
@@ -500,19 +512,10 @@ fn int_widening_matches_twin() {
     for fmt in formats {
         let group = fmt.group().unwrap();
         let (n, k) = (48, 256);
-        let src = Src::new(&mut rng, fmt, n, k, 0.05);
-        let l = MatLayout::new(fmt, n, k);
-        let (mut w, mut s) = (vec![0u8; l.w_bytes], vec![0f32; l.s_len]);
-        pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+        let (l, w, s) = packed(&mut rng, fmt, n, k);
         let mat = MatRef { l, w: &w, s: &s };
         let kind = ActKind::I8 { group };
-        let mut buf = ActBuf::default();
-        buf.reserve(kind, 30, l.k_pad);
-        let wr = buf.writer(kind, l.k_pad);
-        for r in 0..30 {
-            let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
-            unsafe { wr.write_row(r, &x) };
-        }
+        let buf = random_rows(&mut rng, kind, 30, k, l.k_pad);
         let rows: Vec<u32> = vec![4, 9, 2, 29, 0, 17, 3];
         let a = buf.view(kind, l.k_pad, &rows);
         let ld = 16 * 3;
@@ -604,20 +607,10 @@ fn fp8_decoders_match_the_twin() {
     let mut rng = Rng(0xF8);
     let fmt = WeightFormat::Fp8Block;
     for &(n, k) in &[(40usize, 256usize), (144, 416)] {
-        let src = Src::new(&mut rng, fmt, n, k, 0.05);
-        let l = MatLayout::new(fmt, n, k);
-        let mut w = vec![0u8; l.w_bytes];
-        let mut s = vec![0f32; l.s_len];
-        pack_matrix(&l, &src.tensor(), &mut w, &mut s);
+        let (l, w, s) = packed(&mut rng, fmt, n, k);
         let mat = MatRef { l, w: &w, s: &s };
         let kind = ActKind::Bf16;
-        let mut buf = ActBuf::default();
-        buf.reserve(kind, 8, l.k_pad);
-        let wr = buf.writer(kind, l.k_pad);
-        for r in 0..8 {
-            let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
-            unsafe { wr.write_row(r, &x) };
-        }
+        let buf = random_rows(&mut rng, kind, 8, k, l.k_pad);
         let (nt0, nts) = (1, l.n_tiles - 1);
         let ld = 16 * nts + 3;
         for m in 1..=7usize {
