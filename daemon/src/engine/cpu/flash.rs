@@ -13,8 +13,10 @@ use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
 /// Fewest positions worth a work item of their own: below this the merge and the dispatch cost more
-/// than the parallelism gains.
-const MIN_SPLIT_POSITIONS: usize = 256;
+/// than the parallelism gains. Small on purpose: a decode token of a model with few KV heads (3 for
+/// SmolLM2) has fewer items than a 2-thread pool wants at short contexts (3 items on 2 threads take
+/// as long as 4), and merging a split costs one `exp` per query head.
+const MIN_SPLIT_POSITIONS: usize = 64;
 
 /// Shape of one GQA layer's attention core.
 #[derive(Clone, Copy, Debug)]
