@@ -155,6 +155,25 @@ pub(crate) unsafe fn int_widened(
     })
 }
 
+/// The shape contract of every kernel call: the view's row count, `None` when there is nothing to do.
+/// Panics on shapes no kernel may see (N-tiles past the matrix, `y` too short, another K).
+fn checked_rows(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &[f32],
+    ldy: usize,
+) -> Option<usize> {
+    let m = a.rows.len();
+    if m == 0 || nts == 0 {
+        return None;
+    }
+    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
+    assert_eq!(a.k_pad, w.l.k_pad);
+    Some(m)
+}
+
 /// Whether [`gemm_amx_int`] runs this format on AMX-INT8.
 pub(crate) fn amx_int_supports(format: WeightFormat) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -174,12 +193,9 @@ pub(crate) fn gemm_amx_int(
     y: &mut [f32],
     ldy: usize,
 ) {
-    let m = a.rows.len();
-    if m == 0 || nts == 0 {
+    let Some(m) = checked_rows(w, nt0, nts, a, y, ldy) else {
         return;
-    }
-    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
-    assert_eq!(a.k_pad, w.l.k_pad);
+    };
     #[cfg(target_arch = "x86_64")]
     {
         let grouped = match (a.kind, w.l.format) {
@@ -225,12 +241,9 @@ pub(crate) fn gemm(
     y: &mut [f32],
     ldy: usize,
 ) {
-    let m = a.rows.len();
-    if m == 0 || nts == 0 {
+    let Some(m) = checked_rows(w, nt0, nts, a, y, ldy) else {
         return;
-    }
-    assert!(nt0 + nts <= w.l.n_tiles && 16 * nts <= ldy && y.len() >= (m - 1) * ldy + 16 * nts);
-    assert_eq!(a.k_pad, w.l.k_pad);
+    };
     let tier = tier.clamp_to_cpu();
     #[cfg(target_arch = "x86_64")]
     {

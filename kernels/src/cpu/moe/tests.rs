@@ -500,16 +500,8 @@ fn int_widening_matches_twin() {
         return; // needs AVX-512 BF16; the AMX machine also runs it through `gemm` above
     }
     let mut rng = Rng(77);
-    let formats = [
-        WeightFormat::Int4 { group: 32 },
-        WeightFormat::Int4 { group: 64 },
-        WeightFormat::Int4 { group: 128 },
-        WeightFormat::Int4Min { group: 32 },
-        WeightFormat::Int8Group { group: 32 },
-        WeightFormat::Int8Group { group: 16 },
-        WeightFormat::Int8Min { group: 32 },
-    ];
-    for fmt in formats {
+    // the grouped int formats: the ones widened to bf16 for AMX
+    for fmt in FORMATS.into_iter().filter(|f| f.group().is_some()) {
         let group = fmt.group().unwrap();
         let (n, k) = (48, 256);
         let (l, w, s) = packed(&mut rng, fmt, n, k);
