@@ -194,9 +194,17 @@ pub(crate) struct ActRef<'a> {
     pub q: &'a [i8],
     pub scale: &'a [f32],
     pub gsum: &'a [i32],
+    /// Int8 kinds: the only groups any row of the view has codes in, ascending (empty: every group).
+    /// The residual rows of int8 pairs have a few; the VNNI kernels then visit only those.
+    pub live: &'a [u16],
 }
 
-impl ActRef<'_> {
+impl<'a> ActRef<'a> {
+    /// The view restricted to the groups in `live` (see the field).
+    pub fn with_live(self, live: &'a [u16]) -> ActRef<'a> {
+        ActRef { live, ..self }
+    }
+
     pub fn groups(&self) -> usize {
         match self.kind {
             ActKind::I8 { group } => self.k_pad / group,
@@ -234,6 +242,7 @@ impl ActBuf {
             q: &self.q,
             scale: &self.scale,
             gsum: &self.gsum,
+            live: &[],
         }
     }
 

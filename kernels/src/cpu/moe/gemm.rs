@@ -136,6 +136,7 @@ pub(crate) unsafe fn int_widened(
             q: &[],
             scale: &[],
             gsum: &[],
+            live: &[],
         };
         // SAFETY: (caller) tier present; int4 is a format `widen_tiles` reads; the rows of `ab` are
         // consecutive with 16-row-padded storage.

@@ -275,29 +275,29 @@ pub(crate) unsafe fn gemm_int(
             }
             let (gs, xs) = row_terms(a, b, n, groups);
             let (x, out) = (&b.x, &b.out);
+            let gl = Groups {
+                all: groups,
+                live: a.live,
+            };
             match w.l.format {
                 WeightFormat::Int4 { group } => {
                     let s = &w.s16()[nt * groups * 16..];
                     by_rows!(
                         n,
                         8,
-                        i4_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
+                        i4_block(wp, group, gl, false, pf, s, x, &gs, &xs, out)
                     )
                 }
                 WeightFormat::Int4Min { group } => {
                     let s = &w.s16()[nt * groups * 32..];
-                    by_rows!(
-                        n,
-                        8,
-                        i4_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
-                    )
+                    by_rows!(n, 8, i4_block(wp, group, gl, true, pf, s, x, &gs, &xs, out))
                 }
                 WeightFormat::Int8Group { group } => {
                     let s = &w.s16()[nt * groups * 16..];
                     by_rows!(
                         n,
                         8,
-                        i8_grouped_block(wp, group, groups, false, pf, s, x, &gs, &xs, out)
+                        i8_grouped_block(wp, group, gl, false, pf, s, x, &gs, &xs, out)
                     )
                 }
                 WeightFormat::Int8Min { group } => {
@@ -305,7 +305,7 @@ pub(crate) unsafe fn gemm_int(
                     by_rows!(
                         n,
                         8,
-                        i8_grouped_block(wp, group, groups, true, pf, s, x, &gs, &xs, out)
+                        i8_grouped_block(wp, group, gl, true, pf, s, x, &gs, &xs, out)
                     )
                 }
                 _ => {
@@ -314,6 +314,34 @@ pub(crate) unsafe fn gemm_int(
                 }
             }
         })
+    }
+}
+
+/// The groups a grouped kernel visits: all `all` of them, or only the `live` ones.
+#[derive(Clone, Copy)]
+struct Groups<'a> {
+    all: usize,
+    live: &'a [u16],
+}
+
+impl Groups<'_> {
+    #[inline(always)]
+    fn len(self) -> usize {
+        if self.live.is_empty() {
+            self.all
+        } else {
+            self.live.len()
+        }
+    }
+
+    /// The `i`-th group visited.
+    #[inline(always)]
+    fn get(self, i: usize) -> usize {
+        if self.live.is_empty() {
+            i
+        } else {
+            self.live[i] as usize
+        }
     }
 }
 
@@ -427,7 +455,7 @@ unsafe fn i8_block<const R: usize>(
 unsafe fn i4_block<const R: usize>(
     wp: *const u8,
     group: usize,
-    groups: usize,
+    groups: Groups<'_>,
     with_min: bool,
     pf: usize,
     scales: &[u16],
@@ -443,7 +471,8 @@ unsafe fn i4_block<const R: usize>(
         let mut total = [_mm512_setzero_ps(); R];
         let per_group = group / 8;
         let stride = if with_min { 32 } else { 16 };
-        for g in 0..groups {
+        for gi in 0..groups.len() {
+            let g = groups.get(gi);
             let live: [bool; R] = live_rows(xs, g);
             if live == [false; R] {
                 continue; // residual rows of a group without outliers: no loads at all
@@ -504,7 +533,7 @@ unsafe fn i4_block<const R: usize>(
 unsafe fn i8_grouped_block<const R: usize>(
     wp: *const u8,
     group: usize,
-    groups: usize,
+    groups: Groups<'_>,
     with_min: bool,
     pf: usize,
     scales: &[u16],
@@ -519,7 +548,8 @@ unsafe fn i8_grouped_block<const R: usize>(
         let mut total = [_mm512_setzero_ps(); R];
         let quads = group / 4;
         let stride = if with_min { 32 } else { 16 };
-        for g in 0..groups {
+        for gi in 0..groups.len() {
+            let g = groups.get(gi);
             let live: [bool; R] = live_rows(xs, g);
             if live == [false; R] {
                 continue;
