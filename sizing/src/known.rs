@@ -4,6 +4,10 @@
 //! reading the model files.
 use serde_json::{json, Value};
 
+#[path = "known_glm.rs"]
+mod glm;
+pub use glm::GLM53_LAYERS;
+
 /// A checkpoint the operator recognises by name.
 pub struct KnownModel {
     /// Matched case-insensitively against repo ids, paths and served names.
@@ -31,6 +35,19 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
     },
     KnownModel {
         key: "smallthinker-4b",
+        hub_fp8: false,
+    },
+    // Before `glm-5`, whose key is part of this one's.
+    KnownModel {
+        key: "glm-5.3-flash",
+        hub_fp8: true,
+    },
+    KnownModel {
+        key: "glm-5",
+        hub_fp8: false,
+    },
+    KnownModel {
+        key: "glm-4.7-flash",
         hub_fp8: false,
     },
 ];
@@ -100,7 +117,7 @@ pub fn config_json(name: &str) -> Option<Value> {
             "max_position_embeddings": 32768, "vocab_size": 151936, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": true, "bos_token_id": 151643, "eos_token_id": [151643, 151645],
             "torch_dtype": "bfloat16"}),
-        _ => return None,
+        _ => return glm::config_json(name),
     })
 }
 

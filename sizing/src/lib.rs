@@ -4,12 +4,15 @@
 //! the same function with a node's GPU memory to decide whether the node qualifies and how many
 //! experts per layer, which dense dtype and where the embeddings go, then passes those choices to
 //! the daemon as flags, so both plans are the same plan. No heavy dependencies: serde_json only.
+pub mod glm;
+pub mod hybrid;
 pub mod known;
 pub mod parallel;
 pub mod plan;
 pub mod shape;
 pub mod weights;
 
+pub use hybrid::{ContextFootprint, HybridLayers, IndexerDims, IndexerKeys, LayerKind, LinearDims};
 pub use plan::{
     choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice,
     ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,

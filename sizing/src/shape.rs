@@ -128,6 +128,8 @@ pub enum ShapeError {
     Field(&'static str),
     #[error("config.json: architecture `{0}` is not one the engine runs")]
     Architecture(String),
+    #[error("config.json: {0}")]
+    Invalid(String),
 }
 
 fn num(v: &Value, key: &str) -> Option<u64> {
@@ -141,6 +143,9 @@ fn need(v: &Value, key: &'static str) -> Result<u64, ShapeError> {
 impl ModelShape {
     /// Reads a Hugging Face `config.json` of an architecture the engine runs.
     pub fn from_config_json(v: &Value) -> Result<Self, ShapeError> {
+        // Multimodal checkpoints (GLM-5.3-Flash) nest the text model's fields in `text_config`.
+        let text = crate::glm::text_fields(v);
+        let v = &text;
         let arch = v
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -150,7 +155,13 @@ impl ModelShape {
         let layers = need(v, "num_hidden_layers")?;
         let heads = need(v, "num_attention_heads")?;
         let smallthinker = arch == "SmallThinkerForCausalLM";
-        let attention = if arch == "DeepseekV3ForCausalLM" {
+        let glm = match crate::glm::GlmArch::from_name(arch) {
+            Some(a) => Some(crate::glm::read(v, a, layers)?),
+            None => None,
+        };
+        let attention = if let Some(g) = &glm {
+            g.attention.clone()
+        } else if arch == "DeepseekV3ForCausalLM" {
             Attention::Mla {
                 heads,
                 q_lora_rank: num(v, "q_lora_rank").filter(|&r| r > 0),
@@ -174,7 +185,10 @@ impl ModelShape {
                 },
             }
         };
-        let moe = parse_moe(v, arch, layers)?;
+        let moe = match &glm {
+            Some(g) => Some(g.moe.clone()),
+            None => parse_moe(v, arch, layers)?,
+        };
         let checkpoint = match v.get("quantization_config") {
             Some(q) if q.get("quant_method").and_then(Value::as_str) == Some("fp8") => {
                 let block = q
@@ -198,7 +212,7 @@ impl ModelShape {
             dense_intermediate: num(v, "intermediate_size").unwrap_or(0),
             moe,
             checkpoint,
-            hybrid: None,
+            hybrid: glm.and_then(|g| g.hybrid).map(|h| h.shape()),
         })
     }
 
@@ -216,14 +230,25 @@ impl ModelShape {
         }
     }
 
+    /// What a sequence's context costs by layer kind at `elem_bytes` per cached K/V value: K and V
+    /// (or MLA's latent and rope key) rows of every layer that keeps rows, the indexer's f32 key rows
+    /// of the layers running their own indexer, and the linear layers' f32 recurrent state.
+    pub fn context_footprint(&self, elem_bytes: u64) -> crate::hybrid::ContextFootprint {
+        let (k, v) = self.kv_widths();
+        let hy = self.hybrid.clone().unwrap_or_default();
+        let linear = hy.linear_layers.min(self.layers);
+        crate::hybrid::ContextFootprint {
+            kv_per_position: (self.layers - linear) * (k + v) * elem_bytes,
+            indexer_per_position: hy.indexer_layers * hy.indexer_row_floats * 4,
+            state_per_sequence: hy.state_bytes(1),
+        }
+    }
+
     /// KV cache bytes per token of context, all layers, at `elem_bytes` per cached value: K and V (or
     /// MLA's latent and rope key) of every layer that keeps rows, plus the indexer's f32 key rows.
     pub fn kv_bytes_per_token(&self, elem_bytes: u64) -> u64 {
-        let (k, v) = self.kv_widths();
-        let (linear, indexer) = self.hybrid.as_ref().map_or((0, 0), |h| {
-            (h.linear_layers, h.indexer_layers * h.indexer_row_floats * 4)
-        });
-        (self.layers - linear.min(self.layers)) * (k + v) * elem_bytes + indexer
+        let f = self.context_footprint(elem_bytes);
+        f.kv_per_position + f.indexer_per_position
     }
 
     /// KV cache bytes per token of context, all layers, with the cache in `dtype`: bf16 values, or

@@ -28,22 +28,12 @@ pub struct SynthArgs {
 
 /// Hub config.json of each shape (the table the operator sizes with).
 pub fn config_like(name: &str) -> anyhow::Result<Value> {
-    if let Some(cfg) = moe_sizing::known::config_json(name) {
-        return Ok(cfg);
-    }
-    if name == "glm-5.3-flash" {
-        return Ok(super::synth_glm5::glm53_flash_config());
-    }
-    super::synth_glm::config_like(name).with_context(|| {
+    moe_sizing::known::config_json(name).with_context(|| {
         let names: Vec<&str> = moe_sizing::known::KNOWN_MODELS
             .iter()
             .map(|k| k.key)
             .collect();
-        format!(
-            "--like {name}: choose {}, {}, glm-5.3-flash",
-            names.join(", "),
-            super::synth_glm::NAMES
-        )
+        format!("--like {name}: choose {}", names.join(", "))
     })
 }
 

@@ -2,64 +2,8 @@
 //! its hybrid layers (linear attention, indexed MLA with the indexer, hyper-connections), named as the
 //! released multimodal checkpoint names them (`model.language_model.*`).
 //!
-//! Where the config comes from: the hub's config.json is not reachable from here. Every field below is
-//! transformers 5.24's `Glm5NextTextConfig` default (its docstring names `zai-org/GLM-5.3-Flash`:
-//! hidden 4096, 45 layers, 64 heads, 288 experts top-8 + 1 shared, MLA q-LoRA 1536 / kv-LoRA 512 with
-//! NoPE heads of 256, 64 linear heads of 128, hc_mult 4, index_topk 2048, context 1M), except what public
-//! code reading the released config.json states differently or in addition: `index_kpool` 4 (the class
-//! default is 16), `layer_types` spelt `deepseek_sparse_attention` on layers 3, 7, …, 43,
-//! `linear_attn_config`, `first_k_dense_replace` 3, eos ids 154820 / 154827 / 154829 (omlx's glm5_next
-//! tests, a GLM-5.3 mini-checkpoint generator for sglang).
-use serde_json::{json, Value};
-
-pub const LAYERS: usize = 45;
-
-/// The text model's config in the multimodal layout (text fields in `text_config`).
-pub fn glm53_flash_config() -> Value {
-    let dsa: Vec<usize> = (0..LAYERS).filter(|i| i % 4 == 3).collect();
-    let kda: Vec<usize> = (0..LAYERS).filter(|i| i % 4 != 3).collect();
-    let layer_types: Vec<&str> = (0..LAYERS)
-        .map(|i| {
-            if i % 4 == 3 {
-                "deepseek_sparse_attention"
-            } else {
-                "linear_attention"
-            }
-        })
-        .collect();
-    let mlp_types: Vec<&str> = (0..LAYERS)
-        .map(|i| if i < 3 { "dense" } else { "sparse" })
-        .collect();
-    let mut text = json!({
-        "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096,
-        "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": LAYERS,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 0,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 256, "qk_rope_head_dim": 0,
-        "v_head_dim": 256, "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1,
-        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
-        "layer_types": layer_types, "mlp_layer_types": mlp_types,
-        "indexer_types": vec!["full"; LAYERS]
-    });
-    let more = json!({
-        "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4,
-                               "gate_lower_bound": -5.0, "kda_layers": kda, "full_attn_layers": dsa},
-        "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "swiglu_limit": 10.0,
-        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 4,
-        "index_kpool_always_select_tail": true, "num_nextn_predict_layers": 1,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
-        "attention_bias": false, "pad_token_id": 154820,
-        "eos_token_id": [154820, 154827, 154829], "torch_dtype": "bfloat16"
-    });
-    if let (Some(t), Value::Object(m)) = (text.as_object_mut(), more) {
-        t.extend(m);
-    }
-    json!({
-        "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-        "tie_word_embeddings": false, "image_token_id": 154854, "video_token_id": 154855,
-        "text_config": text
-    })
-}
+//! Its config.json (and where each number comes from) is `moe_sizing::known`'s `glm-5.3-flash`.
+use serde_json::Value;
 
 /// Keeps the first `layers` layers in every per-layer list of the text config.
 pub fn set_layers(text: &mut Value, layers: usize) {

@@ -298,7 +298,7 @@ impl Engine {
             .build()?;
         let rope = Rope::new(&cfg.rope);
         let kv_dtype = opts.cpu_kv_dtype.unwrap_or_else(|| kv::default_dtype(&cfg));
-        let footprint = kv::footprint::ContextFootprint::of(&cfg, kv_dtype.bytes());
+        let footprint = kv::footprint::of(&cfg, kv_dtype.bytes());
         tracing::info!(
             kv_bytes_per_position = footprint.kv_per_position,
             indexer_bytes_per_position = footprint.indexer_per_position,

@@ -53,9 +53,21 @@ impl IndexerConfig {
     /// Floats per position the indexer keeps in the layer's KV blocks: the normalised key, plus the
     /// gate logits of the pooling for KeyPool.
     pub fn row_width(&self) -> usize {
-        match self.pooling {
-            IndexerPooling::PerToken => self.head_dim,
-            IndexerPooling::KeyPool { .. } => 2 * self.head_dim,
+        self.dims().row_floats() as usize
+    }
+
+    /// The memory plan's view of this indexer (the sizing crate's accounting, shared with the operator).
+    pub fn dims(&self) -> moe_sizing::IndexerDims {
+        moe_sizing::IndexerDims {
+            heads: self.n_heads as u64,
+            head_dim: self.head_dim as u64,
+            topk: self.topk as u64,
+            keys: match self.pooling {
+                IndexerPooling::PerToken => moe_sizing::IndexerKeys::PerToken,
+                IndexerPooling::KeyPool { pool } => {
+                    moe_sizing::IndexerKeys::Pooled { pool: pool as u64 }
+                }
+            },
         }
     }
 }

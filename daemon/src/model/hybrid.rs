@@ -6,7 +6,7 @@
 //! spelling) overrides `linear_head_dim`, `linear_num_heads`, `linear_conv_kernel_dim` and
 //! `linear_lower_bound`; absent fields take the config class defaults.
 use super::config::ConfigError;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// The token mixer of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,10 +35,19 @@ impl LinearAttentionConfig {
         self.num_heads * self.head_dim
     }
 
+    /// The memory plan's view of this shape (the sizing crate's accounting, shared with the operator).
+    pub fn dims(&self) -> moe_sizing::LinearDims {
+        moe_sizing::LinearDims {
+            heads: self.num_heads as u64,
+            head_dim: self.head_dim as u64,
+            conv_kernel: self.conv_kernel as u64,
+        }
+    }
+
     /// f32 values of one sequence's state in one layer: the recurrent matrices plus the last
     /// `conv_kernel - 1` inputs of the convolution. Fixed, whatever the context length.
     pub fn state_floats(&self) -> usize {
-        self.num_heads * self.head_dim * self.head_dim + 3 * self.qkv_dim() * (self.conv_kernel - 1)
+        self.dims().state_floats() as usize
     }
 }
 
@@ -63,20 +72,9 @@ pub struct HybridFields {
 }
 
 /// The text model's fields: `text_config` over the top level (so `architectures`, quantization and
-/// token ids from the top level stay visible). A config without `text_config` is returned as is.
+/// token ids from the top level stay visible); the sizing crate's reading, so both read one config.
 pub fn text_fields(v: &Value) -> Value {
-    let Some(text) = v.get("text_config").and_then(Value::as_object) else {
-        return v.clone();
-    };
-    let mut merged: Map<String, Value> = v.as_object().cloned().unwrap_or_default();
-    merged.remove("text_config");
-    merged.remove("vision_config");
-    for (k, x) in text {
-        if !x.is_null() || !merged.contains_key(k) {
-            merged.insert(k.clone(), x.clone());
-        }
-    }
-    Value::Object(merged)
+    moe_sizing::glm::text_fields(v)
 }
 
 fn usize_or(v: &Value, key: &str, default: usize) -> Result<usize, ConfigError> {

@@ -362,7 +362,7 @@ mod tests {
         assert_eq!(floats * 4, host.bytes());
         assert_eq!(
             floats * 4,
-            crate::engine::kv::footprint::ContextFootprint::of(&cfg, 4).state_per_sequence
+            crate::engine::kv::footprint::of(&cfg, 4).state_per_sequence as usize
         );
     }
 }

@@ -10,7 +10,7 @@
 //! (prefill) take score rows sized by their own context for the duration of the indexer call.
 use super::GpuAttention;
 use super::GpuModel;
-use crate::model::config::{IndexerConfig, IndexerPooling};
+use crate::model::config::IndexerConfig;
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -83,38 +83,13 @@ pub fn max_candidates(ix: &IndexerConfig, positions: usize) -> usize {
 
 /// Positions per indexer candidate: the pool size, or 1.
 pub fn candidate_unit(ix: &IndexerConfig) -> usize {
-    match ix.pooling {
-        IndexerPooling::KeyPool { pool } => pool,
-        IndexerPooling::PerToken => 1,
-    }
+    ix.dims().unit() as usize
 }
 
 /// Positions one query's selection lists at most: `topk / unit` candidates of `unit` positions, plus
 /// its own incomplete pool.
 pub fn selection_stride(ix: &IndexerConfig) -> usize {
-    let unit = candidate_unit(ix);
-    (ix.topk / unit) * unit + unit
-}
-
-/// Values (f32-sized; bf16 ones counted whole, an upper bound) per step row of [`HybridBufs`], score
-/// rows not included: what the memory plan budgets per row of each batch-size class.
-pub fn step_row_values(cfg: &ModelConfig) -> usize {
-    let hd = cfg.hidden_size;
-    let mut v = 3 + 2; // segment index (row0, len, seg_of_row) and a state-table address per row
-    if let Some(h) = cfg.hyper {
-        v += h.mult * hd + mix_width(h.mult) + (2 + h.mult) * h.mult;
-    }
-    if let Some(la) = cfg.linear_attention {
-        let w = la.qkv_dim();
-        // raw, mixed; mid f32 + bf16 (rank = head_dim); g, gate, core, normed; beta
-        v += 6 * w + 2 * la.head_dim + 4 * w + la.num_heads;
-    }
-    if let Some(ix) = &cfg.indexer {
-        let (nh, d) = (ix.n_heads, ix.head_dim);
-        // h32, hb; q, key, weights, gate; selection lists and lengths
-        v += 2 * hd + nh * d + 2 * d + nh + selection_stride(ix) + 1;
-    }
-    v
+    ix.dims().selection_stride() as usize
 }
 
 impl GpuModel {

@@ -6,8 +6,8 @@ use crate::engine::EngineOptions;
 use crate::model::{config::ModelConfig, Attention as HostAttention, Model};
 use moe_kernels::cuda::quant::DenseFormat;
 use moe_sizing::{
-    Attention, CheckpointFormat, ExpertsChoice, HybridShape, KvRequest, LayerPins, MemoryPlan,
-    ModelShape, Moe, PlanInputs,
+    Attention, CheckpointFormat, ExpertsChoice, HybridLayers, HybridShape, KvRequest, LayerKind,
+    LayerPins, MemoryPlan, ModelShape, Moe, PlanInputs,
 };
 
 /// The sizing shape of a loaded configuration (`qkv_bias`: q/k/v projections carry biases, which
@@ -50,40 +50,39 @@ pub fn shape_of(cfg: &ModelConfig, qkv_bias: bool, checkpoint: CheckpointFormat)
     }
 }
 
-/// What a hybrid-attention model adds to the plan (`None` for the others): linear layers and their
-/// per-sequence state, indexer rows, and the hybrid step buffers per row (`gpu::hybrid_bufs`).
-pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
+/// The per-layer kinds of a hybrid-attention model (`None` for the others), for the sizing crate's
+/// accounting: which layers are linear, which run their own indexer, the linear and indexer shapes
+/// and the hyper-connection streams.
+pub fn hybrid_layers(cfg: &ModelConfig) -> Option<HybridLayers> {
     use crate::model::config::IndexerLayer;
     use crate::model::hybrid::Mixer;
     if cfg.hyper.is_none() && cfg.linear_attention.is_none() && cfg.indexer.is_none() {
         return None;
     }
-    let linear = |li: usize| cfg.mixers.get(li) == Some(&Mixer::Linear);
-    let linear_layers = match cfg.linear_attention {
-        Some(_) => (0..cfg.num_layers).filter(|&l| linear(l)).count() as u64,
-        None => 0,
-    };
-    let (indexer_layers, indexer_row_floats, indexer_unit) = match &cfg.indexer {
-        Some(ix) => (
-            (0..cfg.num_layers)
-                .filter(|&l| !linear(l) && ix.layers.get(l) == Some(&IndexerLayer::Own))
-                .count() as u64,
-            ix.row_width() as u64,
-            super::hybrid_bufs::candidate_unit(ix) as u64,
-        ),
-        None => (0, 0, 0),
-    };
-    Some(HybridShape {
-        linear_layers,
-        state_floats: cfg.linear_attention.map_or(0, |la| la.state_floats()) as u64,
-        indexer_layers,
-        indexer_row_floats,
-        indexer_unit,
-        step_row_values: super::hybrid_bufs::step_row_values(cfg) as u64,
-        linear_heads: cfg.linear_attention.map_or(0, |la| la.num_heads) as u64,
-        linear_head_dim: cfg.linear_attention.map_or(0, |la| la.head_dim) as u64,
-        conv_kernel: cfg.linear_attention.map_or(0, |la| la.conv_kernel) as u64,
+    let kinds = (0..cfg.num_layers)
+        .map(|l| match cfg.mixers.get(l) {
+            Some(Mixer::Linear) => LayerKind::Linear,
+            _ => LayerKind::Attention {
+                own_indexer: cfg
+                    .indexer
+                    .as_ref()
+                    .is_some_and(|ix| ix.layers.get(l) == Some(&IndexerLayer::Own)),
+            },
+        })
+        .collect();
+    Some(HybridLayers {
+        hidden: cfg.hidden_size as u64,
+        kinds,
+        linear: cfg.linear_attention.map(|la| la.dims()),
+        indexer: cfg.indexer.as_ref().map(|ix| ix.dims()),
+        hyper_streams: cfg.hyper.map(|h| h.mult as u64),
     })
+}
+
+/// What a hybrid-attention model adds to the plan (`None` for the others): linear layers and their
+/// per-sequence state, indexer rows, and the hybrid step buffers per row (`gpu::hybrid_bufs`).
+pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
+    hybrid_layers(cfg).map(|h| h.shape())
 }
 
 /// Whether the loaded model's attention projections carry biases.
@@ -232,12 +231,21 @@ mod tests {
             "deepseek_v3_plain",
             "smallthinker",
             "smallthinker_softmax",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "glm5_next",
+            "glm5_next_indexer",
         ] {
             if let Some(v) = fixture_config(name) {
                 configs.push((name.to_string(), v));
             }
         }
         assert!(configs.len() >= 5);
+        let hybrid = configs
+            .iter()
+            .filter(|(_, v)| ModelShape::from_config_json(v).is_ok_and(|s| s.hybrid.is_some()))
+            .count();
+        assert!(hybrid >= 4, "GLM-5 and GLM-5.3-Flash configs and fixtures");
         for (name, v) in configs {
             let sized = ModelShape::from_config_json(&v).unwrap();
             let cfg = ModelConfig::from_json(&v).unwrap();
@@ -351,6 +359,17 @@ mod tests {
         let shape = shape_of(e.config(), false, CheckpointFormat::Bf16);
         let got = moe_sizing::dense_bytes(&shape, moe_sizing::DenseDtype::Bf16, false).attention;
         assert_eq!(got, want);
+    }
+
+    /// The sizing crate's hyper-connection mixing width is the kernels'.
+    #[test]
+    fn hyper_mix_width_agrees_with_the_kernels() {
+        for m in 1..=16 {
+            assert_eq!(
+                moe_sizing::hybrid::hyper_mix_width(m as u64),
+                moe_kernels::cuda::hyper::mix_width(m) as u64
+            );
+        }
     }
 
     /// The sizing crate's alignment rule for quantized widths is the kernels'.
