@@ -23,7 +23,12 @@ fn errors(obj: &MoEDeployment) -> String {
 
 #[test]
 fn examples_pass_every_rule() {
-    for example in ["qwen3-30b-a3b.yaml", "glm-4.5-air.yaml", "deepseek-v3.yaml"] {
+    for example in [
+        "qwen3-30b-a3b.yaml",
+        "glm-4.5-air.yaml",
+        "deepseek-v3.yaml",
+        "glm-5.3-flash.yaml",
+    ] {
         let path = format!("{}/../examples/{example}", env!("CARGO_MANIFEST_DIR"));
         let obj = md(&std::fs::read_to_string(path).unwrap());
         assert_eq!(errors(&obj), "", "{example}");

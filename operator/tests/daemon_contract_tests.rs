@@ -40,11 +40,12 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-const EXAMPLES: [&str; 4] = [
+const EXAMPLES: [&str; 5] = [
     "qwen3-30b-a3b",
     "glm-4.5-air",
     "deepseek-v3",
     "smallthinker-21b",
+    "glm-5.3-flash",
 ];
 
 /// What one class's daemon plans from the operator's arguments and rule files.

@@ -15,11 +15,12 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(repo_file(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
-const EXAMPLES: [&str; 4] = [
+const EXAMPLES: [&str; 5] = [
     "examples/qwen3-30b-a3b.yaml",
     "examples/glm-4.5-air.yaml",
     "examples/deepseek-v3.yaml",
     "examples/smallthinker-21b.yaml",
+    "examples/glm-5.3-flash.yaml",
 ];
 
 #[test]
@@ -136,4 +137,26 @@ fn binary_exits_nonzero_without_panicking() {
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// GLM-5.3-Flash (hybrid: linear-attention and indexed MLA layers) planned end to end against the
+/// sample cluster: the model is recognised by its hub id, sized from its config.json by layer kind,
+/// and placed on the node whose GPU and DRAM hold it.
+#[test]
+fn glm53_flash_example_plans_by_layer_kind() {
+    let nodes = read("examples/nodes.yaml");
+    let out = plan(&read("examples/glm-5.3-flash.yaml"), &nodes).unwrap();
+    println!("{out}");
+    assert!(
+        out.contains("- name: spr-h100-1\n  qualifies: true"),
+        "{out}"
+    );
+    assert!(out.contains("kind: StatefulSet") && out.contains("kind: PodDisruptionBudget"));
+    // The GPU plan names the hybrid terms: KV rows of the 11 indexed layers only, with the indexer's
+    // f32 rows, and a recurrent state per sequence of the 34 linear layers.
+    assert!(out.contains("11 layers, f32 indexer rows"), "{out}");
+    assert!(
+        out.contains("4 sequences × 34 linear-attention layers"),
+        "{out}"
+    );
 }

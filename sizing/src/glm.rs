@@ -168,8 +168,9 @@ pub fn read(v: &Value, arch: GlmArch, layers: u64) -> Result<GlmParts, ShapeErro
             linear: None,
             indexer: Some(indexer_dims(v, IndexerKeys::PerToken)?),
             hyper_streams: None,
+            q_rank: q_rank(&attention, hidden),
         }),
-        GlmArch::Glm53Flash => Some(glm53_layers(v, hidden, layers)?),
+        GlmArch::Glm53Flash => Some(glm53_layers(v, hidden, layers, q_rank(&attention, hidden))?),
     };
     Ok(GlmParts {
         attention,
@@ -181,7 +182,12 @@ pub fn read(v: &Value, arch: GlmArch, layers: u64) -> Result<GlmParts, ShapeErro
 /// GLM-5.3-Flash: `layer_types` (default: every fourth layer, 3, 7, …, indexed attention), the
 /// linear layers' shape (`linear_attn_config` over the flat `linear_*` fields), the key-pool indexer
 /// and `hc_mult` streams.
-fn glm53_layers(v: &Value, hidden: u64, layers: u64) -> Result<HybridLayers, ShapeError> {
+fn glm53_layers(
+    v: &Value,
+    hidden: u64,
+    layers: u64,
+    q_rank: u64,
+) -> Result<HybridLayers, ShapeError> {
     let linear_kinds = per_layer(
         v,
         "layer_types",
@@ -232,7 +238,19 @@ fn glm53_layers(v: &Value, hidden: u64, layers: u64) -> Result<HybridLayers, Sha
         linear: Some(linear),
         indexer: Some(indexer_dims(v, IndexerKeys::Pooled { pool })?),
         hyper_streams: Some(size_or(v, "hc_mult", 4)?),
+        q_rank,
     })
+}
+
+/// The indexer's query input width: MLA's q-LoRA rank (the hidden size without q-LoRA).
+fn q_rank(attention: &Attention, hidden: u64) -> u64 {
+    match attention {
+        Attention::Mla {
+            q_lora_rank: Some(r),
+            ..
+        } => *r,
+        _ => hidden,
+    }
 }
 
 /// The indexer's sizes (class defaults: 32 heads of 128, top-2048).

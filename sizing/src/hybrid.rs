@@ -105,6 +105,8 @@ pub struct HybridLayers {
     pub indexer: Option<IndexerDims>,
     /// Residual streams of the hyper-connections (`hc_mult`), `None` without them.
     pub hyper_streams: Option<u64>,
+    /// Width of the indexer's query input (MLA's q-LoRA rank).
+    pub q_rank: u64,
 }
 
 impl HybridLayers {
@@ -151,6 +153,26 @@ impl HybridLayers {
         self.linear.filter(|_| self.linear_layers() > 0)
     }
 
+    /// f32 weights of one layer's own indexer as the GPU holds them: the query projection from the
+    /// q-LoRA rank, the key projection, the head weights, the key norm, and for pooled keys the pool's
+    /// position embedding and gate projection.
+    pub fn indexer_weight_floats(&self) -> u64 {
+        let Some(ix) = &self.indexer else { return 0 };
+        let (nh, d, h) = (ix.heads, ix.head_dim, self.hidden);
+        let pool = match ix.keys {
+            IndexerKeys::PerToken => 0,
+            IndexerKeys::Pooled { pool } => pool * d + d * h,
+        };
+        nh * d * self.q_rank + d * h + nh * h + 2 * d + pool
+    }
+
+    /// f32 weights of one layer's two hyper-connections: `[(2 + m)·m, m·hidden]` projections and
+    /// `(2 + m)·m` biases each.
+    pub fn hyper_weight_floats(&self) -> u64 {
+        self.hyper_streams
+            .map_or(0, |m| 2 * ((2 + m) * m * m * self.hidden + (2 + m) * m))
+    }
+
     /// The sizing model's summary of these layers.
     pub fn shape(&self) -> HybridShape {
         let la = self.linear_dims();
@@ -164,6 +186,8 @@ impl HybridLayers {
             linear_heads: la.map_or(0, |l| l.heads),
             linear_head_dim: la.map_or(0, |l| l.head_dim),
             conv_kernel: la.map_or(0, |l| l.conv_kernel),
+            indexer_weight_floats: self.indexer_weight_floats(),
+            hyper_weight_floats: self.hyper_weight_floats(),
         }
     }
 }
@@ -215,6 +239,7 @@ mod tests {
                 keys: IndexerKeys::Pooled { pool: 4 },
             }),
             hyper_streams: Some(4),
+            q_rank: 32,
         }
     }
 
@@ -228,6 +253,9 @@ mod tests {
         assert_eq!(l.indexer.unwrap().selection_stride(), 8 + 4);
         // 5 + hyper (4·64 + 24 + 24) + linear (10·16 + 16 + 2) + indexer (128 + 32 + 32 + 2 + 12 + 1)
         assert_eq!(s.step_row_values, 5 + 304 + 178 + 207);
+        // wq_b 32·32, wk 16·64, head weights 2·64, k norm 2·16, pool 4·16 + 16·64
+        assert_eq!(s.indexer_weight_floats, 1024 + 1024 + 128 + 32 + 64 + 1024);
+        assert_eq!(s.hyper_weight_floats, 2 * (24 * 256 + 24));
         let per_token = IndexerDims {
             keys: IndexerKeys::PerToken,
             ..l.indexer.unwrap()

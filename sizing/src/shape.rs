@@ -72,6 +72,9 @@ pub struct HybridShape {
     pub linear_heads: u64,
     pub linear_head_dim: u64,
     pub conv_kernel: u64,
+    /// f32 weights of one layer's own indexer, and of one layer's hyper-connections (0 without).
+    pub indexer_weight_floats: u64,
+    pub hyper_weight_floats: u64,
 }
 
 impl HybridShape {

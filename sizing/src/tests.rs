@@ -357,3 +357,80 @@ fn glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights() {
     );
     assert_eq!(f * 256, b * 132);
 }
+
+/// GLM-5.3-Flash read from its config.json (multimodal layout, FP8 hub checkpoint): 34 linear layers
+/// with a fixed state, 11 indexed MLA layers with the latent and the key pool's f32 indexer rows; what
+/// 128K and 1M positions of one sequence cost, and a plan on one 80 GB card at 128K.
+#[test]
+fn glm53_flash_context_by_layer_kind() {
+    let s = known("zai-org/GLM-5.3-Flash");
+    assert_eq!(s.checkpoint, CheckpointFormat::Fp8 { block: 128 });
+    let hy = s.hybrid.clone().unwrap();
+    assert_eq!(
+        (s.layers, hy.linear_layers, hy.indexer_layers),
+        (45, 34, 11)
+    );
+    assert_eq!((s.moe_layers(), s.experts_per_layer()), (42, 288));
+    let f = s.context_footprint(2);
+    assert_eq!(f.kv_per_position, 11 * 512 * 2, "bf16 latent, no rope key");
+    assert_eq!(
+        f.indexer_per_position,
+        11 * 2 * 128 * 4,
+        "f32 key + pool gate"
+    );
+    assert_eq!(
+        f.state_per_sequence,
+        34 * (64 * 128 * 128 + 3 * 3 * 8192) * 4
+    );
+    let gib = |b: u64| b as f64 / GIB as f64;
+    let (k128, m1) = (f.bytes(128 << 10, 1), f.bytes(1 << 20, 1));
+    println!(
+        "GLM-5.3-Flash, one sequence: 128K {:.2} GiB, 1M {:.2} GiB",
+        gib(k128),
+        gib(m1)
+    );
+    assert!((gib(k128) - 2.89).abs() < 0.01 && (gib(m1) - 22.14).abs() < 0.01);
+    // Counting every layer as an MLA layer with an indexer would ask 45/11 as much per position.
+    let all_attention = (45 * (512 * 2 + 256 * 4)) << 20;
+    assert!(m1 * 4 < all_attention, "{m1} vs {all_attention}");
+    // ~320 B parameters with the vision tower and MTP layer this shape leaves out; 288 × 42 experts.
+    let p = params_b(&s);
+    assert!((300.0..325.0).contains(&p), "{p}");
+
+    let inputs = PlanInputs {
+        kv: KvRequest::serving(131072, 4),
+        ..serving(81559, 131072, 4)
+    };
+    let plan = choose(&s, &inputs).unwrap();
+    println!("{}", plan.describe());
+    assert!(plan.kv_tokens >= 131072 * 2, "two 128K sequences");
+    assert_eq!(plan.item("recurrent states"), 4 * f.state_per_sequence);
+    assert!(plan.gpu_experts_per_layer > 0 && plan.total() <= plan.usable_bytes);
+    // A 1M context fits beside the dense weights, experts then take what is left.
+    let m1_inputs = PlanInputs {
+        kv: KvRequest::serving(1 << 20, 1),
+        ..serving(81559, 1 << 20, 1)
+    };
+    let p1 = choose(&s, &m1_inputs).unwrap();
+    assert!(p1.kv_tokens >= 1 << 20);
+    assert!(p1.gpu_experts_per_layer < plan.gpu_experts_per_layer);
+}
+
+#[test]
+fn glm_known_shapes_read_from_their_configs() {
+    let g5 = known("zai-org/GLM-5");
+    assert!(g5.hybrid.as_ref().is_some_and(|h| h.linear_layers == 0));
+    assert_eq!(g5.hybrid.as_ref().unwrap().indexer_layers, 78);
+    assert_eq!(g5.checkpoint, CheckpointFormat::Bf16);
+    assert_eq!(
+        known("zai-org/GLM-5-FP8").checkpoint,
+        CheckpointFormat::Fp8 { block: 128 }
+    );
+    let g47 = known("zai-org/GLM-4.7-Flash");
+    assert!(g47.hybrid.is_none());
+    assert_eq!((g47.moe_layers(), g47.experts_per_layer()), (46, 64));
+    // ~30 B (GLM-4.7-Flash) and ~744 B (GLM-5) published; MTP layers not loaded.
+    let (a, b) = (params_b(&g47), params_b(&g5));
+    assert!((28.0..32.0).contains(&a), "{a}");
+    assert!((700.0..760.0).contains(&b), "{b}");
+}

@@ -148,6 +148,12 @@ pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool)
     b.f32_small = (attn_small + 2 * h * 4) * (shape.layers - linear)
         + (linear_small + 2 * h * 4) * linear
         + h * 4;
+    // Hybrid models' f32 extras: each own indexer's weights, each layer's hyper-connections.
+    if let Some(hy) = &shape.hybrid {
+        b.f32_small += (hy.indexer_layers * hy.indexer_weight_floats
+            + shape.layers * hy.hyper_weight_floats)
+            * 4;
+    }
     let mlp = |inter: u64| m(2 * inter, h) + m(h, inter);
     b.dense_mlp = dense_layers * mlp(shape.dense_intermediate);
     if let Some(moe) = &shape.moe {

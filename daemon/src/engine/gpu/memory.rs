@@ -76,6 +76,11 @@ pub fn hybrid_layers(cfg: &ModelConfig) -> Option<HybridLayers> {
         linear: cfg.linear_attention.map(|la| la.dims()),
         indexer: cfg.indexer.as_ref().map(|ix| ix.dims()),
         hyper_streams: cfg.hyper.map(|h| h.mult as u64),
+        q_rank: cfg
+            .mla
+            .as_ref()
+            .and_then(|m| m.q_lora_rank)
+            .unwrap_or(cfg.hidden_size) as u64,
     })
 }
 
@@ -328,7 +333,8 @@ mod tests {
 
     /// The plan's attention weights of a hybrid model are what the loaded checkpoint holds: linear
     /// layers' own projections (q, k, v, the gates' low-rank pairs, β, o) and MLA's in the indexed
-    /// layers, bf16 bytes of every `Linear` (glm5_next fixture: 3 linear, 2 indexed layers).
+    /// layers, bf16 bytes of every `Linear` (glm5_next fixture: 3 linear, 2 indexed layers); the f32
+    /// indexer and hyper-connection weights are what the loaded layers hold.
     #[test]
     fn glm53_plan_counts_linear_layer_projections() {
         use crate::model::{Attention as A, MlaQuery};
@@ -359,6 +365,34 @@ mod tests {
         let shape = shape_of(e.config(), false, CheckpointFormat::Bf16);
         let got = moe_sizing::dense_bytes(&shape, moe_sizing::DenseDtype::Bf16, false).attention;
         assert_eq!(got, want);
+        // The f32 extras the GPU uploads: each own indexer's weights, each layer's hyper-connections.
+        let floats = |l: &crate::engine::linear::Linear| (l.out_dim * l.in_dim) as u64;
+        let (mut indexer, mut hyper) = (0, 0);
+        for layer in &e.model().layers {
+            if let A::Mla(m) = &layer.attn {
+                if let Some(crate::model::SparseAttention::Own(w)) = &m.indexer {
+                    let pool = w
+                        .pool
+                        .as_ref()
+                        .map_or(0, |p| p.ape.len() as u64 + floats(&p.gate));
+                    indexer += floats(&w.wq_b)
+                        + floats(&w.wk)
+                        + floats(&w.weights_proj)
+                        + (w.k_norm_weight.len() + w.k_norm_bias.len()) as u64
+                        + pool;
+                }
+            }
+            if let Some(h) = &layer.hyper {
+                hyper += [&h.attn, &h.ffn]
+                    .iter()
+                    .map(|c| (c.proj.len() + c.base.len()) as u64)
+                    .sum::<u64>();
+            }
+        }
+        let hy = shape.hybrid.as_ref().unwrap();
+        assert!(indexer > 0 && hyper > 0);
+        assert_eq!(hy.indexer_layers * hy.indexer_weight_floats, indexer);
+        assert_eq!(shape.layers * hy.hyper_weight_floats, hyper);
     }
 
     /// The sizing crate's hyper-connection mixing width is the kernels'.
