@@ -152,11 +152,14 @@ fn glm53_flash_example_plans_by_layer_kind() {
         "{out}"
     );
     assert!(out.contains("kind: StatefulSet") && out.contains("kind: PodDisruptionBudget"));
-    // The GPU plan names the hybrid terms: KV rows of the 11 indexed layers only, with the indexer's
-    // f32 rows, and a recurrent state per sequence of the 34 linear layers.
-    assert!(out.contains("11 layers, f32 indexer rows"), "{out}");
+    // The daemon's plan by layer kind (the contract test checks it is the daemon's own): 22 of the
+    // 288 experts per layer beside bf16 dense weights, the KV rows of the 11 indexed layers (latent +
+    // f32 indexer keys, 22 KiB per position) for two 128K sequences and more, and the recurrent states.
     assert!(
-        out.contains("4 sequences × 34 linear-attention layers"),
+        out.contains("22 of 288 routed experts per layer on the GPU, 42 MoE layers"),
         "{out}"
     );
+    assert!(out.contains("KV cache 270432 positions"), "{out}");
+    // The other 266 experts of each layer stay FP8 in hugepages: 42 × 266 × 25.2 MB.
+    assert!(out.contains("262Gi of hugepages-1Gi"), "{out}");
 }

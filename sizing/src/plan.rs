@@ -103,6 +103,9 @@ pub struct KvRequest {
     pub target_tokens: u64,
     /// KV grows into memory left over, up to this.
     pub max_tokens: u64,
+    /// Most positions one sequence holds (`--max-model-len`): a prefill step's indexer score rows
+    /// cover up to that many.
+    pub longest_sequence: u64,
 }
 
 impl KvRequest {
@@ -112,6 +115,7 @@ impl KvRequest {
             min_tokens: tokens,
             target_tokens: tokens,
             max_tokens: tokens,
+            longest_sequence: tokens,
         }
     }
 
@@ -123,6 +127,7 @@ impl KvRequest {
             min_tokens: max_model_len,
             target_tokens: max_model_len * seqs.min(2),
             max_tokens: max_model_len * seqs,
+            longest_sequence: max_model_len,
         }
     }
 }
@@ -429,7 +434,7 @@ pub(crate) fn plan_with_inputs(
     let (states, scores) = shape.hybrid.as_ref().map_or((0, 0), |hy| {
         (
             hy.state_bytes(inputs.max_step_seqs),
-            hy.score_bytes(inputs.max_step_tokens, inputs.kv.min_tokens),
+            hy.score_bytes(inputs.max_step_tokens, inputs.kv.longest_sequence),
         )
     });
     let steps = steps + scores;

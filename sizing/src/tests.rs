@@ -290,6 +290,7 @@ fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) -> PlanInputs
             min_tokens: 4096,
             target_tokens: 65536,
             max_tokens: 65536,
+            longest_sequence: 65536,
         },
         kv_dtype: KvCacheDtype::Bf16,
         max_step_tokens: 2048,

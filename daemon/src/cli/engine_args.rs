@@ -315,6 +315,7 @@ impl EngineArgs {
                     min_tokens: AUTO_KV_MIN as u64,
                     target_tokens: AUTO_KV_MAX as u64,
                     max_tokens: AUTO_KV_MAX as u64,
+                    longest_sequence: AUTO_KV_MAX as u64,
                 }),
             },
             gpu_memory_limit: self.gpu_memory_limit,
@@ -331,6 +332,7 @@ impl EngineArgs {
             },
             max_step_tokens: 2048,
             max_step_seqs: 64,
+            max_sequence_tokens: None,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
@@ -367,6 +369,7 @@ impl EngineArgs {
         }
         o.max_step_tokens = max_step_tokens;
         o.max_step_seqs = max_seqs;
+        o.max_sequence_tokens = Some(max_context);
         Ok(o)
     }
 

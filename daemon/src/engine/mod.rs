@@ -89,6 +89,8 @@ pub struct EngineOptions {
     /// Most tokens and sequences of one step, for the activation buffers the plan reserves.
     pub max_step_tokens: usize,
     pub max_step_seqs: usize,
+    /// Most positions one sequence may hold (`--max-model-len` when serving; `None`: the KV cache's).
+    pub max_sequence_tokens: Option<usize>,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
     /// DRAM experts (and, on the CPU backend, dense projections) run on the packed CPU kernels
@@ -144,6 +146,7 @@ impl Default for EngineOptions {
             embeddings: moe_sizing::EmbeddingChoice::Auto,
             max_step_tokens: 2048,
             max_step_seqs: 64,
+            max_sequence_tokens: None,
             gpu_prefill_threshold: 1024,
             cpu_kernels: true,
             cpu_moe: Default::default(),

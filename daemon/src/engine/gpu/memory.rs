@@ -119,9 +119,17 @@ pub fn plan_inputs(
                 ExpertsChoice::PerLayer(((experts as f64 * r).round() as u64).min(experts))
             }
         },
-        kv: opts
-            .kv_auto
-            .unwrap_or_else(|| KvRequest::exactly(opts.kv_cache_tokens as u64)),
+        kv: {
+            let kv = opts
+                .kv_auto
+                .unwrap_or_else(|| KvRequest::exactly(opts.kv_cache_tokens as u64));
+            KvRequest {
+                longest_sequence: opts
+                    .max_sequence_tokens
+                    .map_or(kv.longest_sequence, |m| (m as u64).min(kv.longest_sequence)),
+                ..kv
+            }
+        },
         kv_dtype: opts.kv_cache_dtype,
         max_step_tokens: opts.max_step_tokens as u64,
         max_step_seqs: opts.max_step_seqs as u64,
