@@ -14,7 +14,7 @@
 //! - `glm-5.3-flash` (zai-org/GLM-5.3-Flash, multimodal layout: text fields in `text_config`): the hub's
 //!   config.json is not reachable from here. Every field is transformers 5.24's `Glm5NextTextConfig`
 //!   default (its docstring names the checkpoint: hidden 4096, 45 layers, 64 heads, 288 experts top-8
-//!   + 1 shared, MLA q-LoRA 1536 / kv-LoRA 512 with NoPE heads of 256, 64 linear heads of 128, hc_mult 4,
+//!   plus 1 shared, MLA q-LoRA 1536 / kv-LoRA 512 with NoPE heads of 256, 64 linear heads of 128, hc_mult 4,
 //!   index_topk 2048, context 1M), except what public code reading the released config.json states
 //!   differently or in addition: `index_kpool` 4 (the class default is 16), `layer_types` spelt
 //!   `deepseek_sparse_attention` on layers 3, 7, …, 43, `linear_attn_config`, `first_k_dense_replace` 3,

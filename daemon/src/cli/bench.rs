@@ -115,6 +115,10 @@ pub struct RunArgs {
     /// `bench decode` only: also time prefills of these prompt lengths with the same loaded model.
     #[arg(long, value_delimiter = ',')]
     pub prefill_lens: Vec<usize>,
+    /// `bench decode` with CUDA graphs: then N rounds of `--steps` steps with graphs on and off in
+    /// turn, in this process and on the same sequences (the comparison without two runs' noise).
+    #[arg(long, default_value_t = 0)]
+    pub graphs_ab: usize,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -184,22 +188,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         let l = prefill_into(&engine, c, &prompt(&engine, a.prompt_len, i), a.chunk)?;
         next.push(crate::engine::sampling::argmax(&l) as u32);
     }
-    let mut split = crate::engine::StepTimes::default();
-    let mut elapsed = 0.0;
-    for step in 0..a.steps + 2 {
-        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut batch = SeqInput::batch(&mut caches, &toks);
-        let t = Instant::now();
-        let logits = engine.reserve_and_forward(&mut batch)?;
-        if step >= 2 {
-            elapsed += t.elapsed().as_secs_f64();
-            split.accumulate(&engine.last_step_times());
-        }
-        next = logits
-            .iter()
-            .map(|l| crate::engine::sampling::argmax(l) as u32)
-            .collect();
-    }
+    let (elapsed, split) = decode_steps(&engine, &mut caches, &mut next, 2, a.steps)?;
     let per_step = elapsed / a.steps as f64;
     let layers = engine.config().num_layers as f64;
     println!(
@@ -252,6 +241,78 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         }
     }
     print_gpu_memory(&engine);
+    if a.graphs_ab > 0 {
+        graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
+    }
+    Ok(())
+}
+
+/// `steps` decode steps of every sequence after `warm` untimed ones: seconds and the step split.
+fn decode_steps(
+    engine: &Engine,
+    caches: &mut [crate::engine::SeqCache],
+    next: &mut Vec<u32>,
+    warm: usize,
+    steps: usize,
+) -> anyhow::Result<(f64, crate::engine::StepTimes)> {
+    let mut split = crate::engine::StepTimes::default();
+    let mut elapsed = 0.0;
+    for step in 0..steps + warm {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch = SeqInput::batch(caches, &toks);
+        let t = Instant::now();
+        let logits = engine.reserve_and_forward(&mut batch)?;
+        if step >= warm {
+            elapsed += t.elapsed().as_secs_f64();
+            split.accumulate(&engine.last_step_times());
+        }
+        *next = logits
+            .iter()
+            .map(|l| crate::engine::sampling::argmax(l) as u32)
+            .collect();
+    }
+    Ok((elapsed, split))
+}
+
+/// `rounds` rounds of `steps` decode steps with CUDA graphs on, then off (eager launches on the same
+/// buffers), continuing the same sequences: per-round and median ms/step of each, and the medians' split.
+fn graphs_ab(
+    engine: &Engine,
+    caches: &mut [crate::engine::SeqCache],
+    next: &mut Vec<u32>,
+    rounds: usize,
+    steps: usize,
+) -> anyhow::Result<()> {
+    if !engine.pause_cuda_graphs(false) {
+        anyhow::bail!("--graphs-ab needs the CUDA backend with CUDA graphs on");
+    }
+    let ms = |s: f64| s / steps as f64 * 1e3;
+    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut waits: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for (i, paused) in [false, true].into_iter().enumerate() {
+            engine.pause_cuda_graphs(paused);
+            let (s, split) = decode_steps(engine, caches, next, 1, steps)?;
+            times[i].push(ms(s));
+            waits[i].push(ms(split.gpu_wait_s));
+        }
+        println!(
+            "graphs A/B round {round}: graphs {:.2} ms/step, eager {:.2} ms/step",
+            times[0][round], times[1][round]
+        );
+    }
+    engine.pause_cuda_graphs(false);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (g, e) = (median(&mut times[0]), median(&mut times[1]));
+    println!(
+        "graphs A/B, {rounds} rounds of {steps} steps, median: graphs {g:.2} ms/step (waiting for GPU {:.2}), eager {e:.2} ms/step (waiting for GPU {:.2}); graphs {:+.1}%",
+        median(&mut waits[0]),
+        median(&mut waits[1]),
+        (g / e - 1.0) * 100.0
+    );
     Ok(())
 }
 

@@ -523,6 +523,16 @@ impl Engine {
         self.cpu_kv.as_ref().map(|s| s.bytes())
     }
 
+    /// With `--cuda-graphs` on, run decode steps eagerly while `paused` (same buffers, graphs kept for
+    /// later): graphs on and off compared in one process. Returns whether graphs are in use at all.
+    pub fn pause_cuda_graphs(&self, paused: bool) -> bool {
+        self.gpu.as_ref().is_some_and(|g| {
+            g.graphs_paused
+                .store(paused, std::sync::atomic::Ordering::Relaxed);
+            g.cuda_graphs
+        })
+    }
+
     /// CUDA graphs captured so far (decode segments), 0 without the CUDA backend or with graphs off.
     pub fn cuda_graphs_captured(&self) -> usize {
         self.gpu.as_ref().map_or(0, |g| g.graphs_captured())

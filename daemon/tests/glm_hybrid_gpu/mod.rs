@@ -213,114 +213,33 @@ fn glm_hybrid_chunks_batches_and_restarts_on_cuda() {
     }
 }
 
-/// The KDA kernels (q/k normalisation and forget gate, then the per-token recurrence from a non-zero
-/// state, over two segments) against the CPU backend's `kda_recurrent`, for head widths 16 (one lane per
-/// value column) and 128 (four lanes); and the indexer's radix top-k against a host ranking, on scores
-/// with many exact ties, per position and in pools. f32 throughout: ≤ 1e-4 rel-L2, lists equal.
+/// The KDA kernels (q/k normalisation and forget gate, then the recurrence from a non-zero state) against
+/// the CPU backend's `kda_recurrent`, token by token and in chunks of 16 (the WY form), for head widths 16
+/// (one lane per value column) and 128 (four lanes), over segments shorter than a chunk and segments
+/// crossing chunk boundaries in one step (lengths 5, 1, 37, 16, 70); and the indexer's radix top-k
+/// against a host ranking, on scores with many exact ties, per position and in pools. f32 throughout:
+/// ≤ 1e-4 rel-L2, lists equal.
 #[test]
 fn hybrid_kernels_match_host_references() {
-    use moe_daemon::engine::cpu::linear_attention::kda_recurrent;
-    use moe_kernels::cuda::hybrid::{HybridKernels, SegmentIndex, StateTable};
+    use moe_kernels::cuda::hybrid::HybridKernels;
     use moe_kernels::cuda::indexer::DeviceSelection;
-    use moe_kernels::cuda::linear_attention::KdaShape;
+    use moe_kernels::cuda::linear_attention::KdaMethod;
     use moe_kernels::cuda::GpuDevice;
     let dev = GpuDevice::open(0).unwrap();
     let k = HybridKernels::load(&dev).unwrap();
     let s = &dev.stream;
-    let mut uni = uniform(17);
-    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
     for d in [16usize, 128] {
-        let heads = 2;
-        let shape = KdaShape {
-            heads,
-            head_dim: d,
-            conv_kernel: 4,
-            lower_bound: Some(-5.0),
-        };
-        let (w, lens) = (heads * d, [5usize, 1]);
-        let rows: usize = lens.iter().sum();
-        let qkv: Vec<f32> = (0..rows * 3 * w).map(|_| uni()).collect();
-        let graw: Vec<f32> = (0..rows * w).map(|_| 4.0 * uni()).collect();
-        let braw: Vec<f32> = (0..rows * heads).map(|_| 4.0 * uni()).collect();
-        let a_log: Vec<f32> = (0..heads).map(|_| uni()).collect();
-        let dt: Vec<f32> = (0..w).map(|_| uni()).collect();
-        let s0: Vec<Vec<f32>> = (0..2)
-            .map(|_| (0..heads * d * d).map(|_| uni()).collect())
-            .collect();
-        // host reference: the CPU's preparation, then kda_recurrent per segment and head
-        let mut want = vec![0f32; rows * w];
-        let mut want_state = s0.clone();
-        let mut row0 = 0;
-        for (si, &len) in lens.iter().enumerate() {
-            for h in 0..heads {
-                let (mut q, mut kk, mut v, mut g, mut b) = (vec![], vec![], vec![], vec![], vec![]);
-                for t in row0..row0 + len {
-                    let at = |part: usize| &qkv[t * 3 * w + part * w + h * d..][..d];
-                    let norm = |x: &[f32]| (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
-                    let (nq, nk) = (norm(at(0)), norm(at(1)));
-                    q.extend(at(0).iter().map(|x| x / nq / (d as f32).sqrt()));
-                    kk.extend(at(1).iter().map(|x| x / nk));
-                    v.extend_from_slice(at(2));
-                    for c in 0..d {
-                        let raw = graw[t * w + h * d + c] + dt[h * d + c];
-                        g.push(-5.0 * sigmoid(a_log[h].exp() * raw));
-                    }
-                    b.push(sigmoid(braw[t * heads + h]));
-                }
-                let st = &mut want_state[si][h * d * d..(h + 1) * d * d];
-                let o = kda_recurrent(&q, &kk, &v, &g, &b, d, st);
-                for (i, t) in (row0..row0 + len).enumerate() {
-                    want[t * w + h * d..t * w + (h + 1) * d]
-                        .copy_from_slice(&o[i * d..(i + 1) * d]);
-                }
+        let case = KdaCase::random(2, d, &[5, 1, 37, 16, 70], 17);
+        let (want, want_state) = case.host();
+        for method in [KdaMethod::PerToken, KdaMethod::Chunked] {
+            let (got, states) = case.device(&dev, &k, method);
+            let err = rel_l2(&got, &want);
+            println!("kda d={d} {method:?}: outputs rel-L2 {err:.2e}");
+            assert!(err <= 1e-4, "kda d={d} {method:?}: outputs {err}");
+            for (si, st) in states.iter().enumerate() {
+                let err = rel_l2(st, &want_state[si]);
+                assert!(err <= 1e-4, "kda d={d} {method:?}: state {si} {err}");
             }
-            row0 += len;
-        }
-        let per_seq = shape.state_floats();
-        let mut bufs: Vec<_> = s0
-            .iter()
-            .map(|m| {
-                let mut full = m.clone();
-                full.resize(per_seq, 0.0);
-                s.clone_htod(&full).unwrap()
-            })
-            .collect();
-        let seg = SegmentIndex::new(&dev, &lens).unwrap();
-        let (mut d_qkv, mut d_g, mut d_b) = (
-            s.clone_htod(&qkv).unwrap(),
-            s.clone_htod(&graw).unwrap(),
-            s.clone_htod(&braw).unwrap(),
-        );
-        let mut out = s.alloc_zeros::<f32>(rows * w).unwrap();
-        {
-            let mut addrs = s.alloc_zeros::<u64>(lens.len()).unwrap();
-            let mut table =
-                StateTable::new(&dev, &mut addrs, bufs.iter_mut().collect(), per_seq).unwrap();
-            k.kda_prepare(
-                &dev,
-                shape,
-                rows,
-                &mut d_qkv,
-                &mut d_g,
-                &mut d_b,
-                &s.clone_htod(&a_log).unwrap(),
-                &s.clone_htod(&dt).unwrap(),
-            )
-            .unwrap();
-            k.kda_recurrent(
-                &dev, shape, &d_qkv, &d_g, &d_b, &seg, &mut table, 0, &mut out,
-            )
-            .unwrap();
-        }
-        let got = s.clone_dtoh(&out).unwrap();
-        let err = rel_l2(&got, &want);
-        println!("kda d={d}: outputs rel-L2 {err:.2e}");
-        assert!(err <= 1e-4, "kda d={d}: outputs {err}");
-        for (si, buf) in bufs.iter().enumerate() {
-            let st = s.clone_dtoh(buf).unwrap();
-            let err = rel_l2(&st[..heads * d * d], &want_state[si]);
-            println!("kda d={d}: state {si} rel-L2 {err:.2e}");
-            assert!(err <= 1e-4, "kda d={d}: state {si} {err}");
         }
     }
     // top-k: scores on a coarse grid (many exact ties), rows with more and fewer candidates than k
@@ -360,5 +279,197 @@ fn hybrid_kernels_match_host_references() {
             assert_eq!(got, &want[..], "top-k row {r}, pool {pool}");
         }
         println!("top-k pool {pool}: {rows} rows equal the host ranking");
+    }
+}
+
+/// One random KDA problem: `heads` heads of width `d`, segments of `lens` rows, raw projections (before
+/// `kda_prepare`) and each segment's initial state.
+struct KdaCase {
+    heads: usize,
+    d: usize,
+    lens: Vec<usize>,
+    qkv: Vec<f32>,
+    graw: Vec<f32>,
+    braw: Vec<f32>,
+    a_log: Vec<f32>,
+    dt: Vec<f32>,
+    s0: Vec<Vec<f32>>,
+}
+
+impl KdaCase {
+    fn random(heads: usize, d: usize, lens: &[usize], seed: u64) -> Self {
+        let mut uni = uniform(seed);
+        let (w, rows) = (heads * d, lens.iter().sum::<usize>());
+        Self {
+            heads,
+            d,
+            lens: lens.to_vec(),
+            qkv: (0..rows * 3 * w).map(|_| uni()).collect(),
+            graw: (0..rows * w).map(|_| 4.0 * uni()).collect(),
+            braw: (0..rows * heads).map(|_| 4.0 * uni()).collect(),
+            a_log: (0..heads).map(|_| uni()).collect(),
+            dt: (0..w).map(|_| uni()).collect(),
+            s0: lens
+                .iter()
+                .map(|_| (0..heads * d * d).map(|_| uni()).collect())
+                .collect(),
+        }
+    }
+
+    fn shape(&self) -> moe_kernels::cuda::linear_attention::KdaShape {
+        moe_kernels::cuda::linear_attention::KdaShape {
+            heads: self.heads,
+            head_dim: self.d,
+            conv_kernel: 4,
+            lower_bound: Some(-5.0),
+        }
+    }
+
+    /// The CPU backend's preparation, then its `kda_recurrent` per segment and head: outputs
+    /// `[rows, heads·d]` and each segment's final state.
+    fn host(&self) -> (Vec<f32>, Vec<Vec<f32>>) {
+        use moe_daemon::engine::cpu::linear_attention::kda_recurrent;
+        let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let (heads, d) = (self.heads, self.d);
+        let w = heads * d;
+        let rows: usize = self.lens.iter().sum();
+        let mut want = vec![0f32; rows * w];
+        let mut state = self.s0.clone();
+        let mut row0 = 0;
+        for (si, &len) in self.lens.iter().enumerate() {
+            for h in 0..heads {
+                let (mut q, mut kk, mut v, mut g, mut b) = (vec![], vec![], vec![], vec![], vec![]);
+                for t in row0..row0 + len {
+                    let at = |part: usize| &self.qkv[t * 3 * w + part * w + h * d..][..d];
+                    let norm = |x: &[f32]| (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+                    let (nq, nk) = (norm(at(0)), norm(at(1)));
+                    q.extend(at(0).iter().map(|x| x / nq / (d as f32).sqrt()));
+                    kk.extend(at(1).iter().map(|x| x / nk));
+                    v.extend_from_slice(at(2));
+                    for c in 0..d {
+                        let raw = self.graw[t * w + h * d + c] + self.dt[h * d + c];
+                        g.push(-5.0 * sigmoid(self.a_log[h].exp() * raw));
+                    }
+                    b.push(sigmoid(self.braw[t * heads + h]));
+                }
+                let st = &mut state[si][h * d * d..(h + 1) * d * d];
+                let o = kda_recurrent(&q, &kk, &v, &g, &b, d, st);
+                for (i, t) in (row0..row0 + len).enumerate() {
+                    want[t * w + h * d..t * w + (h + 1) * d]
+                        .copy_from_slice(&o[i * d..(i + 1) * d]);
+                }
+            }
+            row0 += len;
+        }
+        (want, state)
+    }
+
+    /// `kda_prepare` then the recurrence by `method` on the GPU: outputs and final states (matrices).
+    fn device(
+        &self,
+        dev: &moe_kernels::cuda::GpuDevice,
+        k: &moe_kernels::cuda::hybrid::HybridKernels,
+        method: moe_kernels::cuda::linear_attention::KdaMethod,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        self.device_timed(dev, k, method, 0).0
+    }
+
+    /// As [`Self::device`], then the recurrence `repeats` more times from the same inputs (states
+    /// advancing), timed: milliseconds per call.
+    fn device_timed(
+        &self,
+        dev: &moe_kernels::cuda::GpuDevice,
+        k: &moe_kernels::cuda::hybrid::HybridKernels,
+        method: moe_kernels::cuda::linear_attention::KdaMethod,
+        repeats: usize,
+    ) -> ((Vec<f32>, Vec<Vec<f32>>), f64) {
+        use moe_kernels::cuda::hybrid::{SegmentIndex, StateTable};
+        let s = &dev.stream;
+        let shape = self.shape();
+        let (heads, d) = (self.heads, self.d);
+        let rows: usize = self.lens.iter().sum();
+        let per_seq = shape.state_floats();
+        let mut bufs: Vec<_> = self
+            .s0
+            .iter()
+            .map(|m| {
+                let mut full = m.clone();
+                full.resize(per_seq, 0.0);
+                s.clone_htod(&full).unwrap()
+            })
+            .collect();
+        let seg = SegmentIndex::new(dev, &self.lens).unwrap();
+        let (mut d_qkv, mut d_g, mut d_b) = (
+            s.clone_htod(&self.qkv).unwrap(),
+            s.clone_htod(&self.graw).unwrap(),
+            s.clone_htod(&self.braw).unwrap(),
+        );
+        let mut out = s.alloc_zeros::<f32>(rows * heads * d).unwrap();
+        let mut addrs = s.alloc_zeros::<u64>(self.lens.len()).unwrap();
+        {
+            let mut table =
+                StateTable::new(dev, &mut addrs, bufs.iter_mut().collect(), per_seq).unwrap();
+            k.kda_prepare(
+                dev,
+                shape,
+                rows,
+                &mut d_qkv,
+                &mut d_g,
+                &mut d_b,
+                &s.clone_htod(&self.a_log).unwrap(),
+                &s.clone_htod(&self.dt).unwrap(),
+            )
+            .unwrap();
+            k.kda_recurrent(
+                dev, method, shape, &d_qkv, &d_g, &d_b, &seg, &mut table, 0, &mut out,
+            )
+            .unwrap();
+        }
+        let got = s.clone_dtoh(&out).unwrap();
+        let states: Vec<Vec<f32>> = bufs
+            .iter()
+            .map(|b| s.clone_dtoh(b).unwrap()[..heads * d * d].to_vec())
+            .collect();
+        let mut ms = 0.0;
+        if repeats > 0 {
+            let mut table =
+                StateTable::new(dev, &mut addrs, bufs.iter_mut().collect(), per_seq).unwrap();
+            s.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..repeats {
+                k.kda_recurrent(
+                    dev, method, shape, &d_qkv, &d_g, &d_b, &seg, &mut table, 0, &mut out,
+                )
+                .unwrap();
+            }
+            s.synchronize().unwrap();
+            ms = t0.elapsed().as_secs_f64() * 1e3 / repeats as f64;
+        }
+        ((got, states), ms)
+    }
+}
+
+/// The recurrence of one GLM-5.3-Flash linear layer (64 heads of 128) over prompts of 512 to 4096
+/// tokens, token by token and chunked, in one process: the two agree (≤ 1e-4 rel-L2 of outputs and
+/// states) and the times per layer are printed (`--nocapture`; the figures docs/PERF.md quotes).
+#[test]
+fn kda_chunked_prefill_matches_and_is_timed() {
+    use moe_kernels::cuda::hybrid::HybridKernels;
+    use moe_kernels::cuda::linear_attention::KdaMethod;
+    use moe_kernels::cuda::GpuDevice;
+    let dev = GpuDevice::open(0).unwrap();
+    let k = HybridKernels::load(&dev).unwrap();
+    for len in [512usize, 4096] {
+        let case = KdaCase::random(64, 128, &[len], 3);
+        let ((tok, tok_state), tok_ms) = case.device_timed(&dev, &k, KdaMethod::PerToken, 3);
+        let ((chk, chk_state), chk_ms) = case.device_timed(&dev, &k, KdaMethod::Chunked, 3);
+        let err = rel_l2(&chk, &tok);
+        let serr = rel_l2(&chk_state[0], &tok_state[0]);
+        println!(
+            "KDA recurrence, 64 heads × 128, {len} tokens: per token {tok_ms:.3} ms, chunked {chk_ms:.3} ms \
+             ({:.1}×); outputs rel-L2 {err:.2e}, state {serr:.2e}",
+            tok_ms / chk_ms
+        );
+        assert!(err <= 1e-4 && serr <= 1e-4, "{len}: {err} {serr}");
     }
 }

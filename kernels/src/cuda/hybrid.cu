@@ -227,6 +227,150 @@ extern "C" __global__ void kda_recurrent(const float* qkv, const float* g, const
     }
 }
 
+// The same recurrence in chunks of KDA_CHUNK tokens (the WY / chunked form of fla's `chunk_kda` and
+// transformers' `chunk_kimi_delta_attention`): per chunk, with G the within-chunk cumulative log decay,
+//   A[i][j] = -beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])   (j < i), T = (I - A)^-1 by substitution,
+//   W = T (beta k exp G),  U = T (beta v),  v_new = U - W S,
+//   o_i = (q_i exp G_i) S + sum_{j<=i} (sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])) v_new_j,
+//   S <- exp(G_last) S + sum_i (k_i exp(G_last - G_i)) v_new_i^T.
+// Every exponent is a decay over at most one chunk (<= 0), so nothing overflows. The chunk's shared
+// parts (A, T, W, the q·k scores) depend on q, k, g and beta only; value columns are independent as in
+// kda_recurrent, with the same register layout of S. A partial last chunk is padded with zero k, v and
+// beta, which leave outputs and state as they are. grid: (segments, heads, ceil(d / (128 / parts)));
+// block 128; d <= 128.
+#define KDA_CHUNK 16
+extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const float* beta, int heads, int d,
+                                       const int* seg_row0, const int* seg_len,
+                                       const unsigned long long* states, long long layer_off, float* out) {
+    __shared__ float sq[KDA_CHUNK][128];  // q, then q exp(G)
+    __shared__ float sk[KDA_CHUNK][128];  // k, then k exp(G_last - G)
+    __shared__ float sG[KDA_CHUNK][128];  // cumulative log decay within the chunk
+    __shared__ float sW[KDA_CHUNK][128];  // T (beta k exp G)
+    __shared__ float sT[KDA_CHUNK][KDA_CHUNK], sQK[KDA_CHUNK][KDA_CHUNK], sb[KDA_CHUNK];
+    int parts = d <= 32 ? 1 : d <= 64 ? 2 : 4;
+    int per_block = blockDim.x / parts;
+    int tid = threadIdx.x, part = tid % parts;
+    int col = blockIdx.z * per_block + tid / parts;
+    bool active = col < d;
+    int s = blockIdx.x, h = blockIdx.y;
+    size_t w = (size_t)heads * d;
+    float* S = (float*)states[s] + layer_off + (size_t)h * d * d;
+    float reg[KDA_ROWS];
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = part + parts * r;
+        reg[r] = (active && i < d) ? S[(size_t)i * d + col] : 0.f;
+    }
+    int row0 = seg_row0[s], len = seg_len[s];
+    for (int c0 = 0; c0 < len; c0 += KDA_CHUNK) {
+        int n = min(KDA_CHUNK, len - c0);
+        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
+            int i = idx / d, c = idx % d;
+            size_t t = (size_t)row0 + c0 + i;
+            bool real = i < n;
+            sq[i][c] = real ? qkv[t * 3 * w + (size_t)h * d + c] : 0.f;
+            sk[i][c] = real ? qkv[t * 3 * w + w + (size_t)h * d + c] : 0.f;
+            sG[i][c] = real ? g[t * w + (size_t)h * d + c] : 0.f;
+        }
+        if (tid < KDA_CHUNK) sb[tid] = tid < n ? beta[((size_t)row0 + c0 + tid) * heads + h] : 0.f;
+        __syncthreads();
+        for (int c = tid; c < d; c += blockDim.x) {
+            float acc = 0.f;
+            for (int i = 0; i < KDA_CHUNK; ++i) {
+                acc += sG[i][c];
+                sG[i][c] = acc;
+            }
+        }
+        __syncthreads();
+        for (int p = tid; p < KDA_CHUNK * KDA_CHUNK; p += blockDim.x) {
+            int i = p / KDA_CHUNK, j = p % KDA_CHUNK;
+            float a = 0.f, qk = 0.f;
+            if (j <= i) {
+                for (int c = 0; c < d; ++c) {
+                    float e = expf(sG[i][c] - sG[j][c]) * sk[j][c];
+                    a += sk[i][c] * e;
+                    qk += sq[i][c] * e;
+                }
+            }
+            sT[i][j] = j < i ? -sb[i] * a : 0.f;
+            sQK[i][j] = j <= i ? qk : 0.f;
+        }
+        __syncthreads();
+        // T = (I - A)^-1 row by row: T[i][j] = A[i][j] + sum_{j < m < i} A[i][m] T[m][j] (diagonal 1 implied)
+        for (int i = 1; i < KDA_CHUNK; ++i) {
+            float v = 0.f;
+            if (tid < i) {
+                v = sT[i][tid];
+                for (int m = tid + 1; m < i; ++m) v += sT[i][m] * sT[m][tid];
+            }
+            __syncthreads();
+            if (tid < i) sT[i][tid] = v;
+            __syncthreads();
+        }
+        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
+            int i = idx / d, c = idx % d;
+            float acc = sb[i] * sk[i][c] * expf(sG[i][c]);
+            for (int j = 0; j < i; ++j) acc += sT[i][j] * sb[j] * sk[j][c] * expf(sG[j][c]);
+            sW[i][c] = acc;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
+            int i = idx / d, c = idx % d;
+            sq[i][c] *= expf(sG[i][c]);
+            sk[i][c] *= expf(sG[KDA_CHUNK - 1][c] - sG[i][c]);
+        }
+        __syncthreads();
+        // value column `col`: U = T (beta v), v_new = U - W S, outputs, then the state
+        float vb[KDA_CHUNK], vn[KDA_CHUNK];
+#pragma unroll
+        for (int j = 0; j < KDA_CHUNK; ++j)
+            vb[j] = (active && j < n) ? sb[j] * qkv[((size_t)row0 + c0 + j) * 3 * w + 2 * w + (size_t)h * d + col] : 0.f;
+#pragma unroll
+        for (int i = 0; i < KDA_CHUNK; ++i) {
+            float u = vb[i];
+#pragma unroll
+            for (int j = 0; j < i; ++j) u += sT[i][j] * vb[j];
+            float ws = 0.f;
+#pragma unroll
+            for (int r = 0; r < KDA_ROWS; ++r) {
+                int row = part + parts * r;
+                if (row < d) ws += sW[i][row] * reg[r];
+            }
+            for (int o = 1; o < parts; o <<= 1) ws += __shfl_xor_sync(0xffffffff, ws, o);
+            vn[i] = u - ws;
+        }
+#pragma unroll
+        for (int i = 0; i < KDA_CHUNK; ++i) {
+            float o_acc = 0.f;
+#pragma unroll
+            for (int r = 0; r < KDA_ROWS; ++r) {
+                int row = part + parts * r;
+                if (row < d) o_acc += sq[i][row] * reg[r];
+            }
+            for (int o = 1; o < parts; o <<= 1) o_acc += __shfl_xor_sync(0xffffffff, o_acc, o);
+#pragma unroll
+            for (int j = 0; j <= i; ++j) o_acc += sQK[i][j] * vn[j];
+            if (active && part == 0 && i < n) out[((size_t)row0 + c0 + i) * w + (size_t)h * d + col] = o_acc;
+        }
+#pragma unroll
+        for (int r = 0; r < KDA_ROWS; ++r) {
+            int row = part + parts * r;
+            if (row < d) {
+                float acc = expf(sG[KDA_CHUNK - 1][row]) * reg[r];
+#pragma unroll
+                for (int i = 0; i < KDA_CHUNK; ++i) acc += sk[i][row] * vn[i];
+                reg[r] = acc;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = part + parts * r;
+        if (active && i < d) S[(size_t)i * d + col] = reg[r];
+    }
+}
+
 // Gated RMSNorm per head: out = x / rms(x) * w * sigmoid(gate) -> bf16. x, gate: [rows, heads * d]; w: [d].
 // grid: (rows, heads); block 128.
 extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, const float* w, int heads, int d,

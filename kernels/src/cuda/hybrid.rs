@@ -11,11 +11,12 @@ use std::marker::PhantomData;
 pub const SOURCE: &str = include_str!("hybrid.cu");
 
 /// Entry points of `hybrid.cu`, by name.
-pub const ENTRIES: [&str; 15] = [
+pub const ENTRIES: [&str; 16] = [
     "kda_conv",
     "kda_conv_tail",
     "kda_prepare",
     "kda_recurrent",
+    "kda_chunked",
     "gated_rms_norm",
     "hc_broadcast",
     "hc_mean",
@@ -48,6 +49,7 @@ pub struct HybridKernels {
     pub(super) kda_conv_tail: CudaFunction,
     pub(super) kda_prepare: CudaFunction,
     pub(super) kda_recurrent: CudaFunction,
+    pub(super) kda_chunked: CudaFunction,
     pub(super) gated_rms_norm: CudaFunction,
     pub(super) hc_broadcast: CudaFunction,
     pub(super) hc_mean: CudaFunction,
@@ -77,6 +79,7 @@ impl HybridKernels {
             kda_conv_tail: f("kda_conv_tail")?,
             kda_prepare: f("kda_prepare")?,
             kda_recurrent: f("kda_recurrent")?,
+            kda_chunked: f("kda_chunked")?,
             gated_rms_norm: f("gated_rms_norm")?,
             hc_broadcast: f("hc_broadcast")?,
             hc_mean: f("hc_mean")?,

@@ -3,8 +3,10 @@
 //! recurrence, and the gated RMSNorm. One typed launch per kernel of `hybrid.cu`.
 //!
 //! Cost: the recurrence reads and writes each sequence's `heads × d × d` state once per step (64 KiB per
-//! head at d = 128) and runs its tokens one after another (a prefill chunk is a loop of per-token
-//! updates inside one launch, exact but sequential: the chunked form is the faster way for long prompts).
+//! head at d = 128). Token by token ([`KdaMethod::PerToken`]) it runs a sequence's tokens one after
+//! another, each a dependent update of the state: right for decode (one token), latency-bound for a
+//! prompt. In chunks ([`KdaMethod::Chunked`], the WY form) it updates the state once per 16 tokens,
+//! the work within a chunk being small matrix products: what prefill uses.
 use super::hybrid::{cfg, check, HybridKernels, SegmentIndex, StateTable};
 use super::{GpuDevice, GpuError};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -59,6 +61,40 @@ impl KdaShape {
             self.head_dim > 0 && self.head_dim <= 128 && self.heads > 0 && self.conv_kernel >= 1,
             || format!("linear attention shape {self:?}: head_dim must be 1..=128"),
         )
+    }
+}
+
+/// How the recurrence walks a segment's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaMethod {
+    /// One dependent state update per token (`kda_recurrent`).
+    PerToken,
+    /// One state update per chunk of [`KDA_CHUNK`] tokens (`kda_chunked`).
+    Chunked,
+}
+
+/// Tokens per chunk of [`KdaMethod::Chunked`] (`KDA_CHUNK` in `hybrid.cu`).
+pub const KDA_CHUNK: usize = 16;
+
+impl KdaMethod {
+    /// The method for a step whose longest segment has `max_len` rows: chunks once a segment fills
+    /// one, tokens otherwise (decode, short chunks). `MOE_KDA_METHOD=token|chunked` forces one (A/B
+    /// runs).
+    pub fn for_step(max_len: usize) -> Self {
+        static FORCED: std::sync::OnceLock<Option<KdaMethod>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| match std::env::var("MOE_KDA_METHOD").as_deref() {
+            Ok("token") => Some(Self::PerToken),
+            Ok("chunked") => Some(Self::Chunked),
+            _ => None,
+        });
+        if let Some(m) = forced {
+            return *m;
+        }
+        if max_len >= KDA_CHUNK {
+            Self::Chunked
+        } else {
+            Self::PerToken
+        }
     }
 }
 
@@ -172,11 +208,13 @@ impl HybridKernels {
     }
 
     /// The recurrence over each segment's tokens from its state (layer part at `layer_off`), advancing
-    /// the state; outputs `[rows, qkv]` into `out`. Inputs as [`Self::kda_prepare`] leaves them.
+    /// the state; outputs `[rows, qkv]` into `out`. Inputs as [`Self::kda_prepare`] leaves them. Both
+    /// methods compute the same recurrence (f32, summed in another order).
     #[allow(clippy::too_many_arguments)]
     pub fn kda_recurrent(
         &self,
         dev: &GpuDevice,
+        method: KdaMethod,
         shape: KdaShape,
         qkv: &CudaSlice<f32>,
         g: &CudaSlice<f32>,
@@ -199,7 +237,11 @@ impl HybridKernels {
         let parts = d.div_ceil(32).next_power_of_two(); // 1, 2 or 4 lanes per value column
         let per_block = BLOCK as usize / parts;
         let (heads, d_i, off) = (shape.heads as i32, d as i32, layer_off as i64);
-        let mut l = dev.stream.launch_builder(&self.kda_recurrent);
+        let kernel = match method {
+            KdaMethod::PerToken => &self.kda_recurrent,
+            KdaMethod::Chunked => &self.kda_chunked,
+        };
+        let mut l = dev.stream.launch_builder(kernel);
         l.arg(qkv)
             .arg(g)
             .arg(beta)
@@ -210,8 +252,9 @@ impl HybridKernels {
             .arg(&states.addrs)
             .arg(&off)
             .arg(out);
-        // SAFETY: d ≤ 128 (the kernel's shared arrays and 32 rows × ≤ 4 lanes per column); buffers and
-        // state parts checked above; the table borrows the states.
+        // SAFETY: d ≤ 128 (both kernels' shared arrays and 32 rows × ≤ 4 lanes per column); buffers
+        // and state parts checked above; the table borrows the states. Both kernels take the same
+        // arguments and launch shape.
         unsafe {
             l.launch(cfg(
                 (seg.segments, shape.heads, d.div_ceil(per_block)),

@@ -297,6 +297,9 @@ impl GpuModel {
         // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
         let decode_rows = batch.iter().all(|b| b.tokens.len() == 1);
         let graph_step = self.cuda_graphs
+            && !self
+                .graphs_paused
+                .load(std::sync::atomic::Ordering::Relaxed)
             && !long_prompt
             && n <= MAX_GRAPH_ROWS
             && decode_rows

@@ -1,7 +1,7 @@
 //! KDA linear-attention layers on the GPU (GLM-5.3-Flash): the CPU's `engine::linear_attention` with the
 //! projections as GEMMs (q, k and v stacked into one) and the convolution, gate, recurrence and gated
 //! norm as the kernels of `hybrid.cu`. Each sequence's state lives in its GPU state buffer
-//! (`gpu::hybrid`); decode steps and prefill chunks both run the per-token recurrence.
+//! (`gpu::hybrid`); decode steps run the per-token recurrence, prefill chunks the chunked (WY) form.
 use super::hybrid::HybridStep;
 use super::{upload_linear, GpuLinear, GpuModel};
 use crate::engine::linear::Linear;
@@ -11,7 +11,7 @@ use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use moe_kernels::cuda::dense::DeviceDense;
-use moe_kernels::cuda::linear_attention::ConvActivation;
+use moe_kernels::cuda::linear_attention::{ConvActivation, KdaMethod};
 use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
 
@@ -167,6 +167,7 @@ impl GpuModel {
         )?;
         k.kda_recurrent(
             dev,
+            KdaMethod::for_step(seg.max_len),
             shape,
             &b.mixed,
             &b.g,

@@ -207,6 +207,9 @@ pub struct GpuModel {
     pub stream: Mutex<Option<stream::ExpertStream>>,
     /// Replay decode steps' pre-expert segments from CUDA graphs.
     pub cuda_graphs: bool,
+    /// Run decode steps eagerly for now (captured graphs and the graph-class buffers stay): A/B runs
+    /// of graphs on and off in one process (`bench decode --graphs-ab`).
+    pub graphs_paused: std::sync::atomic::AtomicBool,
     /// Routes per token whose CPU experts decode steps may defer to the next layer (0: exact).
     pub defer_experts: usize,
     /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
@@ -553,6 +556,7 @@ impl GpuModel {
             prefill_threshold,
             stream: Mutex::new(None),
             cuda_graphs: false,
+            graphs_paused: std::sync::atomic::AtomicBool::new(false),
             defer_experts: 0,
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
