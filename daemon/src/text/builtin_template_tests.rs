@@ -164,3 +164,106 @@ fn serve_falls_back_to_the_architecture_template_only_when_none_is_given() {
     );
     assert_eq!(choose_source(None, None, "Qwen3MoeForCausalLM"), None);
 }
+
+/// GLM-5's template (the built-in of `GlmMoeDsaForCausalLM` and `Glm4MoeLiteForCausalLM`) renders what
+/// zai-org/GLM-5's tokenizer rendered in a published probe (transformers 5.8 `apply_chat_template`):
+/// one user turn, and a multi-turn chat whose history assistant turn is closed with `</think>`.
+#[test]
+fn glm5_template_renders_the_published_glm5_prompts() {
+    for arch in ["GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM"] {
+        let t = ChatTemplate::new(builtin_for_architecture(arch).unwrap(), None, None).unwrap();
+        let none = serde_json::Map::new();
+        let one = [json!({"role": "user", "content": "你好"})];
+        assert_eq!(
+            t.render(&one, None, true, &none).unwrap(),
+            "[gMASK]<sop><|user|>你好<|assistant|><think>"
+        );
+        let turns = [
+            json!({"role": "user", "content": "1+1="}),
+            json!({"role": "assistant", "content": "2"}),
+            json!({"role": "user", "content": "2+2="}),
+        ];
+        assert_eq!(
+            t.render(&turns, None, true, &none).unwrap(),
+            "[gMASK]<sop><|user|>1+1=<|assistant|></think>2<|user|>2+2=<|assistant|><think>"
+        );
+    }
+}
+
+/// What GLM-5 generates after its generation prompt (`<|assistant|><think>`): reasoning, `</think>`,
+/// then compact XML tool calls. The server's parsers turn it into an OpenAI message (reasoning, typed
+/// arguments as a JSON string); sent back as the conversation's last assistant turn, the template
+/// renders exactly the generated text again (the cache's prefix stays valid across the tool round),
+/// and after the next user turn the reasoning is cleared as the model was trained (kept with
+/// `clear_thinking: false`).
+#[test]
+fn glm5_tool_call_and_think_round_trip() {
+    use crate::api::reasoning::ReasoningParser;
+    use crate::api::tool_parser::ToolCallParser;
+    let t = ChatTemplate::new(
+        include_str!("testdata/glm5_chat_template.jinja"),
+        None,
+        None,
+    )
+    .unwrap();
+    let none = serde_json::Map::new();
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let prompt = t
+        .render(&[user.clone()], Some(&tools()), true, &none)
+        .unwrap();
+    assert!(
+        prompt.ends_with("<|user|>Weather in Paris?<|assistant|><think>"),
+        "{prompt}"
+    );
+    let generated = "Need the tool.</think><tool_call>get_weather<arg_key>city</arg_key>\
+                     <arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>";
+    // the server's split: reasoning until </think>, then content and tool calls
+    let mut r = ReasoningParser::new(ReasoningParser::prompt_opens_think(&prompt));
+    let (a, b) = (r.push(generated), r.finish());
+    let reasoning = a.reasoning + &b.reasoning;
+    let mut tp = ToolCallParser::new(&tools());
+    let (c, d) = (tp.push(&(a.content + &b.content)), tp.finish());
+    let content = c.content + &d.content;
+    let calls: Vec<_> = c.calls.into_iter().chain(d.calls).collect();
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("Need the tool.", "")
+    );
+    assert_eq!(calls.len(), 1);
+    let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+    assert_eq!(
+        args,
+        json!({"city": "Paris", "days": 3}),
+        "days typed by the schema"
+    );
+    let assistant = json!({"role": "assistant", "content": content, "reasoning_content": reasoning,
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]});
+    let history = [user.clone(), assistant.clone()];
+    let again = t.render(&history, Some(&tools()), false, &none).unwrap();
+    assert_eq!(
+        again,
+        format!("{prompt}{generated}"),
+        "the generated turn renders back byte for byte"
+    );
+    // the tool result, then the model's answer, then a new user turn: the old reasoning is cleared
+    let result = json!({"role": "tool", "tool_call_id": "c1", "content": "Sunny, 25°C"});
+    let answer = json!({"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."});
+    let next = json!({"role": "user", "content": "Thanks"});
+    let convo = [user, assistant, result, answer, next];
+    let cleared = t.render(&convo, Some(&tools()), true, &none).unwrap();
+    assert!(
+        cleared.contains("<|assistant|></think><tool_call>get_weather")
+            && cleared.contains("<|observation|><tool_response>Sunny, 25°C</tool_response><|assistant|></think>Sunny.<|user|>Thanks<|assistant|><think>"),
+        "{cleared}"
+    );
+    let kept = json!({"clear_thinking": false});
+    let kept = t
+        .render(&convo, Some(&tools()), true, kept.as_object().unwrap())
+        .unwrap();
+    assert!(
+        kept.contains("<|assistant|><think>Need the tool.</think><tool_call>")
+            && kept.contains("<|assistant|><think>Easy.</think>Sunny."),
+        "{kept}"
+    );
+}

@@ -28,6 +28,17 @@ pub fn builtin_for_architecture(architecture: &str) -> Option<&'static str> {
         "Glm5NextForConditionalGeneration" => {
             Some(include_str!("testdata/glm53_flash_chat_template.jinja"))
         }
+        // GLM-5 (zai-org/GLM-5) and GLM-4.7-Flash ship the GLM-4.7 family's `chat_template.jinja`
+        // (3 KB): `[gMASK]<sop>`, the `<|system|>` tools header, compact `<arg_key>` tool calls,
+        // `<|observation|>` results, history reasoning cleared unless `clear_thinking` is false, and a
+        // generation prompt opening `<think>` (`</think>` with `enable_thinking` false). The file here
+        // matches the GLM-5 tokenizer's template wherever public sources quote it (the same fragments
+        // and renders of zai-org/GLM-5: `[gMASK]<sop><|user|>你好<|assistant|><think>` and
+        // `…<|assistant|></think>2<|user|>…`; text/builtin_template_tests.rs checks both) and a
+        // vendored copy of the GLM-4.7 template line for line.
+        "GlmMoeDsaForCausalLM" | "Glm4MoeLiteForCausalLM" => {
+            Some(include_str!("testdata/glm5_chat_template.jinja"))
+        }
         _ => None,
     }
 }
