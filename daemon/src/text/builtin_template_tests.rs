@@ -209,7 +209,7 @@ fn glm5_tool_call_and_think_round_trip() {
     let none = serde_json::Map::new();
     let user = json!({"role": "user", "content": "Weather in Paris?"});
     let prompt = t
-        .render(&[user.clone()], Some(&tools()), true, &none)
+        .render(std::slice::from_ref(&user), Some(&tools()), true, &none)
         .unwrap();
     assert!(
         prompt.ends_with("<|user|>Weather in Paris?<|assistant|><think>"),
