@@ -328,7 +328,7 @@ impl KdaCase {
     /// The CPU backend's preparation, then its `kda_recurrent` per segment and head: outputs
     /// `[rows, heads·d]` and each segment's final state.
     fn host(&self) -> (Vec<f32>, Vec<Vec<f32>>) {
-        use moe_daemon::engine::cpu::linear_attention::kda_recurrent;
+        use moe_daemon::engine::cpu::linear_attention::{kda_recurrent, HeadSeq};
         let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
         let (heads, d) = (self.heads, self.d);
         let w = heads * d;
@@ -353,7 +353,15 @@ impl KdaCase {
                     b.push(sigmoid(self.braw[t * heads + h]));
                 }
                 let st = &mut state[si][h * d * d..(h + 1) * d * d];
-                let o = kda_recurrent(&q, &kk, &v, &g, &b, d, st);
+                let x = HeadSeq {
+                    q: &q,
+                    k: &kk,
+                    v: &v,
+                    g: &g,
+                    beta: &b,
+                    d,
+                };
+                let o = kda_recurrent(&x, st);
                 for (i, t) in (row0..row0 + len).enumerate() {
                     want[t * w + h * d..t * w + (h + 1) * d]
                         .copy_from_slice(&o[i * d..(i + 1) * d]);

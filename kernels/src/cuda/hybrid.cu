@@ -1,64 +1,14 @@
 // CUDA kernels of hybrid-attention models (GLM-5.3-Flash, GLM-5): KDA linear attention, hyper-connections,
 // the sparse-attention indexer and MLA over selected positions. A module of its own (compiled by NVRTC
-// only for models that need it), so it carries its own small helpers. All f32 unless a name says bf16.
+// only for models that need it) after `common.cuh`'s helpers. All f32 unless a name says bf16.
 //
 // Step layout shared by the kernels: a step's rows are grouped by sequence ("segments", consecutive
 // rows); seg_row0[s] / seg_len[s] give segment s's rows and seg_of_row[t] the segment of row t.
 // Recurrent states: `states[s]` is the device address of segment s's state buffer (all linear layers of
 // one sequence, f32); a layer's part starts `layer_off` floats in: [heads, d, d] matrices, then the
 // convolution tail [kernel - 1, 3 * heads * d].
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-typedef unsigned short bf16;
-__device__ __forceinline__ float hy_bf2f(bf16 b) { return __uint_as_float(((unsigned int)b) << 16); }
-__device__ __forceinline__ bf16 hy_f2bf(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffff) > 0x7f800000) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (bf16)(u >> 16);
-}
 __device__ __forceinline__ float hy_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-__device__ __forceinline__ float hy_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-__device__ __forceinline__ float hy_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-}
-// Block-wide sum / max for blockDim.x a multiple of 32, <= 1024; `buf` is 32 floats of shared memory.
-__device__ float hy_block_sum(float v, float* buf) {
-    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
-    v = hy_warp_sum(v);
-    __syncthreads();
-    if (lane == 0) buf[wid] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) / 32;
-    v = (threadIdx.x < nw) ? buf[threadIdx.x] : 0.f;
-    if (wid == 0) v = hy_warp_sum(v);
-    if (threadIdx.x == 0) buf[0] = v;
-    __syncthreads();
-    float r = buf[0];
-    __syncthreads();
-    return r;
-}
-__device__ float hy_block_max(float v, float* buf) {
-    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
-    v = hy_warp_max(v);
-    __syncthreads();
-    if (lane == 0) buf[wid] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) / 32;
-    v = (threadIdx.x < nw) ? buf[threadIdx.x] : -INFINITY;
-    if (wid == 0) v = hy_warp_max(v);
-    if (threadIdx.x == 0) buf[0] = v;
-    __syncthreads();
-    float r = buf[0];
-    __syncthreads();
-    return r;
-}
 // Exclusive prefix sum of one int per thread over the block; `buf` is 32 ints; returns the total in *total.
 __device__ int hy_block_scan(int v, int* buf, int* total) {
     int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
@@ -145,8 +95,8 @@ extern "C" __global__ void kda_prepare(float* qkv, float* g, float* beta, const 
         sq += q[i] * q[i];
         sk += k[i] * k[i];
     }
-    sq = hy_block_sum(sq, buf);
-    sk = hy_block_sum(sk, buf);
+    sq = block_sum(sq, buf);
+    sk = block_sum(sk, buf);
     float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)d), ik = rsqrtf(sk + 1e-6f);
     float rate = expf(a_log[h]);
     float* gh = g + (size_t)t * w + (size_t)h * d;
@@ -167,24 +117,49 @@ extern "C" __global__ void kda_prepare(float* qkv, float* g, float* beta, const 
 // column.
 // grid: (segments, heads, ceil(d / (128 / parts))); block 128; d <= 128.
 #define KDA_ROWS 32
+// One thread's share of a head's state S [d (key), d (value)] in the KDA kernels: value column `col`,
+// rows part, part + parts, … (up to KDA_ROWS of them) in registers; `parts` (1, 2 or 4: d <= 32, 64,
+// 128) adjacent lanes share a column, 128 / parts columns per block (blockIdx.z picks which).
+struct KdaColumn {
+    int parts, part, col;
+    bool active;
+    float* S;
+};
+__device__ __forceinline__ KdaColumn kda_column(int d, int heads, const unsigned long long* states,
+                                                long long layer_off) {
+    KdaColumn k;
+    k.parts = d <= 32 ? 1 : d <= 64 ? 2 : 4;
+    k.part = threadIdx.x % k.parts;
+    k.col = blockIdx.z * (blockDim.x / k.parts) + threadIdx.x / k.parts;
+    k.active = k.col < d;
+    k.S = (float*)states[blockIdx.x] + layer_off + (size_t)blockIdx.y * d * d;
+    return k;
+}
+__device__ __forceinline__ void kda_state_load(const KdaColumn& k, int d, float* reg) {
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = k.part + k.parts * r;
+        reg[r] = (k.active && i < d) ? k.S[(size_t)i * d + k.col] : 0.f;
+    }
+}
+__device__ __forceinline__ void kda_state_store(const KdaColumn& k, int d, const float* reg) {
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        int i = k.part + k.parts * r;
+        if (k.active && i < d) k.S[(size_t)i * d + k.col] = reg[r];
+    }
+}
 extern "C" __global__ void kda_recurrent(const float* qkv, const float* g, const float* beta, int heads, int d,
                                          const int* seg_row0, const int* seg_len,
                                          const unsigned long long* states, long long layer_off, float* out) {
     __shared__ float sq[128], sk[128], sg[128];
-    int parts = d <= 32 ? 1 : d <= 64 ? 2 : 4;
-    int per_block = blockDim.x / parts;
-    int tid = threadIdx.x, part = tid % parts;
-    int col = blockIdx.z * per_block + tid / parts;
-    bool active = col < d;
+    KdaColumn kc = kda_column(d, heads, states, layer_off);
+    int parts = kc.parts, part = kc.part, col = kc.col, tid = threadIdx.x;
+    bool active = kc.active;
     int s = blockIdx.x, h = blockIdx.y;
     size_t w = (size_t)heads * d;
-    float* S = (float*)states[s] + layer_off + (size_t)h * d * d;
     float reg[KDA_ROWS];
-#pragma unroll
-    for (int r = 0; r < KDA_ROWS; ++r) {
-        int i = part + parts * r;
-        reg[r] = (active && i < d) ? S[(size_t)i * d + col] : 0.f;
-    }
+    kda_state_load(kc, d, reg);
     int row0 = seg_row0[s], len = seg_len[s];
     for (int tt = 0; tt < len; ++tt) {
         size_t t = (size_t)row0 + tt;
@@ -220,11 +195,7 @@ extern "C" __global__ void kda_recurrent(const float* qkv, const float* g, const
         if (active && part == 0) out[t * w + (size_t)h * d + col] = o_acc;
         __syncthreads();
     }
-#pragma unroll
-    for (int r = 0; r < KDA_ROWS; ++r) {
-        int i = part + parts * r;
-        if (active && i < d) S[(size_t)i * d + col] = reg[r];
-    }
+    kda_state_store(kc, d, reg);
 }
 
 // The same recurrence in chunks of KDA_CHUNK tokens (the WY / chunked form of fla's `chunk_kda` and
@@ -247,20 +218,13 @@ extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const f
     __shared__ float sG[KDA_CHUNK][128];  // cumulative log decay within the chunk
     __shared__ float sW[KDA_CHUNK][128];  // T (beta k exp G)
     __shared__ float sT[KDA_CHUNK][KDA_CHUNK], sQK[KDA_CHUNK][KDA_CHUNK], sb[KDA_CHUNK];
-    int parts = d <= 32 ? 1 : d <= 64 ? 2 : 4;
-    int per_block = blockDim.x / parts;
-    int tid = threadIdx.x, part = tid % parts;
-    int col = blockIdx.z * per_block + tid / parts;
-    bool active = col < d;
+    KdaColumn kc = kda_column(d, heads, states, layer_off);
+    int parts = kc.parts, part = kc.part, col = kc.col, tid = threadIdx.x;
+    bool active = kc.active;
     int s = blockIdx.x, h = blockIdx.y;
     size_t w = (size_t)heads * d;
-    float* S = (float*)states[s] + layer_off + (size_t)h * d * d;
     float reg[KDA_ROWS];
-#pragma unroll
-    for (int r = 0; r < KDA_ROWS; ++r) {
-        int i = part + parts * r;
-        reg[r] = (active && i < d) ? S[(size_t)i * d + col] : 0.f;
-    }
+    kda_state_load(kc, d, reg);
     int row0 = seg_row0[s], len = seg_len[s];
     for (int c0 = 0; c0 < len; c0 += KDA_CHUNK) {
         int n = min(KDA_CHUNK, len - c0);
@@ -364,11 +328,7 @@ extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const f
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int r = 0; r < KDA_ROWS; ++r) {
-        int i = part + parts * r;
-        if (active && i < d) S[(size_t)i * d + col] = reg[r];
-    }
+    kda_state_store(kc, d, reg);
 }
 
 // Gated RMSNorm per head: out = x / rms(x) * w * sigmoid(gate) -> bf16. x, gate: [rows, heads * d]; w: [d].
@@ -379,10 +339,10 @@ extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, con
     size_t off = ((size_t)blockIdx.x * heads + blockIdx.y) * d;
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) ss += x[off + i] * x[off + i];
-    ss = hy_block_sum(ss, buf);
+    ss = block_sum(ss, buf);
     float inv = rsqrtf(ss / d + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x)
-        out[off + i] = hy_f2bf(x[off + i] * inv * w[i] * hy_sigmoid(gate[off + i]));
+        out[off + i] = f2bf(x[off + i] * inv * w[i] * hy_sigmoid(gate[off + i]));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -423,7 +383,7 @@ extern "C" __global__ void hc_collapse(const float* streams, const float* proj_o
     const float* s = streams + (size_t)t * width;
     float ss = 0.f;
     for (size_t i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
-    ss = hy_block_sum(ss, buf);
+    ss = block_sum(ss, buf);
     if (threadIdx.x == 0) {
         float inv = rsqrtf(ss / (float)width + norm_eps);
         const float* p = proj_out + (size_t)t * (2 + m) * m;
@@ -502,10 +462,10 @@ extern "C" __global__ void idx_layer_norm(float* k, int d, const float* w, const
     float* x = k + (size_t)blockIdx.x * d;
     float s = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) s += x[i];
-    float mean = hy_block_sum(s, buf) / d;
+    float mean = block_sum(s, buf) / d;
     float v = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) v += (x[i] - mean) * (x[i] - mean);
-    float inv = rsqrtf(hy_block_sum(v, buf) / d + 1e-6f);
+    float inv = rsqrtf(block_sum(v, buf) / d + 1e-6f);
     for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = (x[i] - mean) * inv * w[i] + b[i];
 }
 
@@ -624,7 +584,7 @@ extern "C" __global__ void idx_topk(const float* scores, int stride, const int* 
             unsigned int cand_t = thr | (1u << b);
             int c = 0;
             for (int j = lo; j < hi; ++j) c += hy_order_key(sc[j]) >= cand_t;
-            float tot = hy_block_sum((float)c, fbuf);
+            float tot = block_sum((float)c, fbuf);
             if ((int)(tot + 0.5f) >= k) thr = cand_t;
         }
     }
@@ -720,19 +680,19 @@ extern "C" __global__ void mla_attention_selected(const float* q, const bf16* la
             const bf16* lr = lat_cache + (size_t)slot * lora;
             const bf16* rr = rope_cache + (size_t)slot * rope;
             float dot = 0.f;
-            for (int c = 0; c < lora; ++c) dot += q_lat[c] * hy_bf2f(lr[c]);
-            for (int r = 0; r < rope; ++r) dot += qr[r] * hy_bf2f(rr[r]);
+            for (int c = 0; c < lora; ++c) dot += q_lat[c] * bf2f(lr[c]);
+            for (int r = 0; r < rope; ++r) dot += qr[r] * bf2f(rr[r]);
             s = dot * scale;
         }
-        float m_new = fmaxf(m, hy_block_max(s, buf));
+        float m_new = fmaxf(m, block_max(s, buf));
         float corr = expf(m - m_new);
         float e = (j < count) ? expf(s - m_new) : 0.f;
         sc[tid] = e;
-        l = l * corr + hy_block_sum(e, buf);
+        l = l * corr + block_sum(e, buf);
         int n = min((int)blockDim.x, count - base);
         for (int c = tid; c < lora; c += blockDim.x) {
             float a = o_lat[c] * corr;
-            for (int jj = 0; jj < n; ++jj) a += sc[jj] * hy_bf2f(lat_cache[(size_t)slots[jj] * lora + c]);
+            for (int jj = 0; jj < n; ++jj) a += sc[jj] * bf2f(lat_cache[(size_t)slots[jj] * lora + c]);
             o_lat[c] = a;
         }
         m = m_new;
@@ -742,6 +702,6 @@ extern "C" __global__ void mla_attention_selected(const float* q, const bf16* la
         const float* wv = wk + (size_t)(nope + j) * lora;
         float a = 0.f;
         for (int c = 0; c < lora; ++c) a += wv[c] * o_lat[c];
-        out[((size_t)t * heads + h) * vdim + j] = hy_f2bf(l > 0.f ? a / l : 0.f);
+        out[((size_t)t * heads + h) * vdim + j] = f2bf(l > 0.f ? a / l : 0.f);
     }
 }

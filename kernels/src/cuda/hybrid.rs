@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::marker::PhantomData;
 
-pub const SOURCE: &str = include_str!("hybrid.cu");
+pub const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("hybrid.cu"));
 
 /// Entry points of `hybrid.cu`, by name.
 pub const ENTRIES: [&str; 16] = [

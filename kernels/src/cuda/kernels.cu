@@ -1,56 +1,6 @@
 // CUDA kernels of the GPU backend, compiled at start-up by NVRTC for the device's architecture.
 // Activations are f32 in the residual stream and bf16 at GEMM inputs (cuBLAS bf16 x bf16 -> f32).
 // bf16 is handled as raw bits so NVRTC needs no CUDA headers (the GPU machine may lack an include path).
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-typedef unsigned short bf16;
-__device__ __forceinline__ float bf2f(bf16 b) { return __uint_as_float(((unsigned int)b) << 16); }
-__device__ __forceinline__ bf16 f2bf(float f) {  // round to nearest even, NaN kept quiet
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffff) > 0x7f800000) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (bf16)(u >> 16);
-}
-
-#define WARP 32
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-}
-// Block-wide sum for blockDim.x <= 1024; `buf` holds 32 floats of shared memory.
-__device__ float block_sum(float v, float* buf) {
-    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) buf[wid] = v;
-    __syncthreads();
-    int nw = (blockDim.x + WARP - 1) / WARP;
-    v = (threadIdx.x < nw) ? buf[threadIdx.x] : 0.f;
-    if (wid == 0) v = warp_sum(v);
-    if (threadIdx.x == 0) buf[0] = v;
-    __syncthreads();
-    return buf[0];
-}
-__device__ float block_max(float v, float* buf) {
-    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) buf[wid] = v;
-    __syncthreads();
-    int nw = (blockDim.x + WARP - 1) / WARP;
-    v = (threadIdx.x < nw) ? buf[threadIdx.x] : -INFINITY;
-    if (wid == 0) v = warp_max(v);
-    if (threadIdx.x == 0) buf[0] = v;
-    __syncthreads();
-    return buf[0];
-}
-
 // out_bf16[row] = x[row] * w / rms(x[row]); one block per row. Optional f32 copy (out_f32 may be null).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, int dim,
                                     bf16* out_bf16, float* out_f32) {

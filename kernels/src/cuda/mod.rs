@@ -22,6 +22,7 @@ pub mod quant;
 /// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_fp8.cu` (which use the helpers of those
 /// before them), one NVRTC module.
 const SOURCE: &str = concat!(
+    include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),

@@ -165,6 +165,47 @@ struct HeadInputs {
     beta: Vec<f32>,
 }
 
+impl HeadInputs {
+    fn seq(&self, d: usize) -> HeadSeq<'_> {
+        HeadSeq {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            d,
+        }
+    }
+}
+
+/// One head's recurrence inputs over `beta.len()` tokens: `q, k, v, g` `[len, d]` (q normalised and
+/// scaled, k normalised, g the log decay), `beta` `[len]`.
+#[derive(Clone, Copy)]
+pub struct HeadSeq<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub g: &'a [f32],
+    pub beta: &'a [f32],
+    pub d: usize,
+}
+
+impl<'a> HeadSeq<'a> {
+    /// Tokens `r` of the sequence.
+    fn tokens(&self, r: std::ops::Range<usize>) -> HeadSeq<'a> {
+        let d = self.d;
+        let rows = r.start * d..r.end * d;
+        HeadSeq {
+            q: &self.q[rows.clone()],
+            k: &self.k[rows.clone()],
+            v: &self.v[rows.clone()],
+            g: &self.g[rows],
+            beta: &self.beta[r],
+            d,
+        }
+    }
+}
+
 fn head_inputs(
     shape: &LinearAttentionConfig,
     head: usize,
@@ -216,9 +257,9 @@ fn delta_rule(
         .map(|(head, s)| {
             let hi = head_inputs(shape, head, x, g, beta);
             if len == 1 {
-                kda_recurrent(&hi.q, &hi.k, &hi.v, &hi.g, &hi.beta, d, s)
+                kda_recurrent(&hi.seq(d), s)
             } else {
-                kda_chunked(&hi.q, &hi.k, &hi.v, &hi.g, &hi.beta, d, s)
+                kda_chunked(&hi.seq(d), s)
             }
         })
         .collect();
@@ -230,17 +271,17 @@ fn delta_rule(
     }
 }
 
-/// The recurrence token by token for one head: `q, k, v, g` are `[len, d]`, `beta` `[len]`, `s` the
-/// `[d (key), d (value)]` state, advanced in place. Returns `[len, d]`.
-pub fn kda_recurrent(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    d: usize,
-    s: &mut [f32],
-) -> Vec<f32> {
+/// The recurrence token by token for one head, `s` the `[d (key), d (value)]` state, advanced in
+/// place. Returns `[len, d]`.
+pub fn kda_recurrent(x: &HeadSeq<'_>, s: &mut [f32]) -> Vec<f32> {
+    let HeadSeq {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        d,
+    } = *x;
     let len = beta.len();
     let mut out = vec![0f32; len * d];
     let mut mem = vec![0f32; d];
@@ -282,46 +323,29 @@ pub fn kda_recurrent(
 /// The chunked (WY) form for one head, same contract as [`kda_recurrent`]: within each block of
 /// [`CHUNK`] tokens the intra-block interactions are solved as a unit-lower-triangular system and the
 /// state is applied and updated once per block.
-pub fn kda_chunked(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    d: usize,
-    s: &mut [f32],
-) -> Vec<f32> {
-    let len = beta.len();
+pub fn kda_chunked(x: &HeadSeq<'_>, s: &mut [f32]) -> Vec<f32> {
+    let (len, d) = (x.beta.len(), x.d);
     let mut out = vec![0f32; len * d];
     let mut c0 = 0;
     while c0 < len {
         let c = CHUNK.min(len - c0);
-        let r = c0..c0 + c;
-        let o = chunk_step(
-            &q[r.start * d..r.end * d],
-            &k[r.start * d..r.end * d],
-            &v[r.start * d..r.end * d],
-            &g[r.start * d..r.end * d],
-            &beta[r.clone()],
-            d,
-            s,
-        );
-        out[r.start * d..r.end * d].copy_from_slice(&o);
+        let o = chunk_step(&x.tokens(c0..c0 + c), s);
+        out[c0 * d..(c0 + c) * d].copy_from_slice(&o);
         c0 += c;
     }
     out
 }
 
 /// One block of `c` tokens of the chunked form.
-fn chunk_step(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    d: usize,
-    s: &mut [f32],
-) -> Vec<f32> {
+fn chunk_step(x: &HeadSeq<'_>, s: &mut [f32]) -> Vec<f32> {
+    let HeadSeq {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        d,
+    } = *x;
     let c = beta.len();
     // Cumulative log decay within the block, per channel.
     let mut gc = g.to_vec();
@@ -461,8 +485,16 @@ mod tests {
         let beta = vecs(len, &|x| sigmoid(4.0 * x));
         let s0 = vecs(d * d, &|x| x);
         let (mut s_rec, mut s_chunk) = (s0.clone(), s0);
-        let o_rec = kda_recurrent(&q, &k, &v, &g, &beta, d, &mut s_rec);
-        let o_chunk = kda_chunked(&q, &k, &v, &g, &beta, d, &mut s_chunk);
+        let x = HeadSeq {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            d,
+        };
+        let o_rec = kda_recurrent(&x, &mut s_rec);
+        let o_chunk = kda_chunked(&x, &mut s_chunk);
         let err = |a: &[f32], b: &[f32]| {
             let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
             let den: f32 = b.iter().map(|y| y * y).sum();
