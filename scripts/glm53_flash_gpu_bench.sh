@@ -8,7 +8,8 @@
 # Stage (build machine): .device/moe-daemon (release, stripped; or B=path/to/moe-daemon); carry .device.
 # Usage there, one phase per call (each < 10 min):
 #   bash scripts/glm53_flash_gpu_bench.sh synth|dram|gpu14|small|graphs|graphs-small|clean
-# `graphs` / `graphs-small`: decode only, CUDA graphs on and off (--no-cuda-graphs) at 8 / 4 layers.
+# `graphs` / `graphs-small`: decode only, CUDA graphs on and off in turn in one process (--graphs-ab; hybrid
+# models replay graphs only with --cuda-graphs-hybrid) at 8 / 4 layers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/glm53-out}; mkdir -p "$OUT"
@@ -18,7 +19,7 @@ bench() { # label, model, extra args
     local label=$1 model=$2; shift 2
     echo "== $label"
     timeout 280 "$B" bench decode --model "$model" --device cuda --steps 16 --prompt-len 32 "$@" 2>&1 |
-        grep -E "^loaded|^prefill|^decode|per step|GPU memory|rror|WARN" | tee -a "$OUT/bench.log"
+        grep -E "^loaded|^prefill|^decode|per step|graphs A/B|GPU memory|rror|WARN" | tee -a "$OUT/bench.log"
 }
 case "${1:-}" in
 synth)
@@ -47,13 +48,15 @@ small)
     bench "4 layers, all routed experts in DRAM" "$V" --gpu-experts 0
     bench "4 layers, 14 GPU experts per layer" "$V" --gpu-experts 14 ;;
 graphs)
-    bench "8 layers, all routed experts in DRAM, CUDA graphs" "$M" --gpu-experts 0
-    bench "8 layers, all routed experts in DRAM, no CUDA graphs" "$M" --gpu-experts 0 --no-cuda-graphs
-    bench "8 layers, 14 GPU experts per layer, CUDA graphs" "$M" --gpu-experts 14 ;;
+    bench "8 layers, all routed experts in DRAM, CUDA graphs and eager in turn" "$M" --gpu-experts 0 \
+        --cuda-graphs-hybrid --graphs-ab 5
+    bench "8 layers, 14 GPU experts per layer, CUDA graphs and eager in turn" "$M" --gpu-experts 14 \
+        --cuda-graphs-hybrid --graphs-ab 5 ;;
 graphs-small)
-    bench "4 layers, all routed experts in DRAM, CUDA graphs" "$V" --gpu-experts 0
-    bench "4 layers, all routed experts in DRAM, no CUDA graphs" "$V" --gpu-experts 0 --no-cuda-graphs
-    bench "4 layers, 14 GPU experts per layer, CUDA graphs" "$V" --gpu-experts 14 ;;
+    bench "4 layers, all routed experts in DRAM, CUDA graphs and eager in turn" "$V" --gpu-experts 0 \
+        --cuda-graphs-hybrid --graphs-ab 5
+    bench "4 layers, 14 GPU experts per layer, CUDA graphs and eager in turn" "$V" --gpu-experts 14 \
+        --cuda-graphs-hybrid --graphs-ab 5 ;;
 clean) rm -rf "$M" "$V" ;;
 *) echo "usage: $0 synth|dram|gpu14|small|graphs|graphs-small|clean"; exit 2 ;;
 esac

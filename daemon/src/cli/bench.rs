@@ -284,7 +284,9 @@ fn graphs_ab(
     steps: usize,
 ) -> anyhow::Result<()> {
     if !engine.pause_cuda_graphs(false) {
-        anyhow::bail!("--graphs-ab needs the CUDA backend with CUDA graphs on");
+        anyhow::bail!(
+            "--graphs-ab needs the CUDA backend with CUDA graphs on (hybrid-attention models: --cuda-graphs-hybrid)"
+        );
     }
     let ms = |s: f64| s / steps as f64 * 1e3;
     let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];

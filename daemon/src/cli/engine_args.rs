@@ -203,6 +203,11 @@ pub struct EngineArgs {
     /// eagerly anyway).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Also replay decode from CUDA graphs for hybrid-attention models (GLM-5.3-Flash, GLM-5). Off by
+    /// default: on the H200 they did not beat eager launches (GLM-5.3-Flash shape, graphs on and off
+    /// in one process, docs/PERF.md) and their decode buffers take GPU memory.
+    #[arg(long)]
+    pub cuda_graphs_hybrid: bool,
     /// Decode with the CUDA backend: defer this many of each token's routed CPU experts (those with
     /// the lowest routing weight) to the next layer, so the CPU computes them while the GPU runs that
     /// layer (KTransformers' deferred experts). Faster, but not exact: the logits change (docs/PERF.md
@@ -336,6 +341,7 @@ impl EngineArgs {
             gpu_prefill_threshold: self.gpu_prefill_threshold,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
+            cuda_graphs_hybrid: self.cuda_graphs_hybrid,
             defer_experts: self.defer_experts,
             release_window_kv: !self.keep_window_kv,
             expert_prefetch_bytes: self.expert_prefetch_mib << 20,

@@ -106,6 +106,8 @@ pub struct EngineOptions {
     /// capture has been seen to work on the test GPU (the first attempt was refused there and fell
     /// back to eager steps; see docs/PERF.md).
     pub cuda_graphs: bool,
+    /// CUDA graphs for hybrid-attention models too (`cuda_graphs` must be on as well).
+    pub cuda_graphs_hybrid: bool,
     /// CUDA backend, decode: of each token's routed experts, this many with the lowest routing
     /// weight are deferred when the CPU computes them (KTransformers' deferred experts): their output
     /// is added one layer later, so the CPU computes them while the GPU runs the next layer. Changes
@@ -153,6 +155,7 @@ impl Default for EngineOptions {
             expert_format: None,
             gpu_stream_chunk_bytes: gpu::stream::CHUNK_BYTES,
             cuda_graphs: false,
+            cuda_graphs_hybrid: false,
             defer_experts: 0,
             expert_prefetch_bytes: 0,
             cpu_kv_dtype: None,

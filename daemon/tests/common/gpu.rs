@@ -63,6 +63,7 @@ pub fn graphs_match_eager(name: &str, gpu_experts: usize) {
             &dir,
             &EngineOptions {
                 cuda_graphs: graphs,
+                cuda_graphs_hybrid: graphs,
                 ..gpu(gpu_experts, PlacementStrategy::Uniform)
             },
         )

@@ -133,7 +133,8 @@ pub fn plan_inputs(
         } else {
             0
         },
-        cuda_graphs: true,
+        // the daemon's default: graphs, except for hybrid-attention models
+        cuda_graphs: detail.hybrid.is_none(),
         // Rules are resolved against tensor names by the daemon; with rules the operator passes
         // `--gpu-experts auto` and the daemon fits its fill around their pins (see daemon_args).
         pins: Vec::new(),

@@ -20,7 +20,9 @@
 //! candidate count from its position on the device. The hyper-connection expansion after the FFN stays
 //! eager. `gpu_tests::glm_hybrid_gpu::glm_hybrid_cuda_graphs_match_eager` checks them.
 //!
-//! On by default in `serve`, `generate` and `bench` (`--no-cuda-graphs` turns them off). Capture uses the
+//! On by default in `serve`, `generate` and `bench` (`--no-cuda-graphs` turns them off), except for
+//! hybrid-attention models, which replay graphs only with `--cuda-graphs-hybrid`: on the H200 their
+//! graphs and eager launches decoded at the same speed (GLM-5.3-Flash shape, both in one process). Capture uses the
 //! relaxed mode (the thread-local one refused a call of the segment on the H200) and no event
 //! synchronisation inside the segment; a refused capture makes decode run eagerly from then on.
 //! `gpu_tests::cuda_graph_decode_matches_eager` checks that graphs are captured and match eager steps.

@@ -90,6 +90,12 @@ pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
     hybrid_layers(cfg).map(|h| h.shape())
 }
 
+/// Whether decode replays CUDA graphs for `cfg`: `--cuda-graphs` on, and for hybrid-attention models
+/// `--cuda-graphs-hybrid` too (the plan's decode buffers follow the same choice).
+pub fn cuda_graphs_for(opts: &EngineOptions, cfg: &ModelConfig) -> bool {
+    opts.cuda_graphs && (hybrid_layers(cfg).is_none() || opts.cuda_graphs_hybrid)
+}
+
 /// Whether the loaded model's attention projections carry biases.
 pub fn has_qkv_bias(model: &Model) -> bool {
     model
@@ -134,7 +140,7 @@ pub fn plan_inputs(
         max_step_tokens: opts.max_step_tokens as u64,
         max_step_seqs: opts.max_step_seqs as u64,
         stream_staging_bytes: stream_staging,
-        cuda_graphs: opts.cuda_graphs,
+        cuda_graphs: opts.cuda_graphs && (shape.hybrid.is_none() || opts.cuda_graphs_hybrid),
         pins: pins.to_vec(),
         move_slots: opts
             .live_placement

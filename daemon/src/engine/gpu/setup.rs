@@ -166,7 +166,7 @@ pub fn build(
     tracing::info!("{msg}");
     eprintln!("{msg}");
     gpu.memory = Some(report);
-    gpu.cuda_graphs = opts.cuda_graphs;
+    gpu.cuda_graphs = super::memory::cuda_graphs_for(opts, &model.config);
     gpu.defer_experts = opts.defer_experts;
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
     if let Some(r) = rules {
