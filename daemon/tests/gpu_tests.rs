@@ -913,3 +913,44 @@ fn deferred_experts_are_opt_in_and_their_effect_is_measured() {
         "deferring experts changed no logits: the option is not wired"
     );
 }
+
+/// Early routing (SmallThinker: router on the layer input) moves the top-k and the routing's hand-off
+/// before attention and lets the CPU pool prefetch the chosen DRAM experts while attention runs: the
+/// same operations in another order, so the logits are those of routing after attention bit for bit,
+/// eager and from CUDA graphs, with every expert in DRAM and with some on the GPU. With every expert
+/// in DRAM the host must have seen the routing early (the early path is wired).
+#[test]
+fn early_routing_gives_the_logits_of_routing_after_attention() {
+    for name in ["smallthinker", "smallthinker_softmax"] {
+        let dir = fixtures().join(name).join("model_bf16");
+        let o = oracle(name);
+        for (gpu_experts, graphs) in [(0, false), (0, true), (2, true)] {
+            let opts = |prefetch: usize| EngineOptions {
+                expert_prefetch_bytes: prefetch,
+                cuda_graphs: graphs,
+                ..gpu(gpu_experts, PlacementStrategy::Uniform)
+            };
+            let after = run(&Engine::load(&dir, &opts(0)).unwrap(), &o);
+            let early_engine = Engine::load(&dir, &opts(32 << 20)).unwrap();
+            let early = run(&early_engine, &o);
+            for (i, (a, b)) in early.iter().zip(&after).enumerate() {
+                assert!(
+                    a == b,
+                    "{name} {gpu_experts} GPU experts, graphs {graphs}, step {i}: rel-L2 {}",
+                    rel_l2(a, b)
+                );
+            }
+            let t = early_engine.last_step_times();
+            if gpu_experts == 0 {
+                assert!(
+                    t.early_routed_layers > 0,
+                    "{name}: no layer's routing reached the host before its attention ended"
+                );
+            }
+            println!(
+                "{name} {gpu_experts} GPU experts, graphs {graphs}: same logits; last step: {} layers routed early, {} B prefetched",
+                t.early_routed_layers, t.prefetched_bytes
+            );
+        }
+    }
+}

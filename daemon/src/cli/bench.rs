@@ -239,6 +239,12 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
                 r.calls as f64 / n
             );
         }
+        if split.prefetched_bytes > 0 {
+            println!(
+                "  early routing: {:.1} MB of chosen DRAM experts prefetched per step while attention ran",
+                split.prefetched_bytes as f64 / n / 1e6
+            );
+        }
     }
     print_gpu_memory(&engine);
     if a.graphs_ab > 0 {

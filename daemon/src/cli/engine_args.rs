@@ -216,7 +216,9 @@ pub struct EngineArgs {
     pub defer_experts: usize,
     /// MiB of the chosen experts' weights prefetched into the CPU caches while attention runs, per layer,
     /// for models that route from the layer input (SmallThinker); 0 (default) turns it off. 32 is about
-    /// one L3's worth; measured slower on a fully used CPU (docs/PERF.md).
+    /// one L3's worth; measured slower on a fully used CPU (docs/PERF.md). On the CUDA backend it also
+    /// moves those layers' top-k and routing hand-off before attention (early routing), and the idle
+    /// CPU worker pool does the prefetch until the layer's rows land.
     #[arg(long, default_value_t = 0)]
     pub expert_prefetch_mib: usize,
     /// Keep every KV position of sliding-window layers (by default the blocks that left every such

@@ -19,6 +19,10 @@ pub struct StepTimes {
     /// Expert evaluations served by the GPU / all expert evaluations.
     pub gpu_expert_hits: u64,
     pub expert_hits: u64,
+    /// CUDA backend, early routing: bytes of chosen DRAM experts prefetched while attention ran.
+    pub prefetched_bytes: u64,
+    /// CUDA backend, early routing: MoE layers whose routing the host saw before their attention ended.
+    pub early_routed_layers: u64,
     /// CUDA backend: the CPU expert kernels' time by region (`CpuExpertSet::forward_timed`).
     pub cpu_regions: moe_kernels::cpu::moe::RegionTimes,
 }
@@ -34,6 +38,8 @@ impl StepTimes {
         self.dense_mlp_s += o.dense_mlp_s;
         self.gpu_expert_hits += o.gpu_expert_hits;
         self.expert_hits += o.expert_hits;
+        self.prefetched_bytes += o.prefetched_bytes;
+        self.early_routed_layers += o.early_routed_layers;
         self.cpu_regions.add(&o.cpu_regions);
     }
 }

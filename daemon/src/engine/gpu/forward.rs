@@ -203,10 +203,16 @@ impl GpuModel {
         let cfg = &host.config;
         let (dev, hd, n) = (&self.dev, cfg.hidden_size, step.n);
         let layer = &self.layers[li];
-        // Routers that read the layer input (SmallThinker) run before attention changes `x`.
+        // Routers that read the layer input (SmallThinker) run before attention changes `x`; with
+        // early routing their top-k and routing hand-off go first too (`early_routing`).
         let early_router = match (&layer.ffn, &cfg.moe) {
             (GpuFfn::Moe(moe), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
                 dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
+                if self.early_routing() {
+                    self.router_topk(moe, mc, n, g)?;
+                    let nk = n * mc.top_k;
+                    dev.handoff_publish_early_routing(&*g.eids, &*g.w, nk, &g.hand.port)?;
+                }
                 true
             }
             _ => false,
@@ -258,23 +264,40 @@ impl GpuModel {
             return Ok(());
         };
         let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
-        let e = mc.num_experts;
-        if !early_router {
-            dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, e, hd)?;
+        // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) written
+        // into mapped host memory, then the flag the host polls.
+        let (nk, nx) = (n * mc.top_k, n * hd);
+        if early_router && self.early_routing() {
+            // the routing went before attention
+            let rows = g.want_x.then_some((&*g.hf, nx));
+            dev.handoff_publish_rows(rows, &g.hand.port)?;
+            return Ok(());
         }
-        dev.router_topk(
+        if !early_router {
+            dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, mc.num_experts, hd)?;
+        }
+        self.router_topk(moe, mc, n, g)?;
+        let rows = g.want_x.then_some((&*g.hf, nx));
+        dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
+        Ok(())
+    }
+
+    /// The router's top-k over `g.logits` into `g.eids`, `g.w`.
+    fn router_topk(
+        &self,
+        moe: &super::GpuMoe,
+        mc: &crate::model::config::MoeConfig,
+        n: usize,
+        g: &mut Segment<'_, '_>,
+    ) -> anyhow::Result<()> {
+        self.dev.router_topk(
             &*g.logits,
-            (n, e, mc.top_k),
+            (n, mc.num_experts, mc.top_k),
             &super::kinds::router_kind(mc),
             moe.correction_bias.as_ref(),
             &mut *g.eids,
             &mut *g.w,
         )?;
-        // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) written
-        // into mapped host memory, then the flag the host polls.
-        let (nk, nx) = (n * mc.top_k, n * hd);
-        let rows = g.want_x.then_some((&*g.hf, nx));
-        dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
         Ok(())
     }
 

@@ -85,6 +85,8 @@ impl Handoff {
                 break;
             }
         }
+        // a layer whose early routing the host did not look at (no CPU experts) leaves EARLY up
+        self.port.lower_early_routing();
         Ok(())
     }
 

@@ -16,6 +16,7 @@
 pub mod attention;
 pub mod buffers;
 pub mod dispatch;
+mod early_routing;
 mod experts;
 pub mod forward;
 pub mod graphs;
@@ -212,6 +213,9 @@ pub struct GpuModel {
     pub graphs_paused: std::sync::atomic::AtomicBool,
     /// Routes per token whose CPU experts decode steps may defer to the next layer (0: exact).
     pub defer_experts: usize,
+    /// Early routing (`early_routing`): bytes of the chosen DRAM experts the CPU pool prefetches per
+    /// layer while attention runs, for routers on the layer input; 0 = routing after attention.
+    pub expert_prefetch_bytes: usize,
     /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
     pub buffers: Mutex<buffers::BufferClasses>,
     /// Most rows and sequences of one step (the engine's limits, which the memory plan budgets).
@@ -558,6 +562,7 @@ impl GpuModel {
             cuda_graphs: false,
             graphs_paused: std::sync::atomic::AtomicBool::new(false),
             defer_experts: 0,
+            expert_prefetch_bytes: 0,
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
             graphs: Mutex::new(graphs::GraphSet::default()),

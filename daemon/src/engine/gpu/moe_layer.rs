@@ -73,7 +73,15 @@ impl GpuModel {
         };
         let (n, k, hd) = (ctx.n, mc.top_k, cfg.hidden_size);
         // The layer's one wait: routing (and rows, for the CPU) are in mapped host memory after it.
+        // With early routing the wait starts with the CPU pool reading the chosen DRAM experts.
         let t0 = Instant::now();
+        if homes.contains(&ExpertHome::Cpu) {
+            let pool = ctx.cpu_pool;
+            if let Some(b) = self.prefetch_chosen_experts(host_block, hand, n * k, pool) {
+                ctx.times.early_routed_layers += 1;
+                ctx.times.prefetched_bytes += b;
+            }
+        }
         hand.wait_routing(&self.dev)?;
         ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
         let (mut ids, weights) = hand.routing(n * k);

@@ -168,6 +168,14 @@ pub fn build(
     gpu.memory = Some(report);
     gpu.cuda_graphs = super::memory::cuda_graphs_for(opts, &model.config);
     gpu.defer_experts = opts.defer_experts;
+    // Early routing needs the CPU kernels' packed experts to read ahead (routers on the layer input).
+    let layer_input_router = cfg
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.router_input == crate::model::config::RouterInput::LayerInput);
+    if layer_input_router && opts.cpu_kernels {
+        gpu.expert_prefetch_bytes = opts.expert_prefetch_bytes;
+    }
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
     if let Some(r) = rules {
         gpu.prefill_on_cpu = r.prefill_on_cpu();

@@ -111,6 +111,8 @@ impl<T> MappedHost<T> {
 const DOWN: usize = 0;
 const UP: usize = 1;
 const TIMED_OUT: usize = 2;
+/// Early routing's flag: the routing alone landed (before the layer's attention ran).
+const EARLY: usize = 3;
 
 /// One hand-off's buffers and flags. The protocol, per MoE layer with CPU experts:
 /// 1. GPU: [`GpuDevice::handoff_publish`] writes ids, weights (and rows) to `ids`, `w`, `x`, then
@@ -122,6 +124,13 @@ const TIMED_OUT: usize = 2;
 ///
 /// One layer is in flight at a time: the GPU only publishes the next layer after it consumed this
 /// layer's sum, so a single set of buffers and flags serves every layer.
+///
+/// Early routing (routers on the layer input, whose routing is known before attention) splits step 1:
+/// [`GpuDevice::handoff_publish_early_routing`] writes ids and weights and raises EARLY before the
+/// layer's attention, [`GpuDevice::handoff_publish_rows`] writes the rows and raises DOWN after it. The
+/// host may read the routing once it sees EARLY ([`HandoffPort::take_early_routing`]) and must lower
+/// EARLY before it lets the GPU reach the next layer (the next layer's segment is enqueued after the
+/// host's wait for this one, which lowers it: [`HandoffPort::lower_early_routing`]).
 pub struct HandoffPort {
     pub ids: MappedHost<i32>,
     pub w: MappedHost<f32>,
@@ -165,6 +174,32 @@ impl HandoffPort {
         true
     }
 
+    /// Whether the GPU has published the layer (DOWN raised), without lowering the flag.
+    pub fn published(&self) -> bool {
+        // SAFETY: an aligned i32 of the live allocation, written by the GPU: volatile read.
+        unsafe { self.flag(DOWN).read_volatile() != 0 }
+    }
+
+    /// Whether the early routing of the layer has landed; lowers its flag when it has. After `true`,
+    /// `ids` and `w` hold the layer's routing until the host raises UP.
+    pub fn take_early_routing(&self) -> bool {
+        // SAFETY: as `take_published`.
+        if unsafe { self.flag(EARLY).read_volatile() } == 0 {
+            return false;
+        }
+        fence(Ordering::Acquire);
+        // SAFETY: as `take_published`; the GPU raises EARLY again only for a later layer.
+        unsafe { self.flag(EARLY).write_volatile(0) };
+        true
+    }
+
+    /// Lowers EARLY (a layer whose early routing the host did not look at), once the layer's DOWN was
+    /// taken: the next layer's early routing can only come after the host enqueued its segment.
+    pub fn lower_early_routing(&self) {
+        // SAFETY: an aligned i32 of the live allocation; no GPU write of it is pending (see above).
+        unsafe { self.flag(EARLY).write_volatile(0) };
+    }
+
     /// Tells the GPU the CPU experts' sum is in `y`.
     pub fn raise_sum(&self) {
         // every host write of `y` before the flag (x86 keeps stores in order; the fence keeps the
@@ -180,7 +215,7 @@ impl HandoffPort {
         // SAFETY: aligned i32s of the live allocation, and the GPU is idle (the caller's contract).
         unsafe {
             let timed_out = self.flag(TIMED_OUT).read_volatile() != 0;
-            for i in [DOWN, UP, TIMED_OUT] {
+            for i in [DOWN, UP, TIMED_OUT, EARLY] {
                 self.flag(i).write_volatile(0);
             }
             timed_out
@@ -206,29 +241,72 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         const OP: &str = "handoff_publish";
         ensure(OP, nk > 0, || "no routes to publish".into())?;
-        let nk_i = int(OP, "routes", nk)?;
-        let ip = self.input(OP, "ids", ids, nk)?;
-        let wp = self.input(OP, "w", w, nk)?;
-        let (xp, nx) = match x {
-            Some((x, nx)) => (self.input(OP, "x", x, nx)?, nx),
-            None => (0, 0),
+        let routing = Some((self.input(OP, "ids", ids, nk)?, self.input(OP, "w", w, nk)?, nk));
+        let rows = match x {
+            Some((x, nx)) => Some((self.input(OP, "x", x, nx)?, nx)),
+            None => None,
         };
-        let nx_i = int(OP, "row elements", nx)?;
+        self.publish(OP, routing, rows, port, DOWN)
+    }
+
+    /// Early routing's first half of step 1: `nk` routed ids and weights into the port's host
+    /// buffers, then EARLY raised (the layer's rows follow with [`GpuDevice::handoff_publish_rows`]).
+    pub fn handoff_publish_early_routing(
+        &self,
+        ids: &impl DevicePtr<i32>,
+        w: &impl DevicePtr<f32>,
+        nk: usize,
+        port: &HandoffPort,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "handoff_publish_early_routing";
+        ensure(OP, nk > 0, || "no routes to publish".into())?;
+        let routing = Some((self.input(OP, "ids", ids, nk)?, self.input(OP, "w", w, nk)?, nk));
+        self.publish(OP, routing, None, port, EARLY)
+    }
+
+    /// Early routing's second half of step 1: when `x` is given its first `nx` elements into the
+    /// port's host buffer, then DOWN raised (the routing already went with EARLY).
+    pub fn handoff_publish_rows(
+        &self,
+        x: Option<(&impl DevicePtr<f32>, usize)>,
+        port: &HandoffPort,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "handoff_publish_rows";
+        let rows = match x {
+            Some((x, nx)) => Some((self.input(OP, "x", x, nx)?, nx)),
+            None => None,
+        };
+        self.publish(OP, None, rows, port, DOWN)
+    }
+
+    /// One `handoff_publish` launch: routing `(ids, w, nk)` and rows `(x, nx)` (device addresses,
+    /// checked by the callers) into the port, then flag `slot` raised.
+    fn publish(
+        &self,
+        op: &str,
+        routing: Option<(u64, u64, usize)>,
+        rows: Option<(u64, usize)>,
+        port: &HandoffPort,
+        slot: usize,
+    ) -> Result<(), GpuError> {
+        let (ip, wp, nk) = routing.unwrap_or((0, 0, 0));
+        let (xp, nx) = rows.unwrap_or((0, 0));
+        let (nk_i, nx_i) = (int(op, "routes", nk)?, int(op, "row elements", nx)?);
         let (ih, wh) = (
-            port.ids.dev_at(OP, "ids_h", 0, nk)?,
-            port.w.dev_at(OP, "w_h", 0, nk)?,
+            port.ids.dev_at(op, "ids_h", 0, nk)?,
+            port.w.dev_at(op, "w_h", 0, nk)?,
         );
-        let xh = port.x.dev_at(OP, "x_h", 0, nx)?;
+        let xh = port.x.dev_at(op, "x_h", 0, nx)?;
         let done = port.blocks_done.device_ptr(&self.stream).0;
-        let flag = port.flags.dev_at(OP, "flags", DOWN, 1)?;
+        let flag = port.flags.dev_at(op, "flags", slot, 1)?;
         let b = blocks(nk.max(nx / 4));
         let mut l = self.stream.launch_builder(&self.k.handoff_publish);
         l.arg(&ip).arg(&wp).arg(&nk_i).arg(&xp).arg(&nx_i);
         l.arg(&ih).arg(&wh).arg(&xh).arg(&done).arg(&flag);
         // SAFETY: argument order and types as handoff.cu's `handoff_publish`; threads read ids, w
-        // (nk, checked) and x (nx, checked, or null) and write the mapped host buffers (checked
-        // lengths, device addresses of live DEVICEMAP allocations); block counter and flag are the
-        // port's own.
+        // (nk elements, checked by the caller; not read when nk = 0) and x (nx, checked, or null) and
+        // write the mapped host buffers (checked lengths, device addresses of live DEVICEMAP
+        // allocations); block counter and flag are the port's own.
         unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
         Ok(())
     }
