@@ -112,7 +112,9 @@ impl GpuModel {
             let it = plan[i];
             let r = regions[it.region];
             for (off, len) in [it.gate, it.up] {
-                r[off..off + len].chunks(LINE).for_each(|l| prefetch_line(l.as_ptr()));
+                r[off..off + len]
+                    .chunks(LINE)
+                    .for_each(|l| prefetch_line(l.as_ptr()));
             }
             hinted.fetch_add(2 * it.gate.1 as u64, Ordering::Relaxed);
         };
@@ -159,7 +161,11 @@ mod tests {
         assert_eq!(first[0].gate, (0, 32 << 10));
         assert_eq!(first[0].up, (g, 32 << 10));
         assert!(plan.windows(2).all(|w| w[0].region <= w[1].region));
-        let second: usize = plan.iter().filter(|p| p.region == 1).map(|p| p.gate.1).sum();
+        let second: usize = plan
+            .iter()
+            .filter(|p| p.region == 1)
+            .map(|p| p.gate.1)
+            .sum();
         assert_eq!(second, 50 << 10);
         // nothing reaches past the gate / up blocks
         for p in &plan {

@@ -475,7 +475,11 @@ impl GpuModel {
         if let Some(hy) = &hybrid_step {
             self.hyper_head(hy, hd, x)?;
         }
-        self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)
+        let logits = self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)?;
+        if let Some(es) = stream {
+            es.end_step(dev)?;
+        }
+        Ok(logits)
     }
 
     /// Copies the step's index into the class buffers (block tables at the buffers' stride).

@@ -32,6 +32,7 @@ mod moe_layer;
 pub mod moves;
 pub mod setup;
 pub mod stream;
+mod stream_profile;
 mod warm;
 
 use crate::engine::linear::{Linear, WeightData};

@@ -82,6 +82,8 @@ pub struct ExpertStream {
     consumed: usize,
     pinned: bool,
     _registered: Registered,
+    /// Timing events of each step (`MOE_STREAM_PROFILE=1`; see `stream_profile`).
+    profile: Option<super::stream_profile::StreamProfile>,
 }
 
 /// Whether a long prompt can bring layer `li`'s DRAM experts to the GPU cheaply: their packed format is
@@ -185,6 +187,8 @@ impl ExpertStream {
             consumed: 0,
             pinned,
             _registered: Registered(registered),
+            profile: super::stream_profile::wanted()
+                .then(|| super::stream_profile::StreamProfile::new(dev.ctx.clone())),
         }))
     }
 
@@ -196,7 +200,19 @@ impl ExpertStream {
     pub fn begin_step(&mut self, dev: &GpuDevice, host: &Model) -> anyhow::Result<()> {
         self.issued = 0;
         self.consumed = 0;
+        if let Some(p) = self.profile.as_mut() {
+            p.begin(&dev.stream)?;
+        }
         self.issue_ahead(dev, host)
+    }
+
+    /// Ends a long-prefill step: with profiling on, waits for the stream and prints where the copy
+    /// engine's time went (`stream_profile`).
+    pub fn end_step(&mut self, dev: &GpuDevice) -> anyhow::Result<()> {
+        match self.profile.as_mut() {
+            Some(p) => p.report(&dev.stream),
+            None => Ok(()),
+        }
     }
 
     /// Copies of the next chunks into free staging slots (at most `SLOTS` in flight or unconsumed).
@@ -207,6 +223,9 @@ impl ExpertStream {
             let set = layer_set(host, chunk.layer).context("streamed layer lost its experts")?;
             // The slot's previous chunk must be unpacked before it is overwritten.
             self.copy.wait(&self.free[slot])?;
+            if let Some(p) = self.profile.as_mut() {
+                p.copy_start(self.issued, &self.copy)?;
+            }
             let base = dev.addr(&self.staging[slot]);
             let each = self.geometry.expert_bytes;
             // Adjacent experts (consecutive in the packed buffer) go as one copy.
@@ -229,6 +248,9 @@ impl ExpertStream {
                         self.copy.cu_stream(),
                     )?;
                 }
+            }
+            if let Some(p) = self.profile.as_mut() {
+                p.copy_end(self.issued, chunk.ids.len() * each, &self.copy)?;
             }
             self.ready[slot].record(&self.copy)?;
             self.issued += 1;
@@ -264,7 +286,13 @@ impl ExpertStream {
         let slot = c % SLOTS;
         dev.stream.wait(&self.ready[slot])?;
         let count = self.chunks[c].ids.len();
+        if let Some(p) = &self.profile {
+            p.unpack(c, &dev.stream, false)?;
+        }
         dev.unpack_experts(&self.geometry, &self.staging[slot], count, &mut self.dense)?;
+        if let Some(p) = &self.profile {
+            p.unpack(c, &dev.stream, true)?;
+        }
         self.free[slot].record(&dev.stream)?;
         self.consumed += 1;
         self.issue_ahead(dev, host)

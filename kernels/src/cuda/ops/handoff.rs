@@ -241,7 +241,11 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         const OP: &str = "handoff_publish";
         ensure(OP, nk > 0, || "no routes to publish".into())?;
-        let routing = Some((self.input(OP, "ids", ids, nk)?, self.input(OP, "w", w, nk)?, nk));
+        let routing = Some((
+            self.input(OP, "ids", ids, nk)?,
+            self.input(OP, "w", w, nk)?,
+            nk,
+        ));
         let rows = match x {
             Some((x, nx)) => Some((self.input(OP, "x", x, nx)?, nx)),
             None => None,
@@ -260,7 +264,11 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         const OP: &str = "handoff_publish_early_routing";
         ensure(OP, nk > 0, || "no routes to publish".into())?;
-        let routing = Some((self.input(OP, "ids", ids, nk)?, self.input(OP, "w", w, nk)?, nk));
+        let routing = Some((
+            self.input(OP, "ids", ids, nk)?,
+            self.input(OP, "w", w, nk)?,
+            nk,
+        ));
         self.publish(OP, routing, None, port, EARLY)
     }
 

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Hybrid decode / prefill checks on the H200 machine in one call, every step under its own timeout and a
+# call deadline (steps that would not finish in time are skipped and say so):
+#
+#   tests  the GPU tests named in TESTS (default: early routing, graphs against eager, long prefill).
+#   early  early routing A/B on a 16-layer SmallThinker-21B-shape checkpoint in /dev/shm (12 GiB), all
+#          experts in DRAM: routing after attention (--expert-prefetch-mib 0) against early routing with
+#          the pool prefetching PREFETCH_MIB per layer, A B A B; then prefill PREFILL_LEN with the
+#          expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), its chunk-size variants, and an
+#          nsys summary of the same prefill when nsys is installed.
+#
+# Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
+# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=170 bash .device/hybrid2/hybrid_session.sh tests early
+set -uo pipefail
+D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
+MOE=$D/moe-daemon
+OUT=${OUT:-/tmp/hybrid-out}
+BUDGET=${BUDGET:-170}
+LAYERS=${LAYERS:-16}
+PREFETCH_MIB=${PREFETCH_MIB:-16}
+PREFILL_LEN=${PREFILL_LEN:-8192}
+CHUNK_VARIANTS=${CHUNK_VARIANTS:-128 512}
+TESTS=${TESTS:-early_routing cuda_graph_decode_matches_eager long_prefill_gemm_attention_and_expert_stream}
+SHM=${SHM:-/dev/shm}
+mkdir -p "$OUT"
+export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
+T0=$(date +%s)
+DEADLINE=$(( T0 + BUDGET ))
+log() { echo "[hyb +$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+# fits SECONDS: true when a step expected to take SECONDS still ends before the deadline
+fits() { [ "$(left)" -ge "$1" ] || { log "skipped (needs ~$1 s, $(left) s left)"; return 1; }; }
+
+# bench NAME TIMEOUT EXPECTED ARGS...: `bench decode` on the CUDA backend, its figures grepped
+bench() {
+  local name=$1 to=$2 expect=$3; shift 3
+  fits "$expect" || return 0
+  log "$name: $*"
+  timeout "$to" "$MOE" bench decode --device cuda "$@" > "$OUT/$name.log" 2>&1
+  echo "  rc=$?"
+  grep -E "^loaded|^prefill|^decode|per step|early routing|by region|expert stream:|rror|panick" "$OUT/$name.log" \
+    | sed 's/^/  /' | cut -c1-600
+}
+
+phase_tests() {
+  fits 40 || return 0
+  log "gpu_tests: $TESTS"
+  # shellcheck disable=SC2086 # TESTS holds several filters
+  timeout 120 "$D/gpu_tests" --test-threads 1 --nocapture $TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "  rc=$?"
+  grep -E "^test |panicked|test result|same logits" "$OUT/gpu_tests.log" | sed 's/^/  /' | tail -30
+}
+
+phase_early() {
+  local M=$SHM/st21-L$LAYERS
+  fits 60 || return 0
+  log "synth-checkpoint smallthinker-21b, $LAYERS layers"
+  timeout 120 "$MOE" bench synth-checkpoint --like smallthinker-21b --layers "$LAYERS" --out "$M" \
+    > "$OUT/synth.log" 2>&1 || { tail -3 "$OUT/synth.log"; rm -rf "$M"; return 1; }
+  free -g | sed -n 2p
+  local common=(--model "$M" --gpu-experts 0 --steps 32 --prompt-len 64)
+  local r
+  for r in 1 2; do
+    bench st${LAYERS}_after_r$r 60 20 "${common[@]}" --expert-prefetch-mib 0
+    bench st${LAYERS}_early_r$r 60 20 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
+  done
+  MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 30 --model "$M" --gpu-experts 0 \
+    --steps 4 --prefill-lens "$PREFILL_LEN"
+  local c
+  for c in $CHUNK_VARIANTS; do
+    MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill${PREFILL_LEN}_chunk$c 90 30 --model "$M" --gpu-experts 0 \
+      --steps 4 --prefill-lens "$PREFILL_LEN" --gpu-stream-chunk-mib "$c"
+  done
+  if command -v nsys > /dev/null && fits 60; then
+    log "nsys: prefill $PREFILL_LEN"
+    timeout 120 nsys profile -o "$OUT/prefill" --force-overwrite true --stats=true -t cuda,osrt \
+      "$MOE" bench decode --device cuda --model "$M" --gpu-experts 0 --steps 2 --prefill-lens "$PREFILL_LEN" \
+      > "$OUT/nsys.log" 2>&1
+    echo "  rc=$?"
+    grep -E -A14 "cuda_api_sum|cuda_gpu_kern_sum|cuda_gpu_mem_time_sum" "$OUT/nsys.log" | cut -c1-220 | head -60
+    rm -f "$OUT"/prefill.nsys-rep "$OUT"/prefill.sqlite
+  else
+    log "nsys not installed (or no time left): the stream profile above is the breakdown"
+  fi
+  rm -rf "$M"
+}
+
+log "facts: $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader); $(nproc) CPUs; $(free -g | awk '/Mem:/ {print $7}') GiB available"
+[ $# -ge 1 ] || set -- tests early
+for p in "$@"; do
+  case $p in
+    tests) phase_tests ;;
+    early) phase_early ;;
+    *) echo "unknown phase $p (tests, early)"; exit 2 ;;
+  esac
+done
+log "done"
