@@ -2,10 +2,12 @@
 # Hybrid decode / prefill checks on the H200 machine in one call, every step under its own timeout and a
 # call deadline (steps that would not finish in time are skipped and say so):
 #
-#   tests  the GPU tests named in TESTS (default: early routing, graphs against eager, long prefill).
+#   tests  the GPU tests (filters or --skip in TESTS; default: all but the consumer-GPU ones).
 #   early  early routing A/B on a 16-layer SmallThinker-21B-shape checkpoint in /dev/shm (12 GiB), all
-#          experts in DRAM: routing after attention (--expert-prefetch-mib 0) against early routing with
-#          the pool prefetching PREFETCH_MIB per layer, A B A B; then prefill PREFILL_LEN with the
+#          experts in DRAM, three builds of the decode step, A B C A B C: launches after the routing
+#          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
+#          and that plus early routing with the pool prefetching PREFETCH_MIB per layer; then prefill
+#          PREFILL_LEN with the
 #          expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), its chunk-size variants, and an
 #          nsys summary of the same prefill when nsys is installed.
 #
@@ -19,8 +21,8 @@ BUDGET=${BUDGET:-170}
 LAYERS=${LAYERS:-16}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 PREFILL_LEN=${PREFILL_LEN:-8192}
-CHUNK_VARIANTS=${CHUNK_VARIANTS:-128 512}
-TESTS=${TESTS:-early_routing cuda_graph_decode_matches_eager long_prefill_gemm_attention_and_expert_stream}
+CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
+TESTS=${TESTS:---skip consumer_gpu}
 SHM=${SHM:-/dev/shm}
 mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
@@ -60,20 +62,29 @@ phase_early() {
   free -g | sed -n 2p
   local common=(--model "$M" --gpu-experts 0 --steps 32 --prompt-len 64)
   local r
+  # base: launches after the routing lands (MOE_GPU_PRELAUNCH=0), routing after attention;
+  # after: the GPU half of all-DRAM layers enqueued before the routing lands; early: plus early routing
   for r in 1 2; do
-    bench st${LAYERS}_after_r$r 60 20 "${common[@]}" --expert-prefetch-mib 0
-    bench st${LAYERS}_early_r$r 60 20 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
+    MOE_GPU_PRELAUNCH=0 bench st${LAYERS}_base_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
+    bench st${LAYERS}_after_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
+    bench st${LAYERS}_early_r$r 60 15 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
   done
-  MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 30 --model "$M" --gpu-experts 0 \
+  MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 25 --model "$M" --gpu-experts 0 \
     --steps 4 --prefill-lens "$PREFILL_LEN"
+  nsys_prefill "$M"
   local c
   for c in $CHUNK_VARIANTS; do
-    MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill${PREFILL_LEN}_chunk$c 90 30 --model "$M" --gpu-experts 0 \
+    MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill${PREFILL_LEN}_chunk$c 90 25 --model "$M" --gpu-experts 0 \
       --steps 4 --prefill-lens "$PREFILL_LEN" --gpu-stream-chunk-mib "$c"
   done
-  if command -v nsys > /dev/null && fits 60; then
+  rm -rf "$M"
+}
+
+nsys_prefill() {  # MODEL
+  local M=$1
+  if command -v nsys > /dev/null && fits 50; then
     log "nsys: prefill $PREFILL_LEN"
-    timeout 120 nsys profile -o "$OUT/prefill" --force-overwrite true --stats=true -t cuda,osrt \
+    timeout 100 nsys profile -o "$OUT/prefill" --force-overwrite true --stats=true -t cuda,osrt \
       "$MOE" bench decode --device cuda --model "$M" --gpu-experts 0 --steps 2 --prefill-lens "$PREFILL_LEN" \
       > "$OUT/nsys.log" 2>&1
     echo "  rc=$?"
@@ -82,7 +93,6 @@ phase_early() {
   else
     log "nsys not installed (or no time left): the stream profile above is the breakdown"
   fi
-  rm -rf "$M"
 }
 
 log "facts: $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader); $(nproc) CPUs; $(free -g | awk '/Mem:/ {print $7}') GiB available"

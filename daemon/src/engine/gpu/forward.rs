@@ -389,39 +389,31 @@ impl GpuModel {
         let pipelined = self.pipelined(long_prompt, decode_rows, n);
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
+        // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
+        let mut enqueued: Option<Vec<ExpertHome>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             // Where this layer's experts run: decides whether the normalised rows go to the host.
-            let homes = match &layer.ffn {
-                GpuFfn::Moe(moe) => {
-                    let streamed = stream.as_deref().is_some_and(|es| es.has_layer(li));
-                    // placement rules may keep some DRAM experts on the CPU in long prompts too
-                    let cpu_in_prefill = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
-                    let resident = moe.experts.resident();
-                    let to_gpu = long_prompt && super::stream::gpu_can_take_dram_experts(host, li);
-                    let homes = expert_homes(&resident, to_gpu, streamed, cpu_in_prefill);
-                    self.tp_homes(li, homes)
+            let homes = match enqueued.take() {
+                Some(homes) => homes,
+                None => {
+                    let homes = self.layer_homes(host, li, long_prompt, stream.as_deref());
+                    let mut seg = Segment {
+                        x: &mut *x,
+                        hb: &mut *hb,
+                        hf: &mut *hf,
+                        logits: &mut *logits,
+                        eids: &mut *eids,
+                        w: &mut *w,
+                        attn: &mut *attn,
+                        hand,
+                        want_x: homes.contains(&ExpertHome::Cpu),
+                        hybrid: hybrid_step.as_mut(),
+                    };
+                    let step = (&steps[self.kv_layout.group_of(li)], &mut *pool);
+                    self.run_pre_experts(host, li, step, &mut seg, graphs.as_deref_mut())?;
+                    homes
                 }
-                GpuFfn::Dense(_) => Vec::new(),
             };
-            let mut seg = Segment {
-                x: &mut *x,
-                hb: &mut *hb,
-                hf: &mut *hf,
-                logits: &mut *logits,
-                eids: &mut *eids,
-                w: &mut *w,
-                attn: &mut *attn,
-                hand,
-                want_x: homes.contains(&ExpertHome::Cpu),
-                hybrid: hybrid_step.as_mut(),
-            };
-            self.run_pre_experts(
-                host,
-                li,
-                (&steps[self.kv_layout.group_of(li)], &mut pool),
-                &mut seg,
-                graphs.as_deref_mut(),
-            )?;
             if let Some(half) = owed.take() {
                 half.run(times);
             }
@@ -430,6 +422,48 @@ impl GpuModel {
                     self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
                 }
                 GpuFfn::Moe(moe) => {
+                    // A layer whose experts all live in DRAM has a GPU half that does not depend on
+                    // its routing: in pipelined steps it and the next layer's segment are enqueued
+                    // now, while the GPU still runs this layer's attention, so the routing's landing
+                    // is followed by the CPU experts at once (same GPU work, same order: exact).
+                    let prelaunch = pipelined
+                        && self.prelaunch
+                        && self.shard.is_none()
+                        && !homes.is_empty()
+                        && homes.iter().all(|h| *h == ExpertHome::Cpu);
+                    if prelaunch {
+                        let bufs = MoeLayerBufs {
+                            x: &mut *x,
+                            hb: &*hb,
+                            hf: &*hf,
+                            mlp: &mut *mlp,
+                            experts: &mut *experts,
+                        };
+                        self.moe_gpu_half_before_routing(moe, act, (n, hd), bufs, hand)?;
+                        if li + 1 < self.layers.len() {
+                            let next = self.layer_homes(host, li + 1, long_prompt, None);
+                            let mut seg = Segment {
+                                x: &mut *x,
+                                hb: &mut *hb,
+                                hf: &mut *hf,
+                                logits: &mut *logits,
+                                eids: &mut *eids,
+                                w: &mut *w,
+                                attn: &mut *attn,
+                                hand,
+                                want_x: next.contains(&ExpertHome::Cpu),
+                                hybrid: None,
+                            };
+                            let step = (&steps[self.kv_layout.group_of(li + 1)], &mut *pool);
+                            let g = graphs.as_deref_mut();
+                            let r = self.run_pre_experts(host, li + 1, step, &mut seg, g);
+                            if let Err(e) = r {
+                                hand.port.raise_sum(); // the GPU must not wait for a host that gave up
+                                return Err(e);
+                            }
+                            enqueued = Some(next);
+                        }
+                    }
                     let mut ctx = MoeStep {
                         host,
                         cpu_pool,
@@ -455,8 +489,23 @@ impl GpuModel {
                     } else {
                         0
                     };
-                    let half =
-                        self.moe_layer(li, moe, &homes, &mut ctx, bufs, defer, &mut on_routing)?;
+                    let r = self.moe_layer(
+                        li,
+                        moe,
+                        &homes,
+                        &mut ctx,
+                        bufs,
+                        defer,
+                        prelaunch,
+                        &mut on_routing,
+                    );
+                    let half = match r {
+                        Err(e) if prelaunch => {
+                            hand.port.raise_sum(); // the GPU must not wait for a host that gave up
+                            return Err(e);
+                        }
+                        r => r?,
+                    };
                     match half {
                         Some(h) if pipelined => owed = Some(h),
                         Some(h) => h.run(times),
@@ -480,6 +529,27 @@ impl GpuModel {
             es.end_step(dev)?;
         }
         Ok(logits)
+    }
+
+    /// Where layer `li`'s experts run in this step (empty for dense layers): GPU-resident, DRAM
+    /// experts on the CPU, or streamed / uploaded to the GPU in long prompts.
+    fn layer_homes(
+        &self,
+        host: &Model,
+        li: usize,
+        long_prompt: bool,
+        stream: Option<&super::stream::ExpertStream>,
+    ) -> Vec<ExpertHome> {
+        let GpuFfn::Moe(moe) = &self.layers[li].ffn else {
+            return Vec::new();
+        };
+        let streamed = stream.is_some_and(|es| es.has_layer(li));
+        // placement rules may keep some DRAM experts on the CPU in long prompts too
+        let cpu_in_prefill = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
+        let resident = moe.experts.resident();
+        let to_gpu = long_prompt && super::stream::gpu_can_take_dram_experts(host, li);
+        let homes = expert_homes(&resident, to_gpu, streamed, cpu_in_prefill);
+        self.tp_homes(li, homes)
     }
 
     /// Copies the step's index into the class buffers (block tables at the buffers' stride).

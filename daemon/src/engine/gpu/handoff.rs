@@ -21,6 +21,27 @@ use std::time::{Duration, Instant};
 
 /// How long the host spins on the routing flag before asking the driver whether the GPU failed.
 const POLL_CHECK_AFTER: Duration = Duration::from_millis(50);
+/// Longest wait for one layer's routing (a decode layer takes well under a millisecond; a long
+/// prefill layer well under a second): past it the step fails instead of hanging.
+const ROUTING_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What the engine stream is doing, asked without blocking.
+enum StreamState {
+    Busy,
+    Idle,
+}
+
+/// `cuStreamQuery` on the engine stream: busy, idle, or the GPU's error.
+fn stream_state(dev: &GpuDevice) -> anyhow::Result<StreamState> {
+    use cudarc::driver::sys::{cuStreamQuery, CUresult};
+    dev.ctx.bind_to_thread()?;
+    // SAFETY: queries a live stream of the bound context; touches no memory.
+    match unsafe { cuStreamQuery(dev.stream.cu_stream()) } {
+        CUresult::CUDA_SUCCESS => Ok(StreamState::Idle),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(StreamState::Busy),
+        e => anyhow::bail!("the GPU failed while the host waited for a layer's routing: {e:?}"),
+    }
+}
 
 /// Mapped host buffers and flags of the per-layer hand-off, plus the deferred experts' carry. One set
 /// per batch-size class of step buffers (`buffers`; graphs bake the buffers' addresses).
@@ -66,8 +87,9 @@ impl Handoff {
     }
 
     /// Waits until the GPU has published the layer's routing: polls the flag, and after
-    /// `POLL_CHECK_AFTER` synchronises the stream (which surfaces a GPU failure) and fails if the
-    /// routing still did not arrive.
+    /// `POLL_CHECK_AFTER` also asks the driver, without blocking, whether the stream failed or ran
+    /// dry without publishing (the stream may hold a wait for the host's own flag of this layer,
+    /// enqueued before the routing landed: a blocking synchronisation here could wait on ourselves).
     pub(super) fn wait_routing(&self, dev: &GpuDevice) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let mut spins = 0u32;
@@ -75,14 +97,19 @@ impl Handoff {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) && t0.elapsed() > POLL_CHECK_AFTER {
-                // nothing of the host's is pending on the stream here (every earlier CPU half
-                // raised its flag), so this cannot wait on ourselves
-                dev.stream.synchronize()?;
-                anyhow::ensure!(
-                    self.port.take_published(),
-                    "the GPU finished without publishing the layer's routing"
-                );
-                break;
+                match stream_state(dev)? {
+                    StreamState::Busy if t0.elapsed() < ROUTING_TIMEOUT => continue,
+                    StreamState::Busy => anyhow::bail!(
+                        "the GPU did not publish the layer's routing within {ROUTING_TIMEOUT:?}"
+                    ),
+                    StreamState::Idle => {
+                        anyhow::ensure!(
+                            self.port.take_published(),
+                            "the GPU finished without publishing the layer's routing"
+                        );
+                        break;
+                    }
+                }
             }
         }
         // a layer whose early routing the host did not look at (no CPU experts) leaves EARLY up

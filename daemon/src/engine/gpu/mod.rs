@@ -217,6 +217,9 @@ pub struct GpuModel {
     /// Early routing (`early_routing`): bytes of the chosen DRAM experts the CPU pool prefetches per
     /// layer while attention runs, for routers on the layer input; 0 = routing after attention.
     pub expert_prefetch_bytes: usize,
+    /// Enqueue the GPU half of all-DRAM MoE layers (and the next segment) before their routing
+    /// lands in pipelined steps (`forward`); on unless `MOE_GPU_PRELAUNCH=0` (the A/B of the two).
+    pub prelaunch: bool,
     /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
     pub buffers: Mutex<buffers::BufferClasses>,
     /// Most rows and sequences of one step (the engine's limits, which the memory plan budgets).
@@ -564,6 +567,7 @@ impl GpuModel {
             graphs_paused: std::sync::atomic::AtomicBool::new(false),
             defer_experts: 0,
             expert_prefetch_bytes: 0,
+            prelaunch: std::env::var_os("MOE_GPU_PRELAUNCH").is_none_or(|v| v != "0"),
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
             graphs: Mutex::new(graphs::GraphSet::default()),

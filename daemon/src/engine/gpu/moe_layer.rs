@@ -53,7 +53,9 @@ impl GpuModel {
     /// Layer `li`'s experts, `homes` saying where each runs in this step. Returns the layer's CPU
     /// half when it has one (DRAM experts routed, or experts the previous layer deferred): the GPU's
     /// add of its sum is already enqueued and waits for it. `defer`: routes per token whose CPU
-    /// experts may be deferred to the next layer (0: exact).
+    /// experts may be deferred to the next layer (0: exact). `prelaunched`: the layer's GPU half
+    /// ([`GpuModel::moe_gpu_half_before_routing`]) was enqueued before its routing landed (every
+    /// expert of the layer in DRAM); then the CPU half is always returned, since the GPU waits for it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_layer<'h>(
         &self,
@@ -63,6 +65,7 @@ impl GpuModel {
         ctx: &mut MoeStep<'h, '_>,
         b: MoeLayerBufs<'_>,
         defer: usize,
+        prelaunched: bool,
         on_routing: &mut impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Option<CpuHalf<'h>>> {
         let (host, hand) = (ctx.host, ctx.hand);
@@ -100,7 +103,11 @@ impl GpuModel {
         ctx.times.expert_hits += plan.expert_hits;
         ctx.times.gpu_expert_hits += plan.gpu_expert_hits;
         let act = GatedAct::of(cfg);
-        if let Some(sh) = &moe.shared {
+        anyhow::ensure!(
+            !(prelaunched && plan.any_gpu_work()),
+            "layer {li}: GPU experts routed in a layer whose GPU half was enqueued before its routing"
+        );
+        if let (Some(sh), false) = (&moe.shared, prelaunched) {
             self.shared_expert(
                 sh,
                 moe.shared_gate.as_ref(),
@@ -117,7 +124,7 @@ impl GpuModel {
         let shape = (n, hd, mc.expert_intermediate);
         self.run_gpu_experts(&plan, &table, host_block, ctx, shape, b.hb, b.experts)?;
         self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
-        if plan.cpu.is_none() && !hand.has_deferred() {
+        if plan.cpu.is_none() && !hand.has_deferred() && !prelaunched {
             return Ok(None);
         }
         let (now, later) = match plan.cpu {
@@ -136,8 +143,30 @@ impl GpuModel {
             raised: false,
         };
         // the GPU adds the sum once the half raises its flag
-        self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
+        if !prelaunched {
+            self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
+        }
         Ok(Some(half))
+    }
+
+    /// The GPU half of a layer whose experts all live in DRAM, which does not depend on its routing:
+    /// the shared expert and the wait for the CPU experts' sum with its add. Enqueued before the
+    /// routing lands (with the next layer's segment after it), so that once it lands the host goes
+    /// straight to the CPU experts instead of launching first.
+    pub(super) fn moe_gpu_half_before_routing(
+        &self,
+        moe: &GpuMoe,
+        act: GatedAct,
+        (n, hd): (usize, usize),
+        b: MoeLayerBufs<'_>,
+        hand: &Handoff,
+    ) -> anyhow::Result<()> {
+        if let Some(sh) = &moe.shared {
+            let gate = moe.shared_gate.as_ref();
+            self.shared_expert(sh, gate, act, (n, hd), b.hb, b.hf, b.x, b.mlp)?;
+        }
+        self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
+        Ok(())
     }
 
     /// Benchmarks' synthetic routing: rewrites the layer's routed ids (clamped to the layer's experts).
