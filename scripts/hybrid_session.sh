@@ -2,7 +2,7 @@
 # Hybrid decode / prefill checks on the H200 machine in one call, every step under its own timeout and a
 # call deadline (steps that would not finish in time are skipped and say so):
 #
-#   tests  the GPU tests (filters or --skip in TESTS; default: all but the consumer-GPU ones).
+#   tests  the GPU tests named in TESTS (filters; default: those of the decode step and the expert stream).
 #   early  early routing A/B on a 16-layer SmallThinker-21B-shape checkpoint in /dev/shm (12 GiB), all
 #          experts in DRAM, three builds of the decode step, A B C A B C: launches after the routing
 #          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
@@ -12,17 +12,17 @@
 #          nsys summary of the same prefill when nsys is installed.
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
-# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=170 bash .device/hybrid2/hybrid_session.sh tests early
+# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=190 bash .device/hybrid2/hybrid_session.sh tests early
 set -uo pipefail
 D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=$D/moe-daemon
 OUT=${OUT:-/tmp/hybrid-out}
-BUDGET=${BUDGET:-170}
+BUDGET=${BUDGET:-190}
 LAYERS=${LAYERS:-16}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
-TESTS=${TESTS:---skip consumer_gpu}
+TESTS=${TESTS:-early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
 SHM=${SHM:-/dev/shm}
 mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
@@ -61,6 +61,8 @@ phase_early() {
     > "$OUT/synth.log" 2>&1 || { tail -3 "$OUT/synth.log"; rm -rf "$M"; return 1; }
   free -g | sed -n 2p
   local common=(--model "$M" --gpu-experts 0 --steps 32 --prompt-len 64)
+  MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 25 --model "$M" --gpu-experts 0 \
+    --steps 4 --prefill-lens "$PREFILL_LEN"
   local r
   # base: launches after the routing lands (MOE_GPU_PRELAUNCH=0), routing after attention;
   # after: the GPU half of all-DRAM layers enqueued before the routing lands; early: plus early routing
@@ -69,8 +71,6 @@ phase_early() {
     bench st${LAYERS}_after_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
     bench st${LAYERS}_early_r$r 60 15 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
   done
-  MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 25 --model "$M" --gpu-experts 0 \
-    --steps 4 --prefill-lens "$PREFILL_LEN"
   nsys_prefill "$M"
   local c
   for c in $CHUNK_VARIANTS; do
