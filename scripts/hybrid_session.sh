@@ -4,7 +4,7 @@
 #
 #   tests  the GPU tests named in TESTS (filters; default: those of the decode step and the expert stream).
 #   early  early routing A/B on a 16-layer SmallThinker-21B-shape checkpoint in /dev/shm (12 GiB), all
-#          experts in DRAM, three builds of the decode step, A B C A B C: launches after the routing
+#          experts in DRAM, three builds of the decode step, A B C B C: launches after the routing
 #          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
 #          and that plus early routing with the pool prefetching PREFETCH_MIB per layer; then prefill
 #          PREFILL_LEN with the
@@ -12,12 +12,12 @@
 #          nsys summary of the same prefill when nsys is installed.
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
-# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=190 bash .device/hybrid2/hybrid_session.sh tests early
+# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=150 bash .device/hybrid2/hybrid_session.sh tests early
 set -uo pipefail
 D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=$D/moe-daemon
 OUT=${OUT:-/tmp/hybrid-out}
-BUDGET=${BUDGET:-190}
+BUDGET=${BUDGET:-150}
 LAYERS=${LAYERS:-16}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 PREFILL_LEN=${PREFILL_LEN:-8192}
@@ -67,7 +67,7 @@ phase_early() {
   # base: launches after the routing lands (MOE_GPU_PRELAUNCH=0), routing after attention;
   # after: the GPU half of all-DRAM layers enqueued before the routing lands; early: plus early routing
   for r in 1 2; do
-    MOE_GPU_PRELAUNCH=0 bench st${LAYERS}_base_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
+    [ "$r" = 1 ] && MOE_GPU_PRELAUNCH=0 bench st${LAYERS}_base 60 15 "${common[@]}" --expert-prefetch-mib 0
     bench st${LAYERS}_after_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
     bench st${LAYERS}_early_r$r 60 15 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
   done
