@@ -48,7 +48,7 @@ phase_tests() {
   fits 40 || return 0
   log "gpu_tests: $TESTS"
   # shellcheck disable=SC2086 # TESTS holds several filters
-  timeout 120 "$D/gpu_tests" --test-threads 1 --nocapture $TESTS > "$OUT/gpu_tests.log" 2>&1
+  timeout 90 "$D/gpu_tests" --test-threads 1 --nocapture $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "  rc=$?"
   grep -E "^test |panicked|test result|same logits" "$OUT/gpu_tests.log" | sed 's/^/  /' | tail -30
 }
