@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The full-depth hybrid figures beside llama.cpp in one device call, on ONE GGUF both read: the 48-layer
+# Qwen3-30B-A3B shape (random weights, bf16 experts) written by the peer kit (`run_peer.sh gen`), then
+#   llama-bench -ngl 99 -ncmoe 48 -t 16: pp512 / pp4096 / pp8192 and tg64 (op offload on, llama.cpp's default)
+#   ours, every routed expert in DRAM: decode (batch 1, CUDA graphs) and prefill 512 / 4096 / 8192 (cold and
+#   warm), with bf16 experts and with int8 experts (repacked from the same file at load).
+# Every step under its own timeout and a call deadline (BUDGET seconds; a step that would not end in time is
+# skipped and says so). llama-bench is the packed CUDA build of an earlier call (LLAMA_PARTS), never built
+# here. Ours needs about as much RAM as its experts beside the file: a step is skipped when MemAvailable is
+# below what it needs (the file sits in /dev/shm when the peer kit finds room there, which RAM cannot reclaim).
+#
+# Layout (run from the repository root): $D/moe-daemon; the peer kit in $PEERS (.device/peers); the packed
+# llama-bench in $LLAMA_PARTS (.device/seed-runs/llama). Usage there:
+#   OUT=$OUT D=.device/hybrid2 BUDGET=250 bash .device/hybrid2/full_depth_session.sh
+set -uo pipefail
+D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
+MOE=$D/moe-daemon
+PEERS=${PEERS:-$PWD/.device/peers}
+LLAMA_PARTS=${LLAMA_PARTS:-$PWD/.device/seed-runs/llama}
+OUT=${OUT:-/tmp/full-depth-out}
+BUDGET=${BUDGET:-250}
+LAYERS=${LAYERS:-48}
+THREADS=${THREADS:-16}
+PREFILL=${PREFILL:-512,4096,8192}
+LWORK=/tmp/peer-llama
+LB=$LWORK/build/bin/llama-bench
+mkdir -p "$OUT"
+T0=$(date +%s)
+DEADLINE=$(( T0 + BUDGET ))
+log() { echo "[full +$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+fits() { [ "$(left)" -ge "$1" ] || { log "skipped (needs ~$1 s, $(left) s left)"; return 1; }; }
+room_for() {  # GiB of MemAvailable a step needs
+  local avail; avail=$(awk '/MemAvailable/ {print int($2/1048576)}' /proc/meminfo)
+  [ "$avail" -ge "$1" ] || { log "only $avail GiB available, need $1: skipped"; return 1; }
+}
+
+# ours NAME TIMEOUT EXPECTED ARGS...: bench decode on the GGUF, its figures grepped
+ours() {
+  local name=$1 to=$2 expect=$3; shift 3
+  fits "$expect" || return 0
+  log "ours $name: $*"
+  timeout "$to" "$MOE" bench decode --device cuda --cpu-threads "$THREADS" --model "$G" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "  rc=$?"
+  grep -E "^loaded|^prefill|^decode|per step|by region|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
+    | sed 's/^/  /' | cut -c1-400
+  free -g | sed -n 2p | sed 's/^/  /'
+}
+
+log "facts: $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader); $(nproc) CPUs; $(free -g | awk '/Mem:/ {print $7}') GiB available; $(df -h /dev/shm /tmp | tail -2 | awk '{print $6 " " $4 " free"}' | tr '\n' ' ')"
+mkdir -p "$LWORK/build/bin"
+if cat "$LLAMA_PARTS"/llama-bench-cuda.tar.xz.part* | xz -d | tar -x -C "$LWORK/build/bin" && "$LB" --version > /dev/null 2>&1; then
+  log "prebuilt llama-bench ready"
+else
+  log "no runnable llama-bench from $LLAMA_PARTS: llama.cpp steps skipped"
+fi
+log "generate the ${LAYERS}-layer bf16 GGUF (peer kit)"
+KIT="$PEERS/kit" WORK=$LWORK OUT="$OUT/peer" LAYERS=$LAYERS DTYPE=bf16 timeout 150 bash "$PEERS/run_peer.sh" gen \
+  > "$OUT/gen.log" 2>&1
+echo "  rc=$?"; grep -E "generate|wrote|NOTE|error|Error" "$OUT/gen.log" | sed 's/^/  /'
+G=$(cat "$LWORK/model.path" 2>/dev/null || true)
+[ -n "$G" ] && [ -f "$G" ] || { log "no GGUF; stopping"; exit 1; }
+free -g | sed -n 2p
+
+if [ -x "$LB" ] && fits 90; then
+  log "llama.cpp: -ngl 99 -ncmoe $LAYERS -t $THREADS -p $PREFILL -n 64 -r 1 -b 8192 -ub 4096"
+  timeout 150 "$LB" -m "$G" -ngl 99 -ncmoe "$LAYERS" -t "$THREADS" -p "$PREFILL" -n 64 -r 1 -b 8192 -ub 4096 \
+    -o md > "$OUT/llama.md" 2> "$OUT/llama.err"
+  echo "  rc=$?"; grep -E "^\|" "$OUT/llama.md" | sed 's/^/  /'; tail -3 "$OUT/llama.err" | sed 's/^/  /'
+fi
+
+common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL")
+# bf16: the engine's packed experts (~55 GiB) beside the file
+room_for 62 && ours q3_L${LAYERS}_bf16 200 100 "${common[@]}"
+# int8: ~29 GiB of experts
+room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8
+rm -f "$G" "$G.done"
+log "done"
