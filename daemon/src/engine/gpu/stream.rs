@@ -224,7 +224,7 @@ impl ExpertStream {
             // The slot's previous chunk must be unpacked before it is overwritten.
             self.copy.wait(&self.free[slot])?;
             if let Some(p) = self.profile.as_mut() {
-                p.copy_start(self.issued, &self.copy)?;
+                p.copy_start(self.issued, chunk.layer, &self.copy)?;
             }
             let base = dev.addr(&self.staging[slot]);
             let each = self.geometry.expert_bytes;
