@@ -3,7 +3,8 @@
 # Qwen3-30B-A3B shape (random weights, bf16 experts) written by the peer kit (`run_peer.sh gen`), then
 #   llama-bench -ngl 99 -ncmoe 48 -t 16: pp512 / pp4096 / pp8192 and tg64 (op offload on, llama.cpp's default)
 #   ours, every routed expert in DRAM: decode (batch 1, CUDA graphs) and prefill 512 / 4096 / 8192 (cold and
-#   warm), with bf16 experts and with int8 experts (repacked from the same file at load).
+#   warm), with bf16 experts (and the expert stream's profile, MOE_STREAM_PROFILE=1) and with int8 experts
+#   (repacked from the same file at load).
 # Every step under its own timeout and a call deadline (BUDGET seconds; a step that would not end in time is
 # skipped and says so). llama-bench is the packed CUDA build of an earlier call (LLAMA_PARTS), never built
 # here. Ours needs about as much RAM as its experts beside the file: a step is skipped when MemAvailable is
@@ -43,7 +44,7 @@ ours() {
   timeout "$to" "$MOE" bench decode --device cuda --cpu-threads "$THREADS" --model "$G" "$@" \
     > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|per step|by region|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|per step|by region|expert stream:|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-400
   free -g | sed -n 2p | sed 's/^/  /'
 }
@@ -72,7 +73,7 @@ fi
 
 common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL")
 # bf16: the engine's packed experts (~55 GiB) beside the file
-room_for 62 && ours q3_L${LAYERS}_bf16 200 100 "${common[@]}"
+room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 200 100 "${common[@]}"
 # int8: ~29 GiB of experts
 room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8
 rm -f "$G" "$G.done"
