@@ -7,8 +7,8 @@
 #          experts in DRAM, three builds of the decode step, A B C B C: launches after the routing
 #          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
 #          and that plus early routing with the pool prefetching PREFETCH_MIB per layer; then prefill
-#          PREFILL_LEN with the
-#          expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), its chunk-size variants, and an
+#          PREFILL_LEN with the expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), the same with the
+#          expert GEMMs grouped into one cuBLAS call (MOE_GROUPED_GEMM=1), its chunk-size variants, and an
 #          nsys summary of the same prefill when nsys is installed.
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
@@ -22,7 +22,7 @@ LAYERS=${LAYERS:-16}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
-TESTS=${TESTS:-early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
+TESTS=${TESTS:-early_routing grouped_expert_gemm cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
 SHM=${SHM:-/dev/shm}
 mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
@@ -63,6 +63,9 @@ phase_early() {
   local common=(--model "$M" --gpu-experts 0 --steps 32 --prompt-len 64)
   MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 25 --model "$M" --gpu-experts 0 \
     --steps 4 --prefill-lens "$PREFILL_LEN"
+  # the expert GEMMs of a long prompt as one grouped cuBLAS call per projection and chunk
+  MOE_GROUPED_GEMM=1 MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill${PREFILL_LEN}_grouped 90 25 --model "$M" \
+    --gpu-experts 0 --steps 4 --prefill-lens "$PREFILL_LEN"
   local r
   # base: launches after the routing lands (MOE_GPU_PRELAUNCH=0), routing after attention;
   # after: the GPU half of all-DRAM layers enqueued before the routing lands; early: plus early routing

@@ -11,6 +11,8 @@ pub use cudarc::driver::DriverError;
 
 pub mod dense;
 pub mod graph;
+mod grouped;
+pub use grouped::grouped_gemm_refused;
 pub mod hybrid;
 pub mod hyper;
 pub mod indexer;
@@ -449,6 +451,23 @@ impl GpuDevice {
         k: usize,
         table: &mut CudaSlice<u64>,
     ) -> Result<(), GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_bf16_items_via(items, m, k, table, grouped::wanted()) }
+    }
+
+    /// [`GpuDevice::gemm_bf16_items`] with the path chosen: `grouped` tries one grouped cuBLAS call for
+    /// every item (`grouped`), falling back to one batched call per distinct row count if refused.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::gemm_bf16_items`].
+    pub unsafe fn gemm_bf16_items_via(
+        &self,
+        items: &[GemmItem],
+        m: usize,
+        k: usize,
+        table: &mut CudaSlice<u64>,
+        grouped: bool,
+    ) -> Result<(), GpuError> {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
         let mut order: Vec<usize> = (0..items.len()).filter(|&i| items[i].rows > 0).collect();
@@ -467,6 +486,13 @@ impl GpuDevice {
         self.stream
             .memcpy_htod(&host_table, &mut table.slice_mut(..host_table.len()))?;
         let at = |part: usize, j: usize| base + 8 * (part * n + j) as u64;
+        if grouped {
+            // SAFETY: the table now holds every item's pointers in `order`; the rest is the caller's.
+            match unsafe { self.gemm_bf16_grouped(items, &order, (m, k), base) } {
+                Ok(()) => return Ok(()),
+                Err(e) => grouped::refused(&e),
+            }
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut start = 0;
         while start < n {
