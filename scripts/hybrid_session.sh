@@ -4,7 +4,7 @@
 #
 #   tests  the GPU tests named in TESTS (filters; default: those of the decode step and the expert stream).
 #   early  early routing A/B on a 16-layer SmallThinker-21B-shape checkpoint in /dev/shm (12 GiB), all
-#          experts in DRAM, three builds of the decode step, A B C B C: launches after the routing
+#          experts in DRAM, three builds of the decode step, A B C per round (ROUNDS, default 2): launches after the routing
 #          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
 #          and that plus early routing with the pool prefetching PREFETCH_MIB per layer; then prefill
 #          PREFILL_LEN with the expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), the same with the
@@ -20,6 +20,7 @@ OUT=${OUT:-/tmp/hybrid-out}
 BUDGET=${BUDGET:-150}
 LAYERS=${LAYERS:-16}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
+ROUNDS=${ROUNDS:-2}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
 TESTS=${TESTS:-early_routing grouped_expert_gemm cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
@@ -69,8 +70,8 @@ phase_early() {
   local r
   # base: launches after the routing lands (MOE_GPU_PRELAUNCH=0), routing after attention;
   # after: the GPU half of all-DRAM layers enqueued before the routing lands; early: plus early routing
-  for r in 1 2; do
-    [ "$r" = 1 ] && MOE_GPU_PRELAUNCH=0 bench st${LAYERS}_base 60 15 "${common[@]}" --expert-prefetch-mib 0
+  for r in $(seq "$ROUNDS"); do
+    MOE_GPU_PRELAUNCH=0 bench st${LAYERS}_base_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
     bench st${LAYERS}_after_r$r 60 15 "${common[@]}" --expert-prefetch-mib 0
     bench st${LAYERS}_early_r$r 60 15 "${common[@]}" --expert-prefetch-mib "$PREFETCH_MIB"
   done
