@@ -14,8 +14,8 @@
 #   c  Early routing on the CUDA backend (SmallThinker routes from the layer input): a 16-layer
 #      SmallThinker-21B-shape checkpoint, decode with every expert in DRAM, routing after attention
 #      (--expert-prefetch-mib 0) against early routing with the chosen experts prefetched while attention
-#      runs (32 MiB per layer), two rounds each (A B A B). The CUDA early routing lives on the branch
-#      seed-runs-early-routing: build moe-daemon from there for this phase.
+#      runs (32 MiB per layer), two rounds each (A B A B). scripts/hybrid_session.sh does the same beside
+#      the decode launch order and the long-prefill profile.
 #
 # GPU memory: ours prints its plan and peak; for both, a sampler records nvidia-smi's memory.used.
 # llama.cpp: built here with CUDA from the peer kit in the background (its processes are stopped while our
