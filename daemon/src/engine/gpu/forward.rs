@@ -6,7 +6,9 @@
 //!
 //! Pipelined steps (decode, `GpuModel::pipelined`) enqueue layer l + 1's segment before the CPU
 //! experts of layer l run: the GPU waits for their sum on a flag and starts the next layer the moment
-//! it lands, with no host launch between.
+//! it lands, with no host launch between. For a layer whose experts all live in DRAM that GPU half
+//! (shared expert, wait-and-add) and the next segment go even before the host waits for the layer's
+//! routing, so the CPU experts start the moment it lands.
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
 use super::dispatch::{expert_homes, ExpertHome};
