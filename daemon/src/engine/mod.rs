@@ -717,19 +717,9 @@ impl Engine {
         let mut inputs = gpu_seq_inputs(batch);
         let mut times = StepTimes::default();
         let on_routing = |l: usize, ids: &[u32]| self.record(l, ids);
-        let cpu_pool = self.cpu_pool.as_deref();
-        let out = match &self.tp {
-            Some(group) => group.forward(
-                g,
-                &self.model,
-                cpu_pool,
-                &mut inputs,
-                &mut times,
-                on_routing,
-            ),
-            None => g.forward(&self.model, cpu_pool, &mut inputs, &mut times, on_routing),
-        }
-        .map_err(|e| StepError::Backend(format!("{e:#}")))?;
+        let out = self
+            .dispatch_gpu_step(g, &mut inputs, &mut times, on_routing)
+            .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         if let Some(live) = &self.live {
             live.lock()
@@ -741,6 +731,23 @@ impl Engine {
         }
         *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         Ok(out)
+    }
+
+    /// The one place a GPU step is started: rank 0's model alone, or every rank of the
+    /// tensor-parallel group together (each rank's all-reduces meet the others'). Real steps and the
+    /// load-time warm-up both go through it; `on_routing` sees each MoE layer's routed ids.
+    fn dispatch_gpu_step(
+        &self,
+        g: &gpu::GpuModel,
+        inputs: &mut [gpu::forward::GpuSeqInput<'_>],
+        times: &mut StepTimes,
+        on_routing: impl FnMut(usize, &[u32]),
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let cpu_pool = self.cpu_pool.as_deref();
+        match &self.tp {
+            Some(group) => group.forward(g, &self.model, cpu_pool, inputs, times, on_routing),
+            None => g.forward(&self.model, cpu_pool, inputs, times, on_routing),
+        }
     }
 
     /// Bytes of expert weights prefetched ahead of their use so far (early-routing models on the CPU

@@ -288,6 +288,7 @@ impl GpuModel {
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.tp_check_group_step()?;
         let cfg = &host.config;
         let dev = &self.dev;
         let hd = cfg.hidden_size;

@@ -54,6 +54,8 @@ impl TpGroup {
             })
             .collect();
         let comm = &self.comm;
+        let stepping = first.shard.as_ref().map(|s| s.group_step.clone());
+        let _stepping = stepping.as_deref().map(super::rank::GroupStep::enter);
         let (first_out, peer_outs) = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .peers

@@ -15,7 +15,34 @@ use crate::engine::gpu::dispatch::ExpertHome;
 use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+/// Whether the group is inside a step of all its ranks ([`super::TpGroup::forward`]); shared by the
+/// ranks. A rank's step outside one would wait at its first all-reduce for ranks that never come, so
+/// it is refused before it starts.
+#[derive(Default)]
+pub struct GroupStep(AtomicBool);
+
+impl GroupStep {
+    /// Marks the group stepping until the guard is dropped.
+    pub fn enter(&self) -> GroupStepGuard<'_> {
+        self.0.store(true, Ordering::Release);
+        GroupStepGuard(self)
+    }
+
+    pub fn active(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+pub struct GroupStepGuard<'a>(&'a GroupStep);
+
+impl Drop for GroupStepGuard<'_> {
+    fn drop(&mut self) {
+        self.0 .0.store(false, Ordering::Release);
+    }
+}
 
 /// One rank of a tensor-parallel group.
 pub struct RankCtx {
@@ -27,6 +54,8 @@ pub struct RankCtx {
     pub vocab: usize,
     /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
     pub expert_owner: Vec<Vec<Option<usize>>>,
+    /// Set while the group steps (shared by the ranks).
+    pub group_step: Arc<GroupStep>,
 }
 
 /// A layer's expert homes as rank `rank` computes them: experts on another GPU are skipped
@@ -93,6 +122,19 @@ impl GpuModel {
             dense_units: dense.unwrap_or(0),
             lm_head_rows: self.lm_head.as_ref().map_or(0, |l| l.out_dim),
             gpu_experts: experts,
+        }
+    }
+
+    /// Refuses a step of one rank of a group outside the group's step (its all-reduces would wait for
+    /// ranks that are not stepping). Nothing to check on one GPU.
+    pub fn tp_check_group_step(&self) -> anyhow::Result<()> {
+        match &self.shard {
+            Some(s) if s.comm.world() > 1 && !s.group_step.active() => anyhow::bail!(
+                "tensor-parallel rank {}: a step must run on every rank of the group together \
+                 (through the engine's step), not on one GPU's model alone",
+                s.rank
+            ),
+            _ => Ok(()),
         }
     }
 

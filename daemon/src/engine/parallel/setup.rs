@@ -165,6 +165,7 @@ pub fn build(
     let blocks = (mplan.kv_tokens as usize).div_ceil(BLOCK).max(1);
     let layout = KvLayout::of(&cfg, opts.release_window_kv);
     let mut ranks = Vec::with_capacity(world);
+    let group_step = Arc::new(super::rank::GroupStep::default());
     let t = std::time::Instant::now();
     for (r, dev) in devs.into_iter().enumerate() {
         dev.ctx.bind_to_thread()?;
@@ -195,6 +196,7 @@ pub fn build(
             heads: (rc.num_heads, rc.num_kv_heads),
             vocab: rc.vocab_size,
             expert_owner: owners.clone(),
+            group_step: group_step.clone(),
         });
         ranks.push(g);
     }
