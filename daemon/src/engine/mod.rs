@@ -525,6 +525,16 @@ impl Engine {
         self.gpu.as_ref().map_or(0, |g| g.graphs_captured())
     }
 
+    /// CUDA graphs captured so far by each GPU (rank order; one entry without tensor parallelism).
+    pub fn cuda_graphs_captured_per_gpu(&self) -> Vec<usize> {
+        let peers = self.tp.iter().flat_map(|t| t.peers.iter());
+        self.gpu
+            .iter()
+            .chain(peers)
+            .map(gpu::GpuModel::graphs_captured)
+            .collect()
+    }
+
     /// The GPU memory plan and what the start allocated (CUDA backend).
     pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
         self.gpu.as_ref().and_then(|g| g.memory.as_ref())

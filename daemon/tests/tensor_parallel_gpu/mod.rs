@@ -262,3 +262,108 @@ fn loopback_all_reduce_sums_every_rank_and_aborts() {
         assert!(waiting.join().unwrap().is_err());
     });
 }
+
+/// The load-time warm-up steps every rank through the group (it used to drive rank 0 alone, whose
+/// first all-reduce then waited forever): loading returns, each rank captured its decode graphs in
+/// the warm-up, another warm-up leaves no KV block held and records no routing, and the logits
+/// still match one GPU.
+#[test]
+fn tensor_parallel_loopback_warm_up_steps_every_rank() {
+    let name = "qwen3_moe";
+    let o = oracle(name);
+    let dir = fixtures().join(name).join("model_bf16");
+    let base = EngineOptions {
+        cuda_graphs: true,
+        max_step_tokens: 256,
+        ..gpu(6, PlacementStrategy::Uniform)
+    };
+    let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+    let e = Engine::load(
+        &dir,
+        &EngineOptions {
+            record_routing: true,
+            ..tp(base, 2, CommKind::Loopback)
+        },
+    )
+    .unwrap();
+    let graphs = e.cuda_graphs_captured_per_gpu();
+    assert_eq!(graphs.len(), 2);
+    assert!(
+        graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
+        "graphs per rank after the warm-up: {graphs:?}"
+    );
+    assert_eq!(e.warm_up(100).unwrap(), 100);
+    assert_eq!(e.kv_usage(), 0.0, "the warm-up left KV blocks held");
+    let stats = std::env::temp_dir().join(format!("tp-warm-{}.json", std::process::id()));
+    e.save_routing_stats(&stats).unwrap();
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    std::fs::remove_file(&stats).ok();
+    let counted: u64 = saved["counts"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|row| row.as_array().unwrap().iter())
+        .map(|c| c.as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, 0, "the warm-up's routing was recorded: {saved}");
+    check(
+        &format!("{name} tp=2 after warm-ups"),
+        &run(&e, &o),
+        &one,
+        &o,
+    );
+}
+
+/// MLA (DeepSeek-V3 with and without q-LoRA, GLM-4.7-Flash) over 2 and 4 ranks: query heads split
+/// (`q_b`, `kv_b`, `o`), the latent projections and the latent KV cache replicated; routed experts
+/// all in DRAM, and 6 per layer spread over the ranks.
+#[test]
+fn tensor_parallel_loopback_mla_matches_one_gpu() {
+    for name in ["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        for n_gpu in [0, 6] {
+            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+            for world in [2, 4] {
+                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
+                check(
+                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
+                    &run(&e, &o),
+                    &one,
+                    &o,
+                );
+            }
+        }
+    }
+}
+
+/// CUDA graphs with 2 ranks: each rank captures its decode segments in two halves around the
+/// attention's all-reduce (which runs eagerly between the replays); decode with DRAM experts is
+/// pipelined on rank 0. Logits against one GPU with graphs, and every rank captured as many graphs.
+#[test]
+fn tensor_parallel_loopback_cuda_graphs_match_one_gpu() {
+    for name in ["qwen3_moe", "glm4_moe", "smallthinker"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        let base = EngineOptions {
+            cuda_graphs: true,
+            ..gpu(4, PlacementStrategy::Uniform)
+        };
+        let e1 = Engine::load(&dir, &base).unwrap();
+        let one = run(&e1, &o);
+        assert!(
+            e1.cuda_graphs_captured() > 0,
+            "{name}: one GPU captured none"
+        );
+        let e = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+        let got = run(&e, &o);
+        let graphs = e.cuda_graphs_captured_per_gpu();
+        println!("{name}: graphs per rank {graphs:?}");
+        assert!(
+            graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
+            "{name}: graphs per rank {graphs:?}"
+        );
+        check(&format!("{name} tp=2 cuda graphs"), &got, &one, &o);
+    }
+}

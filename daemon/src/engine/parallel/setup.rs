@@ -77,11 +77,6 @@ pub fn build(
     if opts.live_placement.is_some() {
         bail!("--live-placement is not supported with --tensor-parallel above 1 yet");
     }
-    if opts.cuda_graphs {
-        tracing::info!(
-            "CUDA graphs are not captured with --tensor-parallel above 1: decode runs eagerly"
-        );
-    }
     let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
     let ordinals: Vec<usize> = match tp.comm {
         CommKind::Loopback => vec![ordinal; world],
@@ -189,6 +184,10 @@ pub fn build(
             start_allocated: free_before.saturating_sub(free_after) as u64,
         });
         g.max_step = (opts.max_step_tokens, opts.max_step_seqs);
+        // each rank captures its own decode graphs (halves around the attention's all-reduce)
+        g.cuda_graphs = opts.cuda_graphs;
+        // only rank 0 has CPU experts to defer
+        g.defer_experts = opts.defer_experts;
         let rc = &part.config;
         g.shard = Some(RankCtx {
             rank: r,
