@@ -144,16 +144,29 @@ fn tensor_parallel_nccl_matches_one_gpu() {
         return;
     }
     let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
-    for name in ["qwen3_moe", "glm4_moe", "qwen2_moe", "llama"] {
+    // GQA and MLA fixtures; Qwen3-MoE also with CUDA graphs (each GPU captures its own halves)
+    let cases = [
+        ("qwen3_moe", false),
+        ("qwen3_moe", true),
+        ("glm4_moe", false),
+        ("qwen2_moe", false),
+        ("llama", false),
+        ("deepseek_v3", false),
+        ("glm4_moe_lite", false),
+    ];
+    for (name, cuda_graphs) in cases {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
         for n_gpu in [0, 6] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let base = EngineOptions {
+                cuda_graphs,
+                ..gpu(n_gpu, PlacementStrategy::Uniform)
+            };
             let one = run(&Engine::load(&dir, &base).unwrap(), &o);
             for &world in &worlds {
                 let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Nccl)).unwrap();
                 check(
-                    &format!("{name} nccl tp={world} gpu_experts={n_gpu}"),
+                    &format!("{name} nccl tp={world} gpu_experts={n_gpu} graphs={cuda_graphs}"),
                     &run(&e, &o),
                     &one,
                     &o,
@@ -366,4 +379,71 @@ fn tensor_parallel_loopback_cuda_graphs_match_one_gpu() {
         );
         check(&format!("{name} tp=2 cuda graphs"), &got, &one, &o);
     }
+}
+
+/// Live re-placement with 2 ranks: a move copies the admitted expert onto the GPU holding the one it
+/// evicts (each GPU keeps its count), every rank then computes it there, and the evicted one goes
+/// back to rank 0's CPU experts. The same moves on one GPU give the same logits (≤ 2e-2 rel-L2, the
+/// group's bound against one GPU), before and after, and the moved weights are bit for bit equal.
+#[test]
+fn tensor_parallel_loopback_live_move_matches_one_gpu() {
+    let name = "qwen3_moe";
+    let dir = fixtures().join(name).join("model_bf16");
+    let base = EngineOptions {
+        live_placement: Some(super::live_still()),
+        ..gpu(4, PlacementStrategy::Uniform)
+    };
+    let one = Engine::load(&dir, &base).unwrap();
+    let two = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+    assert_eq!(one.gpu_residency(), two.gpu_residency(), "node placement");
+    let moe_layers: Vec<usize> = (0..one.config().num_layers)
+        .filter(|&l| one.config().moe_layers[l])
+        .collect();
+    let mut next = super::xorshift(7);
+    let tokens: Vec<u32> = (0..14).map(|_| (next() % 500) as u32).collect();
+    let schedule: Vec<&[u32]> = std::iter::once(&tokens[..4])
+        .chain(tokens[4..].chunks(1))
+        .collect();
+    let compare = |tag: &str, a: &Engine, b: &Engine| {
+        let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
+        for (i, t) in schedule.iter().enumerate() {
+            let e = rel_l2(&super::step(b, &mut cb, t), &super::step(a, &mut ca, t));
+            println!("{tag} step {i}: rel-L2 tp=2 vs one GPU {e:.2e}");
+            assert!(e <= 2e-2, "{tag} step {i}: {e}");
+        }
+    };
+    compare("before the moves", &one, &two);
+    // Per MoE layer: a DRAM expert replaces one held by rank 1, another one held by rank 0.
+    for &layer in &moe_layers {
+        for rank in [1, 0] {
+            let per_gpu = two.gpu_residency_per_gpu();
+            let node = two.gpu_residency().unwrap();
+            let evict = per_gpu[rank][layer].iter().position(|&r| r).unwrap();
+            let admit = node[layer].iter().rposition(|&r| !r).unwrap();
+            one.move_expert_now(layer, admit, evict).unwrap();
+            two.move_expert_now(layer, admit, evict).unwrap();
+            let per_gpu = two.gpu_residency_per_gpu();
+            assert!(
+                per_gpu[rank][layer][admit] && !per_gpu[rank][layer][evict],
+                "layer {layer}: expert {admit} did not land on GPU {rank} in place of {evict}"
+            );
+            assert!(
+                !per_gpu[1 - rank][layer][admit],
+                "layer {layer}: expert {admit} on both GPUs"
+            );
+            assert_eq!(
+                one.gpu_expert_bits(layer, admit).unwrap(),
+                two.gpu_expert_bits(layer, admit).unwrap(),
+                "layer {layer} expert {admit}: moved weights"
+            );
+        }
+    }
+    assert_eq!(one.gpu_residency(), two.gpu_residency(), "after the moves");
+    let counts: Vec<usize> = two
+        .gpu_residency_per_gpu()
+        .iter()
+        .map(|g| g.iter().flatten().filter(|&&r| r).count())
+        .collect();
+    assert_eq!(counts, vec![4, 4], "each GPU keeps its share");
+    compare("after the moves", &one, &two);
 }

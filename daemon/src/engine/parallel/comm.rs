@@ -29,6 +29,11 @@ pub trait Communicator: Send + Sync {
     /// A rank failed mid-step: wake the others out of any pending reduction with an error (where the
     /// implementation can).
     fn abort(&self);
+
+    /// Before a step of the group, when no rank is inside a reduction: forget an earlier step's
+    /// abort (where the implementation can recover from one), so one failed step (a warm-up that
+    /// ran out of memory, say) does not fail every later one.
+    fn reset(&self) {}
 }
 
 /// Which implementation a group uses.
@@ -205,11 +210,18 @@ impl Rendezvous {
         Ok(())
     }
 
-    /// Wakes every waiting rank with an error; later meetings fail at once.
+    /// Wakes every waiting rank with an error; later meetings fail at once (until [`Self::reset`]).
     pub fn abort(&self) {
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         g.aborted = true;
         self.cv.notify_all();
+    }
+
+    /// A fresh start: nobody arrived, not aborted. Only while no rank waits in [`Self::meet`].
+    pub fn reset(&self) {
+        let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        g.arrived.fill(false);
+        g.aborted = false;
     }
 }
 
@@ -361,6 +373,13 @@ impl Communicator for Loopback {
     fn abort(&self) {
         self.meet.abort();
     }
+
+    fn reset(&self) {
+        self.meet.reset();
+        let mut x = self.exchange();
+        x.ready.iter_mut().for_each(|e| *e = None);
+        x.summed = None;
+    }
 }
 
 #[cfg(test)]
@@ -408,8 +427,17 @@ mod tests {
             errs[0].to_string().contains("not stepping")
                 || errs[1].to_string().contains("not stepping")
         );
-        // the group stays aborted
+        // the group stays aborted until reset (between steps), then meets again
         assert_eq!(r.meet(2), Err(RendezvousError::Aborted));
+        r.reset();
+        let r = &r;
+        std::thread::scope(|s| {
+            let others: Vec<_> = (1..3).map(|k| s.spawn(move || r.meet(k))).collect();
+            assert_eq!(r.meet(0), Ok(()));
+            for o in others {
+                assert_eq!(o.join().unwrap(), Ok(()));
+            }
+        });
     }
 
     #[test]

@@ -54,6 +54,8 @@ impl TpGroup {
             })
             .collect();
         let comm = &self.comm;
+        // every rank thread of the previous step has been joined: no one is inside a reduction
+        comm.reset();
         let stepping = first.shard.as_ref().map(|s| s.group_step.clone());
         let _stepping = stepping.as_deref().map(super::rank::GroupStep::enter);
         let (first_out, peer_outs) = std::thread::scope(|scope| {

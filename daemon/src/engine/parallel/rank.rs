@@ -16,7 +16,10 @@ use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+
+/// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
+pub type ExpertOwners = Vec<Vec<Option<usize>>>;
 
 /// Whether the group is inside a step of all its ranks ([`super::TpGroup::forward`]); shared by the
 /// ranks. A rank's step outside one would wait at its first all-reduce for ranks that never come, so
@@ -52,8 +55,9 @@ pub struct RankCtx {
     pub heads: (usize, usize),
     /// lm_head rows (logits) this rank computes.
     pub vocab: usize,
-    /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
-    pub expert_owner: Vec<Vec<Option<usize>>>,
+    /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM); shared by the
+    /// ranks, changed only between steps (live re-placement's swaps).
+    pub expert_owner: Arc<RwLock<ExpertOwners>>,
     /// Set while the group steps (shared by the ranks).
     pub group_step: Arc<GroupStep>,
 }
@@ -178,10 +182,26 @@ impl GpuModel {
     pub fn tp_homes(&self, li: usize, homes: Vec<ExpertHome>) -> Vec<ExpertHome> {
         match &self.shard {
             Some(s) => {
-                let owners = s.expert_owner.get(li).map_or(&[][..], Vec::as_slice);
-                tp_expert_homes(homes, s.rank, owners)
+                let owners = s.expert_owner.read().unwrap_or_else(|e| e.into_inner());
+                let row = owners.get(li).map_or(&[][..], Vec::as_slice);
+                tp_expert_homes(homes, s.rank, row)
             }
             None => homes,
+        }
+    }
+
+    /// After this GPU swapped `admit` of `layer` in for `evict` (live re-placement, between steps):
+    /// every rank of the group now sees `admit` on this GPU and `evict` in DRAM (rank 0's).
+    pub fn tp_expert_moved(&self, layer: usize, admit: usize, evict: usize) {
+        let Some(s) = &self.shard else { return };
+        let mut owners = s.expert_owner.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(row) = owners.get_mut(layer) {
+            if let Some(o) = row.get_mut(admit) {
+                *o = Some(s.rank);
+            }
+            if let Some(o) = row.get_mut(evict) {
+                *o = None;
+            }
         }
     }
 }

@@ -133,6 +133,16 @@ fn mlp(m: &Mlp, u: Range<usize>, rank: usize, what: &str) -> Result<Mlp, ShardEr
     })
 }
 
+/// A whole copy of a routed expert (any stored format).
+fn copy_mlp(m: &Mlp) -> Result<Mlp, ShardError> {
+    let all = |l: &Linear| rows(l, 0..l.out_dim, "routed expert");
+    Ok(Mlp {
+        gate: all(&m.gate)?,
+        up: all(&m.up)?,
+        down: all(&m.down)?,
+    })
+}
+
 fn gqa(a: &GqaAttention, s: &RankShard, head_dim: usize) -> Result<GqaAttention, ShardError> {
     let AttentionShard::Gqa {
         q_heads, kv_heads, ..
@@ -207,13 +217,15 @@ fn mla(a: &MlaAttention, s: &RankShard, cfg: &ModelConfig) -> Result<MlaAttentio
 }
 
 /// Rank `r`'s model: its slices of the dense weights, with the routed experts `mine[layer][expert]`
-/// marks moved out of `full` (they leave the host when the rank uploads them). Executes GQA and MLA
+/// marks moved out of `full` (they leave the host when the rank uploads them), or copied when
+/// `keep_host_copies` (live re-placement: DRAM keeps every expert). Executes GQA and MLA
 /// models (linear attention and hyper-connections have no split yet).
 pub fn rank_model(
     full: &mut Model,
     plan: &ShardPlan,
     r: usize,
     mine: &[Vec<bool>],
+    keep_host_copies: bool,
 ) -> Result<Model, ShardError> {
     let s = &plan.ranks[r];
     let cfg = &full.config;
@@ -233,14 +245,14 @@ pub fn rank_model(
                     .experts
                     .iter_mut()
                     .enumerate()
-                    .map(|(e, slot)| {
-                        if on_rank.get(e).copied().unwrap_or(false) {
-                            slot.take()
-                        } else {
-                            None
-                        }
-                    })
-                    .collect();
+                    .map(
+                        |(e, slot)| match (on_rank.get(e).copied().unwrap_or(false), &slot) {
+                            (false, _) => Ok(None),
+                            (true, Some(m)) if keep_host_copies => copy_mlp(m).map(Some),
+                            (true, _) => Ok(slot.take()),
+                        },
+                    )
+                    .collect::<Result<_, ShardError>>()?;
                 let shared = match (&b.shared, &s.shared_expert) {
                     (Some(m), Some(u)) => Some(mlp(m, u.clone(), r, "shared expert")?),
                     _ => None,
