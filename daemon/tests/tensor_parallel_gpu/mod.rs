@@ -399,7 +399,7 @@ fn tensor_parallel_loopback_live_move_matches_one_gpu() {
     let moe_layers: Vec<usize> = (0..one.config().num_layers)
         .filter(|&l| one.config().moe_layers[l])
         .collect();
-    let mut next = super::xorshift(7);
+    let mut next = crate::common::xorshift(7);
     let tokens: Vec<u32> = (0..14).map(|_| (next() % 500) as u32).collect();
     let schedule: Vec<&[u32]> = std::iter::once(&tokens[..4])
         .chain(tokens[4..].chunks(1))
@@ -407,7 +407,10 @@ fn tensor_parallel_loopback_live_move_matches_one_gpu() {
     let compare = |tag: &str, a: &Engine, b: &Engine| {
         let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
         for (i, t) in schedule.iter().enumerate() {
-            let e = rel_l2(&super::step(b, &mut cb, t), &super::step(a, &mut ca, t));
+            let e = rel_l2(
+                &crate::common::step(b, &mut cb, t),
+                &crate::common::step(a, &mut ca, t),
+            );
             println!("{tag} step {i}: rel-L2 tp=2 vs one GPU {e:.2e}");
             assert!(e <= 2e-2, "{tag} step {i}: {e}");
         }
