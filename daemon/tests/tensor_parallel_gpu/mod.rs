@@ -327,6 +327,37 @@ fn tensor_parallel_loopback_warm_up_steps_every_rank() {
     );
 }
 
+/// Each GPU holds its MLA heads, read back from the uploaded device weights: DeepSeek-V3's fixture
+/// (4 heads, q-LoRA, nope 16 + rope 8, value 16, latent 32) over 2 ranks: 2 heads' rows of q_b
+/// (48) and value columns of o (32) each, the latent cache (32 wide) whole on both.
+#[test]
+fn tensor_parallel_mla_ranks_hold_their_heads() {
+    use moe_daemon::engine::parallel::ShardSummary;
+    let dir = fixtures().join("deepseek_v3").join("model_bf16");
+    let base = gpu(0, PlacementStrategy::Uniform);
+    let one = Engine::load(&dir, &base).unwrap().gpu_shards();
+    assert_eq!(
+        (one[0].q_rows, one[0].o_cols, one[0].kv_width),
+        (96, 64, 32)
+    );
+    let two = Engine::load(&dir, &tp(base, 2, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    assert_eq!(two.len(), 2);
+    for (r, s) in two.iter().enumerate() {
+        let want = ShardSummary {
+            rank: r,
+            q_rows: 48,
+            o_cols: 32,
+            kv_width: 32,
+            dense_units: 64,
+            lm_head_rows: 256,
+            gpu_experts: 0,
+        };
+        assert_eq!(s, &want);
+    }
+}
+
 /// MLA (DeepSeek-V3 with and without q-LoRA, GLM-4.7-Flash) over 2 and 4 ranks: query heads split
 /// (`q_b`, `kv_b`, `o`), the latent projections and the latent KV cache replicated; routed experts
 /// all in DRAM, and 6 per layer spread over the ranks.

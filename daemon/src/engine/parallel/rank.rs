@@ -12,7 +12,7 @@
 //! Without a `RankCtx` (one GPU) none of this runs: the step is today's, bit for bit.
 use super::comm::Communicator;
 use crate::engine::gpu::dispatch::ExpertHome;
-use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
+use crate::engine::gpu::{GpuAttention, GpuFfn, GpuMlaQuery, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -86,7 +86,8 @@ pub fn tp_expert_homes(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardSummary {
     pub rank: usize,
-    /// Output rows of the first GQA layer's q projection, input columns of its o projection.
+    /// Output rows of the first attention layer's query projection (GQA's q, MLA's q_b or q), input
+    /// columns of its o projection.
     pub q_rows: usize,
     pub o_cols: usize,
     /// Row width of the K cache.
@@ -104,7 +105,12 @@ impl GpuModel {
     pub fn shard_summary(&self) -> ShardSummary {
         let gqa = self.layers.iter().find_map(|l| match &l.attn {
             GpuAttention::Gqa(w) => Some((w.q.out_dim, w.o.in_dim)),
-            _ => None,
+            GpuAttention::Mla(w) => match &w.q {
+                GpuMlaQuery::Direct(q) | GpuMlaQuery::LowRank { b: q, .. } => {
+                    Some((q.out_dim, w.o.in_dim))
+                }
+            },
+            GpuAttention::Linear(_) => None,
         });
         let dense = self.layers.iter().find_map(|l| match &l.ffn {
             GpuFfn::Dense(m) => Some(m.down.in_dim),
@@ -210,6 +216,17 @@ impl GpuModel {
 mod tests {
     use super::*;
     use ExpertHome::*;
+
+    #[test]
+    fn the_group_steps_only_while_its_guard_lives() {
+        let g = GroupStep::default();
+        assert!(!g.active());
+        {
+            let _inside = g.enter();
+            assert!(g.active());
+        }
+        assert!(!g.active());
+    }
 
     #[test]
     fn each_expert_is_computed_by_exactly_one_rank() {
