@@ -40,7 +40,7 @@ if ! ldconfig -p | grep -q 'libnccl.so '; then
 fi
 
 echo "== tensor-parallel GPU tests"
-timeout 420 "$D/gpu_tests" tensor_parallel --test-threads 2 --nocapture > "$OUT/tp_tests.log" 2>&1
+timeout 420 "$D/gpu_tests" tensor_parallel --test-threads 1 --nocapture > "$OUT/tp_tests.log" 2>&1
 echo "rc=$?"
 grep -E "^test |panicked|test result|skipped" "$OUT/tp_tests.log" | tail -20
 grep -E "rel-L2" "$OUT/tp_tests.log" | awk '{for(i=1;i<=NF;i++) if($i=="GPU") print $(i+1)}' \

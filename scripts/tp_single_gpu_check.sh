@@ -7,7 +7,7 @@ D=${D:-.device/tensor-parallel}
 OUT=${OUT:-/tmp/tp-one}; mkdir -p "$OUT"
 export MOE_FIXTURES=${MOE_FIXTURES:-$PWD/tests/fixtures} RUST_BACKTRACE=1
 echo "libnccl entries in ldconfig: $(ldconfig -p | grep -c nccl)"
-timeout 300 "$D/gpu_tests" tensor_parallel --test-threads 2 --nocapture > "$OUT/tp.log" 2>&1
+timeout 300 "$D/gpu_tests" tensor_parallel --test-threads 1 --nocapture > "$OUT/tp.log" 2>&1
 echo "tensor-parallel tests rc=$?"
 grep -E '^test |panicked|test result|skipped' "$OUT/tp.log"
 grep -A12 panicked "$OUT/tp.log" | head -40
