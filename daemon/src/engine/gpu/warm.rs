@@ -46,8 +46,33 @@ impl Engine {
         if tokens == 0 {
             return Ok(0);
         }
-        self.pool.install(|| self.warm_up_steps(g, tokens))?;
+        let ran = self.pool.install(|| self.warm_up_steps(g, tokens));
+        let timed_out = self.forget_hand_off_timeouts()?;
+        ran?;
+        anyhow::ensure!(
+            !timed_out,
+            "a GPU wait for the CPU experts timed out in the warm-up (its results are discarded)"
+        );
         Ok(tokens)
+    }
+
+    /// Once every GPU is idle, clears the hand-offs' flags and reports whether a GPU wait for the CPU
+    /// experts timed out. A step reports such a timeout of the step before it; a warm-up's results
+    /// are discarded, so the first request must not fail for one.
+    fn forget_hand_off_timeouts(&self) -> anyhow::Result<bool> {
+        let mut timed_out = false;
+        for g in self.gpus() {
+            g.dev.ctx.bind_to_thread()?;
+            g.dev.stream.synchronize()?;
+            let sets = g.buffers.lock().unwrap_or_else(|e| e.into_inner());
+            for b in [&sets.decode, &sets.large].into_iter().flatten() {
+                timed_out |= b.hand.port.reset();
+            }
+        }
+        if let Some(g) = &self.gpu {
+            g.dev.ctx.bind_to_thread()?;
+        }
+        Ok(timed_out)
     }
 
     fn warm_up_steps(&self, g: &super::GpuModel, tokens: usize) -> anyhow::Result<()> {
