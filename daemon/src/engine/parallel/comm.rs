@@ -403,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_rank_waiting_for_a_peer_that_never_steps_times_out_and_names_it() {
-        let r = Rendezvous::new(3, Duration::from_millis(100));
+        let r = Rendezvous::new(3, Duration::from_millis(500));
         let t = Instant::now();
         let err = std::thread::scope(|s| {
             let one = s.spawn(|| r.meet(1));
