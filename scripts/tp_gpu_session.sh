@@ -2,20 +2,24 @@
 # Tensor parallelism on a node with two (or more) GPUs, in one call (written for nvidia-h200-x2):
 #   1. the tensor-parallel GPU tests: loopback (every rank on GPU 0) and NCCL (one GPU per rank)
 #      logits against one GPU on the fixtures (rel-L2 ≤ 2e-2) and transformers (≤ 5e-2);
-#   2. decode and prefill of the Qwen3-30B-A3B shape (and GLM-4.5-Air's, fewer layers) at 1 and 2 GPUs,
-#      with the experts that fit placed on the GPUs (`--gpu-experts auto`), and with a fixed count;
+#   2. decode and prefill of the Qwen3-30B-A3B shape (and GLM-4.5-Air's, fewer layers; optionally
+#      DeepSeek-V3's, MLA) at 1 and 2 GPUs, with the experts that fit placed on the GPUs
+#      (`--gpu-experts auto`), and with a fixed count; CUDA graphs on (each GPU captures its own);
 #   3. a markdown table for docs/PERF.md.
 # Stage first (from the branch): D/gpu_tests (dev-profile gpu_tests binary) and D/moe-daemon (release).
-# Usage there: D=.device/tensor-parallel bash scripts/tp_gpu_session.sh [QWEN_LAYERS] [GLM_LAYERS]
+# Usage there: D=.device/tensor-parallel bash scripts/tp_gpu_session.sh [QWEN_LAYERS] [GLM_LAYERS] [DS_LAYERS]
 #   QWEN_LAYERS (default 12): 1.2 GiB of bf16 experts per layer (12: 15 GiB in /dev/shm);
 #   GLM_LAYERS (default 4, 0 = skip): 4.4 GiB per layer (4: 18 GiB). The engine's DRAM copy of the
 #   experts is as large again: keep the sum under ~50 GiB of the 128 GiB RAM.
-# Expected time: ~1 min tests + ~1.5 min per checkpoint and GPU count (load dominates): ~8 min with GLM.
+#   DS_LAYERS (default 0 = skip): DeepSeek-V3's first 3 layers are dense, each later one 22 GiB of
+#   experts: 4 layers = 25 GiB (run it without GLM).
+# Expected time: ~2 min tests + ~1.5 min per checkpoint and GPU count (load dominates): ~9 min with GLM.
 set -uo pipefail
 # run from the root of the repository (fixtures in tests/fixtures)
 D=${D:-.device/tensor-parallel}
 QL=${1:-12}
 GL=${2:-4}
+DL=${3:-0}
 OUT=${OUT:-/tmp/tp-gpu}; mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -36,7 +40,7 @@ if ! ldconfig -p | grep -q 'libnccl.so '; then
 fi
 
 echo "== tensor-parallel GPU tests"
-timeout 300 "$D/gpu_tests" tensor_parallel --test-threads 1 --nocapture > "$OUT/tp_tests.log" 2>&1
+timeout 420 "$D/gpu_tests" tensor_parallel --test-threads 1 --nocapture > "$OUT/tp_tests.log" 2>&1
 echo "rc=$?"
 grep -E "^test |panicked|test result|skipped" "$OUT/tp_tests.log" | tail -20
 grep -E "rel-L2" "$OUT/tp_tests.log" | awk '{for(i=1;i<=NF;i++) if($i=="GPU") print $(i+1)}' \
@@ -80,10 +84,19 @@ if [ "$GL" -gt 0 ]; then
     rm -rf /dev/shm/glmtp
 fi
 
+if [ "$DL" -gt 0 ]; then
+    timeout 400 "$D/moe-daemon" bench synth-checkpoint --like deepseek-v3 --layers "$DL" --out /dev/shm/dstp >/dev/null 2>&1
+    echo "synth deepseek-v3 ($DL layers) rc=$?"
+    for tp in 1 2; do
+        bench "deepseek-v3-${DL}L-auto-b1" "$tp" --model /dev/shm/dstp --gpu-experts auto --batch 1 --steps 32
+    done
+    rm -rf /dev/shm/dstp
+fi
+
 echo
 echo "| checkpoint (synthetic, layers, GPU experts, batch) | GPUs | GPU experts per layer | decode per step | prefill 512 tok/s | prefill 4096 tok/s |"
 echo "|---|---|---|---|---|---|"
-for name in "qwen3-30b-a3b-${QL}L-auto-b1" "qwen3-30b-a3b-${QL}L-32-b8" "glm-4.5-air-${GL}L-auto-b1" "glm-4.5-air-${GL}L-32-b8"; do
+for name in "qwen3-30b-a3b-${QL}L-auto-b1" "qwen3-30b-a3b-${QL}L-32-b8" "glm-4.5-air-${GL}L-auto-b1" "glm-4.5-air-${GL}L-32-b8" "deepseek-v3-${DL}L-auto-b1"; do
     for tp in 1 2; do
         [ -f "$OUT/$name-tp$tp.log" ] && row "$name" "$tp"
     done

@@ -463,8 +463,10 @@ impl Engine {
                         .map(|row| row.iter().map(Option::is_some).collect())
                         .collect()
                 });
+                let mut gpus = vec![g];
+                gpus.extend(tp.iter().flat_map(|t| t.peers.iter()));
                 Some(std::sync::Mutex::new(live::LiveState::new(
-                    g,
+                    &gpus,
                     &model,
                     lo.clone(),
                     pinned,
@@ -541,6 +543,16 @@ impl Engine {
         self.gpu.as_ref().map_or(0, |g| g.graphs_captured())
     }
 
+    /// CUDA graphs captured so far by each GPU (rank order; one entry without tensor parallelism).
+    pub fn cuda_graphs_captured_per_gpu(&self) -> Vec<usize> {
+        let peers = self.tp.iter().flat_map(|t| t.peers.iter());
+        self.gpu
+            .iter()
+            .chain(peers)
+            .map(gpu::GpuModel::graphs_captured)
+            .collect()
+    }
+
     /// The GPU memory plan and what the start allocated (CUDA backend).
     pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
         self.gpu.as_ref().and_then(|g| g.memory.as_ref())
@@ -596,21 +608,37 @@ impl Engine {
 
     /// Waits for the expert copies in flight and swaps them in; returns how many (tests, bench).
     pub fn settle_moves(&self) -> anyhow::Result<usize> {
-        match (&self.live, &self.gpu) {
-            (Some(l), Some(g)) => l.lock().unwrap_or_else(|e| e.into_inner()).settle(g),
-            _ => Ok(0),
+        match &self.live {
+            Some(l) => l
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .settle(&self.gpus()),
+            None => Ok(0),
         }
     }
 
-    /// Per layer and expert: on the GPU now (CUDA backend).
+    /// Per layer and expert: on a GPU now (CUDA backend; any GPU of a tensor-parallel group).
     pub fn gpu_residency(&self) -> Option<Vec<Vec<bool>>> {
-        self.gpu.as_ref().map(gpu::GpuModel::residency)
+        self.gpu
+            .as_ref()
+            .map(|_| live::node_residency(&self.gpus()))
+    }
+
+    /// Per GPU (rank order), per layer and expert: resident on that GPU.
+    pub fn gpu_residency_per_gpu(&self) -> Vec<Vec<Vec<bool>>> {
+        self.gpus().iter().map(|g| g.residency()).collect()
+    }
+
+    /// The engine's GPUs: rank 0, then the other ranks of a tensor-parallel group.
+    fn gpus(&self) -> Vec<&gpu::GpuModel> {
+        let peers = self.tp.iter().flat_map(|t| t.peers.iter());
+        self.gpu.iter().chain(peers).collect()
     }
 
     /// Swaps expert `admit` of `layer` onto the GPU in place of `evict` through live re-placement's
     /// copy path, and waits for it (tests; needs `live_placement`).
     pub fn move_expert_now(&self, layer: usize, admit: usize, evict: usize) -> anyhow::Result<()> {
-        let (Some(live), Some(g)) = (&self.live, &self.gpu) else {
+        let Some(live) = &self.live else {
             anyhow::bail!("moving experts needs the CUDA backend and live re-placement");
         };
         let mv = replacement::Move {
@@ -621,7 +649,7 @@ impl Engine {
         };
         live.lock()
             .unwrap_or_else(|e| e.into_inner())
-            .move_now(g, &self.model, mv)
+            .move_now(&self.gpus(), &self.model, mv)
     }
 
     /// The bf16 bits of GPU-resident expert `e` of `layer` (gate_up, down), `None` when it is not on
@@ -631,20 +659,25 @@ impl Engine {
         layer: usize,
         e: usize,
     ) -> anyhow::Result<Option<(Vec<u16>, Vec<u16>)>> {
-        let g = self.gpu.as_ref().context("needs the CUDA backend")?;
-        let Some(gpu::GpuFfn::Moe(moe)) = g.layers.get(layer).map(|l| &l.ffn) else {
-            return Ok(None);
-        };
-        let table = moe.experts.read();
-        let Some(m) = table.get(e).and_then(Option::as_ref) else {
-            return Ok(None);
-        };
-        let s = &g.dev.stream;
-        let gate_up = s.clone_dtoh(m.gate_up.bf16()?)?;
-        let down = s.clone_dtoh(m.down.bf16()?)?;
-        s.synchronize()?;
-        let bits = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_bits).collect();
-        Ok(Some((bits(gate_up), bits(down))))
+        anyhow::ensure!(self.gpu.is_some(), "needs the CUDA backend");
+        // the GPU of the group that holds it
+        for g in self.gpus() {
+            let Some(gpu::GpuFfn::Moe(moe)) = g.layers.get(layer).map(|l| &l.ffn) else {
+                return Ok(None);
+            };
+            let table = moe.experts.read();
+            let Some(m) = table.get(e).and_then(Option::as_ref) else {
+                continue;
+            };
+            g.dev.ctx.bind_to_thread()?;
+            let s = &g.dev.stream;
+            let gate_up = s.clone_dtoh(m.gate_up.bf16()?)?;
+            let down = s.clone_dtoh(m.down.bf16()?)?;
+            s.synchronize()?;
+            let bits = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_bits).collect();
+            return Ok(Some((bits(gate_up), bits(down))));
+        }
+        Ok(None)
     }
 
     /// Replaces the router's choices on the CUDA backend (`f(layer, ids)` rewrites a step's top-k ids
@@ -733,30 +766,37 @@ impl Engine {
         let mut inputs = gpu_seq_inputs(batch);
         let mut times = StepTimes::default();
         let on_routing = |l: usize, ids: &[u32]| self.record(l, ids);
-        let cpu_pool = self.cpu_pool.as_deref();
-        let out = match &self.tp {
-            Some(group) => group.forward(
-                g,
-                &self.model,
-                cpu_pool,
-                &mut inputs,
-                &mut times,
-                on_routing,
-            ),
-            None => g.forward(&self.model, cpu_pool, &mut inputs, &mut times, on_routing),
-        }
-        .map_err(|e| StepError::Backend(format!("{e:#}")))?;
+        let out = self
+            .dispatch_gpu_step(g, &mut inputs, &mut times, on_routing)
+            .map_err(|e| StepError::Backend(format!("{e:#}")))?;
         drop(inputs);
         if let Some(live) = &self.live {
             live.lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .after_step(g, &self.model);
+                .after_step(&self.gpus(), &self.model);
         }
         for s in batch.iter_mut() {
             s.cache.advance(s.tokens.len());
         }
         *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
         Ok(out)
+    }
+
+    /// The one place a GPU step is started: rank 0's model alone, or every rank of the
+    /// tensor-parallel group together (each rank's all-reduces meet the others'). Real steps and the
+    /// load-time warm-up both go through it; `on_routing` sees each MoE layer's routed ids.
+    fn dispatch_gpu_step(
+        &self,
+        g: &gpu::GpuModel,
+        inputs: &mut [gpu::forward::GpuSeqInput<'_>],
+        times: &mut StepTimes,
+        on_routing: impl FnMut(usize, &[u32]),
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let cpu_pool = self.cpu_pool.as_deref();
+        match &self.tp {
+            Some(group) => group.forward(g, &self.model, cpu_pool, inputs, times, on_routing),
+            None => g.forward(&self.model, cpu_pool, inputs, times, on_routing),
+        }
     }
 
     /// Bytes of expert weights prefetched ahead of their use so far (early-routing models on the CPU

@@ -144,16 +144,29 @@ fn tensor_parallel_nccl_matches_one_gpu() {
         return;
     }
     let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
-    for name in ["qwen3_moe", "glm4_moe", "qwen2_moe", "llama"] {
+    // GQA and MLA fixtures; Qwen3-MoE also with CUDA graphs (each GPU captures its own halves)
+    let cases = [
+        ("qwen3_moe", false),
+        ("qwen3_moe", true),
+        ("glm4_moe", false),
+        ("qwen2_moe", false),
+        ("llama", false),
+        ("deepseek_v3", false),
+        ("glm4_moe_lite", false),
+    ];
+    for (name, cuda_graphs) in cases {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
         for n_gpu in [0, 6] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let base = EngineOptions {
+                cuda_graphs,
+                ..gpu(n_gpu, PlacementStrategy::Uniform)
+            };
             let one = run(&Engine::load(&dir, &base).unwrap(), &o);
             for &world in &worlds {
                 let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Nccl)).unwrap();
                 check(
-                    &format!("{name} nccl tp={world} gpu_experts={n_gpu}"),
+                    &format!("{name} nccl tp={world} gpu_experts={n_gpu} graphs={cuda_graphs}"),
                     &run(&e, &o),
                     &one,
                     &o,
@@ -261,4 +274,210 @@ fn loopback_all_reduce_sums_every_rank_and_aborts() {
         two.abort();
         assert!(waiting.join().unwrap().is_err());
     });
+}
+
+/// The load-time warm-up steps every rank through the group (it used to drive rank 0 alone, whose
+/// first all-reduce then waited forever): loading returns, each rank captured its decode graphs in
+/// the warm-up, another warm-up leaves no KV block held and records no routing, and the logits
+/// still match one GPU.
+#[test]
+fn tensor_parallel_loopback_warm_up_steps_every_rank() {
+    let name = "qwen3_moe";
+    let o = oracle(name);
+    let dir = fixtures().join(name).join("model_bf16");
+    let base = EngineOptions {
+        cuda_graphs: true,
+        max_step_tokens: 256,
+        ..gpu(6, PlacementStrategy::Uniform)
+    };
+    let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+    let e = Engine::load(
+        &dir,
+        &EngineOptions {
+            record_routing: true,
+            ..tp(base, 2, CommKind::Loopback)
+        },
+    )
+    .unwrap();
+    let graphs = e.cuda_graphs_captured_per_gpu();
+    assert_eq!(graphs.len(), 2);
+    assert!(
+        graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
+        "graphs per rank after the warm-up: {graphs:?}"
+    );
+    assert_eq!(e.warm_up(100).unwrap(), 100);
+    assert_eq!(e.kv_usage(), 0.0, "the warm-up left KV blocks held");
+    let stats = std::env::temp_dir().join(format!("tp-warm-{}.json", std::process::id()));
+    e.save_routing_stats(&stats).unwrap();
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    std::fs::remove_file(&stats).ok();
+    let counted: u64 = saved["counts"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|row| row.as_array().unwrap().iter())
+        .map(|c| c.as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, 0, "the warm-up's routing was recorded: {saved}");
+    check(
+        &format!("{name} tp=2 after warm-ups"),
+        &run(&e, &o),
+        &one,
+        &o,
+    );
+}
+
+/// Each GPU holds its MLA heads, read back from the uploaded device weights: DeepSeek-V3's fixture
+/// (4 heads, q-LoRA, nope 16 + rope 8, value 16, latent 32) over 2 ranks: 2 heads' rows of q_b
+/// (48) and value columns of o (32) each, the latent cache (32 wide) whole on both.
+#[test]
+fn tensor_parallel_mla_ranks_hold_their_heads() {
+    use moe_daemon::engine::parallel::ShardSummary;
+    let dir = fixtures().join("deepseek_v3").join("model_bf16");
+    let base = gpu(0, PlacementStrategy::Uniform);
+    let one = Engine::load(&dir, &base).unwrap().gpu_shards();
+    assert_eq!(
+        (one[0].q_rows, one[0].o_cols, one[0].kv_width),
+        (96, 64, 32)
+    );
+    let two = Engine::load(&dir, &tp(base, 2, CommKind::Loopback))
+        .unwrap()
+        .gpu_shards();
+    assert_eq!(two.len(), 2);
+    for (r, s) in two.iter().enumerate() {
+        let want = ShardSummary {
+            rank: r,
+            q_rows: 48,
+            o_cols: 32,
+            kv_width: 32,
+            dense_units: 64,
+            lm_head_rows: 256,
+            gpu_experts: 0,
+        };
+        assert_eq!(s, &want);
+    }
+}
+
+/// MLA (DeepSeek-V3 with and without q-LoRA, GLM-4.7-Flash) over 2 and 4 ranks: query heads split
+/// (`q_b`, `kv_b`, `o`), the latent projections and the latent KV cache replicated; routed experts
+/// all in DRAM, and 6 per layer spread over the ranks.
+#[test]
+fn tensor_parallel_loopback_mla_matches_one_gpu() {
+    for name in ["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        for n_gpu in [0, 6] {
+            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+            for world in [2, 4] {
+                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
+                check(
+                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
+                    &run(&e, &o),
+                    &one,
+                    &o,
+                );
+            }
+        }
+    }
+}
+
+/// CUDA graphs with 2 ranks: each rank captures its decode segments in two halves around the
+/// attention's all-reduce (which runs eagerly between the replays); decode with DRAM experts is
+/// pipelined on rank 0. Logits against one GPU with graphs, and every rank captured as many graphs.
+#[test]
+fn tensor_parallel_loopback_cuda_graphs_match_one_gpu() {
+    for name in ["qwen3_moe", "glm4_moe", "smallthinker"] {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        let base = EngineOptions {
+            cuda_graphs: true,
+            ..gpu(4, PlacementStrategy::Uniform)
+        };
+        let e1 = Engine::load(&dir, &base).unwrap();
+        let one = run(&e1, &o);
+        assert!(
+            e1.cuda_graphs_captured() > 0,
+            "{name}: one GPU captured none"
+        );
+        let e = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+        let got = run(&e, &o);
+        let graphs = e.cuda_graphs_captured_per_gpu();
+        println!("{name}: graphs per rank {graphs:?}");
+        assert!(
+            graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
+            "{name}: graphs per rank {graphs:?}"
+        );
+        check(&format!("{name} tp=2 cuda graphs"), &got, &one, &o);
+    }
+}
+
+/// Live re-placement with 2 ranks: a move copies the admitted expert onto the GPU holding the one it
+/// evicts (each GPU keeps its count), every rank then computes it there, and the evicted one goes
+/// back to rank 0's CPU experts. The same moves on one GPU give the same logits (≤ 2e-2 rel-L2, the
+/// group's bound against one GPU), before and after, and the moved weights are bit for bit equal.
+#[test]
+fn tensor_parallel_loopback_live_move_matches_one_gpu() {
+    let name = "qwen3_moe";
+    let dir = fixtures().join(name).join("model_bf16");
+    let base = EngineOptions {
+        live_placement: Some(super::live_still()),
+        ..gpu(4, PlacementStrategy::Uniform)
+    };
+    let one = Engine::load(&dir, &base).unwrap();
+    let two = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+    assert_eq!(one.gpu_residency(), two.gpu_residency(), "node placement");
+    let moe_layers: Vec<usize> = (0..one.config().num_layers)
+        .filter(|&l| one.config().moe_layers[l])
+        .collect();
+    let mut next = crate::common::xorshift(7);
+    let tokens: Vec<u32> = (0..14).map(|_| (next() % 500) as u32).collect();
+    let schedule: Vec<&[u32]> = std::iter::once(&tokens[..4])
+        .chain(tokens[4..].chunks(1))
+        .collect();
+    let compare = |tag: &str, a: &Engine, b: &Engine| {
+        let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
+        for (i, t) in schedule.iter().enumerate() {
+            let e = rel_l2(
+                &crate::common::step(b, &mut cb, t),
+                &crate::common::step(a, &mut ca, t),
+            );
+            println!("{tag} step {i}: rel-L2 tp=2 vs one GPU {e:.2e}");
+            assert!(e <= 2e-2, "{tag} step {i}: {e}");
+        }
+    };
+    compare("before the moves", &one, &two);
+    // Per MoE layer: a DRAM expert replaces one held by rank 1, another one held by rank 0.
+    for &layer in &moe_layers {
+        for rank in [1, 0] {
+            let per_gpu = two.gpu_residency_per_gpu();
+            let node = two.gpu_residency().unwrap();
+            let evict = per_gpu[rank][layer].iter().position(|&r| r).unwrap();
+            let admit = node[layer].iter().rposition(|&r| !r).unwrap();
+            one.move_expert_now(layer, admit, evict).unwrap();
+            two.move_expert_now(layer, admit, evict).unwrap();
+            let per_gpu = two.gpu_residency_per_gpu();
+            assert!(
+                per_gpu[rank][layer][admit] && !per_gpu[rank][layer][evict],
+                "layer {layer}: expert {admit} did not land on GPU {rank} in place of {evict}"
+            );
+            assert!(
+                !per_gpu[1 - rank][layer][admit],
+                "layer {layer}: expert {admit} on both GPUs"
+            );
+            assert_eq!(
+                one.gpu_expert_bits(layer, admit).unwrap(),
+                two.gpu_expert_bits(layer, admit).unwrap(),
+                "layer {layer} expert {admit}: moved weights"
+            );
+        }
+    }
+    assert_eq!(one.gpu_residency(), two.gpu_residency(), "after the moves");
+    let counts: Vec<usize> = two
+        .gpu_residency_per_gpu()
+        .iter()
+        .map(|g| g.iter().flatten().filter(|&&r| r).count())
+        .collect();
+    assert_eq!(counts, vec![4, 4], "each GPU keeps its share");
+    compare("after the moves", &one, &two);
 }

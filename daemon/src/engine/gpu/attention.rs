@@ -344,7 +344,7 @@ impl GpuModel {
         } = w;
         let cfg = &host.config;
         let m = cfg.mla.as_ref().context("MLA layer without MLA config")?;
-        let (n, nh) = (step.n, cfg.num_heads);
+        let (n, nh) = (step.n, self.tp_heads(cfg).0);
         let (nope, rope, lora, vd) = (
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,

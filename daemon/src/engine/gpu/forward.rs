@@ -202,23 +202,44 @@ impl GpuModel {
         pool: &mut super::kv::GpuKvPool,
         g: &mut Segment<'_, '_>,
     ) -> anyhow::Result<()> {
+        self.attention_block(host, li, step, pool, g)?;
+        self.tp_all_reduce(g.x, step.n * host.config.hidden_size)?;
+        self.ffn_head(host, li, step.n, g)
+    }
+
+    /// Whether layer `li`'s router reads the layer input (SmallThinker): it runs before attention.
+    fn early_router(&self, host: &Model, li: usize) -> bool {
+        matches!(
+            (&self.layers[li].ffn, &host.config.moe),
+            (GpuFfn::Moe(_), Some(mc)) if mc.router_input == RouterInput::LayerInput
+        )
+    }
+
+    /// The first half of the pre-expert segment: the early router, the attention norm and the
+    /// attention (its output, this GPU's partial sum in a tensor-parallel group, added into `x`).
+    fn attention_block(
+        &self,
+        host: &Model,
+        li: usize,
+        step: &super::attention::StepIndex,
+        pool: &mut super::kv::GpuKvPool,
+        g: &mut Segment<'_, '_>,
+    ) -> anyhow::Result<()> {
         let cfg = &host.config;
         let (dev, hd, n) = (&self.dev, cfg.hidden_size, step.n);
         let layer = &self.layers[li];
         // Routers that read the layer input (SmallThinker) run before attention changes `x`; with
         // early routing their top-k and routing hand-off go first too (`early_routing`).
-        let early_router = match (&layer.ffn, &cfg.moe) {
-            (GpuFfn::Moe(moe), Some(mc)) if mc.router_input == RouterInput::LayerInput => {
-                dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
-                if self.early_routing() {
-                    self.router_topk(moe, mc, n, g)?;
-                    let nk = n * mc.top_k;
-                    dev.handoff_publish_early_routing(&*g.eids, &*g.w, nk, &g.hand.port)?;
-                }
-                true
+        if let (GpuFfn::Moe(moe), Some(mc), true) =
+            (&layer.ffn, &cfg.moe, self.early_router(host, li))
+        {
+            dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
+            if self.early_routing() {
+                self.router_topk(moe, mc, n, g)?;
+                let nk = n * mc.top_k;
+                dev.handoff_publish_early_routing(&*g.eids, &*g.w, nk, &g.hand.port)?;
             }
-            _ => false,
-        };
+        }
         use super::hybrid::Block;
         if let Some(hy) = g.hybrid.as_deref_mut() {
             self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
@@ -248,7 +269,23 @@ impl GpuModel {
                 self.linear_attention(la, host, li, g.hb, g.x, hy)?
             }
         }
-        self.tp_all_reduce(g.x, n * hd)?;
+        Ok(())
+    }
+
+    /// The second half, once `x` holds the attention block's whole output: the FFN norm, and for
+    /// MoE layers the router, top-k and the hand-off's publication.
+    fn ffn_head(
+        &self,
+        host: &Model,
+        li: usize,
+        n: usize,
+        g: &mut Segment<'_, '_>,
+    ) -> anyhow::Result<()> {
+        let cfg = &host.config;
+        let (dev, hd) = (&self.dev, cfg.hidden_size);
+        let layer = &self.layers[li];
+        let early_router = self.early_router(host, li);
+        use super::hybrid::Block;
         if let Some(hy) = g.hybrid.as_deref_mut() {
             self.hyper_expand(hy, hd, g.x)?;
             self.hyper_collapse(hy, li, Block::Ffn, hd, cfg.rms_norm_eps, g.x)?;
@@ -313,6 +350,7 @@ impl GpuModel {
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.tp_check_group_step()?;
         let cfg = &host.config;
         let dev = &self.dev;
         let hd = cfg.hidden_size;
@@ -612,6 +650,9 @@ impl GpuModel {
             Some(set) if !set.broken => set,
             _ => return self.pre_experts(host, li, step, pool, seg),
         };
+        if self.shard.is_some() {
+            return self.run_pre_experts_halves(host, li, (step, pool), seg, set);
+        }
         // The hand-off copies differ with `want_x` (a layer whose DRAM experts all moved to the GPU).
         let key = (li, step.n, seg.want_x);
         if let Entry::Vacant(slot) = set.map.entry(key) {
@@ -635,6 +676,54 @@ impl GpuModel {
         match set.map.get(&key) {
             Some(g) if !set.broken => Ok(g.replay()?),
             _ => self.pre_experts(host, li, step, pool, seg),
+        }
+    }
+
+    /// A graph step of a GPU in a tensor-parallel group: the segment's two halves are captured apart
+    /// (each rank its own, on its own stream) and the attention's all-reduce between them runs
+    /// eagerly (the loopback communicator's hosts meet there, which a replay would skip).
+    fn run_pre_experts_halves(
+        &self,
+        host: &Model,
+        li: usize,
+        (step, pool): (&StepIndex<'_>, &mut super::kv::GpuKvPool),
+        seg: &mut Segment<'_, '_>,
+        set: &mut GraphSet,
+    ) -> anyhow::Result<()> {
+        let key = (li, step.n, seg.want_x);
+        self.graph_half(set, (key, 0), &mut || {
+            self.attention_block(host, li, step, pool, seg)
+        })?;
+        self.tp_all_reduce(seg.x, step.n * host.config.hidden_size)?;
+        self.graph_half(set, (key, 1), &mut || self.ffn_head(host, li, step.n, seg))
+    }
+
+    /// Replays `key`'s graph, capturing `f` into it the first time; eager when capture fails.
+    fn graph_half(
+        &self,
+        set: &mut GraphSet,
+        key: ((usize, usize, bool), u8),
+        f: &mut dyn FnMut() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        if !set.broken && !set.halves.contains_key(&key) {
+            match self.dev.capture(&mut *f)? {
+                (Ok(()), Ok(Some(g))) => {
+                    set.halves.insert(key, g);
+                }
+                (r, g) => {
+                    tracing::warn!(
+                        "CUDA graph capture of layer {} failed ({:?}, {:?}); decode runs without graphs",
+                        key.0 .0,
+                        r.err(),
+                        g.err()
+                    );
+                    set.broken = true;
+                }
+            }
+        }
+        match set.halves.get(&key) {
+            Some(g) if !set.broken => Ok(g.replay()?),
+            _ => f(),
         }
     }
 

@@ -33,6 +33,9 @@ use std::collections::HashMap;
 #[derive(Default)]
 pub struct GraphSet {
     pub map: HashMap<(usize, usize, bool), CapturedGraph>,
+    /// A tensor-parallel GPU's segments in two halves around the attention's all-reduce: the same
+    /// key, with 0 (norm and attention) or 1 (FFN norm, router, hand-off).
+    pub halves: HashMap<((usize, usize, bool), u8), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
 }

@@ -581,11 +581,8 @@ impl GpuModel {
 
     /// CUDA graphs captured so far.
     pub fn graphs_captured(&self) -> usize {
-        self.graphs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .map
-            .len()
+        let set = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        set.map.len() + set.halves.len()
     }
 
     /// The longest sequence the device KV pool holds.

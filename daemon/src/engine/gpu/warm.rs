@@ -2,33 +2,24 @@
 //! request, so that request does not pay the one-time costs: cuBLAS's heuristics for each new GEMM
 //! shape, the stream-ordered pool growing to a long step's scratch (which `keep_pool_memory` then
 //! keeps), the large step buffers, the expert stream's first chunks, lazily loaded kernels and the
-//! decode step's CUDA graphs. The prompt's KV blocks come from the engine's block pool and go back
-//! to it; nothing it routes is recorded (placement statistics stay those of real requests).
+//! decode step's CUDA graphs.
+//!
+//! The steps go through the engine's step dispatch, as a request's do: a tensor-parallel group warms
+//! every rank together, meeting in its all-reduces. Nothing is left behind: the prompt's KV blocks
+//! come from the engine's block pool and go back to it when its cache drops, nothing it routes is
+//! recorded (placement statistics and live re-placement see real requests only), and the last
+//! step's timings stay those of the last request.
 use crate::engine::{gpu_seq_inputs, reserve_batch, Engine, SeqInput, StepTimes};
 use std::time::Instant;
 
 impl Engine {
-    /// Runs a `tokens`-position prompt (capped by what the KV cache holds) and one decode step on the
-    /// GPU. Models with recurrent state (linear attention) and CPU engines skip it. A failure is only
-    /// logged: the first request then pays the costs instead.
+    /// Runs the warm-up (see [`Engine::warm_up`]) and logs what it did. A failure is only logged: the
+    /// first request then pays the costs instead.
     pub fn warm_up_gpu(&self, tokens: usize) {
-        let Some(g) = &self.gpu else { return };
-        // A tensor-parallel step must run on every rank (the group's forward); the warm-up below drives
-        // rank 0's model alone, whose all-reduces would wait for ranks that never run.
-        if g.hybrid.is_some() || tokens == 0 || self.tp.is_some() {
-            return;
-        }
-        // leave a block's worth for the decode step
-        let tokens = tokens.min(
-            g.kv_positions()
-                .saturating_sub(2 * crate::engine::kv::BLOCK),
-        );
-        if tokens == 0 {
-            return;
-        }
         let t = Instant::now();
-        match self.warm_up_steps(g, tokens) {
-            Ok(()) => {
+        match self.warm_up(tokens) {
+            Ok(0) => {}
+            Ok(tokens) => {
                 let msg = format!(
                     "GPU warm-up: a {tokens}-token prompt and a decode step in {:.2} s",
                     t.elapsed().as_secs_f64()
@@ -38,6 +29,50 @@ impl Engine {
             }
             Err(e) => tracing::warn!("GPU warm-up skipped: {e:#}"),
         }
+    }
+
+    /// A `tokens`-position prompt (capped by what the KV cache holds, leaving room for the decode
+    /// step) and one decode step on the GPU. Returns the prompt's length; 0 when skipped (CPU
+    /// engines, models with recurrent state, no room).
+    pub fn warm_up(&self, tokens: usize) -> anyhow::Result<usize> {
+        let Some(g) = &self.gpu else { return Ok(0) };
+        if g.hybrid.is_some() || tokens == 0 {
+            return Ok(0);
+        }
+        let tokens = tokens.min(
+            g.kv_positions()
+                .saturating_sub(2 * crate::engine::kv::BLOCK),
+        );
+        if tokens == 0 {
+            return Ok(0);
+        }
+        let ran = self.pool.install(|| self.warm_up_steps(g, tokens));
+        let timed_out = self.forget_hand_off_timeouts()?;
+        ran?;
+        anyhow::ensure!(
+            !timed_out,
+            "a GPU wait for the CPU experts timed out in the warm-up (its results are discarded)"
+        );
+        Ok(tokens)
+    }
+
+    /// Once every GPU is idle, clears the hand-offs' flags and reports whether a GPU wait for the CPU
+    /// experts timed out. A step reports such a timeout of the step before it; a warm-up's results
+    /// are discarded, so the first request must not fail for one.
+    fn forget_hand_off_timeouts(&self) -> anyhow::Result<bool> {
+        let mut timed_out = false;
+        for g in self.gpus() {
+            g.dev.ctx.bind_to_thread()?;
+            g.dev.stream.synchronize()?;
+            let sets = g.buffers.lock().unwrap_or_else(|e| e.into_inner());
+            for b in [&sets.decode, &sets.large].into_iter().flatten() {
+                timed_out |= b.hand.port.reset();
+            }
+        }
+        if let Some(g) = &self.gpu {
+            g.dev.ctx.bind_to_thread()?;
+        }
+        Ok(timed_out)
     }
 
     fn warm_up_steps(&self, g: &super::GpuModel, tokens: usize) -> anyhow::Result<()> {
@@ -61,13 +96,7 @@ impl Engine {
             reserve_batch(&mut batch)?;
             let mut inputs = gpu_seq_inputs(&mut batch);
             let mut times = StepTimes::default();
-            g.forward(
-                &self.model,
-                self.cpu_pool.as_deref(),
-                &mut inputs,
-                &mut times,
-                |_, _| {},
-            )?;
+            self.dispatch_gpu_step(g, &mut inputs, &mut times, |_, _| {})?;
             drop(inputs);
             for s in batch.iter_mut() {
                 s.cache.advance(s.tokens.len());

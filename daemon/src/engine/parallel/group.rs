@@ -54,6 +54,10 @@ impl TpGroup {
             })
             .collect();
         let comm = &self.comm;
+        // every rank thread of the previous step has been joined: no one is inside a reduction
+        comm.reset();
+        let stepping = first.shard.as_ref().map(|s| s.group_step.clone());
+        let _stepping = stepping.as_deref().map(super::rank::GroupStep::enter);
         let (first_out, peer_outs) = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .peers
@@ -61,6 +65,7 @@ impl TpGroup {
                 .zip(peer_batches)
                 .map(|(g, mut inputs)| {
                     scope.spawn(move || {
+                        release_inherited_pin();
                         let out = peer_step(g, host, &mut inputs);
                         if out.is_err() {
                             comm.abort();
@@ -107,6 +112,27 @@ impl TpGroup {
             }));
         }
         Arc::new(EveryRank(all))
+    }
+}
+
+/// A rank thread is spawned by rank 0's host thread, which the CPU expert pool pinned to the one CPU
+/// it computes its share of the experts on; inherited, that pin would put every rank's host loop
+/// (launches, polling for its routing) on that CPU beside it. The rank thread runs on any CPU of the
+/// process instead (best effort: left pinned if the kernel refuses).
+fn release_inherited_pin() {
+    #[cfg(target_os = "linux")]
+    {
+        let cpus = moe_kernels::cpu::topology::allowed_cpus();
+        // SAFETY: plain-data cpu_set_t; every index is checked against CPU_SETSIZE.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+                libc::CPU_SET(c, &mut set);
+            }
+            if !cpus.is_empty() {
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
     }
 }
 

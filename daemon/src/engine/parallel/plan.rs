@@ -125,6 +125,11 @@ impl ShardPlan {
         if cfg.hyper.is_some() {
             return Err(ShardError::Unsupported("hyper-connections"));
         }
+        if cfg.indexer.is_some() {
+            return Err(ShardError::Unsupported(
+                "sparse attention (the MLA indexer)",
+            ));
+        }
         if !cfg.num_heads.is_multiple_of(world) {
             return Err(ShardError::Heads {
                 heads: cfg.num_heads,
@@ -383,6 +388,19 @@ mod tests {
         assert_eq!(
             c.moe.as_ref().unwrap().expert_intermediate,
             cfg.moe.as_ref().unwrap().expert_intermediate
+        );
+    }
+
+    #[test]
+    fn sparse_attention_is_refused_with_the_reason() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm_moe_dsa/model_bf16");
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(cfg.indexer.is_some());
+        let err = ShardPlan::new(&cfg, 2).unwrap_err();
+        assert_eq!(
+            err,
+            ShardError::Unsupported("sparse attention (the MLA indexer)")
         );
     }
 

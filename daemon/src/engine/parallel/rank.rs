@@ -12,10 +12,40 @@
 //! Without a `RankCtx` (one GPU) none of this runs: the step is today's, bit for bit.
 use super::comm::Communicator;
 use crate::engine::gpu::dispatch::ExpertHome;
-use crate::engine::gpu::{GpuAttention, GpuFfn, GpuModel};
+use crate::engine::gpu::{GpuAttention, GpuFfn, GpuMlaQuery, GpuModel};
 use crate::model::ModelConfig;
 use cudarc::driver::CudaSlice;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
+pub type ExpertOwners = Vec<Vec<Option<usize>>>;
+
+/// Whether the group is inside a step of all its ranks ([`super::TpGroup::forward`]); shared by the
+/// ranks. A rank's step outside one would wait at its first all-reduce for ranks that never come, so
+/// it is refused before it starts.
+#[derive(Default)]
+pub struct GroupStep(AtomicBool);
+
+impl GroupStep {
+    /// Marks the group stepping until the guard is dropped.
+    pub fn enter(&self) -> GroupStepGuard<'_> {
+        self.0.store(true, Ordering::Release);
+        GroupStepGuard(self)
+    }
+
+    pub fn active(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+pub struct GroupStepGuard<'a>(&'a GroupStep);
+
+impl Drop for GroupStepGuard<'_> {
+    fn drop(&mut self) {
+        self.0 .0.store(false, Ordering::Release);
+    }
+}
 
 /// One rank of a tensor-parallel group.
 pub struct RankCtx {
@@ -25,8 +55,11 @@ pub struct RankCtx {
     pub heads: (usize, usize),
     /// lm_head rows (logits) this rank computes.
     pub vocab: usize,
-    /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM).
-    pub expert_owner: Vec<Vec<Option<usize>>>,
+    /// Per layer and expert, the rank whose GPU holds the expert (`None`: DRAM); shared by the
+    /// ranks, changed only between steps (live re-placement's swaps).
+    pub expert_owner: Arc<RwLock<ExpertOwners>>,
+    /// Set while the group steps (shared by the ranks).
+    pub group_step: Arc<GroupStep>,
 }
 
 /// A layer's expert homes as rank `rank` computes them: experts on another GPU are skipped
@@ -53,7 +86,8 @@ pub fn tp_expert_homes(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardSummary {
     pub rank: usize,
-    /// Output rows of the first GQA layer's q projection, input columns of its o projection.
+    /// Output rows of the first attention layer's query projection (GQA's q, MLA's q_b or q), input
+    /// columns of its o projection.
     pub q_rows: usize,
     pub o_cols: usize,
     /// Row width of the K cache.
@@ -71,7 +105,12 @@ impl GpuModel {
     pub fn shard_summary(&self) -> ShardSummary {
         let gqa = self.layers.iter().find_map(|l| match &l.attn {
             GpuAttention::Gqa(w) => Some((w.q.out_dim, w.o.in_dim)),
-            _ => None,
+            GpuAttention::Mla(w) => match &w.q {
+                GpuMlaQuery::Direct(q) | GpuMlaQuery::LowRank { b: q, .. } => {
+                    Some((q.out_dim, w.o.in_dim))
+                }
+            },
+            GpuAttention::Linear(_) => None,
         });
         let dense = self.layers.iter().find_map(|l| match &l.ffn {
             GpuFfn::Dense(m) => Some(m.down.in_dim),
@@ -93,6 +132,19 @@ impl GpuModel {
             dense_units: dense.unwrap_or(0),
             lm_head_rows: self.lm_head.as_ref().map_or(0, |l| l.out_dim),
             gpu_experts: experts,
+        }
+    }
+
+    /// Refuses a step of one rank of a group outside the group's step (its all-reduces would wait for
+    /// ranks that are not stepping). Nothing to check on one GPU.
+    pub fn tp_check_group_step(&self) -> anyhow::Result<()> {
+        match &self.shard {
+            Some(s) if s.comm.world() > 1 && !s.group_step.active() => anyhow::bail!(
+                "tensor-parallel rank {}: a step must run on every rank of the group together \
+                 (through the engine's step), not on one GPU's model alone",
+                s.rank
+            ),
+            _ => Ok(()),
         }
     }
 
@@ -136,10 +188,26 @@ impl GpuModel {
     pub fn tp_homes(&self, li: usize, homes: Vec<ExpertHome>) -> Vec<ExpertHome> {
         match &self.shard {
             Some(s) => {
-                let owners = s.expert_owner.get(li).map_or(&[][..], Vec::as_slice);
-                tp_expert_homes(homes, s.rank, owners)
+                let owners = s.expert_owner.read().unwrap_or_else(|e| e.into_inner());
+                let row = owners.get(li).map_or(&[][..], Vec::as_slice);
+                tp_expert_homes(homes, s.rank, row)
             }
             None => homes,
+        }
+    }
+
+    /// After this GPU swapped `admit` of `layer` in for `evict` (live re-placement, between steps):
+    /// every rank of the group now sees `admit` on this GPU and `evict` in DRAM (rank 0's).
+    pub fn tp_expert_moved(&self, layer: usize, admit: usize, evict: usize) {
+        let Some(s) = &self.shard else { return };
+        let mut owners = s.expert_owner.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(row) = owners.get_mut(layer) {
+            if let Some(o) = row.get_mut(admit) {
+                *o = Some(s.rank);
+            }
+            if let Some(o) = row.get_mut(evict) {
+                *o = None;
+            }
         }
     }
 }
@@ -148,6 +216,17 @@ impl GpuModel {
 mod tests {
     use super::*;
     use ExpertHome::*;
+
+    #[test]
+    fn the_group_steps_only_while_its_guard_lives() {
+        let g = GroupStep::default();
+        assert!(!g.active());
+        {
+            let _inside = g.enter();
+            assert!(g.active());
+        }
+        assert!(!g.active());
+    }
 
     #[test]
     fn each_expert_is_computed_by_exactly_one_rank() {

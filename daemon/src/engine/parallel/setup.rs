@@ -74,14 +74,6 @@ pub fn build(
     let tp = opts.tensor_parallel;
     let world = tp.size;
     let cfg = model.config.clone();
-    if opts.live_placement.is_some() {
-        bail!("--live-placement is not supported with --tensor-parallel above 1 yet");
-    }
-    if opts.cuda_graphs {
-        tracing::info!(
-            "CUDA graphs are not captured with --tensor-parallel above 1: decode runs eagerly"
-        );
-    }
     let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
     let ordinals: Vec<usize> = match tp.comm {
         CommKind::Loopback => vec![ordinal; world],
@@ -165,11 +157,16 @@ pub fn build(
     let blocks = (mplan.kv_tokens as usize).div_ceil(BLOCK).max(1);
     let layout = KvLayout::of(&cfg, opts.release_window_kv);
     let mut ranks = Vec::with_capacity(world);
+    let group_step = Arc::new(super::rank::GroupStep::default());
+    let expert_owner = Arc::new(std::sync::RwLock::new(owners.clone()));
+    // Live re-placement moves experts between DRAM and any GPU: DRAM keeps every expert.
+    let keep_host_copies = opts.live_placement.is_some();
     let t = std::time::Instant::now();
     for (r, dev) in devs.into_iter().enumerate() {
         dev.ctx.bind_to_thread()?;
         let mine = rank_placement(&owners, r);
-        let mut part = rank_model(model, &plan, r, &mine).context("--tensor-parallel")?;
+        let mut part =
+            rank_model(model, &plan, r, &mine, keep_host_copies).context("--tensor-parallel")?;
         let (free_before, _) = dev.memory()?;
         let mut g = GpuModel::upload(
             dev,
@@ -188,13 +185,18 @@ pub fn build(
             start_allocated: free_before.saturating_sub(free_after) as u64,
         });
         g.max_step = (opts.max_step_tokens, opts.max_step_seqs);
+        // each rank captures its own decode graphs (halves around the attention's all-reduce)
+        g.cuda_graphs = opts.cuda_graphs;
+        // only rank 0 has CPU experts to defer
+        g.defer_experts = opts.defer_experts;
         let rc = &part.config;
         g.shard = Some(RankCtx {
             rank: r,
             comm: comm.clone(),
             heads: (rc.num_heads, rc.num_kv_heads),
             vocab: rc.vocab_size,
-            expert_owner: owners.clone(),
+            expert_owner: expert_owner.clone(),
+            group_step: group_step.clone(),
         });
         ranks.push(g);
     }

@@ -4,7 +4,9 @@
 //! uploads a whole model. The rank model lives only while it is uploaded.
 use super::plan::{AttentionShard, RankShard, ShardError, ShardPlan};
 use crate::engine::linear::{Linear, WeightData};
-use crate::model::{Attention, Ffn, GqaAttention, Layer, Mlp, Model, MoeBlock};
+use crate::model::{
+    Attention, Ffn, GqaAttention, Layer, MlaAttention, MlaQuery, Mlp, Model, ModelConfig, MoeBlock,
+};
 use std::ops::Range;
 
 fn slice_err(what: &str, detail: String) -> ShardError {
@@ -131,12 +133,22 @@ fn mlp(m: &Mlp, u: Range<usize>, rank: usize, what: &str) -> Result<Mlp, ShardEr
     })
 }
 
+/// A whole copy of a routed expert (any stored format).
+fn copy_mlp(m: &Mlp) -> Result<Mlp, ShardError> {
+    let all = |l: &Linear| rows(l, 0..l.out_dim, "routed expert");
+    Ok(Mlp {
+        gate: all(&m.gate)?,
+        up: all(&m.up)?,
+        down: all(&m.down)?,
+    })
+}
+
 fn gqa(a: &GqaAttention, s: &RankShard, head_dim: usize) -> Result<GqaAttention, ShardError> {
     let AttentionShard::Gqa {
         q_heads, kv_heads, ..
     } = &s.attention
     else {
-        return Err(ShardError::Unsupported("MLA attention (execution)"));
+        return Err(ShardError::Unsupported("GQA weights in an MLA plan"));
     };
     let q = q_heads.start * head_dim..q_heads.end * head_dim;
     let kv = kv_heads.start * head_dim..kv_heads.end * head_dim;
@@ -150,14 +162,70 @@ fn gqa(a: &GqaAttention, s: &RankShard, head_dim: usize) -> Result<GqaAttention,
     })
 }
 
+/// MLA's split, as vLLM's: the rank's heads of the query's last projection (`q_b`, or `q` without a
+/// q-LoRA), of `kv_b` (each head's nope-key and value rows) and of `o` (their value columns); the
+/// latent projections (`q_a`, `kv_a`), their norms and so the latent KV cache are replicated, every
+/// rank computing the same latent rows.
+fn mla(a: &MlaAttention, s: &RankShard, cfg: &ModelConfig) -> Result<MlaAttention, ShardError> {
+    let AttentionShard::Mla { heads } = &s.attention else {
+        return Err(ShardError::Unsupported("MLA weights in a GQA plan"));
+    };
+    let m = cfg
+        .mla
+        .as_ref()
+        .ok_or(ShardError::Unsupported("MLA weights without an MLA config"))?;
+    if a.indexer.is_some() {
+        return Err(ShardError::Unsupported(
+            "sparse attention (the MLA indexer)",
+        ));
+    }
+    let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+    let q_rows = heads.start * qk..heads.end * qk;
+    let q = match &a.q {
+        MlaQuery::Direct(l) => MlaQuery::Direct(rows(l, q_rows, "q_proj")?),
+        MlaQuery::LowRank { a: qa, norm, b } => MlaQuery::LowRank {
+            a: rows(qa, 0..qa.out_dim, "q_a_proj")?,
+            norm: norm.clone(),
+            b: rows(b, q_rows, "q_b_proj")?,
+        },
+    };
+    let (per_head, lora) = (m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank);
+    let kv_b = a
+        .kv_b
+        .get(heads.start * per_head * lora..heads.end * per_head * lora)
+        .ok_or_else(|| {
+            slice_err(
+                "kv_b_proj",
+                format!("heads {heads:?} of {} values", a.kv_b.len()),
+            )
+        })?
+        .to_vec();
+    let vd = m.v_head_dim;
+    Ok(MlaAttention {
+        q,
+        kv_a: rows(&a.kv_a, 0..a.kv_a.out_dim, "kv_a_proj_with_mqa")?,
+        kv_a_norm: a.kv_a_norm.clone(),
+        kv_b,
+        o: cols(
+            &a.o,
+            heads.start * vd..heads.end * vd,
+            s.rank == 0,
+            "o_proj",
+        )?,
+        indexer: None,
+    })
+}
+
 /// Rank `r`'s model: its slices of the dense weights, with the routed experts `mine[layer][expert]`
-/// marks moved out of `full` (they leave the host when the rank uploads them). Executes GQA models
-/// only (MLA and linear attention are planned, not run, so far).
+/// marks moved out of `full` (they leave the host when the rank uploads them), or copied when
+/// `keep_host_copies` (live re-placement: DRAM keeps every expert). Executes GQA and MLA
+/// models (linear attention and hyper-connections have no split yet).
 pub fn rank_model(
     full: &mut Model,
     plan: &ShardPlan,
     r: usize,
     mine: &[Vec<bool>],
+    keep_host_copies: bool,
 ) -> Result<Model, ShardError> {
     let s = &plan.ranks[r];
     let cfg = &full.config;
@@ -166,7 +234,7 @@ pub fn rank_model(
     for (li, layer) in full.layers.iter_mut().enumerate() {
         let attn = match &layer.attn {
             Attention::Gqa(a) => Attention::Gqa(gqa(a, s, head_dim)?),
-            Attention::Mla(_) => return Err(ShardError::Unsupported("MLA attention (execution)")),
+            Attention::Mla(a) => Attention::Mla(mla(a, s, cfg)?),
             Attention::Linear(_) => return Err(ShardError::Unsupported("linear attention (KDA)")),
         };
         let ffn = match &mut layer.ffn {
@@ -177,14 +245,14 @@ pub fn rank_model(
                     .experts
                     .iter_mut()
                     .enumerate()
-                    .map(|(e, slot)| {
-                        if on_rank.get(e).copied().unwrap_or(false) {
-                            slot.take()
-                        } else {
-                            None
-                        }
-                    })
-                    .collect();
+                    .map(
+                        |(e, slot)| match (on_rank.get(e).copied().unwrap_or(false), &slot) {
+                            (false, _) => Ok(None),
+                            (true, Some(m)) if keep_host_copies => copy_mlp(m).map(Some),
+                            (true, _) => Ok(slot.take()),
+                        },
+                    )
+                    .collect::<Result<_, ShardError>>()?;
                 let shared = match (&b.shared, &s.shared_expert) {
                     (Some(m), Some(u)) => Some(mlp(m, u.clone(), r, "shared expert")?),
                     _ => None,
@@ -260,6 +328,71 @@ mod tests {
         for i in 0..6 {
             assert!((a[i] + b[i] - full[i]).abs() < 1e-5, "row {i}");
         }
+    }
+
+    /// MLA over 2 ranks: the rank's query heads (`q_b` rows), `kv_b` heads and `o` columns; the
+    /// latent projections whole on both. Concatenating the ranks' head outputs gives the full
+    /// projection's, and their `o` partial sums add up to the full `o` (its bias once).
+    #[test]
+    fn mla_heads_split_and_latent_projections_replicate() {
+        use crate::model::config::MlaConfig;
+        let mut cfg =
+            ModelConfig::from_json(&moe_sizing::known::config_json("deepseek-v3").unwrap())
+                .unwrap();
+        let (nope, rope, vd, lora, heads) = (2, 1, 2, 4, 4);
+        cfg.num_heads = heads;
+        cfg.mla = Some(MlaConfig {
+            q_lora_rank: Some(6),
+            kv_lora_rank: lora,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rope,
+            v_head_dim: vd,
+            latent_norm_eps: 1e-6,
+        });
+        let plan = ShardPlan::new(&cfg, 2).unwrap();
+        let qk = nope + rope;
+        let full = MlaAttention {
+            q: MlaQuery::LowRank {
+                a: linear(6, 8),
+                norm: vec![1.0; 6],
+                b: linear(heads * qk, 6),
+            },
+            kv_a: linear(lora + rope, 8),
+            kv_a_norm: vec![1.0; lora],
+            kv_b: (0..heads * (nope + vd) * lora).map(|i| i as f32).collect(),
+            o: linear(8, heads * vd),
+            indexer: None,
+        };
+        let parts: Vec<MlaAttention> = (0..2)
+            .map(|r| mla(&full, &plan.ranks[r], &cfg).unwrap())
+            .collect();
+        let x6: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let x8: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let MlaQuery::LowRank { b: full_b, .. } = &full.q else {
+            unreachable!()
+        };
+        let mut q = Vec::new();
+        let mut kv_b = Vec::new();
+        for p in &parts {
+            let MlaQuery::LowRank { a, b, .. } = &p.q else {
+                panic!("q-LoRA kept")
+            };
+            assert_eq!((a.out_dim, b.out_dim), (6, 2 * qk));
+            assert_eq!(apply(&p.kv_a, &x8).len(), lora + rope);
+            q.extend(apply(b, &x6));
+            kv_b.extend_from_slice(&p.kv_b);
+        }
+        assert_eq!(q, apply(full_b, &x6));
+        assert_eq!(kv_b, full.kv_b);
+        // o: rank r reads the value columns of its heads
+        let v: Vec<f32> = (0..heads * vd).map(|i| i as f32 * 0.125).collect();
+        let want = apply(&full.o, &v);
+        let a = apply(&parts[0].o, &v[..2 * vd]);
+        let b = apply(&parts[1].o, &v[2 * vd..]);
+        for i in 0..8 {
+            assert!((a[i] + b[i] - want[i]).abs() < 1e-4, "o row {i}");
+        }
+        assert!(parts[1].o.bias.is_none() && parts[0].o.bias.is_some());
     }
 
     #[test]
