@@ -8,7 +8,7 @@
 mod common;
 mod consumer_gpu;
 mod glm_hybrid_gpu;
-mod kv_fp8_gpu;
+mod kv_q8_gpu;
 mod tensor_parallel_gpu;
 
 use common::gpu::{gpu, graphs_match_eager};
@@ -191,16 +191,22 @@ fn tight_kv_pool_preempts_and_shares_prefixes_without_changing_outputs() {
 
 /// Long prompts take the GEMM attention path (chunks of ≥ 64 rows, whole and chunked with earlier
 /// context in the cache) and, in layerwise prefill, the packed-expert stream (a few experts per chunk,
-/// so several chunks per layer and the staging slots wrap across layers), for bf16 and int8 DRAM
+/// so several chunks per layer and the staging slots wrap across layers), for bf16, int8 and int4 DRAM
 /// experts. Each run is checked, including one decode step after the prefill, against the CPU backend
-/// (itself checked against transformers) at the GPU tolerance, 5e-2 rel-L2.
+/// (itself checked against transformers) at the GPU tolerance, 5e-2 rel-L2. With int4 DRAM experts the
+/// reference holds the same weights as the hybrid engine: bf16 for the GPU's experts, the int4 round
+/// trip for the others (against the CPU backend with every expert in int4 the GPU experts' extra
+/// precision alone is 0.117 rel-L2 on qwen3_moe, computed with transformers; 0.119 measured).
 #[test]
 fn long_prefill_gemm_attention_and_expert_stream() {
     use moe_kernels::cpu::moe::WeightFormat;
+    const GPU_EXPERTS: usize = 4;
     let cases = [
         ("qwen3_moe", None),
         ("qwen3_moe", Some(WeightFormat::Int8)),
-        // int4 DRAM experts are not unpacked on the GPU: long prompts compute them on the CPU
+        // int4 DRAM experts are not unpacked on the GPU: long prompts compute them on the CPU. The
+        // GPU's experts keep the checkpoint's bf16, so the reference is the CPU backend in bf16 on
+        // a copy whose DRAM experts hold their int4 round trip (`common::int4_round`)
         ("qwen3_moe", Some(WeightFormat::Int4 { group: 32 })),
         ("glm4_moe", None),
         ("deepseek_v3", None),
@@ -225,16 +231,29 @@ fn long_prefill_gemm_attention_and_expert_stream() {
             out.extend(d);
             out
         };
-        let cpu_opts = EngineOptions {
-            expert_format: fmt,
-            ..Default::default()
+        let want = match fmt {
+            Some(WeightFormat::Int4 { group: 32 }) => {
+                // placement `uniform` puts experts 0..GPU_EXPERTS of each layer on the GPU
+                let rounded = tempfile::tempdir().unwrap();
+                common::int4_round::write_int4_rounded_experts(&dir, rounded.path(), |e| {
+                    e >= GPU_EXPERTS
+                });
+                let cpu = Engine::load(rounded.path(), &EngineOptions::default()).unwrap();
+                run_chunks(&cpu, &[&prompt])
+            }
+            _ => {
+                let cpu_opts = EngineOptions {
+                    expert_format: fmt,
+                    ..Default::default()
+                };
+                run_chunks(&Engine::load(&dir, &cpu_opts).unwrap(), &[&prompt])
+            }
         };
-        let want = run_chunks(&Engine::load(&dir, &cpu_opts).unwrap(), &[&prompt]);
         let opts = |threshold| EngineOptions {
             expert_format: fmt,
             gpu_prefill_threshold: threshold,
             gpu_stream_chunk_bytes: 40_000,
-            ..gpu(4, PlacementStrategy::Uniform)
+            ..gpu(GPU_EXPERTS, PlacementStrategy::Uniform)
         };
         let normal = Engine::load(&dir, &opts(1 << 20)).unwrap();
         let layerwise = Engine::load(&dir, &opts(1)).unwrap();

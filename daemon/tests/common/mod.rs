@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod int4_round;
 pub mod kv_pressure;
 pub mod sliding;
 use moe_daemon::engine::{Engine, EngineOptions, SeqCache, SeqInput};
