@@ -20,7 +20,8 @@
 # GPU memory: ours prints its plan and peak; for both, a sampler records nvidia-smi's memory.used.
 # llama.cpp: built here with CUDA from the peer kit in the background (its processes are stopped while our
 # timed steps run and continued after), or reused from /tmp/peer-llama (a warm machine) or from
-# $SEED/llama/llama-bench-cuda.tar.xz.part* (packed into $OUT/llama/ by a run that built it).
+# $LLAMA_PARTS/llama-bench-cuda.tar.xz.part* (default $SEED/llama; packed into $OUT/llama/ by a run that
+# built it).
 #
 # Layout on the device (run from the repository root):
 #   $SEED (default: this script's folder): moe-daemon, make_gguf_smallthinker.py, make_gguf_glm4moe.py
@@ -39,6 +40,7 @@ C_BUDGET=${C_BUDGET:-150}       # seconds for phase c
 GLM_LAYERS=${GLM_LAYERS:-16}
 GEN_EXTRA=${GEN_EXTRA:-}        # smoke test: GEN_EXTRA="--layers 1 --vocab 4096" ROOM_CHECK=0
 ROOM_CHECK=${ROOM_CHECK:-1}
+LLAMA_PARTS=${LLAMA_PARTS:-$SEED/llama}
 LWORK=/tmp/peer-llama
 LB=$LWORK/build/bin/llama-bench
 mkdir -p "$OUT"
@@ -69,7 +71,7 @@ gguf_env() {
 BUILD_SID=""
 llama_start() {
   [ -x "$LB" ] && { log "llama-bench already here"; return 0; }
-  local parts; parts=$(ls "$SEED"/llama/llama-bench-cuda.tar.xz.part* 2>/dev/null || true)
+  local parts; parts=$(ls "$LLAMA_PARTS"/llama-bench-cuda.tar.xz.part* 2>/dev/null || true)
   if [ -n "$parts" ]; then
     mkdir -p "$LWORK/build/bin"
     cat $parts | xz -d | tar -x -C "$LWORK/build/bin" && "$LB" --version > /dev/null 2>&1 \

@@ -328,7 +328,9 @@ fn int4_experts_compute_their_q4_0_round_trip() {
     let want = run(&Engine::load(rounded.path(), &EngineOptions::default()).unwrap());
     let original = run(&Engine::load(&dir, &EngineOptions::default()).unwrap());
     let (err, base) = (rel_l2(&got, &want), rel_l2(&got, &original));
-    println!("int4 experts vs their round trip in bf16: {err:.2e}; vs the bf16 original: {base:.2e}");
+    println!(
+        "int4 experts vs their round trip in bf16: {err:.2e}; vs the bf16 original: {base:.2e}"
+    );
     assert!(err <= 2e-2, "{err}");
     assert!(base > 0.05, "the round trip changed nothing: {base}");
 }

@@ -1,5 +1,10 @@
-//! `moe-daemon bench perplexity`: perplexity of a fixed text on the CPU backend, with the dense
-//! projections as they are stored or as the GPU would hold them under `--dense-dtype bf16|fp8|int4`.
+//! `moe-daemon bench perplexity`: perplexity of a fixed text, with the dense projections as they are
+//! stored or as the GPU holds them under `--dense-dtype bf16|fp8|int4`.
+//!
+//! With `--device cuda` the GPU engine itself is scored, once per dense format and per
+//! `--kv-cache-dtypes` entry: each window is fed one token per step (decode steps, every position
+//! attending to the cache in its dtype), so this measures what the KV cache's format costs too.
+//! Without a GPU (the default, CPU backend) the dense weights are emulated:
 //!
 //! The GPU's accuracy cost of quantized dense weights, measured without a GPU: every dense projection
 //! the GPU loader quantizes (attention q/k/v/o and MLA projections, dense MLPs, shared experts,
@@ -46,9 +51,12 @@ pub struct PerplexityArgs {
     /// Score at most this many tokens of the text (whole windows).
     #[arg(long, default_value_t = 4096)]
     pub max_tokens: usize,
-    /// Dense weights to compare (comma separated): stored, bf16, fp8, int4.
+    /// Dense weights to compare (comma separated): stored, bf16, fp8, int4 (`stored`: CPU only).
     #[arg(long, value_delimiter = ',', default_value = "bf16,fp8,int4")]
     pub dense: Vec<DenseAs>,
+    /// With `--device cuda`: GPU KV cache dtypes to compare (comma separated): bf16, int8, fp8.
+    #[arg(long, value_delimiter = ',', default_value = "bf16")]
+    pub kv_cache_dtypes: Vec<super::engine_args::KvCacheDtypeArg>,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -185,16 +193,15 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
     let ctx = a.ctx as usize;
     ids.truncate((a.max_tokens / ctx).max(1) * ctx);
     let opts = a.engine.options_with(true)?;
-    anyhow::ensure!(
-        !matches!(opts.device, crate::engine::Device::Cuda(_)),
-        "perplexity runs on the CPU backend (it emulates the GPU's dense weights)"
-    );
     println!(
         "{}: {} tokens of {} in windows of {ctx}",
         a.model.display(),
         ids.len(),
         a.text.display()
     );
+    if matches!(opts.device, crate::engine::Device::Cuda(_)) {
+        return run_on_gpu(&a, &path, opts, &ids);
+    }
     for dense in &a.dense {
         let t = Instant::now();
         let format = match dense {
@@ -211,6 +218,71 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
             nll.exp(),
             t.elapsed().as_secs_f64()
         );
+    }
+    Ok(())
+}
+
+/// Mean negative log-likelihood of `ids` scored in windows of `ctx`, fed one token per step (the GPU
+/// backend returns the last position's logits of a step), and the tokens scored.
+fn mean_nll_stepwise(engine: &Engine, ids: &[u32], ctx: usize) -> anyhow::Result<(f64, usize)> {
+    let (mut nll, mut n) = (0f64, 0usize);
+    for window in ids.chunks(ctx).filter(|w| w.len() >= 2) {
+        let mut cache = engine.new_cache();
+        for (i, &next) in window[1..].iter().enumerate() {
+            let logits = engine
+                .reserve_and_forward(&mut [SeqInput {
+                    cache: &mut cache,
+                    tokens: &window[i..i + 1],
+                }])?
+                .remove(0);
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+            nll += max + sum.ln() - logits[next as usize] as f64;
+            n += 1;
+        }
+    }
+    anyhow::ensure!(n > 0, "the text has fewer than two tokens");
+    Ok((nll / n as f64, n))
+}
+
+/// The GPU engine scored per dense format and KV cache dtype.
+fn run_on_gpu(
+    a: &PerplexityArgs,
+    path: &ModelPath,
+    mut opts: EngineOptions,
+    ids: &[u32],
+) -> anyhow::Result<()> {
+    use super::engine_args::KvCacheDtypeArg;
+    use moe_sizing::{DenseChoice, DenseDtype, KvCacheDtype};
+    let ctx = a.ctx as usize;
+    for dense in &a.dense {
+        opts.dense_dtype = DenseChoice::Fixed(match dense {
+            DenseAs::Stored => {
+                anyhow::bail!(
+                    "--dense stored is the CPU backend's; on the GPU use bf16, fp8 or int4"
+                )
+            }
+            DenseAs::Bf16 => DenseDtype::Bf16,
+            DenseAs::Fp8 => DenseDtype::Fp8,
+            DenseAs::Int4 => DenseDtype::Int4,
+        });
+        for kv in &a.kv_cache_dtypes {
+            opts.kv_cache_dtype = match kv {
+                KvCacheDtypeArg::Bf16 => KvCacheDtype::Bf16,
+                KvCacheDtypeArg::Fp8 => KvCacheDtype::Fp8,
+                KvCacheDtypeArg::Int8 => KvCacheDtype::Int8,
+            };
+            let t = Instant::now();
+            let engine = path.load_engine(&opts)?;
+            let (nll, n) = mean_nll_stepwise(&engine, ids, ctx)?;
+            println!(
+                "dense {:<6} kv {:<5} perplexity {:>9.4}  (mean NLL {nll:.5} over {n} tokens, GPU, {:.1} s)",
+                format!("{dense:?}").to_lowercase(),
+                opts.kv_cache_dtype.as_str(),
+                nll.exp(),
+                t.elapsed().as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

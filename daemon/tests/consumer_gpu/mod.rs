@@ -3,8 +3,9 @@
 //! engine really allocates (part of `gpu_tests`, feature `gpu-tests`).
 //!
 //! Tolerances:
-//! - kernels against the host reference of the same quantized weights and bf16 inputs: GEMV (≤ 16
-//!   rows) rel-L2 ≤ 1e-5 (f32 sums in another order); dequantize + cuBLAS (more rows) ≤ 5e-3 (the
+//! - kernels against the host reference of the same quantized weights and bf16 inputs (int4
+//!   symmetric, int4 with group minimums from GGUF Q4_1 / Q4_K blocks, FP8): GEMV (≤ 16 rows)
+//!   rel-L2 ≤ 1e-5 (f32 sums in another order); dequantize + cuBLAS (more rows) ≤ 5e-3 (the
 //!   dequantized weights are rounded to bf16 for the GEMM).
 //! - fixtures' logits with FP8 / int4 dense weights against transformers run on the same quantized
 //!   weights (`dense_quant.json`, written by tests/fixtures/make_dense_quant.py): rel-L2 ≤ 5e-2 per
@@ -21,6 +22,7 @@
 use crate::common::{floats, rel_l2, uniform};
 use moe_daemon::engine::placement::GpuExperts;
 use moe_daemon::engine::{Device, Engine, EngineOptions};
+use moe_kernels::cpu::GgmlBlock;
 use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
 use moe_sizing::{DenseChoice, DenseDtype, EmbeddingChoice, KvRequest};
@@ -40,11 +42,23 @@ fn quantized_dense_kernels_match_reference() {
     ] {
         let mut rnd = uniform(out as u64 * 31 + inp as u64);
         let w: Vec<f32> = (0..out * inp).map(|_| rnd() * 0.1).collect();
-        for fmt in [DenseFormat::Int4, DenseFormat::Fp8] {
-            let q = QuantizedMatrix::quantize(fmt, out, inp, |r, buf| {
-                buf.copy_from_slice(&w[r * inp..(r + 1) * inp])
+        let mut matrices: Vec<(String, QuantizedMatrix)> = [DenseFormat::Int4, DenseFormat::Fp8]
+            .into_iter()
+            .map(|fmt| {
+                let q = QuantizedMatrix::quantize(fmt, out, inp, |r, buf| {
+                    buf.copy_from_slice(&w[r * inp..(r + 1) * inp])
+                })
+                .unwrap();
+                (fmt.to_string(), q)
             })
-            .unwrap();
+            .collect();
+        // asymmetric int4 groups (u·d + m) as GGUF Q4_1 / Q4_K blocks give them
+        for kind in [GgmlBlock::Q4_1, GgmlBlock::Q4K] {
+            if let Some(q) = ggml_q4_matrix(kind, out, inp, &mut rnd) {
+                matrices.push((format!("int4 from {}", kind.name()), q));
+            }
+        }
+        for (fmt, q) in matrices {
             let mut deq = vec![0f32; out * inp];
             for r in 0..out {
                 q.dequantize_row(r, &mut deq[r * inp..(r + 1) * inp]);
@@ -83,6 +97,31 @@ fn quantized_dense_kernels_match_reference() {
             }
         }
     }
+}
+
+/// Random GGML `kind` blocks (sane f16 scales and minimums, random codes and 6-bit sub-block scales)
+/// for an `[out, inp]` matrix, taken as the GPU's int4 groups; `None` if rows are not whole blocks.
+fn ggml_q4_matrix(
+    kind: GgmlBlock,
+    out: usize,
+    inp: usize,
+    rnd: &mut impl FnMut() -> f32,
+) -> Option<QuantizedMatrix> {
+    let (elems, bytes) = kind.block();
+    if !inp.is_multiple_of(elems) {
+        return None;
+    }
+    let f16 = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
+    let mut blocks = Vec::with_capacity(out * inp / elems * bytes);
+    for _ in 0..out * inp / elems {
+        let start = blocks.len();
+        blocks.extend(f16(0.004 + 0.002 * rnd()));
+        blocks.extend(f16(0.05 * rnd()));
+        while blocks.len() < start + bytes {
+            blocks.push(((rnd() + 0.5) * 255.0) as u8);
+        }
+    }
+    QuantizedMatrix::from_ggml_blocks(kind, out, inp, &blocks)
 }
 
 fn engine(dir: &std::path::Path, dense: DenseDtype, host_embeddings: bool) -> Engine {

@@ -27,6 +27,9 @@ pub enum DeviceDense {
         packed: CudaSlice<u32>,
         /// f16 bits `[out, in / group]`
         scales: CudaSlice<u16>,
+        /// f16 bits `[out, in / group]`: group minimums of asymmetric codes (u·d + m); `None`:
+        /// symmetric codes ((u − 8)·d).
+        mins: Option<CudaSlice<u16>>,
         group: usize,
     },
     Fp8 {
@@ -59,7 +62,12 @@ impl DeviceDense {
     pub fn bytes(&self) -> usize {
         match self {
             DeviceDense::Bf16(w) => w.len() * 2,
-            DeviceDense::Int4 { packed, scales, .. } => packed.len() * 4 + scales.len() * 2,
+            DeviceDense::Int4 {
+                packed,
+                scales,
+                mins,
+                ..
+            } => packed.len() * 4 + (scales.len() + mins.as_ref().map_or(0, |m| m.len())) * 2,
             DeviceDense::Fp8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
         }
     }
@@ -73,11 +81,16 @@ impl GpuDevice {
             QuantizedMatrix::Int4 {
                 packed,
                 scales,
+                mins,
                 group,
                 ..
             } => DeviceDense::Int4 {
                 packed: s.clone_htod(packed)?,
                 scales: s.clone_htod(scales)?,
+                mins: match mins {
+                    Some(m) => Some(s.clone_htod(m)?),
+                    None => None,
+                },
                 group: *group,
             },
             QuantizedMatrix::Fp8 {
@@ -174,15 +187,24 @@ impl GpuDevice {
             GEMV_ROWS_PER_BLOCK * 32,
             0,
         );
+        let mins = self.mins_address(w);
         let mut l = self.stream.launch_builder(gemv);
-        push_quantized_weight(&mut l, w);
+        push_quantized_weight(&mut l, w, &mins);
         l.arg(&xs).arg(&n_i).arg(&out_i);
         l.arg(&in_i).arg(&g).arg(&acc_i).arg(&mut ys);
-        // SAFETY: the weight's codes hold out·in values and its scales out·in/group (built together
-        // by `QuantizedMatrix`), xs rows·in and ys rows·out elements (sliced above); the kernel reads
-        // and writes nothing else.
+        // SAFETY: the weight's codes hold out·in values and its scales (and int4 mins, when present)
+        // out·in/group (built together by `QuantizedMatrix`), xs rows·in and ys rows·out elements
+        // (sliced above); the kernel reads and writes nothing else.
         unsafe { l.launch(cfg) }?;
         Ok(())
+    }
+
+    /// Device address of an int4 weight's group minimums; 0 (the kernels' "symmetric") otherwise.
+    fn mins_address(&self, w: &DeviceDense) -> u64 {
+        match w {
+            DeviceDense::Int4 { mins: Some(m), .. } => m.device_ptr(&self.stream).0,
+            _ => 0,
+        }
     }
 
     /// Prefill: slabs of W's rows dequantized into `scratch`, each multiplied into its columns of y.
@@ -204,12 +226,13 @@ impl GpuDevice {
             )));
         }
         let in_i = inp as i32;
+        let mins = self.mins_address(w);
         for r0 in (0..out).step_by(slab) {
             let rows = slab.min(out - r0);
             let r0_i = r0 as i32;
             let cfg = grid((rows, 1, 1), 256, 0);
             let mut l = self.stream.launch_builder(dequant);
-            push_quantized_weight(&mut l, w);
+            push_quantized_weight(&mut l, w, &mins);
             l.arg(&in_i).arg(&g).arg(&r0_i);
             l.arg(&mut *scratch);
             // SAFETY: rows r0..r0+rows < out of the matrix are read; scratch holds slab·in ≥
@@ -265,11 +288,12 @@ impl GpuDevice {
     }
 }
 
-/// The first two kernel arguments of every quantized kernel: the codes and their scales.
-fn push_quantized_weight<'a>(l: &mut LaunchArgs<'a>, w: &'a DeviceDense) {
+/// The first kernel arguments of every quantized kernel: the codes and their scales, and for int4
+/// the group minimums' address `mins` (0: symmetric codes).
+fn push_quantized_weight<'a>(l: &mut LaunchArgs<'a>, w: &'a DeviceDense, mins: &'a u64) {
     match w {
         DeviceDense::Int4 { packed, scales, .. } => {
-            l.arg(packed).arg(scales);
+            l.arg(packed).arg(scales).arg(mins);
         }
         DeviceDense::Fp8 { bytes, scales, .. } => {
             l.arg(bytes).arg(scales);

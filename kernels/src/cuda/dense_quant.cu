@@ -1,7 +1,9 @@
 // ---- dense projections with 4-bit and 8-bit weights (W4A16, W8A16) ---------------------------------
 // Appended to kernels.cu (uses its bf16 helpers and warp_sum). Layouts, built at load by cuda/quant.rs:
 //   int4: row-major [out, in/8] u32; word j of a row holds inputs 8j..8j+7, input 8j+i in bits 4i..4i+3
-//         as q+8 (q in -8..7); one f16 scale per row and group of `group` inputs: w = q * scale.
+//         as a code u in 0..15; one f16 scale d per row and group of `group` inputs, and optionally an
+//         f16 minimum m per row and group: w = (u - 8) * d (symmetric, mins == 0) or u * d + m
+//         (asymmetric: GGUF Q4_1 / Q4_K codes kept as stored).
 //   fp8:  row-major [out, in] E4M3 bytes; one f32 scale per row and group: w = e4m3 * scale.
 // Decode (a few tokens) runs the GEMVs below, which read each weight byte once for all tokens: the
 // step is bound by weight bandwidth, so 4-bit weights read ~3.8x fewer bytes than bf16. Prefill
@@ -59,8 +61,10 @@ __device__ __forceinline__ void gemv_store(float* acc, int n, int out, int r, in
 // y[t, r] (=|+=) x[t] . W[r] for t < n <= GEMV_MAX_TOKENS. One warp per output row; each lane takes 32
 // consecutive inputs (one 16-byte load of weights) per step, so a warp reads 512 contiguous bytes.
 // x: bf16 [n, in]; in % 32 == 0, group % 32 == 0. grid: ceil(out / 4), block: 128.
-extern "C" __global__ void gemv_w4a16(const unsigned int* w, const unsigned short* scales, const bf16* x,
-                                      int n, int out, int in, int group, int accumulate, float* y) {
+// mins: per-group f16 minimums of asymmetric codes, or 0 (symmetric codes).
+extern "C" __global__ void gemv_w4a16(const unsigned int* w, const unsigned short* scales,
+                                      const unsigned short* mins, const bf16* x, int n, int out, int in,
+                                      int group, int accumulate, float* y) {
     int r = blockIdx.x * GEMV_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= out) return;
     int lane = threadIdx.x % WARP;
@@ -69,8 +73,13 @@ extern "C" __global__ void gemv_w4a16(const unsigned int* w, const unsigned shor
     for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
     const uint4* wr = (const uint4*)(w + (size_t)r * (in / 8));
     const unsigned short* sr = scales + (size_t)r * (in / group);
+    const unsigned short* mr = mins ? mins + (size_t)r * (in / group) : nullptr;
     for (int c = lane * 32; c < in; c += WARP * 32) {
         uint4 q = wr[c / 32];
+        // 32 inputs lie in one group (group % 32 == 0). Asymmetric codes are dequantized per weight
+        // (one FMA, shared by the tokens); symmetric ones are scaled after the dot products.
+        float s = h2f(sr[c / group]);
+        float m = mr ? h2f(mr[c / group]) : 0.f;
         unsigned int words[4] = {q.x, q.y, q.z, q.w};
         float part[GEMV_MAX_TOKENS];
 #pragma unroll
@@ -79,12 +88,15 @@ extern "C" __global__ void gemv_w4a16(const unsigned int* w, const unsigned shor
         for (int j = 0; j < 4; ++j) {
             float wv[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) wv[i] = (float)((int)((words[j] >> (4 * i)) & 15u) - 8);
+            for (int i = 0; i < 8; ++i) {
+                unsigned int u = (words[j] >> (4 * i)) & 15u;
+                wv[i] = mr ? fmaf((float)u, s, m) : (float)((int)u - 8);
+            }
             dot8(x, in, n, c + 8 * j, wv, part);
         }
-        float s = h2f(sr[c / group]);
+        float post = mr ? 1.f : s;
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] += s * part[t];
+        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] += post * part[t];
     }
     gemv_store(acc, n, out, r, accumulate, y);
 }
@@ -123,17 +135,20 @@ extern "C" __global__ void gemv_w8a16(const unsigned char* w, const float* scale
 
 // Rows r0..r0+gridDim.x of an int4 matrix -> bf16 [rows, in] (the prefill GEMM's weight slab).
 // grid: rows, block: 256.
-extern "C" __global__ void dense_dequant_w4(const unsigned int* w, const unsigned short* scales, int in,
-                                            int group, int r0, bf16* out) {
+// mins: as gemv_w4a16's.
+extern "C" __global__ void dense_dequant_w4(const unsigned int* w, const unsigned short* scales,
+                                            const unsigned short* mins, int in, int group, int r0, bf16* out) {
     size_t row = (size_t)r0 + blockIdx.x;
     const unsigned int* wr = w + row * (in / 8);
     const unsigned short* sr = scales + row * (in / group);
+    const unsigned short* mr = mins ? mins + row * (in / group) : nullptr;
     bf16* o = out + (size_t)blockIdx.x * in;
     for (int j = threadIdx.x; j < in / 8; j += blockDim.x) {
         unsigned int q = wr[j];
         float s = h2f(sr[(8 * j) / group]);
+        float m = mr ? h2f(mr[(8 * j) / group]) : -8.f * s;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o[8 * j + i] = f2bf((float)((int)((q >> (4 * i)) & 15u) - 8) * s);
+        for (int i = 0; i < 8; ++i) o[8 * j + i] = f2bf(fmaf((float)((q >> (4 * i)) & 15u), s, m));
     }
 }
 

@@ -16,19 +16,19 @@ pub use grouped::grouped_gemm_refused;
 pub mod hybrid;
 pub mod hyper;
 pub mod indexer;
-pub mod kv_fp8;
+pub mod kv_q8;
 pub mod linear_attention;
 pub mod ops;
 pub mod quant;
 
-/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_fp8.cu` (which use the helpers of those
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_q8.cu` (which use the helpers of those
 /// before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),
-    include_str!("kv_fp8.cu")
+    include_str!("kv_q8.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -83,9 +83,9 @@ pub(crate) struct Kernels {
     pub dense_dequant_w8: CudaFunction,
     pub handoff_publish: CudaFunction,
     pub handoff_wait_add: CudaFunction,
-    pub kv_append_fp8: CudaFunction,
-    pub paged_attention_fp8: CudaFunction,
-    pub gather_kv_fp8: CudaFunction,
+    pub kv_append_q8: CudaFunction,
+    pub paged_attention_q8: CudaFunction,
+    pub gather_kv_q8: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -183,9 +183,9 @@ impl GpuDevice {
             dense_dequant_w8: f("dense_dequant_w8")?,
             handoff_publish: f("handoff_publish")?,
             handoff_wait_add: f("handoff_wait_add")?,
-            kv_append_fp8: f("kv_append_fp8")?,
-            paged_attention_fp8: f("paged_attention_fp8")?,
-            gather_kv_fp8: f("gather_kv_fp8")?,
+            kv_append_q8: f("kv_append_q8")?,
+            paged_attention_q8: f("paged_attention_q8")?,
+            gather_kv_q8: f("gather_kv_q8")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -575,9 +575,9 @@ mod tests {
                 "dense_dequant_w4",
                 "handoff_publish",
                 "handoff_wait_add",
-                "kv_append_fp8",
-                "paged_attention_fp8",
-                "gather_kv_fp8",
+                "kv_append_q8",
+                "paged_attention_q8",
+                "gather_kv_q8",
             ] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
             }
@@ -622,9 +622,9 @@ mod tests {
             "dense_dequant_w8",
             "handoff_publish",
             "handoff_wait_add",
-            "kv_append_fp8",
-            "paged_attention_fp8",
-            "gather_kv_fp8",
+            "kv_append_q8",
+            "paged_attention_q8",
+            "gather_kv_q8",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

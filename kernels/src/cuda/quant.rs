@@ -1,9 +1,13 @@
 //! Dense weights for the GPU in 4-bit and 8-bit, built on the host at load (the layouts the
 //! `gemv_w4a16` / `gemv_w8a16` / `dense_dequant_*` kernels of `dense_quant.cu` read).
 //!
-//! - int4 (W4A16): symmetric, one f16 scale per row and group of 128 (or 64 / 32) inputs; the scale
-//!   is the group's largest-magnitude value over -8 (as GGML's Q4_0), so all 16 levels are used.
-//!   Row-major `[out, in/8]` u32 words, input `8j+i` in bits `4i..4i+3` of word j, stored as q+8.
+//! - int4 (W4A16): one f16 scale per row and group of 128 (or 64 / 32) inputs. Quantized at load it is
+//!   symmetric: the scale is the group's largest-magnitude value over -8 (as GGML's Q4_0), so all 16
+//!   levels are used, and a code u reads as (u − 8)·d. GGUF Q4_1 and Q4_K tensors keep their codes
+//!   with a per-group f16 minimum as well (asymmetric, u·d + m: llama.cpp's Q4_1, and Q4_K's 6-bit
+//!   sub-block scales and mins rounded once to f16, as the CPU kernels keep them), so the GPU computes
+//!   with the checkpoint's own weights ([`QuantizedMatrix::from_ggml_blocks`]).
+//!   Row-major `[out, in/8]` u32 words, input `8j+i` in bits `4i..4i+3` of word j, as the code u.
 //!   (Marlin permutes the same group-wise format for tensor-core tiles; decode here is a CUDA-core
 //!   GEMV, for which plain row order reads contiguously.)
 //! - fp8 (W8A16): E4M3 bytes, row-major `[out, in]`, one f32 scale per row and group. FP8 checkpoints
@@ -11,6 +15,7 @@
 //!   bf16 ones get scale = group absmax / 448.
 //!
 //! [`QuantizedMatrix::dequantize_row`] is the slow reference the tests (and the GPU tests) compare with.
+use crate::cpu::GgmlBlock;
 use half::f16;
 use rayon::prelude::*;
 
@@ -90,6 +95,9 @@ pub enum QuantizedMatrix {
         packed: Vec<u32>,
         /// f16 bits, `[rows, cols / group]`
         scales: Vec<u16>,
+        /// f16 bits, `[rows, cols / group]`: the group minimum `m` of asymmetric codes (u·d + m);
+        /// `None`: symmetric codes ((u − 8)·d).
+        mins: Option<Vec<u16>>,
     },
     Fp8 {
         rows: usize,
@@ -149,6 +157,7 @@ impl QuantizedMatrix {
                     group,
                     packed,
                     scales,
+                    mins: None,
                 }
             }
             DenseFormat::Fp8 => {
@@ -232,7 +241,12 @@ impl QuantizedMatrix {
     /// Bytes on the GPU (weights and scales).
     pub fn device_bytes(&self) -> usize {
         match self {
-            QuantizedMatrix::Int4 { packed, scales, .. } => packed.len() * 4 + scales.len() * 2,
+            QuantizedMatrix::Int4 {
+                packed,
+                scales,
+                mins,
+                ..
+            } => packed.len() * 4 + (scales.len() + mins.as_ref().map_or(0, Vec::len)) * 2,
             QuantizedMatrix::Fp8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
         }
     }
@@ -248,6 +262,7 @@ impl QuantizedMatrix {
                     group,
                     mut packed,
                     mut scales,
+                    mins,
                 },
                 QuantizedMatrix::Int4 {
                     rows: rows_b,
@@ -255,16 +270,22 @@ impl QuantizedMatrix {
                     group: group_b,
                     packed: packed_b,
                     scales: scales_b,
+                    mins: mins_b,
                 },
-            ) if cols == cols_b && group == group_b => {
+            ) if cols == cols_b && group == group_b && mins.is_some() == mins_b.is_some() => {
                 packed.extend(packed_b);
                 scales.extend(scales_b);
+                let mins = mins.zip(mins_b).map(|(mut a, b)| {
+                    a.extend(b);
+                    a
+                });
                 Some(QuantizedMatrix::Int4 {
                     rows: rows + rows_b,
                     cols,
                     group,
                     packed,
                     scales,
+                    mins,
                 })
             }
             (
@@ -297,36 +318,55 @@ impl QuantizedMatrix {
         }
     }
 
-    /// GGML Q4_0 blocks as int4 groups of 32, exactly: the same codes and scales (a Q4_0 block is an
-    /// f16 `d` and 16 bytes, element j in the low nibble of byte j and element j+16 in the high one,
-    /// value d·(q−8): the int4 layout's symmetric group with its scale). `None` unless `blocks` is
+    /// GGML Q4_0, Q4_1 or Q4_K blocks as int4 groups of 32 with the blocks' own codes: Q4_0 as
+    /// symmetric groups (its f16 `d`, value d·(u − 8)), Q4_1 with its f16 `d` and `m` (u·d + m), both
+    /// bit for bit; Q4_K's sub-blocks of 32 with d·sc and −dmin·m rounded once to f16 (as the CPU
+    /// kernels pack them, `cpu::ggml::block_groups`). `None` for other types or unless `blocks` is
     /// `rows` rows of whole blocks.
-    pub fn from_q4_0_blocks(rows: usize, cols: usize, blocks: &[u8]) -> Option<Self> {
-        const QK: usize = 32;
-        const BLOCK_BYTES: usize = 2 + QK / 2;
-        if cols == 0 || !cols.is_multiple_of(QK) || blocks.len() != rows * cols / QK * BLOCK_BYTES {
+    pub fn from_ggml_blocks(
+        kind: GgmlBlock,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+    ) -> Option<Self> {
+        const GROUP: usize = 32;
+        let with_min = match kind {
+            GgmlBlock::Q4_0 => false,
+            GgmlBlock::Q4_1 | GgmlBlock::Q4K => true,
+            _ => return None,
+        };
+        let (block_elems, block_bytes) = kind.block();
+        if cols == 0
+            || !cols.is_multiple_of(block_elems)
+            || blocks.len() != rows * cols / block_elems * block_bytes
+        {
             return None;
         }
+        let groups = rows * cols / GROUP;
         let mut packed = vec![0u32; rows * cols / 8];
-        let mut scales = vec![0u16; rows * cols / QK];
-        for ((block, words), scale) in blocks
-            .chunks_exact(BLOCK_BYTES)
-            .zip(packed.chunks_exact_mut(QK / 8))
-            .zip(scales.iter_mut())
-        {
-            *scale = u16::from_le_bytes([block[0], block[1]]);
-            for (j, &byte) in block[2..].iter().enumerate() {
-                let (lo, hi) = (j, j + QK / 2);
-                words[lo / 8] |= ((byte & 15) as u32) << (4 * (lo % 8));
-                words[hi / 8] |= ((byte >> 4) as u32) << (4 * (hi % 8));
-            }
+        let mut scales = vec![0u16; groups];
+        let mut mins = vec![0u16; if with_min { groups } else { 0 }];
+        let per_block = block_elems / GROUP;
+        for (b, block) in blocks.chunks_exact(block_bytes).enumerate() {
+            crate::cpu::ggml::block_groups(kind, block, |g, codes, d, m| {
+                let group = b * per_block + g;
+                scales[group] = d;
+                if with_min {
+                    mins[group] = m;
+                }
+                let words = &mut packed[group * GROUP / 8..(group + 1) * GROUP / 8];
+                for (i, &u) in codes.iter().enumerate() {
+                    words[i / 8] |= ((u & 15) as u32) << (4 * (i % 8));
+                }
+            });
         }
         Some(QuantizedMatrix::Int4 {
             rows,
             cols,
-            group: QK,
+            group: GROUP,
             packed,
             scales,
+            mins: with_min.then_some(mins),
         })
     }
 
@@ -338,13 +378,19 @@ impl QuantizedMatrix {
                 group,
                 packed,
                 scales,
+                mins,
                 ..
             } => {
                 let words = &packed[r * cols / 8..(r + 1) * cols / 8];
-                let sc = &scales[r * (cols / group)..];
+                let first = r * (cols / group);
+                let f = |bits: u16| f16::from_bits(bits).to_f32();
                 for (c, o) in out[..*cols].iter_mut().enumerate() {
-                    let q = ((words[c / 8] >> (4 * (c % 8))) & 15) as i32 - 8;
-                    *o = q as f32 * f16::from_bits(sc[c / group]).to_f32();
+                    let u = ((words[c / 8] >> (4 * (c % 8))) & 15) as i32;
+                    let d = f(scales[first + c / group]);
+                    *o = match mins {
+                        Some(m) => u as f32 * d + f(m[first + c / group]),
+                        None => (u - 8) as f32 * d,
+                    };
                 }
             }
             QuantizedMatrix::Fp8 {
@@ -418,33 +464,62 @@ mod tests {
         (num / den).sqrt()
     }
 
+    /// Q4_0 and Q4_1 blocks read back exactly as GGML dequantizes them; Q4_K within the one f16
+    /// rounding of each sub-block's d·sc and −dmin·m (≤ 2⁻¹¹ relative each).
     #[test]
-    fn q4_0_blocks_become_int4_groups_without_rounding() {
-        use crate::cpu::ggml::{self, GgmlBlock};
-        let (rows, cols) = (3, 96);
+    fn ggml_q4_blocks_become_int4_groups_with_their_codes() {
+        use crate::cpu::ggml;
+        let (rows, cols) = (3, 512);
         let mut s = 11u64;
-        let mut blocks = Vec::new();
-        for b in 0..rows * cols / 32 {
-            let d =
-                half::f16::from_f32(0.01 + 0.003 * b as f32 * if b % 2 == 0 { 1.0 } else { -1.0 });
-            blocks.extend(d.to_bits().to_le_bytes());
-            for _ in 0..16 {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                blocks.push((s >> 24) as u8);
+        let mut byte = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        };
+        let f16_bytes = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
+        for kind in [GgmlBlock::Q4_0, GgmlBlock::Q4_1, GgmlBlock::Q4K] {
+            let (elems, bytes) = kind.block();
+            let mut blocks = Vec::new();
+            for b in 0..rows * cols / elems {
+                let sign = if b % 2 == 0 { 1.0 } else { -1.0 };
+                // f16 header fields (d; Q4_1's m, Q4_K's dmin), then random codes and 6-bit scales
+                let header: Vec<u8> = match kind {
+                    GgmlBlock::Q4_0 => f16_bytes(0.01 + 0.003 * b as f32 * sign).to_vec(),
+                    _ => [f16_bytes(0.004 + 0.001 * b as f32), f16_bytes(-0.05 * sign)].concat(),
+                };
+                blocks.extend(&header);
+                for _ in header.len()..bytes {
+                    blocks.push(byte());
+                }
             }
+            let mut want = vec![0f32; rows * cols];
+            ggml::dequantize(kind, &blocks, &mut want);
+            let q = QuantizedMatrix::from_ggml_blocks(kind, rows, cols, &blocks).unwrap();
+            assert_eq!(
+                matches!(q, QuantizedMatrix::Int4 { mins: Some(_), .. }),
+                kind != GgmlBlock::Q4_0
+            );
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                q.dequantize_row(r, &mut row);
+                let want = &want[r * cols..(r + 1) * cols];
+                if kind == GgmlBlock::Q4K {
+                    let peak = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (c, (g, w)) in row.iter().zip(want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= peak * 2f32.powi(-8),
+                            "{kind:?} ({r},{c}) {g} {w}"
+                        );
+                    }
+                } else {
+                    assert_eq!(row, want, "{kind:?} row {r}");
+                }
+            }
+            assert!(QuantizedMatrix::from_ggml_blocks(kind, rows, cols, &blocks[1..]).is_none());
+            assert!(QuantizedMatrix::from_ggml_blocks(kind, rows, cols / 2, &blocks).is_none());
         }
-        let mut want = vec![0f32; rows * cols];
-        ggml::dequantize(GgmlBlock::Q4_0, &blocks, &mut want);
-        let q = QuantizedMatrix::from_q4_0_blocks(rows, cols, &blocks).unwrap();
-        let mut row = vec![0f32; cols];
-        for r in 0..rows {
-            q.dequantize_row(r, &mut row);
-            assert_eq!(row, want[r * cols..(r + 1) * cols], "row {r}");
-        }
-        assert!(QuantizedMatrix::from_q4_0_blocks(rows, cols, &blocks[1..]).is_none());
-        assert!(QuantizedMatrix::from_q4_0_blocks(rows, 48, &blocks).is_none());
+        assert!(QuantizedMatrix::from_ggml_blocks(GgmlBlock::Q8_0, 1, 32, &[0; 34]).is_none());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Paged KV storage on the GPU: per storage slot one K and one V pool of `blocks × BLOCK` rows of
-//! `width` values, bf16 or (`--kv-cache-dtype fp8`, GQA models) E4M3 with one scale per KV head and row
-//! (`moe_kernels::cuda::kv_fp8`), and the ops that read and write them in either form (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
+//! `width` values, bf16 or (`--kv-cache-dtype int8|fp8`, GQA models) 8-bit codes with one scale per KV
+//! head and row (`moe_kernels::cuda::kv_q8`), and the ops that read and write them in either form (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
 //! `engine::kv::layout`). Which block belongs to which sequence is decided by the driver through the
 //! engine's block pool (`engine::kv::blocks`); this file only holds the memory and copies blocks for
 //! copy-on-write. Layers with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by
@@ -8,8 +8,8 @@
 use crate::engine::kv::{BlockCopy, BlockId, KvLayout, BLOCK};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_kernels::cuda::kv_fp8::Fp8Rows;
-use moe_kernels::cuda::ops::PagedIndex;
+use moe_kernels::cuda::kv_q8::{KvCode, Q8Rows};
+use moe_kernels::cuda::ops::{CacheRows, PagedIndex};
 use moe_kernels::cuda::GpuDevice;
 use moe_sizing::KvCacheDtype;
 use std::ops::Range;
@@ -18,17 +18,25 @@ use std::sync::{Arc, Mutex};
 /// One storage slot's K or V rows.
 pub enum KvRows {
     Bf16(CudaSlice<bf16>),
-    /// E4M3 codes and per-(row, KV head) scales.
-    Fp8(Fp8Rows),
+    /// 8-bit codes and per-(row, KV head) scales.
+    Q8(Q8Rows),
 }
 
 impl KvRows {
-    /// The bf16 rows (MLA layers and the indexer read only those; FP8 caches are refused for them at
-    /// start).
+    /// The bf16 rows (MLA layers and the indexer read only those; 8-bit caches are refused for them
+    /// at start).
     pub fn bf16(&self) -> anyhow::Result<&CudaSlice<bf16>> {
         match self {
             KvRows::Bf16(rows) => Ok(rows),
-            KvRows::Fp8(_) => anyhow::bail!("this attention reads bf16 KV rows only"),
+            KvRows::Q8(_) => anyhow::bail!("this attention reads bf16 KV rows only"),
+        }
+    }
+
+    /// The rows as the attention and gather ops take them.
+    pub fn as_cache(&self) -> CacheRows<'_> {
+        match self {
+            KvRows::Bf16(rows) => CacheRows::Bf16(rows),
+            KvRows::Q8(rows) => CacheRows::Q8(rows),
         }
     }
 }
@@ -36,8 +44,8 @@ impl KvRows {
 pub struct GpuKvPool {
     pub k: Vec<KvRows>,
     pub v: Vec<KvRows>,
-    /// FP8 rows' KV heads and head dim (`None`: bf16 rows).
-    fp8_heads: Option<(usize, usize)>,
+    /// 8-bit rows' code, KV heads and head dim (`None`: bf16 rows).
+    q8: Option<(KvCode, (usize, usize))>,
     /// Row widths per layer: K and V (kv_heads × head_dim each), or MLA's latent and rope key.
     pub width: usize,
     pub v_width: usize,
@@ -53,22 +61,28 @@ pub struct GpuKvPool {
 impl GpuKvPool {
     /// `has_rows[layer]`: false for layers that keep no KV rows (linear attention: a per-sequence state
     /// instead), which get a minimal placeholder. One K and one V pool per slot of `layout`, in
-    /// `dtype`; `fp8_heads` (KV heads, head dim) are needed for FP8 rows (GQA attention).
+    /// `dtype`; `gqa_heads` (KV heads, head dim) are needed for 8-bit rows (GQA attention).
     pub fn new(
         dev: &GpuDevice,
         layout: &KvLayout,
         has_rows: &[bool],
         (width, v_width): (usize, usize),
         blocks: usize,
-        (dtype, fp8_heads): (KvCacheDtype, Option<(usize, usize)>),
+        (dtype, gqa_heads): (KvCacheDtype, Option<(usize, usize)>),
     ) -> anyhow::Result<Self> {
-        let fp8_heads = match (dtype, fp8_heads) {
-            (KvCacheDtype::Bf16, _) => None,
-            (KvCacheDtype::Fp8, Some((heads, dim))) if heads * dim == width && width == v_width => {
-                Some((heads, dim))
+        let code = match dtype {
+            KvCacheDtype::Bf16 => None,
+            KvCacheDtype::Fp8 => Some(KvCode::E4m3),
+            KvCacheDtype::Int8 => Some(KvCode::Int8),
+        };
+        let q8 = match (code, gqa_heads) {
+            (None, _) => None,
+            (Some(code), Some((heads, dim))) if heads * dim == width && width == v_width => {
+                Some((code, (heads, dim)))
             }
-            (KvCacheDtype::Fp8, _) => anyhow::bail!(
-                "--kv-cache-dtype fp8 needs grouped-query attention (K and V rows of KV heads); this model's attention keeps bf16 rows only"
+            (Some(_), _) => anyhow::bail!(
+                "--kv-cache-dtype {} needs grouped-query attention (K and V rows of KV heads); this model's attention keeps bf16 rows only",
+                dtype.as_str()
             ),
         };
         // Slot i holds layer i of every group: its rows exist if the first group's layer has them.
@@ -82,10 +96,10 @@ impl GpuKvPool {
         let mut v = Vec::with_capacity(layers);
         for &rows in &slot_rows {
             let n = if rows { blocks * BLOCK } else { 0 };
-            match fp8_heads {
-                Some(geometry) => {
-                    k.push(KvRows::Fp8(Fp8Rows::alloc(dev, n, geometry)?));
-                    v.push(KvRows::Fp8(Fp8Rows::alloc(dev, n, geometry)?));
+            match q8 {
+                Some((code, geometry)) => {
+                    k.push(KvRows::Q8(Q8Rows::alloc(dev, n, geometry, code)?));
+                    v.push(KvRows::Q8(Q8Rows::alloc(dev, n, geometry, code)?));
                 }
                 None => {
                     // (NoPE MLA has no rope key: a zero width still gets a minimal buffer)
@@ -101,7 +115,7 @@ impl GpuKvPool {
         Ok(Self {
             k,
             v,
-            fp8_heads,
+            q8,
             width,
             v_width,
             total_blocks: blocks,
@@ -139,14 +153,15 @@ impl GpuKvPool {
     }
 
     pub fn dtype(&self) -> KvCacheDtype {
-        match self.fp8_heads {
-            Some(_) => KvCacheDtype::Fp8,
+        match self.q8 {
+            Some((KvCode::E4m3, _)) => KvCacheDtype::Fp8,
+            Some((KvCode::Int8, _)) => KvCacheDtype::Int8,
             None => KvCacheDtype::Bf16,
         }
     }
 
     /// Writes a step's `rows` rows `k` and `v` into layer `li`'s caches at `slots` (rounded to bf16, or
-    /// quantized to FP8 with their scales). MLA passes its latent and rope key as k and v.
+    /// quantized to 8-bit codes with their scales). MLA passes its latent and rope key as k and v.
     pub fn append(
         &mut self,
         dev: &GpuDevice,
@@ -156,13 +171,11 @@ impl GpuKvPool {
         slots: &CudaSlice<i32>,
     ) -> anyhow::Result<()> {
         let s = self.slot(li);
-        match (&mut self.k[s], &mut self.v[s], self.fp8_heads) {
-            (KvRows::Bf16(kc), KvRows::Bf16(vc), _) => {
+        match (&mut self.k[s], &mut self.v[s]) {
+            (KvRows::Bf16(kc), KvRows::Bf16(vc)) => {
                 dev.kv_append(k, v, (rows, self.width, self.v_width), kc, vc, slots, BLOCK)?
             }
-            (KvRows::Fp8(kc), KvRows::Fp8(vc), Some((heads, dim))) => {
-                dev.kv_append_fp8(k, v, (rows, heads, dim), kc, vc, slots)?
-            }
+            (KvRows::Q8(kc), KvRows::Q8(vc)) => dev.kv_append_q8((k, v), rows, kc, vc, slots)?,
             _ => anyhow::bail!("layer {li}: K and V rows of different types"),
         }
         Ok(())
@@ -183,15 +196,8 @@ impl GpuKvPool {
         out: &mut impl DevicePtrMut<bf16>,
     ) -> anyhow::Result<()> {
         let s = self.slot(li);
-        match (&self.k[s], &self.v[s]) {
-            (KvRows::Bf16(kc), KvRows::Bf16(vc)) => {
-                dev.paged_attention(q, kc, vc, index, heads, (scale, window), rows, out)?
-            }
-            (KvRows::Fp8(kc), KvRows::Fp8(vc)) => {
-                dev.paged_attention_fp8(q, kc, vc, index, heads, (scale, window), rows, out)?
-            }
-            _ => anyhow::bail!("layer {li}: K and V rows of different types"),
-        }
+        let caches = (self.k[s].as_cache(), self.v[s].as_cache());
+        dev.paged_attention(q, caches, index, heads, (scale, window), rows, out)?;
         Ok(())
     }
 
@@ -206,21 +212,14 @@ impl GpuKvPool {
         (k_out, v_out): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
     ) -> anyhow::Result<()> {
         let s = self.slot(li);
-        match (&self.k[s], &self.v[s], self.fp8_heads) {
-            (KvRows::Bf16(kc), KvRows::Bf16(vc), _) => dev.gather_kv_bf16(
-                kc,
-                vc,
-                table,
-                (positions, BLOCK),
-                (self.width, self.v_width),
-                k_out,
-                v_out,
-            )?,
-            (KvRows::Fp8(kc), KvRows::Fp8(vc), Some(geometry)) => {
-                dev.gather_kv_fp8(kc, vc, table, (positions, BLOCK), geometry, k_out, v_out)?
-            }
-            _ => anyhow::bail!("layer {li}: K and V rows of different types"),
-        }
+        dev.gather_kv(
+            (self.k[s].as_cache(), self.v[s].as_cache()),
+            table,
+            (positions, BLOCK),
+            (self.width, self.v_width),
+            k_out,
+            v_out,
+        )?;
         Ok(())
     }
 
@@ -244,7 +243,7 @@ impl BlockCopy for GpuKvCopier {
         let pool = &mut *guard;
         let (kw, vw, cw) = (pool.width, pool.v_width, pool.c_width);
         let (from, to) = (from as usize, to as usize);
-        let heads = pool.fp8_heads.map_or(0, |(h, _)| h);
+        let heads = pool.q8.map_or(0, |(_, (h, _))| h);
         for (rows, width) in pool
             .k
             .iter_mut()
@@ -256,7 +255,7 @@ impl BlockCopy for GpuKvCopier {
                 KvRows::Bf16(r) if r.len() > 1 => {
                     copy_rows(&self.stream, r, BLOCK * width, from, to)?
                 }
-                KvRows::Fp8(r) if r.codes.len() > 1 => {
+                KvRows::Q8(r) if r.codes.len() > 1 => {
                     copy_rows(&self.stream, &mut r.codes, BLOCK * width, from, to)?;
                     copy_rows(&self.stream, &mut r.scales, BLOCK * heads, from, to)?;
                 }

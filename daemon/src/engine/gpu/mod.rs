@@ -41,7 +41,6 @@ use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kv::GpuKvPool;
-use moe_kernels::cpu::GgmlBlock;
 use moe_kernels::cuda::dense::DeviceDense;
 use moe_kernels::cuda::quant::{DenseFormat, QuantizedMatrix};
 use moe_kernels::cuda::GpuDevice;
@@ -266,8 +265,9 @@ pub fn upload_linear(
 }
 
 /// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take. Weights
-/// already in a GPU layout keep their values: FP8 checkpoints' blocks (fp8) and GGUF Q4_0 blocks
-/// (int4, groups of 32); everything else is quantized from its f32 rows.
+/// already in a GPU layout keep their values: FP8 checkpoints' blocks (fp8) and GGUF Q4_0 / Q4_1 /
+/// Q4_K blocks (int4 groups of 32 with their codes; Q4_K's sub-block scales and mins rounded once to
+/// f16); everything else is quantized from its f32 rows.
 pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatrix> {
     let kept = match (format, &l.w) {
         (
@@ -280,13 +280,9 @@ pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatri
         ) => {
             QuantizedMatrix::from_fp8_blocks(l.out_dim, l.in_dim, bytes.clone(), scale_inv, *block)
         }
-        (
-            DenseFormat::Int4,
-            WeightData::Ggml {
-                kind: GgmlBlock::Q4_0,
-                bytes,
-            },
-        ) => QuantizedMatrix::from_q4_0_blocks(l.out_dim, l.in_dim, bytes),
+        (DenseFormat::Int4, WeightData::Ggml { kind, bytes }) => {
+            QuantizedMatrix::from_ggml_blocks(*kind, l.out_dim, l.in_dim, bytes)
+        }
         _ => None,
     };
     kept.or_else(|| {

@@ -1,11 +1,14 @@
-//! Attention over paged bf16 caches: appending a step's rows, GQA and MLA (absorbed) attention of
-//! decode rows and short chunks, and the gather + causal softmax around long prefill's GEMMs.
+//! Attention over paged caches: appending a step's rows, GQA and MLA (absorbed) attention of decode
+//! rows and short chunks, and the gather + causal softmax around long prefill's GEMMs.
 //!
-//! Caches are `[blocks · block_size, width]` bf16 rows; row `table[p / block_size] · block_size +
-//! p % block_size` holds position p of a sequence whose block table is `table`.
+//! Caches are `[blocks · block_size, width]` rows, bf16 or (GQA) 8-bit codes with per-(row, KV head)
+//! scales (`kv_q8`); row `table[p / block_size] · block_size + p % block_size` holds position p of a
+//! sequence whose block table is `table`. GQA attention and the gather take either kind
+//! ([`CacheRows`]): one op, one set of shape checks, the kernel chosen by the rows' kind.
 use super::{ensure, grid, grid_dim, int, smem};
+use crate::cuda::kv_q8::Q8Rows;
 use crate::cuda::{GpuDevice, GpuError};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
 
@@ -22,6 +25,74 @@ pub struct PagedIndex<'a> {
     pub pos_of_row: &'a CudaSlice<i32>,
     /// Positions per cache block.
     pub block_size: usize,
+}
+
+/// One paged K or V cache as the GQA attention and gather ops read it.
+#[derive(Clone, Copy)]
+pub enum CacheRows<'a> {
+    Bf16(&'a CudaSlice<bf16>),
+    /// 8-bit codes and per-(row, KV head) scales.
+    Q8(&'a Q8Rows),
+}
+
+/// Device addresses of a K/V cache pair, after checking each holds one row of `width`.
+enum CachePair<'a> {
+    Bf16(u64, u64),
+    /// codes K, codes V, scales K, scales V, the code.
+    Q8([u64; 4], i32, &'a Q8Rows),
+}
+
+impl GpuDevice {
+    /// The pair's addresses; both caches must be of one kind (and, 8-bit, of one geometry and
+    /// code) with rows `width` wide.
+    fn cache_pair<'a>(
+        &self,
+        op: &str,
+        (k, v): (CacheRows<'a>, CacheRows<'a>),
+        width: usize,
+    ) -> Result<CachePair<'a>, GpuError> {
+        match (k, v) {
+            (CacheRows::Bf16(k), CacheRows::Bf16(v)) => Ok(CachePair::Bf16(
+                self.input(op, "k_cache", k, width)?,
+                self.input(op, "v_cache", v, width)?,
+            )),
+            (CacheRows::Q8(k), CacheRows::Q8(v)) => {
+                ensure(
+                    op,
+                    (k.kv_heads, k.head_dim, k.code) == (v.kv_heads, v.head_dim, v.code)
+                        && k.width() == width,
+                    || format!("8-bit K/V caches do not match rows of {width}"),
+                )?;
+                Ok(CachePair::Q8(
+                    [
+                        self.input(op, "k codes", &k.codes, width)?,
+                        self.input(op, "v codes", &v.codes, width)?,
+                        self.input(op, "k scales", &k.scales, k.kv_heads)?,
+                        self.input(op, "v scales", &v.scales, k.kv_heads)?,
+                    ],
+                    k.code.kernel_code(),
+                    k,
+                ))
+            }
+            _ => Err(GpuError::Shape(format!(
+                "{op}: K and V caches of different kinds"
+            ))),
+        }
+    }
+}
+
+impl CachePair<'_> {
+    /// Pushes the caches' kernel arguments (bf16: k, v; 8-bit: k and v codes, k and v scales, code).
+    fn push<'b>(&'b self, l: &mut LaunchArgs<'b>) {
+        match self {
+            CachePair::Bf16(k, v) => {
+                l.arg(k).arg(v);
+            }
+            CachePair::Q8(p, code, _) => {
+                l.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&p[3]).arg(code);
+            }
+        }
+    }
 }
 
 /// Head geometry of absorbed MLA (shared with the sparse-attention indexer's kernels).
@@ -71,16 +142,15 @@ impl GpuDevice {
         Ok(())
     }
 
-    /// GQA attention of step rows `rows` against their sequences' paged caches, positions
-    /// `lo..=pos` of each row (`lo = pos - window + 1` for a sliding window, else 0), online softmax.
-    /// `q`: `[step rows, heads, head_dim]` f32; `out`: bf16 rows of the same shape (only `rows` are
-    /// written). One block of 128 threads per (row, head); head_dim ≤ 256.
+    /// GQA attention of step rows `rows` against their sequences' paged caches (bf16 or 8-bit),
+    /// positions `lo..=pos` of each row (`lo = pos - window + 1` for a sliding window, else 0), online
+    /// softmax. `q`: `[step rows, heads, head_dim]` f32; `out`: bf16 rows of the same shape (only
+    /// `rows` are written). One block of 128 threads per (row, head); head_dim ≤ 256.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
         q: &impl DevicePtr<f32>,
-        k_cache: &CudaSlice<bf16>,
-        v_cache: &CudaSlice<bf16>,
+        caches: (CacheRows<'_>, CacheRows<'_>),
         index: &PagedIndex<'_>,
         (heads, kv_heads, head_dim): (usize, usize, usize),
         (scale, window): (f32, Option<usize>),
@@ -109,34 +179,27 @@ impl GpuDevice {
             int(OP, "row0", rows.start)?,
         );
         let (mb, h, kvh, dh, blk, win, row0) = args;
-        let width = kv_heads * head_dim;
+        let pair = self.cache_pair(OP, caches, kv_heads * head_dim)?;
         let qp = self.input(OP, "q", q, end * heads * head_dim)?;
-        let kc = self.input(OP, "k_cache", k_cache, width)?;
-        let vc = self.input(OP, "v_cache", v_cache, width)?;
         let tables = self.input(OP, "block_tables", index.block_tables, index.max_blocks)?;
         let seq = self.input(OP, "seq_of_row", index.seq_of_row, end)?;
         let pos = self.input(OP, "pos_of_row", index.pos_of_row, end)?;
         let o = self.output(OP, "out", out, end * heads * head_dim)?;
-        let mut l = self.stream.launch_builder(&self.k.paged_attention);
-        l.arg(&qp)
-            .arg(&kc)
-            .arg(&vc)
-            .arg(&tables)
-            .arg(&mb)
-            .arg(&seq)
-            .arg(&pos);
-        l.arg(&h)
-            .arg(&kvh)
-            .arg(&dh)
-            .arg(&blk)
-            .arg(&scale)
-            .arg(&win)
-            .arg(&row0)
-            .arg(&o);
+        let kernel = match pair {
+            CachePair::Bf16(..) => &self.k.paged_attention,
+            CachePair::Q8(..) => &self.k.paged_attention_q8,
+        };
+        let mut l = self.stream.launch_builder(kernel);
+        l.arg(&qp);
+        pair.push(&mut l);
+        l.arg(&tables).arg(&mb).arg(&seq).arg(&pos);
+        l.arg(&h).arg(&kvh).arg(&dh).arg(&blk);
+        l.arg(&scale).arg(&win).arg(&row0).arg(&o);
         let shared = smem(OP, (head_dim + ATTN_THREADS) * 4)?;
-        // SAFETY: argument order and types as kernels.cu's `paged_attention`; block (t, h) reads q and
-        // writes out at row row0 + t < rows.end (checked), reads seq/pos of that row (checked) and the
-        // cache rows its table names (trusted, see `PagedIndex`); shared memory holds q and a tile.
+        // SAFETY: argument order and types as kernels.cu's `paged_attention` (bf16 caches) or kv_q8.cu's
+        // `paged_attention_q8` (codes, scales, code in their place); block (t, h) reads q and writes out
+        // at row row0 + t < rows.end (checked), reads seq/pos of that row (checked) and the cache rows
+        // its table names (trusted, see `PagedIndex`); shared memory holds q and a tile.
         unsafe { l.launch(grid((rows.len(), heads, 1), ATTN_THREADS, shared)) }?;
         Ok(())
     }
@@ -210,19 +273,19 @@ impl GpuDevice {
 
     /// Positions `0..positions` of one sequence (block table `table`, trusted as in [`PagedIndex`])
     /// from the paged caches into contiguous bf16 `k_out` `[positions, k_width]` and `v_out`
-    /// `[positions, v_width]` (long prefill's GEMM operands).
+    /// `[positions, v_width]` (long prefill's GEMM operands). 8-bit caches read back as
+    /// bf16(value(code) · scale); their K and V widths are the rows' `kv_heads · head_dim`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gather_kv_bf16(
+    pub fn gather_kv(
         &self,
-        k_cache: &CudaSlice<bf16>,
-        v_cache: &CudaSlice<bf16>,
+        caches: (CacheRows<'_>, CacheRows<'_>),
         table: &impl DevicePtr<i32>,
         (positions, block_size): (usize, usize),
         (k_width, v_width): (usize, usize),
         k_out: &mut impl DevicePtrMut<bf16>,
         v_out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<(), GpuError> {
-        const OP: &str = "gather_kv_bf16";
+        const OP: &str = "gather_kv";
         if positions == 0 {
             return Ok(());
         }
@@ -232,23 +295,39 @@ impl GpuDevice {
             int(OP, "k_width", k_width)?,
             int(OP, "v_width", v_width)?,
         );
-        let kc = self.input(OP, "k_cache", k_cache, k_width)?;
-        let vc = self.input(OP, "v_cache", v_cache, v_width)?;
+        let pair = match caches {
+            (CacheRows::Bf16(k), CacheRows::Bf16(v)) => CachePair::Bf16(
+                self.input(OP, "k_cache", k, k_width)?,
+                self.input(OP, "v_cache", v, v_width)?,
+            ),
+            _ => {
+                ensure(OP, k_width == v_width, || {
+                    format!("8-bit K and V rows of widths {k_width} and {v_width}")
+                })?;
+                self.cache_pair(OP, caches, k_width)?
+            }
+        };
         let tp = self.input(OP, "table", table, positions.div_ceil(block_size.max(1)))?;
         let ko = self.output(OP, "k_out", k_out, positions * k_width)?;
         let vo = self.output(OP, "v_out", v_out, positions * v_width)?;
-        let mut l = self.stream.launch_builder(&self.k.gather_kv_bf16);
-        l.arg(&kc)
-            .arg(&vc)
-            .arg(&tp)
-            .arg(&blk)
-            .arg(&kw)
-            .arg(&vw)
-            .arg(&ko)
-            .arg(&vo);
-        // SAFETY: argument order and types as kernels.cu's `gather_kv_bf16`; block p reads table entry
-        // p / block_size (checked) and the cache row it names (trusted), and writes row p of the
-        // outputs (checked).
+        let mut l = match &pair {
+            CachePair::Bf16(..) => self.stream.launch_builder(&self.k.gather_kv_bf16),
+            CachePair::Q8(..) => self.stream.launch_builder(&self.k.gather_kv_q8),
+        };
+        pair.push(&mut l);
+        l.arg(&tp).arg(&blk);
+        let geometry = match &pair {
+            CachePair::Bf16(..) => (kw, vw),
+            CachePair::Q8(_, _, rows) => (
+                int(OP, "kv_heads", rows.kv_heads)?,
+                int(OP, "head_dim", rows.head_dim)?,
+            ),
+        };
+        l.arg(&geometry.0).arg(&geometry.1).arg(&ko).arg(&vo);
+        // SAFETY: argument order and types as kernels.cu's `gather_kv_bf16` (k, v, table, block_size,
+        // k_width, v_width, outputs) or kv_q8.cu's `gather_kv_q8` (codes, scales, code, table,
+        // block_size, kv_heads, head_dim, outputs); block p reads table entry p / block_size (checked)
+        // and the cache row it names (trusted), and writes row p of the outputs (checked).
         unsafe { l.launch(grid((positions, 1, 1), 256, 0)) }?;
         Ok(())
     }

@@ -30,7 +30,7 @@ pub mod moe;
 pub mod norm;
 pub mod reference;
 
-pub use attention::{MlaDims, PagedIndex};
+pub use attention::{CacheRows, MlaDims, PagedIndex};
 pub use handoff::{HandoffPort, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
