@@ -4,7 +4,8 @@
 //!
 //! Tolerances:
 //! - kernels against the host reference of the same quantized weights and bf16 inputs (int4
-//!   symmetric, int4 with group minimums from GGUF Q4_1 / Q4_K blocks, FP8): GEMV (≤ 16 rows)
+//!   symmetric, int4 with group minimums from GGUF Q4_1 / Q4_K blocks, FP8, int8 codes from GGUF
+//!   Q8_0 / Q6_K blocks): GEMV (≤ 16 rows)
 //!   rel-L2 ≤ 1e-5 (f32 sums in another order); dequantize + cuBLAS (more rows) ≤ 5e-3 (the
 //!   dequantized weights are rounded to bf16 for the GEMM).
 //! - fixtures' logits with FP8 / int4 dense weights against transformers run on the same quantized
@@ -52,10 +53,16 @@ fn quantized_dense_kernels_match_reference() {
                 (fmt.to_string(), q)
             })
             .collect();
-        // asymmetric int4 groups (u·d + m) as GGUF Q4_1 / Q4_K blocks give them
-        for kind in [GgmlBlock::Q4_1, GgmlBlock::Q4K] {
-            if let Some(q) = ggml_q4_matrix(kind, out, inp, &mut rnd) {
-                matrices.push((format!("int4 from {}", kind.name()), q));
+        // asymmetric int4 groups (u·d + m) as GGUF Q4_1 / Q4_K blocks give them, int8 codes from
+        // Q8_0 / Q6_K blocks
+        for kind in [
+            GgmlBlock::Q4_1,
+            GgmlBlock::Q4K,
+            GgmlBlock::Q8_0,
+            GgmlBlock::Q6K,
+        ] {
+            if let Some(q) = ggml_matrix(kind, out, inp, &mut rnd) {
+                matrices.push((format!("{} from {}", q.format(), kind.name()), q));
             }
         }
         for (fmt, q) in matrices {
@@ -99,9 +106,9 @@ fn quantized_dense_kernels_match_reference() {
     }
 }
 
-/// Random GGML `kind` blocks (sane f16 scales and minimums, random codes and 6-bit sub-block scales)
-/// for an `[out, inp]` matrix, taken as the GPU's int4 groups; `None` if rows are not whole blocks.
-fn ggml_q4_matrix(
+/// Random GGML `kind` blocks (sane f16 scales and minimums, random codes and sub-block scales) for an
+/// `[out, inp]` matrix, taken as the GPU's groups; `None` if rows are not whole blocks.
+fn ggml_matrix(
     kind: GgmlBlock,
     out: usize,
     inp: usize,
@@ -119,6 +126,11 @@ fn ggml_q4_matrix(
         blocks.extend(f16(0.05 * rnd()));
         while blocks.len() < start + bytes {
             blocks.push(((rnd() + 0.5) * 255.0) as u8);
+        }
+        if kind == GgmlBlock::Q6K {
+            // Q6_K's f16 super-block scale is its last two bytes
+            blocks.truncate(blocks.len() - 2);
+            blocks.extend(f16(0.002 + 0.001 * rnd()));
         }
     }
     QuantizedMatrix::from_ggml_blocks(kind, out, inp, &blocks)

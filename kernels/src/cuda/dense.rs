@@ -1,11 +1,12 @@
-//! Dense projections on the GPU in bf16, FP8 (W8A16) or int4 (W4A16): one op, [`GpuDevice::dense_matmul`].
+//! Dense projections on the GPU in bf16, FP8 or int8 (W8A16) or int4 (W4A16): one op,
+//! [`GpuDevice::dense_matmul`].
 //!
 //! Decode steps (at most [`GEMV_MAX_TOKENS_PER_CALL`] × 2 rows) run the quantized GEMVs of
 //! `dense_quant.cu`, which stream the weights once; larger steps dequantize slabs of rows into a bf16
 //! scratch buffer and multiply each slab with cuBLAS (the dequantization is amortised over the
 //! step's rows). bf16 weights always go to cuBLAS.
 use super::ops::grid;
-use super::quant::{DenseFormat, QuantizedMatrix};
+use super::quant::{DenseFormat, QuantizedMatrix, W8Code};
 use super::{GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, PushKernelArg};
@@ -32,8 +33,10 @@ pub enum DeviceDense {
         mins: Option<CudaSlice<u16>>,
         group: usize,
     },
-    Fp8 {
-        /// `[out, in]` E4M3
+    /// 8-bit codes: E4M3 (`--dense-dtype fp8`) or int8 (kept GGUF codes).
+    W8 {
+        code: W8Code,
+        /// `[out, in]` codes
         bytes: CudaSlice<u8>,
         /// `[out, in / group]`
         scales: CudaSlice<f32>,
@@ -46,7 +49,12 @@ impl DeviceDense {
         match self {
             DeviceDense::Bf16(_) => DenseFormat::Bf16,
             DeviceDense::Int4 { .. } => DenseFormat::Int4,
-            DeviceDense::Fp8 { .. } => DenseFormat::Fp8,
+            DeviceDense::W8 {
+                code: W8Code::E4m3, ..
+            } => DenseFormat::Fp8,
+            DeviceDense::W8 {
+                code: W8Code::Int8, ..
+            } => DenseFormat::Int8,
         }
     }
 
@@ -68,7 +76,7 @@ impl DeviceDense {
                 mins,
                 ..
             } => packed.len() * 4 + (scales.len() + mins.as_ref().map_or(0, |m| m.len())) * 2,
-            DeviceDense::Fp8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
+            DeviceDense::W8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
         }
     }
 }
@@ -93,12 +101,14 @@ impl GpuDevice {
                 },
                 group: *group,
             },
-            QuantizedMatrix::Fp8 {
+            QuantizedMatrix::W8 {
                 bytes,
                 scales,
                 group,
+                code,
                 ..
-            } => DeviceDense::Fp8 {
+            } => DeviceDense::W8 {
+                code: *code,
                 bytes: s.clone_htod(bytes)?,
                 scales: s.clone_htod(scales)?,
                 group: *group,
@@ -159,7 +169,7 @@ impl GpuDevice {
             DeviceDense::Int4 { group, .. } => {
                 Ok((&self.k.gemv_w4a16, &self.k.dense_dequant_w4, *group as i32))
             }
-            DeviceDense::Fp8 { group, .. } => {
+            DeviceDense::W8 { group, .. } => {
                 Ok((&self.k.gemv_w8a16, &self.k.dense_dequant_w8, *group as i32))
             }
             DeviceDense::Bf16(_) => Err(GpuError::Shape(
@@ -288,15 +298,20 @@ impl GpuDevice {
     }
 }
 
-/// The first kernel arguments of every quantized kernel: the codes and their scales, and for int4
-/// the group minimums' address `mins` (0: symmetric codes).
+/// The first kernel arguments of every quantized kernel: the codes and their scales, then for int4
+/// the group minimums' address `mins` (0: symmetric codes), for 8-bit weights the code.
 fn push_quantized_weight<'a>(l: &mut LaunchArgs<'a>, w: &'a DeviceDense, mins: &'a u64) {
     match w {
         DeviceDense::Int4 { packed, scales, .. } => {
             l.arg(packed).arg(scales).arg(mins);
         }
-        DeviceDense::Fp8 { bytes, scales, .. } => {
-            l.arg(bytes).arg(scales);
+        DeviceDense::W8 {
+            bytes,
+            scales,
+            code,
+            ..
+        } => {
+            l.arg(bytes).arg(scales).arg(code);
         }
         // `quantized_kernels` refused bf16 weights before any launch was built.
         DeviceDense::Bf16(_) => {}

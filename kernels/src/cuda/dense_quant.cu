@@ -4,7 +4,8 @@
 //         as a code u in 0..15; one f16 scale d per row and group of `group` inputs, and optionally an
 //         f16 minimum m per row and group: w = (u - 8) * d (symmetric, mins == 0) or u * d + m
 //         (asymmetric: GGUF Q4_1 / Q4_K codes kept as stored).
-//   fp8:  row-major [out, in] E4M3 bytes; one f32 scale per row and group: w = e4m3 * scale.
+//   w8:   row-major [out, in] bytes, E4M3 (code 0) or int8 (code 1, kept GGUF Q8_0 / Q6_K codes); one f32
+//         scale per row and group: w = value(byte) * scale.
 // Decode (a few tokens) runs the GEMVs below, which read each weight byte once for all tokens: the
 // step is bound by weight bandwidth, so 4-bit weights read ~3.8x fewer bytes than bf16. Prefill
 // dequantizes row slabs into a bf16 scratch buffer and multiplies with cuBLAS (dense_dequant_*).
@@ -101,10 +102,15 @@ extern "C" __global__ void gemv_w4a16(const unsigned int* w, const unsigned shor
     gemv_store(acc, n, out, r, accumulate, y);
 }
 
-// As gemv_w4a16 for E4M3 weights: each lane takes 16 consecutive inputs (16 bytes) per step.
+// An 8-bit weight byte as a value: E4M3 (code 0) or int8 (code 1).
+__device__ __forceinline__ float w8_decode(unsigned int b, int code) {
+    return code ? (float)(signed char)b : e4m3_to_f32(b);
+}
+
+// As gemv_w4a16 for 8-bit weights: each lane takes 16 consecutive inputs (16 bytes) per step.
 // in % 16 == 0, group % 16 == 0. grid: ceil(out / 4), block: 128.
-extern "C" __global__ void gemv_w8a16(const unsigned char* w, const float* scales, const bf16* x, int n,
-                                      int out, int in, int group, int accumulate, float* y) {
+extern "C" __global__ void gemv_w8a16(const unsigned char* w, const float* scales, int code, const bf16* x,
+                                      int n, int out, int in, int group, int accumulate, float* y) {
     int r = blockIdx.x * GEMV_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= out) return;
     int lane = threadIdx.x % WARP;
@@ -123,7 +129,7 @@ extern "C" __global__ void gemv_w8a16(const unsigned char* w, const float* scale
         for (int j = 0; j < 2; ++j) {
             float wv[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) wv[i] = e4m3_to_f32((words[2 * j + i / 4] >> (8 * (i % 4))) & 255u);
+            for (int i = 0; i < 8; ++i) wv[i] = w8_decode((words[2 * j + i / 4] >> (8 * (i % 4))) & 255u, code);
             dot8(x, in, n, c + 8 * j, wv, part);
         }
         float s = sr[c / group];
@@ -152,12 +158,12 @@ extern "C" __global__ void dense_dequant_w4(const unsigned int* w, const unsigne
     }
 }
 
-// Rows r0..r0+gridDim.x of an E4M3 matrix -> bf16 [rows, in]. grid: rows, block: 256.
-extern "C" __global__ void dense_dequant_w8(const unsigned char* w, const float* scales, int in, int group,
-                                            int r0, bf16* out) {
+// Rows r0..r0+gridDim.x of an 8-bit matrix -> bf16 [rows, in]. grid: rows, block: 256.
+extern "C" __global__ void dense_dequant_w8(const unsigned char* w, const float* scales, int code, int in,
+                                            int group, int r0, bf16* out) {
     size_t row = (size_t)r0 + blockIdx.x;
     const unsigned char* wr = w + row * in;
     const float* sr = scales + row * (in / group);
     bf16* o = out + (size_t)blockIdx.x * in;
-    for (int c = threadIdx.x; c < in; c += blockDim.x) o[c] = f2bf(e4m3_to_f32(wr[c]) * sr[c / group]);
+    for (int c = threadIdx.x; c < in; c += blockDim.x) o[c] = f2bf(w8_decode(wr[c], code) * sr[c / group]);
 }

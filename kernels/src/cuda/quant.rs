@@ -13,6 +13,9 @@
 //! - fp8 (W8A16): E4M3 bytes, row-major `[out, in]`, one f32 scale per row and group. FP8 checkpoints
 //!   with 128×128 block scales keep their bytes and scales exactly (see [`QuantizedMatrix::from_fp8_blocks`]);
 //!   bf16 ones get scale = group absmax / 448.
+//! - int8 (W8A16, the fp8 kernels with int8 codes): GGUF tensors stored in more than 4 bits (Q8_0 and
+//!   Q6_K codes kept as int8 groups of 32 / 16; Q5_K quantized to int8 groups of 32) when the GPU is
+//!   asked for int4 or fp8, so a file's 8-bit lm_head is not rounded to 4 bits or E4M3.
 //!
 //! [`QuantizedMatrix::dequantize_row`] is the slow reference the tests (and the GPU tests) compare with.
 use crate::cpu::GgmlBlock;
@@ -26,6 +29,28 @@ pub enum DenseFormat {
     Bf16,
     Fp8,
     Int4,
+    /// int8 codes with f32 group scales (GGUF tensors of more than 4 bits, see the module doc).
+    Int8,
+}
+
+/// How a W8A16 matrix's bytes read: E4M3 or two's-complement int8 (`code` of the `*_w8*` kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum W8Code {
+    E4m3 = 0,
+    Int8 = 1,
+}
+
+// SAFETY: a repr(i32) enum is passed as the kernels' `int code` (0 or 1), a plain 4-byte value.
+unsafe impl cudarc::driver::DeviceRepr for W8Code {}
+
+impl W8Code {
+    pub fn decode(self, b: u8) -> f32 {
+        match self {
+            W8Code::E4m3 => e4m3_to_f32(b),
+            W8Code::Int8 => b as i8 as f32,
+        }
+    }
 }
 
 impl DenseFormat {
@@ -35,6 +60,7 @@ impl DenseFormat {
             DenseFormat::Bf16 => 2.0,
             DenseFormat::Fp8 => 1.0 + 4.0 / 128.0,
             DenseFormat::Int4 => 0.5 + 2.0 / 128.0,
+            DenseFormat::Int8 => 1.0 + 4.0 / 32.0,
         }
     }
 }
@@ -45,6 +71,7 @@ impl std::fmt::Display for DenseFormat {
             DenseFormat::Bf16 => "bf16",
             DenseFormat::Fp8 => "fp8",
             DenseFormat::Int4 => "int4",
+            DenseFormat::Int8 => "int8",
         })
     }
 }
@@ -99,11 +126,13 @@ pub enum QuantizedMatrix {
         /// `None`: symmetric codes ((u − 8)·d).
         mins: Option<Vec<u16>>,
     },
-    Fp8 {
+    /// 8-bit codes (E4M3: `--dense-dtype fp8`; int8: kept GGUF codes).
+    W8 {
         rows: usize,
         cols: usize,
         group: usize,
-        /// `[rows, cols]` E4M3
+        code: W8Code,
+        /// `[rows, cols]` codes
         bytes: Vec<u8>,
         /// `[rows, cols / group]`
         scales: Vec<f32>,
@@ -117,6 +146,7 @@ pub fn group_for(format: DenseFormat, cols: usize) -> Option<usize> {
         DenseFormat::Bf16 => return None,
         DenseFormat::Int4 => &[128, 64, 32],
         DenseFormat::Fp8 => &[128, 64, 32, 16],
+        DenseFormat::Int8 => &[32, 16],
     };
     candidates
         .iter()
@@ -160,7 +190,12 @@ impl QuantizedMatrix {
                     mins: None,
                 }
             }
-            DenseFormat::Fp8 => {
+            DenseFormat::Fp8 | DenseFormat::Int8 => {
+                let code = if format == DenseFormat::Int8 {
+                    W8Code::Int8
+                } else {
+                    W8Code::E4m3
+                };
                 let mut bytes = vec![0u8; rows * cols];
                 let mut scales = vec![0f32; rows * groups];
                 bytes
@@ -171,13 +206,14 @@ impl QuantizedMatrix {
                         || vec![0f32; cols],
                         |buf, (r, (out, sc))| {
                             row(r, buf);
-                            quantize_fp8_row(buf, group, out, sc);
+                            quantize_w8_row(buf, (group, code), out, sc);
                         },
                     );
-                QuantizedMatrix::Fp8 {
+                QuantizedMatrix::W8 {
                     rows,
                     cols,
                     group,
+                    code,
                     bytes,
                     scales,
                 }
@@ -210,10 +246,11 @@ impl QuantizedMatrix {
             .flat_map(|r| scale_inv[(r / block) * groups..(r / block + 1) * groups].iter())
             .copied()
             .collect();
-        Some(QuantizedMatrix::Fp8 {
+        Some(QuantizedMatrix::W8 {
             rows,
             cols,
             group: block,
+            code: W8Code::E4m3,
             bytes,
             scales,
         })
@@ -222,19 +259,24 @@ impl QuantizedMatrix {
     pub fn format(&self) -> DenseFormat {
         match self {
             QuantizedMatrix::Int4 { .. } => DenseFormat::Int4,
-            QuantizedMatrix::Fp8 { .. } => DenseFormat::Fp8,
+            QuantizedMatrix::W8 {
+                code: W8Code::E4m3, ..
+            } => DenseFormat::Fp8,
+            QuantizedMatrix::W8 {
+                code: W8Code::Int8, ..
+            } => DenseFormat::Int8,
         }
     }
 
     pub fn rows(&self) -> usize {
         match self {
-            QuantizedMatrix::Int4 { rows, .. } | QuantizedMatrix::Fp8 { rows, .. } => *rows,
+            QuantizedMatrix::Int4 { rows, .. } | QuantizedMatrix::W8 { rows, .. } => *rows,
         }
     }
 
     pub fn cols(&self) -> usize {
         match self {
-            QuantizedMatrix::Int4 { cols, .. } | QuantizedMatrix::Fp8 { cols, .. } => *cols,
+            QuantizedMatrix::Int4 { cols, .. } | QuantizedMatrix::W8 { cols, .. } => *cols,
         }
     }
 
@@ -247,7 +289,7 @@ impl QuantizedMatrix {
                 mins,
                 ..
             } => packed.len() * 4 + (scales.len() + mins.as_ref().map_or(0, Vec::len)) * 2,
-            QuantizedMatrix::Fp8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
+            QuantizedMatrix::W8 { bytes, scales, .. } => bytes.len() + scales.len() * 4,
         }
     }
 
@@ -289,27 +331,30 @@ impl QuantizedMatrix {
                 })
             }
             (
-                QuantizedMatrix::Fp8 {
+                QuantizedMatrix::W8 {
                     rows,
                     cols,
                     group,
+                    code,
                     mut bytes,
                     mut scales,
                 },
-                QuantizedMatrix::Fp8 {
+                QuantizedMatrix::W8 {
                     rows: rows_b,
                     cols: cols_b,
                     group: group_b,
+                    code: code_b,
                     bytes: bytes_b,
                     scales: scales_b,
                 },
-            ) if cols == cols_b && group == group_b => {
+            ) if cols == cols_b && group == group_b && code == code_b => {
                 bytes.extend(bytes_b);
                 scales.extend(scales_b);
-                Some(QuantizedMatrix::Fp8 {
+                Some(QuantizedMatrix::W8 {
                     rows: rows + rows_b,
                     cols,
                     group,
+                    code,
                     bytes,
                     scales,
                 })
@@ -318,23 +363,23 @@ impl QuantizedMatrix {
         }
     }
 
-    /// GGML Q4_0, Q4_1 or Q4_K blocks as int4 groups of 32 with the blocks' own codes: Q4_0 as
-    /// symmetric groups (its f16 `d`, value d·(u − 8)), Q4_1 with its f16 `d` and `m` (u·d + m), both
+    /// GGML blocks with the blocks' own codes, where a GPU layout holds them: Q4_0 as symmetric int4
+    /// groups of 32 (its f16 `d`, value d·(u − 8)) and Q4_1 with its f16 `d` and `m` (u·d + m), both
     /// bit for bit; Q4_K's sub-blocks of 32 with d·sc and −dmin·m rounded once to f16 (as the CPU
-    /// kernels pack them, `cpu::ggml::block_groups`). `None` for other types or unless `blocks` is
-    /// `rows` rows of whole blocks.
+    /// kernels pack them, `cpu::ggml::block_groups`); Q8_0 as int8 groups of 32 (bit for bit) and
+    /// Q6_K as int8 groups of 16 (its codes q − 32, scale d·sc rounded once to f16). `None` for other
+    /// types or unless `blocks` is `rows` rows of whole blocks.
     pub fn from_ggml_blocks(
         kind: GgmlBlock,
         rows: usize,
         cols: usize,
         blocks: &[u8],
     ) -> Option<Self> {
-        const GROUP: usize = 32;
-        let with_min = match kind {
-            GgmlBlock::Q4_0 => false,
-            GgmlBlock::Q4_1 | GgmlBlock::Q4K => true,
-            _ => return None,
-        };
+        let int4 = matches!(kind, GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q4K);
+        if !int4 && !matches!(kind, GgmlBlock::Q8_0 | GgmlBlock::Q6K) {
+            return None;
+        }
+        let group = crate::cpu::ggml::code_group(kind)?;
         let (block_elems, block_bytes) = kind.block();
         if cols == 0
             || !cols.is_multiple_of(block_elems)
@@ -342,31 +387,55 @@ impl QuantizedMatrix {
         {
             return None;
         }
-        let groups = rows * cols / GROUP;
-        let mut packed = vec![0u32; rows * cols / 8];
-        let mut scales = vec![0u16; groups];
+        let groups = rows * cols / group;
+        let per_block = block_elems / group;
+        let with_min = matches!(kind, GgmlBlock::Q4_1 | GgmlBlock::Q4K);
+        let mut scales16 = vec![0u16; groups];
         let mut mins = vec![0u16; if with_min { groups } else { 0 }];
-        let per_block = block_elems / GROUP;
+        // int4: 4-bit codes in u32 words; int8: the codes as bytes (two's complement)
+        let mut packed = vec![0u32; if int4 { rows * cols / 8 } else { 0 }];
+        let mut bytes = vec![0u8; if int4 { 0 } else { rows * cols }];
         for (b, block) in blocks.chunks_exact(block_bytes).enumerate() {
             crate::cpu::ggml::block_groups(kind, block, |g, codes, d, m| {
-                let group = b * per_block + g;
-                scales[group] = d;
+                let gi = b * per_block + g;
+                scales16[gi] = d;
                 if with_min {
-                    mins[group] = m;
+                    mins[gi] = m;
                 }
-                let words = &mut packed[group * GROUP / 8..(group + 1) * GROUP / 8];
-                for (i, &u) in codes.iter().enumerate() {
-                    words[i / 8] |= ((u & 15) as u32) << (4 * (i % 8));
+                if int4 {
+                    let words = &mut packed[gi * group / 8..(gi + 1) * group / 8];
+                    for (i, &u) in codes.iter().enumerate() {
+                        words[i / 8] |= ((u & 15) as u32) << (4 * (i % 8));
+                    }
+                } else {
+                    // unsigned codes u = q + 128 (`block_groups`' offset form)
+                    for (o, &u) in bytes[gi * group..(gi + 1) * group].iter_mut().zip(codes) {
+                        *o = (u as i32 - 128) as i8 as u8;
+                    }
                 }
             });
         }
-        Some(QuantizedMatrix::Int4 {
-            rows,
-            cols,
-            group: GROUP,
-            packed,
-            scales,
-            mins: with_min.then_some(mins),
+        Some(if int4 {
+            QuantizedMatrix::Int4 {
+                rows,
+                cols,
+                group,
+                packed,
+                scales: scales16,
+                mins: with_min.then_some(mins),
+            }
+        } else {
+            QuantizedMatrix::W8 {
+                rows,
+                cols,
+                group,
+                code: W8Code::Int8,
+                bytes,
+                scales: scales16
+                    .iter()
+                    .map(|&d| f16::from_bits(d).to_f32())
+                    .collect(),
+            }
         })
     }
 
@@ -393,9 +462,10 @@ impl QuantizedMatrix {
                     };
                 }
             }
-            QuantizedMatrix::Fp8 {
+            QuantizedMatrix::W8 {
                 cols,
                 group,
+                code,
                 bytes,
                 scales,
                 ..
@@ -403,7 +473,7 @@ impl QuantizedMatrix {
                 let row = &bytes[r * cols..(r + 1) * cols];
                 let sc = &scales[r * (cols / group)..];
                 for (c, o) in out[..*cols].iter_mut().enumerate() {
-                    *o = e4m3_to_f32(row[c]) * sc[c / group];
+                    *o = code.decode(row[c]) * sc[c / group];
                 }
             }
         }
@@ -430,14 +500,27 @@ fn quantize_int4_row(row: &[f32], group: usize, words: &mut [u32], scales: &mut 
     }
 }
 
-/// One row to E4M3 with scale = group absmax / 448.
-fn quantize_fp8_row(row: &[f32], group: usize, out: &mut [u8], scales: &mut [f32]) {
+/// One row to 8-bit codes: E4M3 with scale = group absmax / 448, or int8 with scale = group absmax /
+/// 127 (llama.cpp's Q8_0 rounding).
+fn quantize_w8_row(
+    row: &[f32],
+    (group, code): (usize, W8Code),
+    out: &mut [u8],
+    scales: &mut [f32],
+) {
+    let peak = match code {
+        W8Code::E4m3 => E4M3_MAX,
+        W8Code::Int8 => 127.0,
+    };
     for (g, chunk) in row.chunks(group).enumerate() {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+        let s = if amax > 0.0 { amax / peak } else { 1.0 };
         scales[g] = s;
         for (i, &v) in chunk.iter().enumerate() {
-            out[g * group + i] = f32_to_e4m3(v / s);
+            out[g * group + i] = match code {
+                W8Code::E4m3 => f32_to_e4m3(v / s),
+                W8Code::Int8 => (v / s).round().clamp(-127.0, 127.0) as i8 as u8,
+            };
         }
     }
 }
@@ -464,8 +547,8 @@ mod tests {
         (num / den).sqrt()
     }
 
-    /// Q4_0 and Q4_1 blocks read back exactly as GGML dequantizes them; Q4_K within the one f16
-    /// rounding of each sub-block's d·sc and −dmin·m (≤ 2⁻¹¹ relative each).
+    /// Q4_0, Q4_1 and Q8_0 blocks read back exactly as GGML dequantizes them; Q4_K and Q6_K within the
+    /// one f16 rounding of each sub-block's d·sc (and −dmin·m) (≤ 2⁻¹¹ relative each).
     #[test]
     fn ggml_q4_blocks_become_int4_groups_with_their_codes() {
         use crate::cpu::ggml;
@@ -478,33 +561,53 @@ mod tests {
             (s >> 24) as u8
         };
         let f16_bytes = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
-        for kind in [GgmlBlock::Q4_0, GgmlBlock::Q4_1, GgmlBlock::Q4K] {
+        for kind in [
+            GgmlBlock::Q4_0,
+            GgmlBlock::Q4_1,
+            GgmlBlock::Q4K,
+            GgmlBlock::Q8_0,
+            GgmlBlock::Q6K,
+        ] {
             let (elems, bytes) = kind.block();
             let mut blocks = Vec::new();
             for b in 0..rows * cols / elems {
                 let sign = if b % 2 == 0 { 1.0 } else { -1.0 };
                 // f16 header fields (d; Q4_1's m, Q4_K's dmin), then random codes and 6-bit scales
                 let header: Vec<u8> = match kind {
-                    GgmlBlock::Q4_0 => f16_bytes(0.01 + 0.003 * b as f32 * sign).to_vec(),
+                    GgmlBlock::Q4_0 | GgmlBlock::Q8_0 => {
+                        f16_bytes(0.01 + 0.003 * b as f32 * sign).to_vec()
+                    }
+                    GgmlBlock::Q6K => Vec::new(),
                     _ => [f16_bytes(0.004 + 0.001 * b as f32), f16_bytes(-0.05 * sign)].concat(),
                 };
                 blocks.extend(&header);
                 for _ in header.len()..bytes {
                     blocks.push(byte());
                 }
+                if kind == GgmlBlock::Q6K {
+                    // Q6_K's f16 super-block scale is its last two bytes
+                    blocks.truncate(blocks.len() - 2);
+                    blocks.extend(f16_bytes(0.002 + 0.0005 * b as f32));
+                }
             }
             let mut want = vec![0f32; rows * cols];
             ggml::dequantize(kind, &blocks, &mut want);
             let q = QuantizedMatrix::from_ggml_blocks(kind, rows, cols, &blocks).unwrap();
+            let (format, with_min) = match kind {
+                GgmlBlock::Q4_0 => (DenseFormat::Int4, false),
+                GgmlBlock::Q4_1 | GgmlBlock::Q4K => (DenseFormat::Int4, true),
+                _ => (DenseFormat::Int8, false),
+            };
+            assert_eq!(q.format(), format, "{kind:?}");
             assert_eq!(
                 matches!(q, QuantizedMatrix::Int4 { mins: Some(_), .. }),
-                kind != GgmlBlock::Q4_0
+                with_min
             );
             let mut row = vec![0f32; cols];
             for r in 0..rows {
                 q.dequantize_row(r, &mut row);
                 let want = &want[r * cols..(r + 1) * cols];
-                if kind == GgmlBlock::Q4K {
+                if matches!(kind, GgmlBlock::Q4K | GgmlBlock::Q6K) {
                     let peak = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                     for (c, (g, w)) in row.iter().zip(want).enumerate() {
                         assert!(
@@ -519,7 +622,7 @@ mod tests {
             assert!(QuantizedMatrix::from_ggml_blocks(kind, rows, cols, &blocks[1..]).is_none());
             assert!(QuantizedMatrix::from_ggml_blocks(kind, rows, cols / 2, &blocks).is_none());
         }
-        assert!(QuantizedMatrix::from_ggml_blocks(GgmlBlock::Q8_0, 1, 32, &[0; 34]).is_none());
+        assert!(QuantizedMatrix::from_ggml_blocks(GgmlBlock::Q5K, 1, 256, &[0; 176]).is_none());
     }
 
     #[test]
@@ -597,7 +700,7 @@ mod tests {
             buf.copy_from_slice(&w[r * cols..(r + 1) * cols])
         })
         .unwrap();
-        assert!(matches!(q, QuantizedMatrix::Fp8 { group: 32, .. }));
+        assert!(matches!(q, QuantizedMatrix::W8 { group: 32, .. }));
         let mut back = vec![0f32; cols];
         for r in 0..rows {
             q.dequantize_row(r, &mut back);
