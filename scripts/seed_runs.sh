@@ -8,7 +8,7 @@
 #   b  Consumer-GPU budgets with quantized dense weights, beside llama-bench with its quantized dense weights on
 #      the GPU and every expert on the CPU (-ot exps=CPU), in this order (later steps skipped when out of time):
 #      a GLM-4.5-Air-shape GGUF of GLM_LAYERS layers (Q4_0 experts, Q4_K dense, Q6_K output; Q8_0 where rows
-#      are not whole Q4_K blocks): ours int4 at 24GiB, fp8 at 16GiB, int4 at 16GiB (host embeddings; GPU
+#      are not whole Q4_K blocks): ours int4 at 24GiB, int4 at 16GiB, fp8 at 16GiB (host embeddings; GPU
 #      experts per layer as the full-depth plan); then SmallThinker-21B (bf16 experts, Q4_K dense, Q6_K output,
 #      38 GiB): ours int4 at 24GiB and fp8 at 16GiB with --gpu-experts auto.
 #   c  Early routing on the CUDA backend (SmallThinker routes from the layer input): a 16-layer
@@ -202,8 +202,8 @@ phase_b() {
     local glm=(--model "$M" --host-embeddings on "${common[@]}")
     ours glm_L${GLM_LAYERS}_int4_24g 100 "${glm[@]}" --gpu-memory-limit 24GiB --dense-dtype int4 --gpu-experts 2
     llama_ready && llama llama_glm_L${GLM_LAYERS}_cpu 80 -m "$M" -ngl 99 -ot exps=CPU -p 4096 -n 64 -r 2 -b 2048 -ub 2048
-    ours glm_L${GLM_LAYERS}_fp8_16g 100 "${glm[@]}" --gpu-memory-limit 16GiB --dense-dtype fp8 --gpu-experts 2
     ours glm_L${GLM_LAYERS}_int4_16g 100 "${glm[@]}" --gpu-memory-limit 16GiB --dense-dtype int4 --gpu-experts 4
+    ours glm_L${GLM_LAYERS}_fp8_16g 100 "${glm[@]}" --gpu-memory-limit 16GiB --dense-dtype fp8 --gpu-experts 2
   fi
   rm -f "$M"
   # SmallThinker-21B with llama.cpp's Q4_K_M choice for the dense tensors, bf16 experts as the seed runs them
