@@ -622,3 +622,61 @@ impl GpuModel {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::linear::WeightData;
+
+    /// GGUF dense tensors keep their codes on the GPU: Q4_1 as int4 groups with minimums under int4,
+    /// Q8_0 as int8 under int4 and fp8 alike (a file's 8-bit tensor is not rounded to 4 bits or
+    /// E4M3), reading back exactly as GGML dequantizes them; Q4_1 under fp8 is quantized to E4M3.
+    #[test]
+    fn gguf_dense_tensors_keep_their_codes() {
+        let (rows, cols) = (4, 64);
+        let mut s = 7u64;
+        let mut byte = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        };
+        let f16_bytes = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
+        for (kind, format, want) in [
+            (GgmlBlock::Q4_1, DenseFormat::Int4, DenseFormat::Int4),
+            (GgmlBlock::Q8_0, DenseFormat::Int4, DenseFormat::Int8),
+            (GgmlBlock::Q8_0, DenseFormat::Fp8, DenseFormat::Int8),
+            (GgmlBlock::Q4_1, DenseFormat::Fp8, DenseFormat::Fp8),
+        ] {
+            let (elems, block_bytes) = kind.block();
+            let mut bytes = Vec::new();
+            for _ in 0..rows * cols / elems {
+                let start = bytes.len();
+                bytes.extend(f16_bytes(0.01));
+                if kind == GgmlBlock::Q4_1 {
+                    bytes.extend(f16_bytes(-0.07));
+                }
+                while bytes.len() < start + block_bytes {
+                    bytes.push(byte());
+                }
+            }
+            let mut exact = vec![0f32; rows * cols];
+            moe_kernels::cpu::ggml::dequantize(kind, &bytes, &mut exact);
+            let l = Linear {
+                out_dim: rows,
+                in_dim: cols,
+                w: WeightData::Ggml { kind, bytes },
+                bias: None,
+            };
+            let q = quantize_linear(&l, format).expect("a GPU layout");
+            assert_eq!(q.format(), want, "{kind:?} under {format}");
+            if want != DenseFormat::Fp8 {
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    q.dequantize_row(r, &mut row);
+                    assert_eq!(row, exact[r * cols..(r + 1) * cols], "{kind:?} row {r}");
+                }
+            }
+        }
+    }
+}
