@@ -38,6 +38,7 @@ A_BUDGET=${A_BUDGET:-280}       # seconds for phase a
 B_BUDGET=${B_BUDGET:-210}       # seconds for phase b
 C_BUDGET=${C_BUDGET:-150}       # seconds for phase c
 GLM_LAYERS=${GLM_LAYERS:-16}
+B_MODELS=${B_MODELS:-glm st}    # phase b's models, in order (glm: GLM-4.5-Air shape; st: SmallThinker-21B)
 GEN_EXTRA=${GEN_EXTRA:-}        # smoke test: GEN_EXTRA="--layers 1 --vocab 4096" ROOM_CHECK=0
 ROOM_CHECK=${ROOM_CHECK:-1}
 LLAMA_PARTS=${LLAMA_PARTS:-$SEED/llama}
@@ -197,7 +198,7 @@ phase_b() {
   # GLM-4.5-Air shape: GPU experts per layer as the full 46-layer model's plan gives them under each budget
   # and dense dtype (sizing test glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights:
   # 24 GiB int4 2, fp8 0; 16 GiB int4 4, fp8 2), so each layer runs as it would at full depth.
-  if gen make_gguf_glm4moe.py "$M" --layers "$GLM_LAYERS" --dtype q4_0 --dense-dtype q4_k --output-dtype q6_k \
+  if [[ " $B_MODELS " == *" glm "* ]] && gen make_gguf_glm4moe.py "$M" --layers "$GLM_LAYERS" --dtype q4_0 --dense-dtype q4_k --output-dtype q6_k \
        && room_for 30; then
     local glm=(--model "$M" --host-embeddings on "${common[@]}")
     ours glm_L${GLM_LAYERS}_int4_24g 100 "${glm[@]}" --gpu-memory-limit 24GiB --dense-dtype int4 --gpu-experts 2
@@ -207,7 +208,7 @@ phase_b() {
   fi
   rm -f "$M"
   # SmallThinker-21B with llama.cpp's Q4_K_M choice for the dense tensors, bf16 experts as the seed runs them
-  if fits 120 && gen make_gguf_smallthinker.py "$S" --dense-dtype q4_k --output-dtype q6_k && room_for 45; then
+  if [[ " $B_MODELS " == *" st "* ]] && fits 120 && gen make_gguf_smallthinker.py "$S" --dense-dtype q4_k --output-dtype q6_k && room_for 45; then
     ours st21_q4k_int4_24g 150 --model "$S" --gpu-memory-limit 24GiB --gpu-experts auto --dense-dtype int4 "${common[@]}"
     llama_ready && llama llama_st21_q4k_cpu 90 -m "$S" -ngl 99 -ot exps=CPU -p 4096 -n 64 -r 2 -b 2048 -ub 2048
     ours st21_q4k_fp8_16g 150 --model "$S" --gpu-memory-limit 16GiB --gpu-experts auto --dense-dtype fp8 "${common[@]}"

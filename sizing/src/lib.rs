@@ -18,7 +18,8 @@ pub use plan::{
     ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
 };
 pub use shape::{
-    Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe, ShapeError,
+    kv_scale_group, Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe,
+    ShapeError,
 };
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};
 

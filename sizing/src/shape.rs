@@ -92,15 +92,25 @@ impl HybridShape {
     }
 }
 
+/// Values per f32 scale in an 8-bit KV cache row with heads `head_dim` wide: the largest of 32, 16 and
+/// 8 dividing it, else the whole head (the rule of `moe_kernels::cuda::kv_q8::scale_group`, which
+/// allocates what this plans; a daemon test keeps the two equal).
+pub fn kv_scale_group(head_dim: u64) -> u64 {
+    [32, 16, 8]
+        .into_iter()
+        .find(|g| head_dim.is_multiple_of(*g))
+        .unwrap_or(head_dim.max(1))
+}
+
 /// Element type of the GPU KV cache (`--kv-cache-dtype`, vLLM's name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvCacheDtype {
     #[default]
     Bf16,
-    /// E4M3 with one scale per KV head and cached position (vLLM's name).
+    /// E4M3 with one scale per 32 values of a cached position (vLLM's name).
     Fp8,
-    /// int8 with one scale per KV head and cached position (llama.cpp's q8_0 rounding); the bytes
-    /// of `Fp8`, about five times more accurate per value.
+    /// int8 with one scale per 32 values of a cached position (llama.cpp's q8_0); the bytes of `Fp8`,
+    /// about five times more accurate per value.
     Int8,
 }
 
@@ -259,21 +269,21 @@ impl ModelShape {
     }
 
     /// KV cache bytes per token of context, all layers, with the cache in `dtype`: bf16 values, or
-    /// 8-bit codes (E4M3 or int8) plus one f32 scale per KV head and row for K and for V (MLA's latent
-    /// rows count as one head).
+    /// 8-bit codes (E4M3 or int8) plus one f32 scale per [`kv_scale_group`] values of K and of V (MLA's
+    /// latent rows, refused for 8-bit caches, count as one group).
     pub fn kv_cache_bytes_per_token(&self, dtype: KvCacheDtype) -> u64 {
         match dtype {
             KvCacheDtype::Bf16 => self.kv_bytes_per_token(2),
             KvCacheDtype::Fp8 | KvCacheDtype::Int8 => {
                 let (k, v) = self.kv_widths();
-                let heads = match &self.attention {
-                    Attention::Gqa { kv_heads, .. } => *kv_heads,
-                    Attention::Mla { .. } => 1,
+                let scales = match &self.attention {
+                    Attention::Gqa { head_dim, .. } => (k + v) / kv_scale_group(*head_dim),
+                    Attention::Mla { .. } => 2,
                 };
                 let (linear, indexer) = self.hybrid.as_ref().map_or((0, 0), |h| {
                     (h.linear_layers, h.indexer_layers * h.indexer_row_floats * 4)
                 });
-                (self.layers - linear.min(self.layers)) * (k + v + 2 * 4 * heads) + indexer
+                (self.layers - linear.min(self.layers)) * (k + v + 4 * scales) + indexer
             }
         }
     }

@@ -351,12 +351,13 @@ fn glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights() {
         assert_eq!(fp8_kv.kv_tokens, bf16_kv.kv_tokens);
         assert!(fp8_kv.gpu_experts_per_layer >= bf16_kv.gpu_experts_per_layer + 3);
     }
-    // 128-wide heads: 128 codes and a 4-byte scale per head, against 256 bytes of bf16
+    // 128-wide heads: 128 codes and a 4-byte scale per 32 values, against 256 bytes of bf16
     let (b, f) = (
         glm.kv_cache_bytes_per_token(KvCacheDtype::Bf16),
         glm.kv_cache_bytes_per_token(KvCacheDtype::Fp8),
     );
-    assert_eq!(f * 256, b * 132);
+    assert_eq!(f * 256, b * 144);
+    assert_eq!(f, glm.kv_cache_bytes_per_token(KvCacheDtype::Int8));
 }
 
 /// GLM-5.3-Flash read from its config.json (multimodal layout, FP8 hub checkpoint): 34 linear layers

@@ -1,11 +1,12 @@
 // ---- 8-bit KV cache (`--kv-cache-dtype int8|fp8`) ----
-// Rows of 8-bit codes with one f32 scale per (cache row, KV head), read back as value(code) * scale:
-// - int8 (code 1): scale = amax / 127, code = round(value / scale) in -127..127 (llama.cpp's q8_0
-//   rounding, with the block a head's row): the error is at most scale / 2, uniform over the row.
+// Rows of 8-bit codes with one f32 scale per `group` consecutive values of a row (32 for head widths that
+// are multiples of 32; a group never straddles two heads), read back as value(code) * scale:
+// - int8 (code 1): scale = amax / 127, code = round(value / scale) in -127..127 (llama.cpp's q8_0:
+//   blocks of 32): the error is at most scale / 2, uniform over the group.
 // - E4M3 (code 0): scale = amax / 448, code = e4m3(value / scale): 3 mantissa bits, ~6 % relative
 //   error per value whatever the scale (vLLM's fp8 cache, with per-row scales instead of calibrated
 //   per-tensor ones).
-// Half the bytes of bf16 rows plus 4 bytes per head and row; no calibration.
+// Half the bytes of bf16 rows plus 4 bytes per group; no calibration.
 
 #define KV_CODE_E4M3 0
 #define KV_CODE_INT8 1
@@ -45,58 +46,60 @@ __device__ __forceinline__ float kv_decode(unsigned char c, int code) {
 
 struct KvQ8 {
     const unsigned char* codes;
-    const float* scales;  // [rows, kv_heads]
-    int width, head_dim, kv_heads, code;
+    const float* scales;  // [rows, width / group]
+    int width, head_dim, group, code;
     __device__ __forceinline__ float at(size_t slot, int kvh, int i) const {
-        return kv_decode(codes[slot * width + (size_t)kvh * head_dim + i], code) * scales[slot * kv_heads + kvh];
+        int c = kvh * head_dim + i;
+        return kv_decode(codes[slot * width + c], code) * scales[slot * (width / group) + c / group];
     }
 };
 
-// Writes each token's k and v rows ([tokens, kv_heads * head_dim] f32) into cache row slot_of_token[t] as
-// codes of format `code` and per-head scales. One block per token, one warp per head at a time.
-extern "C" __global__ void kv_append_q8(const float* k, const float* v, int kv_heads, int head_dim, int code,
+// Writes each token's k and v rows ([tokens, width] f32) into cache row slot_of_token[t] as codes of
+// format `code` and one scale per `group` values (group divides width). One block per token, one warp
+// per group at a time.
+extern "C" __global__ void kv_append_q8(const float* k, const float* v, int width, int group, int code,
                                         unsigned char* k_codes, unsigned char* v_codes, float* k_scales,
                                         float* v_scales, const int* slot_of_token) {
     int t = blockIdx.x, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
     size_t slot = (size_t)slot_of_token[t];
-    int width = kv_heads * head_dim;
-    for (int job = threadIdx.x / WARP; job < 2 * kv_heads; job += warps) {
-        int h = job % kv_heads;
-        const float* src = (job < kv_heads ? k : v) + (size_t)t * width + (size_t)h * head_dim;
-        unsigned char* dst = (job < kv_heads ? k_codes : v_codes) + slot * width + (size_t)h * head_dim;
-        float* sc = (job < kv_heads ? k_scales : v_scales) + slot * kv_heads + h;
+    int groups = width / group;
+    for (int job = threadIdx.x / WARP; job < 2 * groups; job += warps) {
+        int g = job % groups;
+        const float* src = (job < groups ? k : v) + (size_t)t * width + (size_t)g * group;
+        unsigned char* dst = (job < groups ? k_codes : v_codes) + slot * width + (size_t)g * group;
+        float* sc = (job < groups ? k_scales : v_scales) + slot * groups + g;
         float amax = 0.f;
-        for (int i = lane; i < head_dim; i += WARP) amax = fmaxf(amax, fabsf(src[i]));
+        for (int i = lane; i < group; i += WARP) amax = fmaxf(amax, fabsf(src[i]));
         amax = warp_max(amax);
         float s = amax > 0.f ? amax / kv_code_max(code) : 1.f;
-        for (int i = lane; i < head_dim; i += WARP) dst[i] = kv_encode(src[i] / s, code);
+        for (int i = lane; i < group; i += WARP) dst[i] = kv_encode(src[i] / s, code);
         if (lane == 0) *sc = s;
     }
 }
 
 extern "C" __global__ void paged_attention_q8(const float* q, const unsigned char* k_codes,
                                               const unsigned char* v_codes, const float* k_scales,
-                                              const float* v_scales, int code, const int* block_tables,
+                                              const float* v_scales, int group, int code, const int* block_tables,
                                               int max_blocks, const int* seq_of_token, const int* pos_of_token,
                                               int heads, int kv_heads, int head_dim, int block_size, float scale,
                                               int window, int row0, bf16* out) {
     int width = kv_heads * head_dim;
-    paged_attention_rows(q, KvQ8{k_codes, k_scales, width, head_dim, kv_heads, code},
-                         KvQ8{v_codes, v_scales, width, head_dim, kv_heads, code}, block_tables, max_blocks,
+    paged_attention_rows(q, KvQ8{k_codes, k_scales, width, head_dim, group, code},
+                         KvQ8{v_codes, v_scales, width, head_dim, group, code}, block_tables, max_blocks,
                          seq_of_token, pos_of_token, heads, kv_heads, head_dim, block_size, scale, window, row0,
                          out);
 }
 
 // One sequence's cached rows 0..len (8-bit) -> contiguous bf16 [len, width] (long prefill's GEMM inputs).
+// (The row is read as one "head" of `width` values: `at` only needs the value's index in the row.)
 extern "C" __global__ void gather_kv_q8(const unsigned char* k_codes, const unsigned char* v_codes,
-                                        const float* k_scales, const float* v_scales, int code, const int* table,
-                                        int block_size, int kv_heads, int head_dim, bf16* k_out, bf16* v_out) {
+                                        const float* k_scales, const float* v_scales, int group, int code,
+                                        const int* table, int block_size, int width, bf16* k_out, bf16* v_out) {
     int p = blockIdx.x;
     size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-    int width = kv_heads * head_dim;
-    KvQ8 kc{k_codes, k_scales, width, head_dim, kv_heads, code}, vc{v_codes, v_scales, width, head_dim, kv_heads, code};
+    KvQ8 kc{k_codes, k_scales, width, width, group, code}, vc{v_codes, v_scales, width, width, group, code};
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        k_out[(size_t)p * width + i] = f2bf(kc.at(slot, i / head_dim, i % head_dim));
-        v_out[(size_t)p * width + i] = f2bf(vc.at(slot, i / head_dim, i % head_dim));
+        k_out[(size_t)p * width + i] = f2bf(kc.at(slot, 0, i));
+        v_out[(size_t)p * width + i] = f2bf(vc.at(slot, 0, i));
     }
 }

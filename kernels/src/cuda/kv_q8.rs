@@ -1,13 +1,17 @@
-//! The 8-bit KV cache (`--kv-cache-dtype int8|fp8`): rows of 8-bit codes with one f32 scale per cache
-//! row and KV head (`kv_q8.cu`), read back as value(code) · scale. Two codes:
+//! The 8-bit KV cache (`--kv-cache-dtype int8|fp8`): rows of 8-bit codes with one f32 scale per group
+//! of [`scale_group`] values of a row (32 for the usual head widths; a group stays within one KV head),
+//! read back as value(code) · scale (`kv_q8.cu`). Two codes:
 //!
-//! - [`KvCode::Int8`]: scale = amax / 127, code = round(value / scale) (llama.cpp's q8_0 rounding with
-//!   a head's row as the block). The error is at most scale / 2: ~0.5 % RMS of a Gaussian row.
+//! - [`KvCode::Int8`]: scale = amax / 127, code = round(value / scale) (llama.cpp's q8_0: blocks of 32).
+//!   The error is at most scale / 2: ~0.5 % RMS of a Gaussian group, and a large channel only coarsens
+//!   the 31 values of its own block (with one scale per 64-wide head, SmolLM2's perplexity moved
+//!   +0.33 % against bf16 K/V; with blocks of 32, −0.3 %, within noise: transformers, see
+//!   docs/CONSUMER-GPU.md).
 //! - [`KvCode::E4m3`]: scale = amax / 448, code = e4m3(value / scale) (vLLM's `fp8`, with per-row
 //!   scales instead of calibrated per-tensor ones). Three mantissa bits: up to 6.25 % per value
 //!   however the scale is chosen, ~2.5 % RMS: about five times the int8 code's error on such rows.
 //!
-//! A row costs `width + 4 · kv_heads` bytes against `2 · width` in bf16 (52 % for 128-wide heads),
+//! A row costs `width · (1 + 4 / group)` bytes against `2 · width` in bf16 (56 % with groups of 32),
 //! either code. The append kernel writes the codes; the attention and gather ops of
 //! [`super::ops::attention`] read them through [`super::ops::CacheRows::Q8`]. [`quantize_row`] is the
 //! host twin the GPU tests compare the kernel's codes and scales with.
@@ -59,13 +63,25 @@ impl KvCode {
     }
 }
 
-/// One cache's rows in 8 bits: `codes` `[rows, kv_heads · head_dim]`, `scales` `[rows, kv_heads]`.
+/// Values per scale of an 8-bit cache row with heads `head_dim` wide: the largest of 32, 16 and 8 that
+/// divides it (so a group stays within a head), else the whole head.
+pub fn scale_group(head_dim: usize) -> usize {
+    [32, 16, 8]
+        .into_iter()
+        .find(|g| head_dim.is_multiple_of(*g))
+        .unwrap_or(head_dim.max(1))
+}
+
+/// One cache's rows in 8 bits: `codes` `[rows, kv_heads · head_dim]`, `scales` `[rows, kv_heads ·
+/// head_dim / group]`.
 pub struct Q8Rows {
     pub codes: CudaSlice<u8>,
     pub scales: CudaSlice<f32>,
     pub code: KvCode,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Values per scale ([`scale_group`] of head_dim).
+    pub group: usize,
 }
 
 impl Q8Rows {
@@ -76,29 +92,38 @@ impl Q8Rows {
         (kv_heads, head_dim): (usize, usize),
         code: KvCode,
     ) -> Result<Self, GpuError> {
+        let group = scale_group(head_dim);
+        let width = kv_heads * head_dim;
         Ok(Self {
-            codes: dev
+            codes: dev.stream.alloc_zeros::<u8>((rows * width).max(1))?,
+            scales: dev
                 .stream
-                .alloc_zeros::<u8>((rows * kv_heads * head_dim).max(1))?,
-            scales: dev.stream.alloc_zeros::<f32>((rows * kv_heads).max(1))?,
+                .alloc_zeros::<f32>((rows * width / group).max(1))?,
             code,
             kv_heads,
             head_dim,
+            group,
         })
     }
 
     /// Device bytes of `rows` positions.
     pub fn bytes_for(rows: usize, (kv_heads, head_dim): (usize, usize)) -> usize {
-        rows * kv_heads * (head_dim + std::mem::size_of::<f32>())
+        let width = kv_heads * head_dim;
+        rows * (width + width / scale_group(head_dim) * std::mem::size_of::<f32>())
     }
 
     /// Values per row (`kv_heads · head_dim`).
     pub fn width(&self) -> usize {
         self.kv_heads * self.head_dim
     }
+
+    /// Scales per row.
+    pub fn groups(&self) -> usize {
+        self.width() / self.group
+    }
 }
 
-/// The host twin of `kv_append_q8` for one head's values: (codes, scale).
+/// The host twin of `kv_append_q8` for one scale group's values: (codes, scale).
 pub fn quantize_row(values: &[f32], code: KvCode) -> (Vec<u8>, f32) {
     let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
     let s = if amax > 0.0 { amax / code.max() } else { 1.0 };
@@ -112,8 +137,8 @@ pub fn dequantize_row(codes: &[u8], scale: f32, code: KvCode) -> Vec<f32> {
 
 impl GpuDevice {
     /// Writes rows `k` and `v` (`[rows, kv_heads · head_dim]` f32, the caches' geometry) into 8-bit
-    /// cache rows `slot_of_row` (trusted: rows of the caches). One block per row, one warp per head
-    /// at a time.
+    /// cache rows `slot_of_row` (trusted: rows of the caches). One block per row, one warp per scale
+    /// group at a time.
     pub fn kv_append_q8(
         &self,
         (k, v): (&impl DevicePtr<f32>, &impl DevicePtr<f32>),
@@ -128,26 +153,35 @@ impl GpuDevice {
         }
         super::ops::ensure(
             OP,
-            (k_cache.kv_heads, k_cache.head_dim, k_cache.code)
-                == (v_cache.kv_heads, v_cache.head_dim, v_cache.code),
+            (
+                k_cache.kv_heads,
+                k_cache.head_dim,
+                k_cache.group,
+                k_cache.code,
+            ) == (
+                v_cache.kv_heads,
+                v_cache.head_dim,
+                v_cache.group,
+                v_cache.code,
+            ),
             || "K and V caches of different geometry or code".into(),
         )?;
         int(OP, "rows", rows)?;
-        let width = k_cache.width();
-        let (kvh, dh, code) = (
-            int(OP, "kv_heads", k_cache.kv_heads)?,
-            int(OP, "head_dim", k_cache.head_dim)?,
+        let (width, groups) = (k_cache.width(), k_cache.groups());
+        let (w, g, code) = (
+            int(OP, "width", width)?,
+            int(OP, "group", k_cache.group)?,
             k_cache.code.kernel_code(),
         );
         let kp = self.input(OP, "k", k, rows * width)?;
         let vp = self.input(OP, "v", v, rows * width)?;
         let kc = self.output(OP, "k codes", &mut k_cache.codes, width)?;
         let vc = self.output(OP, "v codes", &mut v_cache.codes, width)?;
-        let ks = self.output(OP, "k scales", &mut k_cache.scales, k_cache.kv_heads)?;
-        let vs = self.output(OP, "v scales", &mut v_cache.scales, v_cache.kv_heads)?;
+        let ks = self.output(OP, "k scales", &mut k_cache.scales, groups)?;
+        let vs = self.output(OP, "v scales", &mut v_cache.scales, groups)?;
         let sl = self.input(OP, "slot_of_row", slot_of_row, rows)?;
         let mut l = self.stream.launch_builder(&self.k.kv_append_q8);
-        l.arg(&kp).arg(&vp).arg(&kvh).arg(&dh).arg(&code);
+        l.arg(&kp).arg(&vp).arg(&w).arg(&g).arg(&code);
         l.arg(&kc).arg(&vc).arg(&ks).arg(&vs).arg(&sl);
         // SAFETY: argument order and types as kv_q8.cu's `kv_append_q8`; block t reads row t of k and
         // v (checked) and writes codes and scales of cache row slot_of_row[t] (trusted, see above).

@@ -1,6 +1,6 @@
 //! Paged KV storage on the GPU: per storage slot one K and one V pool of `blocks × BLOCK` rows of
-//! `width` values, bf16 or (`--kv-cache-dtype int8|fp8`, GQA models) 8-bit codes with one scale per KV
-//! head and row (`moe_kernels::cuda::kv_q8`), and the ops that read and write them in either form (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
+//! `width` values, bf16 or (`--kv-cache-dtype int8|fp8`, GQA models) 8-bit codes with one scale per
+//! group of 32 values (`moe_kernels::cuda::kv_q8`), and the ops that read and write them in either form (a slot per layer, or per layer of a group when sliding-window layers have their own block tables:
 //! `engine::kv::layout`). Which block belongs to which sequence is decided by the driver through the
 //! engine's block pool (`engine::kv::blocks`); this file only holds the memory and copies blocks for
 //! copy-on-write. Layers with a sparse-attention indexer also keep its key rows (f32, `c`), addressed by
@@ -243,7 +243,6 @@ impl BlockCopy for GpuKvCopier {
         let pool = &mut *guard;
         let (kw, vw, cw) = (pool.width, pool.v_width, pool.c_width);
         let (from, to) = (from as usize, to as usize);
-        let heads = pool.q8.map_or(0, |(_, (h, _))| h);
         for (rows, width) in pool
             .k
             .iter_mut()
@@ -257,7 +256,8 @@ impl BlockCopy for GpuKvCopier {
                 }
                 KvRows::Q8(r) if r.codes.len() > 1 => {
                     copy_rows(&self.stream, &mut r.codes, BLOCK * width, from, to)?;
-                    copy_rows(&self.stream, &mut r.scales, BLOCK * heads, from, to)?;
+                    let groups = r.groups();
+                    copy_rows(&self.stream, &mut r.scales, BLOCK * groups, from, to)?;
                 }
                 _ => {}
             }

@@ -679,4 +679,16 @@ mod tests {
             }
         }
     }
+
+    /// The memory plan counts the 8-bit KV cache's scales as the kernels allocate them.
+    #[test]
+    fn kv_scale_groups_of_plan_and_kernels_agree() {
+        for head_dim in [8usize, 16, 24, 32, 40, 64, 72, 96, 128, 192, 256, 7] {
+            assert_eq!(
+                moe_kernels::cuda::kv_q8::scale_group(head_dim) as u64,
+                moe_sizing::kv_scale_group(head_dim as u64),
+                "head_dim {head_dim}"
+            );
+        }
+    }
 }

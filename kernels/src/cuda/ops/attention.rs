@@ -36,21 +36,21 @@ pub enum CacheRows<'a> {
 }
 
 /// Device addresses of a K/V cache pair, after checking each holds one row of `width`.
-enum CachePair<'a> {
+enum CachePair {
     Bf16(u64, u64),
-    /// codes K, codes V, scales K, scales V, the code.
-    Q8([u64; 4], i32, &'a Q8Rows),
+    /// codes K, codes V, scales K, scales V; values per scale and the code.
+    Q8([u64; 4], [i32; 2]),
 }
 
 impl GpuDevice {
     /// The pair's addresses; both caches must be of one kind (and, 8-bit, of one geometry and
     /// code) with rows `width` wide.
-    fn cache_pair<'a>(
+    fn cache_pair(
         &self,
         op: &str,
-        (k, v): (CacheRows<'a>, CacheRows<'a>),
+        (k, v): (CacheRows<'_>, CacheRows<'_>),
         width: usize,
-    ) -> Result<CachePair<'a>, GpuError> {
+    ) -> Result<CachePair, GpuError> {
         match (k, v) {
             (CacheRows::Bf16(k), CacheRows::Bf16(v)) => Ok(CachePair::Bf16(
                 self.input(op, "k_cache", k, width)?,
@@ -59,7 +59,8 @@ impl GpuDevice {
             (CacheRows::Q8(k), CacheRows::Q8(v)) => {
                 ensure(
                     op,
-                    (k.kv_heads, k.head_dim, k.code) == (v.kv_heads, v.head_dim, v.code)
+                    (k.kv_heads, k.head_dim, k.group, k.code)
+                        == (v.kv_heads, v.head_dim, v.group, v.code)
                         && k.width() == width,
                     || format!("8-bit K/V caches do not match rows of {width}"),
                 )?;
@@ -67,11 +68,10 @@ impl GpuDevice {
                     [
                         self.input(op, "k codes", &k.codes, width)?,
                         self.input(op, "v codes", &v.codes, width)?,
-                        self.input(op, "k scales", &k.scales, k.kv_heads)?,
-                        self.input(op, "v scales", &v.scales, k.kv_heads)?,
+                        self.input(op, "k scales", &k.scales, k.groups())?,
+                        self.input(op, "v scales", &v.scales, k.groups())?,
                     ],
-                    k.code.kernel_code(),
-                    k,
+                    [int(op, "group", k.group)?, k.code.kernel_code()],
                 ))
             }
             _ => Err(GpuError::Shape(format!(
@@ -81,15 +81,21 @@ impl GpuDevice {
     }
 }
 
-impl CachePair<'_> {
-    /// Pushes the caches' kernel arguments (bf16: k, v; 8-bit: k and v codes, k and v scales, code).
+impl CachePair {
+    /// Pushes the caches' kernel arguments (bf16: k, v; 8-bit: k and v codes, k and v scales, group,
+    /// code).
     fn push<'b>(&'b self, l: &mut LaunchArgs<'b>) {
         match self {
             CachePair::Bf16(k, v) => {
                 l.arg(k).arg(v);
             }
-            CachePair::Q8(p, code, _) => {
-                l.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&p[3]).arg(code);
+            CachePair::Q8(p, [group, code]) => {
+                l.arg(&p[0])
+                    .arg(&p[1])
+                    .arg(&p[2])
+                    .arg(&p[3])
+                    .arg(group)
+                    .arg(code);
             }
         }
     }
@@ -316,18 +322,15 @@ impl GpuDevice {
         };
         pair.push(&mut l);
         l.arg(&tp).arg(&blk);
-        let geometry = match &pair {
-            CachePair::Bf16(..) => (kw, vw),
-            CachePair::Q8(_, _, rows) => (
-                int(OP, "kv_heads", rows.kv_heads)?,
-                int(OP, "head_dim", rows.head_dim)?,
-            ),
+        match &pair {
+            CachePair::Bf16(..) => l.arg(&kw).arg(&vw),
+            CachePair::Q8(..) => l.arg(&kw),
         };
-        l.arg(&geometry.0).arg(&geometry.1).arg(&ko).arg(&vo);
+        l.arg(&ko).arg(&vo);
         // SAFETY: argument order and types as kernels.cu's `gather_kv_bf16` (k, v, table, block_size,
-        // k_width, v_width, outputs) or kv_q8.cu's `gather_kv_q8` (codes, scales, code, table,
-        // block_size, kv_heads, head_dim, outputs); block p reads table entry p / block_size (checked)
-        // and the cache row it names (trusted), and writes row p of the outputs (checked).
+        // k_width, v_width, outputs) or kv_q8.cu's `gather_kv_q8` (codes, scales, group, code, table,
+        // block_size, width, outputs); block p reads table entry p / block_size (checked) and the
+        // cache row it names (trusted), and writes row p of the outputs (checked).
         unsafe { l.launch(grid((positions, 1, 1), 256, 0)) }?;
         Ok(())
     }
