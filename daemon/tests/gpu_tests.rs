@@ -204,9 +204,9 @@ fn long_prefill_gemm_attention_and_expert_stream() {
     let cases = [
         ("qwen3_moe", None),
         ("qwen3_moe", Some(WeightFormat::Int8)),
-        // int4 DRAM experts are not unpacked on the GPU: long prompts compute them on the CPU. The
-        // GPU's experts keep the checkpoint's bf16, so the reference is the CPU backend in bf16 on
-        // a copy whose DRAM experts hold their int4 round trip (`common::int4_round`)
+        // int4 DRAM experts (streamed and unpacked on the GPU in layerwise prefill). The GPU's experts
+        // keep the checkpoint's bf16, so the reference is the CPU backend in bf16 on a copy whose DRAM
+        // experts hold their int4 round trip (`common::int4_round`)
         ("qwen3_moe", Some(WeightFormat::Int4 { group: 32 })),
         ("glm4_moe", None),
         ("deepseek_v3", None),
@@ -422,8 +422,9 @@ fn sliding_window_kv_release_matches_keeping_every_block() {
 }
 
 /// `unpack_experts` on the GPU reproduces the CPU kernels' own reading of the same packed bytes
-/// (`unpack_bf16`, itself checked against the source weights) bit for bit, for bf16, FP8 (128×128 block scales, the real checkpoints' shape)
-/// and int8 experts, with sizes that are not multiples of any tile.
+/// (`unpack_bf16`, itself checked against the source weights) bit for bit, for bf16, FP8 (128×128 block scales, the real checkpoints' shape),
+/// int8 and int4 experts (symmetric groups of 32 and 64, groups of 32 with minimums: GGUF Q4_0 / Q4_1 /
+/// Q4_K), with sizes that are not multiples of any tile.
 #[test]
 fn gpu_unpack_matches_cpu_reader() {
     use moe_kernels::cpu::moe::{
@@ -439,6 +440,9 @@ fn gpu_unpack_matches_cpu_reader() {
         WeightFormat::Bf16,
         WeightFormat::Fp8Block,
         WeightFormat::Int8,
+        WeightFormat::Int4 { group: 32 },
+        WeightFormat::Int4 { group: 64 },
+        WeightFormat::Int4Min { group: 32 },
     ] {
         let fp8 = fmt == WeightFormat::Fp8Block;
         // per expert: gate, up ([i, h]) and down ([h, i]) as bf16 bits or fp8 bytes + scales

@@ -6,6 +6,12 @@
 #endif
 typedef unsigned short bf16;
 __device__ __forceinline__ float bf2f(bf16 b) { return __uint_as_float(((unsigned int)b) << 16); }
+// f16 bits -> f32 (PTX conversion: no cuda_fp16.h needed under NVRTC).
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
 __device__ __forceinline__ bf16 f2bf(float f) {  // round to nearest even, NaN kept quiet
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffff) > 0x7f800000) return (bf16)((u >> 16) | 0x40);

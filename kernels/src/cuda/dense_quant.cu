@@ -10,12 +10,7 @@
 // step is bound by weight bandwidth, so 4-bit weights read ~3.8x fewer bytes than bf16. Prefill
 // dequantizes row slabs into a bf16 scratch buffer and multiplies with cuBLAS (dense_dequant_*).
 
-// f16 bits -> f32 (PTX conversion: no cuda_fp16.h needed under NVRTC).
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
+// (h2f, f16 bits -> f32, is common.cuh's.)
 // E4M3 (fn) -> f32: the 7 value bits placed as an f16 of exponent bias 15 are the E4M3 value times
 // 2^-8 (normal and subnormal alike), so one shift, one conversion and one multiply. NaN codes are
 // never produced by the quantizer.

@@ -387,8 +387,11 @@ __device__ float fp8_e4m3(unsigned char b) {
 // Expert blockIdx.y of a chunk, matrix blockIdx.z (0 gate, 1 up, 2 down) → dense[expert] =
 // [gate; up] rows ([2*inter, hidden]) then down ([hidden, inter]); matrix z starts at z*inter*hidden.
 // The index formulas are those of `MatRef::weight` (kernels/src/cpu/moe/pack.rs: the packed tile layout);
-// the GPU tests check this kernel bit for bit against `unpack_bf16`, which reads the bytes with it. fmt: 0 bf16, 1 fp8 e4m3 + 128x128 block scales, 2 int8 + row scales.
-extern "C" __global__ void unpack_experts(const unsigned char* packed, long long expert_bytes, int fmt, int inter,
+// the GPU tests check this kernel bit for bit against `unpack_bf16`, which reads the bytes with it. fmt: 0 bf16,
+// 1 fp8 e4m3 + 128x128 block scales, 2 int8 + row scales, 3 int4 (u - 8) * d and 4 int4 u * d + m with f16
+// d (and m) per `group` inputs of a row (GGUF Q4_0 / Q4_1 / Q4_K experts, `--expert-dtype int4`).
+extern "C" __global__ void unpack_experts(const unsigned char* packed, long long expert_bytes, int fmt, int group,
+                                          int inter,
                                           int hidden, int gate_ktiles, long long gate_wbytes, long long gate_bytes,
                                           int down_ktiles, long long down_wbytes, bf16* dense) {
     int e = blockIdx.y, mat = blockIdx.z;
@@ -412,10 +415,20 @@ extern "C" __global__ void unpack_experts(const unsigned char* packed, long long
             int ti = k >> 5, kin = k & 31;
             size_t o = (size_t)(nt * ktiles + ti) * 512 + (kin >> 1) * 32 + j * 2 + (kin & 1);
             out[idx] = f2bf(fp8_e4m3(m[o]) * scales[(n / 128) * kblocks + k / 128]);
-        } else {
+        } else if (fmt == 2) {
             int ti = k >> 6, kin = k & 63;
             size_t o = (size_t)(nt * ktiles + ti) * 1024 + (kin >> 2) * 64 + j * 4 + (kin & 3);
             out[idx] = f2bf((float)((int)m[o] - 128) * scales[n]);
+        } else {
+            // int4 tiles: 64 inputs of 16 rows in 512 bytes; input-quad kk's low (even kk) or high nibble
+            int ti = k >> 6, kin = k & 63, kk = kin >> 2;
+            unsigned char b = m[(size_t)(nt * ktiles + ti) * 512 + (kk >> 1) * 64 + j * 4 + (kin & 3)];
+            int u = (kk & 1) ? (b >> 4) : (b & 15);
+            const unsigned short* s16 = (const unsigned short*)scales;
+            size_t g = (size_t)nt * (ktiles * 64 / group) + k / group;
+            // no fused multiply-add: the CPU reader rounds the product, then the sum
+            out[idx] = fmt == 3 ? f2bf((float)(u - 8) * h2f(s16[g * 16 + j]))
+                                : f2bf(__fadd_rn(__fmul_rn((float)u, h2f(s16[g * 32 + j])), h2f(s16[g * 32 + 16 + j])));
         }
     }
 }

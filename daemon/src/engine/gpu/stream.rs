@@ -87,10 +87,10 @@ pub struct ExpertStream {
 }
 
 /// Whether a long prompt can bring layer `li`'s DRAM experts to the GPU cheaply: their packed format is
-/// one the GPU unpacks (bf16, FP8 blocks, int8), or the layer has none packed. Packed int4 experts
-/// (GGUF Q4_0 / Q4_K, `--expert-dtype int4`) would be dequantized on the host expert by expert (minutes
-/// for a 4096-token prompt of a GLM-4.5-Air layer set, measured), so such layers compute their DRAM
-/// experts on the CPU kernels in long prompts too.
+/// one the GPU unpacks (bf16, FP8 blocks, int8, int4 with or without group minimums), or the layer has
+/// none packed. Other packed formats (f16, the grouped int8 of GGUF Q8_0 / Q5_K / Q6_K experts) would
+/// be dequantized on the host expert by expert (minutes for a 4096-token prompt of a GLM-4.5-Air layer
+/// set, measured), so such layers compute their DRAM experts on the CPU kernels in long prompts too.
 pub fn gpu_can_take_dram_experts(host: &Model, li: usize) -> bool {
     layer_set(host, li).is_none_or(|s| UnpackFormat::of(s.packed_geometry().format).is_some())
 }
@@ -105,7 +105,7 @@ fn layer_set(host: &Model, li: usize) -> Option<&CpuExpertSet> {
 
 impl ExpertStream {
     /// Sets up streaming for `host`'s packed DRAM experts; `None` when no layer has any, or when their
-    /// format is one the GPU does not unpack (int4: those layers keep the per-expert upload path).
+    /// format is one the GPU does not unpack (those layers keep the per-expert upload path).
     pub fn new(
         dev: &GpuDevice,
         host: &Model,

@@ -96,26 +96,40 @@ pub enum UnpackFormat {
     Fp8Block,
     /// int8 with one scale per row.
     Int8,
+    /// int4 codes with an f16 scale per `group` inputs of a row ((u − 8)·d: GGUF Q4_0,
+    /// `--expert-dtype int4`).
+    Int4 {
+        group: usize,
+    },
+    /// int4 codes with an f16 scale and minimum per `group` inputs (u·d + m: GGUF Q4_1 / Q4_K).
+    Int4Min {
+        group: usize,
+    },
 }
 
 impl UnpackFormat {
-    /// The unpacker for packed experts of `format`; `None` for formats it does not read (f16, int4,
-    /// grouped int8: those layers upload their experts one by one instead).
+    /// The unpacker for packed experts of `format`; `None` for formats it does not read (f16,
+    /// grouped int8: those layers compute their DRAM experts on the CPU in long prompts too).
     pub fn of(format: WeightFormat) -> Option<UnpackFormat> {
         match format {
             WeightFormat::Bf16 => Some(UnpackFormat::Bf16),
             WeightFormat::Fp8Block => Some(UnpackFormat::Fp8Block),
             WeightFormat::Int8 => Some(UnpackFormat::Int8),
-            // f16, int4 and the grouped int formats (GGUF blocks)
+            WeightFormat::Int4 { group } => Some(UnpackFormat::Int4 { group }),
+            WeightFormat::Int4Min { group } => Some(UnpackFormat::Int4Min { group }),
+            // f16 and the grouped int8 formats (GGUF Q8_0 / Q5_K / Q6_K blocks)
             _ => None,
         }
     }
 
-    fn code(self) -> i32 {
+    /// The kernel's `fmt` and `group` (1 where the format has no groups).
+    fn code(self) -> (i32, usize) {
         match self {
-            UnpackFormat::Bf16 => 0,
-            UnpackFormat::Fp8Block => 1,
-            UnpackFormat::Int8 => 2,
+            UnpackFormat::Bf16 => (0, 1),
+            UnpackFormat::Fp8Block => (1, 1),
+            UnpackFormat::Int8 => (2, 1),
+            UnpackFormat::Int4 { group } => (3, group),
+            UnpackFormat::Int4Min { group } => (4, group),
         }
     }
 }
@@ -391,9 +405,10 @@ impl ExpertUnpacker {
             return Ok(());
         }
         grid_dim(OP, "count", count)?;
-        let (eb, fmt, inter, hidden) = (
+        let (fmt, group) = fmt.code();
+        let (eb, group, inter, hidden) = (
             g.expert_bytes as i64,
-            fmt.code(),
+            int(OP, "group", group)?,
             int(OP, "inter", g.inter)?,
             int(OP, "hidden", g.hidden)?,
         );
@@ -412,6 +427,7 @@ impl ExpertUnpacker {
         l.arg(&pp)
             .arg(&eb)
             .arg(&fmt)
+            .arg(&group)
             .arg(&inter)
             .arg(&hidden)
             .arg(&gkt)
@@ -482,15 +498,27 @@ mod tests {
         );
         assert_eq!(
             UnpackFormat::of(WeightFormat::Bf16).map(|f| f.code()),
-            Some(0)
+            Some((0, 1))
         );
         assert_eq!(
             UnpackFormat::of(WeightFormat::Fp8Block).map(|f| f.code()),
-            Some(1)
+            Some((1, 1))
         );
         assert_eq!(
             UnpackFormat::of(WeightFormat::Int8).map(|f| f.code()),
-            Some(2)
+            Some((2, 1))
+        );
+        assert_eq!(
+            UnpackFormat::of(WeightFormat::Int4 { group: 32 }).map(|f| f.code()),
+            Some((3, 32))
+        );
+        assert_eq!(
+            UnpackFormat::of(WeightFormat::Int4Min { group: 32 }).map(|f| f.code()),
+            Some((4, 32))
+        );
+        assert_eq!(
+            UnpackFormat::of(WeightFormat::Int8Group { group: 32 }),
+            None
         );
         assert_eq!(UnpackFormat::of(WeightFormat::F16), None);
     }
