@@ -26,7 +26,8 @@
 # Layout on the device (run from the repository root):
 #   $SEED (default: this script's folder): moe-daemon, make_gguf_smallthinker.py, make_gguf_glm4moe.py
 #   $PEERS (default .device/peers): the peer kit (run_peer.sh, make_gguf_qwen3moe.py, kit/)
-# Usage: OUT=$OUT bash seed_runs.sh a b          (or one phase per call: a, then b)
+# Usage: OUT=$OUT bash seed_runs.sh a b          (or one phase per call: a, then b; B_MODELS="glm" or "st"
+#        runs one of phase b's two models, LLAMA_PARTS=DIR takes the packed llama-bench from DIR)
 set -uo pipefail
 SEED=${SEED:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=${MOE:-$SEED/moe-daemon}
