@@ -331,6 +331,7 @@ fn tensor_parallel_loopback_warm_up_steps_every_rank() {
 /// (4 heads, q-LoRA, nope 16 + rope 8, value 16, latent 32) over 2 ranks: 2 heads' rows of q_b
 /// (48) and value columns of o (32) each, the latent cache (32 wide) whole on both.
 #[test]
+#[ignore = "MLA under tensor parallelism is refused at load: its decode left one GPU from step 3 (rel-L2 0.38)"]
 fn tensor_parallel_mla_ranks_hold_their_heads() {
     use moe_daemon::engine::parallel::ShardSummary;
     let dir = fixtures().join("deepseek_v3").join("model_bf16");
@@ -362,6 +363,7 @@ fn tensor_parallel_mla_ranks_hold_their_heads() {
 /// (`q_b`, `kv_b`, `o`), the latent projections and the latent KV cache replicated; routed experts
 /// all in DRAM, and 6 per layer spread over the ranks.
 #[test]
+#[ignore = "MLA under tensor parallelism is refused at load: its decode left one GPU from step 3 (rel-L2 0.38)"]
 fn tensor_parallel_loopback_mla_matches_one_gpu() {
     for name in ["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"] {
         let o = oracle(name);

@@ -74,6 +74,14 @@ pub fn build(
     let tp = opts.tensor_parallel;
     let world = tp.size;
     let cfg = model.config.clone();
+    // The MLA split is planned and uploaded, but its decode left one GPU's logits from the fourth
+    // step of the DeepSeek-V3 fixture on the H200 (rel-L2 0.38): refuse it at load until it matches.
+    if world > 1 && cfg.mla.is_some() {
+        anyhow::bail!(
+            "--tensor-parallel {world}: MLA attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) is not \
+             supported across GPUs yet; run it with --tensor-parallel 1"
+        );
+    }
     let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
     let ordinals: Vec<usize> = match tp.comm {
         CommKind::Loopback => vec![ordinal; world],
