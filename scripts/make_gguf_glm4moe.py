@@ -4,8 +4,8 @@ the first dense, hidden 4096, 96 q-heads / 8 kv-heads of 128 with q/k/v biases, 
 128 routed experts of width 1408 plus one shared expert, top-8 sigmoid router with a correction bias, dense
 intermediate 10944, vocab 151552, untied output). Metadata and tensor names are those llama.cpp's converter
 writes for Glm4MoeForCausalLM (no MTP layer: `nextn_predict_layers` 0). Weights come from the random pools of
-the peer kit's make_gguf_qwen3moe.py (imported from PEERS, default /work/shared/peers or .device/peers), so
-the file is written at disk speed. Both llama.cpp and `moe-daemon bench` read it: the same weights for both.
+gguf_random.py beside this script, so the file is written at disk speed. Both llama.cpp and `moe-daemon
+bench` read it: the same weights for both.
 
 Types: --dtype for the routed experts, --dense-dtype for attention, the dense layer, shared experts and
 token_embd, --output-dtype for output.weight. A tensor whose rows are not whole blocks of its type (1408-wide
@@ -17,20 +17,10 @@ llama.cpp's quantizer falls back for such rows.
     python3 scripts/make_gguf_glm4moe.py --layers 2 --experts 8 --vocab 4096 --out /tmp/g.gguf   # smoke test
 """
 import argparse
-import os
-import sys
-import time
 
-import numpy as np
-
-for d in [os.environ.get("PEERS", ""), ".device/peers", "/work/shared/peers"]:
-    if d and os.path.exists(os.path.join(d, "make_gguf_qwen3moe.py")):
-        sys.path.insert(0, d)
-        break
-import gguf  # noqa: E402
-from gguf import GGML_QUANT_SIZES  # noqa: E402
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from make_gguf_qwen3moe import DTYPES, FILE_TYPE, STD, Pool, nbytes_of  # noqa: E402
+import gguf
+from gguf import GGMLQuantizationType as QT
+from gguf_random import DTYPES, F32, FILE_TYPE, Tensor, fits, total_bytes, write
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the size only")
     a = ap.parse_args()
 
-    et, f32 = DTYPES[a.dtype], QT.F32
+    et = DTYPES[a.dtype]
     dt = DTYPES[a.dense_dtype or a.dtype]
     ot = DTYPES[a.output_dtype or a.dense_dtype or a.dtype]
     fb = DTYPES[a.fallback_dtype]
@@ -65,44 +55,43 @@ def main() -> None:
     NQ, NKV = a.heads * HD, a.kv_heads * HD
 
     def fit(t: QT, row: int) -> QT:
-        return t if row % GGML_QUANT_SIZES[t][0] == 0 else fb
+        return t if fits(t, row) else fb
 
-    tensors = [("token_embd.weight", (V, H), fit(dt, H), "w")]
+    tensors = [Tensor("token_embd.weight", (V, H), fit(dt, H))]
     for i in range(L):
         p = f"blk.{i}."
         tensors += [
-            (p + "attn_norm.weight", (H,), f32, "one"),
-            (p + "attn_q.weight", (NQ, H), fit(dt, H), "w"),
-            (p + "attn_q.bias", (NQ,), f32, "bias"),
-            (p + "attn_k.weight", (NKV, H), fit(dt, H), "w"),
-            (p + "attn_k.bias", (NKV,), f32, "bias"),
-            (p + "attn_v.weight", (NKV, H), fit(dt, H), "w"),
-            (p + "attn_v.bias", (NKV,), f32, "bias"),
-            (p + "attn_output.weight", (H, NQ), fit(dt, NQ), "w"),
-            (p + "post_attention_norm.weight", (H,), f32, "one"),
+            Tensor(p + "attn_norm.weight", (H,), F32, "one"),
+            Tensor(p + "attn_q.weight", (NQ, H), fit(dt, H)),
+            Tensor(p + "attn_q.bias", (NQ,), F32, "normal"),
+            Tensor(p + "attn_k.weight", (NKV, H), fit(dt, H)),
+            Tensor(p + "attn_k.bias", (NKV,), F32, "normal"),
+            Tensor(p + "attn_v.weight", (NKV, H), fit(dt, H)),
+            Tensor(p + "attn_v.bias", (NKV,), F32, "normal"),
+            Tensor(p + "attn_output.weight", (H, NQ), fit(dt, NQ)),
+            Tensor(p + "post_attention_norm.weight", (H,), F32, "one"),
         ]
         if i < a.dense_layers:
             tensors += [
-                (p + "ffn_gate.weight", (FF, H), fit(dt, H), "w"),
-                (p + "ffn_up.weight", (FF, H), fit(dt, H), "w"),
-                (p + "ffn_down.weight", (H, FF), fit(dt, FF), "w"),
+                Tensor(p + "ffn_gate.weight", (FF, H), fit(dt, H)),
+                Tensor(p + "ffn_up.weight", (FF, H), fit(dt, H)),
+                Tensor(p + "ffn_down.weight", (H, FF), fit(dt, FF)),
             ]
         else:
             tensors += [
-                (p + "ffn_gate_inp.weight", (E, H), f32, "router"),
-                (p + "exp_probs_b.bias", (E,), f32, "zero"),
-                (p + "ffn_gate_exps.weight", (E, F, H), fit(et, H), "w"),
-                (p + "ffn_up_exps.weight", (E, F, H), fit(et, H), "w"),
-                (p + "ffn_down_exps.weight", (E, H, F), fit(et, F), "w"),
-                (p + "ffn_gate_shexp.weight", (F, H), fit(dt, H), "w"),
-                (p + "ffn_up_shexp.weight", (F, H), fit(dt, H), "w"),
-                (p + "ffn_down_shexp.weight", (H, F), fit(dt, F), "w"),
+                Tensor(p + "ffn_gate_inp.weight", (E, H), F32, "normal"),
+                Tensor(p + "exp_probs_b.bias", (E,), F32, "zero"),
+                Tensor(p + "ffn_gate_exps.weight", (E, F, H), fit(et, H)),
+                Tensor(p + "ffn_up_exps.weight", (E, F, H), fit(et, H)),
+                Tensor(p + "ffn_down_exps.weight", (E, H, F), fit(et, F)),
+                Tensor(p + "ffn_gate_shexp.weight", (F, H), fit(dt, H)),
+                Tensor(p + "ffn_up_shexp.weight", (F, H), fit(dt, H)),
+                Tensor(p + "ffn_down_shexp.weight", (H, F), fit(dt, F)),
             ]
-    tensors += [("output_norm.weight", (H,), f32, "one"), ("output.weight", (V, H), fit(ot, H), "w")]
-    sizes = [nbytes_of(s, t) for _, s, t, _ in tensors]
-    used = sorted({t.name for _, _, t, _ in tensors})
+    tensors += [Tensor("output_norm.weight", (H,), F32, "one"), Tensor("output.weight", (V, H), fit(ot, H))]
+    used = sorted({t.qt.name for t in tensors})
     print(f"glm4moe L={L} (dense {a.dense_layers}) H={H} E={E}+1 shared top{a.topk} F={F} experts {a.dtype}, "
-          f"dense {dt.name}, output {ot.name} (types used: {', '.join(used)}): {sum(sizes)/2**30:.2f} GiB",
+          f"dense {dt.name}, output {ot.name} (types used: {', '.join(used)}): {total_bytes(tensors)/2**30:.2f} GiB",
           flush=True)
     if a.dry_run:
         return
@@ -130,38 +119,7 @@ def main() -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if hasattr(w, "add_nextn_predict_layers"):
         w.add_nextn_predict_layers(0)
-    w.add_vocab_size(V)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("none")
-    for (name, shape, t, _), nb in zip(tensors, sizes):
-        w.add_tensor_info(name, shape, np.dtype(np.float32), nb, raw_dtype=t)
-    w.write_header_to_file(path=a.out)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout, align = w.fout[0], w.data_alignment
-
-    def pad(n: int) -> None:
-        if (-n) % align:
-            fout.write(b"\0" * ((-n) % align))
-
-    pad(fout.tell())
-    rng = np.random.default_rng(a.seed)
-    pools = {t: Pool(t, 64 << 20, rng, False) for t in sorted({t for _, _, t, k in tensors if k == "w"})}
-    t0 = time.time()
-    for (name, shape, t, kind), nb in zip(tensors, sizes):
-        n = int(np.prod(shape))
-        if kind == "one":
-            fout.write(np.ones(n, np.float32).tobytes())
-        elif kind == "zero":
-            fout.write(np.zeros(n, np.float32).tobytes())
-        elif kind in ("router", "bias"):
-            fout.write((rng.standard_normal(n, dtype=np.float32) * STD).tobytes())
-        else:
-            for mv in pools[t].chunks(nb, 8 << 20):
-                fout.write(mv)
-        pad(nb)
-    w.close()
-    print(f"wrote {a.out}: {os.path.getsize(a.out)/2**30:.2f} GiB in {time.time()-t0:.1f}s", flush=True)
+    write(w, a.out, tensors, V, a.seed)
 
 
 if __name__ == "__main__":

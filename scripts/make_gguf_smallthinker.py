@@ -4,8 +4,7 @@ default: 52 layers, hidden 2560, 28 q-heads / 4 kv-heads of 128, 64 experts of w
 router, 4096 sliding window, untied output, vocab 151936, rope theta 1.5e6). Metadata and tensor names
 are those llama.cpp's converter writes for SmallThinkerForCausalLM (see
 tests/fixtures/make_smallthinker_gguf.py, which does it from real safetensors); weights come from the
-random pools of the peer kit's make_gguf_qwen3moe.py (imported from PEERS, default
-/work/shared/peers or .device/peers), so the file is written at disk speed. Both llama.cpp and
+random pools of gguf_random.py beside this script, so the file is written at disk speed. Both llama.cpp and
 `moe-daemon bench` read it: the same weights for both.
 
     python3 scripts/make_gguf_smallthinker.py --out /dev/shm/st21.gguf            # ~40 GiB, bf16
@@ -13,19 +12,9 @@ random pools of the peer kit's make_gguf_qwen3moe.py (imported from PEERS, defau
     python3 scripts/make_gguf_smallthinker.py --dense-dtype q4_k --output-dtype q6_k --out ...  # Q4_K_M-style dense
 """
 import argparse
-import os
-import sys
-import time
 
-import numpy as np
-
-for d in [os.environ.get("PEERS", ""), ".device/peers", "/work/shared/peers"]:
-    if d and os.path.exists(os.path.join(d, "make_gguf_qwen3moe.py")):
-        sys.path.insert(0, d)
-        break
-import gguf  # noqa: E402
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from make_gguf_qwen3moe import DTYPES, FILE_TYPE, STD, Pool, nbytes_of  # noqa: E402
+import gguf
+from gguf_random import DTYPES, F32, FILE_TYPE, Tensor, total_bytes, write
 
 
 def main() -> None:
@@ -53,30 +42,29 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the size only")
     a = ap.parse_args()
 
-    qt, f32 = DTYPES[a.dtype], QT.F32
+    qt = DTYPES[a.dtype]
     dt = DTYPES[a.dense_dtype or a.dtype]
     ot = DTYPES[a.output_dtype or a.dense_dtype or a.dtype]
     H, F, E, L, V, HD = a.hidden, a.inter, a.experts, a.layers, a.vocab, a.head_dim
     NQ, NKV = a.heads * HD, a.kv_heads * HD
-    tensors = [("token_embd.weight", (V, H), dt, "w")]
+    tensors = [Tensor("token_embd.weight", (V, H), dt)]
     for i in range(L):
         p = f"blk.{i}."
         tensors += [
-            (p + "attn_norm.weight", (H,), f32, "one"),
-            (p + "attn_q.weight", (NQ, H), dt, "w"),
-            (p + "attn_k.weight", (NKV, H), dt, "w"),
-            (p + "attn_v.weight", (NKV, H), dt, "w"),
-            (p + "attn_output.weight", (H, NQ), dt, "w"),
-            (p + "ffn_norm.weight", (H,), f32, "one"),
-            (p + "ffn_gate_inp.weight", (E, H), f32, "router"),
-            (p + "ffn_gate_exps.weight", (E, F, H), qt, "w"),
-            (p + "ffn_up_exps.weight", (E, F, H), qt, "w"),
-            (p + "ffn_down_exps.weight", (E, H, F), qt, "w"),
+            Tensor(p + "attn_norm.weight", (H,), F32, "one"),
+            Tensor(p + "attn_q.weight", (NQ, H), dt),
+            Tensor(p + "attn_k.weight", (NKV, H), dt),
+            Tensor(p + "attn_v.weight", (NKV, H), dt),
+            Tensor(p + "attn_output.weight", (H, NQ), dt),
+            Tensor(p + "ffn_norm.weight", (H,), F32, "one"),
+            Tensor(p + "ffn_gate_inp.weight", (E, H), F32, "normal"),
+            Tensor(p + "ffn_gate_exps.weight", (E, F, H), qt),
+            Tensor(p + "ffn_up_exps.weight", (E, F, H), qt),
+            Tensor(p + "ffn_down_exps.weight", (E, H, F), qt),
         ]
-    tensors += [("output_norm.weight", (H,), f32, "one"), ("output.weight", (V, H), ot, "w")]
-    sizes = [nbytes_of(s, t) for _, s, t, _ in tensors]
+    tensors += [Tensor("output_norm.weight", (H,), F32, "one"), Tensor("output.weight", (V, H), ot)]
     print(f"smallthinker L={L} H={H} E={E} top{a.topk} F={F} experts {a.dtype}, dense {dt.name}, output {ot.name}: "
-          f"{sum(sizes)/2**30:.2f} GiB", flush=True)
+          f"{total_bytes(tensors)/2**30:.2f} GiB", flush=True)
     if a.dry_run:
         return
 
@@ -98,36 +86,7 @@ def main() -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if a.sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
     if a.window:
         w.add_sliding_window(a.window)
-    w.add_vocab_size(V)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("none")
-    for (name, shape, t, _), nb in zip(tensors, sizes):
-        w.add_tensor_info(name, shape, np.dtype(np.float32), nb, raw_dtype=t)
-    w.write_header_to_file(path=a.out)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout, align = w.fout[0], w.data_alignment
-
-    def pad(n: int) -> None:
-        if (-n) % align:
-            fout.write(b"\0" * ((-n) % align))
-
-    pad(fout.tell())
-    rng = np.random.default_rng(a.seed)
-    pools = {t: Pool(t, 64 << 20, rng, False) for t in sorted({qt, dt, ot})}
-    t0 = time.time()
-    for (name, shape, t, kind), nb in zip(tensors, sizes):
-        n = int(np.prod(shape))
-        if kind == "one":
-            fout.write(np.ones(n, np.float32).tobytes())
-        elif kind == "router":
-            fout.write((rng.standard_normal(n, dtype=np.float32) * STD).tobytes())
-        else:
-            for mv in pools[t].chunks(nb, 8 << 20):
-                fout.write(mv)
-        pad(nb)
-    w.close()
-    print(f"wrote {a.out}: {os.path.getsize(a.out)/2**30:.2f} GiB in {time.time()-t0:.1f}s", flush=True)
+    write(w, a.out, tensors, V, a.seed)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@
 # built it).
 #
 # Layout on the device (run from the repository root):
-#   $SEED (default: this script's folder): moe-daemon, make_gguf_smallthinker.py, make_gguf_glm4moe.py
-#   $PEERS (default .device/peers): the peer kit (run_peer.sh, make_gguf_qwen3moe.py, kit/)
+#   $SEED (default: this script's folder): moe-daemon, make_gguf_smallthinker.py, make_gguf_glm4moe.py and
+#   the module they share, gguf_random.py
+#   $PEERS (default .device/peers): the peer kit (run_peer.sh, kit/ with the gguf wheel)
 # Usage: OUT=$OUT bash seed_runs.sh a b          (or one phase per call: a, then b; B_MODELS="glm" or "st"
 #        runs one of phase b's two models, LLAMA_PARTS=DIR takes the packed llama-bench from DIR)
 set -uo pipefail
