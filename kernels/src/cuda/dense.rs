@@ -9,7 +9,7 @@ use super::ops::grid;
 use super::quant::{DenseFormat, QuantizedMatrix, W8Code};
 use super::{GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, PushKernelArg};
 use half::bf16;
 
 /// Tokens one GEMV launch handles (the kernel's register accumulators).
@@ -248,53 +248,19 @@ impl GpuDevice {
             // SAFETY: rows r0..r0+rows < out of the matrix are read; scratch holds slab·in ≥
             // rows·in elements.
             unsafe { l.launch(cfg) }?;
-            self.gemm_bf16_into_columns(x, scratch, y, (n, rows, inp), (r0, out), accumulate)?;
+            // x holds n·inp and y n·out elements (checked by `dense_matmul`), the scratch ≥ rows·inp,
+            // and r0 + rows ≤ out.
+            self.gemm_ex_into_columns(
+                x,
+                &*scratch,
+                y,
+                (n, rows, inp),
+                (r0, out),
+                accumulate,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+            )?;
         }
         Ok(())
-    }
-
-    /// `y[:, c0..c0+m] (=|+=) x[n, k] · w[m, k]ᵀ` where y is row-major `[n, ld]`.
-    fn gemm_bf16_into_columns(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        y: &mut CudaSlice<f32>,
-        (n, m, k): (usize, usize, usize),
-        (c0, ld): (usize, usize),
-        accumulate: bool,
-    ) -> Result<(), GpuError> {
-        let alpha = 1.0f32;
-        let beta = if accumulate { 1.0f32 } else { 0.0 };
-        let (xp, _rx) = x.device_ptr(&self.stream);
-        let (wp, _rw) = w.device_ptr(&self.stream);
-        let (yp, _ry) = y.device_ptr_mut(&self.stream);
-        let yp = yp + (c0 * std::mem::size_of::<f32>()) as u64;
-        // SAFETY: x holds n·k and w m·k elements (checked by the caller), y n·ld with c0 + m ≤ ld, so
-        // the column-major view yᵀ (m × n, leading dimension ld) starting at column c0 stays inside y.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m as i32,
-                n as i32,
-                k as i32,
-                (&alpha) as *const f32 as *const _,
-                wp as *const _,
-                cublas_sys::cudaDataType_t::CUDA_R_16BF,
-                k as i32,
-                xp as *const _,
-                cublas_sys::cudaDataType_t::CUDA_R_16BF,
-                k as i32,
-                (&beta) as *const f32 as *const _,
-                yp as *mut _,
-                cublas_sys::cudaDataType_t::CUDA_R_32F,
-                ld as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| GpuError::Blas(e.to_string()))
     }
 }
 

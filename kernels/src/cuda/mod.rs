@@ -339,14 +339,34 @@ impl GpuDevice {
         accumulate: bool,
         in_type: cublas_sys::cudaDataType_t,
     ) -> Result<(), GpuError> {
+        self.gemm_ex_into_columns(x, w, y, (n, m, k), (0, m), accumulate, in_type)
+    }
+
+    /// `y[:, c0..c0+m] (=|+=) x[n, k] · w[m, k]ᵀ` where y is row-major `[n, ld]`, inputs of
+    /// `in_type`, f32 output and accumulation. The caller guarantees x holds n·k, w m·k and y n·ld
+    /// elements, with c0 + m ≤ ld.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_ex_into_columns<T>(
+        &self,
+        x: &impl DevicePtr<T>,
+        w: &impl DevicePtr<T>,
+        y: &mut impl DevicePtrMut<f32>,
+        (n, m, k): (usize, usize, usize),
+        (c0, ld): (usize, usize),
+        accumulate: bool,
+        in_type: cublas_sys::cudaDataType_t,
+    ) -> Result<(), GpuError> {
         // Row-major y[n,m] = x[n,k]·wᵀ is column-major yᵀ[m,n] = op(W)[m,k] · xᵀ[k,n] with W read transposed.
         let alpha = 1.0f32;
         let beta = if accumulate { 1.0f32 } else { 0.0 };
         let (xp, _rx) = x.device_ptr(&self.stream);
         let (wp, _rw) = w.device_ptr(&self.stream);
         let (yp, _ry) = y.device_ptr_mut(&self.stream);
-        // SAFETY: the caller guarantees x holds n·k, w m·k and y n·m elements; the pointers stay
-        // valid (and their stream dependencies recorded) for the call through the _r guards.
+        let yp = yp + (c0 * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: the caller guarantees x holds n·k and w m·k elements, y n·ld with c0 + m ≤ ld, so
+        // the column-major view yᵀ (m × n, leading dimension ld) starting at column c0 stays inside
+        // y; the pointers stay valid (and their stream dependencies recorded) for the call through
+        // the _r guards.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
@@ -365,7 +385,7 @@ impl GpuDevice {
                 (&beta) as *const f32 as *const _,
                 yp as *mut _,
                 cublas_sys::cudaDataType_t::CUDA_R_32F,
-                m as i32,
+                ld as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
