@@ -32,15 +32,7 @@ pub const ENTRIES: [&str; 16] = [
 
 /// Compiles `hybrid.cu` for `arch` (`sm_89`, `sm_90`, `sm_120`).
 pub fn compile(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, String> {
-    cudarc::nvrtc::compile_ptx_with_opts(
-        SOURCE,
-        cudarc::nvrtc::CompileOptions {
-            arch: Some(arch),
-            options: vec!["--std=c++17".into()],
-            ..Default::default()
-        },
-    )
-    .map_err(|e| format!("{e:?}"))
+    super::nvrtc_compile(SOURCE, arch)
 }
 
 /// The loaded kernels; launch them through the typed methods of the sibling modules.

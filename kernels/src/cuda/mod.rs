@@ -90,8 +90,16 @@ pub(crate) struct Kernels {
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
 pub fn compile_kernels(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, String> {
+    nvrtc_compile(SOURCE, arch)
+}
+
+/// Compiles one CUDA C++17 source with NVRTC for `arch`.
+pub(crate) fn nvrtc_compile(
+    source: &str,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, String> {
     cudarc::nvrtc::compile_ptx_with_opts(
-        SOURCE,
+        source,
         cudarc::nvrtc::CompileOptions {
             arch: Some(arch),
             options: vec!["--std=c++17".into()],
