@@ -3,7 +3,7 @@
 //!
 //! Copied from llguidance 1.9 (`src/json/formats.rs`, MIT licence, © Microsoft), whose table is
 //! private, so that a raw-text value accepts exactly what a JSON string of the same format does;
-//! `raw_text::tests::formats_accept_what_the_json_path_accepts` compares the two on samples, so a
+//! `structured_tests::raw_text_formats_accept_what_the_json_path_accepts` compares the two on samples, so a
 //! drift after an llguidance upgrade fails there. "unknown" is llguidance's own escape hatch.
 /// The regex of `format` `name` (None: not a format llguidance knows).
 pub fn lookup_format(name: &str) -> Option<&'static str> {

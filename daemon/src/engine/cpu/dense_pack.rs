@@ -1,7 +1,7 @@
 //! Packs a model's dense projections for the CPU kernels after loading: attention (GQA and MLA),
 //! dense MLPs, shared experts, the embedding table and lm_head. Routed experts are packed per layer
-//! by `cpu_experts`; weights no packed format holds exactly (f32 that bf16 would round, FP8 with other
-//! block sizes) stay on the reference path.
+//! by `engine::cpu::experts`; weights no packed format holds exactly (f32 that bf16 would round, FP8
+//! with other block sizes) stay on the reference path.
 use crate::engine::linear::Linear;
 use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};
 use anyhow::Context;

@@ -1,6 +1,7 @@
 //! Where one MoE layer's routed experts run in a GPU step, decided on the host from the routing, the
 //! experts' residency and the layer's streamed chunks: a pure [`MoeDispatchPlan`] that the step's
-//! phases (`run_gpu_experts`, `run_cpu_experts`, `combine` in `moe_layer`) only execute.
+//! phases only execute (`run_gpu_experts` and `combine_gpu` in `moe_layer`; the DRAM experts'
+//! `CpuHalf`, whose sum the GPU adds through the `handoff` flag).
 //!
 //! Each expert has a home for the step ([`ExpertHome`]): resident on the GPU, computed by the CPU
 //! kernels from DRAM (decode and short prompts), streamed to the GPU in the layer's chunks, or

@@ -1,4 +1,4 @@
-//! KDA linear-attention layers on the GPU (GLM-5.3-Flash): the CPU's `engine::linear_attention` with the
+//! KDA linear-attention layers on the GPU (GLM-5.3-Flash): the CPU's `engine::cpu::linear_attention` with the
 //! projections as GEMMs (q, k and v stacked into one) and the convolution, gate, recurrence and gated
 //! norm as the kernels of `hybrid.cu`. Each sequence's state lives in its GPU state buffer
 //! (`gpu::hybrid`); decode steps run the per-token recurrence, prefill chunks the chunked (WY) form.
