@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
+# Kernels are launched only through the typed op layer in kernels/src/cuda (under a second).
+bash scripts/check_launch_sites.sh --self-test
+bash scripts/check_launch_sites.sh
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 
