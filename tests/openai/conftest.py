@@ -119,6 +119,41 @@ def check_calls(calls, tools):
         jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
 
 
+def assert_forced_city_call(r, check):
+    """A forced tool choice gave one call whose arguments pass `check` (the tools' schemas), name a city
+    of CITY_TOOL's enum and leave out the `description` the script invents; no text beside it. Returns
+    the choice."""
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    (call,) = ch.message.tool_calls
+    check([call])
+    args = json.loads(call.function.arguments)
+    assert "description" not in args and args["city"] in ("Paris", "Lyon", "Nice")
+    assert not (ch.message.content or "").strip()
+    return ch
+
+
+def assert_auto_calls_follow_the_schema(r, check):
+    """`tool_choice: auto` opened calls, each passing `check`, none with the invented `description`."""
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    check(calls)
+    assert all("description" not in json.loads(c.function.arguments) for c in calls)
+
+
+def assert_two_streamed_city_calls(stream, check):
+    """A stream of two calls (Paris, then Lyon) with no text, each passing `check`."""
+    content, calls = "", {}
+    for ch in stream:
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            calls.setdefault(tc.index, tc)
+    assert content == ""
+    assert [json.loads(c.function.arguments)["city"] for c in calls.values()] == ["Paris", "Lyon"]
+    check(calls.values())
+
+
 class RawResponse:
     def __init__(self, status, headers, body):
         self.status_code, self.headers, self.text = status, headers, body

@@ -9,7 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import API_KEY, CITY_TOOL, chat, raw
+from conftest import (API_KEY, CITY_TOOL, assert_auto_calls_follow_the_schema, assert_forced_city_call,
+                      assert_two_streamed_city_calls, chat, raw)
 from conftest import check_calls as check_tool_calls
 
 TIME_TOOL = {"type": "function", "function": {
@@ -31,37 +32,20 @@ def ask(server, text, key=API_KEY, **kw):
 def test_forced_call_arguments_follow_the_tool_schema(scripted, choice):
     r = ask(scripted, "invent arguments", tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice,
             parallel_tool_calls=False)
-    ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls"
-    (call,) = ch.message.tool_calls
-    check_calls([call])
-    args = json.loads(call.function.arguments)
-    assert "description" not in args and args["city"] in ("Paris", "Lyon", "Nice")
+    assert_forced_city_call(r, check_calls)
     # One line of JSON, not a pretty-printed block: a one-argument call stays short.
     assert r.usage.completion_tokens < 40, r.usage
-    assert not (ch.message.content or "").strip()
 
 
 def test_auto_engages_the_grammar_once_a_call_opens(scripted):
     # (Off its script, the test double keeps opening calls until max_tokens: each one must validate.)
     r = ask(scripted, "invent arguments", tools=[CITY_TOOL], tool_choice="auto")
-    calls = r.choices[0].message.tool_calls
-    assert calls and r.choices[0].finish_reason == "tool_calls"
-    check_calls(calls)
-    assert all("description" not in json.loads(c.function.arguments) for c in calls)
+    assert_auto_calls_follow_the_schema(r, check_calls)
 
 
 def test_two_streamed_calls_have_no_newline_between_them(scripted):
     s = ask(scripted, "weather in two cities", tools=[CITY_TOOL], stream=True)
-    content, calls = "", {}
-    for ch in s:
-        d = ch.choices[0].delta
-        content += d.content or ""
-        for tc in d.tool_calls or []:
-            calls.setdefault(tc.index, tc)
-    assert content == ""
-    assert [json.loads(c.function.arguments)["city"] for c in calls.values()] == ["Paris", "Lyon"]
-    check_calls(calls.values())
+    assert_two_streamed_city_calls(s, check_calls)
 
 
 def test_parallel_tool_calls_false_gives_one_call(scripted):

@@ -12,7 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import API_KEY, CITY_TOOL, chat
+from conftest import (API_KEY, CITY_TOOL, assert_auto_calls_follow_the_schema, assert_forced_city_call,
+                      assert_two_streamed_city_calls, chat)
 from conftest import check_calls as check_tool_calls
 from test_pi_agent import PI, Recorder, run_pi, tool_calls_of
 
@@ -50,13 +51,7 @@ def ask(server, text, **kw):
 def test_forced_glm_call_follows_the_schema(glm_server, choice):
     r = ask(glm_server, "invent arguments", tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice,
             parallel_tool_calls=False)
-    ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls"
-    (call,) = ch.message.tool_calls
-    check_calls([call])
-    args = json.loads(call.function.arguments)
-    assert "description" not in args and args["city"] in ("Paris", "Lyon", "Nice")
-    assert not (ch.message.content or "").strip()
+    assert_forced_city_call(r, check_calls)
 
 
 def test_unconstrained_script_would_break_the_schema(glm_server):
@@ -93,23 +88,12 @@ def test_strict_tool_with_an_unknown_format_is_refused(glm_server):
 
 def test_auto_glm_calls_engage_the_grammar_at_the_tag(glm_server):
     r = ask(glm_server, "invent arguments", tools=[CITY_TOOL], tool_choice="auto")
-    calls = r.choices[0].message.tool_calls
-    assert calls and r.choices[0].finish_reason == "tool_calls"
-    check_calls(calls)
-    assert all("description" not in json.loads(c.function.arguments) for c in calls)
+    assert_auto_calls_follow_the_schema(r, check_calls)
 
 
 def test_two_streamed_glm_calls_both_formats(glm_server):
     s = ask(glm_server, "weather in two cities", tools=[CITY_TOOL], stream=True)
-    content, calls = "", {}
-    for ch in s:
-        d = ch.choices[0].delta
-        content += d.content or ""
-        for tc in d.tool_calls or []:
-            calls.setdefault(tc.index, tc)
-    assert content == ""
-    assert [json.loads(c.function.arguments)["city"] for c in calls.values()] == ["Paris", "Lyon"]
-    check_calls(calls.values())
+    assert_two_streamed_city_calls(s, check_calls)
 
 
 def test_glm_round_trip_with_typed_values_and_reasoning(glm_server):
