@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Service, Volume, VolumeMount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use serde::de::DeserializeOwned;
 
@@ -61,6 +61,27 @@ fn daemon(sts: &StatefulSet) -> &Container {
     &sts.spec.template.spec.as_ref().unwrap().containers[0]
 }
 
+/// The pod volume named `name`.
+fn volume<'a>(sts: &'a StatefulSet, name: &str) -> &'a Volume {
+    let pod = sts.spec.template.spec.as_ref().unwrap();
+    let volumes = pod.volumes.as_ref().unwrap();
+    volumes.iter().find(|v| v.name == name).unwrap()
+}
+
+/// A container's mount at `path`, if any.
+fn mount_at<'a>(c: &'a Container, path: &str) -> Option<&'a VolumeMount> {
+    let mounts = c.volume_mounts.as_ref()?;
+    mounts.iter().find(|m| m.mount_path == path)
+}
+
+/// QWEN with its model source replaced by `source` (flow-style YAML).
+fn with_source(source: &str) -> MoEDeployment {
+    md(&QWEN.replace(
+        "{huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}",
+        source,
+    ))
+}
+
 fn roundtrip<K: serde::Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(obj: &K) {
     let json = serde_json::to_string(obj).unwrap();
     let back: K = serde_json::from_str(&json).unwrap();
@@ -78,24 +99,12 @@ fn statefulset_is_guaranteed_qos_with_hugepages_and_gpu() {
     assert_eq!(r["memory"].0, "8Gi");
     assert_eq!(r["hugepages-1Gi"].0, "48Gi");
     assert_eq!(r["nvidia.com/gpu"].0, "1");
-    let pod = objects.statefulsets[0].spec.template.spec.as_ref().unwrap();
-    let hp = pod
-        .volumes
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|v| v.name == "hugepages")
-        .unwrap();
+    let hp = volume(&objects.statefulsets[0], "hugepages");
     assert_eq!(
         hp.empty_dir.as_ref().unwrap().medium.as_deref(),
         Some("HugePages-1Gi")
     );
-    assert!(c
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .any(|m| m.mount_path == "/dev/hugepages"));
+    assert!(mount_at(c, "/dev/hugepages").is_some());
 }
 
 #[test]
@@ -208,31 +217,18 @@ fn huggingface_source_downloads_into_a_cache_claim() {
         .unwrap()
         .iter()
         .any(|e| e.name == "HF_TOKEN"));
-    let mount = daemon(&objects.statefulsets[0])
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| m.mount_path == "/models")
-        .unwrap();
+    let mount = mount_at(daemon(&objects.statefulsets[0]), "/models").unwrap();
     assert_eq!(mount.read_only, Some(true));
 }
 
 #[test]
 fn pvc_and_host_path_sources_mount_read_only() {
-    let pvc = md(&QWEN.replace(
-        "{huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}",
-        "{pvc: {claimName: weights, path: /qwen3-30b-a3b}}",
-    ));
+    let pvc = with_source("{pvc: {claimName: weights, path: /qwen3-30b-a3b}}");
     let objects = desired_objects(&input(pvc)).unwrap();
-    let pod = objects.statefulsets[0].spec.template.spec.clone().unwrap();
-    let vol = pod
-        .volumes
-        .unwrap()
-        .into_iter()
-        .find(|v| v.name == "model")
-        .unwrap();
-    assert_eq!(vol.persistent_volume_claim.unwrap().read_only, Some(true));
+    let sts = &objects.statefulsets[0];
+    let claim = volume(sts, "model").persistent_volume_claim.as_ref();
+    assert_eq!(claim.unwrap().read_only, Some(true));
+    let pod = sts.spec.template.spec.as_ref().unwrap();
     assert!(pod.init_containers.is_none());
     assert!(daemon(&objects.statefulsets[0])
         .args
@@ -240,19 +236,10 @@ fn pvc_and_host_path_sources_mount_read_only() {
         .unwrap()
         .contains(&"/models/qwen3-30b-a3b".to_string()));
 
-    let host = md(&QWEN.replace(
-        "{huggingFace: {repo: Qwen/Qwen3-30B-A3B, tokenSecret: {name: hf, key: token}}}",
-        "{hostPath: {path: /mnt/models/qwen3-30b-a3b}}",
-    ));
+    let host = with_source("{hostPath: {path: /mnt/models/qwen3-30b-a3b}}");
     let objects = desired_objects(&input(host)).unwrap();
-    let pod = objects.statefulsets[0].spec.template.spec.clone().unwrap();
-    let vol = pod
-        .volumes
-        .unwrap()
-        .into_iter()
-        .find(|v| v.name == "model")
-        .unwrap();
-    assert_eq!(vol.host_path.unwrap().path, "/mnt/models/qwen3-30b-a3b");
+    let host_path = volume(&objects.statefulsets[0], "model").host_path.as_ref();
+    assert_eq!(host_path.unwrap().path, "/mnt/models/qwen3-30b-a3b");
 }
 
 #[test]
@@ -455,27 +442,11 @@ fn placement_rules_reach_the_daemon() {
         "{joined}"
     );
     assert!(!c.env.as_ref().unwrap().iter().any(|e| e.name == RULES_ENV));
-    let mount = c
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| m.mount_path == RULES_MOUNT)
-        .expect("rules mount");
+    let mount = mount_at(c, RULES_MOUNT).expect("rules mount");
     assert_eq!(mount.read_only, Some(true));
-    let volumes = sts
-        .spec
-        .template
-        .spec
+    let cm = volume(sts, &mount.name)
+        .config_map
         .as_ref()
-        .unwrap()
-        .volumes
-        .as_ref()
-        .unwrap();
-    let cm = volumes
-        .iter()
-        .find(|v| v.name == mount.name)
-        .and_then(|v| v.config_map.as_ref())
         .expect("ConfigMap volume");
     assert_eq!(cm.name, "qwen-rules");
     let item = &cm.items.as_ref().unwrap()[0];
@@ -487,35 +458,25 @@ fn placement_rules_reach_the_daemon() {
     roundtrip(sts);
 }
 
+/// `validate_spec` refuses `yaml` with an error that contains `expected`.
+fn assert_refused(yaml: &str, expected: &str) {
+    let errors = crate::validate::validate_spec(&md(yaml).spec, None);
+    assert!(errors.iter().any(|e| e.contains(expected)), "{errors:?}");
+}
+
 #[test]
 fn placement_rules_take_exactly_one_source() {
     let both = format!(
         "{QWEN}  placement:\n    rules:\n      inline: \"- match: {{layers: 0}}\"\n      configMapRef: {{name: r}}\n"
     );
-    let errors = crate::validate::validate_spec(&md(&both).spec, None);
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("exactly one of inline, configMapRef")),
-        "{errors:?}"
-    );
+    assert_refused(&both, "exactly one of inline, configMapRef");
     let neither = format!("{QWEN}  placement:\n    rules: {{}}\n");
-    let errors = crate::validate::validate_spec(&md(&neither).spec, None);
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("exactly one of inline, configMapRef")),
-        "{errors:?}"
-    );
+    assert_refused(&neither, "exactly one of inline, configMapRef");
     let huge = format!(
         "{QWEN}  placement:\n    rules:\n      inline: \"{}\"\n",
         "x".repeat(crate::crd::MAX_INLINE_RULES_BYTES + 1)
     );
-    let errors = crate::validate::validate_spec(&md(&huge).spec, None);
-    assert!(
-        errors.iter().any(|e| e.contains("placement.rules.inline")),
-        "{errors:?}"
-    );
+    assert_refused(&huge, "placement.rules.inline");
 }
 
 /// The class's rule text for a deployment with `placement` (YAML under `spec.placement`) and
@@ -578,10 +539,8 @@ fn each_class_gets_a_rule_file_saying_what_its_sizing_decided() {
                 .is_some_and(|c| c.name == "qwen-sm90-80g-placement")
         })
         .expect("class rules volume");
-    let mount = daemon(sts)
-        .volume_mounts
-        .as_ref()
-        .unwrap()
+    let mounts = daemon(sts).volume_mounts.as_ref().unwrap();
+    let mount = mounts
         .iter()
         .find(|m| m.name == volume.name)
         .expect("class rules mount");

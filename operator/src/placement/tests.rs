@@ -46,6 +46,25 @@ impl NodeFixture {
         }
     }
 
+    /// A 24 GB Ada card (RTX 4090: SM 8.9, 24564 MiB) on the default host.
+    fn ada_24g(name: &'static str) -> Self {
+        Self {
+            cc: Some((8, 9)),
+            gpu_mib: 24564,
+            ..Self::new(name)
+        }
+    }
+
+    /// An RTX 4090 workstation: 32 CPUs, 128 GiB, 64 GiB of 1 GiB hugepages.
+    fn rtx4090_host(name: &'static str) -> Self {
+        Self {
+            cpu: "32",
+            memory: "128Gi",
+            hugepages_1gi: "64Gi",
+            ..Self::ada_24g(name)
+        }
+    }
+
     fn node(&self) -> Node {
         let mut labels = serde_json::Map::new();
         labels.insert("kubernetes.io/hostname".into(), json!(self.name));
@@ -352,10 +371,8 @@ fn each_class_affinity_selects_exactly_its_own_nodes() {
             ..NodeFixture::new("ada-1")
         },
         NodeFixture {
-            cc: Some((8, 9)),
-            gpu_mib: 24564,
             hugepages_1gi: "96Gi",
-            ..NodeFixture::new("ada-24g")
+            ..NodeFixture::ada_24g("ada-24g")
         },
         NodeFixture {
             cc: Some((8, 6)),
@@ -409,11 +426,9 @@ fn nodes_left_out_for_resources_form_a_further_tier() {
     // third has no hugepages and plenty of DRAM. The sizing two nodes hold (experts in hugepages)
     // cannot run on the third, which gets its own tier (experts in plain DRAM).
     let gpu24 = |name: &'static str, hp: &'static str, memory: &'static str| NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 24564,
         hugepages_1gi: hp,
         memory,
-        ..NodeFixture::new(name)
+        ..NodeFixture::ada_24g(name)
     };
     let fleet = plan_for(
         &qwen_spec(),
@@ -501,14 +516,7 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
     // RTX 4090, the shared plan (the daemon's): 0.9 × 24564 MiB less bf16 dense weights and table
     // (3.0 GiB), two 32K sequences of bf16 KV (6 GiB), a 2048-token step's buffers, CUDA graphs and
     // layerwise prefill's staging (2.9 GiB) leaves room for 23 of 128 experts per layer.
-    let node = NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 24564,
-        cpu: "32",
-        memory: "128Gi",
-        hugepages_1gi: "64Gi",
-        ..NodeFixture::new("rtx4090")
-    };
+    let node = NodeFixture::rtx4090_host("rtx4090");
     let d = decide_for(&qwen_spec(), &[node]);
     let s = d.sizing.expect("sizing");
     assert_eq!(s.gpu_experts_per_layer, Some(23));
@@ -528,14 +536,7 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
 fn live_placement_keeps_every_expert_in_dram() {
     // Live re-placement keeps a DRAM copy of the GPU experts too (they can move back), so the
     // hugepages hold all 128 × 48 experts × 9 MiB = 54 GiB instead of the DRAM experts' 45 GiB.
-    let node = NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 24564,
-        cpu: "32",
-        memory: "128Gi",
-        hugepages_1gi: "64Gi",
-        ..NodeFixture::new("rtx4090")
-    };
+    let node = NodeFixture::rtx4090_host("rtx4090");
     let mut spec = qwen_spec();
     let without = decide_for(&spec, std::slice::from_ref(&node))
         .sizing
@@ -551,11 +552,9 @@ fn live_placement_keeps_every_expert_in_dram() {
 #[test]
 fn hugepages_auto_falls_back_to_2mi_then_off() {
     let base = |name, h1, h2| NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 24564,
         hugepages_1gi: h1,
         hugepages_2mi: h2,
-        ..NodeFixture::new(name)
+        ..NodeFixture::ada_24g(name)
     };
     let two_mi = decide_for(&qwen_spec(), &[base("two", "0", "50Gi")])
         .sizing
@@ -750,13 +749,8 @@ fn two_gpus_are_planned_per_gpu_with_the_experts_of_both() {
     // tensor-parallel hold half the attention, KV and lm_head each, so each holds more experts and
     // the node more than twice as many.
     let card = |name, gpus| NodeFixture {
-        cc: Some((8, 9)),
-        gpu_mib: 24564,
         gpus,
-        cpu: "32",
-        memory: "128Gi",
-        hugepages_1gi: "64Gi",
-        ..NodeFixture::new(name)
+        ..NodeFixture::rtx4090_host(name)
     };
     let one = decide_for(&qwen_spec(), &[card("one", 1)])
         .sizing
