@@ -84,6 +84,43 @@ fn collect(rx: &mut UnboundedReceiver<SeqEvent>) -> (Vec<u32>, FinishReason, usi
     }
 }
 
+/// Each prompt submitted after the previous one finished on `h`: the reference outputs.
+fn one_at_a_time(h: &EngineHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let (r, mut rx) = request(p.clone(), max_tokens);
+            h.submit(r).unwrap();
+            collect(&mut rx).0
+        })
+        .collect()
+}
+
+/// Every prompt submitted at once; their event streams in order.
+fn submit_each(
+    h: &EngineHandle,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<UnboundedReceiver<SeqEvent>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let (r, rx) = request(p.clone(), max_tokens);
+            h.submit(r).unwrap();
+            rx
+        })
+        .collect()
+}
+
+/// Every stream gives its `want` tokens and finishes at the length limit.
+fn all_run_to_length(rxs: Vec<UnboundedReceiver<SeqEvent>>, want: &[Vec<u32>]) {
+    for (i, (mut rx, want)) in rxs.into_iter().zip(want).enumerate() {
+        let (got, reason, _) = collect(&mut rx);
+        assert_eq!(&got, want, "request {i}");
+        assert_eq!(reason, FinishReason::Length);
+    }
+}
+
 #[test]
 fn concurrent_requests_with_chunked_prefill_match_sequential_results() {
     let cfg = SchedulerConfig {
@@ -98,20 +135,8 @@ fn concurrent_requests_with_chunked_prefill_match_sequential_results() {
             p
         })
         .collect();
-    let sequential: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (r, mut rx) = request(p.clone(), 10);
-            h.submit(r).unwrap();
-            collect(&mut rx).0
-        })
-        .collect();
-    let mut rxs = Vec::new();
-    for p in &prompts {
-        let (r, rx) = request(p.clone(), 10);
-        h.submit(r).unwrap();
-        rxs.push(rx);
-    }
+    let sequential = one_at_a_time(&h, &prompts, 10);
+    let mut rxs = submit_each(&h, &prompts, 10);
     for (rx, want) in rxs.iter_mut().zip(&sequential) {
         assert_eq!(&collect(rx).0, want);
     }
@@ -241,15 +266,7 @@ fn engine_step_stats_feed_the_expert_metrics() {
 
 /// Runs each prompt alone on a roomy cache: the reference outputs.
 fn alone(prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
-    let (h, _) = engine(SchedulerConfig::default());
-    prompts
-        .iter()
-        .map(|p| {
-            let (r, mut rx) = request(p.clone(), max_tokens);
-            h.submit(r).unwrap();
-            collect(&mut rx).0
-        })
-        .collect()
+    one_at_a_time(&engine(SchedulerConfig::default()).0, prompts, max_tokens)
 }
 
 #[test]
@@ -270,17 +287,7 @@ fn preemption_under_load_keeps_every_output_equal_to_running_alone() {
         ..Default::default()
     };
     let (h, m) = engine_with_kv(cfg, 32 * BLOCK);
-    let mut rxs = Vec::new();
-    for p in &prompts {
-        let (r, rx) = request(p.clone(), 40);
-        h.submit(r).unwrap();
-        rxs.push(rx);
-    }
-    for (i, (rx, want)) in rxs.iter_mut().zip(&want).enumerate() {
-        let (got, reason, _) = collect(rx);
-        assert_eq!(&got, want, "request {i}");
-        assert_eq!(reason, FinishReason::Length);
-    }
+    all_run_to_length(submit_each(&h, &prompts, 40), &want);
     assert_eq!(want[0], (100..140).collect::<Vec<_>>());
     assert!(
         m.preemptions.get() > 0,
@@ -405,17 +412,7 @@ fn sliding_window_tables_under_preemption_and_prefix_reuse() {
     };
     // 40 blocks: a request holds up to 7 full-table blocks and 2-4 windowed ones.
     let (h, m) = engine_with(cfg, 40 * BLOCK, Some(20));
-    let mut rxs = Vec::new();
-    for p in &prompts {
-        let (r, rx) = request(p.clone(), 40);
-        h.submit(r).unwrap();
-        rxs.push(rx);
-    }
-    for (i, (rx, want)) in rxs.iter_mut().zip(&want).enumerate() {
-        let (got, reason, _) = collect(rx);
-        assert_eq!(&got, want, "request {i}");
-        assert_eq!(reason, FinishReason::Length);
-    }
+    all_run_to_length(submit_each(&h, &prompts, 40), &want);
     assert!(m.preemptions.get() > 0, "the cache never ran out");
     assert!(m.prefix_cache_hit_tokens.get() > 0, "no prefix was reused");
 }

@@ -556,46 +556,54 @@ fn each_class_gets_a_rule_file_saying_what_its_sizing_decided() {
     let hash = &annotations.unwrap()[class_rules::RULES_HASH_ANNOTATION];
     assert_eq!(hash.len(), 16);
 
-    // uniform without rules or live placement: the lowest ids pinned, exactly as uniform places them
-    let uniform = class_rules_of("    expertPlacement: uniform\n", 15);
-    assert_eq!(
-        rules_only(&uniform),
-        "- match: {experts: \"0-14\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n"
-    );
-    assert!(uniform.contains("# Experts: these rules pin every routed expert."));
-    assert_eq!(
-        rules_only(&class_rules_of("    expertPlacement: uniform\n", 1)),
-        "- match: {experts: \"0\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n"
-    );
-    // live placement moves experts: nothing pinned
-    let live = class_rules_of(
-        "    expertPlacement: uniform\n    livePlacement: true\n",
-        15,
-    );
-    assert_eq!(
-        rules_only(&live),
-        "- match: {name: \".*\"}\n  decode: auto\n"
-    );
-    assert!(live.contains("live re-placement moves experts"));
-    // the user's rules come first and the daemon refits around them: nothing pinned
-    let user = class_rules_of(
-        "    expertPlacement: uniform\n    rules:\n      inline: \"- match: {layers: 0}\\n  decode: gpu\"\n",
-        15,
-    );
-    assert_eq!(
-        rules_only(&user),
-        "- match: {name: \".*\"}\n  decode: auto\n"
-    );
-    assert!(user.contains("Tried after the deployment's own rules"));
-    // all or none fit: every expert pinned
-    assert_eq!(
-        rules_only(&class_rules_of("    livePlacement: true\n", 128)),
-        "- match: {name: \".*\"}\n  decode: gpu\n"
-    );
-    assert_eq!(
-        rules_only(&class_rules_of("    gpuExpertsPerLayer: 0\n", 0)),
-        "- match: {name: \".*\"}\n  decode: cpu\n"
-    );
+    // (spec.placement, GPU experts per layer that fit, the rules, a note the text must carry)
+    let cases: [(&str, u32, &str, &str); 6] = [
+        // uniform without rules or live placement: the lowest ids pinned, exactly as uniform places them
+        (
+            "    expertPlacement: uniform\n",
+            15,
+            "- match: {experts: \"0-14\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n",
+            "# Experts: these rules pin every routed expert.",
+        ),
+        (
+            "    expertPlacement: uniform\n",
+            1,
+            "- match: {experts: \"0\"}\n  decode: gpu\n- match: {name: \".*\"}\n  decode: cpu\n",
+            "",
+        ),
+        // live placement moves experts: nothing pinned
+        (
+            "    expertPlacement: uniform\n    livePlacement: true\n",
+            15,
+            "- match: {name: \".*\"}\n  decode: auto\n",
+            "live re-placement moves experts",
+        ),
+        // the user's rules come first and the daemon refits around them: nothing pinned
+        (
+            "    expertPlacement: uniform\n    rules:\n      inline: \"- match: {layers: 0}\\n  decode: gpu\"\n",
+            15,
+            "- match: {name: \".*\"}\n  decode: auto\n",
+            "Tried after the deployment's own rules",
+        ),
+        // all or none fit: every expert pinned
+        (
+            "    livePlacement: true\n",
+            128,
+            "- match: {name: \".*\"}\n  decode: gpu\n",
+            "",
+        ),
+        (
+            "    gpuExpertsPerLayer: 0\n",
+            0,
+            "- match: {name: \".*\"}\n  decode: cpu\n",
+            "",
+        ),
+    ];
+    for (placement, gpu_experts, rules, note) in cases {
+        let text = class_rules_of(placement, gpu_experts);
+        assert_eq!(rules_only(&text), rules, "{placement}, {gpu_experts} fit");
+        assert!(text.contains(note), "{note:?} not in\n{text}");
+    }
     // same inputs, same text (no node names or counts in it)
     let mut more_nodes = input(md(QWEN));
     more_nodes.classes[0].nodes = 7;

@@ -21,6 +21,25 @@ fn smallthinker() -> ModelConfig {
     .unwrap()
 }
 
+/// The uniform placement of `gpu_experts` of `experts` per MoE layer of `cfg`, with `plan`'s pins.
+fn uniform_placement(
+    cfg: &ModelConfig,
+    experts: usize,
+    gpu_experts: usize,
+    plan: &PlacementPlan,
+) -> Vec<Vec<bool>> {
+    plan_placement(
+        PlacementStrategy::Uniform,
+        &cfg.moe_layers,
+        experts,
+        gpu_experts,
+        None,
+        0,
+        Some(&plan.pins()),
+    )
+    .unwrap()
+}
+
 /// Qwen3-30B-A3B's shape (48 layers, 128 experts), weights never loaded.
 fn qwen3_30b() -> ModelConfig {
     ModelConfig::from_json(
@@ -56,16 +75,7 @@ fn glm_serve_file_reproduces_ktransformers_experts_on_cpu_for_decode_gpu_for_pre
         }
     }
     // decode: cpu pins every expert to DRAM, whatever --gpu-experts asks
-    let placement = plan_placement(
-        PlacementStrategy::Uniform,
-        &glm().moe_layers,
-        16,
-        8,
-        None,
-        0,
-        Some(&plan.pins()),
-    )
-    .unwrap();
+    let placement = uniform_placement(&glm(), 16, 8, &plan);
     assert!(placement.iter().flatten().all(|&g| !g));
     assert!(plan.unused_rules.is_empty());
 }
@@ -229,34 +239,41 @@ fn errors_carry_line_and_column() {
 
 #[test]
 fn rules_are_checked_against_the_model() {
-    let bad_layer = parse("- match:\n    layers: 0-4\n  decode: gpu\n").unwrap();
-    let e = bad_layer.resolve(&glm()).unwrap_err().to_string();
-    assert!(
-        e.starts_with("rules.yaml:2:13") && e.contains("beyond the model's 4 layers"),
-        "{e}"
-    );
-    let bad_expert = parse("- match: {experts: 16}\n  decode: gpu\n").unwrap();
-    let e = bad_expert.resolve(&glm()).unwrap_err().to_string();
-    assert!(
-        e.contains("expert 16") && e.starts_with("rules.yaml:1:"),
-        "{e}"
-    );
-    let gpu_int4 = parse("- match: {layers: 1}\n  decode: gpu\n  dtype: int4\n").unwrap();
-    let e = gpu_int4.resolve(&glm()).unwrap_err().to_string();
-    assert!(
-        e.starts_with("rules.yaml:3:10") && e.contains("GPU are bf16"),
-        "{e}"
-    );
-    // two formats for DRAM experts of one layer
-    let mixed = parse(
-        "- match: {layers: 1, experts: 0-7}\n  dtype: int4\n- match: {layers: 1}\n  dtype: int8\n",
-    )
-    .unwrap();
-    let e = mixed.resolve(&glm()).unwrap_err().to_string();
-    assert!(
-        e.contains("layer 1") && e.contains("share one format"),
-        "{e}"
-    );
+    // (rules, where the error points, what it says)
+    let refused: [(&str, &str, &[&str]); 4] = [
+        (
+            "- match:\n    layers: 0-4\n  decode: gpu\n",
+            "rules.yaml:2:13",
+            &["beyond the model's 4 layers"],
+        ),
+        (
+            "- match: {experts: 16}\n  decode: gpu\n",
+            "rules.yaml:1:",
+            &["expert 16"],
+        ),
+        (
+            "- match: {layers: 1}\n  decode: gpu\n  dtype: int4\n",
+            "rules.yaml:3:10",
+            &["GPU are bf16"],
+        ),
+        // two formats for DRAM experts of one layer
+        (
+            "- match: {layers: 1, experts: 0-7}\n  dtype: int4\n- match: {layers: 1}\n  dtype: int8\n",
+            "",
+            &["layer 1", "share one format"],
+        ),
+    ];
+    for (rules, at, says) in refused {
+        let e = parse(rules)
+            .unwrap()
+            .resolve(&glm())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(at) && says.iter().all(|s| e.contains(s)),
+            "{rules}: {e}"
+        );
+    }
     // ... unless the others live on the GPU
     let ok = parse(
         "- match: {layers: 1, experts: 0-7}\n  dtype: int4\n- match: {layers: 1}\n  decode: gpu\n",
@@ -289,16 +306,7 @@ fn plan_lists_runs_of_layers_and_experts() {
     .unwrap();
     let cfg = qwen3_30b();
     let plan = rules.resolve(&cfg).unwrap();
-    let placement = plan_placement(
-        PlacementStrategy::Uniform,
-        &cfg.moe_layers,
-        128,
-        32,
-        None,
-        0,
-        Some(&plan.pins()),
-    )
-    .unwrap();
+    let placement = uniform_placement(&cfg, 128, 32, &plan);
     let counts: Vec<usize> = placement
         .iter()
         .map(|r| r.iter().filter(|&&g| g).count())
@@ -369,16 +377,7 @@ fn joined_sources_try_the_users_rules_first_and_the_plan_names_each_rules_source
     let pins = plan.layer_pins();
     assert_eq!((pins[0].gpu, pins[0].dram), (0, 128));
     assert_eq!((pins[47].gpu, pins[47].dram), (32, 96));
-    let placement = plan_placement(
-        PlacementStrategy::Uniform,
-        &cfg.moe_layers,
-        128,
-        32,
-        None,
-        0,
-        Some(&plan.pins()),
-    )
-    .unwrap();
+    let placement = uniform_placement(&cfg, 128, 32, &plan);
     let text = plan.describe(&placement, "as-stored");
     let expect = [
         "placement plan (MOE_PLACEMENT_RULES + /etc/moe/sizing/sm90-140g.yaml): 1408 routed experts on the GPU, 4736 in DRAM",
