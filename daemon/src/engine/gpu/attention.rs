@@ -145,23 +145,16 @@ impl GpuModel {
         let window = layout.window;
         // Long prefill chunks: two GEMMs per KV head around a softmax (tensor cores); everything
         // else (decode rows, short chunks), in runs of consecutive rows: the paged kernel.
+        let shape = ((nh, nkv, dh), (scale, window));
+        let paged = |(r0, rows): (usize, usize), out: &mut CudaSlice<bf16>| {
+            self.paged_gqa(q, pool, li, step, shape.0, shape.1, r0, rows, out)
+        };
         let mut run: Option<(usize, usize)> = None; // (first row, rows) of short sequences
         for s in step.seqs {
             if s.len >= PREFILL_GEMM_MIN_ROWS {
-                if let Some((r0, c)) = run.take() {
-                    self.paged_gqa(
-                        q,
-                        pool,
-                        li,
-                        step,
-                        (nh, nkv, dh),
-                        (scale, window),
-                        r0,
-                        c,
-                        out,
-                    )?;
+                if let Some(r) = run.take() {
+                    paged(r, out)?;
                 }
-                let shape = ((nh, nkv, dh), (scale, window));
                 self.prefill_gqa(q, pool, li, step, s, shape, prefill, out)?;
             } else {
                 run = Some(match run {
@@ -170,18 +163,8 @@ impl GpuModel {
                 });
             }
         }
-        if let Some((r0, c)) = run {
-            self.paged_gqa(
-                q,
-                pool,
-                li,
-                step,
-                (nh, nkv, dh),
-                (scale, window),
-                r0,
-                c,
-                out,
-            )?;
+        if let Some(r) = run {
+            paged(r, out)?;
         }
         self.linear(o, out, x, n, true)
     }
