@@ -65,13 +65,8 @@ fn collect(mut rx: UnboundedReceiver<SeqEvent>) -> Output {
 /// 10 prompts: a 40-token prefix shared by all (two full blocks of 16 cached and shared), then 3 to 12
 /// tokens of their own; ids from a fixed xorshift stream below `vocab`.
 pub fn prompts(vocab: u32) -> Vec<Vec<u32>> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s % vocab as u64) as u32
-    };
+    let mut stream = super::xorshift(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || (stream() % vocab as u64) as u32;
     let prefix: Vec<u32> = (0..40).map(|_| next()).collect();
     (0..10)
         .map(|i| {

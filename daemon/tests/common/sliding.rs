@@ -39,15 +39,8 @@ pub fn engine(dir: &Path, release_window_kv: bool, opts: &EngineOptions) -> Engi
 }
 
 fn prompt(len: usize, vocab: u32, seed: u64) -> Vec<u32> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ seed;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
+    let mut next = super::xorshift(0x2545_F491_4F6C_DD1D ^ seed);
+    (0..len).map(|_| (next() % vocab as u64) as u32).collect()
 }
 
 fn argmax(l: &[f32]) -> u32 {
