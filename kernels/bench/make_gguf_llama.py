@@ -12,7 +12,8 @@ Q8_0), or random blocks with small super-block scales (Q4_K / Q6_K): scripts/ggu
 writes the file. Tokenizer: tokenizer.ggml.model = "none" with llama.vocab_size = V (llama.cpp adds V dummy
 tokens): enough for llama-bench and `moe-daemon bench`, not for text.
 
-Needs numpy and PyPI `gguf` (the peer kit's wheel), and scripts/gguf_random.py of this repository. Example:
+Needs numpy and PyPI `gguf` (the peer kit's wheel), and scripts/gguf_random.py (found in the repository's
+scripts/ or beside this file). Example:
     python3 make_gguf_llama.py --out /dev/shm/smollm2-shape-q4_1.gguf
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+# gguf_random.py: the repository's scripts/, or beside this file when the two are staged together
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent.parent / "scripts")]
 import gguf  # noqa: E402
 from gguf_random import DTYPES, F32, FILE_TYPE, Tensor, total_bytes, write  # noqa: E402
 
