@@ -14,7 +14,8 @@
 #                                     for 8 rows), 2 threads pinned
 #   bash smollm2_on_device.sh tests   the kernels' unit tests on this CPU (AMX paths included)
 # Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, cpu_dense_bench, peers/ (the peer kit with
-# kit/; else .device/peers); make_gguf_llama.py beside this script. Results to stdout and $OUT.
+# kit/; else .device/peers); make_gguf_llama.py beside this script, with scripts/gguf_random.py of the tree it
+# runs in or a copy beside them. Results to stdout and $OUT.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 D=${D:-.device}
