@@ -9,7 +9,7 @@ use super::ops::grid;
 use super::quant::{DenseFormat, QuantizedMatrix, W8Code};
 use super::{GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchArgs, PushKernelArg};
 use half::bf16;
 
 /// Tokens one GEMV launch handles (the kernel's register accumulators).
