@@ -413,6 +413,10 @@ impl KdaCase {
             s.clone_htod(&self.braw).unwrap(),
         );
         let mut out = s.alloc_zeros::<f32>(rows * heads * d).unwrap();
+        // NaN everywhere: a scratch value the chunked kernels read without writing it first shows.
+        let mut scratch = s
+            .clone_htod(&vec![f32::NAN; shape.chunk_scratch_floats(rows)])
+            .unwrap();
         let mut addrs = s.alloc_zeros::<u64>(self.lens.len()).unwrap();
         {
             let mut table =
@@ -429,7 +433,17 @@ impl KdaCase {
             )
             .unwrap();
             k.kda_recurrent(
-                dev, method, shape, &d_qkv, &d_g, &d_b, &seg, &mut table, 0, &mut out,
+                dev,
+                    method,
+                    shape,
+                    &d_qkv,
+                    &d_g,
+                    &d_b,
+                    &seg,
+                    &mut table,
+                    0,
+                    &mut scratch,
+                    &mut out,
             )
             .unwrap();
         }
@@ -446,7 +460,17 @@ impl KdaCase {
             let t0 = std::time::Instant::now();
             for _ in 0..repeats {
                 k.kda_recurrent(
-                    dev, method, shape, &d_qkv, &d_g, &d_b, &seg, &mut table, 0, &mut out,
+                    dev,
+                    method,
+                    shape,
+                    &d_qkv,
+                    &d_g,
+                    &d_b,
+                    &seg,
+                    &mut table,
+                    0,
+                    &mut scratch,
+                    &mut out,
                 )
                 .unwrap();
             }

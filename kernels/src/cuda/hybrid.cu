@@ -199,25 +199,114 @@ extern "C" __global__ void kda_recurrent(const float* qkv, const float* g, const
 }
 
 // The same recurrence in chunks of KDA_CHUNK tokens (the WY / chunked form of fla's `chunk_kda` and
-// transformers' `chunk_kimi_delta_attention`): per chunk, with G the within-chunk cumulative log decay,
+// transformers' `chunk_kimi_delta_attention`), in two passes. Per chunk, with G the within-chunk
+// cumulative log decay (G_i = g_0 + ... + g_i):
 //   A[i][j] = -beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])   (j < i), T = (I - A)^-1 by substitution,
-//   W = T (beta k exp G),  U = T (beta v),  v_new = U - W S,
-//   o_i = (q_i exp G_i) S + sum_{j<=i} (sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])) v_new_j,
+//   W = T (beta k exp G),  QK[i][j] = sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])   (j <= i)
+// depend on q, k, g and beta only: kda_chunk_prep computes them for every chunk of every segment and head
+// at once (one block each). kda_chunk_scan then walks each segment's chunks in order, carrying S:
+//   U = T (beta v),  v_new = U - W S,  o_i = (q_i exp G_i) S + sum_{j<=i} QK[i][j] v_new_j,
 //   S <- exp(G_last) S + sum_i (k_i exp(G_last - G_i)) v_new_i^T.
-// Every exponent is a decay over at most one chunk (<= 0), so nothing overflows. The chunk's shared
-// parts (A, T, W, the q·k scores) depend on q, k, g and beta only; value columns are independent as in
-// kda_recurrent, with the same register layout of S. A partial last chunk is padded with zero k, v and
-// beta, which leave outputs and state as they are. grid: (segments, heads, ceil(d / (128 / parts)));
-// block 128; d <= 128.
+// Every exponent is a decay over at most one chunk (<= 0), so nothing overflows. A partial last chunk is
+// padded with zero k, v and beta, whose W, T and v_new rows are zero: outputs and state stay as they are.
+// The per-chunk terms live in `scratch`, laid out by the chunk's rows (3 * heads * d floats per row, the
+// size of the q/k/v rows): row t holds W[t] for every head ([heads, d]), then per head 2d floats whose
+// first 2 * KDA_CHUNK are T's row and QK's row (so d >= KDA_CHUNK). Only real rows are written.
 #define KDA_CHUNK 16
-extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const float* beta, int heads, int d,
-                                       const int* seg_row0, const int* seg_len,
-                                       const unsigned long long* states, long long layer_off, float* out) {
-    __shared__ float sq[KDA_CHUNK][128];  // q, then q exp(G)
-    __shared__ float sk[KDA_CHUNK][128];  // k, then k exp(G_last - G)
-    __shared__ float sG[KDA_CHUNK][128];  // cumulative log decay within the chunk
-    __shared__ float sW[KDA_CHUNK][128];  // T (beta k exp G)
-    __shared__ float sT[KDA_CHUNK][KDA_CHUNK], sQK[KDA_CHUNK][KDA_CHUNK], sb[KDA_CHUNK];
+__device__ __forceinline__ size_t kda_w_at(size_t t, size_t w, int h, int d) { return t * 3 * w + (size_t)h * d; }
+__device__ __forceinline__ size_t kda_tq_at(size_t t, size_t w, int h, int d) {
+    return t * 3 * w + w + (size_t)h * 2 * d;
+}
+
+// grid: (ceil(longest segment / KDA_CHUNK), segments, heads); block 128; KDA_CHUNK <= d <= 128.
+extern "C" __global__ void kda_chunk_prep(const float* qkv, const float* g, const float* beta, int heads, int d,
+                                          const int* seg_row0, const int* seg_len, float* scratch) {
+    __shared__ float sq[KDA_CHUNK][128];
+    __shared__ float sk[KDA_CHUNK][128];
+    __shared__ float sG[KDA_CHUNK][128];
+    __shared__ float sT[KDA_CHUNK][KDA_CHUNK + 1];  // A, then T in place
+    __shared__ float sQK[KDA_CHUNK][KDA_CHUNK + 1], sb[KDA_CHUNK];
+    int s = blockIdx.y, h = blockIdx.z, tid = threadIdx.x;
+    int c0 = blockIdx.x * KDA_CHUNK, len = seg_len[s];
+    if (c0 >= len) return;
+    int n = min(KDA_CHUNK, len - c0);
+    size_t r0 = (size_t)seg_row0[s] + c0, w = (size_t)heads * d;
+    for (int c = tid; c < d; c += blockDim.x) {
+        float G = 0.f;
+        for (int i = 0; i < KDA_CHUNK; ++i) {
+            bool real = i < n;
+            size_t t = r0 + i;
+            sq[i][c] = real ? qkv[t * 3 * w + (size_t)h * d + c] : 0.f;
+            sk[i][c] = real ? qkv[t * 3 * w + w + (size_t)h * d + c] : 0.f;
+            G += real ? g[t * w + (size_t)h * d + c] : 0.f;
+            sG[i][c] = G;
+        }
+    }
+    if (tid < KDA_CHUNK) sb[tid] = tid < n ? beta[(r0 + tid) * heads + h] : 0.f;
+    __syncthreads();
+    // the decayed k·k and q·k products: one warp per (i, j), lanes over channels
+    int lane = tid % WARP, wid = tid / WARP, nw = blockDim.x / WARP;
+    for (int p = wid; p < KDA_CHUNK * KDA_CHUNK; p += nw) {
+        int i = p / KDA_CHUNK, j = p % KDA_CHUNK;
+        float a = 0.f, qk = 0.f;
+        if (j <= i) {  // uniform over the warp
+            for (int c = lane; c < d; c += WARP) {
+                float e = expf(sG[i][c] - sG[j][c]) * sk[j][c];
+                a += sk[i][c] * e;
+                qk += sq[i][c] * e;
+            }
+            a = warp_sum(a);
+            qk = warp_sum(qk);
+        }
+        if (lane == 0) {
+            sT[i][j] = j < i ? -sb[i] * a : 0.f;
+            sQK[i][j] = qk;
+        }
+    }
+    __syncthreads();
+    // T = (I - A)^-1 row by row: T[i][j] = A[i][j] + sum_{j < m < i} A[i][m] T[m][j] (diagonal 1 implied)
+    if (wid == 0) {
+        for (int i = 1; i < KDA_CHUNK; ++i) {
+            float v = 0.f;
+            if (lane < i) {
+                v = sT[i][lane];
+                for (int m = lane + 1; m < i; ++m) v += sT[i][m] * sT[m][lane];
+            }
+            __syncwarp();
+            if (lane < i) sT[i][lane] = v;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < d; c += blockDim.x) {
+        float bk[KDA_CHUNK];
+#pragma unroll
+        for (int j = 0; j < KDA_CHUNK; ++j) bk[j] = sb[j] * sk[j][c] * expf(sG[j][c]);
+#pragma unroll
+        for (int i = 0; i < KDA_CHUNK; ++i) {
+            float acc = bk[i];
+#pragma unroll
+            for (int j = 0; j < i; ++j) acc += sT[i][j] * bk[j];
+            if (i < n) scratch[kda_w_at(r0 + i, w, h, d) + c] = acc;
+        }
+    }
+    for (int p = tid; p < n * 2 * KDA_CHUNK; p += blockDim.x) {
+        int i = p / (2 * KDA_CHUNK), j = p % (2 * KDA_CHUNK);
+        float v = j < KDA_CHUNK ? (j < i ? sT[i][j] : 0.f) : sQK[i][j - KDA_CHUNK];
+        scratch[kda_tq_at(r0 + i, w, h, d) + j] = v;
+    }
+}
+
+// The sequential pass over each segment's chunks, value columns independent as in kda_recurrent (same
+// register layout of S). grid: (segments, heads, ceil(d / (128 / parts))); block 128; KDA_CHUNK <= d <= 128.
+extern "C" __global__ void kda_chunk_scan(const float* qkv, const float* g, const float* beta, int heads, int d,
+                                          const int* seg_row0, const int* seg_len,
+                                          const unsigned long long* states, long long layer_off,
+                                          const float* scratch, float* out) {
+    __shared__ float sq[KDA_CHUNK][128];  // q exp(G)
+    __shared__ float sk[KDA_CHUNK][128];  // k exp(G_last - G)
+    __shared__ float sW[KDA_CHUNK][128];
+    __shared__ float sT[KDA_CHUNK][KDA_CHUNK], sQK[KDA_CHUNK][KDA_CHUNK], sb[KDA_CHUNK], sdecay[128];
     KdaColumn kc = kda_column(d, heads, states, layer_off);
     int parts = kc.parts, part = kc.part, col = kc.col, tid = threadIdx.x;
     bool active = kc.active;
@@ -228,67 +317,39 @@ extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const f
     int row0 = seg_row0[s], len = seg_len[s];
     for (int c0 = 0; c0 < len; c0 += KDA_CHUNK) {
         int n = min(KDA_CHUNK, len - c0);
-        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
-            int i = idx / d, c = idx % d;
-            size_t t = (size_t)row0 + c0 + i;
-            bool real = i < n;
-            sq[i][c] = real ? qkv[t * 3 * w + (size_t)h * d + c] : 0.f;
-            sk[i][c] = real ? qkv[t * 3 * w + w + (size_t)h * d + c] : 0.f;
-            sG[i][c] = real ? g[t * w + (size_t)h * d + c] : 0.f;
-        }
-        if (tid < KDA_CHUNK) sb[tid] = tid < n ? beta[((size_t)row0 + c0 + tid) * heads + h] : 0.f;
-        __syncthreads();
+        size_t r0 = (size_t)row0 + c0;
         for (int c = tid; c < d; c += blockDim.x) {
-            float acc = 0.f;
+            float G[KDA_CHUNK], acc = 0.f;
+#pragma unroll
             for (int i = 0; i < KDA_CHUNK; ++i) {
-                acc += sG[i][c];
-                sG[i][c] = acc;
+                acc += i < n ? g[(r0 + i) * w + (size_t)h * d + c] : 0.f;
+                G[i] = acc;
             }
-        }
-        __syncthreads();
-        for (int p = tid; p < KDA_CHUNK * KDA_CHUNK; p += blockDim.x) {
-            int i = p / KDA_CHUNK, j = p % KDA_CHUNK;
-            float a = 0.f, qk = 0.f;
-            if (j <= i) {
-                for (int c = 0; c < d; ++c) {
-                    float e = expf(sG[i][c] - sG[j][c]) * sk[j][c];
-                    a += sk[i][c] * e;
-                    qk += sq[i][c] * e;
-                }
+#pragma unroll
+            for (int i = 0; i < KDA_CHUNK; ++i) {
+                bool real = i < n;
+                size_t t = r0 + i;
+                sq[i][c] = real ? qkv[t * 3 * w + (size_t)h * d + c] * expf(G[i]) : 0.f;
+                sk[i][c] = real ? qkv[t * 3 * w + w + (size_t)h * d + c] * expf(acc - G[i]) : 0.f;
+                sW[i][c] = real ? scratch[kda_w_at(t, w, h, d) + c] : 0.f;
             }
-            sT[i][j] = j < i ? -sb[i] * a : 0.f;
-            sQK[i][j] = j <= i ? qk : 0.f;
+            sdecay[c] = expf(acc);
         }
-        __syncthreads();
-        // T = (I - A)^-1 row by row: T[i][j] = A[i][j] + sum_{j < m < i} A[i][m] T[m][j] (diagonal 1 implied)
-        for (int i = 1; i < KDA_CHUNK; ++i) {
-            float v = 0.f;
-            if (tid < i) {
-                v = sT[i][tid];
-                for (int m = tid + 1; m < i; ++m) v += sT[i][m] * sT[m][tid];
-            }
-            __syncthreads();
-            if (tid < i) sT[i][tid] = v;
-            __syncthreads();
+        for (int p = tid; p < KDA_CHUNK * 2 * KDA_CHUNK; p += blockDim.x) {
+            int i = p / (2 * KDA_CHUNK), j = p % (2 * KDA_CHUNK);
+            float v = i < n ? scratch[kda_tq_at(r0 + i, w, h, d) + j] : 0.f;
+            if (j < KDA_CHUNK)
+                sT[i][j] = v;
+            else
+                sQK[i][j - KDA_CHUNK] = v;
         }
-        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
-            int i = idx / d, c = idx % d;
-            float acc = sb[i] * sk[i][c] * expf(sG[i][c]);
-            for (int j = 0; j < i; ++j) acc += sT[i][j] * sb[j] * sk[j][c] * expf(sG[j][c]);
-            sW[i][c] = acc;
-        }
-        __syncthreads();
-        for (int idx = tid; idx < KDA_CHUNK * d; idx += blockDim.x) {
-            int i = idx / d, c = idx % d;
-            sq[i][c] *= expf(sG[i][c]);
-            sk[i][c] *= expf(sG[KDA_CHUNK - 1][c] - sG[i][c]);
-        }
+        if (tid < KDA_CHUNK) sb[tid] = tid < n ? beta[(r0 + tid) * heads + h] : 0.f;
         __syncthreads();
         // value column `col`: U = T (beta v), v_new = U - W S, outputs, then the state
         float vb[KDA_CHUNK], vn[KDA_CHUNK];
 #pragma unroll
         for (int j = 0; j < KDA_CHUNK; ++j)
-            vb[j] = (active && j < n) ? sb[j] * qkv[((size_t)row0 + c0 + j) * 3 * w + 2 * w + (size_t)h * d + col] : 0.f;
+            vb[j] = (active && j < n) ? sb[j] * qkv[(r0 + j) * 3 * w + 2 * w + (size_t)h * d + col] : 0.f;
 #pragma unroll
         for (int i = 0; i < KDA_CHUNK; ++i) {
             float u = vb[i];
@@ -314,13 +375,13 @@ extern "C" __global__ void kda_chunked(const float* qkv, const float* g, const f
             for (int o = 1; o < parts; o <<= 1) o_acc += __shfl_xor_sync(0xffffffff, o_acc, o);
 #pragma unroll
             for (int j = 0; j <= i; ++j) o_acc += sQK[i][j] * vn[j];
-            if (active && part == 0 && i < n) out[((size_t)row0 + c0 + i) * w + (size_t)h * d + col] = o_acc;
+            if (active && part == 0 && i < n) out[(r0 + i) * w + (size_t)h * d + col] = o_acc;
         }
 #pragma unroll
         for (int r = 0; r < KDA_ROWS; ++r) {
             int row = part + parts * r;
             if (row < d) {
-                float acc = expf(sG[KDA_CHUNK - 1][row]) * reg[r];
+                float acc = sdecay[row] * reg[r];
 #pragma unroll
                 for (int i = 0; i < KDA_CHUNK; ++i) acc += sk[i][row] * vn[i];
                 reg[r] = acc;

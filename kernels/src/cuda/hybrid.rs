@@ -11,12 +11,13 @@ use std::marker::PhantomData;
 pub const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("hybrid.cu"));
 
 /// Entry points of `hybrid.cu`, by name.
-pub const ENTRIES: [&str; 16] = [
+pub const ENTRIES: [&str; 17] = [
     "kda_conv",
     "kda_conv_tail",
     "kda_prepare",
     "kda_recurrent",
-    "kda_chunked",
+    "kda_chunk_prep",
+    "kda_chunk_scan",
     "gated_rms_norm",
     "hc_broadcast",
     "hc_mean",
@@ -41,7 +42,8 @@ pub struct HybridKernels {
     pub(super) kda_conv_tail: CudaFunction,
     pub(super) kda_prepare: CudaFunction,
     pub(super) kda_recurrent: CudaFunction,
-    pub(super) kda_chunked: CudaFunction,
+    pub(super) kda_chunk_prep: CudaFunction,
+    pub(super) kda_chunk_scan: CudaFunction,
     pub(super) gated_rms_norm: CudaFunction,
     pub(super) hc_broadcast: CudaFunction,
     pub(super) hc_mean: CudaFunction,
@@ -71,7 +73,8 @@ impl HybridKernels {
             kda_conv_tail: f("kda_conv_tail")?,
             kda_prepare: f("kda_prepare")?,
             kda_recurrent: f("kda_recurrent")?,
-            kda_chunked: f("kda_chunked")?,
+            kda_chunk_prep: f("kda_chunk_prep")?,
+            kda_chunk_scan: f("kda_chunk_scan")?,
             gated_rms_norm: f("gated_rms_norm")?,
             hc_broadcast: f("hc_broadcast")?,
             hc_mean: f("hc_mean")?,

@@ -5,8 +5,10 @@
 //! Cost: the recurrence reads and writes each sequence's `heads × d × d` state once per step (64 KiB per
 //! head at d = 128). Token by token ([`KdaMethod::PerToken`]) it runs a sequence's tokens one after
 //! another, each a dependent update of the state: right for decode (one token), latency-bound for a
-//! prompt. In chunks ([`KdaMethod::Chunked`], the WY form) it updates the state once per 16 tokens,
-//! the work within a chunk being small matrix products: what prefill uses.
+//! prompt. In chunks ([`KdaMethod::Chunked`], the WY form) it first computes every chunk's own terms
+//! (decayed k·k and q·k products, the triangular solve, W) for all chunks at once, one block per
+//! (chunk, head), then walks each sequence's chunks in order updating the state once per 16 tokens:
+//! what prefill uses.
 use super::hybrid::{cfg, check, HybridKernels, SegmentIndex, StateTable};
 use super::{GpuDevice, GpuError};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -52,6 +54,12 @@ impl KdaShape {
         self.heads * self.head_dim * self.head_dim + self.conv_floats()
     }
 
+    /// Floats of the scratch [`KdaMethod::Chunked`] writes for a step of `rows` rows: the size of the
+    /// step's q/k/v rows (`[rows, 3·qkv]`), so the convolution's input rows, dead by then, can hold it.
+    pub fn chunk_scratch_floats(&self, rows: usize) -> usize {
+        rows * 3 * self.qkv()
+    }
+
     fn conv_floats(&self) -> usize {
         (self.conv_kernel - 1) * 3 * self.qkv()
     }
@@ -69,7 +77,9 @@ impl KdaShape {
 pub enum KdaMethod {
     /// One dependent state update per token (`kda_recurrent`).
     PerToken,
-    /// One state update per chunk of [`KDA_CHUNK`] tokens (`kda_chunked`).
+    /// Every chunk's own terms in parallel (`kda_chunk_prep`), then one state update per chunk of
+    /// [`KDA_CHUNK`] tokens (`kda_chunk_scan`). Needs `head_dim >= KDA_CHUNK` and a scratch buffer of
+    /// [`KdaShape::chunk_scratch_floats`].
     Chunked,
 }
 
@@ -78,22 +88,22 @@ pub const KDA_CHUNK: usize = 16;
 
 impl KdaMethod {
     /// The method for a step whose longest segment has `max_len` rows: chunks once a segment fills
-    /// one, tokens otherwise (decode, short chunks). `MOE_KDA_METHOD=token|chunked` forces one (A/B
-    /// runs).
-    pub fn for_step(max_len: usize) -> Self {
+    /// one, tokens otherwise (decode, short chunks, heads narrower than a chunk).
+    /// `MOE_KDA_METHOD=token|chunked` forces one where the shape allows it (A/B runs).
+    pub fn for_step(shape: KdaShape, max_len: usize) -> Self {
         static FORCED: std::sync::OnceLock<Option<KdaMethod>> = std::sync::OnceLock::new();
         let forced = FORCED.get_or_init(|| match std::env::var("MOE_KDA_METHOD").as_deref() {
             Ok("token") => Some(Self::PerToken),
             Ok("chunked") => Some(Self::Chunked),
             _ => None,
         });
-        if let Some(m) = forced {
-            return *m;
+        if shape.head_dim < KDA_CHUNK {
+            return Self::PerToken;
         }
-        if max_len >= KDA_CHUNK {
-            Self::Chunked
-        } else {
-            Self::PerToken
+        match forced {
+            Some(m) => *m,
+            None if max_len >= KDA_CHUNK => Self::Chunked,
+            None => Self::PerToken,
         }
     }
 }
@@ -208,8 +218,10 @@ impl HybridKernels {
     }
 
     /// The recurrence over each segment's tokens from its state (layer part at `layer_off`), advancing
-    /// the state; outputs `[rows, qkv]` into `out`. Inputs as [`Self::kda_prepare`] leaves them. Both
-    /// methods compute the same recurrence (f32, summed in another order).
+    /// the state; outputs `[rows, qkv]` into `out`. Inputs as [`Self::kda_prepare`] leaves them.
+    /// [`KdaMethod::Chunked`] writes its per-chunk terms into `scratch` (at least
+    /// [`KdaShape::chunk_scratch_floats`]; the per-token method leaves it alone). Both methods compute
+    /// the same recurrence (f32, summed in another order).
     #[allow(clippy::too_many_arguments)]
     pub fn kda_recurrent(
         &self,
@@ -222,6 +234,7 @@ impl HybridKernels {
         seg: &SegmentIndex,
         states: &mut StateTable<'_>,
         layer_off: usize,
+        scratch: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         shape.check()?;
@@ -237,11 +250,55 @@ impl HybridKernels {
         let parts = d.div_ceil(32).next_power_of_two(); // 1, 2 or 4 lanes per value column
         let per_block = BLOCK as usize / parts;
         let (heads, d_i, off) = (shape.heads as i32, d as i32, layer_off as i64);
-        let kernel = match method {
-            KdaMethod::PerToken => &self.kda_recurrent,
-            KdaMethod::Chunked => &self.kda_chunked,
-        };
-        let mut l = dev.stream.launch_builder(kernel);
+        let columns = (seg.segments, shape.heads, d.div_ceil(per_block));
+        if method == KdaMethod::PerToken {
+            let mut l = dev.stream.launch_builder(&self.kda_recurrent);
+            l.arg(qkv)
+                .arg(g)
+                .arg(beta)
+                .arg(&heads)
+                .arg(&d_i)
+                .arg(&seg.row0)
+                .arg(&seg.len)
+                .arg(&states.addrs)
+                .arg(&off)
+                .arg(out);
+            // SAFETY: d ≤ 128 (the shared arrays, 32 rows × ≤ 4 lanes per column); buffers and state
+            // parts checked above; the table borrows the states.
+            unsafe { l.launch(cfg(columns, BLOCK, 0)) }?;
+            return Ok(());
+        }
+        check(
+            d >= KDA_CHUNK
+                && scratch.len() >= shape.chunk_scratch_floats(seg.rows)
+                && seg.segments <= u16::MAX as usize
+                && shape.heads <= u16::MAX as usize,
+            || {
+                format!(
+                    "kda_recurrent in chunks: head_dim {d} under {KDA_CHUNK}, or scratch of {} \
+                     floats for {} rows, or {} segments × {} heads",
+                    scratch.len(),
+                    seg.rows,
+                    seg.segments,
+                    shape.heads
+                )
+            },
+        )?;
+        let mut l = dev.stream.launch_builder(&self.kda_chunk_prep);
+        l.arg(qkv)
+            .arg(g)
+            .arg(beta)
+            .arg(&heads)
+            .arg(&d_i)
+            .arg(&seg.row0)
+            .arg(&seg.len)
+            .arg(&mut *scratch);
+        let chunks = seg.max_len.div_ceil(KDA_CHUNK).max(1);
+        // SAFETY: KDA_CHUNK ≤ d ≤ 128 (the shared arrays and the scratch row layout); inputs checked
+        // above; every block past its segment's length returns; it writes the scratch rows of its
+        // chunk's real rows only, inside `rows × 3·qkv` (checked).
+        unsafe { l.launch(cfg((chunks, seg.segments, shape.heads), BLOCK, 0)) }?;
+        let mut l = dev.stream.launch_builder(&self.kda_chunk_scan);
         l.arg(qkv)
             .arg(g)
             .arg(beta)
@@ -251,17 +308,10 @@ impl HybridKernels {
             .arg(&seg.len)
             .arg(&states.addrs)
             .arg(&off)
+            .arg(&*scratch)
             .arg(out);
-        // SAFETY: d ≤ 128 (both kernels' shared arrays and 32 rows × ≤ 4 lanes per column); buffers
-        // and state parts checked above; the table borrows the states. Both kernels take the same
-        // arguments and launch shape.
-        unsafe {
-            l.launch(cfg(
-                (seg.segments, shape.heads, d.div_ceil(per_block)),
-                BLOCK,
-                0,
-            ))
-        }?;
+        // SAFETY: as above; it reads the scratch rows kda_chunk_prep wrote before it in stream order.
+        unsafe { l.launch(cfg(columns, BLOCK, 0)) }?;
         Ok(())
     }
 

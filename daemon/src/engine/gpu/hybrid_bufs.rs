@@ -31,7 +31,8 @@ pub struct Streams {
 
 /// A linear-attention layer's intermediates (w = heads · head_dim).
 pub struct LinearBufs {
-    /// q, k, v projections `[rows, 3w]`, and after the convolution `[rows, 3w]`.
+    /// q, k, v projections `[rows, 3w]` (after the convolution, the chunked recurrence's scratch),
+    /// and after the convolution `[rows, 3w]`.
     pub raw: CudaSlice<f32>,
     pub mixed: CudaSlice<f32>,
     /// A low-rank pair's middle `[rows, rank]` f32 and bf16 (the forget and output gates in turn).

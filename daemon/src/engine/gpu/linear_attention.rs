@@ -1,7 +1,8 @@
 //! KDA linear-attention layers on the GPU (GLM-5.3-Flash): the CPU's `engine::cpu::linear_attention` with the
 //! projections as GEMMs (q, k and v stacked into one) and the convolution, gate, recurrence and gated
 //! norm as the kernels of `hybrid.cu`. Each sequence's state lives in its GPU state buffer
-//! (`gpu::hybrid`); decode steps run the per-token recurrence, prefill chunks the chunked (WY) form.
+//! (`gpu::hybrid`); decode steps run the per-token recurrence, prefill chunks the chunked (WY) form
+//! (its per-chunk terms written over the q/k/v projection rows, which the convolution has consumed).
 use super::hybrid::HybridStep;
 use super::{upload_linear, GpuLinear, GpuModel};
 use crate::engine::linear::Linear;
@@ -165,9 +166,10 @@ impl GpuModel {
             &la.a_log,
             &la.dt_bias,
         )?;
+        // The convolution's input rows are dead from here: the chunked recurrence's scratch.
         k.kda_recurrent(
             dev,
-            KdaMethod::for_step(seg.max_len),
+            KdaMethod::for_step(shape, seg.max_len),
             shape,
             &b.mixed,
             &b.g,
@@ -175,6 +177,7 @@ impl GpuModel {
             seg,
             states,
             off,
+            &mut b.raw,
             &mut b.core,
         )?;
         k.gated_rms_norm(
