@@ -434,16 +434,16 @@ impl KdaCase {
             .unwrap();
             k.kda_recurrent(
                 dev,
-                    method,
-                    shape,
-                    &d_qkv,
-                    &d_g,
-                    &d_b,
-                    &seg,
-                    &mut table,
-                    0,
-                    &mut scratch,
-                    &mut out,
+                method,
+                shape,
+                &d_qkv,
+                &d_g,
+                &d_b,
+                &seg,
+                &mut table,
+                0,
+                &mut scratch,
+                &mut out,
             )
             .unwrap();
         }
@@ -504,4 +504,136 @@ fn kda_chunked_prefill_matches_and_is_timed() {
         );
         assert!(err <= 1e-4 && serr <= 1e-4, "{len}: {err} {serr}");
     }
+}
+
+/// One GLM-5.3-Flash indexed layer's sparse-attention kernels over a 4096-token prompt (one sequence,
+/// every query at its own position): the indexer's scores (32 heads × 128 over key pools of 4), its
+/// top-512-pool selection, and MLA (64 heads, latent 512, nope 256, v 256) over the ~1536 positions
+/// each query then attends on average. Prints each kernel's milliseconds (`--nocapture`; with
+/// `kda_chunked_prefill_matches_and_is_timed`, where a long prefill's attention time goes); asserts
+/// every query's list length (top 512 pools + its own incomplete pool) and finite outputs.
+#[test]
+fn indexed_layer_kernels_are_timed() {
+    use half::bf16;
+    use moe_kernels::cuda::hybrid::{HybridKernels, SegmentIndex};
+    use moe_kernels::cuda::indexer::{DeviceSelection, IndexerRows, MlaDims, PagedTables};
+    use moe_kernels::cuda::GpuDevice;
+    let dev = GpuDevice::open(0).unwrap();
+    let k = HybridKernels::load(&dev).unwrap();
+    let s = &dev.stream;
+    let (rows, block_size) = (4096usize, 64usize);
+    let (ih, id, pool, topk) = (32usize, 128usize, 4usize, 512usize);
+    let dims = MlaDims {
+        heads: 64,
+        nope: 256,
+        rope: 0,
+        lora: 512,
+        v_dim: 256,
+    };
+    let mut uni = uniform(11);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| uni()).collect() };
+    let seg = SegmentIndex::new(&dev, &[rows]).unwrap();
+    let max_blocks = rows / block_size;
+    let tables = s
+        .clone_htod(&(0..max_blocks as i32).collect::<Vec<_>>())
+        .unwrap();
+    let paged = PagedTables {
+        tables: &tables,
+        max_blocks,
+        block_size,
+    };
+    let pos = s.clone_htod(&(0..rows as i32).collect::<Vec<_>>()).unwrap();
+    let seq_of_row = s.alloc_zeros::<i32>(rows).unwrap();
+    // indexer rows: key then pool-gate columns; complete pools keep their pooled key in the gate columns
+    let cache = s.clone_htod(&rand(rows * 2 * id)).unwrap();
+    let keys = IndexerRows {
+        cache: &cache,
+        width: 2 * id,
+        unit: pool,
+        key_off: id,
+        paged: &paged,
+    };
+    let (iq, iw) = (
+        s.clone_htod(&rand(rows * ih * id)).unwrap(),
+        s.clone_htod(&rand(rows * ih)).unwrap(),
+    );
+    let stride = rows / pool;
+    let mut scores = s.alloc_zeros::<f32>(rows * stride).unwrap();
+    let mut sel = DeviceSelection::alloc(&dev, rows, topk * pool + pool).unwrap();
+    let latent: Vec<bf16> = rand(rows * dims.lora)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let latent = s.clone_htod(&latent).unwrap();
+    let rope_keys = s.alloc_zeros::<bf16>(1).unwrap();
+    let q = s.clone_htod(&rand(rows * dims.heads * dims.nope)).unwrap();
+    let kv_b = s
+        .clone_htod(&rand(dims.heads * (dims.nope + dims.v_dim) * dims.lora))
+        .unwrap();
+    let mut out = s
+        .alloc_zeros::<bf16>(rows * dims.heads * dims.v_dim)
+        .unwrap();
+    let timed = |name: &str, f: &mut dyn FnMut()| {
+        f(); // warm
+        s.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..3 {
+            f();
+        }
+        s.synchronize().unwrap();
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / 3.0;
+        println!("indexed layer, {rows} tokens: {name} {ms:.3} ms");
+        ms
+    };
+    let scale = 1.0 / (id as f32).sqrt();
+    let t_scores = timed("idx_scores", &mut || {
+        k.idx_scores(
+            &dev,
+            &seg,
+            (ih, id),
+            scale,
+            &iq,
+            &iw,
+            &pos,
+            &keys,
+            stride,
+            &mut scores,
+        )
+        .unwrap()
+    });
+    let t_topk = timed("idx_topk", &mut || {
+        k.idx_topk(&dev, &scores, stride, &pos, topk, pool, &mut sel)
+            .unwrap()
+    });
+    let t_mla = timed("mla_attention_selected", &mut || {
+        k.mla_attention_selected(
+            &dev,
+            dims,
+            &q,
+            &latent,
+            &rope_keys,
+            &paged,
+            &seq_of_row,
+            &sel,
+            &kv_b,
+            0.06,
+            &mut out,
+        )
+        .unwrap()
+    });
+    println!(
+        "indexed layer, {rows} tokens: {:.1} ms in these kernels (scores {t_scores:.1}, top-k {t_topk:.1}, MLA {t_mla:.1})",
+        t_scores + t_topk + t_mla
+    );
+    let (_, lens) = sel.to_host(&dev).unwrap();
+    for (p, &len) in lens.iter().enumerate().take(rows) {
+        let complete = (p + 1) / pool;
+        let want = complete.min(topk) * pool + (p + 1 - complete * pool);
+        assert_eq!(len as usize, want, "query {p}: list length");
+    }
+    let o: Vec<bf16> = s.clone_dtoh(&out).unwrap();
+    assert!(
+        o.iter().all(|v| v.to_f32().is_finite()),
+        "MLA outputs finite"
+    );
 }
