@@ -77,8 +77,10 @@ fn positive(v: &Value, key: &'static str) -> Result<u64, ShapeError> {
         .ok_or(ShapeError::Field(key))
 }
 
-/// A per-layer list of words mapped through `word`, or `default` per layer when absent.
-fn per_layer<T>(
+/// A per-layer list of words (`layer_types`, `mlp_layer_types`, …) mapped through `word`, or
+/// `default` per layer when absent or null. Refuses a list of another length or a word `word` does not
+/// know. The daemon's config parser reads the same lists through this function.
+pub fn per_layer<T>(
     v: &Value,
     key: &str,
     layers: u64,

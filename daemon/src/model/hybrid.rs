@@ -97,7 +97,8 @@ fn f64_or(v: &Value, key: &str, default: f64) -> Result<f64, ConfigError> {
     }
 }
 
-/// A per-layer list of strings mapped through `parse`, or `default` when absent.
+/// A per-layer list of strings mapped through `parse`, or `default` when absent: the sizing crate's
+/// reading (the operator plans from the same lists), its refusals as this crate's config errors.
 fn per_layer<T>(
     v: &Value,
     key: &str,
@@ -105,22 +106,12 @@ fn per_layer<T>(
     parse: impl Fn(&str) -> Option<T>,
     default: impl Fn(usize) -> T,
 ) -> Result<Vec<T>, ConfigError> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok((0..layers).map(default).collect()),
-        Some(Value::Array(a)) if a.len() == layers => a
-            .iter()
-            .map(|x| {
-                x.as_str().and_then(&parse).ok_or_else(|| {
-                    ConfigError::Invalid(format!(
-                        "`{key}` holds {x}, which is not a known layer type"
-                    ))
-                })
-            })
-            .collect(),
-        Some(_) => Err(ConfigError::Invalid(format!(
-            "`{key}` must be a list of {layers} entries (one per layer)"
-        ))),
-    }
+    moe_sizing::glm::per_layer(v, key, layers as u64, parse, |i| default(i as usize)).map_err(|e| {
+        match e {
+            moe_sizing::ShapeError::Invalid(msg) => ConfigError::Invalid(msg),
+            other => ConfigError::Invalid(other.to_string()),
+        }
+    })
 }
 
 /// Parses the GLM-5.3-Flash fields of the (merged) text config.
@@ -295,6 +286,19 @@ mod tests {
             json!({"swiglu_limit": -1.0}),
         ] {
             assert!(parse(&v, 2).is_err(), "{v}");
+        }
+        // per-layer lists: the sizing crate's refusal, as a config error naming the field
+        for (v, key) in [
+            (json!({"layer_types": ["linear_attention"]}), "layer_types"),
+            (
+                json!({"mlp_layer_types": ["dense", "moe"]}),
+                "mlp_layer_types",
+            ),
+        ] {
+            match parse(&v, 2) {
+                Err(ConfigError::Invalid(msg)) => assert!(msg.contains(key), "{msg}"),
+                other => panic!("{v}: {other:?}"),
+            }
         }
     }
 
