@@ -35,7 +35,9 @@ pub fn builtin_for_architecture(architecture: &str) -> Option<&'static str> {
         // matches the GLM-5 tokenizer's template wherever public sources quote it (the same fragments
         // and renders of zai-org/GLM-5: `[gMASK]<sop><|user|>你好<|assistant|><think>` and
         // `…<|assistant|></think>2<|user|>…`; text/builtin_template_tests.rs checks both) and a
-        // vendored copy of the GLM-4.7 template line for line.
+        // vendored copy of the GLM-4.7 template line for line; without its final newline it is
+        // byte for byte llama.cpp's `models/templates/GLM-4.7-Flash.jinja` (3120 bytes, sha256
+        // d63ad536…, docs/GLM5-NEXT.md).
         "GlmMoeDsaForCausalLM" | "Glm4MoeLiteForCausalLM" => {
             Some(include_str!("testdata/glm5_chat_template.jinja"))
         }
