@@ -38,9 +38,15 @@ pub(crate) fn amx_supports(format: WeightFormat) -> bool {
     )
 }
 
-/// From this many tokens on, FP8 tiles are widened to bf16 once per call (then bf16 kernels) instead of
-/// once per block of 4 tokens inside the FP8 kernel.
-pub(crate) const FP8_WIDEN_MIN_ROWS: usize = 8;
+/// Without AMX, from this many tokens on FP8 tiles are widened to bf16 once per call (then the bf16
+/// kernel) instead of decoded once per block of 8 tokens inside the FP8 kernel.
+pub(crate) const FP8_WIDEN_MIN_ROWS: usize = 16;
+
+/// Whether a call on FP8 weights widens them to bf16 tiles first: always when it runs on AMX (the
+/// widening, shared by all rows, is then most of the cost), else from [`FP8_WIDEN_MIN_ROWS`] rows.
+pub(crate) fn fp8_widens(tier: CpuTier, amx: bool, m: usize) -> bool {
+    (tier == CpuTier::Amx && amx) || m >= FP8_WIDEN_MIN_ROWS
+}
 
 thread_local! {
     static WIDE: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -273,7 +279,7 @@ pub(crate) fn gemm(
                     | WeightFormat::Int8Min { .. },
                 ) if amx => return int_widened(tier, true, w, nt0, nts, a, y, ldy),
                 (CpuTier::Avx512 | CpuTier::Amx, ActKind::Bf16, WeightFormat::Fp8Block)
-                    if m >= FP8_WIDEN_MIN_ROWS =>
+                    if fp8_widens(tier, amx, m) =>
                 {
                     return gemm_widened(
                         tier,

@@ -54,10 +54,63 @@ fn fp8_byte_luts() -> &'static [[u8; 128]; 2] {
 }
 
 /// An FP8 → bf16 decoder: 64 weight bytes (pair-rows i and i+1 of an N-tile) to the two bf16 pair-rows.
-trait Decode {
+trait Decode: Sized {
     /// # Safety
     /// The CPU has the decoder's features; `p` points at 64 readable bytes.
     unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh);
+
+    /// The same decoder with tables that give `bf16(value · s)` (the magnitude scaled and rounded as
+    /// [`scale_bf16x32`] rounds, the sign or-ed in): bit for bit what decoding and then scaling gives,
+    /// for a scale whose sign bit is clear and that is not NaN ([`folds_into_tables`]).
+    ///
+    /// # Safety
+    /// The CPU has the decoder's features and AVX-512 BF16.
+    unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Self;
+}
+
+/// Whether a block scale can be folded into the decoder's tables: with its sign bit clear and not NaN,
+/// `bf16(-v · s) = -bf16(v · s)` for every FP8 value, so the sign can still be or-ed in after the table.
+fn folds_into_tables(s: f32) -> bool {
+    s.is_sign_positive() && !s.is_nan()
+}
+
+/// What scaling a decoder's tables needs: the 128 magnitudes' bf16 patterns (four vectors of 32) and
+/// the byte interleaves that split 16-bit patterns into high and low bytes.
+struct ScaleTables {
+    base: [__m512i; 4],
+    high_bytes: __m512i,
+    low_bytes: __m512i,
+}
+
+impl ScaleTables {
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn new() -> ScaleTables {
+        let table = fp8_lut();
+        let pick = |odd: u8| -> [u8; 64] { std::array::from_fn(|t| 2 * t as u8 + odd) };
+        let (high, low) = (pick(1), pick(0));
+        // SAFETY: 128 u16 = four 64-byte vectors; 64-byte index arrays; (caller) AVX-512F present.
+        unsafe {
+            ScaleTables {
+                base: std::array::from_fn(|i| {
+                    _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())
+                }),
+                high_bytes: _mm512_loadu_si512(high.as_ptr().cast()),
+                low_bytes: _mm512_loadu_si512(low.as_ptr().cast()),
+            }
+        }
+    }
+
+    /// `bf16(magnitude · s)` for the 128 magnitudes, in [`fp8_lut`]'s layout.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 BF16.
+    #[inline(always)]
+    unsafe fn scaled(&self, s: __m512) -> [__m512i; 4] {
+        // SAFETY: register-only operations (caller has the features).
+        std::array::from_fn(|i| unsafe { scale_bf16x32(bh(self.base[i]), s) })
+    }
 }
 
 /// Registers of the VBMI decoder: byte tables, the sign mask and the two interleave patterns.
@@ -104,6 +157,25 @@ impl Vbmi {
 }
 
 impl Decode for Vbmi {
+    #[inline(always)]
+    unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Vbmi {
+        // SAFETY: register-only operations (caller has the features).
+        unsafe {
+            let v = t.scaled(s);
+            let split = |idx: __m512i| {
+                [
+                    _mm512_permutex2var_epi8(v[0], idx, v[1]),
+                    _mm512_permutex2var_epi8(v[2], idx, v[3]),
+                ]
+            };
+            Vbmi {
+                hi: split(t.high_bytes),
+                lo: split(t.low_bytes),
+                ..*self
+            }
+        }
+    }
+
     #[inline(always)]
     unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh) {
         // SAFETY: (caller) 64 readable bytes, AVX-512 VBMI/F present. The byte permutes read index
@@ -155,6 +227,12 @@ impl Lut16 {
 }
 
 impl Decode for Lut16 {
+    #[inline(always)]
+    unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Lut16 {
+        // SAFETY: (caller) the features present.
+        Lut16(unsafe { t.scaled(s) })
+    }
+
     #[inline(always)]
     unsafe fn pair_rows(&self, p: *const u8) -> (__m512bh, __m512bh) {
         // SAFETY: (caller) 64 readable bytes, AVX-512 BW present.
@@ -222,15 +300,19 @@ pub(crate) unsafe fn gemm_fp8_lut16(
     unsafe { gemm_with(&Lut16::new(), w, nt0, nts, a, y, ldy) }
 }
 
-/// Rows per token block: 4 keep the accumulators, tables and temporaries in 32 registers.
-const FP8_ROWS: usize = 4;
+/// Rows per token block, so each weight byte is decoded once for up to 8 tokens (an expert's share of
+/// a 64-token step is ~8 rows). Up to 4 rows keep two accumulator chains per row; 5 to 8 one chain
+/// per row (8 chains hide the dot's latency), so accumulators, running sums, tables and temporaries
+/// still fit the 32 vector registers.
+const FP8_ROWS: usize = 8;
 
-/// Calls `$f::<R>(args)` for the block size `$n` (1..=4).
-macro_rules! by_rows4 {
+/// Calls `$f::<R>(args)` for the block size `$n` (1..=8).
+macro_rules! by_rows8 {
     ($n:expr, $f:ident($($a:expr),*)) => {
         match $n {
-            4 => $f::<4, _>($($a),*), 3 => $f::<3, _>($($a),*), 2 => $f::<2, _>($($a),*),
-            _ => $f::<1, _>($($a),*),
+            8 => $f::<8, _>($($a),*), 7 => $f::<7, _>($($a),*), 6 => $f::<6, _>($($a),*),
+            5 => $f::<5, _>($($a),*), 4 => $f::<4, _>($($a),*), 3 => $f::<3, _>($($a),*),
+            2 => $f::<2, _>($($a),*), _ => $f::<1, _>($($a),*),
         }
     };
 }
@@ -253,12 +335,12 @@ unsafe fn gemm_with<D: Decode>(
     unsafe {
         for_tiles::<u32>(w, nt0, nts, a, act, (y, ldy), FP8_ROWS, |nt, wp, b, n| {
             let scales = tile_scales(w, nt);
-            by_rows4!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out))
+            by_rows8!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out))
         })
     }
 }
 
-/// `R` tokens × one N-tile: per 128 inputs, two accumulator chains per token over the decoded
+/// `R` tokens × one N-tile: per 128 inputs, one or two accumulator chains per token over the decoded
 /// pair-rows, then the block scale once.
 #[inline(always)]
 unsafe fn fp8_block<const R: usize, D: Decode>(
@@ -278,6 +360,7 @@ unsafe fn fp8_block<const R: usize, D: Decode>(
             if start >= end {
                 break;
             }
+            let two_chains = R <= 4;
             let mut acc0 = [_mm512_setzero_ps(); R];
             let mut acc1 = [_mm512_setzero_ps(); R];
             let mut i = start;
@@ -287,14 +370,23 @@ unsafe fn fp8_block<const R: usize, D: Decode>(
                 for r in 0..R {
                     let x0 = bh(_mm512_set1_epi32(x[r].add(i).read_unaligned() as i32));
                     let x1 = bh(_mm512_set1_epi32(x[r].add(i + 1).read_unaligned() as i32));
-                    acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, x0);
-                    acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, x1);
+                    if two_chains {
+                        acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, x0);
+                        acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, x1);
+                    } else {
+                        acc0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc0[r], w0, x0), w1, x1);
+                    }
                 }
                 i += 2;
             }
             let sv = _mm512_set1_ps(s);
             for r in 0..R {
-                total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
+                let sum = if two_chains {
+                    _mm512_add_ps(acc0[r], acc1[r])
+                } else {
+                    acc0[r]
+                };
+                total[r] = _mm512_fmadd_ps(sum, sv, total[r]);
             }
         }
         for r in 0..R {
@@ -365,26 +457,63 @@ pub(crate) unsafe fn fp8_to_bf16_tiles_lut16(
     unsafe { widen_with(&Lut16::new(), w, nt0, nts, out) }
 }
 
+/// Per 128×128 block the scale is folded into the decoder's tables once (~30 instructions), so each 64
+/// weight bytes cost the decode and two stores; a scale that cannot be folded (negative, NaN) is
+/// applied to the decoded values instead (two bf16 → f32 → bf16 round trips per 64 bytes).
 #[inline(always)]
 unsafe fn widen_with<D: Decode>(dec: &D, w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
     let pairs = w.l.k_pad / 2;
     let pf = prefetch_distance();
     assert!(out.len() >= nts * pairs * 32);
+    // SAFETY: (caller) AVX-512F present.
+    let tables = unsafe { ScaleTables::new() };
     for t in 0..nts {
         let nt = nt0 + t;
         let wp = w.ntile(nt).as_ptr();
-        let scales = tile_scales(w, nt);
         let dst = out[t * pairs * 32..].as_mut_ptr();
-        for i in (0..pairs).step_by(2) {
-            // SAFETY: rows i, i+1 of the N-tile (64 bytes) and of the output (128 bytes) are in
-            // bounds (pairs is even); (caller) the decoder's features are present.
-            unsafe {
-                prefetch(wp.add(i * 32), pf);
-                let (w0, w1) = dec.pair_rows(wp.add(i * 32));
-                let s = _mm512_set1_ps(scales[i / 64]);
-                _mm512_storeu_si512(dst.add(i * 32).cast(), scale_bf16x32(w0, s));
-                _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), scale_bf16x32(w1, s));
+        for (b, &scale) in tile_scales(w, nt).iter().enumerate() {
+            let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
+            // SAFETY: register-only (caller has the features).
+            let s = unsafe { _mm512_set1_ps(scale) };
+            if folds_into_tables(scale) {
+                // SAFETY: (caller) the features present.
+                let d = unsafe { dec.scaled(&tables, s) };
+                // SAFETY: register-only reinterpretation.
+                let keep = |v: __m512bh| unsafe { transmute::<__m512bh, __m512i>(v) };
+                // SAFETY: (caller) bounds as below.
+                unsafe { widen_rows(&d, wp, dst, start..end, pf, keep) };
+            } else {
+                // SAFETY: register-only (caller has the features).
+                let scale = |v: __m512bh| unsafe { scale_bf16x32(v, s) };
+                // SAFETY: (caller) bounds as below.
+                unsafe { widen_rows(dec, wp, dst, start..end, pf, scale) };
             }
+        }
+    }
+}
+
+/// Pair-rows `rows` of one N-tile (`wp`, 32 bytes each) decoded by `dec`, each 32 bf16 mapped by `f`,
+/// into the same rows of `dst` (32 bf16 each).
+///
+/// # Safety
+/// The CPU has the decoder's features; `rows` is an even range of pair-rows inside the tile and `dst`.
+#[inline(always)]
+unsafe fn widen_rows<D: Decode>(
+    dec: &D,
+    wp: *const u8,
+    dst: *mut u16,
+    rows: std::ops::Range<usize>,
+    pf: usize,
+    f: impl Fn(__m512bh) -> __m512i,
+) {
+    for i in rows.step_by(2) {
+        // SAFETY: rows i, i+1 of the N-tile (64 bytes) and of the output (128 bytes) are in bounds
+        // (caller); the decoder's features are present.
+        unsafe {
+            prefetch(wp.add(i * 32), pf);
+            let (w0, w1) = dec.pair_rows(wp.add(i * 32));
+            _mm512_storeu_si512(dst.add(i * 32).cast(), f(w0));
+            _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), f(w1));
         }
     }
 }
@@ -412,6 +541,69 @@ mod tests {
             check_decoder(&Lut16::new(), &bytes, &want);
             if has_vbmi() {
                 check_decoder(&Vbmi::new(), &bytes, &want);
+            }
+        }
+    }
+
+    /// Folding a block scale into the tables gives, for all 256 bytes, the bits of decoding and then
+    /// scaling (what the widening did per value before): ordinary scales, ones whose products round,
+    /// overflow to infinity or fall below f32's normal range (flushed by the bf16 conversion), +0 and
+    /// +∞; and `folds_into_tables` refuses the scales for which or-ing the sign in would be wrong.
+    #[test]
+    fn scaled_tables_equal_scaling_after_decoding() {
+        if crate::cpu::detected_tier() < crate::cpu::CpuTier::Avx512 {
+            return;
+        }
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        let scales = [
+            1.0f32,
+            0.5,
+            3.7e-3,
+            1.0 / 448.0,
+            0.123_456_79,
+            6.0e37,
+            f32::MAX,
+            f32::INFINITY,
+            1e-30,
+            f32::MIN_POSITIVE,
+            1e-40,
+            0.0,
+        ];
+        // SAFETY: AVX-512 (F, BW, BF16) checked above, VBMI where used.
+        unsafe {
+            let t = ScaleTables::new();
+            for &sc in &scales {
+                assert!(folds_into_tables(sc), "{sc}");
+                let s = _mm512_set1_ps(sc);
+                check_scaled(&Lut16::new(), &t, s, &bytes, sc);
+                if has_vbmi() {
+                    check_scaled(&Vbmi::new(), &t, s, &bytes, sc);
+                }
+            }
+        }
+        for sc in [-1.5f32, -0.0, f32::NAN, -f32::INFINITY] {
+            assert!(!folds_into_tables(sc), "{sc}");
+        }
+    }
+
+    /// # Safety
+    /// The CPU has the decoder's features and AVX-512 BF16.
+    unsafe fn check_scaled<D: Decode>(dec: &D, t: &ScaleTables, s: __m512, bytes: &[u8], sc: f32) {
+        // SAFETY: (caller) features present; 64-byte chunks of a 256-byte vector.
+        unsafe {
+            let folded = dec.scaled(t, s);
+            for c in bytes.chunks(64) {
+                let (a, b) = dec.pair_rows(c.as_ptr());
+                let want: [[u16; 32]; 2] = [
+                    transmute::<__m512i, [u16; 32]>(scale_bf16x32(a, s)),
+                    transmute::<__m512i, [u16; 32]>(scale_bf16x32(b, s)),
+                ];
+                let (a, b) = folded.pair_rows(c.as_ptr());
+                let got = [
+                    transmute::<__m512bh, [u16; 32]>(a),
+                    transmute::<__m512bh, [u16; 32]>(b),
+                ];
+                assert_eq!(got, want, "scale {sc}, bytes from {}", c[0]);
             }
         }
     }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::act::{act_value, ActBuf, ActKind};
-use super::gemm::{act_kind, gemm, FP8_WIDEN_MIN_ROWS};
+use super::gemm::{act_kind, fp8_widens, gemm};
 use super::kern_generic::{gemm_i8_twin, gemm_scalar};
 use super::pack::{pack_matrix, MatLayout, MatRef};
 use super::*;
@@ -171,7 +171,7 @@ fn kernels_match_their_scalar_twins() {
                     // ≤ 2⁻⁹ relative per value, 2e-3 measured (Int4Min on AMX).
                     let widened = (fmt == WeightFormat::Fp8Block
                         && tier >= CpuTier::Avx512
-                        && m >= FP8_WIDEN_MIN_ROWS)
+                        && fp8_widens(tier.clamp_to_cpu(), amx, m))
                         || (fmt.group().is_some() && amx);
                     let tol = if widened { 4e-3 } else { 2e-5 };
                     assert!(e < tol, "{fmt:?} {tier} m={m} n={n} k={k}: rel err {e}");
@@ -587,9 +587,10 @@ fn packed_experts_unpack_to_their_source_weights() {
 }
 
 /// The two FP8 decoders of the AVX-512 tier (VBMI byte tables, 16-bit table), called directly so both
-/// run whichever one `gemm` picks here: the few-token kernel against the scalar twin (rel-L2 ≤ 2e-5,
-/// f32 sums in another order), and the widening to scaled bf16 tiles identical bit for bit across
-/// decoders and equal to `weight(n, k)` rounded to bf16.
+/// run whichever one `gemm` picks here: the few-token kernel on 1 to 17 rows (blocks of up to 8, with
+/// two or one accumulator chains per row) against the scalar twin (rel-L2 ≤ 2e-5, f32 sums in another
+/// order), and the widening to scaled bf16 tiles identical bit for bit across decoders and equal to
+/// `weight(n, k)` rounded to bf16.
 #[test]
 fn fp8_decoders_match_the_twin() {
     use super::kern_fp8;
@@ -605,7 +606,7 @@ fn fp8_decoders_match_the_twin() {
         let buf = random_rows(&mut rng, kind, 8, k, l.k_pad);
         let (nt0, nts) = (1, l.n_tiles - 1);
         let ld = 16 * nts + 3;
-        for m in 1..=7usize {
+        for m in 1..=17usize {
             let rows: Vec<u32> = (0..m).map(|_| rng.below(8) as u32).collect();
             let a = buf.view(kind, l.k_pad, &rows);
             let mut want = vec![0f32; m * ld];
