@@ -66,12 +66,47 @@ trait Decode: Sized {
     /// # Safety
     /// The CPU has the decoder's features and AVX-512 BF16.
     unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Self;
+
+    /// `n` (1..=[`FP8_ROWS`]) token rows × one N-tile ([`fp8_block`]).
+    ///
+    /// # Safety
+    /// As [`fp8_block`]; the CPU has the decoder's features.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rows(
+        &self,
+        n: usize,
+        wp: *const u8,
+        pairs: usize,
+        pf: usize,
+        scales: &[f32],
+        x: &[*const u32; MAX_ROWS],
+        out: &[*mut f32; MAX_ROWS],
+    );
 }
 
 /// Whether a block scale can be folded into the decoder's tables: with its sign bit clear and not NaN,
 /// `bf16(-v · s) = -bf16(v · s)` for every FP8 value, so the sign can still be or-ed in after the table.
 fn folds_into_tables(s: f32) -> bool {
     s.is_sign_positive() && !s.is_nan()
+}
+
+/// A 128-entry 16-bit table as four vectors of 32 (loads written out rather than through a closure,
+/// which would not carry the caller's target features into the intrinsic).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[inline(always)]
+unsafe fn lut_vectors(table: &[u16; 128]) -> [__m512i; 4] {
+    let p = table.as_ptr();
+    // SAFETY: 128 u16 = four 64-byte vectors; (caller) AVX-512F present.
+    unsafe {
+        [
+            _mm512_loadu_si512(p.cast()),
+            _mm512_loadu_si512(p.add(32).cast()),
+            _mm512_loadu_si512(p.add(64).cast()),
+            _mm512_loadu_si512(p.add(96).cast()),
+        ]
+    }
 }
 
 /// What scaling a decoder's tables needs: the 128 magnitudes' bf16 patterns (four vectors of 32) and
@@ -93,9 +128,7 @@ impl ScaleTables {
         // SAFETY: 128 u16 = four 64-byte vectors; 64-byte index arrays; (caller) AVX-512F present.
         unsafe {
             ScaleTables {
-                base: std::array::from_fn(|i| {
-                    _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())
-                }),
+                base: lut_vectors(table),
                 high_bytes: _mm512_loadu_si512(high.as_ptr().cast()),
                 low_bytes: _mm512_loadu_si512(low.as_ptr().cast()),
             }
@@ -108,8 +141,17 @@ impl ScaleTables {
     /// The CPU has AVX-512 BF16.
     #[inline(always)]
     unsafe fn scaled(&self, s: __m512) -> [__m512i; 4] {
-        // SAFETY: register-only operations (caller has the features).
-        std::array::from_fn(|i| unsafe { scale_bf16x32(bh(self.base[i]), s) })
+        let b = &self.base;
+        // SAFETY: register-only operations (caller has the features). Written out, not through a
+        // closure: a closure would not carry the caller's target features into the intrinsics.
+        unsafe {
+            [
+                scale_bf16x32(bh(b[0]), s),
+                scale_bf16x32(bh(b[1]), s),
+                scale_bf16x32(bh(b[2]), s),
+                scale_bf16x32(bh(b[3]), s),
+            ]
+        }
     }
 }
 
@@ -158,19 +200,35 @@ impl Vbmi {
 
 impl Decode for Vbmi {
     #[inline(always)]
+    unsafe fn rows(
+        &self,
+        n: usize,
+        wp: *const u8,
+        pairs: usize,
+        pf: usize,
+        scales: &[f32],
+        x: &[*const u32; MAX_ROWS],
+        out: &[*mut f32; MAX_ROWS],
+    ) {
+        // SAFETY: (caller) the contract and VBMI.
+        unsafe { rows_vbmi(self, n, wp, pairs, pf, scales, x, out) }
+    }
+
+    #[inline(always)]
     unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Vbmi {
         // SAFETY: register-only operations (caller has the features).
         unsafe {
             let v = t.scaled(s);
-            let split = |idx: __m512i| {
-                [
-                    _mm512_permutex2var_epi8(v[0], idx, v[1]),
-                    _mm512_permutex2var_epi8(v[2], idx, v[3]),
-                ]
-            };
+            let (h, l) = (t.high_bytes, t.low_bytes);
             Vbmi {
-                hi: split(t.high_bytes),
-                lo: split(t.low_bytes),
+                hi: [
+                    _mm512_permutex2var_epi8(v[0], h, v[1]),
+                    _mm512_permutex2var_epi8(v[2], h, v[3]),
+                ],
+                lo: [
+                    _mm512_permutex2var_epi8(v[0], l, v[1]),
+                    _mm512_permutex2var_epi8(v[2], l, v[3]),
+                ],
                 ..*self
             }
         }
@@ -201,11 +259,8 @@ impl Lut16 {
     /// The CPU has AVX-512F.
     #[inline(always)]
     unsafe fn new() -> Lut16 {
-        let table = fp8_lut();
-        // SAFETY: 128 u16 = four 64-byte vectors; (caller) AVX-512F present.
-        Lut16(std::array::from_fn(|i| unsafe {
-            _mm512_loadu_si512(table.as_ptr().add(32 * i).cast())
-        }))
+        // SAFETY: (caller) AVX-512F present.
+        Lut16(unsafe { lut_vectors(fp8_lut()) })
     }
 
     /// 32 FP8 bytes → 32 bf16.
@@ -227,6 +282,21 @@ impl Lut16 {
 }
 
 impl Decode for Lut16 {
+    #[inline(always)]
+    unsafe fn rows(
+        &self,
+        n: usize,
+        wp: *const u8,
+        pairs: usize,
+        pf: usize,
+        scales: &[f32],
+        x: &[*const u32; MAX_ROWS],
+        out: &[*mut f32; MAX_ROWS],
+    ) {
+        // SAFETY: (caller) the contract.
+        unsafe { rows_lut16(self, n, wp, pairs, pf, scales, x, out) }
+    }
+
     #[inline(always)]
     unsafe fn scaled(&self, t: &ScaleTables, s: __m512) -> Lut16 {
         // SAFETY: (caller) the features present.
@@ -317,6 +387,48 @@ macro_rules! by_rows8 {
     };
 }
 
+/// [`Decode::rows`] of the VBMI decoder: a target-feature function of its own, so the block kernels
+/// compile with these features whether or not the tile loop's closure that calls it is inlined (a
+/// closure does not carry its enclosing function's target features).
+///
+/// # Safety
+/// As [`fp8_block`]; the CPU has AVX-512 VBMI.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")]
+unsafe fn rows_vbmi(
+    dec: &Vbmi,
+    n: usize,
+    wp: *const u8,
+    pairs: usize,
+    pf: usize,
+    scales: &[f32],
+    x: &[*const u32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller).
+    unsafe { by_rows8!(n, fp8_block(wp, pairs, pf, scales, dec, x, out)) }
+}
+
+/// [`Decode::rows`] of the 16-bit table decoder (see [`rows_vbmi`]).
+///
+/// # Safety
+/// As [`fp8_block`].
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn rows_lut16(
+    dec: &Lut16,
+    n: usize,
+    wp: *const u8,
+    pairs: usize,
+    pf: usize,
+    scales: &[f32],
+    x: &[*const u32; MAX_ROWS],
+    out: &[*mut f32; MAX_ROWS],
+) {
+    // SAFETY: (caller).
+    unsafe { by_rows8!(n, fp8_block(wp, pairs, pf, scales, dec, x, out)) }
+}
+
 /// The few-token kernel body, inlined into each decoder's `#[target_feature]` entry point.
 #[inline(always)]
 unsafe fn gemm_with<D: Decode>(
@@ -334,8 +446,7 @@ unsafe fn gemm_with<D: Decode>(
     // SAFETY: (contract).
     unsafe {
         for_tiles::<u32>(w, nt0, nts, a, act, (y, ldy), FP8_ROWS, |nt, wp, b, n| {
-            let scales = tile_scales(w, nt);
-            by_rows8!(n, fp8_block(wp, pairs, pf, scales, dec, &b.x, &b.out))
+            dec.rows(n, wp, pairs, pf, tile_scales(w, nt), &b.x, &b.out)
         })
     }
 }
@@ -475,28 +586,25 @@ unsafe fn widen_with<D: Decode>(dec: &D, w: &MatRef<'_>, nt0: usize, nts: usize,
             let (start, end) = (b * 64, ((b + 1) * 64).min(pairs));
             // SAFETY: register-only (caller has the features).
             let s = unsafe { _mm512_set1_ps(scale) };
-            if folds_into_tables(scale) {
-                // SAFETY: (caller) the features present.
-                let d = unsafe { dec.scaled(&tables, s) };
-                // SAFETY: register-only reinterpretation.
-                let keep = |v: __m512bh| unsafe { transmute::<__m512bh, __m512i>(v) };
-                // SAFETY: (caller) bounds as below.
-                unsafe { widen_rows(&d, wp, dst, start..end, pf, keep) };
-            } else {
-                // SAFETY: register-only (caller has the features).
-                let scale = |v: __m512bh| unsafe { scale_bf16x32(v, s) };
-                // SAFETY: (caller) bounds as below.
-                unsafe { widen_rows(dec, wp, dst, start..end, pf, scale) };
+            // SAFETY: (caller) the features present; the rows of block b lie inside the tile and
+            // `dst`.
+            unsafe {
+                if folds_into_tables(scale) {
+                    widen_rows(&dec.scaled(&tables, s), wp, dst, start..end, pf, None);
+                } else {
+                    widen_rows(dec, wp, dst, start..end, pf, Some(s));
+                }
             }
         }
     }
 }
 
-/// Pair-rows `rows` of one N-tile (`wp`, 32 bytes each) decoded by `dec`, each 32 bf16 mapped by `f`,
-/// into the same rows of `dst` (32 bf16 each).
+/// Pair-rows `rows` of one N-tile (`wp`, 32 bytes each) decoded by `dec`, times `scale` where given
+/// (else as decoded), into the same rows of `dst` (32 bf16 each).
 ///
 /// # Safety
-/// The CPU has the decoder's features; `rows` is an even range of pair-rows inside the tile and `dst`.
+/// The CPU has the decoder's features and AVX-512 BF16; `rows` is an even range of pair-rows inside
+/// the tile and `dst`.
 #[inline(always)]
 unsafe fn widen_rows<D: Decode>(
     dec: &D,
@@ -504,7 +612,7 @@ unsafe fn widen_rows<D: Decode>(
     dst: *mut u16,
     rows: std::ops::Range<usize>,
     pf: usize,
-    f: impl Fn(__m512bh) -> __m512i,
+    scale: Option<__m512>,
 ) {
     for i in rows.step_by(2) {
         // SAFETY: rows i, i+1 of the N-tile (64 bytes) and of the output (128 bytes) are in bounds
@@ -512,8 +620,15 @@ unsafe fn widen_rows<D: Decode>(
         unsafe {
             prefetch(wp.add(i * 32), pf);
             let (w0, w1) = dec.pair_rows(wp.add(i * 32));
-            _mm512_storeu_si512(dst.add(i * 32).cast(), f(w0));
-            _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), f(w1));
+            let (w0, w1) = match scale {
+                Some(s) => (scale_bf16x32(w0, s), scale_bf16x32(w1, s)),
+                None => (
+                    transmute::<__m512bh, __m512i>(w0),
+                    transmute::<__m512bh, __m512i>(w1),
+                ),
+            };
+            _mm512_storeu_si512(dst.add(i * 32).cast(), w0);
+            _mm512_storeu_si512(dst.add(i * 32 + 32).cast(), w1);
         }
     }
 }
