@@ -698,7 +698,9 @@ extern "C" __global__ void idx_topk(const float* scores, int stride, const int* 
 // ---------------------------------------------------------------------------------------------------
 // MLA (absorbed) attention of each (token, head) over the positions in sel[t][0 .. sel_len[t]] of its
 // sequence (the indexer's choice), with an online softmax; otherwise as kernels.cu's mla_attention.
-// grid: (tokens, heads); block 128; smem: (nope + rope + 2 * lora + blockDim.x) floats.
+// Per tile of 128 listed positions: each warp scores positions with its lanes across the latent row
+// (32 consecutive values per load), then each thread accumulates its latent columns over the tile.
+// grid: (tokens, heads); block 128 (a multiple of 32); smem: (nope + rope + 2 * lora + blockDim.x) floats.
 extern "C" __global__ void mla_attention_selected(const float* q, const bf16* lat_cache, const bf16* rope_cache,
                                                   const int* block_tables, int max_blocks, const int* seq_of_token,
                                                   const int* sel, int sel_stride, const int* sel_len, int heads,
@@ -731,26 +733,31 @@ extern "C" __global__ void mla_attention_selected(const float* q, const bf16* la
     const int* list = sel + (size_t)t * sel_stride;
     int count = sel_len[t];
     float m = -INFINITY, l = 0.f;
+    int lane = tid % WARP, wid = tid / WARP, warps = blockDim.x / WARP;
     for (int base = 0; base < count; base += blockDim.x) {
-        int j = base + tid;
-        float s = -INFINITY;
-        if (j < count) {
-            int p = list[j];
-            int slot = table[p / block_size] * block_size + p % block_size;
-            slots[tid] = slot;
-            const bf16* lr = lat_cache + (size_t)slot * lora;
-            const bf16* rr = rope_cache + (size_t)slot * rope;
-            float dot = 0.f;
-            for (int c = 0; c < lora; ++c) dot += q_lat[c] * bf2f(lr[c]);
-            for (int r = 0; r < rope; ++r) dot += qr[r] * bf2f(rr[r]);
-            s = dot * scale;
+        int n = min((int)blockDim.x, count - base);
+        if (tid < n) {
+            int p = list[base + tid];
+            slots[tid] = table[p / block_size] * block_size + p % block_size;
         }
+        __syncthreads();
+        // scores: one warp per position, its lanes across the latent row (coalesced reads)
+        for (int i = wid; i < n; i += warps) {
+            const bf16* lr = lat_cache + (size_t)slots[i] * lora;
+            const bf16* rr = rope_cache + (size_t)slots[i] * rope;
+            float dot = 0.f;
+            for (int c = lane; c < lora; c += WARP) dot += q_lat[c] * bf2f(lr[c]);
+            for (int r = lane; r < rope; r += WARP) dot += qr[r] * bf2f(rr[r]);
+            dot = warp_sum(dot);
+            if (lane == 0) sc[i] = dot * scale;
+        }
+        __syncthreads();
+        float s = tid < n ? sc[tid] : -INFINITY;
         float m_new = fmaxf(m, block_max(s, buf));
         float corr = expf(m - m_new);
-        float e = (j < count) ? expf(s - m_new) : 0.f;
-        sc[tid] = e;
+        float e = tid < n ? expf(s - m_new) : 0.f;
+        sc[tid] = e;  // this thread's own entry, read above
         l = l * corr + block_sum(e, buf);
-        int n = min((int)blockDim.x, count - base);
         for (int c = tid; c < lora; c += blockDim.x) {
             float a = o_lat[c] * corr;
             for (int jj = 0; jj < n; ++jj) a += sc[jj] * bf2f(lat_cache[(size_t)slots[jj] * lora + c]);
@@ -759,10 +766,12 @@ extern "C" __global__ void mla_attention_selected(const float* q, const bf16* la
         m = m_new;
         __syncthreads();
     }
-    for (int j = tid; j < vdim; j += blockDim.x) {
+    // the value projection: one warp per output, its lanes across the weight row
+    for (int j = wid; j < vdim; j += warps) {
         const float* wv = wk + (size_t)(nope + j) * lora;
         float a = 0.f;
-        for (int c = 0; c < lora; ++c) a += wv[c] * o_lat[c];
-        out[((size_t)t * heads + h) * vdim + j] = f2bf(l > 0.f ? a / l : 0.f);
+        for (int c = lane; c < lora; c += WARP) a += wv[c] * o_lat[c];
+        a = warp_sum(a);
+        if (lane == 0) out[((size_t)t * heads + h) * vdim + j] = f2bf(l > 0.f ? a / l : 0.f);
     }
 }
