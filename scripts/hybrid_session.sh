@@ -10,20 +10,27 @@
 #          PREFILL_LEN with the expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), the same with the
 #          expert GEMMs grouped into one cuBLAS call (MOE_GROUPED_GEMM=1), its chunk-size variants, and an
 #          nsys summary of the same prefill when nsys is installed.
+#   gemm   the expert GEMM paths A/B on a QLAYERS-layer Qwen3-30B-A3B-shape checkpoint (default 8, 10 GiB
+#          in /dev/shm): prefill 4096 and 8192 with every expert streamed (--gpu-experts 0, stream
+#          profile on) with the batched path forced (MOE_GROUPED_GEMM=0) and the grouped one
+#          (MOE_GROUPED_GEMM=1); decode with 64 and 128 GPU experts per layer with each forced; then the
+#          default (each use measured on its first calls, the faster path kept) on decode with 64 GPU
+#          experts plus prefill 4096, which prints what it measured and chose per use.
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
-# Usage there: OUT=$OUT D=.device/hybrid2 BUDGET=150 bash .device/hybrid2/hybrid_session.sh tests early
+# Usage there: OUT=$OUT D=.device/hybrid3 BUDGET=170 TESTS=grouped_expert_gemm bash .device/hybrid3/hybrid_session.sh tests gemm
 set -uo pipefail
 D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=$D/moe-daemon
 OUT=${OUT:-/tmp/hybrid-out}
 BUDGET=${BUDGET:-150}
 LAYERS=${LAYERS:-16}
+QLAYERS=${QLAYERS:-8}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 ROUNDS=${ROUNDS:-2}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
-TESTS=${TESTS:-early_routing grouped_expert_gemm cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
+TESTS=${TESTS:-grouped_expert_gemm early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
 SHM=${SHM:-/dev/shm}
 mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
@@ -41,7 +48,7 @@ bench() {
   log "$name: $*"
   timeout "$to" "$MOE" bench decode --device cuda "$@" > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|per step|early routing|by region|expert stream:|rror|panick" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|per step|early routing|by region|expert stream:|expert GEMM|rror|panick" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-600
 }
 
@@ -84,6 +91,26 @@ phase_early() {
   rm -rf "$M"
 }
 
+phase_gemm() {
+  local M=$SHM/q3-L$QLAYERS
+  fits 50 || return 0
+  log "synth-checkpoint qwen3-30b-a3b, $QLAYERS layers"
+  timeout 120 "$MOE" bench synth-checkpoint --like qwen3-30b-a3b --layers "$QLAYERS" --out "$M" \
+    > "$OUT/synth_q3.log" 2>&1 || { tail -3 "$OUT/synth_q3.log"; rm -rf "$M"; return 1; }
+  local p g
+  for p in 0 1; do  # 0: one batched call per row count; 1: one grouped call
+    MOE_GROUPED_GEMM=$p MOE_STREAM_PROFILE=1 bench q3_prefill_gemm$p 90 20 --model "$M" --gpu-experts 0 \
+      --steps 2 --prefill-lens 4096,8192
+  done
+  for g in 64 128; do
+    for p in 0 1; do
+      MOE_GROUPED_GEMM=$p bench q3_gpu${g}_gemm$p 60 12 --model "$M" --gpu-experts "$g" --steps 32 --prompt-len 32
+    done
+  done
+  bench q3_gpu64_measured 90 18 --model "$M" --gpu-experts 64 --steps 32 --prompt-len 32 --prefill-lens 4096
+  rm -rf "$M"
+}
+
 nsys_prefill() {  # MODEL
   local M=$1
   if command -v nsys > /dev/null && fits 50; then
@@ -105,7 +132,8 @@ for p in "$@"; do
   case $p in
     tests) phase_tests ;;
     early) phase_early ;;
-    *) echo "unknown phase $p (tests, early)"; exit 2 ;;
+    gemm) phase_gemm ;;
+    *) echo "unknown phase $p (tests, early, gemm)"; exit 2 ;;
   esac
 done
 log "done"

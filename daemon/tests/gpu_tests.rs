@@ -978,13 +978,13 @@ fn early_routing_gives_the_logits_of_routing_after_attention() {
     }
 }
 
-/// The expert GEMMs of `gemm_bf16_items` as one grouped cuBLAS call (`MOE_GROUPED_GEMM=1`) against one
+/// The expert GEMMs of `gemm_bf16_items` as one grouped cuBLAS call against one
 /// batched call per row count, and both against a host product, on items with different, repeated and
 /// zero row counts (as a long prompt's experts have): within 1e-4 relative (bf16 inputs, f32 sums in
 /// another order). If cuBLAS refuses the grouped call the fallback is what runs, and the test says so.
 #[test]
 fn grouped_expert_gemm_matches_batched_and_host() {
-    use moe_kernels::cuda::{GemmItem, GpuDevice};
+    use moe_kernels::cuda::{gemm_path, GemmItem, GpuDevice};
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
     let mut next = xorshift(91);
@@ -1008,8 +1008,11 @@ fn grouped_expert_gemm_matches_batched_and_host() {
         r0 += r;
     }
     let mut outputs = Vec::new();
-    for grouped in [false, true] {
-        let d_y = s.alloc_zeros::<f32>(total * m).unwrap();
+    // batched, grouped, then the measured choice: its calls alternate the two paths until it
+    // chooses (every call's output checked), then the chosen path runs
+    let measured_calls = 2 * (gemm_path::SETTLE + gemm_path::SAMPLES) + 4;
+    for path in [Some(false), Some(true), None] {
+        let mut d_y = s.alloc_zeros::<f32>(total * m).unwrap();
         let (xa, wa, ya) = (dev.addr(&d_x), dev.addr(&d_w), dev.addr(&d_y));
         let mut r0 = 0;
         let items: Vec<GemmItem> = rows
@@ -1026,14 +1029,48 @@ fn grouped_expert_gemm_matches_batched_and_host() {
                 it
             })
             .collect();
+        let Some(grouped) = path else {
+            for call in 0..measured_calls {
+                s.memset_zeros(&mut d_y).unwrap();
+                // SAFETY: as below.
+                unsafe { dev.gemm_bf16_items(&items, m, k, &mut table) }.unwrap();
+                let err = rel_l2(&s.clone_dtoh(&d_y).unwrap(), &want);
+                assert!(err <= 1e-4, "measured choice, call {call}: rel-L2 {err}");
+            }
+            continue;
+        };
         // SAFETY: every item's rows lie inside d_x / d_y and its weights inside d_w, all alive
         // until the copy back below has synchronised the stream.
-        unsafe { dev.gemm_bf16_items_via(&items, m, k, &mut table, grouped) }.unwrap();
+        let ran = unsafe { dev.gemm_bf16_items_via(&items, m, k, &mut table, grouped) }.unwrap();
+        if grouped {
+            assert_eq!(
+                ran == moe_kernels::cuda::ExpertGemmPath::Grouped,
+                !moe_kernels::cuda::grouped_gemm_refused(),
+                "the path reported is the one that ran"
+            );
+        }
         outputs.push(s.clone_dtoh(&d_y).unwrap());
     }
     for (name, got) in ["batched", "grouped"].iter().zip(&outputs) {
         let err = rel_l2(got, &want);
         assert!(err <= 1e-4, "{name} against the host product: rel-L2 {err}");
+    }
+    let (choices, forced) = dev.expert_gemm_choices();
+    if forced.is_none() && !moe_kernels::cuda::grouped_gemm_refused() {
+        let want_use = moe_kernels::cuda::GemmUse::of(m, k, {
+            let mut r: Vec<usize> = rows.iter().copied().filter(|&r| r > 0).collect();
+            r.sort_unstable();
+            r
+        });
+        let c = choices
+            .iter()
+            .find(|c| c.r#use == want_use)
+            .expect("the use was recorded");
+        assert!(
+            c.chosen.is_some(),
+            "no choice after {measured_calls} calls: {c}"
+        );
+        println!("measured choice: {c}");
     }
     println!(
         "grouped against batched: rel-L2 {:.2e}{}",

@@ -247,6 +247,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         }
     }
     print_gpu_memory(&engine);
+    print_expert_gemm_choices(&engine);
     if a.graphs_ab > 0 {
         graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
     }
@@ -345,10 +346,28 @@ fn print_gpu_memory(engine: &Engine) {
     );
 }
 
+/// How the GPU's expert GEMMs ran per use: forced by `MOE_GROUPED_GEMM`, or measured and chosen.
+fn print_expert_gemm_choices(engine: &Engine) {
+    let Some((choices, forced)) = engine.expert_gemm_choices() else {
+        return;
+    };
+    if let Some(path) = forced {
+        println!(
+            "  expert GEMMs: {} (forced by MOE_GROUPED_GEMM)",
+            path.as_str()
+        );
+        return;
+    }
+    for c in choices {
+        println!("  expert GEMM path, measured per use: {c}");
+    }
+}
+
 fn prefill(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
     time_prefill(&engine, a.prompt_len, a.chunk)?;
     print_gpu_memory(&engine);
+    print_expert_gemm_choices(&engine);
     Ok(())
 }
 

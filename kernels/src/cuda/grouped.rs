@@ -2,23 +2,15 @@
 //! (`cublasGemmGroupedBatchedEx`, cuBLAS ≥ 12.5), whatever its row count, instead of one batched call per
 //! distinct row count. In a long prompt every expert has its own row count, so the batched path costs one
 //! launch (and one heuristic lookup per new shape) per expert, and the host's launches hold the GPU back
-//! (docs/PERF.md, the long-prefill stream profile). Opt-in while it is being measured: `MOE_GROUPED_GEMM=1`.
-//! If cuBLAS refuses the call (an older library, or a type combination it does not group), the first
-//! refusal is logged and every later call takes the batched path.
+//! (docs/PERF.md, the long-prefill stream profile). Which of the two runs is chosen by measurement per
+//! use (`gemm_path`). If cuBLAS refuses the call (an older library, or a type combination it does not
+//! group), the first refusal is logged and every later call takes the batched path.
 use super::{GemmItem, GpuDevice, GpuError};
 use cudarc::cublas::sys as cublas_sys;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
 
 /// Set once cuBLAS refused a grouped call: later calls take the batched path.
 static REFUSED: AtomicBool = AtomicBool::new(false);
-
-/// Whether the dispatching call should try the grouped path.
-pub(super) fn wanted() -> bool {
-    static ASKED: OnceLock<bool> = OnceLock::new();
-    *ASKED.get_or_init(|| std::env::var_os("MOE_GROUPED_GEMM").is_some_and(|v| v == "1"))
-        && !REFUSED.load(Ordering::Relaxed)
-}
 
 /// Whether cuBLAS refused a grouped call in this process (later calls take the batched path).
 pub fn grouped_gemm_refused() -> bool {

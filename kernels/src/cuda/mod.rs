@@ -10,8 +10,10 @@ use std::sync::Arc;
 pub use cudarc::driver::DriverError;
 
 pub mod dense;
+pub mod gemm_path;
 pub mod graph;
 mod grouped;
+pub use gemm_path::{ExpertGemmPath, GemmChoice, GemmUse};
 pub use grouped::grouped_gemm_refused;
 pub mod hybrid;
 pub mod hyper;
@@ -118,6 +120,8 @@ pub struct GpuDevice {
     pub(crate) k: Kernels,
     pub name: String,
     pub capability: (i32, i32),
+    /// How the expert GEMMs of each use are computed (measured on their first calls).
+    pub(crate) expert_gemm: gemm_path::PathChooser,
 }
 
 /// One product of [`GpuDevice::gemm_bf16_items`]: `rows` bf16 activation rows at `x`, a bf16 weight at
@@ -208,6 +212,7 @@ impl GpuDevice {
             k,
             name,
             capability: (major, minor),
+            expert_gemm: gemm_path::PathChooser::from_env(),
         };
         dev.keep_pool_memory()?;
         Ok(dev)
@@ -463,10 +468,12 @@ impl GpuDevice {
     }
 
     /// `y_i[rows_i, m] = x_i[rows_i, k] · w_iᵀ` for every item (bf16 in, f32 out and accumulation), as
-    /// one cuBLAS batched GEMM per distinct row count instead of one GEMM per item. For MoE experts on
-    /// the GPU: at batch-1 decode every chosen expert sees one row, so a layer's gate/up (or down)
-    /// projections of all its experts are one launch. Costs one small upload of the pointer table
-    /// into `table` (the caller's device buffer, at least 3 entries per item: reused call after call,
+    /// one cuBLAS call for all items or one batched call per distinct row count (not one GEMM per
+    /// item), whichever measured faster for this use ([`gemm_path`]). For MoE experts on the GPU: at
+    /// batch-1 decode every chosen expert sees one row, so a layer's gate/up (or down) projections of
+    /// all its experts are one launch either way; in a long prompt the grouped call is one launch
+    /// where the batched path makes one per expert. Costs one small upload of the pointer table into
+    /// `table` (the caller's device buffer, at least 3 entries per item: reused call after call,
     /// since each upload is ordered after the previous call's GEMMs on the stream).
     ///
     /// # Safety
@@ -479,12 +486,31 @@ impl GpuDevice {
         k: usize,
         table: &mut CudaSlice<u64>,
     ) -> Result<(), GpuError> {
+        let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        rows.sort_unstable();
+        let r#use = GemmUse::of(m, k, rows);
+        let planned = self.expert_gemm.plan(r#use, &self.stream)?;
+        let path = planned.path;
         // SAFETY: the caller's contract.
-        unsafe { self.gemm_bf16_items_via(items, m, k, table, grouped::wanted()) }
+        let ran = unsafe {
+            self.gemm_bf16_items_via(items, m, k, table, path == ExpertGemmPath::Grouped)
+        }?;
+        self.expert_gemm.finish(r#use, planned, ran, &self.stream)?;
+        Ok(())
+    }
+
+    /// What the expert GEMMs measured and chose per use so far (see [`gemm_path`]), and the path
+    /// `MOE_GROUPED_GEMM` forces, if any.
+    pub fn expert_gemm_choices(&self) -> (Vec<GemmChoice>, Option<ExpertGemmPath>) {
+        (self.expert_gemm.choices(), self.expert_gemm.forced())
     }
 
     /// [`GpuDevice::gemm_bf16_items`] with the path chosen: `grouped` tries one grouped cuBLAS call for
-    /// every item (`grouped`), falling back to one batched call per distinct row count if refused.
+    /// every item, falling back to one batched call per distinct row count if refused. Returns the
+    /// path that ran.
     ///
     /// # Safety
     /// As [`GpuDevice::gemm_bf16_items`].
@@ -495,12 +521,12 @@ impl GpuDevice {
         k: usize,
         table: &mut CudaSlice<u64>,
         grouped: bool,
-    ) -> Result<(), GpuError> {
+    ) -> Result<ExpertGemmPath, GpuError> {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
         let mut order: Vec<usize> = (0..items.len()).filter(|&i| items[i].rows > 0).collect();
         if order.is_empty() {
-            return Ok(());
+            return Ok(ExpertGemmPath::Batched);
         }
         order.sort_by_key(|&i| items[i].rows);
         let n = order.len();
@@ -517,7 +543,7 @@ impl GpuDevice {
         if grouped {
             // SAFETY: the table now holds every item's pointers in `order`; the rest is the caller's.
             match unsafe { self.gemm_bf16_grouped(items, &order, (m, k), base) } {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(ExpertGemmPath::Grouped),
                 Err(e) => grouped::refused(&e),
             }
         }
@@ -560,7 +586,7 @@ impl GpuDevice {
             .map_err(|e| GpuError::Blas(e.to_string()))?;
             start += count;
         }
-        Ok(())
+        Ok(ExpertGemmPath::Batched)
     }
 }
 

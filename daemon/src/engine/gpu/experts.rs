@@ -4,7 +4,7 @@ use super::GpuModel;
 use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
-use moe_kernels::cuda::GemmItem;
+use moe_kernels::cuda::{ExpertGemmPath, GemmChoice, GemmItem};
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
 pub(super) struct PhaseBuffers<'a> {
@@ -66,5 +66,13 @@ impl GpuModel {
         // SAFETY: as for gate_up.
         unsafe { dev.gemm_bf16_items(&down, hd, inter, b.table)? };
         Ok(())
+    }
+}
+
+impl crate::engine::Engine {
+    /// What the GPU's expert GEMMs measured and chose per use so far, and the path
+    /// `MOE_GROUPED_GEMM` forces if it does (CUDA backend; `moe_kernels::cuda::gemm_path`).
+    pub fn expert_gemm_choices(&self) -> Option<(Vec<GemmChoice>, Option<ExpertGemmPath>)> {
+        self.gpu.as_ref().map(|g| g.dev.expert_gemm_choices())
     }
 }
