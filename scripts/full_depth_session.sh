@@ -2,9 +2,11 @@
 # The full-depth hybrid figures beside llama.cpp in one device call, on ONE GGUF both read: the 48-layer
 # Qwen3-30B-A3B shape (random weights, bf16 experts) written by the peer kit (`run_peer.sh gen`), then
 #   llama-bench -ngl 99 -ncmoe 48 -t 16: pp512 / pp4096 / pp8192 and tg64 (op offload on, llama.cpp's default)
-#   ours, every routed expert in DRAM: decode (batch 1, CUDA graphs) and prefill 512 / 4096 / 8192 (cold and
-#   warm), with bf16 experts (and the expert stream's profile, MOE_STREAM_PROFILE=1) and with int8 experts
-#   (repacked from the same file at load).
+#   ours, every routed expert in DRAM, the defaults: decode (CUDA graphs) at batch 1, 8 and 32 with the DRAM
+#   bound of the distinct experts each step reads, and prefill 512 / 4096 / 8192 (cold and warm; 512
+#   splits each layer's DRAM experts between the GPU and the CPU, and is timed again with the split
+#   paused, --split-ab), with bf16 experts (and the expert stream's profile, MOE_STREAM_PROFILE=1) and with
+#   int8 experts (repacked from the same file at load; batch 1).
 # Every step under its own timeout and a call deadline (BUDGET seconds; a step that would not end in time is
 # skipped and says so). llama-bench is the packed CUDA build of an earlier call (LLAMA_PARTS), never built
 # here. Ours needs about as much RAM as its experts beside the file: a step is skipped when MemAvailable is
@@ -12,7 +14,7 @@
 #
 # Layout (run from the repository root): $D/moe-daemon; the peer kit in $PEERS (.device/peers); the packed
 # llama-bench in $LLAMA_PARTS (.device/seed-runs/llama). Usage there:
-#   OUT=$OUT D=.device/hybrid2 BUDGET=250 bash .device/hybrid2/full_depth_session.sh
+#   OUT=$OUT D=.device/hybrid3 BUDGET=300 bash .device/hybrid3/full_depth_session.sh
 set -uo pipefail
 D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=$D/moe-daemon
@@ -23,6 +25,7 @@ BUDGET=${BUDGET:-250}
 LAYERS=${LAYERS:-48}
 THREADS=${THREADS:-16}
 PREFILL=${PREFILL:-512,4096,8192}
+BATCHES=${BATCHES:-1,8,32}
 LWORK=/tmp/peer-llama
 LB=$LWORK/build/bin/llama-bench
 mkdir -p "$OUT"
@@ -44,7 +47,7 @@ ours() {
   timeout "$to" "$MOE" bench decode --device cuda --cpu-threads "$THREADS" --model "$G" "$@" \
     > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|per step|by region|expert stream:|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|^DRAM|per step|by region|DRAM bound|expert stream:|expert GEMM|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-400
   free -g | sed -n 2p | sed 's/^/  /'
 }
@@ -71,9 +74,9 @@ if [ -x "$LB" ] && fits 90; then
   echo "  rc=$?"; grep -E "^\|" "$OUT/llama.md" | sed 's/^/  /'; tail -3 "$OUT/llama.err" | sed 's/^/  /'
 fi
 
-common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL")
+common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL" --split-ab)
 # bf16: the engine's packed experts (~55 GiB) beside the file
-room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 200 100 "${common[@]}"
+room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 240 120 "${common[@]}" --batch "$BATCHES"
 # int8: ~29 GiB of experts
 room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8
 rm -f "$G" "$G.done"

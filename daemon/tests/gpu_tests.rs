@@ -1082,3 +1082,68 @@ fn grouped_expert_gemm_matches_batched_and_host() {
         }
     );
 }
+
+/// Prompts from `gpu_split_min_rows` rows up to the long-prefill threshold split each layer's routed
+/// DRAM experts between the GPU (streamed, the most-loaded) and the CPU kernels (`engine::gpu::split`).
+/// Every expert is still computed once, on one side, so the logits (the prompt's last position, then one
+/// decode step) agree with the same engine with the split off within the placements' tolerance, 2e-2
+/// rel-L2 for bf16 experts (only the side computing an expert differs: bf16 activations on the GPU), 5e-2
+/// for int8 ones (the GPU multiplies their dequantized weights by bf16 activations, the CPU kernels
+/// their own way), and within 5e-2 of the CPU backend; and the prompt's step did split (experts on
+/// both sides), with and without GPU-resident experts, over several stream chunks per layer.
+#[test]
+fn split_prefill_matches_the_unsplit_path() {
+    use moe_kernels::cpu::moe::WeightFormat;
+    let cases = [
+        ("qwen3_moe", None, 0),
+        ("qwen3_moe", Some(WeightFormat::Int8), 4),
+        ("glm4_moe", None, 0),
+        ("smallthinker_softmax", None, 2),
+    ];
+    for (name, fmt, gpu_experts) in cases {
+        let dir = fixtures().join(name).join("model_bf16");
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab = cfg["vocab_size"].as_u64().unwrap() as u32;
+        let prompt: Vec<u32> = (0..200u32).map(|i| (i * 37 + 11) % vocab).collect();
+        let run = |e: &Engine| {
+            let mut c = e.new_cache();
+            let mut out = step(e, &mut c, &prompt);
+            let times = e.last_step_times();
+            out.extend(step(e, &mut c, &[5]));
+            (out, times)
+        };
+        let opts = |split_min_rows| EngineOptions {
+            expert_format: fmt,
+            gpu_prefill_threshold: 1000,
+            gpu_split_min_rows: split_min_rows,
+            gpu_stream_chunk_bytes: 40_000,
+            ..gpu(gpu_experts, PlacementStrategy::Uniform)
+        };
+        let (unsplit, t0) = run(&Engine::load(&dir, &opts(0)).unwrap());
+        assert_eq!(t0.split_gpu_experts, 0, "{name}: split off");
+        let (split, t) = run(&Engine::load(&dir, &opts(16)).unwrap());
+        assert!(
+            t.split_gpu_experts > 0 && t.split_cpu_experts > 0,
+            "{name} {fmt:?}: the prompt did not split ({} experts to the GPU, {} to the CPU)",
+            t.split_gpu_experts,
+            t.split_cpu_experts
+        );
+        let cpu_opts = EngineOptions {
+            expert_format: fmt,
+            ..Default::default()
+        };
+        let (cpu, _) = run(&Engine::load(&dir, &cpu_opts).unwrap());
+        let (err, err_cpu) = (rel_l2(&split, &unsplit), rel_l2(&split, &cpu));
+        let tol = if fmt.is_some() { 5e-2 } else { 2e-2 };
+        println!(
+            "{name} {fmt:?}, {gpu_experts} GPU experts: split {} / {} experts (GPU / CPU); rel-L2 vs unsplit {err:.2e}, vs CPU {err_cpu:.2e} (unsplit vs CPU {:.2e})",
+            t.split_gpu_experts,
+            t.split_cpu_experts,
+            rel_l2(&unsplit, &cpu)
+        );
+        assert!(err <= tol, "{name} {fmt:?}: split vs unsplit {err}");
+        assert!(err_cpu <= 5e-2, "{name} {fmt:?}: split vs CPU {err_cpu}");
+    }
+}

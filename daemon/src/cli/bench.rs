@@ -101,9 +101,10 @@ pub struct RunArgs {
     /// Model directory (config.json + safetensors) or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
-    /// Sequences decoded together.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// Sequences decoded together; a list (`1,8,32`) times each batch size in turn on the model
+    /// loaded once (`bench decode`).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<NonZeroUsize>,
     #[arg(long, default_value_t = 32)]
     pub prompt_len: usize,
     /// Decode steps timed (after 2 warm-up steps).
@@ -119,6 +120,10 @@ pub struct RunArgs {
     /// turn, in this process and on the same sequences (the comparison without two runs' noise).
     #[arg(long, default_value_t = 0)]
     pub graphs_ab: usize,
+    /// `bench decode` with the CUDA backend: also time each `--prefill-lens` prompt with the split of
+    /// DRAM experts between GPU and CPU paused (`--gpu-split-min-tokens`), in this process.
+    #[arg(long)]
+    pub split_ab: bool,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -180,23 +185,64 @@ fn prefill_into(
 fn decode(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
     for &len in &a.prefill_lens {
-        time_prefill(&engine, len, a.chunk)?;
+        time_prefill(&engine, len, a.chunk, "")?;
     }
-    let mut caches: Vec<_> = (0..a.batch).map(|_| engine.new_cache()).collect();
-    let mut next: Vec<u32> = Vec::with_capacity(a.batch);
+    if a.split_ab && engine.pause_split(true) {
+        // longer prompts stream every DRAM expert, split or not
+        let below = |len: &&usize| **len < a.engine.gpu_prefill_threshold;
+        for &len in a.prefill_lens.iter().filter(below) {
+            time_prefill(&engine, len, a.chunk, ", split off")?;
+        }
+        engine.pause_split(false);
+    }
+    // The DRAM experts' bound (CUDA backend) needs the host's read bandwidth, measured once on the
+    // expert pool.
+    let pool = engine.cpu_expert_pool().filter(|_| engine.on_gpu());
+    let dram_gbs = pool.map(|pool| {
+        let gbs = moe_kernels::cpu::bench::measure_dram_read_bw(pool, DRAM_PROBE_MIB);
+        println!(
+            "DRAM read bandwidth of the expert pool: {gbs:.1} GB/s ({DRAM_PROBE_MIB} MiB probe)"
+        );
+        gbs
+    });
+    let mut last = None;
+    for &batch in &a.batch {
+        last = Some(decode_batch(&engine, &a, batch.get(), dram_gbs)?);
+    }
+    print_gpu_memory(&engine);
+    print_expert_gemm_choices(&engine);
+    if let (true, Some((mut caches, mut next))) = (a.graphs_ab > 0, last) {
+        graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
+    }
+    Ok(())
+}
+
+/// MiB read by the DRAM bandwidth probe (well beyond any cache).
+const DRAM_PROBE_MIB: usize = 2048;
+
+/// `batch` sequences prefilled and decoded together: the throughput line and the step's split.
+/// Returns the sequences and their next tokens (for `--graphs-ab`).
+fn decode_batch(
+    engine: &Engine,
+    a: &RunArgs,
+    batch: usize,
+    dram_gbs: Option<f64>,
+) -> anyhow::Result<(Vec<crate::engine::SeqCache>, Vec<u32>)> {
+    let mut caches: Vec<_> = (0..batch).map(|_| engine.new_cache()).collect();
+    let mut next: Vec<u32> = Vec::with_capacity(batch);
     for (i, c) in caches.iter_mut().enumerate() {
-        let l = prefill_into(&engine, c, &prompt(&engine, a.prompt_len, i), a.chunk)?;
+        let l = prefill_into(engine, c, &prompt(engine, a.prompt_len, i), a.chunk)?;
         next.push(crate::engine::sampling::argmax(&l) as u32);
     }
-    let (elapsed, split) = decode_steps(&engine, &mut caches, &mut next, 2, a.steps)?;
+    let (elapsed, split) = decode_steps(engine, &mut caches, &mut next, 2, a.steps)?;
     let per_step = elapsed / a.steps as f64;
     let layers = engine.config().num_layers as f64;
     println!(
         "decode: batch {} prompt {}: {:.2} ms/step, {:.1} tok/s ({:.1} tok/s per sequence)",
-        a.batch,
+        batch,
         a.prompt_len,
         per_step * 1e3,
-        a.batch as f64 / per_step,
+        batch as f64 / per_step,
         1.0 / per_step
     );
     let n = a.steps as f64;
@@ -215,43 +261,69 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
                 - split.dense_mlp_s
                 - split.head_s)
         );
+        return Ok((caches, next));
     }
-    if engine.on_gpu() {
+    println!(
+        "  per step: CPU experts {:.2} ms ({:.3} ms/layer), waiting for GPU {:.2} ms, other host {:.2} ms; GPU served {:.1}% of expert hits",
+        split.cpu_experts_s / n * 1e3,
+        split.cpu_experts_s / n / layers * 1e3,
+        split.gpu_wait_s / n * 1e3,
+        (elapsed - split.cpu_experts_s - split.gpu_wait_s) / n * 1e3,
+        100.0 * split.gpu_expert_hits as f64 / split.expert_hits.max(1) as f64
+    );
+    let r = &split.cpu_regions;
+    if r.calls > 0 {
+        let ms = |s: f64| s / n * 1e3;
         println!(
-            "  per step: CPU experts {:.2} ms ({:.3} ms/layer), waiting for GPU {:.2} ms, other host {:.2} ms; GPU served {:.1}% of expert hits",
-            split.cpu_experts_s / n * 1e3,
-            split.cpu_experts_s / n / layers * 1e3,
-            split.gpu_wait_s / n * 1e3,
-            (elapsed - split.cpu_experts_s - split.gpu_wait_s) / n * 1e3,
-            100.0 * split.gpu_expert_hits as f64 / split.expert_hits.max(1) as f64
+            "  CPU expert kernels by region, per step: route {:.2} ms, convert {:.2}, gate+up {:.2}, down activations {:.2}, down {:.2}, NUMA reduce {:.2} ({:.1} calls per step; the rest of \"CPU experts\" is the hand-off and deferred copies)",
+            ms(r.route_s),
+            ms(r.convert_s),
+            ms(r.gate_up_s),
+            ms(r.down_act_s),
+            ms(r.down_s),
+            ms(r.reduce_s),
+            r.calls as f64 / n
         );
-        let r = &split.cpu_regions;
-        if r.calls > 0 {
-            let ms = |s: f64| s / n * 1e3;
-            println!(
-                "  CPU expert kernels by region, per step: route {:.2} ms, convert {:.2}, gate+up {:.2}, down activations {:.2}, down {:.2}, NUMA reduce {:.2} ({:.1} calls per step; the rest of \"CPU experts\" is the hand-off and deferred copies)",
-                ms(r.route_s),
-                ms(r.convert_s),
-                ms(r.gate_up_s),
-                ms(r.down_act_s),
-                ms(r.down_s),
-                ms(r.reduce_s),
-                r.calls as f64 / n
-            );
-        }
-        if split.prefetched_bytes > 0 {
-            println!(
-                "  early routing: {:.1} MB of chosen DRAM experts prefetched per step while attention ran",
-                split.prefetched_bytes as f64 / n / 1e6
-            );
+    }
+    if split.prefetched_bytes > 0 {
+        println!(
+            "  early routing: {:.1} MB of chosen DRAM experts prefetched per step while attention ran",
+            split.prefetched_bytes as f64 / n / 1e6
+        );
+    }
+    if let (Some(gbs), true) = (dram_gbs, split.dram_experts_read > 0) {
+        let b = DramBound::of(&split, a.steps, gbs);
+        println!(
+            "  DRAM bound: {:.1} distinct DRAM experts read per step ({:.1} per MoE layer), {:.2} GB; at {gbs:.1} GB/s {:.2} ms/step = {:.1} tok/s at batch {batch} (this run: {:.0}% of it)",
+            b.experts_per_step,
+            b.experts_per_step / layers,
+            b.bytes_per_step / 1e9,
+            b.ms_per_step,
+            batch as f64 / b.ms_per_step * 1e3,
+            100.0 * b.ms_per_step / (per_step * 1e3)
+        );
+    }
+    Ok((caches, next))
+}
+
+/// The decode step's floor set by the DRAM experts: their distinct weights read once per step at the
+/// measured DRAM read bandwidth.
+struct DramBound {
+    experts_per_step: f64,
+    bytes_per_step: f64,
+    ms_per_step: f64,
+}
+
+impl DramBound {
+    fn of(t: &crate::engine::StepTimes, steps: usize, gbs: f64) -> Self {
+        let steps = steps.max(1) as f64;
+        let bytes_per_step = t.dram_expert_bytes as f64 / steps;
+        Self {
+            experts_per_step: t.dram_experts_read as f64 / steps,
+            bytes_per_step,
+            ms_per_step: bytes_per_step / (gbs * 1e9) * 1e3,
         }
     }
-    print_gpu_memory(&engine);
-    print_expert_gemm_choices(&engine);
-    if a.graphs_ab > 0 {
-        graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
-    }
-    Ok(())
 }
 
 /// `steps` decode steps of every sequence after `warm` untimed ones: seconds and the step split.
@@ -365,13 +437,14 @@ fn print_expert_gemm_choices(engine: &Engine) {
 
 fn prefill(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
-    time_prefill(&engine, a.prompt_len, a.chunk)?;
+    time_prefill(&engine, a.prompt_len, a.chunk, "")?;
     print_gpu_memory(&engine);
     print_expert_gemm_choices(&engine);
     Ok(())
 }
 
-fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()> {
+/// Times a prompt of `len` tokens twice (cold, warm); `label` follows "cold" / "warm" in the lines.
+fn time_prefill(engine: &Engine, len: usize, chunk: usize, label: &str) -> anyhow::Result<()> {
     // warm-up on a short prompt (kernel compilation, allocator)
     let mut warm = engine.new_cache();
     prefill_into(engine, &mut warm, &prompt(engine, 16, 99), 0)?;
@@ -385,8 +458,20 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()>
         prefill_into(engine, &mut cache, &p, chunk)?;
         let s = t.elapsed().as_secs_f64();
         let st = engine.last_step_times();
+        let split = if st.split_gpu_experts > 0 {
+            let (g, c) = engine.split_rates().unwrap_or((0.0, 0.0));
+            format!(
+                "; DRAM experts split: {} to the GPU, {} to the CPU (rates {:.1} / {:.1} GB/s)",
+                st.split_gpu_experts,
+                st.split_cpu_experts,
+                g / 1e9,
+                c / 1e9
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "prefill ({run}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s, CPU attention {:.3} s, dense MLP {:.3} s, final norm + lm_head {:.3} s",
+            "prefill ({run}{label}): {} tokens in {:.3} s = {:.0} tok/s (TTFT {:.0} ms); last step: host time in expert streaming/upload {:.3} s, CPU experts {:.3} s, waiting for GPU {:.3} s, CPU attention {:.3} s, dense MLP {:.3} s, final norm + lm_head {:.3} s{split}",
             p.len(),
             s,
             p.len() as f64 / s,
@@ -396,7 +481,7 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize) -> anyhow::Result<()>
             st.gpu_wait_s,
             st.attention_s,
             st.dense_mlp_s,
-            st.head_s
+            st.head_s,
         );
     }
     Ok(())

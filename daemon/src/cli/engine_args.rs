@@ -197,6 +197,11 @@ pub struct EngineArgs {
     /// from pinned memory). Above --kv-cache-tokens it disables layerwise prefill and the pinning.
     #[arg(long, default_value_t = 1024)]
     pub gpu_prefill_threshold: usize,
+    /// Steps of at least this many tokens (below --gpu-prefill-threshold) split each layer's routed
+    /// DRAM experts between the GPU (streamed, the most-loaded) and the CPU kernels, in the measured
+    /// ratio of the two sides' rates; 0 = never (the CPU kernels compute them all).
+    #[arg(long, default_value_t = crate::engine::gpu::split::DEFAULT_MIN_ROWS)]
+    pub gpu_split_min_tokens: usize,
     /// MiB per chunk of the layerwise-prefill expert stream (four staging chunks + one dense on the GPU).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub gpu_stream_chunk_mib: u64,
@@ -343,6 +348,7 @@ impl EngineArgs {
             max_step_seqs: 64,
             max_sequence_tokens: None,
             gpu_prefill_threshold: self.gpu_prefill_threshold,
+            gpu_split_min_rows: self.gpu_split_min_tokens,
             gpu_stream_chunk_bytes: (self.gpu_stream_chunk_mib as usize) << 20,
             cuda_graphs: !self.no_cuda_graphs,
             cuda_graphs_hybrid: self.cuda_graphs_hybrid,

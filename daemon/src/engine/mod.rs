@@ -93,6 +93,9 @@ pub struct EngineOptions {
     pub max_sequence_tokens: Option<usize>,
     /// Steps of at least this many tokens prefill layer by layer on the GPU.
     pub gpu_prefill_threshold: usize,
+    /// Steps from this many rows up to `gpu_prefill_threshold` split each layer's DRAM experts
+    /// between the GPU (streamed) and the CPU kernels (`gpu::split`); 0 = never.
+    pub gpu_split_min_rows: usize,
     /// DRAM experts (and, on the CPU backend, dense projections) run on the packed CPU kernels
     /// (AMX / AVX-512 / AVX2); false = reference path.
     pub cpu_kernels: bool,
@@ -150,6 +153,7 @@ impl Default for EngineOptions {
             max_step_seqs: 64,
             max_sequence_tokens: None,
             gpu_prefill_threshold: 1024,
+            gpu_split_min_rows: gpu::split::DEFAULT_MIN_ROWS,
             cpu_kernels: true,
             cpu_moe: Default::default(),
             expert_format: None,

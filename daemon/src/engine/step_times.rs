@@ -25,6 +25,14 @@ pub struct StepTimes {
     pub early_routed_layers: u64,
     /// CUDA backend: the CPU expert kernels' time by region (`CpuExpertSet::forward_timed`).
     pub cpu_regions: moe_kernels::cpu::moe::RegionTimes,
+    /// CUDA backend, split steps (`gpu::split`): routed DRAM experts streamed to the GPU / left to
+    /// the CPU, over the step's layers.
+    pub split_gpu_experts: u64,
+    pub split_cpu_experts: u64,
+    /// CUDA backend: distinct DRAM experts the CPU kernels read (per layer, summed over layers) and
+    /// their packed bytes.
+    pub dram_experts_read: u64,
+    pub dram_expert_bytes: u64,
 }
 
 impl StepTimes {
@@ -41,5 +49,9 @@ impl StepTimes {
         self.prefetched_bytes += o.prefetched_bytes;
         self.early_routed_layers += o.early_routed_layers;
         self.cpu_regions.add(&o.cpu_regions);
+        self.split_gpu_experts += o.split_gpu_experts;
+        self.split_cpu_experts += o.split_cpu_experts;
+        self.dram_experts_read += o.dram_experts_read;
+        self.dram_expert_bytes += o.dram_expert_bytes;
     }
 }

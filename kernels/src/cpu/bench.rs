@@ -158,6 +158,14 @@ fn sources<'a>(a: &CpuMoeBenchArgs, s: &'a LayerSource) -> Vec<ExpertSource<'a>>
         .collect()
 }
 
+/// DRAM read bandwidth in GB/s of `pool`'s threads over a fresh buffer of `mib` MiB (hugepages where
+/// the system has them): what a bandwidth-bound kernel on this pool reads at most.
+pub fn measure_dram_read_bw(pool: &WorkerPool, mib: usize) -> f64 {
+    let mut probe = HugeBuffer::new(mib.max(1) << 20, HugepageMode::Auto, None);
+    probe.iter_mut().step_by(4096).for_each(|b| *b = 1);
+    dram_read_bw(pool, &probe)
+}
+
 /// DRAM read bandwidth in GB/s with every thread of `pool` summing its share of `buf` (best of 4).
 pub(crate) fn dram_read_bw(pool: &WorkerPool, buf: &HugeBuffer) -> f64 {
     let chunk = 1 << 20;

@@ -53,6 +53,15 @@ pub fn expert_homes(
         .collect()
 }
 
+/// Distinct experts among routed `ids` ([`NOT_HERE`] left out): the experts whose weights a
+/// layer's CPU kernels read once each for all their rows.
+pub fn distinct_experts(ids: &[u32]) -> usize {
+    let mut seen: Vec<u32> = ids.iter().copied().filter(|&id| id != NOT_HERE).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    seen.len()
+}
+
 /// Experts with consecutive rows computed on the GPU together: the resident (and uploaded) experts,
 /// or the routed experts of one streamed chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -259,6 +268,12 @@ pub fn split_deferred(
 mod tests {
     use super::ExpertHome::{Cpu, Resident, Streamed, Uploaded};
     use super::*;
+
+    #[test]
+    fn distinct_experts_count_each_once_and_skip_other_devices() {
+        assert_eq!(distinct_experts(&[4, 1, 4, NOT_HERE, 7, 1]), 3);
+        assert_eq!(distinct_experts(&[NOT_HERE, NOT_HERE]), 0);
+    }
 
     #[test]
     fn homes_follow_residency_step_kind_and_prefill_rules() {

@@ -69,10 +69,22 @@ impl GpuModel {
     }
 }
 
+/// What benchmarks read of the CUDA backend's expert work.
 impl crate::engine::Engine {
     /// What the GPU's expert GEMMs measured and chose per use so far, and the path
     /// `MOE_GROUPED_GEMM` forces if it does (CUDA backend; `moe_kernels::cuda::gemm_path`).
     pub fn expert_gemm_choices(&self) -> Option<(Vec<GemmChoice>, Option<ExpertGemmPath>)> {
         self.gpu.as_ref().map(|g| g.dev.expert_gemm_choices())
+    }
+
+    /// The split's measured rates of the GPU and CPU sides in bytes per second (`split`).
+    pub fn split_rates(&self) -> Option<(f64, f64)> {
+        let g = self.gpu.as_ref()?;
+        Some(g.split.lock().unwrap_or_else(|e| e.into_inner()).rates())
+    }
+
+    /// The worker pool of the CPU expert kernels, if this engine has one.
+    pub fn cpu_expert_pool(&self) -> Option<&moe_kernels::cpu::WorkerPool> {
+        self.cpu_pool.as_deref()
     }
 }

@@ -116,6 +116,29 @@ struct Segment<'a, 'b> {
     hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
 }
 
+impl<'a, 'b> Segment<'a, 'b> {
+    /// A layer's segment over the step's activation buffers.
+    fn of(
+        acts: &'a mut ActBufs,
+        hand: &'a Handoff,
+        want_x: bool,
+        hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
+    ) -> Self {
+        Segment {
+            x: &mut acts.x,
+            hb: &mut acts.hb,
+            hf: &mut acts.hf,
+            logits: &mut acts.logits,
+            eids: &mut acts.eids,
+            w: &mut acts.w,
+            attn: &mut acts.attn,
+            hand,
+            want_x,
+            hybrid,
+        }
+    }
+}
+
 impl GpuModel {
     /// y[n, out] = x · Wᵀ (+ bias), or += when `accumulate`.
     pub(super) fn linear(
@@ -382,35 +405,28 @@ impl GpuModel {
         } = bufs;
         let hand: &Handoff = hand;
         hand.begin_step(dev)?;
-        let ActBufs {
-            x,
-            hb,
-            hf,
-            logits,
-            eids,
-            w,
-            attn,
-            mlp,
-            experts,
-            head,
-        } = acts;
-        self.embed(host, &hi.ids, index, x)?;
+        self.embed(host, &hi.ids, index, &mut acts.x)?;
         // Hybrid models (linear attention, hyper-connections, sparse attention): the step's streams,
         // recurrent states and indexer selection.
         let mut hybrid_step = match (&self.hybrid, hybrid.as_mut()) {
-            (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, x, b)?),
+            (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, &mut acts.x, b)?),
             _ => None,
         };
+        let pipelined = self.pipelined(long_prompt, decode_rows, n);
+        let split_step = self.split_step(long_prompt, pipelined, n);
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
+        // Split steps stream the experts each layer's routing gives the GPU (see `split`).
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        let mut stream = if long_prompt {
+        let mut stream = if long_prompt || split_step {
             stream_guard.as_mut()
         } else {
             None
         };
         if let Some(es) = stream.as_deref_mut() {
-            es.begin_step(dev, host)?;
+            es.begin_step(dev, host, long_prompt)?;
         }
+        let mut split_guard = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        let mut split = (split_step && stream.is_some()).then_some(&mut *split_guard);
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let mut graphs = graph_step.then_some(&mut *graphs_guard);
         // One view of the step per group of layers: its slots and block tables.
@@ -426,7 +442,6 @@ impl GpuModel {
             })
             .collect();
         let act = GatedAct::of(cfg);
-        let pipelined = self.pipelined(long_prompt, decode_rows, n);
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
@@ -437,18 +452,8 @@ impl GpuModel {
                 Some(homes) => homes,
                 None => {
                     let homes = self.layer_homes(host, li, long_prompt, stream.as_deref());
-                    let mut seg = Segment {
-                        x: &mut *x,
-                        hb: &mut *hb,
-                        hf: &mut *hf,
-                        logits: &mut *logits,
-                        eids: &mut *eids,
-                        w: &mut *w,
-                        attn: &mut *attn,
-                        hand,
-                        want_x: homes.contains(&ExpertHome::Cpu),
-                        hybrid: hybrid_step.as_mut(),
-                    };
+                    let want_x = homes.contains(&ExpertHome::Cpu);
+                    let mut seg = Segment::of(acts, hand, want_x, hybrid_step.as_mut());
                     let step = (&steps[self.kv_layout.group_of(li)], &mut *pool);
                     self.run_pre_experts(host, li, step, &mut seg, graphs.as_deref_mut())?;
                     homes
@@ -459,6 +464,7 @@ impl GpuModel {
             }
             match &layer.ffn {
                 GpuFfn::Dense(m) => {
+                    let ActBufs { x, hb, mlp, .. } = &mut *acts;
                     self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
                 }
                 GpuFfn::Moe(moe) => {
@@ -472,28 +478,12 @@ impl GpuModel {
                         && !homes.is_empty()
                         && homes.iter().all(|h| *h == ExpertHome::Cpu);
                     if prelaunch {
-                        let bufs = MoeLayerBufs {
-                            x: &mut *x,
-                            hb: &*hb,
-                            hf: &*hf,
-                            mlp: &mut *mlp,
-                            experts: &mut *experts,
-                        };
+                        let bufs = MoeLayerBufs::of(acts);
                         self.moe_gpu_half_before_routing(moe, act, (n, hd), bufs, hand)?;
                         if li + 1 < self.layers.len() {
                             let next = self.layer_homes(host, li + 1, long_prompt, None);
-                            let mut seg = Segment {
-                                x: &mut *x,
-                                hb: &mut *hb,
-                                hf: &mut *hf,
-                                logits: &mut *logits,
-                                eids: &mut *eids,
-                                w: &mut *w,
-                                attn: &mut *attn,
-                                hand,
-                                want_x: next.contains(&ExpertHome::Cpu),
-                                hybrid: None,
-                            };
+                            let want_x = next.contains(&ExpertHome::Cpu);
+                            let mut seg = Segment::of(acts, hand, want_x, None);
                             let step = (&steps[self.kv_layout.group_of(li + 1)], &mut *pool);
                             let g = graphs.as_deref_mut();
                             let r = self.run_pre_experts(host, li + 1, step, &mut seg, g);
@@ -510,14 +500,9 @@ impl GpuModel {
                         hand,
                         n,
                         stream: stream.as_deref_mut(),
+                        split: split.as_deref_mut(),
+                        split_cpu_bytes: 0,
                         times: &mut *times,
-                    };
-                    let bufs = MoeLayerBufs {
-                        x: &mut *x,
-                        hb: &*hb,
-                        hf: &*hf,
-                        mlp: &mut *mlp,
-                        experts: &mut *experts,
                     };
                     // deferred experts only in pipelined steps, and only into a next MoE layer
                     let next_moe = matches!(
@@ -534,11 +519,12 @@ impl GpuModel {
                         moe,
                         &homes,
                         &mut ctx,
-                        bufs,
+                        MoeLayerBufs::of(acts),
                         defer,
                         prelaunch,
                         &mut on_routing,
                     );
+                    let split_cpu_bytes = ctx.split_cpu_bytes;
                     let half = match r {
                         Err(e) if prelaunch => {
                             hand.port.raise_sum(); // the GPU must not wait for a host that gave up
@@ -548,19 +534,26 @@ impl GpuModel {
                     };
                     match half {
                         Some(h) if pipelined => owed = Some(h),
-                        Some(h) => h.run(times),
+                        Some(h) => {
+                            let t = Instant::now();
+                            h.run(times);
+                            if let Some(b) = split.as_deref_mut() {
+                                b.observe_cpu(split_cpu_bytes, t.elapsed().as_secs_f64());
+                            }
+                        }
                         None => {}
                     }
                 }
             }
-            self.tp_all_reduce(x, n * hd)?;
+            self.tp_all_reduce(&mut acts.x, n * hd)?;
             if let Some(hy) = hybrid_step.as_mut() {
-                self.hyper_expand(hy, hd, x)?;
+                self.hyper_expand(hy, hd, &mut acts.x)?;
             }
         }
         if let Some(half) = owed.take() {
             half.run(times);
         }
+        let ActBufs { x, hb, head, .. } = acts;
         if let Some(hy) = &hybrid_step {
             self.hyper_head(hy, hd, x)?;
         }

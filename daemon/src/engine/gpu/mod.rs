@@ -31,6 +31,7 @@ pub mod memory;
 mod moe_layer;
 pub mod moves;
 pub mod setup;
+pub mod split;
 pub mod stream;
 mod stream_profile;
 mod warm;
@@ -204,6 +205,13 @@ pub struct GpuModel {
     pub kv_layout: crate::engine::kv::KvLayout,
     /// Steps with at least this many tokens stream DRAM experts to the GPU (layerwise prefill).
     pub prefill_threshold: usize,
+    /// Steps with at least this many rows (and fewer than `prefill_threshold`) split each layer's
+    /// routed DRAM experts between the GPU stream and the CPU kernels (`split`); 0 = never.
+    pub split_min_rows: usize,
+    /// The split's measured rates of both sides.
+    pub split: Mutex<split::SplitBalance>,
+    /// No step splits for now (`bench decode --split-ab`: both in one process).
+    pub split_paused: std::sync::atomic::AtomicBool,
     /// The packed-expert stream of layerwise prefill (set up by [`GpuModel::attach_expert_stream`]
     /// once the CPU kernels have packed the DRAM experts); `None`: per-expert uploads.
     pub stream: Mutex<Option<stream::ExpertStream>>,
@@ -571,6 +579,9 @@ impl GpuModel {
             kv: Arc::new(Mutex::new(kv)),
             kv_layout,
             prefill_threshold,
+            split_min_rows: 0,
+            split: Mutex::new(split::SplitBalance::default()),
+            split_paused: std::sync::atomic::AtomicBool::new(false),
             stream: Mutex::new(None),
             cuda_graphs: false,
             graphs_paused: std::sync::atomic::AtomicBool::new(false),

@@ -14,13 +14,14 @@ use super::buffers::{ExpertBufs, MlpBufs};
 use super::dispatch::{split_deferred, ExpertHome, MoeDispatchPlan};
 use super::experts::PhaseBuffers;
 use super::handoff::{CpuHalf, Handoff};
+use super::split::{GpuSpan, SplitBalance};
 use super::stream::ExpertStream;
 use super::{GpuMlp, GpuModel, GpuMoe};
 use crate::engine::moe::GatedAct;
 use crate::engine::StepTimes;
 use crate::model::{Ffn, Model, MoeBlock};
 use anyhow::Context;
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use half::bf16;
 use std::time::Instant;
 
@@ -33,9 +34,21 @@ pub(super) struct MoeStep<'h, 's> {
     pub hand: &'h Handoff,
     /// Rows of the step.
     pub n: usize,
-    /// The expert stream of a long prompt.
+    /// The expert stream of a long prompt (every DRAM expert) or of a split step (those the split
+    /// gives the GPU).
     pub stream: Option<&'s mut ExpertStream>,
+    /// Split steps (`split`): the measured rates of both sides.
+    pub split: Option<&'s mut SplitBalance>,
+    /// Set by a split layer: bytes of the routed DRAM experts it left to the CPU.
+    pub split_cpu_bytes: usize,
     pub times: &'s mut StepTimes,
+}
+
+/// A split layer's homes (its GPU share re-homed to the stream) and the start of its GPU side.
+struct SplitLayer {
+    homes: Vec<ExpertHome>,
+    start: CudaEvent,
+    gpu_bytes: usize,
 }
 
 /// The step buffers an MoE layer reads and writes.
@@ -47,6 +60,19 @@ pub(super) struct MoeLayerBufs<'a> {
     pub hf: &'a CudaSlice<f32>,
     pub mlp: &'a mut MlpBufs,
     pub experts: &'a mut ExpertBufs,
+}
+
+impl<'a> MoeLayerBufs<'a> {
+    /// An MoE layer's view of the step's activation buffers.
+    pub fn of(acts: &'a mut super::buffers::ActBufs) -> Self {
+        MoeLayerBufs {
+            x: &mut acts.x,
+            hb: &acts.hb,
+            hf: &acts.hf,
+            mlp: &mut acts.mlp,
+            experts: &mut acts.experts,
+        }
+    }
 }
 
 impl GpuModel {
@@ -90,6 +116,8 @@ impl GpuModel {
         let (mut ids, weights) = hand.routing(n * k);
         self.override_routing(li, mc.num_experts, &mut ids);
         on_routing(li, &ids);
+        let split = self.split_layer(li, homes, &ids, ctx)?;
+        let homes = split.as_ref().map_or(homes, |s| &s.homes[..]);
         let plan = {
             let es = ctx.stream.as_deref();
             let chunks: Vec<(usize, &[u32])> = es.map_or(Vec::new(), |es| {
@@ -102,6 +130,11 @@ impl GpuModel {
         };
         ctx.times.expert_hits += plan.expert_hits;
         ctx.times.gpu_expert_hits += plan.gpu_expert_hits;
+        if let (Some(r), Some(set)) = (&plan.cpu, &host_block.cpu_set) {
+            let read = super::dispatch::distinct_experts(&r.ids) as u64;
+            ctx.times.dram_experts_read += read;
+            ctx.times.dram_expert_bytes += read * set.packed_geometry().expert_bytes as u64;
+        }
         let act = GatedAct::of(cfg);
         anyhow::ensure!(
             !(prelaunched && plan.any_gpu_work()),
@@ -124,6 +157,14 @@ impl GpuModel {
         let shape = (n, hd, mc.expert_intermediate);
         self.run_gpu_experts(&plan, &table, host_block, ctx, shape, b.hb, b.experts)?;
         self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
+        if let (Some(s), Some(balance)) = (split, ctx.split.as_deref_mut()) {
+            let end = SplitBalance::event(&self.dev.stream)?;
+            balance.pend_gpu(GpuSpan {
+                start: s.start,
+                end,
+                bytes: s.gpu_bytes,
+            });
+        }
         if plan.cpu.is_none() && !hand.has_deferred() && !prelaunched {
             return Ok(None);
         }
@@ -167,6 +208,48 @@ impl GpuModel {
         }
         self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
         Ok(())
+    }
+
+    /// A split step's layer (`split`): once its routing is known, the share of its routed DRAM experts
+    /// the measured rates give the GPU (the most-loaded) is issued to the expert stream and re-homed
+    /// there; the rest stay on the CPU. `None` outside split steps or when the GPU takes none.
+    fn split_layer(
+        &self,
+        li: usize,
+        homes: &[ExpertHome],
+        ids: &[u32],
+        ctx: &mut MoeStep<'_, '_>,
+    ) -> anyhow::Result<Option<SplitLayer>> {
+        let (Some(balance), Some(es)) = (ctx.split.as_deref_mut(), ctx.stream.as_deref_mut())
+        else {
+            return Ok(None);
+        };
+        if !super::stream::gpu_can_take_dram_experts(ctx.host, li) {
+            return Ok(None);
+        }
+        balance.collect_gpu()?;
+        let kept = self.prefill_on_cpu.get(li).map_or(&[][..], Vec::as_slice);
+        let movable =
+            |e: usize| homes[e] == ExpertHome::Cpu && !kept.get(e).copied().unwrap_or(false);
+        let routed = super::split::routed_rows(ids, homes.len(), movable);
+        let gpu = super::split::gpu_experts(&routed, balance.gpu_share());
+        let each = es.expert_bytes();
+        ctx.split_cpu_bytes = (routed.len() - gpu.len()) * each;
+        ctx.times.split_gpu_experts += gpu.len() as u64;
+        ctx.times.split_cpu_experts += (routed.len() - gpu.len()) as u64;
+        if gpu.is_empty() {
+            return Ok(None);
+        }
+        let start = es.stream_layer(&self.dev, ctx.host, li, &gpu)?;
+        let mut homes = homes.to_vec();
+        for &e in &gpu {
+            homes[e as usize] = ExpertHome::Streamed;
+        }
+        Ok(Some(SplitLayer {
+            homes,
+            start,
+            gpu_bytes: gpu.len() * each,
+        }))
     }
 
     /// Benchmarks' synthetic routing: rewrites the layer's routed ids (clamped to the layer's experts).

@@ -177,6 +177,7 @@ pub fn build(
         gpu.expert_prefetch_bytes = opts.expert_prefetch_bytes;
     }
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
+    gpu.split_min_rows = opts.gpu_split_min_rows;
     if let Some(r) = rules {
         gpu.prefill_on_cpu = r.prefill_on_cpu();
     }

@@ -12,6 +12,8 @@
 //!   waits for a copy.
 //! - Every DRAM expert is sent, routed or not: with thousands of prompt tokens nearly all are, and sending
 //!   all lets the copy start before the router has run.
+//! - Steps that split each layer's experts between the GPU and the CPU (`split`) send only the experts
+//!   a layer's routing gave the GPU, issued once that routing is known ([`ExpertStream::stream_layer`]).
 use anyhow::Context;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use half::bf16;
@@ -75,7 +77,9 @@ pub struct ExpertStream {
     pub dense: CudaSlice<bf16>,
     pub geometry: PackedGeometry,
     pub chunk_experts: usize,
-    /// Every chunk of a step, layer by layer (fixed: the DRAM experts do not move).
+    /// Every DRAM expert in chunks, layer by layer (fixed: the DRAM experts do not move).
+    all_chunks: Vec<Chunk>,
+    /// The chunks of this step: all of them, or those split steps issued layer by layer.
     chunks: Vec<Chunk>,
     /// Chunks of this step whose copies were enqueued / that were unpacked.
     issued: usize,
@@ -182,7 +186,8 @@ impl ExpertStream {
             dense,
             geometry,
             chunk_experts: chunk,
-            chunks,
+            all_chunks: chunks,
+            chunks: Vec::new(),
             issued: 0,
             consumed: 0,
             pinned,
@@ -196,10 +201,15 @@ impl ExpertStream {
         self.pinned
     }
 
-    /// Starts a long-prefill step: enqueues the first chunks' copies.
-    pub fn begin_step(&mut self, dev: &GpuDevice, host: &Model) -> anyhow::Result<()> {
+    /// Starts a step that streams: every DRAM expert (`all`: long prefill; the first chunks' copies
+    /// are enqueued now), or only those [`ExpertStream::stream_layer`] adds (split steps).
+    pub fn begin_step(&mut self, dev: &GpuDevice, host: &Model, all: bool) -> anyhow::Result<()> {
         self.issued = 0;
         self.consumed = 0;
+        self.chunks.clear();
+        if all {
+            self.chunks.extend_from_slice(&self.all_chunks);
+        }
         if let Some(p) = self.profile.as_mut() {
             p.begin(&dev.stream)?;
         }
@@ -256,6 +266,27 @@ impl ExpertStream {
             self.issued += 1;
         }
         Ok(())
+    }
+
+    /// Adds layer `li`'s experts `ids` (ascending) to this step's stream and enqueues their copies as
+    /// far as the staging slots allow; the event marks, on the copy stream, the moment before them.
+    pub fn stream_layer(
+        &mut self,
+        dev: &GpuDevice,
+        host: &Model,
+        li: usize,
+        ids: &[u32],
+    ) -> anyhow::Result<CudaEvent> {
+        let start = super::split::SplitBalance::event(&self.copy)?;
+        self.chunks
+            .extend(plan_chunks(&[(li, ids)], self.chunk_experts));
+        self.issue_ahead(dev, host)?;
+        Ok(start)
+    }
+
+    /// Bytes of one packed expert as the stream copies it.
+    pub fn expert_bytes(&self) -> usize {
+        self.geometry.expert_bytes
     }
 
     /// The chunks of layer `li` in this step, in order (indices for [`ExpertStream::take`]).

@@ -89,19 +89,57 @@ impl Engine {
             .collect();
         let mut cache = self.new_cache();
         for chunk in [&prompt[..], &prompt[..1]] {
-            let mut batch = [SeqInput {
-                cache: &mut cache,
-                tokens: chunk,
-            }];
-            reserve_batch(&mut batch)?;
-            let mut inputs = gpu_seq_inputs(&mut batch);
-            let mut times = StepTimes::default();
-            self.dispatch_gpu_step(g, &mut inputs, &mut times, |_, _| {})?;
-            drop(inputs);
-            for s in batch.iter_mut() {
-                s.cache.advance(s.tokens.len());
-            }
+            self.warm_up_step(g, &mut cache, chunk)?;
+        }
+        drop(cache);
+        // A prompt that splits its DRAM experts between the GPU and the CPU (`split`): its shapes'
+        // heuristics, and the split's first measured rates.
+        let split = split_warm_up_len(g.split_min_rows, g.prefill_threshold, tokens);
+        if let Some(len) = split {
+            self.warm_up_step(g, &mut self.new_cache(), &prompt[..len])?;
         }
         Ok(())
+    }
+
+    fn warm_up_step(
+        &self,
+        g: &super::GpuModel,
+        cache: &mut crate::engine::SeqCache,
+        tokens: &[u32],
+    ) -> anyhow::Result<()> {
+        let mut batch = [SeqInput { cache, tokens }];
+        reserve_batch(&mut batch)?;
+        let mut inputs = gpu_seq_inputs(&mut batch);
+        let mut times = StepTimes::default();
+        self.dispatch_gpu_step(g, &mut inputs, &mut times, |_, _| {})?;
+        drop(inputs);
+        for s in batch.iter_mut() {
+            s.cache.advance(s.tokens.len());
+        }
+        Ok(())
+    }
+}
+
+/// Tokens of the warm-up's split prompt: 512 (a typical short prompt), within the split's range and the
+/// warm-up's room; `None` when steps never split.
+fn split_warm_up_len(min_rows: usize, threshold: usize, room: usize) -> Option<usize> {
+    let len = 512.min(threshold.saturating_sub(1)).min(room);
+    (min_rows > 0 && len >= min_rows).then_some(len)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_split_warm_up_prompt_lies_in_the_split_range() {
+        use super::split_warm_up_len as len;
+        assert_eq!(len(128, 1024, 8192), Some(512));
+        assert_eq!(len(128, 300, 8192), Some(299));
+        assert_eq!(len(128, 1024, 200), Some(200), "the warm-up's room");
+        assert_eq!(len(0, 1024, 8192), None, "split off");
+        assert_eq!(
+            len(128, 100, 8192),
+            None,
+            "threshold below the split's start"
+        );
     }
 }
