@@ -12,10 +12,10 @@
 #          nsys summary of the same prefill when nsys is installed.
 #   gemm   the expert GEMM paths A/B on a QLAYERS-layer Qwen3-30B-A3B-shape checkpoint (default 8, 10 GiB
 #          in /dev/shm): prefill 4096 and 8192 with every expert streamed (--gpu-experts 0, stream
-#          profile on) with the batched path forced (MOE_GROUPED_GEMM=0) and the grouped one
-#          (MOE_GROUPED_GEMM=1); decode with 64 and 128 GPU experts per layer with each forced; then the
-#          default (each use measured on its first calls, the faster path kept) on decode with 64 GPU
-#          experts plus prefill 4096, which prints what it measured and chose per use.
+#          profile on) with the batched path forced (MOE_GROUPED_GEMM=0) and the grouped kernel
+#          (MOE_GROUPED_GEMM=1); the defaults (the rule's path per use) with every expert in DRAM: prefill
+#          512 split between GPU and CPU and again with the split paused (--split-ab), decode at batch 1, 8
+#          and 32 with the DRAM bound; then decode with 64 and 128 GPU experts per layer, each path forced.
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
 # Usage there: OUT=$OUT D=.device/hybrid3 BUDGET=170 TESTS=grouped_expert_gemm bash .device/hybrid3/hybrid_session.sh tests gemm
@@ -30,7 +30,7 @@ PREFETCH_MIB=${PREFETCH_MIB:-16}
 ROUNDS=${ROUNDS:-2}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
-TESTS=${TESTS:-grouped_expert_gemm early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
+TESTS=${TESTS:-grouped_expert_gemm split_prefill early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
 SHM=${SHM:-/dev/shm}
 mkdir -p "$OUT"
 export MOE_FIXTURES=$PWD/tests/fixtures RUST_BACKTRACE=1
@@ -48,7 +48,7 @@ bench() {
   log "$name: $*"
   timeout "$to" "$MOE" bench decode --device cuda "$@" > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|per step|early routing|by region|expert stream:|expert GEMM|rror|panick" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|^DRAM|per step|early routing|by region|DRAM bound|expert stream:|expert GEMM|rror|panick" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-600
 }
 
@@ -58,7 +58,7 @@ phase_tests() {
   # shellcheck disable=SC2086 # TESTS holds several filters
   timeout 90 "$D/gpu_tests" --test-threads 1 --nocapture $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "  rc=$?"
-  grep -E "^test |panicked|test result|same logits" "$OUT/gpu_tests.log" | sed 's/^/  /' | tail -30
+  grep -E "^test |panicked|test result|same logits|rel-L2 vs unsplit|grouped against" "$OUT/gpu_tests.log" | sed 's/^/  /' | tail -30
 }
 
 phase_early() {
@@ -102,12 +102,13 @@ phase_gemm() {
     MOE_GROUPED_GEMM=$p MOE_STREAM_PROFILE=1 bench q3_prefill_gemm$p 90 20 --model "$M" --gpu-experts 0 \
       --steps 2 --prefill-lens 4096,8192
   done
+  bench q3_defaults 120 25 --model "$M" --gpu-experts 0 --steps 16 --prompt-len 32 --prefill-lens 512 --split-ab \
+    --batch 1,8,32
   for g in 64 128; do
     for p in 0 1; do
-      MOE_GROUPED_GEMM=$p bench q3_gpu${g}_gemm$p 60 12 --model "$M" --gpu-experts "$g" --steps 32 --prompt-len 32
+      MOE_GROUPED_GEMM=$p bench q3_gpu${g}_gemm$p 60 10 --model "$M" --gpu-experts "$g" --steps 16 --prompt-len 32
     done
   done
-  bench q3_gpu64_measured 90 18 --model "$M" --gpu-experts 64 --steps 32 --prompt-len 32 --prefill-lens 4096
   rm -rf "$M"
 }
 

@@ -210,7 +210,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         last = Some(decode_batch(&engine, &a, batch.get(), dram_gbs)?);
     }
     print_gpu_memory(&engine);
-    print_expert_gemm_choices(&engine);
+    print_expert_gemm_uses(&engine);
     if let (true, Some((mut caches, mut next))) = (a.graphs_ab > 0, last) {
         graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
     }
@@ -418,20 +418,16 @@ fn print_gpu_memory(engine: &Engine) {
     );
 }
 
-/// How the GPU's expert GEMMs ran per use: forced by `MOE_GROUPED_GEMM`, or measured and chosen.
-fn print_expert_gemm_choices(engine: &Engine) {
-    let Some((choices, forced)) = engine.expert_gemm_choices() else {
+/// How the GPU's expert GEMMs ran per kind of use (and whether `MOE_GROUPED_GEMM` forced the path).
+fn print_expert_gemm_uses(engine: &Engine) {
+    let Some((uses, forced)) = engine.expert_gemm_uses() else {
         return;
     };
-    if let Some(path) = forced {
-        println!(
-            "  expert GEMMs: {} (forced by MOE_GROUPED_GEMM)",
-            path.as_str()
-        );
-        return;
-    }
-    for c in choices {
-        println!("  expert GEMM path, measured per use: {c}");
+    let how = forced.map_or("by rule".to_string(), |p| {
+        format!("forced {} by MOE_GROUPED_GEMM", p.as_str())
+    });
+    for u in uses {
+        println!("  expert GEMMs ({how}): {u}");
     }
 }
 
@@ -439,7 +435,7 @@ fn prefill(a: RunArgs) -> anyhow::Result<()> {
     let engine = load(&a)?;
     time_prefill(&engine, a.prompt_len, a.chunk, "")?;
     print_gpu_memory(&engine);
-    print_expert_gemm_choices(&engine);
+    print_expert_gemm_uses(&engine);
     Ok(())
 }
 

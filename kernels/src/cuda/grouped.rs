@@ -1,105 +1,91 @@
-//! Grouped expert GEMMs: every item of [`GpuDevice::gemm_bf16_items`] in ONE cuBLAS call
-//! (`cublasGemmGroupedBatchedEx`, cuBLAS ≥ 12.5), whatever its row count, instead of one batched call per
-//! distinct row count. In a long prompt every expert has its own row count, so the batched path costs one
-//! launch (and one heuristic lookup per new shape) per expert, and the host's launches hold the GPU back
-//! (docs/PERF.md, the long-prefill stream profile). Which of the two runs is chosen by measurement per
-//! use (`gemm_path`). If cuBLAS refuses the call (an older library, or a type combination it does not
-//! group), the first refusal is logged and every later call takes the batched path.
+//! Grouped expert GEMMs: every item of [`GpuDevice::gemm_bf16_items`] in ONE launch of
+//! `grouped_gemm.cu` (bf16 in, f32 out), whatever its row count, instead of one cuBLAS batched call per
+//! distinct row count. In a long prompt every expert has its own row count, so the batched path costs
+//! one launch (and one heuristic lookup per new shape) per expert, and the host's launches hold the GPU
+//! back (docs/PERF.md, the long-prefill stream profile). cuBLAS's own grouped call
+//! (`cublasGemmGroupedBatchedEx`) takes bf16 inputs only with bf16 outputs, which would round the
+//! gate/up and down outputs that the batched path keeps in f32.
+use super::ops::grid;
 use super::{GemmItem, GpuDevice, GpuError};
-use cudarc::cublas::sys as cublas_sys;
-use std::sync::atomic::{AtomicBool, Ordering};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
-/// Set once cuBLAS refused a grouped call: later calls take the batched path.
-static REFUSED: AtomicBool = AtomicBool::new(false);
+/// Output rows and columns of one block's tile (`GG_BM`, `GG_BN` in `grouped_gemm.cu`).
+const TILE_ROWS: usize = 64;
+const TILE_COLS: usize = 64;
+/// Threads per block.
+const THREADS: usize = 128;
 
-/// Whether cuBLAS refused a grouped call in this process (later calls take the batched path).
-pub fn grouped_gemm_refused() -> bool {
-    REFUSED.load(Ordering::Relaxed)
+/// Table entries for up to `items` items of `rows` rows in all: four per item (weights, inputs,
+/// outputs, rows) and one per 64-row tile (at most one partial tile per item).
+pub(super) fn table_len(items: usize, rows: usize) -> usize {
+    4 * items + rows / TILE_ROWS + items
 }
 
-/// Records a refusal (logged once).
-pub(super) fn refused(e: &GpuError) {
-    if !REFUSED.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "grouped expert GEMM refused by cuBLAS ({e}); using one batched call per row count"
+/// Whether the grouped kernel takes these items: k a multiple of 8 and m even (its 16-byte loads and
+/// 8-byte stores), every address 16-byte aligned, sizes within its 32-bit indices.
+pub(super) fn takes(items: &[GemmItem], order: &[usize], m: usize, k: usize) -> bool {
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    k.is_multiple_of(8)
+        && m.is_multiple_of(2)
+        && fits(m)
+        && fits(k)
+        && order.iter().all(|&i| {
+            let g = &items[i];
+            (g.x | g.w | g.y).is_multiple_of(16) && fits(g.rows)
+        })
+}
+
+/// The grouped kernel's table for the items in `order`: weights, inputs, outputs, rows, then one
+/// `item << 32 | first row` entry per 64-row tile of each item's output (item indices into `order`).
+pub(super) fn table(items: &[GemmItem], order: &[usize]) -> Vec<u64> {
+    let mut t: Vec<u64> = [
+        |g: &GemmItem| g.w,
+        |g: &GemmItem| g.x,
+        |g: &GemmItem| g.y,
+        |g: &GemmItem| g.rows as u64,
+    ]
+    .iter()
+    .flat_map(|field| order.iter().map(|&i| field(&items[i])))
+    .collect();
+    for (j, &i) in order.iter().enumerate() {
+        t.extend(
+            (0..items[i].rows)
+                .step_by(TILE_ROWS)
+                .map(|r| (j as u64) << 32 | r as u64),
         );
     }
-}
-
-/// The groups of items sharing a row count, in `order` (sorted by rows): (rows, count) each.
-pub(super) fn row_groups(items: &[GemmItem], order: &[usize]) -> Vec<(usize, usize)> {
-    let mut groups: Vec<(usize, usize)> = Vec::new();
-    for &i in order {
-        match groups.last_mut() {
-            Some((rows, count)) if *rows == items[i].rows => *count += 1,
-            _ => groups.push((items[i].rows, 1)),
-        }
-    }
-    groups
+    t
 }
 
 impl GpuDevice {
-    /// `y_i = x_i · w_iᵀ` for the items in `order` as one grouped call; `table` (device address) holds
-    /// the weights', inputs' and outputs' pointers in `order`, as `gemm_bf16_items` uploaded them.
+    /// `y_i = x_i · w_iᵀ` for the items in `order` as one launch of `grouped_gemm_bf16`.
     ///
     /// # Safety
-    /// As [`GpuDevice::gemm_bf16_items`]; `table` holds `3 · order.len()` pointers of live buffers.
+    /// As [`GpuDevice::gemm_bf16_items`]; [`takes`] holds for the items.
     pub(super) unsafe fn gemm_bf16_grouped(
         &self,
         items: &[GemmItem],
         order: &[usize],
         (m, k): (usize, usize),
-        table: u64,
+        table: &mut CudaSlice<u64>,
     ) -> Result<(), GpuError> {
-        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
-        let groups = row_groups(items, order);
-        let g = groups.len();
-        let int = |v: usize| {
-            i32::try_from(v).map_err(|_| GpuError::Blas(format!("grouped GEMM size {v} over i32")))
-        };
-        // Row-major y[rows, m] = x·wᵀ is column-major yᵀ[m, rows] = op(W)[m, k]·xᵀ, as in `gemm_ex`.
-        let (ta, tb) = (vec![CUBLAS_OP_T; g], vec![CUBLAS_OP_N; g]);
-        let (mi, ki) = (vec![int(m)?; g], vec![int(k)?; g]);
-        let ni = groups
-            .iter()
-            .map(|&(rows, _)| int(rows))
-            .collect::<Result<Vec<_>, _>>()?;
-        let sizes = groups
-            .iter()
-            .map(|&(_, count)| int(count))
-            .collect::<Result<Vec<_>, _>>()?;
-        let (alpha, beta) = (vec![1.0f32; g], vec![0.0f32; g]);
-        let n = order.len() as u64;
-        let part = |p: u64| table + 8 * p * n;
-        // SAFETY: host arrays of `g` entries each, alive for the call (cuBLAS reads them before it
-        // returns); the device pointer arrays and the buffers they name are the caller's contract.
-        unsafe {
-            cublas_sys::cublasGemmGroupedBatchedEx(
-                *self.blas.handle(),
-                ta.as_ptr(),
-                tb.as_ptr(),
-                mi.as_ptr(),
-                ni.as_ptr(),
-                ki.as_ptr(),
-                alpha.as_ptr().cast(),
-                part(0) as *const *const _,
-                CUDA_R_16BF,
-                ki.as_ptr(),
-                part(1) as *const *const _,
-                CUDA_R_16BF,
-                ki.as_ptr(),
-                beta.as_ptr().cast(),
-                part(2) as *const *mut _,
-                CUDA_R_32F,
-                mi.as_ptr(),
-                int(g)?,
-                sizes.as_ptr(),
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            )
-        }
-        .result()
-        .map_err(|e| GpuError::Blas(e.to_string()))
+        const OP: &str = "grouped_gemm_bf16";
+        let host = self::table(items, order);
+        let n = order.len();
+        let tiles = host.len() - 4 * n;
+        let base = self.output(OP, "table", table, host.len())?;
+        // from pageable memory: the driver stages the bytes before returning, so `host` may go
+        self.stream
+            .memcpy_htod(&host, &mut table.slice_mut(..host.len()))?;
+        super::ops::grid_dim(OP, "column tiles", m.div_ceil(TILE_COLS))?;
+        let (n_i, m_i, k_i) = (n as i32, m as i32, k as i32);
+        let mut l = self.stream.launch_builder(&self.k.grouped_gemm_bf16);
+        l.arg(&base).arg(&n_i).arg(&m_i).arg(&k_i);
+        // SAFETY: argument order and types as `grouped_gemm_bf16`; the table just uploaded names
+        // `n` items and `tiles` tiles, every tile inside its item's rows; each item's buffers cover
+        // its rows (the caller's contract), and `takes` checked the kernel's alignment needs.
+        unsafe { l.launch(grid((tiles, m.div_ceil(TILE_COLS), 1), THREADS, 0)) }?;
+        Ok(())
     }
 }
 
@@ -107,17 +93,45 @@ impl GpuDevice {
 mod tests {
     use super::*;
 
-    #[test]
-    fn items_with_equal_row_counts_share_a_group() {
-        let it = |rows| GemmItem {
-            x: 0,
-            w: 0,
-            y: 0,
+    fn it(rows: usize, at: u64) -> GemmItem {
+        GemmItem {
+            x: at,
+            w: at + 16,
+            y: at + 32,
             rows,
-        };
-        let items = [it(5), it(3), it(5), it(7), it(3)];
-        let order = [1, 4, 0, 2, 3]; // sorted by rows, as gemm_bf16_items orders them
-        assert_eq!(row_groups(&items, &order), vec![(3, 2), (5, 2), (7, 1)]);
-        assert!(row_groups(&items, &[]).is_empty());
+        }
+    }
+
+    #[test]
+    fn the_table_names_every_tile_of_every_item() {
+        let items = [it(5, 0), it(130, 1 << 20), it(64, 2 << 20)];
+        let order = [0, 2, 1];
+        let t = table(&items, &order);
+        assert_eq!(t.len(), 4 * 3 + 1 + 1 + 3);
+        assert!(t.len() <= table_len(3, 5 + 130 + 64));
+        assert_eq!(
+            &t[..3],
+            &[16, (2 << 20) + 16, (1 << 20) + 16],
+            "weights in order"
+        );
+        assert_eq!(&t[9..12], &[5, 64, 130], "rows in order");
+        // item 0 (5 rows): one tile; item 1 in order (64 rows): one; item 2 (130 rows): three
+        assert_eq!(
+            &t[12..],
+            &[0, 1 << 32, 2 << 32, (2 << 32) | 64, (2 << 32) | 128]
+        );
+    }
+
+    #[test]
+    fn shapes_and_addresses_the_kernel_takes() {
+        let items = [it(3, 0), it(7, 4096)];
+        assert!(takes(&items, &[0, 1], 96, 160));
+        assert!(!takes(&items, &[0, 1], 96, 164), "k not a multiple of 8");
+        assert!(!takes(&items, &[0, 1], 95, 160), "odd m");
+        let skewed = [it(3, 8)];
+        assert!(
+            !takes(&skewed, &[0], 96, 160),
+            "addresses not 16-byte aligned"
+        );
     }
 }

@@ -13,8 +13,7 @@ pub mod dense;
 pub mod gemm_path;
 pub mod graph;
 mod grouped;
-pub use gemm_path::{ExpertGemmPath, GemmChoice, GemmUse};
-pub use grouped::grouped_gemm_refused;
+pub use gemm_path::{ExpertGemmPath, GemmUse};
 pub mod hybrid;
 pub mod hyper;
 pub mod indexer;
@@ -23,14 +22,15 @@ pub mod linear_attention;
 pub mod ops;
 pub mod quant;
 
-/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu` and `kv_q8.cu` (which use the helpers of those
-/// before them), one NVRTC module.
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu` and `grouped_gemm.cu` (which use the
+/// helpers of those before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),
-    include_str!("kv_q8.cu")
+    include_str!("kv_q8.cu"),
+    include_str!("grouped_gemm.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +88,7 @@ pub(crate) struct Kernels {
     pub kv_append_q8: CudaFunction,
     pub paged_attention_q8: CudaFunction,
     pub gather_kv_q8: CudaFunction,
+    pub grouped_gemm_bf16: CudaFunction,
 }
 
 /// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
@@ -198,6 +199,7 @@ impl GpuDevice {
             kv_append_q8: f("kv_append_q8")?,
             paged_attention_q8: f("paged_attention_q8")?,
             gather_kv_q8: f("gather_kv_q8")?,
+            grouped_gemm_bf16: f("grouped_gemm_bf16")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -468,13 +470,13 @@ impl GpuDevice {
     }
 
     /// `y_i[rows_i, m] = x_i[rows_i, k] · w_iᵀ` for every item (bf16 in, f32 out and accumulation), as
-    /// one cuBLAS call for all items or one batched call per distinct row count (not one GEMM per
-    /// item), whichever measured faster for this use ([`gemm_path`]). For MoE experts on the GPU: at
-    /// batch-1 decode every chosen expert sees one row, so a layer's gate/up (or down) projections of
-    /// all its experts are one launch either way; in a long prompt the grouped call is one launch
-    /// where the batched path makes one per expert. Costs one small upload of the pointer table into
-    /// `table` (the caller's device buffer, at least 3 entries per item: reused call after call,
-    /// since each upload is ordered after the previous call's GEMMs on the stream).
+    /// one grouped launch for all items or one cuBLAS batched call per distinct row count (not one
+    /// GEMM per item), the path [`gemm_path`] gives this use. For MoE experts on the GPU: at batch-1
+    /// decode every chosen expert sees one row, so a layer's gate/up (or down) projections of all its
+    /// experts are one batched launch; in a long prompt every expert has its own row count and the
+    /// grouped launch replaces one batched call per expert. Costs one small upload of the pointer
+    /// table into `table` (the caller's device buffer, at least [`table_len`] entries: reused call
+    /// after call, since each upload is ordered after the previous call's GEMMs on the stream).
     ///
     /// # Safety
     /// Each item's addresses (from [`GpuDevice::addr`], possibly offset in bytes) must cover
@@ -485,32 +487,22 @@ impl GpuDevice {
         m: usize,
         k: usize,
         table: &mut CudaSlice<u64>,
-    ) -> Result<(), GpuError> {
+    ) -> Result<ExpertGemmPath, GpuError> {
         let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
-        if rows.is_empty() {
-            return Ok(());
-        }
         rows.sort_unstable();
-        let r#use = GemmUse::of(m, k, rows);
-        let planned = self.expert_gemm.plan(r#use, &self.stream)?;
-        let path = planned.path;
+        let path = self.expert_gemm.path(GemmUse::of(m, k, rows));
         // SAFETY: the caller's contract.
-        let ran = unsafe {
-            self.gemm_bf16_items_via(items, m, k, table, path == ExpertGemmPath::Grouped)
-        }?;
-        self.expert_gemm.finish(r#use, planned, ran, &self.stream)?;
-        Ok(())
+        unsafe { self.gemm_bf16_items_via(items, m, k, table, path) }
     }
 
-    /// What the expert GEMMs measured and chose per use so far (see [`gemm_path`]), and the path
-    /// `MOE_GROUPED_GEMM` forces, if any.
-    pub fn expert_gemm_choices(&self) -> (Vec<GemmChoice>, Option<ExpertGemmPath>) {
-        (self.expert_gemm.choices(), self.expert_gemm.forced())
+    /// The expert GEMMs' uses so far: calls per use and path, and the path `MOE_GROUPED_GEMM` forces.
+    pub fn expert_gemm_uses(&self) -> (Vec<gemm_path::UseCount>, Option<ExpertGemmPath>) {
+        (self.expert_gemm.uses(), self.expert_gemm.forced())
     }
 
-    /// [`GpuDevice::gemm_bf16_items`] with the path chosen: `grouped` tries one grouped cuBLAS call for
-    /// every item, falling back to one batched call per distinct row count if refused. Returns the
-    /// path that ran.
+    /// [`GpuDevice::gemm_bf16_items`] on the path given; the grouped launch falls back to the batched
+    /// calls for shapes it does not take (k not a multiple of 8, odd m, addresses not 16-byte
+    /// aligned). Returns the path that ran.
     ///
     /// # Safety
     /// As [`GpuDevice::gemm_bf16_items`].
@@ -520,7 +512,7 @@ impl GpuDevice {
         m: usize,
         k: usize,
         table: &mut CudaSlice<u64>,
-        grouped: bool,
+        path: ExpertGemmPath,
     ) -> Result<ExpertGemmPath, GpuError> {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use cublas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
@@ -529,6 +521,11 @@ impl GpuDevice {
             return Ok(ExpertGemmPath::Batched);
         }
         order.sort_by_key(|&i| items[i].rows);
+        if path == ExpertGemmPath::Grouped && grouped::takes(items, &order, m, k) {
+            // SAFETY: the caller's contract; `takes` checked the kernel's shape and alignment needs.
+            unsafe { self.gemm_bf16_grouped(items, &order, (m, k), table) }?;
+            return Ok(ExpertGemmPath::Grouped);
+        }
         let n = order.len();
         // Device pointer table: all weights, then all inputs, then all outputs, each in `order`.
         let host_table: Vec<u64> = [|g: &GemmItem| g.w, |g: &GemmItem| g.x, |g: &GemmItem| g.y]
@@ -540,13 +537,6 @@ impl GpuDevice {
         self.stream
             .memcpy_htod(&host_table, &mut table.slice_mut(..host_table.len()))?;
         let at = |part: usize, j: usize| base + 8 * (part * n + j) as u64;
-        if grouped {
-            // SAFETY: the table now holds every item's pointers in `order`; the rest is the caller's.
-            match unsafe { self.gemm_bf16_grouped(items, &order, (m, k), base) } {
-                Ok(()) => return Ok(ExpertGemmPath::Grouped),
-                Err(e) => grouped::refused(&e),
-            }
-        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut start = 0;
         while start < n {
@@ -588,6 +578,11 @@ impl GpuDevice {
         }
         Ok(ExpertGemmPath::Batched)
     }
+}
+
+/// Entries of the table `gemm_bf16_items` needs for up to `items` items of `rows` rows in all.
+pub fn table_len(items: usize, rows: usize) -> usize {
+    grouped::table_len(items, rows)
 }
 
 #[cfg(test)]
@@ -632,6 +627,7 @@ mod tests {
                 "kv_append_q8",
                 "paged_attention_q8",
                 "gather_kv_q8",
+                "grouped_gemm_bf16",
             ] {
                 assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
             }
@@ -679,6 +675,7 @@ mod tests {
             "kv_append_q8",
             "paged_attention_q8",
             "gather_kv_q8",
+            "grouped_gemm_bf16",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

@@ -317,7 +317,10 @@ impl GpuModel {
                 act: self.alloc(routed * inter)?,
                 y: self.alloc(routed * hd)?,
                 // one entry of each kind per GPU expert a phase can hold
-                gemm_table: self.alloc(3 * routed.min(experts.max(1)))?,
+                gemm_table: self.alloc(moe_kernels::cuda::table_len(
+                    routed.min(experts.max(1)),
+                    routed,
+                ))?,
             },
             head: HeadBufs {
                 last_rows: self.alloc(seqs)?,

@@ -4,7 +4,8 @@ use super::GpuModel;
 use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
-use moe_kernels::cuda::{ExpertGemmPath, GemmChoice, GemmItem};
+use moe_kernels::cuda::gemm_path::UseCount;
+use moe_kernels::cuda::{ExpertGemmPath, GemmItem};
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
 pub(super) struct PhaseBuffers<'a> {
@@ -71,10 +72,10 @@ impl GpuModel {
 
 /// What benchmarks read of the CUDA backend's expert work.
 impl crate::engine::Engine {
-    /// What the GPU's expert GEMMs measured and chose per use so far, and the path
-    /// `MOE_GROUPED_GEMM` forces if it does (CUDA backend; `moe_kernels::cuda::gemm_path`).
-    pub fn expert_gemm_choices(&self) -> Option<(Vec<GemmChoice>, Option<ExpertGemmPath>)> {
-        self.gpu.as_ref().map(|g| g.dev.expert_gemm_choices())
+    /// The GPU's expert GEMM calls so far per kind of use and path, and the path `MOE_GROUPED_GEMM`
+    /// forces if it does (CUDA backend; `moe_kernels::cuda::gemm_path`).
+    pub fn expert_gemm_uses(&self) -> Option<(Vec<UseCount>, Option<ExpertGemmPath>)> {
+        self.gpu.as_ref().map(|g| g.dev.expert_gemm_uses())
     }
 
     /// The split's measured rates of the GPU and CPU sides in bytes per second (`split`).
