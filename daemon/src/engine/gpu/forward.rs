@@ -409,7 +409,7 @@ impl GpuModel {
         // Hybrid models (linear attention, hyper-connections, sparse attention): the step's streams,
         // recurrent states and indexer selection.
         let mut hybrid_step = match (&self.hybrid, hybrid.as_mut()) {
-            (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, &mut acts.x, b)?),
+            (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, &acts.x, b)?),
             _ => None,
         };
         let pipelined = self.pipelined(long_prompt, decode_rows, n);
@@ -547,7 +547,7 @@ impl GpuModel {
             }
             self.tp_all_reduce(&mut acts.x, n * hd)?;
             if let Some(hy) = hybrid_step.as_mut() {
-                self.hyper_expand(hy, hd, &mut acts.x)?;
+                self.hyper_expand(hy, hd, &acts.x)?;
             }
         }
         if let Some(half) = owed.take() {

@@ -153,6 +153,32 @@ pub fn routed_rows(
         .collect()
 }
 
+impl super::GpuModel {
+    /// Whether a step of `rows` rows splits its layers' DRAM experts: from `split_min_rows` up to the
+    /// long-prefill threshold, not in pipelined (decode) steps, whose GPU half may be enqueued before
+    /// the routing, and on one GPU (a tensor-parallel group divides experts by rank).
+    pub(super) fn split_step(&self, long_prompt: bool, pipelined: bool, rows: usize) -> bool {
+        !long_prompt
+            && !pipelined
+            && self.split_min_rows > 0
+            && !self.split_paused.load(std::sync::atomic::Ordering::Relaxed)
+            && rows >= self.split_min_rows
+            && self.shard.is_none()
+    }
+}
+
+impl crate::engine::Engine {
+    /// Pauses (or resumes) the split of mid-length prompts' DRAM experts; false when this engine never
+    /// splits (CPU backend, split off, no expert stream).
+    pub fn pause_split(&self, paused: bool) -> bool {
+        let Some(g) = &self.gpu else { return false };
+        g.split_paused
+            .store(paused, std::sync::atomic::Ordering::Relaxed);
+        let stream = g.stream.lock().unwrap_or_else(|e| e.into_inner());
+        g.split_min_rows > 0 && stream.is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,31 +226,5 @@ mod tests {
             b.observe_cpu(1 << 30, 1e-9);
         }
         assert_eq!(b.gpu_share(), MIN_SHARE);
-    }
-}
-
-impl super::GpuModel {
-    /// Whether a step of `rows` rows splits its layers' DRAM experts: from `split_min_rows` up to the
-    /// long-prefill threshold, not in pipelined (decode) steps, whose GPU half may be enqueued before
-    /// the routing, and on one GPU (a tensor-parallel group divides experts by rank).
-    pub(super) fn split_step(&self, long_prompt: bool, pipelined: bool, rows: usize) -> bool {
-        !long_prompt
-            && !pipelined
-            && self.split_min_rows > 0
-            && !self.split_paused.load(std::sync::atomic::Ordering::Relaxed)
-            && rows >= self.split_min_rows
-            && self.shard.is_none()
-    }
-}
-
-impl crate::engine::Engine {
-    /// Pauses (or resumes) the split of mid-length prompts' DRAM experts; false when this engine never
-    /// splits (CPU backend, split off, no expert stream).
-    pub fn pause_split(&self, paused: bool) -> bool {
-        let Some(g) = &self.gpu else { return false };
-        g.split_paused
-            .store(paused, std::sync::atomic::Ordering::Relaxed);
-        let stream = g.stream.lock().unwrap_or_else(|e| e.into_inner());
-        g.split_min_rows > 0 && stream.is_some()
     }
 }
