@@ -42,17 +42,28 @@ extern "C" __global__ void grouped_gemm_bf16(
     for (int mi = 0; mi < 2; mi++)
         for (int ni = 0; ni < 4; ni++)
             for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.f;
+    // The next step's operands are loaded into registers while this step's are multiplied (global
+    // latency hidden behind the MMAs); 64 rows × 32 values = 256 vectors of 8 bf16 per operand, two
+    // per thread: vector v is row v / 4, values (v % 4) · 8.
+    uint4 ra[2], rb[2];
+    auto load = [&](int k0) {
+        for (int i = 0; i < 2; i++) {
+            const int v = tid + i * 128, r = v >> 2, c = (v & 3) * 8;
+            ra[i] = make_uint4(0, 0, 0, 0);
+            rb[i] = make_uint4(0, 0, 0, 0);
+            if (row0 + r < rows && k0 + c < k) ra[i] = *(const uint4*)(x + (size_t)(row0 + r) * k + k0 + c);
+            if (col0 + r < m && k0 + c < k) rb[i] = *(const uint4*)(w + (size_t)(col0 + r) * k + k0 + c);
+        }
+    };
+    load(0);
     for (int k0 = 0; k0 < k; k0 += GG_BK) {
-        // 64 rows × 32 values = 256 vectors of 8 bf16 per operand: two per thread
-        for (int v = tid; v < GG_BM * GG_BK / 8; v += 128) {
-            const int r = v >> 2, c = (v & 3) * 8;
-            uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
-            if (row0 + r < rows && k0 + c < k) a = *(const uint4*)(x + (size_t)(row0 + r) * k + k0 + c);
-            if (col0 + r < m && k0 + c < k) b = *(const uint4*)(w + (size_t)(col0 + r) * k + k0 + c);
-            *(uint4*)(As + r * GG_LD + c) = a;
-            *(uint4*)(Bs + r * GG_LD + c) = b;
+        for (int i = 0; i < 2; i++) {
+            const int v = tid + i * 128, r = v >> 2, c = (v & 3) * 8;
+            *(uint4*)(As + r * GG_LD + c) = ra[i];
+            *(uint4*)(Bs + r * GG_LD + c) = rb[i];
         }
         __syncthreads();
+        if (k0 + GG_BK < k) load(k0 + GG_BK);
         for (int ks = 0; ks < GG_BK; ks += 16) {
             unsigned af[2][4], bfr[4][2];
             for (int mi = 0; mi < 2; mi++) {
