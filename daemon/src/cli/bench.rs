@@ -418,7 +418,8 @@ fn print_gpu_memory(engine: &Engine) {
     );
 }
 
-/// How the GPU's expert GEMMs ran per kind of use (and whether `MOE_GROUPED_GEMM` forced the path).
+/// How the GPU's expert GEMMs ran: per projection shape and path, the calls and the range of their
+/// distinct row counts (and whether `MOE_GROUPED_GEMM` forced the path).
 fn print_expert_gemm_uses(engine: &Engine) {
     let Some((uses, forced)) = engine.expert_gemm_uses() else {
         return;
@@ -426,8 +427,23 @@ fn print_expert_gemm_uses(engine: &Engine) {
     let how = forced.map_or("by rule".to_string(), |p| {
         format!("forced {} by MOE_GROUPED_GEMM", p.as_str())
     });
+    // (m, k, path) -> (calls, fewest and most row counts, as log2 buckets)
+    let mut by_shape = std::collections::BTreeMap::new();
     for u in uses {
-        println!("  expert GEMMs ({how}): {u}");
+        let e = by_shape
+            .entry((u.kind.m, u.kind.k, u.path))
+            .or_insert((0u64, u32::MAX, 0u32));
+        e.0 += u.calls;
+        e.1 = e.1.min(u.kind.row_counts_log2);
+        e.2 = e.2.max(u.kind.row_counts_log2);
+    }
+    for ((m, k, path), (calls, lo, hi)) in by_shape {
+        let low = if lo == 0 { 0 } else { 1u64 << (lo - 1) };
+        println!(
+            "  expert GEMMs ({how}): {m}x{k} {}: {calls} calls of {low} to {} distinct row counts",
+            path.as_str(),
+            (1u64 << hi) - 1
+        );
     }
 }
 
