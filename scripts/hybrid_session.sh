@@ -8,7 +8,7 @@
 #          lands (MOE_GPU_PRELAUNCH=0), the all-DRAM layers' GPU half enqueued before it (the default),
 #          and that plus early routing with the pool prefetching PREFETCH_MIB per layer; then prefill
 #          PREFILL_LEN with the expert stream's GPU-clock profile (MOE_STREAM_PROFILE=1), the same with the
-#          expert GEMMs grouped into one cuBLAS call (MOE_GROUPED_GEMM=1), its chunk-size variants, and an
+#          expert GEMMs forced onto the grouped kernel (MOE_GROUPED_GEMM=1), its chunk-size variants, and an
 #          nsys summary of the same prefill when nsys is installed.
 #   gemm   the expert GEMM paths A/B on a QLAYERS-layer Qwen3-30B-A3B-shape checkpoint (default 8, 10 GiB
 #          in /dev/shm): prefill 4096 and 8192 with every expert streamed (--gpu-experts 0, stream
@@ -71,7 +71,7 @@ phase_early() {
   local common=(--model "$M" --gpu-experts 0 --steps 32 --prompt-len 64)
   MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill$PREFILL_LEN 90 25 --model "$M" --gpu-experts 0 \
     --steps 4 --prefill-lens "$PREFILL_LEN"
-  # the expert GEMMs of a long prompt as one grouped cuBLAS call per projection and chunk
+  # the expert GEMMs of a long prompt forced onto the grouped kernel (one launch per projection and chunk)
   MOE_GROUPED_GEMM=1 MOE_STREAM_PROFILE=1 bench st${LAYERS}_prefill${PREFILL_LEN}_grouped 90 25 --model "$M" \
     --gpu-experts 0 --steps 4 --prefill-lens "$PREFILL_LEN"
   local r
@@ -98,7 +98,7 @@ phase_gemm() {
   timeout 120 "$MOE" bench synth-checkpoint --like qwen3-30b-a3b --layers "$QLAYERS" --out "$M" \
     > "$OUT/synth_q3.log" 2>&1 || { tail -3 "$OUT/synth_q3.log"; rm -rf "$M"; return 1; }
   local p g
-  for p in 0 1; do  # 0: one batched call per row count; 1: one grouped call
+  for p in 0 1; do  # 0: one cuBLAS batched call per row count; 1: one grouped kernel launch
     MOE_GROUPED_GEMM=$p MOE_STREAM_PROFILE=1 bench q3_prefill_gemm$p 90 20 --model "$M" --gpu-experts 0 \
       --steps 2 --prefill-lens 4096,8192
   done
