@@ -1,5 +1,6 @@
-//! Warm-up at load: one long prompt and one decode step through the CUDA backend before the first
-//! request, so that request does not pay the one-time costs: cuBLAS's heuristics for each new GEMM
+//! Warm-up at load: one long prompt, one decode step and (when steps split their DRAM experts between
+//! the GPU and the CPU, `split`) one 512-token prompt through the CUDA backend before the first request,
+//! so that request does not pay the one-time costs: cuBLAS's heuristics for each new GEMM
 //! shape, the stream-ordered pool growing to a long step's scratch (which `keep_pool_memory` then
 //! keeps), the large step buffers, the expert stream's first chunks, lazily loaded kernels and the
 //! decode step's CUDA graphs.
