@@ -498,3 +498,22 @@ fn time_prefill(engine: &Engine, len: usize, chunk: usize, label: &str) -> anyho
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::DramBound;
+
+    #[test]
+    fn the_dram_bound_is_the_distinct_experts_bytes_over_the_bandwidth() {
+        // 4 steps reading 64 experts of 9.44 MB each per step, at 100 GB/s
+        let t = crate::engine::StepTimes {
+            dram_experts_read: 4 * 64,
+            dram_expert_bytes: 4 * 64 * 9_440_000,
+            ..Default::default()
+        };
+        let b = DramBound::of(&t, 4, 100.0);
+        assert_eq!(b.experts_per_step, 64.0);
+        assert!((b.bytes_per_step - 604.16e6).abs() < 1.0);
+        assert!((b.ms_per_step - 6.0416).abs() < 1e-9, "{}", b.ms_per_step);
+    }
+}
