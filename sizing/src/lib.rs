@@ -10,6 +10,7 @@ pub mod known;
 pub mod parallel;
 pub mod plan;
 pub mod shape;
+pub mod stored;
 pub mod weights;
 
 pub use hybrid::{ContextFootprint, HybridLayers, IndexerDims, IndexerKeys, LayerKind, LinearDims};
@@ -21,6 +22,7 @@ pub use shape::{
     kv_scale_group, Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe,
     ShapeError,
 };
+pub use stored::{GpuLayout, StoredDense, StoredFormat};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};
 
 /// Parses a byte size: a plain number of bytes or a number with a binary (KiB, MiB, GiB, TiB;
@@ -57,5 +59,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+#[cfg(test)]
+mod stored_tests;
 #[cfg(test)]
 mod tests;

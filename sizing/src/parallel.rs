@@ -134,7 +134,8 @@ pub fn device_plan_with(
     let mut dense = crate::weights::dense_bytes(&dev, dtype, host_embeddings);
     if gpus > 1 {
         // Each GPU holds its own lm_head rows, tied or not (the table is not split).
-        dense.lm_head = dtype.matrix_bytes(device_lm_head_rows(shape.vocab, gpus), shape.hidden);
+        dense.lm_head = crate::weights::lm_head_layout(shape, dtype)
+            .bytes(device_lm_head_rows(shape.vocab, gpus), shape.hidden);
     }
     let per_gpu = device_inputs(inputs, gpus);
     let mut plan = plan_with_inputs(shape, &dev, dense, &per_gpu, dtype, host_embeddings)?;

@@ -18,6 +18,7 @@
 //! bf16 / bf16 + host embeddings / fp8 + host / int4 + host whose plan holds the KV target, else the
 //! first that holds the minimum. Daemon and operator call the same functions.
 use crate::shape::ModelShape;
+use crate::stored::{kept_note, GpuLayout, StoredFormat};
 use crate::weights::{dense_bytes, DenseBytes, DenseDtype};
 
 pub use crate::parallel::SplitError;
@@ -529,24 +530,42 @@ pub(crate) fn plan_with_inputs(
         .max(kv_reserved.div_ceil(KV_BLOCK) * KV_BLOCK);
 
     let fmt = dtype.as_str();
+    let stored = shape.stored.clone().unwrap_or_default();
+    // "; GGUF codes kept: Q4_K as int4/32 + minimums" where the file's blocks stay as they are
+    let kept = |formats: Vec<StoredFormat>| {
+        let note = kept_note(dtype, formats);
+        if note.is_empty() {
+            note
+        } else {
+            format!("; GGUF codes kept: {note}")
+        }
+    };
     let mut items = vec![
         PlanItem {
             what: "attention",
             bytes: dense.attention,
-            why: format!("{} layers of projections in {fmt}", shape.layers),
+            why: format!(
+                "{} layers of projections in {fmt}{}",
+                shape.layers,
+                kept(stored.attention.iter().flatten().copied().collect())
+            ),
         },
         PlanItem {
             what: "dense MLP",
             bytes: dense.dense_mlp,
             why: format!(
-                "{} dense layers in {fmt}",
-                shape.layers - shape.moe_layers()
+                "{} dense layers in {fmt}{}",
+                shape.layers - shape.moe_layers(),
+                kept(stored.dense_mlp.iter().flatten().copied().collect())
             ),
         },
         PlanItem {
             what: "shared experts",
             bytes: dense.shared_experts,
-            why: format!("{fmt}, computed on the GPU for every token"),
+            why: format!(
+                "{fmt}, computed on the GPU for every token{}",
+                kept(stored.shared_experts.iter().flatten().copied().collect())
+            ),
         },
         PlanItem {
             what: "routers, norms",
@@ -558,13 +577,23 @@ pub(crate) fn plan_with_inputs(
             bytes: dense.lm_head,
             why: if dense.lm_head == 0 {
                 "tied to the embedding table".into()
-            } else if dense.lm_head < dtype.matrix_bytes(shape.vocab, shape.hidden) {
-                format!(
-                    "this GPU's rows of {} × {} in {fmt}",
-                    shape.vocab, shape.hidden
-                )
             } else {
-                format!("{} × {} in {fmt}", shape.vocab, shape.hidden)
+                let layout = crate::weights::lm_head_layout(shape, dtype);
+                let rows = if dense.lm_head < layout.bytes(shape.vocab, shape.hidden) {
+                    "this GPU's rows of "
+                } else {
+                    ""
+                };
+                let how = if layout == GpuLayout::of(dtype, StoredFormat::Values, shape.hidden) {
+                    format!("in {fmt}")
+                } else {
+                    format!(
+                        "GGUF {} kept as {}",
+                        stored.lm_head.name(),
+                        layout.describe()
+                    )
+                };
+                format!("{rows}{} × {} {how}", shape.vocab, shape.hidden)
             },
         },
         PlanItem {

@@ -137,6 +137,9 @@ pub struct ModelShape {
     pub checkpoint: CheckpointFormat,
     /// Linear attention and the indexer's rows (hybrid-attention models); `None` for the others.
     pub hybrid: Option<HybridShape>,
+    /// How a GGUF file stores the dense projections (the GPU keeps their codes); `None`: values or
+    /// FP8 blocks, and any shape read from `config.json` alone.
+    pub stored: Option<crate::stored::StoredDense>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -230,6 +233,7 @@ impl ModelShape {
             moe,
             checkpoint,
             hybrid: glm.and_then(|g| g.hybrid).map(|h| h.shape()),
+            stored: None,
         })
     }
 

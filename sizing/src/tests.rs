@@ -1,9 +1,9 @@
 use super::*;
 
 const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
+pub(crate) const GIB: u64 = 1 << 30;
 
-fn known(name: &str) -> ModelShape {
+pub(crate) fn known(name: &str) -> ModelShape {
     let (_, cfg) = known::match_known([name]).unwrap();
     ModelShape::from_config_json(&cfg).unwrap()
 }
@@ -280,7 +280,7 @@ fn byte_sizes_parse_with_units() {
 /// The inputs `moe-daemon bench decode --gpu-memory-limit L --dense-dtype D --host-embeddings on
 /// --gpu-experts auto` plans with (KV auto between 4096 and 65536 positions, 2048-token steps, 64
 /// sequences, CUDA graphs, the layerwise-prefill stream of 256 MiB chunks).
-fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) -> PlanInputs {
+pub(crate) fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) -> PlanInputs {
     PlanInputs {
         budget_bytes: limit_gib * GIB,
         dense: DenseChoice::Fixed(dense),

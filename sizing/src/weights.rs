@@ -1,8 +1,10 @@
 //! Bytes of the weights the GPU holds apart from routed experts, per precision of the dense projections.
 //! Mirrors what the daemon uploads (`engine/gpu`): projections in the chosen format (widths the
 //! quantized kernels cannot take stay bf16), routers, MLA's `kv_b` and norms in f32, the embedding
-//! table in bf16 when it is on the GPU.
+//! table in bf16 when it is on the GPU. GGUF tensors whose codes the GPU keeps are counted in the
+//! layout they keep ([`crate::stored`]).
 use crate::shape::{Attention, ModelShape};
+use crate::stored::{gate_up_bytes, GpuLayout, StoredDense, StoredFormat};
 
 /// Precision of the dense projections on the GPU (attention, dense MLP, shared experts, lm_head).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -41,13 +43,15 @@ impl DenseDtype {
             .find(|&g| cols > 0 && cols.is_multiple_of(g))
     }
 
-    /// Bytes of an `[out, in]` projection in this format on the GPU, scales included.
+    /// Bytes of an `[out, in]` projection of values in this format on the GPU, scales included.
     pub fn matrix_bytes(self, out: u64, inp: u64) -> u64 {
-        match (self, self.group_for(inp)) {
-            (DenseDtype::Int4, Some(g)) => out * inp / 2 + out * (inp / g) * 2,
-            (DenseDtype::Fp8, Some(g)) => out * inp + out * (inp / g) * 4,
-            _ => out * inp * 2,
-        }
+        self.stored_matrix_bytes(StoredFormat::Values, out, inp)
+    }
+
+    /// Bytes of an `[out, in]` projection stored as `stored` in this format on the GPU (GGUF codes
+    /// kept where a GPU layout holds them, see [`crate::stored`]).
+    pub fn stored_matrix_bytes(self, stored: StoredFormat, out: u64, inp: u64) -> u64 {
+        GpuLayout::of(self, stored, inp).bytes(out, inp)
     }
 }
 
@@ -90,40 +94,49 @@ impl DenseBytes {
 }
 
 /// The dense part of `shape` on the GPU with projections in `dtype`, the embedding table on the
-/// GPU unless `host_embeddings`.
+/// GPU unless `host_embeddings`. Projections a GGUF file stores in blocks (`shape.stored`) are
+/// counted in the layout the GPU keeps them in.
 pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool) -> DenseBytes {
     let h = shape.hidden;
-    let m = |out: u64, inp: u64| dtype.matrix_bytes(out, inp);
+    let none = StoredDense::default();
+    let stored = shape.stored.as_ref().unwrap_or(&none);
+    let m = |f: StoredFormat, out: u64, inp: u64| dtype.stored_matrix_bytes(f, out, inp);
     let mut b = DenseBytes::default();
-    let (attn, attn_small) = match &shape.attention {
-        Attention::Gqa {
-            heads,
-            kv_heads,
-            head_dim,
-            qkv_bias,
-        } => {
-            let (q, kv) = (heads * head_dim, kv_heads * head_dim);
-            let bias = if *qkv_bias { (q + 2 * kv) * 4 } else { 0 };
-            // q_norm / k_norm (Qwen3, GLM with qk norm): two head_dim vectors
-            (m(q, h) + 2 * m(kv, h) + m(h, q) + bias, 2 * head_dim * 4)
-        }
-        Attention::Mla {
-            heads,
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-        } => {
-            let qk = qk_nope_head_dim + qk_rope_head_dim;
-            let (q, q_norm) = match q_lora_rank {
-                Some(r) => (m(*r, h) + m(heads * qk, *r), r * 4),
-                None => (m(heads * qk, h), 0),
-            };
-            let kv_a = m(kv_lora_rank + qk_rope_head_dim, h);
-            let o = m(h, heads * v_head_dim);
-            let kv_b = heads * (qk_nope_head_dim + v_head_dim) * kv_lora_rank * 4;
-            (q + kv_a + o, kv_b + q_norm + kv_lora_rank * 4)
+    // one attention layer's projections stored as `f`, and its f32 extras
+    let attention_layer = |f: [StoredFormat; 4]| -> (u64, u64) {
+        match &shape.attention {
+            Attention::Gqa {
+                heads,
+                kv_heads,
+                head_dim,
+                qkv_bias,
+            } => {
+                let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+                let bias = if *qkv_bias { (q + 2 * kv) * 4 } else { 0 };
+                // q_norm / k_norm (Qwen3, GLM with qk norm): two head_dim vectors
+                (
+                    m(f[0], q, h) + m(f[1], kv, h) + m(f[2], kv, h) + m(f[3], h, q) + bias,
+                    2 * head_dim * 4,
+                )
+            }
+            Attention::Mla {
+                heads,
+                q_lora_rank,
+                kv_lora_rank,
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                v_head_dim,
+            } => {
+                let qk = qk_nope_head_dim + qk_rope_head_dim;
+                let (q, q_norm) = match q_lora_rank {
+                    Some(r) => (m(f[0], *r, h) + m(f[1], heads * qk, *r), r * 4),
+                    None => (m(f[0], heads * qk, h), 0),
+                };
+                let kv_a = m(f[2], kv_lora_rank + qk_rope_head_dim, h);
+                let o = m(f[3], h, heads * v_head_dim);
+                let kv_b = heads * (qk_nope_head_dim + v_head_dim) * kv_lora_rank * 4;
+                (q + kv_a + o, kv_b + q_norm + kv_lora_rank * 4)
+            }
         }
     };
     let moe_layers = shape.moe_layers();
@@ -136,15 +149,23 @@ pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool)
                 hy.linear_head_dim,
                 hy.linear_heads,
             );
+            let v = StoredFormat::Values;
             // q, k, v stacked; forget and output gates as low-rank pairs (rank = head width); β; o
-            let proj = m(3 * w, h) + 2 * (m(rank, h) + m(w, rank)) + m(heads, h) + m(h, w);
+            let proj =
+                m(v, 3 * w, h) + 2 * (m(v, rank, h) + m(v, w, rank)) + m(v, heads, h) + m(v, h, w);
             // convolution [3w, kernel], dt_bias [w], A_log [heads], o_norm [head width], f32
             let small = (3 * w * hy.conv_kernel + w + heads + hy.linear_head_dim) * 4;
             (hy.linear_layers.min(shape.layers), proj, small)
         }
         _ => (0, 0, 0),
     };
-    b.attention = attn * (shape.layers - linear) + linear_attn * linear;
+    let mut attn_small = 0;
+    for i in 0..(shape.layers - linear) as usize {
+        let (proj, small) = attention_layer(stored.attention_of(i));
+        b.attention += proj;
+        attn_small = small;
+    }
+    b.attention += linear_attn * linear;
     b.f32_small = (attn_small + 2 * h * 4) * (shape.layers - linear)
         + (linear_small + 2 * h * 4) * linear
         + h * 4;
@@ -154,11 +175,18 @@ pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool)
             + shape.layers * hy.hyper_weight_floats)
             * 4;
     }
-    let mlp = |inter: u64| m(2 * inter, h) + m(h, inter);
-    b.dense_mlp = dense_layers * mlp(shape.dense_intermediate);
+    // gate and up stacked into one matrix, down on its own
+    let mlp = |inter: u64, f: [StoredFormat; 3]| {
+        gate_up_bytes(dtype, f[0], f[1], inter, h) + m(f[2], h, inter)
+    };
+    b.dense_mlp = (0..dense_layers as usize)
+        .map(|i| mlp(shape.dense_intermediate, stored.dense_mlp_of(i)))
+        .sum();
     if let Some(moe) = &shape.moe {
         if moe.shared_intermediate > 0 {
-            b.shared_experts = moe_layers * mlp(moe.shared_intermediate);
+            b.shared_experts = (0..moe_layers as usize)
+                .map(|i| mlp(moe.shared_intermediate, stored.shared_of(i)))
+                .sum();
         }
         let gate = if moe.shared_gate { h * 4 } else { 0 };
         // router [experts, hidden] f32 (+ correction bias)
@@ -170,7 +198,16 @@ pub fn dense_bytes(shape: &ModelShape, dtype: DenseDtype, host_embeddings: bool)
     b.lm_head = if shape.tied_embeddings && table_on_gpu && dtype == DenseDtype::Bf16 {
         0
     } else {
-        m(shape.vocab, h)
+        m(stored.lm_head, shape.vocab, h)
     };
     b
+}
+
+/// The layout the GPU gives the lm_head of `shape` under `dtype` (for the plan's description).
+pub fn lm_head_layout(shape: &ModelShape, dtype: DenseDtype) -> GpuLayout {
+    let stored = shape
+        .stored
+        .as_ref()
+        .map_or(StoredFormat::Values, |s| s.lm_head);
+    GpuLayout::of(dtype, stored, shape.hidden)
 }
