@@ -1,13 +1,15 @@
 //! The GPU memory plan of this engine: the shared sizing model (`moe_sizing`, which the operator uses
 //! too) fed with the configuration actually loaded and the engine options, and what the start really
 //! allocated beside it.
+use crate::engine::linear::{Linear, WeightData};
 use crate::engine::placement::GpuExperts;
 use crate::engine::EngineOptions;
-use crate::model::{config::ModelConfig, Attention as HostAttention, Model};
+use crate::model::{config::ModelConfig, Attention as HostAttention, Ffn, MlaQuery, Mlp, Model};
+use moe_kernels::cpu::GgmlBlock;
 use moe_kernels::cuda::quant::DenseFormat;
 use moe_sizing::{
     Attention, CheckpointFormat, ExpertsChoice, HybridLayers, HybridShape, KvRequest, LayerKind,
-    LayerPins, MemoryPlan, ModelShape, Moe, PlanInputs,
+    LayerPins, MemoryPlan, ModelShape, Moe, PlanInputs, StoredDense, StoredFormat,
 };
 
 /// The sizing shape of a loaded configuration (`qkv_bias`: q/k/v projections carry biases, which
@@ -47,6 +49,7 @@ pub fn shape_of(cfg: &ModelConfig, qkv_bias: bool, checkpoint: CheckpointFormat)
         dense_intermediate: cfg.intermediate_size as u64,
         moe,
         checkpoint,
+        stored: None,
     }
 }
 
@@ -94,6 +97,58 @@ pub fn hybrid_shape(cfg: &ModelConfig) -> Option<HybridShape> {
 /// `--cuda-graphs-hybrid` too (the plan's decode buffers follow the same choice).
 pub fn cuda_graphs_for(opts: &EngineOptions, cfg: &ModelConfig) -> bool {
     opts.cuda_graphs && (hybrid_layers(cfg).is_none() || opts.cuda_graphs_hybrid)
+}
+
+/// How `l` is stored, as far as its GPU bytes depend on it: the GGUF block types whose codes the
+/// GPU may keep (`quantize_linear`); values and FP8 blocks otherwise.
+pub fn stored_format(l: &Linear) -> StoredFormat {
+    match &l.w {
+        WeightData::Ggml { kind, .. } => match kind {
+            GgmlBlock::Q4_0 => StoredFormat::Q4_0,
+            GgmlBlock::Q4_1 => StoredFormat::Q4_1,
+            GgmlBlock::Q4K => StoredFormat::Q4K,
+            GgmlBlock::Q5K => StoredFormat::Q5K,
+            GgmlBlock::Q6K => StoredFormat::Q6K,
+            GgmlBlock::Q8_0 => StoredFormat::Q8_0,
+            GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => StoredFormat::Values,
+        },
+        _ => StoredFormat::Values,
+    }
+}
+
+/// The stored formats of the loaded model's dense projections, in the order the sizing crate counts
+/// them ([`StoredDense`]); `None` when no projection is a GGUF block type (the plan of values).
+pub fn stored_dense(model: &Model) -> Option<StoredDense> {
+    let f = stored_format;
+    let mlp = |m: &Mlp| [f(&m.gate), f(&m.up), f(&m.down)];
+    let mut s = StoredDense {
+        lm_head: f(model.lm_head()),
+        ..Default::default()
+    };
+    for layer in &model.layers {
+        match &layer.attn {
+            HostAttention::Gqa(a) => s.attention.push([f(&a.q), f(&a.k), f(&a.v), f(&a.o)]),
+            HostAttention::Mla(a) => s.attention.push(match &a.q {
+                MlaQuery::Direct(q) => [f(q), StoredFormat::Values, f(&a.kv_a), f(&a.o)],
+                MlaQuery::LowRank { a: qa, b: qb, .. } => [f(qa), f(qb), f(&a.kv_a), f(&a.o)],
+            }),
+            HostAttention::Linear(_) => {}
+        }
+        match &layer.ffn {
+            Ffn::Dense(m) => s.dense_mlp.push(mlp(m)),
+            Ffn::Moe(block) => s.shared_experts.extend(block.shared.as_ref().map(mlp)),
+        }
+    }
+    s.any_blocks().then_some(s)
+}
+
+/// The sizing shape of a loaded model: its configuration's ([`shape_of`]) with the stored formats
+/// of its dense projections (GGUF blocks the GPU keeps as they are).
+pub fn shape_of_model(model: &Model, checkpoint: CheckpointFormat) -> ModelShape {
+    ModelShape {
+        stored: stored_dense(model),
+        ..shape_of(&model.config, has_qkv_bias(model), checkpoint)
+    }
 }
 
 /// Whether the loaded model's attention projections carry biases.
@@ -435,3 +490,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "memory_gguf_tests.rs"]
+mod gguf_tests;

@@ -39,7 +39,7 @@ pub fn build(
         Some(limit) => limit,
         None => total as u64,
     };
-    let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
+    let shape = memory::shape_of_model(model, CheckpointFormat::Bf16);
     let experts = shape.experts_per_layer() as usize;
     let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
     let plan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
