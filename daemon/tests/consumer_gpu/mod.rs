@@ -20,6 +20,8 @@
 //!   decision), which the H200 reproduced to three digits. Host embeddings change nothing: rel-L2 ≤ 1e-6.
 //! - memory: the start's allocation (weights, KV, scratch) within 3% + 64 MiB of the plan; the peak
 //!   over a full-size prefill and graph-replayed decode steps at most the plan + 64 MiB.
+mod gguf_plan;
+
 use crate::common::{floats, rel_l2, uniform};
 use moe_daemon::engine::placement::GpuExperts;
 use moe_daemon::engine::{Device, Engine, EngineOptions};
