@@ -209,3 +209,48 @@ fn missing_entries_count_as_values_and_no_blocks_is_the_plain_plan() {
     assert_eq!(d.embeddings, tied.vocab * tied.hidden * 2);
     assert_eq!(dense_bytes(&tied, DenseDtype::Bf16, false).lm_head, 0);
 }
+/// The H200 runs of 2026-12-02 00:30 UTC (`seed_runs.sh b`, docs/PERF.md) started with more than their
+/// plans, which counted the GGUF's dense tensors as values: GLM-4.5-Air shape at 16 layers (Q4_K dense,
+/// Q8_0 down projections, Q6_K output, host embeddings) int4 7.09 GiB measured against 6.39 planned (16
+/// GiB budget: 8.06 against 7.35), fp8 7.85 against 7.71; SmallThinker-21B (Q4_K attention, Q6_K output)
+/// int4 18.54 against 18.16, fp8 10.95 against 10.87. The dense bytes the kept formats add are those gaps,
+/// to the 0.01 GiB the runs printed.
+#[test]
+fn the_h200_runs_start_gaps_are_the_kept_formats() {
+    let mut glm = known("glm-4.5-air");
+    glm.layers = 16;
+    glm.moe.as_mut().unwrap().moe_layers = 15;
+    let mut glm_gguf = glm.clone();
+    glm_gguf.stored = Some(StoredDense {
+        attention: vec![[Q4K; 4]; 16],
+        dense_mlp: vec![[Q4K, Q4K, Q8_0]],
+        shared_experts: vec![[Q4K, Q4K, Q8_0]; 15],
+        lm_head: Q6K,
+    });
+    let st = known("smallthinker-21b");
+    let mut st_gguf = st.clone();
+    st_gguf.stored = Some(StoredDense {
+        attention: vec![[Q4K; 4]; 52],
+        lm_head: Q6K,
+        ..Default::default()
+    });
+    // (values shape, GGUF shape, dtype, planned start then, measured start), GiB
+    let runs = [
+        (&glm, &glm_gguf, DenseDtype::Int4, 6.39, 7.09),
+        (&glm, &glm_gguf, DenseDtype::Int4, 7.35, 8.06),
+        (&glm, &glm_gguf, DenseDtype::Fp8, 7.71, 7.85),
+        (&st, &st_gguf, DenseDtype::Int4, 18.16, 18.54),
+        (&st, &st_gguf, DenseDtype::Fp8, 10.87, 10.95),
+    ];
+    for (values, gguf, d, planned, measured) in runs {
+        let added = (dense_bytes(gguf, d, true).total() - dense_bytes(values, d, true).total())
+            as f64
+            / GIB as f64;
+        let now = planned + added;
+        println!("{d:?}: planned {planned} + {added:.3} = {now:.3} GiB, measured {measured}");
+        assert!(
+            (now - measured).abs() <= 0.015,
+            "{d:?} {planned}: {now} vs {measured}"
+        );
+    }
+}
