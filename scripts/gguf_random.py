@@ -4,7 +4,7 @@
 Speed depends on tensor names, shapes and block types, not on values, so the writers declare a tensor list
 and the metadata llama.cpp's converter writes for the architecture; this module encodes the weights and
 writes the file streaming. Weights are normal(0, 0.02) values in the target type (bf16 / f16 / f32, Q8_0 /
-Q4_0 / Q4_1 through `gguf.quants`, the reference quantizers of llama.cpp), or, for Q4_K / Q6_K, random
+Q4_0 / Q4_1 / Q5_0 through `gguf.quants`, the reference quantizers of llama.cpp), or, for Q4_K / Q6_K, random
 blocks with small super-block scales. By default each chunk of each tensor is a slice of a ~64 MiB pool of
 encoded blocks per type at a random offset, so a 40 GiB file is written at disk speed; `fresh` draws new
 values for every tensor instead (small files). Norms are 1.0, routers and biases fresh f32 normal(0, 0.02).
@@ -36,6 +36,7 @@ DTYPES = {
     "q8_0": QT.Q8_0,
     "q4_0": QT.Q4_0,
     "q4_1": QT.Q4_1,
+    "q5_0": QT.Q5_0,
     "q4_k": QT.Q4_K,
     "q6_k": QT.Q6_K,
 }
@@ -46,12 +47,13 @@ FILE_TYPE = {  # general.file_type (llama_ftype) named after a tensor type
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 STD = 0.02
 F32 = QT.F32
-REFERENCE_QUANTIZERS = {QT.Q8_0: gq.Q8_0, QT.Q4_0: gq.Q4_0, QT.Q4_1: gq.Q4_1}
+REFERENCE_QUANTIZERS = {QT.Q8_0: gq.Q8_0, QT.Q4_0: gq.Q4_0, QT.Q4_1: gq.Q4_1, QT.Q5_0: gq.Q5_0}
 
 
 class Tensor(NamedTuple):
@@ -135,6 +137,30 @@ class Pool:
             start = int(self.rng.integers(0, self.nblocks - nb + 1))
             yield self.mv[start * self.tsz:(start + nb) * self.tsz]
             left -= nb
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v / ffn_down get more bits in the
+    _M mixes: the first and last eighth, and every third in between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int, row: int, has_output: bool = True) -> QT:
+    """The type llama-quantize Q4_K_M gives tensor `name` (rows of `row` values) of a model of `layers` layers
+    with more than 8 experts (`llama_tensor_get_type`): Q6_K for the output (or the token table a tied model
+    multiplies with), attn_v and every ffn_down (routed experts, shared expert and dense alike) in
+    `use_more_bits` layers; Q4_K for the other matrices; rows that are not whole 256-blocks fall back to Q5_0
+    (for Q4_K) and Q8_0 (for Q6_K), as llama.cpp's quantizer does."""
+    if name == "output.weight" or (not has_output and name == "token_embd.weight"):
+        t = QT.Q6_K
+    elif "attn_v.weight" in name or "ffn_down" in name:
+        layer = int(name.split(".")[1])
+        t = QT.Q6_K if use_more_bits(layer, layers) else QT.Q4_K
+    else:
+        t = QT.Q4_K
+    if not fits(t, row):
+        t = {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}[t]
+    return t
 
 
 def total_bytes(tensors: list[Tensor]) -> int:

@@ -10,11 +10,18 @@ random pools of gguf_random.py beside this script, so the file is written at dis
     python3 scripts/make_gguf_smallthinker.py --out /dev/shm/st21.gguf            # ~40 GiB, bf16
     python3 scripts/make_gguf_smallthinker.py --layers 2 --vocab 4096 --out /tmp/s.gguf   # smoke test
     python3 scripts/make_gguf_smallthinker.py --dense-dtype q4_k --output-dtype q6_k --out ...  # Q4_K_M-style dense
+    python3 scripts/make_gguf_smallthinker.py --mix q4_k_m --out ...   # llama-quantize Q4_K_M's types, ~12 GiB
+
+`--mix q4_k_m` gives every tensor the type llama-quantize's Q4_K_M gives it (gguf_random.q4_k_m_type): Q4_K,
+with Q6_K for attn_v and ffn_down_exps in llama.cpp's `use_more_bits` layers (the first and last eighth and
+every third between: 26 of 52) and for the output (the token table when --tied); norms and routers F32.
+That is the file llama.cpp users run with `-ot exps=CPU`.
 """
 import argparse
+from collections import Counter
 
 import gguf
-from gguf_random import DTYPES, F32, FILE_TYPE, Tensor, total_bytes, write
+from gguf_random import DTYPES, F32, FILE_TYPE, Tensor, q4_k_m_type, total_bytes, write
 
 
 def main() -> None:
@@ -37,6 +44,9 @@ def main() -> None:
                          "q6_k is llama.cpp's Q4_K_M choice for those tensors")
     ap.add_argument("--output-dtype", choices=sorted(DTYPES), default=None,
                     help="output.weight (lm_head; default: --dense-dtype)")
+    ap.add_argument("--mix", choices=["q4_k_m"], default=None,
+                    help="llama-quantize's type for every matrix instead of --dtype / --dense-dtype / --output-dtype")
+    ap.add_argument("--tied", action="store_true", help="no output.weight: the token table is the lm_head (4B-A0.6B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="print the size only")
@@ -62,9 +72,16 @@ def main() -> None:
             Tensor(p + "ffn_up_exps.weight", (E, F, H), qt),
             Tensor(p + "ffn_down_exps.weight", (E, H, F), qt),
         ]
-    tensors += [Tensor("output_norm.weight", (H,), F32, "one"), Tensor("output.weight", (V, H), ot)]
-    print(f"smallthinker L={L} H={H} E={E} top{a.topk} F={F} experts {a.dtype}, dense {dt.name}, output {ot.name}: "
-          f"{total_bytes(tensors)/2**30:.2f} GiB", flush=True)
+    tensors += [Tensor("output_norm.weight", (H,), F32, "one")]
+    if not a.tied:
+        tensors += [Tensor("output.weight", (V, H), ot)]
+    if a.mix:
+        tensors = [t._replace(qt=q4_k_m_type(t.name, L, t.shape[-1], not a.tied)) if t.kind == "w" else t
+                   for t in tensors]
+    used = ", ".join(f"{q} {n}" for q, n in sorted(Counter(t.qt.name for t in tensors).items()))
+    print(f"smallthinker L={L} H={H} E={E} top{a.topk} F={F} "
+          + (f"llama.cpp {a.mix.upper()} mix" if a.mix else f"experts {a.dtype}, dense {dt.name}, output {ot.name}")
+          + f" (tensors: {used}): {total_bytes(tensors)/2**30:.2f} GiB", flush=True)
     if a.dry_run:
         return
 
@@ -78,7 +95,7 @@ def main() -> None:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_key_length(HD)
     w.add_value_length(HD)
-    w.add_file_type(int(FILE_TYPE[a.dtype]))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M if a.mix else FILE_TYPE[a.dtype]))
     w.add_expert_count(E)
     w.add_expert_used_count(a.topk)
     w.add_expert_feed_forward_length(F)

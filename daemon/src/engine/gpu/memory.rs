@@ -143,11 +143,15 @@ pub fn stored_dense(model: &Model) -> Option<StoredDense> {
 }
 
 /// The sizing shape of a loaded model: its configuration's ([`shape_of`]) with the stored formats
-/// of its dense projections (GGUF blocks the GPU keeps as they are).
+/// of its dense projections (GGUF blocks the GPU keeps as they are), and tied only when the model holds
+/// no lm_head of its own (a tied GGUF names its token table as `lm_head.weight` too, and the loader
+/// then keeps a second copy, which the GPU uploads whatever the dtype).
 pub fn shape_of_model(model: &Model, checkpoint: CheckpointFormat) -> ModelShape {
+    let cfg = shape_of(&model.config, has_qkv_bias(model), checkpoint);
     ModelShape {
         stored: stored_dense(model),
-        ..shape_of(&model.config, has_qkv_bias(model), checkpoint)
+        tied_embeddings: cfg.tied_embeddings && model.lm_head.is_none(),
+        ..cfg
     }
 }
 

@@ -36,14 +36,16 @@ fn random_blocks(kind: GgmlBlock, rows: usize, cols: usize, seed: u64) -> Vec<u8
         })
         .collect();
     let f16 = |x: f32| half::f16::from_f32(x).to_le_bytes();
+    // scales giving weights of order 0.05, as scripts/gguf_random.py's (a forward pass stays finite)
     for b in data.chunks_exact_mut(block) {
         match kind {
-            GgmlBlock::Q6K => b[208..210].copy_from_slice(&f16(0.0007)),
+            GgmlBlock::Q6K => b[208..210].copy_from_slice(&f16(1e-5)),
             GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q4_1 => {
-                b[..2].copy_from_slice(&f16(0.001));
-                b[2..4].copy_from_slice(&f16(0.0009));
+                b[..2].copy_from_slice(&f16(1e-4));
+                b[2..4].copy_from_slice(&f16(7.5e-4));
             }
-            GgmlBlock::Q4_0 | GgmlBlock::Q8_0 => b[..2].copy_from_slice(&f16(0.001)),
+            GgmlBlock::Q4_0 => b[..2].copy_from_slice(&f16(1e-3)),
+            GgmlBlock::Q8_0 => b[..2].copy_from_slice(&f16(2e-4)),
             GgmlBlock::F16 | GgmlBlock::Bf16 => b[1] &= 0x3B,
             GgmlBlock::F32 => b[3] = 0x3C,
         }
@@ -246,12 +248,30 @@ fn small_glm_gguf(path: &std::path::Path) {
         ("output_norm.weight".into(), GgmlBlock::F32, vec![h]),
         ("output.weight".into(), GgmlBlock::Q6K, vec![h, vocab]),
     ]);
-    let tensors: Vec<(String, u32, Vec<u64>, Vec<u8>)> = t
+    write_random_gguf(path, &meta, t, false);
+}
+
+/// Writes `tensors` (name, type, ggml dims innermost first) with random blocks of their types, or with
+/// `as_f32` the values those same blocks decode to as F32 tensors.
+fn write_random_gguf(
+    path: &std::path::Path,
+    meta: &[(String, GgufValue)],
+    tensors: Vec<(String, GgmlBlock, Vec<u64>)>,
+    as_f32: bool,
+) {
+    let tensors: Vec<(String, u32, Vec<u64>, Vec<u8>)> = tensors
         .into_iter()
         .enumerate()
         .map(|(i, (name, kind, dims))| {
             let cols = dims[0] as usize;
             let rows = (dims.iter().product::<u64>() / dims[0]) as usize;
+            let blocks = random_blocks(kind, rows, cols, i as u64 + 7);
+            if as_f32 {
+                let mut v = vec![0f32; rows * cols];
+                moe_kernels::cpu::ggml::dequantize(kind, &blocks, &mut v);
+                let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                return (name, 0, dims, bytes);
+            }
             let id = match kind {
                 GgmlBlock::F32 => 0,
                 GgmlBlock::Q4_0 => 2,
@@ -260,12 +280,7 @@ fn small_glm_gguf(path: &std::path::Path) {
                 GgmlBlock::Q6K => 14,
                 other => unreachable!("{other:?}"),
             };
-            (
-                name,
-                id,
-                dims,
-                random_blocks(kind, rows, cols, i as u64 + 7),
-            )
+            (name, id, dims, blocks)
         })
         .collect();
     let meta_refs: Vec<(&str, GgufValue)> =
@@ -338,5 +353,165 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
                 "{planned:?} {values:?}"
             );
         }
+    }
+}
+
+/// llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v and ffn_down get Q6_K in Q4_K_M.
+fn use_more_bits(layer: u64, layers: u64) -> bool {
+    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
+}
+
+/// A SmallThinker GGUF as `llama-quantize … Q4_K_M` leaves it (`scripts/make_gguf_smallthinker.py --mix
+/// q4_k_m --tied`, small): Q4_K matrices, Q6_K attn_v and ffn_down_exps in the `use_more_bits` layers,
+/// routers and norms F32; tied like the 4B-A0.6B, so the token table is the lm_head and Q6_K. 8 layers (one
+/// in four full attention, the others over a window of 64), hidden 256, 2 q-heads / 1 kv-head of 128, 4
+/// experts of 256, top-2, sigmoid router.
+fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
+    let (h, inter, experts, vocab, layers) = (256u64, 256u64, 4u64, 512u64, 8u64);
+    let key = |k: &str| format!("smallthinker.{k}");
+    let u = GgufValue::U64;
+    let meta: Vec<(String, GgufValue)> = vec![
+        (
+            "general.architecture".into(),
+            GgufValue::Str("smallthinker".into()),
+        ),
+        (key("block_count"), u(layers)),
+        (key("embedding_length"), u(h)),
+        (key("feed_forward_length"), u(inter)),
+        (key("attention.head_count"), u(2)),
+        (key("attention.head_count_kv"), u(1)),
+        (key("attention.key_length"), u(128)),
+        (key("attention.value_length"), u(128)),
+        (key("attention.sliding_window"), u(64)),
+        (key("context_length"), u(4096)),
+        (key("vocab_size"), u(vocab)),
+        (key("expert_count"), u(experts)),
+        (key("expert_used_count"), u(2)),
+        (key("expert_feed_forward_length"), u(inter)),
+        (key("expert_gating_func"), u(2)),
+        (key("rope.freq_base"), GgufValue::F64(1.5e6)),
+    ];
+    let more = |i: u64| {
+        if use_more_bits(i, layers) {
+            GgmlBlock::Q6K
+        } else {
+            GgmlBlock::Q4K
+        }
+    };
+    let mut t: Vec<(String, GgmlBlock, Vec<u64>)> =
+        vec![("token_embd.weight".into(), GgmlBlock::Q6K, vec![h, vocab])];
+    for i in 0..layers {
+        let p = |n: &str| format!("blk.{i}.{n}");
+        t.extend([
+            (p("attn_norm.weight"), GgmlBlock::F32, vec![h]),
+            (p("attn_q.weight"), GgmlBlock::Q4K, vec![h, 256]),
+            (p("attn_k.weight"), GgmlBlock::Q4K, vec![h, 128]),
+            (p("attn_v.weight"), more(i), vec![h, 128]),
+            (p("attn_output.weight"), GgmlBlock::Q4K, vec![256, h]),
+            (p("ffn_norm.weight"), GgmlBlock::F32, vec![h]),
+            (p("ffn_gate_inp.weight"), GgmlBlock::F32, vec![h, experts]),
+            (
+                p("ffn_gate_exps.weight"),
+                GgmlBlock::Q4K,
+                vec![h, inter, experts],
+            ),
+            (
+                p("ffn_up_exps.weight"),
+                GgmlBlock::Q4K,
+                vec![h, inter, experts],
+            ),
+            (p("ffn_down_exps.weight"), more(i), vec![inter, h, experts]),
+        ]);
+    }
+    t.push(("output_norm.weight".into(), GgmlBlock::F32, vec![h]));
+    write_random_gguf(path, &meta, t, as_f32);
+}
+
+/// What llama.cpp users run with `-ot exps=CPU`: a Q4_K_M SmallThinker GGUF loads tied (no output tensor:
+/// the Q6_K token table is the lm_head, as llama.cpp's loader falls back to it), keeps every projection's
+/// block type per layer (the plan counts the Q6_K attn_v of the `use_more_bits` layers and the Q6_K
+/// lm_head as int8), and computes on the CPU what the same weights as F32 compute: rel-L2 ≤ 2e-3
+/// over a prefill past the window and three decode steps (the kernels keep the K-quants' codes with
+/// sub-block scales rounded once to f16, ≤ 2⁻¹¹ relative; AVX2 tier and f32 KV rows on both sides).
+#[test]
+fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
+    use crate::engine::{Engine, EngineOptions, SeqInput};
+    use StoredFormat::*;
+    let dir = std::env::temp_dir();
+    let (quant, twin) = (
+        dir.join(format!("moe-st-q4km-{}.gguf", std::process::id())),
+        dir.join(format!("moe-st-q4km-f32-{}.gguf", std::process::id())),
+    );
+    small_smallthinker_q4_k_m(&quant, false);
+    small_smallthinker_q4_k_m(&twin, true);
+    let g = GgufFile::open(&quant).unwrap();
+    let cfg_json = g.hf_config().unwrap();
+    assert_eq!(cfg_json["tie_word_embeddings"], true);
+    let model = crate::model::build::build_model(
+        crate::model::ModelConfig::from_json(&cfg_json).unwrap(),
+        &g,
+    )
+    .unwrap();
+    let stored = stored_dense(&model).expect("GGUF blocks");
+    let want: Vec<[StoredFormat; 4]> = (0..8)
+        .map(|i| [Q4K, Q4K, if use_more_bits(i, 8) { Q6K } else { Q4K }, Q4K])
+        .collect();
+    assert_eq!(stored.attention, want);
+    assert_eq!(stored.lm_head, Q6K);
+    let shape = shape_of_model(&model, CheckpointFormat::Bf16);
+    for d in DenseDtype::ALL {
+        let planned = moe_sizing::dense_bytes(&shape, d, false);
+        let attention: u64 = model
+            .layers
+            .iter()
+            .map(|l| match &l.attn {
+                HostAttention::Gqa(a) => [&a.q, &a.k, &a.v, &a.o]
+                    .into_iter()
+                    .map(|l| upload_bytes(l, d))
+                    .sum::<u64>(),
+                _ => unreachable!("SmallThinker attention is GQA"),
+            })
+            .sum();
+        assert_eq!(planned.attention, attention, "{d:?}");
+        // what `GpuModel::upload` uploads: an lm_head of the model's own in any dtype; a tied one
+        // (none of its own) shares the bf16 table on the GPU, else gets its own copy from the table
+        let lm_head = match (&model.lm_head, d) {
+            (None, DenseDtype::Bf16) => 0,
+            _ => upload_bytes(model.lm_head(), d),
+        };
+        assert_eq!(planned.lm_head, lm_head, "{d:?}");
+    }
+    drop(model);
+    let mut opts = EngineOptions::default();
+    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
+    opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
+    let logits = |path: &std::path::Path| {
+        let g = GgufFile::open(path).unwrap();
+        let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
+        let mut c = e.new_cache();
+        let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
+        let mut out = Vec::new();
+        for tokens in [prompt, vec![7], vec![99], vec![3]] {
+            out.push(
+                e.reserve_and_forward(&mut [SeqInput {
+                    cache: &mut c,
+                    tokens: &tokens,
+                }])
+                .unwrap()
+                .remove(0),
+            );
+        }
+        out
+    };
+    let (got, want) = (logits(&quant), logits(&twin));
+    std::fs::remove_file(&quant).ok();
+    std::fs::remove_file(&twin).ok();
+    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(a.iter().all(|x| x.is_finite()), "step {step}");
+        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let d: f32 = b.iter().map(|y| y * y).sum();
+        let err = (n / d).sqrt();
+        println!("step {step}: rel-L2 {err:.2e}");
+        assert!(err <= 2e-3, "step {step}: rel-L2 {err}");
     }
 }
