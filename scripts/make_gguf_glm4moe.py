@@ -9,8 +9,10 @@ bench` read it: the same weights for both.
 
 Types: --dtype for the routed experts, --dense-dtype for attention, the dense layer, shared experts and
 token_embd, --output-dtype for output.weight. A tensor whose rows are not whole blocks of its type (1408-wide
-down projections and the 10944-wide dense down projection under K-quants) takes --fallback-dtype, as
-llama.cpp's quantizer falls back for such rows.
+down projections and the 10944-wide dense down projection under K-quants) takes --fallback-dtype (default
+Q8_0). llama.cpp's quantizer falls back to Q5_0 for Q4_K rows (Q8_0 for Q6_K): a GLM-4.5-Air Q4_K_M file
+from llama-quantize holds Q5_0 down projections, a type moe-daemon's GGUF reader does not take yet
+(`--fallback-dtype q5_0` writes such a file).
 
     python3 scripts/make_gguf_glm4moe.py --layers 12 --dtype q4_0 --dense-dtype q4_k --output-dtype q6_k \\
         --out /dev/shm/glm12.gguf                                   # Q4_K_M-style dense, ~15 GiB

@@ -10,7 +10,8 @@
 #      a GLM-4.5-Air-shape GGUF of GLM_LAYERS layers (Q4_0 experts, Q4_K dense, Q6_K output; Q8_0 where rows
 #      are not whole Q4_K blocks): ours int4 at 24GiB, int4 at 16GiB, fp8 at 16GiB (host embeddings; GPU
 #      experts per layer as the full-depth plan); then SmallThinker-21B (bf16 experts, Q4_K dense, Q6_K output,
-#      38 GiB): ours int4 at 24GiB and fp8 at 16GiB with --gpu-experts auto.
+#      38 GiB): ours int4 at 24GiB and fp8 at 16GiB with --gpu-experts auto; then (B_MODELS with "stq")
+#      SmallThinker-21B as llama-quantize Q4_K_M leaves it (12 GiB): ours int4 at 24 and 16 GiB.
 #   c  Early routing on the CUDA backend (SmallThinker routes from the layer input): a 16-layer
 #      SmallThinker-21B-shape checkpoint, decode with every expert in DRAM, routing after attention
 #      (--expert-prefetch-mib 0) against early routing with the chosen experts prefetched while attention
@@ -40,7 +41,8 @@ A_BUDGET=${A_BUDGET:-280}       # seconds for phase a
 B_BUDGET=${B_BUDGET:-210}       # seconds for phase b
 C_BUDGET=${C_BUDGET:-150}       # seconds for phase c
 GLM_LAYERS=${GLM_LAYERS:-16}
-B_MODELS=${B_MODELS:-glm st}    # phase b's models, in order (glm: GLM-4.5-Air shape; st: SmallThinker-21B)
+B_MODELS=${B_MODELS:-glm st}    # phase b's models, in order (glm: GLM-4.5-Air shape; st: SmallThinker-21B;
+                                # stq: SmallThinker-21B Q4_K_M, not run unless named)
 GEN_EXTRA=${GEN_EXTRA:-}        # smoke test: GEN_EXTRA="--layers 1 --vocab 4096" ROOM_CHECK=0
 ROOM_CHECK=${ROOM_CHECK:-1}
 LLAMA_PARTS=${LLAMA_PARTS:-$SEED/llama}
@@ -198,12 +200,13 @@ phase_b() {
   local common=(--steps 16 --prompt-len 32 --prefill-lens 4096 --chunk 2048)
   llama_start
   # GLM-4.5-Air shape: GPU experts per layer as the full 46-layer model's plan gives them under each budget
-  # and dense dtype (sizing test glm_45_air_at_full_depth_fits_16_and_24_gib_with_quantized_dense_weights:
-  # 24 GiB int4 2, fp8 0; 16 GiB int4 4, fp8 2), so each layer runs as it would at full depth.
+  # and dense dtype for this file's types (Q4_K dense kept as int4 with group minimums, Q8_0 / Q6_K as int8;
+  # sizing test stored_tests::the_plan_sizes_the_kept_codes_and_says_so: 24 GiB int4 1, fp8 0; 16 GiB
+  # int4 4, fp8 2), so each layer runs as it would at full depth.
   if [[ " $B_MODELS " == *" glm "* ]] && gen make_gguf_glm4moe.py "$M" --layers "$GLM_LAYERS" --dtype q4_0 --dense-dtype q4_k --output-dtype q6_k \
        && room_for 30; then
     local glm=(--model "$M" --host-embeddings on "${common[@]}")
-    ours glm_L${GLM_LAYERS}_int4_24g 100 "${glm[@]}" --gpu-memory-limit 24GiB --dense-dtype int4 --gpu-experts 2
+    ours glm_L${GLM_LAYERS}_int4_24g 100 "${glm[@]}" --gpu-memory-limit 24GiB --dense-dtype int4 --gpu-experts 1
     llama_ready && llama llama_glm_L${GLM_LAYERS}_cpu 80 -m "$M" -ngl 99 -ot exps=CPU -p 4096 -n 64 -r 2 -b 2048 -ub 2048
     ours glm_L${GLM_LAYERS}_int4_16g 100 "${glm[@]}" --gpu-memory-limit 16GiB --dense-dtype int4 --gpu-experts 4
     ours glm_L${GLM_LAYERS}_fp8_16g 100 "${glm[@]}" --gpu-memory-limit 16GiB --dense-dtype fp8 --gpu-experts 2
@@ -216,6 +219,15 @@ phase_b() {
     ours st21_q4k_fp8_16g 150 --model "$S" --gpu-memory-limit 16GiB --gpu-experts auto --dense-dtype fp8 "${common[@]}"
   fi
   rm -f "$S"
+  # SmallThinker-21B as llama-quantize Q4_K_M leaves it (Q4_K experts and dense, Q6_K attn_v / ffn_down_exps
+  # in 26 of 52 layers, Q6_K output; 12 GiB): the file llama.cpp users run with -ot exps=CPU
+  local Q=$SHM/st21-q4km.gguf
+  if [[ " $B_MODELS " == *" stq "* ]] && fits 100 && gen make_gguf_smallthinker.py "$Q" --mix q4_k_m && room_for 30; then
+    ours st21_q4km_int4_24g 100 --model "$Q" --gpu-memory-limit 24GiB --gpu-experts auto --dense-dtype int4 "${common[@]}"
+    llama_ready && llama llama_st21_q4km_cpu 80 -m "$Q" -ngl 99 -ot exps=CPU -p 4096 -n 64 -r 2 -b 2048 -ub 2048
+    ours st21_q4km_int4_16g 100 --model "$Q" --gpu-memory-limit 16GiB --gpu-experts auto --dense-dtype int4 "${common[@]}"
+  fi
+  rm -f "$Q"
 }
 
 phase_c() {
