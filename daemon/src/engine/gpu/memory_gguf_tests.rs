@@ -192,7 +192,7 @@ fn small_glm_gguf(path: &std::path::Path) {
     ];
     // (name, type, ggml dims: innermost first)
     let k4 = |cols: u64| {
-        if cols % 256 == 0 {
+        if cols.is_multiple_of(256) {
             GgmlBlock::Q4K
         } else {
             GgmlBlock::Q8_0
@@ -551,10 +551,12 @@ fn llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin() {
     let vocab = model.config.vocab_size as u32;
     drop(model);
     let logits = |path: &str, kernels: bool| {
-        let mut opts = EngineOptions::default();
-        opts.cpu_kernels = kernels;
+        let mut opts = EngineOptions {
+            cpu_kernels: kernels,
+            cpu_kv_dtype: Some(crate::engine::kv::KvDtype::F32),
+            ..Default::default()
+        };
         opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-        opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
         let g = GgufFile::open(std::path::Path::new(path)).unwrap();
         let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
         let mut c = e.new_cache();
