@@ -22,7 +22,7 @@ pub use shape::{
     kv_scale_group, Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe,
     ShapeError,
 };
-pub use stored::{GpuLayout, StoredDense, StoredFormat};
+pub use stored::{GpuLayout, LlamaFileType, StoredDense, StoredFormat};
 pub use weights::{dense_bytes, DenseBytes, DenseDtype};
 
 /// Parses a byte size: a plain number of bytes or a number with a binary (KiB, MiB, GiB, TiB;

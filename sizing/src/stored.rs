@@ -215,3 +215,142 @@ pub fn kept_note(dtype: DenseDtype, formats: impl IntoIterator<Item = StoredForm
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// llama.cpp file types whose per-tensor choices [`StoredDense::llama_cpp`] reproduces (what a GGUF's name
+/// usually carries: `…-Q4_K_M.gguf`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LlamaFileType {
+    /// BF16 / F16 / F32: values.
+    Values,
+    Q4_0,
+    Q8_0,
+    Q4KM,
+}
+
+impl LlamaFileType {
+    /// The file type a file or repository name names (case-insensitive: `q4_k_m`, `q4_0`, `q8_0`, `bf16`,
+    /// `f16`, `f32`), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        let n = name.to_ascii_lowercase();
+        [
+            ("q4_k_m", LlamaFileType::Q4KM),
+            ("q4_0", LlamaFileType::Q4_0),
+            ("q8_0", LlamaFileType::Q8_0),
+            ("bf16", LlamaFileType::Values),
+            ("f16", LlamaFileType::Values),
+            ("f32", LlamaFileType::Values),
+        ]
+        .into_iter()
+        .find(|(token, _)| n.contains(token))
+        .map(|(_, t)| t)
+    }
+}
+
+/// llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v / ffn_down get more bits in the
+/// _M mixes: the first and last eighth, and every third between.
+pub fn use_more_bits(layer: u64, layers: u64) -> bool {
+    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
+}
+
+impl StoredDense {
+    /// The types `llama-quantize` gives the dense projections of `shape` under `ftype`
+    /// (`llama_tensor_get_type` of llama.cpp 0c1e570, checked against its output for Q4_K_M by the daemon
+    /// test `llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin`): Q4_K_M makes attn_v and every ffn_down
+    /// (dense and shared experts) Q6_K in `use_more_bits` layers and the rest Q4_K; Q4_0 and Q8_0 use their
+    /// type throughout; the output (the token table of a tied model) is Q6_K except under Q8_0; models of 8
+    /// experts get llama.cpp's Mixtral rule (attn_k / attn_v Q8_0, Q4_K_M's attn_output Q5_K). Rows that are
+    /// not whole blocks take llama.cpp's fallback (Q4_K → Q5_0 and Q5_K → Q5_1, counted as values; Q6_K →
+    /// Q8_0). `None` for values, and for linear-attention (hybrid) models.
+    pub fn llama_cpp(
+        ftype: LlamaFileType,
+        shape: &crate::shape::ModelShape,
+    ) -> Option<StoredDense> {
+        use StoredFormat::*;
+        let base = match ftype {
+            LlamaFileType::Values => return None,
+            LlamaFileType::Q4_0 => Q4_0,
+            LlamaFileType::Q8_0 => Q8_0,
+            LlamaFileType::Q4KM => Q4K,
+        };
+        if shape.hybrid.is_some() {
+            return None;
+        }
+        let n = shape.layers;
+        let eight_experts = shape.moe.as_ref().is_some_and(|m| m.experts == 8);
+        let more = |layer: u64| ftype == LlamaFileType::Q4KM && use_more_bits(layer, n);
+        // the type of a matrix with rows of `cols`, after llama.cpp's fallback
+        let fit = |t: StoredFormat, cols: u64| {
+            if cols.is_multiple_of(t.block_elems()) {
+                t
+            } else {
+                match t {
+                    Q6K => Q8_0,
+                    _ => Values,
+                }
+            }
+        };
+        let h = shape.hidden;
+        let (q_cols, o_cols) = match &shape.attention {
+            crate::shape::Attention::Gqa {
+                heads, head_dim, ..
+            } => (h, heads * head_dim),
+            crate::shape::Attention::Mla {
+                heads, v_head_dim, ..
+            } => (h, heads * v_head_dim),
+        };
+        let mla = matches!(shape.attention, crate::shape::Attention::Mla { .. });
+        let attention = (0..n)
+            .map(|i| {
+                let v = if eight_experts {
+                    Q8_0
+                } else if more(i) {
+                    Q6K
+                } else {
+                    base
+                };
+                let k = if eight_experts { Q8_0 } else { base };
+                let o = if eight_experts && ftype == LlamaFileType::Q4KM {
+                    Q5K
+                } else {
+                    base
+                };
+                if mla {
+                    // q (or q_a, q_b), kv_a, o: no attn_v / attn_k among them
+                    let (q, q_b) = match &shape.attention {
+                        crate::shape::Attention::Mla {
+                            q_lora_rank: Some(r),
+                            ..
+                        } => (fit(base, q_cols), fit(base, *r)),
+                        _ => (fit(base, q_cols), Values),
+                    };
+                    [q, q_b, fit(base, h), fit(o, o_cols)]
+                } else {
+                    [fit(base, q_cols), fit(k, h), fit(v, h), fit(o, o_cols)]
+                }
+            })
+            .collect();
+        let mlp = |layer: u64, inter: u64| {
+            let down = if more(layer) { Q6K } else { base };
+            [fit(base, h), fit(base, h), fit(down, inter)]
+        };
+        let moe_layers = shape.moe_layers();
+        let dense_first = n - moe_layers;
+        // dense layers lead (GLM, DeepSeek); the sizing shape keeps no per-layer kinds beyond that
+        let dense_mlp = (0..dense_first)
+            .map(|i| mlp(i, shape.dense_intermediate))
+            .collect();
+        let shared_experts = match &shape.moe {
+            Some(m) if m.shared_intermediate > 0 => (dense_first..n)
+                .map(|i| mlp(i, m.shared_intermediate))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let output = if base == Q8_0 { Q8_0 } else { fit(Q6K, h) };
+        Some(StoredDense {
+            attention,
+            dense_mlp,
+            shared_experts,
+            lm_head: output,
+        })
+    }
+}

@@ -254,3 +254,63 @@ fn the_h200_runs_start_gaps_are_the_kept_formats() {
         );
     }
 }
+
+#[test]
+fn llama_cpp_file_types_are_read_from_names_and_reproduced() {
+    assert_eq!(
+        LlamaFileType::from_name(
+            "unsloth/SmallThinker-21BA3B-Instruct-GGUF/SmallThinker-Q4_K_M.gguf"
+        ),
+        Some(LlamaFileType::Q4KM)
+    );
+    assert_eq!(
+        LlamaFileType::from_name("m-q8_0.gguf"),
+        Some(LlamaFileType::Q8_0)
+    );
+    assert_eq!(
+        LlamaFileType::from_name("m-BF16.gguf"),
+        Some(LlamaFileType::Values)
+    );
+    assert_eq!(LlamaFileType::from_name("model.gguf"), None);
+    // SmallThinker-21B Q4_K_M: Q6_K attn_v in the 26 use_more_bits layers of 52, Q6_K output
+    let st = known("smallthinker-21b");
+    let s = StoredDense::llama_cpp(LlamaFileType::Q4KM, &st).unwrap();
+    assert_eq!(s.attention.iter().filter(|a| a[2] == Q6K).count(), 26);
+    assert!(s
+        .attention
+        .iter()
+        .all(|a| a[0] == Q4K && a[1] == Q4K && a[3] == Q4K));
+    assert_eq!(s.lm_head, Q6K);
+    assert!(s.dense_mlp.is_empty() && s.shared_experts.is_empty());
+    // GLM-4.5-Air: 1408- and 10944-wide down projections are not whole 256-blocks: Q4_K falls back to
+    // Q5_0 (counted as values), Q6_K to Q8_0
+    let glm = known("glm-4.5-air");
+    let g = StoredDense::llama_cpp(LlamaFileType::Q4KM, &glm).unwrap();
+    assert_eq!(g.dense_mlp, vec![[Q4K, Q4K, Q8_0]]); // layer 0 uses more bits
+    assert_eq!(g.shared_experts.len(), 45);
+    // layers 0-4 (the first eighth), 7, 10, … and 40-45 use more bits; shared experts start at layer 1
+    assert_eq!(g.shared_experts[4 - 1], [Q4K, Q4K, Q8_0]);
+    assert_eq!(g.shared_experts[5 - 1], [Q4K, Q4K, Values]);
+    assert_eq!(g.shared_experts[7 - 1], [Q4K, Q4K, Q8_0]);
+    assert_eq!(
+        StoredDense::llama_cpp(LlamaFileType::Q8_0, &glm)
+            .unwrap()
+            .lm_head,
+        Q8_0
+    );
+    assert_eq!(
+        StoredDense::llama_cpp(LlamaFileType::Q4_0, &glm)
+            .unwrap()
+            .lm_head,
+        Q6K
+    );
+    assert!(StoredDense::llama_cpp(LlamaFileType::Values, &glm).is_none());
+    // Mixtral's rule for 8 experts
+    let mut mix = known("qwen3-30b-a3b");
+    mix.moe.as_mut().unwrap().experts = 8;
+    let m = StoredDense::llama_cpp(LlamaFileType::Q4KM, &mix).unwrap();
+    assert!(m
+        .attention
+        .iter()
+        .all(|a| a[1] == Q8_0 && a[2] == Q8_0 && a[3] == Q5K));
+}

@@ -458,6 +458,12 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         .collect();
     assert_eq!(stored.attention, want);
     assert_eq!(stored.lm_head, Q6K);
+    // the sizing crate's reading of llama.cpp's rule (what the operator plans a Q4_K_M file with)
+    let rule = moe_sizing::StoredDense::llama_cpp(
+        moe_sizing::LlamaFileType::Q4KM,
+        &shape_of(&model.config, false, CheckpointFormat::Bf16),
+    );
+    assert_eq!(rule.as_ref(), Some(&stored));
     let shape = shape_of_model(&model, CheckpointFormat::Bf16);
     for d in DenseDtype::ALL {
         let planned = moe_sizing::dense_bytes(&shape, d, false);
@@ -548,6 +554,15 @@ fn llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin() {
         );
     }
     assert_eq!(stored.lm_head, StoredFormat::Q6K);
+    let rule = moe_sizing::StoredDense::llama_cpp(
+        moe_sizing::LlamaFileType::Q4KM,
+        &shape_of(&model.config, false, CheckpointFormat::Bf16),
+    );
+    assert_eq!(
+        rule.as_ref(),
+        Some(&stored),
+        "llama.cpp's types as sizing reads its rule"
+    );
     let vocab = model.config.vocab_size as u32;
     drop(model);
     let logits = |path: &str, kernels: bool| {
