@@ -70,7 +70,15 @@ pub fn resolve_shape(model: &ModelSpec, resource_name: &str) -> Option<ResolvedS
     let names: Vec<&str> = names.into_iter().flatten().collect();
     let (_, config) = moe_sizing::known::match_known(names.iter().copied())?;
     // The table's configs are tested to parse; a failure here would be a bug in the table.
-    let detail = moe_sizing::ModelShape::from_config_json(&config).ok()?;
+    let mut detail = moe_sizing::ModelShape::from_config_json(&config).ok()?;
+    // A GGUF keeps its block types on the GPU (the daemon reads them from the file): a file type named
+    // in the source (`…-Q4_K_M.gguf`) gives llama-quantize's per-tensor types, so both plan the same bytes.
+    if model.weight_format == crate::crd::WeightFormat::Gguf {
+        detail.stored = names
+            .iter()
+            .find_map(|n| moe_sizing::LlamaFileType::from_name(n))
+            .and_then(|t| moe_sizing::StoredDense::llama_cpp(t, &detail));
+    }
     Some(ResolvedShape::known(detail))
 }
 
@@ -129,6 +137,64 @@ mod tests {
             gb("Qwen/Qwen3-30B-A3B-FP8")
         );
         assert!((40..=46).contains(&gb("PowerInfer/SmallThinker-21BA3B-Instruct")));
+    }
+
+    /// A GGUF source naming its file type is sized with llama-quantize's types for it (the daemon reads
+    /// the same types from the file); a safetensors source, or a GGUF without a named type, as values.
+    #[test]
+    fn gguf_sources_are_sized_with_their_file_types() {
+        let url = |u: &str, format| ModelSpec {
+            source: ModelSource {
+                url: Some(crate::crd::UrlSource { url: u.into() }),
+                ..Default::default()
+            },
+            weight_format: format,
+            ..hf_model("x")
+        };
+        let q4km = resolve_shape(
+            &url(
+                "https://host/SmallThinker-21BA3B-Instruct-Q4_K_M.gguf",
+                crate::crd::WeightFormat::Gguf,
+            ),
+            "st",
+        )
+        .unwrap();
+        let stored = q4km.detail.as_ref().unwrap().stored.clone().unwrap();
+        assert_eq!(stored.lm_head, moe_sizing::StoredFormat::Q6K);
+        assert_eq!(stored.attention.len(), 52);
+        let plain = resolve_shape(
+            &url(
+                "https://host/SmallThinker-21BA3B-Instruct-Q4_K_M.gguf",
+                crate::crd::WeightFormat::Safetensors,
+            ),
+            "st",
+        )
+        .unwrap();
+        assert!(plain.detail.as_ref().unwrap().stored.is_none());
+        let unnamed = resolve_shape(
+            &url(
+                "https://host/SmallThinker-21BA3B-Instruct.gguf",
+                crate::crd::WeightFormat::Gguf,
+            ),
+            "st",
+        )
+        .unwrap();
+        assert!(unnamed.detail.unwrap().stored.is_none());
+        // under int4 the Q4_K_M file's dense weights take more than the values plan counts
+        let d = |r: &ResolvedShape| {
+            moe_sizing::dense_bytes(
+                r.detail.as_ref().unwrap(),
+                moe_sizing::DenseDtype::Int4,
+                true,
+            )
+            .total()
+        };
+        assert!(
+            d(&q4km) > d(&plain) * 6 / 5,
+            "{} vs {}",
+            d(&q4km),
+            d(&plain)
+        );
     }
 
     #[test]
