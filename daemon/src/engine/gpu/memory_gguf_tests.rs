@@ -356,6 +356,17 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
     }
 }
 
+/// Removes the test's files however the test ends.
+struct RemoveOnDrop(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            std::fs::remove_file(p).ok();
+        }
+    }
+}
+
 /// llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v and ffn_down get Q6_K in Q4_K_M.
 fn use_more_bits(layer: u64, layers: u64) -> bool {
     layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
@@ -442,6 +453,7 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         dir.join(format!("moe-st-q4km-{}.gguf", std::process::id())),
         dir.join(format!("moe-st-q4km-f32-{}.gguf", std::process::id())),
     );
+    let _cleanup = RemoveOnDrop(vec![quant.clone(), twin.clone()]);
     small_smallthinker_q4_k_m(&quant, false);
     small_smallthinker_q4_k_m(&twin, true);
     let g = GgufFile::open(&quant).unwrap();
@@ -510,8 +522,6 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         out
     };
     let (got, want) = (logits(&quant), logits(&twin));
-    std::fs::remove_file(&quant).ok();
-    std::fs::remove_file(&twin).ok();
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!(a.iter().all(|x| x.is_finite()), "step {step}");
         let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
