@@ -7,7 +7,7 @@ use crate::engine::gpu::quantize_linear;
 use crate::weights::gguf::tests::write_gguf;
 use crate::weights::gguf::{GgufFile, GgufValue};
 use moe_kernels::cuda::quant::{QuantizedMatrix, W8Code};
-use moe_sizing::stored::gate_up_bytes;
+use moe_sizing::stored::{gate_up_bytes, use_more_bits};
 use moe_sizing::{DenseDtype, GpuLayout};
 
 const KINDS: [GgmlBlock; 9] = [
@@ -365,11 +365,6 @@ impl Drop for RemoveOnDrop {
             std::fs::remove_file(p).ok();
         }
     }
-}
-
-/// llama.cpp's `use_more_bits` (llama-quant.cpp): the layers whose attn_v and ffn_down get Q6_K in Q4_K_M.
-fn use_more_bits(layer: u64, layers: u64) -> bool {
-    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
 }
 
 /// A SmallThinker GGUF as `llama-quantize … Q4_K_M` leaves it (`scripts/make_gguf_smallthinker.py --mix
