@@ -9,17 +9,11 @@
 use std::arch::x86_64::*;
 use std::mem::transmute;
 
-use crate::cpu::moe::pack::{MatRef, WeightFormat};
+use crate::cpu::moe::pack::{GroupedCodes, MatRef, WeightFormat};
 
 /// Whether [`widen_tiles`] handles this format.
 pub(crate) fn widens(format: WeightFormat) -> bool {
-    matches!(
-        format,
-        WeightFormat::Int4 { .. }
-            | WeightFormat::Int4Min { .. }
-            | WeightFormat::Int8Group { .. }
-            | WeightFormat::Int8Min { .. }
-    )
+    GroupedCodes::of(format).is_some()
 }
 
 /// Writes N-tiles `nt0 .. nt0 + nts` of `w` as bf16 tiles (`k_pad · 16` values each, pair rows of 16
@@ -30,22 +24,9 @@ pub(crate) fn widens(format: WeightFormat) -> bool {
 /// `nts · k_pad · 16` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(crate) unsafe fn widen_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
-    let (group, stride, int4) = match w.l.format {
-        WeightFormat::Int4 { group } => (group, 16, true),
-        WeightFormat::Int4Min { group } => (group, 32, true),
-        WeightFormat::Int8Group { group } => (group, 16, false),
-        WeightFormat::Int8Min { group } => (group, 32, false),
-        f => unreachable!("{f:?} is not widened"),
-    };
-    let with_min = matches!(
-        w.l.format,
-        WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. }
-    );
-    let offset = match w.l.format {
-        WeightFormat::Int4 { .. } => 8.0,
-        WeightFormat::Int8Group { .. } => 128.0,
-        _ => 0.0,
-    };
+    let codes = GroupedCodes::of(w.l.format).expect("a format `widens` accepts (caller)");
+    let (group, int4, with_min, off) = (codes.group, codes.int4, codes.with_min, codes.off);
+    let offset = off as f32;
     let k_pad = w.l.k_pad;
     let groups = k_pad / group;
     let quads = k_pad / 4;
@@ -75,7 +56,7 @@ pub(crate) unsafe fn widen_tiles(w: &MatRef<'_>, nt0: usize, nts: usize, out: &m
             unsafe {
                 if kk % quads_per_group == 0 {
                     // Per-lane scale and offset of this group, once per group: w = u·d + (m − off·d).
-                    let at = (nt * groups + kk / quads_per_group) * stride;
+                    let at = codes.scale_at(groups, nt, kk / quads_per_group);
                     let dv = _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at).cast()));
                     let mv = if with_min {
                         _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr().add(at + 16).cast()))

@@ -2,7 +2,7 @@
 //! `y[r][16·(nt − nt0) + j] = Σ_k W[16·nt + j][k] · a_r[k]`, see `kern_generic`.
 
 use super::act::{ActKind, ActRef};
-use super::pack::{MatRef, WeightFormat};
+use super::pack::{GroupedCodes, MatRef, WeightFormat};
 use crate::cpu::features::CpuTier;
 
 /// Activation kind the kernels of `tier` read for weights of `format` over `k_pad` inputs.
@@ -205,16 +205,10 @@ pub(crate) fn gemm_amx_int(
     };
     #[cfg(target_arch = "x86_64")]
     {
-        let grouped = match (a.kind, w.l.format) {
-            (
-                ActKind::I8 { group: ag },
-                WeightFormat::Int4 { group }
-                | WeightFormat::Int4Min { group }
-                | WeightFormat::Int8Group { group }
-                | WeightFormat::Int8Min { group },
-            ) => ag == group,
-            _ => false,
-        };
+        let grouped = matches!(
+            (a.kind, GroupedCodes::of(w.l.format)),
+            (ActKind::I8 { group }, Some(c)) if group == c.group
+        );
         let r0 = a.rows[0] as usize;
         let consecutive = a
             .rows

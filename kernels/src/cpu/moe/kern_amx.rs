@@ -12,23 +12,20 @@ use std::arch::asm;
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
 use super::act::{ActKind, ActRef};
+use super::amx_config::{use_config, TileConfig};
 use super::pack::MatRef;
 
-#[repr(C, align(64))]
-struct TileConfig([u8; 64]);
-
 /// Palette 1, all 8 tiles 16 rows × 64 bytes.
-static CONFIG: TileConfig = {
-    let mut c = [0u8; 64];
-    c[0] = 1;
-    let mut t = 0;
-    while t < 8 {
-        c[16 + 2 * t] = 64;
-        c[48 + t] = 16;
-        t += 1;
-    }
-    TileConfig(c)
-};
+static CONFIG: TileConfig = TileConfig::new(&[
+    (0, 16, 64),
+    (1, 16, 64),
+    (2, 16, 64),
+    (3, 16, 64),
+    (4, 16, 64),
+    (5, 16, 64),
+    (6, 16, 64),
+    (7, 16, 64),
+]);
 
 macro_rules! tile_load {
     ($t:literal, $ptr:expr, $stride:expr) => {
@@ -105,7 +102,7 @@ pub(crate) unsafe fn gemm(
     let mut c = CTiles([[0; 256]; 4]);
     // SAFETY: (caller) AMX usable; all tile loads stay inside the packed matrix and padded rows.
     unsafe {
-        asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly, preserves_flags));
+        use_config(&CONFIG);
         let mut nb = 0;
         while nb < nts {
             let two_n = nb + 1 < nts;
@@ -202,6 +199,5 @@ pub(crate) unsafe fn gemm(
             }
             nb += 2;
         }
-        asm!("tilerelease", options(nostack, nomem, preserves_flags));
     }
 }

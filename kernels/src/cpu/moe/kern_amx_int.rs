@@ -15,26 +15,30 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::act::ActRef;
-use super::pack::{MatRef, WeightFormat};
-
-#[repr(C, align(64))]
-struct TileConfig([u8; 64]);
+use super::amx_config::{use_config, TileConfig};
+use super::pack::{GroupedCodes, MatRef, WeightFormat};
 
 /// Palette 1: C tiles 0 and 1 (16 rows × 64 bytes), A tile 4 (16 rows × `group` bytes), B tiles 6
 /// and 7 (`group / 4` rows × 64 bytes).
-fn config(group: usize) -> TileConfig {
-    let mut c = [0u8; 64];
-    c[0] = 1;
-    let mut set = |t: usize, rows: usize, colsb: usize| {
-        c[16 + 2 * t] = colsb as u8;
-        c[48 + t] = rows as u8;
-    };
-    set(0, 16, 64);
-    set(1, 16, 64);
-    set(4, 16, group);
-    set(6, group / 4, 64);
-    set(7, group / 4, 64);
-    TileConfig(c)
+const fn config(group: usize) -> TileConfig {
+    TileConfig::new(&[
+        (0, 16, 64),
+        (1, 16, 64),
+        (4, 16, group),
+        (6, group / 4, 64),
+        (7, group / 4, 64),
+    ])
+}
+
+/// The configurations of the group sizes [`amx_int_supports`] accepts.
+static CONFIGS: [TileConfig; 3] = [config(16), config(32), config(64)];
+
+fn config_of(group: usize) -> &'static TileConfig {
+    &CONFIGS[match group {
+        16 => 0,
+        32 => 1,
+        _ => 2,
+    }]
 }
 
 /// Whether [`gemm_grouped`] runs this format (group sizes a tile's K can hold).
@@ -92,22 +96,16 @@ unsafe fn gemm_grouped_in(
     ldy: usize,
     tot: &mut Vec<f32>,
 ) {
-    let (group, int4, with_min, off) = match w.l.format {
-        WeightFormat::Int4 { group } => (group, true, false, 8),
-        WeightFormat::Int4Min { group } => (group, true, true, 0),
-        WeightFormat::Int8Group { group } => (group, false, false, 128),
-        WeightFormat::Int8Min { group } => (group, false, true, 0),
-        f => unreachable!("{f:?} has no AMX-INT8 kernel"),
-    };
+    let codes = GroupedCodes::of(w.l.format).expect("a grouped int format (caller)");
+    let (group, int4, with_min, off) = (codes.group, codes.int4, codes.with_min, codes.off);
     let m = a.rows.len();
     let r0 = a.rows[0] as usize;
     debug_assert!(a.rows.windows(2).all(|p| p[1] == p[0] + 1));
     debug_assert_eq!(a.groups(), w.l.k_pad / group);
     let (k_pad, groups) = (w.l.k_pad, w.l.k_pad / group);
     let m_tiles = m.div_ceil(16);
-    let stride = if with_min { 32 } else { 16 };
     let s16 = w.s16();
-    let cfg = config(group);
+    let cfg = config_of(group);
     let mut sc = Scratch {
         b: [[0; 1024]; 2],
         c: [[0; 256]; 2],
@@ -118,7 +116,7 @@ unsafe fn gemm_grouped_in(
         // SAFETY: (caller) AMX usable; tile loads stay inside the packed matrix, the scratch and the
         // activation rows' storage; every pointer below is in bounds by the shapes checked in `gemm`.
         unsafe {
-            asm!("ldtilecfg [{0}]", in(reg) &cfg as *const TileConfig, options(nostack, readonly, preserves_flags));
+            use_config(cfg);
             let mut nb = 0;
             while nb < nts {
                 let two = nb + 1 < nts;
@@ -136,7 +134,7 @@ unsafe fn gemm_grouped_in(
                         } else {
                             wp.add(g * group * 16)
                         };
-                        let at = s16.as_ptr().add((nt * groups + g) * stride);
+                        let at = s16.as_ptr().add(codes.scale_at(groups, nt, g));
                         dv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
                         mv[i] = if with_min {
                             _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()))
@@ -196,7 +194,6 @@ unsafe fn gemm_grouped_in(
                 }
                 nb += 2;
             }
-            asm!("tilerelease", options(nostack, nomem, preserves_flags));
         }
     }
 }

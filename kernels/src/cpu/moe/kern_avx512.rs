@@ -18,7 +18,7 @@ use std::mem::transmute;
 use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::pack::{MatRef, WeightFormat};
+use super::pack::{GroupedCodes, MatRef};
 
 /// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
 /// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
@@ -279,36 +279,24 @@ pub(crate) unsafe fn gemm_int(
                 all: groups,
                 live: a.live,
             };
-            match w.l.format {
-                WeightFormat::Int4 { group } => {
-                    let s = &w.s16()[nt * groups * 16..];
+            match GroupedCodes::of(w.l.format) {
+                Some(c) if c.int4 => {
+                    let s = &w.s16()[c.scale_at(groups, nt, 0)..];
                     by_rows!(
                         n,
                         8,
-                        i4_block(wp, group, gl, false, pf, s, x, &gs, &xs, out)
+                        i4_block(wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out)
                     )
                 }
-                WeightFormat::Int4Min { group } => {
-                    let s = &w.s16()[nt * groups * 32..];
-                    by_rows!(n, 8, i4_block(wp, group, gl, true, pf, s, x, &gs, &xs, out))
-                }
-                WeightFormat::Int8Group { group } => {
-                    let s = &w.s16()[nt * groups * 16..];
+                Some(c) => {
+                    let s = &w.s16()[c.scale_at(groups, nt, 0)..];
                     by_rows!(
                         n,
                         8,
-                        i8_grouped_block(wp, group, gl, false, pf, s, x, &gs, &xs, out)
+                        i8_grouped_block(wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out)
                     )
                 }
-                WeightFormat::Int8Min { group } => {
-                    let s = &w.s16()[nt * groups * 32..];
-                    by_rows!(
-                        n,
-                        8,
-                        i8_grouped_block(wp, group, gl, true, pf, s, x, &gs, &xs, out)
-                    )
-                }
-                _ => {
+                None => {
                     let s = &w.s[nt * 16..];
                     by_rows!(n, 8, i8_block(wp, a.k_pad / 4, pf, s, x, &gs, &xs, out))
                 }
@@ -350,11 +338,11 @@ impl Groups<'_> {
 /// groups of 16 outputs) was a demand miss in the middle of the weight stream.
 #[inline(always)]
 unsafe fn prefetch_scales(w: &MatRef<'_>, nt: usize) {
-    let per_tile = match w.l.format {
-        WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => w.l.k_pad / group * 64,
-        WeightFormat::Int4 { group } | WeightFormat::Int8Group { group } => w.l.k_pad / group * 32,
-        _ => return,
+    let Some(c) = GroupedCodes::of(w.l.format) else {
+        return;
     };
+    // bytes of f16 scales (and mins) per N-tile
+    let per_tile = 2 * c.scale_at(w.l.k_pad / c.group, 1, 0);
     let base = w.s.as_ptr().cast::<u8>().wrapping_add(nt * per_tile);
     let mut off = 0;
     while off < per_tile {

@@ -6,7 +6,7 @@
 //! row `r` of the activation view, `c = 16·(nt − nt0) + j`, `y` rows `ldy` apart.
 
 use super::act::{ActKind, ActRef};
-use super::pack::{bf16_to_f32, fp8_e4m3_to_f32, MatRef, WeightFormat};
+use super::pack::{bf16_to_f32, fp8_e4m3_to_f32, GroupedCodes, MatRef, WeightFormat};
 
 /// Decodes K-tile `ti` of N-tile `nt` to f32, as `out[k][j]` (k < KT, j < 16).
 #[inline(always)]
@@ -52,45 +52,16 @@ fn decode_tile(w: &MatRef<'_>, nt: usize, ti: usize, out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Int4 { group }
-        | WeightFormat::Int4Min { group }
-        | WeightFormat::Int8Group { group }
-        | WeightFormat::Int8Min { group } => {
-            // w = (u − off)·d, or u·d + m with a min; 4-bit codes two to a byte (low nibbles first).
-            let (int4, with_min, off) = match l.format {
-                WeightFormat::Int4 { .. } => (true, false, 8),
-                WeightFormat::Int4Min { .. } => (true, true, 0),
-                WeightFormat::Int8Group { .. } => (false, false, 128),
-                _ => (false, true, 0),
-            };
-            let stride = if with_min { 32 } else { 16 };
-            let groups = l.k_pad / group;
+        WeightFormat::Int4 { .. }
+        | WeightFormat::Int4Min { .. }
+        | WeightFormat::Int8Group { .. }
+        | WeightFormat::Int8Min { .. } => {
+            let c = GroupedCodes::of(l.format).expect("a grouped int format");
             for kk in 0..kt / p {
-                let g = (ti * kt + kk * 4) / group;
-                let s0 = (nt * groups + g) * stride;
                 for j in 0..16 {
-                    let d = w.int4_scale(s0 + j);
-                    let m = if with_min {
-                        w.int4_scale(s0 + 16 + j)
-                    } else {
-                        0.0
-                    };
                     for q in 0..4 {
-                        let u = if int4 {
-                            let b = tile[(kk / 2) * 64 + j * 4 + q];
-                            if kk % 2 == 0 {
-                                b & 15
-                            } else {
-                                b >> 4
-                            }
-                        } else {
-                            tile[kk * 64 + j * 4 + q]
-                        };
-                        out[(kk * 4 + q) * 16 + j] = if with_min {
-                            u as f32 * d + m
-                        } else {
-                            (u as i32 - off) as f32 * d
-                        };
+                        let k = ti * kt + kk * 4 + q;
+                        out[(kk * 4 + q) * 16 + j] = w.grouped_weight(c, tile, (nt, j), (k, kk, q));
                     }
                 }
             }
@@ -183,13 +154,13 @@ pub(crate) fn gemm_i8_twin(
     ldy: usize,
 ) {
     let l = &w.l;
-    let (group, off) = match l.format {
-        WeightFormat::Int8 => (l.k_pad, 128),
-        WeightFormat::Int4 { group } => (group, 8),
-        WeightFormat::Int8Group { group } => (group, 128),
-        // The min term replaces the offset: Σ (u·d + m)·x = d·Σ u·x + m·Σ x.
-        WeightFormat::Int4Min { group } | WeightFormat::Int8Min { group } => (group, 0),
-        f => unreachable!("{f:?} has no int8 kernel"),
+    // Int8 is one group of the whole row with a per-output f32 scale; the min term of the grouped
+    // formats replaces the offset: Σ (u·d + m)·x = d·Σ u·x + m·Σ x.
+    let codes = GroupedCodes::of(l.format);
+    let (group, off) = match (l.format, codes) {
+        (WeightFormat::Int8, _) => (l.k_pad, 128),
+        (_, Some(c)) => (c.group, c.off),
+        (f, None) => unreachable!("{f:?} has no int8 kernel"),
     };
     let groups = l.k_pad / group;
     for nt in nt0..nt0 + nts {
@@ -203,26 +174,25 @@ pub(crate) fn gemm_i8_twin(
                     let mut acc = 0i32;
                     for k in g * group..(g + 1) * group {
                         let (kk, q) = (k / 4, k % 4);
-                        let u = match l.format {
-                            WeightFormat::Int8
-                            | WeightFormat::Int8Group { .. }
-                            | WeightFormat::Int8Min { .. } => tiles[kk * 64 + j * 4 + q] as i32,
-                            _ => {
-                                let b = tiles[(kk / 2) * 64 + j * 4 + q];
-                                (if kk % 2 == 0 { b & 15 } else { b >> 4 }) as i32
-                            }
+                        let u = match codes {
+                            Some(c) => MatRef::grouped_code(c, tiles, kk, j, q) as i32,
+                            None => tiles[kk * 64 + j * 4 + q] as i32,
                         };
                         acc += u * x[k] as i32;
                     }
                     let gsum = a.gsum[row * groups + g];
                     let acc = acc - off * gsum;
-                    total += match l.format {
-                        WeightFormat::Int8 => acc as f32 * w.s[nt * 16 + j],
-                        WeightFormat::Int4Min { .. } | WeightFormat::Int8Min { .. } => {
-                            let at = (nt * groups + g) * 32 + j;
-                            acc as f32 * w.int4_scale(at) + gsum as f32 * w.int4_scale(at + 16)
+                    total += match codes {
+                        None => acc as f32 * w.s[nt * 16 + j],
+                        Some(c) => {
+                            let at = c.scale_at(groups, nt, g) + j;
+                            let min = if c.with_min {
+                                gsum as f32 * w.int4_scale(at + 16)
+                            } else {
+                                0.0
+                            };
+                            acc as f32 * w.int4_scale(at) + min
                         }
-                        _ => acc as f32 * w.int4_scale((nt * groups + g) * 16 + j),
                     } * a.scale[row * groups + g];
                 }
                 y[r * ldy + (nt - nt0) * 16 + j] = total;

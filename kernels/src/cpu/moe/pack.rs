@@ -53,6 +53,56 @@ pub enum WeightFormat {
     Int8Min { group: usize },
 }
 
+/// How the codes of a grouped int format (Int4 / Int4Min / Int8Group / Int8Min) decode, and where
+/// their scales are: `w = (u − off)·d`, or `u·d + m` with a min; per (N-tile, group) 16 f16 scales `d`
+/// (one per output of the tile), then with a min 16 f16 mins `m`. Every kernel of these formats
+/// starts from this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GroupedCodes {
+    /// Inputs per scale group.
+    pub group: usize,
+    /// 4-bit codes, two to a byte (low nibbles first); else one byte per code.
+    pub int4: bool,
+    /// A min per group (`u·d + m`); else the fixed offset `off`.
+    pub with_min: bool,
+    /// The code of weight zero without a min: 8 (4-bit), 128 (8-bit); 0 with a min.
+    pub off: i32,
+}
+
+impl GroupedCodes {
+    /// The grouped int formats' codes, `None` for the other formats.
+    pub(crate) fn of(format: WeightFormat) -> Option<GroupedCodes> {
+        let (group, int4, with_min, off) = match format {
+            WeightFormat::Int4 { group } => (group, true, false, 8),
+            WeightFormat::Int4Min { group } => (group, true, true, 0),
+            WeightFormat::Int8Group { group } => (group, false, false, 128),
+            WeightFormat::Int8Min { group } => (group, false, true, 0),
+            _ => return None,
+        };
+        Some(GroupedCodes {
+            group,
+            int4,
+            with_min,
+            off,
+        })
+    }
+
+    /// f16 values per (N-tile, group): 16 scales, then 16 mins with a min.
+    pub(crate) fn scale_stride(self) -> usize {
+        if self.with_min {
+            32
+        } else {
+            16
+        }
+    }
+
+    /// Index in the f16 scales (`MatRef::s16`) of the first scale of N-tile `nt`, group `g`, when the
+    /// matrix has `groups` groups per row (output `j`'s scale is `j` further, its min `16 + j`).
+    pub(crate) fn scale_at(self, groups: usize, nt: usize, g: usize) -> usize {
+        (nt * groups + g) * self.scale_stride()
+    }
+}
+
 /// The names `WeightFormat` parses from.
 const EXPECTED: &str =
     "expected bf16, f16, fp8, int8, int4, int4g64, int4g128, int4m32, int8g32, int8g16 or int8m32";
@@ -279,26 +329,48 @@ impl MatRef<'_> {
                 fp8_e4m3_to_f32(tile[kk * 32 + j * 2 + q]) * s
             }
             WeightFormat::Int8 => (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * self.s[n],
-            WeightFormat::Int4 { group } => {
-                let b = tile[(kk / 2) * 64 + j * 4 + q];
-                let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
-                let groups = l.k_pad / group;
-                (u as i32 - 8) as f32 * self.int4_scale((nt * groups + k / group) * 16 + j)
+            WeightFormat::Int4 { .. }
+            | WeightFormat::Int4Min { .. }
+            | WeightFormat::Int8Group { .. }
+            | WeightFormat::Int8Min { .. } => {
+                let c = GroupedCodes::of(l.format).expect("a grouped int format");
+                self.grouped_weight(c, tile, (nt, j), (k, kk, q))
             }
-            WeightFormat::Int4Min { group } => {
-                let b = tile[(kk / 2) * 64 + j * 4 + q];
-                let u = if kk % 2 == 0 { b & 15 } else { b >> 4 };
-                let at = (nt * (l.k_pad / group) + k / group) * 32 + j;
-                u as f32 * self.int4_scale(at) + self.int4_scale(at + 16)
+        }
+    }
+
+    /// Code of output `j`, quad `kk` (4 inputs from `4·kk` of the K-tile or N-tile `tile` starts at),
+    /// input `q` of the quad: grouped int formats (4-bit codes two to a byte, low nibbles first).
+    #[inline(always)]
+    pub(crate) fn grouped_code(c: GroupedCodes, tile: &[u8], kk: usize, j: usize, q: usize) -> u8 {
+        if c.int4 {
+            let b = tile[(kk / 2) * 64 + j * 4 + q];
+            if kk % 2 == 0 {
+                b & 15
+            } else {
+                b >> 4
             }
-            WeightFormat::Int8Group { group } => {
-                let at = (nt * (l.k_pad / group) + k / group) * 16 + j;
-                (tile[kk * 64 + j * 4 + q] as i32 - 128) as f32 * self.int4_scale(at)
-            }
-            WeightFormat::Int8Min { group } => {
-                let at = (nt * (l.k_pad / group) + k / group) * 32 + j;
-                tile[kk * 64 + j * 4 + q] as f32 * self.int4_scale(at) + self.int4_scale(at + 16)
-            }
+        } else {
+            tile[kk * 64 + j * 4 + q]
+        }
+    }
+
+    /// The weight of grouped codes `c` at output `j` of N-tile `nt` and input `k` (quad `kk`, `q` in it,
+    /// counted from where `tile` starts): `(u − off)·d` or `u·d + m`.
+    #[inline(always)]
+    pub(crate) fn grouped_weight(
+        &self,
+        c: GroupedCodes,
+        tile: &[u8],
+        (nt, j): (usize, usize),
+        (k, kk, q): (usize, usize, usize),
+    ) -> f32 {
+        let u = Self::grouped_code(c, tile, kk, j, q);
+        let at = c.scale_at(self.l.k_pad / c.group, nt, k / c.group) + j;
+        if c.with_min {
+            u as f32 * self.int4_scale(at) + self.int4_scale(at + 16)
+        } else {
+            (u as i32 - c.off) as f32 * self.int4_scale(at)
         }
     }
 }
