@@ -1,8 +1,10 @@
 //! CPU kernels: the grouped-expert FFN of MoE layers ([`moe`]) and what it stands on — feature
 //! detection and tiers ([`features`]), the persistent pinned worker pool ([`pool`]), topology via hwloc
-//! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]), the f32 dot the
-//! engine's small reductions use ([`vector`]) and the benchmark ([`bench`](mod@bench)).
+//! ([`topology`]), hugepage-backed memory ([`memory`]), CLI options ([`options`]), the dense
+//! projections ([`dense`]), the flash-attention tile step over the paged KV cache ([`attention`]), the
+//! f32 dot the engine's small reductions use ([`vector`]) and the benchmark ([`bench`](mod@bench)).
 
+pub mod attention;
 pub mod bench;
 pub mod bench_dense;
 pub mod dense;
@@ -23,7 +25,4 @@ pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};
 pub use options::{CpuMoeOptions, NumaMode, OptionsError};
 pub use pool::WorkerPool;
-pub use vector::{
-    bf16_to_f32, dot_f32, dot_rows, exp_sub_sum, f16_to_f32, rms_norm_rows, weighted_rows,
-    widen_rows,
-};
+pub use vector::{bf16_to_f32, dot_f32, f16_to_f32, rms_norm_rows};

@@ -1,11 +1,10 @@
-//! f32 dot products for the engine's small reductions (attention scores and value sums, router logits,
+//! f32 dot products for the engine's small reductions (MLA attention scores, router logits,
 //! reference linear rows) and the f16 widening of KV rows, on the best tier of this CPU, detected
 //! once. The daemon is built for the baseline x86-64 target, so its own loops get 4-wide SSE; these
 //! run 16 lanes (AVX-512) or 8 (AVX2 + FMA).
 //! Results differ from a sequential sum only in rounding order (the tests bound it against f64).
 
 use super::features::{detected_tier, CpuTier};
-use super::moe::act::exp_fast;
 
 /// `Σ a[i]·b[i]` over `a.len()` elements; `b` must be at least as long.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -23,102 +22,6 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     dot_scalar(a, b)
-}
-
-fn axpy_scalar(w: f32, x: &[f32], y: &mut [f32]) {
-    for (o, v) in y.iter_mut().zip(x) {
-        *o += w * v;
-    }
-}
-
-/// Attention scores of a tile: `out[j·n + i] = q_j · k_i` for the `q.len() / hd` query rows and the
-/// `n = k.len() / hd` key rows (one call per tile instead of one per score).
-pub fn dot_rows(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
-    assert!(out.len() >= (q.len() / hd) * (k.len() / hd));
-    #[cfg(target_arch = "x86_64")]
-    {
-        let tier = detected_tier();
-        if tier >= CpuTier::Avx512 {
-            // SAFETY: the tier was detected on this CPU; every row is `hd` long (checked above).
-            return unsafe { dot_rows_avx512(q, k, hd, out) };
-        }
-        if tier >= CpuTier::Avx2 {
-            // SAFETY: as above.
-            return unsafe { dot_rows_avx2(q, k, hd, out) };
-        }
-    }
-    dot_rows_body(q, k, hd, out, dot_scalar)
-}
-
-/// The loop of [`dot_rows`] over one dot product of `hd` values, inlined into each tier's build.
-#[inline(always)]
-fn dot_rows_body(
-    q: &[f32],
-    k: &[f32],
-    hd: usize,
-    out: &mut [f32],
-    dot: impl Fn(&[f32], &[f32]) -> f32,
-) {
-    let n = k.len() / hd;
-    for (j, qj) in q.chunks_exact(hd).enumerate() {
-        for (i, ki) in k.chunks_exact(hd).enumerate() {
-            out[j * n + i] = dot(qj, ki);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_rows_avx512(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
-    // SAFETY: (caller) AVX-512F present; chunks are equally long.
-    dot_rows_body(q, k, hd, out, |a, b| unsafe { dot_avx512(a, b) })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_rows_avx2(q: &[f32], k: &[f32], hd: usize, out: &mut [f32]) {
-    // SAFETY: (caller) AVX2 and FMA present; chunks are equally long.
-    dot_rows_body(q, k, hd, out, |a, b| unsafe { dot_avx2(a, b) })
-}
-
-/// A tile's weighted sum of value rows: `acc_j += Σ_i w[j·n + i] · v_i` for the `acc.len() / hd`
-/// accumulators and the `n = v.len() / hd` value rows; each accumulator stays in registers over the
-/// tile (one load and store per tile, not per row).
-pub fn weighted_rows(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
-    assert!(w.len() >= (acc.len() / hd) * (v.len() / hd));
-    #[cfg(target_arch = "x86_64")]
-    if detected_tier() >= CpuTier::Avx512 {
-        // SAFETY: the tier was detected on this CPU; lengths checked above.
-        return unsafe { weighted_rows_avx512(w, v, hd, acc) };
-    }
-    // Portable: the compiler vectorizes the row update.
-    let n = v.len() / hd;
-    for (j, a) in acc.chunks_exact_mut(hd).enumerate() {
-        for (i, vi) in v.chunks_exact(hd).enumerate() {
-            axpy_scalar(w[j * n + i], vi, a);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn weighted_rows_avx512(w: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let (g, n) = (acc.len() / hd, v.len() / hd);
-    let (pv, pa) = (v.as_ptr(), acc.as_mut_ptr());
-    for j in 0..g {
-        for_lanes16(hd, |c, m| {
-            // SAFETY: elements c .. c + 16 (masked to hd) of accumulator j and of each value row.
-            unsafe {
-                let mut a = _mm512_maskz_loadu_ps(m, pa.add(j * hd + c));
-                for i in 0..n {
-                    let x = _mm512_maskz_loadu_ps(m, pv.add(i * hd + c));
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(w[j * n + i]), x, a);
-                }
-                _mm512_mask_storeu_ps(pa.add(j * hd + c), m, a);
-            }
-        });
-    }
 }
 
 /// Calls `f(i, mask)` for `i = 0, 16, 32, … < n` with the mask of the lanes `i .. min(i + 16, n)`:
@@ -139,42 +42,6 @@ fn for_lanes16(n: usize, mut f: impl FnMut(usize, u16)) {
         );
         i += 16;
     }
-}
-
-/// `x[i] = e^(x[i] − m)` in place, returning `Σ x[i]`: the softmax weights of an attention tile against
-/// its running max. `exp_fast` (~2e-7 relative) in 16 lanes; libm's scalar `exp` per score cost as much
-/// as the rest of a small model's attention.
-pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if detected_tier() >= CpuTier::Avx512 {
-        // SAFETY: the tier was detected on this CPU.
-        return unsafe { exp_sub_sum_avx512(x, m) };
-    }
-    exp_sub_sum_body(x, m)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn exp_sub_sum_avx512(x: &mut [f32], m: f32) -> f32 {
-    exp_sub_sum_body(x, m)
-}
-
-#[inline(always)]
-fn exp_sub_sum_body(x: &mut [f32], m: f32) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut chunks = x.chunks_exact_mut(16);
-    for c in &mut chunks {
-        for (v, a) in c.iter_mut().zip(acc.iter_mut()) {
-            *v = exp_fast(*v - m);
-            *a += *v;
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for v in chunks.into_remainder() {
-        *v = exp_fast(*v - m);
-        sum += *v;
-    }
-    sum
 }
 
 /// In place RMSNorm of each `weight.len()`-wide row of `x`: `x · w / sqrt(mean(x²) + eps)`, 16 lanes
@@ -240,49 +107,6 @@ unsafe fn f16_to_f32_avx512(src: &[u16], dst: &mut [f32]) {
         let h = _mm256_maskz_loadu_epi16(m, ps.add(i).cast());
         _mm512_mask_storeu_ps(pd.add(i), m, _mm512_cvtph_ps(h));
     });
-}
-
-/// Rows of IEEE f16 (`bf16` false) or bf16 bits at a stride, widened to f32 (exact): row `i` of `dst`
-/// (`width` values each) from `src[i · stride ..]`. One call per KV tile: attention widened each
-/// cached row through its own call, ~25 ns of dispatch for 64 values.
-pub fn widen_rows(src: &[u16], stride: usize, bf16: bool, dst: &mut [f32], width: usize) {
-    let n = dst.len() / width;
-    if n == 0 {
-        return;
-    }
-    assert!(width <= stride && src.len() >= (n - 1) * stride + width);
-    #[cfg(target_arch = "x86_64")]
-    if detected_tier() >= CpuTier::Avx512 {
-        // SAFETY: the tier was detected on this CPU; every row is in bounds (checked above).
-        return unsafe { widen_rows_avx512(src, stride, bf16, dst, width) };
-    }
-    for (i, d) in dst.chunks_exact_mut(width).enumerate() {
-        let row = &src[i * stride..i * stride + width];
-        if bf16 {
-            bf16_to_f32(row, d)
-        } else {
-            f16_to_f32(row, d)
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn widen_rows_avx512(src: &[u16], stride: usize, bf16: bool, dst: &mut [f32], width: usize) {
-    use std::arch::x86_64::*;
-    for (i, d) in dst.chunks_exact_mut(width).enumerate() {
-        let (ps, pd) = (src[i * stride..].as_ptr(), d.as_mut_ptr());
-        // SAFETY: elements j .. j + 16 (masked to `width`) of this row of `src` and of `d`.
-        for_lanes16(width, |j, m| unsafe {
-            let h = _mm256_maskz_loadu_epi16(m, ps.add(j).cast());
-            let x = if bf16 {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-            } else {
-                _mm512_cvtph_ps(h)
-            };
-            _mm512_mask_storeu_ps(pd.add(j), m, x);
-        });
-    }
 }
 
 /// bf16 bits → f32 (exact: the bits shifted into the high half).
@@ -391,79 +215,6 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// The tile kernels against their definitions, for head sizes on and off the vector width.
-    #[test]
-    fn tile_kernels_match_their_definitions() {
-        for hd in [16usize, 40, 128] {
-            let (g, n) = (3, 5);
-            let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0) - 1.0;
-            let q: Vec<f32> = (0..g * hd).map(f).collect();
-            let k: Vec<f32> = (0..n * hd).map(|i| f(i + 13)).collect();
-            let mut s = vec![0f32; g * n];
-            dot_rows(&q, &k, hd, &mut s);
-            // every tier's build of the score loop gives the same scores as the dispatched one
-            let mut tiers = vec![vec![0f32; g * n]];
-            dot_rows_body(&q, &k, hd, &mut tiers[0], dot_scalar);
-            #[cfg(target_arch = "x86_64")]
-            if detected_tier() >= CpuTier::Avx2 {
-                tiers.push(vec![0f32; g * n]);
-                unsafe { dot_rows_avx2(&q, &k, hd, tiers.last_mut().unwrap()) };
-            }
-            for t in &tiers {
-                for (a, b) in t.iter().zip(&s) {
-                    assert!((a - b).abs() < 1e-5, "hd {hd}: {a} vs {b}");
-                }
-            }
-            let mut acc: Vec<f32> = (0..g * hd).map(|i| f(i + 99)).collect();
-            let mut want_acc = acc.clone();
-            weighted_rows(&s, &k, hd, &mut acc);
-            for j in 0..g {
-                for i in 0..n {
-                    let want: f64 = (0..hd)
-                        .map(|d| q[j * hd + d] as f64 * k[i * hd + d] as f64)
-                        .sum();
-                    assert!((s[j * n + i] as f64 - want).abs() < 1e-4, "hd {hd}");
-                    for d in 0..hd {
-                        want_acc[j * hd + d] += s[j * n + i] * k[i * hd + d];
-                    }
-                }
-            }
-            for (a, b) in acc.iter().zip(&want_acc) {
-                assert!(
-                    (a - b).abs() < 1e-4 * (1.0 + b.abs()),
-                    "hd {hd}: {a} vs {b}"
-                );
-            }
-        }
-    }
-
-    /// Softmax weights of a tile: each within exp_fast's error of libm's, the sum within f32 rounding of
-    /// theirs, at lengths around the vector width; −inf scores (masked positions) give 0.
-    #[test]
-    fn exp_sub_sum_matches_libm() {
-        for n in [0usize, 1, 15, 16, 17, 48, 100] {
-            let mut x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 9.0).collect();
-            if n > 3 {
-                x[3] = f32::NEG_INFINITY;
-            }
-            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let want: Vec<f64> = x.iter().map(|&v| ((v - m) as f64).exp()).collect();
-            let sum = exp_sub_sum(&mut x, m);
-            for (g, w) in x.iter().zip(&want) {
-                assert!(
-                    (*g as f64 - w).abs() <= 1e-6 * w + 1e-30,
-                    "n {n}: {g} vs {w}"
-                );
-            }
-            let ws: f64 = want.iter().sum();
-            assert!(
-                (sum as f64 - ws).abs() <= 1e-6 * ws + 1e-30,
-                "n {n}: {sum} vs {ws}"
-            );
-        }
-    }
-
-    /// Every f16 class (normal, subnormal, zero, infinity) converts exactly, at every length.
     /// Against the f64 definition, 1e-6 relative per value (rounding order of the sum only); rows
     /// whose width is not a multiple of 16.
     #[test]
@@ -490,28 +241,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn strided_rows_widen_exactly() {
-        let src: Vec<u16> = (0..300u32).map(|i| (i * 977 % 30000) as u16).collect();
-        for (stride, width, n) in [(40usize, 33usize, 7usize), (64, 64, 4), (20, 16, 1)] {
-            for bf16 in [false, true] {
-                let mut got = vec![0f32; n * width];
-                widen_rows(&src, stride, bf16, &mut got, width);
-                for i in 0..n {
-                    for j in 0..width {
-                        let h = src[i * stride + j];
-                        let want = if bf16 {
-                            f32::from_bits((h as u32) << 16)
-                        } else {
-                            half::f16::from_bits(h).to_f32()
-                        };
-                        assert_eq!(got[i * width + j].to_bits(), want.to_bits());
-                    }
-                }
-            }
-        }
-    }
-
+    /// Every f16 class (normal, subnormal, zero, infinity) converts exactly, at every length.
     #[test]
     fn f16_rows_widen_exactly() {
         for n in [0usize, 1, 15, 16, 17, 128, 131] {

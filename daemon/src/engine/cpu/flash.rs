@@ -1,14 +1,15 @@
 //! The score/softmax/value core of GQA attention on the CPU, flash style: one pass over the attended
 //! positions in tiles of one KV block, an online softmax (running max and sum per query head, the
 //! accumulator rescaled when the max grows), no score rows. Each work item is one (token, KV head,
-//! range of positions): the tile's K and V rows are widened from the cache's element type to f32
-//! once and used by every query head of the group (Qwen3-30B-A3B: 8 heads per KV head), so a step
-//! reads each cached row once per layer. Long contexts are split over several items per (token, KV
+//! range of positions): the tile's K and V rows are read where the cache keeps them and widened in
+//! registers once for every query head of the group (Qwen3-30B-A3B: 8 heads per KV head; the
+//! kernels' `attend_tile`), so a step reads each cached row once per layer and copies none. Long contexts are split over several items per (token, KV
 //! head) so a single decode token still spreads over every worker; the partial (max, sum,
 //! accumulator) triples are merged afterwards (flash-decoding).
 use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
 use half::slice::HalfFloatSliceExt;
-use moe_kernels::cpu::{dot_rows, exp_sub_sum, weighted_rows, widen_rows, WorkerPool};
+use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, Tile};
+use moe_kernels::cpu::WorkerPool;
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
@@ -45,8 +46,8 @@ struct Item {
 }
 
 thread_local! {
-    /// Per worker: the tile's K rows, V rows (`BLOCK × head_dim` each) and the group's weights.
-    static TILE: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// Per worker: the scaled query rows of the group an item attends for.
+    static QUERY: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Attention output `[tokens, heads × head_dim]` for `tokens`, reading K (`a`) and V (`b`) rows of
@@ -137,7 +138,8 @@ fn attend_split(
 }
 
 /// One item: the online softmax of the group's heads over `range`, written as `(max, sum, acc)` per
-/// head into `out` (`group × (head_dim + 2)`).
+/// head into `out` (`group × (head_dim + 2)`), one KV block's consecutive slots at a time, read in
+/// place from the cache (`attend_tile`).
 fn attend_range(
     shape: GqaShape,
     tq: &TokenQuery<'_>,
@@ -155,66 +157,53 @@ fn attend_range(
         o[1] = 0.0;
         o[2..].fill(0.0);
     }
-    TILE.with(|tile| {
-        let mut tile = tile.borrow_mut();
-        let (kt, vt, wt) = &mut *tile;
-        kt.resize(BLOCK * hd, 0.0);
-        vt.resize(BLOCK * hd, 0.0);
-        wt.resize(BLOCK * group, 0.0);
-        let mut p0 = lo;
-        while p0 <= hi {
-            // The tile: positions p0 ..= p1, all in one block (consecutive slots).
-            let p1 = hi.min((p0 / BLOCK + 1) * BLOCK - 1);
-            let n = p1 + 1 - p0;
+    QUERY.with(|qs| {
+        let mut qs = qs.borrow_mut();
+        // The group's query rows times the softmax scale (the kernel takes scaled queries).
+        qs.clear();
+        qs.extend(
+            tq.q[g * group * hd..(g + 1) * group * hd]
+                .iter()
+                .map(|x| x * shape.scale),
+        );
+        let (k, v) = (kv_rows(&rows.a), kv_rows(&rows.b));
+        debug_assert_eq!(
+            rows.a_width, rows.b_width,
+            "GQA keeps K and V rows equally wide"
+        );
+        // The tile from position p0: up to the end of its block (consecutive slots) or of the range.
+        let tile_at = |p0: usize| {
             let s0 = slot(tq.table, p0);
-            read_tile(&rows.a, rows.a_width, s0, g * hd, &mut kt[..n * hd], hd);
-            // Scores of the group's heads against the tile, `[group][n]`.
-            let q = &tq.q[g * group * hd..(g + 1) * group * hd];
-            dot_rows(q, &kt[..n * hd], hd, &mut wt[..group * n]);
-            for j in 0..group {
-                let w = &mut wt[j * n..(j + 1) * n];
-                let mut tile_max = f32::NEG_INFINITY;
-                for s in w.iter_mut() {
-                    *s *= shape.scale;
-                    tile_max = tile_max.max(*s);
-                }
-                let o = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
-                let m = o[0].max(tile_max);
-                let c = (o[0] - m).exp(); // 0 for the first tile (max was -inf)
-                let sum = exp_sub_sum(w, m);
-                o[0] = m;
-                o[1] = o[1] * c + sum;
-                if c != 1.0 {
-                    o[2..].iter_mut().for_each(|x| *x *= c);
-                }
+            Tile {
+                k: k.from(s0 * rows.a_width + g * hd),
+                v: v.from(s0 * rows.b_width + g * hd),
+                n: hi.min((p0 / BLOCK + 1) * BLOCK - 1) + 1 - p0,
+                stride: rows.a_width,
             }
-            read_tile(&rows.b, rows.b_width, s0, g * hd, &mut vt[..n * hd], hd);
-            for j in 0..group {
-                let acc = &mut out[j * (hd + 2) + 2..(j + 1) * (hd + 2)];
-                weighted_rows(&wt[j * n..(j + 1) * n], &vt[..n * hd], hd, acc);
+        };
+        let mut p0 = lo;
+        let mut tile = tile_at(p0);
+        loop {
+            let next = p0 + tile.n;
+            let following = (next <= hi).then(|| tile_at(next));
+            if let Some(t) = following {
+                prefetch_tile(hd, t);
             }
-            p0 = p1 + 1;
+            attend_tile(&qs, hd, tile, out);
+            match following {
+                Some(t) => (p0, tile) = (next, t),
+                None => break,
+            }
         }
     });
 }
 
-/// Values `off .. off + hd` of the consecutive slots `s0 ..` (`dst.len() / hd` of them, rows `width`
-/// apart in `buf`), widened to f32 into `dst` in one call.
-fn read_tile(buf: &RowBuf, width: usize, s0: usize, off: usize, dst: &mut [f32], hd: usize) {
-    let n = dst.len() / hd;
-    if n == 0 {
-        return;
-    }
-    let src = s0 * width + off..s0 * width + off + (n - 1) * width + hd;
+/// A layer's K or V storage as the attention kernel reads it.
+fn kv_rows(buf: &RowBuf) -> KvRows<'_> {
     match buf {
-        RowBuf::F32(v) => {
-            let v = &v[src];
-            for (i, d) in dst.chunks_exact_mut(hd).enumerate() {
-                d.copy_from_slice(&v[i * width..i * width + hd]);
-            }
-        }
-        RowBuf::F16(v) => widen_rows(v[src].reinterpret_cast(), width, false, dst, hd),
-        RowBuf::Bf16(v) => widen_rows(v[src].reinterpret_cast(), width, true, dst, hd),
+        RowBuf::F32(v) => KvRows::F32(v),
+        RowBuf::F16(v) => KvRows::F16(v.reinterpret_cast()),
+        RowBuf::Bf16(v) => KvRows::Bf16(v.reinterpret_cast()),
     }
 }
 
