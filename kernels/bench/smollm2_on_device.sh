@@ -5,13 +5,14 @@
 # on all cores, before anything is measured. The GGUF is generated here (`make_gguf_llama.py`, random
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
 #   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams, A/B runs (AMX-INT8 from
-#                                     4 rows: MOE_CPU_DENSE_AMX_INT_MIN_ROWS; prefill 64 on AMX-INT8 instead of
+#                                     4 rows: MOE_CPU_DENSE_AMX_INT_MIN_ROWS; bf16-widened AMX from 8 rows:
+#                                     MOE_CPU_DENSE_AMX_MIN_ROWS; prefill 64 on AMX-INT8 instead of
 #                                     bf16-widened AMX; int8 pairs with residuals in outlier groups only, or
 #                                     one int8 row, for every format: MOE_CPU_DENSE_INPUT=int8pair|int8),
 #                                     llama.cpp pp64/tg64
 #   bash smollm2_on_device.sh dense   the dense kernels alone on this model's shapes (cpu_dense_bench, Q4_1
-#                                     projections and the Q8_0 lm_head, 1 / 8 / 64 rows, VNNI or AMX-INT8
-#                                     for 8 rows), 2 threads pinned
+#                                     projections and the Q8_0 lm_head, 1 / 4 / 8 / 16 / 64 rows; calls of 4–15
+#                                     rows on VNNI, AMX-INT8 or bf16-widened AMX), 2 threads pinned
 #   bash smollm2_on_device.sh tests   the kernels' unit tests on this CPU (AMX paths included)
 # Staged in $D (relative to the working directory): moe-daemon, moe_kernels_tests, cpu_dense_bench, peers/ (the peer kit with
 # kit/; else .device/peers); make_gguf_llama.py beside this script, with scripts/gguf_random.py of the tree it
@@ -44,6 +45,7 @@ for PART in "$@"; do
     run "1 stream, run 2" --prompt-len 64 --steps 64 --prefill-lens 64
     run "8 streams" --batch 8 --prompt-len 64 --steps 32
     MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "8 streams, AMX-INT8 from 4 rows" --batch 8 --prompt-len 64 --steps 32
+    MOE_CPU_DENSE_AMX_MIN_ROWS=8 run "8 streams, bf16-widened AMX from 8 rows" --batch 8 --prompt-len 64 --steps 32
     MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "1 stream + prefill 64, AMX-INT8 from 4 rows" --prompt-len 64 --steps 64 --prefill-lens 64
     MOE_CPU_DENSE_AMX_MIN_ROWS=100000 MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 \
       run "prefill 64 on AMX-INT8 (no bf16 widening)" --prompt-len 64 --steps 8 --prefill-lens 64
@@ -58,12 +60,14 @@ for PART in "$@"; do
     echo "### dense kernels alone, SmolLM2-135M shapes, 2 threads pinned"
     [ -x $D/cpu_dense_bench ] || { echo "no $D/cpu_dense_bench staged: skipped"; continue; }
     SHAPES=qkv=576x576+192x576+192x576,o=576x576,gate_up=1536x576+1536x576,down=576x1536
-    for amx_int in 0 4; do
-      echo "MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int" | tee -a "$OUT/dense.md"
-      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int timeout 60 $PIN $D/cpu_dense_bench --threads 2 --ggml q4_1 \
-        --shapes $SHAPES --tokens 1,8,64 --input int8pair,int8,bf16 --iters 50 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
-      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$amx_int timeout 60 $PIN $D/cpu_dense_bench --threads 2 --ggml q8_0 \
-        --shapes lm_head=49152x576 --tokens 1,8 --input int8 --iters 20 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
+    # where each kernel pays: VNNI below 16 rows (default), AMX-INT8 from 4 rows, bf16-widened AMX from 4
+    for ab in "0 16" "4 16" "0 4"; do
+      read -r ai am <<< "$ab"
+      echo "MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$ai MOE_CPU_DENSE_AMX_MIN_ROWS=$am" | tee -a "$OUT/dense.md"
+      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$ai MOE_CPU_DENSE_AMX_MIN_ROWS=$am timeout 60 $PIN $D/cpu_dense_bench --threads 2 \
+        --ggml q4_1 --shapes $SHAPES --tokens 1,4,8,16,64 --input int8pair,int8 --iters 50 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
+      MOE_CPU_DENSE_AMX_INT_MIN_ROWS=$ai MOE_CPU_DENSE_AMX_MIN_ROWS=$am timeout 60 $PIN $D/cpu_dense_bench --threads 2 \
+        --ggml q8_0 --shapes lm_head=49152x576 --tokens 1,8,16 --input int8pairall,int8 --iters 20 --probe-mib 256 2>&1 | tee -a "$OUT/dense.md"
     done
     ;;
   tests)
