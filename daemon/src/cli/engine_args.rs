@@ -5,7 +5,7 @@ use crate::engine::replacement::LiveOptions;
 use crate::engine::{Device, EngineOptions};
 use clap::{Args, ValueEnum};
 use moe_kernels::cpu::moe::WeightFormat;
-use moe_kernels::cpu::{CpuMoeOptions, CpuTier, HugepageMode, NumaMode};
+use moe_kernels::cpu::{CpuMoeOptions, CpuTier, GroupedInput, HugepageMode, NumaMode};
 use moe_sizing::{DenseChoice, DenseDtype, EmbeddingChoice, KvRequest};
 use std::path::PathBuf;
 
@@ -103,6 +103,13 @@ pub struct EngineArgs {
     /// Cap the CPU kernel tier (scalar, avx2, avx512, amx); default: the best this CPU has.
     #[arg(long)]
     pub cpu_tier: Option<CpuTier>,
+    /// Activations of the CPU dense projections over GGUF-quantized weights in decode-sized calls:
+    /// int8 (one int8 row per token per block, as llama.cpp's q8_0 / q8_1 activations: the fastest
+    /// decode, but near-tie greedy tokens of small models can flip), int8pair or int8pairall (a second
+    /// int8 row for the residual in outlier groups / in every group), bf16 (weights widened).
+    /// Default: int8pair for 4-bit codes, int8pairall for 8-bit codes (accurate).
+    #[arg(long)]
+    pub cpu_dense_input: Option<GroupedInput>,
     /// Activations of the CPU expert kernels. Default: f32 for `generate`, bf16 for `serve`/`bench`.
     #[arg(long, value_enum)]
     pub expert_activations: Option<ExpertActivations>,
@@ -293,6 +300,7 @@ impl EngineArgs {
             numa: self.numa,
             hugepages: self.hugepages,
             max_tier: self.cpu_tier,
+            dense_input: self.cpu_dense_input,
             ..Default::default()
         };
         let placement_rules = match self.n_cpu_moe {

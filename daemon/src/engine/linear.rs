@@ -10,7 +10,7 @@ use crate::weights::{fp8, HostData, HostTensor};
 use half::bf16;
 use moe_kernels::cpu::moe::{format_for_ggml, SourceTensor, WeightFormat};
 use moe_kernels::cpu::{
-    forward_group, CpuTier, DenseCall, DenseError, DenseMatrix, GgmlBlock, WorkerPool,
+    forward_group, CpuMoeOptions, DenseCall, DenseError, DenseMatrix, GgmlBlock, WorkerPool,
 };
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -156,17 +156,21 @@ impl Linear {
     }
 
     /// Repacks the weight for the CPU kernels (dropping the checkpoint copy) when a format keeps its
-    /// values ([`kernel_format`](Self::kernel_format)); returns whether it did.
+    /// values ([`kernel_format`](Self::kernel_format)); returns whether it did. `opts`: the tier cap
+    /// and what few-row calls feed grouped int weights (`None`: the format's accurate default).
     pub fn pack(
         &mut self,
         pool: &Arc<WorkerPool>,
-        max_tier: Option<CpuTier>,
+        opts: &CpuMoeOptions,
     ) -> Result<bool, DenseError> {
         let Some(format) = self.kernel_format() else {
             return Ok(false);
         };
         let src = self.source().expect("not packed yet");
-        let mat = DenseMatrix::new(format, self.out_dim, self.in_dim, &src, max_tier)?;
+        let mut mat = DenseMatrix::new(format, self.out_dim, self.in_dim, &src, opts.max_tier)?;
+        if let Some(input) = opts.dense_input {
+            mat.set_grouped_input(input);
+        }
         self.w = WeightData::Packed(Box::new(PackedWeight {
             mat,
             pool: Arc::clone(pool),

@@ -392,8 +392,7 @@ impl Engine {
             let layer_formats = rules.as_ref().map_or(Vec::new(), |r| r.layer_dtype.clone());
             cpu::experts::pack_model(&mut model, &p, &cpu_moe, opts.expert_format, &layer_formats)?;
             if on_cpu {
-                let s =
-                    pool.install(|| cpu::dense_pack::pack_dense(&mut model, &p, cpu_moe.max_tier))?;
+                let s = pool.install(|| cpu::dense_pack::pack_dense(&mut model, &p, &cpu_moe))?;
                 tracing::info!(
                     packed = s.packed,
                     reference = s.reference,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::dense::GroupedInput;
 use super::features::CpuTier;
 use super::memory::HugepageMode;
 use super::pool::{WorkerPool, MAX_GROUPS};
@@ -55,6 +56,9 @@ pub struct CpuMoeOptions {
     pub spin: Duration,
     /// Pin worker threads to CPUs.
     pub pin: bool,
+    /// What few-row calls of the dense projections feed grouped int weights; `None`: the accurate
+    /// default of each format (`GroupedInput::default_for`).
+    pub dense_input: Option<GroupedInput>,
 }
 
 impl Default for CpuMoeOptions {
@@ -66,6 +70,7 @@ impl Default for CpuMoeOptions {
             max_tier: None,
             spin: Duration::from_millis(5),
             pin: true,
+            dense_input: None,
         }
     }
 }

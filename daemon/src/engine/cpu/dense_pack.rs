@@ -5,7 +5,7 @@
 use crate::engine::linear::Linear;
 use crate::model::{Attention, Ffn, MlaQuery, Mlp, Model};
 use anyhow::Context;
-use moe_kernels::cpu::{CpuTier, WorkerPool};
+use moe_kernels::cpu::{CpuMoeOptions, WorkerPool};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -26,15 +26,16 @@ impl std::ops::AddAssign for PackSummary {
     }
 }
 
-/// Packs every dense projection of `model` onto `pool` (layers in parallel).
+/// Packs every dense projection of `model` onto `pool` (layers in parallel), with the tier cap and
+/// the dense input of `opts`.
 pub fn pack_dense(
     model: &mut Model,
     pool: &Arc<WorkerPool>,
-    max_tier: Option<CpuTier>,
+    opts: &CpuMoeOptions,
 ) -> anyhow::Result<PackSummary> {
     let pack = |name: String, l: &mut Linear| -> anyhow::Result<PackSummary> {
         let packed = l
-            .pack(pool, max_tier)
+            .pack(pool, opts)
             .with_context(|| format!("packing {name} for the CPU kernels"))?;
         Ok(match &l.w {
             crate::engine::linear::WeightData::Packed(p) if packed => PackSummary {
