@@ -4,9 +4,9 @@
 # same call. Every timed run is pinned to CPUs 0,1 (`taskset -c 0,1`, 2 threads); llama.cpp is built first
 # on all cores, before anything is measured. The GGUF is generated here (`make_gguf_llama.py`, random
 # values, same tensor names, shapes and block types as the real file: the real one is too big to carry).
-#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams, A/B runs (AMX-INT8 from
-#                                     4 rows: MOE_CPU_DENSE_AMX_INT_MIN_ROWS; bf16-widened AMX from 8 rows:
-#                                     MOE_CPU_DENSE_AMX_MIN_ROWS; prefill 64 on AMX-INT8 instead of
+#   bash smollm2_on_device.sh main    ours decode 64 / prefill 64 (twice), 8 streams (AMX-INT8 from 8 rows,
+#                                     the default), A/B runs (VNNI below 16 rows, or AMX-INT8 from 4 rows:
+#                                     MOE_CPU_DENSE_AMX_INT_MIN_ROWS=0|4; prefill 64 on AMX-INT8 instead of
 #                                     bf16-widened AMX; int8 pairs with residuals in outlier groups only, or
 #                                     one int8 row, for every format: MOE_CPU_DENSE_INPUT=int8pair|int8),
 #                                     llama.cpp pp64/tg64
@@ -44,9 +44,8 @@ for PART in "$@"; do
     run "1 stream, run 1" --prompt-len 64 --steps 64 --prefill-lens 64
     run "1 stream, run 2" --prompt-len 64 --steps 64 --prefill-lens 64
     run "8 streams" --batch 8 --prompt-len 64 --steps 32
+    MOE_CPU_DENSE_AMX_INT_MIN_ROWS=0 run "8 streams, VNNI below 16 rows (AMX-INT8 off)" --batch 8 --prompt-len 64 --steps 32
     MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "8 streams, AMX-INT8 from 4 rows" --batch 8 --prompt-len 64 --steps 32
-    MOE_CPU_DENSE_AMX_MIN_ROWS=8 run "8 streams, bf16-widened AMX from 8 rows" --batch 8 --prompt-len 64 --steps 32
-    MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 run "1 stream + prefill 64, AMX-INT8 from 4 rows" --prompt-len 64 --steps 64 --prefill-lens 64
     MOE_CPU_DENSE_AMX_MIN_ROWS=100000 MOE_CPU_DENSE_AMX_INT_MIN_ROWS=4 \
       run "prefill 64 on AMX-INT8 (no bf16 widening)" --prompt-len 64 --steps 8 --prefill-lens 64
     for input in int8pair int8; do  # the defaults: int8pair for 4-bit codes, int8pairall for 8-bit codes

@@ -80,7 +80,7 @@ pub fn attend_tile(q: &[f32], head_dim: usize, tile: Tile<'_>, state: &mut [f32]
         "tile rows out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
-    if detected_tier() >= CpuTier::Avx512 && head_dim % 16 == 0 && group <= MAX_GROUP {
+    if detected_tier() >= CpuTier::Avx512 && head_dim.is_multiple_of(16) && group <= MAX_GROUP {
         // SAFETY: the tier was detected on this CPU; shapes and bounds checked above.
         unsafe {
             match (k, v) {

@@ -345,7 +345,7 @@ impl MatRef<'_> {
     pub(crate) fn grouped_code(c: GroupedCodes, tile: &[u8], kk: usize, j: usize, q: usize) -> u8 {
         if c.int4 {
             let b = tile[(kk / 2) * 64 + j * 4 + q];
-            if kk % 2 == 0 {
+            if kk.is_multiple_of(2) {
                 b & 15
             } else {
                 b >> 4
