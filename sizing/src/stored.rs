@@ -9,7 +9,8 @@
 //! | Q4_1, Q4_K | int4 groups of 32, f16 scale and minimum | E4M3 from the values | 0.625 (int4) |
 //! | Q8_0 | int8 groups of 32, f32 scale | the same | 1.125 |
 //! | Q6_K | int8 groups of 16, f32 scale | the same | 1.25 |
-//! | Q5_K | quantized to int8 groups of 32 | the same | 1.125 |
+//! | Q5_0 | int8 groups of 32 (its codes q − 16), f32 scale | the same | 1.125 |
+//! | Q5_K, Q5_1 | quantized to int8 groups of 32 | the same | 1.125 |
 //! | values (F32 / F16 / BF16, FP8 blocks) | int4 at [`DenseDtype::group_for`] | E4M3 likewise | 0.516 / 1.031 at groups of 128 |
 //!
 //! Against the dtype's own layout (groups of 128): Q4_0 dense weights take 9 % more, Q4_1 / Q4_K 21 %
@@ -26,6 +27,8 @@ pub enum StoredFormat {
     Q4_0,
     Q4_1,
     Q4K,
+    Q5_0,
+    Q5_1,
     Q5K,
     Q6K,
     Q8_0,
@@ -39,6 +42,8 @@ impl StoredFormat {
             StoredFormat::Q4_0 => "Q4_0",
             StoredFormat::Q4_1 => "Q4_1",
             StoredFormat::Q4K => "Q4_K",
+            StoredFormat::Q5_0 => "Q5_0",
+            StoredFormat::Q5_1 => "Q5_1",
             StoredFormat::Q5K => "Q5_K",
             StoredFormat::Q6K => "Q6_K",
             StoredFormat::Q8_0 => "Q8_0",
@@ -49,7 +54,11 @@ impl StoredFormat {
     fn block_elems(self) -> u64 {
         match self {
             StoredFormat::Values => 1,
-            StoredFormat::Q4_0 | StoredFormat::Q4_1 | StoredFormat::Q8_0 => 32,
+            StoredFormat::Q4_0
+            | StoredFormat::Q4_1
+            | StoredFormat::Q5_0
+            | StoredFormat::Q5_1
+            | StoredFormat::Q8_0 => 32,
             StoredFormat::Q4K | StoredFormat::Q5K | StoredFormat::Q6K => 256,
         }
     }
@@ -80,10 +89,17 @@ impl GpuLayout {
         let int8 = |group: u64| GpuLayout::W8 { group, int8: true };
         match (dtype, stored) {
             (DenseDtype::Bf16, _) => return GpuLayout::Bf16,
-            (_, StoredFormat::Q8_0) if whole_blocks => return int8(32),
+            (_, StoredFormat::Q8_0 | StoredFormat::Q5_0) if whole_blocks => return int8(32),
             (_, StoredFormat::Q6K) if whole_blocks => return int8(16),
-            // Q5_K has no int8 code form: quantized to int8 at 32 (16) per scale
-            (_, StoredFormat::Q8_0 | StoredFormat::Q6K | StoredFormat::Q5K) => {
+            // Q5_K and Q5_1 have no int8 code form: quantized to int8 at 32 (16) per scale
+            (
+                _,
+                StoredFormat::Q8_0
+                | StoredFormat::Q5_0
+                | StoredFormat::Q6K
+                | StoredFormat::Q5K
+                | StoredFormat::Q5_1,
+            ) => {
                 if let Some(g) = [32, 16].into_iter().find(|g| cols.is_multiple_of(*g)) {
                     return int8(g);
                 }
@@ -259,8 +275,8 @@ impl StoredDense {
     /// (dense and shared experts) Q6_K in `use_more_bits` layers and the rest Q4_K; Q4_0 and Q8_0 use their
     /// type throughout; the output (the token table of a tied model) is Q6_K except under Q8_0; models of 8
     /// experts get llama.cpp's Mixtral rule (attn_k / attn_v Q8_0, Q4_K_M's attn_output Q5_K). Rows that are
-    /// not whole blocks take llama.cpp's fallback (Q4_K → Q5_0 and Q5_K → Q5_1, counted as values; Q6_K →
-    /// Q8_0). `None` for values, and for linear-attention (hybrid) models.
+    /// not whole blocks take llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; values when
+    /// even those do not fit). `None` for values, and for linear-attention (hybrid) models.
     pub fn llama_cpp(
         ftype: LlamaFileType,
         shape: &crate::shape::ModelShape,
@@ -281,12 +297,18 @@ impl StoredDense {
         // the type of a matrix with rows of `cols`, after llama.cpp's fallback
         let fit = |t: StoredFormat, cols: u64| {
             if cols.is_multiple_of(t.block_elems()) {
-                t
+                return t;
+            }
+            let fallback = match t {
+                Q4K => Q5_0,
+                Q5K => Q5_1,
+                Q6K => Q8_0,
+                _ => Values,
+            };
+            if cols.is_multiple_of(fallback.block_elems()) {
+                fallback
             } else {
-                match t {
-                    Q6K => Q8_0,
-                    _ => Values,
-                }
+                Values
             }
         };
         let h = shape.hidden;

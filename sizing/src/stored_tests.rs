@@ -25,6 +25,8 @@ fn each_gguf_format_costs_what_the_gpu_keeps() {
         (Q4_1, int4_min(o, i, 32), w8(o, i, 128)),
         (Q4K, int4_min(o, i, 32), w8(o, i, 128)),
         (Q5K, w8(o, i, 32), w8(o, i, 32)),
+        (Q5_0, w8(o, i, 32), w8(o, i, 32)),
+        (Q5_1, w8(o, i, 32), w8(o, i, 32)),
         (Q6K, w8(o, i, 16), w8(o, i, 16)),
         (Q8_0, w8(o, i, 32), w8(o, i, 32)),
     ];
@@ -283,14 +285,14 @@ fn llama_cpp_file_types_are_read_from_names_and_reproduced() {
     assert_eq!(s.lm_head, Q6K);
     assert!(s.dense_mlp.is_empty() && s.shared_experts.is_empty());
     // GLM-4.5-Air: 1408- and 10944-wide down projections are not whole 256-blocks: Q4_K falls back to
-    // Q5_0 (counted as values), Q6_K to Q8_0
+    // Q5_0 (int8 codes of 32 on the GPU), Q6_K to Q8_0
     let glm = known("glm-4.5-air");
     let g = StoredDense::llama_cpp(LlamaFileType::Q4KM, &glm).unwrap();
     assert_eq!(g.dense_mlp, vec![[Q4K, Q4K, Q8_0]]); // layer 0 uses more bits
     assert_eq!(g.shared_experts.len(), 45);
     // layers 0-4 (the first eighth), 7, 10, … and 40-45 use more bits; shared experts start at layer 1
     assert_eq!(g.shared_experts[4 - 1], [Q4K, Q4K, Q8_0]);
-    assert_eq!(g.shared_experts[5 - 1], [Q4K, Q4K, Values]);
+    assert_eq!(g.shared_experts[5 - 1], [Q4K, Q4K, Q5_0]);
     assert_eq!(g.shared_experts[7 - 1], [Q4K, Q4K, Q8_0]);
     assert_eq!(
         StoredDense::llama_cpp(LlamaFileType::Q8_0, &glm)

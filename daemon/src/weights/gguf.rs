@@ -503,7 +503,7 @@ fn parse(buf: &[u8]) -> Result<(Metadata, TensorTable), String> {
     let mut tensors = HashMap::new();
     for (name, dims, ty, offset) in raw {
         let kind = GgmlType::from_ggml_id(ty)
-            .ok_or_else(|| format!("tensor `{name}` has ggml type {ty}, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)"))?;
+            .ok_or_else(|| format!("tensor `{name}` has ggml type {ty}, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)"))?;
         let numel = dims
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))

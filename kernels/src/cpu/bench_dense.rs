@@ -119,11 +119,13 @@ fn random_blocks(
         for blk in d.chunks_exact_mut(bb) {
             match kind {
                 GgmlBlock::Q6K => blk[208..210].copy_from_slice(&f16(0.0007)),
-                GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q4_1 => {
+                GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q4_1 | GgmlBlock::Q5_1 => {
                     blk[..2].copy_from_slice(&f16(0.001));
                     blk[2..4].copy_from_slice(&f16(0.0009));
                 }
-                GgmlBlock::Q4_0 | GgmlBlock::Q8_0 => blk[..2].copy_from_slice(&f16(0.001)),
+                GgmlBlock::Q4_0 | GgmlBlock::Q5_0 | GgmlBlock::Q8_0 => {
+                    blk[..2].copy_from_slice(&f16(0.001))
+                }
                 GgmlBlock::F16 | GgmlBlock::Bf16 => {
                     blk[1] &= 0x3B; // small finite values
                 }

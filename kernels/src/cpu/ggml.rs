@@ -1,13 +1,15 @@
 //! GGML block formats (what GGUF files store): block sizes, exact dequantization with llama.cpp's
 //! reference formulas (`dequantize_row_*` in `ggml-quants.c`, same float operations in the same
 //! order, so the values are bit-identical), and the code/scale view the packer uses to repack
-//! Q4_0 / Q4_1 / Q8_0 into the kernels' tile formats without changing a single weight, and Q4_K / Q5_K /
+//! Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 into the kernels' tile formats without changing a single weight, and Q4_K / Q5_K /
 //! Q6_K keeping every code (their sub-block scales and mins rounded once to f16).
 //!
 //! | type | elements per block | bytes | value |
 //! |---|---|---|---|
 //! | Q4_0 | 32 | 18: f16 d, 16 B nibbles | `(q − 8)·d` |
 //! | Q4_1 | 32 | 20: f16 d, f16 m, nibbles | `q·d + m` |
+//! | Q5_0 | 32 | 22: f16 d, 32 fifth bits, nibbles | `(q − 16)·d` |
+//! | Q5_1 | 32 | 24: f16 d, f16 m, 32 fifth bits, nibbles | `q·d + m` |
 //! | Q8_0 | 32 | 34: f16 d, 32 i8 | `q·d` |
 //! | Q4_K | 256 | 144: f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles | `(d·sc)·q − dmin·m` per 32 |
 //! | Q5_K | 256 | 176: as Q4_K plus 32 B of fifth bits | as Q4_K, q < 32 |
@@ -24,6 +26,10 @@ pub enum GgmlBlock {
     Bf16,
     Q4_0,
     Q4_1,
+    /// llama-quantize's fallback for Q4_K rows that are not whole 256-blocks (e.g. GLM-4.5-Air's
+    /// 1408-wide expert down projections in a Q4_K_M file).
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
     Q5K,
@@ -38,6 +44,8 @@ impl GgmlBlock {
             1 => GgmlBlock::F16,
             2 => GgmlBlock::Q4_0,
             3 => GgmlBlock::Q4_1,
+            6 => GgmlBlock::Q5_0,
+            7 => GgmlBlock::Q5_1,
             8 => GgmlBlock::Q8_0,
             12 => GgmlBlock::Q4K,
             13 => GgmlBlock::Q5K,
@@ -54,6 +62,8 @@ impl GgmlBlock {
             GgmlBlock::Bf16 => "BF16",
             GgmlBlock::Q4_0 => "Q4_0",
             GgmlBlock::Q4_1 => "Q4_1",
+            GgmlBlock::Q5_0 => "Q5_0",
+            GgmlBlock::Q5_1 => "Q5_1",
             GgmlBlock::Q8_0 => "Q8_0",
             GgmlBlock::Q4K => "Q4_K",
             GgmlBlock::Q5K => "Q5_K",
@@ -68,6 +78,8 @@ impl GgmlBlock {
             GgmlBlock::F16 | GgmlBlock::Bf16 => (1, 2),
             GgmlBlock::Q4_0 => (32, 18),
             GgmlBlock::Q4_1 => (32, 20),
+            GgmlBlock::Q5_0 => (32, 22),
+            GgmlBlock::Q5_1 => (32, 24),
             GgmlBlock::Q8_0 => (32, 34),
             GgmlBlock::Q4K => (256, 144),
             GgmlBlock::Q5K => (256, 176),
@@ -100,6 +112,17 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// Q5_0 / Q5_1: the 5-bit codes (0..32) of one block, element order: the low nibbles of `qs` are
+/// elements 0..16, the high nibbles 16..32; fifth bit of element e is bit e of the little-endian `qh`.
+fn q5_codes(kind: GgmlBlock, b: &[u8], codes: &mut [u8; 32]) {
+    let at = if kind == GgmlBlock::Q5_0 { 2 } else { 4 };
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    for (j, &q) in b[at + 4..at + 20].iter().enumerate() {
+        codes[j] = (q & 0xF) | ((((qh >> j) << 4) & 0x10) as u8);
+        codes[j + 16] = (q >> 4) | (((qh >> (j + 12)) & 0x10) as u8);
+    }
+}
+
 /// Dequantizes whole blocks: `bytes` holds `out.len() / per_block` blocks of `kind`.
 pub fn dequantize(kind: GgmlBlock, bytes: &[u8], out: &mut [f32]) {
     let (per, bb) = kind.block();
@@ -126,6 +149,22 @@ fn dequantize_block(kind: GgmlBlock, b: &[u8], y: &mut [f32]) {
             for (j, &q) in b[4..20].iter().enumerate() {
                 y[j] = (q & 0xF) as f32 * d + m;
                 y[j + 16] = (q >> 4) as f32 * d + m;
+            }
+        }
+        GgmlBlock::Q5_0 | GgmlBlock::Q5_1 => {
+            // `dequantize_row_q5_0` / `_q5_1`
+            let mut codes = [0u8; 32];
+            q5_codes(kind, b, &mut codes);
+            let d = f16_at(b, 0);
+            if kind == GgmlBlock::Q5_0 {
+                for (o, &q) in y.iter_mut().zip(&codes) {
+                    *o = (q as i32 - 16) as f32 * d;
+                }
+            } else {
+                let m = f16_at(b, 2);
+                for (o, &q) in y.iter_mut().zip(&codes) {
+                    *o = q as f32 * d + m;
+                }
             }
         }
         GgmlBlock::Q8_0 => {
@@ -186,20 +225,25 @@ fn dequantize_block(kind: GgmlBlock, b: &[u8], y: &mut [f32]) {
 /// (not codes).
 pub(crate) fn code_group(kind: GgmlBlock) -> Option<usize> {
     match kind {
-        GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q8_0 | GgmlBlock::Q4K | GgmlBlock::Q5K => {
-            Some(32)
-        }
+        GgmlBlock::Q4_0
+        | GgmlBlock::Q4_1
+        | GgmlBlock::Q5_0
+        | GgmlBlock::Q5_1
+        | GgmlBlock::Q8_0
+        | GgmlBlock::Q4K
+        | GgmlBlock::Q5K => Some(32),
         GgmlBlock::Q6K => Some(16),
         _ => None,
     }
 }
 
 /// Calls `f(g, codes, d, m)` for each scale group `g` of one block of `kind` (one group for Q4_0 /
-/// Q4_1 / Q8_0, 8 for Q4_K / Q5_K, 16 for Q6_K; [`code_group`] inputs each), in the form the packed
-/// int formats store: unsigned codes with value `(u − offset)·d` (Q4_0: offset 8; Q8_0 and Q6_K:
-/// codes `q + 128`, offset 128) or `u·d + m` (Q4_1, Q4_K, Q5_K), `d` and `m` as f16 bits.
+/// Q4_1 / Q5_0 / Q5_1 / Q8_0, 8 for Q4_K / Q5_K, 16 for Q6_K; [`code_group`] inputs each), in the form
+/// the packed int formats store: unsigned codes with value `(u − offset)·d` (Q4_0: offset 8; Q5_0,
+/// Q8_0 and Q6_K: codes `q + 128`, offset 128) or `u·d + m` (Q4_1, Q5_1, Q4_K, Q5_K), `d` and `m` as f16
+/// bits.
 ///
-/// Q4_0 / Q4_1 / Q8_0 keep their f16 `d` and `m` as stored: bit for bit. The K-quants keep every code;
+/// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 keep their f16 `d` and `m` as stored: bit for bit. The K-quants keep every code;
 /// their sub-block scale `d·sc` (and Q4_K's min `−dmin·m`), computed in f32 as llama.cpp does, is
 /// rounded to f16 once: a relative change of at most 2⁻¹¹ while it stays in f16's normal range
 /// (|x| ≥ 6.1e-5), which is what a packed format with f16 group scales can hold. Does nothing for
@@ -221,6 +265,17 @@ pub(crate) fn block_groups(kind: GgmlBlock, b: &[u8], mut f: impl FnMut(usize, &
         }
         GgmlBlock::Q4_1 => {
             nibbles(&mut codes, &b[4..20]);
+            f(0, &codes, bits(0), bits(2));
+        }
+        GgmlBlock::Q5_0 => {
+            q5_codes(kind, b, &mut codes);
+            for c in codes.iter_mut() {
+                *c += 112; // q − 16 + 128
+            }
+            f(0, &codes, bits(0), 0);
+        }
+        GgmlBlock::Q5_1 => {
+            q5_codes(kind, b, &mut codes);
             f(0, &codes, bits(0), bits(2));
         }
         GgmlBlock::Q8_0 => {
@@ -377,7 +432,42 @@ mod tests {
         assert_eq!(y[1], -2.0);
     }
 
-    /// The code view against the dequantized values: Q4_0 / Q4_1 / Q8_0 bit for bit; Q4_K / Q6_K with
+    /// Q5_0 / Q5_1 against llama.cpp's own Python reader (gguf-py 0.19's `quants.dequantize`) on one
+    /// hand-built block each: d = 0.5 (Q5_1: m = −1.25), qh = 0xA5C30F96, nibbles j | (15 − j) << 4.
+    #[test]
+    fn q5_blocks_decode_as_gguf_py_does() {
+        let head = |m: Option<f32>| {
+            let mut b = f16::from_f32(0.5).to_le_bytes().to_vec();
+            if let Some(m) = m {
+                b.extend(f16::from_f32(m).to_le_bytes());
+            }
+            b.extend(0xA5C3_0F96u32.to_le_bytes());
+            b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+            b
+        };
+        let q5_0: [f32; 32] = [
+            -8.0, 0.5, 1.0, -6.5, 2.0, -5.5, -5.0, 3.5, 4.0, 4.5, 5.0, 5.5, -2.0, -1.5, -1.0, -0.5,
+            7.5, 7.0, -1.5, -2.0, -2.5, -3.0, 4.5, 4.0, 3.5, -5.0, 2.5, -6.0, -6.5, 1.0, -7.5, 0.0,
+        ];
+        let q5_1: [f32; 32] = [
+            -1.25, 7.25, 7.75, 0.25, 8.75, 1.25, 1.75, 10.25, 10.75, 11.25, 11.75, 12.25, 4.75,
+            5.25, 5.75, 6.25, 14.25, 13.75, 5.25, 4.75, 4.25, 3.75, 11.25, 10.75, 10.25, 1.75,
+            9.25, 0.75, 0.25, 7.75, -0.75, 6.75,
+        ];
+        for (kind, b, want) in [
+            (GgmlBlock::Q5_0, head(None), q5_0),
+            (GgmlBlock::Q5_1, head(Some(-1.25)), q5_1),
+        ] {
+            assert_eq!(b.len(), kind.block().1);
+            let mut y = [0f32; 32];
+            dequantize(kind, &b, &mut y);
+            assert_eq!(y, want, "{kind:?}");
+        }
+        assert_eq!(GgmlBlock::from_ggml_id(6), Some(GgmlBlock::Q5_0));
+        assert_eq!(GgmlBlock::from_ggml_id(7), Some(GgmlBlock::Q5_1));
+    }
+
+    /// The code view against the dequantized values: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 bit for bit; Q4_K / Q6_K with
     /// every value within the one f16 rounding of its scale and min (2⁻¹¹ relative, 2⁻²⁵ absolute
     /// below f16's normal range), on random blocks and on blocks with typical small scales.
     #[test]
@@ -385,6 +475,8 @@ mod tests {
         let kinds = [
             GgmlBlock::Q4_0,
             GgmlBlock::Q4_1,
+            GgmlBlock::Q5_0,
+            GgmlBlock::Q5_1,
             GgmlBlock::Q8_0,
             GgmlBlock::Q4K,
             GgmlBlock::Q5K,
@@ -396,7 +488,10 @@ mod tests {
                 let mut b = bytes(bb, seed * 7);
                 let d_at = if kind == GgmlBlock::Q6K { 208 } else { 0 };
                 finite_f16(&mut b, d_at);
-                if matches!(kind, GgmlBlock::Q4_1 | GgmlBlock::Q4K | GgmlBlock::Q5K) {
+                if matches!(
+                    kind,
+                    GgmlBlock::Q4_1 | GgmlBlock::Q5_1 | GgmlBlock::Q4K | GgmlBlock::Q5K
+                ) {
                     finite_f16(&mut b, 2);
                 }
                 if seed % 2 == 0 {
@@ -418,7 +513,7 @@ mod tests {
                         let w = want[g * group + i];
                         let (u, v) = match kind {
                             GgmlBlock::Q4_0 => (c as f32 - 8.0, (c as f32 - 8.0) * d),
-                            GgmlBlock::Q4_1 | GgmlBlock::Q4K | GgmlBlock::Q5K => {
+                            GgmlBlock::Q4_1 | GgmlBlock::Q5_1 | GgmlBlock::Q4K | GgmlBlock::Q5K => {
                                 (c as f32, c as f32 * d + m)
                             }
                             _ => (c as f32 - 128.0, (c as f32 - 128.0) * d),

@@ -376,7 +376,7 @@ impl QuantizedMatrix {
         blocks: &[u8],
     ) -> Option<Self> {
         let int4 = matches!(kind, GgmlBlock::Q4_0 | GgmlBlock::Q4_1 | GgmlBlock::Q4K);
-        if !int4 && !matches!(kind, GgmlBlock::Q8_0 | GgmlBlock::Q6K) {
+        if !int4 && !matches!(kind, GgmlBlock::Q8_0 | GgmlBlock::Q5_0 | GgmlBlock::Q6K) {
             return None;
         }
         let group = crate::cpu::ggml::code_group(kind)?;

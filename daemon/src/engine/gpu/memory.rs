@@ -108,6 +108,8 @@ pub fn stored_format(l: &Linear) -> StoredFormat {
             GgmlBlock::Q4_1 => StoredFormat::Q4_1,
             GgmlBlock::Q4K => StoredFormat::Q4K,
             GgmlBlock::Q5K => StoredFormat::Q5K,
+            GgmlBlock::Q5_0 => StoredFormat::Q5_0,
+            GgmlBlock::Q5_1 => StoredFormat::Q5_1,
             GgmlBlock::Q6K => StoredFormat::Q6K,
             GgmlBlock::Q8_0 => StoredFormat::Q8_0,
             GgmlBlock::F32 | GgmlBlock::F16 | GgmlBlock::Bf16 => StoredFormat::Values,

@@ -10,12 +10,14 @@ use moe_kernels::cuda::quant::{QuantizedMatrix, W8Code};
 use moe_sizing::stored::{gate_up_bytes, use_more_bits};
 use moe_sizing::{DenseDtype, GpuLayout};
 
-const KINDS: [GgmlBlock; 9] = [
+const KINDS: [GgmlBlock; 11] = [
     GgmlBlock::F32,
     GgmlBlock::F16,
     GgmlBlock::Bf16,
     GgmlBlock::Q4_0,
     GgmlBlock::Q4_1,
+    GgmlBlock::Q5_0,
+    GgmlBlock::Q5_1,
     GgmlBlock::Q8_0,
     GgmlBlock::Q4K,
     GgmlBlock::Q5K,
@@ -40,11 +42,12 @@ fn random_blocks(kind: GgmlBlock, rows: usize, cols: usize, seed: u64) -> Vec<u8
     for b in data.chunks_exact_mut(block) {
         match kind {
             GgmlBlock::Q6K => b[208..210].copy_from_slice(&f16(1e-5)),
-            GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q4_1 => {
+            GgmlBlock::Q4K | GgmlBlock::Q5K | GgmlBlock::Q4_1 | GgmlBlock::Q5_1 => {
                 b[..2].copy_from_slice(&f16(1e-4));
                 b[2..4].copy_from_slice(&f16(7.5e-4));
             }
             GgmlBlock::Q4_0 => b[..2].copy_from_slice(&f16(1e-3)),
+            GgmlBlock::Q5_0 => b[..2].copy_from_slice(&f16(5e-4)),
             GgmlBlock::Q8_0 => b[..2].copy_from_slice(&f16(2e-4)),
             GgmlBlock::F16 | GgmlBlock::Bf16 => b[1] &= 0x3B,
             GgmlBlock::F32 => b[3] = 0x3C,
@@ -275,6 +278,8 @@ fn write_random_gguf(
             let id = match kind {
                 GgmlBlock::F32 => 0,
                 GgmlBlock::Q4_0 => 2,
+                GgmlBlock::Q5_0 => 6,
+                GgmlBlock::Q5_1 => 7,
                 GgmlBlock::Q8_0 => 8,
                 GgmlBlock::Q4K => 12,
                 GgmlBlock::Q6K => 14,
@@ -371,8 +376,10 @@ impl Drop for RemoveOnDrop {
 /// q4_k_m --tied`, small): Q4_K matrices, Q6_K attn_v and ffn_down_exps in the `use_more_bits` layers,
 /// routers and norms F32; tied like the 4B-A0.6B, so the token table is the lm_head and Q6_K. 8 layers (one
 /// in four full attention, the others over a window of 64), hidden 256, 2 q-heads / 1 kv-head of 128, 4
-/// experts of 256, top-2, sigmoid router.
-fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
+/// experts of 256, top-2, sigmoid router. `q5`: the `use_more_bits` layers take llama-quantize's
+/// fallback types for rows that are not whole 256-blocks instead (Q5_0 ffn_down_exps and attn_output,
+/// Q5_1 attn_v), as GLM-4.5-Air's 1408-wide expert down projections do in a Q4_K_M file.
+fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool, q5: bool) {
     let (h, inter, experts, vocab, layers) = (256u64, 256u64, 4u64, 512u64, 8u64);
     let key = |k: &str| format!("smallthinker.{k}");
     let u = GgufValue::U64;
@@ -397,12 +404,11 @@ fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
         (key("expert_gating_func"), u(2)),
         (key("rope.freq_base"), GgufValue::F64(1.5e6)),
     ];
-    let more = |i: u64| {
-        if use_more_bits(i, layers) {
-            GgmlBlock::Q6K
-        } else {
-            GgmlBlock::Q4K
-        }
+    // the type of layer i's attn_v / ffn_down_exps / attn_output
+    let more = |i: u64, fallback: GgmlBlock| match (use_more_bits(i, layers), q5) {
+        (true, true) => fallback,
+        (true, false) => GgmlBlock::Q6K,
+        (false, _) => GgmlBlock::Q4K,
     };
     let mut t: Vec<(String, GgmlBlock, Vec<u64>)> =
         vec![("token_embd.weight".into(), GgmlBlock::Q6K, vec![h, vocab])];
@@ -412,8 +418,16 @@ fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
             (p("attn_norm.weight"), GgmlBlock::F32, vec![h]),
             (p("attn_q.weight"), GgmlBlock::Q4K, vec![h, 256]),
             (p("attn_k.weight"), GgmlBlock::Q4K, vec![h, 128]),
-            (p("attn_v.weight"), more(i), vec![h, 128]),
-            (p("attn_output.weight"), GgmlBlock::Q4K, vec![256, h]),
+            (p("attn_v.weight"), more(i, GgmlBlock::Q5_1), vec![h, 128]),
+            (
+                p("attn_output.weight"),
+                if q5 {
+                    more(i, GgmlBlock::Q5_0)
+                } else {
+                    GgmlBlock::Q4K
+                },
+                vec![256, h],
+            ),
             (p("ffn_norm.weight"), GgmlBlock::F32, vec![h]),
             (p("ffn_gate_inp.weight"), GgmlBlock::F32, vec![h, experts]),
             (
@@ -426,7 +440,11 @@ fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
                 GgmlBlock::Q4K,
                 vec![h, inter, experts],
             ),
-            (p("ffn_down_exps.weight"), more(i), vec![inter, h, experts]),
+            (
+                p("ffn_down_exps.weight"),
+                more(i, GgmlBlock::Q5_0),
+                vec![inter, h, experts],
+            ),
         ]);
     }
     t.push(("output_norm.weight".into(), GgmlBlock::F32, vec![h]));
@@ -441,7 +459,6 @@ fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool) {
 /// sub-block scales rounded once to f16, ≤ 2⁻¹¹ relative; AVX2 tier and f32 KV rows on both sides).
 #[test]
 fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
-    use crate::engine::{Engine, EngineOptions, SeqInput};
     use StoredFormat::*;
     let dir = std::env::temp_dir();
     let (quant, twin) = (
@@ -449,8 +466,8 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         dir.join(format!("moe-st-q4km-f32-{}.gguf", std::process::id())),
     );
     let _cleanup = RemoveOnDrop(vec![quant.clone(), twin.clone()]);
-    small_smallthinker_q4_k_m(&quant, false);
-    small_smallthinker_q4_k_m(&twin, true);
+    small_smallthinker_q4_k_m(&quant, false, false);
+    small_smallthinker_q4_k_m(&twin, true, false);
     let g = GgufFile::open(&quant).unwrap();
     let cfg_json = g.hf_config().unwrap();
     assert_eq!(cfg_json["tie_word_embeddings"], true);
@@ -495,34 +512,77 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         assert_eq!(planned.lm_head, lm_head, "{d:?}");
     }
     drop(model);
-    let mut opts = EngineOptions::default();
-    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-    opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
-    let logits = |path: &std::path::Path| {
-        let g = GgufFile::open(path).unwrap();
-        let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
-        let mut c = e.new_cache();
-        let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
-        let mut out = Vec::new();
-        for tokens in [prompt, vec![7], vec![99], vec![3]] {
-            out.push(
-                e.reserve_and_forward(&mut [SeqInput {
-                    cache: &mut c,
-                    tokens: &tokens,
-                }])
-                .unwrap()
-                .remove(0),
-            );
-        }
-        out
-    };
-    let (got, want) = (logits(&quant), logits(&twin));
+    let (got, want) = (cpu_logits(&quant), cpu_logits(&twin));
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!(a.iter().all(|x| x.is_finite()), "step {step}");
         let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
         let d: f32 = b.iter().map(|y| y * y).sum();
         let err = (n / d).sqrt();
         println!("step {step}: rel-L2 {err:.2e}");
+        assert!(err <= 2e-3, "step {step}: rel-L2 {err}");
+    }
+}
+
+/// The CPU engine's logits of a 70-token prefill past the window and three decode steps (AVX2 tier, f32
+/// KV rows: the same arithmetic on every machine).
+fn cpu_logits(path: &std::path::Path) -> Vec<Vec<f32>> {
+    use crate::engine::{Engine, EngineOptions, SeqInput};
+    let mut opts = EngineOptions::default();
+    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
+    opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
+    let g = GgufFile::open(path).unwrap();
+    let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
+    let mut c = e.new_cache();
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
+    let mut out = Vec::new();
+    for tokens in [prompt, vec![7], vec![99], vec![3]] {
+        out.push(
+            e.reserve_and_forward(&mut [SeqInput {
+                cache: &mut c,
+                tokens: &tokens,
+            }])
+            .unwrap()
+            .remove(0),
+        );
+    }
+    out
+}
+
+/// llama-quantize's fallback blocks for rows that are not whole 256-blocks (Q5_0 for Q4_K, Q5_1 for
+/// Q5_K; what a GLM-4.5-Air Q4_K_M file holds for its 1408-wide expert down projections) load, keep their
+/// types, and compute on the CPU what the same weights as F32 compute: rel-L2 ≤ 2e-3 (Q5_0 codes are
+/// kept exactly as int8 groups of 32 and Q5_1 codes with their minimums as int8-with-minimum groups of 32
+/// on the CPU; the GPU quantizes Q5_1 to int8).
+#[test]
+fn q5_0_and_q5_1_blocks_run_as_their_f32_twin() {
+    let dir = std::env::temp_dir();
+    let (quant, twin) = (
+        dir.join(format!("moe-st-q5-{}.gguf", std::process::id())),
+        dir.join(format!("moe-st-q5-f32-{}.gguf", std::process::id())),
+    );
+    let _cleanup = RemoveOnDrop(vec![quant.clone(), twin.clone()]);
+    small_smallthinker_q4_k_m(&quant, false, true);
+    small_smallthinker_q4_k_m(&twin, true, true);
+    let g = GgufFile::open(&quant).unwrap();
+    let model = crate::model::build::build_model(
+        crate::model::ModelConfig::from_json(&g.hf_config().unwrap()).unwrap(),
+        &g,
+    )
+    .unwrap();
+    let stored = stored_dense(&model).expect("GGUF blocks");
+    assert_eq!(
+        stored.attention[0][2],
+        StoredFormat::Q5_1,
+        "layer 0 uses more bits"
+    );
+    assert_eq!(stored.attention[0][3], StoredFormat::Q5_0);
+    drop(model);
+    let (got, want) = (cpu_logits(&quant), cpu_logits(&twin));
+    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(a.iter().all(|x| x.is_finite()), "step {step}");
+        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let d: f32 = b.iter().map(|y| y * y).sum();
+        let err = (n / d).sqrt();
         assert!(err <= 2e-3, "step {step}: rel-L2 {err}");
     }
 }

@@ -276,8 +276,8 @@ pub fn upload_linear(
 /// `l` in the GPU's `format` layout; `None` for bf16 or widths the kernels cannot take. Weights
 /// already in a GPU layout keep their values: FP8 checkpoints' blocks (fp8), GGUF Q4_0 / Q4_1 / Q4_K
 /// blocks (int4 groups of 32 with their codes; Q4_K's sub-block scales and mins rounded once to f16)
-/// and GGUF Q8_0 / Q6_K blocks (int8 groups of 32 / 16, under int4 or fp8: not rounded below the
-/// file's bits; Q5_K is quantized to int8); everything else is quantized from its f32 rows.
+/// and GGUF Q8_0 / Q5_0 / Q6_K blocks (int8 groups of 32 / 32 / 16, under int4 or fp8: not rounded
+/// below the file's bits; Q5_K and Q5_1 are quantized to int8); everything else is quantized from its f32 rows.
 pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatrix> {
     let kept = match (format, &l.w) {
         (
@@ -293,7 +293,14 @@ pub fn quantize_linear(l: &Linear, format: DenseFormat) -> Option<QuantizedMatri
         // GGUF tensors of more than 4 bits stay 8-bit (int8 codes) under int4 and fp8 alike: a
         // file's 8-bit lm_head rounded to 4 bits costs SmolLM2 17 % of perplexity
         (DenseFormat::Int4 | DenseFormat::Fp8, WeightData::Ggml { kind, bytes })
-            if matches!(kind, GgmlBlock::Q8_0 | GgmlBlock::Q6K | GgmlBlock::Q5K) =>
+            if matches!(
+                kind,
+                GgmlBlock::Q8_0
+                    | GgmlBlock::Q6K
+                    | GgmlBlock::Q5K
+                    | GgmlBlock::Q5_0
+                    | GgmlBlock::Q5_1
+            ) =>
         {
             QuantizedMatrix::from_ggml_blocks(*kind, l.out_dim, l.in_dim, bytes).or_else(|| {
                 QuantizedMatrix::quantize(DenseFormat::Int8, l.out_dim, l.in_dim, |r, buf| {

@@ -659,7 +659,7 @@ pub(crate) fn pack_matrix(l: &MatLayout, src: &SourceTensor<'_>, w: &mut [u8], s
 }
 
 /// Whether `format` keeps every code of `kind` blocks (then they are repacked, not requantized): bit
-/// for bit for Q4_0 / Q4_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q5_K /
+/// for bit for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, with each sub-block scale rounded once to f16 for Q4_K / Q5_K /
 /// Q6_K (see [`ggml::block_groups`]).
 fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
     matches!(
@@ -669,21 +669,28 @@ fn keeps_codes(format: WeightFormat, kind: GgmlBlock) -> bool {
                 WeightFormat::Int4Min { group: 32 },
                 GgmlBlock::Q4_1 | GgmlBlock::Q4K
             )
-            | (WeightFormat::Int8Group { group: 32 }, GgmlBlock::Q8_0)
+            | (
+                WeightFormat::Int8Group { group: 32 },
+                GgmlBlock::Q8_0 | GgmlBlock::Q5_0
+            )
             | (WeightFormat::Int8Group { group: 16 }, GgmlBlock::Q6K)
-            | (WeightFormat::Int8Min { group: 32 }, GgmlBlock::Q5K)
+            | (
+                WeightFormat::Int8Min { group: 32 },
+                GgmlBlock::Q5K | GgmlBlock::Q5_1
+            )
     )
 }
 
-/// The packed format for a GGML type: one that keeps its codes where one exists (Q4_0, Q4_1, Q8_0 bit
+/// The packed format for a GGML type: one that keeps its codes where one exists (Q4_0, Q4_1, Q8_0,
+/// Q5_0 → Int8Group 32 and Q5_1 → Int8Min 32 bit
 /// for bit; Q4_K → Int4Min 32, Q5_K → Int8Min 32 and Q6_K → Int8Group 16 with each sub-block scale
 /// (and min) rounded once to f16), BF16 and F16 as stored; F32 → Bf16.
 pub fn format_for_ggml(kind: GgmlBlock) -> WeightFormat {
     match kind {
         GgmlBlock::Q4_0 => WeightFormat::Int4 { group: 32 },
         GgmlBlock::Q4_1 | GgmlBlock::Q4K => WeightFormat::Int4Min { group: 32 },
-        GgmlBlock::Q8_0 => WeightFormat::Int8Group { group: 32 },
-        GgmlBlock::Q5K => WeightFormat::Int8Min { group: 32 },
+        GgmlBlock::Q8_0 | GgmlBlock::Q5_0 => WeightFormat::Int8Group { group: 32 },
+        GgmlBlock::Q5K | GgmlBlock::Q5_1 => WeightFormat::Int8Min { group: 32 },
         GgmlBlock::Q6K => WeightFormat::Int8Group { group: 16 },
         GgmlBlock::F16 => WeightFormat::F16,
         GgmlBlock::F32 | GgmlBlock::Bf16 => WeightFormat::Bf16,
