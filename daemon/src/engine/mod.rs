@@ -556,6 +556,15 @@ impl Engine {
             .collect()
     }
 
+    /// Installs (or removes) a probe reading buffers at fixed points of every GPU's layers (tests
+    /// comparing a tensor-parallel group with one GPU; turns off CUDA graphs and pipelined decode).
+    pub fn set_step_probe(&mut self, probe: Option<std::sync::Arc<parallel::probe::StepProbe>>) {
+        let peers = self.tp.iter_mut().flat_map(|t| t.peers.iter_mut());
+        for g in self.gpu.iter_mut().chain(peers) {
+            g.probe = probe.clone();
+        }
+    }
+
     /// The GPU memory plan and what the start allocated (CUDA backend).
     pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
         self.gpu.as_ref().and_then(|g| g.memory.as_ref())

@@ -10,6 +10,8 @@
 //! moves the bf16 GEMM inputs of later layers by a rounding step: logits agree with one GPU to
 //! rel-L2 ≤ 2e-2 per step (the bound placements of one model agree to), and with transformers to
 //! ≤ 5e-2 as every GPU test. `--tensor-parallel 1` is the single-GPU path: bit for bit.
+mod mla;
+
 use crate::common::gpu::gpu;
 use crate::common::{fixtures_root as fixtures, oracle, oracle_step_logits, rel_l2, run};
 use moe_daemon::engine::parallel::{CommKind, TensorParallel};
@@ -133,6 +135,40 @@ fn tensor_parallel_refuses_what_does_not_divide() {
         text.contains("4 attention heads do not split over 3 GPUs"),
         "{text}"
     );
+}
+
+/// Layer kinds without a split (GLM-5.3-Flash's KDA layers and hyper-connections, GLM-5's sparse
+/// attention indexer) are refused at load with the reason, without a panic, and nothing stays on the
+/// GPU (the refusal comes before the devices are opened).
+#[test]
+fn tensor_parallel_refuses_layer_kinds_without_a_split() {
+    let dev = moe_kernels::cuda::GpuDevice::open(0).unwrap();
+    for (name, kind) in [
+        ("glm5_next", "linear attention (KDA)"),
+        ("glm_moe_dsa", "sparse attention (the MLA indexer)"),
+    ] {
+        let dir = fixtures().join(name).join("model_bf16");
+        let opts = tp(gpu(0, PlacementStrategy::Uniform), 2, CommKind::Loopback);
+        let (free_before, _) = dev.memory().unwrap();
+        let loaded = std::panic::catch_unwind(|| Engine::load(&dir, &opts).map(|_| ()));
+        let Ok(Err(err)) = loaded else {
+            panic!("{name}: loading with --tensor-parallel 2 did not fail cleanly");
+        };
+        let text = format!("{err:#}");
+        println!("{name} tp=2: {text}");
+        assert!(
+            text.contains(&format!(
+                "{kind} has no tensor-parallel split yet: run it with --tensor-parallel 1"
+            )),
+            "{name}: {text}"
+        );
+        let (free_after, _) = dev.memory().unwrap();
+        assert!(
+            free_after + (64 << 20) >= free_before,
+            "{name}: {} MiB left on the GPU",
+            (free_before - free_after) >> 20
+        );
+    }
 }
 
 /// Two or more visible GPUs: NCCL all-reduce, one GPU per rank (skipped on one GPU).
@@ -331,7 +367,6 @@ fn tensor_parallel_loopback_warm_up_steps_every_rank() {
 /// (4 heads, q-LoRA, nope 16 + rope 8, value 16, latent 32) over 2 ranks: 2 heads' rows of q_b
 /// (48) and value columns of o (32) each, the latent cache (32 wide) whole on both.
 #[test]
-#[ignore = "MLA under tensor parallelism is refused at load: its decode left one GPU from step 3 (rel-L2 0.38)"]
 fn tensor_parallel_mla_ranks_hold_their_heads() {
     use moe_daemon::engine::parallel::ShardSummary;
     let dir = fixtures().join("deepseek_v3").join("model_bf16");
@@ -356,31 +391,6 @@ fn tensor_parallel_mla_ranks_hold_their_heads() {
             gpu_experts: 0,
         };
         assert_eq!(s, &want);
-    }
-}
-
-/// MLA (DeepSeek-V3 with and without q-LoRA, GLM-4.7-Flash) over 2 and 4 ranks: query heads split
-/// (`q_b`, `kv_b`, `o`), the latent projections and the latent KV cache replicated; routed experts
-/// all in DRAM, and 6 per layer spread over the ranks.
-#[test]
-#[ignore = "MLA under tensor parallelism is refused at load: its decode left one GPU from step 3 (rel-L2 0.38)"]
-fn tensor_parallel_loopback_mla_matches_one_gpu() {
-    for name in ["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"] {
-        let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        for n_gpu in [0, 6] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
-            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
-            for world in [2, 4] {
-                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
-                check(
-                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
-                    &run(&e, &o),
-                    &one,
-                    &o,
-                );
-            }
-        }
     }
 }
 

@@ -18,6 +18,7 @@ use super::moe_layer::{MoeLayerBufs, MoeStep};
 use super::{EmbedTable, GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::GatedAct;
+use crate::engine::parallel::probe::ProbePoint;
 use crate::engine::StepTimes;
 use crate::model::config::RouterInput;
 use crate::model::Model;
@@ -227,6 +228,12 @@ impl GpuModel {
     ) -> anyhow::Result<()> {
         self.attention_block(host, li, step, pool, g)?;
         self.tp_all_reduce(g.x, step.n * host.config.hidden_size)?;
+        self.probe_read(
+            li,
+            ProbePoint::AttentionReduced,
+            &*g.x,
+            step.n * host.config.hidden_size,
+        )?;
         self.ffn_head(host, li, step.n, g)
     }
 
@@ -292,7 +299,8 @@ impl GpuModel {
                 self.linear_attention(la, host, li, g.hb, g.x, hy)?
             }
         }
-        Ok(())
+        self.probe_attention(cfg, li, n, g.attn)?;
+        self.probe_read(li, ProbePoint::AttentionPartial, &*g.x, n * hd)
     }
 
     /// The second half, once `x` holds the attention block's whole output: the FFN norm, and for
@@ -341,7 +349,8 @@ impl GpuModel {
         self.router_topk(moe, mc, n, g)?;
         let rows = g.want_x.then_some((&*g.hf, nx));
         dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
-        Ok(())
+        self.probe_read(li, ProbePoint::RouterLogits, &*g.logits, n * mc.num_experts)?;
+        self.probe_read(li, ProbePoint::Routing, &*g.eids, nk)
     }
 
     /// The router's top-k over `g.logits` into `g.eids`, `g.w`.
@@ -389,6 +398,7 @@ impl GpuModel {
             && !long_prompt
             && n <= MAX_GRAPH_ROWS
             && decode_rows
+            && !self.probing()
             && (self.all_gqa() || self.hybrid.is_some());
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut sets = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
@@ -414,6 +424,8 @@ impl GpuModel {
         };
         let pipelined = self.pipelined(long_prompt, decode_rows, n);
         let split_step = self.split_step(long_prompt, pipelined, n);
+        // a probe waits for the stream inside the step, which a pipelined step must not do
+        let pipelined = pipelined && !self.probing();
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         // Split steps stream the experts each layer's routing gives the GPU (see `split`).
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -545,7 +557,9 @@ impl GpuModel {
                     }
                 }
             }
+            self.probe_read(li, ProbePoint::FfnPartial, &acts.x, n * hd)?;
             self.tp_all_reduce(&mut acts.x, n * hd)?;
+            self.probe_read(li, ProbePoint::LayerOut, &acts.x, n * hd)?;
             if let Some(hy) = hybrid_step.as_mut() {
                 self.hyper_expand(hy, hd, &acts.x)?;
             }

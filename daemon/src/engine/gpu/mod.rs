@@ -245,6 +245,8 @@ pub struct GpuModel {
     pub hybrid: Option<hybrid::GpuHybrid>,
     /// This GPU's share of a tensor-parallel group (`None`: the model runs on this GPU alone).
     pub shard: Option<crate::engine::parallel::RankCtx>,
+    /// Reads buffers at fixed points of each layer (tests comparing a group with one GPU).
+    pub probe: Option<Arc<crate::engine::parallel::probe::StepProbe>>,
 }
 
 /// `f(layer, ids)`: rewrites one MoE layer's top-k ids of a step (`[tokens × k]`) in place.
@@ -603,6 +605,7 @@ impl GpuModel {
             memory: None,
             hybrid,
             shard: None,
+            probe: None,
         })
     }
 

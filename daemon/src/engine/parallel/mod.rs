@@ -10,6 +10,7 @@
 pub mod comm;
 pub mod group;
 pub mod plan;
+pub mod probe;
 pub mod rank;
 pub mod setup;
 pub mod shard;

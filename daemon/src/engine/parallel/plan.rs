@@ -404,6 +404,29 @@ mod tests {
         );
     }
 
+    /// GLM-5.3-Flash's KDA layers and hyper-connections have no split yet: refused with the reason
+    /// (each alone: hyper-connections are checked on a config without the KDA layers).
+    #[test]
+    fn linear_attention_and_hyper_connections_are_refused_with_the_reason() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let mut cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(cfg.linear_attention.is_some() && cfg.hyper.is_some());
+        let err = ShardPlan::new(&cfg, 2).unwrap_err();
+        assert_eq!(err, ShardError::Unsupported("linear attention (KDA)"));
+        assert_eq!(
+            err.to_string(),
+            "linear attention (KDA) has no tensor-parallel split yet: run it with --tensor-parallel 1"
+        );
+        cfg.linear_attention = None;
+        let err = ShardPlan::new(&cfg, 2).unwrap_err();
+        assert_eq!(err, ShardError::Unsupported("hyper-connections"));
+        // the refusals are the only reason: without those layer kinds the model splits
+        cfg.hyper = None;
+        cfg.indexer = None;
+        assert!(ShardPlan::new(&cfg, 2).is_ok());
+    }
+
     #[test]
     fn mla_splits_heads() {
         let cfg = config("deepseek-v3");

@@ -74,14 +74,6 @@ pub fn build(
     let tp = opts.tensor_parallel;
     let world = tp.size;
     let cfg = model.config.clone();
-    // The MLA split is planned and uploaded, but its decode left one GPU's logits from the fourth
-    // step of the DeepSeek-V3 fixture on the H200 (rel-L2 0.38): refuse it at load until it matches.
-    if world > 1 && cfg.mla.is_some() {
-        anyhow::bail!(
-            "--tensor-parallel {world}: MLA attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) is not \
-             supported across GPUs yet; run it with --tensor-parallel 1"
-        );
-    }
     let plan = ShardPlan::new(&cfg, world).context("--tensor-parallel")?;
     let ordinals: Vec<usize> = match tp.comm {
         CommKind::Loopback => vec![ordinal; world],
@@ -274,4 +266,42 @@ fn node_placement(
         pins,
     )
     .map_err(anyhow::Error::msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Device, Engine};
+
+    /// Layer kinds without a split are refused at load with the reason, before a GPU is opened (so
+    /// this runs, and fails the same way, on a machine without one) and without a panic.
+    #[test]
+    fn layer_kinds_without_a_split_are_refused_before_any_device() {
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        for (name, kind) in [
+            ("glm5_next", "linear attention (KDA)"),
+            ("glm_moe_dsa", "sparse attention (the MLA indexer)"),
+        ] {
+            let opts = EngineOptions {
+                device: Device::Cuda(0),
+                tensor_parallel: TensorParallel {
+                    size: 2,
+                    comm: CommKind::Loopback,
+                },
+                ..Default::default()
+            };
+            let dir = fixtures.join(name).join("model_bf16");
+            let loaded = std::panic::catch_unwind(|| Engine::load(&dir, &opts).map(|_| ()));
+            let Ok(Err(err)) = loaded else {
+                panic!("{name}: loading with --tensor-parallel 2 did not fail cleanly");
+            };
+            let text = format!("{err:#}");
+            assert!(
+                text.contains(&format!(
+                    "--tensor-parallel: {kind} has no tensor-parallel split yet: run it with --tensor-parallel 1"
+                )),
+                "{name}: {text}"
+            );
+        }
+    }
 }

@@ -1,0 +1,283 @@
+//! MLA (DeepSeek-V3 with and without q-LoRA, GLM-4.7-Flash) under tensor parallelism, against one
+//! GPU layer by layer: every GPU's probe reads its heads' queries and attention output, its partial
+//! sums before each all-reduce, the reduced residual and the routing (`engine::parallel::probe`).
+//!
+//! Tolerances: the split attention computes each head as one GPU does, and the partial sums add up
+//! to one GPU's in another order, so logits agree with one GPU to rel-L2 ≤ 2e-2 and with
+//! transformers to ≤ 5e-2, as the GQA tests. These tiny random fixtures have router near-ties
+//! (DeepSeek-V3's, step 3: layer 1's group choice, the second and third groups 1.1e-3 apart in
+//! transformers' f32 scores; taking the other group moves the logits by rel-L2 0.38), which the
+//! group's different summation order can tip. A step whose expert choice differs from one GPU's is
+//! accepted only as a near-tie: the router's logits still agree (≤ 2e-2) and the reference's margin
+//! at that step is below 5e-3; it and the later steps (their KV carries the other experts' output)
+//! are not compared, and each fixture must have at least half of its steps compared.
+use super::tp;
+use crate::common::gpu::gpu;
+use crate::common::{fixtures_root as fixtures, ids, oracle, oracle_step_logits, rel_l2, step};
+use moe_daemon::engine::parallel::probe::{ProbePoint, ProbeRecord, StepProbe};
+use moe_daemon::engine::parallel::CommKind;
+use moe_daemon::engine::placement::PlacementStrategy;
+use moe_daemon::engine::{Engine, EngineOptions};
+use serde_json::Value;
+use std::sync::Arc;
+
+const MLA: &[&str] = &["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"];
+
+/// A router margin (sigmoid score) below this in transformers' f32 is a near-tie at bf16 precision.
+const NEAR_TIE: f64 = 5e-3;
+
+/// One step's logits and what every GPU's probe read in it.
+struct Probed {
+    logits: Vec<f32>,
+    records: Vec<ProbeRecord>,
+}
+
+/// Loads `dir` with `opts` and a probe on every GPU, and runs the oracle's schedule (prefill, then
+/// the greedy tokens one by one).
+fn run_probed(dir: &std::path::Path, opts: &EngineOptions, o: &Value) -> Vec<Probed> {
+    let mut e = Engine::load(dir, opts).unwrap();
+    let probe = Arc::new(StepProbe::default());
+    e.set_step_probe(Some(probe.clone()));
+    let mut feeds = vec![ids(&o["prompt_ids"])];
+    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
+    let mut cache = e.new_cache();
+    feeds
+        .iter()
+        .map(|f| Probed {
+            logits: step(&e, &mut cache, f),
+            records: probe.take(),
+        })
+        .collect()
+}
+
+fn get(r: &[ProbeRecord], rank: usize, layer: usize, p: ProbePoint) -> &[f32] {
+    StepProbe::find(r, rank, layer, p)
+        .unwrap_or_else(|| panic!("no {p:?} of rank {rank} in layer {layer}"))
+}
+
+/// Heads `h0..h0 + count` of `[rows, heads, width]` values.
+fn heads(v: &[f32], heads: usize, width: usize, h0: usize, count: usize) -> Vec<f32> {
+    v.chunks(heads * width)
+        .flat_map(|row| row[h0 * width..(h0 + count) * width].iter().copied())
+        .collect()
+}
+
+/// The ranks' values of `p` in `layer` summed in rank order (as the loopback all-reduce adds them).
+fn rank_sum(r: &[ProbeRecord], world: usize, layer: usize, p: ProbePoint) -> Vec<f32> {
+    let mut sum = get(r, 0, layer, p).to_vec();
+    for rank in 1..world {
+        for (s, v) in sum.iter_mut().zip(get(r, rank, layer, p)) {
+            *s += v;
+        }
+    }
+    sum
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// MLA's head shape of a fixture: (query heads, query width, value width) per head.
+fn mla_heads(dir: &std::path::Path) -> (usize, usize, usize) {
+    let c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let u = |k: &str| c[k].as_u64().unwrap() as usize;
+    (
+        u("num_attention_heads"),
+        u("qk_nope_head_dim") + u("qk_rope_head_dim"),
+        u("v_head_dim"),
+    )
+}
+
+/// Where the group stands against one GPU in one layer of one step.
+#[derive(Debug)]
+struct LayerCheck {
+    /// Over the ranks: their heads' queries and attention output against one GPU's same heads
+    /// (max |Δ|; 0 when bit for bit).
+    queries: f32,
+    attention_out: f32,
+    /// rel-L2 against one GPU: the ranks' partial sums added, the reduced residual, the router's
+    /// logits (MoE layers), the layer's output.
+    attention_sum: f32,
+    reduced: f32,
+    router: Option<f32>,
+    /// Whether every rank chose one GPU's experts for every row (None: a dense layer).
+    same_routing: Option<bool>,
+    layer_out: f32,
+}
+
+fn check_layer(
+    (one, group): (&[ProbeRecord], &[ProbeRecord]),
+    world: usize,
+    (nh, qw, vw): (usize, usize, usize),
+    li: usize,
+) -> LayerCheck {
+    use ProbePoint::*;
+    let per = nh / world;
+    let (mut queries, mut attention_out) = (0f32, 0f32);
+    for rank in 0..world {
+        let want_q = heads(get(one, 0, li, Queries), nh, qw, rank * per, per);
+        let want_a = heads(get(one, 0, li, AttentionOut), nh, vw, rank * per, per);
+        queries = queries.max(max_abs(get(group, rank, li, Queries), &want_q));
+        attention_out = attention_out.max(max_abs(get(group, rank, li, AttentionOut), &want_a));
+    }
+    let attention_sum = rel_l2(
+        &rank_sum(group, world, li, AttentionPartial),
+        get(one, 0, li, AttentionPartial),
+    );
+    let reduced = rel_l2(
+        get(group, 0, li, AttentionReduced),
+        get(one, 0, li, AttentionReduced),
+    );
+    let router = StepProbe::find(one, 0, li, RouterLogits)
+        .map(|w| rel_l2(get(group, 0, li, RouterLogits), w));
+    let same_routing = StepProbe::find(one, 0, li, Routing)
+        .map(|w| (0..world).all(|r| get(group, r, li, Routing) == w));
+    let layer_out = rel_l2(get(group, 0, li, LayerOut), get(one, 0, li, LayerOut));
+    LayerCheck {
+        queries,
+        attention_out,
+        attention_sum,
+        reduced,
+        router,
+        same_routing,
+        layer_out,
+    }
+}
+
+/// Compares the group's run with one GPU's step by step (and layer by layer when `verbose`): logits
+/// to one GPU (≤ 2e-2) and transformers (≤ 5e-2) up to the first step whose routing differs from
+/// one GPU's, which must be a near-tie (see the module comment). Returns the steps compared.
+fn compare(
+    tag: &str,
+    (one, group): (&[Probed], &[Probed]),
+    world: usize,
+    shape: (usize, usize, usize),
+    o: &Value,
+    verbose: bool,
+) -> usize {
+    let want = oracle_step_logits(o);
+    let layers = 1 + one[0].records.iter().map(|r| r.layer).max().unwrap_or(0);
+    for (i, (a, b)) in one.iter().zip(group).enumerate() {
+        let checks: Vec<LayerCheck> = (0..layers)
+            .map(|li| check_layer((&a.records, &b.records), world, shape, li))
+            .collect();
+        let e1 = rel_l2(&b.logits, &a.logits);
+        let eo = rel_l2(&b.logits, &want[i]);
+        if verbose {
+            for (li, c) in checks.iter().enumerate() {
+                println!(
+                    "{tag} step {i} layer {li}: q max|Δ| {:.1e}, attention out max|Δ| {:.1e}, rel-L2: partials summed {:.1e}, reduced {:.1e}, router {}, layer out {:.1e}, routing {}",
+                    c.queries,
+                    c.attention_out,
+                    c.attention_sum,
+                    c.reduced,
+                    c.router.map_or("-".into(), |r| format!("{r:.1e}")),
+                    c.layer_out,
+                    match c.same_routing {
+                        None => "-",
+                        Some(true) => "same",
+                        Some(false) => "DIFFERS",
+                    }
+                );
+            }
+        }
+        let flipped = checks.iter().position(|c| c.same_routing == Some(false));
+        let margin = o["steps"][i]["min_router_margin"].as_f64().unwrap();
+        if let Some(li) = flipped {
+            let router = checks[li].router.unwrap_or(f32::INFINITY);
+            println!(
+                "{tag} step {i}: expert choice differs from one GPU's in layer {li} (router logits rel-L2 {router:.1e}, reference margin {margin:.1e}): a near-tie; steps {i}.. not compared (logits rel-L2 {e1:.2e})"
+            );
+            assert!(
+                router <= 2e-2 && margin < NEAR_TIE,
+                "{tag} step {i} layer {li}: routing differs, router logits {router} apart, reference margin {margin}: not a near-tie"
+            );
+            return i;
+        }
+        println!("{tag} step {i}: rel-L2 vs one GPU {e1:.2e}, vs transformers {eo:.2e}");
+        assert!(e1 <= 2e-2 && eo <= 5e-2, "{tag} step {i}: {e1} / {eo}");
+    }
+    one.len()
+}
+
+/// MLA over 2 and 4 ranks (query heads split: `q_b`, `kv_b`, `o`; the latent projections and the
+/// latent KV cache replicated), routed experts all in DRAM and 6 per layer spread over the ranks,
+/// against one GPU.
+#[test]
+fn tensor_parallel_loopback_mla_matches_one_gpu() {
+    for name in MLA {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        let shape = mla_heads(&dir);
+        let (mut compared, mut total) = (0, 0);
+        for n_gpu in [0, 6] {
+            let base = gpu(n_gpu, PlacementStrategy::Uniform);
+            let one = run_probed(&dir, &base, &o);
+            for world in [2, 4] {
+                let group = run_probed(&dir, &tp(base.clone(), world, CommKind::Loopback), &o);
+                let tag = format!("{name} tp={world} gpu_experts={n_gpu}");
+                compared += compare(&tag, (&one, &group), world, shape, &o, false);
+                total += one.len();
+            }
+        }
+        println!("{name}: {compared} of {total} steps compared");
+        assert!(
+            2 * compared >= total,
+            "{name}: only {compared} of {total} steps routed as on one GPU"
+        );
+    }
+}
+
+/// Layer by layer and step by step, the DeepSeek-V3 fixture over 2 ranks against one GPU: each
+/// rank's heads' queries and attention output against one GPU's same heads (the split computes each
+/// head as one GPU does: within 1e-3 absolute here), the ranks' partial sums added against one
+/// GPU's residual, the reduced residual, the router and the routing. The printout is what to read
+/// when the group leaves one GPU.
+#[test]
+fn tensor_parallel_mla_layer_by_layer() {
+    let name = "deepseek_v3";
+    let o = oracle(name);
+    let dir = fixtures().join(name).join("model_bf16");
+    let shape = mla_heads(&dir);
+    for (n_gpu, world) in [(0, 2), (6, 2), (0, 4)] {
+        let base = gpu(n_gpu, PlacementStrategy::Uniform);
+        let one = run_probed(&dir, &base, &o);
+        let group = run_probed(&dir, &tp(base.clone(), world, CommKind::Loopback), &o);
+        let tag = format!("{name} tp={world} gpu_experts={n_gpu}");
+        let compared = compare(&tag, (&one, &group), world, shape, &o, true);
+        for (i, (a, b)) in one.iter().zip(&group).take(compared).enumerate() {
+            let layers = 1 + a.records.iter().map(|r| r.layer).max().unwrap_or(0);
+            for li in 0..layers {
+                let c = check_layer((&a.records, &b.records), world, shape, li);
+                assert!(
+                    c.queries <= 1e-3 && c.attention_out <= 1e-3,
+                    "{tag} step {i} layer {li}: {c:?}"
+                );
+            }
+        }
+    }
+    // CUDA graphs asked for: MLA decode runs eagerly on one GPU and in the group alike
+    let base = EngineOptions {
+        cuda_graphs: true,
+        ..gpu(0, PlacementStrategy::Uniform)
+    };
+    let e1 = Engine::load(&dir, &base).unwrap();
+    let one = crate::common::run(&e1, &o);
+    let e2 = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
+    let two = crate::common::run(&e2, &o);
+    println!(
+        "{name} cuda_graphs: graphs captured one GPU {}, per rank {:?}",
+        e1.cuda_graphs_captured(),
+        e2.cuda_graphs_captured_per_gpu()
+    );
+    for (i, (a, b)) in one.iter().zip(&two).enumerate() {
+        println!(
+            "{name} tp=2 cuda_graphs step {i}: rel-L2 vs one GPU {:.2e}",
+            rel_l2(b, a)
+        );
+    }
+}
