@@ -1,15 +1,15 @@
 //! Bringing up the CUDA backend: open the GPU, plan its memory, choose the GPU experts, upload.
 use super::{memory, DenseUpload, GpuModel};
 use crate::engine::kv::{KvLayout, BLOCK};
-use crate::engine::placement::{plan_placement, RoutingStats};
+use crate::engine::placement::{plan_placement, PlacementStrategy, RoutingStats};
 use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
-use crate::model::Model;
+use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Context};
 use moe_kernels::cuda::GpuDevice;
 use moe_sizing::CheckpointFormat;
 
-fn gib(b: u64) -> f64 {
+pub(crate) fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
@@ -26,21 +26,8 @@ pub fn build(
     let dev = GpuDevice::open(ordinal)?;
     let (free, total) = dev.memory()?;
     let context_used = (total - free) as u64;
-    let budget = match opts.gpu_memory_limit {
-        Some(limit) if limit > total as u64 => {
-            tracing::warn!(
-                "--gpu-memory-limit {:.2} GiB is above {}'s {:.2} GiB: planning with the card's memory",
-                gib(limit),
-                dev.name,
-                gib(total as u64)
-            );
-            total as u64
-        }
-        Some(limit) => limit,
-        None => total as u64,
-    };
+    let budget = memory_budget(opts, &dev.name, total as u64);
     let shape = memory::shape_of_model(model, CheckpointFormat::Bf16);
-    let experts = shape.experts_per_layer() as usize;
     let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
     let plan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
         anyhow::anyhow!(
@@ -81,37 +68,8 @@ pub fn build(
     }
     let per_layer = plan.gpu_experts_per_layer as usize;
     let blocks = (plan.kv_tokens as usize).div_ceil(BLOCK).max(1);
-    let stats = match &opts.routing_stats {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            Some(
-                serde_json::from_str::<RoutingStats>(&text)
-                    .with_context(|| format!("{}: not routing statistics", p.display()))?,
-            )
-        }
-        None => None,
-    };
-    // Without statistics (a fresh deployment), `frequency` starts as `uniform`; record them with
-    // --record-routing and restart with --routing-stats to place by frequency.
-    let strategy = match (opts.placement, &stats) {
-        (crate::engine::placement::PlacementStrategy::Frequency, None) => {
-            tracing::warn!("--expert-placement frequency without --routing-stats: using uniform until statistics exist");
-            crate::engine::placement::PlacementStrategy::Uniform
-        }
-        (s, _) => s,
-    };
     let pins = rules.map(PlacementPlan::pins);
-    let placement = plan_placement(
-        strategy,
-        &cfg.moe_layers,
-        experts,
-        per_layer,
-        stats.as_ref(),
-        opts.placement_seed,
-        pins.as_deref(),
-    )
-    .map_err(anyhow::Error::msg)?;
+    let placement = place_experts(opts, &cfg, per_layer, pins.as_deref())?;
     // The plan counted each layer's pins plus the strategy's fill; front-loading spreads the count
     // unevenly, which with pins can place more than the plan holds.
     let placed = placement.iter().flatten().filter(|&&g| g).count() as u64;
@@ -121,11 +79,7 @@ pub fn build(
             plan.gpu_experts_total
         );
     }
-    if let Some(r) = rules {
-        let text = r.describe(&placement, &default_format_name(opts));
-        tracing::info!("{text}");
-        eprint!("{text}");
-    }
+    log_rules(rules, &placement, opts);
     let dense = DenseUpload {
         format: memory::dense_format(plan.dense_dtype),
         host_embeddings: plan.host_embeddings,
@@ -166,8 +120,7 @@ pub fn build(
     tracing::info!("{msg}");
     eprintln!("{msg}");
     gpu.memory = Some(report);
-    gpu.cuda_graphs = super::memory::cuda_graphs_for(opts, &model.config);
-    gpu.defer_experts = opts.defer_experts;
+    apply_step_options(&mut gpu, opts, &model.config);
     // Early routing needs the CPU kernels' packed experts to read ahead (routers on the layer input).
     let layer_input_router = cfg
         .moe
@@ -176,12 +129,86 @@ pub fn build(
     if layer_input_router && opts.cpu_kernels {
         gpu.expert_prefetch_bytes = opts.expert_prefetch_bytes;
     }
-    gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
     gpu.split_min_rows = opts.gpu_split_min_rows;
     if let Some(r) = rules {
         gpu.prefill_on_cpu = r.prefill_on_cpu();
     }
     Ok(gpu)
+}
+
+/// The bytes one GPU is planned with: `--gpu-memory-limit`, or the card's `total` when unset or
+/// above it (with a warning).
+pub fn memory_budget(opts: &EngineOptions, card: &str, total: u64) -> u64 {
+    match opts.gpu_memory_limit {
+        Some(limit) if limit > total => {
+            tracing::warn!(
+                "--gpu-memory-limit {:.2} GiB is above {card}'s {:.2} GiB: planning with the card's memory",
+                gib(limit),
+                gib(total)
+            );
+            total
+        }
+        Some(limit) => limit,
+        None => total,
+    }
+}
+
+/// Per MoE layer, the routed experts the GPUs hold: `per_layer` chosen by `--expert-placement`
+/// around the rules' `pins`. Without statistics (a fresh deployment), `frequency` starts as
+/// `uniform`; record them with --record-routing and restart with --routing-stats to place by
+/// frequency.
+pub fn place_experts(
+    opts: &EngineOptions,
+    cfg: &ModelConfig,
+    per_layer: usize,
+    pins: Option<&[Vec<Option<bool>>]>,
+) -> anyhow::Result<Vec<Vec<bool>>> {
+    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let stats = match &opts.routing_stats {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(
+                serde_json::from_str::<RoutingStats>(&text)
+                    .with_context(|| format!("{}: not routing statistics", p.display()))?,
+            )
+        }
+        None => None,
+    };
+    let strategy = match (opts.placement, &stats) {
+        (PlacementStrategy::Frequency, None) => {
+            tracing::warn!("--expert-placement frequency without --routing-stats: using uniform until statistics exist");
+            PlacementStrategy::Uniform
+        }
+        (s, _) => s,
+    };
+    plan_placement(
+        strategy,
+        &cfg.moe_layers,
+        experts,
+        per_layer,
+        stats.as_ref(),
+        opts.placement_seed,
+        pins,
+    )
+    .map_err(anyhow::Error::msg)
+}
+
+/// Logs what the placement rules chose for this model (nothing without rules).
+pub fn log_rules(rules: Option<&PlacementPlan>, placement: &[Vec<bool>], opts: &EngineOptions) {
+    if let Some(r) = rules {
+        let text = r.describe(placement, &default_format_name(opts));
+        tracing::info!("{text}");
+        eprint!("{text}");
+    }
+}
+
+/// The step settings every GPU takes from the options: CUDA graphs, deferred experts, the step's
+/// token and sequence caps.
+pub fn apply_step_options(gpu: &mut GpuModel, opts: &EngineOptions, cfg: &ModelConfig) {
+    gpu.cuda_graphs = memory::cuda_graphs_for(opts, cfg);
+    gpu.defer_experts = opts.defer_experts;
+    gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
 }
 
 /// How the plan names DRAM experts that no rule gives a format: `--expert-dtype`, else as stored.

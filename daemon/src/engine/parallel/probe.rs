@@ -58,12 +58,12 @@ impl StepProbe {
     }
 
     /// Rank `rank`'s record of `point` in `layer` (the first, if read twice).
-    pub fn find<'a>(
-        records: &'a [ProbeRecord],
+    pub fn find(
+        records: &[ProbeRecord],
         rank: usize,
         layer: usize,
         point: ProbePoint,
-    ) -> Option<&'a [f32]> {
+    ) -> Option<&[f32]> {
         records
             .iter()
             .find(|r| r.rank == rank && r.layer == layer && r.point == point)

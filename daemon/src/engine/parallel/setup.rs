@@ -6,10 +6,10 @@ use super::group::TpGroup;
 use super::plan::{rank_placement, spread_experts, ShardPlan};
 use super::rank::RankCtx;
 use super::shard::rank_model;
+use crate::engine::gpu::setup::{self as gpu_setup, gib};
 use crate::engine::gpu::{memory, DenseUpload, GpuModel};
 use crate::engine::kv::{KvLayout, BLOCK};
 use crate::engine::linear::WeightData;
-use crate::engine::placement::{plan_placement, PlacementStrategy, RoutingStats};
 use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
 use crate::model::{Attention, Model};
@@ -32,10 +32,6 @@ impl Default for TensorParallel {
             comm: CommKind::Nccl,
         }
     }
-}
-
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
 }
 
 /// The narrowest input group the quantized kernels take in `d` (1: bf16, no groups).
@@ -96,8 +92,7 @@ pub fn build(
     } else {
         1
     };
-    let card = opts.gpu_memory_limit.unwrap_or(total).min(total);
-    let budget = card / sharing;
+    let budget = gpu_setup::memory_budget(opts, &devs[0].name, total) / sharing;
     let shape = memory::shape_of(&cfg, memory::has_qkv_bias(model), CheckpointFormat::Bf16);
     let layer_pins = rules.map(PlacementPlan::layer_pins).unwrap_or_default();
     let mplan = memory::plan(opts, &shape, budget, &layer_pins).map_err(|e| {
@@ -130,21 +125,11 @@ pub fn build(
         kept_fp8_block(model, mplan.dense_dtype),
     )
     .context("--tensor-parallel")?;
+    // the node's GPUs hold the strategy's choice together, spread over them below
     let pins = rules.map(PlacementPlan::pins);
-    let placement = node_placement(
-        opts,
-        &cfg,
-        mplan.node_experts_per_layer as usize,
-        pins.as_deref(),
-    )?;
-    if let Some(r) = rules {
-        let text = r.describe(
-            &placement,
-            &crate::engine::gpu::setup::default_format_name(opts),
-        );
-        tracing::info!("{text}");
-        eprint!("{text}");
-    }
+    let per_node = mplan.node_experts_per_layer as usize;
+    let placement = gpu_setup::place_experts(opts, &cfg, per_node, pins.as_deref())?;
+    gpu_setup::log_rules(rules, &placement, opts);
     let owners = spread_experts(&placement, world);
     let comm: Arc<dyn Communicator> = match tp.comm {
         CommKind::Nccl => Arc::new(Nccl::new(&devs.iter().collect::<Vec<_>>())?),
@@ -184,11 +169,9 @@ pub fn build(
             context_used: total.saturating_sub(free_before as u64),
             start_allocated: free_before.saturating_sub(free_after) as u64,
         });
-        g.max_step = (opts.max_step_tokens, opts.max_step_seqs);
-        // each rank captures its own decode graphs (halves around the attention's all-reduce)
-        g.cuda_graphs = opts.cuda_graphs;
-        // only rank 0 has CPU experts to defer
-        g.defer_experts = opts.defer_experts;
+        // each rank captures its own decode graphs (halves around the attention's all-reduce);
+        // deferred experts are rank 0's (the only one with CPU experts)
+        gpu_setup::apply_step_options(&mut g, opts, &cfg);
         let rc = &part.config;
         g.shard = Some(RankCtx {
             rank: r,
@@ -227,45 +210,6 @@ pub fn build(
             comm,
         },
     ))
-}
-
-/// The routed experts the node's GPUs hold together: `per_layer` per MoE layer chosen by the
-/// placement strategy around the rules' pins, as on one GPU.
-fn node_placement(
-    opts: &EngineOptions,
-    cfg: &crate::model::ModelConfig,
-    per_layer: usize,
-    pins: Option<&[Vec<Option<bool>>]>,
-) -> anyhow::Result<Vec<Vec<bool>>> {
-    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
-    let stats = match &opts.routing_stats {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            Some(
-                serde_json::from_str::<RoutingStats>(&text)
-                    .with_context(|| format!("{}: not routing statistics", p.display()))?,
-            )
-        }
-        None => None,
-    };
-    let strategy = match (opts.placement, &stats) {
-        (PlacementStrategy::Frequency, None) => {
-            tracing::warn!("--expert-placement frequency without --routing-stats: using uniform until statistics exist");
-            PlacementStrategy::Uniform
-        }
-        (s, _) => s,
-    };
-    plan_placement(
-        strategy,
-        &cfg.moe_layers,
-        experts,
-        per_layer,
-        stats.as_ref(),
-        opts.placement_seed,
-        pins,
-    )
-    .map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]
