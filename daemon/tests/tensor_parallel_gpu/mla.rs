@@ -204,11 +204,9 @@ fn compare(
     one.len()
 }
 
-/// MLA over 2 and 4 ranks (query heads split: `q_b`, `kv_b`, `o`; the latent projections and the
-/// latent KV cache replicated), routed experts all in DRAM and 6 per layer spread over the ranks,
-/// against one GPU.
-#[test]
-fn tensor_parallel_loopback_mla_matches_one_gpu() {
+/// MLA over `worlds` GPUs through `comm` against one GPU, routed experts all in DRAM and 6 per
+/// layer spread over the ranks.
+fn mla_matches_one_gpu(comm: CommKind, worlds: &[usize]) {
     for name in MLA {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
@@ -217,9 +215,9 @@ fn tensor_parallel_loopback_mla_matches_one_gpu() {
         for n_gpu in [0, 6] {
             let base = gpu(n_gpu, PlacementStrategy::Uniform);
             let one = run_probed(&dir, &base, &o);
-            for world in [2, 4] {
-                let group = run_probed(&dir, &tp(base.clone(), world, CommKind::Loopback), &o);
-                let tag = format!("{name} tp={world} gpu_experts={n_gpu}");
+            for &world in worlds {
+                let group = run_probed(&dir, &tp(base.clone(), world, comm), &o);
+                let tag = format!("{name} {comm:?} tp={world} gpu_experts={n_gpu}");
                 compared += compare(&tag, (&one, &group), world, shape, &o, false);
                 total += one.len();
             }
@@ -230,6 +228,25 @@ fn tensor_parallel_loopback_mla_matches_one_gpu() {
             "{name}: only {compared} of {total} steps routed as on one GPU"
         );
     }
+}
+
+/// MLA over 2 and 4 loopback ranks (query heads split: `q_b`, `kv_b`, `o`; the latent projections
+/// and the latent KV cache replicated).
+#[test]
+fn tensor_parallel_loopback_mla_matches_one_gpu() {
+    mla_matches_one_gpu(CommKind::Loopback, &[2, 4]);
+}
+
+/// The same over NCCL, one GPU per rank (skipped with fewer than two GPUs).
+#[test]
+fn tensor_parallel_nccl_mla_matches_one_gpu() {
+    let visible = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    if visible < 2 {
+        println!("tensor_parallel_nccl_mla_matches_one_gpu: {visible} GPU visible, skipped");
+        return;
+    }
+    let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
+    mla_matches_one_gpu(CommKind::Nccl, &worlds);
 }
 
 /// Layer by layer and step by step, the DeepSeek-V3 fixture over 2 ranks against one GPU: each
