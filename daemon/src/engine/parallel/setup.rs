@@ -12,7 +12,7 @@ use crate::engine::kv::{KvLayout, BLOCK};
 use crate::engine::linear::WeightData;
 use crate::engine::placement_rules::PlacementPlan;
 use crate::engine::EngineOptions;
-use crate::model::{Attention, Model};
+use crate::model::{Attention, MlaQuery, Model};
 use anyhow::{bail, Context};
 use moe_kernels::cuda::GpuDevice;
 use moe_sizing::{CheckpointFormat, DenseDtype};
@@ -48,12 +48,18 @@ fn kept_fp8_block(model: &Model, d: DenseDtype) -> Option<usize> {
     if d != DenseDtype::Fp8 {
         return None;
     }
-    model.layers.iter().find_map(|l| match &l.attn {
-        Attention::Gqa(a) => match &a.q.w {
+    model.layers.iter().find_map(|l| {
+        let q = match &l.attn {
+            Attention::Gqa(a) => &a.q,
+            Attention::Mla(a) => match &a.q {
+                MlaQuery::Direct(q) | MlaQuery::LowRank { b: q, .. } => q,
+            },
+            Attention::Linear(_) => return None,
+        };
+        match &q.w {
             WeightData::F8 { block, .. } => Some(*block),
             _ => None,
-        },
-        _ => None,
+        }
     })
 }
 
