@@ -240,13 +240,9 @@ fn tensor_parallel_loopback_mla_matches_one_gpu() {
 /// The same over NCCL, one GPU per rank (skipped with fewer than two GPUs).
 #[test]
 fn tensor_parallel_nccl_mla_matches_one_gpu() {
-    let visible = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
-    if visible < 2 {
-        println!("tensor_parallel_nccl_mla_matches_one_gpu: {visible} GPU visible, skipped");
-        return;
+    if let Some(worlds) = super::nccl_worlds("tensor_parallel_nccl_mla_matches_one_gpu") {
+        mla_matches_one_gpu(CommKind::Nccl, &worlds);
     }
-    let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
-    mla_matches_one_gpu(CommKind::Nccl, &worlds);
 }
 
 /// Layer by layer and step by step, the DeepSeek-V3 fixture over 2 ranks against one GPU: each

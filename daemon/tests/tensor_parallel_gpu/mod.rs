@@ -177,15 +177,23 @@ fn tensor_parallel_refuses_layer_kinds_without_a_split() {
     }
 }
 
+/// The group sizes of 2 and 4 that the visible GPUs allow NCCL to run, one GPU per rank; `None`
+/// (and a line saying `test` was skipped) with fewer than two.
+fn nccl_worlds(test: &str) -> Option<Vec<usize>> {
+    let visible = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    if visible < 2 {
+        println!("{test}: {visible} GPU visible, skipped");
+        return None;
+    }
+    Some([2, 4].into_iter().filter(|&w| w <= visible).collect())
+}
+
 /// Two or more visible GPUs: NCCL all-reduce, one GPU per rank (skipped on one GPU).
 #[test]
 fn tensor_parallel_nccl_matches_one_gpu() {
-    let visible = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
-    if visible < 2 {
-        println!("tensor_parallel_nccl_matches_one_gpu: {visible} GPU visible, skipped");
+    let Some(worlds) = nccl_worlds("tensor_parallel_nccl_matches_one_gpu") else {
         return;
-    }
-    let worlds: Vec<usize> = [2, 4].into_iter().filter(|&w| w <= visible).collect();
+    };
     // GQA fixtures (MLA's: `mla::tensor_parallel_nccl_mla_matches_one_gpu`); Qwen3-MoE also with
     // CUDA graphs (each GPU captures its own halves)
     let cases = [
