@@ -80,16 +80,41 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// MLA's head shape of a fixture: (query heads, query width, value width) per head.
-fn mla_heads(dir: &std::path::Path) -> (usize, usize, usize) {
+/// What the comparison needs of a fixture's shape.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Query heads, and the widths of a head's query and value.
+    heads: usize,
+    q_width: usize,
+    v_width: usize,
+    /// Experts each token is routed to.
+    top_k: usize,
+}
+
+fn mla_shape(dir: &std::path::Path) -> Shape {
     let c: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let u = |k: &str| c[k].as_u64().unwrap() as usize;
-    (
-        u("num_attention_heads"),
-        u("qk_nope_head_dim") + u("qk_rope_head_dim"),
-        u("v_head_dim"),
-    )
+    Shape {
+        heads: u("num_attention_heads"),
+        q_width: u("qk_nope_head_dim") + u("qk_rope_head_dim"),
+        v_width: u("v_head_dim"),
+        top_k: u("num_experts_per_tok"),
+    }
+}
+
+/// Whether two routings (`[rows, top_k]` expert ids) choose the same experts for every row (in any
+/// order: the weights follow the ids).
+fn same_experts(a: &[f32], b: &[f32], top_k: usize) -> bool {
+    let sorted = |row: &[f32]| {
+        let mut r = row.to_vec();
+        r.sort_by(f32::total_cmp);
+        r
+    };
+    a.len() == b.len()
+        && a.chunks(top_k)
+            .zip(b.chunks(top_k))
+            .all(|(x, y)| sorted(x) == sorted(y))
 }
 
 /// Where the group stands against one GPU in one layer of one step.
@@ -112,10 +137,11 @@ struct LayerCheck {
 fn check_layer(
     (one, group): (&[ProbeRecord], &[ProbeRecord]),
     world: usize,
-    (nh, qw, vw): (usize, usize, usize),
+    shape: Shape,
     li: usize,
 ) -> LayerCheck {
     use ProbePoint::*;
+    let (nh, qw, vw) = (shape.heads, shape.q_width, shape.v_width);
     let per = nh / world;
     let (mut queries, mut attention_out) = (0f32, 0f32);
     for rank in 0..world {
@@ -135,7 +161,7 @@ fn check_layer(
     let router = StepProbe::find(one, 0, li, RouterLogits)
         .map(|w| rel_l2(get(group, 0, li, RouterLogits), w));
     let same_routing = StepProbe::find(one, 0, li, Routing)
-        .map(|w| (0..world).all(|r| get(group, r, li, Routing) == w));
+        .map(|w| (0..world).all(|r| same_experts(get(group, r, li, Routing), w, shape.top_k)));
     let layer_out = rel_l2(get(group, 0, li, LayerOut), get(one, 0, li, LayerOut));
     LayerCheck {
         queries,
@@ -155,7 +181,7 @@ fn compare(
     tag: &str,
     (one, group): (&[Probed], &[Probed]),
     world: usize,
-    shape: (usize, usize, usize),
+    shape: Shape,
     o: &Value,
     verbose: bool,
 ) -> usize {
@@ -210,7 +236,7 @@ fn mla_matches_one_gpu(comm: CommKind, worlds: &[usize]) {
     for name in MLA {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
-        let shape = mla_heads(&dir);
+        let shape = mla_shape(&dir);
         let (mut compared, mut total) = (0, 0);
         for n_gpu in [0, 6] {
             let base = gpu(n_gpu, PlacementStrategy::Uniform);
@@ -255,7 +281,7 @@ fn tensor_parallel_mla_layer_by_layer() {
     let name = "deepseek_v3";
     let o = oracle(name);
     let dir = fixtures().join(name).join("model_bf16");
-    let shape = mla_heads(&dir);
+    let shape = mla_shape(&dir);
     for (n_gpu, world) in [(0, 2), (6, 2), (0, 4)] {
         let base = gpu(n_gpu, PlacementStrategy::Uniform);
         let one = run_probed(&dir, &base, &o);
