@@ -146,49 +146,23 @@ pub fn build(
         host_embeddings: mplan.host_embeddings,
     };
     let blocks = (mplan.kv_tokens as usize).div_ceil(BLOCK).max(1);
-    let layout = KvLayout::of(&cfg, opts.release_window_kv);
-    let mut ranks = Vec::with_capacity(world);
-    let group_step = Arc::new(super::rank::GroupStep::default());
-    let expert_owner = Arc::new(std::sync::RwLock::new(owners.clone()));
-    // Live re-placement moves experts between DRAM and any GPU: DRAM keeps every expert.
-    let keep_host_copies = opts.live_placement.is_some();
+    let shared = RankShared {
+        comm: comm.clone(),
+        group_step: Arc::new(super::rank::GroupStep::default()),
+        expert_owner: Arc::new(std::sync::RwLock::new(owners.clone())),
+        upload: (blocks, KvLayout::of(&cfg, opts.release_window_kv), dense),
+        mplan,
+        card: total,
+    };
     let t = std::time::Instant::now();
-    for (r, dev) in devs.into_iter().enumerate() {
-        dev.ctx.bind_to_thread()?;
-        let mine = rank_placement(&owners, r);
-        let mut part =
-            rank_model(model, &plan, r, &mine, keep_host_copies).context("--tensor-parallel")?;
-        let (free_before, _) = dev.memory()?;
-        let mut g = GpuModel::upload(
-            dev,
-            &mut part,
-            &mine,
-            (blocks, layout.clone(), opts.kv_cache_dtype),
-            opts.gpu_prefill_threshold.max(1),
-            dense,
-            false,
-        )
-        .with_context(|| format!("uploading tensor-parallel rank {r}"))?;
-        let (free_after, _) = g.dev.memory()?;
-        g.memory = Some(memory::MemoryReport {
-            plan: mplan.clone(),
-            context_used: total.saturating_sub(free_before as u64),
-            start_allocated: free_before.saturating_sub(free_after) as u64,
-        });
-        // each rank captures its own decode graphs (halves around the attention's all-reduce);
-        // deferred experts are rank 0's (the only one with CPU experts)
-        gpu_setup::apply_step_options(&mut g, opts, &cfg);
-        let rc = &part.config;
-        g.shard = Some(RankCtx {
-            rank: r,
-            comm: comm.clone(),
-            heads: (rc.num_heads, rc.num_kv_heads),
-            vocab: rc.vocab_size,
-            expert_owner: expert_owner.clone(),
-            group_step: group_step.clone(),
-        });
-        ranks.push(g);
-    }
+    let ranks = devs
+        .into_iter()
+        .enumerate()
+        .map(|(r, dev)| {
+            let mine = rank_placement(&owners, r);
+            upload_rank(model, (&plan, r, &mine), dev, opts, &shared)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut msg = format!(
         "tensor-parallel shards uploaded in {:.1} s",
         t.elapsed().as_secs_f64()
@@ -216,6 +190,65 @@ pub fn build(
             comm,
         },
     ))
+}
+
+/// What every rank of a group is built with.
+struct RankShared {
+    comm: Arc<dyn Communicator>,
+    group_step: Arc<super::rank::GroupStep>,
+    expert_owner: Arc<std::sync::RwLock<super::rank::ExpertOwners>>,
+    /// KV blocks, their layout, and the dense weights' format.
+    upload: (usize, KvLayout, DenseUpload),
+    /// The memory plan of each GPU, and the smallest card's bytes.
+    mplan: moe_sizing::MemoryPlan,
+    card: u64,
+}
+
+/// Slices rank `r`'s share out of `model` (its routed experts: `mine`) and uploads it to `dev`.
+fn upload_rank(
+    model: &mut Model,
+    (plan, r, mine): (&ShardPlan, usize, &[Vec<bool>]),
+    dev: GpuDevice,
+    opts: &EngineOptions,
+    shared: &RankShared,
+) -> anyhow::Result<GpuModel> {
+    dev.ctx.bind_to_thread()?;
+    // Live re-placement moves experts between DRAM and any GPU: DRAM keeps every expert.
+    let keep_host_copies = opts.live_placement.is_some();
+    let mut part =
+        rank_model(model, plan, r, mine, keep_host_copies).context("--tensor-parallel")?;
+    let (free_before, _) = dev.memory()?;
+    let (blocks, layout, dense) = &shared.upload;
+    let mut g = GpuModel::upload(
+        dev,
+        &mut part,
+        mine,
+        (*blocks, layout.clone(), opts.kv_cache_dtype),
+        opts.gpu_prefill_threshold.max(1),
+        *dense,
+        false,
+    )
+    .with_context(|| format!("uploading tensor-parallel rank {r}"))?;
+    let (free_after, _) = g.dev.memory()?;
+    // the loopback's ranks share one device's pool: the free-memory delta is this rank's
+    g.memory = Some(memory::MemoryReport {
+        plan: shared.mplan.clone(),
+        context_used: shared.card.saturating_sub(free_before as u64),
+        start_allocated: free_before.saturating_sub(free_after) as u64,
+    });
+    // each rank captures its own decode graphs (halves around the attention's all-reduce);
+    // deferred experts are rank 0's (the only one with CPU experts)
+    gpu_setup::apply_step_options(&mut g, opts, &model.config);
+    let rc = &part.config;
+    g.shard = Some(RankCtx {
+        rank: r,
+        comm: shared.comm.clone(),
+        heads: (rc.num_heads, rc.num_kv_heads),
+        vocab: rc.vocab_size,
+        expert_owner: shared.expert_owner.clone(),
+        group_step: shared.group_step.clone(),
+    });
+    Ok(g)
 }
 
 #[cfg(test)]
