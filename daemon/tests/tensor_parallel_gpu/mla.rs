@@ -382,3 +382,126 @@ fn tensor_parallel_mla_layer_by_layer() {
         );
     }
 }
+
+/// Synthetic probe records of one layer (no GPU): one GPU's 4 heads, rows of 2 tokens, and a group of
+/// 2 ranks of 2 heads — heads swapped between the ranks when `swap`, the second rank's partial sum
+/// `partial` per value (1: the ranks add up to one GPU's residual), its routing `routing` and its
+/// router logits scaled by `router`.
+fn synthetic(
+    swap: bool,
+    routing: Vec<f32>,
+    partial: f32,
+    router: f32,
+) -> (Vec<ProbeRecord>, Vec<ProbeRecord>) {
+    use ProbePoint::*;
+    let rec = |rank, point, values: Vec<f32>| ProbeRecord {
+        rank,
+        layer: 0,
+        point,
+        values,
+    };
+    let seq = |n: usize, scale: f32| (0..n).map(|i| i as f32 * scale + 1.0).collect::<Vec<_>>();
+    let (q, a, x, logits) = (seq(24, 0.5), seq(16, 0.25), seq(8, 1.0), seq(6, 0.1));
+    let one = vec![
+        rec(0, Queries, q.clone()),
+        rec(0, AttentionOut, a.clone()),
+        rec(0, AttentionPartial, x.clone()),
+        rec(0, AttentionReduced, x.clone()),
+        rec(0, RouterLogits, logits.clone()),
+        rec(0, Routing, vec![3.0, 5.0, 1.0, 2.0]),
+        rec(0, LayerOut, x.clone()),
+    ];
+    let mut group = Vec::new();
+    for rank in 0..2 {
+        let h0 = if swap { 2 - 2 * rank } else { 2 * rank };
+        let part = x.iter().map(|v| if rank == 0 { v - 1.0 } else { partial });
+        group.extend([
+            rec(rank, Queries, heads(&q, 4, 3, h0, 2)),
+            rec(rank, AttentionOut, heads(&a, 4, 2, h0, 2)),
+            rec(rank, AttentionPartial, part.collect()),
+            rec(rank, AttentionReduced, x.clone()),
+            rec(
+                rank,
+                RouterLogits,
+                logits.iter().map(|v| v * router).collect(),
+            ),
+            rec(rank, Routing, routing.clone()),
+            rec(rank, LayerOut, x.clone()),
+        ]);
+    }
+    (one, group)
+}
+
+const SYNTHETIC: Shape = Shape {
+    heads: 4,
+    q_width: 3,
+    v_width: 2,
+    top_k: 2,
+};
+
+/// The comparison itself (no GPU): head slices and partial sums that are one GPU's read as equal
+/// (a routing in another order within a row is the same routing); a rank holding the wrong heads,
+/// partial sums that miss a rank and another expert set are seen.
+#[test]
+fn mla_probe_comparison_reads_head_slices_and_rank_sums() {
+    let (one, group) = synthetic(false, vec![5.0, 3.0, 2.0, 1.0], 1.0, 1.0);
+    let same = check_layer((&one, &group), 2, SYNTHETIC, 0);
+    assert_eq!((same.queries, same.attention_out), (0.0, 0.0));
+    assert_eq!(same.attention_sum, 0.0);
+    assert_eq!(same.same_routing, Some(true));
+    let (one, group) = synthetic(true, vec![3.0, 4.0, 1.0, 2.0], 0.0, 1.0);
+    let wrong = check_layer((&one, &group), 2, SYNTHETIC, 0);
+    assert!(
+        wrong.queries > 0.1 && wrong.attention_out > 0.1,
+        "{wrong:?}"
+    );
+    assert!(wrong.attention_sum > 0.1, "{wrong:?}");
+    assert_eq!(wrong.same_routing, Some(false));
+}
+
+/// A routing that differs where the router agrees is a near-tie: the steps before it are compared,
+/// it and the later ones are not.
+#[test]
+fn mla_comparison_stops_at_a_near_tie() {
+    let step = |routing: Vec<f32>| {
+        let (one, group) = synthetic(false, routing, 1.0, 1.0);
+        let logits = vec![1.0, 2.0, 3.0];
+        (
+            Probed {
+                logits: logits.clone(),
+                records: one,
+            },
+            Probed {
+                logits,
+                records: group,
+            },
+        )
+    };
+    let (a0, b0) = step(vec![3.0, 5.0, 1.0, 2.0]);
+    let (a1, b1) = step(vec![3.0, 6.0, 1.0, 2.0]);
+    let compared = compare(
+        "synthetic",
+        (&[a0, a1], &[b0, b1]),
+        2,
+        SYNTHETIC,
+        None,
+        false,
+    );
+    assert_eq!(compared, 1);
+}
+
+/// A routing that differs where the router's logits do too is not a near-tie: the comparison fails.
+#[test]
+#[should_panic(expected = "not a near-tie")]
+fn mla_comparison_refuses_a_routing_change_the_router_explains() {
+    let (one, group) = synthetic(false, vec![3.0, 6.0, 1.0, 2.0], 1.0, 1.5);
+    let a = Probed {
+        logits: vec![1.0],
+        records: one,
+    };
+    let b = Probed {
+        logits: vec![1.0],
+        records: group,
+    };
+    compare("synthetic", (&[a], &[b]), 2, SYNTHETIC, None, false);
+}
