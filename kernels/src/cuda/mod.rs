@@ -21,6 +21,7 @@ pub mod kv_q8;
 pub mod linear_attention;
 pub mod ops;
 pub mod quant;
+pub mod routed;
 
 /// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu` and `grouped_gemm.cu` (which use the
 /// helpers of those before them), one NVRTC module.
@@ -639,6 +640,16 @@ mod tests {
                 assert!(
                     src.contains(&format!(".entry {entry}")),
                     "hybrid.cu {arch}: {entry}"
+                );
+            }
+            // the device-routed experts' module (compiled when decode first uses it)
+            let src = routed::compile(arch)
+                .unwrap_or_else(|e| panic!("routed.cu {arch}: {e}"))
+                .to_src();
+            for entry in routed::ENTRIES {
+                assert!(
+                    src.contains(&format!(".entry {entry}")),
+                    "routed.cu {arch}: {entry}"
                 );
             }
         }

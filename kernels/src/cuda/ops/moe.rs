@@ -79,7 +79,7 @@ pub enum GateActivation {
 
 impl GateActivation {
     /// `gated_mul`'s `act` argument.
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         match self {
             GateActivation::Silu => 0,
             GateActivation::GeluTanh => 1,
