@@ -700,6 +700,14 @@ impl Engine {
         }
     }
 
+    /// Turns the CUDA backend's device-routed experts on or off (`gpu::routed`; A/B runs in one
+    /// process). No effect on the CPU backend.
+    pub fn set_device_routed(&self, on: bool) {
+        if let Some(g) = &self.gpu {
+            g.set_device_routed(on);
+        }
+    }
+
     fn record(&self, layer: usize, ids: &[u32]) {
         if let Some(live) = &self.live {
             live.lock()

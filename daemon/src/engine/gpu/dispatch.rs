@@ -25,6 +25,8 @@ pub enum ExpertHome {
     Uploaded,
     /// Computed by another GPU of a tensor-parallel group (see `engine::parallel`).
     Peer,
+    /// Resident, already computed from the routing on the device (`routed`) before the host saw it.
+    DeviceRouted,
 }
 
 /// Every expert's home in a step: `resident` from the layer's expert table; `long_prompt` for
@@ -131,7 +133,7 @@ impl MoeDispatchPlan {
                 }
                 ExpertHome::Streamed | ExpertHome::Uploaded => {}
                 // another GPU's rows (rank 0 counts them with the GPU hits)
-                ExpertHome::Peer => {
+                ExpertHome::Peer | ExpertHome::DeviceRouted => {
                     plan.gpu_expert_hits += 1;
                     continue;
                 }

@@ -9,12 +9,17 @@
 //! it lands, with no host launch between. For a layer whose experts all live in DRAM that GPU half
 //! (shared expert, wait-and-add) and the next segment go even before the host waits for the layer's
 //! routing, so the CPU experts start the moment it lands.
+//!
+//! In small steps a layer with GPU-resident experts computes them (and its shared expert) at the end
+//! of its segment from the routing on the device (`routed`, [`LayerRoute`]): a layer whose experts
+//! are all resident then needs no host at all, and a mixed layer hands the host only its DRAM experts.
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
 use super::dispatch::{expert_homes, ExpertHome};
-use super::graphs::GraphSet;
+use super::graphs::{GraphSet, SegmentTail};
 use super::handoff::{CpuHalf, Handoff};
 use super::moe_layer::{MoeLayerBufs, MoeStep};
+use super::routed::{self, DeviceRouted, LayerRoute, RoutedLayer};
 use super::{EmbedTable, GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
 use crate::engine::kv::{slot, BlockId};
 use crate::engine::moe::GatedAct;
@@ -115,27 +120,54 @@ struct Segment<'a, 'b> {
     want_x: bool,
     /// Streams, recurrent states and indexer selection of hybrid models.
     hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
+    /// The segment ends with the shared and resident experts from the device routing (`routed`).
+    routed: Option<RoutedLayer<'a>>,
+}
+
+impl Segment<'_, '_> {
+    /// How the segment ends after the top-k (part of its graph's key).
+    fn tail(&self) -> SegmentTail {
+        match &self.routed {
+            None => SegmentTail::Publish { rows: self.want_x },
+            Some(r) if r.publish => SegmentTail::PublishThenExperts,
+            Some(_) => SegmentTail::Experts,
+        }
+    }
 }
 
 impl<'a, 'b> Segment<'a, 'b> {
-    /// A layer's segment over the step's activation buffers.
+    /// A layer's segment over the step's activation buffers; `device`: the device-routed experts'
+    /// state with the layer and its route (`routed`).
     fn of(
         acts: &'a mut ActBufs,
         hand: &'a Handoff,
         want_x: bool,
         hybrid: Option<&'a mut super::hybrid::HybridStep<'b>>,
+        device: Option<(&'a mut DeviceRouted, usize, LayerRoute)>,
     ) -> Self {
+        let ActBufs {
+            x,
+            hb,
+            hf,
+            logits,
+            eids,
+            w,
+            attn,
+            mlp,
+            ..
+        } = acts;
         Segment {
-            x: &mut acts.x,
-            hb: &mut acts.hb,
-            hf: &mut acts.hf,
-            logits: &mut acts.logits,
-            eids: &mut acts.eids,
-            w: &mut acts.w,
-            attn: &mut acts.attn,
+            x,
+            hb,
+            hf,
+            logits,
+            eids,
+            w,
+            attn,
             hand,
             want_x,
             hybrid,
+            routed: device.and_then(|(d, li, route)| d.layer(li, route, mlp)),
         }
     }
 }
@@ -347,10 +379,17 @@ impl GpuModel {
             dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, mc.num_experts, hd)?;
         }
         self.router_topk(moe, mc, n, g)?;
-        let rows = g.want_x.then_some((&*g.hf, nx));
-        dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
+        if g.tail() != SegmentTail::Experts {
+            let rows = g.want_x.then_some((&*g.hf, nx));
+            dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
+        }
         self.probe_read(li, ProbePoint::RouterLogits, &*g.logits, n * mc.num_experts)?;
-        self.probe_read(li, ProbePoint::Routing, &*g.eids, nk)
+        self.probe_read(li, ProbePoint::Routing, &*g.eids, nk)?;
+        if let Some(r) = g.routed.as_mut() {
+            let (io, routing) = ((&*g.hb, &*g.hf), (&*g.eids, &*g.w));
+            self.experts_from_device_routing(host, moe, n, r, io, routing, g.x)?;
+        }
+        Ok(())
     }
 
     /// The router's top-k over `g.logits` into `g.eids`, `g.w`.
@@ -454,6 +493,10 @@ impl GpuModel {
             })
             .collect();
         let act = GatedAct::of(cfg);
+        // Layers whose resident experts the segment computes from the device routing (`routed`).
+        let mut device_guard = self.routed.lock().unwrap_or_else(|e| e.into_inner());
+        let routes = self.plan_routes(host, &mut device_guard, (n, long_prompt, pipelined))?;
+        let mut device = device_guard.as_mut();
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
@@ -465,7 +508,8 @@ impl GpuModel {
                 None => {
                     let homes = self.layer_homes(host, li, long_prompt, stream.as_deref());
                     let want_x = homes.contains(&ExpertHome::Cpu);
-                    let mut seg = Segment::of(acts, hand, want_x, hybrid_step.as_mut());
+                    let routed = device.as_deref_mut().map(|d| (d, li, routes[li]));
+                    let mut seg = Segment::of(acts, hand, want_x, hybrid_step.as_mut(), routed);
                     let step = (&steps[self.kv_layout.group_of(li)], &mut *pool);
                     self.run_pre_experts(host, li, step, &mut seg, graphs.as_deref_mut())?;
                     homes
@@ -479,23 +523,29 @@ impl GpuModel {
                     let ActBufs { x, hb, mlp, .. } = &mut *acts;
                     self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
                 }
+                // the segment computed the whole layer from the device routing
+                GpuFfn::Moe(_) if routes[li] == LayerRoute::Device => {}
                 GpuFfn::Moe(moe) => {
                     // A layer whose experts all live in DRAM has a GPU half that does not depend on
                     // its routing: in pipelined steps it and the next layer's segment are enqueued
                     // now, while the GPU still runs this layer's attention, so the routing's landing
-                    // is followed by the CPU experts at once (same GPU work, same order: exact).
+                    // is followed by the CPU experts at once (same GPU work, same order: exact). So
+                    // has a layer whose resident experts its segment computed (`routed`).
+                    let on_device = routes[li] == LayerRoute::DeviceAndCpu;
                     let prelaunch = pipelined
                         && self.prelaunch
                         && self.shard.is_none()
                         && !homes.is_empty()
-                        && homes.iter().all(|h| *h == ExpertHome::Cpu);
+                        && (on_device || homes.iter().all(|h| *h == ExpertHome::Cpu));
                     if prelaunch {
                         let bufs = MoeLayerBufs::of(acts);
-                        self.moe_gpu_half_before_routing(moe, act, (n, hd), bufs, hand)?;
+                        let shared_done = (hand, on_device);
+                        self.moe_gpu_half_before_routing(moe, act, (n, hd), bufs, shared_done)?;
                         if li + 1 < self.layers.len() {
                             let next = self.layer_homes(host, li + 1, long_prompt, None);
                             let want_x = next.contains(&ExpertHome::Cpu);
-                            let mut seg = Segment::of(acts, hand, want_x, None);
+                            let routed = device.as_deref_mut().map(|d| (d, li + 1, routes[li + 1]));
+                            let mut seg = Segment::of(acts, hand, want_x, None, routed);
                             let step = (&steps[self.kv_layout.group_of(li + 1)], &mut *pool);
                             let g = graphs.as_deref_mut();
                             let r = self.run_pre_experts(host, li + 1, step, &mut seg, g);
@@ -526,6 +576,7 @@ impl GpuModel {
                     } else {
                         0
                     };
+                    let homes = routed::host_homes(routes[li], homes);
                     let r = self.moe_layer(
                         li,
                         moe,
@@ -660,8 +711,9 @@ impl GpuModel {
         if self.shard.is_some() {
             return self.run_pre_experts_halves(host, li, (step, pool), seg, set);
         }
-        // The hand-off copies differ with `want_x` (a layer whose DRAM experts all moved to the GPU).
-        let key = (li, step.n, seg.want_x);
+        // The hand-off copies differ with `want_x` (a layer whose DRAM experts all moved to the GPU),
+        // and device-routed layers end with their experts.
+        let key = (li, step.n, seg.tail());
         if let Entry::Vacant(slot) = set.map.entry(key) {
             let (r, g) = self
                 .dev
@@ -697,7 +749,7 @@ impl GpuModel {
         seg: &mut Segment<'_, '_>,
         set: &mut GraphSet,
     ) -> anyhow::Result<()> {
-        let key = (li, step.n, seg.want_x);
+        let key = (li, step.n, seg.tail());
         self.graph_half(set, (key, 0), &mut || {
             self.attention_block(host, li, step, pool, seg)
         })?;
@@ -709,7 +761,7 @@ impl GpuModel {
     fn graph_half(
         &self,
         set: &mut GraphSet,
-        key: ((usize, usize, bool), u8),
+        key: (super::graphs::SegmentKey, u8),
         f: &mut dyn FnMut() -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         if !set.broken && !set.halves.contains_key(&key) {

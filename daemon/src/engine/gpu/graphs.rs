@@ -9,9 +9,10 @@
 //! A graph bakes in its buffer addresses and scalar arguments, so graph steps run on the decode class of
 //! step buffers (`buffers`: allocated once for `MAX_GRAPH_ROWS` rows, never moved): the step's token
 //! ids, positions, cache slots and block tables are copied into them before the replays, and the block
-//! tables have a fixed stride (the most blocks one sequence can hold). Everything else of the layer
-//! (shared and GPU experts, the CPU experts' sum coming back) stays eager: it depends on the routing
-//! the graph just produced. Steps that are not plain decode (prefill chunks, larger batches) and models
+//! tables have a fixed stride (the most blocks one sequence can hold). In layers whose resident experts
+//! are computed from the device routing (`routed`) the segment also holds the shared and resident
+//! experts ([`SegmentTail`]); everything else of a layer (host-planned GPU experts, the CPU experts'
+//! sum coming back) stays eager: it depends on the routing the host read. Steps that are not plain decode (prefill chunks, larger batches) and models
 //! with plain MLA layers (DeepSeek-V3, GLM-4.7-Flash) run the same segment eagerly.
 //!
 //! Hybrid-attention models (GLM-5.3-Flash, GLM-5) are captured too: their per-step layout (segments,
@@ -29,13 +30,28 @@
 use moe_kernels::cuda::graph::CapturedGraph;
 use std::collections::HashMap;
 
-/// The graphs captured so far: (layer, rows, rows copied to the host) → the pre-expert segment.
+/// How a layer's segment ends after its router's top-k: what it hands to the host, and whether it
+/// computes the experts itself (device-routed layers, `routed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SegmentTail {
+    /// The routing published to the host, with the normalised rows when `rows` (DRAM experts hit).
+    Publish { rows: bool },
+    /// Routing and rows published, then the shared and resident routed experts.
+    PublishThenExperts,
+    /// The shared and routed experts; nothing goes to the host.
+    Experts,
+}
+
+/// A segment's graph: (layer, rows, its tail).
+pub type SegmentKey = (usize, usize, SegmentTail);
+
+/// The graphs captured so far: segment key → the pre-expert segment.
 #[derive(Default)]
 pub struct GraphSet {
-    pub map: HashMap<(usize, usize, bool), CapturedGraph>,
+    pub map: HashMap<SegmentKey, CapturedGraph>,
     /// A tensor-parallel GPU's segments in two halves around the attention's all-reduce: the same
     /// key, with 0 (norm and attention) or 1 (FFN norm, router, hand-off).
-    pub halves: HashMap<((usize, usize, bool), u8), CapturedGraph>,
+    pub halves: HashMap<(SegmentKey, u8), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
 }

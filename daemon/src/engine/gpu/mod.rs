@@ -11,7 +11,8 @@
 //! Files: `forward` (the step), `dispatch` (the pure per-layer MoE dispatch plan), `moe_layer` (its
 //! phases), `experts` (GPU expert GEMM phases), `attention`, `buffers` (step buffers per batch-size
 //! class), `graphs`, `handoff` (pinned buffers), `stream` (layerwise prefill's expert stream), `kv`,
-//! `memory` and `setup` (the memory plan and bring-up), `kinds` (config kinds → the op layer's).
+//! `memory` and `setup` (the memory plan and bring-up), `kinds` (config kinds → the op layer's),
+//! `routed` (resident experts of small steps from the routing on the device, no host round trip).
 //! Kernels are launched only through `moe_kernels::cuda::ops`.
 pub mod attention;
 pub mod buffers;
@@ -30,6 +31,7 @@ pub mod linear_attention;
 pub mod memory;
 mod moe_layer;
 pub mod moves;
+pub mod routed;
 pub mod setup;
 pub mod split;
 pub mod stream;
@@ -228,6 +230,11 @@ pub struct GpuModel {
     /// Enqueue the GPU half of all-DRAM MoE layers (and the next segment) before their routing
     /// lands in pipelined steps (`forward`); on unless `MOE_GPU_PRELAUNCH=0` (the A/B of the two).
     pub prelaunch: bool,
+    /// Compute resident experts of small steps from the routing on the device (`routed`); on unless
+    /// `MOE_DEVICE_ROUTED=0` (the A/B), switchable with [`GpuModel::set_device_routed`].
+    pub device_routed: std::sync::atomic::AtomicBool,
+    /// The device-routed experts' kernels, per-layer tables and scratch (made on first use).
+    pub routed: Mutex<Option<routed::DeviceRouted>>,
     /// Step buffers (and pinned hand-off buffers) per batch-size class, created on first use.
     pub buffers: Mutex<buffers::BufferClasses>,
     /// Most rows and sequences of one step (the engine's limits, which the memory plan budgets).
@@ -597,6 +604,10 @@ impl GpuModel {
             defer_experts: 0,
             expert_prefetch_bytes: 0,
             prelaunch: std::env::var_os("MOE_GPU_PRELAUNCH").is_none_or(|v| v != "0"),
+            device_routed: std::sync::atomic::AtomicBool::new(
+                std::env::var_os("MOE_DEVICE_ROUTED").is_none_or(|v| v != "0"),
+            ),
+            routed: Mutex::new(None),
             buffers: Mutex::new(buffers::BufferClasses::default()),
             max_step: (1, 1),
             graphs: Mutex::new(graphs::GraphSet::default()),

@@ -193,16 +193,17 @@ impl GpuModel {
     /// The GPU half of a layer whose experts all live in DRAM, which does not depend on its routing:
     /// the shared expert and the wait for the CPU experts' sum with its add. Enqueued before the
     /// routing lands (with the next layer's segment after it), so that once it lands the host goes
-    /// straight to the CPU experts instead of launching first.
+    /// straight to the CPU experts instead of launching first. `shared_done`: the layer's segment
+    /// already ran the shared expert (device-routed layers, `routed`).
     pub(super) fn moe_gpu_half_before_routing(
         &self,
         moe: &GpuMoe,
         act: GatedAct,
         (n, hd): (usize, usize),
         b: MoeLayerBufs<'_>,
-        hand: &Handoff,
+        (hand, shared_done): (&Handoff, bool),
     ) -> anyhow::Result<()> {
-        if let Some(sh) = &moe.shared {
+        if let (Some(sh), false) = (&moe.shared, shared_done) {
             let gate = moe.shared_gate.as_ref();
             self.shared_expert(sh, gate, act, (n, hd), b.hb, b.hf, b.x, b.mlp)?;
         }
@@ -268,7 +269,7 @@ impl GpuModel {
 
     /// The always-on shared expert, added into `x` (through its sigmoid gate when it has one).
     #[allow(clippy::too_many_arguments)]
-    fn shared_expert(
+    pub(super) fn shared_expert(
         &self,
         sh: &GpuMlp,
         gate: Option<&CudaSlice<f32>>,

@@ -1,0 +1,277 @@
+//! Resident experts of small steps computed from the routing the router left on the device
+//! (`moe_kernels::cuda::routed`), so a decode layer needs the host only for its DRAM experts.
+//!
+//! The host-planned path (`moe_layer`) makes the host wait for every MoE layer's routing, build a
+//! dispatch plan and launch the resident experts' GEMMs from it: one host round trip per layer, and
+//! CUDA graphs cover only the segments between them. Here the layer's pre-expert segment itself ends
+//! with the shared expert and the resident routed experts read from the device's top-k
+//! ([`LayerRoute`]):
+//! - every expert of the layer resident ([`LayerRoute::Device`]): nothing goes to the host; the whole
+//!   layer is one captured graph, and a step whose layers are all like that waits only for its logits;
+//! - some experts in DRAM ([`LayerRoute::DeviceAndCpu`], pipelined decode steps): the segment publishes
+//!   the routing and rows to the host first (so the CPU starts at once), then computes the resident
+//!   experts; the host plans and computes only the DRAM experts (their homes become
+//!   [`ExpertHome::DeviceRouted`]), whose sum the GPU adds as for an all-DRAM layer.
+//!
+//! Small steps only (at most `MAX_GRAPH_ROWS` rows, not a long prompt), one GPU (no tensor
+//! parallelism), bf16 resident experts (what `--gpu-experts` uploads), exact routing (no deferred
+//! experts, early routing or benchmark routing override): anything else runs the host-planned path,
+//! as does everything with `MOE_DEVICE_ROUTED=0` (the A/B). Each layer's device table of resident
+//! weight addresses is compared with the expert table at the start of every such step and rewritten
+//! when live re-placement moved an expert (graphs bake the table's address, not its contents).
+//!
+//! Numerics: GEMVs with f32 accumulation in another order than cuBLAS's, the same bf16 rounding of the
+//! activations: not bit-identical to the host-planned path (the GPU tests bound the difference).
+//! Layers run this way report no routing to `on_routing` (live placement and routing statistics see
+//! the layers that still hand their routing to the host).
+use super::buffers::{MlpBufs, MAX_GRAPH_ROWS};
+use super::dispatch::ExpertHome;
+use super::{GpuFfn, GpuModel, GpuMoe};
+use crate::engine::moe::GatedAct;
+use crate::model::Model;
+use anyhow::Context;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use moe_kernels::cuda::routed::{
+    supported_widths, RoutedKernels, RoutedScratch, RoutedShape, RoutedTable, MAX_PAIRS,
+};
+use std::sync::atomic::Ordering;
+
+/// How a layer's routed experts run in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerRoute {
+    /// The host waits for the routing and plans the layer (`moe_layer`); also every dense layer.
+    Host,
+    /// Every expert resident: the segment computes them, nothing goes to the host.
+    Device,
+    /// Resident experts in the segment after the routing's publication; DRAM experts on the CPU.
+    DeviceAndCpu,
+}
+
+/// The device-routed experts' kernels, each MoE layer's table and the shared scratch (allocated once
+/// for the most pairs of a graph-class step, so graphs may bake it).
+pub struct DeviceRouted {
+    kernels: RoutedKernels,
+    /// Per layer (`None`: dense layer): the device table and the addresses it holds now.
+    tables: Vec<Option<(RoutedTable, Vec<u64>)>>,
+    scratch: RoutedScratch,
+}
+
+/// What a layer's segment needs to compute its experts from the device routing.
+pub(super) struct RoutedLayer<'a> {
+    kernels: &'a RoutedKernels,
+    table: &'a RoutedTable,
+    scratch: &'a mut RoutedScratch,
+    pub mlp: &'a mut MlpBufs,
+    /// Whether the segment also hands the routing to the host (the layer has DRAM experts).
+    pub publish: bool,
+}
+
+impl DeviceRouted {
+    /// What layer `li`'s segment needs when its route is not [`LayerRoute::Host`].
+    pub(super) fn layer<'a>(
+        &'a mut self,
+        li: usize,
+        route: LayerRoute,
+        mlp: &'a mut MlpBufs,
+    ) -> Option<RoutedLayer<'a>> {
+        if route == LayerRoute::Host {
+            return None;
+        }
+        let (table, _) = self.tables.get(li)?.as_ref()?;
+        Some(RoutedLayer {
+            kernels: &self.kernels,
+            table,
+            scratch: &mut self.scratch,
+            mlp,
+            publish: route == LayerRoute::DeviceAndCpu,
+        })
+    }
+}
+
+/// `homes` of a [`LayerRoute::DeviceAndCpu`] layer as its host plan sees them: the resident experts
+/// are already computed.
+pub(super) fn host_homes(route: LayerRoute, homes: Vec<ExpertHome>) -> Vec<ExpertHome> {
+    if route != LayerRoute::DeviceAndCpu {
+        return homes;
+    }
+    homes
+        .into_iter()
+        .map(|h| match h {
+            ExpertHome::Resident => ExpertHome::DeviceRouted,
+            h => h,
+        })
+        .collect()
+}
+
+/// The resident experts' device addresses of one layer (`[2 · experts]`: gate_up, then down), or
+/// `None` when one of them is not bf16 (the layer keeps the host-planned path).
+fn resident_addrs(dev: &moe_kernels::cuda::GpuDevice, moe: &GpuMoe) -> Option<Vec<u64>> {
+    let table = moe.experts.read();
+    let e = table.len();
+    let mut addrs = vec![0u64; 2 * e];
+    for (i, m) in table.iter().enumerate() {
+        if let Some(m) = m {
+            addrs[i] = dev.addr(m.gate_up.w.as_bf16()?);
+            addrs[e + i] = dev.addr(m.down.w.as_bf16()?);
+        }
+    }
+    Some(addrs)
+}
+
+impl GpuModel {
+    /// Turns the device-routed experts on or off (A/B runs and tests; on unless `MOE_DEVICE_ROUTED=0`).
+    pub fn set_device_routed(&self, on: bool) {
+        self.device_routed.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether a step of `n` rows may compute resident experts from the device routing.
+    fn device_routing_applies(&self, host: &Model, n: usize, long_prompt: bool) -> bool {
+        let Some(mc) = &host.config.moe else {
+            return false;
+        };
+        let overridden = self
+            .routing_override
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        self.device_routed.load(Ordering::Relaxed)
+            && !long_prompt
+            && n <= MAX_GRAPH_ROWS
+            && n * mc.top_k <= MAX_PAIRS
+            && self.shard.is_none()
+            && self.hybrid.is_none()
+            && self.defer_experts == 0
+            && !self.early_routing()
+            && !overridden
+            && supported_widths(host.config.hidden_size, mc.expert_intermediate)
+    }
+
+    /// The step's route of every layer, with the device tables brought up to date (loads the kernels
+    /// and scratch the first time). All [`LayerRoute::Host`] when the step cannot use them.
+    /// `pipelined`: the step may hand DRAM experts to the CPU after enqueueing the next segment.
+    pub(super) fn plan_routes(
+        &self,
+        host: &Model,
+        state: &mut Option<DeviceRouted>,
+        (n, long_prompt, pipelined): (usize, bool, bool),
+    ) -> anyhow::Result<Vec<LayerRoute>> {
+        let mut routes = vec![LayerRoute::Host; self.layers.len()];
+        if !self.device_routing_applies(host, n, long_prompt) {
+            return Ok(routes);
+        }
+        let Some(mc) = &host.config.moe else {
+            return Ok(routes);
+        };
+        let dev = &self.dev;
+        if state.is_none() {
+            let pairs = MAX_GRAPH_ROWS * mc.top_k;
+            let (hd, inter) = (host.config.hidden_size, mc.expert_intermediate);
+            *state = Some(DeviceRouted {
+                kernels: RoutedKernels::load(dev)?,
+                tables: (0..self.layers.len()).map(|_| None).collect(),
+                scratch: RoutedScratch::new(dev, pairs.min(MAX_PAIRS), hd, inter)?,
+            });
+        }
+        let Some(st) = state.as_mut() else {
+            return Ok(routes);
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            let GpuFfn::Moe(moe) = &layer.ffn else {
+                continue;
+            };
+            let Some(addrs) = resident_addrs(dev, moe) else {
+                continue;
+            };
+            let experts = addrs.len() / 2;
+            let resident = addrs[..experts].iter().filter(|&&a| a != 0).count();
+            if resident == 0 {
+                continue;
+            }
+            let slot = &mut st.tables[li];
+            if slot.as_ref().is_none_or(|(t, _)| t.experts != experts) {
+                let t = RoutedTable {
+                    addrs: dev.stream.alloc_zeros::<u64>(2 * experts)?,
+                    experts,
+                };
+                *slot = Some((t, Vec::new()));
+            }
+            if let Some((t, held)) = slot.as_mut() {
+                if *held != addrs {
+                    // ordered on the stream before this step's kernels read it
+                    dev.stream.memcpy_htod(&addrs, &mut t.addrs)?;
+                    *held = addrs;
+                }
+            }
+            routes[li] = if resident == experts {
+                LayerRoute::Device
+            } else if pipelined && self.prelaunch {
+                LayerRoute::DeviceAndCpu
+            } else {
+                LayerRoute::Host
+            };
+        }
+        Ok(routes)
+    }
+
+    /// The end of a device-routed layer's segment, after its top-k (`eids`, `w`): the shared expert,
+    /// then the resident routed experts, added into `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn experts_from_device_routing(
+        &self,
+        host: &Model,
+        moe: &GpuMoe,
+        n: usize,
+        r: &mut RoutedLayer<'_>,
+        (hb, hf): (&CudaSlice<bf16>, &CudaSlice<f32>),
+        (eids, w): (&CudaSlice<i32>, &CudaSlice<f32>),
+        x: &mut CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let cfg = &host.config;
+        let mc = cfg
+            .moe
+            .as_ref()
+            .context("device routing without an MoE config")?;
+        let act = GatedAct::of(cfg);
+        let hd = cfg.hidden_size;
+        if let Some(sh) = &moe.shared {
+            let gate = moe.shared_gate.as_ref();
+            self.shared_expert(sh, gate, act, (n, hd), hb, hf, x, r.mlp)?;
+        }
+        let shape = RoutedShape {
+            rows: n,
+            top_k: mc.top_k,
+            hidden: hd,
+            inter: mc.expert_intermediate,
+        };
+        let activation = (super::kinds::gate_activation(act.act), act.swiglu_limit);
+        r.kernels.forward(
+            &self.dev,
+            shape,
+            (eids, w),
+            r.table,
+            hb,
+            activation,
+            r.scratch,
+            x,
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_mixed_layers_hand_their_resident_experts_to_the_device() {
+        use ExpertHome::*;
+        let homes = vec![Resident, Cpu, Resident];
+        assert_eq!(host_homes(LayerRoute::Host, homes.clone()), homes);
+        assert_eq!(host_homes(LayerRoute::Device, homes.clone()), homes);
+        assert_eq!(
+            host_homes(LayerRoute::DeviceAndCpu, homes),
+            vec![DeviceRouted, Cpu, DeviceRouted]
+        );
+    }
+}
