@@ -7,6 +7,7 @@
 //! Fixtures: `MOE_FIXTURES` or ../tests/fixtures.
 mod common;
 mod consumer_gpu;
+mod device_routed_gpu;
 mod glm_hybrid_gpu;
 mod kv_q8_gpu;
 mod tensor_parallel_gpu;

@@ -285,6 +285,12 @@ fn decode_batch(
             r.calls as f64 / n
         );
     }
+    if split.device_routed_layers > 0 {
+        println!(
+            "  device-routed experts: {:.1} MoE layers per step computed their resident experts from the routing on the device (their hits are not in the GPU share above); MOE_DEVICE_ROUTED=0 turns it off",
+            split.device_routed_layers as f64 / n
+        );
+    }
     if split.prefetched_bytes > 0 {
         println!(
             "  early routing: {:.1} MB of chosen DRAM experts prefetched per step while attention ran",

@@ -23,6 +23,9 @@ pub struct StepTimes {
     pub prefetched_bytes: u64,
     /// CUDA backend, early routing: MoE layers whose routing the host saw before their attention ended.
     pub early_routed_layers: u64,
+    /// CUDA backend: MoE layers whose resident experts were computed from the routing on the device
+    /// (`gpu::routed`), without the host's dispatch plan.
+    pub device_routed_layers: u64,
     /// CUDA backend: the CPU expert kernels' time by region (`CpuExpertSet::forward_timed`).
     pub cpu_regions: moe_kernels::cpu::moe::RegionTimes,
     /// CUDA backend, split steps (`gpu::split`): routed DRAM experts streamed to the GPU / left to
@@ -48,6 +51,7 @@ impl StepTimes {
         self.expert_hits += o.expert_hits;
         self.prefetched_bytes += o.prefetched_bytes;
         self.early_routed_layers += o.early_routed_layers;
+        self.device_routed_layers += o.device_routed_layers;
         self.cpu_regions.add(&o.cpu_regions);
         self.split_gpu_experts += o.split_gpu_experts;
         self.split_cpu_experts += o.split_cpu_experts;

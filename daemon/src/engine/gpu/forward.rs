@@ -496,6 +496,8 @@ impl GpuModel {
         // Layers whose resident experts the segment computes from the device routing (`routed`).
         let mut device_guard = self.routed.lock().unwrap_or_else(|e| e.into_inner());
         let routes = self.plan_routes(host, &mut device_guard, (n, long_prompt, pipelined))?;
+        times.device_routed_layers +=
+            routes.iter().filter(|r| **r != LayerRoute::Host).count() as u64;
         let mut device = device_guard.as_mut();
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;

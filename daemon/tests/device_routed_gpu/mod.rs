@@ -1,0 +1,204 @@
+//! Resident experts computed from the routing on the device (`gpu::routed`) against the host-planned
+//! path (`MOE_DEVICE_ROUTED=0`), in one engine switched between the two.
+//!
+//! Tolerance: the device-routed kernels are GEMVs that accumulate in another order than cuBLAS's
+//! GEMMs and round the same activations to bf16, so the logits are not bit-identical: per step
+//! rel-L2 ≤ 2e-3 against the host-planned path, and the same argmax wherever that path's top-1/top-2
+//! gap exceeds 1e-2 (near-ties may flip; they are printed). With no resident expert the device path
+//! never runs and the logits must be bit-identical.
+use crate::common::gpu::gpu;
+use crate::common::{fixtures_root as fixtures, oracle, rel_l2, run};
+use moe_daemon::engine::placement::PlacementStrategy;
+use moe_daemon::engine::sampling::argmax;
+use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+
+/// The MoE fixtures with bf16 checkpoints; the MLA ones (DeepSeek-V3) have no pipelined decode, so
+/// their mixed layers keep the host-planned path (only all-resident layers are device-routed).
+const MOE: &[(&str, bool)] = &[
+    ("qwen3_moe", false),
+    ("glm4_moe", false),
+    ("mixtral", false),
+    ("qwen2_moe", false),
+    ("deepseek_v3", true),
+    ("deepseek_v3_plain", true),
+    ("smallthinker", false),
+    ("smallthinker_softmax", false),
+];
+
+const TOLERANCE: f32 = 2e-3;
+const TIE_GAP: f32 = 1e-2;
+
+fn top_gap(l: &[f32]) -> f32 {
+    let mut v = l.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}
+
+/// Asserts `dev` matches `host` step by step at the module's tolerance; returns the worst rel-L2.
+fn compare(label: &str, dev: &[Vec<f32>], host: &[Vec<f32>]) -> f32 {
+    assert_eq!(dev.len(), host.len(), "{label}: step counts");
+    let mut worst = 0f32;
+    for (i, (d, h)) in dev.iter().zip(host).enumerate() {
+        let err = rel_l2(d, h);
+        worst = worst.max(err);
+        assert!(err <= TOLERANCE, "{label} step {i}: rel-L2 {err:.3e}");
+        if argmax(d) != argmax(h) {
+            let gap = top_gap(h);
+            println!("{label} step {i}: argmax differs at a top-1/top-2 gap of {gap:.2e}");
+            assert!(
+                gap <= TIE_GAP,
+                "{label} step {i}: argmax differs (gap {gap})"
+            );
+        }
+    }
+    worst
+}
+
+/// Three prompts (3, 14 and 1 tokens) in one prefill batch, then `feed` (one token per sequence per
+/// step) as batched decode steps: every step's logits.
+fn batch_run(e: &Engine, feed: &[[u32; 3]]) -> Vec<Vec<f32>> {
+    let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (10..24).collect(), vec![7]];
+    let mut caches: Vec<_> = prompts.iter().map(|_| e.new_cache()).collect();
+    let mut all = e
+        .reserve_and_forward(&mut SeqInput::batch(&mut caches, &prompts))
+        .unwrap();
+    for toks in feed {
+        let t: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
+        all.extend(
+            e.reserve_and_forward(&mut SeqInput::batch(&mut caches, &t))
+                .unwrap(),
+        );
+    }
+    all
+}
+
+/// Every MoE fixture at 0, half and all experts resident, eager and from CUDA graphs: the oracle's
+/// prompt and teacher-forced decode (one sequence), and a batch of three sequences, with the
+/// device-routed experts on and off.
+#[test]
+fn device_routed_experts_match_the_host_planned_path() {
+    let feed: Vec<[u32; 3]> = (0..8u32).map(|i| [5 + i, 40 + 3 * i, 90 + i]).collect();
+    for &(name, mla) in MOE {
+        let o = oracle(name);
+        let dir = fixtures().join(name).join("model_bf16");
+        let probe = Engine::load(&dir, &gpu(0, PlacementStrategy::Uniform)).unwrap();
+        let experts = probe.config().moe.as_ref().unwrap().num_experts;
+        drop(probe);
+        for gpu_experts in [0, experts / 2, experts] {
+            for graphs in [false, true] {
+                let label = format!("{name} {gpu_experts}/{experts} resident, graphs {graphs}");
+                let e = Engine::load(
+                    &dir,
+                    &EngineOptions {
+                        cuda_graphs: graphs,
+                        ..gpu(gpu_experts, PlacementStrategy::Uniform)
+                    },
+                )
+                .unwrap();
+                e.set_device_routed(false);
+                let (host, host_batch) = (run(&e, &o), batch_run(&e, &feed));
+                assert_eq!(e.last_step_times().device_routed_layers, 0, "{label}");
+                e.set_device_routed(true);
+                let dev = run(&e, &o);
+                let routed_layers = e.last_step_times().device_routed_layers;
+                let dev_batch = batch_run(&e, &feed);
+                let batch_routed = e.last_step_times().device_routed_layers;
+                if gpu_experts == 0 {
+                    assert_eq!(dev, host, "{label}: no resident expert, same path");
+                    assert_eq!(dev_batch, host_batch, "{label}: batch");
+                    assert_eq!(routed_layers + batch_routed, 0, "{label}");
+                    continue;
+                }
+                // all resident: every MoE layer; half: the mixed layers of pipelined (GQA) models
+                if gpu_experts == experts || !mla {
+                    assert!(routed_layers > 0, "{label}: no layer was device-routed");
+                    assert!(
+                        batch_routed > 0,
+                        "{label}: batch: no layer was device-routed"
+                    );
+                }
+                let w1 = compare(&label, &dev, &host);
+                let w3 = compare(&format!("{label} batch 3"), &dev_batch, &host_batch);
+                println!(
+                    "{label}: {routed_layers} device-routed layers per decode step; worst rel-L2 vs host-planned {w1:.2e} (1 sequence), {w3:.2e} (batch of 3)"
+                );
+            }
+        }
+    }
+}
+
+/// Live re-placement between steps: the device tables follow the expert table. Two engines with the
+/// same placement and the same moves (an expert of every MoE layer swapped each time), one
+/// device-routed and one host-planned, agree at the module's tolerance at every step, from graphs.
+#[test]
+fn device_routed_experts_follow_live_replacement() {
+    let dir = fixtures().join("qwen3_moe").join("model_bf16");
+    let load = |device: bool| {
+        let e = Engine::load(
+            &dir,
+            &EngineOptions {
+                cuda_graphs: true,
+                live_placement: Some(moe_daemon::engine::replacement::LiveOptions {
+                    interval_steps: 1_000_000,
+                    ..Default::default()
+                }),
+                ..gpu(8, PlacementStrategy::Uniform)
+            },
+        )
+        .unwrap();
+        e.set_device_routed(device);
+        e
+    };
+    let (dev, host) = (load(true), load(false));
+    let moe_layers: Vec<usize> = (0..dev.config().num_layers)
+        .filter(|&l| dev.config().moe_layers[l])
+        .collect();
+    let (mut cd, mut ch) = (dev.new_cache(), host.new_cache());
+    let prompt: Vec<u32> = (3..9).collect();
+    let (mut worst, mut routed) = (0f32, 0);
+    let mut next = {
+        let (d, h) = (
+            dev.reserve_and_forward(&mut [SeqInput {
+                cache: &mut cd,
+                tokens: &prompt,
+            }])
+            .unwrap(),
+            host.reserve_and_forward(&mut [SeqInput {
+                cache: &mut ch,
+                tokens: &prompt,
+            }])
+            .unwrap(),
+        );
+        worst = worst.max(compare("live prompt", &d, &h));
+        argmax(&h[0]) as u32
+    };
+    // (admit, evict): DRAM experts 8.. come in, resident 0..8 go out, then back
+    let moves = [(12, 3), (9, 0), (3, 12), (15, 9)];
+    for (i, &(admit, evict)) in moves.iter().enumerate() {
+        for &l in &moe_layers {
+            dev.move_expert_now(l, admit, evict).unwrap();
+            host.move_expert_now(l, admit, evict).unwrap();
+        }
+        assert_eq!(dev.gpu_residency(), host.gpu_residency());
+        for s in 0..3 {
+            let t = [next];
+            let d = dev
+                .reserve_and_forward(&mut [SeqInput {
+                    cache: &mut cd,
+                    tokens: &t,
+                }])
+                .unwrap();
+            routed += dev.last_step_times().device_routed_layers;
+            let h = host
+                .reserve_and_forward(&mut [SeqInput {
+                    cache: &mut ch,
+                    tokens: &t,
+                }])
+                .unwrap();
+            worst = worst.max(compare(&format!("live move {i} step {s}"), &d, &h));
+            next = argmax(&h[0]) as u32;
+        }
+    }
+    assert!(routed > 0, "no layer was device-routed");
+    println!("live re-placement: worst rel-L2 device-routed vs host-planned {worst:.2e}");
+}
