@@ -124,6 +124,10 @@ pub struct RunArgs {
     /// DRAM experts between GPU and CPU paused (`--gpu-split-min-tokens`), in this process.
     #[arg(long)]
     pub split_ab: bool,
+    /// `bench decode` on the CUDA backend: then N rounds of `--steps` steps with the device-routed
+    /// experts off (the host-planned path, as `MOE_DEVICE_ROUTED=0`) and on in turn, same sequences.
+    #[arg(long, default_value_t = 0)]
+    pub device_routed_ab: usize,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -211,8 +215,11 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     }
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
-    if let (true, Some((mut caches, mut next))) = (a.graphs_ab > 0, last) {
-        graphs_ab(&engine, &mut caches, &mut next, a.graphs_ab, a.steps)?;
+    if let (true, Some((caches, next))) = (a.graphs_ab > 0, last.as_mut()) {
+        graphs_ab(&engine, caches, next, a.graphs_ab, a.steps)?;
+    }
+    if let (true, Some((caches, next))) = (a.device_routed_ab > 0, last.as_mut()) {
+        device_routed_ab(&engine, caches, next, a.device_routed_ab, a.steps)?;
     }
     Ok(())
 }
@@ -330,6 +337,48 @@ impl DramBound {
             ms_per_step: bytes_per_step / (gbs * 1e9) * 1e3,
         }
     }
+}
+
+/// `rounds` rounds of `steps` decode steps with the device-routed experts off (host-planned), then
+/// on, continuing the same sequences: each round's ms/step and host split, and the medians.
+fn device_routed_ab(
+    engine: &Engine,
+    caches: &mut [crate::engine::SeqCache],
+    next: &mut Vec<u32>,
+    rounds: usize,
+    steps: usize,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(engine.on_gpu(), "--device-routed-ab needs the CUDA backend");
+    let ms = |s: f64| s / steps as f64 * 1e3;
+    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for (i, on) in [false, true].into_iter().enumerate() {
+            engine.set_device_routed(on);
+            let (s, split) = decode_steps(engine, caches, next, 1, steps)?;
+            times[i].push(ms(s));
+            println!(
+                "device-routed A/B round {round}, {}: {:.2} ms/step ({:.1} tok/s), waiting for GPU {:.2} ms, CPU experts {:.2} ms, other host {:.2} ms, {:.1} device-routed layers/step",
+                if on { "on " } else { "off" },
+                ms(s),
+                caches.len() as f64 / (s / steps as f64),
+                ms(split.gpu_wait_s),
+                ms(split.cpu_experts_s),
+                ms(s - split.gpu_wait_s - split.cpu_experts_s),
+                split.device_routed_layers as f64 / steps as f64
+            );
+        }
+    }
+    engine.set_device_routed(true);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (off, on) = (median(&mut times[0]), median(&mut times[1]));
+    println!(
+        "device-routed A/B, {rounds} rounds of {steps} steps, median ms/step: off {off:.2}, on {on:.2} ({:.2}x tok/s)",
+        off / on
+    );
+    Ok(())
 }
 
 /// `steps` decode steps of every sequence after `warm` untimed ones: seconds and the step split.
