@@ -88,7 +88,7 @@ impl RoutedScratch {
 
 /// The expert widths the kernels take: 16-byte rows (multiples of 8 bf16 values).
 pub fn supported_widths(hidden: usize, inter: usize) -> bool {
-    hidden % 8 == 0 && inter % 8 == 0 && hidden > 0 && inter > 0
+    hidden.is_multiple_of(8) && inter.is_multiple_of(8) && hidden > 0 && inter > 0
 }
 
 impl RoutedKernels {
