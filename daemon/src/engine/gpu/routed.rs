@@ -274,4 +274,22 @@ mod tests {
             vec![DeviceRouted, Cpu, DeviceRouted]
         );
     }
+
+    /// The host plan of a mixed layer leaves its device-routed experts alone: no GPU rows, only the
+    /// DRAM experts' routes go to the CPU, and the device-routed hits count as GPU hits.
+    #[test]
+    fn host_plan_of_a_mixed_layer_keeps_only_the_dram_experts() {
+        use super::super::dispatch::MoeDispatchPlan;
+        use crate::engine::moe::NOT_HERE;
+        use ExpertHome::*;
+        let homes = host_homes(LayerRoute::DeviceAndCpu, vec![Resident, Cpu, Resident, Cpu]);
+        // two tokens, top-2: token 0 → experts 0, 1; token 1 → experts 2, 0
+        let plan = MoeDispatchPlan::new(&[0, 1, 2, 0], &[0.6, 0.4, 0.7, 0.3], 2, &homes, &[]);
+        assert_eq!(plan.gpu_rows(), 0);
+        assert!(!plan.any_gpu_work());
+        assert_eq!((plan.expert_hits, plan.gpu_expert_hits), (4, 3));
+        let cpu = plan.cpu.expect("the DRAM expert's route");
+        assert_eq!(cpu.ids, vec![NOT_HERE, 1, NOT_HERE, NOT_HERE]);
+        assert_eq!(cpu.weights, vec![0.0, 0.4, 0.0, 0.0]);
+    }
 }
