@@ -202,3 +202,137 @@ fn device_routed_experts_follow_live_replacement() {
     assert!(routed > 0, "no layer was device-routed");
     println!("live re-placement: worst rel-L2 device-routed vs host-planned {worst:.2e}");
 }
+
+/// The routed kernels against a host reference on a step that the fixtures do not reach: 64 rows over
+/// 5 experts (about 25 rows per expert, so each expert's rows span several of the kernels' chunks),
+/// two of them not resident (left alone), widths that are not multiples of a warp's loads, every
+/// gated activation (SwiGLU with and without its clamp, ReGLU, GELU-tanh). Bf16 inputs, f32 sums in
+/// another order, activations rounded to bf16 on both sides: the added rows within 2e-3 rel-L2.
+#[test]
+fn routed_kernels_match_a_host_reference() {
+    use crate::common::xorshift;
+    use half::bf16;
+    use moe_kernels::cuda::ops::GateActivation;
+    use moe_kernels::cuda::routed::{RoutedKernels, RoutedScratch, RoutedShape, RoutedTable};
+    use moe_kernels::cuda::GpuDevice;
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let kernels = RoutedKernels::load(&dev).unwrap();
+    let (rows, k, experts, hd, inter) = (64usize, 2usize, 5usize, 72usize, 40usize);
+    let resident = [true, false, true, false, true];
+    let mut next = xorshift(17);
+    let mut unit = move || (next() >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0;
+    let rnd = |n: usize, scale: f32, u: &mut dyn FnMut() -> f32| -> Vec<bf16> {
+        (0..n).map(|_| bf16::from_f32(u() * scale)).collect()
+    };
+    let gate_up: Vec<Vec<bf16>> = (0..experts)
+        .map(|_| rnd(2 * inter * hd, 0.3, &mut unit))
+        .collect();
+    let down: Vec<Vec<bf16>> = (0..experts)
+        .map(|_| rnd(hd * inter, 0.3, &mut unit))
+        .collect();
+    let xb = rnd(rows * hd, 1.0, &mut unit);
+    let x0: Vec<f32> = (0..rows * hd).map(|_| unit()).collect();
+    let mut ids = Vec::with_capacity(rows * k);
+    let mut w = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        let a = r % experts;
+        let b = (a + 1 + (r / experts) % (experts - 1)) % experts;
+        ids.extend([a as i32, b as i32]);
+        w.extend([0.3 + 0.01 * (r % 7) as f32, 0.7 - 0.01 * (r % 5) as f32]);
+    }
+    let d_gu: Vec<_> = gate_up.iter().map(|m| s.clone_htod(m).unwrap()).collect();
+    let d_dn: Vec<_> = down.iter().map(|m| s.clone_htod(m).unwrap()).collect();
+    let mut addrs = vec![0u64; 2 * experts];
+    for e in (0..experts).filter(|&e| resident[e]) {
+        addrs[e] = dev.addr(&d_gu[e]);
+        addrs[experts + e] = dev.addr(&d_dn[e]);
+    }
+    let table = RoutedTable {
+        addrs: s.clone_htod(&addrs).unwrap(),
+        experts,
+    };
+    let (d_ids, d_w, d_xb) = (
+        s.clone_htod(&ids).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&xb).unwrap(),
+    );
+    let mut scratch = RoutedScratch::new(&dev, rows * k, hd, inter).unwrap();
+    let shape = RoutedShape {
+        rows,
+        top_k: k,
+        hidden: hd,
+        inter,
+    };
+    let acts = [
+        (GateActivation::Silu, None),
+        (GateActivation::Silu, Some(0.5f32)),
+        (GateActivation::Relu, None),
+        (GateActivation::GeluTanh, None),
+    ];
+    for (act, limit) in acts {
+        let f = |g: f32| match act {
+            GateActivation::Silu => g / (1.0 + (-g).exp()),
+            GateActivation::Relu => g.max(0.0),
+            GateActivation::GeluTanh => {
+                0.5 * g * (1.0 + (0.797_884_6 * (g + 0.044715 * g * g * g)).tanh())
+            }
+        };
+        let mut want = vec![0f32; rows * hd];
+        for r in 0..rows {
+            for slot in 0..k {
+                let e = ids[r * k + slot] as usize;
+                if !resident[e] {
+                    continue;
+                }
+                let dot = |m: &[bf16], row: usize, v: &[f32]| -> f32 {
+                    v.iter()
+                        .enumerate()
+                        .map(|(c, x)| m[row * v.len() + c].to_f32() * x)
+                        .sum()
+                };
+                let xr: Vec<f32> = xb[r * hd..(r + 1) * hd]
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                let a: Vec<f32> = (0..inter)
+                    .map(|j| {
+                        let (mut g, mut u) =
+                            (dot(&gate_up[e], j, &xr), dot(&gate_up[e], inter + j, &xr));
+                        if let Some(l) = limit {
+                            g = g.min(l);
+                            u = u.clamp(-l, l);
+                        }
+                        bf16::from_f32(f(g) * u).to_f32()
+                    })
+                    .collect();
+                for j in 0..hd {
+                    want[r * hd + j] += w[r * k + slot] * dot(&down[e], j, &a);
+                }
+            }
+        }
+        let mut d_x = s.clone_htod(&x0).unwrap();
+        kernels
+            .forward(
+                &dev,
+                shape,
+                (&d_ids, &d_w),
+                &table,
+                &d_xb,
+                (act, limit),
+                &mut scratch,
+                &mut d_x,
+            )
+            .unwrap();
+        let got: Vec<f32> = s
+            .clone_dtoh(&d_x)
+            .unwrap()
+            .iter()
+            .zip(&x0)
+            .map(|(a, b)| a - b)
+            .collect();
+        let err = rel_l2(&got, &want);
+        println!("routed kernels, {act:?} limit {limit:?}: rel-L2 {err:.2e} against the host");
+        assert!(err <= TOLERANCE, "{act:?} limit {limit:?}: rel-L2 {err}");
+    }
+}
