@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-routed experts on the H200 in one call: the GPU tests of the path, then decode with the
-# device-routed experts off (host-planned, as MOE_DEVICE_ROUTED=0) and on in turn (A B A B, one process,
+# device-routed experts off (host-planned, the default) and on (MOE_DEVICE_ROUTED=1) in turn (A B A B, one process,
 # same sequences: `bench decode --device-routed-ab 2`) on a 16-layer SmallThinker-21B-shape checkpoint
 # with every expert resident (`--gpu-experts auto`) and with none (`0`: the path must not change), then
 # an 8-layer Qwen3-30B-A3B-shape checkpoint with 64 of 128 experts per layer on the GPU.

@@ -125,7 +125,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub split_ab: bool,
     /// `bench decode` on the CUDA backend: then N rounds of `--steps` steps with the device-routed
-    /// experts off (the host-planned path, as `MOE_DEVICE_ROUTED=0`) and on in turn, same sequences.
+    /// experts off (the host-planned path, the default) and on (as `MOE_DEVICE_ROUTED=1`) in turn, same
+    /// sequences; leaves them on.
     #[arg(long, default_value_t = 0)]
     pub device_routed_ab: usize,
     #[command(flatten)]
@@ -294,7 +295,7 @@ fn decode_batch(
     }
     if split.device_routed_layers > 0 {
         println!(
-            "  device-routed experts: {:.1} MoE layers per step computed their resident experts from the routing on the device (their hits are not in the GPU share above); MOE_DEVICE_ROUTED=0 turns it off",
+            "  device-routed experts: {:.1} MoE layers per step computed their resident experts from the routing on the device (their hits are not in the GPU share above)",
             split.device_routed_layers as f64 / n
         );
     }

@@ -1,5 +1,6 @@
 //! Resident experts computed from the routing on the device (`gpu::routed`) against the host-planned
-//! path (`MOE_DEVICE_ROUTED=0`), in one engine switched between the two.
+//! path (the default; `MOE_DEVICE_ROUTED=1` turns the device path on), in one engine switched between
+//! the two.
 //!
 //! Tolerance: the device-routed kernels are GEMVs that accumulate in another order than cuBLAS's
 //! GEMMs and round the same activations to bf16, so the logits are not bit-identical: per step

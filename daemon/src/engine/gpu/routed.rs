@@ -16,7 +16,8 @@
 //! Small steps only (at most `MAX_GRAPH_ROWS` rows, not a long prompt), one GPU (no tensor
 //! parallelism), bf16 resident experts (what `--gpu-experts` uploads), exact routing (no deferred
 //! experts, early routing or benchmark routing override): anything else runs the host-planned path,
-//! as does everything with `MOE_DEVICE_ROUTED=0` (the A/B). Each layer's device table of resident
+//! as does everything unless `MOE_DEVICE_ROUTED=1` (opt-in until the path's GPU tests have run on the
+//! device; `bench decode --device-routed-ab` times both). Each layer's device table of resident
 //! weight addresses is compared with the expert table at the start of every such step and rewritten
 //! when live re-placement moved an expert (graphs bake the table's address, not its contents).
 //!
@@ -120,7 +121,8 @@ fn resident_addrs(dev: &moe_kernels::cuda::GpuDevice, moe: &GpuMoe) -> Option<Ve
 }
 
 impl GpuModel {
-    /// Turns the device-routed experts on or off (A/B runs and tests; on unless `MOE_DEVICE_ROUTED=0`).
+    /// Turns the device-routed experts on or off (A/B runs and tests; the start value is
+    /// `MOE_DEVICE_ROUTED=1`).
     pub fn set_device_routed(&self, on: bool) {
         self.device_routed.store(on, Ordering::Relaxed);
     }
