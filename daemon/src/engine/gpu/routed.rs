@@ -142,6 +142,7 @@ impl GpuModel {
             && n <= MAX_GRAPH_ROWS
             && n * mc.top_k <= MAX_PAIRS
             && self.shard.is_none()
+            && !self.probing()
             && self.hybrid.is_none()
             && self.defer_experts == 0
             && !self.early_routing()
