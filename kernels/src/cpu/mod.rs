@@ -5,6 +5,7 @@
 //! f32 dot the engine's small reductions use ([`vector`]) and the benchmark ([`bench`](mod@bench)).
 
 pub mod attention;
+pub mod backing;
 pub mod bench;
 pub mod bench_dense;
 pub mod dense;
@@ -19,6 +20,7 @@ pub mod pool;
 pub mod topology;
 pub mod vector;
 
+pub use backing::PageBacking;
 pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix, GroupedInput};
 pub use features::{detected_tier, CpuTier};
 pub use ggml::GgmlBlock;
