@@ -17,6 +17,12 @@
 #      (--expert-prefetch-mib 0) against early routing with the chosen experts prefetched while attention
 #      runs (32 MiB per layer), two rounds each (A B A B). scripts/hybrid_session.sh does the same beside
 #      the decode launch order and the long-prefill profile.
+#   p  Page backing of the packed experts: a 52-layer SmallThinker-21B synth (safetensors, bf16, 40 GiB in
+#      /dev/shm), decode with every expert in DRAM on reserved 2 MiB pages (--hugepages 2M, pages reserved
+#      before the synth while memory is unfragmented), then on transparent huge pages only (--hugepages thp,
+#      reserved pages released), then (time allowing) on 4 KiB pages (--hugepages off) and at a 24 GiB GPU
+#      budget; each load logs what backs the experts ("packed DRAM experts: ...") and each decode is timed
+#      twice on the same load (--batch 1,1). Needs root for /proc/sys/vm/nr_hugepages.
 #
 # GPU memory: ours prints its plan and peak; for both, a sampler records nvidia-smi's memory.used.
 # llama.cpp: built here with CUDA from the peer kit in the background (its processes are stopped while our
@@ -40,6 +46,7 @@ SHM=${SHM:-/dev/shm}
 A_BUDGET=${A_BUDGET:-280}       # seconds for phase a
 B_BUDGET=${B_BUDGET:-210}       # seconds for phase b
 C_BUDGET=${C_BUDGET:-150}       # seconds for phase c
+P_BUDGET=${P_BUDGET:-170}       # seconds for phase p
 GLM_LAYERS=${GLM_LAYERS:-16}
 B_MODELS=${B_MODELS:-glm st}    # phase b's models, in order (glm: GLM-4.5-Air shape; st: SmallThinker-21B;
                                 # stq: SmallThinker-21B Q4_K_M, not run unless named)
@@ -142,7 +149,7 @@ ours() {
   sampler_stop "$name"
   sleep 0.2
   echo "  rc=$rc"
-  grep -hE "^loaded|dense projections|GPU memory plan|^  (attention|dense MLP|shared experts|lm_head|embeddings|GPU experts|KV cache|activations) |GPU memory at start|^prefill|^decode|per step|early routing|GPU memory:|rror|panick|does not fit" \
+  grep -hE "^loaded|dense projections|GPU memory plan|^  (attention|dense MLP|shared experts|lm_head|embeddings|GPU experts|KV cache|activations) |GPU memory at start|^prefill|^decode|per step|early routing|GPU memory:|packed DRAM experts|DRAM read bandwidth|DRAM bound|rror|panick|does not fit" \
     "$OUT/$name.err" "$OUT/$name.log" | sed 's/^/  /' | cut -c1-400
 }
 
@@ -245,15 +252,46 @@ phase_c() {
   rm -rf "$M"
 }
 
+# Reserved 2 MiB pages for the 52 layers' packed DRAM experts: 360 pages of 64 × 11.25 MiB per layer, one
+# mapping per layer (one NUMA node here), plus a few for the rest.
+P_PAGES=${P_PAGES:-$(( 52 * 360 + 64 ))}
+pages_facts() {
+  grep -E "^(AnonHugePages|HugePages_(Total|Free|Rsvd)|MemAvailable)" /proc/meminfo | tr -s ' ' | paste -sd ' '
+  echo "  THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled); defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
+}
+
+phase_p() {
+  DEADLINE=$(( $(date +%s) + P_BUDGET ))
+  log "phase p: page backing of the packed experts, budget ${P_BUDGET}s"
+  local M=$SHM/st21-L52 t
+  t=$(date +%s%N)
+  echo "$P_PAGES" > /proc/sys/vm/nr_hugepages
+  log "reserved $(cat /proc/sys/vm/nr_hugepages) of $P_PAGES 2 MiB pages in $(( ($(date +%s%N) - t) / 1000000 )) ms"
+  pages_facts
+  log "synth-checkpoint smallthinker-21b, 52 layers"
+  timeout 120 "$MOE" bench synth-checkpoint --like smallthinker-21b --out "$M" > "$OUT/synth_p.log" 2>&1 \
+    || { tail -3 "$OUT/synth_p.log"; rm -rf "$M"; echo 0 > /proc/sys/vm/nr_hugepages; return 1; }
+  tail -1 "$OUT/synth_p.log"; pages_facts
+  local run=(--model "$M" --steps 48 --prompt-len 64 --batch 1,1)
+  ours st21_L52_dram_2m 90 "${run[@]}" --gpu-experts 0 --hugepages 2M
+  echo 0 > /proc/sys/vm/nr_hugepages; pages_facts
+  ours st21_L52_dram_thp 90 "${run[@]}" --gpu-experts 0 --hugepages thp
+  pages_facts
+  ours st21_L52_dram_4k 90 "${run[@]}" --gpu-experts 0 --hugepages off
+  ours st21_L52_24g_thp 90 "${run[@]}" --gpu-experts auto --gpu-memory-limit 24GiB --hugepages thp
+  rm -rf "$M"
+}
+
 facts
-gguf_env
 [ $# -ge 1 ] || set -- a b
+[[ " $* " == *" a "* || " $* " == *" b "* ]] && gguf_env
 for p in "$@"; do
   case $p in
     a) phase_a ;;
     b) phase_b ;;
     c) phase_c ;;
-    *) echo "unknown phase $p (a, b, c)"; exit 2 ;;
+    p) phase_p ;;
+    *) echo "unknown phase $p (a, b, c, p)"; exit 2 ;;
   esac
 done
 [ -n "$BUILD_SID" ] && { build_signal CONT; log "llama.cpp build still running: left to finish in the background"; }

@@ -210,6 +210,12 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         );
         gbs
     });
+    // what the kernel backs the packed experts with (reserved / transparent huge pages or 4 KiB)
+    match engine.expert_page_backing() {
+        Some(Ok(b)) => println!("packed DRAM experts: {b}"),
+        Some(Err(e)) => println!("packed DRAM experts: page backing unknown ({e})"),
+        None => {}
+    }
     let mut last = None;
     for &batch in &a.batch {
         last = Some(decode_batch(&engine, &a, batch.get(), dram_gbs)?);

@@ -85,7 +85,8 @@ pub struct EngineArgs {
     /// NUMA policy of the CPU expert workers: auto (one pool per node, experts partitioned) or off.
     #[arg(long, default_value = "auto")]
     pub numa: NumaMode,
-    /// Expert memory pages: auto, 1G, 2M (reserved hugepages, else transparent) or off.
+    /// Expert memory pages: auto, 1G, 2M (reserved hugepages, else transparent), thp (transparent only) or
+    /// off (4 KiB). Load logs what the kernel gave.
     #[arg(long, default_value = "auto")]
     pub hugepages: HugepageMode,
     /// Format of DRAM experts: bf16, fp8, int8, int4 (group 32), int4g64, int4g128. Default: as stored.

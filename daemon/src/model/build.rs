@@ -93,7 +93,12 @@ pub fn build_model(cfg: ModelConfig, src: &dyn TensorSource) -> Result<Model, Bu
         )?,
         None,
     );
-    let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") {
+    // Tied as transformers ties: the table serves as lm_head unless the checkpoint holds an lm_head of
+    // its own; a name that reads the table itself (a GGUF without `output.weight`) is not one, so
+    // the table is held once.
+    let own_head = src.contains("lm_head.weight")
+        && !src.same_tensor("lm_head.weight", &format!("{prefix}.embed_tokens.weight"));
+    let lm_head = if cfg.tie_word_embeddings && !own_head {
         None
     } else {
         Some(ld.linear("lm_head", cfg.vocab_size, h)?)

@@ -335,6 +335,13 @@ impl GgufFile {
 }
 
 impl TensorSource for GgufFile {
+    fn same_tensor(&self, a: &str, b: &str) -> bool {
+        match (self.gguf_name(a), self.gguf_name(b)) {
+            (Some(a), Some(b)) => a.name == b.name && a.expert == b.expert,
+            _ => false,
+        }
+    }
+
     fn contains(&self, name: &str) -> bool {
         self.gguf_name(name).is_some_and(|r| {
             self.tensors.get(&r.name).is_some_and(|t| match r.expert {

@@ -85,6 +85,11 @@ pub trait TensorSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// The tensor under its Hugging Face name; errors name the tensor and the file.
     fn load(&self, name: &str) -> Result<HostTensor, WeightError>;
+    /// Whether two names read the same stored tensor (a GGUF without `output.weight` serves its token
+    /// table as `lm_head.weight` too); such a pair is loaded once.
+    fn same_tensor(&self, _a: &str, _b: &str) -> bool {
+        false
+    }
 }
 
 /// What can go wrong reading a checkpoint. Every variant names the file and, where it applies, the tensor.

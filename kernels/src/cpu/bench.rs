@@ -297,9 +297,12 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
         drop(src);
         drop(build_pool);
         let per_expert = sets[0].bytes_per_expert();
+        // what the kernel backs the packed layers with (smaps), beside what was asked for
+        let backing = crate::cpu::memory::backing_of(sets.iter().flat_map(|s| s.buffers()))
+            .map_or_else(|e| format!("unknown ({e})"), |b| b.to_string());
         let _ = writeln!(
             out,
-            "\n## dtype {fmt:?}: {:.2} GB packed per layer ({} per expert), memory {:?}, tier {}, load {:.1}s",
+            "\n## dtype {fmt:?}: {:.2} GB packed per layer ({} per expert), memory {:?} ({backing}), tier {}, load {:.1}s",
             sets[0].bytes() as f64 / 1e9,
             per_expert,
             sets[0].page_kinds(),

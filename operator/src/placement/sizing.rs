@@ -13,7 +13,9 @@
 //! kv_reserve   = kv_bytes_per_token × max_model_len × min(max_num_seqs, 2)   (10% of GPU memory if unknown)
 //! gpu_experts  = clamp(⌊gpu_budget / (moe_layers × expert_bytes)⌋, 0, experts_per_layer)
 //! cpu_experts  = (experts_per_layer − gpu_experts) × moe_layers × expert_bytes
-//! hugepages    = cpu_experts rounded up to the page size (1Gi if the node has enough, else 2Mi, else off)
+//! hugepages    = each MoE layer's DRAM experts rounded up to whole pages (one mapping per layer;
+//!                2Mi: one page more per layer for a second NUMA node), summed: 1Gi if the node has
+//!                enough and at most 1/8 of it stays empty, else 2Mi if the node has enough, else off
 //! memory       = 4 GiB runtime + 5% of cpu_experts + (cpu_experts when not in hugepages)
 //! cpus         = whole CPUs free on the node: allocatable − CPU requested by the pods already bound
 //!                there (other workloads', DaemonSets included); without a cluster (`plan`),
@@ -144,6 +146,23 @@ pub fn plan_inputs(
             0
         },
     }
+}
+
+/// Bytes of `kind` pages that hold `layers` MoE layers of `layer_bytes` DRAM experts as the daemon maps
+/// them: one mapping per layer (per NUMA group of its worker pool), each rounded up to whole pages on
+/// its own, so 1 GiB pages hold a 720 MiB layer in 1 GiB. For 2 MiB pages one more page per layer lets
+/// a pod whose CPUs span two NUMA nodes (two mappings per layer) fit too; with 1 GiB pages such a pod's
+/// layers that do not fit fall back to 2 MiB or transparent pages (the daemon checks its cgroup's
+/// hugetlb limit before mapping).
+pub fn hugepage_bytes(kind: HugepageKind, layers: u64, layer_bytes: u64) -> u64 {
+    if layer_bytes == 0 {
+        return 0;
+    }
+    let numa_slack = match kind {
+        HugepageKind::OneGi => 0,
+        HugepageKind::TwoMi => 1,
+    };
+    layers * (layer_bytes.div_ceil(kind.page_bytes()) + numa_slack) * kind.page_bytes()
 }
 
 /// Why a node's hardware cannot host any sizing at all.
@@ -295,14 +314,16 @@ pub fn size_for_node(
     } else {
         gpu_experts
     };
-    let cpu_expert_bytes = match (shape, gpu_experts_off_dram) {
-        (Some(shape), Some(g)) => {
-            (shape.experts_per_layer - g.min(shape.experts_per_layer)) as u64
-                * shape.moe_layers as u64
-                * shape.expert_bytes
-        }
-        _ => 0,
+    // The DRAM experts of one MoE layer (placement keeps the same count in every layer).
+    let (moe_layers, layer_dram_bytes) = match (shape, gpu_experts_off_dram) {
+        (Some(shape), Some(g)) => (
+            shape.moe_layers as u64,
+            (shape.experts_per_layer - g.min(shape.experts_per_layer)) as u64 * shape.expert_bytes,
+        ),
+        _ => (0, 0),
     };
+    let cpu_expert_bytes = moe_layers * layer_dram_bytes;
+    let pages = |kind: HugepageKind| hugepage_bytes(kind, moe_layers, layer_dram_bytes);
 
     let hp = &spec.placement.hugepages;
     let explicit_amount = hp.amount.as_ref().and_then(|q| quantity_bytes(q).ok());
@@ -316,8 +337,8 @@ pub fn size_for_node(
             } else {
                 HugepageKind::TwoMi
             };
-            let bytes = explicit_amount.unwrap_or(cpu_expert_bytes);
-            (bytes > 0).then(|| (kind, round_to_page(kind, bytes)))
+            let bytes = explicit_amount.map_or_else(|| pages(kind), |b| round_to_page(kind, b));
+            (bytes > 0).then_some((kind, bytes))
         }
         HugepageSize::Auto => {
             if cpu_expert_bytes == 0 {
@@ -325,7 +346,12 @@ pub fn size_for_node(
             } else {
                 [HugepageKind::OneGi, HugepageKind::TwoMi]
                     .into_iter()
-                    .map(|kind| (kind, round_to_page(kind, cpu_expert_bytes)))
+                    .map(|kind| (kind, pages(kind)))
+                    // the daemon's own rule for 1 GiB pages: at most 1/8 of them left empty
+                    .filter(|&(kind, bytes)| {
+                        kind != HugepageKind::OneGi
+                            || bytes - cpu_expert_bytes <= cpu_expert_bytes / 8
+                    })
                     .find(|(kind, bytes)| kind.available_on(node) >= *bytes)
             }
         }

@@ -10,7 +10,7 @@ use super::sizing::{self, HugepageKind};
 use super::*;
 use crate::crd::{AutoOr, HugepageSize, MoEDeploymentSpec};
 use crate::model_shape::resolve_shape;
-use crate::quantity::GIB;
+use crate::quantity::{GIB, MIB};
 
 /// A GPU node as NFD + GFD + the device plugin label it. `cc` = compute capability.
 struct NodeFixture {
@@ -524,8 +524,9 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
     assert_eq!(plan.dense_dtype, moe_sizing::DenseDtype::Bf16);
     assert!(!plan.host_embeddings && plan.kv_tokens >= 2 * 32768);
     assert!(s.gpu_bytes_per_gpu as f64 <= 24564.0 * 1048576.0 * 0.9);
-    // 105 experts × 48 layers × 9 MiB = 44.3 GiB → 45 pages of 1 GiB.
-    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 45 * GIB)));
+    // 105 experts × 9 MiB = 945 MiB per layer, one mapping per layer → 1 GiB page each: 48 pages
+    // for 44.3 GiB of experts (3.7 GiB empty, within the 1/8 the daemon accepts for 1 GiB pages).
+    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 48 * GIB)));
     // 4 GiB runtime + 5% of the DRAM experts.
     assert_eq!(s.memory_bytes, 6364 * crate::quantity::MIB);
     assert_eq!((s.cpus, s.cpu_threads), (30, 29));
@@ -534,19 +535,29 @@ fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
 
 #[test]
 fn live_placement_keeps_every_expert_in_dram() {
-    // Live re-placement keeps a DRAM copy of the GPU experts too (they can move back), so the
-    // hugepages hold all 128 × 48 experts × 9 MiB = 54 GiB instead of the DRAM experts' 45 GiB.
+    // Live re-placement keeps a DRAM copy of the GPU experts too (they can move back), so DRAM holds
+    // all 128 × 48 experts × 9 MiB = 54 GiB instead of the DRAM experts' 44.3 GiB. A layer's 1152 MiB
+    // would take two 1 GiB pages (96 GiB for 54: the daemon would not use them), and this node has no
+    // 2 MiB pages, so the experts count against memory; with 2 MiB pages they go there.
     let node = NodeFixture::rtx4090_host("rtx4090");
     let mut spec = qwen_spec();
     let without = decide_for(&spec, std::slice::from_ref(&node))
         .sizing
         .unwrap();
-    assert_eq!(without.hugepages, Some((HugepageKind::OneGi, 45 * GIB)));
+    assert_eq!(without.hugepages, Some((HugepageKind::OneGi, 48 * GIB)));
     spec.placement.live_placement = true;
     let d = decide_for(&spec, &[node]);
     let s = d.sizing.expect("sizing");
-    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 54 * GIB)));
-    assert!(s.memory_bytes > without.memory_bytes);
+    assert_eq!(s.hugepages, None);
+    assert!(s.memory_bytes >= 4 * GIB + 54 * GIB, "{}", s.memory_bytes);
+    let with_2mi = NodeFixture {
+        hugepages_2mi: "60Gi",
+        ..NodeFixture::rtx4090_host("rtx4090")
+    };
+    let s = decide_for(&spec, &[with_2mi]).sizing.unwrap();
+    // 48 layers × (576 + 1) pages of 2 MiB
+    assert_eq!(s.hugepages, Some((HugepageKind::TwoMi, 48 * 577 * 2 * MIB)));
+    assert!(s.memory_bytes < without.memory_bytes + GIB);
 }
 
 #[test]
@@ -568,6 +579,36 @@ fn hugepages_auto_falls_back_to_2mi_then_off() {
         none.memory_bytes > 40 * GIB,
         "experts count against memory when hugepages are off"
     );
+}
+
+/// SmallThinker-21B with every expert in DRAM: 64 × 11.25 MiB = 720 MiB per layer. 1 GiB pages would
+/// leave 30 % of 52 GiB empty (the daemon's own rule uses 1 GiB pages only within 1/8), so a node with
+/// both kinds gives the pod 2 MiB pages: 52 layers × (360 + 1) pages, not the total's 18,720.
+#[test]
+fn smallthinker_experts_go_to_2mi_pages_not_half_empty_1gi_ones() {
+    let mut spec =
+        spec("model: {source: {huggingFace: {repo: PowerInfer/SmallThinker-21BA3B-Instruct}}}");
+    spec.placement.gpu_experts_per_layer = AutoOr::Count(0);
+    let node = NodeFixture {
+        hugepages_1gi: "64Gi",
+        hugepages_2mi: "64Gi",
+        ..NodeFixture::ada_24g("both")
+    };
+    let s = decide_for(&spec, &[node]).sizing.expect("sizing");
+    assert_eq!(s.gpu_experts_per_layer, Some(0));
+    assert_eq!(s.hugepages, Some((HugepageKind::TwoMi, 52 * 361 * 2 * MIB)));
+    assert_eq!(
+        sizing::hugepage_bytes(HugepageKind::OneGi, 52, 720 * MIB),
+        52 * GIB
+    );
+    // explicit 1Gi: what the daemon maps, whole pages per layer
+    spec.placement.hugepages.size = HugepageSize::OneGi;
+    let node = NodeFixture {
+        hugepages_1gi: "64Gi",
+        ..NodeFixture::ada_24g("one")
+    };
+    let s = decide_for(&spec, &[node]).sizing.expect("sizing");
+    assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 52 * GIB)));
 }
 
 #[test]

@@ -3,14 +3,16 @@
 //!
 //! Packing happens once, after placement: each MoE layer's remaining (non-GPU) experts are repacked
 //! into the kernel layout (optionally quantized to int8 / int4) and the checkpoint-layout copies are
-//! dropped, so one copy of every expert stays in memory.
+//! dropped, so one copy of every expert stays in memory. Then the packed memory is settled on huge
+//! pages where the system allows and what backs it is logged (see [`settle_pages`]).
 use crate::engine::linear::{Linear, WeightData};
 use crate::model::{Ffn, Model};
 use anyhow::Context;
+use moe_kernels::cpu::memory::{backing_of, collapse_to_huge_pages, HugeBuffer};
 use moe_kernels::cpu::moe::{
     CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
 };
-use moe_kernels::cpu::{CpuMoeOptions, WorkerPool};
+use moe_kernels::cpu::{CpuMoeOptions, PageBacking, WorkerPool};
 
 /// The FP8 block size the kernels read scales for.
 const KERNEL_FP8_BLOCK: usize = 128;
@@ -93,7 +95,82 @@ pub fn pack_model(
         }
         block.cpu_set = Some(set);
     }
+    settle_pages(model, pool);
     Ok(())
+}
+
+/// The packed expert sets of every MoE layer.
+fn cpu_sets(model: &Model) -> impl Iterator<Item = &CpuExpertSet> {
+    model.layers.iter().filter_map(|l| match &l.ffn {
+        Ffn::Moe(b) => b.cpu_set.as_ref(),
+        _ => None,
+    })
+}
+
+/// A pool this large on 4 KiB pages is worth a warning (smaller ones: tests, tiny models).
+const WARN_SMALL_PAGES_BYTES: u64 = 1 << 30;
+/// Share of the packed experts on 4 KiB pages above which the warning is given.
+const WARN_SMALL_PAGES_FRACTION: f64 = 0.10;
+
+/// After packing (the first touch of the expert memory, madvised for THP): collapses what THP left on
+/// 4 KiB pages into huge pages, and logs what backs the packed experts and what that cost. With reserved
+/// pages (hugetlb) there is nothing to collapse; with `--hugepages off` nothing is tried.
+fn settle_pages(model: &Model, pool: &WorkerPool) {
+    let buffers: Vec<&HugeBuffer> = cpu_sets(model).flat_map(|s| s.buffers()).collect();
+    if buffers.is_empty() {
+        return;
+    }
+    let before = backing_of(buffers.iter().copied());
+    let collapse = collapse_to_huge_pages(&buffers, pool);
+    let after = match backing_of(buffers.iter().copied()) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!("packed DRAM experts: page backing unknown (/proc/self/smaps: {e})");
+            return;
+        }
+    };
+    if collapse.ranges > 0 {
+        let before = before.map_or("unknown".to_string(), |b| b.to_string());
+        let how = if collapse.unsupported {
+            "not available (MADV_COLLAPSE needs Linux 6.1)".to_string()
+        } else {
+            format!(
+                "{} of {} 2 MiB ranges refused, {} not tried",
+                collapse.failed, collapse.ranges, collapse.skipped
+            )
+        };
+        tracing::info!(
+            "packed DRAM experts: THP collapse after packing took {:.2} s ({how}); before it {before}",
+            collapse.seconds
+        );
+    }
+    tracing::info!("packed DRAM experts: {after}");
+    if after.small >= WARN_SMALL_PAGES_BYTES && after.small_fraction() > WARN_SMALL_PAGES_FRACTION {
+        tracing::warn!(
+            "{:.1} GiB of the packed DRAM experts sit on 4 KiB pages: each 4 KiB of an expert read can \
+             miss the TLB, and decode reads every chosen expert once per token. Reserve 2 MiB pages \
+             before start (echo {} > /proc/sys/vm/nr_hugepages; a pod: resources hugepages-2Mi) or \
+             enable transparent hugepages (madvise or always in \
+             /sys/kernel/mm/transparent_hugepage/enabled)",
+            after.small as f64 / (1u64 << 30) as f64,
+            hugepages_2m_for(&buffers)
+        );
+    }
+}
+
+/// 2 MiB pages that would hold `buffers` (each rounded up on its own, as it is mapped).
+fn hugepages_2m_for(buffers: &[&HugeBuffer]) -> usize {
+    buffers.iter().map(|b| b.len().div_ceil(2 << 20)).sum()
+}
+
+impl crate::engine::Engine {
+    /// What backs the packed DRAM experts now (`/proc/self/smaps`, read on each call: benchmarks,
+    /// reports); `None` when no experts are packed for the CPU kernels.
+    pub fn expert_page_backing(&self) -> Option<std::io::Result<PageBacking>> {
+        let mut sets = cpu_sets(&self.model).peekable();
+        sets.peek()?;
+        Some(backing_of(sets.flat_map(|s| s.buffers())))
+    }
 }
 
 /// What the kernels read for one checkpoint tensor (routed experts are never densely packed).

@@ -146,8 +146,8 @@ pub fn stored_dense(model: &Model) -> Option<StoredDense> {
 
 /// The sizing shape of a loaded model: its configuration's ([`shape_of`]) with the stored formats
 /// of its dense projections (GGUF blocks the GPU keeps as they are), and tied only when the model holds
-/// no lm_head of its own (a tied GGUF names its token table as `lm_head.weight` too, and the loader
-/// then keeps a second copy, which the GPU uploads whatever the dtype).
+/// no lm_head of its own (a checkpoint tied in its config that still carries a distinct lm_head keeps
+/// it, as transformers does, and the GPU uploads it whatever the dtype).
 pub fn shape_of_model(model: &Model, checkpoint: CheckpointFormat) -> ModelShape {
     let cfg = shape_of(&model.config, has_qkv_bias(model), checkpoint);
     ModelShape {

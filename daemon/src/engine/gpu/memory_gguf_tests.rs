@@ -161,140 +161,154 @@ fn planned_gate_up_is_what_upload_mlp_stacks() {
     }
 }
 
+/// One tensor of a random GGUF: name (per layer: without the `blk.{i}.` prefix), block type, ggml dims
+/// (innermost first).
+type GgufRow = (String, GgmlBlock, Vec<u64>);
+
+fn row(name: &str, kind: GgmlBlock, dims: &[u64]) -> GgufRow {
+    (name.to_string(), kind, dims.to_vec())
+}
+
+/// A small random-weight GGUF in llama.cpp's layout, declared as a table (as `scripts/gguf_random.py`'s
+/// writers do): the architecture's `{arch}.*` metadata, the tensors before, in and after the layers.
+struct RandomGguf {
+    arch: &'static str,
+    ints: Vec<(&'static str, u64)>,
+    floats: Vec<(&'static str, f64)>,
+    head: Vec<GgufRow>,
+    /// Layer i's tensors, named `blk.{i}.{name}` in the file.
+    layers: Vec<Vec<GgufRow>>,
+    tail: Vec<GgufRow>,
+}
+
+impl RandomGguf {
+    /// Writes the file with random blocks of each tensor's type, or with `as_f32` the values those
+    /// same blocks decode to as F32 tensors (the twin a quantized file is compared with).
+    fn write(self, path: &std::path::Path, as_f32: bool) {
+        let key = |k: &str| format!("{}.{k}", self.arch);
+        let mut meta: Vec<(String, GgufValue)> = vec![(
+            "general.architecture".into(),
+            GgufValue::Str(self.arch.into()),
+        )];
+        meta.extend(self.ints.iter().map(|&(k, v)| (key(k), GgufValue::U64(v))));
+        meta.extend(
+            self.floats
+                .iter()
+                .map(|&(k, v)| (key(k), GgufValue::F64(v))),
+        );
+        let layers = self.layers.into_iter().enumerate().flat_map(|(i, rows)| {
+            rows.into_iter()
+                .map(move |(n, kind, dims)| (format!("blk.{i}.{n}"), kind, dims))
+        });
+        let tensors: Vec<(String, u32, Vec<u64>, Vec<u8>)> = self
+            .head
+            .into_iter()
+            .chain(layers)
+            .chain(self.tail)
+            .enumerate()
+            .map(|(i, (name, kind, dims))| {
+                let cols = dims[0] as usize;
+                let rows = (dims.iter().product::<u64>() / dims[0]) as usize;
+                let blocks = random_blocks(kind, rows, cols, i as u64 + 7);
+                if as_f32 {
+                    let mut v = vec![0f32; rows * cols];
+                    moe_kernels::cpu::ggml::dequantize(kind, &blocks, &mut v);
+                    let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    return (name, 0, dims, bytes);
+                }
+                let id = match kind {
+                    GgmlBlock::F32 => 0,
+                    GgmlBlock::Q4_0 => 2,
+                    GgmlBlock::Q5_0 => 6,
+                    GgmlBlock::Q5_1 => 7,
+                    GgmlBlock::Q8_0 => 8,
+                    GgmlBlock::Q4K => 12,
+                    GgmlBlock::Q6K => 14,
+                    other => unreachable!("{other:?}"),
+                };
+                (name, id, dims, blocks)
+            })
+            .collect();
+        let meta_refs: Vec<(&str, GgufValue)> =
+            meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let t_refs: Vec<(&str, u32, Vec<u64>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, id, d, b)| (n.as_str(), *id, d.clone(), b.clone()))
+            .collect();
+        std::fs::write(path, write_gguf(&meta_refs, &t_refs)).unwrap();
+    }
+}
+
 /// A glm4moe file as `scripts/make_gguf_glm4moe.py --dtype q4_0 --dense-dtype q4_k --output-dtype q6_k`
 /// writes it, small: hidden 256, 2 q-heads / 1 kv-head of 128 with q/k/v biases, one dense layer (ffn
 /// 768) and two MoE layers of 4 experts of width 320 plus a shared one; Q8_0 where rows are not
 /// whole Q4_K blocks (the 320-wide down projections).
 fn small_glm_gguf(path: &std::path::Path) {
+    use GgmlBlock::{Q4K, Q4_0, Q6K, Q8_0};
     let (h, ff, inter, experts, vocab, layers) = (256u64, 768u64, 320u64, 4u64, 512u64, 3u64);
     let (q, kv) = (256u64, 128u64);
-    let key = |k: &str| format!("glm4moe.{k}");
-    let u = GgufValue::U64;
-    let meta: Vec<(String, GgufValue)> = vec![
-        (
-            "general.architecture".into(),
-            GgufValue::Str("glm4moe".into()),
-        ),
-        (key("block_count"), u(layers)),
-        (key("embedding_length"), u(h)),
-        (key("feed_forward_length"), u(ff)),
-        (key("attention.head_count"), u(2)),
-        (key("attention.head_count_kv"), u(1)),
-        (key("attention.key_length"), u(128)),
-        (key("attention.value_length"), u(128)),
-        (key("rope.dimension_count"), u(64)),
-        (key("context_length"), u(4096)),
-        (key("vocab_size"), u(vocab)),
-        (key("expert_count"), u(experts)),
-        (key("expert_used_count"), u(2)),
-        (key("expert_shared_count"), u(1)),
-        (key("expert_feed_forward_length"), u(inter)),
-        (key("leading_dense_block_count"), u(1)),
-        (key("expert_weights_scale"), GgufValue::F64(1.0)),
-        (key("rope.freq_base"), GgufValue::F64(1e6)),
-    ];
-    // (name, type, ggml dims: innermost first)
-    let k4 = |cols: u64| {
-        if cols.is_multiple_of(256) {
-            GgmlBlock::Q4K
-        } else {
-            GgmlBlock::Q8_0
-        }
-    };
-    let mut t: Vec<(String, GgmlBlock, Vec<u64>)> =
-        vec![("token_embd.weight".into(), GgmlBlock::Q4K, vec![h, vocab])];
-    for i in 0..layers {
-        let p = |n: &str| format!("blk.{i}.{n}");
-        t.extend([
-            (p("attn_norm.weight"), GgmlBlock::F32, vec![h]),
-            (p("attn_q.weight"), k4(h), vec![h, q]),
-            (p("attn_q.bias"), GgmlBlock::F32, vec![q]),
-            (p("attn_k.weight"), k4(h), vec![h, kv]),
-            (p("attn_k.bias"), GgmlBlock::F32, vec![kv]),
-            (p("attn_v.weight"), k4(h), vec![h, kv]),
-            (p("attn_v.bias"), GgmlBlock::F32, vec![kv]),
-            (p("attn_output.weight"), k4(q), vec![q, h]),
-            (p("post_attention_norm.weight"), GgmlBlock::F32, vec![h]),
-        ]);
+    let f32 = GgmlBlock::F32;
+    let k4 = |cols: u64| if cols.is_multiple_of(256) { Q4K } else { Q8_0 };
+    let layer = |i: u64| {
+        let mut t = vec![
+            row("attn_norm.weight", f32, &[h]),
+            row("attn_q.weight", k4(h), &[h, q]),
+            row("attn_q.bias", f32, &[q]),
+            row("attn_k.weight", k4(h), &[h, kv]),
+            row("attn_k.bias", f32, &[kv]),
+            row("attn_v.weight", k4(h), &[h, kv]),
+            row("attn_v.bias", f32, &[kv]),
+            row("attn_output.weight", k4(q), &[q, h]),
+            row("post_attention_norm.weight", f32, &[h]),
+        ];
         if i == 0 {
             t.extend([
-                (p("ffn_gate.weight"), k4(h), vec![h, ff]),
-                (p("ffn_up.weight"), k4(h), vec![h, ff]),
-                (p("ffn_down.weight"), k4(ff), vec![ff, h]),
+                row("ffn_gate.weight", k4(h), &[h, ff]),
+                row("ffn_up.weight", k4(h), &[h, ff]),
+                row("ffn_down.weight", k4(ff), &[ff, h]),
             ]);
         } else {
             t.extend([
-                (p("ffn_gate_inp.weight"), GgmlBlock::F32, vec![h, experts]),
-                (p("exp_probs_b.bias"), GgmlBlock::F32, vec![experts]),
-                (
-                    p("ffn_gate_exps.weight"),
-                    GgmlBlock::Q4_0,
-                    vec![h, inter, experts],
-                ),
-                (
-                    p("ffn_up_exps.weight"),
-                    GgmlBlock::Q4_0,
-                    vec![h, inter, experts],
-                ),
-                (
-                    p("ffn_down_exps.weight"),
-                    GgmlBlock::Q4_0,
-                    vec![inter, h, experts],
-                ),
-                (p("ffn_gate_shexp.weight"), k4(h), vec![h, inter]),
-                (p("ffn_up_shexp.weight"), k4(h), vec![h, inter]),
-                (p("ffn_down_shexp.weight"), k4(inter), vec![inter, h]),
+                row("ffn_gate_inp.weight", f32, &[h, experts]),
+                row("exp_probs_b.bias", f32, &[experts]),
+                row("ffn_gate_exps.weight", Q4_0, &[h, inter, experts]),
+                row("ffn_up_exps.weight", Q4_0, &[h, inter, experts]),
+                row("ffn_down_exps.weight", Q4_0, &[inter, h, experts]),
+                row("ffn_gate_shexp.weight", k4(h), &[h, inter]),
+                row("ffn_up_shexp.weight", k4(h), &[h, inter]),
+                row("ffn_down_shexp.weight", k4(inter), &[inter, h]),
             ]);
         }
+        t
+    };
+    RandomGguf {
+        arch: "glm4moe",
+        ints: vec![
+            ("block_count", layers),
+            ("embedding_length", h),
+            ("feed_forward_length", ff),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 128),
+            ("attention.value_length", 128),
+            ("rope.dimension_count", 64),
+            ("context_length", 4096),
+            ("vocab_size", vocab),
+            ("expert_count", experts),
+            ("expert_used_count", 2),
+            ("expert_shared_count", 1),
+            ("expert_feed_forward_length", inter),
+            ("leading_dense_block_count", 1),
+        ],
+        floats: vec![("expert_weights_scale", 1.0), ("rope.freq_base", 1e6)],
+        head: vec![row("token_embd.weight", Q4K, &[h, vocab])],
+        layers: (0..layers).map(layer).collect(),
+        tail: vec![
+            row("output_norm.weight", f32, &[h]),
+            row("output.weight", Q6K, &[h, vocab]),
+        ],
     }
-    t.extend([
-        ("output_norm.weight".into(), GgmlBlock::F32, vec![h]),
-        ("output.weight".into(), GgmlBlock::Q6K, vec![h, vocab]),
-    ]);
-    write_random_gguf(path, &meta, t, false);
-}
-
-/// Writes `tensors` (name, type, ggml dims innermost first) with random blocks of their types, or with
-/// `as_f32` the values those same blocks decode to as F32 tensors.
-fn write_random_gguf(
-    path: &std::path::Path,
-    meta: &[(String, GgufValue)],
-    tensors: Vec<(String, GgmlBlock, Vec<u64>)>,
-    as_f32: bool,
-) {
-    let tensors: Vec<(String, u32, Vec<u64>, Vec<u8>)> = tensors
-        .into_iter()
-        .enumerate()
-        .map(|(i, (name, kind, dims))| {
-            let cols = dims[0] as usize;
-            let rows = (dims.iter().product::<u64>() / dims[0]) as usize;
-            let blocks = random_blocks(kind, rows, cols, i as u64 + 7);
-            if as_f32 {
-                let mut v = vec![0f32; rows * cols];
-                moe_kernels::cpu::ggml::dequantize(kind, &blocks, &mut v);
-                let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                return (name, 0, dims, bytes);
-            }
-            let id = match kind {
-                GgmlBlock::F32 => 0,
-                GgmlBlock::Q4_0 => 2,
-                GgmlBlock::Q5_0 => 6,
-                GgmlBlock::Q5_1 => 7,
-                GgmlBlock::Q8_0 => 8,
-                GgmlBlock::Q4K => 12,
-                GgmlBlock::Q6K => 14,
-                other => unreachable!("{other:?}"),
-            };
-            (name, id, dims, blocks)
-        })
-        .collect();
-    let meta_refs: Vec<(&str, GgufValue)> =
-        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let t_refs: Vec<(&str, u32, Vec<u64>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, id, d, b)| (n.as_str(), *id, d.clone(), b.clone()))
-        .collect();
-    std::fs::write(path, write_gguf(&meta_refs, &t_refs)).unwrap();
+    .write(path, false);
 }
 
 /// Device bytes the upload copies for `l` under `d`.
@@ -328,6 +342,10 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
     assert_eq!(stored.dense_mlp, vec![[Q4K, Q4K, Q4K]]);
     assert_eq!(stored.shared_experts, vec![[Q4K, Q4K, Q8_0]; 2]);
     assert_eq!(stored.lm_head, Q6K);
+    assert!(
+        model.lm_head.is_some(),
+        "output.weight is an lm_head of its own"
+    );
     let shape = shape_of_model(&model, CheckpointFormat::Bf16);
     assert_eq!(shape.stored.as_ref(), Some(&stored));
     for d in DenseDtype::ALL {
@@ -380,75 +398,58 @@ impl Drop for RemoveOnDrop {
 /// fallback types for rows that are not whole 256-blocks instead (Q5_0 ffn_down_exps and attn_output,
 /// Q5_1 attn_v), as GLM-4.5-Air's 1408-wide expert down projections do in a Q4_K_M file.
 fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool, q5: bool) {
+    use GgmlBlock::{Q4K, Q5_0, Q5_1, Q6K};
     let (h, inter, experts, vocab, layers) = (256u64, 256u64, 4u64, 512u64, 8u64);
-    let key = |k: &str| format!("smallthinker.{k}");
-    let u = GgufValue::U64;
-    let meta: Vec<(String, GgufValue)> = vec![
-        (
-            "general.architecture".into(),
-            GgufValue::Str("smallthinker".into()),
-        ),
-        (key("block_count"), u(layers)),
-        (key("embedding_length"), u(h)),
-        (key("feed_forward_length"), u(inter)),
-        (key("attention.head_count"), u(2)),
-        (key("attention.head_count_kv"), u(1)),
-        (key("attention.key_length"), u(128)),
-        (key("attention.value_length"), u(128)),
-        (key("attention.sliding_window"), u(64)),
-        (key("context_length"), u(4096)),
-        (key("vocab_size"), u(vocab)),
-        (key("expert_count"), u(experts)),
-        (key("expert_used_count"), u(2)),
-        (key("expert_feed_forward_length"), u(inter)),
-        (key("expert_gating_func"), u(2)),
-        (key("rope.freq_base"), GgufValue::F64(1.5e6)),
-    ];
+    let f32 = GgmlBlock::F32;
     // the type of layer i's attn_v / ffn_down_exps / attn_output
     let more = |i: u64, fallback: GgmlBlock| match (use_more_bits(i, layers), q5) {
         (true, true) => fallback,
-        (true, false) => GgmlBlock::Q6K,
-        (false, _) => GgmlBlock::Q4K,
+        (true, false) => Q6K,
+        (false, _) => Q4K,
     };
-    let mut t: Vec<(String, GgmlBlock, Vec<u64>)> =
-        vec![("token_embd.weight".into(), GgmlBlock::Q6K, vec![h, vocab])];
-    for i in 0..layers {
-        let p = |n: &str| format!("blk.{i}.{n}");
-        t.extend([
-            (p("attn_norm.weight"), GgmlBlock::F32, vec![h]),
-            (p("attn_q.weight"), GgmlBlock::Q4K, vec![h, 256]),
-            (p("attn_k.weight"), GgmlBlock::Q4K, vec![h, 128]),
-            (p("attn_v.weight"), more(i, GgmlBlock::Q5_1), vec![h, 128]),
-            (
-                p("attn_output.weight"),
-                if q5 {
-                    more(i, GgmlBlock::Q5_0)
-                } else {
-                    GgmlBlock::Q4K
-                },
-                vec![256, h],
+    let layer = |i: u64| {
+        vec![
+            row("attn_norm.weight", f32, &[h]),
+            row("attn_q.weight", Q4K, &[h, 256]),
+            row("attn_k.weight", Q4K, &[h, 128]),
+            row("attn_v.weight", more(i, Q5_1), &[h, 128]),
+            row(
+                "attn_output.weight",
+                if q5 { more(i, Q5_0) } else { Q4K },
+                &[256, h],
             ),
-            (p("ffn_norm.weight"), GgmlBlock::F32, vec![h]),
-            (p("ffn_gate_inp.weight"), GgmlBlock::F32, vec![h, experts]),
-            (
-                p("ffn_gate_exps.weight"),
-                GgmlBlock::Q4K,
-                vec![h, inter, experts],
-            ),
-            (
-                p("ffn_up_exps.weight"),
-                GgmlBlock::Q4K,
-                vec![h, inter, experts],
-            ),
-            (
-                p("ffn_down_exps.weight"),
-                more(i, GgmlBlock::Q5_0),
-                vec![inter, h, experts],
-            ),
-        ]);
+            row("ffn_norm.weight", f32, &[h]),
+            row("ffn_gate_inp.weight", f32, &[h, experts]),
+            row("ffn_gate_exps.weight", Q4K, &[h, inter, experts]),
+            row("ffn_up_exps.weight", Q4K, &[h, inter, experts]),
+            row("ffn_down_exps.weight", more(i, Q5_0), &[inter, h, experts]),
+        ]
+    };
+    RandomGguf {
+        arch: "smallthinker",
+        ints: vec![
+            ("block_count", layers),
+            ("embedding_length", h),
+            ("feed_forward_length", inter),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 128),
+            ("attention.value_length", 128),
+            ("attention.sliding_window", 64),
+            ("context_length", 4096),
+            ("vocab_size", vocab),
+            ("expert_count", experts),
+            ("expert_used_count", 2),
+            ("expert_feed_forward_length", inter),
+            ("expert_gating_func", 2),
+        ],
+        floats: vec![("rope.freq_base", 1.5e6)],
+        // no output.weight: tied
+        head: vec![row("token_embd.weight", Q6K, &[h, vocab])],
+        layers: (0..layers).map(layer).collect(),
+        tail: vec![row("output_norm.weight", f32, &[h])],
     }
-    t.push(("output_norm.weight".into(), GgmlBlock::F32, vec![h]));
-    write_random_gguf(path, &meta, t, as_f32);
+    .write(path, as_f32);
 }
 
 /// What llama.cpp users run with `-ot exps=CPU`: a Q4_K_M SmallThinker GGUF loads tied (no output tensor:
@@ -482,6 +483,9 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         .collect();
     assert_eq!(stored.attention, want);
     assert_eq!(stored.lm_head, Q6K);
+    // tied: the token table is loaded once and serves as lm_head, and the plan counts it once
+    assert!(model.lm_head.is_none(), "a second copy of the token table");
+    assert!(shape_of_model(&model, CheckpointFormat::Bf16).tied_embeddings);
     // the sizing crate's reading of llama.cpp's rule (what the operator plans a Q4_K_M file with)
     let rule = moe_sizing::StoredDense::llama_cpp(
         moe_sizing::LlamaFileType::Q4KM,
@@ -532,6 +536,9 @@ fn cpu_logits(path: &std::path::Path) -> Vec<Vec<f32>> {
     opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
     let g = GgufFile::open(path).unwrap();
     let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
+    // the packed experts' pages are read back from smaps: their own mappings, all resident
+    let b = e.expert_page_backing().expect("experts packed").unwrap();
+    assert!(b.resident() > 0 && b.resident() <= b.mapped, "{b:?}");
     let mut c = e.new_cache();
     let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
     let mut out = Vec::new();

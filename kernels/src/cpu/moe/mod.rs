@@ -300,6 +300,12 @@ impl CpuExpertSet {
         self.buffers.iter().map(|b| b.kind()).collect()
     }
 
+    /// The memory holding the packed experts, one buffer per group (what
+    /// [`backing_of`](crate::cpu::memory::backing_of) reads).
+    pub fn buffers(&self) -> &[HugeBuffer] {
+        &self.buffers
+    }
+
     /// Bytes of packed weights and scales.
     pub fn bytes(&self) -> usize {
         self.buffers.iter().map(|b| b.len()).sum()
