@@ -17,12 +17,13 @@
 #      (--expert-prefetch-mib 0) against early routing with the chosen experts prefetched while attention
 #      runs (32 MiB per layer), two rounds each (A B A B). scripts/hybrid_session.sh does the same beside
 #      the decode launch order and the long-prefill profile.
-#   p  Page backing of the packed experts: a 52-layer SmallThinker-21B synth (safetensors, bf16, 40 GiB in
-#      /dev/shm), decode with every expert in DRAM on reserved 2 MiB pages (--hugepages 2M, pages reserved
-#      before the synth while memory is unfragmented), then on transparent huge pages only (--hugepages thp,
-#      reserved pages released), then (time allowing) on 4 KiB pages (--hugepages off) and at a 24 GiB GPU
-#      budget; each load logs what backs the experts ("packed DRAM experts: ...") and each decode is timed
-#      twice on the same load (--batch 1,1). Needs root for /proc/sys/vm/nr_hugepages.
+#   p  Page backing of the packed experts: bench cpu-moe at SmallThinker-21B's expert shape on reserved 2 MiB
+#      pages (reserved first, while memory is unfragmented); a 52-layer SmallThinker-21B synth (safetensors,
+#      bf16, 40 GiB in /dev/shm); decode with every expert in DRAM on those reserved pages (--hugepages 2M),
+#      then on transparent huge pages only (--hugepages thp, reserved pages released); then, time allowing,
+#      bench cpu-moe and decode on 4 KiB pages (--hugepages off) and decode at a 24 GiB GPU budget. Each load
+#      logs what backs the experts ("packed DRAM experts: ..."), each decode is timed twice on the same load
+#      (--batch 1,1). Needs root for /proc/sys/vm/nr_hugepages.
 #
 # GPU memory: ours prints its plan and peak; for both, a sampler records nvidia-smi's memory.used.
 # llama.cpp: built here with CUDA from the peer kit in the background (its processes are stopped while our
@@ -260,6 +261,18 @@ pages_facts() {
   echo "  THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled); defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
 }
 
+# kernel NAME TIMEOUT HUGEPAGES: bench cpu-moe at SmallThinker-21B's expert shape (64 of width 768, top-6,
+# hidden 2560), 1 and 6 tokens, 16 layers cycled (12 GB: from DRAM), 16 threads
+kernel() {
+  local name=$1 to=$2 hp=$3
+  fits_run "$to" || return 0
+  log "bench cpu-moe $name (--hugepages $hp)"
+  timeout "$to" "$MOE" bench cpu-moe --experts 64 --topk 6 --hidden 2560 --inter 768 --dtype bf16 \
+    --tokens 1,6 --threads "$THREADS" --layers 16 --iters 30 --probe-mib 2048 --hugepages "$hp" \
+    > "$OUT/$name.md" 2> "$OUT/$name.err"
+  echo "  rc=$?"; grep -E "^(DRAM|## dtype|\| *[0-9])" "$OUT/$name.md" | sed 's/^/  /'
+}
+
 phase_p() {
   DEADLINE=$(( $(date +%s) + P_BUDGET ))
   log "phase p: page backing of the packed experts, budget ${P_BUDGET}s"
@@ -268,6 +281,7 @@ phase_p() {
   echo "$P_PAGES" > /proc/sys/vm/nr_hugepages
   log "reserved $(cat /proc/sys/vm/nr_hugepages) of $P_PAGES 2 MiB pages in $(( ($(date +%s%N) - t) / 1000000 )) ms"
   pages_facts
+  kernel cpu_moe_st_2m 40 2M
   log "synth-checkpoint smallthinker-21b, 52 layers"
   timeout 120 "$MOE" bench synth-checkpoint --like smallthinker-21b --out "$M" > "$OUT/synth_p.log" 2>&1 \
     || { tail -3 "$OUT/synth_p.log"; rm -rf "$M"; echo 0 > /proc/sys/vm/nr_hugepages; return 1; }
@@ -277,6 +291,7 @@ phase_p() {
   echo 0 > /proc/sys/vm/nr_hugepages; pages_facts
   ours st21_L52_dram_thp 90 "${run[@]}" --gpu-experts 0 --hugepages thp
   pages_facts
+  kernel cpu_moe_st_4k 40 off
   ours st21_L52_dram_4k 90 "${run[@]}" --gpu-experts 0 --hugepages off
   ours st21_L52_24g_thp 90 "${run[@]}" --gpu-experts auto --gpu-memory-limit 24GiB --hugepages thp
   rm -rf "$M"

@@ -26,7 +26,7 @@ pub enum HugepageMode {
     Huge,
     /// Transparent hugepages only, even where pages are reserved.
     Transparent,
-    /// Plain pages, no madvise.
+    /// 4 KiB pages (advised `MADV_NOHUGEPAGE`, so THP set to `always` does not apply either).
     Off,
 }
 
@@ -284,10 +284,14 @@ fn map(len: usize, page: usize, kind: PageKind, node: Option<usize>) -> Option<H
         unsafe { libc::munmap(base, reserve_len) };
         return None;
     }
-    if kind == PageKind::Transparent {
-        // SAFETY: advice on our own fresh mapping before its first touch; failure only means no THP.
-        unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) };
-    }
+    // THP asked for before the first touch; plain pages kept plain even where THP is `always`
+    let advice = if kind == PageKind::Transparent {
+        libc::MADV_HUGEPAGE
+    } else {
+        libc::MADV_NOHUGEPAGE
+    };
+    // SAFETY: advice on our own fresh mapping before its first touch; failure only changes page sizes.
+    unsafe { libc::madvise(p, map_len, advice) };
     // SAFETY: our own fresh mapping of map_len bytes, not yet referenced anywhere else.
     let node = node.filter(|&n| unsafe { topology::bind_area_to_node(p.cast(), map_len, n) });
     Some(HugeBuffer {

@@ -15,7 +15,8 @@
 //! cpu_experts  = (experts_per_layer − gpu_experts) × moe_layers × expert_bytes
 //! hugepages    = each MoE layer's DRAM experts rounded up to whole pages (one mapping per layer;
 //!                2Mi: one page more per layer for a second NUMA node), summed: 1Gi if the node has
-//!                enough and at most 1/8 of it stays empty, else 2Mi if the node has enough, else off
+//!                enough and at most 1/8 of it stays empty, else 2Mi if the node has enough, else 1Gi
+//!                if the node has enough, else off
 //! memory       = 4 GiB runtime + 5% of cpu_experts + (cpu_experts when not in hugepages)
 //! cpus         = whole CPUs free on the node: allocatable − CPU requested by the pods already bound
 //!                there (other workloads', DaemonSets included); without a cluster (`plan`),
@@ -344,14 +345,15 @@ pub fn size_for_node(
             if cpu_expert_bytes == 0 {
                 None
             } else {
-                [HugepageKind::OneGi, HugepageKind::TwoMi]
+                let one_gi = (HugepageKind::OneGi, pages(HugepageKind::OneGi));
+                let two_mi = (HugepageKind::TwoMi, pages(HugepageKind::TwoMi));
+                // 1 GiB pages first where at most 1/8 of them stays empty (the daemon's own rule),
+                // then 2 MiB pages, then 1 GiB pages however empty: pages reserved on the node serve
+                // nothing but hugepage requests, and any huge page beats 4 KiB for the experts.
+                let tight = one_gi.1 - cpu_expert_bytes <= cpu_expert_bytes / 8;
+                [tight.then_some(one_gi), Some(two_mi), Some(one_gi)]
                     .into_iter()
-                    .map(|kind| (kind, pages(kind)))
-                    // the daemon's own rule for 1 GiB pages: at most 1/8 of them left empty
-                    .filter(|&(kind, bytes)| {
-                        kind != HugepageKind::OneGi
-                            || bytes - cpu_expert_bytes <= cpu_expert_bytes / 8
-                    })
+                    .flatten()
                     .find(|(kind, bytes)| kind.available_on(node) >= *bytes)
             }
         }

@@ -791,6 +791,7 @@ fn two_gpus_are_planned_per_gpu_with_the_experts_of_both() {
     // the node more than twice as many.
     let card = |name, gpus| NodeFixture {
         gpus,
+        hugepages_2mi: "64Gi",
         ..NodeFixture::rtx4090_host(name)
     };
     let one = decide_for(&qwen_spec(), &[card("one", 1)])
@@ -805,6 +806,7 @@ fn two_gpus_are_planned_per_gpu_with_the_experts_of_both() {
     );
     assert!(e2 > 2 * e1, "{e1} experts on one GPU, {e2} on two");
     assert!(two.gpu_bytes_per_gpu as f64 <= 24564.0 * 1048576.0 * 0.9);
-    // fewer experts stay in DRAM: fewer hugepages
+    // fewer experts stay in DRAM: fewer hugepages (2 MiB ones: a layer's ~700 MiB would leave 1 GiB
+    // pages a third empty)
     assert!(two.hugepages.unwrap().1 < one.hugepages.unwrap().1);
 }
