@@ -12,7 +12,7 @@ use moe_kernels::cpu::memory::{backing_of, collapse_to_huge_pages, HugeBuffer};
 use moe_kernels::cpu::moe::{
     CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
 };
-use moe_kernels::cpu::{CpuMoeOptions, PageBacking, WorkerPool};
+use moe_kernels::cpu::{CpuMoeOptions, HugepageMode, PageBacking, WorkerPool};
 
 /// The FP8 block size the kernels read scales for.
 const KERNEL_FP8_BLOCK: usize = 128;
@@ -95,7 +95,7 @@ pub fn pack_model(
         }
         block.cpu_set = Some(set);
     }
-    settle_pages(model, pool);
+    settle_pages(model, pool, opts.hugepages);
     Ok(())
 }
 
@@ -114,8 +114,8 @@ const WARN_SMALL_PAGES_FRACTION: f64 = 0.10;
 
 /// After packing (the first touch of the expert memory, madvised for THP): collapses what THP left on
 /// 4 KiB pages into huge pages, and logs what backs the packed experts and what that cost. With reserved
-/// pages (hugetlb) there is nothing to collapse; with `--hugepages off` nothing is tried.
-fn settle_pages(model: &Model, pool: &WorkerPool) {
+/// pages (hugetlb) there is nothing to collapse; with `--hugepages off` nothing is tried (nor warned).
+fn settle_pages(model: &Model, pool: &WorkerPool, mode: HugepageMode) {
     let buffers: Vec<&HugeBuffer> = cpu_sets(model).flat_map(|s| s.buffers()).collect();
     if buffers.is_empty() {
         return;
@@ -145,7 +145,10 @@ fn settle_pages(model: &Model, pool: &WorkerPool) {
         );
     }
     tracing::info!("packed DRAM experts: {after}");
-    if after.small >= WARN_SMALL_PAGES_BYTES && after.small_fraction() > WARN_SMALL_PAGES_FRACTION {
+    if mode != HugepageMode::Off
+        && after.small >= WARN_SMALL_PAGES_BYTES
+        && after.small_fraction() > WARN_SMALL_PAGES_FRACTION
+    {
         tracing::warn!(
             "{:.1} GiB of the packed DRAM experts sit on 4 KiB pages: each 4 KiB of an expert read can \
              miss the TLB, and decode reads every chosen expert once per token. Reserve 2 MiB pages \
