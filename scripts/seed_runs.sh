@@ -18,8 +18,9 @@
 #      runs (32 MiB per layer), two rounds each (A B A B). scripts/hybrid_session.sh does the same beside
 #      the decode launch order and the long-prefill profile.
 #   p  Page backing of the packed experts: bench cpu-moe at SmallThinker-21B's expert shape on reserved 2 MiB
-#      pages (reserved first, while memory is unfragmented); a 52-layer SmallThinker-21B synth (safetensors,
-#      bf16, 40 GiB in /dev/shm); decode with every expert in DRAM on those reserved pages (--hugepages 2M),
+#      pages (reserved first, while memory is unfragmented); a P_LAYERS-layer (52) SmallThinker-21B in bf16 in
+#      /dev/shm (40 GiB: a GGUF from make_gguf_smallthinker.py, or P_SOURCE=synth for bench synth-checkpoint's
+#      safetensors, ~0.3 GB/s); decode with every expert in DRAM on those reserved pages (--hugepages 2M),
 #      then on transparent huge pages only (--hugepages thp, reserved pages released); then, time allowing,
 #      bench cpu-moe and decode on 4 KiB pages (--hugepages off) and decode at a 24 GiB GPU budget. Each load
 #      logs what backs the experts ("packed DRAM experts: ..."), each decode is timed twice on the same load
@@ -253,9 +254,12 @@ phase_c() {
   rm -rf "$M"
 }
 
-# Reserved 2 MiB pages for the 52 layers' packed DRAM experts: 360 pages of 64 × 11.25 MiB per layer, one
-# mapping per layer (one NUMA node here), plus a few for the rest.
-P_PAGES=${P_PAGES:-$(( 52 * 360 + 64 ))}
+# Reserved 2 MiB pages for the P_LAYERS layers' packed DRAM experts: 360 pages of 64 × 11.25 MiB per layer,
+# one mapping per layer (one NUMA node here), plus a few for the rest.
+P_LAYERS=${P_LAYERS:-52}
+P_SOURCE=${P_SOURCE:-gguf}      # gguf: make_gguf_smallthinker.py (fast; needs $SEED's writers and $PEERS' gguf
+                                # wheel); synth: moe-daemon bench synth-checkpoint (slow: use P_LAYERS=16)
+P_PAGES=${P_PAGES:-$(( P_LAYERS * 360 + 64 ))}
 pages_facts() {
   grep -E "^(AnonHugePages|HugePages_(Total|Free|Rsvd)|MemAvailable)" /proc/meminfo | tr -s ' ' | paste -sd ' '
   echo "  THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled); defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
@@ -276,16 +280,28 @@ kernel() {
 phase_p() {
   DEADLINE=$(( $(date +%s) + P_BUDGET ))
   log "phase p: page backing of the packed experts, budget ${P_BUDGET}s"
-  local M=$SHM/st21-L52 t
+  local M t
   t=$(date +%s%N)
   echo "$P_PAGES" > /proc/sys/vm/nr_hugepages
   log "reserved $(cat /proc/sys/vm/nr_hugepages) of $P_PAGES 2 MiB pages in $(( ($(date +%s%N) - t) / 1000000 )) ms"
   pages_facts
   kernel cpu_moe_st_2m 40 2M
-  log "synth-checkpoint smallthinker-21b, 52 layers"
-  timeout 120 "$MOE" bench synth-checkpoint --like smallthinker-21b --out "$M" > "$OUT/synth_p.log" 2>&1 \
-    || { tail -3 "$OUT/synth_p.log"; rm -rf "$M"; echo 0 > /proc/sys/vm/nr_hugepages; return 1; }
-  tail -1 "$OUT/synth_p.log"; pages_facts
+  if [ "$P_SOURCE" = gguf ]; then
+    # llama.cpp-layout bf16 GGUF, written at /dev/shm speed by the Python writer (SEED holds it)
+    M=$SHM/st21-L$P_LAYERS.gguf
+    gguf_env
+    gen make_gguf_smallthinker.py "$M" --layers "$P_LAYERS" \
+      || { echo 0 > /proc/sys/vm/nr_hugepages; return 1; }
+  else
+    # bench synth-checkpoint writes ~0.3 GB/s there: 52 layers (40 GiB) take over 2 minutes
+    M=$SHM/st21-L$P_LAYERS
+    log "synth-checkpoint smallthinker-21b, $P_LAYERS layers"
+    timeout 150 "$MOE" bench synth-checkpoint --like smallthinker-21b --layers "$P_LAYERS" --out "$M" \
+      > "$OUT/synth_p.log" 2>&1 \
+      || { tail -3 "$OUT/synth_p.log"; rm -rf "$M"; echo 0 > /proc/sys/vm/nr_hugepages; return 1; }
+    tail -1 "$OUT/synth_p.log"
+  fi
+  pages_facts
   local run=(--model "$M" --steps 48 --prompt-len 64 --batch 1,1)
   ours st21_L52_dram_2m 90 "${run[@]}" --gpu-experts 0 --hugepages 2M
   echo 0 > /proc/sys/vm/nr_hugepages; pages_facts
