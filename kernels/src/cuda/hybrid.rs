@@ -31,11 +31,6 @@ pub const ENTRIES: [&str; 17] = [
     "mla_attention_selected",
 ];
 
-/// Compiles `hybrid.cu` for `arch` (`sm_89`, `sm_90`, `sm_120`).
-pub fn compile(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, String> {
-    super::nvrtc_compile(SOURCE, arch)
-}
-
 /// The loaded kernels; launch them through the typed methods of the sibling modules.
 pub struct HybridKernels {
     pub(super) kda_conv: CudaFunction,
@@ -60,13 +55,7 @@ pub struct HybridKernels {
 impl HybridKernels {
     /// Compiles and loads the module for `dev`'s architecture.
     pub fn load(dev: &GpuDevice) -> Result<Self, GpuError> {
-        let arch: &'static str = match dev.capability {
-            (8, 9) => "sm_89",
-            (9, 0) => "sm_90",
-            _ => "sm_120",
-        };
-        let ptx = compile(arch).map_err(GpuError::Compile)?;
-        let module = dev.ctx.load_module(ptx)?;
+        let module = super::load_source(&dev.ctx, dev.capability, SOURCE)?;
         let f = |n: &str| module.load_function(n);
         Ok(Self {
             kda_conv: f("kda_conv")?,

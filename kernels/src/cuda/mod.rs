@@ -3,7 +3,9 @@
 //! compiles and the CPU path runs on machines without a GPU; [`GpuDevice::open`] says clearly why a GPU
 //! cannot be used.
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+};
 use half::bf16;
 use std::sync::Arc;
 
@@ -92,9 +94,25 @@ pub(crate) struct Kernels {
     pub grouped_gemm_bf16: CudaFunction,
 }
 
-/// Compiles the kernels' CUDA source with NVRTC for `arch` (`sm_89`, `sm_90`, `sm_120`).
-pub fn compile_kernels(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, String> {
-    nvrtc_compile(SOURCE, arch)
+/// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
+/// (Hopper), `sm_120` (Blackwell and anything newer that [`supported_capability`] lets through).
+pub fn nvrtc_arch((major, minor): (i32, i32)) -> &'static str {
+    match (major, minor) {
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        _ => "sm_120",
+    }
+}
+
+/// Compiles `source` with NVRTC for a GPU of `capability` and loads it into `ctx`: the start-up
+/// module and the modules loaded on demand (`hybrid`, `routed`) all come through here.
+pub(crate) fn load_source(
+    ctx: &Arc<CudaContext>,
+    capability: (i32, i32),
+    source: &str,
+) -> Result<Arc<CudaModule>, GpuError> {
+    let ptx = nvrtc_compile(source, nvrtc_arch(capability)).map_err(GpuError::Compile)?;
+    Ok(ctx.load_module(ptx)?)
 }
 
 /// Compiles one CUDA C++17 source with NVRTC for `arch`.
@@ -162,14 +180,7 @@ impl GpuDevice {
         if !supported_capability(major, minor) {
             return Err(GpuError::Unsupported { name, major, minor });
         }
-        let arch: &'static str = match (major, minor) {
-            (8, 9) => "sm_89",
-            (9, 0) => "sm_90",
-            (12, 0) => "sm_120",
-            _ => "sm_120",
-        };
-        let ptx = compile_kernels(arch).map_err(GpuError::Compile)?;
-        let module = ctx.load_module(ptx)?;
+        let module = load_source(&ctx, (major, minor), SOURCE)?;
         let f = |n: &str| module.load_function(n);
         let k = Kernels {
             rms_norm: f("rms_norm")?,
@@ -614,45 +625,50 @@ mod tests {
             eprintln!("libnvrtc not found: NVRTC compile check skipped");
             return;
         }
-        for arch in ["sm_89", "sm_90", "sm_120"] {
-            let ptx = compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-            let src = ptx.to_src();
-            for entry in [
-                "gated_mul",
-                "paged_attention",
-                "gemv_w4a16",
-                "gemv_w8a16",
-                "dense_dequant_w4",
-                "handoff_publish",
-                "handoff_wait_add",
-                "kv_append_q8",
-                "paged_attention_q8",
-                "gather_kv_q8",
-                "grouped_gemm_bf16",
-            ] {
-                assert!(src.contains(&format!(".entry {entry}")), "{arch}: {entry}");
-            }
-            // the hybrid-attention module (compiled on demand at start-up)
-            let src = hybrid::compile(arch)
-                .unwrap_or_else(|e| panic!("hybrid.cu {arch}: {e}"))
-                .to_src();
-            for entry in hybrid::ENTRIES {
-                assert!(
-                    src.contains(&format!(".entry {entry}")),
-                    "hybrid.cu {arch}: {entry}"
-                );
-            }
-            // the device-routed experts' module (compiled when decode first uses it)
-            let src = routed::compile(arch)
-                .unwrap_or_else(|e| panic!("routed.cu {arch}: {e}"))
-                .to_src();
-            for entry in routed::ENTRIES {
-                assert!(
-                    src.contains(&format!(".entry {entry}")),
-                    "routed.cu {arch}: {entry}"
-                );
+        // every module for the architecture of each supported capability: the start-up module, the
+        // hybrid-attention module and the device-routed experts' module (both loaded on demand)
+        let modules: [(&str, &str, &[&str]); 3] = [
+            ("kernels.cu", SOURCE, &STARTUP_ENTRIES_CHECKED),
+            ("hybrid.cu", hybrid::SOURCE, &hybrid::ENTRIES),
+            ("routed.cu", routed::SOURCE, &routed::ENTRIES),
+        ];
+        for capability in [(8, 9), (9, 0), (12, 0)] {
+            let arch = nvrtc_arch(capability);
+            for (file, source, entries) in modules {
+                let src = nvrtc_compile(source, arch)
+                    .unwrap_or_else(|e| panic!("{file} {arch}: {e}"))
+                    .to_src();
+                for entry in entries {
+                    assert!(
+                        src.contains(&format!(".entry {entry}")),
+                        "{file} {arch}: {entry}"
+                    );
+                }
             }
         }
+    }
+
+    /// Entries of the start-up module that the NVRTC check looks for in its PTX.
+    const STARTUP_ENTRIES_CHECKED: [&str; 11] = [
+        "gated_mul",
+        "paged_attention",
+        "gemv_w4a16",
+        "gemv_w8a16",
+        "dense_dequant_w4",
+        "handoff_publish",
+        "handoff_wait_add",
+        "kv_append_q8",
+        "paged_attention_q8",
+        "gather_kv_q8",
+        "grouped_gemm_bf16",
+    ];
+
+    #[test]
+    fn arch_of_each_capability() {
+        assert_eq!(nvrtc_arch((8, 9)), "sm_89");
+        assert_eq!(nvrtc_arch((9, 0)), "sm_90");
+        assert_eq!(nvrtc_arch((12, 0)), "sm_120");
+        assert_eq!(nvrtc_arch((12, 1)), "sm_120");
     }
 
     #[test]

@@ -29,11 +29,6 @@ pub const MAX_PAIRS: usize = 1024;
 /// Warps per block of the GEMV kernels (`ROUTED_WARPS`): one output row each.
 const WARPS: usize = 8;
 
-/// Compiles `routed.cu` for `arch` (`sm_89`, `sm_90`, `sm_120`).
-pub fn compile(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, String> {
-    super::nvrtc_compile(SOURCE, arch)
-}
-
 /// The loaded kernels.
 pub struct RoutedKernels {
     group: CudaFunction,
@@ -94,13 +89,7 @@ pub fn supported_widths(hidden: usize, inter: usize) -> bool {
 impl RoutedKernels {
     /// Compiles and loads the module for `dev`'s architecture.
     pub fn load(dev: &GpuDevice) -> Result<Self, GpuError> {
-        let arch: &'static str = match dev.capability {
-            (8, 9) => "sm_89",
-            (9, 0) => "sm_90",
-            _ => "sm_120",
-        };
-        let ptx = compile(arch).map_err(GpuError::Compile)?;
-        let module = dev.ctx.load_module(ptx)?;
+        let module = super::load_source(&dev.ctx, dev.capability, SOURCE)?;
         let f = |n: &str| module.load_function(n);
         Ok(Self {
             group: f("routed_group")?,
