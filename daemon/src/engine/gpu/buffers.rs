@@ -183,6 +183,81 @@ impl BatchClass {
     }
 }
 
+/// How a step runs, decided once from its shape and the engine's switches before anything is
+/// enqueued: its buffer class, whether its segments replay from CUDA graphs, whether its layers
+/// pipeline with the CPU experts, and whether resident experts may be computed from the routing on
+/// the device (`routed`). Every condition of those paths lives here, not at the places that use them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepClass {
+    /// Rows of the step.
+    pub rows: usize,
+    pub buffers: BatchClass,
+    /// At least the layerwise-prefill threshold: DRAM experts go to the GPU.
+    pub long_prompt: bool,
+    /// Plain decode replayed from graphs: every sequence adds one token, at most
+    /// [`MAX_GRAPH_ROWS`] rows, graphs on and not paused, no probe, and GQA or hybrid attention.
+    pub graphs: bool,
+    /// The next layer's segment is enqueued before this layer's CPU experts run (`handoff`).
+    pub pipelined: bool,
+    /// Mid-length prompt whose DRAM experts are split between the GPU stream and the CPU (`split`).
+    pub split: bool,
+    /// Resident experts may be computed from the device routing (`routed`): the path is on, the
+    /// step is small (at most [`MAX_GRAPH_ROWS`] rows and `routed::MAX_PAIRS` pairs, not a long
+    /// prompt), one GPU (no tensor parallelism, no probe), no hybrid attention, exact routing (no
+    /// deferred experts, early routing or benchmark override) and widths the kernels take.
+    pub device_routing: bool,
+}
+
+impl GpuModel {
+    /// The class of a step of `rows` rows in `seqs` sequences (`decode_rows`: each adds one token).
+    pub(super) fn step_class(
+        &self,
+        cfg: &ModelConfig,
+        (rows, seqs): (usize, usize),
+        decode_rows: bool,
+    ) -> StepClass {
+        use std::sync::atomic::Ordering::Relaxed;
+        let long_prompt = rows >= self.prefill_threshold;
+        let probing = self.probing();
+        let graphs = self.cuda_graphs
+            && !self.graphs_paused.load(Relaxed)
+            && !long_prompt
+            && rows <= MAX_GRAPH_ROWS
+            && decode_rows
+            && !probing
+            && (self.all_gqa() || self.hybrid.is_some());
+        let pipelined = self.pipelined(long_prompt, decode_rows, rows);
+        let split = self.split_step(long_prompt, pipelined, rows);
+        // a probe waits for the stream inside the step, which a pipelined step must not do
+        let pipelined = pipelined && !probing;
+        let device_routing = cfg.moe.as_ref().is_some_and(|mc| {
+            self.device_routed.load(Relaxed)
+                && !long_prompt
+                && rows <= MAX_GRAPH_ROWS
+                && rows * mc.top_k <= moe_kernels::cuda::routed::MAX_PAIRS
+                && self.shard.is_none()
+                && !probing
+                && self.hybrid.is_none()
+                && self.defer_experts == 0
+                && !self.early_routing()
+                && !self.routing_overridden()
+                && moe_kernels::cuda::routed::supported_widths(
+                    cfg.hidden_size,
+                    mc.expert_intermediate,
+                )
+        });
+        StepClass {
+            rows,
+            buffers: BatchClass::of(rows, seqs, self.cuda_graphs),
+            long_prompt,
+            graphs,
+            pipelined,
+            split,
+            device_routing,
+        }
+    }
+}
+
 /// Capacity of a large-class set for `need` rows: the next power of two, but not beyond `limit`
 /// (the engine's step limit, what the plan budgets) unless the step itself is larger.
 pub fn large_capacity(need: usize, limit: usize) -> usize {

@@ -14,7 +14,7 @@
 //! of its segment from the routing on the device (`routed`, [`LayerRoute`]): a layer whose experts
 //! are all resident then needs no host at all, and a mixed layer hands the host only its DRAM experts.
 use super::attention::{SeqRows, StepIndex};
-use super::buffers::{ActBufs, BatchClass, HeadBufs, IndexBufs, StepBuffers, MAX_GRAPH_ROWS};
+use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers};
 use super::dispatch::{expert_homes, ExpertHome};
 use super::graphs::{GraphSet, SegmentTail};
 use super::handoff::{CpuHalf, Handoff};
@@ -427,23 +427,16 @@ impl GpuModel {
         let hd = cfg.hidden_size;
         let hi = HostIndex::new(batch);
         let n = hi.ids.len();
-        let long_prompt = n >= self.prefill_threshold;
-        // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
+        // Everything that decides how this step runs (buffers, graphs, pipelining, device routing).
         let decode_rows = batch.iter().all(|b| b.tokens.len() == 1);
-        let graph_step = self.cuda_graphs
-            && !self
-                .graphs_paused
-                .load(std::sync::atomic::Ordering::Relaxed)
-            && !long_prompt
-            && n <= MAX_GRAPH_ROWS
-            && decode_rows
-            && !self.probing()
-            && (self.all_gqa() || self.hybrid.is_some());
+        let class = self.step_class(cfg, (n, batch.len()), decode_rows);
+        let long_prompt = class.long_prompt;
+        // Plain decode steps replay each layer's pre-expert segment from a CUDA graph (see `graphs`).
+        let graph_step = class.graphs;
         let mut pool = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let mut sets = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-        let class = BatchClass::of(n, batch.len(), self.cuda_graphs);
         let shape = (n, batch.len(), hi.max_blocks);
-        let bufs = self.step_buffers(&mut sets, cfg, class, shape, pool.total_blocks)?;
+        let bufs = self.step_buffers(&mut sets, cfg, class.buffers, shape, pool.total_blocks)?;
         self.upload_index(&hi, batch, &mut bufs.index)?;
         let StepBuffers {
             index,
@@ -461,10 +454,7 @@ impl GpuModel {
             (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, &acts.x, b)?),
             _ => None,
         };
-        let pipelined = self.pipelined(long_prompt, decode_rows, n);
-        let split_step = self.split_step(long_prompt, pipelined, n);
-        // a probe waits for the stream inside the step, which a pipelined step must not do
-        let pipelined = pipelined && !self.probing();
+        let (pipelined, split_step) = (class.pipelined, class.split);
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         // Split steps stream the experts each layer's routing gives the GPU (see `split`).
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -495,15 +485,27 @@ impl GpuModel {
         let act = GatedAct::of(cfg);
         // Layers whose resident experts the segment computes from the device routing (`routed`).
         let mut device_guard = self.routed.lock().unwrap_or_else(|e| e.into_inner());
-        let routes = self.plan_routes(host, &mut device_guard, (n, long_prompt, pipelined))?;
+        let routes = self.plan_routes(host, &mut device_guard, &class)?;
         times.device_routed_layers +=
             routes.iter().filter(|r| **r != LayerRoute::Host).count() as u64;
         let mut device = device_guard.as_mut();
+        // A graph step that never hands anything to the host: its whole layer stack is one graph.
+        let mut first_layer = 0;
+        if let (Some(set), Some(d)) = (graphs.as_deref_mut(), device.as_deref_mut()) {
+            if self.stays_on_device(&routes) {
+                let mut layers = || {
+                    let step = (&steps[..], &mut *pool);
+                    self.layers_on_device(host, step, acts, hand, (&mut *d, &routes))
+                };
+                self.replay_whole_step(set, n, &mut layers)?;
+                first_layer = self.layers.len();
+            }
+        }
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
         let mut enqueued: Option<Vec<ExpertHome>> = None;
-        for (li, layer) in self.layers.iter().enumerate() {
+        for (li, layer) in self.layers.iter().enumerate().skip(first_layer) {
             // Where this layer's experts run: decides whether the normalised rows go to the host.
             let homes = match enqueued.take() {
                 Some(homes) => homes,
@@ -629,6 +631,39 @@ impl GpuModel {
             es.end_step(dev)?;
         }
         Ok(logits)
+    }
+
+    /// Every layer of a step that stays on the device (`GpuModel::stays_on_device`), enqueued back to
+    /// back: segments ending with their device-routed experts, and dense MLPs. What the whole-step
+    /// graph captures; the same work, in the same order, as the layer loop of `forward`.
+    fn layers_on_device(
+        &self,
+        host: &Model,
+        (steps, pool): (&[StepIndex<'_>], &mut super::kv::GpuKvPool),
+        acts: &mut ActBufs,
+        hand: &Handoff,
+        (device, routes): (&mut DeviceRouted, &[LayerRoute]),
+    ) -> anyhow::Result<()> {
+        let act = GatedAct::of(&host.config);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let step = &steps[self.kv_layout.group_of(li)];
+            let routed = Some((&mut *device, li, routes[li]));
+            let mut seg = Segment::of(acts, hand, false, None, routed);
+            self.pre_experts(host, li, step, pool, &mut seg)?;
+            if let GpuFfn::Dense(m) = &layer.ffn {
+                let ActBufs { x, hb, mlp, .. } = &mut *acts;
+                self.mlp(
+                    m,
+                    act,
+                    hb,
+                    x,
+                    step.n,
+                    true,
+                    (&mut mlp.gate_up, &mut mlp.act),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Where layer `li`'s experts run in this step (empty for dense layers): GPU-resident, DRAM

@@ -27,6 +27,14 @@
 //! relaxed mode (the thread-local one refused a call of the segment on the H200) and no event
 //! synchronisation inside the segment; a refused capture makes decode run eagerly from then on.
 //! `gpu_tests::cuda_graph_decode_matches_eager` checks that graphs are captured and match eager steps.
+//!
+//! A step whose every MoE layer computes its experts from the device routing (every expert resident,
+//! `routed`) never hands anything to the host between its embedding and its logits: its whole layer
+//! stack (segments ending with their experts, dense MLPs) is captured as one graph per row count
+//! ([`GraphSet::steps`]) and replayed with one launch, so the host enqueues three things per step
+//! (index copies, one replay, the lm_head) and the GPU runs the layers back to back.
+use super::routed::LayerRoute;
+use super::{GpuFfn, GpuModel};
 use moe_kernels::cuda::graph::CapturedGraph;
 use std::collections::HashMap;
 
@@ -49,9 +57,67 @@ pub type SegmentKey = (usize, usize, SegmentTail);
 #[derive(Default)]
 pub struct GraphSet {
     pub map: HashMap<SegmentKey, CapturedGraph>,
+    /// Whole layer stacks of steps that never hand anything to the host (every MoE layer
+    /// device-routed), by rows.
+    pub steps: HashMap<usize, CapturedGraph>,
     /// A tensor-parallel GPU's segments in two halves around the attention's all-reduce: the same
     /// key, with 0 (norm and attention) or 1 (FFN norm, router, hand-off).
     pub halves: HashMap<(SegmentKey, u8), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
+}
+
+impl GraphSet {
+    /// Graphs captured so far (segments, tensor-parallel halves and whole steps).
+    pub fn captured(&self) -> usize {
+        self.map.len() + self.halves.len() + self.steps.len()
+    }
+}
+
+impl GpuModel {
+    /// Whether a step with `routes` stays on the device from its first layer to its last: every MoE
+    /// layer computes its experts in its segment from the device routing ([`LayerRoute::Device`],
+    /// every expert resident) and there is at least one. Such a step's layer stack is one graph.
+    pub(super) fn stays_on_device(&self, routes: &[LayerRoute]) -> bool {
+        let mut any = false;
+        for (layer, route) in self.layers.iter().zip(routes) {
+            if let GpuFfn::Moe(_) = layer.ffn {
+                if *route != LayerRoute::Device {
+                    return false;
+                }
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Replays the layer stack of a `rows`-row step that stays on the device, capturing `layers`
+    /// (which enqueues every layer) the first time; eager when a capture fails (graphs are then off
+    /// for the engine, as for segments).
+    pub(super) fn replay_whole_step(
+        &self,
+        set: &mut GraphSet,
+        rows: usize,
+        layers: &mut dyn FnMut() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        if !set.broken && !set.steps.contains_key(&rows) {
+            match self.dev.capture(&mut *layers)? {
+                (Ok(()), Ok(Some(g))) => {
+                    set.steps.insert(rows, g);
+                }
+                (r, g) => {
+                    tracing::warn!(
+                        "CUDA graph capture of a whole {rows}-row step failed ({:?}, {:?}); decode runs without graphs",
+                        r.err(),
+                        g.err()
+                    );
+                    set.broken = true;
+                }
+            }
+        }
+        match set.steps.get(&rows) {
+            Some(g) if !set.broken => Ok(g.replay()?),
+            _ => layers(),
+        }
+    }
 }

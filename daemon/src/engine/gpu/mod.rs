@@ -623,8 +623,10 @@ impl GpuModel {
 
     /// CUDA graphs captured so far.
     pub fn graphs_captured(&self) -> usize {
-        let set = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        set.map.len() + set.halves.len()
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .captured()
     }
 
     /// The longest sequence the device KV pool holds.

@@ -25,7 +25,7 @@
 //! activations: not bit-identical to the host-planned path (the GPU tests bound the difference).
 //! Layers run this way report no routing to `on_routing` (live placement and routing statistics see
 //! the layers that still hand their routing to the host).
-use super::buffers::{MlpBufs, MAX_GRAPH_ROWS};
+use super::buffers::{MlpBufs, StepClass, MAX_GRAPH_ROWS};
 use super::dispatch::ExpertHome;
 use super::{GpuFfn, GpuModel, GpuMoe};
 use crate::engine::moe::GatedAct;
@@ -34,7 +34,7 @@ use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use moe_kernels::cuda::routed::{
-    supported_widths, RoutedKernels, RoutedScratch, RoutedShape, RoutedTable, MAX_PAIRS,
+    RoutedKernels, RoutedScratch, RoutedShape, RoutedTable, MAX_PAIRS,
 };
 use std::sync::atomic::Ordering;
 
@@ -127,45 +127,30 @@ impl GpuModel {
         self.device_routed.store(on, Ordering::Relaxed);
     }
 
-    /// Whether a step of `n` rows may compute resident experts from the device routing.
-    fn device_routing_applies(&self, host: &Model, n: usize, long_prompt: bool) -> bool {
-        let Some(mc) = &host.config.moe else {
-            return false;
-        };
-        let overridden = self
-            .routing_override
+    /// Whether the benchmarks' routing override is installed (its layers must hand their routing to
+    /// the host, which rewrites it).
+    pub(super) fn routing_overridden(&self) -> bool {
+        self.routing_override
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .is_some();
-        self.device_routed.load(Ordering::Relaxed)
-            && !long_prompt
-            && n <= MAX_GRAPH_ROWS
-            && n * mc.top_k <= MAX_PAIRS
-            && self.shard.is_none()
-            && !self.probing()
-            && self.hybrid.is_none()
-            && self.defer_experts == 0
-            && !self.early_routing()
-            && !overridden
-            && supported_widths(host.config.hidden_size, mc.expert_intermediate)
+            .is_some()
     }
 
     /// The step's route of every layer, with the device tables brought up to date (loads the kernels
-    /// and scratch the first time). All [`LayerRoute::Host`] when the step cannot use them.
-    /// `pipelined`: the step may hand DRAM experts to the CPU after enqueueing the next segment.
+    /// and scratch the first time). All [`LayerRoute::Host`] when the step's class rules the path
+    /// out; mixed layers only in pipelined steps (the DRAM experts are handed to the CPU after the
+    /// next segment is enqueued).
     pub(super) fn plan_routes(
         &self,
         host: &Model,
         state: &mut Option<DeviceRouted>,
-        (n, long_prompt, pipelined): (usize, bool, bool),
+        class: &StepClass,
     ) -> anyhow::Result<Vec<LayerRoute>> {
         let mut routes = vec![LayerRoute::Host; self.layers.len()];
-        if !self.device_routing_applies(host, n, long_prompt) {
-            return Ok(routes);
-        }
-        let Some(mc) = &host.config.moe else {
+        let (Some(mc), true) = (&host.config.moe, class.device_routing) else {
             return Ok(routes);
         };
+        let pipelined = class.pipelined;
         let dev = &self.dev;
         if state.is_none() {
             let pairs = MAX_GRAPH_ROWS * mc.top_k;
