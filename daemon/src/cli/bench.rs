@@ -125,8 +125,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub split_ab: bool,
     /// `bench decode` on the CUDA backend: then N rounds of `--steps` steps with the device-routed
-    /// experts off (the host-planned path, the default) and on (as `MOE_DEVICE_ROUTED=1`) in turn, same
-    /// sequences; leaves them on.
+    /// experts off (the host-planned path, as `MOE_DEVICE_ROUTED=0`) and on (the default) in turn,
+    /// same sequences; leaves them on.
     #[arg(long, default_value_t = 0)]
     pub device_routed_ab: usize,
     #[command(flatten)]

@@ -1,5 +1,5 @@
 //! Resident experts computed from the routing on the device (`gpu::routed`) against the host-planned
-//! path (the default; `MOE_DEVICE_ROUTED=1` turns the device path on), in one engine switched between
+//! path (`MOE_DEVICE_ROUTED=0`; the device path is the default), in one engine switched between
 //! the two.
 //!
 //! Tolerance: the device-routed kernels are GEMVs that accumulate in another order than cuBLAS's
@@ -373,5 +373,83 @@ fn routed_kernels_match_a_host_reference() {
         let err = rel_l2(&got, &want);
         println!("routed kernels, {act:?} limit {limit:?}: rel-L2 {err:.2e} against the host");
         assert!(err <= TOLERANCE, "{act:?} limit {limit:?}: rel-L2 {err}");
+    }
+}
+
+/// `prompts` prefilled one by one, then one decode step per entry of `feed` (a token per sequence):
+/// each decode step's logits.
+fn decode_steps(e: &Engine, prompts: &[Vec<u32>], feed: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let mut caches: Vec<_> = prompts.iter().map(|_| e.new_cache()).collect();
+    for (c, p) in caches.iter_mut().zip(prompts) {
+        crate::common::step(e, c, p);
+    }
+    let mut all = Vec::new();
+    for toks in feed {
+        let t: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
+        all.extend(
+            e.reserve_and_forward(&mut SeqInput::batch(&mut caches, &t))
+                .unwrap(),
+        );
+    }
+    all
+}
+
+/// Every expert resident: each decode step stays on the device, so its whole layer stack is one
+/// CUDA graph per row count (two graphs for steps of 1 and 3 rows, not one per layer), whose logits
+/// equal eager steps' (same kernels in the same order: 1e-5 rel-L2) and the host-planned path's at
+/// the module's tolerance. GQA fixtures with a dense first layer (glm4_moe), a router on the layer
+/// input (smallthinker) and plain top-k (qwen3_moe); 10 decode steps, so that the 14-token prompt
+/// crosses a cache block boundary.
+#[test]
+fn all_resident_decode_steps_replay_as_one_graph() {
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], (10..24).collect(), vec![7]];
+    for name in ["qwen3_moe", "glm4_moe", "smallthinker"] {
+        let dir = fixtures().join(name).join("model_bf16");
+        let cpu = Engine::load(&dir, &EngineOptions::default()).unwrap();
+        let experts = cpu.config().moe.as_ref().unwrap().num_experts;
+        drop(cpu);
+        let load = |graphs: bool, device: bool| {
+            let e = Engine::load(
+                &dir,
+                &EngineOptions {
+                    cuda_graphs: graphs,
+                    ..gpu(experts, PlacementStrategy::Uniform)
+                },
+            )
+            .unwrap();
+            e.set_device_routed(device);
+            e
+        };
+        let (graphed, eager, host) = (load(true, true), load(false, true), load(true, false));
+        let mut worst = (0f32, 0f32);
+        for seqs in [1, 3] {
+            let feed: Vec<Vec<u32>> = (0..10u32)
+                .map(|i| [5 + i, 40 + 3 * i, 90 + i][..seqs].to_vec())
+                .collect();
+            let g = decode_steps(&graphed, &prompts[..seqs], &feed);
+            let layers = graphed.last_step_times().device_routed_layers;
+            assert!(layers > 0, "{name}: no layer was device-routed");
+            let e = decode_steps(&eager, &prompts[..seqs], &feed);
+            let h = decode_steps(&host, &prompts[..seqs], &feed);
+            for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+                let err = rel_l2(a, b);
+                worst.0 = worst.0.max(err);
+                assert!(
+                    err <= 1e-5,
+                    "{name} {seqs} sequences step {i}: graph vs eager {err}"
+                );
+            }
+            let label = format!("{name}, every expert resident, {seqs} sequences");
+            worst.1 = worst.1.max(compare(&label, &g, &h));
+        }
+        assert_eq!(
+            graphed.cuda_graphs_captured(),
+            2,
+            "{name}: one whole-step graph per row count (1 and 3)"
+        );
+        println!(
+            "{name}: whole-step graphs vs eager worst rel-L2 {:.2e}, vs host-planned {:.2e}",
+            worst.0, worst.1
+        );
     }
 }

@@ -230,8 +230,8 @@ pub struct GpuModel {
     /// Enqueue the GPU half of all-DRAM MoE layers (and the next segment) before their routing
     /// lands in pipelined steps (`forward`); on unless `MOE_GPU_PRELAUNCH=0` (the A/B of the two).
     pub prelaunch: bool,
-    /// Compute resident experts of small steps from the routing on the device (`routed`): opt-in with
-    /// `MOE_DEVICE_ROUTED=1` until verified on the device, switchable with
+    /// Compute resident experts of small steps from the routing on the device (`routed`): on unless
+    /// `MOE_DEVICE_ROUTED=0` (the host-planned path, for A/Bs), switchable with
     /// [`GpuModel::set_device_routed`].
     pub device_routed: std::sync::atomic::AtomicBool,
     /// The device-routed experts' kernels, per-layer tables and scratch (made on first use).
@@ -606,7 +606,7 @@ impl GpuModel {
             expert_prefetch_bytes: 0,
             prelaunch: std::env::var_os("MOE_GPU_PRELAUNCH").is_none_or(|v| v != "0"),
             device_routed: std::sync::atomic::AtomicBool::new(
-                std::env::var_os("MOE_DEVICE_ROUTED").is_some_and(|v| v == "1"),
+                std::env::var_os("MOE_DEVICE_ROUTED").is_none_or(|v| v != "0"),
             ),
             routed: Mutex::new(None),
             buffers: Mutex::new(buffers::BufferClasses::default()),

@@ -15,11 +15,13 @@
 //!
 //! Small steps only (at most `MAX_GRAPH_ROWS` rows, not a long prompt), one GPU (no tensor
 //! parallelism), bf16 resident experts (what `--gpu-experts` uploads), exact routing (no deferred
-//! experts, early routing or benchmark routing override): anything else runs the host-planned path,
-//! as does everything unless `MOE_DEVICE_ROUTED=1` (opt-in until the path's GPU tests have run on the
-//! device; `bench decode --device-routed-ab` times both). Each layer's device table of resident
-//! weight addresses is compared with the expert table at the start of every such step and rewritten
-//! when live re-placement moved an expert (graphs bake the table's address, not its contents).
+//! experts, early routing or benchmark routing override; the step's `StepClass` holds every such
+//! condition): anything else runs the host-planned path, as does everything with
+//! `MOE_DEVICE_ROUTED=0` (`bench decode --device-routed-ab` times both). A graph step whose MoE
+//! layers are all device-routed replays its whole layer stack as one graph (`graphs`). Each layer's
+//! device table of resident weight addresses is compared with the expert table at the start of
+//! every such step and rewritten when live re-placement moved an expert (graphs bake the table's
+//! address, not its contents).
 //!
 //! Numerics: GEMVs with f32 accumulation in another order than cuBLAS's, the same bf16 rounding of the
 //! activations: not bit-identical to the host-planned path (the GPU tests bound the difference).
@@ -121,8 +123,8 @@ fn resident_addrs(dev: &moe_kernels::cuda::GpuDevice, moe: &GpuMoe) -> Option<Ve
 }
 
 impl GpuModel {
-    /// Turns the device-routed experts on or off (A/B runs and tests; the start value is
-    /// `MOE_DEVICE_ROUTED=1`).
+    /// Turns the device-routed experts on or off (A/B runs and tests; on at start unless
+    /// `MOE_DEVICE_ROUTED=0`).
     pub fn set_device_routed(&self, on: bool) {
         self.device_routed.store(on, Ordering::Relaxed);
     }
