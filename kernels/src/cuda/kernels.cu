@@ -256,13 +256,14 @@ extern "C" __global__ void gather_rows(const bf16* src, const int* idx, int dim,
 }
 
 // out[t] += sum over rows r of token t (CSR: rows[offsets[t]..offsets[t+1]]) of w[r] * y[r].
-// One block per token and a fixed summation order: deterministic, no atomics.
+// One block per token and a fixed summation order (fused multiply-adds, as `routed_combine` sums the
+// device-routed experts): deterministic, no atomics.
 extern "C" __global__ void scatter_add_weighted(const float* y, const int* offsets, const int* rows, const float* w,
                                                 int dim, float* out) {
     int t = blockIdx.x;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float acc = 0.f;
-        for (int j = offsets[t]; j < offsets[t + 1]; ++j) acc += w[rows[j]] * y[(size_t)rows[j] * dim + i];
+        for (int j = offsets[t]; j < offsets[t + 1]; ++j) acc = fmaf(w[rows[j]], y[(size_t)rows[j] * dim + i], acc);
         out[(size_t)t * dim + i] += acc;
     }
 }

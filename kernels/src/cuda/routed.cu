@@ -8,8 +8,8 @@
 //   routed_gate_up: per (expert group, output row j): gate_j and up_j of every member row, the gated
 //                   activation, rounded to bf16 into act[p, j];
 //   routed_down:    per (expert group, output row j): down_j · act[p] into y[p, j] (f32);
-//   routed_combine: x[r] += sum over slots in slot order of w[p] * y[p] (resident pairs only):
-//                   deterministic, no atomics.
+//   routed_combine: x[r] += sum of w[p] * y[p] over the row's resident pairs in ascending expert
+//                   order (the host-planned combine's order): deterministic, no atomics.
 // Grids are sized for the most groups a step can have (min(experts, n·k)); blocks past the step's
 // group count return at once, so the launches replay unchanged from a CUDA graph.
 
@@ -191,17 +191,29 @@ extern "C" __global__ void routed_down(const int* groups, int nk, const unsigned
     }
 }
 
-// grid (n, ceil(hidden / 256)), block 256: x[r, j] += sum over slots s (in order) of w[r*k+s] * y[r*k+s, j],
-// for the slots whose expert is resident.
+// grid (n, ceil(hidden / 256)), block 256: x[r, j] += sum of w[p] * y[p, j] over the row's pairs p whose
+// expert is resident, taken in ascending expert order and summed with fused multiply-adds from 0 before
+// the one add into x: exactly the order of the host-planned path's `scatter_add_weighted` (a token's
+// GPU rows are grouped by ascending expert), so both paths round the same. Another order moves x by an
+// ulp, which the next norm's bf16 rounding can turn into a whole bf16 step of one element (a 4e-3
+// change of a small model's logits). Top-k ids of a row are distinct. Deterministic, no atomics.
 extern "C" __global__ void routed_combine(const int* ids, const float* w, int k, int experts,
                                           const unsigned long long* table, const float* y, int hidden, float* x) {
     int r = blockIdx.x, j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= hidden) return;
     float s = 0.f;
-    for (int slot = 0; slot < k; ++slot) {
-        int p = r * k + slot, e = ids[p];
-        if (e < 0 || e >= experts || table[e] == 0ull) continue;
-        s += w[p] * y[(size_t)p * hidden + j];
+    int prev = -1;
+    for (int taken = 0; taken < k; ++taken) {
+        int next = experts, at = -1;
+        for (int slot = 0; slot < k; ++slot) {
+            int p = r * k + slot, e = ids[p];
+            if (e <= prev || e >= next || table[e] == 0ull) continue;
+            next = e;
+            at = p;
+        }
+        if (at < 0) break;
+        s = fmaf(w[at], y[(size_t)at * hidden + j], s);
+        prev = next;
     }
     x[(size_t)r * hidden + j] += s;
 }

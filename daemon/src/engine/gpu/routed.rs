@@ -23,8 +23,14 @@
 //! every such step and rewritten when live re-placement moved an expert (graphs bake the table's
 //! address, not its contents).
 //!
-//! Numerics: GEMVs with f32 accumulation in another order than cuBLAS's, the same bf16 rounding of the
-//! activations: not bit-identical to the host-planned path (the GPU tests bound the difference).
+//! Numerics: the host-planned path's roundings (gate_up and down sums in f32, the activation rounded
+//! to bf16, f32 routing weights, each token's experts summed with fused multiply-adds in ascending
+//! expert order and then added into the residual once). Only the GEMVs' f32 accumulation order
+//! differs from cuBLAS's; on the test fixtures (bf16 products of a narrow range) those sums are
+//! exact, so the two paths agree bit for bit. The summation order matters more than its ulp: one ulp
+//! of the residual can cross a bf16 rounding boundary of the next norm's output, and one bf16 step of
+//! one element moves a 48-wide model's logits by 3–5e-3 (what a slot-order sum cost
+//! smallthinker_softmax once).
 //! Layers run this way report no routing to `on_routing` (live placement and routing statistics see
 //! the layers that still hand their routing to the host).
 use super::buffers::{MlpBufs, StepClass, MAX_GRAPH_ROWS};
