@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Device-routed experts on the H200 in one call: the GPU tests of the path, then decode with the
-# device-routed experts off (host-planned, the default) and on (MOE_DEVICE_ROUTED=1) in turn (A B A B, one process,
-# same sequences: `bench decode --device-routed-ab 2`) on a 16-layer SmallThinker-21B-shape checkpoint
-# with every expert resident (`--gpu-experts auto`) and with none (`0`: the path must not change), then
-# an 8-layer Qwen3-30B-A3B-shape checkpoint with 64 of 128 experts per layer on the GPU.
-#   OUT=$OUT D=.device/devroute BUDGET=230 bash $D/device_routed_session.sh
+# Device-routed experts on the H200 in one call (~2.5 min): the GPU tests of the path and of the graphs
+# it replays, then decode with the device-routed experts off (host-planned, `MOE_DEVICE_ROUTED=0`) and
+# on (the default) in turn (A B A B, one process, same sequences: `bench decode --device-routed-ab N`)
+# on a 16-layer SmallThinker-21B-shape checkpoint with every expert resident (`--gpu-experts auto`),
+# with CUDA graphs (on: the whole layer stack of a step is one graph) and without (on: the same
+# kernels, launched one by one), so the graph's share of the gain shows. ×52/16 for the real depth.
+#   OUT=$OUT D=.device/devroute2 BUDGET=170 bash $D/device_routed_session.sh
 # Every step runs under its own timeout and stops being started once BUDGET seconds have passed.
-# Checkpoints go to /dev/shm and are removed at the end.
+# The checkpoint goes to /dev/shm and is removed at the end. ROUNDS (default 3): A/B rounds.
 set -uo pipefail
-D=${D:-.device/devroute}
+D=${D:-.device/devroute2}
 OUT=${OUT:-/tmp/devroute-out}
-BUDGET=${BUDGET:-230}
+BUDGET=${BUDGET:-170}
 THREADS=${THREADS:-16}
+ROUNDS=${ROUNDS:-3}
 mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
@@ -33,21 +35,18 @@ step() {  # NAME TIMEOUT CMD...: runs CMD under min(TIMEOUT, budget left), outpu
 }
 
 export MOE_FIXTURES=${MOE_FIXTURES:-$PWD/tests/fixtures}
-step gpu_tests 100 "$D/gpu_tests" --test-threads 1 routed_kernels device_routed live_move_keeps_logits
-grep -E "^test |test result|rel-L2 vs host|routed kernels|live re-placement|panicked|argmax differs" "$OUT/gpu_tests.log" | tail -60
+step gpu_tests 90 "$D/gpu_tests" --test-threads 1 --nocapture routed_kernels device_routed \
+  live_move_keeps_logits cuda_graph_decode_matches_eager
+grep -E "^test |test result|vs host-planned|routed kernels|SmallThinker-21B experts|whole-step|live re-placement|graphs vs eager|panicked|argmax differs|step [0-9]+: rel-L2" \
+  "$OUT/gpu_tests.log" | tail -80
 
-BENCH=(bench decode --device cuda --cpu-threads "$THREADS" --steps 32 --prompt-len 64 --device-routed-ab 2)
-show() { grep -E "decode: batch|per step:|device-routed|GPU memory" "$OUT/$1.log"; }
+BENCH=(bench decode --device cuda --cpu-threads "$THREADS" --steps 32 --prompt-len 64 --device-routed-ab "$ROUNDS")
+show() { grep -E "decode: batch|per step:|device-routed|GPU memory plan" "$OUT/$1.log"; }
 
-step synth_st16 90 "$D/moe-daemon" bench synth-checkpoint --like smallthinker-21b --layers 16 --out /dev/shm/st16
-step st16_auto 75 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts auto
-show st16_auto
-step st16_dram 60 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts 0
-show st16_dram
+step synth_st16 60 "$D/moe-daemon" bench synth-checkpoint --like smallthinker-21b --layers 16 --out /dev/shm/st16
+step st16_graphs 45 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts auto
+show st16_graphs
+step st16_eager 45 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts auto --no-cuda-graphs
+show st16_eager
 rm -rf /dev/shm/st16
-
-step synth_q8 60 "$D/moe-daemon" bench synth-checkpoint --like qwen3-30b-a3b --layers 8 --out /dev/shm/q8
-step q8_gpu64 60 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/q8 --gpu-experts 64
-show q8_gpu64
-rm -rf /dev/shm/q8
 echo "total $(($(date +%s) - start)) s"
