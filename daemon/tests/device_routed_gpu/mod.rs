@@ -462,8 +462,9 @@ fn all_resident_decode_steps_replay_as_one_graph() {
 /// gate_up with the activation, down, combine) against the host-planned path's expert kernels for
 /// the same products (`gemm_bf16_items` for gate_up and down, `gated_mul` between; its host
 /// planning, copies, gather and combine left out), at SmallThinker-21B's expert shape (hidden 2560,
-/// intermediate 768, 64 experts, top-8) with 1, 8 and 32 rows. Prints µs per layer and the weight
-/// bytes read per second (each chosen expert's weights once); asserts only that both ran.
+/// intermediate 768, 64 experts, top-8) with 1, 8 and 32 rows, and cuBLAS's one-row GEMMs of the
+/// attention projections' shapes. Prints µs per layer and the weight bytes read per second (each
+/// chosen expert's weights once); asserts only that both ran.
 #[test]
 fn routed_kernels_time_at_smallthinker_21b_shape() {
     use cudarc::driver::sys::CUevent_flags;
@@ -605,5 +606,15 @@ fn routed_kernels_time_at_smallthinker_21b_shape() {
             bytes / planned * 1e-3
         );
         assert!(routed > 0.0 && planned > 0.0);
+    }
+    // The rest of a layer's segment goes through cuBLAS at one row: q_proj's and o_proj's shapes
+    // (SmallThinker-21B: 28 heads × 128 = 3584 wide) for comparison with the experts above.
+    let w = s.alloc_zeros::<bf16>(3584 * hd).unwrap();
+    let x1 = s.alloc_zeros::<bf16>(3584).unwrap();
+    let mut y1 = s.alloc_zeros::<f32>(3584).unwrap();
+    for (name, m, kk) in [("q_proj", 3584, hd), ("o_proj", hd, 3584)] {
+        let t = time(&mut || dev.gemm_bf16(&x1, &w, &mut y1, 1, m, kk, false).unwrap());
+        let gbs = (m * kk * 2) as f64 / t * 1e-3;
+        println!("cuBLAS one-row GEMM of {name}'s shape ({m} × {kk}): {t:.1} µs ({gbs:.0} GB/s)");
     }
 }
