@@ -13,6 +13,8 @@
 //! In small steps a layer with GPU-resident experts computes them (and its shared expert) at the end
 //! of its segment from the routing on the device (`routed`, [`LayerRoute`]): a layer whose experts
 //! are all resident then needs no host at all, and a mixed layer hands the host only its DRAM experts.
+//! A graph step whose MoE layers are all like that replays its whole layer stack as one CUDA graph
+//! (`layers_on_device`, `graphs`).
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers};
 use super::dispatch::{expert_homes, ExpertHome};
