@@ -74,21 +74,29 @@ impl GraphSet {
     }
 }
 
-impl GpuModel {
-    /// Whether a step with `routes` stays on the device from its first layer to its last: every MoE
-    /// layer computes its experts in its segment from the device routing ([`LayerRoute::Device`],
-    /// every expert resident) and there is at least one. Such a step's layer stack is one graph.
-    pub(super) fn stays_on_device(&self, routes: &[LayerRoute]) -> bool {
-        let mut any = false;
-        for (layer, route) in self.layers.iter().zip(routes) {
-            if let GpuFfn::Moe(_) = layer.ffn {
-                if *route != LayerRoute::Device {
-                    return false;
-                }
-                any = true;
+/// Whether a step whose layers are MoE or dense as `moe` says, with `routes`, stays on the device from
+/// its first layer to its last: every MoE layer computes its experts in its segment from the device
+/// routing ([`LayerRoute::Device`], every expert resident) and there is at least one. Such a step's
+/// layer stack is one graph.
+pub fn stays_on_device(moe: impl IntoIterator<Item = bool>, routes: &[LayerRoute]) -> bool {
+    let mut any = false;
+    for (is_moe, route) in moe.into_iter().zip(routes) {
+        if is_moe {
+            if *route != LayerRoute::Device {
+                return false;
             }
+            any = true;
         }
-        any
+    }
+    any
+}
+
+impl GpuModel {
+    /// Whether a step with `routes` stays on the device from its first layer to its last
+    /// ([`stays_on_device`]).
+    pub(super) fn stays_on_device(&self, routes: &[LayerRoute]) -> bool {
+        let moe = self.layers.iter().map(|l| matches!(l.ffn, GpuFfn::Moe(_)));
+        stays_on_device(moe, routes)
     }
 
     /// Replays the layer stack of a `rows`-row step that stays on the device, capturing `layers`
@@ -119,5 +127,22 @@ impl GpuModel {
             Some(g) if !set.broken => Ok(g.replay()?),
             _ => layers(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use LayerRoute::*;
+
+    #[test]
+    fn only_steps_of_device_routed_moe_layers_stay_on_the_device() {
+        // a dense first layer, then MoE layers
+        let moe = [false, true, true];
+        assert!(stays_on_device(moe, &[Host, Device, Device]));
+        assert!(!stays_on_device(moe, &[Host, Device, DeviceAndCpu]));
+        assert!(!stays_on_device(moe, &[Host, Host, Device]));
+        // no MoE layer (a dense model): nothing is device-routed, the per-layer path runs
+        assert!(!stays_on_device([false, false], &[Host, Host]));
     }
 }
