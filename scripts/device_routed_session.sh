@@ -4,7 +4,8 @@
 # on (the default) in turn (A B A B, one process, same sequences: `bench decode --device-routed-ab N`)
 # on a 16-layer SmallThinker-21B-shape checkpoint with every expert resident (`--gpu-experts auto`),
 # with CUDA graphs (on: the whole layer stack of a step is one graph) and without (on: the same
-# kernels, launched one by one), so the graph's share of the gain shows. ×52/16 for the real depth.
+# kernels, launched one by one), so the graph's share of the gain shows; then, budget allowing, with
+# W8A16 dense projections (`--dense-dtype fp8`). ×52/16 for the real depth.
 #   OUT=$OUT D=.device/devroute2 BUDGET=170 bash $D/device_routed_session.sh
 # Every step runs under its own timeout and stops being started once BUDGET seconds have passed.
 # The checkpoint goes to /dev/shm and is removed at the end. ROUNDS (default 3): A/B rounds.
@@ -48,5 +49,9 @@ step st16_graphs 45 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-ex
 show st16_graphs
 step st16_eager 45 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts auto --no-cuda-graphs
 show st16_eager
+# If the budget allows: the attention projections and lm_head through the W8A16 GEMVs instead of
+# cuBLAS's one-row GEMMs (half the bytes): where a layer's non-expert GPU time goes.
+step st16_fp8dense 40 "$D/moe-daemon" "${BENCH[@]}" --model /dev/shm/st16 --gpu-experts auto --dense-dtype fp8
+show st16_fp8dense
 rm -rf /dev/shm/st16
 echo "total $(($(date +%s) - start)) s"
