@@ -25,12 +25,12 @@
 //!
 //! Numerics: the host-planned path's roundings (gate_up and down sums in f32, the activation rounded
 //! to bf16, f32 routing weights, each token's experts summed with fused multiply-adds in ascending
-//! expert order and then added into the residual once). Only the GEMVs' f32 accumulation order
-//! differs from cuBLAS's; on the test fixtures (bf16 products of a narrow range) those sums are
-//! exact, so the two paths agree bit for bit. The summation order matters more than its ulp: one ulp
-//! of the residual can cross a bf16 rounding boundary of the next norm's output, and one bf16 step of
-//! one element moves a 48-wide model's logits by 3–5e-3 (what a slot-order sum cost
-//! smallthinker_softmax once).
+//! expert order and then added into the residual once). Only the GEMVs' f32 accumulation differs
+//! from cuBLAS's: one-row experts agree bit for bit on the test fixtures, but expert groups of
+//! several rows go through cuBLAS's tensor-core GEMMs, whose accumulation is not IEEE-sequential. An
+//! ulp of difference matters more than its size: it can cross a bf16 rounding boundary of the next
+//! norm's output, and one bf16 step of one element moves a 48-wide model's logits by 3–5e-3
+//! (smallthinker_softmax's batch of three on the H200; its GPU test is ignored with the figures).
 //! Layers run this way report no routing to `on_routing` (live placement and routing statistics see
 //! the layers that still hand their routing to the host).
 use super::buffers::{MlpBufs, StepClass, MAX_GRAPH_ROWS};
