@@ -4,14 +4,16 @@
 //!
 //! Tolerance: the device-routed kernels round as the host-planned path does (f32 sums, bf16
 //! activations, each token's experts summed in ascending expert order) but are GEMVs that accumulate
-//! in another order than cuBLAS's GEMMs, so the logits may differ by what an ulp of a residual turns
-//! into after a bf16 rounding: per step rel-L2 ≤ 2e-3 against the host-planned path, and the same
-//! argmax wherever that path's top-1/top-2 gap exceeds 1e-2 (near-ties may flip; they are printed).
-//! With no resident expert the device path never runs and the logits must be bit-identical. On the
-//! H200 every case was bit-identical or within 2e-6 except smallthinker_softmax's batch of three
-//! (its model comparison is ignored with the figures): expert groups of several rows go through
-//! cuBLAS's tensor-core GEMMs on the host-planned path, whose f32 accumulation is not the GEMVs'
-//! IEEE FMAs, and in that 48-wide model one bf16 step of one element moves the logits by 3–5e-3.
+//! in another order than cuBLAS's GEMMs. One sequence: per step rel-L2 ≤ 2e-3 against the
+//! host-planned path (on the H200 every case was bit-identical or within 2e-6). A batch of three,
+//! where an expert chosen by 2–3 rows goes through cuBLAS's tensor-core GEMMs on the host-planned
+//! path: ≤ 6e-3 against it (one bf16 step of one residual element moves the 48-wide smallthinker
+//! fixtures' logits by up to 5.3e-3: `scripts/bf16_step_sensitivity.py`; measured 4.4e-3 on
+//! smallthinker_softmax), and no further from the CPU backend (the independent reference of the same
+//! steps) than the host-planned path is, beyond 1e-3 or 10 %, whichever is larger. Both: the same
+//! argmax wherever the host-planned top-1/top-2 gap exceeds 1e-2 (near-ties may flip; they are
+//! printed), each path deterministic (a second run bit-identical), and with no resident expert the
+//! device path never runs and the logits are bit-identical.
 use crate::common::gpu::gpu;
 use crate::common::{fixtures_root as fixtures, oracle, rel_l2, run};
 use moe_daemon::engine::placement::PlacementStrategy;
@@ -31,7 +33,14 @@ const MOE: &[(&str, bool)] = &[
     ("smallthinker_softmax", false),
 ];
 
+/// One sequence against the host-planned path.
 const TOLERANCE: f32 = 2e-3;
+/// A batch against the host-planned path (tensor-core GEMMs there, GEMVs here).
+const BATCH_TOLERANCE: f32 = 6e-3;
+/// How much further than the host-planned path the device path may be from the CPU backend:
+/// max(absolute, relative × the host-planned distance).
+const CPU_SLACK_ABS: f32 = 1e-3;
+const CPU_SLACK_REL: f32 = 0.10;
 const TIE_GAP: f32 = 1e-2;
 
 fn top_gap(l: &[f32]) -> f32 {
@@ -40,12 +49,13 @@ fn top_gap(l: &[f32]) -> f32 {
     v[0] - v[1]
 }
 
-/// `dev` against `host` step by step at the module's tolerance: the worst rel-L2, and a line in
-/// `failures` for every step that breaks a bound (so that one run reports every case).
+/// `dev` against `host` step by step at `tolerance`: the worst rel-L2, and a line in `failures` for
+/// every step that breaks a bound (so that one run reports every case).
 fn compare_into(
     label: &str,
     dev: &[Vec<f32>],
     host: &[Vec<f32>],
+    tolerance: f32,
     failures: &mut Vec<String>,
 ) -> f32 {
     assert_eq!(dev.len(), host.len(), "{label}: step counts");
@@ -53,7 +63,7 @@ fn compare_into(
     for (i, (d, h)) in dev.iter().zip(host).enumerate() {
         let err = rel_l2(d, h);
         worst = worst.max(err);
-        if err > TOLERANCE {
+        if err > tolerance {
             failures.push(format!("{label} step {i}: rel-L2 {err:.3e}"));
         }
         if argmax(d) != argmax(h) {
@@ -70,7 +80,7 @@ fn compare_into(
 /// Asserts `dev` matches `host` step by step at the module's tolerance; returns the worst rel-L2.
 fn compare(label: &str, dev: &[Vec<f32>], host: &[Vec<f32>]) -> f32 {
     let mut failures = Vec::new();
-    let worst = compare_into(label, dev, host, &mut failures);
+    let worst = compare_into(label, dev, host, TOLERANCE, &mut failures);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     worst
 }
@@ -108,13 +118,6 @@ fn batch_run(e: &Engine, feed: &[[u32; 3]]) -> Vec<Vec<f32>> {
 /// path is from a second run of itself (both should be deterministic), so that a miss shows which
 /// side moved.
 #[test]
-#[ignore = "H200, 2026-12-02 04:51 UTC (ascending-expert combine): every case bit for bit or within 2e-6 \
-            except smallthinker_softmax's batch of 3 (3/6 and 6/6 resident, eager and graphs): sequence 1 \
-            from its second decode step on, 2.1e-3 to 4.4e-3, deterministic, both paths equally far from \
-            the CPU backend (1.03e-2 / 9.19e-3 each). Expert groups of 2-3 rows go through cuBLAS's \
-            tensor-core GEMMs on the host-planned path and through IEEE f32 FMAs in the GEMVs; one bf16 \
-            step of one element at decode step 0 stays in that sequence's KV cache \
-            (scripts/bf16_step_sensitivity.py: one step moves these logits by 3-5e-3)"]
 fn device_routed_experts_match_the_host_planned_path() {
     let feed: Vec<[u32; 3]> = (0..8u32).map(|i| [5 + i, 40 + 3 * i, 90 + i]).collect();
     let mut failures = Vec::new();
@@ -162,13 +165,37 @@ fn device_routed_experts_match_the_host_planned_path() {
                 let dev_again = batch_run(&e, &feed);
                 e.set_device_routed(false);
                 let host_again = batch_run(&e, &feed);
-                let w1 = compare_into(&label, &dev, &host, &mut failures);
+                let w1 = compare_into(&label, &dev, &host, TOLERANCE, &mut failures);
                 let batch_label = format!("{label} batch 3");
-                let w3 = compare_into(&batch_label, &dev_batch, &host_batch, &mut failures);
-                println!(
-                    "{label}: {routed_layers} device-routed layers per decode step; worst rel-L2 vs host-planned {w1:.2e} (1 sequence), {w3:.2e} (batch of 3); batch vs the CPU backend: host-planned {:.2e}, device-routed {:.2e}; a second run of each: host-planned {:.2e}, device-routed {:.2e}",
+                let w3 = compare_into(
+                    &batch_label,
+                    &dev_batch,
+                    &host_batch,
+                    BATCH_TOLERANCE,
+                    &mut failures,
+                );
+                let (host_cpu, dev_cpu) = (
                     worst_rel_l2(&host_batch, &cpu_batch),
                     worst_rel_l2(&dev_batch, &cpu_batch),
+                );
+                let slack = CPU_SLACK_ABS.max(CPU_SLACK_REL * host_cpu);
+                if dev_cpu > host_cpu + slack {
+                    failures.push(format!(
+                        "{batch_label}: {dev_cpu:.3e} from the CPU backend, host-planned {host_cpu:.3e}"
+                    ));
+                }
+                for (path, again, first) in [
+                    ("device-routed", &dev_again, &dev_batch),
+                    ("host-planned", &host_again, &host_batch),
+                ] {
+                    if again != first {
+                        failures.push(format!("{batch_label}: {path} not deterministic"));
+                    }
+                }
+                println!(
+                    "{label}: {routed_layers} device-routed layers per decode step; worst rel-L2 vs host-planned {w1:.2e} (1 sequence), {w3:.2e} (batch of 3); batch vs the CPU backend: host-planned {:.2e}, device-routed {:.2e}; a second run of each: host-planned {:.2e}, device-routed {:.2e}",
+                    host_cpu,
+                    dev_cpu,
                     worst_rel_l2(&host_again, &host_batch),
                     worst_rel_l2(&dev_again, &dev_batch),
                 );
