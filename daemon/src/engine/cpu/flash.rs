@@ -8,7 +8,7 @@
 //! accumulator) triples are merged afterwards (flash-decoding).
 use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
 use half::slice::HalfFloatSliceExt;
-use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, Tile};
+use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, OnlineSoftmax, Tile};
 use moe_kernels::cpu::WorkerPool;
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
@@ -117,19 +117,18 @@ fn attend_split(
             let head = g * group + j;
             let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
             let part = |i: usize| &partial[i * width + j * (hd + 2)..][..hd + 2];
-            let m = (first..end)
-                .map(|i| part(i)[0])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut l = 0f32;
+            let mut softmax = OnlineSoftmax::default();
             for i in first..end {
                 let p = part(i);
-                let c = (p[0] - m).exp();
-                l += c * p[1];
+                let (c_o, c_p) = softmax.merge(OnlineSoftmax {
+                    max: p[0],
+                    sum: p[1],
+                });
                 for (x, y) in o.iter_mut().zip(&p[2..]) {
-                    *x += c * y;
+                    *x = *x * c_o + c_p * y;
                 }
             }
-            let inv = 1.0 / l;
+            let inv = 1.0 / softmax.sum;
             o.iter_mut().for_each(|x| *x *= inv);
         }
         first = end;
