@@ -352,12 +352,21 @@ mod simd {
         let chunks = hd / 16;
         let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
         // Scores: per head, 16 partial vectors (zero past `n`), summed across lanes per head.
-        let mut part = [[_mm512_setzero_ps(); TILE]; MAX_GROUP];
-        // SAFETY: every row read is below `n` (caller: in bounds); q and state by their lengths.
+        // Only the group's heads are written: a zeroed `[[__m512; 16]; 16]` was a 16 KiB memset
+        // per tile, more than a small group's FMAs.
+        let mut part = std::mem::MaybeUninit::<[[__m512; TILE]; MAX_GROUP]>::uninit();
+        let pp = part.as_mut_ptr().cast::<__m512>();
+        // SAFETY: every row read is below `n` (caller: in bounds); q and state by their lengths;
+        // `part` rows `j < group` are written in full (lanes `n..` zeroed) before they are read.
         unsafe {
+            for j in 0..group {
+                for i in n..TILE {
+                    pp.add(j * TILE + i).write(_mm512_setzero_ps());
+                }
+            }
             for i in 0..n {
                 let row = kp.add(i * stride);
-                for (j, pj) in part.iter_mut().enumerate().take(group) {
+                for j in 0..group {
                     let qj = qp.add(j * hd);
                     let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qj), E::load16(row));
                     for c in 1..chunks {
@@ -367,7 +376,7 @@ mod simd {
                             acc,
                         );
                     }
-                    pj[i] = acc;
+                    pp.add(j * TILE + i).write(acc);
                 }
             }
             // Softmax weights of the tile per head, and the factor its old state is scaled by.
@@ -375,7 +384,7 @@ mod simd {
             let mut scale = [0f32; MAX_GROUP];
             for j in 0..group {
                 let st = state.as_mut_ptr().add(j * (hd + 2));
-                let s = sum_lanes16(&part[j]);
+                let s = sum_lanes16(&*pp.add(j * TILE).cast::<[__m512; TILE]>());
                 let valid = ((1u32 << n) - 1) as u16;
                 let tile_max = _mm512_mask_reduce_max_ps(valid, s);
                 let m = (*st).max(tile_max);
@@ -389,20 +398,25 @@ mod simd {
             }
             // Values: per 16 columns, the group's accumulators (rescaled) plus each row's weighted
             // value, the row widened once for every head.
+            // (The accumulators start from the rescaled state, `group` of them: no zeroed array.)
+            let mut acc = std::mem::MaybeUninit::<[__m512; MAX_GROUP]>::uninit();
+            let ap = acc.as_mut_ptr().cast::<__m512>();
             for c in 0..chunks {
-                let mut acc = [_mm512_setzero_ps(); MAX_GROUP];
                 for j in 0..group {
                     let at = state.as_ptr().add(j * (hd + 2) + 2 + 16 * c);
-                    acc[j] = _mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(scale[j]));
+                    ap.add(j)
+                        .write(_mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(scale[j])));
                 }
                 for i in 0..n {
                     let x = E::load16(vp.add(i * stride + 16 * c));
                     for j in 0..group {
-                        acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j][i]), x, acc[j]);
+                        let a = ap.add(j);
+                        a.write(_mm512_fmadd_ps(_mm512_set1_ps(w[j][i]), x, a.read()));
                     }
                 }
-                for (j, a) in acc.iter().enumerate().take(group) {
-                    _mm512_storeu_ps(state.as_mut_ptr().add(j * (hd + 2) + 2 + 16 * c), *a);
+                for j in 0..group {
+                    let out = state.as_mut_ptr().add(j * (hd + 2) + 2 + 16 * c);
+                    _mm512_storeu_ps(out, ap.add(j).read());
                 }
             }
         }
