@@ -19,6 +19,9 @@ use std::ops::RangeInclusive;
 /// as long as 4), and merging a split costs one `exp` per query head.
 const MIN_SPLIT_POSITIONS: usize = 64;
 
+/// How many tiles ahead of the one computed an item asks the caches for its K and V rows.
+const PREFETCH_TILES: usize = 2;
+
 /// Shape of one GQA layer's attention core.
 #[derive(Clone, Copy, Debug)]
 pub struct GqaShape {
@@ -180,19 +183,26 @@ fn attend_range(
                 stride: rows.a_width,
             }
         };
-        let mut p0 = lo;
-        let mut tile = tile_at(p0);
-        loop {
-            let next = p0 + tile.n;
-            let following = (next <= hi).then(|| tile_at(next));
-            if let Some(t) = following {
-                prefetch_tile(hd, t);
+        // Tiles start at `lo` and then at each block boundary. The rows come from DRAM more often
+        // than not (a step's weights stream through the caches between two reads of a layer's
+        // cache), and one tile's work is shorter than a miss: the first tiles are requested before
+        // any is computed, and each tile asks for the one `PREFETCH_TILES` ahead.
+        let start = |i: usize| {
+            let p = if i == 0 { lo } else { (lo / BLOCK + i) * BLOCK };
+            (p <= hi).then_some(p)
+        };
+        for i in 0..PREFETCH_TILES {
+            if let Some(p) = start(i) {
+                prefetch_tile(hd, tile_at(p));
             }
-            attend_tile(&qs, hd, tile, out);
-            match following {
-                Some(t) => (p0, tile) = (next, t),
-                None => break,
+        }
+        let mut i = 0;
+        while let Some(p0) = start(i) {
+            if let Some(p) = start(i + PREFETCH_TILES) {
+                prefetch_tile(hd, tile_at(p));
             }
+            attend_tile(&qs, hd, tile_at(p0), out);
+            i += 1;
         }
     });
 }

@@ -490,27 +490,54 @@ unsafe fn i4_block<const R: usize, const SKIP: bool>(
             if SKIP && live == [false; R] {
                 continue; // residual rows of a group without outliers: no loads at all
             }
-            // Two accumulator chains per row when the block has few rows (the dot latency), one
-            // otherwise (the rows interleave).
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
-            for pr in g * per_group..(g + 1) * per_group {
-                prefetch(wp.add(pr * 64), pf);
-                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
-                let lo = _mm512_and_si512(v, nib);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+            let prs = g * per_group..(g + 1) * per_group;
+            if SKIP && per_group == 4 {
+                // A residual view: the group's 4 weight rows split into nibbles once (8 registers),
+                // then one branch per row and a chain of 8 dots for each live one.
+                let mut nibbles = [[_mm512_setzero_si512(); 2]; 4];
+                for (i, pr) in prs.clone().enumerate() {
+                    prefetch(wp.add(pr * 64), pf);
+                    let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                    nibbles[i] = [
+                        _mm512_and_si512(v, nib),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib),
+                    ];
+                }
                 for r in 0..R {
-                    if SKIP && !live[r] {
+                    if !live[r] {
                         continue;
                     }
-                    let xl = _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned());
-                    let xh = _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned());
-                    if R <= 2 {
-                        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
-                        hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, xh);
-                    } else {
-                        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
-                        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], hi, xh);
+                    let xr = x[r].add(2 * prs.start);
+                    for (i, [lo, hi]) in nibbles.iter().enumerate() {
+                        let xl = _mm512_set1_epi32(xr.add(2 * i).read_unaligned());
+                        let xh = _mm512_set1_epi32(xr.add(2 * i + 1).read_unaligned());
+                        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], *lo, xl);
+                        hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], *hi, xh);
+                    }
+                }
+            } else {
+                // Two accumulator chains per row when the block has few rows (the dot latency),
+                // one otherwise (the rows interleave).
+                for pr in prs {
+                    prefetch(wp.add(pr * 64), pf);
+                    let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                    let lo = _mm512_and_si512(v, nib);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                    for r in 0..R {
+                        if SKIP && !live[r] {
+                            continue;
+                        }
+                        let xl = _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned());
+                        let xh = _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned());
+                        if R <= 2 {
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
+                            hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, xh);
+                        } else {
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], hi, xh);
+                        }
                     }
                 }
             }
@@ -525,7 +552,7 @@ unsafe fn i4_block<const R: usize, const SKIP: bool>(
                 if SKIP && !live[r] {
                     continue;
                 }
-                let acc = if R <= 2 {
+                let acc = if R <= 2 || (SKIP && per_group == 4) {
                     _mm512_add_epi32(lo_acc[r], hi_acc[r])
                 } else {
                     lo_acc[r]
