@@ -10,6 +10,9 @@
 #                                     bf16-widened AMX; int8 pairs with residuals in outlier groups only, or
 #                                     one int8 row, for every format: MOE_CPU_DENSE_INPUT=int8pair|int8),
 #                                     llama.cpp pp64/tg64
+#   bash smollm2_on_device.sh streams 1 and 8 streams in one process (`--batch 1,8`), three times, then
+#                                     with AMX-INT8 off and with int8 activations for every format (~70 s;
+#                                     no llama.cpp build)
 #   bash smollm2_on_device.sh dense   the dense kernels alone on this model's shapes (cpu_dense_bench, Q4_1
 #                                     projections and the Q8_0 lm_head, 1 / 4 / 8 / 16 / 64 rows; calls of 4–15
 #                                     rows on VNNI, AMX-INT8 or bf16-widened AMX), 2 threads pinned
@@ -55,6 +58,25 @@ for PART in "$@"; do
     echo "### llama.cpp CPU build, same model, 2 threads pinned"
     timeout 90 $PIN $LLAMA -m $M -t 2 -p 64 -n 64 -r 5 -o md 2>&1 | tee "$OUT/llama.md"
     ;;
+  streams)
+    # 1 and 8 streams in one process each (`--batch 1,8`: the same loaded model, so the ratio is not
+    # split by call-to-call noise), three times, then on VNNI alone (AMX-INT8 off, as on a machine
+    # without AMX) and with int8 activations for every format.
+    pip install -q --no-index --no-deps --target /tmp/site $PEERS/kit/gguf-*.whl > /dev/null 2>&1
+    [ -f $M ] || PYTHONPATH=/tmp/site timeout 60 python3 $HERE/make_gguf_llama.py --out $M
+    for r in 1 2 3; do
+      echo "### ours: 1 and 8 streams, run $r" | tee -a "$OUT/streams.md"
+      timeout 60 $PIN $D/moe-daemon bench decode --model $M --cpu-threads 2 --batch 1,8 --prompt-len 64 --steps 32 2>&1 \
+        | grep -E "^decode|per step|rror|panick" | tee -a "$OUT/streams.md"
+    done
+    # the build machine kind has no AMX: the VNNI kernels for every call below 16 rows
+    echo "### ours: 1 and 8 streams, VNNI below 16 rows (AMX-INT8 off)" | tee -a "$OUT/streams.md"
+    MOE_CPU_DENSE_AMX_INT_MIN_ROWS=0 timeout 60 $PIN $D/moe-daemon bench decode --model $M --cpu-threads 2 --batch 1,8 \
+      --prompt-len 64 --steps 32 2>&1 | grep -E "^decode|per step|rror|panick" | tee -a "$OUT/streams.md"
+    echo "### ours: 1 and 8 streams, int8 activations for every format" | tee -a "$OUT/streams.md"
+    MOE_CPU_DENSE_INPUT=int8 timeout 60 $PIN $D/moe-daemon bench decode --model $M --cpu-threads 2 --batch 1,8 \
+      --prompt-len 64 --steps 32 2>&1 | grep -E "^decode|per step|rror|panick" | tee -a "$OUT/streams.md"
+    ;;
   dense)
     echo "### dense kernels alone, SmolLM2-135M shapes, 2 threads pinned"
     [ -x $D/cpu_dense_bench ] || { echo "no $D/cpu_dense_bench staged: skipped"; continue; }
@@ -75,6 +97,6 @@ for PART in "$@"; do
     timeout 150 $D/moe_kernels_tests --test-threads 8 > "$OUT/tests.log" 2>&1
     grep -E "test result|panicked|FAILED" "$OUT/tests.log"
     ;;
-  *) echo "unknown part $PART (main | dense | tests)"; exit 2 ;;
+  *) echo "unknown part $PART (main | streams | dense | tests)"; exit 2 ;;
   esac
 done

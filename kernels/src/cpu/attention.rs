@@ -156,13 +156,56 @@ pub(crate) fn attend_tile_twin(q: &[f32], hd: usize, tile: Tile<'_>, state: &mut
 }
 
 /// The factor a head's sum and accumulator are scaled by when its max moves from `old` to `new`
-/// (0 before the first tile: the state is empty).
+/// (0 before the first tile: the state is empty). The one rescale step of every online softmax here
+/// and in its callers ([`OnlineSoftmax`], the merge of split ranges).
 #[inline(always)]
-fn rescale(old: f32, new: f32) -> f32 {
+pub fn rescale(old: f32, new: f32) -> f32 {
     if old == f32::NEG_INFINITY {
         0.0
     } else {
         exp_fast(old - new)
+    }
+}
+
+/// Online softmax over a stream of scores, one at a time (no score row): `push(s)` returns the factor
+/// the accumulator must be scaled by before adding `weight · value` for this score. For callers that
+/// walk positions one by one (MLA's latent rows); tiles of GQA go through [`attend_tile`].
+#[derive(Clone, Copy, Debug)]
+pub struct OnlineSoftmax {
+    pub max: f32,
+    pub sum: f32,
+}
+
+impl Default for OnlineSoftmax {
+    fn default() -> Self {
+        Self {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        }
+    }
+}
+
+impl OnlineSoftmax {
+    /// `(rescale, weight)` for score `s`.
+    #[inline]
+    pub fn push(&mut self, s: f32) -> (f32, f32) {
+        let m = self.max.max(s);
+        let c = rescale(self.max, m);
+        let w = exp_fast(s - m);
+        self.max = m;
+        self.sum = self.sum * c + w;
+        (c, w)
+    }
+
+    /// Folds another state's `(max, sum)` over other positions into this one: returns the factors
+    /// this state's accumulator and the other's are scaled by before they are added.
+    #[inline]
+    pub fn merge(&mut self, other: OnlineSoftmax) -> (f32, f32) {
+        let m = self.max.max(other.max);
+        let (c_self, c_other) = (rescale(self.max, m), rescale(other.max, m));
+        self.max = m;
+        self.sum = self.sum * c_self + other.sum * c_other;
+        (c_self, c_other)
     }
 }
 
@@ -309,12 +352,21 @@ mod simd {
         let chunks = hd / 16;
         let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
         // Scores: per head, 16 partial vectors (zero past `n`), summed across lanes per head.
-        let mut part = [[_mm512_setzero_ps(); TILE]; MAX_GROUP];
-        // SAFETY: every row read is below `n` (caller: in bounds); q and state by their lengths.
+        // Only the group's heads are written: a zeroed `[[__m512; 16]; 16]` was a 16 KiB memset
+        // per tile, more than a small group's FMAs.
+        let mut part = std::mem::MaybeUninit::<[[__m512; TILE]; MAX_GROUP]>::uninit();
+        let pp = part.as_mut_ptr().cast::<__m512>();
+        // SAFETY: every row read is below `n` (caller: in bounds); q and state by their lengths;
+        // `part` rows `j < group` are written in full (lanes `n..` zeroed) before they are read.
         unsafe {
+            for j in 0..group {
+                for i in n..TILE {
+                    pp.add(j * TILE + i).write(_mm512_setzero_ps());
+                }
+            }
             for i in 0..n {
                 let row = kp.add(i * stride);
-                for (j, pj) in part.iter_mut().enumerate().take(group) {
+                for j in 0..group {
                     let qj = qp.add(j * hd);
                     let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qj), E::load16(row));
                     for c in 1..chunks {
@@ -324,7 +376,7 @@ mod simd {
                             acc,
                         );
                     }
-                    pj[i] = acc;
+                    pp.add(j * TILE + i).write(acc);
                 }
             }
             // Softmax weights of the tile per head, and the factor its old state is scaled by.
@@ -332,7 +384,7 @@ mod simd {
             let mut scale = [0f32; MAX_GROUP];
             for j in 0..group {
                 let st = state.as_mut_ptr().add(j * (hd + 2));
-                let s = sum_lanes16(&part[j]);
+                let s = sum_lanes16(&*pp.add(j * TILE).cast::<[__m512; TILE]>());
                 let valid = ((1u32 << n) - 1) as u16;
                 let tile_max = _mm512_mask_reduce_max_ps(valid, s);
                 let m = (*st).max(tile_max);
@@ -346,20 +398,25 @@ mod simd {
             }
             // Values: per 16 columns, the group's accumulators (rescaled) plus each row's weighted
             // value, the row widened once for every head.
+            // (The accumulators start from the rescaled state, `group` of them: no zeroed array.)
+            let mut acc = std::mem::MaybeUninit::<[__m512; MAX_GROUP]>::uninit();
+            let ap = acc.as_mut_ptr().cast::<__m512>();
             for c in 0..chunks {
-                let mut acc = [_mm512_setzero_ps(); MAX_GROUP];
                 for j in 0..group {
                     let at = state.as_ptr().add(j * (hd + 2) + 2 + 16 * c);
-                    acc[j] = _mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(scale[j]));
+                    ap.add(j)
+                        .write(_mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(scale[j])));
                 }
                 for i in 0..n {
                     let x = E::load16(vp.add(i * stride + 16 * c));
                     for j in 0..group {
-                        acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j][i]), x, acc[j]);
+                        let a = ap.add(j);
+                        a.write(_mm512_fmadd_ps(_mm512_set1_ps(w[j][i]), x, a.read()));
                     }
                 }
-                for (j, a) in acc.iter().enumerate().take(group) {
-                    _mm512_storeu_ps(state.as_mut_ptr().add(j * (hd + 2) + 2 + 16 * c), *a);
+                for j in 0..group {
+                    let out = state.as_mut_ptr().add(j * (hd + 2) + 2 + 16 * c);
+                    _mm512_storeu_ps(out, ap.add(j).read());
                 }
             }
         }
@@ -445,5 +502,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Scores pushed one at a time, and two halves pushed apart then merged, against the two-pass
+    /// softmax in f64: weights and sums to 1e-6 relative (`exp_fast` is good to ~2e-7). A wrong
+    /// rescale (the first score, a new max, a merge) is off by O(1).
+    #[test]
+    fn online_softmax_matches_two_pass() {
+        let s: Vec<f32> = values(40, 5).iter().map(|x| x * 6.0).collect();
+        let v = values(40, 9);
+        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let e: Vec<f64> = s.iter().map(|&x| (x as f64 - m).exp()).collect();
+        let want =
+            e.iter().zip(&v).map(|(e, &v)| e * v as f64).sum::<f64>() / e.iter().sum::<f64>();
+        let fold = |sc: &[f32], vs: &[f32]| {
+            let (mut st, mut acc) = (OnlineSoftmax::default(), 0f32);
+            for (&x, &y) in sc.iter().zip(vs) {
+                let (c, w) = st.push(x);
+                acc = acc * c + w * y;
+            }
+            (st, acc)
+        };
+        let (whole, acc) = fold(&s, &v);
+        let (mut a, acc_a) = fold(&s[..17], &v[..17]);
+        let (b, acc_b) = fold(&s[17..], &v[17..]);
+        let (ca, cb) = a.merge(b);
+        let merged = (acc_a * ca + acc_b * cb) / a.sum;
+        for (got, what) in [(acc / whole.sum, "pushed"), (merged, "merged")] {
+            let err = (got as f64 - want).abs() / want.abs().max(1e-3);
+            assert!(err <= 1e-6, "{what}: {got} vs {want} ({err})");
+        }
+        assert_eq!(whole.max as f64, m);
+        assert!(((a.sum - whole.sum) / whole.sum).abs() <= 1e-6);
     }
 }

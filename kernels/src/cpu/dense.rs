@@ -657,3 +657,7 @@ fn convert_rows(
 #[cfg(test)]
 #[path = "dense_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "dense_q4k_tests.rs"]
+mod q4k_tests;

@@ -357,7 +357,7 @@ fn group_call_equals_separate_calls() {
 /// Hidden states with outlier channels (a few values 60× the rest, as in small LLMs): one int8 row
 /// per token rounds the other values of an outlier's group to steps of amax/127; the pair (codes,
 /// then residual codes in the outlier groups) keeps those at ~amax/32000 and the rest at amax/254.
-/// Q4_1 weights, 1 and 5 tokens, against the f64 evaluation of the packed weights with the exact
+/// Q4_1 weights, 1, 5 and 8 tokens, against the f64 evaluation of the packed weights with the exact
 /// inputs: the pair's error is below 1e-3 and a tenth of one row's.
 #[test]
 fn int8_pair_keeps_outlier_groups_accurate() {
@@ -373,10 +373,12 @@ fn int8_pair_keeps_outlier_groups_accurate() {
     };
     let mut w = DenseMatrix::new(format_for_ggml(GgmlBlock::Q4_1), n, k, &src, None).unwrap();
     w.set_max_tier(CpuTier::Avx512);
-    for tokens in [1usize, 5] {
+    for tokens in [1usize, 5, 8] {
         let mut x = rng_values(tokens * k, 40 + tokens as u64);
         for t in 0..tokens {
-            for c in [7, 100, 333] {
+            // outliers shared by every token, and one of each token's own (the residual rows of
+            // a group are then live for some tokens only)
+            for c in [7, 100, 333, (200 + 61 * t) % k] {
                 x[t * k + c] = 60.0;
             }
         }

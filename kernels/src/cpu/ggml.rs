@@ -101,7 +101,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 
 /// Q4_K / Q5_K: scale and min of sub-block `j` (0..8) from the 12 packed bytes (`get_scale_min_k4`).
 #[inline]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

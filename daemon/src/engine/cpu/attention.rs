@@ -15,6 +15,7 @@ use crate::engine::rope::Rope;
 use crate::engine::Segment;
 use crate::model::config::{LayerAttention, ModelConfig};
 use crate::model::{GqaAttention, MlaAttention, MlaQuery, SparseAttention};
+use moe_kernels::cpu::attention::OnlineSoftmax;
 
 /// Per token: (segment index, absolute position).
 fn token_positions(segments: &[Segment]) -> Vec<(usize, usize)> {
@@ -42,36 +43,6 @@ fn write_rows(
                 &a[r * aw..(r + 1) * aw],
                 &b[r * bw..(r + 1) * bw],
             );
-        }
-    }
-}
-
-/// Online softmax over a stream of scores (one pass, no score row): `push(s)` returns the factor
-/// the accumulator must be scaled by before adding `weight · value` for this score.
-struct OnlineSoftmax {
-    max: f32,
-    sum: f32,
-}
-
-impl OnlineSoftmax {
-    fn new() -> Self {
-        Self {
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
-        }
-    }
-
-    /// `(rescale, weight)` for score `s`.
-    fn push(&mut self, s: f32) -> (f32, f32) {
-        if s > self.max {
-            let c = (self.max - s).exp(); // 0 on the first score
-            self.max = s;
-            self.sum = self.sum * c + 1.0;
-            (c, 1.0)
-        } else {
-            let w = (s - self.max).exp();
-            self.sum += w;
-            (1.0, w)
         }
     }
 }
@@ -212,7 +183,7 @@ pub fn mla_forward(
         // One pass: each position's latent row is widened once and used for its score and value.
         let mut o_lat = vec![0f32; lora];
         let (mut lat, mut k_rot) = (vec![0f32; lora], vec![0f32; rd]);
-        let mut softmax = OnlineSoftmax::new();
+        let mut softmax = OnlineSoftmax::default();
         for p in attended.positions(t, pos) {
             let sl = slot(table, p);
             rows.read_a(sl, 0, &mut lat);

@@ -8,7 +8,7 @@
 //! accumulator) triples are merged afterwards (flash-decoding).
 use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
 use half::slice::HalfFloatSliceExt;
-use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, Tile};
+use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, OnlineSoftmax, Tile};
 use moe_kernels::cpu::WorkerPool;
 use std::cell::RefCell;
 use std::ops::RangeInclusive;
@@ -18,6 +18,9 @@ use std::ops::RangeInclusive;
 /// SmolLM2) has fewer items than a 2-thread pool wants at short contexts (3 items on 2 threads take
 /// as long as 4), and merging a split costs one `exp` per query head.
 const MIN_SPLIT_POSITIONS: usize = 64;
+
+/// How many tiles ahead of the one computed an item asks the caches for its K and V rows.
+const PREFETCH_TILES: usize = 2;
 
 /// Shape of one GQA layer's attention core.
 #[derive(Clone, Copy, Debug)]
@@ -117,19 +120,18 @@ fn attend_split(
             let head = g * group + j;
             let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
             let part = |i: usize| &partial[i * width + j * (hd + 2)..][..hd + 2];
-            let m = (first..end)
-                .map(|i| part(i)[0])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut l = 0f32;
+            let mut softmax = OnlineSoftmax::default();
             for i in first..end {
                 let p = part(i);
-                let c = (p[0] - m).exp();
-                l += c * p[1];
+                let (c_o, c_p) = softmax.merge(OnlineSoftmax {
+                    max: p[0],
+                    sum: p[1],
+                });
                 for (x, y) in o.iter_mut().zip(&p[2..]) {
-                    *x += c * y;
+                    *x = *x * c_o + c_p * y;
                 }
             }
-            let inv = 1.0 / l;
+            let inv = 1.0 / softmax.sum;
             o.iter_mut().for_each(|x| *x *= inv);
         }
         first = end;
@@ -181,19 +183,26 @@ fn attend_range(
                 stride: rows.a_width,
             }
         };
-        let mut p0 = lo;
-        let mut tile = tile_at(p0);
-        loop {
-            let next = p0 + tile.n;
-            let following = (next <= hi).then(|| tile_at(next));
-            if let Some(t) = following {
-                prefetch_tile(hd, t);
+        // Tiles start at `lo` and then at each block boundary. The rows come from DRAM more often
+        // than not (a step's weights stream through the caches between two reads of a layer's
+        // cache), and one tile's work is shorter than a miss: the first tiles are requested before
+        // any is computed, and each tile asks for the one `PREFETCH_TILES` ahead.
+        let start = |i: usize| {
+            let p = if i == 0 { lo } else { (lo / BLOCK + i) * BLOCK };
+            (p <= hi).then_some(p)
+        };
+        for i in 0..PREFETCH_TILES {
+            if let Some(p) = start(i) {
+                prefetch_tile(hd, tile_at(p));
             }
-            attend_tile(&qs, hd, tile, out);
-            match following {
-                Some(t) => (p0, tile) = (next, t),
-                None => break,
+        }
+        let mut i = 0;
+        while let Some(p0) = start(i) {
+            if let Some(p) = start(i + PREFETCH_TILES) {
+                prefetch_tile(hd, tile_at(p));
             }
+            attend_tile(&qs, hd, tile_at(p0), out);
+            i += 1;
         }
     });
 }

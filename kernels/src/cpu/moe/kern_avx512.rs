@@ -72,6 +72,29 @@ macro_rules! by_rows {
             4 => $f::<4>($($a),*), 3 => $f::<3>($($a),*), 2 => $f::<2>($($a),*), _ => $f::<1>($($a),*),
         }
     };
+    ($n:expr, 8, skipping $f:ident(true, $($a:expr),*)) => {
+        match $n {
+            8 => $f::<8, true>($($a),*), 7 => $f::<7, true>($($a),*), 6 => $f::<6, true>($($a),*),
+            5 => $f::<5, true>($($a),*), 4 => $f::<4, true>($($a),*), 3 => $f::<3, true>($($a),*),
+            2 => $f::<2, true>($($a),*), _ => $f::<1, true>($($a),*),
+        }
+    };
+    ($n:expr, 8, skipping $f:ident(false, $($a:expr),*)) => {
+        match $n {
+            8 => $f::<8, false>($($a),*), 7 => $f::<7, false>($($a),*), 6 => $f::<6, false>($($a),*),
+            5 => $f::<5, false>($($a),*), 4 => $f::<4, false>($($a),*), 3 => $f::<3, false>($($a),*),
+            2 => $f::<2, false>($($a),*), _ => $f::<1, false>($($a),*),
+        }
+    };
+    // `$f::<R, SKIP>` with the arguments of a tuple, for `$skip` known at run time.
+    ($n:expr, 8, $skip:expr, $f:ident $args:expr) => {{
+        let (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9) = $args;
+        if $skip {
+            by_rows!($n, 8, skipping $f(true, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9))
+        } else {
+            by_rows!($n, 8, skipping $f(false, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9))
+        }
+    }};
 }
 
 pub(super) const MAX_ROWS: usize = 8;
@@ -279,22 +302,18 @@ pub(crate) unsafe fn gemm_int(
                 all: groups,
                 live: a.live,
             };
+            // A view restricted to live groups is a residual view: skip its dead rows.
+            let skip = !a.live.is_empty();
             match GroupedCodes::of(w.l.format) {
                 Some(c) if c.int4 => {
                     let s = &w.s16()[c.scale_at(groups, nt, 0)..];
-                    by_rows!(
-                        n,
-                        8,
-                        i4_block(wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out)
-                    )
+                    let args = (wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out);
+                    by_rows!(n, 8, skip, i4_block args)
                 }
                 Some(c) => {
                     let s = &w.s16()[c.scale_at(groups, nt, 0)..];
-                    by_rows!(
-                        n,
-                        8,
-                        i8_grouped_block(wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out)
-                    )
+                    let args = (wp, c.group, gl, c.with_min, pf, s, x, &gs, &xs, out);
+                    by_rows!(n, 8, skip, i8_grouped_block args)
                 }
                 None => {
                     let s = &w.s[nt * 16..];
@@ -439,8 +458,14 @@ unsafe fn i8_block<const R: usize>(
 
 /// Int4 with a group scale (Q4_0: `w = (u − 8)·d`) or, `with_min`, a group scale and min (Q4_1:
 /// `w = u·d + m`): per group `d·Σ u·x − 8d·Σx`, or `d·Σ u·x + m·Σ x`, both sums from integer dots.
+///
+/// Cost per (row, group of 32 inputs × 16 outputs): 8 `vpdpbusd` and 4 more vector ops for the
+/// scaling (convert, `d · x-scale`, two FMAs); the nibble split of the 4 weight loads is shared by
+/// every row of the block. With `SKIP` (a residual view: most of its rows have no codes in most
+/// groups) rows whose group scale is 0 are skipped one by one; otherwise every row runs branch-free
+/// (a zero scale gives 0 all the same) and only a group no row has codes in is skipped.
 #[inline(always)]
-unsafe fn i4_block<const R: usize>(
+unsafe fn i4_block<const R: usize, const SKIP: bool>(
     wp: *const u8,
     group: usize,
     groups: Groups<'_>,
@@ -461,53 +486,85 @@ unsafe fn i4_block<const R: usize>(
         let stride = if with_min { 32 } else { 16 };
         for gi in 0..groups.len() {
             let g = groups.get(gi);
-            let live: [bool; R] = live_rows(xs, g);
-            if live == [false; R] {
+            let live: [bool; R] = if SKIP { live_rows(xs, g) } else { [true; R] };
+            if SKIP && live == [false; R] {
                 continue; // residual rows of a group without outliers: no loads at all
             }
             let mut lo_acc = [_mm512_setzero_si512(); R];
             let mut hi_acc = [_mm512_setzero_si512(); R];
-            for pr in g * per_group..(g + 1) * per_group {
-                prefetch(wp.add(pr * 64), pf);
-                let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
-                let lo = _mm512_and_si512(v, nib);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+            let prs = g * per_group..(g + 1) * per_group;
+            if SKIP && per_group == 4 {
+                // A residual view: the group's 4 weight rows split into nibbles once (8 registers),
+                // then one branch per row and a chain of 8 dots for each live one.
+                let mut nibbles = [[_mm512_setzero_si512(); 2]; 4];
+                for (i, pr) in prs.clone().enumerate() {
+                    prefetch(wp.add(pr * 64), pf);
+                    let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                    nibbles[i] = [
+                        _mm512_and_si512(v, nib),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib),
+                    ];
+                }
                 for r in 0..R {
                     if !live[r] {
                         continue;
                     }
-                    lo_acc[r] = _mm512_dpbusd_epi32(
-                        lo_acc[r],
-                        lo,
-                        _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned()),
-                    );
-                    hi_acc[r] = _mm512_dpbusd_epi32(
-                        hi_acc[r],
-                        hi,
-                        _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned()),
-                    );
+                    let xr = x[r].add(2 * prs.start);
+                    for (i, [lo, hi]) in nibbles.iter().enumerate() {
+                        let xl = _mm512_set1_epi32(xr.add(2 * i).read_unaligned());
+                        let xh = _mm512_set1_epi32(xr.add(2 * i + 1).read_unaligned());
+                        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], *lo, xl);
+                        hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], *hi, xh);
+                    }
+                }
+            } else {
+                // Two accumulator chains per row when the block has few rows (the dot latency),
+                // one otherwise (the rows interleave).
+                for pr in prs {
+                    prefetch(wp.add(pr * 64), pf);
+                    let v = _mm512_loadu_si512(wp.add(pr * 64).cast());
+                    let lo = _mm512_and_si512(v, nib);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                    for r in 0..R {
+                        if SKIP && !live[r] {
+                            continue;
+                        }
+                        let xl = _mm512_set1_epi32(x[r].add(2 * pr).read_unaligned());
+                        let xh = _mm512_set1_epi32(x[r].add(2 * pr + 1).read_unaligned());
+                        if R <= 2 {
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
+                            hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, xh);
+                        } else {
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, xl);
+                            lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], hi, xh);
+                        }
+                    }
                 }
             }
             let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+            let mv = if with_min {
+                _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()))
+            } else {
+                _mm512_setzero_ps()
+            };
             for r in 0..R {
-                if !live[r] {
+                if SKIP && !live[r] {
                     continue;
                 }
-                let acc = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
-                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
+                let acc = if R <= 2 || (SKIP && per_group == 4) {
+                    _mm512_add_epi32(lo_acc[r], hi_acc[r])
+                } else {
+                    lo_acc[r]
+                };
+                let (gs, x_scale) = (*gsum[r].add(g), *xs[r].add(g));
+                let dx = _mm512_mul_ps(dv, _mm512_set1_ps(x_scale));
                 total[r] = if with_min {
-                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
-                    let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv);
-                    let part = _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part);
-                    _mm512_fmadd_ps(part, x_scale, total[r])
+                    let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dx, total[r]);
+                    _mm512_fmadd_ps(mv, _mm512_set1_ps(gs as f32 * x_scale), t)
                 } else {
                     let acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(8 * gs));
-                    _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acc),
-                        _mm512_mul_ps(dv, x_scale),
-                        total[r],
-                    )
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dx, total[r])
                 };
             }
         }
@@ -517,8 +574,9 @@ unsafe fn i4_block<const R: usize>(
 
 /// 8-bit codes with a group scale (Q8_0 / Q6_K: `w = (u − 128)·d`) or, `with_min`, a group scale and min
 /// (Q5_K: `w = u·d + m`): per group an integer dot, then `d·(Σ u·x − 128·Σ x)` or `d·Σ u·x + m·Σ x`.
+/// `SKIP` as for [`i4_block`].
 #[inline(always)]
-unsafe fn i8_grouped_block<const R: usize>(
+unsafe fn i8_grouped_block<const R: usize, const SKIP: bool>(
     wp: *const u8,
     group: usize,
     groups: Groups<'_>,
@@ -538,27 +596,31 @@ unsafe fn i8_grouped_block<const R: usize>(
         let stride = if with_min { 32 } else { 16 };
         for gi in 0..groups.len() {
             let g = groups.get(gi);
-            let live: [bool; R] = live_rows(xs, g);
-            if live == [false; R] {
+            let live: [bool; R] = if SKIP { live_rows(xs, g) } else { [true; R] };
+            if SKIP && live == [false; R] {
                 continue;
             }
             let acc = dot_quads::<R>(wp, g * quads, (g + 1) * quads, pf, x, live);
             let at = scales.as_ptr().add(g * stride);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+            let mv = if with_min {
+                _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()))
+            } else {
+                _mm512_setzero_ps()
+            };
             for (r, &live) in live.iter().enumerate() {
-                if !live {
+                if SKIP && !live {
                     continue;
                 }
-                let (gs, x_scale) = (*gsum[r].add(g), _mm512_set1_ps(*xs[r].add(g)));
-                let part = if with_min {
-                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()));
-                    let d_part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), dv);
-                    _mm512_fmadd_ps(_mm512_set1_ps(gs as f32), mv, d_part)
+                let (gs, x_scale) = (*gsum[r].add(g), *xs[r].add(g));
+                let dx = _mm512_mul_ps(dv, _mm512_set1_ps(x_scale));
+                total[r] = if with_min {
+                    let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), dx, total[r]);
+                    _mm512_fmadd_ps(mv, _mm512_set1_ps(gs as f32 * x_scale), t)
                 } else {
                     let acc = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * gs));
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dv)
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dx, total[r])
                 };
-                total[r] = _mm512_fmadd_ps(part, x_scale, total[r]);
             }
         }
         store_rows(&total, out);
