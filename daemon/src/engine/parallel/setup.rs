@@ -271,36 +271,31 @@ mod tests {
     use super::*;
     use crate::engine::{Device, Engine};
 
-    /// Layer kinds without a split are refused at load with the reason, before a GPU is opened (so
-    /// this runs, and fails the same way, on a machine without one) and without a panic.
+    /// What does not split is refused at load with the reason, before a GPU is opened (so this runs,
+    /// and fails the same way, on a machine without one) and without a panic: GLM-5.3-Flash's fixture
+    /// (KDA layers, hyper-connections, the indexer: all split or replicated) over 3 GPUs, which its 4
+    /// attention heads do not divide.
     #[test]
-    fn layer_kinds_without_a_split_are_refused_before_any_device() {
-        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-        for (name, kind) in [
-            ("glm5_next", "linear attention (KDA)"),
-            ("glm_moe_dsa", "sparse attention (the MLA indexer)"),
-        ] {
-            let opts = EngineOptions {
-                device: Device::Cuda(0),
-                tensor_parallel: TensorParallel {
-                    size: 2,
-                    comm: CommKind::Loopback,
-                },
-                ..Default::default()
-            };
-            let dir = fixtures.join(name).join("model_bf16");
-            let loaded = std::panic::catch_unwind(|| Engine::load(&dir, &opts).map(|_| ()));
-            let Ok(Err(err)) = loaded else {
-                panic!("{name}: loading with --tensor-parallel 2 did not fail cleanly");
-            };
-            let text = format!("{err:#}");
-            assert!(
-                text.contains(&format!(
-                    "--tensor-parallel: {kind} has no tensor-parallel split yet: run it with --tensor-parallel 1"
-                )),
-                "{name}: {text}"
-            );
-        }
+    fn what_does_not_split_is_refused_before_any_device() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let opts = EngineOptions {
+            device: Device::Cuda(0),
+            tensor_parallel: TensorParallel {
+                size: 3,
+                comm: CommKind::Loopback,
+            },
+            ..Default::default()
+        };
+        let loaded = std::panic::catch_unwind(|| Engine::load(&dir, &opts).map(|_| ()));
+        let Ok(Err(err)) = loaded else {
+            panic!("loading with --tensor-parallel 3 did not fail cleanly");
+        };
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("--tensor-parallel: 4 attention heads do not split over 3 GPUs"),
+            "{text}"
+        );
     }
 
     /// MLA over NCCL is refused before a GPU is opened; on the loopback ranks it goes on to the
