@@ -29,20 +29,24 @@ const MLA: &[&str] = &["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"];
 const NEAR_TIE: f64 = 1e-2;
 
 /// One step's logits and what every GPU's probe read in it.
-struct Probed {
-    logits: Vec<f32>,
-    records: Vec<ProbeRecord>,
+pub(super) struct Probed {
+    pub logits: Vec<f32>,
+    pub records: Vec<ProbeRecord>,
 }
 
 /// The oracle's schedule: its prompt, then its greedy tokens one by one.
-fn oracle_feeds(o: &Value) -> Vec<Vec<u32>> {
+pub(super) fn oracle_feeds(o: &Value) -> Vec<Vec<u32>> {
     let mut feeds = vec![ids(&o["prompt_ids"])];
     feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
     feeds
 }
 
 /// Loads `dir` with `opts` and a probe on every GPU, and runs `feeds` (one step each) on one sequence.
-fn run_probed(dir: &std::path::Path, opts: &EngineOptions, feeds: &[Vec<u32>]) -> Vec<Probed> {
+pub(super) fn run_probed(
+    dir: &std::path::Path,
+    opts: &EngineOptions,
+    feeds: &[Vec<u32>],
+) -> Vec<Probed> {
     let mut e = Engine::load(dir, opts).unwrap();
     let probe = Arc::new(StepProbe::default());
     e.set_step_probe(Some(probe.clone()));
@@ -111,7 +115,7 @@ fn mla_shape(dir: &std::path::Path) -> Shape {
 
 /// Whether two routings (`[rows, top_k]` expert ids) choose the same experts for every row (in any
 /// order: the weights follow the ids).
-fn same_experts(a: &[f32], b: &[f32], top_k: usize) -> bool {
+pub(super) fn same_experts(a: &[f32], b: &[f32], top_k: usize) -> bool {
     let sorted = |row: &[f32]| {
         let mut r = row.to_vec();
         r.sort_by(f32::total_cmp);
