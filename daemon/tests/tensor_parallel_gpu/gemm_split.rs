@@ -158,6 +158,10 @@ fn tensor_parallel_gemm_splits_against_one_gpu() {
     );
     column_parallel(&dev, "qwen3_moe fixture q", (128, 64), &[1, 12], &[2, 4]);
     row_parallel(&dev, "deepseek_v3 fixture o", (64, 64), &[1, 12], &[2, 4]);
+    // the fixtures' dense MLP (layer 0 of DeepSeek-V3 and Qwen3-MoE): gate / up stacked 256 × 64,
+    // down 64 × 128 (DeepSeek-V3's layer output first leaves one GPU's here)
+    column_parallel(&dev, "fixture dense gate_up", (256, 64), &[1, 12], &[2, 4]);
+    row_parallel(&dev, "fixture dense down", (64, 128), &[1, 12], &[2, 4]);
     // DeepSeek-V3: q_b 24576 × 1536, o 7168 × 16384; GLM-5.3-Flash KDA q/k/v 24576 × 4096
     column_parallel(
         &dev,
