@@ -579,6 +579,53 @@ mod tests {
         }
     }
 
+    /// A rank's GLM-5.3-Flash model: its KDA heads, its MLA heads, the hyper-connections and the
+    /// indexers whole, the config its heads (what its GPU buffers and recurrent state are sized from).
+    #[test]
+    fn hybrid_rank_models_split_kda_and_mla_and_replicate_the_rest() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let src = crate::weights::safetensors::SafetensorsDir::open(&dir).unwrap();
+        let mut full = crate::model::build::build_model(cfg.clone(), &src).unwrap();
+        let plan = ShardPlan::new(&cfg, 2).unwrap();
+        let none: Vec<Vec<bool>> = Vec::new();
+        let part = rank_model(&mut full, &plan, 1, &none, false).unwrap();
+        assert_eq!(part.config.linear_attention.unwrap().num_heads, 2);
+        assert_eq!(part.config.num_heads, 2);
+        let (mut kda, mut mla) = (0, 0);
+        for (a, b) in full.layers.iter().zip(&part.layers) {
+            let (ha, hb) = (a.hyper.as_ref().unwrap(), b.hyper.as_ref().unwrap());
+            assert_eq!((&ha.attn.proj, &ha.ffn.base), (&hb.attn.proj, &hb.ffn.base));
+            match (&a.attn, &b.attn) {
+                (Attention::Linear(x), Attention::Linear(y)) => {
+                    kda += 1;
+                    assert_eq!((y.q.out_dim, y.o.in_dim, y.b.out_dim), (32, 32, 2));
+                    assert_eq!(
+                        (y.f_a.out_dim, y.o_norm.len()),
+                        (x.f_a.out_dim, x.o_norm.len())
+                    );
+                    assert_eq!(y.a_log, x.a_log[2..4].to_vec());
+                    assert!(y.o.bias.is_none());
+                }
+                (Attention::Mla(x), Attention::Mla(y)) => {
+                    mla += 1;
+                    assert_eq!(y.o.in_dim * 2, x.o.in_dim);
+                    match (&x.indexer, &y.indexer) {
+                        (Some(SparseAttention::Own(i)), Some(SparseAttention::Own(j))) => {
+                            assert_eq!(i.k_norm_weight, j.k_norm_weight);
+                            assert_eq!(i.wq_b.out_dim, j.wq_b.out_dim);
+                        }
+                        (Some(SparseAttention::Shared), Some(SparseAttention::Shared)) => {}
+                        _ => panic!("the indexer was not copied"),
+                    }
+                }
+                _ => panic!("layer kinds differ"),
+            }
+        }
+        assert!(kda > 0 && mla > 0, "{kda} KDA, {mla} MLA layers");
+    }
+
     #[test]
     fn fp8_slices_keep_whole_blocks_and_their_scales() {
         // 4 × 4 FP8 weights in 2 × 2 blocks, each block with its own scale
