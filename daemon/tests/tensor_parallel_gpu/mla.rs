@@ -7,8 +7,9 @@
 //! sums are added in another order than one GPU's GEMM adds them (f32: 4.5e-8 rel-L2 after layer 0's
 //! attention). Once such a last-bit difference moves a bf16 rounding (a GEMM input), DeepSeek-V3's
 //! fixture grows it to ~3e-3 rel-L2 within two layers (the run: 1.1e-4 after layer 0's MLP, 1.5e-3
-//! after layer 1's attention, 3.1e-3 after layer 2's; a CPU emulation of one bf16 step in one input
-//! of layer 0 gives 2.4e-3 to 4.3e-3 in layer 2), the size of its router margins (2.1e-3 at step 0).
+//! after layer 1's attention, 3.1e-3 after layer 2's; `scripts/tp_rounding_emulation.py` shows the
+//! same chain from one bf16 step of layer 0's FFN norm), the size of its router margins (2.1e-3 at
+//! step 0).
 //! Tolerances: logits agree with one GPU to rel-L2 ≤ 2e-2 and with transformers to ≤ 5e-2, as the
 //! GQA tests. A step whose expert choice differs from one GPU's is accepted only as a near-tie: the
 //! router's logits and the layer's attention still agree (≤ 2e-2) and the reference's margin at
