@@ -63,10 +63,9 @@ fn compare(tag: &str, one: &[Probed], group: &[Probed], o: &Value, top_k: usize)
     one.len()
 }
 
-/// Prefill and teacher-forced decode of each fixture at 2 ranks (GLM-5.3-Flash also at 4: one KDA
-/// head and one MLA head each), routed experts all in DRAM and all on the GPUs.
-#[test]
-fn tensor_parallel_loopback_hybrid_matches_one_gpu() {
+/// Prefill and teacher-forced decode of each fixture over `worlds` ranks through `comm`, routed
+/// experts all in DRAM and all on the GPUs (GLM-5.3-Flash at 4 ranks with them in DRAM only).
+fn hybrid_matches_one_gpu(comm: CommKind, worlds: &[usize]) {
     for name in HYBRID {
         let o = oracle(name);
         let dir = fixtures().join(name).join("model_bf16");
@@ -76,14 +75,12 @@ fn tensor_parallel_loopback_hybrid_matches_one_gpu() {
         for n_gpu in [0, 64] {
             let base = gpu(n_gpu, PlacementStrategy::Uniform);
             let one = run_probed(&dir, &base, &feeds);
-            let worlds: &[usize] = if *name == "glm5_next" && n_gpu == 0 {
-                &[2, 4]
-            } else {
-                &[2]
-            };
             for &world in worlds {
-                let group = run_probed(&dir, &tp(base.clone(), world, CommKind::Loopback), &feeds);
-                let tag = format!("{name} tp={world} gpu_experts={n_gpu}");
+                if world == 4 && (*name != "glm5_next" || n_gpu != 0) {
+                    continue;
+                }
+                let group = run_probed(&dir, &tp(base.clone(), world, comm), &feeds);
+                let tag = format!("{name} {comm:?} tp={world} gpu_experts={n_gpu}");
                 compared += compare(&tag, &one, &group, &o, k);
                 total += one.len();
             }
@@ -93,6 +90,20 @@ fn tensor_parallel_loopback_hybrid_matches_one_gpu() {
             2 * compared >= total,
             "{name}: only {compared} of {total} steps routed as on one GPU"
         );
+    }
+}
+
+/// Loopback ranks: 2 (GLM-5.3-Flash also 4: one KDA head and one MLA head each).
+#[test]
+fn tensor_parallel_loopback_hybrid_matches_one_gpu() {
+    hybrid_matches_one_gpu(CommKind::Loopback, &[2, 4]);
+}
+
+/// The same over NCCL, one GPU per rank (skipped with fewer than two GPUs).
+#[test]
+fn tensor_parallel_nccl_hybrid_matches_one_gpu() {
+    if let Some(worlds) = super::nccl_worlds("tensor_parallel_nccl_hybrid_matches_one_gpu") {
+        hybrid_matches_one_gpu(CommKind::Nccl, &worlds);
     }
 }
 
