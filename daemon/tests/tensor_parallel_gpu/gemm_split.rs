@@ -9,8 +9,12 @@
 //!   outputs that differ and the largest difference.
 //!
 //! The counts are printed (`--nocapture`) for the MLA diagnosis; the test asserts what the tensor
-//! -parallel tests rely on: row-parallel sums within f32 rounding of one GPU's (rel-L2 ≤ 1e-6), and a
-//! column slice within 1e-6 too (bit for bit is reported, not asserted).
+//! -parallel tests rely on: row-parallel sums within f32 rounding of one GPU's (rel-L2 ≤ 1e-6 up to
+//! k = 64 inputs, growing as √k), and a column slice within 1e-6 too (bit for bit is reported, not
+//! asserted). H200, 2026-12-02 04:52 UTC: every column slice bit for bit (the fixtures' q_b, q and
+//! gate_up; DeepSeek-V3's q_b and GLM-5.3-Flash's KDA q/k/v at 1 to 512 rows, 2 to 8 ranks); the
+//! all-reduce's order changes 24–56 % of a row-parallel GEMM's outputs by an f32 step or two (adding
+//! the residual last instead of on rank 0: 18–49 %).
 use crate::common::{rel_l2, xorshift};
 use half::bf16;
 use moe_kernels::cuda::GpuDevice;
@@ -138,8 +142,13 @@ fn row_parallel(
                 "row-parallel {tag} m={m} k={k} n={n} world={world}: residual on rank 0: {d0} of {} differ (max |Δ| {x0:.1e}); residual added last: {d1} differ (max |Δ| {x1:.1e})",
                 n * m
             );
+            // an f32 sum's rounding in another order grows like √k (H200: 2.6e-6 at k = 16384)
             let rel = rel_l2(&rank0_first, &full);
-            assert!(rel <= 1e-6, "{tag} n={n} world={world}: {rel}");
+            let bound = 1e-6 * (k as f32 / 64.0).sqrt().max(1.0);
+            assert!(
+                rel <= bound,
+                "{tag} n={n} world={world}: {rel} (bound {bound})"
+            );
         }
     }
 }
