@@ -12,9 +12,8 @@
 #   GLM_LAYERS (default 4, 0 = skip): 4.4 GiB per layer (4: 18 GiB). The engine's DRAM copy of the
 #   experts is as large again: keep the sum under ~50 GiB of the 128 GiB RAM.
 #   DS_LAYERS (default 0 = skip): DeepSeek-V3's first 3 layers are dense, each later one 22 GiB of
-#   experts: 4 layers = 25 GiB (run it without GLM). MLA over NCCL is refused at load until the
-#   loopback MLA tests have passed on one GPU (engine/parallel/setup.rs, `refuse_unchecked`): lift
-#   that first, and the tests' `tensor_parallel_nccl_mla_matches_one_gpu` #[ignore] with it.
+#   experts: 4 layers = 25 GiB (run it without GLM). The tests include MLA and the hybrid models
+#   (GLM-5.3-Flash, GLM-5) over NCCL.
 # Expected time: ~2 min tests + ~1.5 min per checkpoint and GPU count (load dominates): ~9 min with GLM.
 set -uo pipefail
 # run from the root of the repository (fixtures in tests/fixtures)

@@ -8,7 +8,9 @@
 //! (each GPU computes the full hidden width between its all-reduces). Routed experts are not split:
 //! each GPU holds `gpu_experts_per_layer` whole experts per layer, so the node holds N times that
 //! (`node_experts_per_layer`); `--gpu-experts auto` fills every GPU, and a count asked of the node
-//! is spread over the GPUs.
+//! is spread over the GPUs. Hybrid models: linear-attention (KDA) heads are divided like attention
+//! heads, so each GPU holds its heads' projections and their recurrent state; hyper-connections and
+//! the sparse-attention indexer are replicated.
 use crate::plan::{plan_with_inputs, ExpertsChoice, MemoryPlan, PlanError, PlanInputs};
 use crate::shape::{Attention, ModelShape};
 use crate::weights::DenseDtype;
@@ -20,6 +22,8 @@ pub enum SplitError {
     NoGpu,
     #[error("{heads} attention heads do not split over {gpus} GPUs")]
     Heads { heads: u64, gpus: u64 },
+    #[error("{heads} linear-attention (KDA) heads do not split over {gpus} GPUs")]
+    LinearHeads { heads: u64, gpus: u64 },
     #[error("{kv_heads} KV heads and {gpus} GPUs: one must divide the other")]
     KvHeads { kv_heads: u64, gpus: u64 },
     #[error("{what} intermediate size {size} does not split over {gpus} GPUs")]
@@ -100,6 +104,21 @@ pub fn device_shape(shape: &ModelShape, gpus: u64) -> Result<ModelShape, SplitEr
         if m.shared_intermediate > 0 {
             m.shared_intermediate = split("shared expert", m.shared_intermediate)?;
         }
+    }
+    if let Some(hy) = s.hybrid.as_mut().filter(|h| h.linear_heads > 0) {
+        if !hy.linear_heads.is_multiple_of(gpus) {
+            return Err(SplitError::LinearHeads {
+                heads: hy.linear_heads,
+                gpus,
+            });
+        }
+        hy.linear_heads /= gpus;
+        hy.state_floats = crate::hybrid::LinearDims {
+            heads: hy.linear_heads,
+            head_dim: hy.linear_head_dim,
+            conv_kernel: hy.conv_kernel,
+        }
+        .state_floats();
     }
     Ok(s)
 }
@@ -232,6 +251,34 @@ mod tests {
             }
         ));
         assert_eq!(d.kv_bytes_per_token(2) * 4, s.kv_bytes_per_token(2));
+    }
+
+    /// GLM-5.3-Flash over 2 GPUs: each holds half the KDA heads, so half of each linear layer's
+    /// head-wise projections and of every sequence's recurrent state; KDA heads that do not divide
+    /// are refused.
+    #[test]
+    fn linear_attention_heads_and_their_state_split() {
+        let s = known("glm-5.3-flash"); // 64 KDA heads of 128, kernel 4
+        let hy = s.hybrid.clone().unwrap();
+        let d = device_shape(&s, 2).unwrap();
+        let dh = d.hybrid.clone().unwrap();
+        assert_eq!(dh.linear_heads, 32);
+        assert_eq!(dh.state_floats * 2, hy.state_floats);
+        assert_eq!(
+            dh.state_floats,
+            32 * 128 * 128 + 3 * 32 * 128 * 3,
+            "matrices and convolution tail of 32 heads"
+        );
+        assert_eq!(dh.state_bytes(8) * 2, hy.state_bytes(8));
+        let one = choose(&s, &inputs(141, ExpertsChoice::Auto)).unwrap();
+        let two = choose_devices(&s, &inputs(141, ExpertsChoice::Auto), 2).unwrap();
+        assert!(two.dense.attention < one.dense.attention);
+        let mut odd = s.clone();
+        odd.hybrid.as_mut().unwrap().linear_heads = 6;
+        assert_eq!(
+            device_shape(&odd, 4),
+            Err(SplitError::LinearHeads { heads: 6, gpus: 4 })
+        );
     }
 
     #[test]

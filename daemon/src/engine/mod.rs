@@ -208,7 +208,7 @@ fn gpu_seq_inputs<'a>(batch: &'a mut [SeqInput<'_>]) -> Vec<gpu::forward::GpuSeq
                 tables,
                 pos0,
                 tokens: s.tokens,
-                state: state.map(|r| r.device_mut()),
+                state: state.map(|r| r.device_slots()),
             }
         })
         .collect()
@@ -738,7 +738,10 @@ impl Engine {
             // the CUDA backend keeps the state in GPU memory (made by the sequence's first step)
             Some(_) if self.gpu.is_some() => SeqCache::with_recurrent(
                 self.kv_blocks.clone(),
-                kv::RecurrentState::on_device(cfg.num_layers),
+                kv::RecurrentState::on_device(
+                    cfg.num_layers,
+                    self.tp.as_ref().map_or(1, |g| g.world()),
+                ),
             ),
             Some(la) => SeqCache::with_recurrent(
                 self.kv_blocks.clone(),

@@ -10,6 +10,8 @@
 //! moves the bf16 GEMM inputs of later layers by a rounding step: logits agree with one GPU to
 //! rel-L2 ≤ 2e-2 per step (the bound placements of one model agree to), and with transformers to
 //! ≤ 5e-2 as every GPU test. `--tensor-parallel 1` is the single-GPU path: bit for bit.
+mod gemm_split;
+mod hybrid;
 mod mla;
 
 use crate::common::gpu::gpu;
@@ -137,47 +139,35 @@ fn tensor_parallel_refuses_what_does_not_divide() {
     );
 }
 
-/// Layer kinds without a split (GLM-5.3-Flash's KDA layers and hyper-connections, GLM-5's sparse
-/// attention indexer), FP8 blocks a GPU's heads would cut, and MLA across GPUs (NCCL) are refused at
-/// load with the reason, without a panic, and nothing stays on the GPU.
+/// What does not split is refused at load with the reason, without a panic, and nothing stays on the
+/// GPU: FP8 blocks a GPU's heads would cut (DeepSeek-V3's FP8 fixture keeps 32-wide blocks: 2 of its
+/// 4 MLA heads are 48 q_b rows), and attention heads that do not divide (GLM-5.3-Flash's fixture
+/// over 3 ranks).
 #[test]
 fn tensor_parallel_refuses_layer_kinds_without_a_split() {
     let dev = moe_kernels::cuda::GpuDevice::open(0).unwrap();
-    // DeepSeek-V3's FP8 fixture keeps 32-wide blocks: 2 of its 4 MLA heads are 48 q_b rows
-    let fp8_blocks = "FP8 blocks";
-    for (name, variant, reason) in [
+    for (name, variant, world, reason) in [
+        ("deepseek_v3_fp8", "model", 2, "FP8 blocks"),
         (
             "glm5_next",
             "model_bf16",
-            "linear attention (KDA) has no tensor-parallel split yet: run it with --tensor-parallel 1",
-        ),
-        (
-            "glm_moe_dsa",
-            "model_bf16",
-            "sparse attention (the MLA indexer) has no tensor-parallel split yet: run it with --tensor-parallel 1",
-        ),
-        ("deepseek_v3_fp8", "model", fp8_blocks),
-        (
-            "deepseek_v3",
-            "model_bf16",
-            "MLA attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) is not supported across GPUs yet; run it with --tensor-parallel 1",
+            3,
+            "4 attention heads do not split over 3 GPUs",
         ),
     ] {
         let dir = fixtures().join(name).join(variant);
-        // MLA runs on the loopback ranks; across GPUs (NCCL) it is refused for now
-        let comm = if name == "deepseek_v3" {
-            CommKind::Nccl
-        } else {
-            CommKind::Loopback
-        };
-        let opts = tp(gpu(0, PlacementStrategy::Uniform), 2, comm);
+        let opts = tp(
+            gpu(0, PlacementStrategy::Uniform),
+            world,
+            CommKind::Loopback,
+        );
         let (free_before, _) = dev.memory().unwrap();
         let loaded = std::panic::catch_unwind(|| Engine::load(&dir, &opts).map(|_| ()));
         let Ok(Err(err)) = loaded else {
-            panic!("{name}: loading with --tensor-parallel 2 did not fail cleanly");
+            panic!("{name}: loading with --tensor-parallel {world} did not fail cleanly");
         };
         let text = format!("{err:#}");
-        println!("{name} tp=2: {text}");
+        println!("{name} tp={world}: {text}");
         assert!(text.contains(reason), "{name}: {text}");
         let (free_after, _) = dev.memory().unwrap();
         assert!(

@@ -11,7 +11,7 @@
 //! what prefill uses.
 use super::hybrid::{cfg, check, HybridKernels, SegmentIndex, StateTable};
 use super::{GpuDevice, GpuError};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, PushKernelArg};
 use half::bf16;
 
 /// The activation after the convolution (`hidden_act`), as `hybrid.cu` codes it.
@@ -110,6 +110,34 @@ impl KdaMethod {
 
 const BLOCK: u32 = 128;
 const ELEMS: u32 = 256;
+
+/// What the three recurrence kernels of `hybrid.cu` (`kda_recurrent`, `kda_chunk_prep`,
+/// `kda_chunk_scan`) take first, in their order: the prepared q/k/v rows `[rows, 3·qkv]`, the log
+/// decays `[rows, qkv]`, β `[rows, heads]`, the head count and width, and each segment's first row
+/// and length. The caller checks the buffers' sizes before launching.
+struct RecurrenceInputs<'a> {
+    qkv: &'a CudaSlice<f32>,
+    g: &'a CudaSlice<f32>,
+    beta: &'a CudaSlice<f32>,
+    heads: &'a i32,
+    d: &'a i32,
+    seg: &'a SegmentIndex,
+}
+
+impl<'a> RecurrenceInputs<'a> {
+    /// A launch of `kernel` with these arguments pushed; the kernel's own follow.
+    fn launch(&self, dev: &'a GpuDevice, kernel: &'a CudaFunction) -> LaunchArgs<'a> {
+        let mut l = dev.stream.launch_builder(kernel);
+        l.arg(self.qkv)
+            .arg(self.g)
+            .arg(self.beta)
+            .arg(self.heads)
+            .arg(self.d)
+            .arg(&self.seg.row0)
+            .arg(&self.seg.len);
+        l
+    }
+}
 
 impl HybridKernels {
     /// `out = act(conv(x))` over each segment's rows `[rows, 3·qkv]` with the segment's convolution tail
@@ -251,18 +279,17 @@ impl HybridKernels {
         let per_block = BLOCK as usize / parts;
         let (heads, d_i, off) = (shape.heads as i32, d as i32, layer_off as i64);
         let columns = (seg.segments, shape.heads, d.div_ceil(per_block));
+        let inputs = RecurrenceInputs {
+            qkv,
+            g,
+            beta,
+            heads: &heads,
+            d: &d_i,
+            seg,
+        };
         if method == KdaMethod::PerToken {
-            let mut l = dev.stream.launch_builder(&self.kda_recurrent);
-            l.arg(qkv)
-                .arg(g)
-                .arg(beta)
-                .arg(&heads)
-                .arg(&d_i)
-                .arg(&seg.row0)
-                .arg(&seg.len)
-                .arg(&states.addrs)
-                .arg(&off)
-                .arg(out);
+            let mut l = inputs.launch(dev, &self.kda_recurrent);
+            l.arg(&states.addrs).arg(&off).arg(out);
             // SAFETY: d ≤ 128 (the shared arrays, 32 rows × ≤ 4 lanes per column); buffers and state
             // parts checked above; the table borrows the states.
             unsafe { l.launch(cfg(columns, BLOCK, 0)) }?;
@@ -284,32 +311,15 @@ impl HybridKernels {
                 )
             },
         )?;
-        let mut l = dev.stream.launch_builder(&self.kda_chunk_prep);
-        l.arg(qkv)
-            .arg(g)
-            .arg(beta)
-            .arg(&heads)
-            .arg(&d_i)
-            .arg(&seg.row0)
-            .arg(&seg.len)
-            .arg(&mut *scratch);
+        let mut l = inputs.launch(dev, &self.kda_chunk_prep);
+        l.arg(&mut *scratch);
         let chunks = seg.max_len.div_ceil(KDA_CHUNK).max(1);
         // SAFETY: KDA_CHUNK ≤ d ≤ 128 (the shared arrays and the scratch row layout); inputs checked
         // above; every block past its segment's length returns; it writes the scratch rows of its
         // chunk's real rows only, inside `rows × 3·qkv` (checked).
         unsafe { l.launch(cfg((chunks, seg.segments, shape.heads), BLOCK, 0)) }?;
-        let mut l = dev.stream.launch_builder(&self.kda_chunk_scan);
-        l.arg(qkv)
-            .arg(g)
-            .arg(beta)
-            .arg(&heads)
-            .arg(&d_i)
-            .arg(&seg.row0)
-            .arg(&seg.len)
-            .arg(&states.addrs)
-            .arg(&off)
-            .arg(&*scratch)
-            .arg(out);
+        let mut l = inputs.launch(dev, &self.kda_chunk_scan);
+        l.arg(&states.addrs).arg(&off).arg(&*scratch).arg(out);
         // SAFETY: as above; it reads the scratch rows kda_chunk_prep wrote before it in stream order.
         unsafe { l.launch(cfg(columns, BLOCK, 0)) }?;
         Ok(())

@@ -166,7 +166,7 @@ impl GpuModel {
         if let Some(r) = run {
             paged(r, out)?;
         }
-        self.linear(o, out, x, n, true)
+        self.linear(o, out, x, n, self.tp_attention_accumulates())
     }
 
     /// Paged attention for rows `row0..row0 + rows` of the step (decode and short chunks).
@@ -394,7 +394,7 @@ impl GpuModel {
             let q_resid = matches!(wq, GpuMlaQuery::LowRank { .. }).then_some(&*q_a_norm);
             self.indexer_select(host, li, step, x, q_resid, pool, hy)?;
             self.mla_selected(step, pool, li, dims, scale, q, kv_b, hy, out)?;
-            return self.linear(o, out, x, n, true);
+            return self.linear(o, out, x, n, self.tp_attention_accumulates());
         }
         let (lat_cache, rope_cache) = pool.bf16_rows(li)?;
         dev.mla_attention(
@@ -408,6 +408,6 @@ impl GpuModel {
             scale,
             out,
         )?;
-        self.linear(o, out, x, n, true)
+        self.linear(o, out, x, n, self.tp_attention_accumulates())
     }
 }

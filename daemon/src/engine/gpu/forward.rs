@@ -37,12 +37,14 @@ use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block tables (one per group of layers,
 /// `engine::kv::layout`) cover `pos0 + tokens.len()` positions (the driver reserved them). `state`:
-/// the sequence's recurrent-state buffer slot (models with linear-attention layers; see `gpu::hybrid`).
+/// the sequence's recurrent-state buffer slots (models with linear-attention layers; see
+/// `gpu::hybrid`), one per GPU of a tensor-parallel group, rank 0 first: a GPU's step uses the first
+/// (the group hands each GPU its own).
 pub struct GpuSeqInput<'a> {
     pub tables: Vec<&'a [BlockId]>,
     pub pos0: usize,
     pub tokens: &'a [u32],
-    pub state: Option<&'a mut Option<CudaSlice<f32>>>,
+    pub state: Option<&'a mut [Option<CudaSlice<f32>>]>,
 }
 
 /// The host side of a step's index: each row's token, position, sequence and cache slot (per group of
@@ -308,8 +310,9 @@ impl GpuModel {
         if let Some(hy) = g.hybrid.as_deref_mut() {
             self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
         }
+        // (in a tensor-parallel group `x` stays whole through the block: ranks other than 0 write their
+        // o projection's partial sum over it, see `tp_attention_accumulates`)
         dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
-        self.tp_keep_residual_on_rank0(g.x, n * hd)?;
         match &layer.attn {
             GpuAttention::Gqa(w) => {
                 self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?

@@ -217,6 +217,7 @@ impl GpuModel {
                 let slot = b
                     .state
                     .as_deref_mut()
+                    .and_then(<[_]>::first_mut)
                     .context("a sequence of a linear-attention model has no recurrent state")?;
                 if b.pos0 == 0 {
                     // a new sequence, or one starting over: from the zero state

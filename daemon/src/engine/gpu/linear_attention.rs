@@ -190,6 +190,6 @@ impl GpuModel {
             cfg.rms_norm_eps,
             &mut b.normed,
         )?;
-        self.linear(&la.o, &b.normed, x, n, true)
+        self.linear(&la.o, &b.normed, x, n, self.tp_attention_accumulates())
     }
 }

@@ -13,6 +13,7 @@
 //! On the CUDA backend the state lives in GPU memory instead ([`RecurrentState::on_device`]): one
 //! buffer per sequence holding every linear layer's part, created zeroed by the sequence's first step
 //! and zeroed again whenever the sequence starts over (a step at position 0); dropping the cache frees it.
+//! A tensor-parallel group keeps one such buffer per GPU, each holding the state of that GPU's heads.
 use crate::model::hybrid::{LinearAttentionConfig, Mixer};
 use cudarc::driver::CudaSlice;
 
@@ -30,9 +31,10 @@ pub struct LinearLayerState {
 #[derive(Debug)]
 pub struct RecurrentState {
     layers: Vec<Option<LinearLayerState>>,
-    /// The CUDA backend's copy of every linear layer's state (`engine::gpu::hybrid` lays it out); None
-    /// on the CPU backend and before the sequence's first GPU step.
-    device: Option<CudaSlice<f32>>,
+    /// The CUDA backend's copy of every linear layer's state (`engine::gpu::hybrid` lays it out), one
+    /// per GPU of the group (rank 0 first; each its heads' part); empty on the CPU backend, None before
+    /// the sequence's first GPU step.
+    device: Vec<Option<CudaSlice<f32>>>,
 }
 
 impl Clone for RecurrentState {
@@ -41,7 +43,11 @@ impl Clone for RecurrentState {
     fn clone(&self) -> Self {
         Self {
             layers: self.layers.clone(),
-            device: self.device.as_ref().and_then(|d| d.try_clone().ok()),
+            device: self
+                .device
+                .iter()
+                .map(|d| d.as_ref().and_then(|d| d.try_clone().ok()))
+                .collect(),
         }
     }
 }
@@ -60,20 +66,21 @@ impl RecurrentState {
             .collect();
         Self {
             layers,
-            device: None,
+            device: Vec::new(),
         }
     }
 
-    /// A state kept in GPU memory by the CUDA backend (no host copy) for a model of `num_layers` layers.
-    pub fn on_device(num_layers: usize) -> Self {
+    /// A state kept in GPU memory by the CUDA backend (no host copy) for a model of `num_layers` layers
+    /// run on `gpus` GPUs (a tensor-parallel group: one buffer on each).
+    pub fn on_device(num_layers: usize, gpus: usize) -> Self {
         Self {
             layers: (0..num_layers).map(|_| None).collect(),
-            device: None,
+            device: (0..gpus.max(1)).map(|_| None).collect(),
         }
     }
 
-    /// The GPU buffer slot (CUDA backend).
-    pub fn device_mut(&mut self) -> &mut Option<CudaSlice<f32>> {
+    /// The GPU buffer slots (CUDA backend), one per GPU of the group, rank 0 first.
+    pub fn device_slots(&mut self) -> &mut [Option<CudaSlice<f32>>] {
         &mut self.device
     }
 
@@ -99,7 +106,8 @@ impl RecurrentState {
             .flatten()
             .map(|l| (l.conv.len() + l.matrix.len()) * 4)
             .sum();
-        host + self.device.as_ref().map_or(0, |d| d.len() * 4)
+        let device: usize = self.device.iter().flatten().map(|d| d.len() * 4).sum();
+        host + device
     }
 
     /// Number of layers this state was sized for.

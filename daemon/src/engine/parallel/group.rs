@@ -12,6 +12,7 @@ use crate::engine::kv::BlockId;
 use crate::engine::StepTimes;
 use crate::model::Model;
 use anyhow::Context;
+use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 
 /// The GPUs of a group other than rank 0 (which is the engine's `GpuModel`), and the communicator
@@ -38,17 +39,42 @@ impl TpGroup {
         times: &mut StepTimes,
         on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let peer_batches: Vec<Vec<GpuSeqInput<'_>>> = self
-            .peers
-            .iter()
-            .map(|_| {
+        // Each rank gets its own slot of every sequence's recurrent state (its heads' part).
+        let mut peer_states: Vec<Vec<Option<&mut Option<CudaSlice<f32>>>>> =
+            self.peers.iter().map(|_| Vec::new()).collect();
+        for b in batch.iter_mut() {
+            let mut rest = match b.state.take() {
+                Some(slots) => {
+                    let (first, rest) = slots.split_first_mut().with_context(|| {
+                        "a sequence's recurrent state has no slot for GPU 0".to_string()
+                    })?;
+                    b.state = Some(std::slice::from_mut(first));
+                    anyhow::ensure!(
+                        rest.len() >= self.peers.len(),
+                        "a sequence's recurrent state has slots for {} GPUs, the group has {}",
+                        rest.len() + 1,
+                        self.world()
+                    );
+                    rest.iter_mut().map(Some).collect()
+                }
+                None => Vec::new(),
+            }
+            .into_iter();
+            for p in peer_states.iter_mut() {
+                p.push(rest.next().flatten());
+            }
+        }
+        let peer_batches: Vec<Vec<GpuSeqInput<'_>>> = peer_states
+            .into_iter()
+            .map(|states| {
                 batch
                     .iter()
-                    .map(|b| GpuSeqInput {
+                    .zip(states)
+                    .map(|(b, state)| GpuSeqInput {
                         tables: b.tables.clone(),
                         pos0: b.pos0,
                         tokens: b.tokens,
-                        state: None,
+                        state: state.map(std::slice::from_mut),
                     })
                     .collect()
             })

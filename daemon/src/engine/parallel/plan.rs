@@ -14,7 +14,15 @@
 //! - lm_head split by vocabulary rows (the logits are gathered on the host); the embedding table is
 //!   replicated (a lookup, no all-reduce);
 //! - routed experts are not split: each GPU-resident expert lives whole on one GPU (expert parallel),
-//!   spread evenly; the CPU expert pool serves the DRAM experts for all of them, once per layer.
+//!   spread evenly; the CPU expert pool serves the DRAM experts for all of them, once per layer;
+//! - linear attention (KDA, GLM-5.3-Flash): heads split as attention heads are (q / k / v, their
+//!   convolution channels, the forget gate's and output gate's second projections, β, `dt_bias`,
+//!   `A_log` by head; o row-parallel), so each head's recurrent state lives on its rank; the gates'
+//!   low-rank first projections and the per-head norm weight are replicated (as vLLM splits Kimi
+//!   Linear's KDA);
+//! - hyper-connections and the sparse-attention indexer are replicated: every rank computes them on
+//!   the whole residual (between the all-reduces), so every rank mixes the same streams and attends
+//!   the same positions.
 use crate::model::ModelConfig;
 use std::ops::Range;
 
@@ -41,6 +49,8 @@ pub enum ShardError {
         group: usize,
         format: &'static str,
     },
+    #[error("{heads} linear-attention (KDA) heads do not split over {world} GPUs (their heads are split like attention heads)")]
+    LinearHeads { heads: usize, world: usize },
     #[error("{0} has no tensor-parallel split yet: run it with --tensor-parallel 1")]
     Unsupported(&'static str),
     #[error("{what}: cannot slice {detail}")]
@@ -81,6 +91,8 @@ pub struct RankShard {
     pub shared_expert: Option<Range<usize>>,
     /// Rows of lm_head (vocabulary ids whose logits this rank computes).
     pub vocab: Range<usize>,
+    /// Heads of the linear-attention (KDA) layers (`None`: the model has none).
+    pub linear_heads: Option<Range<usize>>,
 }
 
 /// The whole group's split.
@@ -119,17 +131,6 @@ impl ShardPlan {
         if world == 0 {
             return Err(ShardError::Zero);
         }
-        if cfg.linear_attention.is_some() {
-            return Err(ShardError::Unsupported("linear attention (KDA)"));
-        }
-        if cfg.hyper.is_some() {
-            return Err(ShardError::Unsupported("hyper-connections"));
-        }
-        if cfg.indexer.is_some() {
-            return Err(ShardError::Unsupported(
-                "sparse attention (the MLA indexer)",
-            ));
-        }
         if !cfg.num_heads.is_multiple_of(world) {
             return Err(ShardError::Heads {
                 heads: cfg.num_heads,
@@ -151,6 +152,10 @@ impl ShardPlan {
         let shared = cfg.moe.as_ref().and_then(|m| m.shared_intermediate);
         if let Some(s) = shared {
             split("shared expert", s, world)?;
+        }
+        let linear_heads = cfg.linear_attention.map(|la| la.num_heads);
+        if let Some(heads) = linear_heads.filter(|h| !h.is_multiple_of(world)) {
+            return Err(ShardError::LinearHeads { heads, world });
         }
         let ranks = (0..world)
             .map(|r| RankShard {
@@ -180,6 +185,7 @@ impl ShardPlan {
                 },
                 shared_expert: shared.map(|s| part(s, world, r)),
                 vocab: part_uneven(cfg.vocab_size, world, r),
+                linear_heads: linear_heads.map(|h| part(h, world, r)),
             })
             .collect();
         Ok(Self { world, ranks })
@@ -216,6 +222,10 @@ impl ShardPlan {
         if let Some(s) = &r0.shared_expert {
             inputs.push(("shared expert down_proj", s.len()));
             outputs.push(("shared expert gate_proj / up_proj", s.len()));
+        }
+        if let (Some(h), Some(la)) = (&r0.linear_heads, &cfg.linear_attention) {
+            inputs.push(("linear attention o_proj", h.len() * la.head_dim));
+            outputs.push(("linear attention q / k / v", h.len() * la.head_dim));
         }
         let check = |what, width: usize, axis, group: usize, format| {
             if group > 1 && !width.is_multiple_of(group) {
@@ -260,6 +270,9 @@ impl ShardPlan {
             m.shared_intermediate = Some(sh.len());
         }
         c.vocab_size = s.vocab.len();
+        if let (Some(la), Some(h)) = (c.linear_attention.as_mut(), &s.linear_heads) {
+            la.num_heads = h.len();
+        }
         c
     }
 }
@@ -391,40 +404,68 @@ mod tests {
         );
     }
 
-    #[test]
-    fn sparse_attention_is_refused_with_the_reason() {
+    fn fixture_config(name: &str) -> ModelConfig {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/glm_moe_dsa/model_bf16");
-        let cfg = ModelConfig::from_dir(&dir).unwrap();
-        assert!(cfg.indexer.is_some());
-        let err = ShardPlan::new(&cfg, 2).unwrap_err();
-        assert_eq!(
-            err,
-            ShardError::Unsupported("sparse attention (the MLA indexer)")
-        );
+            .join("../tests/fixtures")
+            .join(name)
+            .join("model_bf16");
+        ModelConfig::from_dir(&dir).unwrap()
     }
 
-    /// GLM-5.3-Flash's KDA layers and hyper-connections have no split yet: refused with the reason
-    /// (each alone: hyper-connections are checked on a config without the KDA layers).
+    /// GLM-5's sparse attention: the MLA heads split, the indexer replicated (nothing to plan).
     #[test]
-    fn linear_attention_and_hyper_connections_are_refused_with_the_reason() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/glm5_next/model_bf16");
-        let mut cfg = ModelConfig::from_dir(&dir).unwrap();
-        assert!(cfg.linear_attention.is_some() && cfg.hyper.is_some());
-        let err = ShardPlan::new(&cfg, 2).unwrap_err();
-        assert_eq!(err, ShardError::Unsupported("linear attention (KDA)"));
+    fn sparse_attention_splits_its_heads_and_replicates_the_indexer() {
+        let cfg = fixture_config("glm_moe_dsa");
+        assert!(cfg.indexer.is_some());
+        let plan = ShardPlan::new(&cfg, 2).unwrap();
+        let heads = cfg.num_heads / 2;
         assert_eq!(
-            err.to_string(),
-            "linear attention (KDA) has no tensor-parallel split yet: run it with --tensor-parallel 1"
+            plan.ranks[1].attention,
+            AttentionShard::Mla {
+                heads: heads..2 * heads
+            }
         );
-        cfg.linear_attention = None;
-        let err = ShardPlan::new(&cfg, 2).unwrap_err();
-        assert_eq!(err, ShardError::Unsupported("hyper-connections"));
-        // the refusals are the only reason: without those layer kinds the model splits
-        cfg.hyper = None;
-        cfg.indexer = None;
-        assert!(ShardPlan::new(&cfg, 2).is_ok());
+        assert_eq!(plan.rank_config(&cfg, 1).indexer, cfg.indexer);
+    }
+
+    /// GLM-5.3-Flash: KDA heads split like attention heads (each rank's config holds its heads, which
+    /// size its recurrent state), hyper-connections and the indexer replicated; KDA heads that do not
+    /// divide are refused with the reason.
+    #[test]
+    fn linear_attention_heads_split_and_hyper_connections_replicate() {
+        let mut cfg = fixture_config("glm5_next"); // 4 MLA heads, 4 KDA heads of 16
+        assert!(cfg.linear_attention.is_some() && cfg.hyper.is_some() && cfg.indexer.is_some());
+        for world in [1, 2, 4] {
+            let plan = ShardPlan::new(&cfg, world).unwrap();
+            let mut next = 0;
+            for s in &plan.ranks {
+                let h = s.linear_heads.clone().unwrap();
+                assert_eq!((h.start, h.len()), (next, 4 / world));
+                next = h.end;
+                let c = plan.rank_config(&cfg, s.rank);
+                assert_eq!(c.linear_attention.unwrap().num_heads, 4 / world);
+                assert_eq!(c.hyper, cfg.hyper);
+                // the state of a sequence on a rank: its heads' matrices and convolution tail
+                let whole = cfg.linear_attention.unwrap().state_floats();
+                assert_eq!(c.linear_attention.unwrap().state_floats() * world, whole);
+            }
+            assert_eq!(next, 4);
+        }
+        // GLM-5.3-Flash's shape: 64 KDA heads of 128 over 2 GPUs, 32 each
+        let glm = ModelConfig::from_json(&moe_sizing::known::config_json("glm-5.3-flash").unwrap())
+            .unwrap();
+        let plan = ShardPlan::new(&glm, 2).unwrap();
+        assert_eq!(plan.ranks[1].linear_heads, Some(32..64));
+        assert!(plan.check_groups(&glm, (32, "int4"), None).is_ok());
+        // 6 KDA heads over 4 GPUs (the 4 attention heads would split)
+        cfg.linear_attention.as_mut().unwrap().num_heads = 6;
+        let e = ShardPlan::new(&cfg, 4).unwrap_err();
+        assert_eq!(e, ShardError::LinearHeads { heads: 6, world: 4 });
+        assert!(
+            e.to_string()
+                .starts_with("6 linear-attention (KDA) heads do not split over 4 GPUs"),
+            "{e}"
+        );
     }
 
     #[test]

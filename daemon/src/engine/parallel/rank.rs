@@ -1,10 +1,13 @@
 //! What one GPU of a tensor-parallel group knows about its share ([`RankCtx`], held by its
 //! `GpuModel`), and the few points where a step differs from a single GPU's:
 //!
-//! - the residual stream `x` is whole on every rank between layers; each attention block and MLP /
+//! - the residual stream `x` is whole on every rank between blocks; each attention block and MLP /
 //!   MoE block adds this rank's partial sum into it. So that the all-reduce after the block adds the
-//!   residual once, ranks other than 0 zero their copy of `x` right after the block's norm has read
-//!   it ([`GpuModel::tp_keep_residual_on_rank0`]), then [`GpuModel::tp_all_reduce`] sums;
+//!   residual once, ranks other than 0 write their attention output projection over `x` instead of
+//!   adding to it ([`GpuModel::tp_attention_accumulates`]: `x` stays whole inside the attention
+//!   block, where the sparse-attention indexer reads it) and zero their copy right after the FFN
+//!   block's norm has read it ([`GpuModel::tp_keep_residual_on_rank0`]); then
+//!   [`GpuModel::tp_all_reduce`] sums;
 //! - attention runs this rank's heads ([`GpuModel::tp_heads`]), lm_head its vocabulary rows;
 //! - a MoE layer's experts resident on another GPU are that GPU's work, and DRAM experts are rank
 //!   0's (the one CPU hand-off of the layer): [`tp_expert_homes`].
@@ -160,8 +163,16 @@ impl GpuModel {
         self.shard.as_ref().map_or(cfg.vocab_size, |s| s.vocab)
     }
 
-    /// After a block's norm read `x[..len]`: ranks other than 0 zero their copy, so the reduction
-    /// after the block counts the residual once.
+    /// Whether an attention block's output projection adds into `x` (one GPU, and rank 0, whose `x`
+    /// carries the residual) or writes over it (the other ranks: their partial sum alone, so the
+    /// all-reduce counts the residual once). Writing instead of zeroing `x` after the norm keeps it
+    /// whole through the block for what reads the layer input there (the sparse-attention indexer).
+    pub fn tp_attention_accumulates(&self) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.rank == 0)
+    }
+
+    /// After the FFN block's norm read `x[..len]`: ranks other than 0 zero their copy, so the
+    /// reduction after the block (several partial sums add into `x`) counts the residual once.
     pub fn tp_keep_residual_on_rank0(
         &self,
         x: &mut CudaSlice<f32>,

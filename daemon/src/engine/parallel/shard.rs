@@ -3,9 +3,11 @@
 //! experts it holds, moved out of the full model — which `GpuModel::upload` then uploads as it
 //! uploads a whole model. The rank model lives only while it is uploaded.
 use super::plan::{AttentionShard, RankShard, ShardError, ShardPlan};
+use crate::engine::indexer::{IndexerWeights, KeyPoolWeights};
 use crate::engine::linear::{Linear, WeightData};
 use crate::model::{
-    Attention, Ffn, GqaAttention, Layer, MlaAttention, MlaQuery, Mlp, Model, ModelConfig, MoeBlock,
+    Attention, Ffn, GqaAttention, HyperConnection, Layer, LayerHyper, LinearAttention,
+    MlaAttention, MlaQuery, Mlp, Model, ModelConfig, MoeBlock, SparseAttention,
 };
 use std::ops::Range;
 
@@ -133,13 +135,108 @@ fn mlp(m: &Mlp, u: Range<usize>, rank: usize, what: &str) -> Result<Mlp, ShardEr
     })
 }
 
+/// A whole copy of `l` (replicated weights).
+fn whole(l: &Linear, what: &str) -> Result<Linear, ShardError> {
+    rows(l, 0..l.out_dim, what)
+}
+
 /// A whole copy of a routed expert (any stored format).
 fn copy_mlp(m: &Mlp) -> Result<Mlp, ShardError> {
-    let all = |l: &Linear| rows(l, 0..l.out_dim, "routed expert");
+    let all = |l: &Linear| whole(l, "routed expert");
     Ok(Mlp {
         gate: all(&m.gate)?,
         up: all(&m.up)?,
         down: all(&m.down)?,
+    })
+}
+
+/// A whole copy of a layer's sparse-attention indexer (replicated: every rank selects the same
+/// positions from the same inputs).
+fn copy_indexer(ix: &SparseAttention) -> Result<SparseAttention, ShardError> {
+    Ok(match ix {
+        SparseAttention::Shared => SparseAttention::Shared,
+        SparseAttention::Own(w) => SparseAttention::Own(Box::new(IndexerWeights {
+            wq_b: whole(&w.wq_b, "indexer wq_b")?,
+            wk: whole(&w.wk, "indexer wk")?,
+            k_norm_weight: w.k_norm_weight.clone(),
+            k_norm_bias: w.k_norm_bias.clone(),
+            weights_proj: whole(&w.weights_proj, "indexer weights_proj")?,
+            pool: match &w.pool {
+                Some(p) => Some(KeyPoolWeights {
+                    ape: p.ape.clone(),
+                    gate: whole(&p.gate, "indexer key-pool gate")?,
+                }),
+                None => None,
+            },
+        })),
+    })
+}
+
+/// A whole copy of a layer's hyper-connections (replicated: every rank keeps the whole streams).
+fn copy_hyper(h: &LayerHyper) -> LayerHyper {
+    let one = |c: &HyperConnection| HyperConnection {
+        proj: c.proj.clone(),
+        base: c.base.clone(),
+        scale: c.scale,
+    };
+    LayerHyper {
+        attn: one(&h.attn),
+        ffn: one(&h.ffn),
+    }
+}
+
+/// Elements `r` of each of the `parts` consecutive equal parts of `v` (per-channel values of q, k
+/// and v stacked: a rank's channels of each).
+fn ranges_of<T: Copy>(v: &[T], parts: usize, r: &Range<usize>) -> Vec<T> {
+    let each = v.len() / parts.max(1);
+    (0..parts)
+        .flat_map(|p| v[p * each + r.start..p * each + r.end].iter().copied())
+        .collect()
+}
+
+/// A KDA layer's split by heads `heads` (of width `d`): q / k / v rows and their convolution
+/// channels, the forget gate's `f_b` rows with `dt_bias`, `A_log` and β's rows by head, the output
+/// gate's `g_b` rows, and o's input columns (the bias on rank 0); the gates' low-rank `f_a` / `g_a`
+/// and the per-head norm weight whole. Each head's recurrence then runs on its rank alone.
+fn kda(
+    a: &LinearAttention,
+    heads: &Range<usize>,
+    d: usize,
+    rank: usize,
+) -> Result<LinearAttention, ShardError> {
+    let ch = heads.start * d..heads.end * d;
+    let kernel = a.conv.len() / (3 * a.q.out_dim).max(1);
+    // the convolution's rows are the q, k, v channels, `kernel` taps each
+    let taps = ch.start * kernel..ch.end * kernel;
+    if a.conv.len() != 3 * a.q.out_dim * kernel || a.dt_bias.len() != a.q.out_dim {
+        return Err(slice_err(
+            "linear attention",
+            format!(
+                "a convolution of {} values or dt_bias of {} for {} channels",
+                a.conv.len(),
+                a.dt_bias.len(),
+                a.q.out_dim
+            ),
+        ));
+    }
+    Ok(LinearAttention {
+        q: rows(&a.q, ch.clone(), "linear attention q_proj")?,
+        k: rows(&a.k, ch.clone(), "linear attention k_proj")?,
+        v: rows(&a.v, ch.clone(), "linear attention v_proj")?,
+        conv: ranges_of(&a.conv, 3, &taps),
+        f_a: whole(&a.f_a, "linear attention f_a_proj")?,
+        f_b: rows(&a.f_b, ch.clone(), "linear attention f_b_proj")?,
+        dt_bias: a.dt_bias[ch.clone()].to_vec(),
+        a_log: a
+            .a_log
+            .get(heads.clone())
+            .ok_or_else(|| slice_err("A_log", format!("heads {heads:?}")))?
+            .to_vec(),
+        b: rows(&a.b, heads.clone(), "linear attention b_proj")?,
+        g_a: whole(&a.g_a, "linear attention g_a_proj")?,
+        g_b: rows(&a.g_b, ch.clone(), "linear attention g_b_proj")?,
+        o_norm: a.o_norm.clone(),
+        o: cols(&a.o, ch, rank == 0, "linear attention o_proj")?,
     })
 }
 
@@ -174,17 +271,12 @@ fn mla(a: &MlaAttention, s: &RankShard, cfg: &ModelConfig) -> Result<MlaAttentio
         .mla
         .as_ref()
         .ok_or(ShardError::Unsupported("MLA weights without an MLA config"))?;
-    if a.indexer.is_some() {
-        return Err(ShardError::Unsupported(
-            "sparse attention (the MLA indexer)",
-        ));
-    }
     let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
     let q_rows = heads.start * qk..heads.end * qk;
     let q = match &a.q {
         MlaQuery::Direct(l) => MlaQuery::Direct(rows(l, q_rows, "q_proj")?),
         MlaQuery::LowRank { a: qa, norm, b } => MlaQuery::LowRank {
-            a: rows(qa, 0..qa.out_dim, "q_a_proj")?,
+            a: whole(qa, "q_a_proj")?,
             norm: norm.clone(),
             b: rows(b, q_rows, "q_b_proj")?,
         },
@@ -203,7 +295,7 @@ fn mla(a: &MlaAttention, s: &RankShard, cfg: &ModelConfig) -> Result<MlaAttentio
     let vd = m.v_head_dim;
     Ok(MlaAttention {
         q,
-        kv_a: rows(&a.kv_a, 0..a.kv_a.out_dim, "kv_a_proj_with_mqa")?,
+        kv_a: whole(&a.kv_a, "kv_a_proj_with_mqa")?,
         kv_a_norm: a.kv_a_norm.clone(),
         kv_b,
         o: cols(
@@ -212,14 +304,13 @@ fn mla(a: &MlaAttention, s: &RankShard, cfg: &ModelConfig) -> Result<MlaAttentio
             s.rank == 0,
             "o_proj",
         )?,
-        indexer: None,
+        indexer: a.indexer.as_ref().map(copy_indexer).transpose()?,
     })
 }
 
 /// Rank `r`'s model: its slices of the dense weights, with the routed experts `mine[layer][expert]`
 /// marks moved out of `full` (they leave the host when the rank uploads them), or copied when
-/// `keep_host_copies` (live re-placement: DRAM keeps every expert). Executes GQA and MLA
-/// models (linear attention and hyper-connections have no split yet).
+/// `keep_host_copies` (live re-placement: DRAM keeps every expert).
 pub fn rank_model(
     full: &mut Model,
     plan: &ShardPlan,
@@ -235,7 +326,14 @@ pub fn rank_model(
         let attn = match &layer.attn {
             Attention::Gqa(a) => Attention::Gqa(gqa(a, s, head_dim)?),
             Attention::Mla(a) => Attention::Mla(mla(a, s, cfg)?),
-            Attention::Linear(_) => return Err(ShardError::Unsupported("linear attention (KDA)")),
+            Attention::Linear(a) => {
+                let (Some(heads), Some(la)) = (&s.linear_heads, &cfg.linear_attention) else {
+                    return Err(ShardError::Unsupported(
+                        "a linear-attention layer without its config",
+                    ));
+                };
+                Attention::Linear(kda(a, heads, la.head_dim, r)?)
+            }
         };
         let ffn = match &mut layer.ffn {
             Ffn::Dense(m) => Ffn::Dense(mlp(m, s.dense_mlp.clone(), r, "dense MLP")?),
@@ -272,7 +370,7 @@ pub fn rank_model(
             attn,
             ffn_norm: layer.ffn_norm.clone(),
             ffn,
-            hyper: None,
+            hyper: layer.hyper.as_ref().map(copy_hyper),
         });
     }
     Ok(Model {
@@ -393,6 +491,139 @@ mod tests {
             assert!((a[i] + b[i] - want[i]).abs() < 1e-4, "o row {i}");
         }
         assert!(parts[1].o.bias.is_none() && parts[0].o.bias.is_some());
+    }
+
+    /// KDA over 2 ranks on the CPU backend (GLM-5.3-Flash's fixture, 4 heads of 16): each rank runs
+    /// its heads' projections, convolution channels, gates and recurrence; the ranks' o partial sums
+    /// add up to the whole layer's output and each rank's recurrent state is the whole state's slice
+    /// of its heads, across two steps (the state carried from the first into the second).
+    #[test]
+    fn kda_heads_split_and_their_partial_sums_add_up_to_the_layer() {
+        use crate::engine::cpu::linear_attention::linear_attention_forward;
+        use crate::engine::kv::RecurrentState;
+        use crate::engine::Segment;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let src = crate::weights::safetensors::SafetensorsDir::open(&dir).unwrap();
+        let model = crate::model::build::build_model(cfg.clone(), &src).unwrap();
+        let (li, full) = model
+            .layers
+            .iter()
+            .enumerate()
+            .find_map(|(li, l)| match &l.attn {
+                Attention::Linear(a) => Some((li, a)),
+                _ => None,
+            })
+            .unwrap();
+        let la = cfg.linear_attention.unwrap();
+        let world = 2;
+        let plan = ShardPlan::new(&cfg, world).unwrap();
+        let parts: Vec<(LinearAttention, ModelConfig)> = (0..world)
+            .map(|r| {
+                let heads = plan.ranks[r].linear_heads.clone().unwrap();
+                let a = kda(full, &heads, la.head_dim, r).unwrap();
+                (a, plan.rank_config(&cfg, r))
+            })
+            .collect();
+        let hd = cfg.hidden_size;
+        // inputs in [-1, 1) from a small LCG
+        let mut seed = 5u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let state = |c: &ModelConfig| RecurrentState::new(&c.mixers, &c.linear_attention.unwrap());
+        let mut whole_state = state(&cfg);
+        let mut rank_states: Vec<RecurrentState> = parts.iter().map(|(_, c)| state(c)).collect();
+        let mut pos0 = 0;
+        for len in [13, 5] {
+            let h: Vec<f32> = (0..len * hd).map(|_| next()).collect();
+            let seg = [Segment { row0: 0, len, pos0 }];
+            let want = linear_attention_forward(full, &cfg, li, &h, &seg, &mut [&mut whole_state]);
+            let mut sum = vec![0f32; want.len()];
+            for ((a, c), st) in parts.iter().zip(rank_states.iter_mut()) {
+                let got = linear_attention_forward(a, c, li, &h, &seg, &mut [st]);
+                sum.iter_mut().zip(&got).for_each(|(s, g)| *s += g);
+            }
+            let err = sum
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).powi(2))
+                .sum::<f32>()
+                .sqrt()
+                / want.iter().map(|b| b * b).sum::<f32>().sqrt();
+            assert!(err < 1e-5, "step at {pos0}: rel-L2 {err}");
+            pos0 += len;
+        }
+        // each rank's state: its heads' matrices, its channels of the convolution tail
+        let whole = whole_state.layer_mut(li).unwrap().clone();
+        let (d, qkv) = (la.head_dim, la.qkv_dim());
+        for (r, st) in rank_states.iter_mut().enumerate() {
+            let heads = plan.ranks[r].linear_heads.clone().unwrap();
+            let mine = st.layer_mut(li).unwrap();
+            let m = &whole.matrix[heads.start * d * d..heads.end * d * d];
+            let close = |a: &[f32], b: &[f32]| {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6)
+            };
+            assert!(close(&mine.matrix, m), "rank {r}: state matrices");
+            let ch = heads.start * d..heads.end * d;
+            let tail: Vec<f32> = whole
+                .conv
+                .chunks(qkv)
+                .flat_map(|part| part[ch.clone()].iter().copied())
+                .collect();
+            assert!(close(&mine.conv, &tail), "rank {r}: convolution tail");
+        }
+    }
+
+    /// A rank's GLM-5.3-Flash model: its KDA heads, its MLA heads, the hyper-connections and the
+    /// indexers whole, the config its heads (what its GPU buffers and recurrent state are sized from).
+    #[test]
+    fn hybrid_rank_models_split_kda_and_mla_and_replicate_the_rest() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/glm5_next/model_bf16");
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let src = crate::weights::safetensors::SafetensorsDir::open(&dir).unwrap();
+        let mut full = crate::model::build::build_model(cfg.clone(), &src).unwrap();
+        let plan = ShardPlan::new(&cfg, 2).unwrap();
+        let none: Vec<Vec<bool>> = Vec::new();
+        let part = rank_model(&mut full, &plan, 1, &none, false).unwrap();
+        assert_eq!(part.config.linear_attention.unwrap().num_heads, 2);
+        assert_eq!(part.config.num_heads, 2);
+        let (mut kda, mut mla) = (0, 0);
+        for (a, b) in full.layers.iter().zip(&part.layers) {
+            let (ha, hb) = (a.hyper.as_ref().unwrap(), b.hyper.as_ref().unwrap());
+            assert_eq!((&ha.attn.proj, &ha.ffn.base), (&hb.attn.proj, &hb.ffn.base));
+            match (&a.attn, &b.attn) {
+                (Attention::Linear(x), Attention::Linear(y)) => {
+                    kda += 1;
+                    assert_eq!((y.q.out_dim, y.o.in_dim, y.b.out_dim), (32, 32, 2));
+                    assert_eq!(
+                        (y.f_a.out_dim, y.o_norm.len()),
+                        (x.f_a.out_dim, x.o_norm.len())
+                    );
+                    assert_eq!(y.a_log, x.a_log[2..4].to_vec());
+                    assert!(y.o.bias.is_none());
+                }
+                (Attention::Mla(x), Attention::Mla(y)) => {
+                    mla += 1;
+                    assert_eq!(y.o.in_dim * 2, x.o.in_dim);
+                    match (&x.indexer, &y.indexer) {
+                        (Some(SparseAttention::Own(i)), Some(SparseAttention::Own(j))) => {
+                            assert_eq!(i.k_norm_weight, j.k_norm_weight);
+                            assert_eq!(i.wq_b.out_dim, j.wq_b.out_dim);
+                        }
+                        (Some(SparseAttention::Shared), Some(SparseAttention::Shared)) => {}
+                        _ => panic!("the indexer was not copied"),
+                    }
+                }
+                _ => panic!("layer kinds differ"),
+            }
+        }
+        assert!(kda > 0 && mla > 0, "{kda} KDA, {mla} MLA layers");
     }
 
     #[test]
