@@ -144,7 +144,7 @@ impl GpuModel {
             && self.shard.is_none()
             && !self.probing()
             && self.hybrid.is_none()
-            && self.defer_experts == 0
+            && self.switches.defer_experts() == 0
             && !self.early_routing()
             && !overridden
             && supported_widths(host.config.hidden_size, mc.expert_intermediate)
@@ -208,7 +208,7 @@ impl GpuModel {
             }
             routes[li] = if resident == experts {
                 LayerRoute::Device
-            } else if pipelined && self.prelaunch {
+            } else if pipelined && self.switches.prelaunch() {
                 LayerRoute::DeviceAndCpu
             } else {
                 LayerRoute::Host
