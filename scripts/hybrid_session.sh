@@ -16,6 +16,11 @@
 #          (MOE_GROUPED_GEMM=1); the defaults (the rule's path per use) with every expert in DRAM: prefill
 #          512 split between GPU and CPU and again with the split paused (--split-ab), decode at batch 1, 8
 #          and 32 with the DRAM bound; then decode with 64 and 128 GPU experts per layer, each path forced.
+#   ab     decode-step switches A/B'd in one process (`bench decode --ab`, AB_ROUNDS rounds, start state
+#          then each switch flipped, same sequences; each switch's teacher-forced effect on the logits;
+#          the hand-off profile per MoE layer) on a QLAYERS-layer Qwen3-30B-A3B-shape checkpoint: every
+#          expert in DRAM (prelaunch, defer1, defer2), 64 GPU experts per layer (mixed-grouped,
+#          device-routed, prelaunch) and 128 (device-routed).
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
 # Usage there: OUT=$OUT D=.device/hybrid3 BUDGET=170 TESTS=grouped_expert_gemm bash .device/hybrid3/hybrid_session.sh tests gemm
@@ -28,6 +33,7 @@ LAYERS=${LAYERS:-16}
 QLAYERS=${QLAYERS:-8}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 ROUNDS=${ROUNDS:-2}
+AB_ROUNDS=${AB_ROUNDS:-3}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
 TESTS=${TESTS:-grouped_expert_gemm split_prefill early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
@@ -48,7 +54,7 @@ bench() {
   log "$name: $*"
   timeout "$to" "$MOE" bench decode --device cuda "$@" > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|^DRAM|per step|early routing|by region|DRAM bound|expert stream:|expert GEMM|rror|panick" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|^DRAM|per step|early routing|by region|DRAM bound|expert stream:|expert GEMM|hand-off|^A/B|^logits|rror|panick" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-600
 }
 
@@ -112,6 +118,21 @@ phase_gemm() {
   rm -rf "$M"
 }
 
+phase_ab() {
+  local M=$SHM/q3-L$QLAYERS
+  fits 45 || return 0
+  if [ ! -f "$M/config.json" ]; then
+    log "synth-checkpoint qwen3-30b-a3b, $QLAYERS layers"
+    timeout 120 "$MOE" bench synth-checkpoint --like qwen3-30b-a3b --layers "$QLAYERS" --out "$M" \
+      > "$OUT/synth_q3.log" 2>&1 || { tail -3 "$OUT/synth_q3.log"; rm -rf "$M"; return 1; }
+  fi
+  local common=(--model "$M" --steps 16 --prompt-len 32 --ab-rounds "$AB_ROUNDS")
+  bench q3_ab_gpu0 60 18 "${common[@]}" --gpu-experts 0 --ab prelaunch,defer1,defer2
+  bench q3_ab_gpu64 60 18 "${common[@]}" --gpu-experts 64 --ab mixed-grouped,device-routed,prelaunch
+  bench q3_ab_gpu128 60 15 "${common[@]}" --gpu-experts 128 --ab device-routed
+  rm -rf "$M"
+}
+
 nsys_prefill() {  # MODEL
   local M=$1
   if command -v nsys > /dev/null && fits 50; then
@@ -134,7 +155,8 @@ for p in "$@"; do
     tests) phase_tests ;;
     early) phase_early ;;
     gemm) phase_gemm ;;
-    *) echo "unknown phase $p (tests, early, gemm)"; exit 2 ;;
+    ab) phase_ab ;;
+    *) echo "unknown phase $p (tests, early, gemm, ab)"; exit 2 ;;
   esac
 done
 log "done"

@@ -229,6 +229,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     }
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
+    print_host_memory();
     let (switches, rounds) = ab_switches(&a);
     if let (false, Some((caches, next))) = (switches.is_empty(), last.as_mut()) {
         let shape = (a.steps, a.prompt_len);
@@ -425,6 +426,14 @@ fn print_gpu_memory(engine: &Engine) {
     );
 }
 
+/// The process's resident host memory by kind (compare with `serve`'s "host memory once loaded"
+/// line on the same model).
+fn print_host_memory() {
+    if let Some(m) = crate::engine::heap::MemoryReport::now() {
+        println!("  host memory: {m}");
+    }
+}
+
 /// How the GPU's expert GEMMs ran: per projection shape and path, the calls and the range of their
 /// distinct row counts (and whether `MOE_GROUPED_GEMM` forced the path).
 fn print_expert_gemm_uses(engine: &Engine) {
@@ -459,6 +468,7 @@ fn prefill(a: RunArgs) -> anyhow::Result<()> {
     time_prefill(&engine, a.prompt_len, a.chunk, "")?;
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
+    print_host_memory();
     Ok(())
 }
 
