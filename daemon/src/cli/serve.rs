@@ -402,7 +402,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // packed or uploaded: held here, every page the load touched would stay mapped (resident) for
     // the life of the server.
     let gguf = files.gguf.take();
-    let engine = start_engine(&args, &files, gguf, &tokenizer, metrics.clone(), load_failed)?;
+    let engine = start_engine(
+        &args,
+        &files,
+        gguf,
+        &tokenizer,
+        metrics.clone(),
+        load_failed,
+    )?;
     let api_key = match &args.api_key_file {
         Some(p) => Some(read_key_file(p)?),
         None => args.api_key.clone(),
