@@ -501,6 +501,11 @@ impl GpuDevice {
         (self.expert_gemm.uses(), self.expert_gemm.forced())
     }
 
+    /// The path `MOE_GROUPED_GEMM` forces for every expert GEMM, if it does.
+    pub fn expert_gemm_forced(&self) -> Option<ExpertGemmPath> {
+        self.expert_gemm.forced()
+    }
+
     /// [`GpuDevice::gemm_bf16_items`] on the path given; the grouped launch falls back to the batched
     /// calls for shapes it does not take (k not a multiple of 8, odd m, addresses not 16-byte
     /// aligned). Returns the path that ran.

@@ -103,7 +103,7 @@ impl GpuModel {
     /// [`DecodeSwitches::mixed_grouped`]: super::switches::DecodeSwitches::mixed_grouped
     pub(super) fn mixed_layer_path(&self, homes: &[ExpertHome]) -> Option<ExpertGemmPath> {
         let mixed = homes.contains(&ExpertHome::Resident) && homes.contains(&ExpertHome::Cpu);
-        let forced = self.dev.expert_gemm_uses().1.is_some();
+        let forced = self.dev.expert_gemm_forced().is_some();
         (mixed && !forced && self.switches.mixed_grouped()).then_some(ExpertGemmPath::Grouped)
     }
 }
