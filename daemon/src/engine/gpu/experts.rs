@@ -87,7 +87,7 @@ impl GpuModel {
         // SAFETY: the caller's contract.
         unsafe {
             match path {
-                Some(p) => self.dev.gemm_bf16_items_via(items, m, k, table, p)?,
+                Some(p) => self.dev.gemm_bf16_items_on(items, m, k, table, p)?,
                 None => self.dev.gemm_bf16_items(items, m, k, table)?,
             }
         };
