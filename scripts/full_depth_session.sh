@@ -87,7 +87,7 @@ room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 240 120 "${common[@]
 # int8: ~29 GiB of experts
 room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8 --ab "$AB_INT8" --ab-rounds 2
 # the mixed layer: half the routed experts of each layer resident on the GPU, the rest in DRAM (~28 GiB)
-room_for 34 && ours q3_L${LAYERS}_gpu$GPU64 150 70 --gpu-experts "$GPU64" --steps 32 --prompt-len 32 \
+room_for 34 && ours q3_L${LAYERS}_gpu$GPU64 180 110 --gpu-experts "$GPU64" --steps 32 --prompt-len 32 \
   --ab "$AB_GPU64" --ab-rounds 2
 rm -f "$G" "$G.done"
 log "done"
