@@ -285,3 +285,40 @@ impl GpuModel {
             && self.all_gqa()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_profile_splits_the_round_trip_and_skips_stamps_out_of_order() {
+        let raised = Instant::now();
+        let waited = raised + Duration::from_micros(30);
+        let landed = raised + Duration::from_micros(130);
+        let st = HandoffStamps {
+            seen_ns: 1_000_000,
+            added_ns: 1_004_000,
+            published_ns: 1_104_000,
+        };
+        let mut p = HandoffProfile::default();
+        p.record(raised, waited, landed, st);
+        assert_eq!(p.layers, 1);
+        let us = |s: f64| (s * 1e6).round();
+        assert_eq!(us(p.round_trip_s), 130.0);
+        assert_eq!(us(p.host_launch_s), 30.0);
+        assert_eq!((us(p.gpu_add_s), us(p.gpu_segment_s)), (4.0, 100.0));
+        assert_eq!(us(p.flag_latency_s()), 26.0);
+        // a publish stamped before the add (a layer without a wait between) is left out
+        let stale = HandoffStamps {
+            published_ns: 900_000,
+            ..st
+        };
+        p.record(raised, waited, landed, stale);
+        p.record(raised, waited, landed, HandoffStamps::default());
+        assert_eq!(p.layers, 1);
+        let mut sum = HandoffProfile::default();
+        sum.add(&p);
+        sum.add(&p);
+        assert_eq!((sum.layers, us(sum.round_trip_s)), (2, 260.0));
+    }
+}
