@@ -162,17 +162,20 @@ PY
   log "mem: serve --device cuda --gpu-experts 0 on $M"
   timeout 90 "$MOE" serve --model "$M" --device cuda --gpu-experts 0 --port 18431 > "$OUT/serve_mem.log" 2>&1 &
   local pid=$! i
+  sleep 1
+  local daemon; daemon=$(pgrep -P "$pid" -f "moe-daemon serve" | head -1)  # timeout's child
+  [ -n "$daemon" ] || daemon=$pid
   for i in $(seq 60); do
     sleep 1
     grep -q "engine ready" "$OUT/serve_mem.log" && break
     kill -0 "$pid" 2> /dev/null || break
   done
-  echo "  ready after ${i}s: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$pid/status 2> /dev/null | tr -s ' \t\n' ' ')"
+  echo "  ready after ${i}s: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$daemon/status 2> /dev/null | tr -s ' \t\n' ' ')"
   curl -s -m 20 localhost:18431/v1/completions -H 'content-type: application/json' \
     -d '{"model":"q3-L'"$QLAYERS"'","prompt":"the quick brown fox jumps over the lazy dog, twice over","max_tokens":16}' \
     | cut -c1-160
   echo
-  echo "  after a request: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$pid/status 2> /dev/null | tr -s ' \t\n' ' ')"
+  echo "  after a request: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$daemon/status 2> /dev/null | tr -s ' \t\n' ' ')"
   kill "$pid" 2> /dev/null
   wait "$pid" 2> /dev/null
   sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_mem.log" | grep -E "host memory|freed host memory|warm-up|rror" | cut -c1-400 | sed 's/^/  serve: /'
