@@ -6,7 +6,11 @@
 #   bound of the distinct experts each step reads, and prefill 512 / 4096 / 8192 (cold and warm; 512
 #   splits each layer's DRAM experts between the GPU and the CPU, and is timed again with the split
 #   paused, --split-ab), with bf16 experts (and the expert stream's profile, MOE_STREAM_PROFILE=1) and with
-#   int8 experts (repacked from the same file at load; batch 1).
+#   int8 experts (repacked from the same file at load; batch 1), with the decode switches of AB_INT8 A/B'd in
+#   that process (`--ab`, default defer1: deferred experts' time and teacher-forced effect on the logits);
+#   then, if time is left, bf16 with GPU64 routed experts per layer on the GPU (the mixed layer) and the
+#   switches of AB_GPU64 A/B'd (default mixed-grouped,device-routed). Every run prints the hand-off profile
+#   per MoE layer and the process's host memory by kind.
 # Every step under its own timeout and a call deadline (BUDGET seconds; a step that would not end in time is
 # skipped and says so). llama-bench is the packed CUDA build of an earlier call (LLAMA_PARTS), never built
 # here. Ours needs about as much RAM as its experts beside the file: a step is skipped when MemAvailable is
@@ -14,7 +18,7 @@
 #
 # Layout (run from the repository root): $D/moe-daemon; the peer kit in $PEERS (.device/peers); the packed
 # llama-bench in $LLAMA_PARTS (.device/seed-runs/llama). Usage there:
-#   OUT=$OUT D=.device/hybrid3 BUDGET=300 bash .device/hybrid3/full_depth_session.sh
+#   OUT=$OUT D=.device/main BUDGET=380 bash .device/main/full_depth_session.sh
 set -uo pipefail
 D=${D:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 MOE=$D/moe-daemon
@@ -26,6 +30,9 @@ LAYERS=${LAYERS:-48}
 THREADS=${THREADS:-16}
 PREFILL=${PREFILL:-512,4096,8192}
 BATCHES=${BATCHES:-1,8,32}
+AB_INT8=${AB_INT8:-defer1}
+AB_GPU64=${AB_GPU64:-mixed-grouped,device-routed}
+GPU64=${GPU64:-64}
 LWORK=/tmp/peer-llama
 LB=$LWORK/build/bin/llama-bench
 mkdir -p "$OUT"
@@ -47,8 +54,8 @@ ours() {
   timeout "$to" "$MOE" bench decode --device cuda --cpu-threads "$THREADS" --model "$G" "$@" \
     > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|^DRAM|per step|by region|DRAM bound|expert stream:|expert GEMM|GPU memory:|rror|panick|does not fit" "$OUT/$name.log" \
-    | sed 's/^/  /' | cut -c1-400
+  grep -E "^loaded|^prefill|^decode|^DRAM|per step|by region|DRAM bound|expert stream:|expert GEMM|GPU memory:|hand-off|host memory|^A/B|^logits|rror|panick|does not fit" "$OUT/$name.log" \
+    | sed 's/^/  /' | cut -c1-500
   free -g | sed -n 2p | sed 's/^/  /'
 }
 
@@ -78,6 +85,9 @@ common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL" --s
 # bf16: the engine's packed experts (~55 GiB) beside the file
 room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 240 120 "${common[@]}" --batch "$BATCHES"
 # int8: ~29 GiB of experts
-room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8
+room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8 --ab "$AB_INT8" --ab-rounds 2
+# the mixed layer: half the routed experts of each layer resident on the GPU, the rest in DRAM (~28 GiB)
+room_for 34 && ours q3_L${LAYERS}_gpu$GPU64 180 110 --gpu-experts "$GPU64" --steps 32 --prompt-len 32 \
+  --ab "$AB_GPU64" --ab-rounds 2
 rm -f "$G" "$G.done"
 log "done"

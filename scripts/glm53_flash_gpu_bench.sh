@@ -19,7 +19,7 @@ bench() { # label, model, extra args
     local label=$1 model=$2; shift 2
     echo "== $label"
     timeout 280 "$B" bench decode --model "$model" --device cuda --steps 16 --prompt-len 32 "$@" 2>&1 |
-        grep -E "^loaded|^prefill|^decode|per step|graphs A/B|GPU memory|rror|WARN" | tee -a "$OUT/bench.log"
+        grep -E "^loaded|^prefill|^decode|per step|graphs A/B|^A/B|^logits|GPU memory|rror|WARN" | tee -a "$OUT/bench.log"
 }
 case "${1:-}" in
 synth)

@@ -16,6 +16,14 @@
 #          (MOE_GROUPED_GEMM=1); the defaults (the rule's path per use) with every expert in DRAM: prefill
 #          512 split between GPU and CPU and again with the split paused (--split-ab), decode at batch 1, 8
 #          and 32 with the DRAM bound; then decode with 64 and 128 GPU experts per layer, each path forced.
+#   ab     decode-step switches A/B'd in one process (`bench decode --ab`, AB_ROUNDS rounds, start state
+#          then each switch flipped, same sequences; each switch's teacher-forced effect on the logits;
+#          the hand-off profile per MoE layer) on a QLAYERS-layer Qwen3-30B-A3B-shape checkpoint: every
+#          expert in DRAM (prelaunch, defer1, defer2), 64 GPU experts per layer (mixed-grouped,
+#          device-routed, prelaunch) and 128 (device-routed).
+#   mem    `serve` on the same checkpoint (a byte-level tokenizer written beside it, every expert in DRAM):
+#          /proc status and its "host memory once loaded" line when ready and after one request, beside
+#          the "host memory" line of `bench decode` from the ab phase (run ab first).
 #
 # Layout (run from the repository root): $D/moe-daemon, $D/gpu_tests (D defaults to this script's folder).
 # Usage there: OUT=$OUT D=.device/hybrid3 BUDGET=170 TESTS=grouped_expert_gemm bash .device/hybrid3/hybrid_session.sh tests gemm
@@ -28,6 +36,7 @@ LAYERS=${LAYERS:-16}
 QLAYERS=${QLAYERS:-8}
 PREFETCH_MIB=${PREFETCH_MIB:-16}
 ROUNDS=${ROUNDS:-2}
+AB_ROUNDS=${AB_ROUNDS:-3}
 PREFILL_LEN=${PREFILL_LEN:-8192}
 CHUNK_VARIANTS=${CHUNK_VARIANTS:-512}
 TESTS=${TESTS:-grouped_expert_gemm split_prefill early_routing cuda_graph_decode_matches_eager deferred_experts cuda_matches_transformers_and_cpu long_prefill_gemm_attention_and_expert_stream}
@@ -48,7 +57,7 @@ bench() {
   log "$name: $*"
   timeout "$to" "$MOE" bench decode --device cuda "$@" > "$OUT/$name.log" 2>&1
   echo "  rc=$?"
-  grep -E "^loaded|^prefill|^decode|^DRAM|per step|early routing|by region|DRAM bound|expert stream:|expert GEMM|rror|panick" "$OUT/$name.log" \
+  grep -E "^loaded|^prefill|^decode|^DRAM|per step|early routing|by region|DRAM bound|expert stream:|expert GEMM|hand-off|^A/B|^logits|rror|panick" "$OUT/$name.log" \
     | sed 's/^/  /' | cut -c1-600
 }
 
@@ -112,6 +121,67 @@ phase_gemm() {
   rm -rf "$M"
 }
 
+phase_ab() {
+  local M=$SHM/q3-L$QLAYERS
+  fits 45 || return 0
+  if [ ! -f "$M/config.json" ]; then
+    log "synth-checkpoint qwen3-30b-a3b, $QLAYERS layers"
+    timeout 120 "$MOE" bench synth-checkpoint --like qwen3-30b-a3b --layers "$QLAYERS" --out "$M" \
+      > "$OUT/synth_q3.log" 2>&1 || { tail -3 "$OUT/synth_q3.log"; rm -rf "$M"; return 1; }
+  fi
+  local common=(--model "$M" --steps 16 --prompt-len 32 --ab-rounds "$AB_ROUNDS")
+  bench q3_ab_gpu0 60 18 "${common[@]}" --gpu-experts 0 --ab prelaunch,defer1,defer2
+  bench q3_ab_gpu64 60 18 "${common[@]}" --gpu-experts 64 --ab mixed-grouped,device-routed,prelaunch
+  bench q3_ab_gpu128 60 15 "${common[@]}" --gpu-experts 128 --ab device-routed
+}
+
+phase_mem() {
+  local M=$SHM/q3-L$QLAYERS
+  [ -f "$M/config.json" ] || { log "mem: no checkpoint (run the ab phase first)"; return 0; }
+  fits 30 || return 0
+  # serve needs a tokenizer: 256 byte tokens and an end token (the synth has none)
+  python3 - "$M" <<'PY'
+import json, sys
+bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+cs, n = bs[:], 0
+for b in range(256):
+    if b not in bs:
+        bs.append(b); cs.append(256 + n); n += 1
+vocab = {chr(c): b for b, c in zip(bs, cs)}
+level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+end = {"id": 256, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+       "normalized": False, "special": True}
+tok = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+       "added_tokens": [end], "pre_tokenizer": level, "decoder": level,
+       "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                 "ignore_merges": False, "vocab": vocab, "merges": []}}
+json.dump(tok, open(sys.argv[1] + "/tokenizer.json", "w"))
+json.dump({"eos_token": "<|endoftext|>"}, open(sys.argv[1] + "/tokenizer_config.json", "w"))
+PY
+  log "mem: serve --device cuda --gpu-experts 0 on $M"
+  timeout 90 "$MOE" serve --model "$M" --device cuda --gpu-experts 0 --port 18431 > "$OUT/serve_mem.log" 2>&1 &
+  local pid=$! i
+  sleep 1
+  local daemon; daemon=$(pgrep -P "$pid" -f "moe-daemon serve" | head -1)  # timeout's child
+  [ -n "$daemon" ] || daemon=$pid
+  for i in $(seq 60); do
+    sleep 1
+    grep -q "engine ready" "$OUT/serve_mem.log" && break
+    kill -0 "$pid" 2> /dev/null || break
+  done
+  echo "  ready after ${i}s: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$daemon/status 2> /dev/null | tr -s ' \t\n' ' ')"
+  curl -s -m 20 localhost:18431/v1/completions -H 'content-type: application/json' \
+    -d '{"model":"q3-L'"$QLAYERS"'","prompt":"the quick brown fox jumps over the lazy dog, twice over","max_tokens":16}' \
+    | cut -c1-160
+  echo
+  echo "  after a request: $(grep -E 'VmRSS|VmHWM|RssAnon|RssFile|RssShmem|VmLck|VmPin' /proc/$daemon/status 2> /dev/null | tr -s ' \t\n' ' ')"
+  kill "$pid" 2> /dev/null
+  wait "$pid" 2> /dev/null
+  sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_mem.log" | grep -E "host memory|freed host memory|warm-up|rror" | cut -c1-400 | sed 's/^/  serve: /'
+  grep -h "host memory" "$OUT"/q3_ab_gpu0.log 2> /dev/null | sed 's/^/  bench decode (ab phase):/'
+}
+
 nsys_prefill() {  # MODEL
   local M=$1
   if command -v nsys > /dev/null && fits 50; then
@@ -134,7 +204,10 @@ for p in "$@"; do
     tests) phase_tests ;;
     early) phase_early ;;
     gemm) phase_gemm ;;
-    *) echo "unknown phase $p (tests, early, gemm)"; exit 2 ;;
+    ab) phase_ab ;;
+    mem) phase_mem ;;
+    *) echo "unknown phase $p (tests, early, gemm, ab, mem)"; exit 2 ;;
   esac
 done
+rm -rf "$SHM/q3-L$QLAYERS" "$SHM/st21-L$LAYERS"
 log "done"

@@ -116,17 +116,25 @@ pub struct RunArgs {
     /// `bench decode` only: also time prefills of these prompt lengths with the same loaded model.
     #[arg(long, value_delimiter = ',')]
     pub prefill_lens: Vec<usize>,
-    /// `bench decode` with CUDA graphs: then N rounds of `--steps` steps with graphs on and off in
-    /// turn, in this process and on the same sequences (the comparison without two runs' noise).
+    /// `bench decode` on the CUDA backend: after the last batch size, `--ab-rounds` rounds of
+    /// `--steps` steps with the start state and then each of these decode-step switches flipped from
+    /// it, in turn on the same sequences (the comparison without two runs' noise), then each switch's
+    /// effect on the logits (teacher-forced). Switches: graphs, device-routed, prelaunch,
+    /// mixed-grouped, deferN (N routes per token deferred).
+    #[arg(long, value_delimiter = ',')]
+    pub ab: Vec<crate::engine::gpu::switches::DecodeSwitch>,
+    /// Rounds of `--ab`.
+    #[arg(long, default_value_t = 3)]
+    pub ab_rounds: usize,
+    /// Shorthand for `--ab graphs --ab-rounds N`.
     #[arg(long, default_value_t = 0)]
     pub graphs_ab: usize,
     /// `bench decode` with the CUDA backend: also time each `--prefill-lens` prompt with the split of
     /// DRAM experts between GPU and CPU paused (`--gpu-split-min-tokens`), in this process.
     #[arg(long)]
     pub split_ab: bool,
-    /// `bench decode` on the CUDA backend: then N rounds of `--steps` steps with the device-routed
-    /// experts off (the host-planned path, as `MOE_DEVICE_ROUTED=0`) and on (the default) in turn,
-    /// same sequences; leaves them on.
+    /// Shorthand for `--ab device-routed --ab-rounds N` (the device-routed experts are on by default:
+    /// the A/B flips them off).
     #[arg(long, default_value_t = 0)]
     pub device_routed_ab: usize,
     #[command(flatten)]
@@ -148,7 +156,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
-fn prompt(engine: &Engine, len: usize, salt: usize) -> Vec<u32> {
+pub(super) fn prompt(engine: &Engine, len: usize, salt: usize) -> Vec<u32> {
     let v = engine.config().vocab_size as u64;
     (0..len)
         .map(|i| ((i as u64 * 2_654_435_761 + salt as u64 * 40_503 + 17) % v) as u32)
@@ -222,20 +230,39 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     }
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
-    if let (true, Some((caches, next))) = (a.graphs_ab > 0, last.as_mut()) {
-        graphs_ab(&engine, caches, next, a.graphs_ab, a.steps)?;
-    }
-    if let (true, Some((caches, next))) = (a.device_routed_ab > 0, last.as_mut()) {
-        device_routed_ab(&engine, caches, next, a.device_routed_ab, a.steps)?;
+    print_host_memory();
+    let (switches, rounds) = ab_switches(&a);
+    if let (false, Some((caches, next))) = (switches.is_empty(), last.as_mut()) {
+        let shape = (a.steps, a.prompt_len);
+        super::bench_ab::run(&engine, (caches, next), &switches, rounds, shape)?;
     }
     Ok(())
+}
+
+/// The switches `--ab` (and its shorthands) compares, and the rounds.
+fn ab_switches(a: &RunArgs) -> (Vec<crate::engine::gpu::switches::DecodeSwitch>, usize) {
+    use crate::engine::gpu::switches::DecodeSwitch;
+    let mut switches = a.ab.clone();
+    let mut rounds = a.ab_rounds;
+    for (n, s) in [
+        (a.graphs_ab, DecodeSwitch::Graphs),
+        (a.device_routed_ab, DecodeSwitch::DeviceRouted),
+    ] {
+        if n > 0 {
+            if !switches.contains(&s) {
+                switches.push(s);
+            }
+            rounds = if a.ab.is_empty() { n } else { rounds.max(n) };
+        }
+    }
+    (switches, rounds.max(1))
 }
 
 /// MiB read by the DRAM bandwidth probe (well beyond any cache).
 const DRAM_PROBE_MIB: usize = 2048;
 
 /// `batch` sequences prefilled and decoded together: the throughput line and the step's split.
-/// Returns the sequences and their next tokens (for `--graphs-ab`).
+/// Returns the sequences and their next tokens (for `--ab`).
 fn decode_batch(
     engine: &Engine,
     a: &RunArgs,
@@ -299,6 +326,12 @@ fn decode_batch(
             r.calls as f64 / n
         );
     }
+    if let Some(line) = super::bench_ab::handoff_line(&split.handoff) {
+        println!(
+            "  hand-off per MoE layer ({:.1} layers/step profiled): {line}",
+            split.handoff.layers as f64 / n
+        );
+    }
     if split.device_routed_layers > 0 {
         println!(
             "  device-routed experts: {:.1} MoE layers per step computed their resident experts from the routing on the device (their hits are not in the GPU share above)",
@@ -346,50 +379,8 @@ impl DramBound {
     }
 }
 
-/// `rounds` rounds of `steps` decode steps with the device-routed experts off (host-planned), then
-/// on, continuing the same sequences: each round's ms/step and host split, and the medians.
-fn device_routed_ab(
-    engine: &Engine,
-    caches: &mut [crate::engine::SeqCache],
-    next: &mut Vec<u32>,
-    rounds: usize,
-    steps: usize,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(engine.on_gpu(), "--device-routed-ab needs the CUDA backend");
-    let ms = |s: f64| s / steps as f64 * 1e3;
-    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    for round in 0..rounds {
-        for (i, on) in [false, true].into_iter().enumerate() {
-            engine.set_device_routed(on);
-            let (s, split) = decode_steps(engine, caches, next, 1, steps)?;
-            times[i].push(ms(s));
-            println!(
-                "device-routed A/B round {round}, {}: {:.2} ms/step ({:.1} tok/s), waiting for GPU {:.2} ms, CPU experts {:.2} ms, other host {:.2} ms, {:.1} device-routed layers/step",
-                if on { "on " } else { "off" },
-                ms(s),
-                caches.len() as f64 / (s / steps as f64),
-                ms(split.gpu_wait_s),
-                ms(split.cpu_experts_s),
-                ms(s - split.gpu_wait_s - split.cpu_experts_s),
-                split.device_routed_layers as f64 / steps as f64
-            );
-        }
-    }
-    engine.set_device_routed(true);
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (off, on) = (median(&mut times[0]), median(&mut times[1]));
-    println!(
-        "device-routed A/B, {rounds} rounds of {steps} steps, median ms/step: off {off:.2}, on {on:.2} ({:.2}x tok/s)",
-        off / on
-    );
-    Ok(())
-}
-
 /// `steps` decode steps of every sequence after `warm` untimed ones: seconds and the step split.
-fn decode_steps(
+pub(super) fn decode_steps(
     engine: &Engine,
     caches: &mut [crate::engine::SeqCache],
     next: &mut Vec<u32>,
@@ -415,50 +406,6 @@ fn decode_steps(
     Ok((elapsed, split))
 }
 
-/// `rounds` rounds of `steps` decode steps with CUDA graphs on, then off (eager launches on the same
-/// buffers), continuing the same sequences: per-round and median ms/step of each, and the medians' split.
-fn graphs_ab(
-    engine: &Engine,
-    caches: &mut [crate::engine::SeqCache],
-    next: &mut Vec<u32>,
-    rounds: usize,
-    steps: usize,
-) -> anyhow::Result<()> {
-    if !engine.pause_cuda_graphs(false) {
-        anyhow::bail!(
-            "--graphs-ab needs the CUDA backend with CUDA graphs on (hybrid-attention models: --cuda-graphs-hybrid)"
-        );
-    }
-    let ms = |s: f64| s / steps as f64 * 1e3;
-    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    let mut waits: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    for round in 0..rounds {
-        for (i, paused) in [false, true].into_iter().enumerate() {
-            engine.pause_cuda_graphs(paused);
-            let (s, split) = decode_steps(engine, caches, next, 1, steps)?;
-            times[i].push(ms(s));
-            waits[i].push(ms(split.gpu_wait_s));
-        }
-        println!(
-            "graphs A/B round {round}: graphs {:.2} ms/step, eager {:.2} ms/step",
-            times[0][round], times[1][round]
-        );
-    }
-    engine.pause_cuda_graphs(false);
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (g, e) = (median(&mut times[0]), median(&mut times[1]));
-    println!(
-        "graphs A/B, {rounds} rounds of {steps} steps, median: graphs {g:.2} ms/step (waiting for GPU {:.2}), eager {e:.2} ms/step (waiting for GPU {:.2}); graphs {:+.1}%",
-        median(&mut waits[0]),
-        median(&mut waits[1]),
-        (g / e - 1.0) * 100.0
-    );
-    Ok(())
-}
-
 /// The engine's device memory: planned, allocated at start, and the most in use (step buffers too).
 fn print_gpu_memory(engine: &Engine) {
     let (Some(report), Some((_, peak))) = (engine.gpu_memory(), engine.gpu_pool_usage()) else {
@@ -478,6 +425,14 @@ fn print_gpu_memory(engine: &Engine) {
         report.plan.gpu_experts_per_layer,
         report.plan.kv_tokens
     );
+}
+
+/// The process's resident host memory by kind (compare with `serve`'s "host memory once loaded"
+/// line on the same model).
+fn print_host_memory() {
+    if let Some(m) = crate::engine::heap::MemoryReport::now() {
+        println!("  host memory: {m}");
+    }
 }
 
 /// How the GPU's expert GEMMs ran: per projection shape and path, the calls and the range of their
@@ -514,6 +469,7 @@ fn prefill(a: RunArgs) -> anyhow::Result<()> {
     time_prefill(&engine, a.prompt_len, a.chunk, "")?;
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
+    print_host_memory();
     Ok(())
 }
 

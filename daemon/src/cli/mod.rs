@@ -1,5 +1,6 @@
 //! Command-line subcommands of `moe-daemon`.
 pub mod bench;
+mod bench_ab;
 pub mod bench_perplexity;
 pub mod bench_skew;
 pub mod engine_args;

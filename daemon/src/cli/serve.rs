@@ -217,6 +217,7 @@ fn open_model(path: &Path) -> anyhow::Result<ModelFiles> {
 fn start_engine(
     args: &ServeArgs,
     files: &ModelFiles,
+    gguf: Option<Arc<GgufFile>>,
     tok: &TextTokenizer,
     metrics: Arc<Metrics>,
     load_failed: LoadFailed,
@@ -262,7 +263,6 @@ fn start_engine(
         args.max_batch_tokens,
     )?;
     let path = args.model.clone();
-    let gguf = files.gguf.clone();
     Ok(spawn_engine(
         report_load(load_failed, move || {
             let t0 = std::time::Instant::now();
@@ -286,6 +286,9 @@ fn start_engine(
                 }
             };
             tracing::info!(seconds = t0.elapsed().as_secs_f64(), "weights loaded");
+            if let Some(m) = crate::engine::heap::MemoryReport::now() {
+                tracing::info!("host memory once loaded and warm: {m}");
+            }
             Ok(engine)
         }),
         sched,
@@ -395,7 +398,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let sampling_defaults = sampling_defaults(&args)?;
     let structured = structured_outputs(&tokenizer);
     let (load_failed, load_failure) = tokio::sync::watch::channel(None);
-    let engine = start_engine(&args, &files, &tokenizer, metrics.clone(), load_failed)?;
+    // The engine's load owns the GGUF mapping from here on and drops it once the weights are
+    // packed or uploaded: held here, every page the load touched would stay mapped (resident) for
+    // the life of the server.
+    let gguf = files.gguf.take();
+    let engine = start_engine(
+        &args,
+        &files,
+        gguf,
+        &tokenizer,
+        metrics.clone(),
+        load_failed,
+    )?;
     let api_key = match &args.api_key_file {
         Some(p) => Some(read_key_file(p)?),
         None => args.api_key.clone(),

@@ -36,6 +36,8 @@ pub struct StepTimes {
     /// their packed bytes.
     pub dram_experts_read: u64,
     pub dram_expert_bytes: u64,
+    /// CUDA backend, decode hand-offs: where the time between two layers' CPU experts went.
+    pub handoff: crate::engine::gpu::handoff::HandoffProfile,
 }
 
 impl StepTimes {
@@ -57,5 +59,6 @@ impl StepTimes {
         self.split_cpu_experts += o.split_cpu_experts;
         self.dram_experts_read += o.dram_experts_read;
         self.dram_expert_bytes += o.dram_expert_bytes;
+        self.handoff.add(&o.handoff);
     }
 }

@@ -152,9 +152,14 @@ impl PathChooser {
     /// The path of a call of `use` (counted).
     pub(crate) fn path(&self, r#use: GemmUse) -> ExpertGemmPath {
         let path = self.forced.unwrap_or(ExpertGemmPath::for_use(&r#use));
+        self.count(r#use, path);
+        path
+    }
+
+    /// Counts a call of `use` on `path` (chosen by the caller).
+    pub(crate) fn count(&self, r#use: GemmUse, path: ExpertGemmPath) {
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         *calls.entry((r#use.kind(), path)).or_default() += 1;
-        path
     }
 
     /// Calls so far per kind of use and path.

@@ -13,12 +13,20 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
+// Clock stamps in mapped host memory (`stamps`, GPU global timer in ns), for the host's profile of
+// a layer's round trip: [0] the wait saw the host's flag, [1] its add finished, [2] the publish
+// raised its flag. One store each per launch; the host reads them once the next publish landed.
+#define STAMP_SEEN 0
+#define STAMP_ADDED 1
+#define STAMP_PUBLISHED 2
+
 // ids/w ([nk]) and, when x is given, x ([nx]) into the host buffers; then the last block to finish
-// raises `flag`. `blocks_done` (device memory, 0 between launches) counts finished blocks.
+// stamps the time and raises `flag`. `blocks_done` (device memory, 0 between launches) counts
+// finished blocks.
 // grid: any, block: 256.
 extern "C" __global__ void handoff_publish(const int* ids, const float* w, int nk, const float* x, int nx,
                                            int* ids_h, float* w_h, float* x_h, unsigned int* blocks_done,
-                                           volatile int* flag) {
+                                           volatile int* flag, volatile unsigned long long* stamps) {
     int stride = gridDim.x * blockDim.x;
     int i0 = blockIdx.x * blockDim.x + threadIdx.x;
     for (int i = i0; i < nk; i += stride) {
@@ -39,6 +47,7 @@ extern "C" __global__ void handoff_publish(const int* ids, const float* w, int n
         unsigned int done = atomicAdd(blocks_done, 1u);
         if (done == gridDim.x - 1) {
             *blocks_done = 0;
+            stamps[STAMP_PUBLISHED] = global_ns();
             __threadfence_system();
             *flag = 1;
         }
@@ -48,11 +57,12 @@ extern "C" __global__ void handoff_publish(const int* ids, const float* w, int n
 // Waits until the host raises `flag` (each block's first thread polls it), then x[i] += y[i] for
 // i < n reading y from host memory; the last block to finish lowers the flag. A wait longer than
 // `timeout_ns` sets `*timed_out` and adds what y holds (the host turns that into an error: the
-// host side of a step failed without raising the flag, and the GPU must not hang).
+// host side of a step failed without raising the flag, and the GPU must not hang). Block 0 stamps
+// when it saw the flag, the last block when the add finished.
 // grid: any, block: 256.
 extern "C" __global__ void handoff_wait_add(float* x, const volatile float* y, size_t n, volatile int* flag,
                                             volatile int* timed_out, unsigned long long timeout_ns,
-                                            unsigned int* blocks_done) {
+                                            unsigned int* blocks_done, volatile unsigned long long* stamps) {
     if (threadIdx.x == 0) {
         unsigned long long t0 = global_ns();
         while (*flag == 0) {
@@ -61,6 +71,7 @@ extern "C" __global__ void handoff_wait_add(float* x, const volatile float* y, s
                 break;
             }
         }
+        if (blockIdx.x == 0) stamps[STAMP_SEEN] = global_ns();
     }
     __syncthreads();
     size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -71,6 +82,7 @@ extern "C" __global__ void handoff_wait_add(float* x, const volatile float* y, s
         if (done == gridDim.x - 1) {
             *blocks_done = 0;
             *flag = 0;
+            stamps[STAMP_ADDED] = global_ns();
             __threadfence_system();
         }
     }

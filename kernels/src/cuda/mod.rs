@@ -512,6 +512,30 @@ impl GpuDevice {
         (self.expert_gemm.uses(), self.expert_gemm.forced())
     }
 
+    /// [`GpuDevice::gemm_bf16_items`] on `path` chosen by the caller (counted in the uses).
+    ///
+    /// # Safety
+    /// As [`GpuDevice::gemm_bf16_items`].
+    pub unsafe fn gemm_bf16_items_on(
+        &self,
+        items: &[GemmItem],
+        m: usize,
+        k: usize,
+        table: &mut CudaSlice<u64>,
+        path: ExpertGemmPath,
+    ) -> Result<ExpertGemmPath, GpuError> {
+        let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
+        rows.sort_unstable();
+        self.expert_gemm.count(GemmUse::of(m, k, rows), path);
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_bf16_items_via(items, m, k, table, path) }
+    }
+
+    /// The path `MOE_GROUPED_GEMM` forces for every expert GEMM, if it does.
+    pub fn expert_gemm_forced(&self) -> Option<ExpertGemmPath> {
+        self.expert_gemm.forced()
+    }
+
     /// [`GpuDevice::gemm_bf16_items`] on the path given; the grouped launch falls back to the batched
     /// calls for shapes it does not take (k not a multiple of 8, odd m, addresses not 16-byte
     /// aligned). Returns the path that ran.

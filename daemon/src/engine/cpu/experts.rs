@@ -42,6 +42,8 @@ pub fn pack_model(
     let cfg = model.config.clone();
     let Some(mc) = &cfg.moe else { return Ok(()) };
     let act = crate::engine::moe::GatedAct::of(&cfg).kernel_activation();
+    // one call scratch for every layer's set (they run one after the other)
+    let mut scratch: Option<moe_kernels::cpu::moe::SharedScratch> = None;
     for (li, layer) in model.layers.iter_mut().enumerate() {
         let Ffn::Moe(block) = &mut layer.ffn else {
             continue;
@@ -89,6 +91,13 @@ pub fn pack_model(
             .collect();
         let set = CpuExpertSet::new(&set_cfg, &ids, &sources, pool)
             .with_context(|| format!("packing layer {li} experts for the CPU kernels"))?;
+        let set = match &scratch {
+            Some(s) => set.with_scratch(s.clone()),
+            None => {
+                scratch = Some(set.scratch());
+                set
+            }
+        };
         drop(sources);
         for &e in &ids {
             block.experts[e as usize] = None;

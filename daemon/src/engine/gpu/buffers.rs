@@ -238,7 +238,7 @@ impl GpuModel {
                 && self.shard.is_none()
                 && !probing
                 && self.hybrid.is_none()
-                && self.defer_experts == 0
+                && self.switches.defer_experts() == 0
                 && !self.early_routing()
                 && !self.routing_overridden()
                 && moe_kernels::cuda::routed::supported_widths(

@@ -1,5 +1,5 @@
 //! Routed experts computed on the GPU in phases: a run of experts whose token rows are consecutive.
-use super::dispatch::ExpertGroup;
+use super::dispatch::{ExpertGroup, ExpertHome};
 use super::GpuModel;
 use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
@@ -17,6 +17,9 @@ pub(super) struct PhaseBuffers<'a> {
     pub(super) hd: usize,
     pub(super) inter: usize,
     pub(super) activation: GatedAct,
+    /// The GEMM path for every phase of the layer, or `None` for the rule's path per use
+    /// (`moe_kernels::cuda::gemm_path`).
+    pub(super) path: Option<ExpertGemmPath>,
 }
 
 impl GpuModel {
@@ -53,7 +56,7 @@ impl GpuModel {
         });
         // SAFETY: each group's rows lie inside the phase buffers (sized for every routed row) and each
         // weight view is a whole [2I, H] / [H, I] matrix; all outlive the stream's use of them.
-        unsafe { dev.gemm_bf16_items(&gate_up, 2 * inter, hd, b.table)? };
+        unsafe { self.expert_gemms(&gate_up, 2 * inter, hd, b.table, b.path)? };
         self.gated_act(
             &b.gu.slice(r0 * 2 * inter..r1 * 2 * inter),
             &mut b.act.slice_mut(r0 * inter..r1 * inter),
@@ -65,8 +68,43 @@ impl GpuModel {
             dev.addr(&ws[i].1)
         });
         // SAFETY: as for gate_up.
-        unsafe { dev.gemm_bf16_items(&down, hd, inter, b.table)? };
+        unsafe { self.expert_gemms(&down, hd, inter, b.table, b.path)? };
         Ok(())
+    }
+
+    /// One projection of a phase's experts on `path`, or the rule's path for the use when `None`.
+    ///
+    /// # Safety
+    /// As `GpuDevice::gemm_bf16_items`.
+    unsafe fn expert_gemms(
+        &self,
+        items: &[GemmItem],
+        m: usize,
+        k: usize,
+        table: &mut CudaSlice<u64>,
+        path: Option<ExpertGemmPath>,
+    ) -> anyhow::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match path {
+                Some(p) => self.dev.gemm_bf16_items_on(items, m, k, table, p)?,
+                None => self.dev.gemm_bf16_items(items, m, k, table)?,
+            }
+        };
+        Ok(())
+    }
+
+    /// The GEMM path of a layer's GPU experts: mixed layers (resident experts beside DRAM experts
+    /// the CPU computes after the host launched the GPU's)
+    /// take the grouped kernel when [`DecodeSwitches::mixed_grouped`] is on, since its launch costs
+    /// the host less than cuBLAS's batched call (no per-call heuristics) and that host time delays
+    /// the CPU experts; `None` elsewhere (the rule), or when `MOE_GROUPED_GEMM` forces a path.
+    ///
+    /// [`DecodeSwitches::mixed_grouped`]: super::switches::DecodeSwitches::mixed_grouped
+    pub(super) fn mixed_layer_path(&self, homes: &[ExpertHome]) -> Option<ExpertGemmPath> {
+        let mixed = homes.contains(&ExpertHome::Resident) && homes.contains(&ExpertHome::Cpu);
+        let forced = self.dev.expert_gemm_forced().is_some();
+        (mixed && !forced && self.switches.mixed_grouped()).then_some(ExpertGemmPath::Grouped)
     }
 }
 

@@ -488,6 +488,9 @@ impl GpuModel {
             })
             .collect();
         let act = GatedAct::of(cfg);
+        // the switches as this step sees them (benchmarks flip them between steps)
+        let (prelaunch_on, defer_routes) =
+            (self.switches.prelaunch(), self.switches.defer_experts());
         // Layers whose resident experts the segment computes from the device routing (`routed`).
         let mut device_guard = self.routed.lock().unwrap_or_else(|e| e.into_inner());
         let routes = self.plan_routes(host, &mut device_guard, &class)?;
@@ -542,7 +545,7 @@ impl GpuModel {
                     // has a layer whose resident experts its segment computed (`routed`).
                     let on_device = routes[li] == LayerRoute::DeviceAndCpu;
                     let prelaunch = pipelined
-                        && self.prelaunch
+                        && prelaunch_on
                         && self.shard.is_none()
                         && !homes.is_empty()
                         && (on_device || homes.iter().all(|h| *h == ExpertHome::Cpu));
@@ -581,7 +584,7 @@ impl GpuModel {
                         Some(GpuFfn::Moe(_))
                     );
                     let defer = if pipelined && next_moe {
-                        self.defer_experts
+                        defer_routes
                     } else {
                         0
                     };

@@ -14,9 +14,9 @@ use crate::engine::moe::{dram_experts_forward_timed, GatedAct, Routing};
 use crate::engine::StepTimes;
 use crate::model::MoeBlock;
 use moe_kernels::cpu::WorkerPool;
-use moe_kernels::cuda::ops::HandoffPort;
+use moe_kernels::cuda::ops::{HandoffPort, HandoffStamps};
 use moe_kernels::cuda::GpuDevice;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
 /// How long the host spins on the routing flag before asking the driver whether the GPU failed.
@@ -48,6 +48,65 @@ fn stream_state(dev: &GpuDevice) -> anyhow::Result<StreamState> {
 pub struct Handoff {
     pub(super) port: HandoffPort,
     deferred: RefCell<Deferred>,
+    /// When the host last raised a CPU sum in this step, and when it last saw a routing land (for
+    /// [`HandoffProfile`]); taken by the next use.
+    raised_at: Cell<Option<Instant>>,
+    landed_at: Cell<Option<Instant>>,
+}
+
+/// Where a decode step's time between two MoE layers' CPU experts goes, summed over layers: the
+/// host's clock around the GPU's clock stamps of the hand-off kernels (`handoff.cu`). After the CPU
+/// sum of layer l is raised, the GPU's wait sees it, adds it, runs layer l + 1's segment (norms,
+/// attention, router) and publishes; the host sees the routing, plans, and starts its CPU experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HandoffProfile {
+    /// Layers measured (those whose previous MoE layer raised a CPU sum in the same step).
+    pub layers: u64,
+    /// Host: from raising layer l's sum to seeing layer l + 1's routing.
+    pub round_trip_s: f64,
+    /// Host: from raising the sum to starting the wait for the next routing (launches, bookkeeping).
+    pub host_launch_s: f64,
+    /// GPU: from the wait seeing the flag to its add done (reading the sum from host memory).
+    pub gpu_add_s: f64,
+    /// GPU: from the add done to the next layer's routing published (its segment).
+    pub gpu_segment_s: f64,
+    /// Host: from seeing a layer's routing to starting its CPU experts (the dispatch plan, GPU expert
+    /// launches, the next segment's launches), over `cpu_layers` layers.
+    pub host_to_cpu_s: f64,
+    pub cpu_layers: u64,
+}
+
+impl HandoffProfile {
+    pub fn add(&mut self, o: &HandoffProfile) {
+        self.layers += o.layers;
+        self.round_trip_s += o.round_trip_s;
+        self.host_launch_s += o.host_launch_s;
+        self.gpu_add_s += o.gpu_add_s;
+        self.gpu_segment_s += o.gpu_segment_s;
+        self.host_to_cpu_s += o.host_to_cpu_s;
+        self.cpu_layers += o.cpu_layers;
+    }
+
+    /// The flags' travel both ways (host → GPU wait, GPU publish → host poll): the round trip less
+    /// the GPU's own time between seeing one flag and raising the next.
+    pub fn flag_latency_s(&self) -> f64 {
+        self.round_trip_s - self.gpu_add_s - self.gpu_segment_s
+    }
+
+    /// Adds one layer: the host raised the previous sum at `raised`, began waiting at `waited`, saw
+    /// the routing at `landed`; `st` the GPU's stamps. Stamps out of order (a layer without a wait
+    /// in between) are left out.
+    fn record(&mut self, raised: Instant, waited: Instant, landed: Instant, st: HandoffStamps) {
+        if st.seen_ns == 0 || st.added_ns < st.seen_ns || st.published_ns < st.added_ns {
+            return;
+        }
+        let ns = |d: u64| d as f64 * 1e-9;
+        self.layers += 1;
+        self.round_trip_s += landed.saturating_duration_since(raised).as_secs_f64();
+        self.host_launch_s += waited.saturating_duration_since(raised).as_secs_f64();
+        self.gpu_add_s += ns(st.added_ns - st.seen_ns);
+        self.gpu_segment_s += ns(st.published_ns - st.added_ns);
+    }
 }
 
 /// Deferred experts of the previous MoE layer: its rows (copied before the GPU may overwrite the
@@ -65,6 +124,8 @@ impl Handoff {
         Ok(Handoff {
             port: HandoffPort::new(dev, routes, elems)?,
             deferred: RefCell::new(Deferred::default()),
+            raised_at: Cell::new(None),
+            landed_at: Cell::new(None),
         })
     }
 
@@ -74,6 +135,8 @@ impl Handoff {
     pub(super) fn begin_step(&self, dev: &GpuDevice) -> anyhow::Result<()> {
         dev.stream.synchronize()?;
         self.deferred.borrow_mut().pending = 0;
+        self.raised_at.set(None);
+        self.landed_at.set(None);
         anyhow::ensure!(
             !self.port.reset(),
             "the GPU timed out waiting for the CPU experts in the previous step"
@@ -117,6 +180,16 @@ impl Handoff {
         Ok(())
     }
 
+    /// Profiles the layer whose routing was just seen (`wait_routing` returned), the host having
+    /// begun waiting at `waited`: see [`HandoffProfile`].
+    pub(super) fn profile_routing(&self, waited: Instant, profile: &mut HandoffProfile) {
+        let landed = Instant::now();
+        self.landed_at.set(Some(landed));
+        if let Some(raised) = self.raised_at.take() {
+            profile.record(raised, waited, landed, self.port.stamps());
+        }
+    }
+
     /// Routed ids and weights of the layer just published (`routes` pairs).
     pub(super) fn routing(&self, routes: usize) -> (Vec<u32>, Vec<f32>) {
         // SAFETY: after `wait_routing`, the GPU writes these only after the layer's CPU half raised
@@ -147,8 +220,13 @@ impl CpuHalf<'_> {
     /// Computes the layer's CPU experts and raises the flag; adds the host time (and the kernels'
     /// regions) to `times`.
     pub fn run(mut self, times: &mut StepTimes) {
-        let regions = &mut times.cpu_regions;
         let t = Instant::now();
+        if let Some(landed) = self.hand.landed_at.take() {
+            let p = &mut times.handoff;
+            p.host_to_cpu_s += t.saturating_duration_since(landed).as_secs_f64();
+            p.cpu_layers += 1;
+        }
+        let regions = &mut times.cpu_regions;
         let nx = self.n * self.hd;
         let mut d = self.hand.deferred.borrow_mut();
         {
@@ -171,6 +249,7 @@ impl CpuHalf<'_> {
             }
         }
         self.hand.port.raise_sum();
+        self.hand.raised_at.set(Some(Instant::now()));
         self.raised = true;
         if let Some(r) = &self.later {
             let Deferred { x, sum, pending } = &mut *d;
@@ -204,5 +283,42 @@ impl GpuModel {
             && rows <= super::buffers::MAX_GRAPH_ROWS
             && self.hybrid.is_none()
             && self.all_gqa()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_profile_splits_the_round_trip_and_skips_stamps_out_of_order() {
+        let raised = Instant::now();
+        let waited = raised + Duration::from_micros(30);
+        let landed = raised + Duration::from_micros(130);
+        let st = HandoffStamps {
+            seen_ns: 1_000_000,
+            added_ns: 1_004_000,
+            published_ns: 1_104_000,
+        };
+        let mut p = HandoffProfile::default();
+        p.record(raised, waited, landed, st);
+        assert_eq!(p.layers, 1);
+        let us = |s: f64| (s * 1e6).round();
+        assert_eq!(us(p.round_trip_s), 130.0);
+        assert_eq!(us(p.host_launch_s), 30.0);
+        assert_eq!((us(p.gpu_add_s), us(p.gpu_segment_s)), (4.0, 100.0));
+        assert_eq!(us(p.flag_latency_s()), 26.0);
+        // a publish stamped before the add (a layer without a wait between) is left out
+        let stale = HandoffStamps {
+            published_ns: 900_000,
+            ..st
+        };
+        p.record(raised, waited, landed, stale);
+        p.record(raised, waited, landed, HandoffStamps::default());
+        assert_eq!(p.layers, 1);
+        let mut sum = HandoffProfile::default();
+        sum.add(&p);
+        sum.add(&p);
+        assert_eq!((sum.layers, us(sum.round_trip_s)), (2, 260.0));
     }
 }

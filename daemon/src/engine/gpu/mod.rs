@@ -36,6 +36,7 @@ pub mod setup;
 pub mod split;
 pub mod stream;
 mod stream_profile;
+pub mod switches;
 mod warm;
 
 use crate::engine::linear::{Linear, WeightData};
@@ -222,14 +223,12 @@ pub struct GpuModel {
     /// Run decode steps eagerly for now (captured graphs and the graph-class buffers stay): A/B runs
     /// of graphs on and off in one process (`bench decode --graphs-ab`).
     pub graphs_paused: std::sync::atomic::AtomicBool,
-    /// Routes per token whose CPU experts decode steps may defer to the next layer (0: exact).
-    pub defer_experts: usize,
+    /// Run-time switches of the decode step: deferred experts, launches before the routing, the
+    /// mixed layers' GEMM path (`switches`).
+    pub switches: switches::DecodeSwitches,
     /// Early routing (`early_routing`): bytes of the chosen DRAM experts the CPU pool prefetches per
     /// layer while attention runs, for routers on the layer input; 0 = routing after attention.
     pub expert_prefetch_bytes: usize,
-    /// Enqueue the GPU half of all-DRAM MoE layers (and the next segment) before their routing
-    /// lands in pipelined steps (`forward`); on unless `MOE_GPU_PRELAUNCH=0` (the A/B of the two).
-    pub prelaunch: bool,
     /// Compute resident experts of small steps from the routing on the device (`routed`): on unless
     /// `MOE_DEVICE_ROUTED=0` (the host-planned path, for A/Bs), switchable with
     /// [`GpuModel::set_device_routed`].
@@ -602,9 +601,8 @@ impl GpuModel {
             stream: Mutex::new(None),
             cuda_graphs: false,
             graphs_paused: std::sync::atomic::AtomicBool::new(false),
-            defer_experts: 0,
+            switches: switches::DecodeSwitches::default(),
             expert_prefetch_bytes: 0,
-            prelaunch: std::env::var_os("MOE_GPU_PRELAUNCH").is_none_or(|v| v != "0"),
             device_routed: std::sync::atomic::AtomicBool::new(
                 std::env::var_os("MOE_DEVICE_ROUTED").is_none_or(|v| v != "0"),
             ),

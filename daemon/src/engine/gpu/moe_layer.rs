@@ -23,6 +23,7 @@ use crate::model::{Ffn, Model, MoeBlock};
 use anyhow::Context;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use half::bf16;
+use moe_kernels::cuda::ExpertGemmPath;
 use std::time::Instant;
 
 /// What every MoE layer of a step shares: `'h` what outlives the layer's CPU half (model, pool,
@@ -113,6 +114,7 @@ impl GpuModel {
         }
         hand.wait_routing(&self.dev)?;
         ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
+        hand.profile_routing(t0, &mut ctx.times.handoff);
         let (mut ids, weights) = hand.routing(n * k);
         self.override_routing(li, mc.num_experts, &mut ids);
         on_routing(li, &ids);
@@ -155,7 +157,9 @@ impl GpuModel {
         // The resident experts' weights as this step sees them (moves land between steps).
         let table = moe.experts.read();
         let shape = (n, hd, mc.expert_intermediate);
-        self.run_gpu_experts(&plan, &table, host_block, ctx, shape, b.hb, b.experts)?;
+        let path = self.mixed_layer_path(homes);
+        let io = (b.hb, path);
+        self.run_gpu_experts(&plan, &table, host_block, ctx, shape, io, b.experts)?;
         self.combine_gpu(&plan, (n, hd), b.experts, b.x)?;
         if let (Some(s), Some(balance)) = (split, ctx.split.as_deref_mut()) {
             let end = SplitBalance::event(&self.dev.stream)?;
@@ -306,7 +310,7 @@ impl GpuModel {
         host_block: &MoeBlock,
         ctx: &mut MoeStep<'_, '_>,
         (_, hd, inter): (usize, usize, usize),
-        hb: &CudaSlice<bf16>,
+        (hb, path): (&CudaSlice<bf16>, Option<ExpertGemmPath>),
         bufs: &mut ExpertBufs,
     ) -> anyhow::Result<()> {
         if !plan.any_gpu_work() {
@@ -336,6 +340,7 @@ impl GpuModel {
             hd,
             inter,
             activation: GatedAct::of(&ctx.host.config),
+            path,
         };
         for phase in &plan.phases {
             let groups = plan.phase_groups(phase);

@@ -201,7 +201,7 @@ impl GpuModel {
             }
             routes[li] = if resident == experts {
                 LayerRoute::Device
-            } else if pipelined && self.prelaunch {
+            } else if pipelined && self.switches.prelaunch() {
                 LayerRoute::DeviceAndCpu
             } else {
                 LayerRoute::Host

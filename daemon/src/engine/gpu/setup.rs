@@ -207,7 +207,7 @@ pub fn log_rules(rules: Option<&PlacementPlan>, placement: &[Vec<bool>], opts: &
 /// token and sequence caps.
 pub fn apply_step_options(gpu: &mut GpuModel, opts: &EngineOptions, cfg: &ModelConfig) {
     gpu.cuda_graphs = memory::cuda_graphs_for(opts, cfg);
-    gpu.defer_experts = opts.defer_experts;
+    gpu.switches.set_defer_experts(opts.defer_experts);
     gpu.max_step = (opts.max_step_tokens, opts.max_step_seqs);
 }
 

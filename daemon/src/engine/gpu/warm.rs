@@ -27,6 +27,8 @@ impl Engine {
                 );
                 tracing::info!("{msg}");
                 eprintln!("{msg}");
+                // the warm-up's host buffers were freed on this thread's malloc arena
+                crate::engine::heap::release_freed_heap("GPU warm-up");
             }
             Err(e) => tracing::warn!("GPU warm-up skipped: {e:#}"),
         }

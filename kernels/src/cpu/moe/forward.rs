@@ -642,4 +642,60 @@ mod tests {
         let total = times.route_s + times.convert_s + times.gate_up_s + times.down_s;
         assert!(total > 0.0);
     }
+
+    /// Two sets on one shared scratch, called in turn with calls of different sizes, give exactly
+    /// what each gives on its own scratch.
+    #[test]
+    fn sets_sharing_a_scratch_compute_what_they_do_alone() {
+        let pool = WorkerPool::new(&[vec![0, 0]], false, std::time::Duration::from_micros(100));
+        let (h, i) = (64usize, 48usize);
+        let mut seed = 5u32;
+        let mut bits = |n: usize| -> Vec<u16> {
+            (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    0x3c00 | ((seed >> 16) as u16 & 0x807f)
+                })
+                .collect()
+        };
+        let w: Vec<[Vec<u16>; 3]> = (0..4)
+            .map(|_| [bits(i * h), bits(i * h), bits(h * i)])
+            .collect();
+        let sources = |r: std::ops::Range<usize>| -> Vec<ExpertSource<'_>> {
+            w[r].iter()
+                .map(|m| ExpertSource {
+                    gate: SourceTensor::Bf16(&m[0]),
+                    up: SourceTensor::Bf16(&m[1]),
+                    down: SourceTensor::Bf16(&m[2]),
+                })
+                .collect()
+        };
+        let cfg = ExpertSetConfig::new(h, i, WeightFormat::Bf16);
+        let set = |r: std::ops::Range<usize>| {
+            let ids: Vec<u32> = (0..r.len() as u32).collect();
+            CpuExpertSet::new(&cfg, &ids, &sources(r), &pool).unwrap()
+        };
+        let (alone_a, alone_b) = (set(0..2), set(2..4));
+        let shared_a = set(0..2);
+        let shared_b = set(2..4).with_scratch(shared_a.scratch());
+        // token counts alternate so the shared buffers grow and shrink between the sets' calls
+        for (call, t) in [5usize, 1, 17, 2, 33, 1].into_iter().enumerate() {
+            let x: Vec<f32> = (0..t * h)
+                .map(|j| ((j * 7 + call) % 11) as f32 - 5.0)
+                .collect();
+            let ids: Vec<u32> = (0..2 * t).map(|j| ((j + call) % 2) as u32).collect();
+            let wts: Vec<f32> = (0..2 * t).map(|j| 0.25 + (j % 3) as f32 * 0.25).collect();
+            let (a, b) = if call % 2 == 0 {
+                (&alone_a, &shared_a)
+            } else {
+                (&alone_b, &shared_b)
+            };
+            let mut want = vec![0f32; t * h];
+            a.forward(&pool, &x, &ids, &wts, 2, &mut want).unwrap();
+            let mut got = vec![0f32; t * h];
+            b.forward(&pool, &x, &ids, &wts, 2, &mut got).unwrap();
+            assert_eq!(got, want, "call {call}, {t} tokens");
+            assert!(want.iter().any(|&v| v != 0.0));
+        }
+    }
 }

@@ -159,6 +159,20 @@ struct ExpertSlot {
     offset: usize,
 }
 
+/// The buffers of one [`CpuExpertSet::forward`] call (routed rows, converted activations, intermediate
+/// rows), kept between calls so decode allocates nothing and sized by the largest call so far. Sets that
+/// share one (a model's layers, which run one after the other) hold that largest call's buffers once
+/// instead of once per layer (about 50 MB per Qwen3-30B-A3B layer per 1000 tokens computed on the CPU);
+/// their calls serialize on it.
+#[derive(Clone, Default)]
+pub struct SharedScratch(std::sync::Arc<Mutex<forward::Scratch>>);
+
+impl SharedScratch {
+    fn lock(&self) -> std::sync::LockResult<std::sync::MutexGuard<'_, forward::Scratch>> {
+        self.0.lock()
+    }
+}
+
 /// The DRAM-resident experts of one MoE layer, packed for the CPU kernels.
 pub struct CpuExpertSet {
     cfg: ExpertSetConfig,
@@ -171,7 +185,7 @@ pub struct CpuExpertSet {
     slots: Vec<ExpertSlot>,
     buffers: Vec<HugeBuffer>,
     groups: usize,
-    scratch: Mutex<forward::Scratch>,
+    scratch: SharedScratch,
 }
 
 impl CpuExpertSet {
@@ -268,8 +282,20 @@ impl CpuExpertSet {
             slots,
             buffers,
             groups,
-            scratch: Mutex::new(forward::Scratch::default()),
+            scratch: SharedScratch::default(),
         })
+    }
+
+    /// This set computing its calls in `scratch` (another set's, [`CpuExpertSet::scratch`]) instead of
+    /// its own: see [`SharedScratch`].
+    pub fn with_scratch(mut self, scratch: SharedScratch) -> CpuExpertSet {
+        self.scratch = scratch;
+        self
+    }
+
+    /// The buffers this set's calls work in, to hand to the other layers' sets.
+    pub fn scratch(&self) -> SharedScratch {
+        self.scratch.clone()
     }
 
     pub fn config(&self) -> &ExpertSetConfig {

@@ -137,6 +137,8 @@ pub struct HandoffPort {
     pub x: MappedHost<f32>,
     pub y: MappedHost<f32>,
     flags: MappedHost<i32>,
+    /// GPU clock stamps of the last hand-off kernels (`handoff.cu`): [`HandoffStamps`].
+    stamps: MappedHost<u64>,
     /// Finished-block counter of the kernels (device memory, 0 between launches; the kernels run one
     /// after the other on the engine stream).
     blocks_done: CudaSlice<u32>,
@@ -151,6 +153,7 @@ impl HandoffPort {
             x: MappedHost::new(dev, elems)?,
             y: MappedHost::new(dev, elems)?,
             flags: MappedHost::new(dev, 4)?,
+            stamps: MappedHost::new(dev, 3)?,
             blocks_done: dev.stream.alloc_zeros::<u32>(1)?,
         })
     }
@@ -209,6 +212,22 @@ impl HandoffPort {
         unsafe { self.flag(UP).write_volatile(1) };
     }
 
+    /// The GPU clock stamps of the last wait-and-add and the last publish. Meaningful for the wait of
+    /// layer l and the publish of layer l + 1 once the host took that publish (the stream ran the
+    /// wait before it).
+    pub fn stamps(&self) -> HandoffStamps {
+        // SAFETY: aligned u64s of the live allocation; the GPU writes them only in kernels that come
+        // after the host's next flag, so they hold still here (a torn read could only come from a
+        // caller breaking that order, and would only skew a profile).
+        let s = unsafe { self.stamps.host(3) };
+        let read = |i: usize| unsafe { std::ptr::read_volatile(&s[i]) };
+        HandoffStamps {
+            seen_ns: read(0),
+            added_ns: read(1),
+            published_ns: read(2),
+        }
+    }
+
     /// Clears the flags and reports whether a GPU wait timed out since the last reset. Only while no
     /// hand-off kernel is pending (between steps, after the stream synchronised).
     pub fn reset(&self) -> bool {
@@ -221,6 +240,15 @@ impl HandoffPort {
             timed_out
         }
     }
+}
+
+/// GPU global-timer stamps (ns) of the hand-off kernels: when the wait saw the host's flag, when its
+/// add finished, and when the publish raised its flag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandoffStamps {
+    pub seen_ns: u64,
+    pub added_ns: u64,
+    pub published_ns: u64,
 }
 
 /// Blocks for `work` items per thread pass (at least one, at most [`MAX_BLOCKS`]).
@@ -307,14 +335,20 @@ impl GpuDevice {
         let xh = port.x.dev_at(op, "x_h", 0, nx)?;
         let done = port.blocks_done.device_ptr(&self.stream).0;
         let flag = port.flags.dev_at(op, "flags", slot, 1)?;
+        let stamps = port.stamps.dev_at(op, "stamps", 0, 3)?;
         let b = blocks(nk.max(nx / 4));
         let mut l = self.stream.launch_builder(&self.k.handoff_publish);
         l.arg(&ip).arg(&wp).arg(&nk_i).arg(&xp).arg(&nx_i);
-        l.arg(&ih).arg(&wh).arg(&xh).arg(&done).arg(&flag);
+        l.arg(&ih)
+            .arg(&wh)
+            .arg(&xh)
+            .arg(&done)
+            .arg(&flag)
+            .arg(&stamps);
         // SAFETY: argument order and types as handoff.cu's `handoff_publish`; threads read ids, w
         // (nk elements, checked by the caller; not read when nk = 0) and x (nx, checked, or null) and
         // write the mapped host buffers (checked lengths, device addresses of live DEVICEMAP
-        // allocations); block counter and flag are the port's own.
+        // allocations); block counter, flag and stamps are the port's own.
         unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
         Ok(())
     }
@@ -335,13 +369,14 @@ impl GpuDevice {
         let timed_out = port.flags.dev_at(OP, "flags", TIMED_OUT, 1)?;
         let timeout = GPU_WAIT_TIMEOUT.as_nanos() as u64;
         let done = port.blocks_done.device_ptr(&self.stream).0;
+        let stamps = port.stamps.dev_at(OP, "stamps", 0, 3)?;
         let b = blocks(n);
         let mut l = self.stream.launch_builder(&self.k.handoff_wait_add);
         l.arg(&xp).arg(&yh).arg(&n).arg(&flag).arg(&timed_out);
-        l.arg(&timeout).arg(&done);
+        l.arg(&timeout).arg(&done).arg(&stamps);
         // SAFETY: argument order and types as handoff.cu's `handoff_wait_add` (n a size_t, timeout an
         // unsigned long long); threads update x[i < n] (checked) from the mapped y (checked length);
-        // flags and counter are the port's own.
+        // flags, counter and stamps are the port's own.
         unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
         Ok(())
     }

@@ -31,7 +31,7 @@ pub mod norm;
 pub mod reference;
 
 pub use attention::{CacheRows, MlaDims, PagedIndex};
-pub use handoff::{HandoffPort, MappedHost};
+pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
 

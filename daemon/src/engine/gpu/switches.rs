@@ -1,0 +1,188 @@
+//! Run-time switches of the hybrid decode step: each changes how a step is scheduled, not what the
+//! engine holds, so a benchmark can turn it on and off between steps of the same sequences in one
+//! process (`bench decode --ab`) instead of comparing two runs with their noise. Read once per step
+//! (relaxed atomics: a change lands at the next step).
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+pub struct DecodeSwitches {
+    /// Routes per token whose CPU experts decode steps may defer to the next layer (0: exact;
+    /// `--defer-experts`).
+    defer_experts: AtomicUsize,
+    /// Enqueue the GPU half of all-DRAM MoE layers (and the next segment) before their routing lands
+    /// in pipelined steps (`forward`); on unless `MOE_GPU_PRELAUNCH=0`.
+    prelaunch: AtomicBool,
+    /// Mixed decode layers (resident and DRAM experts, host-planned) multiply their GPU experts with
+    /// the grouped kernel instead of the rule's cuBLAS batched call: the host launches them before it
+    /// starts the CPU experts, so the launch cost (cuBLAS's per-call heuristics and pointer table)
+    /// delays the CPU side. On unless `MOE_MIXED_GROUPED=0`; `MOE_GROUPED_GEMM` forcing a path wins.
+    mixed_grouped: AtomicBool,
+}
+
+impl Default for DecodeSwitches {
+    fn default() -> Self {
+        let off = |var: &str| std::env::var_os(var).is_some_and(|v| v == "0");
+        DecodeSwitches {
+            defer_experts: AtomicUsize::new(0),
+            prelaunch: AtomicBool::new(!off("MOE_GPU_PRELAUNCH")),
+            mixed_grouped: AtomicBool::new(!off("MOE_MIXED_GROUPED")),
+        }
+    }
+}
+
+impl DecodeSwitches {
+    pub fn defer_experts(&self) -> usize {
+        self.defer_experts.load(Ordering::Relaxed)
+    }
+
+    pub fn set_defer_experts(&self, routes: usize) {
+        self.defer_experts.store(routes, Ordering::Relaxed);
+    }
+
+    pub fn prelaunch(&self) -> bool {
+        self.prelaunch.load(Ordering::Relaxed)
+    }
+
+    pub fn set_prelaunch(&self, on: bool) {
+        self.prelaunch.store(on, Ordering::Relaxed);
+    }
+
+    pub fn mixed_grouped(&self) -> bool {
+        self.mixed_grouped.load(Ordering::Relaxed)
+    }
+
+    pub fn set_mixed_grouped(&self, on: bool) {
+        self.mixed_grouped.store(on, Ordering::Relaxed);
+    }
+}
+
+/// A switch of the decode step by name, for benchmarks' A/B runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeSwitch {
+    /// CUDA graphs of the pre-expert segments (paused: eager launches on the same buffers).
+    Graphs,
+    /// Resident experts of small steps from the device routing (`routed`).
+    DeviceRouted,
+    /// All-DRAM layers' GPU half enqueued before the routing lands.
+    Prelaunch,
+    /// Grouped expert GEMMs in mixed decode layers.
+    MixedGrouped,
+    /// Deferred experts: this many routes per token (not exact).
+    Defer(usize),
+}
+
+impl DecodeSwitch {
+    /// Whether the switch changes the model's output beyond f32 summation order (deferred experts
+    /// do: an expert's output lands one layer late).
+    pub fn inexact(self) -> bool {
+        matches!(self, DecodeSwitch::Defer(_))
+    }
+}
+
+impl std::str::FromStr for DecodeSwitch {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "graphs" => DecodeSwitch::Graphs,
+            "device-routed" => DecodeSwitch::DeviceRouted,
+            "prelaunch" => DecodeSwitch::Prelaunch,
+            "mixed-grouped" => DecodeSwitch::MixedGrouped,
+            _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
+                Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
+                _ => {
+                    return Err(format!(
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, defer1..defer64)"
+                    ))
+                }
+            },
+        })
+    }
+}
+
+impl std::fmt::Display for DecodeSwitch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeSwitch::Graphs => f.write_str("graphs"),
+            DecodeSwitch::DeviceRouted => f.write_str("device-routed"),
+            DecodeSwitch::Prelaunch => f.write_str("prelaunch"),
+            DecodeSwitch::MixedGrouped => f.write_str("mixed-grouped"),
+            DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
+        }
+    }
+}
+
+/// Benchmarks' view of the switches (every GPU of a tensor-parallel group alike).
+impl crate::engine::Engine {
+    /// Whether `switch` is on now; `None` without the CUDA backend, or for CUDA graphs when the
+    /// engine captures none (`--no-cuda-graphs`, hybrid-attention models without
+    /// `--cuda-graphs-hybrid`).
+    pub fn decode_switch(&self, switch: DecodeSwitch) -> Option<bool> {
+        let g = self.gpu.as_ref()?;
+        Some(match switch {
+            DecodeSwitch::Graphs if !g.cuda_graphs => return None,
+            DecodeSwitch::Graphs => !g.graphs_paused.load(Ordering::Relaxed),
+            DecodeSwitch::DeviceRouted => g.device_routed.load(Ordering::Relaxed),
+            DecodeSwitch::Prelaunch => g.switches.prelaunch(),
+            DecodeSwitch::MixedGrouped => g.switches.mixed_grouped(),
+            DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
+        })
+    }
+
+    /// Turns `switch` on or off from the next step on (deferred experts: off is the exact path).
+    /// Returns whether the engine has it (see [`Engine::decode_switch`]).
+    ///
+    /// [`Engine::decode_switch`]: crate::engine::Engine::decode_switch
+    pub fn set_decode_switch(&self, switch: DecodeSwitch, on: bool) -> bool {
+        if self.decode_switch(switch).is_none() {
+            return false;
+        }
+        for g in self.gpus() {
+            match switch {
+                DecodeSwitch::Graphs => g.graphs_paused.store(!on, Ordering::Relaxed),
+                DecodeSwitch::DeviceRouted => g.set_device_routed(on),
+                DecodeSwitch::Prelaunch => g.switches.set_prelaunch(on),
+                DecodeSwitch::MixedGrouped => g.switches.set_mixed_grouped(on),
+                DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switch_names_round_trip_and_bad_ones_are_refused() {
+        for s in [
+            "graphs",
+            "device-routed",
+            "prelaunch",
+            "mixed-grouped",
+            "defer1",
+            "defer2",
+        ] {
+            let parsed: DecodeSwitch = s.parse().unwrap();
+            assert_eq!(parsed.to_string(), s);
+        }
+        assert_eq!("defer3".parse(), Ok(DecodeSwitch::Defer(3)));
+        for bad in ["defer0", "defer", "deferx", "graph", "", "defer65"] {
+            assert!(bad.parse::<DecodeSwitch>().is_err(), "{bad}");
+        }
+        assert!(DecodeSwitch::Defer(1).inexact());
+        assert!(!DecodeSwitch::MixedGrouped.inexact());
+    }
+
+    #[test]
+    fn switches_change_between_steps() {
+        let s = DecodeSwitches::default();
+        assert_eq!(s.defer_experts(), 0);
+        s.set_defer_experts(2);
+        assert_eq!(s.defer_experts(), 2);
+        s.set_prelaunch(false);
+        assert!(!s.prelaunch());
+        s.set_mixed_grouped(false);
+        assert!(!s.mixed_grouped());
+    }
+}
