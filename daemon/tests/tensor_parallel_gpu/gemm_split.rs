@@ -142,9 +142,11 @@ fn row_parallel(
                 "row-parallel {tag} m={m} k={k} n={n} world={world}: residual on rank 0: {d0} of {} differ (max |Δ| {x0:.1e}); residual added last: {d1} differ (max |Δ| {x1:.1e})",
                 n * m
             );
-            // an f32 sum's rounding in another order grows like √k (H200: 2.6e-6 at k = 16384)
+            // an f32 sum's rounding in another order grows like √k and with the number of partial
+            // sums (H200: 2.6e-6 at k = 16384 over 2 ranks, 1.65e-5 at k = 16384 over 8 ranks, n = 512)
             let rel = rel_l2(&rank0_first, &full);
-            let bound = 1e-6 * (k as f32 / 64.0).sqrt().max(1.0);
+            let bound =
+                1e-6 * (k as f32 / 64.0).sqrt().max(1.0) * (world as f32 / 2.0).sqrt().max(1.0);
             assert!(
                 rel <= bound,
                 "{tag} n={n} world={world}: {rel} (bound {bound})"
