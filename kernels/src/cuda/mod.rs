@@ -500,9 +500,7 @@ impl GpuDevice {
         k: usize,
         table: &mut CudaSlice<u64>,
     ) -> Result<ExpertGemmPath, GpuError> {
-        let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
-        rows.sort_unstable();
-        let path = self.expert_gemm.path(GemmUse::of(m, k, rows));
+        let path = self.expert_gemm.path(items_use(items, m, k));
         // SAFETY: the caller's contract.
         unsafe { self.gemm_bf16_items_via(items, m, k, table, path) }
     }
@@ -524,9 +522,7 @@ impl GpuDevice {
         table: &mut CudaSlice<u64>,
         path: ExpertGemmPath,
     ) -> Result<ExpertGemmPath, GpuError> {
-        let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
-        rows.sort_unstable();
-        self.expert_gemm.count(GemmUse::of(m, k, rows), path);
+        self.expert_gemm.count(items_use(items, m, k), path);
         // SAFETY: the caller's contract.
         unsafe { self.gemm_bf16_items_via(items, m, k, table, path) }
     }
@@ -619,6 +615,13 @@ impl GpuDevice {
 /// Entries of the table `gemm_bf16_items` needs for up to `items` items of `rows` rows in all.
 pub fn table_len(items: usize, rows: usize) -> usize {
     grouped::table_len(items, rows)
+}
+
+/// The use an expert GEMM call makes: its shape and the sorted row counts of its non-empty items.
+fn items_use(items: &[GemmItem], m: usize, k: usize) -> GemmUse {
+    let mut rows: Vec<usize> = items.iter().map(|g| g.rows).filter(|&r| r > 0).collect();
+    rows.sort_unstable();
+    GemmUse::of(m, k, rows)
 }
 
 #[cfg(test)]
