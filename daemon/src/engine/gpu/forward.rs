@@ -16,7 +16,7 @@
 //! A graph step whose MoE layers are all like that replays its whole layer stack as one CUDA graph
 //! (`layers_on_device`, `graphs`).
 use super::attention::{SeqRows, StepIndex};
-use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers};
+use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers, StepClass};
 use super::dispatch::{expert_homes, ExpertHome};
 use super::graphs::{GraphSet, SegmentTail};
 use super::handoff::{CpuHalf, Handoff};
@@ -459,7 +459,7 @@ impl GpuModel {
             (Some(h), Some(b)) => Some(self.hybrid_begin_step(h, batch, hd, &acts.x, b)?),
             _ => None,
         };
-        let (pipelined, split_step) = (class.pipelined, class.split);
+        let split_step = class.split;
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         // Split steps stream the experts each layer's routing gives the GPU (see `split`).
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
@@ -474,6 +474,13 @@ impl GpuModel {
         let mut split_guard = self.split.lock().unwrap_or_else(|e| e.into_inner());
         let mut split = (split_step && stream.is_some()).then_some(&mut *split_guard);
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        // A graph step whose segments are not all captured yet runs unpipelined (`GraphSet::capture_pass`).
+        let capture_pass = graph_step && graphs_guard.capture_pass(n);
+        let class = StepClass {
+            pipelined: class.pipelined && !capture_pass,
+            ..class
+        };
+        let pipelined = class.pipelined;
         let mut graphs = graph_step.then_some(&mut *graphs_guard);
         // One view of the step per group of layers: its slots and block tables.
         let steps: Vec<StepIndex> = (0..index.slots.len())
@@ -523,7 +530,9 @@ impl GpuModel {
                     let routed = device.as_deref_mut().map(|d| (d, li, routes[li]));
                     let mut seg = Segment::of(acts, hand, want_x, hybrid_step.as_mut(), routed);
                     let step = (&steps[self.kv_layout.group_of(li)], &mut *pool);
-                    self.run_pre_experts(host, li, step, &mut seg, graphs.as_deref_mut())?;
+                    // the previous layer's CPU half (`owed`) has not raised its flag yet
+                    let graphs = graphs.as_deref_mut().map(|g| (g, owed.is_some()));
+                    self.run_pre_experts(host, li, step, &mut seg, graphs)?;
                     homes
                 }
             };
@@ -559,7 +568,8 @@ impl GpuModel {
                             let routed = device.as_deref_mut().map(|d| (d, li + 1, routes[li + 1]));
                             let mut seg = Segment::of(acts, hand, want_x, None, routed);
                             let step = (&steps[self.kv_layout.group_of(li + 1)], &mut *pool);
-                            let g = graphs.as_deref_mut();
+                            // this layer's wait for its CPU experts was just enqueued
+                            let g = graphs.as_deref_mut().map(|g| (g, true));
                             let r = self.run_pre_experts(host, li + 1, step, &mut seg, g);
                             if let Err(e) = r {
                                 hand.port.raise_sum(); // the GPU must not wait for a host that gave up
@@ -629,6 +639,9 @@ impl GpuModel {
         }
         if let Some(half) = owed.take() {
             half.run(times);
+        }
+        if let Some(set) = graphs.filter(|_| capture_pass) {
+            set.ready_rows.insert(n);
         }
         let ActBufs { x, hb, head, .. } = acts;
         if let Some(hy) = &hybrid_step {
@@ -740,25 +753,29 @@ impl GpuModel {
     }
 
     /// Layer `li`'s pre-expert segment: replayed from its graph in graph steps (captured the first
-    /// time a (layer, rows) pair is seen), else enqueued eagerly.
+    /// time a (layer, rows) pair is seen, unless a hand-off wait is pending: `graphs`' flag, see
+    /// [`GraphSet::may_capture`]), else enqueued eagerly.
     fn run_pre_experts(
         &self,
         host: &Model,
         li: usize,
         (step, pool): (&StepIndex<'_>, &mut super::kv::GpuKvPool),
         seg: &mut Segment<'_, '_>,
-        graphs: Option<&mut GraphSet>,
+        graphs: Option<(&mut GraphSet, bool)>,
     ) -> anyhow::Result<()> {
-        let set = match graphs {
-            Some(set) if !set.broken => set,
+        let (set, waiting) = match graphs {
+            Some((set, waiting)) if !set.broken => (set, waiting),
             _ => return self.pre_experts(host, li, step, pool, seg),
         };
         if self.shard.is_some() {
-            return self.run_pre_experts_halves(host, li, (step, pool), seg, set);
+            return self.run_pre_experts_halves(host, li, (step, pool), seg, (set, waiting));
         }
         // The hand-off copies differ with `want_x` (a layer whose DRAM experts all moved to the GPU),
         // and device-routed layers end with their experts.
         let key = (li, step.n, seg.tail());
+        if !set.map.contains_key(&key) && !set.may_capture(step.n, waiting) {
+            return self.pre_experts(host, li, step, pool, seg);
+        }
         if let Entry::Vacant(slot) = set.map.entry(key) {
             let (r, g) = self
                 .dev
@@ -792,9 +809,13 @@ impl GpuModel {
         li: usize,
         (step, pool): (&StepIndex<'_>, &mut super::kv::GpuKvPool),
         seg: &mut Segment<'_, '_>,
-        set: &mut GraphSet,
+        (set, waiting): (&mut GraphSet, bool),
     ) -> anyhow::Result<()> {
         let key = (li, step.n, seg.tail());
+        let missing = [0, 1].iter().any(|h| !set.halves.contains_key(&(key, *h)));
+        if missing && !set.may_capture(step.n, waiting) {
+            return self.pre_experts(host, li, step, pool, seg);
+        }
         self.graph_half(set, (key, 0), &mut || {
             self.attention_block(host, li, step, pool, seg)
         })?;

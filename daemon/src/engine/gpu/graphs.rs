@@ -36,7 +36,7 @@
 use super::routed::LayerRoute;
 use super::{GpuFfn, GpuModel};
 use moe_kernels::cuda::graph::CapturedGraph;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// How a layer's segment ends after its router's top-k: what it hands to the host, and whether it
 /// computes the experts itself (device-routed layers, `routed`).
@@ -65,12 +65,37 @@ pub struct GraphSet {
     pub halves: HashMap<(SegmentKey, u8), CapturedGraph>,
     /// A capture failed (a driver that refuses some captured call): decode runs eagerly from then on.
     pub broken: bool,
+    /// Row counts whose every segment was captured by a step that waited for nothing while it
+    /// captured ([`GraphSet::capture_pass`]); such steps may pipeline.
+    pub ready_rows: HashSet<usize>,
 }
 
 impl GraphSet {
     /// Graphs captured so far (segments, tensor-parallel halves and whole steps).
     pub fn captured(&self) -> usize {
         self.map.len() + self.halves.len() + self.steps.len()
+    }
+
+    /// Whether a graph step of `rows` rows must run as a capture pass: unpipelined, so that no GPU
+    /// wait for the host's CPU experts is pending while it captures. A pipelined step enqueues a
+    /// layer's segment while the GPU spins on the previous layer's hand-off flag, and capturing and
+    /// instantiating a graph then can block in the driver until the device idles, which it cannot do
+    /// before the host raises that flag: on the H200 a 48-layer model's first decode step of each
+    /// batch size stalled for the hand-off's whole 20 s deadline and failed. One unpipelined step per
+    /// batch size costs a few milliseconds once.
+    pub fn capture_pass(&self, rows: usize) -> bool {
+        !self.broken && !self.ready_rows.contains(&rows)
+    }
+
+    /// Whether a segment missing from the set may be captured now: only when no hand-off wait is
+    /// pending (`waiting`). A missing segment found while one is (a layer whose hand-off changed
+    /// since its row count's capture pass, after experts moved) runs eagerly, and the row count gets a
+    /// capture pass again.
+    pub fn may_capture(&mut self, rows: usize, waiting: bool) -> bool {
+        if waiting {
+            self.ready_rows.remove(&rows);
+        }
+        !waiting
     }
 }
 
@@ -134,6 +159,24 @@ impl GpuModel {
 mod tests {
     use super::*;
     use LayerRoute::*;
+
+    #[test]
+    fn a_row_count_pipelines_only_after_a_capture_pass_with_nothing_pending() {
+        let mut set = GraphSet::default();
+        assert!(set.capture_pass(1), "nothing captured yet");
+        // the capture pass waits for nothing: it may capture, and its row count becomes ready
+        assert!(set.may_capture(1, false));
+        set.ready_rows.insert(1);
+        assert!(!set.capture_pass(1));
+        assert!(set.capture_pass(8), "each row count has its own pass");
+        // a pipelined step meeting a missing segment while a hand-off wait is pending: no capture,
+        // and the next step of that row count is a capture pass again
+        assert!(!set.may_capture(1, true));
+        assert!(set.capture_pass(1));
+        // broken graphs never need a pass (decode runs eagerly)
+        set.broken = true;
+        assert!(!set.capture_pass(1));
+    }
 
     #[test]
     fn only_steps_of_device_routed_moe_layers_stay_on_the_device() {
