@@ -12,8 +12,10 @@ mod glm_hybrid_gpu;
 mod kv_q8_gpu;
 mod tensor_parallel_gpu;
 
-use common::gpu::{gpu, graphs_match_eager};
-use common::{fixtures_root as fixtures, oracle, rel_l2, run, step, xorshift};
+use common::gpu::{check_against_oracle, gpu, graphs_match_eager};
+use common::{
+    fixtures_root as fixtures, ids, oracle, oracle_step_logits, rel_l2, run, step, xorshift,
+};
 use moe_daemon::engine::placement::PlacementStrategy;
 use moe_daemon::engine::{Device, Engine, EngineOptions, SeqCache, SeqInput};
 use serde_json::Value;
@@ -35,40 +37,29 @@ const ALL: &[&str] = &[
     "smallthinker_softmax",
 ];
 
+/// `name`'s checkpoint `variant` on the CUDA backend, with every routed expert in DRAM and all on the
+/// GPU, against transformers and the CPU backend at the module's tolerances (`check_against_oracle`).
+fn matches_transformers_and_cpu(name: &str, variant: &str) {
+    let o = oracle(name);
+    let dir = fixtures().join(name).join(variant);
+    let cpu = run(&Engine::load(&dir, &EngineOptions::default()).unwrap(), &o);
+    for n_gpu in [0, 64] {
+        let e = Engine::load(&dir, &gpu(n_gpu, PlacementStrategy::Uniform)).unwrap();
+        let got = run(&e, &o);
+        let label = format!("gpu_experts={n_gpu}");
+        check_against_oracle(name, &label, &got, &cpu, &o, got.len());
+    }
+}
+
 #[test]
 fn cuda_matches_transformers_and_cpu() {
     for name in ALL {
-        let o = oracle(name);
         let variant = if name.ends_with("fp8") {
             "model"
         } else {
             "model_bf16"
         };
-        let dir = fixtures().join(name).join(variant);
-        let cpu = run(&Engine::load(&dir, &EngineOptions::default()).unwrap(), &o);
-        for n_gpu in [0, 64] {
-            let e = Engine::load(&dir, &gpu(n_gpu, PlacementStrategy::Uniform)).unwrap();
-            let got = run(&e, &o);
-            for (i, (g, s)) in got.iter().zip(o["steps"].as_array().unwrap()).enumerate() {
-                let want: Vec<f32> = s["logits"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32)
-                    .collect();
-                let err = rel_l2(g, &want);
-                let err_cpu = rel_l2(g, &cpu[i]);
-                println!("{name} gpu_experts={n_gpu} step {i}: rel-L2 vs transformers {err:.2e}, vs CPU {err_cpu:.2e}");
-                assert!(
-                    err <= 5e-2 && err_cpu <= 5e-2,
-                    "{name} step {i}: {err} / {err_cpu}"
-                );
-                if s["top1_top2_gap"].as_f64().unwrap() > 0.1 {
-                    let am = moe_daemon::engine::sampling::argmax(g) as u64;
-                    assert_eq!(am, s["argmax"].as_u64().unwrap(), "{name} step {i} argmax");
-                }
-            }
-        }
+        matches_transformers_and_cpu(name, variant);
     }
 }
 
@@ -118,12 +109,7 @@ fn layerwise_prefill_batching_and_cache_clone() {
     let name = "qwen3_moe";
     let o = oracle(name);
     let dir = fixtures().join(name).join("model_bf16");
-    let prompt: Vec<u32> = o["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect();
+    let prompt = ids(&o["prompt_ids"]);
     let normal = Engine::load(&dir, &gpu(4, PlacementStrategy::Uniform)).unwrap();
     let layerwise = Engine::load(
         &dir,
@@ -573,32 +559,7 @@ fn gpu_gated_mul_clamps_like_cpu() {
 /// DRAM and all on the GPU.
 #[test]
 fn glm_mla_variants_on_cuda() {
-    let name = "glm4_moe_lite";
-    let o = oracle(name);
-    let dir = fixtures().join(name).join("model_bf16");
-    let cpu = run(&Engine::load(&dir, &EngineOptions::default()).unwrap(), &o);
-    for n_gpu in [0, 64] {
-        let e = Engine::load(&dir, &gpu(n_gpu, PlacementStrategy::Uniform)).unwrap();
-        let got = run(&e, &o);
-        for (i, (g, s)) in got.iter().zip(o["steps"].as_array().unwrap()).enumerate() {
-            let want: Vec<f32> = s["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
-            let (err, err_cpu) = (rel_l2(g, &want), rel_l2(g, &cpu[i]));
-            println!("{name} gpu_experts={n_gpu} step {i}: rel-L2 vs transformers {err:.2e}, vs CPU {err_cpu:.2e}");
-            assert!(
-                err <= 5e-2 && err_cpu <= 5e-2,
-                "{name} step {i}: {err} / {err_cpu}"
-            );
-            if s["top1_top2_gap"].as_f64().unwrap() > 0.1 {
-                let am = moe_daemon::engine::sampling::argmax(g) as u64;
-                assert_eq!(am, s["argmax"].as_u64().unwrap(), "{name} step {i} argmax");
-            }
-        }
-    }
+    matches_transformers_and_cpu("glm4_moe_lite", "model_bf16");
     // GLM-5 (its sparse-attention indexer) and GLM-5.3-Flash: glm_hybrid_gpu.
 }
 
@@ -894,19 +855,7 @@ fn deferred_experts_are_opt_in_and_their_effect_is_measured() {
             .unwrap()
         };
         let exact = run(&load(0), &o);
-        let want: Vec<Vec<f32>> = o["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| {
-                s["logits"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.as_f64().unwrap() as f32)
-                    .collect()
-            })
-            .collect();
+        let want = oracle_step_logits(&o);
         assert_eq!(
             run(&load(0), &o),
             exact,

@@ -162,9 +162,32 @@ fn load(
     }
 }
 
+/// Negative log-likelihood of the tokens scored so far.
+#[derive(Default)]
+struct Nll {
+    sum: f64,
+    tokens: usize,
+}
+
+impl Nll {
+    /// Scores `next` under `logits` (log-softmax in f64).
+    fn add(&mut self, logits: &[f32], next: u32) {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+        self.sum += max + sum.ln() - logits[next as usize] as f64;
+        self.tokens += 1;
+    }
+
+    /// The mean over the tokens scored, and their count.
+    fn mean(&self) -> anyhow::Result<(f64, usize)> {
+        anyhow::ensure!(self.tokens > 0, "the text has fewer than two tokens");
+        Ok((self.sum / self.tokens as f64, self.tokens))
+    }
+}
+
 /// Mean negative log-likelihood of `ids` scored in windows of `ctx`, and the tokens scored.
 fn mean_nll(engine: &Engine, ids: &[u32], ctx: usize) -> anyhow::Result<(f64, usize)> {
-    let (mut nll, mut n) = (0f64, 0usize);
+    let mut nll = Nll::default();
     for window in ids.chunks(ctx).filter(|w| w.len() >= 2) {
         let mut cache = engine.new_cache();
         let rows = engine.forward_all(&mut [SeqInput {
@@ -172,14 +195,10 @@ fn mean_nll(engine: &Engine, ids: &[u32], ctx: usize) -> anyhow::Result<(f64, us
             tokens: window,
         }])?;
         for (logits, &next) in rows.iter().zip(&window[1..]) {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
-            nll += max + sum.ln() - logits[next as usize] as f64;
-            n += 1;
+            nll.add(logits, next);
         }
     }
-    anyhow::ensure!(n > 0, "the text has fewer than two tokens");
-    Ok((nll / n as f64, n))
+    nll.mean()
 }
 
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
@@ -225,7 +244,7 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
 /// Mean negative log-likelihood of `ids` scored in windows of `ctx`, fed one token per step (the GPU
 /// backend returns the last position's logits of a step), and the tokens scored.
 fn mean_nll_stepwise(engine: &Engine, ids: &[u32], ctx: usize) -> anyhow::Result<(f64, usize)> {
-    let (mut nll, mut n) = (0f64, 0usize);
+    let mut nll = Nll::default();
     for window in ids.chunks(ctx).filter(|w| w.len() >= 2) {
         let mut cache = engine.new_cache();
         for (i, &next) in window[1..].iter().enumerate() {
@@ -235,14 +254,10 @@ fn mean_nll_stepwise(engine: &Engine, ids: &[u32], ctx: usize) -> anyhow::Result
                     tokens: &window[i..i + 1],
                 }])?
                 .remove(0);
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
-            nll += max + sum.ln() - logits[next as usize] as f64;
-            n += 1;
+            nll.add(&logits, next);
         }
     }
-    anyhow::ensure!(n > 0, "the text has fewer than two tokens");
-    Ok((nll / n as f64, n))
+    nll.mean()
 }
 
 /// The GPU engine scored per dense format and KV cache dtype.
@@ -290,6 +305,21 @@ fn run_on_gpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Uniform logits give ln(vocabulary) per token; a token whose logit leads by ln(3) over two
+    /// others gets probability 3/5; nothing scored is an error.
+    #[test]
+    fn nll_is_the_log_softmax_of_the_next_token() {
+        let mut nll = Nll::default();
+        nll.add(&[0.5; 8], 3);
+        assert!((nll.mean().unwrap().0 - 8f64.ln()).abs() < 1e-12);
+        let mut nll = Nll::default();
+        nll.add(&[3f32.ln(), 0.0, 0.0], 0);
+        let (mean, tokens) = nll.mean().unwrap();
+        assert!((mean - (5.0f64 / 3.0).ln()).abs() < 1e-6, "{mean}");
+        assert_eq!(tokens, 1);
+        assert!(Nll::default().mean().is_err());
+    }
 
     #[test]
     fn gpu_dense_projections_are_the_ones_the_gpu_quantizes() {

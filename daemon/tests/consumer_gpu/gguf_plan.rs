@@ -117,16 +117,8 @@ fn plan_matches_allocation_on_a_gguf_with_kept_codes() {
         );
         // a long prefill (the int4 experts streamed, dense GEMMs through the dequantization scratch),
         // then decode steps replayed from graphs, within the plan
-        let v = e.config().vocab_size as u32;
-        let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % v).collect();
-        let mut c = e.new_cache();
-        let mut last = crate::step(&e, &mut c, &prompt);
-        assert!(last.iter().all(|x| x.is_finite()), "{case}: logits");
-        for _ in 0..4 {
-            let t = moe_daemon::engine::sampling::argmax(&last) as u32;
-            last = crate::step(&e, &mut c, &[t]);
-        }
-        let (_, peak) = e.gpu_pool_usage().unwrap();
+        let (prefill, peak) = super::full_prefill_then_decode(&e);
+        assert!(prefill.iter().all(|x| x.is_finite()), "{case}: logits");
         println!(
             "{case}: peak {:.1} MiB, plan total {:.1} MiB",
             mib(peak),

@@ -259,6 +259,23 @@ fn dense_dtypes_match_their_quantized_reference_on_every_fixture() {
 /// Each example's model (fewer layers, real widths) started with the choices the shared plan makes
 /// for the full model on a 24 GB card: the start allocates what the plan says and the steps stay
 /// within the plan.
+/// What the memory plan must hold at its peak: a full-size prefill step (2048 tokens: the largest
+/// activations and scratch), then 4 greedy decode steps (replayed from graphs where the engine
+/// captures them). The prefill's logits and the GPU pool's peak bytes in use.
+fn full_prefill_then_decode(e: &Engine) -> (Vec<f32>, u64) {
+    let v = e.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % v).collect();
+    let mut c = e.new_cache();
+    let prefill = crate::step(e, &mut c, &prompt);
+    let mut last = prefill.clone();
+    for _ in 0..4 {
+        let t = moe_daemon::engine::sampling::argmax(&last) as u32;
+        last = crate::step(e, &mut c, &[t]);
+    }
+    let (_, peak) = e.gpu_pool_usage().unwrap();
+    (prefill, peak)
+}
+
 #[test]
 fn plan_matches_allocation_for_every_example() {
     // (synth shape, layers written, the example's max_model_len and max_num_seqs)
@@ -340,16 +357,7 @@ fn plan_matches_allocation_for_every_example() {
             mib(report.start_allocated),
             mib(planned)
         );
-        // a full-size prefill step, then decode steps replayed from graphs
-        let v = e.config().vocab_size as u32;
-        let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % v).collect();
-        let mut c = e.new_cache();
-        let mut last = crate::step(&e, &mut c, &prompt);
-        for _ in 0..4 {
-            let t = moe_daemon::engine::sampling::argmax(&last) as u32;
-            last = crate::step(&e, &mut c, &[t]);
-        }
-        let (_, peak) = e.gpu_pool_usage().unwrap();
+        let (_, peak) = full_prefill_then_decode(&e);
         println!(
             "{like}: peak {:.0} MiB in use, plan total {:.0} MiB (activations {:.0} MiB planned, {:.0} MiB used above the start)",
             mib(peak),

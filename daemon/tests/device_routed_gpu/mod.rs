@@ -16,9 +16,14 @@
 //! device path never runs and the logits are bit-identical.
 use crate::common::gpu::gpu;
 use crate::common::{fixtures_root as fixtures, oracle, rel_l2, run};
+use cudarc::driver::CudaSlice;
+use half::bf16;
 use moe_daemon::engine::placement::PlacementStrategy;
 use moe_daemon::engine::sampling::argmax;
-use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
+use moe_daemon::engine::{Engine, EngineOptions, SeqCache, SeqInput};
+use moe_daemon::model::ModelConfig;
+use moe_kernels::cuda::routed::RoutedTable;
+use std::path::PathBuf;
 
 /// The MoE fixtures with bf16 checkpoints; the MLA ones (DeepSeek-V3) have no pipelined decode, so
 /// their mixed layers keep the host-planned path (only all-resident layers are device-routed).
@@ -93,21 +98,81 @@ fn worst_rel_l2(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// Three prompts (3, 14 and 1 tokens) in one prefill batch, then `feed` (one token per sequence per
-/// step) as batched decode steps: every step's logits.
-fn batch_run(e: &Engine, feed: &[[u32; 3]]) -> Vec<Vec<f32>> {
+/// A MoE fixture's bf16 checkpoint, loaded on either backend.
+struct RoutedFixture {
+    dir: PathBuf,
+    /// Routed experts per MoE layer.
+    experts: usize,
+}
+
+impl RoutedFixture {
+    fn new(name: &str) -> Self {
+        let dir = fixtures().join(name).join("model_bf16");
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let experts = config.moe.as_ref().unwrap().num_experts;
+        RoutedFixture { dir, experts }
+    }
+
+    /// The CPU backend: the independent reference of the same steps.
+    fn cpu(&self) -> Engine {
+        Engine::load(&self.dir, &EngineOptions::default()).unwrap()
+    }
+
+    /// The CUDA backend with `resident` experts per MoE layer (placed uniformly), CUDA graphs on or
+    /// off, the device-routed experts on or off (`Engine::set_device_routed` switches them later).
+    fn gpu(&self, resident: usize, graphs: bool, device_routed: bool) -> Engine {
+        let opts = EngineOptions {
+            cuda_graphs: graphs,
+            ..gpu(resident, PlacementStrategy::Uniform)
+        };
+        self.load(&opts, device_routed)
+    }
+
+    /// The fixture loaded with `opts`, the device-routed experts on or off.
+    fn load(&self, opts: &EngineOptions, device_routed: bool) -> Engine {
+        let e = Engine::load(&self.dir, opts).unwrap();
+        e.set_device_routed(device_routed);
+        e
+    }
+}
+
+/// The first `seqs` of the batched runs' three prompts (3, 14 and 1 tokens).
+fn batch_prompts(seqs: usize) -> Vec<Vec<u32>> {
     let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (10..24).collect(), vec![7]];
+    prompts[..seqs].to_vec()
+}
+
+/// `steps` decode steps of the first `seqs` sequences, a token each: step i feeds 5 + i, 40 + 3i
+/// and 90 + i.
+fn batch_feed(seqs: usize, steps: u32) -> Vec<Vec<u32>> {
+    (0..steps)
+        .map(|i| [5 + i, 40 + 3 * i, 90 + i][..seqs].to_vec())
+        .collect()
+}
+
+/// One batched decode step per entry of `feed` (a token per sequence of `caches`): each step's
+/// logits.
+fn decode_batch(e: &Engine, caches: &mut [SeqCache], feed: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let mut all = Vec::new();
+    for toks in feed {
+        let t: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
+        all.extend(
+            e.reserve_and_forward(&mut SeqInput::batch(caches, &t))
+                .unwrap(),
+        );
+    }
+    all
+}
+
+/// The three [`batch_prompts`] in one prefill batch, then `feed` as batched decode steps: every
+/// step's logits.
+fn batch_run(e: &Engine, feed: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let prompts = batch_prompts(3);
     let mut caches: Vec<_> = prompts.iter().map(|_| e.new_cache()).collect();
     let mut all = e
         .reserve_and_forward(&mut SeqInput::batch(&mut caches, &prompts))
         .unwrap();
-    for toks in feed {
-        let t: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
-        all.extend(
-            e.reserve_and_forward(&mut SeqInput::batch(&mut caches, &t))
-                .unwrap(),
-        );
-    }
+    all.extend(decode_batch(e, &mut caches, feed));
     all
 }
 
@@ -119,28 +184,17 @@ fn batch_run(e: &Engine, feed: &[[u32; 3]]) -> Vec<Vec<f32>> {
 /// side moved.
 #[test]
 fn device_routed_experts_match_the_host_planned_path() {
-    let feed: Vec<[u32; 3]> = (0..8u32).map(|i| [5 + i, 40 + 3 * i, 90 + i]).collect();
+    let feed = batch_feed(3, 8);
     let mut failures = Vec::new();
     for &(name, mla) in MOE {
         let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        // the CPU backend: the expert count and the reference of the batch
-        let cpu = Engine::load(&dir, &EngineOptions::default()).unwrap();
-        let experts = cpu.config().moe.as_ref().unwrap().num_experts;
-        let cpu_batch = batch_run(&cpu, &feed);
-        drop(cpu);
+        let fixture = RoutedFixture::new(name);
+        let experts = fixture.experts;
+        let cpu_batch = batch_run(&fixture.cpu(), &feed);
         for gpu_experts in [0, experts / 2, experts] {
             for graphs in [false, true] {
                 let label = format!("{name} {gpu_experts}/{experts} resident, graphs {graphs}");
-                let e = Engine::load(
-                    &dir,
-                    &EngineOptions {
-                        cuda_graphs: graphs,
-                        ..gpu(gpu_experts, PlacementStrategy::Uniform)
-                    },
-                )
-                .unwrap();
-                e.set_device_routed(false);
+                let e = fixture.gpu(gpu_experts, graphs, false);
                 let (host, host_batch) = (run(&e, &o), batch_run(&e, &feed));
                 assert_eq!(e.last_step_times().device_routed_layers, 0, "{label}");
                 e.set_device_routed(true);
@@ -210,24 +264,16 @@ fn device_routed_experts_match_the_host_planned_path() {
 /// device-routed and one host-planned, agree at the module's tolerance at every step, from graphs.
 #[test]
 fn device_routed_experts_follow_live_replacement() {
-    let dir = fixtures().join("qwen3_moe").join("model_bf16");
-    let load = |device: bool| {
-        let e = Engine::load(
-            &dir,
-            &EngineOptions {
-                cuda_graphs: true,
-                live_placement: Some(moe_daemon::engine::replacement::LiveOptions {
-                    interval_steps: 1_000_000,
-                    ..Default::default()
-                }),
-                ..gpu(8, PlacementStrategy::Uniform)
-            },
-        )
-        .unwrap();
-        e.set_device_routed(device);
-        e
+    let fixture = RoutedFixture::new("qwen3_moe");
+    let opts = EngineOptions {
+        cuda_graphs: true,
+        live_placement: Some(moe_daemon::engine::replacement::LiveOptions {
+            interval_steps: 1_000_000,
+            ..Default::default()
+        }),
+        ..gpu(8, PlacementStrategy::Uniform)
     };
-    let (dev, host) = (load(true), load(false));
+    let (dev, host) = (fixture.load(&opts, true), fixture.load(&opts, false));
     let moe_layers: Vec<usize> = (0..dev.config().num_layers)
         .filter(|&l| dev.config().moe_layers[l])
         .collect();
@@ -281,6 +327,27 @@ fn device_routed_experts_follow_live_replacement() {
     println!("live re-placement: worst rel-L2 device-routed vs host-planned {worst:.2e}");
 }
 
+/// The routed kernels' expert table over `weights` (each expert's gate_up and down matrices on the
+/// device): the gate_up addresses, then the down ones, 0 for an expert that is not `resident`; and
+/// the same addresses on the host.
+fn expert_table(
+    dev: &moe_kernels::cuda::GpuDevice,
+    weights: (&[CudaSlice<bf16>], &[CudaSlice<bf16>]),
+    resident: &[bool],
+) -> (RoutedTable, Vec<u64>) {
+    let experts = resident.len();
+    let mut addrs = vec![0u64; 2 * experts];
+    for e in (0..experts).filter(|&e| resident[e]) {
+        addrs[e] = dev.addr(&weights.0[e]);
+        addrs[experts + e] = dev.addr(&weights.1[e]);
+    }
+    let table = RoutedTable {
+        addrs: dev.stream.clone_htod(&addrs).unwrap(),
+        experts,
+    };
+    (table, addrs)
+}
+
 /// The routed kernels against a host reference on a step that the fixtures do not reach: 64 rows over
 /// 5 experts (about 25 rows per expert, so each expert's rows span several of the kernels' chunks),
 /// two of them not resident (left alone), widths that are not multiples of a warp's loads, every
@@ -289,9 +356,8 @@ fn device_routed_experts_follow_live_replacement() {
 #[test]
 fn routed_kernels_match_a_host_reference() {
     use crate::common::xorshift;
-    use half::bf16;
     use moe_kernels::cuda::ops::GateActivation;
-    use moe_kernels::cuda::routed::{RoutedKernels, RoutedScratch, RoutedShape, RoutedTable};
+    use moe_kernels::cuda::routed::{RoutedKernels, RoutedScratch, RoutedShape};
     use moe_kernels::cuda::GpuDevice;
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
@@ -321,15 +387,7 @@ fn routed_kernels_match_a_host_reference() {
     }
     let d_gu: Vec<_> = gate_up.iter().map(|m| s.clone_htod(m).unwrap()).collect();
     let d_dn: Vec<_> = down.iter().map(|m| s.clone_htod(m).unwrap()).collect();
-    let mut addrs = vec![0u64; 2 * experts];
-    for e in (0..experts).filter(|&e| resident[e]) {
-        addrs[e] = dev.addr(&d_gu[e]);
-        addrs[experts + e] = dev.addr(&d_dn[e]);
-    }
-    let table = RoutedTable {
-        addrs: s.clone_htod(&addrs).unwrap(),
-        experts,
-    };
+    let (table, _) = expert_table(&dev, (&d_gu, &d_dn), &resident);
     let (d_ids, d_w, d_xb) = (
         s.clone_htod(&ids).unwrap(),
         s.clone_htod(&w).unwrap(),
@@ -422,15 +480,7 @@ fn decode_steps(e: &Engine, prompts: &[Vec<u32>], feed: &[Vec<u32>]) -> Vec<Vec<
     for (c, p) in caches.iter_mut().zip(prompts) {
         crate::common::step(e, c, p);
     }
-    let mut all = Vec::new();
-    for toks in feed {
-        let t: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
-        all.extend(
-            e.reserve_and_forward(&mut SeqInput::batch(&mut caches, &t))
-                .unwrap(),
-        );
-    }
-    all
+    decode_batch(e, &mut caches, feed)
 }
 
 /// Every expert resident: each decode step stays on the device, so its whole layer stack is one
@@ -441,35 +491,22 @@ fn decode_steps(e: &Engine, prompts: &[Vec<u32>], feed: &[Vec<u32>]) -> Vec<Vec<
 /// crosses a cache block boundary.
 #[test]
 fn all_resident_decode_steps_replay_as_one_graph() {
-    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], (10..24).collect(), vec![7]];
     for name in ["qwen3_moe", "glm4_moe", "smallthinker"] {
-        let dir = fixtures().join(name).join("model_bf16");
-        let cpu = Engine::load(&dir, &EngineOptions::default()).unwrap();
-        let experts = cpu.config().moe.as_ref().unwrap().num_experts;
-        drop(cpu);
-        let load = |graphs: bool, device: bool| {
-            let e = Engine::load(
-                &dir,
-                &EngineOptions {
-                    cuda_graphs: graphs,
-                    ..gpu(experts, PlacementStrategy::Uniform)
-                },
-            )
-            .unwrap();
-            e.set_device_routed(device);
-            e
-        };
-        let (graphed, eager, host) = (load(true, true), load(false, true), load(true, false));
+        let fixture = RoutedFixture::new(name);
+        let all = fixture.experts;
+        let (graphed, eager, host) = (
+            fixture.gpu(all, true, true),
+            fixture.gpu(all, false, true),
+            fixture.gpu(all, true, false),
+        );
         let mut worst = (0f32, 0f32);
         for seqs in [1, 3] {
-            let feed: Vec<Vec<u32>> = (0..10u32)
-                .map(|i| [5 + i, 40 + 3 * i, 90 + i][..seqs].to_vec())
-                .collect();
-            let g = decode_steps(&graphed, &prompts[..seqs], &feed);
+            let (prompts, feed) = (batch_prompts(seqs), batch_feed(seqs, 10));
+            let g = decode_steps(&graphed, &prompts, &feed);
             let layers = graphed.last_step_times().device_routed_layers;
             assert!(layers > 0, "{name}: no layer was device-routed");
-            let e = decode_steps(&eager, &prompts[..seqs], &feed);
-            let h = decode_steps(&host, &prompts[..seqs], &feed);
+            let e = decode_steps(&eager, &prompts, &feed);
+            let h = decode_steps(&host, &prompts, &feed);
             for (i, (a, b)) in g.iter().zip(&e).enumerate() {
                 let err = rel_l2(a, b);
                 worst.0 = worst.0.max(err);
@@ -503,9 +540,8 @@ fn all_resident_decode_steps_replay_as_one_graph() {
 #[test]
 fn routed_kernels_time_at_smallthinker_21b_shape() {
     use cudarc::driver::sys::CUevent_flags;
-    use half::bf16;
     use moe_kernels::cuda::ops::GateActivation;
-    use moe_kernels::cuda::routed::{RoutedKernels, RoutedScratch, RoutedShape, RoutedTable};
+    use moe_kernels::cuda::routed::{RoutedKernels, RoutedScratch, RoutedShape};
     use moe_kernels::cuda::{GemmItem, GpuDevice};
     let dev = GpuDevice::open(0).unwrap();
     let s = dev.stream.clone();
@@ -517,15 +553,7 @@ fn routed_kernels_time_at_smallthinker_21b_shape() {
     let down: Vec<_> = (0..experts)
         .map(|_| s.alloc_zeros::<bf16>(hd * inter).unwrap())
         .collect();
-    let mut addrs = vec![0u64; 2 * experts];
-    for e in 0..experts {
-        addrs[e] = dev.addr(&gate_up[e]);
-        addrs[experts + e] = dev.addr(&down[e]);
-    }
-    let table = RoutedTable {
-        addrs: s.clone_htod(&addrs).unwrap(),
-        experts,
-    };
+    let (table, addrs) = expert_table(&dev, (&gate_up, &down), &vec![true; experts]);
     let most_rows = 32;
     let mut scratch = RoutedScratch::new(&dev, most_rows * k, hd, inter).unwrap();
     let xb = s.alloc_zeros::<bf16>(most_rows * hd).unwrap();

@@ -405,6 +405,7 @@ impl KdaCase {
         method: moe_kernels::cuda::linear_attention::KdaMethod,
         repeats: usize,
     ) -> ((Vec<f32>, Vec<Vec<f32>>), f64) {
+        use cudarc::driver::CudaSlice;
         use moe_kernels::cuda::hybrid::{SegmentIndex, StateTable};
         let s = &dev.stream;
         let shape = self.shape();
@@ -432,34 +433,29 @@ impl KdaCase {
             .clone_htod(&vec![f32::NAN; shape.chunk_scratch_floats(rows)])
             .unwrap();
         let mut addrs = s.alloc_zeros::<u64>(self.lens.len()).unwrap();
+        k.kda_prepare(
+            dev,
+            shape,
+            rows,
+            &mut d_qkv,
+            &mut d_g,
+            &mut d_b,
+            &s.clone_htod(&self.a_log).unwrap(),
+            &s.clone_htod(&self.dt).unwrap(),
+        )
+        .unwrap();
+        // the recurrence over the prepared inputs, from the states `table` points at
+        let recurrence =
+            |table: &mut StateTable<'_>, scratch: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>| {
+                k.kda_recurrent(
+                    dev, method, shape, &d_qkv, &d_g, &d_b, &seg, table, 0, scratch, out,
+                )
+                .unwrap()
+            };
         {
             let mut table =
                 StateTable::new(dev, &mut addrs, bufs.iter_mut().collect(), per_seq).unwrap();
-            k.kda_prepare(
-                dev,
-                shape,
-                rows,
-                &mut d_qkv,
-                &mut d_g,
-                &mut d_b,
-                &s.clone_htod(&self.a_log).unwrap(),
-                &s.clone_htod(&self.dt).unwrap(),
-            )
-            .unwrap();
-            k.kda_recurrent(
-                dev,
-                method,
-                shape,
-                &d_qkv,
-                &d_g,
-                &d_b,
-                &seg,
-                &mut table,
-                0,
-                &mut scratch,
-                &mut out,
-            )
-            .unwrap();
+            recurrence(&mut table, &mut scratch, &mut out);
         }
         let got = s.clone_dtoh(&out).unwrap();
         let states: Vec<Vec<f32>> = bufs
@@ -473,20 +469,7 @@ impl KdaCase {
             s.synchronize().unwrap();
             let t0 = std::time::Instant::now();
             for _ in 0..repeats {
-                k.kda_recurrent(
-                    dev,
-                    method,
-                    shape,
-                    &d_qkv,
-                    &d_g,
-                    &d_b,
-                    &seg,
-                    &mut table,
-                    0,
-                    &mut scratch,
-                    &mut out,
-                )
-                .unwrap();
+                recurrence(&mut table, &mut scratch, &mut out);
             }
             s.synchronize().unwrap();
             ms = t0.elapsed().as_secs_f64() * 1e3 / repeats as f64;

@@ -8,8 +8,9 @@
 //! a step whose expert choice differs from one GPU's is accepted only while the router's logits
 //! still agree (≤ 2e-2); it and the later steps are not compared, and each fixture must have at least
 //! half of its steps compared.
-use super::mla::{oracle_feeds, run_probed, same_experts, Probed};
-use super::tp;
+use super::mla::same_experts;
+use super::probed::{probed_groups_match_one_gpu, Probed, Sweep};
+use super::{assert_ranks_captured_alike, check_against_one_gpu, tp};
 use crate::common::gpu::gpu;
 use crate::common::{fixtures_root as fixtures, oracle, oracle_step_logits, rel_l2, step};
 use moe_daemon::engine::parallel::probe::{ProbePoint, StepProbe};
@@ -64,33 +65,18 @@ fn compare(tag: &str, one: &[Probed], group: &[Probed], o: &Value, top_k: usize)
 }
 
 /// Prefill and teacher-forced decode of each fixture over `worlds` ranks through `comm`, routed
-/// experts all in DRAM and all on the GPUs (GLM-5.3-Flash at 4 ranks with them in DRAM only).
+/// experts all in DRAM and all on the GPUs (GLM-5.3-Flash at 4 ranks with them in DRAM only). Half
+/// of each fixture's steps compared at least.
 fn hybrid_matches_one_gpu(comm: CommKind, worlds: &[usize]) {
-    for name in HYBRID {
-        let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        let k = top_k(&dir);
-        let feeds = oracle_feeds(&o);
-        let (mut compared, mut total) = (0, 0);
-        for n_gpu in [0, 64] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
-            let one = run_probed(&dir, &base, &feeds);
-            for &world in worlds {
-                if world == 4 && (*name != "glm5_next" || n_gpu != 0) {
-                    continue;
-                }
-                let group = run_probed(&dir, &tp(base.clone(), world, comm), &feeds);
-                let tag = format!("{name} {comm:?} tp={world} gpu_experts={n_gpu}");
-                compared += compare(&tag, &one, &group, &o, k);
-                total += one.len();
-            }
-        }
-        println!("{name}: {compared} of {total} steps compared");
-        assert!(
-            2 * compared >= total,
-            "{name}: only {compared} of {total} steps routed as on one GPU"
-        );
-    }
+    let sweep = Sweep {
+        fixtures: HYBRID,
+        gpu_experts: [0, 64],
+        runs: |name, n_gpu, world| world != 4 || (name == "glm5_next" && n_gpu == 0),
+        least_compared_of: 2,
+    };
+    probed_groups_match_one_gpu(&sweep, comm, worlds, |run| {
+        compare(run.tag, run.one, run.group, run.oracle, top_k(run.dir))
+    });
 }
 
 /// Loopback ranks: 2 (GLM-5.3-Flash also 4: one KDA head and one MLA head each).
@@ -156,11 +142,7 @@ fn tensor_parallel_loopback_hybrid_states_batches_and_graphs() {
             "a decode 2",
             "b decode 1",
         ];
-        for ((label, a), b) in labels.iter().zip(&one).zip(&two) {
-            let e = rel_l2(b, a);
-            println!("{name} tp=2 {label}: rel-L2 vs one GPU {e:.2e}");
-            assert!(e <= 2e-2, "{name} tp=2 {label}: {e}");
-        }
+        check_against_one_gpu(&format!("{name} tp=2"), &two, &one, |i| labels[i].into());
         let graphs = EngineOptions {
             cuda_graphs: true,
             cuda_graphs_hybrid: true,
@@ -170,19 +152,11 @@ fn tensor_parallel_loopback_hybrid_states_batches_and_graphs() {
         let one = crate::common::run(&e1, &o);
         let e2 = Engine::load(&dir, &tp(graphs, 2, CommKind::Loopback)).unwrap();
         let two = crate::common::run(&e2, &o);
-        let per_rank = e2.cuda_graphs_captured_per_gpu();
-        println!(
-            "{name} cuda graphs: one GPU {}, per rank {per_rank:?}",
-            e1.cuda_graphs_captured()
-        );
-        assert!(
-            per_rank.iter().all(|&g| g > 0) && per_rank[0] == per_rank[1],
-            "{name}: graphs per rank {per_rank:?}"
-        );
-        for (i, (a, b)) in one.iter().zip(&two).enumerate() {
-            let e = rel_l2(b, a);
-            println!("{name} tp=2 cuda graphs step {i}: rel-L2 vs one GPU {e:.2e}");
-            assert!(e <= 2e-2, "{name} tp=2 cuda graphs step {i}: {e}");
-        }
+        println!("{name} cuda graphs: one GPU {}", e1.cuda_graphs_captured());
+        let per_rank = assert_ranks_captured_alike(&format!("{name} tp=2 cuda graphs"), &e2);
+        assert_eq!(per_rank.len(), 2);
+        check_against_one_gpu(&format!("{name} tp=2 cuda graphs"), &two, &one, |i| {
+            format!("step {i}")
+        });
     }
 }

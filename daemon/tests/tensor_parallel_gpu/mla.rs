@@ -17,53 +17,21 @@
 //! not compared, unless the change is in the last layer on rows other than the step's logits row
 //! (it reaches neither the logits nor any cache: DeepSeek-V3's step 0 at 2 and 4 ranks). Each fixture
 //! must have at least a quarter of its steps compared.
+use super::probed::{oracle_feeds, probed_groups_match_one_gpu, run_probed, Probed, Sweep};
 use super::tp;
 use crate::common::gpu::gpu;
-use crate::common::{fixtures_root as fixtures, ids, oracle, oracle_step_logits, rel_l2, step};
+use crate::common::{fixtures_root as fixtures, ids, oracle, oracle_step_logits, rel_l2};
 use moe_daemon::engine::parallel::probe::{ProbePoint, ProbeRecord, StepProbe};
 use moe_daemon::engine::parallel::CommKind;
 use moe_daemon::engine::placement::PlacementStrategy;
 use moe_daemon::engine::{Engine, EngineOptions};
 use serde_json::Value;
-use std::sync::Arc;
 
 const MLA: &[&str] = &["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite"];
 
 /// A router margin (sigmoid score) below this in transformers' f32 is a near-tie at bf16 precision
 /// (the fixtures' other margins are 2e-2 to 4e-1).
 const NEAR_TIE: f64 = 1e-2;
-
-/// One step's logits and what every GPU's probe read in it.
-pub(super) struct Probed {
-    pub logits: Vec<f32>,
-    pub records: Vec<ProbeRecord>,
-}
-
-/// The oracle's schedule: its prompt, then its greedy tokens one by one.
-pub(super) fn oracle_feeds(o: &Value) -> Vec<Vec<u32>> {
-    let mut feeds = vec![ids(&o["prompt_ids"])];
-    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
-    feeds
-}
-
-/// Loads `dir` with `opts` and a probe on every GPU, and runs `feeds` (one step each) on one sequence.
-pub(super) fn run_probed(
-    dir: &std::path::Path,
-    opts: &EngineOptions,
-    feeds: &[Vec<u32>],
-) -> Vec<Probed> {
-    let mut e = Engine::load(dir, opts).unwrap();
-    let probe = Arc::new(StepProbe::default());
-    e.set_step_probe(Some(probe.clone()));
-    let mut cache = e.new_cache();
-    feeds
-        .iter()
-        .map(|f| Probed {
-            logits: step(&e, &mut cache, f),
-            records: probe.take(),
-        })
-        .collect()
-}
 
 fn get(r: &[ProbeRecord], rank: usize, layer: usize, p: ProbePoint) -> &[f32] {
     StepProbe::find(r, rank, layer, p)
@@ -308,34 +276,25 @@ fn compare(
 
 /// MLA over `worlds` GPUs through `comm` against one GPU, routed experts all in DRAM and 6 per
 /// layer spread over the ranks; 4 ranks (one head each) on DeepSeek-V3 only (each group of 4 loads
-/// and compiles the kernels 4 times).
+/// and compiles the kernels 4 times). A quarter of each fixture's steps compared at least.
 fn mla_matches_one_gpu(comm: CommKind, worlds: &[usize]) {
-    for name in MLA {
-        let worlds: Vec<usize> = worlds
-            .iter()
-            .copied()
-            .filter(|&w| w == 2 || *name == "deepseek_v3")
-            .collect();
-        let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        let shape = mla_shape(&dir);
-        let (mut compared, mut total) = (0, 0);
-        for n_gpu in [0, 6] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
-            let one = run_probed(&dir, &base, &oracle_feeds(&o));
-            for &world in &worlds {
-                let group = run_probed(&dir, &tp(base.clone(), world, comm), &oracle_feeds(&o));
-                let tag = format!("{name} {comm:?} tp={world} gpu_experts={n_gpu}");
-                compared += compare(&tag, (&one, &group), world, shape, Some(&o), false);
-                total += one.len();
-            }
-        }
-        println!("{name}: {compared} of {total} steps compared");
-        assert!(
-            4 * compared >= total,
-            "{name}: only {compared} of {total} steps routed as on one GPU"
-        );
-    }
+    let sweep = Sweep {
+        fixtures: MLA,
+        gpu_experts: [0, 6],
+        runs: |name, _, world| world == 2 || name == "deepseek_v3",
+        least_compared_of: 4,
+    };
+    probed_groups_match_one_gpu(&sweep, comm, worlds, |run| {
+        let shape = mla_shape(run.dir);
+        compare(
+            run.tag,
+            (run.one, run.group),
+            run.world,
+            shape,
+            Some(run.oracle),
+            false,
+        )
+    });
 }
 
 /// MLA over 2 and 4 loopback ranks (query heads split: `q_b`, `kv_b`, `o`; the latent projections

@@ -13,6 +13,7 @@
 mod gemm_split;
 mod hybrid;
 mod mla;
+mod probed;
 
 use crate::common::gpu::gpu;
 use crate::common::{fixtures_root as fixtures, oracle, oracle_step_logits, rel_l2, run};
@@ -56,31 +57,67 @@ fn check(tag: &str, got: &[Vec<f32>], one_gpu: &[Vec<f32>], o: &Value) {
     }
 }
 
+/// `name`'s oracle run over each of `worlds` ranks through `comm` against one GPU (`check`), routed
+/// experts all in DRAM (rank 0's hand-off) and 6 per layer spread over the ranks, CUDA graphs on
+/// or off on both sides.
+fn group_matches_one_gpu(name: &str, comm: CommKind, worlds: &[usize], cuda_graphs: bool) {
+    let o = oracle(name);
+    let dir = fixtures().join(name).join("model_bf16");
+    for n_gpu in [0, 6] {
+        let base = EngineOptions {
+            cuda_graphs,
+            ..gpu(n_gpu, PlacementStrategy::Uniform)
+        };
+        let one = run(&Engine::load(&dir, &base).unwrap(), &o);
+        for &world in worlds {
+            let e = Engine::load(&dir, &tp(base.clone(), world, comm)).unwrap();
+            check(
+                &format!("{name} {comm:?} tp={world} gpu_experts={n_gpu} graphs={cuda_graphs}"),
+                &run(&e, &o),
+                &one,
+                &o,
+            );
+        }
+    }
+}
+
+/// `got` against one GPU's `one`, step by step, at the group's bound (rel-L2 ≤ 2e-2); `step_name`
+/// names a step in the printout.
+fn check_against_one_gpu(
+    tag: &str,
+    got: &[Vec<f32>],
+    one: &[Vec<f32>],
+    step_name: impl Fn(usize) -> String,
+) {
+    assert_eq!(got.len(), one.len(), "{tag}: steps");
+    for (i, (g, w)) in got.iter().zip(one).enumerate() {
+        let e = rel_l2(g, w);
+        let step = step_name(i);
+        println!("{tag} {step}: rel-L2 vs one GPU {e:.2e}");
+        assert!(e <= 2e-2, "{tag} {step}: {e}");
+    }
+}
+
+/// Asserts that every rank of `e` captured CUDA graphs, as many as each other; returns the counts.
+fn assert_ranks_captured_alike(tag: &str, e: &Engine) -> Vec<usize> {
+    let per_rank = e.cuda_graphs_captured_per_gpu();
+    println!("{tag}: graphs per rank {per_rank:?}");
+    assert!(
+        per_rank.iter().all(|&g| g > 0 && g == per_rank[0]),
+        "{tag}: graphs per rank {per_rank:?}"
+    );
+    per_rank
+}
+
 #[test]
 fn tensor_parallel_loopback_matches_one_gpu() {
     for name in GQA {
-        let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        // all routed experts in DRAM (rank 0's hand-off), and 6 per layer spread over the ranks
-        for n_gpu in [0, 6] {
-            let base = gpu(n_gpu, PlacementStrategy::Uniform);
-            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
-            let worlds: &[usize] = if matches!(*name, "qwen3_moe" | "glm4_moe") {
-                &[2, 4] // 4 ranks: each of the 2 KV heads replicated on 2 ranks
-            } else {
-                &[2]
-            };
-            for &world in worlds {
-                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Loopback)).unwrap();
-                let got = run(&e, &o);
-                check(
-                    &format!("{name} tp={world} gpu_experts={n_gpu}"),
-                    &got,
-                    &one,
-                    &o,
-                );
-            }
-        }
+        let worlds: &[usize] = if matches!(*name, "qwen3_moe" | "glm4_moe") {
+            &[2, 4] // 4 ranks: each of the 2 KV heads replicated on 2 ranks
+        } else {
+            &[2]
+        };
+        group_matches_one_gpu(name, CommKind::Loopback, worlds, false);
     }
 }
 
@@ -205,24 +242,7 @@ fn tensor_parallel_nccl_matches_one_gpu() {
         ("llama", false),
     ];
     for (name, cuda_graphs) in cases {
-        let o = oracle(name);
-        let dir = fixtures().join(name).join("model_bf16");
-        for n_gpu in [0, 6] {
-            let base = EngineOptions {
-                cuda_graphs,
-                ..gpu(n_gpu, PlacementStrategy::Uniform)
-            };
-            let one = run(&Engine::load(&dir, &base).unwrap(), &o);
-            for &world in &worlds {
-                let e = Engine::load(&dir, &tp(base.clone(), world, CommKind::Nccl)).unwrap();
-                check(
-                    &format!("{name} nccl tp={world} gpu_experts={n_gpu} graphs={cuda_graphs}"),
-                    &run(&e, &o),
-                    &one,
-                    &o,
-                );
-            }
-        }
+        group_matches_one_gpu(name, CommKind::Nccl, &worlds, cuda_graphs);
     }
 }
 
@@ -349,12 +369,8 @@ fn tensor_parallel_loopback_warm_up_steps_every_rank() {
         },
     )
     .unwrap();
-    let graphs = e.cuda_graphs_captured_per_gpu();
+    let graphs = assert_ranks_captured_alike(&format!("{name} tp=2 after the warm-up"), &e);
     assert_eq!(graphs.len(), 2);
-    assert!(
-        graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
-        "graphs per rank after the warm-up: {graphs:?}"
-    );
     assert_eq!(e.warm_up(100).unwrap(), 100);
     assert_eq!(e.kv_usage(), 0.0, "the warm-up left KV blocks held");
     let stats = std::env::temp_dir().join(format!("tp-warm-{}.json", std::process::id()));
@@ -428,12 +444,8 @@ fn tensor_parallel_loopback_cuda_graphs_match_one_gpu() {
         );
         let e = Engine::load(&dir, &tp(base, 2, CommKind::Loopback)).unwrap();
         let got = run(&e, &o);
-        let graphs = e.cuda_graphs_captured_per_gpu();
-        println!("{name}: graphs per rank {graphs:?}");
-        assert!(
-            graphs.iter().all(|&g| g > 0) && graphs[0] == graphs[1],
-            "{name}: graphs per rank {graphs:?}"
-        );
+        let graphs = assert_ranks_captured_alike(name, &e);
+        assert_eq!(graphs.len(), 2);
         check(&format!("{name} tp=2 cuda graphs"), &got, &one, &o);
     }
 }
@@ -462,15 +474,17 @@ fn tensor_parallel_loopback_live_move_matches_one_gpu() {
         .chain(tokens[4..].chunks(1))
         .collect();
     let compare = |tag: &str, a: &Engine, b: &Engine| {
-        let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
-        for (i, t) in schedule.iter().enumerate() {
-            let e = rel_l2(
-                &crate::common::step(b, &mut cb, t),
-                &crate::common::step(a, &mut ca, t),
-            );
-            println!("{tag} step {i}: rel-L2 tp=2 vs one GPU {e:.2e}");
-            assert!(e <= 2e-2, "{tag} step {i}: {e}");
-        }
+        let steps = |e: &Engine| {
+            let mut c = e.new_cache();
+            let logits: Vec<Vec<f32>> = schedule
+                .iter()
+                .map(|t| crate::common::step(e, &mut c, t))
+                .collect();
+            logits
+        };
+        check_against_one_gpu(&format!("{tag} tp=2"), &steps(b), &steps(a), |i| {
+            format!("step {i}")
+        });
     };
     compare("before the moves", &one, &two);
     // Per MoE layer: a DRAM expert replaces one held by rank 1, another one held by rank 0.

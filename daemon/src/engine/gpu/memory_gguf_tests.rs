@@ -142,12 +142,6 @@ fn planned_gate_up_is_what_upload_mlp_stacks() {
                 ggml_linear(u, inter, hidden, 2),
             );
             for d in DenseDtype::ALL {
-                let f = dense_format(d);
-                // as `upload_mlp` stacks them
-                let stacked = quantize_linear(&gate, f)
-                    .zip(quantize_linear(&up, f))
-                    .and_then(|(a, b)| a.stack_rows(b));
-                let (_, bytes) = host_layout(&stacked, 2 * inter, hidden);
                 let planned = gate_up_bytes(
                     d,
                     stored_format(&gate),
@@ -155,6 +149,7 @@ fn planned_gate_up_is_what_upload_mlp_stacks() {
                     inter as u64,
                     hidden as u64,
                 );
+                let bytes = stacked_gate_up_bytes(&gate, &up, d);
                 assert_eq!(planned, bytes, "{g:?} + {u:?} under {d:?}");
             }
         }
@@ -317,12 +312,40 @@ fn upload_bytes(l: &Linear, d: DenseDtype) -> u64 {
     host_layout(&q, l.out_dim, l.in_dim).1 + l.bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
 }
 
-fn mlp_bytes(m: &Mlp, d: DenseDtype) -> u64 {
+/// Device bytes of `gate` and `up` under `d` stacked into one matrix, as `upload_mlp` stacks them.
+fn stacked_gate_up_bytes(gate: &Linear, up: &Linear, d: DenseDtype) -> u64 {
     let f = dense_format(d);
-    let stacked = quantize_linear(&m.gate, f)
-        .zip(quantize_linear(&m.up, f))
+    let stacked = quantize_linear(gate, f)
+        .zip(quantize_linear(up, f))
         .and_then(|(a, b)| a.stack_rows(b));
-    host_layout(&stacked, 2 * m.gate.out_dim, m.gate.in_dim).1 + upload_bytes(&m.down, d)
+    host_layout(&stacked, 2 * gate.out_dim, gate.in_dim).1
+}
+
+fn mlp_bytes(m: &Mlp, d: DenseDtype) -> u64 {
+    stacked_gate_up_bytes(&m.gate, &m.up, d) + upload_bytes(&m.down, d)
+}
+
+/// Device bytes of every layer's attention projections (q, k, v, o) under `d`; the model's layers
+/// are all GQA.
+fn attention_bytes(model: &Model, d: DenseDtype) -> u64 {
+    model
+        .layers
+        .iter()
+        .map(|l| match &l.attn {
+            HostAttention::Gqa(a) => [&a.q, &a.k, &a.v, &a.o]
+                .into_iter()
+                .map(|l| upload_bytes(l, d))
+                .sum::<u64>(),
+            _ => unreachable!("a GQA model"),
+        })
+        .sum()
+}
+
+/// The model a GGUF file builds to.
+fn build_gguf_model(path: &std::path::Path) -> Model {
+    let g = GgufFile::open(path).unwrap();
+    let config = ModelConfig::from_json(&g.hf_config().unwrap()).unwrap();
+    crate::model::build::build_model(config, &g).unwrap()
 }
 
 #[test]
@@ -330,12 +353,7 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
     use StoredFormat::*;
     let path = std::env::temp_dir().join(format!("moe-plan-glm-{}.gguf", std::process::id()));
     small_glm_gguf(&path);
-    let g = GgufFile::open(&path).unwrap();
-    let model = crate::model::build::build_model(
-        crate::model::ModelConfig::from_json(&g.hf_config().unwrap()).unwrap(),
-        &g,
-    )
-    .unwrap();
+    let model = build_gguf_model(&path);
     std::fs::remove_file(&path).ok();
     let stored = stored_dense(&model).expect("GGUF blocks");
     assert_eq!(stored.attention, vec![[Q4K; 4]; 3]);
@@ -350,20 +368,14 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
     assert_eq!(shape.stored.as_ref(), Some(&stored));
     for d in DenseDtype::ALL {
         let planned = moe_sizing::dense_bytes(&shape, d, true);
-        let (mut attention, mut dense_mlp, mut shared) = (0, 0, 0);
+        let (mut dense_mlp, mut shared) = (0, 0);
         for layer in &model.layers {
-            if let HostAttention::Gqa(a) = &layer.attn {
-                attention += [&a.q, &a.k, &a.v, &a.o]
-                    .into_iter()
-                    .map(|l| upload_bytes(l, d))
-                    .sum::<u64>();
-            }
             match &layer.ffn {
                 Ffn::Dense(m) => dense_mlp += mlp_bytes(m, d),
                 Ffn::Moe(b) => shared += b.shared.as_ref().map_or(0, |m| mlp_bytes(m, d)),
             }
         }
-        assert_eq!(planned.attention, attention, "{d:?}");
+        assert_eq!(planned.attention, attention_bytes(&model, d), "{d:?}");
         assert_eq!(planned.dense_mlp, dense_mlp, "{d:?}");
         assert_eq!(planned.shared_experts, shared, "{d:?}");
         assert_eq!(planned.lm_head, upload_bytes(model.lm_head(), d), "{d:?}");
@@ -379,15 +391,79 @@ fn a_gguf_models_dense_bytes_are_planned_exactly() {
     }
 }
 
-/// Removes the test's files however the test ends.
-struct RemoveOnDrop(Vec<std::path::PathBuf>);
+/// A quantized GGUF file and its F32 twin (the values its blocks decode to), removed however the
+/// test ends.
+struct TwinFiles {
+    quant: std::path::PathBuf,
+    twin: std::path::PathBuf,
+}
 
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            std::fs::remove_file(p).ok();
-        }
+impl TwinFiles {
+    /// [`small_smallthinker_q4_k_m`] (with `q5`'s fallback blocks or not) and its twin, in the temp
+    /// directory under `name`.
+    fn smallthinker(name: &str, q5: bool) -> Self {
+        let dir = std::env::temp_dir();
+        let pid = std::process::id();
+        let files = TwinFiles {
+            quant: dir.join(format!("moe-{name}-{pid}.gguf")),
+            twin: dir.join(format!("moe-{name}-f32-{pid}.gguf")),
+        };
+        small_smallthinker_q4_k_m(&files.quant, false, q5);
+        small_smallthinker_q4_k_m(&files.twin, true, q5);
+        files
     }
+}
+
+impl Drop for TwinFiles {
+    fn drop(&mut self) {
+        std::fs::remove_file(&self.quant).ok();
+        std::fs::remove_file(&self.twin).ok();
+    }
+}
+
+/// Asserts that a quantized file's logits are its twin's within `bound` rel-L2 at every step, and
+/// finite.
+fn assert_runs_as_twin(tag: &str, got: &[Vec<f32>], want: &[Vec<f32>], bound: f32) {
+    assert_eq!(got.len(), want.len(), "{tag}: steps");
+    for (step, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(a.iter().all(|x| x.is_finite()), "{tag} step {step}");
+        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let d: f32 = b.iter().map(|y| y * y).sum();
+        let err = (n / d).sqrt();
+        println!("{tag} step {step}: rel-L2 {err:.2e}");
+        assert!(err <= bound, "{tag} step {step}: rel-L2 {err}");
+    }
+}
+
+/// Asserts that `model`'s dense blocks are what llama.cpp's Q4_K_M rule stores (Q4_K, Q6_K attn_v in
+/// the `use_more_bits` layers, a Q6_K lm_head) and what the sizing crate reads that rule as (what
+/// the operator plans a Q4_K_M file with).
+fn assert_llama_cpp_q4_k_m_types(model: &Model) -> StoredDense {
+    use StoredFormat::{Q4K, Q6K};
+    let layers = model.config.num_layers as u64;
+    let stored = stored_dense(model).expect("GGUF blocks");
+    let want: Vec<[StoredFormat; 4]> = (0..layers)
+        .map(|i| {
+            [
+                Q4K,
+                Q4K,
+                if use_more_bits(i, layers) { Q6K } else { Q4K },
+                Q4K,
+            ]
+        })
+        .collect();
+    assert_eq!(stored.attention, want);
+    assert_eq!(stored.lm_head, Q6K);
+    let rule = moe_sizing::StoredDense::llama_cpp(
+        moe_sizing::LlamaFileType::Q4KM,
+        &shape_of(&model.config, false, CheckpointFormat::Bf16),
+    );
+    assert_eq!(
+        rule.as_ref(),
+        Some(&stored),
+        "llama.cpp's types as sizing reads its rule"
+    );
+    stored
 }
 
 /// A SmallThinker GGUF as `llama-quantize … Q4_K_M` leaves it (`scripts/make_gguf_smallthinker.py --mix
@@ -460,53 +536,18 @@ fn small_smallthinker_q4_k_m(path: &std::path::Path, as_f32: bool, q5: bool) {
 /// sub-block scales rounded once to f16, ≤ 2⁻¹¹ relative; AVX2 tier and f32 KV rows on both sides).
 #[test]
 fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
-    use StoredFormat::*;
-    let dir = std::env::temp_dir();
-    let (quant, twin) = (
-        dir.join(format!("moe-st-q4km-{}.gguf", std::process::id())),
-        dir.join(format!("moe-st-q4km-f32-{}.gguf", std::process::id())),
-    );
-    let _cleanup = RemoveOnDrop(vec![quant.clone(), twin.clone()]);
-    small_smallthinker_q4_k_m(&quant, false, false);
-    small_smallthinker_q4_k_m(&twin, true, false);
-    let g = GgufFile::open(&quant).unwrap();
-    let cfg_json = g.hf_config().unwrap();
-    assert_eq!(cfg_json["tie_word_embeddings"], true);
-    let model = crate::model::build::build_model(
-        crate::model::ModelConfig::from_json(&cfg_json).unwrap(),
-        &g,
-    )
-    .unwrap();
-    let stored = stored_dense(&model).expect("GGUF blocks");
-    let want: Vec<[StoredFormat; 4]> = (0..8)
-        .map(|i| [Q4K, Q4K, if use_more_bits(i, 8) { Q6K } else { Q4K }, Q4K])
-        .collect();
-    assert_eq!(stored.attention, want);
-    assert_eq!(stored.lm_head, Q6K);
+    let files = TwinFiles::smallthinker("st-q4km", false);
+    let g = GgufFile::open(&files.quant).unwrap();
+    assert_eq!(g.hf_config().unwrap()["tie_word_embeddings"], true);
+    let model = build_gguf_model(&files.quant);
+    assert_llama_cpp_q4_k_m_types(&model);
     // tied: the token table is loaded once and serves as lm_head, and the plan counts it once
     assert!(model.lm_head.is_none(), "a second copy of the token table");
-    assert!(shape_of_model(&model, CheckpointFormat::Bf16).tied_embeddings);
-    // the sizing crate's reading of llama.cpp's rule (what the operator plans a Q4_K_M file with)
-    let rule = moe_sizing::StoredDense::llama_cpp(
-        moe_sizing::LlamaFileType::Q4KM,
-        &shape_of(&model.config, false, CheckpointFormat::Bf16),
-    );
-    assert_eq!(rule.as_ref(), Some(&stored));
     let shape = shape_of_model(&model, CheckpointFormat::Bf16);
+    assert!(shape.tied_embeddings);
     for d in DenseDtype::ALL {
         let planned = moe_sizing::dense_bytes(&shape, d, false);
-        let attention: u64 = model
-            .layers
-            .iter()
-            .map(|l| match &l.attn {
-                HostAttention::Gqa(a) => [&a.q, &a.k, &a.v, &a.o]
-                    .into_iter()
-                    .map(|l| upload_bytes(l, d))
-                    .sum::<u64>(),
-                _ => unreachable!("SmallThinker attention is GQA"),
-            })
-            .sum();
-        assert_eq!(planned.attention, attention, "{d:?}");
+        assert_eq!(planned.attention, attention_bytes(&model, d), "{d:?}");
         // what `GpuModel::upload` uploads: an lm_head of the model's own in any dtype; a tied one
         // (none of its own) shares the bf16 table on the GPU, else gets its own copy from the table
         let lm_head = match (&model.lm_head, d) {
@@ -516,43 +557,45 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
         assert_eq!(planned.lm_head, lm_head, "{d:?}");
     }
     drop(model);
-    let (got, want) = (cpu_logits(&quant), cpu_logits(&twin));
-    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert!(a.iter().all(|x| x.is_finite()), "step {step}");
-        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        let d: f32 = b.iter().map(|y| y * y).sum();
-        let err = (n / d).sqrt();
-        println!("step {step}: rel-L2 {err:.2e}");
-        assert!(err <= 2e-3, "step {step}: rel-L2 {err}");
-    }
+    let (got, want) = (
+        cpu_logits(&files.quant, true),
+        cpu_logits(&files.twin, true),
+    );
+    assert_runs_as_twin("Q4_K_M", &got, &want, 2e-3);
 }
 
-/// The CPU engine's logits of a 70-token prefill past the window and three decode steps (AVX2 tier, f32
-/// KV rows: the same arithmetic on every machine).
-fn cpu_logits(path: &std::path::Path) -> Vec<Vec<f32>> {
+/// The CPU engine's logits of a 70-token prefill (past the random files' window of 64) and three
+/// decode steps (AVX2 tier, f32 KV rows: the same arithmetic on every machine); with `kernels` off,
+/// the reference path (every weight decoded exactly).
+fn cpu_logits(path: &std::path::Path, kernels: bool) -> Vec<Vec<f32>> {
     use crate::engine::{Engine, EngineOptions, SeqInput};
-    let mut opts = EngineOptions::default();
+    let mut opts = EngineOptions {
+        cpu_kernels: kernels,
+        cpu_kv_dtype: Some(crate::engine::kv::KvDtype::F32),
+        ..Default::default()
+    };
     opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-    opts.cpu_kv_dtype = Some(crate::engine::kv::KvDtype::F32);
     let g = GgufFile::open(path).unwrap();
     let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
-    // the packed experts' pages are read back from smaps: their own mappings, all resident
-    let b = e.expert_page_backing().expect("experts packed").unwrap();
-    assert!(b.resident() > 0 && b.resident() <= b.mapped, "{b:?}");
+    if kernels {
+        // the packed experts' pages are read back from smaps: their own mappings, all resident
+        let b = e.expert_page_backing().expect("experts packed").unwrap();
+        assert!(b.resident() > 0 && b.resident() <= b.mapped, "{b:?}");
+    }
+    let vocab = e.config().vocab_size as u32;
     let mut c = e.new_cache();
-    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
-    let mut out = Vec::new();
-    for tokens in [prompt, vec![7], vec![99], vec![3]] {
-        out.push(
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % vocab).collect();
+    [prompt, vec![7], vec![99], vec![3]]
+        .into_iter()
+        .map(|tokens| {
             e.reserve_and_forward(&mut [SeqInput {
                 cache: &mut c,
                 tokens: &tokens,
             }])
             .unwrap()
-            .remove(0),
-        );
-    }
-    out
+            .remove(0)
+        })
+        .collect()
 }
 
 /// llama-quantize's fallback blocks for rows that are not whole 256-blocks (Q5_0 for Q4_K, Q5_1 for
@@ -562,20 +605,8 @@ fn cpu_logits(path: &std::path::Path) -> Vec<Vec<f32>> {
 /// on the CPU; the GPU quantizes Q5_1 to int8).
 #[test]
 fn q5_0_and_q5_1_blocks_run_as_their_f32_twin() {
-    let dir = std::env::temp_dir();
-    let (quant, twin) = (
-        dir.join(format!("moe-st-q5-{}.gguf", std::process::id())),
-        dir.join(format!("moe-st-q5-f32-{}.gguf", std::process::id())),
-    );
-    let _cleanup = RemoveOnDrop(vec![quant.clone(), twin.clone()]);
-    small_smallthinker_q4_k_m(&quant, false, true);
-    small_smallthinker_q4_k_m(&twin, true, true);
-    let g = GgufFile::open(&quant).unwrap();
-    let model = crate::model::build::build_model(
-        crate::model::ModelConfig::from_json(&g.hf_config().unwrap()).unwrap(),
-        &g,
-    )
-    .unwrap();
+    let files = TwinFiles::smallthinker("st-q5", true);
+    let model = build_gguf_model(&files.quant);
     let stored = stored_dense(&model).expect("GGUF blocks");
     assert_eq!(
         stored.attention[0][2],
@@ -584,14 +615,11 @@ fn q5_0_and_q5_1_blocks_run_as_their_f32_twin() {
     );
     assert_eq!(stored.attention[0][3], StoredFormat::Q5_0);
     drop(model);
-    let (got, want) = (cpu_logits(&quant), cpu_logits(&twin));
-    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert!(a.iter().all(|x| x.is_finite()), "step {step}");
-        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        let d: f32 = b.iter().map(|y| y * y).sum();
-        let err = (n / d).sqrt();
-        assert!(err <= 2e-3, "step {step}: rel-L2 {err}");
-    }
+    let (got, want) = (
+        cpu_logits(&files.quant, true),
+        cpu_logits(&files.twin, true),
+    );
+    assert_runs_as_twin("Q5_0 / Q5_1", &got, &want, 2e-3);
 }
 
 /// The same on files llama.cpp's own quantizer wrote (ignored in CI: needs them).
@@ -606,70 +634,13 @@ fn q5_0_and_q5_1_blocks_run_as_their_f32_twin() {
 #[test]
 #[ignore = "needs files from llama.cpp's quantizer: MOE_LLAMA_Q4KM=q4km.gguf,twin.gguf"]
 fn llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin() {
-    use crate::engine::{Engine, EngineOptions, SeqInput};
     let files = std::env::var("MOE_LLAMA_Q4KM").expect("MOE_LLAMA_Q4KM=q4km.gguf,twin.gguf");
     let (quant, twin) = files.split_once(',').expect("two paths");
-    let g = GgufFile::open(std::path::Path::new(quant)).unwrap();
-    let cfg = crate::model::ModelConfig::from_json(&g.hf_config().unwrap()).unwrap();
-    let layers = cfg.num_layers as u64;
-    let model = crate::model::build::build_model(cfg, &g).unwrap();
-    let stored = stored_dense(&model).expect("GGUF blocks");
-    for (i, f) in stored.attention.iter().enumerate() {
-        let v = if use_more_bits(i as u64, layers) {
-            StoredFormat::Q6K
-        } else {
-            StoredFormat::Q4K
-        };
-        assert_eq!(
-            *f,
-            [StoredFormat::Q4K, StoredFormat::Q4K, v, StoredFormat::Q4K]
-        );
-    }
-    assert_eq!(stored.lm_head, StoredFormat::Q6K);
-    let rule = moe_sizing::StoredDense::llama_cpp(
-        moe_sizing::LlamaFileType::Q4KM,
-        &shape_of(&model.config, false, CheckpointFormat::Bf16),
-    );
-    assert_eq!(
-        rule.as_ref(),
-        Some(&stored),
-        "llama.cpp's types as sizing reads its rule"
-    );
-    let vocab = model.config.vocab_size as u32;
-    drop(model);
-    let logits = |path: &str, kernels: bool| {
-        let mut opts = EngineOptions {
-            cpu_kernels: kernels,
-            cpu_kv_dtype: Some(crate::engine::kv::KvDtype::F32),
-            ..Default::default()
-        };
-        opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
-        let g = GgufFile::open(std::path::Path::new(path)).unwrap();
-        let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
-        let mut c = e.new_cache();
-        let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % vocab).collect();
-        [prompt, vec![7], vec![99], vec![3]]
-            .into_iter()
-            .map(|tokens| {
-                e.reserve_and_forward(&mut [SeqInput {
-                    cache: &mut c,
-                    tokens: &tokens,
-                }])
-                .unwrap()
-                .remove(0)
-            })
-            .collect::<Vec<_>>()
-    };
-    let rel = |a: &[f32], b: &[f32]| {
-        let n: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        (n / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
-    };
-    let want = logits(twin, false);
+    let (quant, twin) = (std::path::Path::new(quant), std::path::Path::new(twin));
+    assert_llama_cpp_q4_k_m_types(&build_gguf_model(quant));
+    let want = cpu_logits(twin, false);
     for (kernels, bound) in [(false, 1e-6), (true, 0.15)] {
-        for (step, (a, b)) in logits(quant, kernels).iter().zip(&want).enumerate() {
-            let err = rel(a, b);
-            println!("CPU kernels {kernels}, step {step}: rel-L2 {err:.2e}");
-            assert!(err <= bound, "kernels {kernels} step {step}: rel-L2 {err}");
-        }
+        let tag = format!("CPU kernels {kernels}");
+        assert_runs_as_twin(&tag, &cpu_logits(quant, kernels), &want, bound);
     }
 }
