@@ -111,6 +111,13 @@ pub fn run_steps(e: &Engine, prompt: &[u32], feed: &[u32]) -> Vec<Vec<f32>> {
     out
 }
 
+/// The oracle's schedule as steps' tokens: its prompt, then its greedy tokens one by one.
+pub fn oracle_feeds(o: &Value) -> Vec<Vec<u32>> {
+    let mut feeds = vec![ids(&o["prompt_ids"])];
+    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
+    feeds
+}
+
 /// Prefill + teacher-forced decode over the oracle's sequence; returns per-step final logits.
 pub fn run(engine: &Engine, o: &Value) -> Vec<Vec<f32>> {
     run_steps(engine, &ids(&o["prompt_ids"]), &ids(&o["greedy_tokens"]))

@@ -15,7 +15,7 @@
 //! printed), each path deterministic (a second run bit-identical), and with no resident expert the
 //! device path never runs and the logits are bit-identical.
 use crate::common::gpu::gpu;
-use crate::common::{fixtures_root as fixtures, oracle, rel_l2, run};
+use crate::common::{fixtures_root as fixtures, oracle, rel_l2, run, step};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use moe_daemon::engine::placement::PlacementStrategy;
@@ -267,10 +267,7 @@ fn device_routed_experts_follow_live_replacement() {
     let fixture = RoutedFixture::new("qwen3_moe");
     let opts = EngineOptions {
         cuda_graphs: true,
-        live_placement: Some(moe_daemon::engine::replacement::LiveOptions {
-            interval_steps: 1_000_000,
-            ..Default::default()
-        }),
+        live_placement: Some(crate::live_still()),
         ..gpu(8, PlacementStrategy::Uniform)
     };
     let (dev, host) = (fixture.load(&opts, true), fixture.load(&opts, false));
@@ -278,24 +275,19 @@ fn device_routed_experts_follow_live_replacement() {
         .filter(|&l| dev.config().moe_layers[l])
         .collect();
     let (mut cd, mut ch) = (dev.new_cache(), host.new_cache());
-    let prompt: Vec<u32> = (3..9).collect();
-    let (mut worst, mut routed) = (0f32, 0);
-    let mut next = {
-        let (d, h) = (
-            dev.reserve_and_forward(&mut [SeqInput {
-                cache: &mut cd,
-                tokens: &prompt,
-            }])
-            .unwrap(),
-            host.reserve_and_forward(&mut [SeqInput {
-                cache: &mut ch,
-                tokens: &prompt,
-            }])
-            .unwrap(),
-        );
-        worst = worst.max(compare("live prompt", &d, &h));
-        argmax(&h[0]) as u32
+    let mut worst = 0f32;
+    // `tokens` through both engines, compared: the host-planned path's greedy next token, and how
+    // many layers the device-routed engine routed on the device
+    let mut step_both = |label: &str, tokens: &[u32]| {
+        let d = step(&dev, &mut cd, tokens);
+        let routed = dev.last_step_times().device_routed_layers;
+        let h = step(&host, &mut ch, tokens);
+        worst = worst.max(compare(label, &[d], std::slice::from_ref(&h)));
+        (argmax(&h) as u32, routed)
     };
+    let prompt: Vec<u32> = (3..9).collect();
+    let (mut next, _) = step_both("live prompt", &prompt);
+    let mut routed = 0;
     // (admit, evict): DRAM experts 8.. come in, resident 0..8 go out, then back
     let moves = [(12, 3), (9, 0), (3, 12), (15, 9)];
     for (i, &(admit, evict)) in moves.iter().enumerate() {
@@ -305,22 +297,8 @@ fn device_routed_experts_follow_live_replacement() {
         }
         assert_eq!(dev.gpu_residency(), host.gpu_residency());
         for s in 0..3 {
-            let t = [next];
-            let d = dev
-                .reserve_and_forward(&mut [SeqInput {
-                    cache: &mut cd,
-                    tokens: &t,
-                }])
-                .unwrap();
-            routed += dev.last_step_times().device_routed_layers;
-            let h = host
-                .reserve_and_forward(&mut [SeqInput {
-                    cache: &mut ch,
-                    tokens: &t,
-                }])
-                .unwrap();
-            worst = worst.max(compare(&format!("live move {i} step {s}"), &d, &h));
-            next = argmax(&h[0]) as u32;
+            let (token, layers) = step_both(&format!("live move {i} step {s}"), &[next]);
+            (next, routed) = (token, routed + layers);
         }
     }
     assert!(routed > 0, "no layer was device-routed");
@@ -478,7 +456,7 @@ fn routed_kernels_match_a_host_reference() {
 fn decode_steps(e: &Engine, prompts: &[Vec<u32>], feed: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let mut caches: Vec<_> = prompts.iter().map(|_| e.new_cache()).collect();
     for (c, p) in caches.iter_mut().zip(prompts) {
-        crate::common::step(e, c, p);
+        step(e, c, p);
     }
     decode_batch(e, &mut caches, feed)
 }

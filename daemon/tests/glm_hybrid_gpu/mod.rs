@@ -6,7 +6,9 @@
 //! that only regroup the work (chunked prefill, batching, a cache that starts over) agree to ≤ 2e-2:
 //! only the GEMMs' row blocking differs.
 use crate::common::gpu::{check_against_oracle, gpu, graphs_match_eager};
-use crate::common::{fixtures_root as fixtures, ids, oracle, rel_l2, run, step, uniform, xorshift};
+use crate::common::{
+    fixtures_root as fixtures, ids, oracle, oracle_feeds, rel_l2, run, step, uniform, xorshift,
+};
 use moe_daemon::engine::placement::{PlacementStrategy, RoutingStats};
 use moe_daemon::engine::{Engine, EngineOptions, SeqInput};
 use serde_json::Value;
@@ -29,9 +31,7 @@ fn run_routed(engine: &Engine, o: &Value, tag: &str) -> (Vec<Vec<f32>>, Vec<Step
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         stats.counts
     };
-    let prompt = ids(&o["prompt_ids"]);
-    let mut feeds = vec![prompt];
-    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
+    let feeds = oracle_feeds(o);
     let mut c = engine.new_cache();
     let (mut logits, mut routing) = (Vec::new(), Vec::new());
     let mut before = counts();

@@ -17,10 +17,12 @@
 //! not compared, unless the change is in the last layer on rows other than the step's logits row
 //! (it reaches neither the logits nor any cache: DeepSeek-V3's step 0 at 2 and 4 ranks). Each fixture
 //! must have at least a quarter of its steps compared.
-use super::probed::{oracle_feeds, probed_groups_match_one_gpu, run_probed, Probed, Sweep};
+use super::probed::{probed_groups_match_one_gpu, run_probed, Probed, Sweep};
 use super::tp;
 use crate::common::gpu::gpu;
-use crate::common::{fixtures_root as fixtures, ids, oracle, oracle_step_logits, rel_l2};
+use crate::common::{
+    fixtures_root as fixtures, ids, oracle, oracle_feeds, oracle_step_logits, rel_l2,
+};
 use moe_daemon::engine::parallel::probe::{ProbePoint, ProbeRecord, StepProbe};
 use moe_daemon::engine::parallel::CommKind;
 use moe_daemon::engine::placement::PlacementStrategy;

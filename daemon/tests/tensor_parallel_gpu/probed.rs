@@ -2,7 +2,7 @@
 //! ranks with one GPU over fixtures, placements and group sizes, which the MLA and hybrid tests share:
 //! each passes what it compares per step and how many steps a fixture must keep compared.
 use super::tp;
-use crate::common::{fixtures_root as fixtures, ids, oracle, step};
+use crate::common::{fixtures_root as fixtures, oracle, oracle_feeds, step};
 use moe_daemon::engine::parallel::probe::{ProbeRecord, StepProbe};
 use moe_daemon::engine::parallel::CommKind;
 use moe_daemon::engine::placement::PlacementStrategy;
@@ -15,13 +15,6 @@ use std::sync::Arc;
 pub(super) struct Probed {
     pub logits: Vec<f32>,
     pub records: Vec<ProbeRecord>,
-}
-
-/// The oracle's schedule: its prompt, then its greedy tokens one by one.
-pub(super) fn oracle_feeds(o: &Value) -> Vec<Vec<u32>> {
-    let mut feeds = vec![ids(&o["prompt_ids"])];
-    feeds.extend(ids(&o["greedy_tokens"]).into_iter().map(|t| vec![t]));
-    feeds
 }
 
 /// Loads `dir` with `opts` and a probe on every GPU, and runs `feeds` (one step each) on one sequence.
