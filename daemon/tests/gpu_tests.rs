@@ -139,14 +139,7 @@ fn layerwise_prefill_batching_and_cache_clone() {
     ];
     let alone: Vec<Vec<f32>> = prompts.iter().map(|p| last(&normal, p)).collect();
     let mut caches: Vec<_> = prompts.iter().map(|_| normal.new_cache()).collect();
-    let mut batch: Vec<SeqInput> = caches
-        .iter_mut()
-        .zip(&prompts)
-        .map(|(c, p)| SeqInput {
-            cache: c,
-            tokens: p,
-        })
-        .collect();
+    let mut batch = SeqInput::batch(&mut caches, &prompts);
     for (i, (t, a)) in normal
         .reserve_and_forward(&mut batch)
         .unwrap()
@@ -505,15 +498,8 @@ fn live_placement_follows_skewed_routing() {
     for i in 0..120 {
         let toks: Vec<[u32; 1]> = (0..batch).map(|_| [(next() % 500) as u32]).collect();
         let run = |e: &Engine, caches: &mut Vec<SeqCache>| {
-            let mut inputs: Vec<SeqInput> = caches
-                .iter_mut()
-                .zip(&toks)
-                .map(|(c, t)| SeqInput {
-                    cache: c,
-                    tokens: t,
-                })
-                .collect();
-            e.reserve_and_forward(&mut inputs).unwrap()
+            e.reserve_and_forward(&mut SeqInput::batch(caches, &toks))
+                .unwrap()
         };
         let (a, b) = (run(&live, &mut lc), run(&reference, &mut rc));
         for (x, y) in a.iter().zip(&b) {
