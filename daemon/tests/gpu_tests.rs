@@ -8,6 +8,7 @@
 mod common;
 mod consumer_gpu;
 mod device_routed_gpu;
+mod flash_prefill_gpu;
 mod glm_hybrid_gpu;
 mod kv_q8_gpu;
 mod ops_gpu;

@@ -25,15 +25,16 @@ pub mod ops;
 pub mod quant;
 pub mod routed;
 
-/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu` and `grouped_gemm.cu` (which use the
-/// helpers of those before them), one NVRTC module.
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu`, `grouped_gemm.cu` and
+/// `flash_attention.cu` (which use the helpers of those before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),
     include_str!("kv_q8.cu"),
-    include_str!("grouped_gemm.cu")
+    include_str!("grouped_gemm.cu"),
+    include_str!("flash_attention.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +93,8 @@ pub(crate) struct Kernels {
     pub paged_attention_q8: CudaFunction,
     pub gather_kv_q8: CudaFunction,
     pub grouped_gemm_bf16: CudaFunction,
+    /// `flash_prefill_d{32,64,128}`, in the order of [`ops::FLASH_HEAD_DIMS`].
+    pub flash_prefill: [CudaFunction; 3],
 }
 
 /// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
@@ -212,6 +215,11 @@ impl GpuDevice {
             paged_attention_q8: f("paged_attention_q8")?,
             gather_kv_q8: f("gather_kv_q8")?,
             grouped_gemm_bf16: f("grouped_gemm_bf16")?,
+            flash_prefill: [
+                f("flash_prefill_d32")?,
+                f("flash_prefill_d64")?,
+                f("flash_prefill_d128")?,
+            ],
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -676,7 +684,7 @@ mod tests {
     }
 
     /// Entries of the start-up module that the NVRTC check looks for in its PTX.
-    const STARTUP_ENTRIES_CHECKED: [&str; 11] = [
+    const STARTUP_ENTRIES_CHECKED: [&str; 14] = [
         "gated_mul",
         "paged_attention",
         "gemv_w4a16",
@@ -688,6 +696,9 @@ mod tests {
         "paged_attention_q8",
         "gather_kv_q8",
         "grouped_gemm_bf16",
+        "flash_prefill_d32",
+        "flash_prefill_d64",
+        "flash_prefill_d128",
     ];
 
     #[test]

@@ -8,7 +8,9 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use moe_kernels::cuda::ops::{MlaDims, PagedIndex, Rotation};
+use moe_kernels::cuda::ops::{FlashShape, MlaDims, PagedIndex, QueryRows, Rotation};
+use moe_kernels::cuda::GpuDevice;
+use std::sync::OnceLock;
 
 /// Where each token of the step sits: positions, sequences, cache slots and block tables (device).
 pub struct StepIndex<'a> {
@@ -50,6 +52,13 @@ pub struct SeqRows {
 pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
 /// Score + probability buffer budget of one GEMM attention call (query rows are blocked to fit).
 const PREFILL_SCORE_BYTES: usize = 512 << 20;
+
+/// Whether long chunks use the fused attention kernel (`flash_prefill`) where it takes the head dim;
+/// `MOE_FLASH_PREFILL=0` keeps the GEMM + softmax path for every chunk (read once per process).
+pub fn flash_prefill_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOE_FLASH_PREFILL").map_or(true, |v| v.trim() != "0"))
+}
 
 impl GpuModel {
     /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head
@@ -195,8 +204,9 @@ impl GpuModel {
         )
     }
 
-    /// Causal attention of one long chunk (`s`) as GEMMs: its cached K/V rows (the chunk's own rows were
-    /// appended already, earlier chunks' rows are there too) gathered to contiguous bf16, then per query
+    /// Causal attention of one long chunk (`s`): its cached K/V rows (the chunk's own rows were
+    /// appended already, earlier chunks' rows are there too) gathered to contiguous bf16, then the fused
+    /// kernel ([`flash_prefill_enabled`], head dims it is built for), or as GEMMs: per query
     /// block and KV head `S = scale · Q Kᵀ` (strided-batched over the group's query heads), a causal
     /// softmax to bf16 `P`, and `O = P V` written straight into the head's columns of `out`.
     /// Query blocks keep the score buffer ≤ `PREFILL_SCORE_BYTES` and skip keys past the block (causal).
@@ -219,6 +229,29 @@ impl GpuModel {
         let total = s.pos0 + s.len; // keys of the last query
         let (kw, vw) = (nkv * dh, pool.v_width);
         let hq = nh / nkv;
+        let table = step
+            .tables
+            .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
+        if flash_prefill_enabled() && GpuDevice::flash_prefill_supports(dh) && vw == kw {
+            // fused: the gathered K/V rows and one launch, no score matrix
+            let kb = self.grown(&mut scratch.k, total * kw)?;
+            let vb = self.grown(&mut scratch.v, total * vw)?;
+            pool.gather_bf16(dev, li, &table, total, (&mut *kb, &mut *vb))?;
+            let at = QueryRows {
+                row0: s.row0,
+                rows: s.len,
+                pos0: s.pos0,
+            };
+            let shape = FlashShape {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: dh,
+                scale,
+                window,
+            };
+            dev.flash_prefill(q, at, (&*kb, &*vb), (kw, vw), shape, out)?;
+            return Ok(());
+        }
         // bf16 Q of this chunk's rows, K and V of all its positions
         let qn = s.len * nh * dh;
         let PrefillScratch {
@@ -233,9 +266,6 @@ impl GpuModel {
         dev.f32_to_bf16(&q_rows, qn, qb)?;
         let kb = self.grown(kb, total * kw)?;
         let vb = self.grown(vb, total * vw)?;
-        let table = step
-            .tables
-            .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
         pool.gather_bf16(dev, li, &table, total, (&mut *kb, &mut *vb))?;
         // query rows per block: hq heads × rows × keys × (4 B score + 2 B probability) within budget
         let block_rows = (PREFILL_SCORE_BYTES / (hq * total * 6)).max(16).min(s.len);

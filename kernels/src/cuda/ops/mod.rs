@@ -13,7 +13,7 @@
 //! it trusts.
 //!
 //! Layout: `norm` (RMSNorm, per-head norm + RoPE, MLA's latent split), `attention` (paged caches,
-//! MLA, the long-prefill softmax), `moe` (router, row gathers and scatters, gated activations, packed
+//! MLA, the long-prefill softmax), `flash_attention` (long prefill's fused attention), `moe` (router, row gathers and scatters, gated activations, packed
 //! expert unpacking), `elementwise` (adds, embedding rows, bf16 conversion), `handoff` (the decode hand-off with the CPU
 //! experts through mapped host memory). `reference` holds slow
 //! host versions of the ops whose numerics the GPU tests compare against.
@@ -25,12 +25,14 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 pub mod attention;
 pub mod elementwise;
+pub mod flash_attention;
 pub mod handoff;
 pub mod moe;
 pub mod norm;
 pub mod reference;
 
 pub use attention::{CacheRows, MlaDims, PagedIndex};
+pub use flash_attention::{FlashShape, QueryRows, FLASH_HEAD_DIMS};
 pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};

@@ -173,6 +173,53 @@ pub fn scatter_add_weighted(
     }
 }
 
+/// Causal GQA attention of `rows` queries at positions `pos0..pos0 + rows` (`q`: `[rows, heads · dh]`)
+/// over keys `0..pos0 + rows` (`k`, `v`: `[keys, kv_heads · dh]`), query head h on KV head
+/// `h / (heads / kv_heads)`; a `window` keeps keys `p - window + 1..=p`. Softmax of `scale · q · k`
+/// in f64 per row. Returns `[rows, heads · dh]`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (rows, pos0): (usize, usize),
+    (heads, kv_heads, dh): (usize, usize, usize),
+    scale: f32,
+    window: Option<usize>,
+) -> Vec<f32> {
+    let (width, kv_width, group) = (heads * dh, kv_heads * dh, heads / kv_heads);
+    let mut out = vec![0f32; rows * width];
+    let mut p = Vec::new();
+    for r in 0..rows {
+        let pos = pos0 + r;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        for h in 0..heads {
+            let qh = &q[r * width + h * dh..][..dh];
+            let col = (h / group) * dh;
+            p.clear();
+            p.extend((lo..=pos).map(|key| {
+                let kr = &k[key * kv_width + col..][..dh];
+                scale as f64
+                    * qh.iter()
+                        .zip(kr)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+            }));
+            let mx = p.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            p.iter_mut().for_each(|x| *x = (*x - mx).exp());
+            let sum: f64 = p.iter().sum();
+            let o = &mut out[r * width + h * dh..][..dh];
+            for (i, key) in (lo..=pos).enumerate() {
+                let vr = &v[key * kv_width + col..][..dh];
+                for (o, &x) in o.iter_mut().zip(vr) {
+                    *o += (p[i] / sum * x as f64) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +280,21 @@ mod tests {
         let mut out = [5.0, 5.0];
         scatter_add_weighted(&y, &[0, 1, 3], &[1, 0, 2], &[1.0, 2.0, 0.5], 1, &mut out);
         assert_eq!(out, [5.0 + 20.0, 5.0 + 1.0 + 50.0]);
+    }
+
+    #[test]
+    fn causal_attention_of_worked_rows() {
+        // one head, dh 1; keys 0..3 with k = (0, 0, ln 3 / 1), v = (1, 2, 3), query at position 2
+        // (row 1 of a prompt continuing one cached position) sees all three: weights 1, 1, 3 over 5
+        let (k, v) = ([0.0, 0.0, 3f32.ln()], [1.0, 2.0, 3.0]);
+        let got = causal_attention(&[0.0, 1.0], &k, &v, (2, 1), (1, 1, 1), 1.0, None);
+        assert!((got[0] - 1.5).abs() < 1e-6, "position 1: mean of v0, v1");
+        assert!((got[1] - 12.0 / 5.0).abs() < 1e-6, "{}", got[1]);
+        // a window of 2 drops key 0: weights 1, 3 over 4
+        let got = causal_attention(&[0.0, 1.0], &k, &v, (2, 1), (1, 1, 1), 1.0, Some(2));
+        assert!((got[1] - 11.0 / 4.0).abs() < 1e-6, "{}", got[1]);
+        // GQA: two query heads on one KV head give the same row for the same query
+        let got = causal_attention(&[1.0, 1.0], &k[..1], &v[..1], (1, 0), (2, 1, 1), 1.0, None);
+        assert_eq!(got, vec![1.0, 1.0]);
     }
 }

@@ -1,0 +1,129 @@
+//! Fused causal GQA attention of a long prompt (`flash_attention.cu`): the queries of one chunk against
+//! contiguous bf16 K/V rows (what [`GpuDevice::gather_kv`] writes from the paged cache), with the
+//! softmax computed online per tile of keys, so the `heads · rows · keys` score matrix of the GEMM
+//! path never reaches memory. Tensor-core tiles (bf16 in, f32 accumulation), the group's query heads
+//! sharing each K/V tile.
+use super::{ensure, grid, grid_dim, int};
+use crate::cuda::{GpuDevice, GpuError};
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+/// Head dims the fused kernel is built for (one instantiation each); others take the GEMM path.
+pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
+/// Packed (query row, head of the group) rows per block, and its threads.
+const FLASH_BLOCK_ROWS: usize = 64;
+const FLASH_THREADS: usize = 128;
+
+/// Head geometry and scaling of one fused attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplies `q · k` before the softmax.
+    pub scale: f32,
+    /// Sliding window: a query at position p sees keys `p - window + 1..=p`.
+    pub window: Option<usize>,
+}
+
+/// The query rows of one call: rows `row0..row0 + rows` of the step, at positions
+/// `pos0..pos0 + rows` of their sequence (positions before `pos0` are a cached prefix in K/V).
+#[derive(Clone, Copy, Debug)]
+pub struct QueryRows {
+    pub row0: usize,
+    pub rows: usize,
+    pub pos0: usize,
+}
+
+impl GpuDevice {
+    /// Whether [`GpuDevice::flash_prefill`] takes heads of `head_dim`.
+    pub fn flash_prefill_supports(head_dim: usize) -> bool {
+        FLASH_HEAD_DIMS.contains(&head_dim)
+    }
+
+    /// Causal attention of query rows `at` (`q`: f32 `[step rows, heads · head_dim]`) over keys
+    /// `0..at.pos0 + at.rows` of `k` / `v` (bf16 rows of `k_width` / `v_width`, KV head g at columns
+    /// `g · head_dim`), into the same rows of `out` (bf16, `q`'s layout). Query head h reads KV head
+    /// `h / (heads / kv_heads)`. The products run in bf16 (q rounded, probabilities rounded before
+    /// `P · V`) with f32 accumulation and an f32 softmax, like the GEMM path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill(
+        &self,
+        q: &impl DevicePtr<f32>,
+        at: QueryRows,
+        (k, v): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>),
+        (k_width, v_width): (usize, usize),
+        shape: FlashShape,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "flash_prefill";
+        let FlashShape {
+            heads,
+            kv_heads,
+            head_dim: dh,
+            scale,
+            window,
+        } = shape;
+        if at.rows == 0 {
+            return Ok(());
+        }
+        let which = FLASH_HEAD_DIMS.iter().position(|&d| d == dh);
+        let which = which.ok_or_else(|| {
+            GpuError::Shape(format!(
+                "{OP}: head_dim {dh} (built for {FLASH_HEAD_DIMS:?})"
+            ))
+        })?;
+        ensure(OP, kv_heads > 0 && heads % kv_heads == 0, || {
+            format!("{heads} heads over {kv_heads} KV heads")
+        })?;
+        let group = heads / kv_heads;
+        // 16-byte rows: K/V tiles are copied in 16-byte pieces, q read as float4
+        for (what, w) in [("k_width", k_width), ("v_width", v_width)] {
+            ensure(OP, w >= kv_heads * dh && w % 8 == 0, || {
+                format!("{what} {w} for {kv_heads} KV heads of {dh} (a multiple of 8 needed)")
+            })?;
+        }
+        grid_dim(OP, "kv_heads", kv_heads)?;
+        let width = heads * dh;
+        let keys = at.pos0 + at.rows;
+        let end = at.row0 + at.rows;
+        let tiles = (at.rows * group).div_ceil(FLASH_BLOCK_ROWS);
+        let args = (
+            int(OP, "width", width)?,
+            int(OP, "k_width", k_width)?,
+            int(OP, "v_width", v_width)?,
+            int(OP, "rows", at.rows)?,
+            int(OP, "pos0", at.pos0)?,
+            int(OP, "group", group)?,
+            int(OP, "window", window.unwrap_or(0))?,
+        );
+        int(OP, "packed rows", at.rows * group)?;
+        int(OP, "keys", keys)?;
+        int(OP, "tiles", tiles)?;
+        let (w, kw, vw, rows, pos0, grp, win) = args;
+        let qp = self.input(OP, "q", q, end * width)? + (at.row0 * width * 4) as u64;
+        let kp = self.input(OP, "k", k, keys * k_width)?;
+        let vp = self.input(OP, "v", v, keys * v_width)?;
+        let op = self.output(OP, "out", out, end * width)? + (at.row0 * width * 2) as u64;
+        ensure(OP, [qp, kp, vp, op].iter().all(|a| a % 16 == 0), || {
+            "buffers not 16-byte aligned".into()
+        })?;
+        let scale_log2 = scale * std::f32::consts::LOG2_E;
+        let mut l = self.stream.launch_builder(&self.k.flash_prefill[which]);
+        l.arg(&qp)
+            .arg(&w)
+            .arg(&kp)
+            .arg(&kw)
+            .arg(&vp)
+            .arg(&vw)
+            .arg(&op);
+        l.arg(&rows).arg(&pos0).arg(&grp).arg(&scale_log2).arg(&win);
+        // SAFETY: argument order and types as flash_attention.cu's `flash_prefill_d*`; block (b, g)
+        // reads q rows row0..row0 + rows (checked, offset included) at KV head g's query heads,
+        // K/V rows below pos0 + rows (checked) at columns g·dh..(g+1)·dh ≤ width (checked), and
+        // writes the same rows and columns of out (checked); every address is 16-byte aligned
+        // (checked) and the row widths multiples of the kernel's vector loads (checked).
+        unsafe { l.launch(grid((tiles, kv_heads, 1), FLASH_THREADS, 0)) }?;
+        Ok(())
+    }
+}
