@@ -13,7 +13,7 @@
 //!   time of both per call is printed (one layer's attention of an 8192-token prompt).
 use crate::common::rel_l2;
 use half::bf16;
-use moe_kernels::cuda::ops::{reference, FlashShape, QueryRows};
+use moe_kernels::cuda::ops::{reference, FlashBlock, FlashShape, QueryRows};
 use moe_kernels::cuda::GpuDevice;
 
 /// One call's shape: (heads, kv_heads, head_dim), query rows, first query position, window.
@@ -76,7 +76,7 @@ fn checked_rows(rows: usize) -> Vec<usize> {
     r
 }
 
-fn run_flash(dev: &GpuDevice, c: &Case, x: &Inputs) -> Vec<bf16> {
+fn run_flash(dev: &GpuDevice, c: &Case, x: &Inputs, block: FlashBlock) -> Vec<bf16> {
     let s = &dev.stream;
     let (heads, kv_heads, dh) = c.heads;
     let (dq, dk, dv) = (
@@ -97,6 +97,7 @@ fn run_flash(dev: &GpuDevice, c: &Case, x: &Inputs) -> Vec<bf16> {
         head_dim: dh,
         scale: (dh as f32).powf(-0.5),
         window: c.window,
+        block,
     };
     let kw = kv_heads * dh;
     dev.flash_prefill(&dq, at, (&dk, &dv), (kw, kw), shape, &mut out)
@@ -124,20 +125,23 @@ fn flash_prefill_matches_host_reference() {
     for (i, c) in cases.iter().enumerate() {
         let (heads, kv_heads, dh) = c.heads;
         let x = inputs(c, 11 + i as u64);
-        let got = run_flash(&dev, c, &x);
+        let blocks = [FlashBlock::Warps4, FlashBlock::Warps8];
+        let gots = blocks.map(|b| run_flash(&dev, c, &x, b));
         let width = heads * dh;
         let name = format!(
             "{heads}/{kv_heads} heads of {dh}, {} rows at {}, window {:?}",
             c.rows, c.pos0, c.window
         );
         // rows outside the call's keep the sentinel
-        for r in (0..ROW0).chain(ROW0 + c.rows..ROW0 + c.rows + AFTER) {
-            assert!(
-                got[r * width..(r + 1) * width]
-                    .iter()
-                    .all(|v| v.to_f32() == 7.0),
-                "{name}: step row {r} written"
-            );
+        for (got, block) in gots.iter().zip(blocks) {
+            for r in (0..ROW0).chain(ROW0 + c.rows..ROW0 + c.rows + AFTER) {
+                assert!(
+                    got[r * width..(r + 1) * width]
+                        .iter()
+                        .all(|v| v.to_f32() == 7.0),
+                    "{name} {block:?}: step row {r} written"
+                );
+            }
         }
         let (k, v): (Vec<f32>, Vec<f32>) = (
             x.k.iter().map(|v| v.to_f32()).collect(),
@@ -157,14 +161,19 @@ fn flash_prefill_matches_host_reference() {
                 (dh as f32).powf(-0.5),
                 c.window,
             );
-            for h in 0..heads {
-                let g: Vec<f32> = got[(ROW0 + r) * width + h * dh..][..dh]
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                let err = rel_l2(&g, &want[h * dh..(h + 1) * dh]);
-                worst = worst.max(err);
-                assert!(err <= 1e-2, "{name}: row {r} head {h}: rel-L2 {err}");
+            for (got, block) in gots.iter().zip(blocks) {
+                for h in 0..heads {
+                    let g: Vec<f32> = got[(ROW0 + r) * width + h * dh..][..dh]
+                        .iter()
+                        .map(|v| v.to_f32())
+                        .collect();
+                    let err = rel_l2(&g, &want[h * dh..(h + 1) * dh]);
+                    worst = worst.max(err);
+                    assert!(
+                        err <= 1e-2,
+                        "{name} {block:?}: row {r} head {h}: rel-L2 {err}"
+                    );
+                }
             }
         }
         println!("flash_prefill {name}: worst rel-L2 vs host {worst:.2e}");
@@ -255,7 +264,7 @@ fn flash_prefill_matches_the_gemm_path_on_the_qwen3_shape() {
     let (nh, nkv, dh) = c.heads;
     let width = nh * dh;
     let x = inputs(&c, 99);
-    // the call's rows only (ROW0 = 0 here): q, out of `rows` rows
+    // the call's rows only: q and out of `rows` rows
     let q = &x.q[ROW0 * width..(ROW0 + c.rows) * width];
     let (dq, dk, dv) = (
         s.clone_htod(q).unwrap(),
@@ -277,13 +286,6 @@ fn flash_prefill_matches_the_gemm_path_on_the_qwen3_shape() {
         row0: 0,
         rows: c.rows,
         pos0: 0,
-    };
-    let shape = FlashShape {
-        heads: nh,
-        kv_heads: nkv,
-        head_dim: dh,
-        scale: (dh as f32).powf(-0.5),
-        window: None,
     };
     let kw = nkv * dh;
     let time = |f: &mut dyn FnMut()| {
@@ -308,30 +310,41 @@ fn flash_prefill_matches_the_gemm_path_on_the_qwen3_shape() {
             &mut out_gemm,
         )
     });
-    let flash_ms = time(&mut || {
-        dev.flash_prefill(&dq, at, (&dk, &dv), (kw, kw), shape, &mut out_flash)
-            .unwrap()
-    });
-    let (a, b) = (
-        s.clone_dtoh(&out_gemm).unwrap(),
-        s.clone_dtoh(&out_flash).unwrap(),
-    );
-    let mut worst = 0f32;
-    for r in checked_rows(c.rows) {
-        for h in 0..nh {
-            let at = |o: &[bf16]| -> Vec<f32> {
-                o[r * width + h * dh..][..dh]
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect()
-            };
-            let err = rel_l2(&at(&b), &at(&a));
-            worst = worst.max(err);
-            assert!(err <= 1e-2, "row {r} head {h}: flash vs GEMM path {err}");
+    let want = s.clone_dtoh(&out_gemm).unwrap();
+    for block in [FlashBlock::Warps4, FlashBlock::Warps8] {
+        let shape = FlashShape {
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: dh,
+            scale: (dh as f32).powf(-0.5),
+            window: None,
+            block,
+        };
+        let flash_ms = time(&mut || {
+            dev.flash_prefill(&dq, at, (&dk, &dv), (kw, kw), shape, &mut out_flash)
+                .unwrap()
+        });
+        let got = s.clone_dtoh(&out_flash).unwrap();
+        let mut worst = 0f32;
+        for r in checked_rows(c.rows) {
+            for h in 0..nh {
+                let at = |o: &[bf16]| -> Vec<f32> {
+                    o[r * width + h * dh..][..dh]
+                        .iter()
+                        .map(|v| v.to_f32())
+                        .collect()
+                };
+                let err = rel_l2(&at(&got), &at(&want));
+                worst = worst.max(err);
+                assert!(
+                    err <= 1e-2,
+                    "{block:?} row {r} head {h}: flash vs GEMM path {err}"
+                );
+            }
         }
+        println!(
+            "Qwen3 attention shape, 8192 rows: flash_prefill {block:?} {flash_ms:.2} ms, GEMM path \
+             {gemm_ms:.2} ms per layer; worst rel-L2 between them {worst:.2e}"
+        );
     }
-    println!(
-        "Qwen3 attention shape, 8192 rows: flash_prefill {flash_ms:.2} ms, GEMM path {gemm_ms:.2} ms \
-         per layer; worst rel-L2 between them {worst:.2e}"
-    );
 }

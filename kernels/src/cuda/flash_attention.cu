@@ -6,15 +6,13 @@
 //
 // GQA: the `group` query heads of one KV head are packed into the tile's rows: packed row m is query
 // row m / group, head g · group + m % group, so every K/V tile a block loads serves the whole group.
-// Grid: (ceil(rows · group / 64), kv_heads), heaviest (last) tiles first. Block: 4 warps, each 16 packed
-// rows; keys in tiles of 64 through shared memory (cp.async: K of the next tile loads during this
+// Grid: (ceil(rows · group / (16 · W)), kv_heads), heaviest (last) tiles first. Block: W warps (4 or 8),
+// each 16 packed rows (more warps: fewer K/V tile loads per query row, one block per SM instead of two); keys in tiles of 64 through shared memory (cp.async: K of the next tile loads during this
 // tile's P·V, V of the next during its Q·Kᵀ); mma.sync m16n8k16 bf16 with f32 accumulators; online
 // softmax in base 2 with the scale folded in; P rounded to bf16 for P·V (as the GEMM path's P).
 // Causal (and sliding-window) masking only on the tiles that cross a row's limits. Needs D % 16 == 0,
 // 16-byte aligned K/V rows (strides % 8 == 0) and q rows of whole float4s.
-#define FA_BM 64
 #define FA_BN 64
-#define FA_THREADS 128
 
 __device__ __forceinline__ unsigned fa_smem(const void* p) {
     unsigned r;
@@ -50,62 +48,64 @@ __device__ __forceinline__ float fa_exp2(float x) {
 }
 
 // Issues the cp.async copies of key tile `j` (rows past `kend` zero-filled) of K or V into `dst`.
-template <int D>
+template <int D, int W>
 __device__ __forceinline__ void fa_load_tile(bf16* dst, const bf16* __restrict__ src, int stride, int col0,
                                              int j, int kend) {
     constexpr int LD = D + 8, VEC = D / 8;
-    for (int i = threadIdx.x; i < FA_BN * VEC; i += FA_THREADS) {
+    for (int i = threadIdx.x; i < FA_BN * VEC; i += 32 * W) {
         const int r = i / VEC, c = (i % VEC) * 8, key = j * FA_BN + r;
         const bool valid = key < kend;
         fa_cp16(dst + r * LD + c, src + (size_t)(valid ? key : 0) * stride + col0 + c, valid);
     }
 }
 
-template <int D>
+template <int D, int W>
 __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, int stride,
                                                    const bf16* __restrict__ k, int k_stride,
                                                    const bf16* __restrict__ v, int v_stride,
                                                    bf16* __restrict__ out, int rows, int pos0, int group,
                                                    float scale_log2, int window) {
     constexpr int LD = D + 8;  // padded rows: fragment loads and ldmatrix rows hit distinct banks
-    constexpr int KS = D / 16, NT = FA_BN / 8, DT = D / 8;
-    __shared__ __align__(16) bf16 sK[FA_BN * LD];
-    __shared__ __align__(16) bf16 sV[FA_BN * LD];  // first holds the Q tile
+    constexpr int KS = D / 16, NT = FA_BN / 8, DT = D / 8, BM = 16 * W;
+    static_assert(BM <= 2 * FA_BN, "the Q tile is staged in the K and V tiles' space");
+    __shared__ __align__(16) bf16 smem[2 * FA_BN * LD];  // K tile, V tile; first the Q tile
+    bf16* sK = smem;
+    bf16* sV = smem + FA_BN * LD;
     const int kvh = blockIdx.y;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int packed = rows * group;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     // keys this tile needs: up to its last query's position, from its first query's window start
-    const int m_last = min(m0 + FA_BM, packed) - 1;
+    const int m_last = min(m0 + BM, packed) - 1;
     const int kend = pos0 + m_last / group + 1;
     const int kstart = window > 0 ? max(0, pos0 + m0 / group - window + 1) : 0;
     const int j0 = kstart / FA_BN, j1 = (kend + FA_BN - 1) / FA_BN;
     const int col0 = kvh * D;
 
-    // Q tile (f32 → bf16) into sV; K of the first tile in flight meanwhile
-    fa_load_tile<D>(sK, k, k_stride, col0, j0, kend);
-    fa_commit();
-    for (int i = tid; i < FA_BM * (D / 4); i += FA_THREADS) {
+    // Q tile (f32 → bf16) through shared memory into registers, then the first K and V tiles
+    for (int i = tid; i < BM * (D / 4); i += 32 * W) {
         const int r = i / (D / 4), c = (i % (D / 4)) * 4, m = m0 + r;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
         if (m < packed) {
             const int head = kvh * group + m % group;
             x = *(const float4*)(q + (size_t)(m / group) * stride + head * D + c);
         }
-        *(uint2*)(sV + r * LD + c) = make_uint2(fa_pack(x.x, x.y), fa_pack(x.z, x.w));
+        *(uint2*)(smem + r * LD + c) = make_uint2(fa_pack(x.x, x.y), fa_pack(x.z, x.w));
     }
     __syncthreads();
     unsigned qf[KS][4];
     for (int ks = 0; ks < KS; ks++) {
-        const bf16* p = sV + (warp * 16 + g) * LD + ks * 16 + t * 2;
+        const bf16* p = smem + (warp * 16 + g) * LD + ks * 16 + t * 2;
         qf[ks][0] = *(const unsigned*)p;
         qf[ks][1] = *(const unsigned*)(p + 8 * LD);
         qf[ks][2] = *(const unsigned*)(p + 8);
         qf[ks][3] = *(const unsigned*)(p + 8 * LD + 8);
     }
     __syncthreads();
-    fa_load_tile<D>(sV, v, v_stride, col0, j0, kend);
+    fa_load_tile<D, W>(sK, k, k_stride, col0, j0, kend);
+    fa_commit();
+    fa_load_tile<D, W>(sV, v, v_stride, col0, j0, kend);
     fa_commit();
 
     // this thread's two packed rows (g and g + 8 of the warp's 16) and their query positions
@@ -178,7 +178,7 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
 
         fa_wait<0>();
         __syncthreads();  // V of tile j in shared memory; every warp is done with sK
-        if (j + 1 < j1) fa_load_tile<D>(sK, k, k_stride, col0, j + 1, kend);
+        if (j + 1 < j1) fa_load_tile<D, W>(sK, k, k_stride, col0, j + 1, kend);
         fa_commit();
         for (int kk = 0; kk < FA_BN / 16; kk++) {
             // the S accumulators of keys kk·16.. are P's A fragment as they lie
@@ -194,7 +194,7 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
             }
         }
         __syncthreads();  // every warp is done with sV
-        if (j + 1 < j1) fa_load_tile<D>(sV, v, v_stride, col0, j + 1, kend);
+        if (j + 1 < j1) fa_load_tile<D, W>(sV, v, v_stride, col0, j + 1, kend);
         fa_commit();
     }
 
@@ -213,14 +213,17 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
     }
 }
 
-#define FA_ENTRY(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                 \
-        flash_prefill_d##D(const float* __restrict__ q, int stride, const bf16* __restrict__ k,              \
-                           int k_stride, const bf16* __restrict__ v, int v_stride, bf16* __restrict__ out,  \
-                           int rows, int pos0, int group, float scale_log2, int window) {                   \
-        flash_prefill_body<D>(q, stride, k, k_stride, v, v_stride, out, rows, pos0, group, scale_log2,      \
-                              window);                                                                      \
+#define FA_ENTRY(D, W, NAME)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                     \
+        NAME(const float* __restrict__ q, int stride, const bf16* __restrict__ k, int k_stride,              \
+             const bf16* __restrict__ v, int v_stride, bf16* __restrict__ out, int rows, int pos0, int group,  \
+             float scale_log2, int window) {                                                                  \
+        flash_prefill_body<D, W>(q, stride, k, k_stride, v, v_stride, out, rows, pos0, group, scale_log2,    \
+                                 window);                                                                    \
     }
-FA_ENTRY(32)
-FA_ENTRY(64)
-FA_ENTRY(128)
+FA_ENTRY(32, 4, flash_prefill_d32)
+FA_ENTRY(64, 4, flash_prefill_d64)
+FA_ENTRY(128, 4, flash_prefill_d128)
+FA_ENTRY(32, 8, flash_prefill_d32_w8)
+FA_ENTRY(64, 8, flash_prefill_d64_w8)
+FA_ENTRY(128, 8, flash_prefill_d128_w8)

@@ -93,8 +93,9 @@ pub(crate) struct Kernels {
     pub paged_attention_q8: CudaFunction,
     pub gather_kv_q8: CudaFunction,
     pub grouped_gemm_bf16: CudaFunction,
-    /// `flash_prefill_d{32,64,128}`, in the order of [`ops::FLASH_HEAD_DIMS`].
-    pub flash_prefill: [CudaFunction; 3],
+    /// `flash_prefill_d{32,64,128}` and their `_w8` twins (blocks of 8 warps), in the order of
+    /// [`ops::FLASH_HEAD_DIMS`].
+    pub flash_prefill: [[CudaFunction; 2]; 3],
 }
 
 /// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
@@ -216,9 +217,9 @@ impl GpuDevice {
             gather_kv_q8: f("gather_kv_q8")?,
             grouped_gemm_bf16: f("grouped_gemm_bf16")?,
             flash_prefill: [
-                f("flash_prefill_d32")?,
-                f("flash_prefill_d64")?,
-                f("flash_prefill_d128")?,
+                [f("flash_prefill_d32")?, f("flash_prefill_d32_w8")?],
+                [f("flash_prefill_d64")?, f("flash_prefill_d64_w8")?],
+                [f("flash_prefill_d128")?, f("flash_prefill_d128_w8")?],
             ],
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
@@ -684,7 +685,7 @@ mod tests {
     }
 
     /// Entries of the start-up module that the NVRTC check looks for in its PTX.
-    const STARTUP_ENTRIES_CHECKED: [&str; 14] = [
+    const STARTUP_ENTRIES_CHECKED: [&str; 17] = [
         "gated_mul",
         "paged_attention",
         "gemv_w4a16",
@@ -699,6 +700,9 @@ mod tests {
         "flash_prefill_d32",
         "flash_prefill_d64",
         "flash_prefill_d128",
+        "flash_prefill_d32_w8",
+        "flash_prefill_d64_w8",
+        "flash_prefill_d128_w8",
     ];
 
     #[test]

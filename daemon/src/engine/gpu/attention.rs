@@ -8,7 +8,7 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use moe_kernels::cuda::ops::{FlashShape, MlaDims, PagedIndex, QueryRows, Rotation};
+use moe_kernels::cuda::ops::{FlashBlock, FlashShape, MlaDims, PagedIndex, QueryRows, Rotation};
 use moe_kernels::cuda::GpuDevice;
 use std::sync::OnceLock;
 
@@ -53,11 +53,18 @@ pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
 /// Score + probability buffer budget of one GEMM attention call (query rows are blocked to fit).
 const PREFILL_SCORE_BYTES: usize = 512 << 20;
 
-/// Whether long chunks use the fused attention kernel (`flash_prefill`) where it takes the head dim;
-/// `MOE_FLASH_PREFILL=0` keeps the GEMM + softmax path for every chunk (read once per process).
-pub fn flash_prefill_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MOE_FLASH_PREFILL").map_or(true, |v| v.trim() != "0"))
+/// Whether long chunks use the fused attention kernel (`flash_prefill`) where it takes the head dim,
+/// and its block: `MOE_FLASH_PREFILL=0` keeps the GEMM + softmax path for every chunk, `w8` takes blocks
+/// of 8 warps, anything else the default (read once per process).
+pub fn flash_prefill_mode() -> Option<FlashBlock> {
+    static MODE: OnceLock<Option<FlashBlock>> = OnceLock::new();
+    *MODE.get_or_init(
+        || match std::env::var("MOE_FLASH_PREFILL").as_deref().map(str::trim) {
+            Ok("0") => None,
+            Ok("w8") => Some(FlashBlock::Warps8),
+            _ => Some(FlashBlock::default()),
+        },
+    )
 }
 
 impl GpuModel {
@@ -206,7 +213,7 @@ impl GpuModel {
 
     /// Causal attention of one long chunk (`s`): its cached K/V rows (the chunk's own rows were
     /// appended already, earlier chunks' rows are there too) gathered to contiguous bf16, then the fused
-    /// kernel ([`flash_prefill_enabled`], head dims it is built for), or as GEMMs: per query
+    /// kernel ([`flash_prefill_mode`], head dims it is built for), or as GEMMs: per query
     /// block and KV head `S = scale · Q Kᵀ` (strided-batched over the group's query heads), a causal
     /// softmax to bf16 `P`, and `O = P V` written straight into the head's columns of `out`.
     /// Query blocks keep the score buffer ≤ `PREFILL_SCORE_BYTES` and skip keys past the block (causal).
@@ -232,7 +239,9 @@ impl GpuModel {
         let table = step
             .tables
             .slice(s.seq * step.max_blocks..(s.seq + 1) * step.max_blocks);
-        if flash_prefill_enabled() && GpuDevice::flash_prefill_supports(dh) && vw == kw {
+        let flash =
+            flash_prefill_mode().filter(|_| GpuDevice::flash_prefill_supports(dh) && vw == kw);
+        if let Some(block) = flash {
             // fused: the gathered K/V rows and one launch, no score matrix
             let kb = self.grown(&mut scratch.k, total * kw)?;
             let vb = self.grown(&mut scratch.v, total * vw)?;
@@ -248,6 +257,7 @@ impl GpuModel {
                 head_dim: dh,
                 scale,
                 window,
+                block,
             };
             dev.flash_prefill(q, at, (&*kb, &*vb), (kw, vw), shape, out)?;
             return Ok(());

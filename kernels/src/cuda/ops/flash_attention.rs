@@ -10,11 +10,28 @@ use half::bf16;
 
 /// Head dims the fused kernel is built for (one instantiation each); others take the GEMM path.
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
-/// Packed (query row, head of the group) rows per block, and its threads.
-const FLASH_BLOCK_ROWS: usize = 64;
-const FLASH_THREADS: usize = 128;
+/// Packed (query row, head of the group) rows per warp of a block.
+const ROWS_PER_WARP: usize = 16;
 
-/// Head geometry and scaling of one fused attention call.
+/// Warps of a block, each 16 packed rows: more rows per block load each K/V tile fewer times per query
+/// row; fewer keep more blocks per SM (4 warps: three blocks, 8: one, at head dim 128).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashBlock {
+    #[default]
+    Warps4,
+    Warps8,
+}
+
+impl FlashBlock {
+    fn warps(self) -> usize {
+        match self {
+            FlashBlock::Warps4 => 4,
+            FlashBlock::Warps8 => 8,
+        }
+    }
+}
+
+/// Head geometry, scaling and block size of one fused attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct FlashShape {
     pub heads: usize,
@@ -24,6 +41,7 @@ pub struct FlashShape {
     pub scale: f32,
     /// Sliding window: a query at position p sees keys `p - window + 1..=p`.
     pub window: Option<usize>,
+    pub block: FlashBlock,
 }
 
 /// The query rows of one call: rows `row0..row0 + rows` of the step, at positions
@@ -63,6 +81,7 @@ impl GpuDevice {
             head_dim: dh,
             scale,
             window,
+            block,
         } = shape;
         if at.rows == 0 {
             return Ok(());
@@ -87,7 +106,7 @@ impl GpuDevice {
         let width = heads * dh;
         let keys = at.pos0 + at.rows;
         let end = at.row0 + at.rows;
-        let tiles = (at.rows * group).div_ceil(FLASH_BLOCK_ROWS);
+        let tiles = (at.rows * group).div_ceil(ROWS_PER_WARP * block.warps());
         let args = (
             int(OP, "width", width)?,
             int(OP, "k_width", k_width)?,
@@ -109,7 +128,8 @@ impl GpuDevice {
             "buffers not 16-byte aligned".into()
         })?;
         let scale_log2 = scale * std::f32::consts::LOG2_E;
-        let mut l = self.stream.launch_builder(&self.k.flash_prefill[which]);
+        let kernel = &self.k.flash_prefill[which][(block == FlashBlock::Warps8) as usize];
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(&qp)
             .arg(&w)
             .arg(&kp)
@@ -123,7 +143,7 @@ impl GpuDevice {
         // K/V rows below pos0 + rows (checked) at columns g·dh..(g+1)·dh ≤ width (checked), and
         // writes the same rows and columns of out (checked); every address is 16-byte aligned
         // (checked) and the row widths multiples of the kernel's vector loads (checked).
-        unsafe { l.launch(grid((tiles, kv_heads, 1), FLASH_THREADS, 0)) }?;
+        unsafe { l.launch(grid((tiles, kv_heads, 1), 32 * block.warps(), 0)) }?;
         Ok(())
     }
 }

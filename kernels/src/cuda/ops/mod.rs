@@ -32,7 +32,7 @@ pub mod norm;
 pub mod reference;
 
 pub use attention::{CacheRows, MlaDims, PagedIndex};
-pub use flash_attention::{FlashShape, QueryRows, FLASH_HEAD_DIMS};
+pub use flash_attention::{FlashBlock, FlashShape, QueryRows, FLASH_HEAD_DIMS};
 pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
