@@ -2,7 +2,8 @@
 # Long-prefill attention on the H200 in one device call: the fused kernel's GPU tests (against the host
 # reference and the GEMM path it replaces, and the engine's long-prefill test through it), then prefill
 # 4096 and 8192 of an 8-layer Qwen3-30B-A3B-shape synth, every routed expert in DRAM, with the fused
-# kernel (MOE_FLASH_PREFILL=1, the default) and with the GEMM path (=0), expert stream profile on.
+# kernel (MOE_FLASH_PREFILL=1, the default) and with the GEMM path (=0), expert stream profile on
+# (MODES="1 0 w8" adds the fused kernel in blocks of 8 warps).
 #
 #   D=.device/fa8 OUT=$OUT bash .device/fa8/flash_prefill_ab.sh
 # D holds the staged `gpu_tests` (dev profile) and `moe-daemon` (release); run from the repository root.
@@ -23,7 +24,7 @@ if [ ! -f "$MODEL/config.json" ]; then
         >"$OUT/synth.log" 2>&1
     echo "synth rc=$? in $(($(date +%s) - t)) s"
 fi
-for flash in 1 0; do
+for flash in ${MODES:-1 0}; do
     t=$(date +%s)
     MOE_FLASH_PREFILL=$flash MOE_STREAM_PROFILE=1 timeout "${BENCH_TIMEOUT:-150}" "$D/moe-daemon" bench decode \
         --model "$MODEL" --device cuda --gpu-experts 0 --prefill-lens "$LENS" --steps 4 \
