@@ -12,7 +12,19 @@
 // softmax in base 2 with the scale folded in; P rounded to bf16 for P·V (as the GEMM path's P).
 // Causal (and sliding-window) masking only on the tiles that cross a row's limits. Needs D % 16 == 0,
 // 16-byte aligned K/V rows (strides % 8 == 0) and q rows of whole float4s.
+//
+// Its own NVRTC module per head dim (`FA_HEAD_DIM`, defined before this file), compiled when a model
+// first needs it: the fully unrolled tiles take NVRTC seconds that every start would pay otherwise.
 #define FA_BN 64
+
+// D = A·B + D for one 16 × 8 tile (bf16 in, f32 accumulators; sm_80 and later).
+__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 
 __device__ __forceinline__ unsigned fa_smem(const void* p) {
     unsigned r;
@@ -127,7 +139,7 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
             for (int ks = 0; ks < KS; ks++) {
                 const bf16* p = sK + (n * 8 + g) * LD + ks * 16 + t * 2;
                 const unsigned b[2] = {*(const unsigned*)p, *(const unsigned*)(p + 8)};
-                mma_bf16_16816(s[n], qf[ks], b);
+                fa_mma(s[n], qf[ks], b);
             }
         }
         const int key0 = j * FA_BN;
@@ -189,8 +201,8 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
             for (int d2 = 0; d2 < D / 16; d2++) {
                 unsigned b[4];
                 fa_ldmatrix_t4(b, sV + key * LD + d2 * 16 + (lane >> 4) * 8);
-                mma_bf16_16816(o[2 * d2], a, b);
-                mma_bf16_16816(o[2 * d2 + 1], a, b + 2);
+                fa_mma(o[2 * d2], a, b);
+                fa_mma(o[2 * d2 + 1], a, b + 2);
             }
         }
         __syncthreads();  // every warp is done with sV
@@ -221,9 +233,8 @@ __device__ __forceinline__ void flash_prefill_body(const float* __restrict__ q, 
         flash_prefill_body<D, W>(q, stride, k, k_stride, v, v_stride, out, rows, pos0, group, scale_log2,    \
                                  window);                                                                    \
     }
-FA_ENTRY(32, 4, flash_prefill_d32)
-FA_ENTRY(64, 4, flash_prefill_d64)
-FA_ENTRY(128, 4, flash_prefill_d128)
-FA_ENTRY(32, 8, flash_prefill_d32_w8)
-FA_ENTRY(64, 8, flash_prefill_d64_w8)
-FA_ENTRY(128, 8, flash_prefill_d128_w8)
+#ifndef FA_HEAD_DIM
+#error "define FA_HEAD_DIM, the head dim the module is built for"
+#endif
+FA_ENTRY(FA_HEAD_DIM, 4, flash_prefill_w4)
+FA_ENTRY(FA_HEAD_DIM, 8, flash_prefill_w8)

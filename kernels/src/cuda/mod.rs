@@ -25,16 +25,15 @@ pub mod ops;
 pub mod quant;
 pub mod routed;
 
-/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu`, `grouped_gemm.cu` and
-/// `flash_attention.cu` (which use the helpers of those before them), one NVRTC module.
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu` and `grouped_gemm.cu` (which use the
+/// helpers of those before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),
     include_str!("kv_q8.cu"),
-    include_str!("grouped_gemm.cu"),
-    include_str!("flash_attention.cu")
+    include_str!("grouped_gemm.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -93,9 +92,6 @@ pub(crate) struct Kernels {
     pub paged_attention_q8: CudaFunction,
     pub gather_kv_q8: CudaFunction,
     pub grouped_gemm_bf16: CudaFunction,
-    /// `flash_prefill_d{32,64,128}` and their `_w8` twins (blocks of 8 warps), in the order of
-    /// [`ops::FLASH_HEAD_DIMS`].
-    pub flash_prefill: [[CudaFunction; 2]; 3],
 }
 
 /// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
@@ -146,6 +142,8 @@ pub struct GpuDevice {
     pub capability: (i32, i32),
     /// How the expert GEMMs of each use are computed (measured on their first calls).
     pub(crate) expert_gemm: gemm_path::PathChooser,
+    /// The fused long-prompt attention's modules, one per head dim, compiled on first use.
+    pub(crate) flash: ops::flash_attention::FlashModules,
 }
 
 /// One product of [`GpuDevice::gemm_bf16_items`]: `rows` bf16 activation rows at `x`, a bf16 weight at
@@ -216,11 +214,6 @@ impl GpuDevice {
             paged_attention_q8: f("paged_attention_q8")?,
             gather_kv_q8: f("gather_kv_q8")?,
             grouped_gemm_bf16: f("grouped_gemm_bf16")?,
-            flash_prefill: [
-                [f("flash_prefill_d32")?, f("flash_prefill_d32_w8")?],
-                [f("flash_prefill_d64")?, f("flash_prefill_d64_w8")?],
-                [f("flash_prefill_d128")?, f("flash_prefill_d128_w8")?],
-            ],
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -236,6 +229,7 @@ impl GpuDevice {
             name,
             capability: (major, minor),
             expert_gemm: gemm_path::PathChooser::from_env(),
+            flash: Default::default(),
         };
         dev.keep_pool_memory()?;
         Ok(dev)
@@ -663,11 +657,26 @@ mod tests {
         }
         // every module for the architecture of each supported capability: the start-up module, the
         // hybrid-attention module and the device-routed experts' module (both loaded on demand)
-        let modules: [(&str, &str, &[&str]); 3] = [
+        let flash = ops::flash_attention::source(128);
+        let modules: [(&str, &str, &[&str]); 4] = [
             ("kernels.cu", SOURCE, &STARTUP_ENTRIES_CHECKED),
             ("hybrid.cu", hybrid::SOURCE, &hybrid::ENTRIES),
             ("routed.cu", routed::SOURCE, &routed::ENTRIES),
+            (
+                "flash_attention.cu d128",
+                &flash,
+                &ops::flash_attention::ENTRIES,
+            ),
         ];
+        // the other head dims' flash modules, for one architecture (each module takes seconds)
+        for dh in ops::FLASH_HEAD_DIMS.into_iter().filter(|&d| d != 128) {
+            let src = nvrtc_compile(&ops::flash_attention::source(dh), "sm_90")
+                .unwrap_or_else(|e| panic!("flash_attention.cu d{dh}: {e}"))
+                .to_src();
+            for entry in ops::flash_attention::ENTRIES {
+                assert!(src.contains(&format!(".entry {entry}")), "d{dh}: {entry}");
+            }
+        }
         for capability in [(8, 9), (9, 0), (12, 0)] {
             let arch = nvrtc_arch(capability);
             for (file, source, entries) in modules {
@@ -685,7 +694,7 @@ mod tests {
     }
 
     /// Entries of the start-up module that the NVRTC check looks for in its PTX.
-    const STARTUP_ENTRIES_CHECKED: [&str; 17] = [
+    const STARTUP_ENTRIES_CHECKED: [&str; 11] = [
         "gated_mul",
         "paged_attention",
         "gemv_w4a16",
@@ -697,12 +706,6 @@ mod tests {
         "paged_attention_q8",
         "gather_kv_q8",
         "grouped_gemm_bf16",
-        "flash_prefill_d32",
-        "flash_prefill_d64",
-        "flash_prefill_d128",
-        "flash_prefill_d32_w8",
-        "flash_prefill_d64_w8",
-        "flash_prefill_d128_w8",
     ];
 
     #[test]

@@ -2,14 +2,33 @@
 //! contiguous bf16 K/V rows (what [`GpuDevice::gather_kv`] writes from the paged cache), with the
 //! softmax computed online per tile of keys, so the `heads · rows · keys` score matrix of the GEMM
 //! path never reaches memory. Tensor-core tiles (bf16 in, f32 accumulation), the group's query heads
-//! sharing each K/V tile.
+//! sharing each K/V tile. One NVRTC module per head dim, compiled on first use (~1 s: the tiles are
+//! fully unrolled), so only models that use it pay for it, once per process.
 use super::{ensure, grid, grid_dim, int};
 use crate::cuda::{GpuDevice, GpuError};
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
+use std::sync::Mutex;
 
 /// Head dims the fused kernel is built for (one instantiation each); others take the GEMM path.
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
+/// Entry points of a flash module: blocks of 4 and of 8 warps.
+pub const ENTRIES: [&str; 2] = ["flash_prefill_w4", "flash_prefill_w8"];
+
+/// The module's source for heads of `head_dim`.
+pub fn source(head_dim: usize) -> String {
+    format!(
+        "#define FA_HEAD_DIM {head_dim}\n{}{}",
+        include_str!("../common.cuh"),
+        include_str!("../flash_attention.cu")
+    )
+}
+
+/// Loaded flash modules' entries (as [`ENTRIES`]), by position of the head dim in
+/// [`FLASH_HEAD_DIMS`].
+#[derive(Default)]
+pub(crate) struct FlashModules(Mutex<[Option<[CudaFunction; 2]>; 3]>);
+
 /// Packed (query row, head of the group) rows per warp of a block.
 const ROWS_PER_WARP: usize = 16;
 
@@ -57,6 +76,23 @@ impl GpuDevice {
     /// Whether [`GpuDevice::flash_prefill`] takes heads of `head_dim`.
     pub fn flash_prefill_supports(head_dim: usize) -> bool {
         FLASH_HEAD_DIMS.contains(&head_dim)
+    }
+
+    /// The kernel for heads of `FLASH_HEAD_DIMS[which]` in blocks of `block`, compiling its module
+    /// the first time.
+    fn flash_kernel(&self, which: usize, block: FlashBlock) -> Result<CudaFunction, GpuError> {
+        let mut loaded = self.flash.0.lock().unwrap_or_else(|e| e.into_inner());
+        if loaded[which].is_none() {
+            let module = super::super::load_source(
+                &self.ctx,
+                self.capability,
+                &source(FLASH_HEAD_DIMS[which]),
+            )?;
+            let f = |n: &str| module.load_function(n);
+            loaded[which] = Some([f(ENTRIES[0])?, f(ENTRIES[1])?]);
+        }
+        let entries = loaded[which].as_ref().expect("loaded above");
+        Ok(entries[(block == FlashBlock::Warps8) as usize].clone())
     }
 
     /// Causal attention of query rows `at` (`q`: f32 `[step rows, heads · head_dim]`) over keys
@@ -128,8 +164,8 @@ impl GpuDevice {
             "buffers not 16-byte aligned".into()
         })?;
         let scale_log2 = scale * std::f32::consts::LOG2_E;
-        let kernel = &self.k.flash_prefill[which][(block == FlashBlock::Warps8) as usize];
-        let mut l = self.stream.launch_builder(kernel);
+        let kernel = self.flash_kernel(which, block)?;
+        let mut l = self.stream.launch_builder(&kernel);
         l.arg(&qp)
             .arg(&w)
             .arg(&kp)
@@ -138,7 +174,7 @@ impl GpuDevice {
             .arg(&vw)
             .arg(&op);
         l.arg(&rows).arg(&pos0).arg(&grp).arg(&scale_log2).arg(&win);
-        // SAFETY: argument order and types as flash_attention.cu's `flash_prefill_d*`; block (b, g)
+        // SAFETY: argument order and types as flash_attention.cu's `flash_prefill_w*`; block (b, g)
         // reads q rows row0..row0 + rows (checked, offset included) at KV head g's query heads,
         // K/V rows below pos0 + rows (checked) at columns g·dh..(g+1)·dh ≤ width (checked), and
         // writes the same rows and columns of out (checked); every address is 16-byte aligned
