@@ -6,6 +6,7 @@ use super::*;
 use crate::engine::gpu::quantize_linear;
 use crate::weights::gguf::tests::write_gguf;
 use crate::weights::gguf::{GgufFile, GgufValue};
+use moe_kernels::cpu::{CpuTier, GroupedInput};
 use moe_kernels::cuda::quant::{QuantizedMatrix, W8Code};
 use moe_sizing::stored::{gate_up_bytes, use_more_bits};
 use moe_sizing::{DenseDtype, GpuLayout};
@@ -568,13 +569,25 @@ fn a_q4_k_m_smallthinker_gguf_loads_plans_and_runs_as_its_f32_twin() {
 /// decode steps (AVX2 tier, f32 KV rows: the same arithmetic on every machine); with `kernels` off,
 /// the reference path (every weight decoded exactly).
 fn cpu_logits(path: &std::path::Path, kernels: bool) -> Vec<Vec<f32>> {
+    cpu_logits_on(path, kernels, Some(CpuTier::Avx2), None)
+}
+
+/// [`cpu_logits`] with the kernel tier cap (`None`: this CPU's best) and the dense projections' input
+/// (`None`: each format's default).
+fn cpu_logits_on(
+    path: &std::path::Path,
+    kernels: bool,
+    tier: Option<CpuTier>,
+    dense_input: Option<GroupedInput>,
+) -> Vec<Vec<f32>> {
     use crate::engine::{Engine, EngineOptions, SeqInput};
     let mut opts = EngineOptions {
         cpu_kernels: kernels,
         cpu_kv_dtype: Some(crate::engine::kv::KvDtype::F32),
         ..Default::default()
     };
-    opts.cpu_moe.max_tier = Some(moe_kernels::cpu::CpuTier::Avx2);
+    opts.cpu_moe.max_tier = tier;
+    opts.cpu_moe.dense_input = dense_input;
     let g = GgufFile::open(path).unwrap();
     let e = Engine::from_source(&g.hf_config().unwrap(), &g, &opts).unwrap();
     if kernels {
@@ -630,7 +643,10 @@ fn q5_0_and_q5_1_blocks_run_as_their_f32_twin() {
 /// three decode steps equal the twin's (≤ 1e-6: the files load to the same model); the CPU kernels'
 /// own arithmetic (int8 activations, K-quant scales and minimums rounded to f16) is printed and only held
 /// to 0.15 (measured on 16-layer random files: 2.0e-2 with every expert active, 2–7e-2 with top-2 of 16
-/// where routing flips; 8e-4 for the same model as Q8_0).
+/// where routing flips; 8e-4 for the same model as Q8_0), on the AVX2 tier and on this CPU's best tier
+/// with each dense input: the default (int8 pairs with a residual in outlier groups for Q4_K, in every
+/// group for Q6_K) and `Int8PairAll` (a residual in every group for Q4_K too: what
+/// `MOE_CPU_DENSE_INPUT=int8pairall` forces; docs/PERF.md has the figures).
 #[test]
 #[ignore = "needs files from llama.cpp's quantizer: MOE_LLAMA_Q4KM=q4km.gguf,twin.gguf"]
 fn llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin() {
@@ -642,5 +658,9 @@ fn llama_cpp_q4_k_m_smallthinker_runs_as_its_f32_twin() {
     for (kernels, bound) in [(false, 1e-6), (true, 0.15)] {
         let tag = format!("CPU kernels {kernels}");
         assert_runs_as_twin(&tag, &cpu_logits(quant, kernels), &want, bound);
+    }
+    for input in [None, Some(GroupedInput::Int8PairAll)] {
+        let tag = format!("CPU kernels, best tier, dense input {input:?}");
+        assert_runs_as_twin(&tag, &cpu_logits_on(quant, true, None, input), &want, 0.15);
     }
 }
