@@ -8,6 +8,13 @@
 //!
 //! Cost: waking spinning workers is ~1 µs; parked workers (idle longer than `spin`) need a futex wake,
 //! tens of µs. Decode calls come every few hundred µs, so the default spin keeps workers hot across layers.
+//!
+//! A worker takes part in a region only if it joins before the region closes: once every item has been
+//! taken, the caller closes the region and waits only for the workers that joined. A worker the OS has
+//! not scheduled (its core lent to another process: a shared build machine, a container at its CPU
+//! limit, an HTTP thread of the same server) is not waited for; the caller does its share instead.
+//! Waiting for it cost a whole scheduler slice per region, ~1 s for a short prompt on a loaded 2-core
+//! machine.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -34,11 +41,17 @@ struct Job {
     items: [usize; MAX_GROUPS],
 }
 
+/// [`Shared::joined`]: set once the caller has closed the region; the low bits count the workers in it.
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
 struct Shared {
     generation: AtomicU64,
     job: UnsafeCell<Job>,
     next: Vec<Padded>,
-    pending: AtomicUsize,
+    /// Workers inside the current region, and [`CLOSED`] once no worker may join it any more.
+    joined: AtomicUsize,
+    /// Workers that have started (and pinned themselves).
+    started: AtomicUsize,
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
@@ -88,7 +101,8 @@ impl WorkerPool {
                 items: [0; MAX_GROUPS],
             }),
             next: (0..groups).map(|_| Padded(AtomicUsize::new(0))).collect(),
-            pending: AtomicUsize::new(0),
+            joined: AtomicUsize::new(CLOSED),
+            started: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -114,6 +128,7 @@ impl WorkerPool {
                         if pin && pin_current_thread(cpu) {
                             pinned.fetch_add(1, Ordering::Relaxed);
                         }
+                        sh.started.fetch_add(1, Ordering::Release);
                         worker_loop(&sh, g, tid);
                     })
                     .expect("spawn worker thread");
@@ -121,6 +136,9 @@ impl WorkerPool {
             }
         }
         // Wait until the workers have pinned themselves so `pinned_threads` is meaningful.
+        while shared.started.load(Ordering::Acquire) < handles.len() {
+            std::thread::yield_now();
+        }
         let mut pool = WorkerPool {
             shared,
             handles,
@@ -183,9 +201,9 @@ impl WorkerPool {
             }
         }
         let sh = &*self.shared;
-        // SAFETY: no worker reads `job` until the generation below changes, and the previous region has
-        // fully finished (pending == 0) before `run` returned. The lifetime is erased only for the
-        // duration of this call: we wait for every worker before returning.
+        // SAFETY: no worker reads `job` outside a region it joined, and the previous region was closed
+        // with no worker left in it before `run` returned. The lifetime is erased only for the
+        // duration of this call: we close the region and wait for every worker in it before returning.
         unsafe {
             let job = &mut *sh.job.get();
             job.f = std::mem::transmute::<*const RegionFn<'_>, *const RegionFn<'static>>(f);
@@ -195,7 +213,9 @@ impl WorkerPool {
         for c in &sh.next {
             c.0.store(0, Ordering::Relaxed);
         }
-        sh.pending.store(self.handles.len(), Ordering::Relaxed);
+        // Opens the region: a worker that joins reads this value (Acquire), so it sees the job and the
+        // counters written above.
+        sh.joined.store(0, Ordering::Release);
         sh.generation.fetch_add(1, Ordering::SeqCst);
         if sh.sleepers.load(Ordering::SeqCst) > 0 {
             let _l = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -206,14 +226,23 @@ impl WorkerPool {
             unsafe { do_items(sh, 0, 0) }
         }))
         .is_ok();
+        // Every item taken (group 0's by the caller above; other groups' only by their own workers):
+        // close the region, then wait for the workers in it to finish theirs.
         let mut spins = 0u32;
-        while sh.pending.load(Ordering::Acquire) != 0 {
+        let mut wait = || {
             spins += 1;
             if spins < 1 << 16 {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
             }
+        };
+        while (1..self.groups).any(|g| sh.next[g].0.load(Ordering::Relaxed) < items[g]) {
+            wait();
+        }
+        sh.joined.fetch_or(CLOSED, Ordering::AcqRel);
+        while sh.joined.load(Ordering::Acquire) != CLOSED {
+            wait();
         }
         if !caller_ok || sh.panicked.swap(false, Ordering::Relaxed) {
             panic!("a worker-pool region panicked");
@@ -263,15 +292,35 @@ fn worker_loop(sh: &Shared, group: usize, tid: usize) {
             return;
         }
         seen = gen;
+        if !join(sh) {
+            continue; // closed already: the caller and the other workers did its items
+        }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: we observed the new generation with Acquire; `run` keeps the job alive until
-            // `pending` reaches zero, which needs our decrement below.
+            // SAFETY: we joined an open region (Acquire on the value `run` published with the job);
+            // `run` keeps the job alive until we leave it below.
             unsafe { do_items(sh, group, tid) }
         }));
         if r.is_err() {
             sh.panicked.store(true, Ordering::Relaxed);
         }
-        sh.pending.fetch_sub(1, Ordering::Release);
+        sh.joined.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Enters the open region, if any: false once it is closed.
+fn join(sh: &Shared) -> bool {
+    let mut v = sh.joined.load(Ordering::Acquire);
+    loop {
+        if v & CLOSED != 0 {
+            return false;
+        }
+        match sh
+            .joined
+            .compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return true,
+            Err(now) => v = now,
+        }
     }
 }
 
@@ -315,6 +364,33 @@ mod tests {
             }
             if round % 10 == 0 {
                 std::thread::sleep(Duration::from_millis(1)); // let workers park
+            }
+        }
+    }
+
+    /// The caller and a worker on one CPU (what a busy machine does to them): the worker often has not
+    /// run yet when the caller has taken every item, and the caller closes the region without it. Every
+    /// item still runs exactly once, and no region touches another region's job.
+    #[test]
+    fn regions_close_without_workers_that_did_not_join() {
+        let cpu = crate::cpu::topology::allowed_cpus()
+            .first()
+            .copied()
+            .unwrap_or(0);
+        let pool = WorkerPool::new(&[vec![cpu, cpu]], true, Duration::from_millis(5));
+        for round in 0..2000 {
+            let n = 1 + round % 7;
+            let counts: Vec<AtomicUsize> = (0..8).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(&[n], &|_, i, t| {
+                assert!(t < 2);
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            for (i, c) in counts.iter().enumerate() {
+                assert_eq!(
+                    c.load(Ordering::Relaxed),
+                    usize::from(i < n),
+                    "round {round}"
+                );
             }
         }
     }
