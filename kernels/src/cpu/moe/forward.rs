@@ -5,6 +5,7 @@
 use std::cell::RefCell;
 
 use super::act::{gated_row, ActBuf, ActKind};
+use super::fused::{DecodePath, FusedState, FUSED_MAX_TOKENS};
 use super::gemm::{act_kind, amx_supports, gemm};
 use super::{CpuExpertSet, MoeError};
 use crate::cpu::features::CpuTier;
@@ -12,44 +13,46 @@ use crate::cpu::pool::WorkerPool;
 
 /// One expert that got tokens in this call.
 #[derive(Clone, Copy, Debug)]
-struct Active {
+pub(super) struct Active {
     /// Index into the set's slots.
-    e: usize,
-    group: usize,
+    pub e: usize,
+    pub group: usize,
     /// First routed row (into `tok`/`wt`/`h`).
-    start: usize,
-    m: usize,
+    pub start: usize,
+    pub m: usize,
     /// First row in the 16-row padded buffers (`ga`, `ha`).
-    pstart: usize,
-    amx: bool,
+    pub pstart: usize,
+    pub amx: bool,
 }
 
 /// Per-call buffers, kept between calls so decode allocates nothing.
 #[derive(Default)]
 pub(super) struct Scratch {
     counts: Vec<u32>,
-    tok: Vec<u32>,
-    wt: Vec<f32>,
-    seq: Vec<u32>,
-    active: Vec<Active>,
-    xa: ActBuf,
+    pub tok: Vec<u32>,
+    pub wt: Vec<f32>,
+    pub seq: Vec<u32>,
+    pub active: Vec<Active>,
+    pub xa: ActBuf,
     ga: ActBuf,
-    ha: ActBuf,
-    h: Vec<f32>,
-    partial: Vec<f32>,
+    pub ha: ActBuf,
+    pub h: Vec<f32>,
+    pub partial: Vec<f32>,
     /// Per group: (active index, first tile / row, count).
     items: Vec<Vec<(u32, u32, u32)>>,
+    /// The decode path's plan and flags.
+    pub fused: FusedState,
 }
 
 #[derive(Clone, Copy)]
-struct SyncPtr<T>(*mut T);
+pub(super) struct SyncPtr<T>(pub *mut T);
 // SAFETY: used only for writes to disjoint ranges from pool threads while the owner is borrowed.
 unsafe impl<T> Send for SyncPtr<T> {}
 unsafe impl<T> Sync for SyncPtr<T> {}
 
 impl<T> SyncPtr<T> {
     /// A method (not field access) so closures capture the whole Sync wrapper.
-    fn get(self) -> *mut T {
+    pub fn get(self) -> *mut T {
         self.0
     }
 }
@@ -90,6 +93,8 @@ pub struct RegionTimes {
     pub down_act_s: f64,
     /// (D) down, added into the output.
     pub down_s: f64,
+    /// Decode calls on the fused path: B, C and D in one region.
+    pub fused_s: f64,
     /// (E) the NUMA groups' partial sums added.
     pub reduce_s: f64,
     /// Calls timed.
@@ -104,6 +109,7 @@ impl RegionTimes {
         self.gate_up_s += o.gate_up_s;
         self.down_act_s += o.down_act_s;
         self.down_s += o.down_s;
+        self.fused_s += o.fused_s;
         self.reduce_s += o.reduce_s;
         self.calls += o.calls;
     }
@@ -132,21 +138,21 @@ impl<'a> RegionClock<'a> {
 }
 
 /// What every region of one call reads.
-struct Call<'a> {
-    pool: &'a WorkerPool,
+pub(super) struct Call<'a> {
+    pub pool: &'a WorkerPool,
     x: &'a [f32],
     /// Tokens of the call.
-    t: usize,
-    tier: CpuTier,
-    groups: usize,
+    pub t: usize,
+    pub tier: CpuTier,
+    pub groups: usize,
     /// Hidden and intermediate widths, and their padded K (the gate and down layouts').
-    hd: usize,
-    id: usize,
-    hp: usize,
-    ip: usize,
+    pub hd: usize,
+    pub id: usize,
+    pub hp: usize,
+    pub ip: usize,
     /// Activation kinds of gate/up and of down.
-    gkind: ActKind,
-    dkind: ActKind,
+    pub gkind: ActKind,
+    pub dkind: ActKind,
     /// Some expert runs on AMX: work items keep even tile counts.
     any_amx: bool,
 }
@@ -211,6 +217,15 @@ impl CpuExpertSet {
         };
         self.convert(s, &c, prows);
         clock.lap(|t| &mut t.convert_s);
+        if self.decode_path == DecodePath::Fused && !c.any_amx && t <= FUSED_MAX_TOKENS {
+            self.fused_region(s, &c, rows, out);
+            clock.lap(|t| &mut t.fused_s);
+            if c.groups > 1 {
+                self.reduce_groups(s, &c, out);
+                clock.lap(|t| &mut t.reduce_s);
+            }
+            return Ok(());
+        }
         // bf16 / f32 down activations are elementwise: written straight from B (no region C).
         let fuse = !matches!(c.dkind, ActKind::I8 { .. });
         self.gate_up(s, &c, rows, prows, fuse);

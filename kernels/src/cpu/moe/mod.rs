@@ -47,6 +47,9 @@ pub(crate) mod act_i8;
 mod amx_config;
 mod export;
 mod forward;
+mod fused;
+#[cfg(test)]
+mod fused_tests;
 pub(crate) mod gemm;
 mod kern_amx;
 #[cfg(target_arch = "x86_64")]
@@ -62,6 +65,7 @@ mod tests;
 
 pub use act::{gated_rows, Activation};
 pub use forward::RegionTimes;
+pub use fused::{DecodePath, FUSED_MAX_TOKENS};
 pub use pack::{
     bf16_to_f32, f32_to_bf16, format_for_ggml, fp8_e4m3_to_f32, PackError, SourceTensor,
     WeightFormat,
@@ -186,6 +190,10 @@ pub struct CpuExpertSet {
     buffers: Vec<HugeBuffer>,
     groups: usize,
     scratch: SharedScratch,
+    /// How decode-sized calls run (see [`DecodePath`]).
+    decode_path: DecodePath,
+    /// Item sizes of the fused decode path.
+    fused_targets: fused::Targets,
 }
 
 impl CpuExpertSet {
@@ -283,6 +291,8 @@ impl CpuExpertSet {
             buffers,
             groups,
             scratch: SharedScratch::default(),
+            decode_path: DecodePath::from_env(),
+            fused_targets: fused::TARGETS,
         })
     }
 
@@ -319,6 +329,16 @@ impl CpuExpertSet {
     /// Lowers (or raises, up to the CPU's best) the tier used by `forward`: tests, benchmarks.
     pub fn set_max_tier(&mut self, t: CpuTier) {
         self.tier = t.clamp_to_cpu();
+    }
+
+    /// The path decode-sized calls take (default: `MOE_CPU_DECODE`, else fused).
+    pub fn decode_path(&self) -> DecodePath {
+        self.decode_path
+    }
+
+    /// Switches the path of decode-sized calls: A/B benchmarks, tests.
+    pub fn set_decode_path(&mut self, p: DecodePath) {
+        self.decode_path = p;
     }
 
     /// Page kinds the expert memory got, one per group.

@@ -1,0 +1,685 @@
+//! The decode path of `CpuExpertSet::forward`: gate/up and down of a few tokens in ONE pool region.
+//!
+//! At decode sizes a layer reads ~70 MB of weights in ~0.5 ms, so every microsecond the DRAM is not
+//! busy shows. The split path (`forward.rs`) runs gate/up, (int8) the down activations and down as
+//! separate regions: each ends in a barrier where the threads that finished first wait for the last
+//! item, and every item starts its weight streams cold. Here:
+//! - one region: the items of a group are all its gate/up items, then all its down items, taken in
+//!   that order from one counter. A down item needs the intermediate rows of its experts only; each
+//!   expert's rows are ready once its own gate/up items are done (the thread finishing an expert's last
+//!   item quantizes its rows for int8 kinds, the old region C). A down item computes the ready experts
+//!   first and, while it waits for the rest, pulls their weights into L2, so the tail of gate/up is
+//!   spent reading down's weights instead of waiting at a barrier. No deadlock: a down item only waits
+//!   for gate/up items, which come before it in the order, so they were all taken by threads running
+//!   them, and those never wait.
+//! - warm streams: before a stream's first bytes are needed its head is prefetched: up's while gate
+//!   runs, the next expert's down tiles while the current one runs, and the next unclaimed item's first
+//!   stream while the current item runs its last one.
+//! - item sizes by bytes (`Targets`), not by tile counts, so every shape and format gets items of a
+//!   few hundred KiB (the tail of the region is about half an item); with many experts per call (8
+//!   tokens × top-8) a down chunk's experts are split into parts summed in a fixed order by whichever
+//!   thread finishes the chunk's last part.
+//!
+//! Results equal the split path's bit for bit when no down chunk is split into parts (every decode
+//! call of one token and most of a few); with parts, each part sums its experts in order and the
+//! parts are added in order: deterministic, rounding like any other summation order.
+
+use std::cell::RefCell;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+
+use super::act::{gated_row, ActBuf, ActKind, ActWriter};
+use super::forward::{Active, Call, Scratch, SyncPtr};
+use super::gemm::gemm;
+use super::kern_avx512::{prefetch_distance, prefetch_head};
+use super::CpuExpertSet;
+
+/// Which code runs calls of at most [`FUSED_MAX_TOKENS`] tokens in which no expert uses AMX tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodePath {
+    /// Gate/up, down activations and down as separate regions with barriers between them.
+    Split,
+    /// One region with per-expert readiness instead of barriers (this module).
+    Fused,
+}
+
+impl DecodePath {
+    /// `MOE_CPU_DECODE=split|fused` (read once per process), else `Fused`.
+    pub fn from_env() -> DecodePath {
+        static P: std::sync::OnceLock<DecodePath> = std::sync::OnceLock::new();
+        *P.get_or_init(|| {
+            std::env::var("MOE_CPU_DECODE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DecodePath::Fused)
+        })
+    }
+}
+
+impl FromStr for DecodePath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "split" => Ok(DecodePath::Split),
+            "fused" => Ok(DecodePath::Fused),
+            _ => Err(format!(
+                "unknown decode path {s:?} (expected split or fused)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DecodePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DecodePath::Split => "split",
+            DecodePath::Fused => "fused",
+        })
+    }
+}
+
+/// Largest call (tokens) the fused path takes; larger ones are prefill-like and keep the split path.
+pub const FUSED_MAX_TOKENS: usize = 8;
+
+/// Item sizes the fused plan aims at, in weight bytes read per item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Targets {
+    /// Gate plus up bytes of one gate/up item.
+    pub gate_up: usize,
+    /// Down bytes of one down item (all its experts).
+    pub down: usize,
+}
+
+/// ~25–30 µs of one core's share of the DRAM bandwidth (150 GB/s over 16 cores) per gate/up item,
+/// ~20 µs per down item: long enough that starting a stream is rare, short enough that the region's
+/// tail (about half of the last items) stays ~10 µs.
+pub(super) const TARGETS: Targets = Targets {
+    gate_up: 256 << 10,
+    down: 192 << 10,
+};
+
+/// At least this many items per thread in each half, so the counter can balance threads of unequal
+/// speed.
+const MIN_ITEMS_PER_THREAD: usize = 4;
+
+/// One work item of the fused region (indices are `u32` to keep the plan small).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Item {
+    /// Gate and up of N-tiles `nt0 .. nt0 + nts` of active expert `ai` (index into `active`).
+    GateUp { ai: u32, nt0: u32, nts: u32 },
+    /// Down output tiles `nt0 .. nt0 + nts` over the group's experts `e0 .. e1` (indices into the
+    /// group's list of active experts), summed into part `part` of chunk `chunk`.
+    Down {
+        chunk: u32,
+        part: u32,
+        nt0: u32,
+        nts: u32,
+        e0: u32,
+        e1: u32,
+    },
+}
+
+/// The shape one group's plan is made for.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GroupShape {
+    /// Active experts of the group (this call).
+    pub experts: usize,
+    pub gate_tiles: usize,
+    /// Bytes of one N-tile of gate (and of up).
+    pub gate_tile_bytes: usize,
+    pub down_tiles: usize,
+    pub down_tile_bytes: usize,
+    pub threads: usize,
+}
+
+/// One group's items and how its down chunks are cut.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct GroupPlan {
+    pub items: Vec<Item>,
+    /// Number of gate/up items of each of the group's experts (in group order).
+    pub gate_up_items: Vec<u32>,
+    /// Parts per down chunk (1: the chunk's only item adds into the output directly).
+    pub parts: usize,
+    pub chunks: usize,
+}
+
+/// Plans one group: every (expert, gate N-tile) once in gate/up items, then every (down N-tile,
+/// expert) once in down items. `experts` are the group's active expert indices (into `active`).
+pub(super) fn plan_group(shape: GroupShape, experts: &[u32], t: Targets) -> GroupPlan {
+    let e = shape.experts;
+    debug_assert_eq!(e, experts.len());
+    let mut plan = GroupPlan {
+        parts: 1,
+        ..Default::default()
+    };
+    if e == 0 {
+        return plan;
+    }
+    let threads = shape.threads.max(1);
+    let min_items = MIN_ITEMS_PER_THREAD * threads;
+    // gate/up: `gc` N-tiles of gate and of up per item
+    let g = shape.gate_tiles;
+    let by_bytes = (t.gate_up / (2 * shape.gate_tile_bytes).max(1)).max(1);
+    let by_count = (e * g / min_items).max(1);
+    let gc = by_bytes.min(by_count).clamp(1, g);
+    for &ai in experts {
+        let mut n = 0;
+        let mut nt = 0;
+        while nt < g {
+            let c = gc.min(g - nt);
+            plan.items.push(Item::GateUp {
+                ai,
+                nt0: nt as u32,
+                nts: c as u32,
+            });
+            nt += c;
+            n += 1;
+        }
+        plan.gate_up_items.push(n);
+    }
+    // down: chunks of `dc` N-tiles over all experts, or 1 N-tile over parts of the experts
+    let d = shape.down_tiles;
+    let per_tile_all = e * shape.down_tile_bytes;
+    let (dc, per_part) = if per_tile_all <= t.down {
+        let by_bytes = t.down / per_tile_all.max(1);
+        let by_count = (d / min_items).max(1);
+        (by_bytes.min(by_count).clamp(1, d), e)
+    } else {
+        let per_part = (t.down / shape.down_tile_bytes.max(1)).max(1);
+        let parts = e.div_ceil(per_part);
+        (1, e.div_ceil(parts))
+    };
+    plan.parts = e.div_ceil(per_part);
+    let mut nt = 0;
+    let mut chunk = 0u32;
+    while nt < d {
+        let c = dc.min(d - nt);
+        for p in 0..plan.parts {
+            let e0 = p * per_part;
+            plan.items.push(Item::Down {
+                chunk,
+                part: p as u32,
+                nt0: nt as u32,
+                nts: c as u32,
+                e0: e0 as u32,
+                e1: (e0 + per_part).min(e) as u32,
+            });
+        }
+        nt += c;
+        chunk += 1;
+    }
+    plan.chunks = chunk as usize;
+    plan
+}
+
+/// Per-call state of the fused region, kept in the set's scratch between calls.
+#[derive(Default)]
+pub(super) struct FusedState {
+    pub plans: Vec<GroupPlan>,
+    /// Per group: its active expert indices, in order.
+    pub members: Vec<Vec<u32>>,
+    /// Per active expert: gate/up items finished, and whether its down activations are complete.
+    done: Vec<AtomicU32>,
+    ready: Vec<AtomicBool>,
+    /// Per group: the next item to take.
+    next: Vec<AtomicUsize>,
+    /// Per group and chunk: parts finished.
+    arrived: Vec<Vec<AtomicU32>>,
+    /// Per group: `parts × t × hidden` partial sums (only for groups whose chunks have parts).
+    partial: Vec<Vec<f32>>,
+    /// An item panicked: waiters stop waiting.
+    abort: AtomicBool,
+}
+
+fn reset_atomics<T: Default>(v: &mut Vec<T>, n: usize, store: impl Fn(&T)) {
+    if v.len() < n {
+        v.resize_with(n, T::default);
+    }
+    v[..n].iter().for_each(store);
+}
+
+thread_local! {
+    static YBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static COMPUTED: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Sets `abort` if dropped while unwinding (an item panicked), so no waiter spins forever.
+struct AbortOnUnwind<'a>(&'a AtomicBool);
+impl Drop for AbortOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Prefetches `bytes` from `p` into L2 (a waiting thread reading ahead; L1 is left to the kernels).
+#[inline]
+fn prefetch_l2(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: prefetches never fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off).cast()) };
+            off += 64;
+        }
+    }
+}
+
+/// The first bytes of a stream into L1 ahead of use.
+#[inline]
+fn warm(p: &[u8]) {
+    // SAFETY: prefetch only.
+    unsafe { prefetch_head(p.as_ptr(), prefetch_distance().min(p.len())) };
+}
+
+impl CpuExpertSet {
+    /// The fused region (see the module doc); `out` gets group 0's sums, `partial` (the split path's
+    /// NUMA partial sums, `(groups − 1) × t × hidden`) the other groups'.
+    pub(super) fn fused_region(&self, s: &mut Scratch, c: &Call<'_>, rows: usize, out: &mut [f32]) {
+        let (t, hd, id, ip, hp) = (c.t, c.hd, c.id, c.ip, c.hp);
+        let (tier, gkind, dkind) = (c.tier, c.gkind, c.dkind);
+        let fuse = !matches!(dkind, ActKind::I8 { .. });
+        let prows = s
+            .active
+            .last()
+            .map_or(0, |a| a.pstart + a.m.div_ceil(16) * 16);
+        s.ha.reserve(dkind, prows, ip);
+        let hw = s.ha.writer(dkind, ip);
+        if !fuse {
+            s.h.resize(rows * id, 0.0);
+        }
+        if c.groups > 1 {
+            s.partial.clear();
+            s.partial.resize((c.groups - 1) * t * hd, 0.0);
+        }
+        self.plan_fused(s, c);
+        let f = &mut s.fused;
+        let n_active = s.active.len();
+        reset_atomics(&mut f.done, n_active, |a| a.store(0, Ordering::Relaxed));
+        reset_atomics(&mut f.ready, n_active, |a| {
+            a.store(false, Ordering::Relaxed)
+        });
+        reset_atomics(&mut f.next, c.groups, |a| a.store(0, Ordering::Relaxed));
+        f.abort.store(false, Ordering::Relaxed);
+        f.arrived.resize_with(c.groups, Vec::new);
+        f.partial.resize_with(c.groups, Vec::new);
+        for g in 0..c.groups {
+            let p = &f.plans[g];
+            reset_atomics(&mut f.arrived[g], p.chunks, |a| {
+                a.store(0, Ordering::Relaxed)
+            });
+            if p.parts > 1 {
+                f.partial[g].resize(p.parts * t * hd, 0.0);
+            }
+        }
+        // Per active expert: how many gate/up items it has (from its group's plan).
+        let mut items_of = vec![0u32; n_active];
+        for (g, p) in f.plans.iter().enumerate() {
+            for (k, &ai) in f.members[g].iter().enumerate() {
+                items_of[ai as usize] = p.gate_up_items[k];
+            }
+        }
+        let part_sums: Vec<SyncPtr<f32>> = f
+            .partial
+            .iter_mut()
+            .map(|v| SyncPtr(v.as_mut_ptr()))
+            .collect();
+        let region = Region {
+            set: self,
+            c,
+            fuse,
+            hw,
+            h: SyncPtr(s.h.as_mut_ptr()),
+            out: SyncPtr(out.as_mut_ptr()),
+            numa_partial: SyncPtr(s.partial.as_mut_ptr()),
+            part_sums,
+            items_of,
+            st: &s.fused,
+            active: &s.active,
+            tok: &s.tok,
+            wt: &s.wt,
+            seq: &s.seq,
+            xa: &s.xa,
+            ha: &s.ha,
+            tier,
+            gkind,
+            dkind,
+            hp,
+            ip,
+        };
+        let per_group: Vec<usize> = (0..c.groups).map(|g| c.pool.threads_in_group(g)).collect();
+        c.pool.run(&per_group, &|g, _, _| region.worker(g));
+    }
+
+    /// Fills `s.fused.plans` / `members` for this call's active experts.
+    fn plan_fused(&self, s: &mut Scratch, c: &Call<'_>) {
+        let f = &mut s.fused;
+        f.members.resize_with(c.groups, Vec::new);
+        f.plans.resize_with(c.groups, GroupPlan::default);
+        for (g, m) in f.members.iter_mut().enumerate() {
+            m.clear();
+            m.extend(
+                s.active
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.group == g)
+                    .map(|(i, _)| i as u32),
+            );
+        }
+        let tile = |l: &super::pack::MatLayout| l.k_tiles * l.tile_bytes;
+        for g in 0..c.groups {
+            let shape = GroupShape {
+                experts: f.members[g].len(),
+                gate_tiles: self.gate_l.n_tiles,
+                gate_tile_bytes: tile(&self.gate_l),
+                down_tiles: self.down_l.n_tiles,
+                down_tile_bytes: tile(&self.down_l),
+                threads: c.pool.threads_in_group(g),
+            };
+            f.plans[g] = plan_group(shape, &f.members[g], self.fused_targets);
+        }
+    }
+}
+
+/// What every thread of the fused region reads.
+struct Region<'a> {
+    set: &'a CpuExpertSet,
+    c: &'a Call<'a>,
+    fuse: bool,
+    hw: ActWriter,
+    h: SyncPtr<f32>,
+    out: SyncPtr<f32>,
+    numa_partial: SyncPtr<f32>,
+    part_sums: Vec<SyncPtr<f32>>,
+    items_of: Vec<u32>,
+    st: &'a FusedState,
+    active: &'a [Active],
+    tok: &'a [u32],
+    wt: &'a [f32],
+    seq: &'a [u32],
+    xa: &'a ActBuf,
+    /// Down activations: rows of an expert are read only after its `ready` flag was acquired, and
+    /// are written (through `hw`) only before that flag is released.
+    ha: &'a ActBuf,
+    tier: crate::cpu::features::CpuTier,
+    gkind: ActKind,
+    dkind: ActKind,
+    hp: usize,
+    ip: usize,
+}
+
+// SAFETY: the raw pointers inside are only written at disjoint ranges (see each write), and the
+// region outlives the pool call that shares it.
+unsafe impl Sync for Region<'_> {}
+
+impl Region<'_> {
+    /// One thread's share: items of group `g` from its counter until none is left.
+    fn worker(&self, g: usize) {
+        let _guard = AbortOnUnwind(&self.st.abort);
+        let items = &self.st.plans[g].items;
+        loop {
+            let i = self.st.next[g].fetch_add(1, Ordering::Relaxed);
+            let Some(&item) = items.get(i) else {
+                break;
+            };
+            match item {
+                Item::GateUp { ai, nt0, nts } => self.gate_up(g, ai as usize, nt0, nts),
+                Item::Down {
+                    chunk,
+                    part,
+                    nt0,
+                    nts,
+                    e0,
+                    e1,
+                } => self.down(g, chunk, part, nt0 as usize, nts as usize, e0, e1),
+            }
+        }
+    }
+
+    /// Prefetches the head of the first stream of the item the group's counter hands out next (most
+    /// likely this thread's next one).
+    fn warm_next(&self, g: usize) {
+        let items = &self.st.plans[g].items;
+        let Some(&item) = items.get(self.st.next[g].load(Ordering::Relaxed)) else {
+            return;
+        };
+        match item {
+            Item::GateUp { ai, nt0, .. } => {
+                let [gate, _, _] = self.set.mats(self.active[ai as usize].e);
+                warm(gate.ntile(nt0 as usize));
+            }
+            Item::Down { nt0, e0, .. } => {
+                let ai = self.st.members[g][e0 as usize] as usize;
+                let [_, _, down] = self.set.mats(self.active[ai].e);
+                warm(down.ntile(nt0 as usize));
+            }
+        }
+    }
+
+    fn gate_up(&self, g: usize, ai: usize, nt0: u32, nts: u32) {
+        let (nt0, nts) = (nt0 as usize, nts as usize);
+        let a = self.active[ai];
+        let [gate, up, _] = self.set.mats(a.e);
+        warm(up.ntile(nt0));
+        let view = self
+            .xa
+            .view(self.gkind, self.hp, &self.tok[a.start..a.start + a.m]);
+        let ld = 16 * nts;
+        let id = self.c.id;
+        YBUF.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.len() < 3 * a.m * ld {
+                b.resize(3 * a.m * ld, 0.0);
+            }
+            let (gy, rest) = b.split_at_mut(a.m * ld);
+            let (uy, hy) = rest.split_at_mut(a.m * ld);
+            gemm(self.tier, false, &gate, nt0, nts, &view, gy, ld);
+            self.warm_next(g);
+            gemm(self.tier, false, &up, nt0, nts, &view, uy, ld);
+            let cols = (id - nt0 * 16).min(ld);
+            let (actf, limit) = (self.set.cfg.activation, self.set.cfg.swiglu_limit);
+            for r in 0..a.m {
+                let (gr, ur) = (&gy[r * ld..r * ld + cols], &uy[r * ld..r * ld + cols]);
+                let w = self.wt[a.start + r];
+                if self.fuse {
+                    let hr = &mut hy[..cols];
+                    gated_row(actf, limit, gr, ur, w, hr);
+                    // SAFETY: these columns of padded row pstart + r belong to this item.
+                    unsafe {
+                        self.hw
+                            .write_cols(a.pstart + r, nt0 * 16, hr, nt0 * 16 + cols == id)
+                    };
+                } else {
+                    // SAFETY: row (start + r), columns nt0*16.. of h belong to this item.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            self.h.get().add((a.start + r) * id + nt0 * 16),
+                            cols,
+                        )
+                    };
+                    gated_row(actf, limit, gr, ur, w, dst);
+                }
+            }
+        });
+        // The expert's last item makes its down activations whole (int8: quantized rows).
+        let done = self.st.done[ai].fetch_add(1, Ordering::AcqRel) + 1;
+        if done == self.items_of[ai] {
+            if !self.fuse {
+                for r in 0..a.m {
+                    // SAFETY: every item of this expert is done (acquired above): its rows of h are
+                    // complete and no one else writes padded row pstart + r.
+                    unsafe {
+                        let src =
+                            std::slice::from_raw_parts(self.h.get().add((a.start + r) * id), id);
+                        self.hw.write_row(a.pstart + r, src)
+                    };
+                }
+            }
+            self.st.ready[ai].store(true, Ordering::Release);
+        }
+    }
+
+    /// Down of output tiles `nt0 ..` over the group's experts `e0 .. e1`: the ready ones first, the
+    /// others' weights pulled into L2 while waiting for them; then each expert's rows added in order.
+    #[allow(clippy::too_many_arguments)]
+    fn down(&self, g: usize, chunk: u32, part: u32, nt0: usize, nts: usize, e0: u32, e1: u32) {
+        let (t, hd) = (self.c.t, self.c.hd);
+        let members = &self.st.members[g][e0 as usize..e1 as usize];
+        let ld = 16 * nts;
+        let cols = (hd - nt0 * 16).min(ld);
+        let rows: usize = members.iter().map(|&ai| self.active[ai as usize].m).sum();
+        let plan = &self.st.plans[g];
+        YBUF.with(|yb| {
+            COMPUTED.with(|cb| {
+                let (mut y, mut computed) = (yb.borrow_mut(), cb.borrow_mut());
+                if y.len() < rows * ld {
+                    y.resize(rows * ld, 0.0);
+                }
+                computed.clear();
+                computed.resize(members.len(), false);
+                // ready experts first, each warming the next one's stream
+                let mut waiting = false;
+                let mut row0 = 0;
+                for (k, &ai) in members.iter().enumerate() {
+                    let a = self.active[ai as usize];
+                    if self.st.ready[ai as usize].load(Ordering::Acquire) {
+                        if let Some(&nx) = members.get(k + 1) {
+                            let [_, _, d] = self.set.mats(self.active[nx as usize].e);
+                            warm(d.ntile(nt0));
+                        } else {
+                            self.warm_next(g);
+                        }
+                        self.down_expert(a, nt0, nts, &mut y[row0 * ld..]);
+                        computed[k] = true;
+                    } else {
+                        waiting = true;
+                    }
+                    row0 += a.m;
+                }
+                if waiting {
+                    for (k, &ai) in members.iter().enumerate() {
+                        if !computed[k] {
+                            let [_, _, d] = self.set.mats(self.active[ai as usize].e);
+                            let w = &d.w[nt0 * d.ntile(0).len()..];
+                            prefetch_l2(w.as_ptr(), nts * d.ntile(0).len());
+                        }
+                    }
+                    let mut row0 = 0;
+                    for (k, &ai) in members.iter().enumerate() {
+                        let a = self.active[ai as usize];
+                        if !computed[k] {
+                            self.wait_ready(ai as usize);
+                            self.down_expert(a, nt0, nts, &mut y[row0 * ld..]);
+                        }
+                        row0 += a.m;
+                    }
+                }
+                let dst = self.group_out(g);
+                if plan.parts == 1 {
+                    // SAFETY: columns nt0*16.. of every output row belong to this item.
+                    unsafe { self.add_rows(members, &y, ld, nt0, cols, dst) };
+                    return;
+                }
+                // a part of the chunk: into its partial sums, then the chunk's last part adds them all
+                let part_base = self.part_sums[g].get();
+                // SAFETY: part `part`'s rows, columns nt0*16.. belong to this item.
+                unsafe {
+                    let pd = part_base.add(part as usize * t * hd);
+                    for tk in 0..t {
+                        std::slice::from_raw_parts_mut(pd.add(tk * hd + nt0 * 16), cols).fill(0.0);
+                    }
+                    self.add_rows(members, &y, ld, nt0, cols, pd);
+                }
+                let arrived = self.st.arrived[g][chunk as usize].fetch_add(1, Ordering::AcqRel) + 1;
+                if arrived as usize == plan.parts {
+                    for p in 0..plan.parts {
+                        for tk in 0..t {
+                            // SAFETY: every part of this chunk is done (acquired above); columns
+                            // nt0*16.. of the output belong to this chunk alone.
+                            unsafe {
+                                let src = std::slice::from_raw_parts(
+                                    part_base.add(p * t * hd + tk * hd + nt0 * 16),
+                                    cols,
+                                );
+                                let o = std::slice::from_raw_parts_mut(
+                                    dst.add(tk * hd + nt0 * 16),
+                                    cols,
+                                );
+                                for (v, q) in o.iter_mut().zip(src) {
+                                    *v += q;
+                                }
+                            }
+                        }
+                    }
+                }
+            })
+        });
+    }
+
+    /// `y` (rows of `members` stacked in order) added into `dst` (t × hidden) at columns nt0*16...
+    ///
+    /// # Safety
+    /// Those columns of `dst` are this caller's alone.
+    unsafe fn add_rows(
+        &self,
+        members: &[u32],
+        y: &[f32],
+        ld: usize,
+        nt0: usize,
+        cols: usize,
+        dst: *mut f32,
+    ) {
+        let hd = self.c.hd;
+        let mut row = 0;
+        for &ai in members {
+            let a = self.active[ai as usize];
+            for r in 0..a.m {
+                let tk = self.tok[a.start + r] as usize;
+                // SAFETY: (caller) these columns are ours.
+                let o =
+                    unsafe { std::slice::from_raw_parts_mut(dst.add(tk * hd + nt0 * 16), cols) };
+                for (v, q) in o.iter_mut().zip(&y[(row + r) * ld..]) {
+                    *v += q;
+                }
+            }
+            row += a.m;
+        }
+    }
+
+    fn down_expert(&self, a: Active, nt0: usize, nts: usize, y: &mut [f32]) {
+        let [_, _, down] = self.set.mats(a.e);
+        let view = self
+            .ha
+            .view(self.dkind, self.ip, &self.seq[a.pstart..a.pstart + a.m]);
+        gemm(self.tier, false, &down, nt0, nts, &view, y, 16 * nts);
+    }
+
+    fn wait_ready(&self, ai: usize) {
+        let mut spins = 0u32;
+        while !self.st.ready[ai].load(Ordering::Acquire) {
+            if self.st.abort.load(Ordering::Acquire) {
+                panic!("another item of the fused expert region panicked");
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1 << 16) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Where group `g`'s sums go: the output for group 0, its NUMA partial buffer otherwise.
+    fn group_out(&self, g: usize) -> *mut f32 {
+        if g == 0 {
+            self.out.get()
+        } else {
+            self.numa_partial
+                .get()
+                .wrapping_add((g - 1) * self.c.t * self.c.hd)
+        }
+    }
+}

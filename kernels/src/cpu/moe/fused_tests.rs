@@ -1,0 +1,261 @@
+//! The fused decode path: its plan covers every tile once in a deadlock-free order, and its results
+//! equal the split path's (bit for bit when no down chunk has parts, within f32 summation order when
+//! it has), on one and on several NUMA groups.
+
+use std::time::Duration;
+
+use super::fused::{plan_group, GroupShape, Item, Targets, TARGETS};
+use super::*;
+use crate::cpu::pool::WorkerPool;
+
+/// Checks the invariants every plan must hold; returns (gate/up items, down items).
+fn check_plan(shape: GroupShape, t: Targets) -> (usize, usize) {
+    let members: Vec<u32> = (0..shape.experts as u32).map(|e| 3 * e + 1).collect();
+    let plan = plan_group(shape, &members, t);
+    let mut gate = vec![0u32; shape.experts * shape.gate_tiles];
+    let mut down = vec![0u32; shape.experts * shape.down_tiles];
+    let mut seen_down = false;
+    let (mut n_gate, mut n_down) = (0, 0);
+    let mut parts_of_chunk = vec![0usize; plan.chunks];
+    for item in &plan.items {
+        match *item {
+            Item::GateUp { ai, nt0, nts } => {
+                assert!(
+                    !seen_down,
+                    "a gate/up item after a down item could deadlock"
+                );
+                let k = members.iter().position(|&m| m == ai).expect("a member");
+                assert!(nts >= 1);
+                for nt in nt0..nt0 + nts {
+                    gate[k * shape.gate_tiles + nt as usize] += 1;
+                }
+                n_gate += 1;
+            }
+            Item::Down {
+                chunk,
+                part,
+                nt0,
+                nts,
+                e0,
+                e1,
+            } => {
+                seen_down = true;
+                assert!(e0 < e1 && (e1 as usize) <= shape.experts && nts >= 1);
+                assert!((part as usize) < plan.parts);
+                parts_of_chunk[chunk as usize] += 1;
+                for e in e0..e1 {
+                    for nt in nt0..nt0 + nts {
+                        down[e as usize * shape.down_tiles + nt as usize] += 1;
+                    }
+                }
+                n_down += 1;
+            }
+        }
+    }
+    assert!(gate.iter().all(|&c| c == 1), "every gate/up tile once");
+    assert!(
+        down.iter().all(|&c| c == 1),
+        "every down tile of every expert once"
+    );
+    assert!(parts_of_chunk.iter().all(|&p| p == plan.parts));
+    let per_expert: Vec<u32> = members
+        .iter()
+        .map(|&m| {
+            plan.items
+                .iter()
+                .filter(|i| matches!(i, Item::GateUp { ai, .. } if *ai == m))
+                .count() as u32
+        })
+        .collect();
+    assert_eq!(plan.gate_up_items, per_expert);
+    (n_gate, n_down)
+}
+
+fn shape(experts: usize, hidden: usize, inter: usize, bytes_per_weight: usize) -> GroupShape {
+    GroupShape {
+        experts,
+        gate_tiles: inter / 16,
+        gate_tile_bytes: 16 * hidden * bytes_per_weight,
+        down_tiles: hidden / 16,
+        down_tile_bytes: 16 * inter * bytes_per_weight,
+        threads: 16,
+    }
+}
+
+#[test]
+fn plans_cover_every_tile_once_gate_up_first() {
+    for experts in [0, 1, 6, 8, 27, 50, 128] {
+        for (h, i) in [(2048, 768), (2560, 768), (4096, 2048), (64, 48)] {
+            for bpw in [1, 2] {
+                check_plan(shape(experts, h, i, bpw), TARGETS);
+                let tiny = Targets {
+                    gate_up: 1,
+                    down: 1,
+                };
+                check_plan(shape(experts, h, i, bpw), tiny);
+            }
+        }
+    }
+}
+
+/// The item counts behind the decode figures: a few hundred KiB per item, at least 4 per thread.
+#[test]
+fn decode_shapes_get_items_of_a_few_hundred_kib() {
+    // Qwen3-30B-A3B, one token, bf16: gate/up items of 2 N-tiles (2 × 2 × 64 KiB), down items of one
+    // N-tile over the 8 experts (8 × 24 KiB) with no parts.
+    let qwen = shape(8, 2048, 768, 2);
+    let members: Vec<u32> = (0..8).collect();
+    let p = plan_group(qwen, &members, TARGETS);
+    assert_eq!(check_plan(qwen, TARGETS), (8 * 24, 128));
+    assert_eq!(p.parts, 1);
+    // int8: 4 N-tiles per gate/up item, 2 per down item
+    assert_eq!(check_plan(shape(8, 2048, 768, 1), TARGETS), (8 * 12, 64));
+    // SmallThinker-21B, one token (6 of 64), bf16: one N-tile of gate/up is 80 KiB
+    assert_eq!(check_plan(shape(6, 2560, 768, 2), TARGETS), (6 * 48, 160));
+    // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 8 experts
+    let many = shape(50, 2048, 768, 2);
+    let p = plan_group(many, &(0..50).collect::<Vec<_>>(), TARGETS);
+    assert_eq!(p.parts, 7);
+    assert_eq!(check_plan(many, TARGETS).1, 128 * 7);
+}
+
+struct Experts {
+    ids: Vec<u32>,
+    w: Vec<[Vec<u16>; 3]>,
+}
+
+impl Experts {
+    fn new(n: u32, h: usize, i: usize, seed: u32) -> Experts {
+        let mut s = seed;
+        let mut bits = |len: usize| -> Vec<u16> {
+            (0..len)
+                .map(|_| {
+                    s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    0x3c00 | ((s >> 16) as u16 & 0x807f) // ±[0.0078, 0.0156) in bf16
+                })
+                .collect()
+        };
+        let w = (0..n)
+            .map(|_| [bits(i * h), bits(i * h), bits(h * i)])
+            .collect();
+        Experts {
+            ids: (0..n).collect(),
+            w,
+        }
+    }
+
+    fn set(&self, cfg: &ExpertSetConfig, pool: &WorkerPool) -> CpuExpertSet {
+        let src: Vec<ExpertSource<'_>> = self
+            .w
+            .iter()
+            .map(|m| ExpertSource {
+                gate: SourceTensor::Bf16(&m[0]),
+                up: SourceTensor::Bf16(&m[1]),
+                down: SourceTensor::Bf16(&m[2]),
+            })
+            .collect();
+        CpuExpertSet::new(cfg, &self.ids, &src, pool).unwrap()
+    }
+}
+
+/// Routing of `t` tokens to `k` distinct experts of `n` each, some ids not held (negative weight
+/// rows would be a GPU's share: ids ≥ n).
+fn routing(t: usize, k: usize, n: u32, h: usize, call: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+    let x: Vec<f32> = (0..t * h)
+        .map(|j| ((j * 7 + call * 13) % 23) as f32 / 11.0 - 1.0)
+        .collect();
+    let mut ids = Vec::new();
+    for tk in 0..t {
+        for j in 0..k {
+            ids.push(((tk * 5 + j * 3 + call) % (n as usize + 2)) as u32);
+        }
+    }
+    let wts = (0..t * k).map(|j| 0.2 + (j % 5) as f32 * 0.15).collect();
+    (x, ids, wts)
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
+    let cpus: Vec<Vec<usize>> = groups.iter().map(|&n| vec![0; n]).collect();
+    let pool = WorkerPool::new(&cpus, false, Duration::from_micros(200));
+    let (h, i, n) = (96usize, 80usize, 9u32);
+    let experts = Experts::new(n, h, i, 11);
+    let cfg = ExpertSetConfig::new(h, i, fmt).with_activation(act, None);
+    let mut split = experts.set(&cfg, &pool);
+    split.set_decode_path(DecodePath::Split);
+    let mut fused = experts.set(&cfg, &pool);
+    fused.set_decode_path(DecodePath::Fused);
+    let mut parted = experts.set(&cfg, &pool);
+    parted.set_decode_path(DecodePath::Fused);
+    parted.fused_targets = Targets {
+        gate_up: 1,
+        down: 1,
+    }; // one N-tile, one expert per item
+    for call in 0..3 {
+        for t in 1..=FUSED_MAX_TOKENS {
+            let k = 1 + (t + call) % 4;
+            let (x, ids, wts) = routing(t, k, n, h, call);
+            let run = |set: &CpuExpertSet| {
+                let mut y = vec![0.25f32; t * h];
+                set.forward(&pool, &x, &ids, &wts, k, &mut y).unwrap();
+                y
+            };
+            let want = run(&split);
+            assert!(want.iter().any(|&v| v != 0.25));
+            let ctx = format!("{fmt:?} {act:?} groups {groups:?} t={t} k={k} call {call}");
+            // each set took the path it was given
+            for (set, fused_ran) in [(&split, false), (&fused, true), (&parted, true)] {
+                let mut times = RegionTimes::default();
+                let mut y = vec![0f32; t * h];
+                set.forward_timed(&pool, &x, &ids, &wts, k, &mut y, Some(&mut times))
+                    .unwrap();
+                assert_eq!(times.fused_s > 0.0, fused_ran, "{ctx}");
+                assert_eq!(times.gate_up_s > 0.0, !fused_ran, "{ctx}");
+            }
+            assert_eq!(
+                run(&fused),
+                want,
+                "{ctx}: one part per chunk is bit for bit"
+            );
+            // Parts change the f32 summation order only: ~1e-7 relative.
+            let got = run(&parted);
+            let e = rel_l2(&got, &want);
+            assert!(e < 1e-6, "{ctx}: parts {e}");
+            assert_eq!(
+                run(&parted),
+                got,
+                "{ctx}: parts are summed in a fixed order"
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_equals_split_bf16_and_int8() {
+    fused_against_split(&[3], WeightFormat::Bf16, Activation::Silu);
+    fused_against_split(&[3], WeightFormat::Int8, Activation::Relu);
+    fused_against_split(&[2], WeightFormat::Int4 { group: 32 }, Activation::Silu);
+}
+
+#[test]
+fn fused_equals_split_over_numa_groups() {
+    fused_against_split(&[2, 2], WeightFormat::Bf16, Activation::Relu);
+    fused_against_split(&[1, 2], WeightFormat::Int8, Activation::Silu);
+}
+
+#[test]
+fn decode_path_parses_and_names() {
+    assert_eq!("split".parse::<DecodePath>(), Ok(DecodePath::Split));
+    assert_eq!("fused".parse::<DecodePath>(), Ok(DecodePath::Fused));
+    assert!("fast".parse::<DecodePath>().is_err());
+    assert_eq!(DecodePath::Fused.to_string(), "fused");
+}
