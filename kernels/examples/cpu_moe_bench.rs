@@ -1,7 +1,9 @@
 //! The benchmark behind `moe-daemon bench cpu-moe`, without building the daemon: a release build of
 //! this example compiles only the kernels crate, so kernel work on a small machine can be timed in
 //! minutes. Flags (all optional): `--experts --topk --hidden --inter --layers --iters --probe-mib N`,
-//! `--dtype bf16,fp8,…`, `--tokens 1,4,…`, `--threads 1,2,…`, `--tier scalar|avx2|avx512|amx`.
+//! `--dtype bf16,fp8,…`, `--tokens 1,4,…`, `--threads 1,2,…`, `--tier scalar|avx2|avx512|amx`,
+//! `--paths split,fused,…` (decode paths timed one after the other per token count; default
+//! `MOE_CPU_DECODE`, else fused).
 //!
 //!     cargo run --release -p moe-kernels --example cpu_moe_bench -- --dtype bf16,int8,fp8 --tokens 1,4
 
@@ -32,6 +34,7 @@ fn parse(args: &[String]) -> Result<CpuMoeBenchArgs, String> {
             "--tokens" => a.tokens = list(v)?,
             "--threads" => a.threads = list(v)?,
             "--tier" => a.tier = Some(v.parse().map_err(|e| format!("--tier: {e}"))?),
+            "--paths" => a.paths = list(v)?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }

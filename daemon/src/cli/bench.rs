@@ -2,7 +2,7 @@
 use crate::engine::{Engine, SeqInput};
 use clap::{Args, Subcommand};
 use moe_kernels::cpu::bench::CpuMoeBenchArgs;
-use moe_kernels::cpu::moe::WeightFormat;
+use moe_kernels::cpu::moe::{DecodePath, WeightFormat};
 use moe_kernels::cpu::{CpuTier, HugepageMode, NumaMode};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -67,6 +67,10 @@ pub struct CpuMoeArgs {
     /// Size of the DRAM bandwidth probe buffer.
     #[arg(long, default_value_t = 4096)]
     pub probe_mib: usize,
+    /// Decode paths timed one after the other for each token count (`split`, `fused`; repeats
+    /// alternate them); default `MOE_CPU_DECODE`, else fused. Calls above 8 tokens always split.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_paths: Vec<DecodePath>,
 }
 
 impl CpuMoeArgs {
@@ -92,6 +96,11 @@ impl CpuMoeArgs {
             hugepages: self.hugepages,
             numa: self.numa,
             probe_mib: self.probe_mib,
+            paths: if self.decode_paths.is_empty() {
+                defaults.paths
+            } else {
+                self.decode_paths.clone()
+            },
         }
     }
 }
@@ -316,12 +325,13 @@ fn decode_batch(
     if r.calls > 0 {
         let ms = |s: f64| s / n * 1e3;
         println!(
-            "  CPU expert kernels by region, per step: route {:.2} ms, convert {:.2}, gate+up {:.2}, down activations {:.2}, down {:.2}, NUMA reduce {:.2} ({:.1} calls per step; the rest of \"CPU experts\" is the hand-off and deferred copies)",
+            "  CPU expert kernels by region, per step: route {:.2} ms, convert {:.2}, gate+up {:.2}, down activations {:.2}, down {:.2}, fused decode region {:.2}, NUMA reduce {:.2} ({:.1} calls per step; the rest of \"CPU experts\" is the hand-off and deferred copies)",
             ms(r.route_s),
             ms(r.convert_s),
             ms(r.gate_up_s),
             ms(r.down_act_s),
             ms(r.down_s),
+            ms(r.fused_s),
             ms(r.reduce_s),
             r.calls as f64 / n
         );

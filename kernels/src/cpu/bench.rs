@@ -12,7 +12,8 @@ use thiserror::Error;
 use super::features::CpuTier;
 use super::memory::{HugeBuffer, HugepageMode};
 use super::moe::{
-    f32_to_bf16, CpuExpertSet, ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat,
+    f32_to_bf16, CpuExpertSet, DecodePath, ExpertSetConfig, ExpertSource, SourceTensor,
+    WeightFormat,
 };
 use super::options::{CpuMoeOptions, NumaMode};
 use super::pool::WorkerPool;
@@ -46,6 +47,9 @@ pub struct CpuMoeBenchArgs {
     pub hugepages: HugepageMode,
     pub numa: NumaMode,
     pub probe_mib: usize,
+    /// Decode paths to time, each token count once per entry (repeats allowed: `split,fused,split,
+    /// fused` alternates them); calls above `FUSED_MAX_TOKENS` tokens take the split path either way.
+    pub paths: Vec<DecodePath>,
 }
 
 impl Default for CpuMoeBenchArgs {
@@ -65,6 +69,7 @@ impl Default for CpuMoeBenchArgs {
             hugepages: HugepageMode::Auto,
             numa: NumaMode::Auto,
             probe_mib: 4096,
+            paths: vec![DecodePath::from_env()],
         }
     }
 }
@@ -309,8 +314,8 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
             sets[0].tier(),
             t0.elapsed().as_secs_f64()
         );
-        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | decode path |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
         for (ti, &threads) in a.threads.iter().enumerate() {
             let pool = opts(threads).build_pool()?;
             for &q in &a.tokens {
@@ -336,39 +341,63 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
                 let mut distinct = ids_q.clone();
                 distinct.sort_unstable();
                 distinct.dedup();
-                // Warm-up: every layer once (at least 3 calls), so no timed call is a layer's first
-                // since packing (on the H200 host the first row of each dtype was 2-5x off otherwise).
-                for i in 0..a.layers.max(3) {
-                    sets[i % a.layers].forward(&pool, &x, &ids_q, &wts, a.topk, &mut y)?;
+                for &path in &a.paths {
+                    sets.iter_mut().for_each(|s| s.set_decode_path(path));
+                    let row = time_calls(a, &sets, &pool, (&x, &ids_q, &wts), &mut y)?;
+                    let (mean, median) = (row.mean, row.median);
+                    let bytes = (distinct.len() * per_expert) as f64;
+                    let gbs = bytes / mean / 1e9;
+                    let limit = bytes / (bw[ti] * 1e9);
+                    let _ = writeln!(
+                        out,
+                        "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {:.0} | {path} |",
+                        mean * 1e3,
+                        median * 1e3,
+                        distinct.len(),
+                        100.0 * gbs / bw[ti],
+                        100.0 * bytes / median / 1e9 / bw[ti],
+                        mean / limit,
+                        (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
+                    );
                 }
-                let mut times = Vec::with_capacity(a.iters);
-                let start = Instant::now();
-                for i in 0..a.iters {
-                    let t = Instant::now();
-                    sets[i % a.layers].forward(&pool, &x, &ids_q, &wts, a.topk, &mut y)?;
-                    times.push(t.elapsed().as_secs_f64());
-                }
-                let mean = start.elapsed().as_secs_f64() / a.iters as f64;
-                times.sort_by(f64::total_cmp);
-                let median = times[times.len() / 2];
-                let bytes = (distinct.len() * per_expert) as f64;
-                let gbs = bytes / mean / 1e9;
-                let limit = bytes / (bw[ti] * 1e9);
-                let _ = writeln!(
-                    out,
-                    "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {:.0} |",
-                    mean * 1e3,
-                    median * 1e3,
-                    distinct.len(),
-                    100.0 * gbs / bw[ti],
-                    100.0 * bytes / median / 1e9 / bw[ti],
-                    mean / limit,
-                    (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
-                );
             }
         }
     }
     Ok(out)
+}
+
+/// Mean and median seconds of one layer call.
+struct CallTimes {
+    mean: f64,
+    median: f64,
+}
+
+/// Times `a.iters` calls cycling through the layers, after warm-up calls.
+fn time_calls(
+    a: &CpuMoeBenchArgs,
+    sets: &[CpuExpertSet],
+    pool: &WorkerPool,
+    (x, ids_q, wts): (&[f32], &[u32], &[f32]),
+    y: &mut [f32],
+) -> Result<CallTimes, BenchError> {
+    // Warm-up: every layer once (at least 3 calls), so no timed call is a layer's first since
+    // packing (on the H200 host the first row of each dtype was 2-5x off otherwise).
+    for i in 0..a.layers.max(3) {
+        sets[i % a.layers].forward(pool, x, ids_q, wts, a.topk, y)?;
+    }
+    let mut times = Vec::with_capacity(a.iters);
+    let start = Instant::now();
+    for i in 0..a.iters {
+        let t = Instant::now();
+        sets[i % a.layers].forward(pool, x, ids_q, wts, a.topk, y)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let mean = start.elapsed().as_secs_f64() / a.iters as f64;
+    times.sort_by(f64::total_cmp);
+    Ok(CallTimes {
+        mean,
+        median: times[times.len() / 2],
+    })
 }
 
 #[cfg(test)]
@@ -403,14 +432,19 @@ mod tests {
             layers: 2,
             iters: 2,
             probe_mib: 1,
+            paths: vec![DecodePath::Split, DecodePath::Fused],
             ..Default::default()
         };
         let r = run_cpu_moe_bench(&a).unwrap();
         assert_eq!(
             r.lines().filter(|l| l.starts_with("| 1 |")).count(),
-            8,
+            16,
             "{r}"
         );
+        for path in ["split", "fused"] {
+            let rows = r.lines().filter(|l| l.ends_with(&format!("| {path} |")));
+            assert_eq!(rows.count(), 8, "{r}");
+        }
         assert!(r.contains("DRAM read bandwidth"));
         assert!(r.contains("# CPU topology: hwloc 2."), "{r}");
     }
