@@ -16,13 +16,14 @@
 //!   runs, the next expert's down tiles while the current one runs, and the next unclaimed item's first
 //!   stream while the current item runs its last one.
 //! - item sizes by bytes (`Targets`), not by tile counts, so every shape and format gets items of a
-//!   few hundred KiB (the tail of the region is about half an item); with many experts per call (8
-//!   tokens × top-8) a down chunk's experts are split into parts summed in a fixed order by whichever
-//!   thread finishes the chunk's last part.
+//!   few hundred KiB; with many experts per call (8 tokens × top-8) a down chunk's experts are split
+//!   into parts, summed in a fixed order by whichever thread finishes the chunk's last part.
+//! - the experts whose gate/up finish last get a down part of their own, handed out last: the first
+//!   down items never wait for them, and the region ends on small items (one expert, one chunk).
 //!
-//! Results equal the split path's bit for bit when no down chunk is split into parts (every decode
-//! call of one token and most of a few); with parts, each part sums its experts in order and the
-//! parts are added in order: deterministic, rounding like any other summation order.
+//! Results: each part sums its experts in order and the parts are added to the output in order, so
+//! calls are deterministic; against the split path (one sum over all experts) only the f32
+//! summation order differs (bit for bit when a chunk has one part).
 
 use std::cell::RefCell;
 use std::str::FromStr;
@@ -189,26 +190,43 @@ pub(super) fn plan_group(shape: GroupShape, experts: &[u32], t: Targets) -> Grou
         let parts = e.div_ceil(per_part);
         (1, e.div_ceil(parts))
     };
-    plan.parts = e.div_ceil(per_part);
-    let mut nt = 0;
-    let mut chunk = 0u32;
-    while nt < d {
-        let c = dc.min(d - nt);
-        for p in 0..plan.parts {
-            let e0 = p * per_part;
+    let mut parts: Vec<(usize, usize)> = (0..e.div_ceil(per_part))
+        .map(|p| (p * per_part, ((p + 1) * per_part).min(e)))
+        .collect();
+    // The experts of the last `threads` gate/up items may still be computing when the first down
+    // item is taken: with one part they would make every early down item wait. They get a part of
+    // their own, handed out after every other part: the early items never wait, and the late part's
+    // items (one expert each per chunk) are the region's small last items.
+    let late_from = plan
+        .items
+        .len()
+        .checked_sub(threads)
+        .map_or(0, |i| match plan.items[i] {
+            Item::GateUp { ai, .. } => experts.iter().position(|&m| m == ai).unwrap_or(0),
+            Item::Down { .. } => 0,
+        });
+    if parts.len() == 1 && late_from > 0 {
+        parts = vec![(0, late_from), (late_from, e)];
+    }
+    plan.parts = parts.len();
+    // part-major: a later part holds later experts, which are ready later
+    for (p, &(e0, e1)) in parts.iter().enumerate() {
+        let (mut nt, mut chunk) = (0, 0u32);
+        while nt < d {
+            let c = dc.min(d - nt);
             plan.items.push(Item::Down {
                 chunk,
                 part: p as u32,
                 nt0: nt as u32,
                 nts: c as u32,
                 e0: e0 as u32,
-                e1: (e0 + per_part).min(e) as u32,
+                e1: e1 as u32,
             });
+            nt += c;
+            chunk += 1;
         }
-        nt += c;
-        chunk += 1;
+        plan.chunks = chunk as usize;
     }
-    plan.chunks = chunk as usize;
     plan
 }
 
@@ -229,6 +247,9 @@ pub(super) struct FusedState {
     partial: Vec<Vec<f32>>,
     /// An item panicked: waiters stop waiting.
     abort: AtomicBool,
+    /// Tests: the last gate/up item of each group sleeps this long first, so down items must wait.
+    #[cfg(test)]
+    pub slow_last_gate_up: Option<std::time::Duration>,
 }
 
 fn reset_atomics<T: Default>(v: &mut Vec<T>, n: usize, store: impl Fn(&T)) {
@@ -425,6 +446,13 @@ impl Region<'_> {
             let Some(&item) = items.get(i) else {
                 break;
             };
+            #[cfg(test)]
+            if let Some(d) = self.st.slow_last_gate_up {
+                let last = items.iter().rposition(|i| matches!(i, Item::GateUp { .. }));
+                if last == Some(i) {
+                    std::thread::sleep(d);
+                }
+            }
             match item {
                 Item::GateUp { ai, nt0, nts } => self.gate_up(g, ai as usize, nt0, nts),
                 Item::Down {
