@@ -99,6 +99,35 @@ pub(super) const TARGETS: Targets = Targets {
     down: 192 << 10,
 };
 
+impl Targets {
+    /// [`TARGETS`], or `MOE_CPU_DECODE_ITEM_KIB=GATE_UP,DOWN` (KiB per item; read once per process).
+    pub fn from_env() -> Targets {
+        static T: std::sync::OnceLock<Targets> = std::sync::OnceLock::new();
+        *T.get_or_init(|| {
+            std::env::var("MOE_CPU_DECODE_ITEM_KIB")
+                .ok()
+                .and_then(|v| Targets::parse_kib(&v))
+                .unwrap_or(TARGETS)
+        })
+    }
+
+    /// `"GATE_UP,DOWN"` in KiB, both at least 1.
+    pub fn parse_kib(v: &str) -> Option<Targets> {
+        let (g, d) = v.split_once(',')?;
+        let kib = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&k| k > 0)
+                .map(|k| k << 10)
+        };
+        Some(Targets {
+            gate_up: kib(g)?,
+            down: kib(d)?,
+        })
+    }
+}
+
 /// At least this many items per thread in each half, so the counter can balance threads of unequal
 /// speed.
 const MIN_ITEMS_PER_THREAD: usize = 4;

@@ -279,6 +279,15 @@ fn fused_equals_split_over_numa_groups() {
 }
 
 #[test]
+fn item_sizes_parse_from_kib() {
+    let t = Targets::parse_kib("128, 96").unwrap();
+    assert_eq!((t.gate_up, t.down), (128 << 10, 96 << 10));
+    for bad in ["", "128", "0,96", "a,1", "1,-2"] {
+        assert_eq!(Targets::parse_kib(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
 fn decode_path_parses_and_names() {
     assert_eq!("split".parse::<DecodePath>(), Ok(DecodePath::Split));
     assert_eq!("fused".parse::<DecodePath>(), Ok(DecodePath::Fused));

@@ -292,7 +292,7 @@ impl CpuExpertSet {
             groups,
             scratch: SharedScratch::default(),
             decode_path: DecodePath::from_env(),
-            fused_targets: fused::TARGETS,
+            fused_targets: fused::Targets::from_env(),
         })
     }
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# CPU routed-expert kernels at decode sizes on the H200 host: the split path (gate/up, down activations
+# and down as separate pool regions) against the fused one (one region, per-expert readiness), in ONE
+# process per shape (`--paths split,fused,split,fused`: each token count timed four times, the paths
+# alternating), both shapes of the seeds, bf16 and int8, tokens 1,2,4,6,8, 16 threads, enough layers
+# cycled that every call reads its weights from DRAM (24-32 layers ≫ the 320 MB L3). Then the fused
+# path's item sizes (MOE_CPU_DECODE_ITEM_KIB) and the kernels' prefetch distance (MOE_CPU_PREFETCH),
+# and the kernels' unit tests on this CPU.
+#
+# Staging (build machine, branch checkout):
+#   cargo build --release -p moe-kernels --example cpu_moe_bench
+#   T=$(cargo test --release --no-run -p moe-kernels --lib 2>&1 | grep -o 'target/release/deps/moe_kernels-[0-9a-f]*')
+#   D=/work/main/.device/cpudec8; mkdir -p $D
+#   xz -T2 -c target/release/examples/cpu_moe_bench > $D/cpu_moe_bench.xz; xz -T2 -c $T > $D/moe_kernels_tests.xz
+#   cp kernels/bench/decode_ab_on_device.sh $D/
+# Call: D=.device/cpudec8; xz -d -k -f $D/*.xz; chmod +x $D/*; OUT=$OUT D=$D bash $D/decode_ab_on_device.sh
+set -u
+D=${D:-.device/cpudec8}
+OUT=${OUT:-/tmp/decode_ab}
+mkdir -p "$OUT"
+B=$D/cpu_moe_bench
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+
+# Reserved 2 MiB pages for the packed experts (largest set: 24 Qwen layers of bf16, 29 GB, plus the
+# 4 GiB probe); without root the experts go on transparent huge pages.
+if [ -w /proc/sys/vm/nr_hugepages ]; then echo "${PAGES:-17000}" > /proc/sys/vm/nr_hugepages; fi
+log "2 MiB pages reserved: $(cat /proc/sys/vm/nr_hugepages)"
+lscpu | grep -E "Model name|L2 cache|L3 cache" | sed 's/  */ /g'
+
+COMMON=(--threads 16 --tokens 1,2,4,6,8 --iters 60)
+QWEN=(--experts 128 --topk 8 --hidden 2048 --inter 768)
+ST=(--experts 64 --topk 6 --hidden 2560 --inter 768)
+
+log "A/B Qwen3-30B-A3B shape"
+timeout 100 "$B" "${QWEN[@]}" --layers 24 --dtype bf16,int8 "${COMMON[@]}" \
+  --paths split,fused,split,fused > "$OUT/qwen_ab.md" 2>&1
+cat "$OUT/qwen_ab.md"
+log "A/B SmallThinker-21B shape"
+timeout 100 "$B" "${ST[@]}" --layers 32 --dtype bf16,int8 "${COMMON[@]}" \
+  --paths split,fused,split,fused > "$OUT/st_ab.md" 2>&1
+cat "$OUT/st_ab.md"
+
+# Tuning of the fused path, Qwen shape bf16, 16 layers (each a fresh process: the knobs are read once).
+for kib in 128,96 512,384; do
+  log "fused items $kib KiB"
+  MOE_CPU_DECODE_ITEM_KIB=$kib timeout 40 "$B" "${QWEN[@]}" --layers 16 --dtype bf16 --threads 16 \
+    --tokens 1,4,8 --iters 60 --paths fused,fused --probe-mib 1024 > "$OUT/items_$kib.md" 2>&1
+  grep -E "^\| 16 \|" "$OUT/items_$kib.md"
+done
+for pf in 2048 8192; do
+  log "prefetch distance $pf (both paths)"
+  MOE_CPU_PREFETCH=$pf timeout 40 "$B" "${QWEN[@]}" --layers 16 --dtype bf16 --threads 16 \
+    --tokens 1,4,8 --iters 60 --paths split,fused --probe-mib 1024 > "$OUT/prefetch_$pf.md" 2>&1
+  grep -E "^\| 16 \|" "$OUT/prefetch_$pf.md"
+done
+
+log "kernel unit tests (cpu::moe, cpu::bench, cpu::pool)"
+timeout 60 "$D/moe_kernels_tests" cpu::moe cpu::bench cpu::pool > "$OUT/tests.log" 2>&1
+grep -E "test result|FAILED|panicked" "$OUT/tests.log"
+echo 0 > /proc/sys/vm/nr_hugepages 2>/dev/null
+log done
