@@ -4,8 +4,8 @@
 # process per shape (`--paths split,fused,split,fused`: each token count timed four times, the paths
 # alternating), both shapes of the seeds, bf16 and int8, tokens 1,2,4,6,8, 16 threads, enough layers
 # cycled that every call reads its weights from DRAM (24-32 layers ≫ the 320 MB L3). Then the fused
-# path's item sizes (MOE_CPU_DECODE_ITEM_KIB) and the kernels' prefetch distance (MOE_CPU_PREFETCH),
-# and the kernels' unit tests on this CPU.
+# path's item sizes (MOE_CPU_DECODE_ITEM_KIB), the kernels' prefetch distance (MOE_CPU_PREFETCH) and
+# cache hint (MOE_CPU_PREFETCH_HINT), and the kernels' unit tests on this CPU.
 #
 # Staging (build machine, branch checkout):
 #   cargo build --release -p moe-kernels --example cpu_moe_bench
@@ -23,6 +23,8 @@ log() { echo "[$(date +%H:%M:%S)] $*"; }
 
 # Reserved 2 MiB pages for the packed experts (largest set: 24 Qwen layers of bf16, 29 GB, plus the
 # 4 GiB probe); without root the experts go on transparent huge pages.
+# The previous reservation is put back at the end.
+PREV_PAGES=$(cat /proc/sys/vm/nr_hugepages)
 if [ -w /proc/sys/vm/nr_hugepages ]; then echo "${PAGES:-17000}" > /proc/sys/vm/nr_hugepages; fi
 log "2 MiB pages reserved: $(cat /proc/sys/vm/nr_hugepages)"
 lscpu | grep -E "Model name|L2 cache|L3 cache" | sed 's/  */ /g'
@@ -40,22 +42,24 @@ timeout 100 "$B" "${ST[@]}" --layers 32 --dtype bf16,int8 "${COMMON[@]}" \
   --paths split,fused,split,fused > "$OUT/st_ab.md" 2>&1
 cat "$OUT/st_ab.md"
 
-# Tuning of the fused path, Qwen shape bf16, 16 layers (each a fresh process: the knobs are read once).
-for kib in 128,96 512,384; do
-  log "fused items $kib KiB"
-  MOE_CPU_DECODE_ITEM_KIB=$kib timeout 40 "$B" "${QWEN[@]}" --layers 16 --dtype bf16 --threads 16 \
-    --tokens 1,4,8 --iters 60 --paths fused,fused --probe-mib 1024 > "$OUT/items_$kib.md" 2>&1
-  grep -E "^\| 16 \|" "$OUT/items_$kib.md"
-done
-for pf in 2048 8192; do
-  log "prefetch distance $pf (both paths)"
-  MOE_CPU_PREFETCH=$pf timeout 40 "$B" "${QWEN[@]}" --layers 16 --dtype bf16 --threads 16 \
-    --tokens 1,4,8 --iters 60 --paths split,fused --probe-mib 1024 > "$OUT/prefetch_$pf.md" 2>&1
-  grep -E "^\| 16 \|" "$OUT/prefetch_$pf.md"
-done
+# Knobs read once per process (one process each, 12 Qwen layers of bf16, 0.9 GB cycled at 1 token):
+# the fused path's item sizes, then the kernels' prefetch distance and cache hint on both paths.
+tune() {
+  local name=$1 paths=$2; shift 2
+  log "tuning: $name"
+  env "$@" timeout 40 "$B" "${QWEN[@]}" --layers 12 --dtype bf16 --threads 16 --tokens 1,8 --iters 60 \
+    --paths "$paths" --probe-mib 1024 > "$OUT/tune_$name.md" 2>&1
+  grep -E "^\| 16 \||DRAM read" "$OUT/tune_$name.md"
+}
+tune default split,fused
+tune items128_96 fused,fused MOE_CPU_DECODE_ITEM_KIB=128,96
+tune items512_384 fused,fused MOE_CPU_DECODE_ITEM_KIB=512,384
+tune prefetch8192 split,fused MOE_CPU_PREFETCH=8192
+tune hint_nta split,fused MOE_CPU_PREFETCH_HINT=nta
+tune hint_t1 split,fused MOE_CPU_PREFETCH_HINT=t1
 
 log "kernel unit tests (cpu::moe, cpu::bench, cpu::pool)"
 timeout 60 "$D/moe_kernels_tests" cpu::moe cpu::bench cpu::pool > "$OUT/tests.log" 2>&1
 grep -E "test result|FAILED|panicked" "$OUT/tests.log"
-echo 0 > /proc/sys/vm/nr_hugepages 2>/dev/null
+echo "$PREV_PAGES" > /proc/sys/vm/nr_hugepages 2>/dev/null
 log done

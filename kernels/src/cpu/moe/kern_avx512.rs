@@ -32,11 +32,43 @@ pub(crate) fn prefetch_distance() -> usize {
     })
 }
 
+/// Cache level the in-stream prefetches of the kernels fill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PrefetchHint {
+    /// L1 (and L2): the default.
+    T0,
+    /// L2 only.
+    T1,
+    /// Non-temporal: L1 without L2 / L3 allocation, for data read once (the weights of a decode call).
+    Nta,
+}
+
+/// `MOE_CPU_PREFETCH_HINT=t0|t1|nta` (read once per process), else T0: an A/B knob for the DRAM-bound
+/// decode kernels.
+fn prefetch_hint() -> PrefetchHint {
+    static H: OnceLock<PrefetchHint> = OnceLock::new();
+    *H.get_or_init(|| {
+        match std::env::var("MOE_CPU_PREFETCH_HINT").as_deref() {
+            Ok("t1") => PrefetchHint::T1,
+            Ok("nta") => PrefetchHint::Nta,
+            _ => PrefetchHint::T0,
+        }
+    })
+}
+
 #[inline(always)]
 pub(super) unsafe fn prefetch(p: *const u8, pf: usize) {
     if pf > 0 {
-        // SAFETY: prefetches never fault, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf).cast()) };
+        let at = p.wrapping_add(pf).cast();
+        // SAFETY: prefetches never fault, whatever the address. The hint is one predictable branch
+        // per 64 weight bytes of a memory-bound loop.
+        unsafe {
+            match prefetch_hint() {
+                PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(at),
+                PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(at),
+                PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(at),
+            }
+        }
     }
 }
 
