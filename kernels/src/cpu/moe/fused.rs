@@ -175,15 +175,28 @@ pub(super) struct GroupPlan {
 
 /// Plans one group: every (expert, gate N-tile) once in gate/up items, then every (down N-tile,
 /// expert) once in down items. `experts` are the group's active expert indices (into `active`).
+#[cfg(test)]
 pub(super) fn plan_group(shape: GroupShape, experts: &[u32], t: Targets) -> GroupPlan {
+    let mut plan = GroupPlan::default();
+    plan_group_into(&mut plan, shape, experts, t);
+    plan
+}
+
+/// [`plan_group`] into `plan`, reusing its storage from call to call.
+pub(super) fn plan_group_into(
+    plan: &mut GroupPlan,
+    shape: GroupShape,
+    experts: &[u32],
+    t: Targets,
+) {
     let e = shape.experts;
     debug_assert_eq!(e, experts.len());
-    let mut plan = GroupPlan {
-        parts: 1,
-        ..Default::default()
-    };
+    plan.items.clear();
+    plan.gate_up_items.clear();
+    plan.parts = 1;
+    plan.chunks = 0;
     if e == 0 {
-        return plan;
+        return;
     }
     let threads = shape.threads.max(1);
     let min_items = MIN_ITEMS_PER_THREAD * threads;
@@ -256,7 +269,6 @@ pub(super) fn plan_group(shape: GroupShape, experts: &[u32], t: Targets) -> Grou
         }
         plan.chunks = chunk as usize;
     }
-    plan
 }
 
 /// Per-call state of the fused region, kept in the set's scratch between calls.
@@ -265,6 +277,8 @@ pub(super) struct FusedState {
     pub plans: Vec<GroupPlan>,
     /// Per group: its active expert indices, in order.
     pub members: Vec<Vec<u32>>,
+    /// Per active expert: its gate/up items.
+    items_of: Vec<u32>,
     /// Per active expert: gate/up items finished, and whether its down activations are complete.
     done: Vec<AtomicU32>,
     ready: Vec<AtomicBool>,
@@ -366,10 +380,11 @@ impl CpuExpertSet {
             }
         }
         // Per active expert: how many gate/up items it has (from its group's plan).
-        let mut items_of = vec![0u32; n_active];
+        f.items_of.clear();
+        f.items_of.resize(n_active, 0);
         for (g, p) in f.plans.iter().enumerate() {
             for (k, &ai) in f.members[g].iter().enumerate() {
-                items_of[ai as usize] = p.gate_up_items[k];
+                f.items_of[ai as usize] = p.gate_up_items[k];
             }
         }
         let part_sums: Vec<SyncPtr<f32>> = f
@@ -386,7 +401,6 @@ impl CpuExpertSet {
             out: SyncPtr(out.as_mut_ptr()),
             numa_partial: SyncPtr(s.partial.as_mut_ptr()),
             part_sums,
-            items_of,
             st: &s.fused,
             active: &s.active,
             tok: &s.tok,
@@ -429,7 +443,7 @@ impl CpuExpertSet {
                 down_tile_bytes: tile(&self.down_l),
                 threads: c.pool.threads_in_group(g),
             };
-            f.plans[g] = plan_group(shape, &f.members[g], self.fused_targets);
+            plan_group_into(&mut f.plans[g], shape, &f.members[g], self.fused_targets);
         }
     }
 }
@@ -444,7 +458,6 @@ struct Region<'a> {
     out: SyncPtr<f32>,
     numa_partial: SyncPtr<f32>,
     part_sums: Vec<SyncPtr<f32>>,
-    items_of: Vec<u32>,
     st: &'a FusedState,
     active: &'a [Active],
     tok: &'a [u32],
@@ -563,7 +576,7 @@ impl Region<'_> {
         });
         // The expert's last item makes its down activations whole (int8: quantized rows).
         let done = self.st.done[ai].fetch_add(1, Ordering::AcqRel) + 1;
-        if done == self.items_of[ai] {
+        if done == self.st.items_of[ai] {
             if !self.fuse {
                 for r in 0..a.m {
                     // SAFETY: every item of this expert is done (acquired above): its rows of h are

@@ -47,12 +47,10 @@ enum PrefetchHint {
 /// decode kernels.
 fn prefetch_hint() -> PrefetchHint {
     static H: OnceLock<PrefetchHint> = OnceLock::new();
-    *H.get_or_init(|| {
-        match std::env::var("MOE_CPU_PREFETCH_HINT").as_deref() {
-            Ok("t1") => PrefetchHint::T1,
-            Ok("nta") => PrefetchHint::Nta,
-            _ => PrefetchHint::T0,
-        }
+    *H.get_or_init(|| match std::env::var("MOE_CPU_PREFETCH_HINT").as_deref() {
+        Ok("t1") => PrefetchHint::T1,
+        Ok("nta") => PrefetchHint::Nta,
+        _ => PrefetchHint::T0,
     })
 }
 
