@@ -52,9 +52,8 @@ tune() {
   grep -E "^\| 16 \||DRAM read" "$OUT/tune_$name.md"
 }
 tune default split,fused
-tune items128_192 fused,fused MOE_CPU_DECODE_ITEM_KIB=128,192
-tune items256_192 fused,fused MOE_CPU_DECODE_ITEM_KIB=256,192
-tune items512_768 fused,fused MOE_CPU_DECODE_ITEM_KIB=512,768
+tune items128_96 fused,fused MOE_CPU_DECODE_ITEM_KIB=128,96
+tune items512_384 fused,fused MOE_CPU_DECODE_ITEM_KIB=512,384
 tune prefetch8192 split,fused MOE_CPU_PREFETCH=8192
 tune hint_nta split,fused MOE_CPU_PREFETCH_HINT=nta
 tune hint_t1 split,fused MOE_CPU_PREFETCH_HINT=t1

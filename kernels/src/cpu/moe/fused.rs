@@ -92,12 +92,11 @@ pub(super) struct Targets {
 }
 
 /// ~25–30 µs of one core's share of the DRAM bandwidth (150 GB/s over 16 cores) per gate/up item,
-/// ~40 µs per down item over all experts: long enough that starting a stream and a kernel call
-/// (~500 instructions each) are rare. The region's tail is made of the late part's items (one expert:
-/// 48 KiB of bf16 at the Qwen3-30B-A3B shape), whatever these are.
+/// ~20 µs per down item: long enough that starting a stream is rare, short enough that the region's
+/// tail (about half of the last items) stays ~10 µs.
 pub(super) const TARGETS: Targets = Targets {
     gate_up: 256 << 10,
-    down: 384 << 10,
+    down: 192 << 10,
 };
 
 impl Targets {

@@ -101,27 +101,27 @@ fn plans_cover_every_tile_once_gate_up_first() {
 /// The item counts behind the decode figures: a few hundred KiB per item, at least 4 per thread.
 #[test]
 fn decode_shapes_get_items_of_a_few_hundred_kib() {
-    // Qwen3-30B-A3B, one token, bf16: gate/up items of 2 N-tiles (2 × 2 × 64 KiB), down items of 2
-    // N-tiles over the first 7 experts (7 × 48 KiB), then the last expert's (its gate/up items are
-    // the last 16), 48 KiB each.
+    // Qwen3-30B-A3B, one token, bf16: gate/up items of 2 N-tiles (2 × 2 × 64 KiB), down items of one
+    // N-tile over the first 7 experts (7 × 24 KiB), then the last expert's (its gate/up items are
+    // the last 16) one N-tile each.
     let qwen = shape(8, 2048, 768, 2);
     let members: Vec<u32> = (0..8).collect();
     let p = plan_group(qwen, &members, TARGETS);
-    assert_eq!(check_plan(qwen, TARGETS), (8 * 24, 2 * 64));
+    assert_eq!(check_plan(qwen, TARGETS), (8 * 24, 2 * 128));
     assert_eq!(p.parts, 2);
     assert_eq!(
         p.items.last(),
         Some(&Item::Down {
-            chunk: 63,
+            chunk: 127,
             part: 1,
-            nt0: 126,
-            nts: 2,
+            nt0: 127,
+            nts: 1,
             e0: 7,
             e1: 8
         })
     );
     // int8: 4 N-tiles per gate/up item (12 per expert: the last 16 items reach back into expert 6),
-    // 2 per down item (at least 4 items per thread)
+    // 2 per down item
     let int8 = shape(8, 2048, 768, 1);
     assert_eq!(check_plan(int8, TARGETS), (8 * 12, 2 * 64));
     let p = plan_group(int8, &members, TARGETS);
@@ -129,17 +129,16 @@ fn decode_shapes_get_items_of_a_few_hundred_kib() {
         p.items.last(),
         Some(&Item::Down { e0: 6, e1: 8, .. })
     ));
-    // SmallThinker-21B, one token (6 of 64), bf16: one N-tile of gate/up is 80 KiB; down 2 N-tiles
+    // SmallThinker-21B, one token (6 of 64), bf16: one N-tile of gate/up is 80 KiB
     assert_eq!(
         check_plan(shape(6, 2560, 768, 2), TARGETS),
-        (6 * 48, 2 * 80)
+        (6 * 48, 2 * 160)
     );
-    // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 13 experts (at
-    // most 16 × 24 KiB)
+    // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 8 experts
     let many = shape(50, 2048, 768, 2);
     let p = plan_group(many, &(0..50).collect::<Vec<_>>(), TARGETS);
-    assert_eq!(p.parts, 4);
-    assert_eq!(check_plan(many, TARGETS).1, 128 * 4);
+    assert_eq!(p.parts, 7);
+    assert_eq!(check_plan(many, TARGETS).1, 128 * 7);
     // one expert: nothing to split
     let p = plan_group(shape(1, 2048, 768, 2), &[0], TARGETS);
     assert_eq!(p.parts, 1);
