@@ -474,8 +474,9 @@ impl GpuModel {
         let mut split_guard = self.split.lock().unwrap_or_else(|e| e.into_inner());
         let mut split = (split_step && stream.is_some()).then_some(&mut *split_guard);
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        // A graph step whose segments are not all captured yet runs unpipelined (`GraphSet::capture_pass`).
-        let capture_pass = graph_step && graphs_guard.capture_pass(n);
+        // A tensor-parallel graph step whose segments are not all captured yet runs unpipelined
+        // (`GraphSet::capture_pass`); one GPU captures them before its layers instead (below).
+        let capture_pass = graph_step && self.shard.is_some() && graphs_guard.capture_pass(n);
         let class = StepClass {
             pipelined: class.pipelined && !capture_pass,
             ..class
@@ -515,6 +516,19 @@ impl GpuModel {
                 self.replay_whole_step(set, n, &mut layers)?;
                 first_layer = self.layers.len();
             }
+        }
+        // A pipelined step enqueues segments while the GPU waits for the host: its missing graphs are
+        // captured now, while nothing waits (see `GraphSet::may_capture`).
+        if let (Some(set), true, 0) = (graphs.as_deref_mut(), pipelined, first_layer) {
+            let step = (&steps[..], &mut *pool);
+            self.capture_segments(
+                host,
+                set,
+                step,
+                (acts, hand),
+                device.as_deref_mut(),
+                &routes,
+            )?;
         }
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
@@ -747,6 +761,53 @@ impl GpuModel {
                 self.dev
                     .stream
                     .memcpy_htod(&rows, &mut x.slice_mut(..n * hd))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures the pre-expert segment of every layer of a pipelined one-GPU graph step that has no
+    /// graph yet, before the step's layers run: the same segments (homes, hand-off tail, device
+    /// route) the layer loop then replays. Capturing enqueues nothing.
+    fn capture_segments(
+        &self,
+        host: &Model,
+        set: &mut GraphSet,
+        (steps, pool): (&[StepIndex<'_>], &mut super::kv::GpuKvPool),
+        (acts, hand): (&mut ActBufs, &Handoff),
+        mut device: Option<&mut DeviceRouted>,
+        routes: &[LayerRoute],
+    ) -> anyhow::Result<()> {
+        if set.broken || self.shard.is_some() {
+            return Ok(());
+        }
+        for li in 0..self.layers.len() {
+            let want_x = self
+                .layer_homes(host, li, false, None)
+                .contains(&ExpertHome::Cpu);
+            let routed = device.as_deref_mut().map(|d| (d, li, routes[li]));
+            let mut seg = Segment::of(acts, hand, want_x, None, routed);
+            let step = &steps[self.kv_layout.group_of(li)];
+            let key = (li, step.n, seg.tail());
+            if set.map.contains_key(&key) {
+                continue;
+            }
+            match self
+                .dev
+                .capture(|| self.pre_experts(host, li, step, pool, &mut seg))?
+            {
+                (Ok(()), Ok(Some(g))) => {
+                    set.map.insert(key, g);
+                }
+                (r, g) => {
+                    tracing::warn!(
+                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
+                        r.err(),
+                        g.err()
+                    );
+                    set.broken = true;
+                    return Ok(());
+                }
             }
         }
         Ok(())

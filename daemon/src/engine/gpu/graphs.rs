@@ -76,21 +76,22 @@ impl GraphSet {
         self.map.len() + self.halves.len() + self.steps.len()
     }
 
-    /// Whether a graph step of `rows` rows must run as a capture pass: unpipelined, so that no GPU
-    /// wait for the host's CPU experts is pending while it captures. A pipelined step enqueues a
-    /// layer's segment while the GPU spins on the previous layer's hand-off flag, and capturing and
-    /// instantiating a graph then can block in the driver until the device idles, which it cannot do
-    /// before the host raises that flag: on the H200 a 48-layer model's first decode step of each
-    /// batch size stalled for the hand-off's whole 20 s deadline and failed. One unpipelined step per
-    /// batch size costs a few milliseconds once.
+    /// Whether a tensor-parallel graph step of `rows` rows must run as a capture pass: unpipelined,
+    /// so that no GPU wait for the host's CPU experts is pending while it captures (see
+    /// [`GraphSet::may_capture`]; one GPU captures a pipelined step's segments before its layers
+    /// run instead). One unpipelined step per batch size costs a few milliseconds once.
     pub fn capture_pass(&self, rows: usize) -> bool {
         !self.broken && !self.ready_rows.contains(&rows)
     }
 
     /// Whether a segment missing from the set may be captured now: only when no hand-off wait is
-    /// pending (`waiting`). A missing segment found while one is (a layer whose hand-off changed
-    /// since its row count's capture pass, after experts moved) runs eagerly, and the row count gets a
-    /// capture pass again.
+    /// pending (`waiting`). A pipelined step enqueues a layer's segment while the GPU spins on the
+    /// previous layer's hand-off flag, and capturing and instantiating a graph then can block in the
+    /// driver until the device idles, which it cannot do before the host raises that flag: on the
+    /// H200 a 48-layer model's first decode step of each batch size stalled for the hand-off's whole
+    /// 20 s deadline and failed. A missing segment found while a wait is pending runs eagerly, and
+    /// its row count gets a capture pass (tensor parallelism) or a capture before the next step's
+    /// layers (one GPU).
     pub fn may_capture(&mut self, rows: usize, waiting: bool) -> bool {
         if waiting {
             self.ready_rows.remove(&rows);
