@@ -32,7 +32,6 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
-use std::collections::hash_map::Entry;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block tables (one per group of layers,
@@ -792,22 +791,36 @@ impl GpuModel {
             if set.map.contains_key(&key) {
                 continue;
             }
-            match self
-                .dev
-                .capture(|| self.pre_experts(host, li, step, pool, &mut seg))?
-            {
-                (Ok(()), Ok(Some(g))) => {
-                    set.map.insert(key, g);
-                }
-                (r, g) => {
-                    tracing::warn!(
-                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
-                        r.err(),
-                        g.err()
-                    );
-                    set.broken = true;
-                    return Ok(());
-                }
+            self.capture_segment(set, key, || {
+                self.pre_experts(host, li, step, pool, &mut seg)
+            })?;
+            if set.broken {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures `enqueue` (a layer's pre-expert segment) as the graph of `key`; a refused capture
+    /// turns graphs off for the engine (decode runs eagerly from then on).
+    fn capture_segment(
+        &self,
+        set: &mut GraphSet,
+        key: super::graphs::SegmentKey,
+        enqueue: impl FnOnce() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        match self.dev.capture(enqueue)? {
+            (Ok(()), Ok(Some(g))) => {
+                set.map.insert(key, g);
+            }
+            (r, g) => {
+                tracing::warn!(
+                    "CUDA graph capture of layer {} failed ({:?}, {:?}); decode runs without graphs",
+                    key.0,
+                    r.err(),
+                    g.err()
+                );
+                set.broken = true;
             }
         }
         Ok(())
@@ -837,23 +850,8 @@ impl GpuModel {
         if !set.map.contains_key(&key) && !set.may_capture(step.n, waiting) {
             return self.pre_experts(host, li, step, pool, seg);
         }
-        if let Entry::Vacant(slot) = set.map.entry(key) {
-            let (r, g) = self
-                .dev
-                .capture(|| self.pre_experts(host, li, step, pool, seg))?;
-            match (r, g) {
-                (Ok(()), Ok(Some(g))) => {
-                    slot.insert(g);
-                }
-                (r, g) => {
-                    tracing::warn!(
-                        "CUDA graph capture of layer {li} failed ({:?}, {:?}); decode runs without graphs",
-                        r.err(),
-                        g.err()
-                    );
-                    set.broken = true;
-                }
-            }
+        if !set.map.contains_key(&key) {
+            self.capture_segment(set, key, || self.pre_experts(host, li, step, pool, seg))?;
         }
         match set.map.get(&key) {
             Some(g) if !set.broken => Ok(g.replay()?),
