@@ -111,7 +111,7 @@ impl Targets {
         })
     }
 
-    /// `"GATE_UP,DOWN"` in KiB, both at least 1.
+    /// `"GATE_UP,DOWN"` in KiB, both at least 1 and at most `usize::MAX` bytes.
     pub fn parse_kib(v: &str) -> Option<Targets> {
         let (g, d) = v.split_once(',')?;
         let kib = |s: &str| {
@@ -119,7 +119,7 @@ impl Targets {
                 .parse::<usize>()
                 .ok()
                 .filter(|&k| k > 0)
-                .map(|k| k << 10)
+                .and_then(|k| k.checked_mul(1024))
         };
         Some(Targets {
             gate_up: kib(g)?,

@@ -282,7 +282,8 @@ fn fused_equals_split_over_numa_groups() {
 fn item_sizes_parse_from_kib() {
     let t = Targets::parse_kib("128, 96").unwrap();
     assert_eq!((t.gate_up, t.down), (128 << 10, 96 << 10));
-    for bad in ["", "128", "0,96", "a,1", "1,-2"] {
+    // 2^54 KiB is 2^64 bytes: past usize, refused rather than wrapped
+    for bad in ["", "128", "0,96", "a,1", "1,-2", "18014398509481984,1"] {
         assert_eq!(Targets::parse_kib(bad), None, "{bad:?}");
     }
 }
