@@ -159,7 +159,7 @@ fn glm53_flash_example_plans_by_layer_kind() {
         out.contains("22 of 288 routed experts per layer on the GPU, 42 MoE layers"),
         "{out}"
     );
-    assert!(out.contains("KV cache 276416 positions"), "{out}");
+    assert!(out.contains("KV cache 312256 positions"), "{out}");
     // The other 266 experts of each layer stay FP8 in hugepages: 266 × 25.2 MB = 6.24 GiB per layer,
     // mapped per layer on 7 pages of 1 GiB (12 % empty): 42 × 7.
     assert!(out.contains("294Gi of hugepages-1Gi"), "{out}");

@@ -17,6 +17,7 @@ pub use hybrid::{ContextFootprint, HybridLayers, IndexerDims, IndexerKeys, Layer
 pub use plan::{
     choose, choose_devices, gpu_experts_total, plan_with, DenseChoice, EmbeddingChoice,
     ExpertsChoice, KvRequest, LayerPins, MemoryPlan, PlanError, PlanInputs, PlanItem,
+    PrefillAttention,
 };
 pub use shape::{
     kv_scale_group, Attention, CheckpointFormat, HybridShape, KvCacheDtype, ModelShape, Moe,

@@ -193,6 +193,7 @@ mod tests {
             cuda_graphs: false,
             pins: Vec::new(),
             move_slots: 0,
+            prefill_attention: crate::plan::PrefillAttention::Fused,
         }
     }
 

@@ -38,6 +38,20 @@ pub const KV_ELEM_BYTES: u64 = 2;
 /// Score and probability buffers of one GEMM-attention call in a long prefill (the engine blocks
 /// query rows to stay within its 512 MiB score budget; probabilities are bf16 beside f32 scores).
 pub const PREFILL_ATTENTION_BYTES: u64 = 768 * MIB;
+/// Head dims the fused long-prefill attention kernel is built for (the kernels crate's
+/// `FLASH_HEAD_DIMS`; a daemon test checks that both lists agree).
+pub const FUSED_PREFILL_HEAD_DIMS: [u64; 3] = [32, 64, 128];
+
+/// How a long prefill chunk computes GQA attention on the GPU (the engine's `MOE_FLASH_PREFILL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttention {
+    /// The fused kernel wherever the head dim allows it (the default): the sequence's K/V rows are
+    /// gathered, no score matrix.
+    #[default]
+    Fused,
+    /// Scores and probabilities through GEMMs for every chunk (`MOE_FLASH_PREFILL=0`, an A/B knob).
+    Gemm,
+}
 /// Rows the CUDA-graph decode buffers are sized for (the engine's MAX_GRAPH_ROWS).
 pub const GRAPH_ROWS: u64 = 64;
 /// Layerwise prefill's expert stream: staging slots, and the default bytes of one chunk.
@@ -177,6 +191,7 @@ pub struct PlanInputs {
     /// Live re-placement's copies in flight, each holding one expert's GPU memory until its swap
     /// (0: live re-placement off).
     pub move_slots: u64,
+    pub prefill_attention: PrefillAttention,
 }
 
 /// One line of the plan.
@@ -328,10 +343,45 @@ impl PlanError {
     }
 }
 
-/// Activation and per-step buffers of a step of `tokens` rows (`seqs` sequences): the residual
-/// stream and norms, attention projections, router, dense MLP / shared expert, routed experts
-/// computed on the GPU (every token's top-k rows), logits, and the long-prefill attention buffers.
-pub fn step_buffer_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
+/// Activation and per-step buffers of a step of `tokens` rows (`seqs` sequences): the rows
+/// ([`step_row_bytes`]) and the long-prefill attention's scratch ([`prefill_attention_bytes`]).
+pub fn step_buffer_bytes(
+    shape: &ModelShape,
+    tokens: u64,
+    seqs: u64,
+    attention: PrefillAttention,
+) -> u64 {
+    step_row_bytes(shape, tokens, seqs) + prefill_attention_bytes(shape, tokens, attention)
+}
+
+/// Long-prefill attention's scratch for a chunk of `tokens` rows (none below 64 rows, where the
+/// paged kernel runs). GQA gathers the sequence's K and V rows to bf16; the GEMM path adds its score
+/// and probability blocks. MLA's prefill kernel reads the cache in place and needs none.
+pub fn prefill_attention_bytes(
+    shape: &ModelShape,
+    tokens: u64,
+    attention: PrefillAttention,
+) -> u64 {
+    let crate::shape::Attention::Gqa { head_dim, .. } = &shape.attention else {
+        return 0;
+    };
+    if tokens < 64 {
+        return 0;
+    }
+    let (kw, vw) = shape.kv_widths();
+    let gathered = tokens * (kw + vw) * 2;
+    let fused = attention == PrefillAttention::Fused && FUSED_PREFILL_HEAD_DIMS.contains(head_dim);
+    if fused {
+        gathered
+    } else {
+        gathered + PREFILL_ATTENTION_BYTES
+    }
+}
+
+/// The rows of a step of `tokens` rows (`seqs` sequences): the residual stream and norms, attention
+/// projections, router, dense MLP / shared expert, routed experts computed on the GPU (every token's
+/// top-k rows) and logits.
+pub fn step_row_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
     let h = shape.hidden;
     let (qd, kd) = match &shape.attention {
         crate::shape::Attention::Gqa {
@@ -368,16 +418,9 @@ pub fn step_buffer_bytes(shape: &ModelShape, tokens: u64, seqs: u64) -> u64 {
     let routed = top_k * (h * 6 + inter * 10);
     let per_token = acts + mlp + routed;
     let logits = seqs * (shape.vocab * 4 + h * 2);
-    // long prefill: scores/probabilities and the sequence's K/V gathered as bf16
-    let (kw, vw) = shape.kv_widths();
-    let prefill_attn = if tokens >= 64 {
-        PREFILL_ATTENTION_BYTES + tokens * (kw + vw) * 2
-    } else {
-        0
-    };
     // hybrid models: streams, linear-attention and indexer rows of the step (score rows: `plan_with`)
     let hybrid = shape.hybrid.as_ref().map_or(0, |hy| hy.step_row_values * 4);
-    tokens * (per_token + hybrid) + logits + prefill_attn
+    tokens * (per_token + hybrid) + logits
 }
 
 /// KV bytes per position of the pool: the cache rows at bf16, and with CUDA graphs the decode buffers'
@@ -418,9 +461,15 @@ pub(crate) fn plan_with_inputs(
     host_embeddings: bool,
 ) -> Result<MemoryPlan, PlanError> {
     let usable = (inputs.budget_bytes as f64 * USABLE_FRACTION) as u64;
-    let steps = step_buffer_bytes(shape, inputs.max_step_tokens, inputs.max_step_seqs);
+    let steps = step_buffer_bytes(
+        shape,
+        inputs.max_step_tokens,
+        inputs.max_step_seqs,
+        inputs.prefill_attention,
+    );
+    // decode rows only: graph steps never run the long-prefill attention
     let graphs = if inputs.cuda_graphs {
-        step_buffer_bytes(shape, GRAPH_ROWS, GRAPH_ROWS).saturating_sub(PREFILL_ATTENTION_BYTES)
+        step_row_bytes(shape, GRAPH_ROWS, GRAPH_ROWS)
     } else {
         0
     };

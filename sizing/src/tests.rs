@@ -31,6 +31,7 @@ fn serving(card_mib: u64, max_model_len: u64, seqs: u64) -> PlanInputs {
         cuda_graphs: true,
         pins: Vec::new(),
         move_slots: 0,
+        prefill_attention: crate::plan::PrefillAttention::Fused,
     }
 }
 
@@ -266,6 +267,55 @@ fn live_move_slots_are_planned() {
 }
 
 #[test]
+fn long_prefill_scratch_follows_the_attention_path() {
+    use crate::plan::{prefill_attention_bytes, PrefillAttention, PREFILL_ATTENTION_BYTES};
+    // Qwen3-30B-A3B: GQA heads of 128, which the fused kernel takes: the K/V rows gathered, no scores
+    let q = known("qwen3-30b-a3b");
+    let (kw, vw) = q.kv_widths();
+    let gathered = 2048 * (kw + vw) * 2;
+    let fused = prefill_attention_bytes(&q, 2048, PrefillAttention::Fused);
+    let gemm = prefill_attention_bytes(&q, 2048, PrefillAttention::Gemm);
+    assert_eq!(fused, gathered);
+    assert_eq!(gemm, gathered + PREFILL_ATTENTION_BYTES);
+    // below 64 rows the paged kernel runs, without scratch
+    assert_eq!(prefill_attention_bytes(&q, 63, PrefillAttention::Gemm), 0);
+    // heads the fused kernel is not built for keep the GEMM path's score blocks
+    let wide = ModelShape {
+        attention: Attention::Gqa {
+            heads: 16,
+            kv_heads: 2,
+            head_dim: 256,
+            qkv_bias: false,
+        },
+        ..q.clone()
+    };
+    let wide_fused = prefill_attention_bytes(&wide, 2048, PrefillAttention::Fused);
+    assert_eq!(
+        wide_fused,
+        prefill_attention_bytes(&wide, 2048, PrefillAttention::Gemm)
+    );
+    assert!(wide_fused > PREFILL_ATTENTION_BYTES);
+    // MLA's prefill kernel reads the latent cache in place
+    let ds = known("deepseek-ai/DeepSeek-V3");
+    assert_eq!(
+        prefill_attention_bytes(&ds, 2048, PrefillAttention::Gemm),
+        0
+    );
+    // the plan's activations differ by exactly the score blocks, and the fused plan keeps the rest
+    let i = serving(80 * 1024, 32768, 2);
+    let with_fused = choose(&q, &i).unwrap();
+    let gemm_inputs = PlanInputs {
+        prefill_attention: PrefillAttention::Gemm,
+        ..i.clone()
+    };
+    let with_gemm = choose(&q, &gemm_inputs).unwrap();
+    assert_eq!(
+        with_gemm.item("activations") - with_fused.item("activations"),
+        PREFILL_ATTENTION_BYTES
+    );
+}
+
+#[test]
 fn byte_sizes_parse_with_units() {
     assert_eq!(parse_bytes("24GiB"), Ok(24 * GIB));
     assert_eq!(parse_bytes("16Gi"), Ok(16 * GIB));
@@ -303,6 +353,7 @@ pub(crate) fn bench_inputs(s: &ModelShape, limit_gib: u64, dense: DenseDtype) ->
         cuda_graphs: true,
         pins: Vec::new(),
         move_slots: 0,
+        prefill_attention: crate::plan::PrefillAttention::Fused,
     }
 }
 

@@ -303,6 +303,7 @@ fn plan_matches_allocation_for_every_example() {
                 cuda_graphs: true,
                 pins: Vec::new(),
                 move_slots: 0,
+                prefill_attention: moe_sizing::PrefillAttention::Fused,
             },
         )
         .unwrap();

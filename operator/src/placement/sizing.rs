@@ -146,6 +146,8 @@ pub fn plan_inputs(
         } else {
             0
         },
+        // the daemon's default (MOE_FLASH_PREFILL is an engineers' A/B knob, not a pod setting)
+        prefill_attention: moe_sizing::PrefillAttention::Fused,
     }
 }
 

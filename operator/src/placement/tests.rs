@@ -514,21 +514,22 @@ fn auto_puts_all_qwen_experts_on_an_80gb_gpu() {
 #[test]
 fn auto_on_a_24gb_gpu_spills_experts_to_hugepages() {
     // RTX 4090, the shared plan (the daemon's): 0.9 × 24564 MiB less bf16 dense weights and table
-    // (3.0 GiB), two 32K sequences of bf16 KV (6 GiB), a 2048-token step's buffers, CUDA graphs and
-    // layerwise prefill's staging (2.9 GiB) leaves room for 23 of 128 experts per layer.
+    // (3.0 GiB), two 32K sequences of bf16 KV (6 GiB), a 2048-token step's buffers (the fused
+    // long-prefill attention needs no score blocks), CUDA graphs and layerwise prefill's staging
+    // (2.2 GiB) leaves room for 25 of 128 experts per layer.
     let node = NodeFixture::rtx4090_host("rtx4090");
     let d = decide_for(&qwen_spec(), &[node]);
     let s = d.sizing.expect("sizing");
-    assert_eq!(s.gpu_experts_per_layer, Some(23));
+    assert_eq!(s.gpu_experts_per_layer, Some(25));
     let plan = s.gpu_plan.expect("known model: the shared plan");
     assert_eq!(plan.dense_dtype, moe_sizing::DenseDtype::Bf16);
     assert!(!plan.host_embeddings && plan.kv_tokens >= 2 * 32768);
     assert!(s.gpu_bytes_per_gpu as f64 <= 24564.0 * 1048576.0 * 0.9);
-    // 105 experts × 9 MiB = 945 MiB per layer, one mapping per layer → 1 GiB page each: 48 pages
-    // for 44.3 GiB of experts (3.7 GiB empty, within the 1/8 the daemon accepts for 1 GiB pages).
+    // 103 experts × 9 MiB = 927 MiB per layer, one mapping per layer → 1 GiB page each: 48 pages
+    // for 43.5 GiB of experts (4.5 GiB empty, within the 1/8 the daemon accepts for 1 GiB pages).
     assert_eq!(s.hugepages, Some((HugepageKind::OneGi, 48 * GIB)));
     // 4 GiB runtime + 5% of the DRAM experts.
-    assert_eq!(s.memory_bytes, 6364 * crate::quantity::MIB);
+    assert_eq!(s.memory_bytes, 6321 * crate::quantity::MIB);
     assert_eq!((s.cpus, s.cpu_threads), (30, 29));
     assert!(d.nodes[0].qualifies());
 }

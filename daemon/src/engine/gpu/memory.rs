@@ -207,6 +207,10 @@ pub fn plan_inputs(
             .live_placement
             .as_ref()
             .map_or(0, |l| l.max_in_flight as u64),
+        prefill_attention: match super::attention::flash_prefill_mode() {
+            Some(_) => moe_sizing::PrefillAttention::Fused,
+            None => moe_sizing::PrefillAttention::Gemm,
+        },
     }
 }
 
@@ -384,12 +388,18 @@ mod tests {
             cuda_graphs: true,
             pins: Vec::new(),
             move_slots: 0,
+            prefill_attention: moe_sizing::PrefillAttention::Fused,
         };
         let p = moe_sizing::choose(&shape, &inputs).unwrap();
         assert_eq!(p.item("recurrent states"), 64 * state_per_seq);
         assert_eq!(p.item("KV cache"), 131072 * (22 * 1024 + 64));
         // the large step's score rows: 2048 queries × 131072 / 4 candidates × 4 B = 256 MiB
-        let plain_steps = moe_sizing::plan::step_buffer_bytes(&shape, 2048, 64);
+        let plain_steps = moe_sizing::plan::step_buffer_bytes(
+            &shape,
+            2048,
+            64,
+            moe_sizing::PrefillAttention::Fused,
+        );
         assert_eq!(p.item("activations"), plain_steps + (256 << 20));
         assert!(p.total() <= p.usable_bytes);
         let blind = ModelShape {
@@ -494,6 +504,16 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The plan budgets long-prefill score blocks only for heads the fused kernel does not take.
+    #[test]
+    fn fused_prefill_head_dims_agree_with_the_kernels() {
+        let kernels: Vec<u64> = moe_kernels::cuda::ops::FLASH_HEAD_DIMS
+            .iter()
+            .map(|&d| d as u64)
+            .collect();
+        assert_eq!(kernels, moe_sizing::plan::FUSED_PREFILL_HEAD_DIMS);
     }
 }
 
