@@ -260,7 +260,13 @@ VmFlags: rd wr mr mw me ac sd
         assert_ne!(p, libc::MAP_FAILED);
         // SAFETY: our mapping; touch the first 2 MiB only.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 1, 2 << 20) };
-        let b = read_backing(&[(p as usize, len)]).unwrap();
+        // The test threads beside this one map and unmap memory while smaps is read (in chunks, each
+        // resuming at an address): an entry can be missed, so a read that misses ours is taken again.
+        let read = || read_backing(&[(p as usize, len)]).unwrap();
+        let b = (0..3)
+            .map(|_| read())
+            .find(|b| b.mapped >= len as u64)
+            .unwrap_or_else(read);
         // SAFETY: our mapping, unmapped once.
         unsafe { libc::munmap(p, len) };
         // a neighbouring mapping may have merged into the VMA: at least ours is there
