@@ -31,7 +31,12 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let result = match Cli::parse().command {
+    let command = Cli::parse().command;
+    if let Err(e) = moe_daemon::engine::gpu::switches::check_env_knobs() {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
+    let result = match command {
         Command::Generate(a) => cli::generate::run(a),
         Command::Serve(a) => cli::serve::run(*a),
         Command::Bench(c) => cli::bench::run(c),

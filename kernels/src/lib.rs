@@ -3,3 +3,4 @@
 //! - [`cpu`]: matmul and grouped-expert FFN on the CPU.
 pub mod cpu;
 pub mod cuda;
+pub mod knob;

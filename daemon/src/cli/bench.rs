@@ -129,7 +129,7 @@ pub struct RunArgs {
     /// `--steps` steps with the start state and then each of these decode-step switches flipped from
     /// it, in turn on the same sequences (the comparison without two runs' noise), then each switch's
     /// effect on the logits (teacher-forced). Switches: graphs, device-routed, prelaunch,
-    /// mixed-grouped, deferN (N routes per token deferred).
+    /// mixed-grouped, walk-mark, deferN (N routes per token deferred).
     #[arg(long, value_delimiter = ',')]
     pub ab: Vec<crate::engine::gpu::switches::DecodeSwitch>,
     /// Rounds of `--ab`.
@@ -335,6 +335,10 @@ fn decode_batch(
             ms(r.reduce_s),
             r.calls as f64 / n
         );
+    }
+    let host = super::bench_host::host_lines(&split, elapsed, a.steps, layers as usize);
+    for line in host {
+        println!("{line}");
     }
     if let Some(line) = super::bench_ab::handoff_line(&split.handoff) {
         println!(

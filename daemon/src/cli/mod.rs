@@ -1,6 +1,7 @@
 //! Command-line subcommands of `moe-daemon`.
 pub mod bench;
 mod bench_ab;
+mod bench_host;
 pub mod bench_perplexity;
 pub mod bench_skew;
 pub mod engine_args;

@@ -38,6 +38,8 @@ pub struct StepTimes {
     pub dram_expert_bytes: u64,
     /// CUDA backend, decode hand-offs: where the time between two layers' CPU experts went.
     pub handoff: crate::engine::gpu::handoff::HandoffProfile,
+    /// CUDA backend: the host's time outside the CPU experts and the GPU waits, by where it went.
+    pub host: crate::engine::gpu::host_profile::HostProfile,
 }
 
 impl StepTimes {
@@ -60,5 +62,6 @@ impl StepTimes {
         self.dram_experts_read += o.dram_experts_read;
         self.dram_expert_bytes += o.dram_expert_bytes;
         self.handoff.add(&o.handoff);
+        self.host.add(&o.host);
     }
 }

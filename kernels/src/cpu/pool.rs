@@ -15,6 +15,10 @@
 //! limit, an HTTP thread of the same server) is not waited for; the caller does its share instead.
 //! Waiting for it cost a whole scheduler slice per region, ~1 s for a short prompt on a loaded 2-core
 //! machine.
+//!
+//! Every region is clocked ([`RegionStats`], always on: one clock read per joining worker and two per
+//! region): how long after the region opened each worker joined it (a late wake delays the region's
+//! first loads), and how long the caller waited for the workers in it once its own items were done.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -58,6 +62,123 @@ struct Shared {
     shutdown: AtomicBool,
     panicked: AtomicBool,
     spin: Duration,
+    clock: RegionClock,
+}
+
+/// The regions' clock: nanoseconds since `epoch` when the current region opened, the current region's
+/// joins and latest join, and the totals [`RegionStats`] reports.
+struct RegionClock {
+    epoch: Instant,
+    opened_ns: AtomicU64,
+    region_joins: AtomicUsize,
+    region_max_lag_ns: AtomicU64,
+    regions: AtomicU64,
+    joins: AtomicU64,
+    missed: AtomicU64,
+    lag_ns: AtomicU64,
+    max_lag_ns: AtomicU64,
+    close_wait_ns: AtomicU64,
+}
+
+impl RegionClock {
+    fn new() -> Self {
+        RegionClock {
+            epoch: Instant::now(),
+            opened_ns: AtomicU64::new(0),
+            region_joins: AtomicUsize::new(0),
+            region_max_lag_ns: AtomicU64::new(0),
+            regions: AtomicU64::new(0),
+            joins: AtomicU64::new(0),
+            missed: AtomicU64::new(0),
+            lag_ns: AtomicU64::new(0),
+            max_lag_ns: AtomicU64::new(0),
+            close_wait_ns: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Before the region is published (the workers read these after the Acquire of the join).
+    fn open(&self) {
+        self.region_joins.store(0, Ordering::Relaxed);
+        self.region_max_lag_ns.store(0, Ordering::Relaxed);
+        self.opened_ns.store(self.now_ns(), Ordering::Relaxed);
+    }
+
+    /// A worker joined the open region.
+    fn joined(&self) {
+        let lag = self.now_ns().saturating_sub(self.opened_ns.load(Ordering::Relaxed));
+        self.region_joins.fetch_add(1, Ordering::Relaxed);
+        self.region_max_lag_ns.fetch_max(lag, Ordering::Relaxed);
+        self.lag_ns.fetch_add(lag, Ordering::Relaxed);
+    }
+
+    /// The region closed with no worker left in it (every join's writes happened before: the
+    /// workers' Release decrements, the caller's Acquire wait); `waited_ns` the caller's wait for them.
+    fn closed(&self, workers: usize, waited_ns: u64) {
+        let joins = self.region_joins.load(Ordering::Relaxed);
+        self.regions.fetch_add(1, Ordering::Relaxed);
+        self.joins.fetch_add(joins as u64, Ordering::Relaxed);
+        self.missed
+            .fetch_add(workers.saturating_sub(joins) as u64, Ordering::Relaxed);
+        let max = self.region_max_lag_ns.load(Ordering::Relaxed);
+        self.max_lag_ns.fetch_add(max, Ordering::Relaxed);
+        self.close_wait_ns.fetch_add(waited_ns, Ordering::Relaxed);
+    }
+
+    fn stats(&self) -> RegionStats {
+        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        RegionStats {
+            regions: self.regions.load(Ordering::Relaxed),
+            joins: self.joins.load(Ordering::Relaxed),
+            missed: self.missed.load(Ordering::Relaxed),
+            join_lag_s: s(&self.lag_ns),
+            max_join_lag_s: s(&self.max_lag_ns),
+            close_wait_s: s(&self.close_wait_ns),
+        }
+    }
+}
+
+/// Totals over a pool's regions so far (subtract two snapshots for a span: [`RegionStats::since`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RegionStats {
+    pub regions: u64,
+    /// Workers (the caller not counted) that joined a region, and those that did not (its items were
+    /// all taken before they woke).
+    pub joins: u64,
+    pub missed: u64,
+    /// Summed over joins: from the region's opening to the worker joining it.
+    pub join_lag_s: f64,
+    /// Summed over regions: the region's latest join.
+    pub max_join_lag_s: f64,
+    /// Summed over regions: the caller's wait, once its own items were done, for the workers still in
+    /// the region (the region's tail).
+    pub close_wait_s: f64,
+}
+
+impl RegionStats {
+    /// What happened between the snapshot `earlier` and this one.
+    pub fn since(&self, earlier: &RegionStats) -> RegionStats {
+        RegionStats {
+            regions: self.regions - earlier.regions,
+            joins: self.joins - earlier.joins,
+            missed: self.missed - earlier.missed,
+            join_lag_s: self.join_lag_s - earlier.join_lag_s,
+            max_join_lag_s: self.max_join_lag_s - earlier.max_join_lag_s,
+            close_wait_s: self.close_wait_s - earlier.close_wait_s,
+        }
+    }
+
+    pub fn add(&mut self, o: &RegionStats) {
+        self.regions += o.regions;
+        self.joins += o.joins;
+        self.missed += o.missed;
+        self.join_lag_s += o.join_lag_s;
+        self.max_join_lag_s += o.max_join_lag_s;
+        self.close_wait_s += o.close_wait_s;
+    }
 }
 
 // SAFETY: `job` is written only by the caller of `run` while every worker waits for the next generation
@@ -109,6 +230,7 @@ impl WorkerPool {
             shutdown: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
             spin,
+            clock: RegionClock::new(),
         });
         let mut group_of_thread = Vec::new();
         let mut handles = Vec::new();
@@ -158,6 +280,11 @@ impl WorkerPool {
     /// Threads including the caller.
     pub fn threads(&self) -> usize {
         self.group_of_thread.len()
+    }
+
+    /// The regions' clock so far (see [`RegionStats`]).
+    pub fn region_stats(&self) -> RegionStats {
+        self.shared.clock.stats()
     }
 
     pub fn groups(&self) -> usize {
@@ -213,6 +340,7 @@ impl WorkerPool {
         for c in &sh.next {
             c.0.store(0, Ordering::Relaxed);
         }
+        sh.clock.open();
         // Opens the region: a worker that joins reads this value (Acquire), so it sees the job and the
         // counters written above.
         sh.joined.store(0, Ordering::Release);
@@ -226,6 +354,7 @@ impl WorkerPool {
             unsafe { do_items(sh, 0, 0) }
         }))
         .is_ok();
+        let done_ns = sh.clock.now_ns();
         // Every item taken (group 0's by the caller above; other groups' only by their own workers):
         // close the region, then wait for the workers in it to finish theirs.
         let mut spins = 0u32;
@@ -244,6 +373,8 @@ impl WorkerPool {
         while sh.joined.load(Ordering::Acquire) != CLOSED {
             wait();
         }
+        let waited = sh.clock.now_ns().saturating_sub(done_ns);
+        sh.clock.closed(self.threads() - 1, waited);
         if !caller_ok || sh.panicked.swap(false, Ordering::Relaxed) {
             panic!("a worker-pool region panicked");
         }
@@ -295,6 +426,7 @@ fn worker_loop(sh: &Shared, group: usize, tid: usize) {
         if !join(sh) {
             continue; // closed already: the caller and the other workers did its items
         }
+        sh.clock.joined();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // SAFETY: we joined an open region (Acquire on the value `run` published with the job);
             // `run` keeps the job alive until we leave it below.
@@ -393,6 +525,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Every region is counted once, and every worker either joined it or missed it.
+    #[test]
+    fn region_clock_counts_every_region_and_worker() {
+        let pool = WorkerPool::new(&[vec![0, 0, 0]], false, Duration::from_millis(5));
+        let before = pool.region_stats();
+        for _ in 0..20 {
+            pool.run(&[64], &|_, _, _| std::hint::spin_loop());
+        }
+        let d = pool.region_stats().since(&before);
+        assert_eq!(d.regions, 20);
+        assert_eq!(d.joins + d.missed, 20 * 2);
+        assert!(d.join_lag_s >= 0.0 && d.max_join_lag_s >= 0.0 && d.close_wait_s >= 0.0);
+        assert!(d.max_join_lag_s <= d.join_lag_s + 1e-12);
+        let mut sum = RegionStats::default();
+        sum.add(&d);
+        sum.add(&d);
+        assert_eq!((sum.regions, sum.joins + sum.missed), (40, 80));
     }
 
     #[test]

@@ -55,17 +55,24 @@ const PREFILL_SCORE_BYTES: usize = 512 << 20;
 
 /// Whether long chunks use the fused attention kernel (`flash_prefill`) where it takes the head dim,
 /// and its block: `MOE_FLASH_PREFILL=0` keeps the GEMM + softmax path for every chunk, `w8` takes blocks
-/// of 8 warps, anything else the default (read once per process).
+/// of 8 warps, `1` / `w4` (or unset) the default (read once per process; other values: see
+/// [`FLASH_PREFILL_KNOB`]).
 pub fn flash_prefill_mode() -> Option<FlashBlock> {
     static MODE: OnceLock<Option<FlashBlock>> = OnceLock::new();
-    *MODE.get_or_init(
-        || match std::env::var("MOE_FLASH_PREFILL").as_deref().map(str::trim) {
-            Ok("0") => None,
-            Ok("w8") => Some(FlashBlock::Warps8),
-            _ => Some(FlashBlock::default()),
-        },
-    )
+    *MODE.get_or_init(|| FLASH_PREFILL_KNOB.read_or(Some(FlashBlock::default())))
 }
+
+/// `MOE_FLASH_PREFILL` ([`flash_prefill_mode`]): `None` is the GEMM path.
+pub const FLASH_PREFILL_KNOB: moe_kernels::knob::Knob<Option<FlashBlock>> = moe_kernels::knob::Knob {
+    name: "MOE_FLASH_PREFILL",
+    takes: "0 for the GEMM path, 1 or w4 for the fused kernel in blocks of 4 warps (the default), w8",
+    parse: |v| match v {
+        "0" => Some(None),
+        "1" | "w4" => Some(Some(FlashBlock::Warps4)),
+        "w8" => Some(Some(FlashBlock::Warps8)),
+        _ => None,
+    },
+};
 
 impl GpuModel {
     /// In-place optional per-head RMSNorm and RoPE on dims `offset..offset + rotary_dim` of each head

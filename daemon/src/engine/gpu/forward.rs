@@ -18,8 +18,9 @@
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers, StepClass};
 use super::dispatch::{expert_homes, ExpertHome};
-use super::graphs::{GraphSet, SegmentTail};
+use super::graphs::{GraphSet, SegmentTail, WalkMark};
 use super::handoff::{CpuHalf, Handoff};
+use super::host_profile;
 use super::moe_layer::{MoeLayerBufs, MoeStep};
 use super::routed::{self, DeviceRouted, LayerRoute, RoutedLayer};
 use super::{EmbedTable, GpuAttention, GpuFfn, GpuLinear, GpuMlp, GpuModel};
@@ -425,6 +426,8 @@ impl GpuModel {
         times: &mut StepTimes,
         mut on_routing: impl FnMut(usize, &[u32]),
     ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let started = Instant::now();
+        let pool_before = cpu_pool.map(|p| p.region_stats());
         self.tp_check_group_step()?;
         let cfg = &host.config;
         let dev = &self.dev;
@@ -506,6 +509,8 @@ impl GpuModel {
         let mut device = device_guard.as_mut();
         // A graph step that never hands anything to the host: its whole layer stack is one graph.
         let mut first_layer = 0;
+        let mut clock = started;
+        times.host.setup_s += host_profile::lap(&mut clock);
         if let (Some(set), Some(d)) = (graphs.as_deref_mut(), device.as_deref_mut()) {
             if self.stays_on_device(&routes) {
                 let mut layers = || {
@@ -516,11 +521,12 @@ impl GpuModel {
                 first_layer = self.layers.len();
             }
         }
+        times.host.launch_s += host_profile::lap(&mut clock);
         // A pipelined step enqueues segments while the GPU waits for the host: its missing graphs are
         // captured now, while nothing waits (see `GraphSet::may_capture`).
         if let (Some(set), true, 0) = (graphs.as_deref_mut(), pipelined, first_layer) {
             let step = (&steps[..], &mut *pool);
-            self.capture_segments(
+            let walked = self.capture_segments(
                 host,
                 set,
                 step,
@@ -528,7 +534,9 @@ impl GpuModel {
                 device.as_deref_mut(),
                 &routes,
             )?;
+            times.host.walks += u64::from(walked);
         }
+        times.host.capture_walk_s += host_profile::lap(&mut clock);
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
@@ -538,6 +546,7 @@ impl GpuModel {
             let homes = match enqueued.take() {
                 Some(homes) => homes,
                 None => {
+                    let t = Instant::now();
                     let homes = self.layer_homes(host, li, long_prompt, stream.as_deref());
                     let want_x = homes.contains(&ExpertHome::Cpu);
                     let routed = device.as_deref_mut().map(|d| (d, li, routes[li]));
@@ -546,6 +555,7 @@ impl GpuModel {
                     // the previous layer's CPU half (`owed`) has not raised its flag yet
                     let graphs = graphs.as_deref_mut().map(|g| (g, owed.is_some()));
                     self.run_pre_experts(host, li, step, &mut seg, graphs)?;
+                    times.host.launch_s += t.elapsed().as_secs_f64();
                     homes
                 }
             };
@@ -554,8 +564,10 @@ impl GpuModel {
             }
             match &layer.ffn {
                 GpuFfn::Dense(m) => {
+                    let t = Instant::now();
                     let ActBufs { x, hb, mlp, .. } = &mut *acts;
-                    self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?
+                    self.mlp(m, act, hb, x, n, true, (&mut mlp.gate_up, &mut mlp.act))?;
+                    times.host.launch_s += t.elapsed().as_secs_f64();
                 }
                 // the segment computed the whole layer from the device routing
                 GpuFfn::Moe(_) if routes[li] == LayerRoute::Device => {}
@@ -572,6 +584,7 @@ impl GpuModel {
                         && !homes.is_empty()
                         && (on_device || homes.iter().all(|h| *h == ExpertHome::Cpu));
                     if prelaunch {
+                        let t = Instant::now();
                         let bufs = MoeLayerBufs::of(acts);
                         let shared_done = (hand, on_device);
                         self.moe_gpu_half_before_routing(moe, act, (n, hd), bufs, shared_done)?;
@@ -590,6 +603,7 @@ impl GpuModel {
                             }
                             enqueued = Some(next);
                         }
+                        times.host.launch_s += t.elapsed().as_secs_f64();
                     }
                     let mut ctx = MoeStep {
                         host,
@@ -653,6 +667,7 @@ impl GpuModel {
         if let Some(half) = owed.take() {
             half.run(times);
         }
+        let (tail, wait_before_tail) = (Instant::now(), times.gpu_wait_s);
         if let Some(set) = graphs.filter(|_| capture_pass) {
             set.ready_rows.insert(n);
         }
@@ -663,6 +678,12 @@ impl GpuModel {
         let logits = self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)?;
         if let Some(es) = stream {
             es.end_step(dev)?;
+        }
+        let h = &mut times.host;
+        h.tail_s += tail.elapsed().as_secs_f64() - (times.gpu_wait_s - wait_before_tail);
+        h.forward_s += started.elapsed().as_secs_f64();
+        if let (Some(p), Some(before)) = (cpu_pool, pool_before) {
+            h.pool.add(&p.region_stats().since(&before));
         }
         Ok(logits)
     }
@@ -767,7 +788,9 @@ impl GpuModel {
 
     /// Captures the pre-expert segment of every layer of a pipelined one-GPU graph step that has no
     /// graph yet, before the step's layers run: the same segments (homes, hand-off tail, device
-    /// route) the layer loop then replays. Capturing enqueues nothing.
+    /// route) the layer loop then replays. Capturing enqueues nothing. The walk over the layers is
+    /// skipped when a step of the same rows, routes and expert placement found every segment
+    /// captured ([`WalkMark`]); returns whether it walked.
     fn capture_segments(
         &self,
         host: &Model,
@@ -776,9 +799,19 @@ impl GpuModel {
         (acts, hand): (&mut ActBufs, &Handoff),
         mut device: Option<&mut DeviceRouted>,
         routes: &[LayerRoute],
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<bool> {
+        let Some(rows) = steps.first().map(|s| s.n) else {
+            return Ok(false);
+        };
         if set.broken || self.shard.is_some() {
-            return Ok(());
+            return Ok(false);
+        }
+        let mark = WalkMark {
+            routes: routes.to_vec(),
+            placement: self.placement_version(),
+        };
+        if self.switches.walk_mark() && set.walked(rows, &mark) {
+            return Ok(false);
         }
         for li in 0..self.layers.len() {
             let want_x = self
@@ -795,10 +828,11 @@ impl GpuModel {
                 self.pre_experts(host, li, step, pool, &mut seg)
             })?;
             if set.broken {
-                return Ok(());
+                return Ok(true);
             }
         }
-        Ok(())
+        set.mark_walked(rows, mark);
+        Ok(true)
     }
 
     /// Captures `enqueue` (a layer's pre-expert segment) as the graph of `key`; a refused capture

@@ -68,6 +68,20 @@ pub struct GraphSet {
     /// Row counts whose every segment was captured by a step that waited for nothing while it
     /// captured ([`GraphSet::capture_pass`]); such steps may pipeline.
     pub ready_rows: HashSet<usize>,
+    /// By rows: the layer plan of the last pipelined step whose pre-step capture walk found every
+    /// segment captured. A later step of the same rows and plan skips the walk (48 layers' homes and
+    /// keys, ~1 µs each, on the host before the step's first launch).
+    walked: HashMap<usize, WalkMark>,
+}
+
+/// What decides a pipelined step's segment keys besides its rows: each layer's route and the expert
+/// placement (which layers' segments publish rows for the CPU). Graphs are never dropped from a set,
+/// so a step with a mark equal to one that was walked finds every segment captured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WalkMark {
+    pub routes: Vec<LayerRoute>,
+    /// [`GpuModel::placement_version`] when the step started.
+    pub placement: u64,
 }
 
 impl GraphSet {
@@ -98,6 +112,18 @@ impl GraphSet {
         }
         !waiting
     }
+
+    /// Whether a step of `rows` rows with `mark` was walked and found every segment captured.
+    pub fn walked(&self, rows: usize, mark: &WalkMark) -> bool {
+        !self.broken && self.walked.get(&rows) == Some(mark)
+    }
+
+    /// A step of `rows` rows with `mark` walked every layer and found or captured each segment.
+    pub fn mark_walked(&mut self, rows: usize, mark: WalkMark) {
+        if !self.broken {
+            self.walked.insert(rows, mark);
+        }
+    }
 }
 
 /// Whether a step whose layers are MoE or dense as `moe` says, with `routes`, stays on the device from
@@ -118,6 +144,18 @@ pub fn stays_on_device(moe: impl IntoIterator<Item = bool>, routes: &[LayerRoute
 }
 
 impl GpuModel {
+    /// The expert placement's version: changes whenever a GPU expert is admitted or evicted (live
+    /// re-placement), so whatever was derived from the residency (segment keys) can be checked.
+    pub(super) fn placement_version(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.experts.version(),
+                GpuFfn::Dense(_) => 0,
+            })
+            .sum()
+    }
+
     /// Whether a step with `routes` stays on the device from its first layer to its last
     /// ([`stays_on_device`]).
     pub(super) fn stays_on_device(&self, routes: &[LayerRoute]) -> bool {
@@ -177,6 +215,35 @@ mod tests {
         // broken graphs never need a pass (decode runs eagerly)
         set.broken = true;
         assert!(!set.capture_pass(1));
+    }
+
+    #[test]
+    fn a_walked_mark_holds_only_for_the_same_rows_routes_and_placement() {
+        let mut set = GraphSet::default();
+        let mark = WalkMark {
+            routes: vec![Host, Device],
+            placement: 3,
+        };
+        assert!(!set.walked(1, &mark), "nothing walked yet");
+        set.mark_walked(1, mark.clone());
+        assert!(set.walked(1, &mark));
+        assert!(!set.walked(8, &mark), "another row count");
+        let moved = WalkMark {
+            placement: 4,
+            ..mark.clone()
+        };
+        assert!(!set.walked(1, &moved), "an expert moved since");
+        let rerouted = WalkMark {
+            routes: vec![Host, DeviceAndCpu],
+            ..mark.clone()
+        };
+        assert!(!set.walked(1, &rerouted), "a layer's route changed");
+        // the newest walk replaces the mark of its row count
+        set.mark_walked(1, moved.clone());
+        assert!(set.walked(1, &moved) && !set.walked(1, &mark));
+        // broken graphs: nothing is walked any more (and nothing is skipped as walked)
+        set.broken = true;
+        assert!(!set.walked(1, &moved));
     }
 
     #[test]

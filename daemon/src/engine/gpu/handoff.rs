@@ -9,6 +9,7 @@
 //! the GPU starts the next layer the moment the sum lands instead of after the host's launches.
 //! With deferred experts on, part of a layer's CPU experts is computed after the flag and added one
 //! layer later (see `dispatch::split_deferred`).
+use super::host_profile::lap;
 use super::GpuModel;
 use crate::engine::moe::{dram_experts_forward_timed, GatedAct, Routing};
 use crate::engine::StepTimes;
@@ -239,14 +240,18 @@ impl CpuHalf<'_> {
                 y.fill(0.0);
             }
             d.pending = 0;
+            let mut clock = t;
+            times.host.half_in_s += lap(&mut clock);
             if let Some(r) = &self.now {
                 let (b, p, a, hd) = (self.block, self.pool, self.act, self.hd);
                 dram_experts_forward_timed(b, p, a, x, hd, r, y, Some(&mut *regions));
+                clock = Instant::now();
             }
             if self.later.is_some() {
                 d.x.clear();
                 d.x.extend_from_slice(x);
             }
+            times.host.half_out_s += lap(&mut clock);
         }
         self.hand.port.raise_sum();
         self.hand.raised_at.set(Some(Instant::now()));

@@ -22,6 +22,7 @@ mod experts;
 pub mod forward;
 pub mod graphs;
 pub mod handoff;
+pub mod host_profile;
 pub mod hybrid;
 pub mod hybrid_bufs;
 pub mod indexer;
@@ -96,11 +97,15 @@ pub struct GpuMoe {
 /// One MoE layer's GPU-resident experts by expert id (`None`: the expert lives in DRAM). A step reads
 /// the table once per layer; live re-placement ([`crate::engine::replacement`]) installs and evicts
 /// entries between steps, so a step never sees a half-made change.
-pub struct ExpertTable(std::sync::RwLock<Vec<Option<GpuMlp>>>);
+pub struct ExpertTable(
+    std::sync::RwLock<Vec<Option<GpuMlp>>>,
+    /// Changes made so far ([`ExpertTable::replace`]).
+    std::sync::atomic::AtomicU64,
+);
 
 impl ExpertTable {
     pub fn new(experts: Vec<Option<GpuMlp>>) -> Self {
-        Self(std::sync::RwLock::new(experts))
+        Self(std::sync::RwLock::new(experts), Default::default())
     }
 
     /// The table as the step sees it (held for one layer).
@@ -108,11 +113,17 @@ impl ExpertTable {
         self.0.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// How many times the table changed: equal versions, same residency.
+    pub fn version(&self) -> u64 {
+        self.1.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Under one write lock: `m` becomes expert `admit`'s weights and expert `evict` leaves the GPU
     /// (computed from DRAM from the next step on). Returns the evicted weights (reused or freed by the
     /// caller).
     pub fn replace(&self, admit: usize, evict: usize, m: GpuMlp) -> Option<GpuMlp> {
         let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        self.1.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         if let Some(slot) = t.get_mut(admit) {
             *slot = Some(m);
         }

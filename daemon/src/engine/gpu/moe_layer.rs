@@ -115,9 +115,11 @@ impl GpuModel {
         hand.wait_routing(&self.dev)?;
         ctx.times.gpu_wait_s += t0.elapsed().as_secs_f64();
         hand.profile_routing(t0, &mut ctx.times.handoff);
+        let mut clock = Instant::now();
         let (mut ids, weights) = hand.routing(n * k);
         self.override_routing(li, mc.num_experts, &mut ids);
         on_routing(li, &ids);
+        ctx.times.host.routing_read_s += super::host_profile::lap(&mut clock);
         let split = self.split_layer(li, homes, &ids, ctx)?;
         let homes = split.as_ref().map_or(homes, |s| &s.homes[..]);
         let plan = {
@@ -170,6 +172,7 @@ impl GpuModel {
             });
         }
         if plan.cpu.is_none() && !hand.has_deferred() && !prelaunched {
+            ctx.times.host.plan_s += clock.elapsed().as_secs_f64();
             return Ok(None);
         }
         let (now, later) = match plan.cpu {
@@ -191,6 +194,7 @@ impl GpuModel {
         if !prelaunched {
             self.dev.handoff_wait_add(b.x, n * hd, &hand.port)?;
         }
+        ctx.times.host.plan_s += clock.elapsed().as_secs_f64();
         Ok(Some(half))
     }
 

@@ -16,6 +16,9 @@ pub struct DecodeSwitches {
     /// starts the CPU experts, so the launch cost (cuBLAS's per-call heuristics and pointer table)
     /// delays the CPU side. On unless `MOE_MIXED_GROUPED=0`; `MOE_GROUPED_GEMM` forcing a path wins.
     mixed_grouped: AtomicBool,
+    /// Pipelined graph steps skip the pre-step capture walk when a step of the same rows, routes and
+    /// placement was walked (`graphs::WalkMark`); on by default (off: every step walks, as before).
+    walk_mark: AtomicBool,
 }
 
 impl Default for DecodeSwitches {
@@ -25,6 +28,7 @@ impl Default for DecodeSwitches {
             defer_experts: AtomicUsize::new(0),
             prelaunch: AtomicBool::new(!off("MOE_GPU_PRELAUNCH")),
             mixed_grouped: AtomicBool::new(!off("MOE_MIXED_GROUPED")),
+            walk_mark: AtomicBool::new(true),
         }
     }
 }
@@ -53,6 +57,22 @@ impl DecodeSwitches {
     pub fn set_mixed_grouped(&self, on: bool) {
         self.mixed_grouped.store(on, Ordering::Relaxed);
     }
+
+    pub fn walk_mark(&self) -> bool {
+        self.walk_mark.load(Ordering::Relaxed)
+    }
+
+    pub fn set_walk_mark(&self, on: bool) {
+        self.walk_mark.store(on, Ordering::Relaxed);
+    }
+}
+
+/// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
+/// before anything runs: a value a knob does not take is an error naming it, never its default in
+/// silence (`moe_kernels::knob`).
+pub fn check_env_knobs() -> Result<(), moe_kernels::knob::KnobError> {
+    super::attention::FLASH_PREFILL_KNOB.check()?;
+    moe_kernels::cpu::moe::check_env_knobs()
 }
 
 /// A switch of the decode step by name, for benchmarks' A/B runs.
@@ -66,6 +86,8 @@ pub enum DecodeSwitch {
     Prelaunch,
     /// Grouped expert GEMMs in mixed decode layers.
     MixedGrouped,
+    /// The capture walk's mark (pipelined graph steps skip a walk done before).
+    WalkMark,
     /// Deferred experts: this many routes per token (not exact).
     Defer(usize),
 }
@@ -87,11 +109,12 @@ impl std::str::FromStr for DecodeSwitch {
             "device-routed" => DecodeSwitch::DeviceRouted,
             "prelaunch" => DecodeSwitch::Prelaunch,
             "mixed-grouped" => DecodeSwitch::MixedGrouped,
+            "walk-mark" => DecodeSwitch::WalkMark,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, defer1..defer64)"
                     ))
                 }
             },
@@ -106,6 +129,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::DeviceRouted => f.write_str("device-routed"),
             DecodeSwitch::Prelaunch => f.write_str("prelaunch"),
             DecodeSwitch::MixedGrouped => f.write_str("mixed-grouped"),
+            DecodeSwitch::WalkMark => f.write_str("walk-mark"),
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
         }
     }
@@ -124,6 +148,7 @@ impl crate::engine::Engine {
             DecodeSwitch::DeviceRouted => g.device_routed.load(Ordering::Relaxed),
             DecodeSwitch::Prelaunch => g.switches.prelaunch(),
             DecodeSwitch::MixedGrouped => g.switches.mixed_grouped(),
+            DecodeSwitch::WalkMark => g.switches.walk_mark(),
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
         })
     }
@@ -142,6 +167,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::DeviceRouted => g.set_device_routed(on),
                 DecodeSwitch::Prelaunch => g.switches.set_prelaunch(on),
                 DecodeSwitch::MixedGrouped => g.switches.set_mixed_grouped(on),
+                DecodeSwitch::WalkMark => g.switches.set_walk_mark(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
             }
         }
@@ -160,6 +186,7 @@ mod tests {
             "device-routed",
             "prelaunch",
             "mixed-grouped",
+            "walk-mark",
             "defer1",
             "defer2",
         ] {
@@ -175,6 +202,21 @@ mod tests {
     }
 
     #[test]
+    fn the_flash_prefill_knob_takes_its_values_and_refuses_others() {
+        use moe_kernels::cuda::ops::flash_attention::FlashBlock;
+        let knob = &super::super::attention::FLASH_PREFILL_KNOB;
+        let v = |s: &str| knob.parse_value(Some(s.into()));
+        assert_eq!(v("0"), Ok(Some(None)));
+        assert_eq!(v("1"), Ok(Some(Some(FlashBlock::Warps4))));
+        assert_eq!(v("w8"), Ok(Some(Some(FlashBlock::Warps8))));
+        let e = v("on").unwrap_err();
+        assert!(e.to_string().starts_with("MOE_FLASH_PREFILL=\"on\""), "{e}");
+        if std::env::var_os(knob.name).is_none() {
+            assert_eq!(knob.check(), Ok(None));
+        }
+    }
+
+    #[test]
     fn switches_change_between_steps() {
         let s = DecodeSwitches::default();
         assert_eq!(s.defer_experts(), 0);
@@ -184,5 +226,8 @@ mod tests {
         assert!(!s.prelaunch());
         s.set_mixed_grouped(false);
         assert!(!s.mixed_grouped());
+        assert!(s.walk_mark());
+        s.set_walk_mark(false);
+        assert!(!s.walk_mark());
     }
 }

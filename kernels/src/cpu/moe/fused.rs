@@ -34,6 +34,7 @@ use super::forward::{Active, Call, Scratch, SyncPtr};
 use super::gemm::gemm;
 use super::kern_avx512::{prefetch_distance, prefetch_head};
 use super::CpuExpertSet;
+use crate::knob::Knob;
 
 /// Which code runs calls of at most [`FUSED_MAX_TOKENS`] tokens in which no expert uses AMX tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,14 +49,23 @@ impl DecodePath {
     /// `MOE_CPU_DECODE=split|fused` (read once per process), else `Fused`.
     pub fn from_env() -> DecodePath {
         static P: std::sync::OnceLock<DecodePath> = std::sync::OnceLock::new();
-        *P.get_or_init(|| {
-            std::env::var("MOE_CPU_DECODE")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(DecodePath::Fused)
-        })
+        *P.get_or_init(|| DECODE_PATH_KNOB.read_or(DecodePath::Fused))
     }
 }
+
+/// `MOE_CPU_DECODE`: the decode path ([`DecodePath::from_env`]).
+pub(super) const DECODE_PATH_KNOB: Knob<DecodePath> = Knob {
+    name: "MOE_CPU_DECODE",
+    takes: "split or fused",
+    parse: |v| DecodePath::from_str(v).ok(),
+};
+
+/// `MOE_CPU_DECODE_ITEM_KIB`: the fused plan's item sizes ([`Targets::from_env`]).
+pub(super) const ITEM_KIB_KNOB: Knob<Targets> = Knob {
+    name: "MOE_CPU_DECODE_ITEM_KIB",
+    takes: "GATE_UP,DOWN in KiB, each at least 1, e.g. 256,192",
+    parse: Targets::parse_kib,
+};
 
 impl FromStr for DecodePath {
     type Err = String;
@@ -103,12 +113,7 @@ impl Targets {
     /// [`TARGETS`], or `MOE_CPU_DECODE_ITEM_KIB=GATE_UP,DOWN` (KiB per item; read once per process).
     pub fn from_env() -> Targets {
         static T: std::sync::OnceLock<Targets> = std::sync::OnceLock::new();
-        *T.get_or_init(|| {
-            std::env::var("MOE_CPU_DECODE_ITEM_KIB")
-                .ok()
-                .and_then(|v| Targets::parse_kib(&v))
-                .unwrap_or(TARGETS)
-        })
+        *T.get_or_init(|| ITEM_KIB_KNOB.read_or(TARGETS))
     }
 
     /// `"GATE_UP,DOWN"` in KiB, both at least 1 and at most `usize::MAX` bytes.

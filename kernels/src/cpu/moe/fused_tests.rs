@@ -295,3 +295,27 @@ fn decode_path_parses_and_names() {
     assert!("fast".parse::<DecodePath>().is_err());
     assert_eq!(DecodePath::Fused.to_string(), "fused");
 }
+
+/// The kernels' A/B knobs refuse values they do not take, by name, instead of reading them as the
+/// default (`crate::knob`; `moe-daemon` refuses to start on them through `check_env_knobs`).
+#[test]
+fn kernel_knobs_refuse_unknown_values() {
+    use super::fused::{DECODE_PATH_KNOB, ITEM_KIB_KNOB};
+    use super::kern_avx512::{PREFETCH_HINT_KNOB, PREFETCH_KNOB};
+    let v = |s: &str| Some(std::ffi::OsString::from(s));
+    assert_eq!(DECODE_PATH_KNOB.parse_value(v("split")), Ok(Some(DecodePath::Split)));
+    let e = DECODE_PATH_KNOB.parse_value(v("fuse")).unwrap_err();
+    assert!(e.to_string().starts_with("MOE_CPU_DECODE=\"fuse\""), "{e}");
+    let t = ITEM_KIB_KNOB.parse_value(v("128,96")).unwrap().unwrap();
+    assert_eq!((t.gate_up, t.down), (128 << 10, 96 << 10));
+    assert!(ITEM_KIB_KNOB.parse_value(v("128")).is_err());
+    assert_eq!(PREFETCH_KNOB.parse_value(v("0")), Ok(Some(0)));
+    assert!(PREFETCH_KNOB.parse_value(v("4k")).is_err());
+    assert!(PREFETCH_HINT_KNOB.parse_value(v("nta")).unwrap().is_some());
+    assert!(PREFETCH_HINT_KNOB.parse_value(v("t2")).is_err());
+    // unset (as where the tests run): every knob passes the start-up check
+    let names = [DECODE_PATH_KNOB.name, ITEM_KIB_KNOB.name, PREFETCH_KNOB.name, PREFETCH_HINT_KNOB.name];
+    if names.iter().all(|k| std::env::var_os(k).is_none()) {
+        assert_eq!(check_env_knobs(), Ok(()));
+    }
+}

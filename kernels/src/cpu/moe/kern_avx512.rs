@@ -19,22 +19,37 @@ use std::sync::OnceLock;
 
 use super::act::ActRef;
 use super::pack::{GroupedCodes, MatRef};
+use crate::knob::Knob;
 
 /// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
 /// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
 pub(crate) fn prefetch_distance() -> usize {
     static D: OnceLock<usize> = OnceLock::new();
-    *D.get_or_init(|| {
-        std::env::var("MOE_CPU_PREFETCH")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(4096)
-    })
+    *D.get_or_init(|| PREFETCH_KNOB.read_or(4096))
 }
+
+/// `MOE_CPU_PREFETCH`: [`prefetch_distance`].
+pub(super) const PREFETCH_KNOB: Knob<usize> = Knob {
+    name: "MOE_CPU_PREFETCH",
+    takes: "bytes ahead, 0 disables",
+    parse: |v| v.parse().ok(),
+};
+
+/// `MOE_CPU_PREFETCH_HINT`: [`prefetch_hint`].
+pub(super) const PREFETCH_HINT_KNOB: Knob<PrefetchHint> = Knob {
+    name: "MOE_CPU_PREFETCH_HINT",
+    takes: "t0, t1 or nta",
+    parse: |v| match v {
+        "t0" => Some(PrefetchHint::T0),
+        "t1" => Some(PrefetchHint::T1),
+        "nta" => Some(PrefetchHint::Nta),
+        _ => None,
+    },
+};
 
 /// Cache level the in-stream prefetches of the kernels fill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PrefetchHint {
+pub(super) enum PrefetchHint {
     /// L1 (and L2): the default.
     T0,
     /// L2 only.
@@ -47,11 +62,7 @@ enum PrefetchHint {
 /// decode kernels.
 fn prefetch_hint() -> PrefetchHint {
     static H: OnceLock<PrefetchHint> = OnceLock::new();
-    *H.get_or_init(|| match std::env::var("MOE_CPU_PREFETCH_HINT").as_deref() {
-        Ok("t1") => PrefetchHint::T1,
-        Ok("nta") => PrefetchHint::Nta,
-        _ => PrefetchHint::T0,
-    })
+    *H.get_or_init(|| PREFETCH_HINT_KNOB.read_or(PrefetchHint::T0))
 }
 
 #[inline(always)]

@@ -77,6 +77,16 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
+/// Every A/B knob of the CPU expert kernels as the environment sets it: the first one set to a value
+/// it does not take (`crate::knob`). `moe-daemon` calls this at start and refuses to run on an error.
+pub fn check_env_knobs() -> Result<(), crate::knob::KnobError> {
+    fused::DECODE_PATH_KNOB.check()?;
+    fused::ITEM_KIB_KNOB.check()?;
+    kern_avx512::PREFETCH_KNOB.check()?;
+    kern_avx512::PREFETCH_HINT_KNOB.check()?;
+    Ok(())
+}
+
 use crate::cpu::features::CpuTier;
 use crate::cpu::memory::{HugeBuffer, HugepageMode, PageKind};
 use crate::cpu::pool::WorkerPool;
