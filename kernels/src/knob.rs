@@ -43,7 +43,9 @@ impl<T> Knob<T> {
         if v.is_empty() {
             return Ok(None);
         }
-        (self.parse)(v).map(Some).ok_or_else(|| refused(v.to_string()))
+        (self.parse)(v)
+            .map(Some)
+            .ok_or_else(|| refused(v.to_string()))
     }
 
     /// The knob's value, or `default` when unset; a value it does not take gives `default` after a

@@ -95,6 +95,11 @@ pub(super) fn run(
                 ms(secs - split.gpu_wait_s - split.cpu_experts_s),
                 handoff_suffix(&split, steps)
             );
+            println!(
+                "A/B round {round}, {}: {}",
+                v.label,
+                super::bench_host::host_suffix(&split, secs, steps).trim_start_matches("; ")
+            );
         }
     }
     restore();

@@ -53,6 +53,36 @@ pub(super) fn host_lines(t: &StepTimes, elapsed: f64, steps: usize, layers: usiz
     lines
 }
 
+/// The same split, short, for an A/B round's line (`bench_ab`): ms per step.
+pub(super) fn host_suffix(t: &StepTimes, elapsed: f64, steps: usize) -> String {
+    let h = &t.host;
+    if h.forward_s == 0.0 {
+        return String::new();
+    }
+    let ms = |s: f64| s / steps.max(1) as f64 * 1e3;
+    let other = elapsed - t.cpu_experts_s - t.gpu_wait_s;
+    let outside = elapsed - h.forward_s;
+    let known = outside
+        + h.setup_s
+        + h.capture_walk_s
+        + h.launch_s
+        + h.routing_read_s
+        + h.plan_s
+        + h.tail_s;
+    format!(
+        "; other host: outside {:.3}, setup {:.3}, walk {:.3} ({:.2}/step), launches {:.3}, routing read {:.3}, plan {:.3}, tail {:.3}, rest {:.3} ms",
+        ms(outside),
+        ms(h.setup_s),
+        ms(h.capture_walk_s),
+        h.walks as f64 / steps.max(1) as f64,
+        ms(h.launch_s),
+        ms(h.routing_read_s),
+        ms(h.plan_s),
+        ms(h.tail_s),
+        ms(other - known),
+    )
+}
+
 /// The CPU pool's regions per step: how late the workers joined and how long the regions' tails were.
 fn pool_line(h: &HostProfile, steps: f64) -> Option<String> {
     let p = &h.pool;
@@ -102,9 +132,21 @@ mod tests {
         let lines = host_lines(&t, 10e-3, 2, 4);
         assert_eq!(lines.len(), 3);
         // other 1.0 ms/step = outside 0.5 + setup 0.1 + launches 0.2 + tail 0.1 + rest 0.1
-        assert!(lines[0].starts_with("  other host 1.000 ms/step = outside the GPU step 0.500"), "{}", lines[0]);
-        assert!(lines[0].contains("rest 0.100 (25.0 µs/layer"), "{}", lines[0]);
-        assert!(lines[2].contains("2.0 regions/step; a worker joined 1.00 µs"), "{}", lines[2]);
+        assert!(
+            lines[0].starts_with("  other host 1.000 ms/step = outside the GPU step 0.500"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[0].contains("rest 0.100 (25.0 µs/layer"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[2].contains("2.0 regions/step; a worker joined 1.00 µs"),
+            "{}",
+            lines[2]
+        );
         assert!(lines[2].contains("the last one 2.00 µs"), "{}", lines[2]);
         assert!(host_lines(&StepTimes::default(), 1.0, 1, 1).is_empty());
     }

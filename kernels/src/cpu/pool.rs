@@ -109,7 +109,9 @@ impl RegionClock {
 
     /// A worker joined the open region.
     fn joined(&self) {
-        let lag = self.now_ns().saturating_sub(self.opened_ns.load(Ordering::Relaxed));
+        let lag = self
+            .now_ns()
+            .saturating_sub(self.opened_ns.load(Ordering::Relaxed));
         self.region_joins.fetch_add(1, Ordering::Relaxed);
         self.region_max_lag_ns.fetch_max(lag, Ordering::Relaxed);
         self.lag_ns.fetch_add(lag, Ordering::Relaxed);

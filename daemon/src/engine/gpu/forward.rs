@@ -974,6 +974,9 @@ impl GpuModel {
         s.memcpy_dtoh(&head.logits.slice(..rows * vocab), &mut host_logits)?;
         s.synchronize()?;
         times.gpu_wait_s += t0.elapsed().as_secs_f64();
+        if rows == 1 {
+            return Ok(vec![host_logits]); // batch 1: the row as copied, without copying it again
+        }
         Ok(host_logits.chunks(vocab).map(<[f32]>::to_vec).collect())
     }
 }

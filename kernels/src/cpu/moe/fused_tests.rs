@@ -303,7 +303,10 @@ fn kernel_knobs_refuse_unknown_values() {
     use super::fused::{DECODE_PATH_KNOB, ITEM_KIB_KNOB};
     use super::kern_avx512::{PREFETCH_HINT_KNOB, PREFETCH_KNOB};
     let v = |s: &str| Some(std::ffi::OsString::from(s));
-    assert_eq!(DECODE_PATH_KNOB.parse_value(v("split")), Ok(Some(DecodePath::Split)));
+    assert_eq!(
+        DECODE_PATH_KNOB.parse_value(v("split")),
+        Ok(Some(DecodePath::Split))
+    );
     let e = DECODE_PATH_KNOB.parse_value(v("fuse")).unwrap_err();
     assert!(e.to_string().starts_with("MOE_CPU_DECODE=\"fuse\""), "{e}");
     let t = ITEM_KIB_KNOB.parse_value(v("128,96")).unwrap().unwrap();
@@ -314,7 +317,12 @@ fn kernel_knobs_refuse_unknown_values() {
     assert!(PREFETCH_HINT_KNOB.parse_value(v("nta")).unwrap().is_some());
     assert!(PREFETCH_HINT_KNOB.parse_value(v("t2")).is_err());
     // unset (as where the tests run): every knob passes the start-up check
-    let names = [DECODE_PATH_KNOB.name, ITEM_KIB_KNOB.name, PREFETCH_KNOB.name, PREFETCH_HINT_KNOB.name];
+    let names = [
+        DECODE_PATH_KNOB.name,
+        ITEM_KIB_KNOB.name,
+        PREFETCH_KNOB.name,
+        PREFETCH_HINT_KNOB.name,
+    ];
     if names.iter().all(|k| std::env::var_os(k).is_none()) {
         assert_eq!(check_env_knobs(), Ok(()));
     }
