@@ -454,6 +454,10 @@ impl GpuModel {
         } = bufs;
         let hand: &Handoff = hand;
         hand.begin_step(dev)?;
+        // the head's rows now, while no GPU wait is pending (the head may be enqueued behind one)
+        let seqs = hi.last_rows.len();
+        dev.stream
+            .memcpy_htod(&hi.last_rows, &mut acts.head.last_rows.slice_mut(..seqs))?;
         self.embed(host, &hi.ids, index, &mut acts.x)?;
         // Hybrid models (linear attention, hyper-connections, sparse attention): the step's streams,
         // recurrent states and indexer selection.
@@ -539,6 +543,10 @@ impl GpuModel {
         times.host.capture_walk_s += host_profile::lap(&mut clock);
         // The previous MoE layer's CPU half, run once this layer's segment is enqueued.
         let mut owed: Option<CpuHalf<'_>> = None;
+        // A last layer enqueued before its routing lands takes the step's head with it, so the GPU
+        // goes from the last add to the lm_head without waiting for the host's launches.
+        let early_head = self.switches.early_head() && stream.is_none() && hybrid_step.is_none();
+        let mut head_enqueued = false;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
         let mut enqueued: Option<Vec<ExpertHome>> = None;
         for (li, layer) in self.layers.iter().enumerate().skip(first_layer) {
@@ -602,6 +610,13 @@ impl GpuModel {
                                 return Err(e);
                             }
                             enqueued = Some(next);
+                        } else if early_head {
+                            let ActBufs { x, hb, head, .. } = &mut *acts;
+                            if let Err(e) = self.enqueue_head(cfg, seqs, (n, hd), x, hb, head) {
+                                hand.port.raise_sum(); // the GPU must not wait for a host that gave up
+                                return Err(e);
+                            }
+                            head_enqueued = true;
                         }
                         times.host.launch_s += t.elapsed().as_secs_f64();
                     }
@@ -672,10 +687,13 @@ impl GpuModel {
             set.ready_rows.insert(n);
         }
         let ActBufs { x, hb, head, .. } = acts;
-        if let Some(hy) = &hybrid_step {
-            self.hyper_head(hy, hd, x)?;
+        if !head_enqueued {
+            if let Some(hy) = &hybrid_step {
+                self.hyper_head(hy, hd, x)?;
+            }
+            self.enqueue_head(cfg, seqs, (n, hd), x, hb, head)?;
         }
-        let logits = self.lm_head(cfg, &hi.last_rows, (n, hd), x, hb, head, times)?;
+        let logits = self.logits_to_host(cfg, seqs, head, times)?;
         if let Some(es) = stream {
             es.end_step(dev)?;
         }
@@ -945,21 +963,20 @@ impl GpuModel {
         }
     }
 
-    /// Final norm and lm_head on the last row of each sequence; the step's one closing wait.
-    #[allow(clippy::too_many_arguments)]
-    fn lm_head(
+    /// The step's head, enqueued: final norm, the last row of each of the `rows` sequences gathered
+    /// (their row numbers were uploaded with the step's index), lm_head. Kernels and GEMMs only, so it
+    /// may be enqueued behind a GPU wait for the CPU experts.
+    fn enqueue_head(
         &self,
         cfg: &crate::model::ModelConfig,
-        last_rows: &[i32],
+        rows: usize,
         (n, hd): (usize, usize),
         x: &CudaSlice<f32>,
         hb: &mut CudaSlice<bf16>,
         head: &mut HeadBufs,
-        times: &mut StepTimes,
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let (dev, s) = (&self.dev, &self.dev.stream);
-        let (rows, vocab) = (last_rows.len(), self.tp_vocab(cfg));
-        s.memcpy_htod(last_rows, &mut head.last_rows.slice_mut(..rows))?;
+    ) -> anyhow::Result<()> {
+        let dev = &self.dev;
+        let vocab = self.tp_vocab(cfg);
         dev.rms_norm(x, &self.final_norm, cfg.rms_norm_eps, (n, hd), hb, None)?;
         dev.gather_rows(&*hb, &head.last_rows, (rows, hd), &mut head.rows)?;
         match (&self.lm_head, &self.embed) {
@@ -969,6 +986,20 @@ impl GpuModel {
             }
             (None, EmbedTable::Host) => anyhow::bail!("tied lm_head without a GPU table"),
         }
+        Ok(())
+    }
+
+    /// The logits of the enqueued head ([`GpuModel::enqueue_head`]) on the host, one row per
+    /// sequence; the step's one closing wait.
+    fn logits_to_host(
+        &self,
+        cfg: &crate::model::ModelConfig,
+        rows: usize,
+        head: &HeadBufs,
+        times: &mut StepTimes,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let s = &self.dev.stream;
+        let vocab = self.tp_vocab(cfg);
         let mut host_logits = vec![0f32; rows * vocab];
         let t0 = Instant::now();
         s.memcpy_dtoh(&head.logits.slice(..rows * vocab), &mut host_logits)?;

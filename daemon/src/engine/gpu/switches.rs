@@ -19,6 +19,10 @@ pub struct DecodeSwitches {
     /// Pipelined graph steps skip the pre-step capture walk when a step of the same rows, routes and
     /// placement was walked (`graphs::WalkMark`); on by default (off: every step walks, as before).
     walk_mark: AtomicBool,
+    /// A pipelined step whose last layer is enqueued before its routing lands enqueues the step's
+    /// head (final norm, lm_head) with it, before the last CPU experts run; on by default (off: after
+    /// them, as before).
+    early_head: AtomicBool,
 }
 
 impl Default for DecodeSwitches {
@@ -29,6 +33,7 @@ impl Default for DecodeSwitches {
             prelaunch: AtomicBool::new(!off("MOE_GPU_PRELAUNCH")),
             mixed_grouped: AtomicBool::new(!off("MOE_MIXED_GROUPED")),
             walk_mark: AtomicBool::new(true),
+            early_head: AtomicBool::new(true),
         }
     }
 }
@@ -65,6 +70,14 @@ impl DecodeSwitches {
     pub fn set_walk_mark(&self, on: bool) {
         self.walk_mark.store(on, Ordering::Relaxed);
     }
+
+    pub fn early_head(&self) -> bool {
+        self.early_head.load(Ordering::Relaxed)
+    }
+
+    pub fn set_early_head(&self, on: bool) {
+        self.early_head.store(on, Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -88,6 +101,8 @@ pub enum DecodeSwitch {
     MixedGrouped,
     /// The capture walk's mark (pipelined graph steps skip a walk done before).
     WalkMark,
+    /// The step's head enqueued with a prelaunched last layer.
+    EarlyHead,
     /// Deferred experts: this many routes per token (not exact).
     Defer(usize),
 }
@@ -110,11 +125,12 @@ impl std::str::FromStr for DecodeSwitch {
             "prelaunch" => DecodeSwitch::Prelaunch,
             "mixed-grouped" => DecodeSwitch::MixedGrouped,
             "walk-mark" => DecodeSwitch::WalkMark,
+            "early-head" => DecodeSwitch::EarlyHead,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, defer1..defer64)"
                     ))
                 }
             },
@@ -130,6 +146,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::Prelaunch => f.write_str("prelaunch"),
             DecodeSwitch::MixedGrouped => f.write_str("mixed-grouped"),
             DecodeSwitch::WalkMark => f.write_str("walk-mark"),
+            DecodeSwitch::EarlyHead => f.write_str("early-head"),
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
         }
     }
@@ -149,6 +166,7 @@ impl crate::engine::Engine {
             DecodeSwitch::Prelaunch => g.switches.prelaunch(),
             DecodeSwitch::MixedGrouped => g.switches.mixed_grouped(),
             DecodeSwitch::WalkMark => g.switches.walk_mark(),
+            DecodeSwitch::EarlyHead => g.switches.early_head(),
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
         })
     }
@@ -168,6 +186,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::Prelaunch => g.switches.set_prelaunch(on),
                 DecodeSwitch::MixedGrouped => g.switches.set_mixed_grouped(on),
                 DecodeSwitch::WalkMark => g.switches.set_walk_mark(on),
+                DecodeSwitch::EarlyHead => g.switches.set_early_head(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
             }
         }
@@ -187,6 +206,7 @@ mod tests {
             "prelaunch",
             "mixed-grouped",
             "walk-mark",
+            "early-head",
             "defer1",
             "defer2",
         ] {
@@ -229,5 +249,8 @@ mod tests {
         assert!(s.walk_mark());
         s.set_walk_mark(false);
         assert!(!s.walk_mark());
+        assert!(s.early_head());
+        s.set_early_head(false);
+        assert!(!s.early_head());
     }
 }
