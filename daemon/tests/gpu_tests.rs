@@ -10,6 +10,7 @@ mod consumer_gpu;
 mod device_routed_gpu;
 mod flash_prefill_gpu;
 mod glm_hybrid_gpu;
+mod host_gpu;
 mod kv_q8_gpu;
 mod ops_gpu;
 mod tensor_parallel_gpu;
