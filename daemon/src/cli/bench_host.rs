@@ -91,13 +91,14 @@ fn pool_line(h: &HostProfile, steps: f64) -> Option<String> {
     }
     let us = |s: f64, k: u64| s / k.max(1) as f64 * 1e6;
     Some(format!(
-        "  CPU pool: {:.1} regions/step; a worker joined {:.2} µs after the region opened on average, the last one {:.2} µs; {:.2} of {:.1} workers per region missed it; the caller waited {:.2} µs per region for the last workers",
+        "  CPU pool: {:.1} regions/step; a worker joined {:.2} µs after the region opened on average, the last one {:.2} µs; {:.2} of {:.1} workers per region missed it; the caller waited {:.2} µs per region for the last workers; {:.2} caller-thread changes/step",
         p.regions as f64 / steps,
         us(p.join_lag_s, p.joins),
         us(p.max_join_lag_s, p.regions),
         p.missed as f64 / p.regions as f64,
         (p.joins + p.missed) as f64 / p.regions as f64,
         us(p.close_wait_s, p.regions),
+        p.caller_changes as f64 / steps,
     ))
 }
 

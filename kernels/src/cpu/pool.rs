@@ -78,6 +78,7 @@ struct RegionClock {
     lag_ns: AtomicU64,
     max_lag_ns: AtomicU64,
     close_wait_ns: AtomicU64,
+    caller_changes: AtomicU64,
 }
 
 impl RegionClock {
@@ -93,6 +94,7 @@ impl RegionClock {
             lag_ns: AtomicU64::new(0),
             max_lag_ns: AtomicU64::new(0),
             close_wait_ns: AtomicU64::new(0),
+            caller_changes: AtomicU64::new(0),
         }
     }
 
@@ -139,6 +141,7 @@ impl RegionClock {
             join_lag_s: s(&self.lag_ns),
             max_join_lag_s: s(&self.max_lag_ns),
             close_wait_s: s(&self.close_wait_ns),
+            caller_changes: self.caller_changes.load(Ordering::Relaxed),
         }
     }
 }
@@ -158,6 +161,8 @@ pub struct RegionStats {
     /// Summed over regions: the caller's wait, once its own items were done, for the workers still in
     /// the region (the region's tail).
     pub close_wait_s: f64,
+    /// Regions whose calling thread was not the previous region's (each re-pins the new caller).
+    pub caller_changes: u64,
 }
 
 impl RegionStats {
@@ -170,6 +175,7 @@ impl RegionStats {
             join_lag_s: self.join_lag_s - earlier.join_lag_s,
             max_join_lag_s: self.max_join_lag_s - earlier.max_join_lag_s,
             close_wait_s: self.close_wait_s - earlier.close_wait_s,
+            caller_changes: self.caller_changes - earlier.caller_changes,
         }
     }
 
@@ -180,6 +186,7 @@ impl RegionStats {
         self.join_lag_s += o.join_lag_s;
         self.max_join_lag_s += o.max_join_lag_s;
         self.close_wait_s += o.close_wait_s;
+        self.caller_changes += o.caller_changes;
     }
 }
 
@@ -322,12 +329,16 @@ impl WorkerPool {
     pub fn run(&self, items: &[usize], f: &RegionFn<'_>) {
         assert_eq!(items.len(), self.groups, "one item count per group");
         let mut caller = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(cpu) = self.caller_cpu {
-            let me = std::thread::current().id();
-            if *caller != Some(me) {
+        let me = std::thread::current().id();
+        if *caller != Some(me) {
+            if let Some(cpu) = self.caller_cpu {
                 pin_current_thread(cpu);
-                *caller = Some(me);
             }
+            *caller = Some(me);
+            self.shared
+                .clock
+                .caller_changes
+                .fetch_add(1, Ordering::Relaxed);
         }
         let sh = &*self.shared;
         // SAFETY: no worker reads `job` outside a region it joined, and the previous region was closed
