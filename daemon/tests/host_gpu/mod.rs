@@ -1,6 +1,7 @@
-//! The host's decode-step switches (`engine::gpu::switches`): the capture walk's mark and the head
-//! enqueued with a prelaunched last layer change when the host does its work, never what the GPU
-//! computes, so the logits stay bit for bit those of the switches off; and the mark does skip the walk.
+//! The host's decode-step switches (`engine::gpu::switches`): the capture walk's mark, the head
+//! enqueued with a prelaunched last layer and the all-DRAM layers' CPU half from the routing as it
+//! landed change when and how the host does its work, never what the GPU or the CPU experts compute,
+//! so the logits stay bit for bit those of the switches off; and the mark does skip the walk.
 use super::common::gpu::gpu;
 use super::common::{fixtures_root, step};
 use moe_daemon::engine::gpu::switches::DecodeSwitch;
@@ -51,12 +52,17 @@ fn host_switches_keep_the_logits_and_the_mark_skips_the_walk() {
         .unwrap();
         assert_eq!(e.decode_switch(DecodeSwitch::WalkMark), Some(true));
         assert_eq!(e.decode_switch(DecodeSwitch::EarlyHead), Some(true));
+        assert_eq!(e.decode_switch(DecodeSwitch::DirectHalf), Some(true));
         let (on, fed, walks_on) = decode(&e, None);
         assert!(
             walks_on[0] <= 1 && walks_on[1..].iter().all(|&w| w == 0),
             "{name}: the mark skips the walk after the first decode step: {walks_on:?}"
         );
-        for s in [DecodeSwitch::WalkMark, DecodeSwitch::EarlyHead] {
+        for s in [
+            DecodeSwitch::WalkMark,
+            DecodeSwitch::EarlyHead,
+            DecodeSwitch::DirectHalf,
+        ] {
             assert!(e.set_decode_switch(s, false));
         }
         let (off, _, walks_off) = decode(&e, Some(&fed));

@@ -546,6 +546,7 @@ impl GpuModel {
         // A last layer enqueued before its routing lands takes the step's head with it, so the GPU
         // goes from the last add to the lm_head without waiting for the host's launches.
         let early_head = self.switches.early_head() && stream.is_none() && hybrid_step.is_none();
+        let direct_half = self.switches.direct_half();
         let mut head_enqueued = false;
         // Homes of layer li when the previous iteration already enqueued its segment (`prelaunch`).
         let mut enqueued: Option<Vec<ExpertHome>> = None;
@@ -660,6 +661,8 @@ impl GpuModel {
                         r => r?,
                     };
                     match half {
+                        // the next segment is enqueued already: nothing to launch before the half
+                        Some(h) if pipelined && enqueued.is_some() && direct_half => h.run(times),
                         Some(h) if pipelined => owed = Some(h),
                         Some(h) => {
                             let t = Instant::now();

@@ -17,7 +17,7 @@ use super::handoff::{CpuHalf, Handoff};
 use super::split::{GpuSpan, SplitBalance};
 use super::stream::ExpertStream;
 use super::{GpuMlp, GpuModel, GpuMoe};
-use crate::engine::moe::GatedAct;
+use crate::engine::moe::{GatedAct, Routing};
 use crate::engine::StepTimes;
 use crate::model::{Ffn, Model, MoeBlock};
 use anyhow::Context;
@@ -121,6 +121,15 @@ impl GpuModel {
         on_routing(li, &ids);
         ctx.times.host.routing_read_s += super::host_profile::lap(&mut clock);
         let split = self.split_layer(li, homes, &ids, ctx)?;
+        let all_dram = homes.iter().all(|h| *h == ExpertHome::Cpu);
+        if prelaunched && all_dram && split.is_none() && self.switches.direct_half() {
+            return Ok(Some(self.all_dram_half(
+                host_block,
+                ctx,
+                (ids, weights),
+                defer,
+            )));
+        }
         let homes = split.as_ref().map_or(homes, |s| &s.homes[..]);
         let plan = {
             let es = ctx.stream.as_deref();
@@ -196,6 +205,47 @@ impl GpuModel {
         }
         ctx.times.host.plan_s += clock.elapsed().as_secs_f64();
         Ok(Some(half))
+    }
+
+    /// The CPU half of a prelaunched layer whose experts all live in DRAM (its GPU half is enqueued
+    /// and waits for it): every route goes to the CPU, so the routing as it landed is the half's,
+    /// without a dispatch plan between the routing and the CPU experts (`direct_half`; the plan
+    /// would give the same routing). `defer` as in [`GpuModel::moe_layer`].
+    fn all_dram_half<'h>(
+        &self,
+        block: &'h MoeBlock,
+        ctx: &mut MoeStep<'h, '_>,
+        (ids, weights): (Vec<u32>, Vec<f32>),
+        defer: usize,
+    ) -> CpuHalf<'h> {
+        let cfg = &ctx.host.config;
+        let top_k = cfg.moe.as_ref().map_or(1, |mc| mc.top_k);
+        ctx.times.expert_hits += ids.len() as u64;
+        if let Some(set) = &block.cpu_set {
+            let read = super::dispatch::distinct_experts(&ids) as u64;
+            ctx.times.dram_experts_read += read;
+            ctx.times.dram_expert_bytes += read * set.packed_geometry().expert_bytes as u64;
+        }
+        let all = Routing {
+            ids,
+            weights,
+            top_k,
+        };
+        let (now, later) = match defer {
+            0 => (Some(all), None),
+            d => split_deferred(&all, &all.weights, d),
+        };
+        CpuHalf {
+            block,
+            pool: ctx.cpu_pool,
+            act: GatedAct::of(cfg),
+            now,
+            later,
+            n: ctx.n,
+            hd: cfg.hidden_size,
+            hand: ctx.hand,
+            raised: false,
+        }
     }
 
     /// The GPU half of a layer whose experts all live in DRAM, which does not depend on its routing:

@@ -23,6 +23,10 @@ pub struct DecodeSwitches {
     /// head (final norm, lm_head) with it, before the last CPU experts run; on by default (off: after
     /// them, as before).
     early_head: AtomicBool,
+    /// A prelaunched layer whose experts all live in DRAM hands the routing as it landed to its CPU
+    /// half (no dispatch plan), which runs at once when the next segment is enqueued already; on by
+    /// default (off: planned, and run at the next layer's start, as before).
+    direct_half: AtomicBool,
 }
 
 impl Default for DecodeSwitches {
@@ -34,6 +38,7 @@ impl Default for DecodeSwitches {
             mixed_grouped: AtomicBool::new(!off("MOE_MIXED_GROUPED")),
             walk_mark: AtomicBool::new(true),
             early_head: AtomicBool::new(true),
+            direct_half: AtomicBool::new(true),
         }
     }
 }
@@ -78,6 +83,14 @@ impl DecodeSwitches {
     pub fn set_early_head(&self, on: bool) {
         self.early_head.store(on, Ordering::Relaxed);
     }
+
+    pub fn direct_half(&self) -> bool {
+        self.direct_half.load(Ordering::Relaxed)
+    }
+
+    pub fn set_direct_half(&self, on: bool) {
+        self.direct_half.store(on, Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -103,6 +116,8 @@ pub enum DecodeSwitch {
     WalkMark,
     /// The step's head enqueued with a prelaunched last layer.
     EarlyHead,
+    /// All-DRAM prelaunched layers' CPU half from the routing as it landed, run at once.
+    DirectHalf,
     /// Deferred experts: this many routes per token (not exact).
     Defer(usize),
 }
@@ -126,11 +141,12 @@ impl std::str::FromStr for DecodeSwitch {
             "mixed-grouped" => DecodeSwitch::MixedGrouped,
             "walk-mark" => DecodeSwitch::WalkMark,
             "early-head" => DecodeSwitch::EarlyHead,
+            "direct-half" => DecodeSwitch::DirectHalf,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, defer1..defer64)"
                     ))
                 }
             },
@@ -147,6 +163,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::MixedGrouped => f.write_str("mixed-grouped"),
             DecodeSwitch::WalkMark => f.write_str("walk-mark"),
             DecodeSwitch::EarlyHead => f.write_str("early-head"),
+            DecodeSwitch::DirectHalf => f.write_str("direct-half"),
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
         }
     }
@@ -167,6 +184,7 @@ impl crate::engine::Engine {
             DecodeSwitch::MixedGrouped => g.switches.mixed_grouped(),
             DecodeSwitch::WalkMark => g.switches.walk_mark(),
             DecodeSwitch::EarlyHead => g.switches.early_head(),
+            DecodeSwitch::DirectHalf => g.switches.direct_half(),
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
         })
     }
@@ -187,6 +205,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::MixedGrouped => g.switches.set_mixed_grouped(on),
                 DecodeSwitch::WalkMark => g.switches.set_walk_mark(on),
                 DecodeSwitch::EarlyHead => g.switches.set_early_head(on),
+                DecodeSwitch::DirectHalf => g.switches.set_direct_half(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
             }
         }
@@ -207,6 +226,7 @@ mod tests {
             "mixed-grouped",
             "walk-mark",
             "early-head",
+            "direct-half",
             "defer1",
             "defer2",
         ] {
@@ -252,5 +272,8 @@ mod tests {
         assert!(s.early_head());
         s.set_early_head(false);
         assert!(!s.early_head());
+        assert!(s.direct_half());
+        s.set_direct_half(false);
+        assert!(!s.direct_half());
     }
 }
