@@ -35,9 +35,9 @@ fn decode(e: &Engine, forced: Option<&[u32]>) -> (Vec<Vec<f32>>, Vec<u32>, Vec<u
 }
 
 /// Every expert in DRAM, CUDA graphs on: pipelined decode steps whose MoE layers are all prelaunched
-/// (the path both switches act on). Walk mark on: at most the first decode step walks (it captures;
-/// a warm-up may have walked before), the others skip the walk; off: every step walks. Early head off and on, walk mark off and on: the
-/// same logits bit for bit.
+/// (the path the switches act on). Walk mark on: at most the first decode step walks (it captures;
+/// a warm-up may have walked before), the others skip the walk; off: every step walks. All three
+/// switches on, then off: the same logits bit for bit.
 #[test]
 fn host_switches_keep_the_logits_and_the_mark_skips_the_walk() {
     for name in ["qwen3_moe", "glm4_moe"] {
