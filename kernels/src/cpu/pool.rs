@@ -553,6 +553,13 @@ mod tests {
         assert_eq!(d.joins + d.missed, 20 * 2);
         assert!(d.join_lag_s >= 0.0 && d.max_join_lag_s >= 0.0 && d.close_wait_s >= 0.0);
         assert!(d.max_join_lag_s <= d.join_lag_s + 1e-12);
+        assert_eq!(d.caller_changes, 0, "one calling thread throughout");
+        let before = pool.region_stats();
+        std::thread::scope(|s| {
+            s.spawn(|| pool.run(&[4], &|_, _, _| {}));
+        });
+        pool.run(&[4], &|_, _, _| {});
+        assert_eq!(pool.region_stats().since(&before).caller_changes, 2);
         let mut sum = RegionStats::default();
         sum.add(&d);
         sum.add(&d);
