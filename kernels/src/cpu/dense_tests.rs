@@ -293,7 +293,8 @@ fn amx_int8_matches_vnni() {
 }
 
 /// The dense AMX-INT8 kernel (`dense_amx_int`) against the experts' one on the same rows: the same
-/// integer dots scaled in the same order, so equal bit for bit; every grouped format, single and
+/// integer dots scaled in the same order, so equal bit for bit (no output here is an exact zero, the
+/// one value whose sign may differ); every grouped format, single and
 /// paired rows, 1–15 rows (the 8-row fallback and the 16-row tile, a second m-tile from 9 paired
 /// tokens), N-tiles in chunks of one and several (prefetch of the next tile), K of 1 to 18 groups.
 #[test]
