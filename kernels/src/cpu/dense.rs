@@ -41,28 +41,39 @@ fn amx_min_rows() -> usize {
     })
 }
 
-/// Calls of fewer rows than [`amx_min_rows`] but at least this many run grouped int weights on
-/// AMX-INT8 (`kern_amx_int`) with the same int8 activations as the VNNI kernels (the same integer
-/// dots, scaled in another order: within 1e-5). Measured on the H200 host's Xeon, 2 threads,
-/// SmolLM2-135M shapes: at 4 rows VNNI is as fast or faster (q/k/v 37 against 45 µs), at 8 rows
-/// AMX-INT8 is faster (gate/up 110 against 167 µs, the Q8_0 lm_head with int8 pairs 2.2 against
-/// 4.6 ms). Batched decode of 8 sequences is where this pays.
+/// Calls of fewer rows than [`amx_min_rows`] but at least this many run grouped 8-bit codes (Q8_0,
+/// Q6_K, Q5_K) on AMX-INT8 (`dense_amx_int`) with the same int8 activations as the VNNI kernels (the
+/// same integer dots, scaled in another order: within 1e-5). The Q8_0 lm_head of SmolLM2-135M (int8
+/// pairs with a residual in every group: 16 rows for 8 tokens), 2 threads: 0.88 ms at 8 tokens
+/// against 1.61 on VNNI on the build machine's Xeon, 1.72 against 3.70 on the H200 host's (2026-12-02,
+/// docs/PERF.md). 4-bit codes stay on VNNI ([`amx_int4_min_rows`]).
 const AMX_INT_MIN_ROWS: usize = 8;
 
 /// [`AMX_INT_MIN_ROWS`], or `MOE_CPU_DENSE_AMX_INT_MIN_ROWS` when set (0: off, the VNNI kernels
 /// below [`amx_min_rows`]; A/B runs).
 fn amx_int_min_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        match std::env::var("MOE_CPU_DENSE_AMX_INT_MIN_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-        {
-            Some(0) => usize::MAX,
-            Some(r) => r,
-            None => AMX_INT_MIN_ROWS,
-        }
-    })
+    rows_from_env("MOE_CPU_DENSE_AMX_INT_MIN_ROWS", AMX_INT_MIN_ROWS)
+}
+
+/// From how many rows grouped 4-bit codes (Q4_0, Q4_1, Q4_K) run on AMX-INT8: by default never below
+/// [`amx_min_rows`] (`MOE_CPU_DENSE_AMX_INT4_MIN_ROWS=N` for A/B runs). Their codes are split into
+/// bytes per N-tile and a group of 32 inputs is half a tile's depth, so the split and the per-group
+/// scaling cost more than VNNI's dots: SmolLM2-135M's projections at 8 tokens, 2 threads, on the H200
+/// host's Xeon: 5.1× one token's time for gate/up on AMX-INT8 against 2.8× on VNNI (down 4.8× / 3.0×).
+fn amx_int4_min_rows() -> usize {
+    rows_from_env("MOE_CPU_DENSE_AMX_INT4_MIN_ROWS", usize::MAX)
+}
+
+/// `var` as a row count (0: never), else `default`.
+fn rows_from_env(var: &str, default: usize) -> usize {
+    match std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(0) => usize::MAX,
+        Some(r) => r,
+        None => default,
+    }
 }
 
 /// Which AMX-INT8 kernel runs a dense call's grouped int weights.
@@ -184,7 +195,10 @@ impl DenseMatrix {
             buf,
             tier: max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
             grouped: GroupedInput::default_for(format),
-            amx_int_min_rows: amx_int_min_rows(),
+            amx_int_min_rows: match GroupedCodes::of(format) {
+                Some(c) if c.int4 => amx_int4_min_rows(),
+                _ => amx_int_min_rows(),
+            },
             amx_int_kernel: AmxIntKernel::from_env(),
             scratch: Mutex::new(Scratch::default()),
         })
