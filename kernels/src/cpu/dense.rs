@@ -45,8 +45,8 @@ fn amx_min_rows() -> usize {
 /// Q6_K, Q5_K) on AMX-INT8 (`dense_amx_int`) with the same int8 activations as the VNNI kernels (the
 /// same integer dots, scaled in another order: within 1e-5). The Q8_0 lm_head of SmolLM2-135M (int8
 /// pairs with a residual in every group: 16 rows for 8 tokens), 2 threads: 0.88 ms at 8 tokens
-/// against 1.61 on VNNI on the build machine's Xeon, 1.72 against 3.70 on the H200 host's (2026-12-02,
-/// docs/PERF.md). 4-bit codes stay on VNNI ([`amx_int4_min_rows`]).
+/// against 1.61 on VNNI on the build machine's Xeon; 2.3× one token's time against 2.8× on VNNI on
+/// the H200 host's (2026-12-02, docs/PERF.md). 4-bit codes stay on VNNI ([`amx_int4_min_rows`]).
 const AMX_INT_MIN_ROWS: usize = 8;
 
 /// [`AMX_INT_MIN_ROWS`], or `MOE_CPU_DENSE_AMX_INT_MIN_ROWS` when set (0: off, the VNNI kernels
