@@ -18,7 +18,7 @@ use crate::cpu::memory::{HugeBuffer, HugepageMode};
 use crate::cpu::moe::act::{ActBuf, ActKind, ActRef};
 use crate::cpu::moe::act_i8::OUTLIER_RMS_RATIO;
 use crate::cpu::moe::gemm::{act_kind, amx_int_supports, amx_supports, gemm, gemm_amx_int};
-use crate::cpu::moe::pack::{check_source, pack_matrix, MatLayout, MatRef};
+use crate::cpu::moe::pack::{check_source, pack_matrix, GroupedCodes, MatLayout, MatRef};
 use crate::cpu::moe::{PackError, SourceTensor, WeightFormat};
 use crate::cpu::pool::WorkerPool;
 
@@ -41,28 +41,61 @@ fn amx_min_rows() -> usize {
     })
 }
 
-/// Calls of fewer rows than [`amx_min_rows`] but at least this many run grouped int weights on
-/// AMX-INT8 (`kern_amx_int`) with the same int8 activations as the VNNI kernels (the same integer
-/// dots, scaled in another order: within 1e-5). Measured on the H200 host's Xeon, 2 threads,
-/// SmolLM2-135M shapes: at 4 rows VNNI is as fast or faster (q/k/v 37 against 45 µs), at 8 rows
-/// AMX-INT8 is faster (gate/up 110 against 167 µs, the Q8_0 lm_head with int8 pairs 2.2 against
-/// 4.6 ms). Batched decode of 8 sequences is where this pays.
+/// Calls of fewer rows than [`amx_min_rows`] but at least this many run grouped 8-bit codes (Q8_0,
+/// Q6_K, Q5_K) on AMX-INT8 (`dense_amx_int`) with the same int8 activations as the VNNI kernels (the
+/// same integer dots, scaled in another order: within 1e-5). The Q8_0 lm_head of SmolLM2-135M (int8
+/// pairs with a residual in every group: 16 rows for 8 tokens), 2 threads: 0.88 ms at 8 tokens
+/// against 1.61 on VNNI on the build machine's Xeon; 2.3× one token's time against 2.8× on VNNI on
+/// the H200 host's (2026-12-02, docs/PERF.md). 4-bit codes stay on VNNI ([`amx_int4_min_rows`]).
 const AMX_INT_MIN_ROWS: usize = 8;
 
 /// [`AMX_INT_MIN_ROWS`], or `MOE_CPU_DENSE_AMX_INT_MIN_ROWS` when set (0: off, the VNNI kernels
 /// below [`amx_min_rows`]; A/B runs).
 fn amx_int_min_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        match std::env::var("MOE_CPU_DENSE_AMX_INT_MIN_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-        {
-            Some(0) => usize::MAX,
-            Some(r) => r,
-            None => AMX_INT_MIN_ROWS,
-        }
-    })
+    rows_from_env("MOE_CPU_DENSE_AMX_INT_MIN_ROWS", AMX_INT_MIN_ROWS)
+}
+
+/// From how many rows grouped 4-bit codes (Q4_0, Q4_1, Q4_K) run on AMX-INT8: by default never below
+/// [`amx_min_rows`] (`MOE_CPU_DENSE_AMX_INT4_MIN_ROWS=N` for A/B runs). Their codes are split into
+/// bytes per N-tile and a group of 32 inputs is half a tile's depth, so the split and the per-group
+/// scaling cost more than VNNI's dots: SmolLM2-135M's projections at 8 tokens, 2 threads, on the H200
+/// host's Xeon: 5.1× one token's time for gate/up on AMX-INT8 against 2.8× on VNNI (down 4.8× / 3.0×).
+fn amx_int4_min_rows() -> usize {
+    rows_from_env("MOE_CPU_DENSE_AMX_INT4_MIN_ROWS", usize::MAX)
+}
+
+/// `var` as a row count (0: never), else `default`.
+fn rows_from_env(var: &str, default: usize) -> usize {
+    match std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(0) => usize::MAX,
+        Some(r) => r,
+        None => default,
+    }
+}
+
+/// Which AMX-INT8 kernel runs a dense call's grouped int weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxIntKernel {
+    /// `dense_amx_int`: codes split once per N-tile, two C tiles in turn, totals in registers.
+    Pipelined,
+    /// The experts' `kern_amx_int`, one group at a time (the same numbers: A/B runs).
+    PerGroup,
+}
+
+impl AmxIntKernel {
+    /// `Pipelined`, or `PerGroup` with `MOE_CPU_DENSE_AMX_INT_KERNEL=pergroup` (A/B runs).
+    fn from_env() -> AmxIntKernel {
+        static K: std::sync::OnceLock<AmxIntKernel> = std::sync::OnceLock::new();
+        *K.get_or_init(
+            || match std::env::var("MOE_CPU_DENSE_AMX_INT_KERNEL").as_deref() {
+                Ok("pergroup") => AmxIntKernel::PerGroup,
+                _ => AmxIntKernel::Pipelined,
+            },
+        )
+    }
 }
 
 /// Rows converted per work item when activations are converted in parallel.
@@ -98,6 +131,7 @@ pub struct DenseMatrix {
     grouped: GroupedInput,
     /// Calls from this many rows on (below the bf16-widened AMX path) use AMX-INT8.
     amx_int_min_rows: usize,
+    amx_int_kernel: AmxIntKernel,
     scratch: Mutex<Scratch>,
 }
 
@@ -122,8 +156,8 @@ struct Target<'a> {
     /// Widened to bf16 per chunk (grouped int formats on AVX-512).
     wide: bool,
     amx: bool,
-    /// Grouped int codes on AMX-INT8 with int8 activations.
-    amx_int: bool,
+    /// Grouped int codes on AMX-INT8 with int8 activations, by this kernel.
+    amx_int: Option<AmxIntKernel>,
     bias: Option<&'a [f32]>,
     y: SyncPtr,
 }
@@ -161,7 +195,11 @@ impl DenseMatrix {
             buf,
             tier: max_tier.unwrap_or(CpuTier::Amx).clamp_to_cpu(),
             grouped: GroupedInput::default_for(format),
-            amx_int_min_rows: amx_int_min_rows(),
+            amx_int_min_rows: match GroupedCodes::of(format) {
+                Some(c) if c.int4 => amx_int4_min_rows(),
+                _ => amx_int_min_rows(),
+            },
+            amx_int_kernel: AmxIntKernel::from_env(),
             scratch: Mutex::new(Scratch::default()),
         })
     }
@@ -197,7 +235,12 @@ impl DenseMatrix {
         self.amx_int_min_rows = rows.max(1);
     }
 
-    /// Whether a call of `tokens` rows runs on AMX-INT8 ([`gemm_amx_int`]).
+    /// Sets which AMX-INT8 kernel runs this matrix (tests, benchmarks).
+    pub fn set_amx_int_kernel(&mut self, k: AmxIntKernel) {
+        self.amx_int_kernel = k;
+    }
+
+    /// Whether a call of `tokens` rows runs on AMX-INT8 ([`gemm_int_tiles`]).
     fn amx_int(&self, tokens: usize) -> bool {
         self.tier == CpuTier::Amx
             && tokens >= self.amx_int_min_rows
@@ -389,6 +432,64 @@ fn gemm_widened(
     unreachable!("only x86_64 widens")
 }
 
+/// Grouped int weights × int8 rows on AMX-INT8: `kernel` when this CPU has AMX and the call is one
+/// it takes (group size, consecutive rows stored to a multiple of 16), else the experts' kernel
+/// (which falls back to VNNI). Same contract as the other kernels (`moe::gemm::gemm`).
+fn gemm_int_tiles(
+    kernel: AmxIntKernel,
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == AmxIntKernel::Pipelined && takes_tiles(w, nt0, nts, a, y, ldy) {
+        // SAFETY: AMX present (tier detected, permission taken by the detection); codes, group,
+        // row order, storage and shapes checked by `takes_tiles`.
+        return unsafe { crate::cpu::dense_amx_int::gemm(w, nt0, nts, a, y, ldy) };
+    }
+    gemm_amx_int(w, nt0, nts, a, y, ldy)
+}
+
+/// Whether `dense_amx_int::gemm` can run this call (its safety contract).
+#[cfg(target_arch = "x86_64")]
+fn takes_tiles(
+    w: &MatRef<'_>,
+    nt0: usize,
+    nts: usize,
+    a: &ActRef<'_>,
+    y: &[f32],
+    ldy: usize,
+) -> bool {
+    let (m, l) = (a.rows.len(), &w.l);
+    let Some(codes) = GroupedCodes::of(l.format) else {
+        return false;
+    };
+    if m == 0
+        || nts == 0
+        || CpuTier::Amx.clamp_to_cpu() != CpuTier::Amx
+        || !crate::cpu::dense_amx_int::supports(codes)
+        || a.kind != (ActKind::I8 { group: codes.group })
+        || a.k_pad != l.k_pad
+    {
+        return false;
+    }
+    let r0 = a.rows[0] as usize;
+    let consecutive = a
+        .rows
+        .iter()
+        .enumerate()
+        .all(|(i, &r)| r as usize == r0 + i);
+    let stored = a.q.len() >= (r0 + m.div_ceil(16) * 16) * a.k_pad;
+    consecutive
+        && stored
+        && nt0 + nts <= l.n_tiles
+        && 16 * nts <= ldy
+        && y.len() >= (m - 1) * ldy + 16 * nts
+}
+
 /// One matrix of a [`forward_group`] call and where its output goes (`[tokens, rows]`).
 pub struct DenseCall<'a> {
     pub w: &'a DenseMatrix,
@@ -488,7 +589,7 @@ pub fn forward_group(
                 mat: c.w.mat(),
                 wide,
                 amx,
-                amx_int: c.w.amx_int(tokens),
+                amx_int: c.w.amx_int(tokens).then_some(c.w.amx_int_kernel),
                 bias: c.bias,
                 y: SyncPtr(c.y.as_mut_ptr()),
             }
@@ -519,8 +620,8 @@ pub fn forward_group(
                 gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
             } else {
                 let run = |a: &ActRef<'_>, out: &mut [f32]| {
-                    if *amx_int {
-                        gemm_amx_int(mat, nt0, nts, a, out, ld)
+                    if let Some(kernel) = *amx_int {
+                        gemm_int_tiles(kernel, mat, nt0, nts, a, out, ld)
                     } else {
                         gemm(tier, *amx, mat, nt0, nts, a, out, ld)
                     }

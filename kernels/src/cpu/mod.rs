@@ -10,6 +10,8 @@ pub mod bench;
 pub mod bench_dense;
 pub mod dense;
 #[cfg(target_arch = "x86_64")]
+mod dense_amx_int;
+#[cfg(target_arch = "x86_64")]
 mod dense_widen;
 pub mod features;
 pub mod ggml;
@@ -21,7 +23,7 @@ pub mod topology;
 pub mod vector;
 
 pub use backing::PageBacking;
-pub use dense::{forward_group, DenseCall, DenseError, DenseMatrix, GroupedInput};
+pub use dense::{forward_group, AmxIntKernel, DenseCall, DenseError, DenseMatrix, GroupedInput};
 pub use features::{detected_tier, CpuTier};
 pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};

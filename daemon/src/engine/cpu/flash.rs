@@ -1,11 +1,15 @@
 //! The score/softmax/value core of GQA attention on the CPU, flash style: one pass over the attended
 //! positions in tiles of one KV block, an online softmax (running max and sum per query head, the
-//! accumulator rescaled when the max grows), no score rows. Each work item is one (token, KV head,
-//! range of positions): the tile's K and V rows are read where the cache keeps them and widened in
-//! registers once for every query head of the group (Qwen3-30B-A3B: 8 heads per KV head; the
-//! kernels' `attend_tile`), so a step reads each cached row once per layer and copies none. Long contexts are split over several items per (token, KV
-//! head) so a single decode token still spreads over every worker; the partial (max, sum,
-//! accumulator) triples are merged afterwards (flash-decoding).
+//! accumulator rescaled when the max grows), no score rows. Each work item is one (token, range of
+//! positions) for every KV head: the tile's K and V rows are read where the cache keeps them and
+//! widened in registers once for every query head of a KV head's group (Qwen3-30B-A3B: 8 heads per
+//! KV head; the kernels' `attend_tile`), so a step reads each cached row once per layer and copies
+//! none. An item reads whole cached rows (all KV heads of a position side by side), so a tile is
+//! one contiguous span per block that the caches stream in; items per (token, KV head) read a third
+//! of each row of SmolLM2 (3 KV heads) apart from the rest, and a batch of 8 sequences waited on
+//! those rows' misses. Long contexts are split over several items per token so a single decode
+//! token still spreads over every worker; the partial (max, sum, accumulator) triples are merged
+//! afterwards (flash-decoding).
 use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
 use half::slice::HalfFloatSliceExt;
 use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, OnlineSoftmax, Tile};
@@ -14,10 +18,10 @@ use std::cell::RefCell;
 use std::ops::RangeInclusive;
 
 /// Fewest positions worth a work item of their own: below this the merge and the dispatch cost more
-/// than the parallelism gains. Small on purpose: a decode token of a model with few KV heads (3 for
-/// SmolLM2) has fewer items than a 2-thread pool wants at short contexts (3 items on 2 threads take
-/// as long as 4), and merging a split costs one `exp` per query head.
-const MIN_SPLIT_POSITIONS: usize = 64;
+/// than the parallelism gains. Small on purpose: a decode token is one item per range of positions,
+/// and a 2-thread pool wants two of them at short contexts; merging a split costs one `exp` per
+/// query head.
+const MIN_SPLIT_POSITIONS: usize = 32;
 
 /// How many tiles ahead of the one computed an item asks the caches for its K and V rows.
 const PREFETCH_TILES: usize = 2;
@@ -39,17 +43,16 @@ pub struct TokenQuery<'a> {
     pub table: &'a [BlockId],
 }
 
-/// One work item: token `t`, KV head `g`, positions `lo..=hi`.
+/// One work item: token `t`, every KV head, positions `lo..=hi`.
 #[derive(Clone, Copy, Debug)]
 struct Item {
     t: usize,
-    g: usize,
     lo: usize,
     hi: usize,
 }
 
 thread_local! {
-    /// Per worker: the scaled query rows of the group an item attends for.
+    /// Per worker: the scaled query rows of the token an item attends for.
     static QUERY: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -79,47 +82,45 @@ fn attend_split(
         head_dim: hd,
         ..
     } = shape;
-    let group = heads / kv_heads;
-    // Splits per (token, KV head): enough items for every thread, none shorter than the minimum.
-    let base_items = (tokens.len() * kv_heads).max(1);
-    let max_splits = (2 * threads).div_ceil(base_items).max(1);
+    debug_assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads));
+    // Splits per token: enough items for every thread, none shorter than the minimum.
+    let max_splits = (2 * threads).div_ceil(tokens.len().max(1)).max(1);
     let mut items = Vec::new();
     for (t, tq) in tokens.iter().enumerate() {
         let (lo, hi) = (*tq.positions.start(), *tq.positions.end());
         let len = hi + 1 - lo;
-        let splits = len.div_ceil(MIN_SPLIT_POSITIONS).clamp(1, max_splits);
+        let mut splits = len.div_ceil(MIN_SPLIT_POSITIONS).clamp(1, max_splits);
+        if splits > threads {
+            splits -= splits % threads; // 3 equal items on 2 threads take as long as 4
+        }
         // Split on block boundaries so every tile stays inside one block.
         let per = len.div_ceil(splits).div_ceil(BLOCK) * BLOCK;
-        for g in 0..kv_heads {
-            let mut a = lo;
-            while a <= hi {
-                let b = (a + per).min(hi + 1) - 1;
-                items.push(Item { t, g, lo: a, hi: b });
-                a = b + 1;
-            }
+        let mut a = lo;
+        while a <= hi {
+            let b = (a + per).min(hi + 1) - 1;
+            items.push(Item { t, lo: a, hi: b });
+            a = b + 1;
         }
     }
-    // Per item and query head of its group: running max, running sum, accumulator.
-    let width = group * (hd + 2);
+    // Per item and query head: running max, running sum, accumulator.
+    let width = heads * (hd + 2);
     let mut partial = vec![0f32; items.len() * width];
     for_each_chunk(pool, &mut partial, width, &|i, out| {
         let it = items[i];
-        let tq = &tokens[it.t];
-        attend_range(shape, tq, it.g, it.lo..=it.hi, rows, out);
+        attend_range(shape, &tokens[it.t], it.lo..=it.hi, rows, out);
     });
-    // Merge the items of each (token, head) in order.
+    // Merge the items of each token in order, head by head.
     let mut out = vec![0f32; tokens.len() * heads * hd];
     let mut first = 0;
     while first < items.len() {
-        let (t, g) = (items[first].t, items[first].g);
+        let t = items[first].t;
         let mut end = first + 1;
-        while end < items.len() && items[end].t == t && items[end].g == g {
+        while end < items.len() && items[end].t == t {
             end += 1;
         }
-        for j in 0..group {
-            let head = g * group + j;
+        for head in 0..heads {
             let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
-            let part = |i: usize| &partial[i * width + j * (hd + 2)..][..hd + 2];
+            let part = |i: usize| &partial[i * width + head * (hd + 2)..][..hd + 2];
             let mut softmax = OnlineSoftmax::default();
             for i in first..end {
                 let p = part(i);
@@ -139,13 +140,12 @@ fn attend_split(
     out
 }
 
-/// One item: the online softmax of the group's heads over `range`, written as `(max, sum, acc)` per
-/// head into `out` (`group × (head_dim + 2)`), one KV block's consecutive slots at a time, read in
-/// place from the cache (`attend_tile`).
+/// One item: the online softmax of every query head over `range`, written as `(max, sum, acc)` per
+/// head into `out` (`heads × (head_dim + 2)`), one KV block's consecutive slots at a time, read in
+/// place from the cache (`attend_tile`, once per KV head on the tile's rows).
 fn attend_range(
     shape: GqaShape,
     tq: &TokenQuery<'_>,
-    g: usize,
     range: RangeInclusive<usize>,
     rows: &LayerRows,
     out: &mut [f32],
@@ -153,32 +153,28 @@ fn attend_range(
     let hd = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let (lo, hi) = (*range.start(), *range.end());
-    for j in 0..group {
-        let o = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
+    for o in out.chunks_exact_mut(hd + 2) {
         o[0] = f32::NEG_INFINITY;
         o[1] = 0.0;
         o[2..].fill(0.0);
     }
     QUERY.with(|qs| {
         let mut qs = qs.borrow_mut();
-        // The group's query rows times the softmax scale (the kernel takes scaled queries).
+        // The query rows times the softmax scale (the kernel takes scaled queries).
         qs.clear();
-        qs.extend(
-            tq.q[g * group * hd..(g + 1) * group * hd]
-                .iter()
-                .map(|x| x * shape.scale),
-        );
+        qs.extend(tq.q.iter().map(|x| x * shape.scale));
         let (k, v) = (kv_rows(&rows.a), kv_rows(&rows.b));
         debug_assert_eq!(
             rows.a_width, rows.b_width,
             "GQA keeps K and V rows equally wide"
         );
-        // The tile from position p0: up to the end of its block (consecutive slots) or of the range.
-        let tile_at = |p0: usize| {
+        // The tile from position p0 for the heads from element `off` of each row: up to the end of
+        // its block (consecutive slots) or of the range.
+        let tile_at = |p0: usize, off: usize| {
             let s0 = slot(tq.table, p0);
             Tile {
-                k: k.from(s0 * rows.a_width + g * hd),
-                v: v.from(s0 * rows.b_width + g * hd),
+                k: k.from(s0 * rows.a_width + off),
+                v: v.from(s0 * rows.b_width + off),
                 n: hi.min((p0 / BLOCK + 1) * BLOCK - 1) + 1 - p0,
                 stride: rows.a_width,
             }
@@ -186,22 +182,28 @@ fn attend_range(
         // Tiles start at `lo` and then at each block boundary. The rows come from DRAM more often
         // than not (a step's weights stream through the caches between two reads of a layer's
         // cache), and one tile's work is shorter than a miss: the first tiles are requested before
-        // any is computed, and each tile asks for the one `PREFETCH_TILES` ahead.
+        // any is computed, and each tile asks for the one `PREFETCH_TILES` ahead (whole rows: every
+        // KV head's part of them is read).
         let start = |i: usize| {
             let p = if i == 0 { lo } else { (lo / BLOCK + i) * BLOCK };
             (p <= hi).then_some(p)
         };
+        let row = shape.kv_heads * hd;
         for i in 0..PREFETCH_TILES {
             if let Some(p) = start(i) {
-                prefetch_tile(hd, tile_at(p));
+                prefetch_tile(row, tile_at(p, 0));
             }
         }
         let mut i = 0;
         while let Some(p0) = start(i) {
             if let Some(p) = start(i + PREFETCH_TILES) {
-                prefetch_tile(hd, tile_at(p));
+                prefetch_tile(row, tile_at(p, 0));
             }
-            attend_tile(&qs, hd, tile_at(p0), out);
+            for g in 0..shape.kv_heads {
+                let q = &qs[g * group * hd..(g + 1) * group * hd];
+                let state = &mut out[g * group * (hd + 2)..(g + 1) * group * (hd + 2)];
+                attend_tile(q, hd, tile_at(p0, g * hd), state);
+            }
             i += 1;
         }
     });

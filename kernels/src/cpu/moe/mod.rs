@@ -44,7 +44,7 @@
 
 pub(crate) mod act;
 pub(crate) mod act_i8;
-mod amx_config;
+pub(crate) mod amx_config;
 mod export;
 mod forward;
 mod fused;
