@@ -190,8 +190,10 @@ fn batch_equals_members_alone() {
         "glm_moe_dsa",
     ] {
         let o = oracle(name);
-        let engine =
-            Engine::load(&fixture_dir(name).join("model"), &EngineOptions::default()).unwrap();
+        // The f32-activation tier: on an AMX CPU a batch of 16 rows or more runs the dense projections
+        // on AMX-BF16 tiles (activations rounded to bf16) where a member alone takes the f32 path, so
+        // the default tier agrees only to bf16 rounding there (rel-L2 2.9e-3 seen on glm4_moe).
+        let engine = Engine::load(&fixture_dir(name).join("model"), &common::exact_cpu()).unwrap();
         let prompts: Vec<Vec<u32>> = vec![
             o.prompt.clone(),
             o.prompt[..3].to_vec(),
@@ -206,7 +208,8 @@ fn batch_equals_members_alone() {
             .reserve_and_forward(&mut SeqInput::batch(&mut caches, &prompts))
             .unwrap();
         for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
-            assert!(rel_l2(a, b) < 1e-5, "{name}: member {i}");
+            let e = rel_l2(a, b);
+            assert!(e < 1e-5, "{name}: member {i}: {e}");
         }
     }
 }
@@ -284,8 +287,9 @@ fn glm5_dense_attention_misses_the_oracle() {
 #[test]
 fn glm5_indexer_keys_survive_prefix_sharing_and_preemption() {
     let dir = fixture_dir("glm_moe_dsa").join("model");
-    let (alone, pressured, metrics) =
-        common::kv_pressure::run(&dir, &EngineOptions::default(), 512);
+    // the f32-activation tier, as in `batch_equals_members_alone`: batched steps are compared with
+    // steps alone, which on an AMX CPU take other kernels at the default tier
+    let (alone, pressured, metrics) = common::kv_pressure::run(&dir, &common::exact_cpu(), 512);
     common::kv_pressure::check(&alone, &pressured, &metrics, 1e-4);
 }
 
