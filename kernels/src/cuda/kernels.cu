@@ -17,15 +17,14 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, i
     }
 }
 
-// In-place per-head RMSNorm (optional) then RoPE on the first rotary_dim dims of each head.
-// grid: (tokens, heads); block: head_dim threads (<= 1024). style 0 = neox (rotate_half), 1 = interleaved.
-extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const float* norm_w, float eps,
-                                        const int* positions, const float* inv_freq, float attn_factor,
-                                        int rotary_dim, int style, int offset_in_head) {
-    __shared__ float buf[32];
-    __shared__ float head[1024];
-    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    float* xh = x + ((size_t)t * heads + h) * head_dim;
+// One head `xh` of row `t`, in place: RMSNorm (when norm_w) then RoPE on dims offset_in_head..+rotary_dim
+// (none when rotary_dim == 0; positions is read only then). Called by every thread of a block of
+// head_dim threads rounded up to a warp multiple (<= 1024); `head` holds 1024 floats and `buf` 32 of
+// shared memory. style 0 = neox (rotate_half), 1 = interleaved.
+__device__ void norm_rope_head(float* xh, int head_dim, const float* norm_w, float eps, const int* positions, int t,
+                               const float* inv_freq, float attn_factor, int rotary_dim, int style,
+                               int offset_in_head, float* head, float* buf) {
+    int d = threadIdx.x;
     float v = (d < head_dim) ? xh[d] : 0.f;
     if (norm_w) {
         float ss = block_sum(v * v, buf);
@@ -45,6 +44,18 @@ extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const
         v = r < half ? a * c - b * s : b * c + a * s;
     }
     if (d < head_dim) xh[d] = v;
+}
+
+// In-place per-head RMSNorm (optional) then RoPE on the first rotary_dim dims of each head.
+// grid: (tokens, heads); block: head_dim threads (<= 1024). style 0 = neox (rotate_half), 1 = interleaved.
+extern "C" __global__ void qk_norm_rope(float* x, int heads, int head_dim, const float* norm_w, float eps,
+                                        const int* positions, const float* inv_freq, float attn_factor,
+                                        int rotary_dim, int style, int offset_in_head) {
+    __shared__ float buf[32];
+    __shared__ float head[1024];
+    int t = blockIdx.x, h = blockIdx.y;
+    norm_rope_head(x + ((size_t)t * heads + h) * head_dim, head_dim, norm_w, eps, positions, t, inv_freq,
+                   attn_factor, rotary_dim, style, offset_in_head, head, buf);
 }
 
 // Writes k and v rows of each token into the paged caches, rounded to bf16: cache[slot][width] (MLA:
@@ -457,20 +468,16 @@ __device__ void block_argmax(float& v, int& i, float* vbuf, int* ibuf) {
     __syncthreads();
 }
 
-// Router top-k, same contract as router_topk_serial, one block per token (decode: one token's 8 rounds
-// over 128+ experts would otherwise run on a single GPU thread, tens of µs per layer).
-// Dynamic shared memory: 2 * experts floats.
-extern "C" __global__ void router_topk(const float* logits, int tokens, int experts, int k, int kind, int renorm,
-                                       const float* bias, int n_group, int topk_group, float scaling,
-                                       int* ids, float* weights) {
-    extern __shared__ float sm[];
+// Top-k of one token's logits `l` into ids[0..k], weights[0..k] (router_topk_serial's contract), by
+// the whole block (blockDim.x >= k). `sm`: 2 * experts floats of shared memory.
+__device__ void router_topk_row(const float* l, int experts, int k, int kind, int renorm, const float* bias,
+                                int n_group, int topk_group, float scaling, int* ids, float* weights, float* sm) {
     __shared__ float vbuf[32];
     __shared__ int ibuf[32];
     __shared__ unsigned long long keep;
     float* sel = sm;            // selection score (-inf once taken or masked)
     float* val = sm + experts;  // weight before renormalisation
-    int t = blockIdx.x, tid = threadIdx.x;
-    const float* l = logits + (size_t)t * experts;
+    int tid = threadIdx.x;
     float mx = -INFINITY;
     for (int e = tid; e < experts; e += blockDim.x) mx = fmaxf(mx, l[e]);
     mx = block_max(mx, vbuf);
@@ -524,16 +531,28 @@ extern "C" __global__ void router_topk(const float* logits, int tokens, int expe
             if (sel[e] > v || (bi < 0 && sel[e] == v)) { v = sel[e]; bi = e; }
         block_argmax(v, bi, vbuf, ibuf);
         if (tid == 0) {
-            ids[(size_t)t * k + j] = bi;
-            weights[(size_t)t * k + j] = val[bi];
+            ids[j] = bi;
+            weights[j] = val[bi];
             sel[bi] = -INFINITY;
         }
         wsum += val[bi];
         __syncthreads();
     }
     if (tid < k) {
-        float w = weights[(size_t)t * k + tid];
+        float w = weights[tid];
         if (renorm) w = kind == 0 ? w / wsum : w / (wsum + 1e-20f);
-        weights[(size_t)t * k + tid] = kind == 1 ? w * scaling : w;
+        weights[tid] = kind == 1 ? w * scaling : w;
     }
+}
+
+// Router top-k, same contract as router_topk_serial, one block per token (decode: one token's 8 rounds
+// over 128+ experts would otherwise run on a single GPU thread, tens of µs per layer).
+// Dynamic shared memory: 2 * experts floats.
+extern "C" __global__ void router_topk(const float* logits, int tokens, int experts, int k, int kind, int renorm,
+                                       const float* bias, int n_group, int topk_group, float scaling,
+                                       int* ids, float* weights) {
+    extern __shared__ float sm[];
+    int t = blockIdx.x;
+    router_topk_row(logits + (size_t)t * experts, experts, k, kind, renorm, bias, n_group, topk_group, scaling,
+                    ids + (size_t)t * k, weights + (size_t)t * k, sm);
 }

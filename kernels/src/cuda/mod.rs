@@ -25,15 +25,16 @@ pub mod ops;
 pub mod quant;
 pub mod routed;
 
-/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu` and `grouped_gemm.cu` (which use the
-/// helpers of those before them), one NVRTC module.
+/// `kernels.cu`, then `dense_quant.cu`, `handoff.cu`, `kv_q8.cu`, `grouped_gemm.cu` and `segment.cu`
+/// (which use the helpers of those before them), one NVRTC module.
 const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("kernels.cu"),
     include_str!("dense_quant.cu"),
     include_str!("handoff.cu"),
     include_str!("kv_q8.cu"),
-    include_str!("grouped_gemm.cu")
+    include_str!("grouped_gemm.cu"),
+    include_str!("segment.cu")
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +93,11 @@ pub(crate) struct Kernels {
     pub paged_attention_q8: CudaFunction,
     pub gather_kv_q8: CudaFunction,
     pub grouped_gemm_bf16: CudaFunction,
+    pub gemv_bf16: CudaFunction,
+    pub qk_norm_rope_append: CudaFunction,
+    pub paged_attention_warps: CudaFunction,
+    pub paged_attention_warps_q8: CudaFunction,
+    pub router_gemv_topk: CudaFunction,
 }
 
 /// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
@@ -144,6 +150,9 @@ pub struct GpuDevice {
     pub(crate) expert_gemm: gemm_path::PathChooser,
     /// The fused long-prompt attention's modules, one per head dim, compiled on first use.
     pub(crate) flash: ops::flash_attention::FlashModules,
+    /// Finished-block counter of `router_gemv_topk` (0 between its launches, which run one after the
+    /// other on the engine stream).
+    pub(crate) router_blocks_done: CudaSlice<u32>,
 }
 
 /// One product of [`GpuDevice::gemm_bf16_items`]: `rows` bf16 activation rows at `x`, a bf16 weight at
@@ -214,6 +223,11 @@ impl GpuDevice {
             paged_attention_q8: f("paged_attention_q8")?,
             gather_kv_q8: f("gather_kv_q8")?,
             grouped_gemm_bf16: f("grouped_gemm_bf16")?,
+            gemv_bf16: f("gemv_bf16")?,
+            qk_norm_rope_append: f("qk_norm_rope_append")?,
+            paged_attention_warps: f("paged_attention_warps")?,
+            paged_attention_warps_q8: f("paged_attention_warps_q8")?,
+            router_gemv_topk: f("router_gemv_topk")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -221,6 +235,7 @@ impl GpuDevice {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| GpuError::Blas(e.to_string()))?;
+        let router_blocks_done = stream.alloc_zeros::<u32>(1)?;
         let dev = Self {
             ctx,
             stream,
@@ -230,6 +245,7 @@ impl GpuDevice {
             capability: (major, minor),
             expert_gemm: gemm_path::PathChooser::from_env(),
             flash: Default::default(),
+            router_blocks_done,
         };
         dev.keep_pool_memory()?;
         Ok(dev)
@@ -694,7 +710,7 @@ mod tests {
     }
 
     /// Entries of the start-up module that the NVRTC check looks for in its PTX.
-    const STARTUP_ENTRIES_CHECKED: [&str; 11] = [
+    const STARTUP_ENTRIES_CHECKED: [&str; 16] = [
         "gated_mul",
         "paged_attention",
         "gemv_w4a16",
@@ -706,6 +722,11 @@ mod tests {
         "paged_attention_q8",
         "gather_kv_q8",
         "grouped_gemm_bf16",
+        "gemv_bf16",
+        "qk_norm_rope_append",
+        "paged_attention_warps",
+        "paged_attention_warps_q8",
+        "router_gemv_topk",
     ];
 
     #[test]
@@ -748,6 +769,11 @@ mod tests {
             "paged_attention_q8",
             "gather_kv_q8",
             "grouped_gemm_bf16",
+            "gemv_bf16",
+            "qk_norm_rope_append",
+            "paged_attention_warps",
+            "paged_attention_warps_q8",
+            "router_gemv_topk",
         ] {
             assert!(
                 SOURCE.contains(&format!("__global__ void {name}(")),

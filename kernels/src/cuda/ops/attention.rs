@@ -106,8 +106,19 @@ pub use crate::cuda::indexer::MlaDims;
 
 /// Threads of the attention kernels' blocks (one tile of positions per iteration).
 const ATTN_THREADS: usize = 128;
-/// `paged_attention` keeps two output dims per thread.
+/// `paged_attention` keeps two output dims per thread (and `paged_attention_warps` 8 per lane).
 const MAX_PAGED_HEAD_DIM: usize = 2 * ATTN_THREADS;
+/// `paged_attention_warps`' block: `PA_WARPS` warps of `segment.cu`.
+const WARPS_ATTN_THREADS: usize = 8 * 32;
+
+/// Which kernel runs GQA attention over the paged caches.
+#[derive(Clone, Copy)]
+enum PagedKernel {
+    /// `paged_attention`: tiles of 128 positions, a thread per position then per output dim.
+    Tiles,
+    /// `paged_attention_warps`: runs of positions per warp, a lane per 8 dims.
+    Warps,
+}
 
 impl GpuDevice {
     /// Writes rows `k` (`[rows, k_width]`) and `v` (`[rows, v_width]`) into the caches at
@@ -158,8 +169,46 @@ impl GpuDevice {
         q: &impl DevicePtr<f32>,
         caches: (CacheRows<'_>, CacheRows<'_>),
         index: &PagedIndex<'_>,
-        (heads, kv_heads, head_dim): (usize, usize, usize),
-        (scale, window): (f32, Option<usize>),
+        heads: (usize, usize, usize),
+        scale_window: (f32, Option<usize>),
+        rows: Range<usize>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        let call = (q, caches, index, heads, scale_window);
+        self.paged_attention_by(PagedKernel::Tiles, call, rows, out)
+    }
+
+    /// [`GpuDevice::paged_attention`] with each block's positions spread over its 8 warps in runs of 4
+    /// (`segment.cu`'s `paged_attention_warps`): a key's dot product is one warp sum of coalesced
+    /// loads and a warp keeps 4 keys' loads in flight, where the tile kernel has each thread walk a
+    /// whole key and then every value row in turn. Same contract and results up to f32 summation
+    /// order; the decode segment's attention (`MOE_GPU_SEGMENT`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_warps(
+        &self,
+        q: &impl DevicePtr<f32>,
+        caches: (CacheRows<'_>, CacheRows<'_>),
+        index: &PagedIndex<'_>,
+        heads: (usize, usize, usize),
+        scale_window: (f32, Option<usize>),
+        rows: Range<usize>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), GpuError> {
+        let call = (q, caches, index, heads, scale_window);
+        self.paged_attention_by(PagedKernel::Warps, call, rows, out)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn paged_attention_by(
+        &self,
+        kernel: PagedKernel,
+        (q, caches, index, (heads, kv_heads, head_dim), (scale, window)): (
+            &impl DevicePtr<f32>,
+            (CacheRows<'_>, CacheRows<'_>),
+            &PagedIndex<'_>,
+            (usize, usize, usize),
+            (f32, Option<usize>),
+        ),
         rows: Range<usize>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<(), GpuError> {
@@ -191,22 +240,28 @@ impl GpuDevice {
         let seq = self.input(OP, "seq_of_row", index.seq_of_row, end)?;
         let pos = self.input(OP, "pos_of_row", index.pos_of_row, end)?;
         let o = self.output(OP, "out", out, end * heads * head_dim)?;
-        let kernel = match pair {
-            CachePair::Bf16(..) => &self.k.paged_attention,
-            CachePair::Q8(..) => &self.k.paged_attention_q8,
+        let f = match (kernel, &pair) {
+            (PagedKernel::Tiles, CachePair::Bf16(..)) => &self.k.paged_attention,
+            (PagedKernel::Tiles, CachePair::Q8(..)) => &self.k.paged_attention_q8,
+            (PagedKernel::Warps, CachePair::Bf16(..)) => &self.k.paged_attention_warps,
+            (PagedKernel::Warps, CachePair::Q8(..)) => &self.k.paged_attention_warps_q8,
         };
-        let mut l = self.stream.launch_builder(kernel);
+        let mut l = self.stream.launch_builder(f);
         l.arg(&qp);
         pair.push(&mut l);
         l.arg(&tables).arg(&mb).arg(&seq).arg(&pos);
         l.arg(&h).arg(&kvh).arg(&dh).arg(&blk);
         l.arg(&scale).arg(&win).arg(&row0).arg(&o);
-        let shared = smem(OP, (head_dim + ATTN_THREADS) * 4)?;
+        let (threads, shared) = match kernel {
+            PagedKernel::Tiles => (ATTN_THREADS, smem(OP, (head_dim + ATTN_THREADS) * 4)?),
+            PagedKernel::Warps => (WARPS_ATTN_THREADS, 0),
+        };
         // SAFETY: argument order and types as kernels.cu's `paged_attention` (bf16 caches) or kv_q8.cu's
-        // `paged_attention_q8` (codes, scales, code in their place); block (t, h) reads q and writes out
-        // at row row0 + t < rows.end (checked), reads seq/pos of that row (checked) and the cache rows
-        // its table names (trusted, see `PagedIndex`); shared memory holds q and a tile.
-        unsafe { l.launch(grid((rows.len(), heads, 1), ATTN_THREADS, shared)) }?;
+        // `paged_attention_q8` (codes, scales, code in their place), and segment.cu's `_warps` twins
+        // (same signatures); block (t, h) reads q and writes out at row row0 + t < rows.end (checked),
+        // reads seq/pos of that row (checked) and the cache rows its table names (trusted, see
+        // `PagedIndex`); the tile kernel's shared memory holds q and a tile, the warps kernel's is static.
+        unsafe { l.launch(grid((rows.len(), heads, 1), threads, shared)) }?;
         Ok(())
     }
 

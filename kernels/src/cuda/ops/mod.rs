@@ -15,7 +15,8 @@
 //! Layout: `norm` (RMSNorm, per-head norm + RoPE, MLA's latent split), `attention` (paged caches,
 //! MLA, the long-prefill softmax), `flash_attention` (long prefill's fused attention), `moe` (router, row gathers and scatters, gated activations, packed
 //! expert unpacking), `elementwise` (adds, embedding rows, bf16 conversion), `handoff` (the decode hand-off with the CPU
-//! experts through mapped host memory). `reference` holds slow
+//! experts through mapped host memory), `segment` (the decode segment's fused GEMV, norm + RoPE + append
+//! and router + top-k). `reference` holds slow
 //! host versions of the ops whose numerics the GPU tests compare against.
 //!
 //! Launches are asynchronous: an op returns once the kernel is enqueued. Buffers passed in must stay
@@ -30,12 +31,14 @@ pub mod handoff;
 pub mod moe;
 pub mod norm;
 pub mod reference;
+pub mod segment;
 
 pub use attention::{CacheRows, MlaDims, PagedIndex};
 pub use flash_attention::{FlashBlock, FlashShape, QueryRows, FLASH_HEAD_DIMS};
 pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
+pub use segment::{CacheAppend, FusedRouter, GemvMat, SEGMENT_MAX_ROWS};
 
 /// Default dynamic shared memory a kernel may take without opting in (48 KiB on every supported GPU).
 const MAX_DYNAMIC_SMEM: usize = 48 << 10;

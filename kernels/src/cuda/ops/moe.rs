@@ -36,7 +36,7 @@ const SERIAL_ROUTER_THREADS: usize = 64;
 
 impl RouterKind {
     /// The kernel's arguments, after checking the kind fits `experts` and `k`.
-    fn args(&self, op: &str, experts: usize, k: usize) -> Result<RouterArgs, GpuError> {
+    pub(super) fn args(&self, op: &str, experts: usize, k: usize) -> Result<RouterArgs, GpuError> {
         ensure(op, k >= 1 && k <= experts && k <= ROUTER_THREADS, || {
             format!("top-{k} of {experts} experts")
         })?;

@@ -15,7 +15,7 @@ pub enum RotaryStyle {
 
 impl RotaryStyle {
     /// `qk_norm_rope`'s `style` argument.
-    fn code(self) -> i32 {
+    pub(super) fn code(self) -> i32 {
         match self {
             RotaryStyle::Neox => 0,
             RotaryStyle::Interleaved => 1,

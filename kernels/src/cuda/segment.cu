@@ -1,0 +1,248 @@
+// ---- The decode segment's fused kernels (a layer's work between two CPU expert calls at batch 1..8) ----
+// Appended to the start-up module (uses common.cuh's reductions, kernels.cu's norm_rope_head,
+// router_topk_row and KvBf16, dense_quant.cu's dot8 / gemv_store, kv_q8.cu's KvQ8). At decode sizes
+// every op of the segment is bound by its launch and its memory latency, not by bandwidth (the ~40 MB
+// a Qwen3-30B-A3B layer reads take ~10 µs at HBM speed), so these kernels cut launches and dependent
+// memory round trips: q/k/v as one GEMV launch, q/k norm + RoPE + the cache append as one, decode
+// attention spread over warps, and the router's GEMV with its top-k.
+
+// y_m[t, r] (=|+=) x[t] . W_m[r] for up to three bf16 matrices W_m ([out_m, in]) sharing the input
+// x (bf16 [n, in], n <= GEMV_MAX_TOKENS): output rows of all matrices are numbered in one range, one
+// warp per row; each lane takes 8 consecutive inputs (one 16-byte load) per step, so a warp reads 512
+// contiguous bytes and each lane keeps up to four loads in flight. in % 8 == 0, 16-byte aligned rows.
+// grid: ceil((out0 + out1 + out2) / (blockDim.x / 32)); block: a multiple of 32.
+extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, const bf16* w0, float* y0,
+                                     int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
+                                     int out2) {
+    int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const bf16* w;
+    float* y;
+    int out;
+    if (r < out0) {
+        w = w0; y = y0; out = out0;
+    } else if ((r -= out0) < out1) {
+        w = w1; y = y1; out = out1;
+    } else if ((r -= out1) < out2) {
+        w = w2; y = y2; out = out2;
+    } else {
+        return;
+    }
+    int lane = threadIdx.x % WARP;
+    float acc[GEMV_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
+    const uint4* wr = (const uint4*)(w + (size_t)r * in);
+#pragma unroll 4
+    for (int c = lane * 8; c < in; c += WARP * 8) {
+        uint4 q = wr[c / 8];
+        unsigned int words[4] = {q.x, q.y, q.z, q.w};
+        float wv[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            wv[2 * i] = __uint_as_float(words[i] << 16);
+            wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+        }
+        dot8(x, in, n, c, wv, acc);
+    }
+    gemv_store(acc, n, out, r, accumulate, y);
+}
+
+// Per-head RMSNorm + RoPE of q and k rows, and the k and v rows appended to bf16 paged caches, in one
+// launch: block (t, h) for h < heads is query head h of row t (in place in q, as qk_norm_rope); for
+// h >= heads it is KV head h - heads: k's head normalised and rotated in place, then k's and v's head
+// rounded to bf16 into cache row slot_of_token[t] (as kv_append). norm weights may be null (no norm);
+// rotary_dim 0: no rotation. Caches are [slots, kv_heads * head_dim].
+// grid: (tokens, heads + kv_heads); block: head_dim rounded up to a warp multiple (<= 1024).
+extern "C" __global__ void qk_norm_rope_append(float* q, float* k, const float* v, int heads, int kv_heads,
+                                               int head_dim, const float* q_norm, const float* k_norm, float eps,
+                                               const int* positions, const float* inv_freq, float attn_factor,
+                                               int rotary_dim, int style, bf16* k_cache, bf16* v_cache,
+                                               const int* slot_of_token) {
+    __shared__ float buf[32];
+    __shared__ float head[1024];
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    if (h < heads) {
+        norm_rope_head(q + ((size_t)t * heads + h) * head_dim, head_dim, q_norm, eps, positions, t, inv_freq,
+                       attn_factor, rotary_dim, style, 0, head, buf);
+        return;
+    }
+    int kvh = h - heads, width = kv_heads * head_dim;
+    float* kh = k + (size_t)t * width + (size_t)kvh * head_dim;
+    norm_rope_head(kh, head_dim, k_norm, eps, positions, t, inv_freq, attn_factor, rotary_dim, style, 0, head,
+                   buf);
+    if (d < head_dim) {
+        size_t at = (size_t)slot_of_token[t] * width + (size_t)kvh * head_dim + d;
+        // each thread rounds the value it wrote itself: no barrier needed
+        k_cache[at] = f2bf(kh[d]);
+        v_cache[at] = f2bf(v[(size_t)t * width + (size_t)kvh * head_dim + d]);
+    }
+}
+
+// Decode attention with the positions spread over the block's warps (paged_attention_rows walks them one
+// tile at a time and each thread dots a whole key, so a short context costs a dependent memory round
+// trip per position). Same contract and grid as paged_attention_rows: block (t, h) is query head h of
+// row row0 + t, keys lo..=pos of its sequence. Warp w takes runs of PA_RUN consecutive positions
+// (run w, w + warps, ...); each lane holds dims lane + 32 c of q, of the keys' and values' rows and
+// of its output, so a key's dot product is a warp sum and its loads are coalesced; each warp keeps its
+// own online softmax, and the warps' states are merged through shared memory at the end.
+// grid: (rows, heads); block: PA_WARPS warps; head_dim <= 32 * PA_DIMS.
+#define PA_WARPS 8
+#define PA_DIMS 8
+#define PA_RUN 4
+template <typename KV>
+__device__ void paged_attention_warps_rows(const float* q, KV kc, KV vc, const int* block_tables, int max_blocks,
+                                           const int* seq_of_token, const int* pos_of_token, int heads,
+                                           int kv_heads, int head_dim, int block_size, float scale, int window,
+                                           int row0, bf16* out) {
+    __shared__ float wm[PA_WARPS], wl[PA_WARPS];
+    __shared__ float wacc[PA_WARPS][WARP * PA_DIMS];
+    int t = blockIdx.x + row0, h = blockIdx.y;
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int kvh = h / (heads / kv_heads);
+    const int* table = block_tables + (size_t)seq_of_token[t] * max_blocks;
+    int pos = pos_of_token[t];
+    int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const float* qh = q + ((size_t)t * heads + h) * head_dim;
+    float qv[PA_DIMS], acc[PA_DIMS];
+#pragma unroll
+    for (int c = 0; c < PA_DIMS; ++c) {
+        int i = lane + WARP * c;
+        qv[c] = i < head_dim ? qh[i] : 0.f;
+        acc[c] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    for (int base = lo + warp * PA_RUN; base <= pos; base += PA_WARPS * PA_RUN) {
+        // the run's keys and values, all loads issued before any is used
+        float kv[PA_RUN][PA_DIMS], vv[PA_RUN][PA_DIMS];
+#pragma unroll
+        for (int u = 0; u < PA_RUN; ++u) {
+            int p = min(base + u, pos);  // past the end: a repeat of pos, masked below
+            size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
+#pragma unroll
+            for (int c = 0; c < PA_DIMS; ++c) {
+                int i = lane + WARP * c;
+                kv[u][c] = i < head_dim ? kc.at(slot, kvh, i) : 0.f;
+                vv[u][c] = i < head_dim ? vc.at(slot, kvh, i) : 0.f;
+            }
+        }
+        float s[PA_RUN];
+        float run_max = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < PA_RUN; ++u) {
+            float dot = 0.f;
+#pragma unroll
+            for (int c = 0; c < PA_DIMS; ++c) dot += qv[c] * kv[u][c];
+            s[u] = base + u <= pos ? warp_sum(dot) * scale : -INFINITY;
+            run_max = fmaxf(run_max, s[u]);
+        }
+        float m_new = fmaxf(m, run_max);
+        float corr = __expf(m - m_new);
+        l *= corr;
+#pragma unroll
+        for (int c = 0; c < PA_DIMS; ++c) acc[c] *= corr;
+#pragma unroll
+        for (int u = 0; u < PA_RUN; ++u) {
+            float e = base + u <= pos ? __expf(s[u] - m_new) : 0.f;
+            l += e;
+#pragma unroll
+            for (int c = 0; c < PA_DIMS; ++c) acc[c] += e * vv[u][c];
+        }
+        m = m_new;
+    }
+    // merge the warps: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M); a warp that saw no
+    // position has m_w = -inf and weighs 0 (warp 0 always sees position lo)
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < PA_DIMS; ++c) wacc[warp][lane + WARP * c] = acc[c];
+    __syncthreads();
+    float big = -INFINITY;
+    for (int w = 0; w < PA_WARPS; ++w) big = fmaxf(big, wm[w]);
+    float total = 0.f;
+    for (int w = 0; w < PA_WARPS; ++w) total += wl[w] * __expf(wm[w] - big);
+    bf16* o = out + ((size_t)t * heads + h) * head_dim;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < PA_WARPS; ++w) a += wacc[w][i] * __expf(wm[w] - big);
+        o[i] = f2bf(a / total);
+    }
+}
+
+extern "C" __global__ void paged_attention_warps(const float* q, const bf16* k_cache, const bf16* v_cache,
+                                                 const int* block_tables, int max_blocks, const int* seq_of_token,
+                                                 const int* pos_of_token, int heads, int kv_heads, int head_dim,
+                                                 int block_size, float scale, int window, int row0, bf16* out) {
+    int width = kv_heads * head_dim;
+    paged_attention_warps_rows(q, KvBf16{k_cache, width, head_dim}, KvBf16{v_cache, width, head_dim},
+                               block_tables, max_blocks, seq_of_token, pos_of_token, heads, kv_heads, head_dim,
+                               block_size, scale, window, row0, out);
+}
+
+extern "C" __global__ void paged_attention_warps_q8(const float* q, const unsigned char* k_codes,
+                                                    const unsigned char* v_codes, const float* k_scales,
+                                                    const float* v_scales, int group, int code,
+                                                    const int* block_tables, int max_blocks,
+                                                    const int* seq_of_token, const int* pos_of_token, int heads,
+                                                    int kv_heads, int head_dim, int block_size, float scale,
+                                                    int window, int row0, bf16* out) {
+    int width = kv_heads * head_dim;
+    paged_attention_warps_rows(q, KvQ8{k_codes, k_scales, width, head_dim, group, code},
+                               KvQ8{v_codes, v_scales, width, head_dim, group, code}, block_tables, max_blocks,
+                               seq_of_token, pos_of_token, heads, kv_heads, head_dim, block_size, scale, window,
+                               row0, out);
+}
+
+// The router of up to GEMV_MAX_TOKENS rows and its top-k in one launch: logits[t, e] = x[t] . W[e]
+// (f32 x [n, in], f32 W [experts, in]; one warp per expert, 16-byte loads, in % 4 == 0), then the
+// last block to finish (blocks_done: device memory, 0 between launches) runs router_topk_row over
+// each row's logits, read back through L2. grid: ceil(experts / (blockDim.x / 32)); block:
+// ROUTER_THREADS (>= k). Dynamic shared memory: 3 * experts floats.
+extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const float* w, int experts, int k,
+                                            int kind, int renorm, const float* bias, int n_group, int topk_group,
+                                            float scaling, float* logits, int* ids, float* weights,
+                                            unsigned int* blocks_done) {
+    extern __shared__ float sm[];
+    __shared__ bool last;
+    int e = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (e < experts) {
+        float acc[GEMV_MAX_TOKENS];
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
+        const float4* wr = (const float4*)(w + (size_t)e * in);
+#pragma unroll 4
+        for (int c = lane; c < in / 4; c += WARP) {
+            float4 wv = wr[c];
+#pragma unroll
+            for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
+                if (t < n) {
+                    float4 xv = ((const float4*)(x + (size_t)t * in))[c];
+                    acc[t] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
+            if (t < n) {
+                float v = warp_sum(acc[t]);
+                if (lane == 0) logits[(size_t)t * experts + e] = v;
+            }
+        }
+    }
+    // this block's logits are visible device-wide before it is counted
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    float* row = sm + 2 * experts;
+    for (int t = 0; t < n; ++t) {
+        for (int i = threadIdx.x; i < experts; i += blockDim.x) row[i] = __ldcg(logits + (size_t)t * experts + i);
+        __syncthreads();
+        router_topk_row(row, experts, k, kind, renorm, bias, n_group, topk_group, scaling, ids + (size_t)t * k,
+                        weights + (size_t)t * k, sm);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *blocks_done = 0;
+}
