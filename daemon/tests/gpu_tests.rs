@@ -13,6 +13,7 @@ mod glm_hybrid_gpu;
 mod host_gpu;
 mod kv_q8_gpu;
 mod ops_gpu;
+mod segment_gpu;
 mod tensor_parallel_gpu;
 
 use common::gpu::{check_against_oracle, gpu, graphs_match_eager};

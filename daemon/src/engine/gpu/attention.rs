@@ -2,13 +2,16 @@
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
 use super::buffers::{AttnBufs, MlaBufs, PrefillScratch};
 use super::kv::GpuKvPool;
-use super::{GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
+use super::{GpuLinear, GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
 use crate::engine::kv::BLOCK;
 use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use moe_kernels::cuda::ops::{FlashBlock, FlashShape, MlaDims, PagedIndex, QueryRows, Rotation};
+use moe_kernels::cuda::ops::segment::GEMV_MATS;
+use moe_kernels::cuda::ops::{
+    CacheAppend, FlashBlock, FlashShape, GemvMat, MlaDims, PagedIndex, QueryRows, Rotation,
+};
 use moe_kernels::cuda::GpuDevice;
 use std::sync::OnceLock;
 
@@ -155,13 +158,19 @@ impl GpuModel {
             prefill,
             ..
         } = bufs;
-        self.linear(wq, hb, q, n, false)?;
-        self.linear(wk, hb, k, n, false)?;
-        self.linear(wv, hb, v, n, false)?;
+        // The fused decode segment (`MOE_GPU_SEGMENT`, `switches`): q/k/v as one GEMV launch and
+        // norm + RoPE + append as one, where the shapes and the cache's rows allow.
+        let fused = self.switches.fused_segment();
+        self.linears(hb, n, &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)], fused)?;
         let layout = cfg.layer_attention[li];
-        self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0, layout.rope)?;
-        self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0, layout.rope)?;
-        self.append(pool, li, k, v, step)?;
+        let norms = (q_norm.as_ref(), k_norm.as_ref());
+        let appended = fused
+            && self.norm_rope_append(host, step, pool, li, (&mut *q, &mut *k, &*v), norms, layout.rope)?;
+        if !appended {
+            self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0, layout.rope)?;
+            self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0, layout.rope)?;
+            self.append(pool, li, k, v, step)?;
+        }
         let (q, out) = (&*q, out);
         let scale = cfg.attention_scale();
         // Sliding-window layers: the kernels skip keys before `pos - window + 1`.
@@ -189,7 +198,105 @@ impl GpuModel {
         if let Some(r) = run {
             paged(r, out)?;
         }
-        self.linear(o, out, x, n, self.tp_attention_accumulates())
+        let accumulate = self.tp_attention_accumulates();
+        if fused && self.gemv_takes(o, n) {
+            let mut mats = [GemvMat {
+                w: o.w.as_bf16().context("checked bf16")?,
+                y: &mut *x,
+                out: o.out_dim,
+            }];
+            self.dev.gemv_bf16(out, (n, o.in_dim), &mut mats, accumulate)?;
+            if let Some(b) = &o.bias {
+                self.dev.add_bias(x, b, (n, o.out_dim))?;
+            }
+            return Ok(());
+        }
+        self.linear(o, out, x, n, accumulate)
+    }
+
+    /// Whether the fused segment's bf16 GEMV takes `l` over `n` rows (bf16 weights, decode rows).
+    fn gemv_takes(&self, l: &GpuLinear, n: usize) -> bool {
+        l.w.as_bf16().is_some() && GpuDevice::gemv_bf16_takes(n, l.in_dim)
+    }
+
+    /// `y_i = x · W_iᵀ (+ bias_i)` for projections over the same input `x` (`n` rows): one GEMV launch
+    /// for all of them when `fused` and every one takes it ([`GpuModel::gemv_takes`], at most
+    /// `GEMV_MATS`), else one [`GpuModel::linear`] each.
+    pub(super) fn linears(
+        &self,
+        x: &CudaSlice<bf16>,
+        n: usize,
+        projs: &mut [(&GpuLinear, &mut CudaSlice<f32>)],
+        fused: bool,
+    ) -> anyhow::Result<()> {
+        let one_launch = fused
+            && projs.len() <= GEMV_MATS
+            && projs.iter().all(|(l, _)| self.gemv_takes(l, n) && l.in_dim == projs[0].0.in_dim);
+        if !one_launch {
+            for (l, y) in projs.iter_mut() {
+                self.linear(l, x, y, n, false)?;
+            }
+            return Ok(());
+        }
+        let inp = projs[0].0.in_dim;
+        let mut mats = Vec::with_capacity(projs.len());
+        for (l, y) in projs.iter_mut() {
+            let w = l.w.as_bf16().context("checked bf16")?;
+            mats.push(GemvMat {
+                w,
+                y: &mut **y,
+                out: l.out_dim,
+            });
+        }
+        self.dev.gemv_bf16(x, (n, inp), &mut mats, false)?;
+        drop(mats);
+        for (l, y) in projs.iter_mut() {
+            if let Some(b) = &l.bias {
+                self.dev.add_bias(&mut **y, b, (n, l.out_dim))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused segment's q/k norm + RoPE and K/V append as one launch (`qk_norm_rope_append`), for
+    /// bf16 caches; false (nothing done) for 8-bit ones, which keep the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope_append(
+        &self,
+        host: &Model,
+        step: &StepIndex,
+        pool: &mut GpuKvPool,
+        li: usize,
+        (q, k, v): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &CudaSlice<f32>),
+        (q_norm, k_norm): (Option<&CudaSlice<f32>>, Option<&CudaSlice<f32>>),
+        rotate: bool,
+    ) -> anyhow::Result<bool> {
+        let Some((k_cache, v_cache)) = pool.bf16_rows_mut(li) else {
+            return Ok(false);
+        };
+        let cfg = &host.config;
+        let ((nh, nkv), dh) = (self.tp_heads(cfg), cfg.head_dim);
+        let rotation = Rotation {
+            positions: step.pos,
+            inv_freq: &self.inv_freq,
+            attn_factor: self.attn_factor,
+            rotary_dim: cfg.rope.rotary_dim,
+            offset: 0,
+            style: super::kinds::rotary_style(cfg.rope.style),
+        };
+        let cache = CacheAppend {
+            k_cache,
+            v_cache,
+            slot_of_row: step.slots,
+        };
+        self.dev.qk_norm_rope_append(
+            (q, k, v),
+            (step.n, nh, nkv, dh),
+            (q_norm, k_norm, cfg.rms_norm_eps),
+            rotate.then_some(&rotation),
+            cache,
+        )?;
+        Ok(true)
     }
 
     /// Paged attention for rows `row0..row0 + rows` of the step (decode and short chunks).
@@ -213,7 +320,7 @@ impl GpuModel {
             &step.paged(),
             (nh, nkv, dh),
             (scale, window),
-            row0..row0 + rows,
+            (row0..row0 + rows, self.switches.fused_segment()),
             out,
         )
     }

@@ -299,9 +299,17 @@ impl GpuModel {
         if let (GpuFfn::Moe(moe), Some(mc), true) =
             (&layer.ffn, &cfg.moe, self.early_router(host, li))
         {
-            dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
+            // (the fused router computes the top-k with the logits)
+            if self.fused_router(n, hd) {
+                let routing = (&mut *g.eids, &mut *g.w);
+                self.router_gemv_topk(&*g.x, (moe, mc), (n, hd), &mut *g.logits, routing)?;
+            } else {
+                dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
+            }
             if self.early_routing() {
-                self.router_topk(moe, mc, n, g)?;
+                if !self.fused_router(n, hd) {
+                    self.router_topk(moe, mc, n, g)?;
+                }
                 let nk = n * mc.top_k;
                 dev.handoff_publish_early_routing(&*g.eids, &*g.w, nk, &g.hand.port)?;
             }
@@ -380,10 +388,19 @@ impl GpuModel {
             dev.handoff_publish_rows(rows, &g.hand.port)?;
             return Ok(());
         }
-        if !early_router {
-            dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, mc.num_experts, hd)?;
+        match (early_router, self.fused_router(n, hd)) {
+            (false, true) => {
+                let routing = (&mut *g.eids, &mut *g.w);
+                self.router_gemv_topk(&*g.hf, (moe, mc), (n, hd), &mut *g.logits, routing)?;
+            }
+            (false, false) => {
+                dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, mc.num_experts, hd)?;
+                self.router_topk(moe, mc, n, g)?;
+            }
+            // the early router's logits are in (and with the fused router, its top-k too)
+            (true, true) => {}
+            (true, false) => self.router_topk(moe, mc, n, g)?,
         }
-        self.router_topk(moe, mc, n, g)?;
         if g.tail() != SegmentTail::Experts {
             let rows = g.want_x.then_some((&*g.hf, nx));
             dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
@@ -394,6 +411,35 @@ impl GpuModel {
             let (io, routing) = ((&*g.hb, &*g.hf), (&*g.eids, &*g.w));
             self.experts_from_device_routing(host, moe, n, r, io, routing, g.x)?;
         }
+        Ok(())
+    }
+
+    /// Whether the router of an `n`-row step over `hd` inputs runs as one launch with its top-k (the
+    /// fused segment, decode rows).
+    fn fused_router(&self, n: usize, hd: usize) -> bool {
+        self.switches.fused_segment() && moe_kernels::cuda::GpuDevice::router_fused_takes(n, hd)
+    }
+
+    /// The router's logits over `x` (`[n, hd]` f32) and their top-k into `routing` (ids, weights), one
+    /// launch ([`GpuModel::fused_router`]).
+    fn router_gemv_topk(
+        &self,
+        x: &CudaSlice<f32>,
+        (moe, mc): (&super::GpuMoe, &crate::model::config::MoeConfig),
+        (n, hd): (usize, usize),
+        logits: &mut CudaSlice<f32>,
+        routing: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    ) -> anyhow::Result<()> {
+        let kind = super::kinds::router_kind(mc);
+        let router = moe_kernels::cuda::ops::FusedRouter {
+            w: &moe.router,
+            experts: mc.num_experts,
+            k: mc.top_k,
+            kind: &kind,
+            bias: moe.correction_bias.as_ref(),
+        };
+        self.dev
+            .router_gemv_topk(x, (n, hd), &router, logits, routing)?;
         Ok(())
     }
 
@@ -480,6 +526,8 @@ impl GpuModel {
         let mut split_guard = self.split.lock().unwrap_or_else(|e| e.into_inner());
         let mut split = (split_step && stream.is_some()).then_some(&mut *split_guard);
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        // (a graph bakes in its kernels: the step replays those of the segment kernels it runs)
+        graphs_guard.select_kernels(self.switches.fused_segment());
         // A tensor-parallel graph step whose segments are not all captured yet runs unpipelined
         // (`GraphSet::capture_pass`); one GPU captures them before its layers instead (below).
         let capture_pass = graph_step && self.shard.is_some() && graphs_guard.capture_pass(n);

@@ -54,7 +54,6 @@ pub enum SegmentTail {
 pub type SegmentKey = (usize, usize, SegmentTail);
 
 /// The graphs captured so far: segment key → the pre-expert segment.
-#[derive(Default)]
 pub struct GraphSet {
     pub map: HashMap<SegmentKey, CapturedGraph>,
     /// Whole layer stacks of steps that never hand anything to the host (every MoE layer
@@ -72,6 +71,11 @@ pub struct GraphSet {
     /// segment captured. A later step of the same rows and plan skips the walk (48 layers' homes and
     /// keys, ~1 µs each, on the host before the step's first launch).
     walked: HashMap<usize, WalkMark>,
+    /// Whether these graphs hold the fused segment kernels (`switches`' `fused_segment`).
+    fused: bool,
+    /// The graphs of the other segment kernels, kept while these replay: `bench decode --ab
+    /// fused-segment` flips between them step by step ([`GraphSet::select_kernels`]).
+    parked: Option<Box<GraphSet>>,
 }
 
 /// What decides a pipelined step's segment keys besides its rows: each layer's route and the expert
@@ -85,9 +89,29 @@ pub struct WalkMark {
 }
 
 impl GraphSet {
-    /// Graphs captured so far (segments, tensor-parallel halves and whole steps).
+    /// Graphs captured so far (segments, tensor-parallel halves and whole steps), of both segment
+    /// kernels.
     pub fn captured(&self) -> usize {
-        self.map.len() + self.halves.len() + self.steps.len()
+        let parked = self.parked.as_ref().map_or(0, |p| p.captured());
+        self.map.len() + self.halves.len() + self.steps.len() + parked
+    }
+
+    /// Makes the graphs of the segment kernels a step runs (`fused`) the current ones: a graph bakes
+    /// in its kernels, so the other kernels' graphs are parked, not replayed, and come back when the
+    /// switch flips back (a set starts empty, as the unfused one does the first time).
+    pub fn select_kernels(&mut self, fused: bool) {
+        if self.fused == fused {
+            return;
+        }
+        let mut other = self.parked.take().map_or_else(
+            || GraphSet {
+                fused,
+                ..GraphSet::default()
+            },
+            |b| *b,
+        );
+        std::mem::swap(self, &mut other);
+        self.parked = Some(Box::new(other));
     }
 
     /// Whether a tensor-parallel graph step of `rows` rows must run as a capture pass: unpipelined,
@@ -122,6 +146,22 @@ impl GraphSet {
     pub fn mark_walked(&mut self, rows: usize, mark: WalkMark) {
         if !self.broken {
             self.walked.insert(rows, mark);
+        }
+    }
+}
+
+impl Default for GraphSet {
+    /// An empty set of the fused segment kernels (their switch's default).
+    fn default() -> Self {
+        GraphSet {
+            map: HashMap::new(),
+            steps: HashMap::new(),
+            halves: HashMap::new(),
+            broken: false,
+            ready_rows: HashSet::new(),
+            walked: HashMap::new(),
+            fused: true,
+            parked: None,
         }
     }
 }
@@ -244,6 +284,21 @@ mod tests {
         // broken graphs: nothing is walked any more (and nothing is skipped as walked)
         set.broken = true;
         assert!(!set.walked(1, &moved));
+    }
+
+    #[test]
+    fn each_segment_kernel_keeps_its_graphs() {
+        let mut set = GraphSet::default();
+        set.ready_rows.insert(1);
+        set.select_kernels(true); // already the fused kernels: nothing moves
+        assert!(set.ready_rows.contains(&1));
+        set.select_kernels(false);
+        assert!(set.ready_rows.is_empty(), "the old kernels start without graphs");
+        set.ready_rows.insert(8);
+        set.select_kernels(true);
+        assert!(set.ready_rows.contains(&1) && !set.ready_rows.contains(&8));
+        set.select_kernels(false);
+        assert!(set.ready_rows.contains(&8) && !set.ready_rows.contains(&1));
     }
 
     #[test]

@@ -182,7 +182,8 @@ impl GpuKvPool {
     }
 
     /// GQA attention of step rows `rows` against layer `li`'s caches (see
-    /// `GpuDevice::paged_attention`).
+    /// `GpuDevice::paged_attention`; `warps`: its twin with the positions spread over warps,
+    /// `GpuDevice::paged_attention_warps`, the fused decode segment's).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -192,12 +193,17 @@ impl GpuKvPool {
         index: &PagedIndex<'_>,
         heads: (usize, usize, usize),
         (scale, window): (f32, Option<usize>),
-        rows: Range<usize>,
+        (rows, warps): (Range<usize>, bool),
         out: &mut impl DevicePtrMut<bf16>,
     ) -> anyhow::Result<()> {
         let s = self.slot(li);
         let caches = (self.k[s].as_cache(), self.v[s].as_cache());
-        dev.paged_attention(q, caches, index, heads, (scale, window), rows, out)?;
+        let sw = (scale, window);
+        if warps {
+            dev.paged_attention_warps(q, caches, index, heads, sw, rows, out)?;
+        } else {
+            dev.paged_attention(q, caches, index, heads, sw, rows, out)?;
+        }
         Ok(())
     }
 
@@ -221,6 +227,16 @@ impl GpuKvPool {
             v_out,
         )?;
         Ok(())
+    }
+
+    /// Layer `li`'s bf16 K and V rows, writable (the fused decode segment appends to them in its norm
+    /// + RoPE launch); `None` for 8-bit rows, which keep their own append.
+    pub fn bf16_rows_mut(&mut self, li: usize) -> Option<(&mut CudaSlice<bf16>, &mut CudaSlice<bf16>)> {
+        let s = self.slot(li);
+        match (&mut self.k[s], &mut self.v[s]) {
+            (KvRows::Bf16(k), KvRows::Bf16(v)) => Some((k, v)),
+            _ => None,
+        }
     }
 
     /// Layer `li`'s bf16 K and V rows (MLA attention and the sparse indexer read them directly).

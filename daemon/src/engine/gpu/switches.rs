@@ -27,6 +27,27 @@ pub struct DecodeSwitches {
     /// half (no dispatch plan), which runs at once when the next segment is enqueued already; on by
     /// default (off: planned, and run at the next layer's start, as before).
     direct_half: AtomicBool,
+    /// The decode segment's fused kernels (`moe_kernels::cuda::ops::segment`): q/k/v as one GEMV,
+    /// norm, RoPE and the K/V append as one launch, attention over warps, the router's GEMV, top-k and
+    /// publish as one launch, where the shapes allow; off: cuBLAS and the separate kernels, as before.
+    /// On unless `MOE_GPU_SEGMENT=old` ([`GPU_SEGMENT_KNOB`]).
+    fused_segment: AtomicBool,
+}
+
+/// `MOE_GPU_SEGMENT`: `fused` (the default) or `old` (the decode segment on cuBLAS and the separate
+/// kernels), read at start.
+pub const GPU_SEGMENT_KNOB: moe_kernels::knob::Knob<bool> = moe_kernels::knob::Knob {
+    name: "MOE_GPU_SEGMENT",
+    takes: "fused or old",
+    parse: parse_gpu_segment,
+};
+
+fn parse_gpu_segment(v: &str) -> Option<bool> {
+    match v {
+        "fused" => Some(true),
+        "old" => Some(false),
+        _ => None,
+    }
 }
 
 impl Default for DecodeSwitches {
@@ -39,6 +60,7 @@ impl Default for DecodeSwitches {
             walk_mark: AtomicBool::new(true),
             early_head: AtomicBool::new(true),
             direct_half: AtomicBool::new(true),
+            fused_segment: AtomicBool::new(GPU_SEGMENT_KNOB.read_or(true)),
         }
     }
 }
@@ -91,6 +113,14 @@ impl DecodeSwitches {
     pub fn set_direct_half(&self, on: bool) {
         self.direct_half.store(on, Ordering::Relaxed);
     }
+
+    pub fn fused_segment(&self) -> bool {
+        self.fused_segment.load(Ordering::Relaxed)
+    }
+
+    pub fn set_fused_segment(&self, on: bool) {
+        self.fused_segment.store(on, Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -98,6 +128,7 @@ impl DecodeSwitches {
 /// silence (`moe_kernels::knob`).
 pub fn check_env_knobs() -> Result<(), moe_kernels::knob::KnobError> {
     super::attention::FLASH_PREFILL_KNOB.check()?;
+    GPU_SEGMENT_KNOB.check()?;
     moe_kernels::cpu::moe::check_env_knobs()
 }
 
@@ -120,6 +151,8 @@ pub enum DecodeSwitch {
     DirectHalf,
     /// Deferred experts: this many routes per token (not exact).
     Defer(usize),
+    /// The decode segment's fused kernels.
+    FusedSegment,
 }
 
 impl DecodeSwitch {
@@ -142,11 +175,12 @@ impl std::str::FromStr for DecodeSwitch {
             "walk-mark" => DecodeSwitch::WalkMark,
             "early-head" => DecodeSwitch::EarlyHead,
             "direct-half" => DecodeSwitch::DirectHalf,
+            "fused-segment" => DecodeSwitch::FusedSegment,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, defer1..defer64)"
                     ))
                 }
             },
@@ -165,6 +199,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::EarlyHead => f.write_str("early-head"),
             DecodeSwitch::DirectHalf => f.write_str("direct-half"),
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
+            DecodeSwitch::FusedSegment => f.write_str("fused-segment"),
         }
     }
 }
@@ -186,6 +221,7 @@ impl crate::engine::Engine {
             DecodeSwitch::EarlyHead => g.switches.early_head(),
             DecodeSwitch::DirectHalf => g.switches.direct_half(),
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
+            DecodeSwitch::FusedSegment => g.switches.fused_segment(),
         })
     }
 
@@ -207,6 +243,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::EarlyHead => g.switches.set_early_head(on),
                 DecodeSwitch::DirectHalf => g.switches.set_direct_half(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
+                DecodeSwitch::FusedSegment => g.switches.set_fused_segment(on),
             }
         }
         true
@@ -227,6 +264,7 @@ mod tests {
             "walk-mark",
             "early-head",
             "direct-half",
+            "fused-segment",
             "defer1",
             "defer2",
         ] {
@@ -275,5 +313,17 @@ mod tests {
         assert!(s.direct_half());
         s.set_direct_half(false);
         assert!(!s.direct_half());
+        s.set_fused_segment(false);
+        assert!(!s.fused_segment());
+    }
+
+    #[test]
+    fn gpu_segment_knob_takes_fused_or_old_only() {
+        let parse = |v: &str| GPU_SEGMENT_KNOB.parse_value(Some(v.into()));
+        assert_eq!(GPU_SEGMENT_KNOB.parse_value(None), Ok(None));
+        assert_eq!(parse("fused"), Ok(Some(true)));
+        assert_eq!(parse(" old "), Ok(Some(false)));
+        let e = parse("new").unwrap_err().to_string();
+        assert!(e.contains("MOE_GPU_SEGMENT") && e.contains("fused or old"), "{e}");
     }
 }

@@ -1,0 +1,406 @@
+//! The decode segment's fused kernels (`moe_kernels::cuda::ops::segment`, `paged_attention_warps`)
+//! against the ops they replace and host references, and the whole segment switched between them
+//! on one engine. Each test names its tolerance.
+use crate::common::{rel_l2, xorshift};
+use half::bf16;
+use moe_kernels::cuda::ops::{
+    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, PagedIndex, RotaryStyle, RouterKind,
+    Rotation,
+};
+use moe_kernels::cuda::GpuDevice;
+
+/// Uniform values in [-a, a).
+fn values(n: usize, a: f32, seed: u64) -> Vec<f32> {
+    let mut next = xorshift(seed);
+    (0..n)
+        .map(|_| ((next() >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0) * a)
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// `gemv_bf16` over three matrices at once (rows 1, 3 and 8; an input of 520, not a multiple of the
+/// 256 inputs a warp reads per step; output counts not multiples of the 8 rows of a block) against
+/// cuBLAS (`gemm_bf16`) and an f64 host product of the same bf16 values: rel-L2 ≤ 1e-5 against
+/// both (f32 sums in another order), and so when accumulating into existing rows. Shapes it does not
+/// take (9 rows, an input of 12) are refused before any launch.
+#[test]
+fn gemv_bf16_matches_cublas_and_host() {
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let inp = 520;
+    let outs = [300usize, 64, 72];
+    let ws: Vec<Vec<f32>> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| to_bf16(&values(o * inp, 0.1, 7 + i as u64)).iter().map(|b| b.to_f32()).collect())
+        .collect();
+    let dw: Vec<_> = ws.iter().map(|w| s.clone_htod(&to_bf16(w)).unwrap()).collect();
+    for rows in [1usize, 3, 8] {
+        let x: Vec<f32> = to_bf16(&values(rows * inp, 1.0, 99 + rows as u64))
+            .iter()
+            .map(|b| b.to_f32())
+            .collect();
+        let dx = s.clone_htod(&to_bf16(&x)).unwrap();
+        for accumulate in [false, true] {
+            let base: Vec<Vec<f32>> = outs
+                .iter()
+                .map(|&o| values(rows * o, 1.0, 5 + o as u64))
+                .collect();
+            let mut ys: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
+            let mut cublas: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
+            {
+                let mut mats: Vec<GemvMat> = ys
+                    .iter_mut()
+                    .zip(&dw)
+                    .zip(outs)
+                    .map(|((y, w), out)| GemvMat { w, y, out })
+                    .collect();
+                dev.gemv_bf16(&dx, (rows, inp), &mut mats, accumulate)
+                    .unwrap();
+            }
+            for ((y, w), &out) in cublas.iter_mut().zip(&dw).zip(&outs) {
+                dev.gemm_bf16(&dx, w, y, rows, out, inp, accumulate).unwrap();
+            }
+            for (m, &out) in outs.iter().enumerate() {
+                let got = s.clone_dtoh(&ys[m]).unwrap();
+                let want_blas = s.clone_dtoh(&cublas[m]).unwrap();
+                let mut host = if accumulate { base[m].clone() } else { vec![0f32; rows * out] };
+                for t in 0..rows {
+                    for r in 0..out {
+                        let dot: f64 = (0..inp)
+                            .map(|c| x[t * inp + c] as f64 * ws[m][r * inp + c] as f64)
+                            .sum();
+                        host[t * out + r] = (host[t * out + r] as f64 + dot) as f32;
+                    }
+                }
+                let (e_blas, e_host) = (rel_l2(&got, &want_blas), rel_l2(&got, &host));
+                assert!(
+                    e_blas <= 1e-5 && e_host <= 1e-5,
+                    "rows {rows} matrix {m} accumulate {accumulate}: vs cuBLAS {e_blas}, vs host {e_host}"
+                );
+            }
+        }
+    }
+    let mut y = s.alloc_zeros::<f32>(9 * 300).unwrap();
+    let x9 = s.alloc_zeros::<bf16>(9 * inp).unwrap();
+    let mut mats = [GemvMat {
+        w: &dw[0],
+        y: &mut y,
+        out: 300,
+    }];
+    let e = dev.gemv_bf16(&x9, (9, inp), &mut mats, false).unwrap_err();
+    assert!(e.to_string().contains("9 rows"), "{e}");
+    let e = dev.gemv_bf16(&x9, (1, 12), &mut mats, false).unwrap_err();
+    assert!(e.to_string().contains("12 inputs"), "{e}");
+}
+
+/// `qk_norm_rope_append` gives exactly what `qk_norm_rope` on q, on k and `kv_append` give (the same
+/// f32 operations per head, bit for bit): with and without per-head norms, with and without RoPE
+/// (NoPE layers), head dims 128 and 64, 3 rows appended at scattered cache slots; cache rows it
+/// does not own stay untouched.
+#[test]
+fn norm_rope_append_matches_the_separate_ops() {
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let (rows, heads, kv_heads) = (3usize, 8usize, 2usize);
+    for (dh, norms, rope) in [(128usize, true, true), (128, false, true), (64, true, false)] {
+        let width = kv_heads * dh;
+        let q = values(rows * heads * dh, 2.0, 1);
+        let k = values(rows * width, 2.0, 2);
+        let v = values(rows * width, 2.0, 3);
+        let qn = s.clone_htod(&values(dh, 1.0, 4)).unwrap();
+        let kn = s.clone_htod(&values(dh, 1.0, 5)).unwrap();
+        let positions = s.clone_htod(&[0i32, 17, 4000]).unwrap();
+        let inv_freq: Vec<f32> = (0..dh / 2).map(|i| 1e4f32.powf(-2.0 * i as f32 / dh as f32)).collect();
+        let inv_freq = s.clone_htod(&inv_freq).unwrap();
+        let rotation = Rotation {
+            positions: &positions,
+            inv_freq: &inv_freq,
+            attn_factor: 1.0,
+            rotary_dim: dh,
+            offset: 0,
+            style: RotaryStyle::Neox,
+        };
+        let rot = rope.then_some(&rotation);
+        let slots = s.clone_htod(&[37i32, 2, 90]).unwrap();
+        let cache_rows = 100;
+        let stale = to_bf16(&values(cache_rows * width, 1.0, 6));
+        let (qn_opt, kn_opt) = if norms { (Some(&qn), Some(&kn)) } else { (None, None) };
+        let mut outs = Vec::new();
+        for fused in [false, true] {
+            let (mut dq, mut dk) = (s.clone_htod(&q).unwrap(), s.clone_htod(&k).unwrap());
+            let dv = s.clone_htod(&v).unwrap();
+            let (mut kc, mut vc) = (s.clone_htod(&stale).unwrap(), s.clone_htod(&stale).unwrap());
+            if fused {
+                let cache = CacheAppend {
+                    k_cache: &mut kc,
+                    v_cache: &mut vc,
+                    slot_of_row: &slots,
+                };
+                dev.qk_norm_rope_append(
+                    (&mut dq, &mut dk, &dv),
+                    (rows, heads, kv_heads, dh),
+                    (qn_opt, kn_opt, 1e-6),
+                    rot,
+                    cache,
+                )
+                .unwrap();
+            } else {
+                dev.qk_norm_rope(&mut dq, (rows, heads, dh), qn_opt.map(|w| (w, 1e-6)), rot)
+                    .unwrap();
+                dev.qk_norm_rope(&mut dk, (rows, kv_heads, dh), kn_opt.map(|w| (w, 1e-6)), rot)
+                    .unwrap();
+                dev.kv_append(&dk, &dv, (rows, width, width), &mut kc, &mut vc, &slots, 16)
+                    .unwrap();
+            }
+            outs.push((
+                s.clone_dtoh(&dq).unwrap(),
+                s.clone_dtoh(&dk).unwrap(),
+                s.clone_dtoh(&kc).unwrap(),
+                s.clone_dtoh(&vc).unwrap(),
+            ));
+        }
+        let label = format!("head dim {dh}, norms {norms}, rope {rope}");
+        assert!(outs[0].0 == outs[1].0, "{label}: q differs");
+        assert!(outs[0].1 == outs[1].1, "{label}: k differs");
+        assert!(outs[0].2 == outs[1].2, "{label}: k cache differs");
+        assert!(outs[0].3 == outs[1].3, "{label}: v cache differs");
+    }
+}
+
+/// `paged_attention_warps` against the f64 host attention (`reference::causal_attention` over the
+/// bf16 cache values) and the tile kernel it replaces in the decode segment: one decode row per
+/// sequence at contexts of 1, 5, 33, 300 and 2100 positions (blocks scattered over the pool), GQA
+/// groups of 4 and 1, head dims 128 and 64, without and with a sliding window of 37, and rows
+/// 2.. alone (`row0`): rel-L2 ≤ 5e-3 per (row, head) against both (the bf16 rounding of the
+/// output: ≤ 2e-3 expected); rows outside the call stay untouched. 8-bit caches: against the tile
+/// kernel, same bound.
+#[test]
+fn paged_attention_warps_matches_host_and_tile_kernel() {
+    use moe_kernels::cuda::kv_q8::{KvCode, Q8Rows};
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    const BLOCK: usize = 16;
+    let contexts = [1usize, 5, 33, 300, 2100];
+    let rows = contexts.len();
+    let max_blocks = contexts.iter().max().unwrap().div_ceil(BLOCK);
+    let pool_blocks = rows * max_blocks;
+    // sequence r's block j: pool block (j * rows + r) counted from the end
+    let tables: Vec<i32> = (0..rows)
+        .flat_map(|r| (0..max_blocks).map(move |j| (pool_blocks - 1 - (j * rows + r)) as i32))
+        .collect();
+    let slot = |r: usize, p: usize| tables[r * max_blocks + p / BLOCK] as usize * BLOCK + p % BLOCK;
+    let d_tables = s.clone_htod(&tables).unwrap();
+    let d_seq = s.clone_htod(&(0..rows as i32).collect::<Vec<_>>()).unwrap();
+    let pos: Vec<i32> = contexts.iter().map(|&c| c as i32 - 1).collect();
+    let d_pos = s.clone_htod(&pos).unwrap();
+    let index = PagedIndex {
+        block_tables: &d_tables,
+        max_blocks,
+        seq_of_row: &d_seq,
+        pos_of_row: &d_pos,
+        block_size: BLOCK,
+    };
+    for (heads, kv_heads, dh) in [(8usize, 2usize, 128usize), (4, 4, 64)] {
+        let width = kv_heads * dh;
+        let scale = 1.0 / (dh as f32).sqrt();
+        let cache_len = pool_blocks * BLOCK * width;
+        let kc: Vec<f32> = to_bf16(&values(cache_len, 2.0, 11)).iter().map(|b| b.to_f32()).collect();
+        let vc: Vec<f32> = to_bf16(&values(cache_len, 1.0, 12)).iter().map(|b| b.to_f32()).collect();
+        let (dkc, dvc) = (s.clone_htod(&to_bf16(&kc)).unwrap(), s.clone_htod(&to_bf16(&vc)).unwrap());
+        let q = values(rows * heads * dh, 1.0, 13);
+        let dq = s.clone_htod(&q).unwrap();
+        let caches = (CacheRows::Bf16(&dkc), CacheRows::Bf16(&dvc));
+        for window in [None, Some(37usize)] {
+            let run = |warps: bool, range: std::ops::Range<usize>| {
+                let sentinel = vec![bf16::from_f32(7.0); rows * heads * dh];
+                let mut out = s.clone_htod(&sentinel).unwrap();
+                let hw = (heads, kv_heads, dh);
+                if warps {
+                    dev.paged_attention_warps(&dq, caches, &index, hw, (scale, window), range, &mut out)
+                } else {
+                    dev.paged_attention(&dq, caches, &index, hw, (scale, window), range, &mut out)
+                }
+                .unwrap();
+                s.clone_dtoh(&out).unwrap().iter().map(|b| b.to_f32()).collect::<Vec<f32>>()
+            };
+            let (warps, tiles, tail) = (run(true, 0..rows), run(false, 0..rows), run(true, 2..rows));
+            for r in 0..rows {
+                // the sequence's keys as contiguous rows for the host reference
+                let keys = contexts[r];
+                let gather = |c: &[f32]| -> Vec<f32> {
+                    (0..keys).flat_map(|p| c[slot(r, p) * width..][..width].to_vec()).collect()
+                };
+                let qr = &q[r * heads * dh..][..heads * dh];
+                let host = reference::causal_attention(
+                    qr,
+                    &gather(&kc),
+                    &gather(&vc),
+                    (1, keys - 1),
+                    (heads, kv_heads, dh),
+                    scale,
+                    window,
+                );
+                for h in 0..heads {
+                    let at = r * heads * dh + h * dh;
+                    let (w, t) = (&warps[at..at + dh], &tiles[at..at + dh]);
+                    let label = format!("heads {heads}/{kv_heads} dh {dh} window {window:?} context {keys} head {h}");
+                    let (e_host, e_tiles) = (rel_l2(w, &host[h * dh..][..dh]), rel_l2(w, t));
+                    assert!(e_host <= 5e-3 && e_tiles <= 5e-3, "{label}: vs host {e_host}, vs tiles {e_tiles}");
+                    let tail_row = &tail[at..at + dh];
+                    if r < 2 {
+                        assert!(tail_row.iter().all(|&x| x == 7.0), "{label}: row outside the call written");
+                    } else {
+                        assert_eq!(tail_row, w, "{label}: row0 2 differs");
+                    }
+                }
+            }
+        }
+        // 8-bit rows of the same values: the two kernels read them with the same `at`
+        for code in [KvCode::Int8, KvCode::E4m3] {
+            let positions = pool_blocks * BLOCK;
+            let mut kq = Q8Rows::alloc(&dev, positions, (kv_heads, dh), code).unwrap();
+            let mut vq = Q8Rows::alloc(&dev, positions, (kv_heads, dh), code).unwrap();
+            let all_slots = s.clone_htod(&(0..positions as i32).collect::<Vec<_>>()).unwrap();
+            let (kf, vf) = (s.clone_htod(&kc).unwrap(), s.clone_htod(&vc).unwrap());
+            dev.kv_append_q8((&kf, &vf), positions, &mut kq, &mut vq, &all_slots).unwrap();
+            let caches = (CacheRows::Q8(&kq), CacheRows::Q8(&vq));
+            let run = |warps: bool| {
+                let mut out = s.alloc_zeros::<bf16>(rows * heads * dh).unwrap();
+                let hw = (heads, kv_heads, dh);
+                if warps {
+                    dev.paged_attention_warps(&dq, caches, &index, hw, (scale, None), 0..rows, &mut out)
+                } else {
+                    dev.paged_attention(&dq, caches, &index, hw, (scale, None), 0..rows, &mut out)
+                }
+                .unwrap();
+                s.clone_dtoh(&out).unwrap().iter().map(|b| b.to_f32()).collect::<Vec<f32>>()
+            };
+            let (w, t) = (run(true), run(false));
+            for (i, (a, b)) in w.chunks(dh).zip(t.chunks(dh)).enumerate() {
+                let e = rel_l2(a, b);
+                assert!(e <= 5e-3, "{code:?} heads {heads}/{kv_heads} dh {dh} (row, head) {i}: {e}");
+            }
+        }
+    }
+}
+
+/// `router_gemv_topk` against cuBLAS's f32 GEMM (`gemm_f32`) and the top-k kernel (`router_topk`)
+/// on its own logits: logits within 1e-5 rel-L2 (f32 sums in another order), and exactly the ids and
+/// weights `router_topk` gives on them (the same device code), for softmax top-8 of 128 (with and
+/// without renormalisation), sigmoid + correction bias with 8 groups keeping 4 of 256, and top-6 of
+/// 64; rows 1, 5 and 8; three launches in a row (the finished-block counter is back at 0 after
+/// each).
+#[test]
+fn router_gemv_topk_matches_gemm_and_topk() {
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let inp = 2048;
+    let grouped = RouterKind::SigmoidGrouped {
+        n_group: 8,
+        topk_group: 4,
+        renormalize: true,
+        scaling: 2.5,
+    };
+    let cases = [
+        (128usize, 8usize, RouterKind::Softmax { renormalize: true }, false),
+        (128, 8, RouterKind::Softmax { renormalize: false }, false),
+        (256, 8, grouped, true),
+        (64, 6, RouterKind::Softmax { renormalize: true }, false),
+    ];
+    for (experts, k, kind, with_bias) in cases {
+        let w = s.clone_htod(&values(experts * inp, 0.05, 21)).unwrap();
+        let bias = s.clone_htod(&values(experts, 0.05, 22)).unwrap();
+        let router = FusedRouter {
+            w: &w,
+            experts,
+            k,
+            kind: &kind,
+            bias: with_bias.then_some(&bias),
+        };
+        for rows in [1usize, 5, 8] {
+            let x = s.clone_htod(&values(rows * inp, 1.0, 23 + rows as u64)).unwrap();
+            let mut logits = s.alloc_zeros::<f32>(rows * experts).unwrap();
+            let mut ids = s.alloc_zeros::<i32>(rows * k).unwrap();
+            let mut wts = s.alloc_zeros::<f32>(rows * k).unwrap();
+            for _ in 0..3 {
+                dev.router_gemv_topk(&x, (rows, inp), &router, &mut logits, (&mut ids, &mut wts))
+                    .unwrap();
+            }
+            let mut blas = s.alloc_zeros::<f32>(rows * experts).unwrap();
+            dev.gemm_f32(&x, &w, &mut blas, rows, experts, inp).unwrap();
+            let mut ids2 = s.alloc_zeros::<i32>(rows * k).unwrap();
+            let mut wts2 = s.alloc_zeros::<f32>(rows * k).unwrap();
+            let b = with_bias.then_some(&bias);
+            dev.router_topk(&logits, (rows, experts, k), &kind, b, &mut ids2, &mut wts2)
+                .unwrap();
+            let got = s.clone_dtoh(&logits).unwrap();
+            let e = rel_l2(&got, &s.clone_dtoh(&blas).unwrap());
+            let label = format!("{experts} experts top-{k} {kind:?} rows {rows}");
+            assert!(e <= 1e-5, "{label}: logits vs cuBLAS {e}");
+            assert_eq!(s.clone_dtoh(&ids).unwrap(), s.clone_dtoh(&ids2).unwrap(), "{label}: ids");
+            assert_eq!(s.clone_dtoh(&wts).unwrap(), s.clone_dtoh(&wts2).unwrap(), "{label}: weights");
+        }
+    }
+}
+
+/// The whole model with the fused segment against the old kernels on the same engine (`bench decode
+/// --ab fused-segment`'s switch), CUDA graphs on: qwen3_moe (q/k norms, softmax router), glm4_moe
+/// (sigmoid grouped router with correction bias), qwen2_moe (q/k/v biases, shared expert), llama
+/// (dense) and smallthinker (router on the layer input, NoPE layers, sliding windows); prompts of 3
+/// and 14 tokens, then 12 decode steps teacher-forced on the fused run's tokens: every step's logits
+/// within 1e-2 rel-L2 of the old kernels' (f32 summation order and the bf16 rounding of the
+/// attention output; a router near-tie flipping an expert would exceed it), and graphs captured for
+/// both.
+#[test]
+fn fused_segment_matches_old_kernels_end_to_end() {
+    use crate::common::gpu::gpu;
+    use crate::common::{fixtures_root, step};
+    use moe_daemon::engine::gpu::switches::DecodeSwitch;
+    use moe_daemon::engine::placement::PlacementStrategy;
+    use moe_daemon::engine::sampling::argmax;
+    use moe_daemon::engine::{Engine, EngineOptions};
+    for name in ["qwen3_moe", "glm4_moe", "qwen2_moe", "llama", "smallthinker"] {
+        let dir = fixtures_root().join(name).join("model_bf16");
+        let opts = EngineOptions {
+            cuda_graphs: true,
+            ..gpu(0, PlacementStrategy::Uniform)
+        };
+        let e = Engine::load(&dir, &opts).unwrap();
+        let prompts: [Vec<u32>; 2] = [vec![1, 2, 3], (10..24).collect()];
+        let mut forced: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let mut runs = Vec::new();
+        for fused in [true, false] {
+            assert!(e.set_decode_switch(DecodeSwitch::FusedSegment, fused));
+            let mut logits = Vec::new();
+            for (pi, prompt) in prompts.iter().enumerate() {
+                let mut cache = e.new_cache();
+                let mut last = step(&e, &mut cache, prompt);
+                logits.push(last.clone());
+                for i in 0..12 {
+                    let tok = if fused {
+                        forced[pi].push(argmax(&last) as u32);
+                        forced[pi][i]
+                    } else {
+                        forced[pi][i]
+                    };
+                    last = step(&e, &mut cache, &[tok]);
+                    logits.push(last.clone());
+                }
+            }
+            runs.push(logits);
+        }
+        assert!(e.set_decode_switch(DecodeSwitch::FusedSegment, true));
+        assert!(e.cuda_graphs_captured() > 0, "{name}: no graph captured");
+        let mut worst = 0f32;
+        for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            let err = rel_l2(a, b);
+            worst = worst.max(err);
+            assert!(err <= 1e-2, "{name} step {i}: fused vs old kernels {err}");
+        }
+        println!("{name}: fused segment vs old kernels, worst rel-L2 {worst:.2e}");
+    }
+}
