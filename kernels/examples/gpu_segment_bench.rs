@@ -4,7 +4,8 @@
 //! the engine ran it before `segment.cu`) and the fused one ("new"), so the sum of the ops and the
 //! whole can be compared. The segment: attention norm, q/k/v, q/k norm + RoPE, K/V append, paged
 //! attention over `ctx` cached positions, o projection (added into the residual), FFN norm, router,
-//! top-k, the hand-off publish (routing and rows into mapped host memory). Random weights; the two
+//! top-k, the hand-off publish (routing and rows into mapped host memory; the fused router does it in
+//! its own launch). Random weights; the two
 //! paths' outputs are compared once (rel-L2, same experts) before timing.
 //!
 //!     gpu_segment_bench [--shape qwen3|smallthinker] [--ctx 64,512,2048] [--rows 1] [--iters 400]
@@ -110,7 +111,7 @@ enum Op {
     NormRopeAppend,
     AttentionWarps,
     OGemv,
-    RouterFused,
+    RouterFusedPublish,
 }
 
 const OLD: [Op; 13] = [
@@ -128,15 +129,14 @@ const OLD: [Op; 13] = [
     Op::TopK,
     Op::Publish,
 ];
-const NEW: [Op; 8] = [
+const NEW: [Op; 7] = [
     Op::AttnNorm,
     Op::QkvGemv,
     Op::NormRopeAppend,
     Op::AttentionWarps,
     Op::OGemv,
     Op::FfnNorm,
-    Op::RouterFused,
-    Op::Publish,
+    Op::RouterFusedPublish,
 ];
 
 struct Bench<'a> {
@@ -270,7 +270,7 @@ impl Bench<'_> {
                 }];
                 d.gemv_bf16(&b.attn, (n, qo), &mut mats, true)
             }
-            Op::RouterFused => {
+            Op::RouterFusedPublish => {
                 let router = FusedRouter {
                     w: &w.router,
                     experts: s.experts,
@@ -278,7 +278,9 @@ impl Bench<'_> {
                     kind: &kind,
                     bias: None,
                 };
-                d.router_gemv_topk(&b.hf, (n, hd), &router, &mut b.logits, (&mut b.ids, &mut b.w))
+                let routing = (&mut b.ids, &mut b.w);
+                let publish = Some((&self.port, true));
+                d.router_gemv_topk(&b.hf, (n, hd), &router, &mut b.logits, routing, publish)
             }
         }
     }

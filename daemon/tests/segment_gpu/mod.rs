@@ -4,8 +4,8 @@
 use crate::common::{rel_l2, xorshift};
 use half::bf16;
 use moe_kernels::cuda::ops::{
-    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, PagedIndex, RotaryStyle, RouterKind,
-    Rotation,
+    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, PagedIndex, RotaryStyle,
+    RouterKind, Rotation,
 };
 use moe_kernels::cuda::GpuDevice;
 
@@ -293,7 +293,8 @@ fn paged_attention_warps_matches_host_and_tile_kernel() {
 /// weights `router_topk` gives on them (the same device code), for softmax top-8 of 128 (with and
 /// without renormalisation), sigmoid + correction bias with 8 groups keeping 4 of 256, and top-6 of
 /// 64; rows 1, 5 and 8; three launches in a row (the finished-block counter is back at 0 after
-/// each).
+/// each). Publishing in the same launch leaves exactly those ids and weights (and the input rows, when
+/// asked; none otherwise) in the hand-off's host buffers, with DOWN raised.
 #[test]
 fn router_gemv_topk_matches_gemm_and_topk() {
     let dev = GpuDevice::open(0).unwrap();
@@ -327,7 +328,8 @@ fn router_gemv_topk_matches_gemm_and_topk() {
             let mut ids = s.alloc_zeros::<i32>(rows * k).unwrap();
             let mut wts = s.alloc_zeros::<f32>(rows * k).unwrap();
             for _ in 0..3 {
-                dev.router_gemv_topk(&x, (rows, inp), &router, &mut logits, (&mut ids, &mut wts))
+                let routing = (&mut ids, &mut wts);
+                dev.router_gemv_topk(&x, (rows, inp), &router, &mut logits, routing, None)
                     .unwrap();
             }
             let mut blas = s.alloc_zeros::<f32>(rows * experts).unwrap();
@@ -343,6 +345,25 @@ fn router_gemv_topk_matches_gemm_and_topk() {
             assert!(e <= 1e-5, "{label}: logits vs cuBLAS {e}");
             assert_eq!(s.clone_dtoh(&ids).unwrap(), s.clone_dtoh(&ids2).unwrap(), "{label}: ids");
             assert_eq!(s.clone_dtoh(&wts).unwrap(), s.clone_dtoh(&wts2).unwrap(), "{label}: weights");
+            // publishing in the same launch: the hand-off's host buffers and DOWN flag, as
+            // `handoff_publish` leaves them
+            for with_rows in [true, false] {
+                let port = HandoffPort::new(&dev, rows * k, rows * inp).unwrap();
+                let routing = (&mut ids, &mut wts);
+                let publish = Some((&port, with_rows));
+                dev.router_gemv_topk(&x, (rows, inp), &router, &mut logits, routing, publish)
+                    .unwrap();
+                s.synchronize().unwrap();
+                assert!(port.take_published(), "{label}: DOWN not raised");
+                // SAFETY: the stream is idle (synchronised above): no GPU write is pending.
+                let (hi, hw, hx) = unsafe {
+                    (port.ids.host(rows * k).to_vec(), port.w.host(rows * k).to_vec(), port.x.host(rows * inp).to_vec())
+                };
+                assert_eq!(hi, s.clone_dtoh(&ids).unwrap(), "{label}: published ids");
+                assert_eq!(hw, s.clone_dtoh(&wts).unwrap(), "{label}: published weights");
+                let want_x = if with_rows { s.clone_dtoh(&x).unwrap() } else { vec![0f32; rows * inp] };
+                assert_eq!(hx, want_x, "{label}: published rows (with_rows {with_rows})");
+            }
         }
     }
 }

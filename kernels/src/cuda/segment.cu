@@ -197,12 +197,15 @@ extern "C" __global__ void paged_attention_warps_q8(const float* q, const unsign
 // The router of up to GEMV_MAX_TOKENS rows and its top-k in one launch: logits[t, e] = x[t] . W[e]
 // (f32 x [n, in], f32 W [experts, in]; one warp per expert, 16-byte loads, in % 4 == 0), then the
 // last block to finish (blocks_done: device memory, 0 between launches) runs router_topk_row over
-// each row's logits, read back through L2. grid: ceil(experts / (blockDim.x / 32)); block:
+// each row's logits, read back through L2. When ids_h is given it then does handoff_publish's work
+// (handoff.cu): the routing, and when x_h is given the router's input rows x, into the mapped host
+// buffers, the time stamped and `flag` raised. grid: ceil(experts / (blockDim.x / 32)); block:
 // ROUTER_THREADS (>= k). Dynamic shared memory: 3 * experts floats.
 extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const float* w, int experts, int k,
                                             int kind, int renorm, const float* bias, int n_group, int topk_group,
                                             float scaling, float* logits, int* ids, float* weights,
-                                            unsigned int* blocks_done) {
+                                            unsigned int* blocks_done, int* ids_h, float* w_h, float* x_h,
+                                            volatile int* flag, volatile unsigned long long* stamps) {
     extern __shared__ float sm[];
     __shared__ bool last;
     int e = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -245,4 +248,23 @@ extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const
         __syncthreads();
     }
     if (threadIdx.x == 0) *blocks_done = 0;
+    if (!ids_h) return;
+    // (each row's ids and weights were written by this block before the loop's last barrier)
+    for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+        ids_h[i] = ids[i];
+        w_h[i] = weights[i];
+    }
+    if (x_h) {
+        const float4* x4 = (const float4*)x;
+        float4* h4 = (float4*)x_h;
+        for (int i = threadIdx.x; i < n * in / 4; i += blockDim.x) h4[i] = x4[i];
+    }
+    // every thread's host writes are visible system-wide before the flag
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        stamps[STAMP_PUBLISHED] = global_ns();
+        __threadfence_system();
+        *flag = 1;
+    }
 }

@@ -302,7 +302,7 @@ impl GpuModel {
             // (the fused router computes the top-k with the logits)
             if self.fused_router(n, hd) {
                 let routing = (&mut *g.eids, &mut *g.w);
-                self.router_gemv_topk(&*g.x, (moe, mc), (n, hd), &mut *g.logits, routing)?;
+                self.router_gemv_topk(&*g.x, (moe, mc), (n, hd), &mut *g.logits, routing, None)?;
             } else {
                 dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
             }
@@ -388,10 +388,15 @@ impl GpuModel {
             dev.handoff_publish_rows(rows, &g.hand.port)?;
             return Ok(());
         }
+        // (the fused router publishes in its own launch: the rows it reads are the ones published)
+        let publish = g.tail() != SegmentTail::Experts;
+        let mut published = false;
         match (early_router, self.fused_router(n, hd)) {
             (false, true) => {
                 let routing = (&mut *g.eids, &mut *g.w);
-                self.router_gemv_topk(&*g.hf, (moe, mc), (n, hd), &mut *g.logits, routing)?;
+                let port = publish.then_some((&g.hand.port, g.want_x));
+                self.router_gemv_topk(&*g.hf, (moe, mc), (n, hd), &mut *g.logits, routing, port)?;
+                published = publish;
             }
             (false, false) => {
                 dev.gemm_f32(&*g.hf, &moe.router, g.logits, n, mc.num_experts, hd)?;
@@ -401,7 +406,7 @@ impl GpuModel {
             (true, true) => {}
             (true, false) => self.router_topk(moe, mc, n, g)?,
         }
-        if g.tail() != SegmentTail::Experts {
+        if publish && !published {
             let rows = g.want_x.then_some((&*g.hf, nx));
             dev.handoff_publish(&*g.eids, &*g.w, nk, rows, &g.hand.port)?;
         }
@@ -421,7 +426,9 @@ impl GpuModel {
     }
 
     /// The router's logits over `x` (`[n, hd]` f32) and their top-k into `routing` (ids, weights), one
-    /// launch ([`GpuModel::fused_router`]).
+    /// launch ([`GpuModel::fused_router`]); with `publish` (a port, and whether the rows go too) the
+    /// same launch publishes the routing and the rows `x` to the host.
+    #[allow(clippy::type_complexity)]
     fn router_gemv_topk(
         &self,
         x: &CudaSlice<f32>,
@@ -429,6 +436,7 @@ impl GpuModel {
         (n, hd): (usize, usize),
         logits: &mut CudaSlice<f32>,
         routing: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+        publish: Option<(&moe_kernels::cuda::ops::HandoffPort, bool)>,
     ) -> anyhow::Result<()> {
         let kind = super::kinds::router_kind(mc);
         let router = moe_kernels::cuda::ops::FusedRouter {
@@ -439,7 +447,7 @@ impl GpuModel {
             bias: moe.correction_bias.as_ref(),
         };
         self.dev
-            .router_gemv_topk(x, (n, hd), &router, logits, routing)?;
+            .router_gemv_topk(x, (n, hd), &router, logits, routing, publish)?;
         Ok(())
     }
 

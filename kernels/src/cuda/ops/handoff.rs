@@ -242,6 +242,39 @@ impl HandoffPort {
     }
 }
 
+/// Device addresses a kernel that publishes a layer's routing (and rows) in place of
+/// [`GpuDevice::handoff_publish`] writes: ids, weights, rows (0: none), the DOWN flag and the stamps.
+pub(crate) struct PublishTarget {
+    pub ids: u64,
+    pub w: u64,
+    pub x: u64,
+    pub flag: u64,
+    pub stamps: u64,
+}
+
+impl HandoffPort {
+    /// Where `nk` routes and, when `nx` is given, `nx` row elements are published (checked against
+    /// the port's buffers), with the DOWN flag: step 1 of the protocol done by another kernel.
+    pub(crate) fn publish_target(
+        &self,
+        op: &str,
+        nk: usize,
+        nx: Option<usize>,
+    ) -> Result<PublishTarget, GpuError> {
+        ensure(op, nk > 0, || "no routes to publish".into())?;
+        Ok(PublishTarget {
+            ids: self.ids.dev_at(op, "ids_h", 0, nk)?,
+            w: self.w.dev_at(op, "w_h", 0, nk)?,
+            x: match nx {
+                Some(nx) => self.x.dev_at(op, "x_h", 0, nx)?,
+                None => 0,
+            },
+            flag: self.flags.dev_at(op, "flags", DOWN, 1)?,
+            stamps: self.stamps.dev_at(op, "stamps", 0, 3)?,
+        })
+    }
+}
+
 /// GPU global-timer stamps (ns) of the hand-off kernels: when the wait saw the host's flag, when its
 /// add finished, and when the publish raised its flag.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,11 +1,12 @@
 //! The decode segment's fused ops (`segment.cu`): a layer's q/k/v (or any up to three bf16 matrices
 //! over one input) as one GEMV launch, q/k norm + RoPE with the K/V cache append as one launch, and the
-//! router's GEMV with its top-k as one launch. They cover the decode shapes (at most
+//! router's GEMV with its top-k (and the hand-off's publish) as one launch. They cover the decode shapes (at most
 //! [`SEGMENT_MAX_ROWS`] rows, inputs a multiple of 8); [`GpuDevice::gemv_bf16_takes`] and
 //! [`GpuDevice::router_fused_takes`] say whether a call fits, and the engine keeps the cuBLAS and
 //! separate-kernel path for everything else (prefill, quantized weights, 8-bit caches). Decode attention
 //! spread over warps is [`GpuDevice::paged_attention_warps`] (in `attention`).
 use super::moe::RouterKind;
+use super::handoff::HandoffPort;
 use super::norm::Rotation;
 use super::{ensure, grid, grid_dim, int, smem};
 use crate::cuda::dense::GEMV_MAX_TOKENS_PER_CALL;
@@ -184,7 +185,9 @@ impl GpuDevice {
     /// (`[rows, inp]`), then each row's top-k experts and weights into `ids` and `weights` (`[rows,
     /// k]`), in one launch: a warp per expert, and the last block to finish runs the top-k of
     /// [`GpuDevice::router_topk`] (same selection and weights, given the same logits). For
-    /// [`GpuDevice::router_fused_takes`] shapes.
+    /// [`GpuDevice::router_fused_takes`] shapes. With `publish` the same launch then does
+    /// [`GpuDevice::handoff_publish`]'s work on that port: the routing and, when its flag says so, the
+    /// input rows `x` into the port's host buffers, then DOWN raised.
     pub fn router_gemv_topk(
         &self,
         x: &impl DevicePtr<f32>,
@@ -192,6 +195,7 @@ impl GpuDevice {
         router: &FusedRouter<'_>,
         logits: &mut impl DevicePtrMut<f32>,
         (ids, weights): (&mut impl DevicePtrMut<i32>, &mut impl DevicePtrMut<f32>),
+        publish: Option<(&HandoffPort, bool)>,
     ) -> Result<(), GpuError> {
         const OP: &str = "router_gemv_topk";
         ensure(OP, Self::router_fused_takes(rows, inp), || {
@@ -208,6 +212,14 @@ impl GpuDevice {
         let ip = self.output(OP, "ids", ids, rows * k)?;
         let wtp = self.output(OP, "weights", weights, rows * k)?;
         let done = self.router_blocks_done.device_ptr(&self.stream).0;
+        let target = match publish {
+            Some((port, with_rows)) => {
+                Some(port.publish_target(OP, rows * k, with_rows.then_some(rows * inp))?)
+            }
+            None => None,
+        };
+        let [ih, wh, xh, flag, stamps] = target
+            .map_or([0; 5], |t| [t.ids, t.w, t.x, t.flag, t.stamps]);
         // the top-k's selection scores and weights, and the row of logits it reads back
         let shared = smem(OP, 3 * experts * 4)?;
         let blocks = experts.div_ceil(ROUTER_THREADS / 32);
@@ -215,13 +227,15 @@ impl GpuDevice {
         l.arg(&xp).arg(&n_i).arg(&in_i).arg(&wp).arg(&e_i).arg(&k_i);
         l.arg(&kind_i).arg(&renorm).arg(&bp).arg(&n_group);
         l.arg(&topk_group).arg(&scaling).arg(&lp).arg(&ip).arg(&wtp);
-        l.arg(&done);
+        l.arg(&done).arg(&ih).arg(&wh).arg(&xh).arg(&flag).arg(&stamps);
         // SAFETY: argument order and types as segment.cu's `router_gemv_topk`; the warp of expert e
         // reads W's row e (experts·inp checked) and x (rows·inp checked; 16-byte loads: inp % 4 == 0,
         // allocations 256-byte aligned) and writes logits[t, e]; the last block reads the logits back
         // and writes each row's k ids and weights (checked); the kind's groups fit the 64-bit mask and
         // divide the experts (`args`); the block counter is the device's own, 0 between launches, and
-        // launches on the engine stream never overlap.
+        // launches on the engine stream never overlap. Publishing, it writes rows·k routes and rows·inp
+        // row elements (16-byte stores) into the port's mapped buffers (checked by `publish_target`;
+        // DEVICEMAP allocations are page-aligned), its stamps and DOWN flag; null addresses otherwise.
         unsafe { l.launch(grid((blocks, 1, 1), ROUTER_THREADS, shared)) }?;
         Ok(())
     }
