@@ -11,8 +11,8 @@
 //!     gpu_segment_bench [--shape qwen3|smallthinker] [--ctx 64,512,2048] [--rows 1] [--iters 400]
 use half::bf16;
 use moe_kernels::cuda::ops::{
-    CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, PagedIndex, RotaryStyle, RouterKind,
-    Rotation,
+    CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, PagedIndex, RotaryStyle, Rotation,
+    RouterKind,
 };
 use moe_kernels::cuda::{GpuDevice, GpuError};
 use std::time::Instant;
@@ -352,7 +352,13 @@ fn weights(dev: &GpuDevice, s: Shape, seed: &mut u64) -> Result<Weights, Error> 
 
 /// Buffers for `rows` decode rows of one sequence each, at positions ctx.. (the caches hold `ctx`
 /// random positions before them), blocks scattered over the pool.
-fn buffers(dev: &GpuDevice, s: Shape, rows: usize, ctx: usize, seed: &mut u64) -> Result<Bufs, Error> {
+fn buffers(
+    dev: &GpuDevice,
+    s: Shape,
+    rows: usize,
+    ctx: usize,
+    seed: &mut u64,
+) -> Result<Bufs, Error> {
     let (hd, qo, kvo) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let st = &dev.stream;
     let per_seq = (ctx + 1).div_ceil(BLOCK);
@@ -427,7 +433,11 @@ fn compare(bench: &Bench, ctx: usize, seed: u64) -> Result<String, Error> {
 
 fn list(arg: &str) -> Result<Vec<usize>, Error> {
     arg.split(',')
-        .map(|v| v.trim().parse().map_err(|e| Error::from(format!("{v:?}: {e}"))))
+        .map(|v| {
+            v.trim()
+                .parse()
+                .map_err(|e| Error::from(format!("{v:?}: {e}")))
+        })
         .collect()
 }
 
@@ -435,7 +445,10 @@ fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let (mut shape, mut ctxs, mut rows, mut iters) = (QWEN3, vec![64, 512, 2048], vec![1], 400);
     while let Some(a) = args.next() {
-        let mut val = || args.next().ok_or_else(|| Error::from(format!("{a} needs a value")));
+        let mut val = || {
+            args.next()
+                .ok_or_else(|| Error::from(format!("{a} needs a value")))
+        };
         match a.as_str() {
             "--shape" => {
                 shape = match val()?.as_str() {
@@ -451,7 +464,12 @@ fn main() -> Result<(), Error> {
         }
     }
     let dev = GpuDevice::open(0)?;
-    println!("{} ({}), shape {}", dev.name, std::env::var("HOSTNAME").unwrap_or_default(), shape.name);
+    println!(
+        "{} ({}), shape {}",
+        dev.name,
+        std::env::var("HOSTNAME").unwrap_or_default(),
+        shape.name
+    );
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     for &n in &rows {
         let bench = Bench {
@@ -475,8 +493,14 @@ fn main() -> Result<(), Error> {
             }
             let whole_old = bench.time(&mut b, &OLD, 1, iters * 4)?;
             let whole_new = bench.time(&mut b, &NEW, 1, iters * 4)?;
-            println!("| old: sum of ops | {:.2} |\n| old: whole segment | {whole_old:.2} |", sums[0]);
-            println!("| new: sum of ops | {:.2} |\n| new: whole segment | {whole_new:.2} |", sums[1]);
+            println!(
+                "| old: sum of ops | {:.2} |\n| old: whole segment | {whole_old:.2} |",
+                sums[0]
+            );
+            println!(
+                "| new: sum of ops | {:.2} |\n| new: whole segment | {whole_new:.2} |",
+                sums[1]
+            );
             println!("SEGMENT rows={n} ctx={ctx} old={whole_old:.1}us new={whole_new:.1}us (sum of ops old {:.1} new {:.1})", sums[0], sums[1]);
             println!("{}", compare(&bench, ctx, 42 + ctx as u64)?);
         }

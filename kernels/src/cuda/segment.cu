@@ -11,6 +11,7 @@
 // warp per row; each lane takes 8 consecutive inputs (one 16-byte load) per step, so a warp reads 512
 // contiguous bytes and each lane keeps up to four loads in flight. in % 8 == 0, 16-byte aligned rows.
 // grid: ceil((out0 + out1 + out2) / (blockDim.x / 32)); block: a multiple of 32.
+#define GEMV_LOADS 8
 extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, const bf16* w0, float* y0,
                                      int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
                                      int out2) {
@@ -32,17 +33,28 @@ extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulat
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
     const uint4* wr = (const uint4*)(w + (size_t)r * in);
-#pragma unroll 4
-    for (int c = lane * 8; c < in; c += WARP * 8) {
-        uint4 q = wr[c / 8];
-        unsigned int words[4] = {q.x, q.y, q.z, q.w};
-        float wv[8];
+    // the row in chunks of GEMV_LOADS 16-byte loads per lane, all issued before any is used (a
+    // row of 4096 inputs is two chunks): the kernel is bound by how many loads are in flight
+    for (int c0 = lane * 8; c0 < in; c0 += GEMV_LOADS * WARP * 8) {
+        uint4 q[GEMV_LOADS];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            wv[2 * i] = __uint_as_float(words[i] << 16);
-            wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+        for (int j = 0; j < GEMV_LOADS; ++j) {
+            int c = c0 + j * WARP * 8;
+            if (c < in) q[j] = wr[c / 8];
         }
-        dot8(x, in, n, c, wv, acc);
+#pragma unroll
+        for (int j = 0; j < GEMV_LOADS; ++j) {
+            int c = c0 + j * WARP * 8;
+            if (c >= in) break;
+            unsigned int words[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+            float wv[8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                wv[2 * i] = __uint_as_float(words[i] << 16);
+                wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+            }
+            dot8(x, in, n, c, wv, acc);
+        }
     }
     gemv_store(acc, n, out, r, accumulate, y);
 }
@@ -194,6 +206,75 @@ extern "C" __global__ void paged_attention_warps_q8(const float* q, const unsign
                                row0, out);
 }
 
+// router_topk_row's selection and weights for routers without expert groups (softmax, or sigmoid
+// with n_group <= 1), at most 32 * TOPK_WARP_PER_LANE experts and k <= 32, by one warp: lane i holds experts
+// i, i + 32, ..., and each of the k rounds is a warp argmax (ties to the lower index, as
+// block_argmax), with no block barrier. The logits are read through L2 (other blocks wrote them).
+#define TOPK_WARP_PER_LANE 8
+__device__ void router_topk_warp(const float* l, int experts, int k, int kind, int renorm, const float* bias,
+                                 float scaling, int* ids, float* weights) {
+    int lane = threadIdx.x % WARP;
+    float sel[TOPK_WARP_PER_LANE], val[TOPK_WARP_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < TOPK_WARP_PER_LANE; ++j) {
+        int e = lane + j * WARP;
+        sel[j] = e < experts ? __ldcg(l + e) : -INFINITY;
+        mx = fmaxf(mx, sel[j]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+    if (kind == 0) {
+#pragma unroll
+        for (int j = 0; j < TOPK_WARP_PER_LANE; ++j)
+            if (lane + j * WARP < experts) sum += __expf(sel[j] - mx);
+        sum = warp_sum(sum);
+    }
+#pragma unroll
+    for (int j = 0; j < TOPK_WARP_PER_LANE; ++j) {
+        int e = lane + j * WARP;
+        if (e >= experts) {
+            val[j] = 0.f;
+        } else if (kind == 0) {
+            val[j] = __expf(sel[j] - mx) / sum;
+        } else {
+            float sg = 1.f / (1.f + __expf(-sel[j]));
+            val[j] = sg;
+            sel[j] = sg + (bias ? bias[e] : 0.f);
+        }
+    }
+    float wsum = 0.f, mine = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float v = -INFINITY;
+        int bi = -1;
+#pragma unroll
+        for (int j = 0; j < TOPK_WARP_PER_LANE; ++j)
+            if (sel[j] > v || (bi < 0 && sel[j] == v && lane + j * WARP < experts)) {
+                v = sel[j];
+                bi = lane + j * WARP;
+            }
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            float v2 = __shfl_xor_sync(0xffffffff, v, o);
+            int i2 = __shfl_xor_sync(0xffffffff, bi, o);
+            if (v2 > v || (v2 == v && i2 >= 0 && (bi < 0 || i2 < bi))) { v = v2; bi = i2; }
+        }
+        // the owner of the winner takes it out and hands its weight to every lane
+        float w = 0.f;
+#pragma unroll
+        for (int j = 0; j < TOPK_WARP_PER_LANE; ++j)
+            if (lane + j * WARP == bi) { w = val[j]; sel[j] = -INFINITY; }
+        w = __shfl_sync(0xffffffff, w, bi % WARP);
+        wsum += w;
+        if (lane == r) { mine = w; ids[r] = bi; }
+    }
+    // lane r < k renormalises and scales its choice (k <= 32 on this path)
+    if (lane < k) {
+        float w = mine;
+        if (renorm) w = kind == 0 ? w / wsum : w / (wsum + 1e-20f);
+        weights[lane] = kind == 1 ? w * scaling : w;
+    }
+}
+
 // The router of up to GEMV_MAX_TOKENS rows and its top-k in one launch: logits[t, e] = x[t] . W[e]
 // (f32 x [n, in], f32 W [experts, in]; one warp per expert, 16-byte loads, in % 4 == 0), then the
 // last block to finish (blocks_done: device memory, 0 between launches) runs router_topk_row over
@@ -214,14 +295,21 @@ extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const
 #pragma unroll
         for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
         const float4* wr = (const float4*)(w + (size_t)e * in);
-#pragma unroll 4
-        for (int c = lane; c < in / 4; c += WARP) {
-            float4 wv = wr[c];
+        for (int c0 = lane; c0 < in / 4; c0 += GEMV_LOADS * WARP) {
+            float4 wv[GEMV_LOADS];
 #pragma unroll
-            for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
-                if (t < n) {
-                    float4 xv = ((const float4*)(x + (size_t)t * in))[c];
-                    acc[t] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
+            for (int j = 0; j < GEMV_LOADS; ++j)
+                if (c0 + j * WARP < in / 4) wv[j] = wr[c0 + j * WARP];
+#pragma unroll
+            for (int j = 0; j < GEMV_LOADS; ++j) {
+                int c = c0 + j * WARP;
+                if (c >= in / 4) break;
+#pragma unroll
+                for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
+                    if (t < n) {
+                        float4 xv = ((const float4*)(x + (size_t)t * in))[c];
+                        acc[t] += wv[j].x * xv.x + wv[j].y * xv.y + wv[j].z * xv.z + wv[j].w * xv.w;
+                    }
                 }
             }
         }
@@ -239,13 +327,23 @@ extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const
     if (threadIdx.x == 0) last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
-    float* row = sm + 2 * experts;
-    for (int t = 0; t < n; ++t) {
-        for (int i = threadIdx.x; i < experts; i += blockDim.x) row[i] = __ldcg(logits + (size_t)t * experts + i);
+    if (n_group <= 1 && experts <= WARP * TOPK_WARP_PER_LANE && k <= WARP) {
+        // a warp per row (no block barrier in its k rounds)
+        int warps = blockDim.x / WARP;
+        for (int t = threadIdx.x / WARP; t < n; t += warps)
+            router_topk_warp(logits + (size_t)t * experts, experts, k, kind, renorm, bias, scaling,
+                             ids + (size_t)t * k, weights + (size_t)t * k);
         __syncthreads();
-        router_topk_row(row, experts, k, kind, renorm, bias, n_group, topk_group, scaling, ids + (size_t)t * k,
-                        weights + (size_t)t * k, sm);
-        __syncthreads();
+    } else {
+        float* row = sm + 2 * experts;
+        for (int t = 0; t < n; ++t) {
+            for (int i = threadIdx.x; i < experts; i += blockDim.x)
+                row[i] = __ldcg(logits + (size_t)t * experts + i);
+            __syncthreads();
+            router_topk_row(row, experts, k, kind, renorm, bias, n_group, topk_group, scaling,
+                            ids + (size_t)t * k, weights + (size_t)t * k, sm);
+            __syncthreads();
+        }
     }
     if (threadIdx.x == 0) *blocks_done = 0;
     if (!ids_h) return;

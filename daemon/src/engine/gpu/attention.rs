@@ -11,6 +11,7 @@ use half::bf16;
 use moe_kernels::cuda::ops::segment::GEMV_MATS;
 use moe_kernels::cuda::ops::{
     CacheAppend, FlashBlock, FlashShape, GemvMat, MlaDims, PagedIndex, QueryRows, Rotation,
+    GEMV_FAVOURED_ROWS,
 };
 use moe_kernels::cuda::GpuDevice;
 use std::sync::OnceLock;
@@ -161,11 +162,24 @@ impl GpuModel {
         // The fused decode segment (`MOE_GPU_SEGMENT`, `switches`): q/k/v as one GEMV launch and
         // norm + RoPE + append as one, where the shapes and the cache's rows allow.
         let fused = self.switches.fused_segment();
-        self.linears(hb, n, &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)], fused)?;
+        self.linears(
+            hb,
+            n,
+            &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)],
+            fused,
+        )?;
         let layout = cfg.layer_attention[li];
         let norms = (q_norm.as_ref(), k_norm.as_ref());
         let appended = fused
-            && self.norm_rope_append(host, step, pool, li, (&mut *q, &mut *k, &*v), norms, layout.rope)?;
+            && self.norm_rope_append(
+                host,
+                step,
+                pool,
+                li,
+                (&mut *q, &mut *k, &*v),
+                norms,
+                layout.rope,
+            )?;
         if !appended {
             self.norm_rope(host, q, step, nh, dh, q_norm.as_ref(), 0, layout.rope)?;
             self.norm_rope(host, k, step, nkv, dh, k_norm.as_ref(), 0, layout.rope)?;
@@ -205,7 +219,8 @@ impl GpuModel {
                 y: &mut *x,
                 out: o.out_dim,
             }];
-            self.dev.gemv_bf16(out, (n, o.in_dim), &mut mats, accumulate)?;
+            self.dev
+                .gemv_bf16(out, (n, o.in_dim), &mut mats, accumulate)?;
             if let Some(b) = &o.bias {
                 self.dev.add_bias(x, b, (n, o.out_dim))?;
             }
@@ -214,9 +229,12 @@ impl GpuModel {
         self.linear(o, out, x, n, accumulate)
     }
 
-    /// Whether the fused segment's bf16 GEMV takes `l` over `n` rows (bf16 weights, decode rows).
+    /// Whether the fused segment multiplies `l` over `n` rows with its bf16 GEMV (bf16 weights, at
+    /// most `GEMV_FAVOURED_ROWS` rows: cuBLAS is faster above).
     fn gemv_takes(&self, l: &GpuLinear, n: usize) -> bool {
-        l.w.as_bf16().is_some() && GpuDevice::gemv_bf16_takes(n, l.in_dim)
+        l.w.as_bf16().is_some()
+            && n <= GEMV_FAVOURED_ROWS
+            && GpuDevice::gemv_bf16_takes(n, l.in_dim)
     }
 
     /// `y_i = x · W_iᵀ (+ bias_i)` for projections over the same input `x` (`n` rows): one GEMV launch
@@ -231,7 +249,9 @@ impl GpuModel {
     ) -> anyhow::Result<()> {
         let one_launch = fused
             && projs.len() <= GEMV_MATS
-            && projs.iter().all(|(l, _)| self.gemv_takes(l, n) && l.in_dim == projs[0].0.in_dim);
+            && projs
+                .iter()
+                .all(|(l, _)| self.gemv_takes(l, n) && l.in_dim == projs[0].0.in_dim);
         if !one_launch {
             for (l, y) in projs.iter_mut() {
                 self.linear(l, x, y, n, false)?;
@@ -244,12 +264,11 @@ impl GpuModel {
             let w = l.w.as_bf16().context("checked bf16")?;
             mats.push(GemvMat {
                 w,
-                y: &mut **y,
+                y,
                 out: l.out_dim,
             });
         }
         self.dev.gemv_bf16(x, (n, inp), &mut mats, false)?;
-        drop(mats);
         for (l, y) in projs.iter_mut() {
             if let Some(b) = &l.bias {
                 self.dev.add_bias(&mut **y, b, (n, l.out_dim))?;

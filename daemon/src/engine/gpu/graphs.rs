@@ -293,7 +293,10 @@ mod tests {
         set.select_kernels(true); // already the fused kernels: nothing moves
         assert!(set.ready_rows.contains(&1));
         set.select_kernels(false);
-        assert!(set.ready_rows.is_empty(), "the old kernels start without graphs");
+        assert!(
+            set.ready_rows.is_empty(),
+            "the old kernels start without graphs"
+        );
         set.ready_rows.insert(8);
         set.select_kernels(true);
         assert!(set.ready_rows.contains(&1) && !set.ready_rows.contains(&8));

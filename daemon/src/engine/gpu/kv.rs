@@ -231,7 +231,10 @@ impl GpuKvPool {
 
     /// Layer `li`'s bf16 K and V rows, writable (the fused decode segment appends to them in its norm
     /// + RoPE launch); `None` for 8-bit rows, which keep their own append.
-    pub fn bf16_rows_mut(&mut self, li: usize) -> Option<(&mut CudaSlice<bf16>, &mut CudaSlice<bf16>)> {
+    pub fn bf16_rows_mut(
+        &mut self,
+        li: usize,
+    ) -> Option<(&mut CudaSlice<bf16>, &mut CudaSlice<bf16>)> {
         let s = self.slot(li);
         match (&mut self.k[s], &mut self.v[s]) {
             (KvRows::Bf16(k), KvRows::Bf16(v)) => Some((k, v)),

@@ -5,8 +5,8 @@
 //! [`GpuDevice::router_fused_takes`] say whether a call fits, and the engine keeps the cuBLAS and
 //! separate-kernel path for everything else (prefill, quantized weights, 8-bit caches). Decode attention
 //! spread over warps is [`GpuDevice::paged_attention_warps`] (in `attention`).
-use super::moe::RouterKind;
 use super::handoff::HandoffPort;
+use super::moe::RouterKind;
 use super::norm::Rotation;
 use super::{ensure, grid, grid_dim, int, smem};
 use crate::cuda::dense::GEMV_MAX_TOKENS_PER_CALL;
@@ -16,6 +16,11 @@ use half::bf16;
 
 /// Rows one fused segment launch takes (the GEMV kernels' register accumulators).
 pub const SEGMENT_MAX_ROWS: usize = GEMV_MAX_TOKENS_PER_CALL;
+/// Rows up to which the engine multiplies its bf16 projections with [`GpuDevice::gemv_bf16`] rather
+/// than cuBLAS: measured on the H200 at the Qwen3-30B-A3B shape (docs/PERF.md, "The decode segment
+/// halved"), the GEMV's q/k/v launch beats cuBLAS's three calls at 1 row and loses at 8, where each
+/// weight load feeds 8 rows of dot products and the kernel is bound by its instructions.
+pub const GEMV_FAVOURED_ROWS: usize = 4;
 /// Matrices one `gemv_bf16` launch multiplies.
 pub const GEMV_MATS: usize = 3;
 /// Output rows per `gemv_bf16` block (a warp each).
@@ -74,7 +79,9 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         const OP: &str = "gemv_bf16";
         ensure(OP, Self::gemv_bf16_takes(rows, inp), || {
-            format!("{rows} rows of {inp} inputs (1..={SEGMENT_MAX_ROWS} rows, inputs a multiple of 8)")
+            format!(
+                "{rows} rows of {inp} inputs (1..={SEGMENT_MAX_ROWS} rows, inputs a multiple of 8)"
+            )
         })?;
         ensure(OP, (1..=GEMV_MATS).contains(&mats.len()), || {
             format!("{} matrices (1..={GEMV_MATS})", mats.len())
@@ -167,7 +174,12 @@ impl GpuDevice {
         let vc = self.output(OP, "v_cache", cache.v_cache, width)?;
         let sl = self.input(OP, "slot_of_row", cache.slot_of_row, rows)?;
         let mut l = self.stream.launch_builder(&self.k.qk_norm_rope_append);
-        l.arg(&qp).arg(&kp).arg(&vp).arg(&h_i).arg(&kvh_i).arg(&dh_i);
+        l.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&h_i)
+            .arg(&kvh_i)
+            .arg(&dh_i);
         l.arg(&qn).arg(&kn).arg(&eps);
         l.arg(&pos).arg(&freq).arg(&factor).arg(&rd).arg(&style);
         l.arg(&kc).arg(&vc).arg(&sl);
@@ -199,7 +211,9 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         const OP: &str = "router_gemv_topk";
         ensure(OP, Self::router_fused_takes(rows, inp), || {
-            format!("{rows} rows of {inp} inputs (1..={SEGMENT_MAX_ROWS} rows, inputs a multiple of 4)")
+            format!(
+                "{rows} rows of {inp} inputs (1..={SEGMENT_MAX_ROWS} rows, inputs a multiple of 4)"
+            )
         })?;
         let (experts, k) = (router.experts, router.k);
         let (kind_i, renorm, n_group, topk_group, scaling) = router.kind.args(OP, experts, k)?;
@@ -218,8 +232,8 @@ impl GpuDevice {
             }
             None => None,
         };
-        let [ih, wh, xh, flag, stamps] = target
-            .map_or([0; 5], |t| [t.ids, t.w, t.x, t.flag, t.stamps]);
+        let [ih, wh, xh, flag, stamps] =
+            target.map_or([0; 5], |t| [t.ids, t.w, t.x, t.flag, t.stamps]);
         // the top-k's selection scores and weights, and the row of logits it reads back
         let shared = smem(OP, 3 * experts * 4)?;
         let blocks = experts.div_ceil(ROUTER_THREADS / 32);
@@ -227,7 +241,12 @@ impl GpuDevice {
         l.arg(&xp).arg(&n_i).arg(&in_i).arg(&wp).arg(&e_i).arg(&k_i);
         l.arg(&kind_i).arg(&renorm).arg(&bp).arg(&n_group);
         l.arg(&topk_group).arg(&scaling).arg(&lp).arg(&ip).arg(&wtp);
-        l.arg(&done).arg(&ih).arg(&wh).arg(&xh).arg(&flag).arg(&stamps);
+        l.arg(&done)
+            .arg(&ih)
+            .arg(&wh)
+            .arg(&xh)
+            .arg(&flag)
+            .arg(&stamps);
         // SAFETY: argument order and types as segment.cu's `router_gemv_topk`; the warp of expert e
         // reads W's row e (experts·inp checked) and x (rows·inp checked; 16-byte loads: inp % 4 == 0,
         // allocations 256-byte aligned) and writes logits[t, e]; the last block reads the logits back
