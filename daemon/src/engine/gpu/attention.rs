@@ -11,7 +11,7 @@ use half::bf16;
 use moe_kernels::cuda::ops::segment::GEMV_MATS;
 use moe_kernels::cuda::ops::{
     CacheAppend, FlashBlock, FlashShape, GemvMat, MlaDims, PagedIndex, QueryRows, Rotation,
-    GEMV_FAVOURED_ROWS,
+    FUSED_SEGMENT_ROWS,
 };
 use moe_kernels::cuda::GpuDevice;
 use std::sync::OnceLock;
@@ -213,27 +213,15 @@ impl GpuModel {
             paged(r, out)?;
         }
         let accumulate = self.tp_attention_accumulates();
-        if fused && self.gemv_takes(o, n) {
-            let mut mats = [GemvMat {
-                w: o.w.as_bf16().context("checked bf16")?,
-                y: &mut *x,
-                out: o.out_dim,
-            }];
-            self.dev
-                .gemv_bf16(out, (n, o.in_dim), &mut mats, accumulate)?;
-            if let Some(b) = &o.bias {
-                self.dev.add_bias(x, b, (n, o.out_dim))?;
-            }
-            return Ok(());
-        }
         self.linear(o, out, x, n, accumulate)
     }
 
     /// Whether the fused segment multiplies `l` over `n` rows with its bf16 GEMV (bf16 weights, at
-    /// most `GEMV_FAVOURED_ROWS` rows: cuBLAS is faster above).
+    /// most `FUSED_SEGMENT_ROWS` rows: cuBLAS is faster above; the o projection stays on cuBLAS, which
+    /// is faster at every row count).
     fn gemv_takes(&self, l: &GpuLinear, n: usize) -> bool {
         l.w.as_bf16().is_some()
-            && n <= GEMV_FAVOURED_ROWS
+            && n <= FUSED_SEGMENT_ROWS
             && GpuDevice::gemv_bf16_takes(n, l.in_dim)
     }
 

@@ -420,9 +420,11 @@ impl GpuModel {
     }
 
     /// Whether the router of an `n`-row step over `hd` inputs runs as one launch with its top-k (the
-    /// fused segment, decode rows).
+    /// fused segment, at most `FUSED_SEGMENT_ROWS` rows).
     fn fused_router(&self, n: usize, hd: usize) -> bool {
-        self.switches.fused_segment() && moe_kernels::cuda::GpuDevice::router_fused_takes(n, hd)
+        self.switches.fused_segment()
+            && n <= moe_kernels::cuda::ops::FUSED_SEGMENT_ROWS
+            && moe_kernels::cuda::GpuDevice::router_fused_takes(n, hd)
     }
 
     /// The router's logits over `x` (`[n, hd]` f32) and their top-k into `routing` (ids, weights), one

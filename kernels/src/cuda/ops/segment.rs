@@ -16,11 +16,12 @@ use half::bf16;
 
 /// Rows one fused segment launch takes (the GEMV kernels' register accumulators).
 pub const SEGMENT_MAX_ROWS: usize = GEMV_MAX_TOKENS_PER_CALL;
-/// Rows up to which the engine multiplies its bf16 projections with [`GpuDevice::gemv_bf16`] rather
-/// than cuBLAS: measured on the H200 at the Qwen3-30B-A3B shape (docs/PERF.md, "The decode segment
-/// halved"), the GEMV's q/k/v launch beats cuBLAS's three calls at 1 row and loses at 8, where each
-/// weight load feeds 8 rows of dot products and the kernel is bound by its instructions.
-pub const GEMV_FAVOURED_ROWS: usize = 4;
+/// Rows up to which the engine takes the fused q/k/v GEMV and the fused router rather than cuBLAS
+/// and the separate kernels: measured on the H200 at the Qwen3-30B-A3B shape (docs/PERF.md, "The
+/// decode segment: fused kernels"), the q/k/v launch beats cuBLAS's three calls at 1 and 2 rows and
+/// loses from 4 (each weight load then feeds 4+ rows of dot products and the kernel is bound by its
+/// instructions), the router launch likewise; the o projection is faster on cuBLAS at every row count.
+pub const FUSED_SEGMENT_ROWS: usize = 2;
 /// Matrices one `gemv_bf16` launch multiplies.
 pub const GEMV_MATS: usize = 3;
 /// Output rows per `gemv_bf16` block (a warp each).
