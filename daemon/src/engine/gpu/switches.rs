@@ -324,6 +324,9 @@ mod tests {
         assert_eq!(parse("fused"), Ok(Some(true)));
         assert_eq!(parse(" old "), Ok(Some(false)));
         let e = parse("new").unwrap_err().to_string();
-        assert!(e.contains("MOE_GPU_SEGMENT") && e.contains("fused or old"), "{e}");
+        assert!(
+            e.contains("MOE_GPU_SEGMENT") && e.contains("fused or old"),
+            "{e}"
+        );
     }
 }
