@@ -67,8 +67,9 @@ pub struct CpuMoeArgs {
     /// Size of the DRAM bandwidth probe buffer.
     #[arg(long, default_value_t = 4096)]
     pub probe_mib: usize,
-    /// Decode paths timed one after the other for each token count (`split`, `fused`; repeats
-    /// alternate them); default `MOE_CPU_DECODE`, else fused. Calls above 8 tokens always split.
+    /// Decode paths timed one after the other for each token count (`split`, `fused`, `chained`,
+    /// `streams`, options as `DecodePath` parses them; repeats
+    /// alternate them); default `MOE_CPU_DECODE`, else chained. Calls above 8 tokens always split.
     #[arg(long, value_delimiter = ',')]
     pub decode_paths: Vec<DecodePath>,
 }

@@ -432,7 +432,7 @@ mod tests {
             layers: 2,
             iters: 2,
             probe_mib: 1,
-            paths: vec![DecodePath::Split, DecodePath::Fused],
+            paths: vec![DecodePath::SPLIT, DecodePath::FUSED],
             ..Default::default()
         };
         let r = run_cpu_moe_bench(&a).unwrap();

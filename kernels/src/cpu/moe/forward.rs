@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 
 use super::act::{gated_row, ActBuf, ActKind};
-use super::fused::{DecodePath, FusedState, FUSED_MAX_TOKENS};
+use super::fused::{FusedState, FUSED_MAX_TOKENS};
 use super::gemm::{act_kind, amx_supports, gemm};
 use super::{CpuExpertSet, MoeError};
 use crate::cpu::features::CpuTier;
@@ -217,7 +217,7 @@ impl CpuExpertSet {
         };
         self.convert(s, &c, prows);
         clock.lap(|t| &mut t.convert_s);
-        if self.decode_path == DecodePath::Fused && !c.any_amx && t <= FUSED_MAX_TOKENS {
+        if self.decode_path.is_fused() && !c.any_amx && t <= FUSED_MAX_TOKENS {
             self.fused_region(s, &c, rows, out);
             clock.lap(|t| &mut t.fused_s);
             if c.groups > 1 {

@@ -21,9 +21,22 @@
 //! - the experts whose gate/up finish last get a down part of their own, handed out last: the first
 //!   down items never wait for them, and the region ends on small items (one expert, one chunk).
 //!
+//! Two plans build on this (`DecodePlan`, picked per set; A/B in one process with `cpu_moe_bench
+//! --paths`):
+//! - `chained`: a thread claims its next item from the counter just before its current item's last
+//!   stream, and every kernel call is told where its weights end and which stream the thread reads
+//!   next: the in-loop prefetch runs from one stream into the next without a gap, and never past a
+//!   call's end into weights another item reads (the `fused` plan prefetched 4 KiB past every
+//!   stream: a sixth more lines than a 24 KiB down stream needs, pulled in by the wrong core). Its
+//!   kernels prefetch 8 KiB ahead into L2 unless told otherwise (the best setting timed, PERF.md
+//!   "Decode sizes, part 2"). The default plan.
+//! - `streams`: `chained` with down items of fewer, longer streams, as llama.cpp's `mul_mat_id`
+//!   (contiguous rows of one expert per chunk): a few experts × [`STREAM_BYTES`] of each, their sums
+//!   per N-tile added in part order.
+//!
 //! Results: each part sums its experts in order and the parts are added to the output in order, so
 //! calls are deterministic; against the split path (one sum over all experts) only the f32
-//! summation order differs (bit for bit when a chunk has one part).
+//! summation order differs (bit for bit when an N-tile has one part).
 
 use std::cell::RefCell;
 use std::str::FromStr;
@@ -32,31 +45,106 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use super::act::{gated_row, ActBuf, ActKind, ActWriter};
 use super::forward::{Active, Call, Scratch, SyncPtr};
 use super::gemm::gemm;
-use super::kern_avx512::{prefetch_distance, prefetch_head};
+use super::kern_avx512::{
+    decode_prefetch, default_prefetch, prefetch_distance, prefetch_head, set_next_stream,
+    StreamPrefetch, ThreadPrefetch,
+};
 use super::CpuExpertSet;
 use crate::knob::Knob;
 
-/// Which code runs calls of at most [`FUSED_MAX_TOKENS`] tokens in which no expert uses AMX tiles.
+/// How calls of at most [`FUSED_MAX_TOKENS`] tokens in which no expert uses AMX tiles run: the plan,
+/// and for the fused plans optionally the kernels' prefetch (else `decode_prefetch()` on the chained
+/// plans, `default_prefetch()` on `fused`) and item sizes (else the set's, `MOE_CPU_DECODE_ITEM_KIB`).
+/// Written and parsed as
+/// `PLAN[:pfBYTES][:t0|t1|nta][:guKIB][:dnKIB][:stKIB]`, e.g. `streams`, `chained:pf8192:t1`,
+/// `streams:dn384:st192` (gate/up and down bytes per item, the streams plan's bytes per expert).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodePath {
+pub struct DecodePath {
+    pub plan: DecodePlan,
+    /// The fused plans' kernel prefetch, set on every thread of their region.
+    pub prefetch: Option<StreamPrefetch>,
+    pub items: ItemKib,
+}
+
+/// Item sizes of a fused plan in KiB, each overriding the default where given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ItemKib {
+    /// Gate plus up per gate/up item.
+    pub gate_up: Option<usize>,
+    /// Down per down item.
+    pub down: Option<usize>,
+    /// One expert's run of down N-tiles in a streams-plan down item.
+    pub stream: Option<usize>,
+}
+
+/// The decode plans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodePlan {
     /// Gate/up, down activations and down as separate regions with barriers between them.
     Split,
-    /// One region with per-expert readiness instead of barriers (this module).
+    /// One region with per-expert readiness instead of barriers (this module); down items span every
+    /// expert of a chunk of N-tiles; stream heads warmed ahead.
     Fused,
+    /// `Fused`, and each thread claims its next item before its current one's last stream, so the
+    /// kernels' prefetch runs from one stream into the next without a gap and never past a stream's
+    /// end into weights another item reads; by default 8 KiB ahead into L2. The default plan.
+    Chained,
+    /// `Chained` with down items of fewer, longer streams: a few experts × several N-tiles each
+    /// (96 KiB per expert at the decode shapes), summed per N-tile in part order.
+    Streams,
 }
 
 impl DecodePath {
-    /// `MOE_CPU_DECODE=split|fused` (read once per process), else `Fused`.
+    pub const SPLIT: DecodePath = DecodePath::plan(DecodePlan::Split);
+    pub const FUSED: DecodePath = DecodePath::plan(DecodePlan::Fused);
+    pub const CHAINED: DecodePath = DecodePath::plan(DecodePlan::Chained);
+    pub const STREAMS: DecodePath = DecodePath::plan(DecodePlan::Streams);
+
+    const fn plan(plan: DecodePlan) -> DecodePath {
+        DecodePath {
+            plan,
+            prefetch: None,
+            items: ItemKib {
+                gate_up: None,
+                down: None,
+                stream: None,
+            },
+        }
+    }
+
+    /// `MOE_CPU_DECODE` (read once per process, see the type), else [`DecodePath::CHAINED`].
     pub fn from_env() -> DecodePath {
         static P: std::sync::OnceLock<DecodePath> = std::sync::OnceLock::new();
-        *P.get_or_init(|| DECODE_PATH_KNOB.read_or(DecodePath::Fused))
+        *P.get_or_init(|| DECODE_PATH_KNOB.read_or(DecodePath::CHAINED))
+    }
+
+    /// The kernels' prefetch on this path's region: its own, else the chained plans'
+    /// [`decode_prefetch`] or the others' [`default_prefetch`].
+    fn kernel_prefetch(self) -> StreamPrefetch {
+        self.prefetch.unwrap_or_else(|| {
+            if self.chained() {
+                decode_prefetch()
+            } else {
+                default_prefetch()
+            }
+        })
+    }
+
+    /// Whether decode-sized calls take the one-region path of this module.
+    pub fn is_fused(self) -> bool {
+        self.plan != DecodePlan::Split
+    }
+
+    /// Whether threads claim their next item ahead and chain the kernels' prefetch through it.
+    fn chained(self) -> bool {
+        matches!(self.plan, DecodePlan::Chained | DecodePlan::Streams)
     }
 }
 
 /// `MOE_CPU_DECODE`: the decode path ([`DecodePath::from_env`]).
 pub(super) const DECODE_PATH_KNOB: Knob<DecodePath> = Knob {
     name: "MOE_CPU_DECODE",
-    takes: "split or fused",
+    takes: "split, fused, chained or streams, options :pfBYTES :t0/t1/nta :guKIB :dnKIB :stKIB",
     parse: |v| DecodePath::from_str(v).ok(),
 };
 
@@ -70,22 +158,76 @@ pub(super) const ITEM_KIB_KNOB: Knob<Targets> = Knob {
 impl FromStr for DecodePath {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "split" => Ok(DecodePath::Split),
-            "fused" => Ok(DecodePath::Fused),
-            _ => Err(format!(
-                "unknown decode path {s:?} (expected split or fused)"
-            )),
+        let mut parts = s.split(':');
+        let plan = match parts.next().unwrap_or_default() {
+            "split" => DecodePlan::Split,
+            "fused" => DecodePlan::Fused,
+            "chained" => DecodePlan::Chained,
+            "streams" => DecodePlan::Streams,
+            p => {
+                return Err(format!(
+                    "unknown decode path {p:?} (expected split, fused, chained or streams)"
+                ))
+            }
+        };
+        let mut path = DecodePath::plan(plan);
+        // a size in KiB that is at least 1 and fits usize in bytes
+        let kib = |v: &str| {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&k| k > 0 && k.checked_mul(1024).is_some())
+                .ok_or_else(|| format!("{s:?}: {v:?} is not a size in KiB"))
+        };
+        for opt in parts {
+            let mut pf = path.kernel_prefetch();
+            if let Some(bytes) = opt.strip_prefix("pf") {
+                pf.distance = bytes.parse().map_err(|_| {
+                    format!("{s:?}: prefetch distance {bytes:?} is not a byte count")
+                })?;
+                path.prefetch = Some(pf);
+            } else if let Some(v) = opt.strip_prefix("gu") {
+                path.items.gate_up = Some(kib(v)?);
+            } else if let Some(v) = opt.strip_prefix("dn") {
+                path.items.down = Some(kib(v)?);
+            } else if let Some(v) = opt.strip_prefix("st") {
+                path.items.stream = Some(kib(v)?);
+            } else {
+                pf.hint = opt.parse().map_err(|e| format!("{s:?}: {e}"))?;
+                path.prefetch = Some(pf);
+            }
         }
+        if plan == DecodePlan::Split
+            && (path.prefetch.is_some() || path.items != ItemKib::default())
+        {
+            return Err(format!(
+                "{s:?}: the split path takes MOE_CPU_PREFETCH* and no item sizes of its own"
+            ));
+        }
+        Ok(path)
     }
 }
 
 impl std::fmt::Display for DecodePath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DecodePath::Split => "split",
-            DecodePath::Fused => "fused",
-        })
+        f.write_str(match self.plan {
+            DecodePlan::Split => "split",
+            DecodePlan::Fused => "fused",
+            DecodePlan::Chained => "chained",
+            DecodePlan::Streams => "streams",
+        })?;
+        if let Some(p) = self.prefetch {
+            write!(f, ":pf{}:{}", p.distance, p.hint)?;
+        }
+        for (name, v) in [
+            ("gu", self.items.gate_up),
+            ("dn", self.items.down),
+            ("st", self.items.stream),
+        ] {
+            if let Some(k) = v {
+                write!(f, ":{name}{k}")?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -137,21 +279,34 @@ impl Targets {
 /// speed.
 const MIN_ITEMS_PER_THREAD: usize = 4;
 
+/// Bytes of one expert's down weights a [`DecodePlan::Streams`] down item reads in one run (4 bf16
+/// N-tiles at an intermediate width of 768): long enough that a stream's start is rare, short enough
+/// for several items per thread.
+pub(super) const STREAM_BYTES: usize = 96 << 10;
+
 /// One work item of the fused region (indices are `u32` to keep the plan small).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Item {
     /// Gate and up of N-tiles `nt0 .. nt0 + nts` of active expert `ai` (index into `active`).
     GateUp { ai: u32, nt0: u32, nts: u32 },
     /// Down output tiles `nt0 .. nt0 + nts` over the group's experts `e0 .. e1` (indices into the
-    /// group's list of active experts), summed into part `part` of chunk `chunk`.
+    /// group's list of active experts), summed into part `part` of those tiles.
     Down {
-        chunk: u32,
         part: u32,
         nt0: u32,
         nts: u32,
         e0: u32,
         e1: u32,
     },
+}
+
+/// How a group's down work is cut into items.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DownItems {
+    /// Chunks of N-tiles over every expert (parts of experts when that is too many bytes).
+    AcrossExperts,
+    /// Parts of a few experts × chunks of this many bytes per expert ([`DecodePlan::Streams`]).
+    Streams(usize),
 }
 
 /// The shape one group's plan is made for.
@@ -167,23 +322,27 @@ pub(super) struct GroupShape {
     pub threads: usize,
 }
 
-/// One group's items and how its down chunks are cut.
+/// One group's items and how its down work is cut.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct GroupPlan {
     pub items: Vec<Item>,
     /// Number of gate/up items of each of the group's experts (in group order).
     pub gate_up_items: Vec<u32>,
-    /// Parts per down chunk (1: the chunk's only item adds into the output directly).
+    /// Parts each down N-tile is summed in (1: its items add into the output directly).
     pub parts: usize,
-    pub chunks: usize,
 }
 
 /// Plans one group: every (expert, gate N-tile) once in gate/up items, then every (down N-tile,
 /// expert) once in down items. `experts` are the group's active expert indices (into `active`).
 #[cfg(test)]
-pub(super) fn plan_group(shape: GroupShape, experts: &[u32], t: Targets) -> GroupPlan {
+pub(super) fn plan_group(
+    shape: GroupShape,
+    experts: &[u32],
+    t: Targets,
+    down: DownItems,
+) -> GroupPlan {
     let mut plan = GroupPlan::default();
-    plan_group_into(&mut plan, shape, experts, t);
+    plan_group_into(&mut plan, shape, experts, t, down);
     plan
 }
 
@@ -193,13 +352,13 @@ pub(super) fn plan_group_into(
     shape: GroupShape,
     experts: &[u32],
     t: Targets,
+    down: DownItems,
 ) {
     let e = shape.experts;
     debug_assert_eq!(e, experts.len());
     plan.items.clear();
     plan.gate_up_items.clear();
     plan.parts = 1;
-    plan.chunks = 0;
     if e == 0 {
         return;
     }
@@ -225,7 +384,16 @@ pub(super) fn plan_group_into(
         }
         plan.gate_up_items.push(n);
     }
-    // down: chunks of `dc` N-tiles over all experts, or 1 N-tile over parts of the experts
+    match down {
+        DownItems::AcrossExperts => plan_down_across(plan, shape, experts, t),
+        DownItems::Streams(stream) => plan_down_streams(plan, shape, t, stream),
+    }
+}
+
+/// Down items of chunks of N-tiles over all experts, or of one N-tile over parts of the experts.
+fn plan_down_across(plan: &mut GroupPlan, shape: GroupShape, experts: &[u32], t: Targets) {
+    let (e, threads) = (shape.experts, shape.threads.max(1));
+    let min_items = MIN_ITEMS_PER_THREAD * threads;
     let d = shape.down_tiles;
     let per_tile_all = e * shape.down_tile_bytes;
     let (dc, per_part) = if per_tile_all <= t.down {
@@ -255,24 +423,51 @@ pub(super) fn plan_group_into(
     if parts.len() == 1 && late_from > 0 {
         parts = vec![(0, late_from), (late_from, e)];
     }
-    plan.parts = parts.len();
     // part-major: a later part holds later experts, which are ready later
     for (p, &(e0, e1)) in parts.iter().enumerate() {
-        let (mut nt, mut chunk) = (0, 0u32);
-        while nt < d {
-            let c = dc.min(d - nt);
-            plan.items.push(Item::Down {
-                chunk,
-                part: p as u32,
-                nt0: nt as u32,
-                nts: c as u32,
-                e0: e0 as u32,
-                e1: e1 as u32,
-            });
-            nt += c;
-            chunk += 1;
+        push_down_items(plan, p, (e0, e1), d, dc);
+    }
+    plan.parts = parts.len();
+}
+
+/// Down items of `stream` bytes per expert over parts of a few experts (about `t.down` bytes per
+/// item, at least `MIN_ITEMS_PER_THREAD` items per thread); the last part, whose experts finish their
+/// gate/up last, in single N-tiles, so the region ends on small items.
+fn plan_down_streams(plan: &mut GroupPlan, shape: GroupShape, t: Targets, stream: usize) {
+    let (e, d) = (shape.experts, shape.down_tiles);
+    let tile = shape.down_tile_bytes.max(1);
+    let min_items = MIN_ITEMS_PER_THREAD * shape.threads.max(1);
+    let mut dc = (stream / tile).clamp(1, d);
+    let mut per_part = (t.down / (dc * tile)).clamp(1, e);
+    while d.div_ceil(dc) * e.div_ceil(per_part) < min_items && (per_part > 1 || dc > 1) {
+        if per_part > 1 {
+            per_part -= 1;
+        } else {
+            dc /= 2;
         }
-        plan.chunks = chunk as usize;
+    }
+    let parts = e.div_ceil(per_part);
+    for p in 0..parts {
+        let (e0, e1) = (p * per_part, ((p + 1) * per_part).min(e));
+        let tail = parts > 1 && p + 1 == parts;
+        push_down_items(plan, p, (e0, e1), d, if tail { 1 } else { dc });
+    }
+    plan.parts = parts;
+}
+
+/// Down items of part `p` (experts `e0 .. e1`): N-tiles `0 .. d` in runs of `dc`.
+fn push_down_items(plan: &mut GroupPlan, p: usize, (e0, e1): (usize, usize), d: usize, dc: usize) {
+    let mut nt = 0;
+    while nt < d {
+        let c = dc.min(d - nt);
+        plan.items.push(Item::Down {
+            part: p as u32,
+            nt0: nt as u32,
+            nts: c as u32,
+            e0: e0 as u32,
+            e1: e1 as u32,
+        });
+        nt += c;
     }
 }
 
@@ -289,7 +484,7 @@ pub(super) struct FusedState {
     ready: Vec<AtomicBool>,
     /// Per group: the next item to take.
     next: Vec<AtomicUsize>,
-    /// Per group and chunk: parts finished.
+    /// Per group and down N-tile: parts finished.
     arrived: Vec<Vec<AtomicU32>>,
     /// Per group: `parts × t × hidden` partial sums (only for groups whose chunks have parts).
     partial: Vec<Vec<f32>>,
@@ -344,6 +539,23 @@ fn warm(p: &[u8]) {
     unsafe { prefetch_head(p.as_ptr(), prefetch_distance().min(p.len())) };
 }
 
+/// [`warm`] for a stream known by its start (at least the prefetch distance long).
+#[inline]
+fn warm_ptr(p: *const u8) {
+    // SAFETY: prefetch only.
+    unsafe { prefetch_head(p, prefetch_distance()) };
+}
+
+/// The item a thread runs after its current one, on the chained plans: claimed from the group's
+/// counter just before the current item's last stream, whose prefetch then runs into the claimed
+/// item's first. No deadlock: a thread waits only inside a down item, and whatever it claimed while
+/// running one comes after it in the order, so is a down item too, which nothing waits for.
+struct Claim<'c> {
+    g: usize,
+    chained: bool,
+    item: &'c mut Option<usize>,
+}
+
 impl CpuExpertSet {
     /// The fused region (see the module doc); `out` gets group 0's sums, `partial` (the split path's
     /// NUMA partial sums, `(groups − 1) × t × hidden`) the other groups'.
@@ -377,7 +589,7 @@ impl CpuExpertSet {
         f.partial.resize_with(c.groups, Vec::new);
         for g in 0..c.groups {
             let p = &f.plans[g];
-            reset_atomics(&mut f.arrived[g], p.chunks, |a| {
+            reset_atomics(&mut f.arrived[g], self.down_l.n_tiles, |a| {
                 a.store(0, Ordering::Relaxed)
             });
             if p.parts > 1 {
@@ -400,6 +612,7 @@ impl CpuExpertSet {
         let region = Region {
             set: self,
             c,
+            path: self.decode_path,
             fuse,
             hw,
             h: SyncPtr(s.h.as_mut_ptr()),
@@ -439,6 +652,19 @@ impl CpuExpertSet {
             );
         }
         let tile = |l: &super::pack::MatLayout| l.k_tiles * l.tile_bytes;
+        let items = self.decode_path.items;
+        let down = match self.decode_path.plan {
+            DecodePlan::Streams => {
+                DownItems::Streams(items.stream.map_or(STREAM_BYTES, |k| k << 10))
+            }
+            _ => DownItems::AcrossExperts,
+        };
+        let targets = Targets {
+            gate_up: items
+                .gate_up
+                .map_or(self.fused_targets.gate_up, |k| k << 10),
+            down: items.down.map_or(self.fused_targets.down, |k| k << 10),
+        };
         for g in 0..c.groups {
             let shape = GroupShape {
                 experts: f.members[g].len(),
@@ -448,7 +674,7 @@ impl CpuExpertSet {
                 down_tile_bytes: tile(&self.down_l),
                 threads: c.pool.threads_in_group(g),
             };
-            plan_group_into(&mut f.plans[g], shape, &f.members[g], self.fused_targets);
+            plan_group_into(&mut f.plans[g], shape, &f.members[g], targets, down);
         }
     }
 }
@@ -457,6 +683,7 @@ impl CpuExpertSet {
 struct Region<'a> {
     set: &'a CpuExpertSet,
     c: &'a Call<'a>,
+    path: DecodePath,
     fuse: bool,
     hw: ActWriter,
     h: SyncPtr<f32>,
@@ -487,9 +714,16 @@ impl Region<'_> {
     /// One thread's share: items of group `g` from its counter until none is left.
     fn worker(&self, g: usize) {
         let _guard = AbortOnUnwind(&self.st.abort);
+        let chained = self.path.chained();
+        let _prefetch = (chained || self.path.prefetch.is_some())
+            .then(|| ThreadPrefetch::set(self.path.kernel_prefetch(), chained));
         let items = &self.st.plans[g].items;
+        // the item this thread claimed while running its previous one (chained plans)
+        let mut claimed = None;
         loop {
-            let i = self.st.next[g].fetch_add(1, Ordering::Relaxed);
+            let i = claimed
+                .take()
+                .unwrap_or_else(|| self.st.next[g].fetch_add(1, Ordering::Relaxed));
             let Some(&item) = items.get(i) else {
                 break;
             };
@@ -500,18 +734,41 @@ impl Region<'_> {
                     std::thread::sleep(d);
                 }
             }
+            let mut next = Claim {
+                g,
+                chained,
+                item: &mut claimed,
+            };
             match item {
-                Item::GateUp { ai, nt0, nts } => self.gate_up(g, ai as usize, nt0, nts),
+                Item::GateUp { ai, nt0, nts } => self.gate_up(g, ai as usize, nt0, nts, &mut next),
                 Item::Down {
-                    chunk,
                     part,
                     nt0,
                     nts,
                     e0,
                     e1,
-                } => self.down(g, chunk, part, nt0 as usize, nts as usize, e0, e1),
+                } => self.down(g, part, (nt0 as usize, nts as usize), (e0, e1), &mut next),
             }
         }
+    }
+
+    /// Where the first stream of item `i` of group `g` starts (null past the last item).
+    fn item_head(&self, g: usize, i: usize) -> *const u8 {
+        match self.st.plans[g].items.get(i) {
+            Some(&Item::GateUp { ai, nt0, .. }) => {
+                let [gate, _, _] = self.set.mats(self.active[ai as usize].e);
+                gate.ntile(nt0 as usize).as_ptr()
+            }
+            Some(&Item::Down { nt0, e0, .. }) => self.down_head(g, e0 as usize, nt0 as usize),
+            None => std::ptr::null(),
+        }
+    }
+
+    /// Where down N-tile `nt` of the group's `k`-th expert starts.
+    fn down_head(&self, g: usize, k: usize, nt: usize) -> *const u8 {
+        let ai = self.st.members[g][k] as usize;
+        let [_, _, down] = self.set.mats(self.active[ai].e);
+        down.ntile(nt).as_ptr()
     }
 
     /// Prefetches the head of the first stream of the item the group's counter hands out next (most
@@ -534,11 +791,23 @@ impl Region<'_> {
         }
     }
 
-    fn gate_up(&self, g: usize, ai: usize, nt0: u32, nts: u32) {
+    /// The item after the current one: claimed now (chained plans), its first stream's start
+    /// returned for the current item's last kernel call to prefetch into.
+    fn claim_next(&self, next: &mut Claim<'_>) -> *const u8 {
+        let i = self.st.next[next.g].fetch_add(1, Ordering::Relaxed);
+        *next.item = Some(i);
+        self.item_head(next.g, i)
+    }
+
+    fn gate_up(&self, g: usize, ai: usize, nt0: u32, nts: u32, next: &mut Claim<'_>) {
         let (nt0, nts) = (nt0 as usize, nts as usize);
         let a = self.active[ai];
         let [gate, up, _] = self.set.mats(a.e);
-        warm(up.ntile(nt0));
+        if next.chained {
+            set_next_stream(up.ntile(nt0).as_ptr());
+        } else {
+            warm(up.ntile(nt0));
+        }
         let view = self
             .xa
             .view(self.gkind, self.hp, &self.tok[a.start..a.start + a.m]);
@@ -552,7 +821,11 @@ impl Region<'_> {
             let (gy, rest) = b.split_at_mut(a.m * ld);
             let (uy, hy) = rest.split_at_mut(a.m * ld);
             gemm(self.tier, false, &gate, nt0, nts, &view, gy, ld);
-            self.warm_next(g);
+            if next.chained {
+                set_next_stream(self.claim_next(next));
+            } else {
+                self.warm_next(g);
+            }
             gemm(self.tier, false, &up, nt0, nts, &view, uy, ld);
             let cols = (id - nt0 * 16).min(ld);
             let (actf, limit) = (self.set.cfg.activation, self.set.cfg.swiglu_limit);
@@ -597,16 +870,20 @@ impl Region<'_> {
         }
     }
 
-    /// Down of output tiles `nt0 ..` over the group's experts `e0 .. e1`: the ready ones first, the
-    /// others' weights pulled into L2 while waiting for them; then each expert's rows added in order.
-    #[allow(clippy::too_many_arguments)]
-    fn down(&self, g: usize, chunk: u32, part: u32, nt0: usize, nts: usize, e0: u32, e1: u32) {
-        let (t, hd) = (self.c.t, self.c.hd);
+    /// Down of output tiles `nt0 .. nt0 + nts` over the group's experts `e0 .. e1`: the ready ones
+    /// first, the others' weights pulled into L2 while waiting for them; then each expert's rows
+    /// added in order (into the output, or into part `part`'s sums of those tiles).
+    fn down(
+        &self,
+        g: usize,
+        part: u32,
+        (nt0, nts): (usize, usize),
+        (e0, e1): (u32, u32),
+        next: &mut Claim<'_>,
+    ) {
         let members = &self.st.members[g][e0 as usize..e1 as usize];
         let ld = 16 * nts;
-        let cols = (hd - nt0 * 16).min(ld);
         let rows: usize = members.iter().map(|&ai| self.active[ai as usize].m).sum();
-        let plan = &self.st.plans[g];
         YBUF.with(|yb| {
             COMPUTED.with(|cb| {
                 let (mut y, mut computed) = (yb.borrow_mut(), cb.borrow_mut());
@@ -615,17 +892,20 @@ impl Region<'_> {
                 }
                 computed.clear();
                 computed.resize(members.len(), false);
-                // ready experts first, each warming the next one's stream
+                // ready experts first, each warming (chained: prefetching into) the next one's stream
                 let mut waiting = false;
                 let mut row0 = 0;
                 for (k, &ai) in members.iter().enumerate() {
                     let a = self.active[ai as usize];
                     if self.st.ready[ai as usize].load(Ordering::Acquire) {
-                        if let Some(&nx) = members.get(k + 1) {
-                            let [_, _, d] = self.set.mats(self.active[nx as usize].e);
-                            warm(d.ntile(nt0));
-                        } else {
-                            self.warm_next(g);
+                        let following = (k + 1 < members.len())
+                            .then(|| self.down_head(g, e0 as usize + k + 1, nt0));
+                        match (next.chained, following) {
+                            (true, Some(h)) => set_next_stream(h),
+                            (true, None) if !waiting => set_next_stream(self.claim_next(next)),
+                            (true, None) => {}
+                            (false, Some(h)) => warm_ptr(h),
+                            (false, None) => self.warm_next(g),
                         }
                         self.down_expert(a, nt0, nts, &mut y[row0 * ld..]);
                         computed[k] = true;
@@ -642,56 +922,76 @@ impl Region<'_> {
                             prefetch_l2(w.as_ptr(), nts * d.ntile(0).len());
                         }
                     }
+                    let last = computed.iter().rposition(|&c| !c);
                     let mut row0 = 0;
                     for (k, &ai) in members.iter().enumerate() {
                         let a = self.active[ai as usize];
                         if !computed[k] {
                             self.wait_ready(ai as usize);
+                            if next.chained && last == Some(k) {
+                                set_next_stream(self.claim_next(next));
+                            }
                             self.down_expert(a, nt0, nts, &mut y[row0 * ld..]);
                         }
                         row0 += a.m;
                     }
                 }
-                let dst = self.group_out(g);
-                if plan.parts == 1 {
-                    // SAFETY: columns nt0*16.. of every output row belong to this item.
-                    unsafe { self.add_rows(members, &y, ld, nt0, cols, dst) };
-                    return;
-                }
-                // a part of the chunk: into its partial sums, then the chunk's last part adds them all
-                let part_base = self.part_sums[g].get();
-                // SAFETY: part `part`'s rows, columns nt0*16.. belong to this item.
-                unsafe {
-                    let pd = part_base.add(part as usize * t * hd);
-                    for tk in 0..t {
-                        std::slice::from_raw_parts_mut(pd.add(tk * hd + nt0 * 16), cols).fill(0.0);
-                    }
-                    self.add_rows(members, &y, ld, nt0, cols, pd);
-                }
-                let arrived = self.st.arrived[g][chunk as usize].fetch_add(1, Ordering::AcqRel) + 1;
-                if arrived as usize == plan.parts {
-                    for p in 0..plan.parts {
-                        for tk in 0..t {
-                            // SAFETY: every part of this chunk is done (acquired above); columns
-                            // nt0*16.. of the output belong to this chunk alone.
-                            unsafe {
-                                let src = std::slice::from_raw_parts(
-                                    part_base.add(p * t * hd + tk * hd + nt0 * 16),
-                                    cols,
-                                );
-                                let o = std::slice::from_raw_parts_mut(
-                                    dst.add(tk * hd + nt0 * 16),
-                                    cols,
-                                );
-                                for (v, q) in o.iter_mut().zip(src) {
-                                    *v += q;
-                                }
-                            }
+                self.sum_down(g, part, (nt0, nts), members, &y);
+            })
+        });
+    }
+
+    /// A down item's rows `y` (of `members`, stacked in order) added to the group's sums: into the
+    /// output directly when each N-tile has one part; else into part `part`'s sums, and the part
+    /// finishing an N-tile last adds all its parts to the output in order (deterministic).
+    fn sum_down(
+        &self,
+        g: usize,
+        part: u32,
+        (nt0, nts): (usize, usize),
+        members: &[u32],
+        y: &[f32],
+    ) {
+        let (t, hd) = (self.c.t, self.c.hd);
+        let ld = 16 * nts;
+        let cols = (hd - nt0 * 16).min(ld);
+        let dst = self.group_out(g);
+        let parts = self.st.plans[g].parts;
+        if parts == 1 {
+            // SAFETY: columns nt0*16.. of every output row belong to this item.
+            unsafe { self.add_rows(members, y, ld, nt0, cols, dst) };
+            return;
+        }
+        let part_base = self.part_sums[g].get();
+        // SAFETY: part `part`'s rows, columns nt0*16.. belong to this item.
+        unsafe {
+            let pd = part_base.add(part as usize * t * hd);
+            for tk in 0..t {
+                std::slice::from_raw_parts_mut(pd.add(tk * hd + nt0 * 16), cols).fill(0.0);
+            }
+            self.add_rows(members, y, ld, nt0, cols, pd);
+        }
+        for nt in nt0..nt0 + nts {
+            let arrived = self.st.arrived[g][nt].fetch_add(1, Ordering::AcqRel) + 1;
+            if arrived as usize != parts {
+                continue;
+            }
+            let (c0, c) = (nt * 16, (hd - nt * 16).min(16));
+            for p in 0..parts {
+                for tk in 0..t {
+                    // SAFETY: every part of N-tile nt is done (acquired above); its columns of the
+                    // output belong to the item that finished it alone.
+                    unsafe {
+                        let src =
+                            std::slice::from_raw_parts(part_base.add(p * t * hd + tk * hd + c0), c);
+                        let o = std::slice::from_raw_parts_mut(dst.add(tk * hd + c0), c);
+                        for (v, q) in o.iter_mut().zip(src) {
+                            *v += q;
                         }
                     }
                 }
-            })
-        });
+            }
+        }
     }
 
     /// `y` (rows of `members` stacked in order) added into `dst` (t × hidden) at columns nt0*16...

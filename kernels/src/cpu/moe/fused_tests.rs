@@ -4,19 +4,19 @@
 
 use std::time::Duration;
 
-use super::fused::{plan_group, GroupShape, Item, Targets, TARGETS};
+use super::fused::{plan_group, DownItems, GroupShape, Item, Targets, STREAM_BYTES, TARGETS};
 use super::*;
 use crate::cpu::pool::WorkerPool;
 
 /// Checks the invariants every plan must hold; returns (gate/up items, down items).
-fn check_plan(shape: GroupShape, t: Targets) -> (usize, usize) {
+fn check_plan(shape: GroupShape, t: Targets, how: DownItems) -> (usize, usize) {
     let members: Vec<u32> = (0..shape.experts as u32).map(|e| 3 * e + 1).collect();
-    let plan = plan_group(shape, &members, t);
+    let plan = plan_group(shape, &members, t, how);
     let mut gate = vec![0u32; shape.experts * shape.gate_tiles];
     let mut down = vec![0u32; shape.experts * shape.down_tiles];
     let mut seen_down = false;
     let (mut n_gate, mut n_down) = (0, 0);
-    let mut parts_of_chunk = vec![0usize; plan.chunks];
+    let mut parts_of_tile = vec![0usize; shape.down_tiles];
     for item in &plan.items {
         match *item {
             Item::GateUp { ai, nt0, nts } => {
@@ -32,7 +32,6 @@ fn check_plan(shape: GroupShape, t: Targets) -> (usize, usize) {
                 n_gate += 1;
             }
             Item::Down {
-                chunk,
                 part,
                 nt0,
                 nts,
@@ -42,7 +41,9 @@ fn check_plan(shape: GroupShape, t: Targets) -> (usize, usize) {
                 seen_down = true;
                 assert!(e0 < e1 && (e1 as usize) <= shape.experts && nts >= 1);
                 assert!((part as usize) < plan.parts);
-                parts_of_chunk[chunk as usize] += 1;
+                for nt in nt0..nt0 + nts {
+                    parts_of_tile[nt as usize] += 1;
+                }
                 for e in e0..e1 {
                     for nt in nt0..nt0 + nts {
                         down[e as usize * shape.down_tiles + nt as usize] += 1;
@@ -57,7 +58,12 @@ fn check_plan(shape: GroupShape, t: Targets) -> (usize, usize) {
         down.iter().all(|&c| c == 1),
         "every down tile of every expert once"
     );
-    assert!(parts_of_chunk.iter().all(|&p| p == plan.parts));
+    if shape.experts > 0 {
+        assert!(
+            parts_of_tile.iter().all(|&p| p == plan.parts),
+            "every down N-tile in each part once"
+        );
+    }
     let per_expert: Vec<u32> = members
         .iter()
         .map(|&m| {
@@ -87,12 +93,14 @@ fn plans_cover_every_tile_once_gate_up_first() {
     for experts in [0, 1, 6, 8, 27, 50, 128] {
         for (h, i) in [(2048, 768), (2560, 768), (4096, 2048), (64, 48)] {
             for bpw in [1, 2] {
-                check_plan(shape(experts, h, i, bpw), TARGETS);
-                let tiny = Targets {
-                    gate_up: 1,
-                    down: 1,
-                };
-                check_plan(shape(experts, h, i, bpw), tiny);
+                for how in [DownItems::AcrossExperts, DownItems::Streams(STREAM_BYTES)] {
+                    check_plan(shape(experts, h, i, bpw), TARGETS, how);
+                    let tiny = Targets {
+                        gate_up: 1,
+                        down: 1,
+                    };
+                    check_plan(shape(experts, h, i, bpw), tiny, how);
+                }
             }
         }
     }
@@ -106,13 +114,13 @@ fn decode_shapes_get_items_of_a_few_hundred_kib() {
     // the last 16) one N-tile each.
     let qwen = shape(8, 2048, 768, 2);
     let members: Vec<u32> = (0..8).collect();
-    let p = plan_group(qwen, &members, TARGETS);
-    assert_eq!(check_plan(qwen, TARGETS), (8 * 24, 2 * 128));
+    let across = DownItems::AcrossExperts;
+    let p = plan_group(qwen, &members, TARGETS, across);
+    assert_eq!(check_plan(qwen, TARGETS, across), (8 * 24, 2 * 128));
     assert_eq!(p.parts, 2);
     assert_eq!(
         p.items.last(),
         Some(&Item::Down {
-            chunk: 127,
             part: 1,
             nt0: 127,
             nts: 1,
@@ -123,25 +131,71 @@ fn decode_shapes_get_items_of_a_few_hundred_kib() {
     // int8: 4 N-tiles per gate/up item (12 per expert: the last 16 items reach back into expert 6),
     // 2 per down item
     let int8 = shape(8, 2048, 768, 1);
-    assert_eq!(check_plan(int8, TARGETS), (8 * 12, 2 * 64));
-    let p = plan_group(int8, &members, TARGETS);
+    assert_eq!(check_plan(int8, TARGETS, across), (8 * 12, 2 * 64));
+    let p = plan_group(int8, &members, TARGETS, across);
     assert!(matches!(
         p.items.last(),
         Some(&Item::Down { e0: 6, e1: 8, .. })
     ));
     // SmallThinker-21B, one token (6 of 64), bf16: one N-tile of gate/up is 80 KiB
     assert_eq!(
-        check_plan(shape(6, 2560, 768, 2), TARGETS),
+        check_plan(shape(6, 2560, 768, 2), TARGETS, across),
         (6 * 48, 2 * 160)
     );
     // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 8 experts
     let many = shape(50, 2048, 768, 2);
-    let p = plan_group(many, &(0..50).collect::<Vec<_>>(), TARGETS);
+    let p = plan_group(many, &(0..50).collect::<Vec<_>>(), TARGETS, across);
     assert_eq!(p.parts, 7);
-    assert_eq!(check_plan(many, TARGETS).1, 128 * 7);
+    assert_eq!(check_plan(many, TARGETS, across).1, 128 * 7);
     // one expert: nothing to split
-    let p = plan_group(shape(1, 2048, 768, 2), &[0], TARGETS);
+    let p = plan_group(shape(1, 2048, 768, 2), &[0], TARGETS, across);
     assert_eq!(p.parts, 1);
+}
+
+/// The streams plan at the decode shapes: down items of 2 experts × 96 KiB each, the last part's
+/// (the experts whose gate/up end last) one N-tile at a time.
+#[test]
+fn streams_plan_reads_96_kib_per_expert() {
+    let streams = DownItems::Streams(STREAM_BYTES);
+    let members: Vec<u32> = (0..8).collect();
+    // Qwen3-30B-A3B, one token, bf16: 4 N-tiles of 24 KiB per expert, 2 experts per part
+    let qwen = shape(8, 2048, 768, 2);
+    assert_eq!(check_plan(qwen, TARGETS, streams), (8 * 24, 3 * 32 + 128));
+    let p = plan_group(qwen, &members, TARGETS, streams);
+    assert_eq!(p.parts, 4);
+    let first_down = p.items[8 * 24];
+    assert_eq!(
+        first_down,
+        Item::Down {
+            part: 0,
+            nt0: 0,
+            nts: 4,
+            e0: 0,
+            e1: 2
+        }
+    );
+    assert!(matches!(
+        p.items.last(),
+        Some(&Item::Down {
+            part: 3,
+            nt0: 127,
+            nts: 1,
+            e0: 6,
+            e1: 8
+        })
+    ));
+    // int8: 8 N-tiles of 12 KiB
+    let int8 = shape(8, 2048, 768, 1);
+    assert_eq!(check_plan(int8, TARGETS, streams).1, 3 * 16 + 128);
+    // SmallThinker-21B, one token (6 of 64), bf16
+    assert_eq!(
+        check_plan(shape(6, 2560, 768, 2), TARGETS, streams).1,
+        2 * 40 + 160
+    );
+    // few N-tiles: the runs shrink until every thread gets 4 items
+    let narrow = shape(2, 512, 768, 2);
+    let (_, down) = check_plan(narrow, TARGETS, streams);
+    assert!(down >= 32, "{down}");
 }
 
 struct Experts {
@@ -216,15 +270,36 @@ fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
     let experts = Experts::new(n, h, i, 11);
     let cfg = ExpertSetConfig::new(h, i, fmt).with_activation(act, None);
     let mut split = experts.set(&cfg, &pool);
-    split.set_decode_path(DecodePath::Split);
-    let mut fused = experts.set(&cfg, &pool);
-    fused.set_decode_path(DecodePath::Fused);
-    let mut parted = experts.set(&cfg, &pool);
-    parted.set_decode_path(DecodePath::Fused);
-    parted.fused_targets = Targets {
+    split.set_decode_path(DecodePath::SPLIT);
+    // every fused plan with the default items, then with one N-tile and one expert per item, and
+    // with other kernel prefetch settings (they change no result)
+    let tiny = Targets {
         gate_up: 1,
         down: 1,
-    }; // one N-tile, one expert per item
+    };
+    let fused_paths = [
+        ("fused", None),
+        ("chained", None),
+        ("streams", None),
+        ("fused", Some(tiny)),
+        ("streams", Some(tiny)),
+        ("chained:pf0", None),
+        ("streams:pf64:nta", Some(tiny)),
+        ("fused:pf8192:t1", None),
+        ("streams:gu64:dn32:st16", None),
+        ("chained:gu1024:dn1024", None),
+    ];
+    let fused: Vec<(String, CpuExpertSet)> = fused_paths
+        .iter()
+        .map(|&(path, targets)| {
+            let mut set = experts.set(&cfg, &pool);
+            set.set_decode_path(path.parse().unwrap());
+            if let Some(t) = targets {
+                set.fused_targets = t;
+            }
+            (format!("{path} {targets:?}"), set)
+        })
+        .collect();
     for call in 0..3 {
         for t in 1..=FUSED_MAX_TOKENS {
             let k = 1 + (t + call) % 4;
@@ -242,7 +317,9 @@ fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
             assert!(want.iter().any(|&v| v != 0.25));
             let ctx = format!("{fmt:?} {act:?} groups {groups:?} t={t} k={k} call {call}");
             // each set took the path it was given
-            for (set, fused_ran) in [(&split, false), (&fused, true), (&parted, true)] {
+            let sets = std::iter::once(&split).chain(fused.iter().map(|(_, s)| s));
+            for (n, set) in sets.enumerate() {
+                let fused_ran = n > 0;
                 let mut times = RegionTimes::default();
                 let mut y = vec![0f32; t * h];
                 set.forward_timed(&pool, &x, &ids, &wts, k, &mut y, Some(&mut times))
@@ -251,7 +328,7 @@ fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
                 assert_eq!(times.gate_up_s > 0.0, !fused_ran, "{ctx}");
             }
             // Parts change the f32 summation order only: ~1e-7 relative.
-            for (set, what) in [(&fused, "default items"), (&parted, "an expert per item")] {
+            for (what, set) in &fused {
                 let got = run(set);
                 let e = rel_l2(&got, &want);
                 assert!(e < 1e-6, "{ctx}, {what}: {e}");
@@ -290,10 +367,76 @@ fn item_sizes_parse_from_kib() {
 
 #[test]
 fn decode_path_parses_and_names() {
-    assert_eq!("split".parse::<DecodePath>(), Ok(DecodePath::Split));
-    assert_eq!("fused".parse::<DecodePath>(), Ok(DecodePath::Fused));
-    assert!("fast".parse::<DecodePath>().is_err());
-    assert_eq!(DecodePath::Fused.to_string(), "fused");
+    assert_eq!("split".parse::<DecodePath>(), Ok(DecodePath::SPLIT));
+    assert_eq!("fused".parse::<DecodePath>(), Ok(DecodePath::FUSED));
+    assert_eq!("chained".parse::<DecodePath>(), Ok(DecodePath::CHAINED));
+    assert_eq!("streams".parse::<DecodePath>(), Ok(DecodePath::STREAMS));
+    let p: DecodePath = "streams:pf8192:nta".parse().unwrap();
+    assert_eq!(p.plan, DecodePlan::Streams);
+    assert_eq!(
+        p.prefetch,
+        Some(StreamPrefetch {
+            distance: 8192,
+            hint: PrefetchHint::Nta
+        })
+    );
+    assert_eq!(p.to_string(), "streams:pf8192:nta");
+    assert_eq!(p.to_string().parse::<DecodePath>(), Ok(p));
+    let p: DecodePath = "streams:st192:dn384:gu512".parse().unwrap();
+    assert_eq!(
+        (p.items.gate_up, p.items.down, p.items.stream, p.prefetch),
+        (Some(512), Some(384), Some(192), None)
+    );
+    assert_eq!(p.to_string(), "streams:gu512:dn384:st192");
+    // a distance alone keeps the plan's hint: L2 for the chained plans, L1 for fused (no env set)
+    if std::env::var_os("MOE_CPU_PREFETCH_HINT").is_none() {
+        let hint = |s: &str| s.parse::<DecodePath>().unwrap().prefetch.unwrap().hint;
+        assert_eq!(hint("chained:pf4096"), PrefetchHint::T1);
+        assert_eq!(hint("fused:pf4096"), PrefetchHint::T0);
+    }
+    for bad in [
+        "fast",
+        "",
+        "split:pf0",
+        "split:dn64",
+        "fused:pf",
+        "fused:pf-1",
+        "chained:t2",
+        "fused:",
+        "streams:st0",
+        "streams:dn",
+        "streams:gu18014398509481984",
+    ] {
+        assert!(bad.parse::<DecodePath>().is_err(), "{bad:?}");
+    }
+    assert_eq!(DecodePath::FUSED.to_string(), "fused");
+}
+
+/// Down items that must wait: the last gate/up item of each call sleeps, so the items after it find
+/// its expert not ready (and, on the chained plans, threads hold claimed items while others wait).
+/// Every plan finishes and matches the split path.
+#[test]
+fn down_items_wait_for_a_slow_expert() {
+    let pool = WorkerPool::new(&[vec![0; 4]], false, Duration::from_micros(200));
+    let (h, i, n) = (96usize, 80usize, 9u32);
+    let experts = Experts::new(n, h, i, 5);
+    let cfg = ExpertSetConfig::new(h, i, WeightFormat::Int8);
+    let mut split = experts.set(&cfg, &pool);
+    split.set_decode_path(DecodePath::SPLIT);
+    for path in [DecodePath::FUSED, DecodePath::CHAINED, DecodePath::STREAMS] {
+        let mut set = experts.set(&cfg, &pool);
+        set.set_decode_path(path);
+        set.scratch.lock().unwrap().fused.slow_last_gate_up = Some(Duration::from_millis(3));
+        for t in [1, 4, 8] {
+            let (x, ids, wts) = routing(t, 4, n, h, t);
+            let mut want = vec![0f32; t * h];
+            split.forward(&pool, &x, &ids, &wts, 4, &mut want).unwrap();
+            let mut got = vec![0f32; t * h];
+            set.forward(&pool, &x, &ids, &wts, 4, &mut got).unwrap();
+            let e = rel_l2(&got, &want);
+            assert!(e < 1e-6, "{path} t={t}: {e}");
+        }
+    }
 }
 
 /// The kernels' A/B knobs refuse values they do not take, by name, instead of reading them as the
@@ -305,7 +448,7 @@ fn kernel_knobs_refuse_unknown_values() {
     let v = |s: &str| Some(std::ffi::OsString::from(s));
     assert_eq!(
         DECODE_PATH_KNOB.parse_value(v("split")),
-        Ok(Some(DecodePath::Split))
+        Ok(Some(DecodePath::SPLIT))
     );
     let e = DECODE_PATH_KNOB.parse_value(v("fuse")).unwrap_err();
     assert!(e.to_string().starts_with("MOE_CPU_DECODE=\"fuse\""), "{e}");

@@ -21,35 +21,68 @@ use super::act::ActRef;
 use super::pack::{GroupedCodes, MatRef};
 use crate::knob::Knob;
 
-/// Bytes ahead of the current weight row that the kernels prefetch (env `MOE_CPU_PREFETCH` overrides;
-/// 0 disables). 4 KiB ≈ DRAM latency × one core's share of the bandwidth, with margin.
+/// Bytes ahead of the current weight row that the kernels prefetch: the calling thread's
+/// [`ThreadPrefetch`] setting, else env `MOE_CPU_PREFETCH` (0 disables), else 4 KiB ≈ DRAM latency ×
+/// one core's share of the bandwidth, with margin.
 pub(crate) fn prefetch_distance() -> usize {
-    static D: OnceLock<usize> = OnceLock::new();
-    *D.get_or_init(|| PREFETCH_KNOB.read_or(4096))
+    CONTEXT
+        .get()
+        .map_or_else(|| default_prefetch().distance, |c| c.prefetch.distance)
 }
 
-/// `MOE_CPU_PREFETCH`: [`prefetch_distance`].
+/// The kernels' prefetch outside the chained decode plans (the split path, prefill-sized calls, the
+/// `fused` plan): `MOE_CPU_PREFETCH` (bytes) and `MOE_CPU_PREFETCH_HINT` where set, else 4 KiB into L1.
+pub fn default_prefetch() -> StreamPrefetch {
+    env_prefetch(StreamPrefetch {
+        distance: 4096,
+        hint: PrefetchHint::T0,
+    })
+}
+
+/// The chained decode plans' prefetch when their path names none: `MOE_CPU_PREFETCH` and
+/// `MOE_CPU_PREFETCH_HINT` where set, else 8 KiB ahead into L2, the best of the settings timed at the
+/// decode shapes (docs/PERF.md, "Decode sizes, part 2").
+pub fn decode_prefetch() -> StreamPrefetch {
+    env_prefetch(StreamPrefetch {
+        distance: 8192,
+        hint: PrefetchHint::T1,
+    })
+}
+
+/// `MOE_CPU_PREFETCH`: the distance of [`default_prefetch`] and [`decode_prefetch`].
 pub(super) const PREFETCH_KNOB: Knob<usize> = Knob {
     name: "MOE_CPU_PREFETCH",
     takes: "bytes ahead, 0 disables",
     parse: |v| v.parse().ok(),
 };
 
-/// `MOE_CPU_PREFETCH_HINT`: [`prefetch_hint`].
+/// `MOE_CPU_PREFETCH_HINT`: the hint of [`default_prefetch`] and [`decode_prefetch`].
 pub(super) const PREFETCH_HINT_KNOB: Knob<PrefetchHint> = Knob {
     name: "MOE_CPU_PREFETCH_HINT",
     takes: "t0, t1 or nta",
-    parse: |v| match v {
-        "t0" => Some(PrefetchHint::T0),
-        "t1" => Some(PrefetchHint::T1),
-        "nta" => Some(PrefetchHint::Nta),
-        _ => None,
-    },
+    parse: |v| v.parse().ok(),
 };
+
+/// `fallback` with what `MOE_CPU_PREFETCH` / `MOE_CPU_PREFETCH_HINT` set (read once per process; a
+/// value a knob does not take warns once and leaves the fallback).
+fn env_prefetch(fallback: StreamPrefetch) -> StreamPrefetch {
+    static ENV: OnceLock<(Option<usize>, Option<PrefetchHint>)> = OnceLock::new();
+    fn set<T>(knob: &Knob<T>) -> Option<T> {
+        knob.check().unwrap_or_else(|e| {
+            eprintln!("warning: {e}; using the default");
+            None
+        })
+    }
+    let (distance, hint) = *ENV.get_or_init(|| (set(&PREFETCH_KNOB), set(&PREFETCH_HINT_KNOB)));
+    StreamPrefetch {
+        distance: distance.unwrap_or(fallback.distance),
+        hint: hint.unwrap_or(fallback.hint),
+    }
+}
 
 /// Cache level the in-stream prefetches of the kernels fill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum PrefetchHint {
+pub enum PrefetchHint {
     /// L1 (and L2): the default.
     T0,
     /// L2 only.
@@ -58,25 +91,162 @@ pub(super) enum PrefetchHint {
     Nta,
 }
 
-/// `MOE_CPU_PREFETCH_HINT=t0|t1|nta` (read once per process), else T0: an A/B knob for the DRAM-bound
-/// decode kernels.
-fn prefetch_hint() -> PrefetchHint {
-    static H: OnceLock<PrefetchHint> = OnceLock::new();
-    *H.get_or_init(|| PREFETCH_HINT_KNOB.read_or(PrefetchHint::T0))
+impl std::str::FromStr for PrefetchHint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "t0" => Ok(PrefetchHint::T0),
+            "t1" => Ok(PrefetchHint::T1),
+            "nta" => Ok(PrefetchHint::Nta),
+            _ => Err(format!(
+                "unknown prefetch hint {s:?} (expected t0, t1 or nta)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for PrefetchHint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PrefetchHint::T0 => "t0",
+            PrefetchHint::T1 => "t1",
+            PrefetchHint::Nta => "nta",
+        })
+    }
+}
+
+/// How far ahead (bytes; 0: no software prefetch) and into which cache level the kernels prefetch
+/// their weight stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamPrefetch {
+    pub distance: usize,
+    pub hint: PrefetchHint,
+}
+
+/// What the fused decode region tells the kernels its thread calls (see [`ThreadPrefetch`]).
+#[derive(Clone, Copy)]
+struct CallContext {
+    prefetch: StreamPrefetch,
+    /// Prefetches stop at the end of each call's weights and continue into `next`.
+    chained: bool,
+    /// The first byte of the stream the thread reads after the next kernel call (null: unknown);
+    /// taken by that call.
+    next: *const u8,
+}
+
+thread_local! {
+    static CONTEXT: std::cell::Cell<Option<CallContext>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sets the prefetch of the kernel calls of this thread until dropped (then the previous setting
+/// is back): the fused decode region, so that decode paths with different settings can be timed in
+/// one process. `chained`: each call prefetches up to the end of its own weights and then into the
+/// stream named by [`set_next_stream`], never into weights another item reads.
+pub(super) struct ThreadPrefetch(Option<CallContext>);
+
+impl ThreadPrefetch {
+    pub(super) fn set(prefetch: StreamPrefetch, chained: bool) -> ThreadPrefetch {
+        ThreadPrefetch(CONTEXT.replace(Some(CallContext {
+            prefetch,
+            chained,
+            next: std::ptr::null(),
+        })))
+    }
+}
+
+impl Drop for ThreadPrefetch {
+    fn drop(&mut self) {
+        CONTEXT.set(self.0);
+    }
+}
+
+/// Names the stream this thread reads after its next kernel call (chained prefetch only; no effect
+/// outside a [`ThreadPrefetch`]).
+pub(super) fn set_next_stream(next: *const u8) {
+    if let Some(mut c) = CONTEXT.get() {
+        c.next = next;
+        CONTEXT.set(Some(c));
+    }
+}
+
+/// The prefetch of one kernel call: `distance` bytes ahead of the row being read, with `hint`; in a
+/// chained call, addresses at or past `end` (one past the call's weights) are moved into `next`
+/// (none when null).
+#[derive(Clone, Copy)]
+pub(crate) struct Pf {
+    distance: usize,
+    hint: PrefetchHint,
+    end: usize,
+    next: *const u8,
+}
+
+impl Pf {
+    /// For a call over N-tiles `nt0 .. nt0 + nts` of `w` (takes the thread's next stream).
+    pub(crate) fn for_call(w: &MatRef<'_>, nt0: usize, nts: usize) -> Pf {
+        let Some(c) = CONTEXT.get() else {
+            let d = default_prefetch();
+            return Pf::unchained(d);
+        };
+        if !c.chained {
+            return Pf::unchained(c.prefetch);
+        }
+        set_next_stream(std::ptr::null());
+        let tile = w.l.k_tiles * w.l.tile_bytes;
+        Pf {
+            distance: c.prefetch.distance,
+            hint: c.prefetch.hint,
+            end: (w.w.as_ptr() as usize).saturating_add((nt0 + nts) * tile),
+            next: c.next,
+        }
+    }
+
+    /// The thread's distance and hint, prefetching past the call's end (calls that convert weights
+    /// tile by tile, outside the fused region's streams).
+    pub(crate) fn plain() -> Pf {
+        Pf::unchained(CONTEXT.get().map_or_else(default_prefetch, |c| c.prefetch))
+    }
+
+    fn unchained(p: StreamPrefetch) -> Pf {
+        Pf {
+            distance: p.distance,
+            hint: p.hint,
+            end: usize::MAX,
+            next: std::ptr::null(),
+        }
+    }
+}
+
+impl Pf {
+    /// The address a kernel reading `p` prefetches, if any.
+    #[inline(always)]
+    fn target(self, p: *const u8) -> Option<*const u8> {
+        if self.distance == 0 {
+            return None;
+        }
+        let at = p.wrapping_add(self.distance);
+        if (at as usize) < self.end {
+            Some(at)
+        } else if self.next.is_null() {
+            None
+        } else {
+            Some(self.next.wrapping_add(at as usize - self.end))
+        }
+    }
 }
 
 #[inline(always)]
-pub(super) unsafe fn prefetch(p: *const u8, pf: usize) {
-    if pf > 0 {
-        let at = p.wrapping_add(pf).cast();
-        // SAFETY: prefetches never fault, whatever the address. The hint is one predictable branch
-        // per 64 weight bytes of a memory-bound loop.
-        unsafe {
-            match prefetch_hint() {
-                PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(at),
-                PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(at),
-                PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(at),
-            }
+pub(super) unsafe fn prefetch(p: *const u8, pf: Pf) {
+    let Some(at) = pf.target(p) else {
+        return;
+    };
+    let at = at.cast();
+    // SAFETY: prefetches never fault, whatever the address. The hint and the end check are
+    // predictable branches per 64 weight bytes of a memory-bound loop.
+    unsafe {
+        match pf.hint {
+            PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(at),
+            PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(at),
+            PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(at),
         }
     }
 }
@@ -205,7 +375,7 @@ pub(crate) unsafe fn gemm_bf16(
     ldy: usize,
 ) {
     let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
+    let pf = Pf::for_call(w, nt0, nts);
     let act = (a.b.as_ptr().cast(), 2);
     // SAFETY: (contract).
     unsafe {
@@ -219,7 +389,7 @@ pub(crate) unsafe fn gemm_bf16(
 unsafe fn bf16_block<const R: usize>(
     wp: *const u8,
     pairs: usize,
-    pf: usize,
+    pf: Pf,
     x: &[*const u32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
@@ -260,7 +430,7 @@ pub(crate) unsafe fn gemm_f16(
     ldy: usize,
 ) {
     let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
+    let pf = Pf::for_call(w, nt0, nts);
     let act = (a.f.as_ptr().cast(), 4);
     // SAFETY: (contract).
     unsafe {
@@ -274,7 +444,7 @@ pub(crate) unsafe fn gemm_f16(
 unsafe fn f16_block<const R: usize>(
     wp: *const u8,
     pairs: usize,
-    pf: usize,
+    pf: Pf,
     x: &[*const u64; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
 ) {
@@ -328,7 +498,7 @@ pub(crate) unsafe fn gemm_int(
     ldy: usize,
 ) {
     let groups = a.groups();
-    let pf = prefetch_distance();
+    let pf = Pf::for_call(w, nt0, nts);
     let act = (a.q.as_ptr().cast(), 1);
     // SAFETY: (contract).
     unsafe {
@@ -393,16 +563,19 @@ impl Groups<'_> {
     }
 }
 
-/// Prefetches the group scales of N-tile `nt` (grouped formats): they live apart from the tiles, so
-/// the weight stream's prefetch does not cover them, and without this every 64 bytes of scales (two
-/// groups of 16 outputs) was a demand miss in the middle of the weight stream.
+/// Prefetches the scales of N-tile `nt`: a grouped format's f16 scales (and mins), or Int8's 16 f32
+/// row scales. They live apart from the tiles, so the weight stream's prefetch does not cover them:
+/// without this every 64 bytes of group scales was a demand miss in the middle of the weight stream,
+/// and Int8's row scales one at the end of every N-tile (12 KiB of weights in an int8 down tile at an
+/// intermediate width of 768).
 #[inline(always)]
 unsafe fn prefetch_scales(w: &MatRef<'_>, nt: usize) {
-    let Some(c) = GroupedCodes::of(w.l.format) else {
-        return;
+    // bytes of scales per N-tile
+    let per_tile = match GroupedCodes::of(w.l.format) {
+        Some(c) => 2 * c.scale_at(w.l.k_pad / c.group, 1, 0),
+        None if w.l.format == super::pack::WeightFormat::Int8 => 16 * 4,
+        None => return,
     };
-    // bytes of f16 scales (and mins) per N-tile
-    let per_tile = 2 * c.scale_at(w.l.k_pad / c.group, 1, 0);
     let base = w.s.as_ptr().cast::<u8>().wrapping_add(nt * per_tile);
     let mut off = 0;
     while off < per_tile {
@@ -437,7 +610,7 @@ unsafe fn dot_quads<const R: usize>(
     wp: *const u8,
     from: usize,
     to: usize,
-    pf: usize,
+    pf: Pf,
     x: &[*const i32; MAX_ROWS],
     live: [bool; R],
 ) -> [__m512i; R] {
@@ -478,7 +651,7 @@ unsafe fn live_rows<const R: usize>(xs: &[*const f32; MAX_ROWS], g: usize) -> [b
 unsafe fn i8_block<const R: usize>(
     wp: *const u8,
     quads: usize,
-    pf: usize,
+    pf: Pf,
     wscale: &[f32],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
@@ -511,7 +684,7 @@ unsafe fn i4_block<const R: usize, const SKIP: bool>(
     group: usize,
     groups: Groups<'_>,
     with_min: bool,
-    pf: usize,
+    pf: Pf,
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
@@ -622,7 +795,7 @@ unsafe fn i8_grouped_block<const R: usize, const SKIP: bool>(
     group: usize,
     groups: Groups<'_>,
     with_min: bool,
-    pf: usize,
+    pf: Pf,
     scales: &[u16],
     x: &[*const i32; MAX_ROWS],
     gsum: &[*const i32; MAX_ROWS],
@@ -716,4 +889,80 @@ pub(crate) unsafe fn i8_rows_to_bf16(a: &ActRef<'_>, m_pad: usize, out: &mut [u1
         }
     }
     out[a.rows.len() * k..m_pad * k].fill(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chained call prefetches its own weights up to their end, then the next stream from its
+    /// first byte on, and nothing past its end without one; an unchained call never stops.
+    #[test]
+    fn chained_prefetch_runs_into_the_next_stream() {
+        let own = vec![0u8; 8192];
+        let next = vec![0u8; 8192];
+        let (p, end) = (own.as_ptr(), own.as_ptr() as usize + own.len());
+        let pf = |next: *const u8| Pf {
+            distance: 1024,
+            hint: PrefetchHint::T0,
+            end,
+            next,
+        };
+        assert_eq!(pf(next.as_ptr()).target(p), Some(p.wrapping_add(1024)));
+        let last_own = p.wrapping_add(8192 - 1024 - 64);
+        assert_eq!(
+            pf(next.as_ptr()).target(last_own),
+            Some(p.wrapping_add(8192 - 64))
+        );
+        let first_past = p.wrapping_add(8192 - 1024);
+        assert_eq!(pf(next.as_ptr()).target(first_past), Some(next.as_ptr()));
+        assert_eq!(
+            pf(next.as_ptr()).target(p.wrapping_add(8192 - 64)),
+            Some(next.as_ptr().wrapping_add(1024 - 64))
+        );
+        assert_eq!(pf(std::ptr::null()).target(first_past), None);
+        let plain = Pf::unchained(StreamPrefetch {
+            distance: 1024,
+            hint: PrefetchHint::T1,
+        });
+        assert_eq!(plain.target(first_past), Some(p.wrapping_add(8192)));
+        let off = Pf::unchained(StreamPrefetch {
+            distance: 0,
+            hint: PrefetchHint::T0,
+        });
+        assert_eq!(off.target(p), None);
+    }
+
+    /// The thread's setting reaches the kernels' calls and is gone once dropped; the next stream is
+    /// taken by one call only.
+    #[test]
+    fn thread_prefetch_is_scoped_and_next_stream_taken_once() {
+        let w = vec![0u8; 4 * 1024];
+        let m = MatRef {
+            l: super::super::pack::MatLayout::new(super::super::pack::WeightFormat::Bf16, 64, 32),
+            w: &w,
+            s: &[],
+        };
+        let next = [0u8; 64];
+        {
+            let _s = ThreadPrefetch::set(
+                StreamPrefetch {
+                    distance: 256,
+                    hint: PrefetchHint::T1,
+                },
+                true,
+            );
+            assert_eq!(prefetch_distance(), 256);
+            set_next_stream(next.as_ptr());
+            let a = Pf::for_call(&m, 0, 4);
+            assert_eq!((a.end, a.next), (w.as_ptr() as usize + 4096, next.as_ptr()));
+            let b = Pf::for_call(&m, 0, 2);
+            assert_eq!(
+                (b.end, b.next),
+                (w.as_ptr() as usize + 2048, std::ptr::null())
+            );
+        }
+        assert_eq!(prefetch_distance(), default_prefetch().distance);
+        assert_eq!(Pf::for_call(&m, 0, 4).end, usize::MAX);
+    }
 }

@@ -21,7 +21,7 @@ use std::mem::transmute;
 use std::sync::OnceLock;
 
 use super::act::ActRef;
-use super::kern_avx512::{bh, for_tiles, prefetch, prefetch_distance, MAX_ROWS};
+use super::kern_avx512::{bh, for_tiles, prefetch, Pf, MAX_ROWS};
 use super::pack::{f32_to_bf16, fp8_e4m3_to_f32, MatRef};
 
 /// Whether the fast FP8 decoder runs: this CPU has AVX-512 VBMI (byte permutes) and the environment
@@ -77,7 +77,7 @@ trait Decode: Sized {
         n: usize,
         wp: *const u8,
         pairs: usize,
-        pf: usize,
+        pf: Pf,
         scales: &[f32],
         x: &[*const u32; MAX_ROWS],
         out: &[*mut f32; MAX_ROWS],
@@ -205,7 +205,7 @@ impl Decode for Vbmi {
         n: usize,
         wp: *const u8,
         pairs: usize,
-        pf: usize,
+        pf: Pf,
         scales: &[f32],
         x: &[*const u32; MAX_ROWS],
         out: &[*mut f32; MAX_ROWS],
@@ -288,7 +288,7 @@ impl Decode for Lut16 {
         n: usize,
         wp: *const u8,
         pairs: usize,
-        pf: usize,
+        pf: Pf,
         scales: &[f32],
         x: &[*const u32; MAX_ROWS],
         out: &[*mut f32; MAX_ROWS],
@@ -400,7 +400,7 @@ unsafe fn rows_vbmi(
     n: usize,
     wp: *const u8,
     pairs: usize,
-    pf: usize,
+    pf: Pf,
     scales: &[f32],
     x: &[*const u32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
@@ -420,7 +420,7 @@ unsafe fn rows_lut16(
     n: usize,
     wp: *const u8,
     pairs: usize,
-    pf: usize,
+    pf: Pf,
     scales: &[f32],
     x: &[*const u32; MAX_ROWS],
     out: &[*mut f32; MAX_ROWS],
@@ -441,7 +441,7 @@ unsafe fn gemm_with<D: Decode>(
     ldy: usize,
 ) {
     let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
+    let pf = Pf::for_call(w, nt0, nts);
     let act = (a.b.as_ptr().cast(), 2);
     // SAFETY: (contract).
     unsafe {
@@ -457,7 +457,7 @@ unsafe fn gemm_with<D: Decode>(
 unsafe fn fp8_block<const R: usize, D: Decode>(
     wp: *const u8,
     pairs: usize,
-    pf: usize,
+    pf: Pf,
     scales: &[f32],
     dec: &D,
     x: &[*const u32; MAX_ROWS],
@@ -574,7 +574,7 @@ pub(crate) unsafe fn fp8_to_bf16_tiles_lut16(
 #[inline(always)]
 unsafe fn widen_with<D: Decode>(dec: &D, w: &MatRef<'_>, nt0: usize, nts: usize, out: &mut [u16]) {
     let pairs = w.l.k_pad / 2;
-    let pf = prefetch_distance();
+    let pf = Pf::plain();
     assert!(out.len() >= nts * pairs * 32);
     // SAFETY: (caller) AVX-512F present.
     let tables = unsafe { ScaleTables::new() };
@@ -611,7 +611,7 @@ unsafe fn widen_rows<D: Decode>(
     wp: *const u8,
     dst: *mut u16,
     rows: std::ops::Range<usize>,
-    pf: usize,
+    pf: Pf,
     scale: Option<__m512>,
 ) {
     for i in rows.step_by(2) {

@@ -65,7 +65,8 @@ mod tests;
 
 pub use act::{gated_rows, Activation};
 pub use forward::RegionTimes;
-pub use fused::{DecodePath, FUSED_MAX_TOKENS};
+pub use fused::{DecodePath, DecodePlan, ItemKib, FUSED_MAX_TOKENS};
+pub use kern_avx512::{PrefetchHint, StreamPrefetch};
 pub use pack::{
     bf16_to_f32, f32_to_bf16, format_for_ggml, fp8_e4m3_to_f32, PackError, SourceTensor,
     WeightFormat,
@@ -341,7 +342,7 @@ impl CpuExpertSet {
         self.tier = t.clamp_to_cpu();
     }
 
-    /// The path decode-sized calls take (default: `MOE_CPU_DECODE`, else fused).
+    /// The path decode-sized calls take (default: `MOE_CPU_DECODE`, else chained).
     pub fn decode_path(&self) -> DecodePath {
         self.decode_path
     }
