@@ -79,7 +79,7 @@ fn rows_from_env(var: &str, default: usize) -> usize {
 /// Which AMX-INT8 kernel runs a dense call's grouped int weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AmxIntKernel {
-    /// `dense_amx_int`: codes split once per N-tile, two C tiles in turn, totals in registers.
+    /// `dense_amx_int::gemm`: codes split once per N-tile, two C tiles in turn, totals in registers.
     Pipelined,
     /// The experts' `kern_amx_int`, one group at a time (the same numbers: A/B runs).
     PerGroup,
@@ -531,7 +531,7 @@ pub fn forward_group(
     let s = &mut *guard;
     let (k, k_pad, tier) = (first.l.k, first.l.k_pad, first.tier);
     let kind = first.input_kind(tokens);
-    let rows = RowLayout::of(first.residual_ratio(tokens), first.amx_int(tokens));
+    let rows = RowLayout::of(first.residual_ratio(tokens));
     let act_rows = rows.act_rows(tokens);
     // AMX loads 16 rows per A tile from a view's first row: storage rounded up past the last view's
     // start (the extra rows' results are discarded).
@@ -619,12 +619,12 @@ pub fn forward_group(
             if *wide {
                 gemm_widened(tier, *amx, mat, nt0, nts, &a, &mut buf[..], ld);
             } else {
-                let run = |a: &ActRef<'_>, out: &mut [f32]| {
-                    if let Some(kernel) = *amx_int {
+                let run = |a: &ActRef<'_>, out: &mut [f32]| match *amx_int {
+                    // a residual view stays on VNNI, which visits its live groups only
+                    Some(kernel) if a.live.is_empty() => {
                         gemm_int_tiles(kernel, mat, nt0, nts, a, out, ld)
-                    } else {
-                        gemm(tier, *amx, mat, nt0, nts, a, out, ld)
                     }
+                    _ => gemm(tier, *amx, mat, nt0, nts, a, out, ld),
                 };
                 run(&a, &mut buf[..]);
                 if let Some(r) = &a_rest {
@@ -675,20 +675,21 @@ pub fn forward_group(
 enum RowLayout {
     /// Row `t` per token.
     Single,
-    /// Rows `2t`, `2t + 1` side by side (residual ratio): with a residual in every group each weight
-    /// load of the VNNI kernels serves both; on AMX-INT8 a batch of 8 fills one 16-row tile.
+    /// Rows `2t`, `2t + 1` side by side (a residual in every group): each weight load of the VNNI
+    /// kernels serves both; on AMX-INT8 a batch of 8 fills one 16-row tile.
     Interleaved(f32),
     /// Residual in outlier groups only (ratio): codes in rows `0 .. T`, residuals in rows `T .. 2T`,
     /// run as a second view so the kernels see whole blocks of residual rows and skip the groups
-    /// none of them needs.
+    /// none of them needs (on VNNI also when the code rows run on AMX-INT8: 8 tokens' codes are one
+    /// 8-row tile of `dense_amx_int`, and their outlier groups are a few).
     Blocks(f32),
 }
 
 impl RowLayout {
-    fn of(residual: Option<f32>, amx_int: bool) -> RowLayout {
+    fn of(residual: Option<f32>) -> RowLayout {
         match residual {
             None => RowLayout::Single,
-            Some(r) if r > 0.0 && !amx_int => RowLayout::Blocks(r),
+            Some(r) if r > 0.0 => RowLayout::Blocks(r),
             Some(r) => RowLayout::Interleaved(r),
         }
     }

@@ -318,7 +318,11 @@ fn dense_amx_int8_equals_the_experts_kernel() {
             let src = SourceTensor::Ggml { kind, data: &data };
             let mut w = DenseMatrix::new(format_for_ggml(kind), n, k, &src, None).unwrap();
             w.set_amx_int_min_rows(1);
-            for input in [GroupedInput::Int8, GroupedInput::Int8Pair] {
+            for input in [
+                GroupedInput::Int8,
+                GroupedInput::Int8Pair,
+                GroupedInput::Int8PairAll,
+            ] {
                 w.set_grouped_input(input);
                 for tokens in [1usize, 5, 8, 9, 15] {
                     let mut x = rng_values(tokens * k, 90 + tokens as u64);

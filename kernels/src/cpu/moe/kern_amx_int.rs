@@ -18,27 +18,85 @@ use super::act::ActRef;
 use super::amx_config::{use_config, TileConfig};
 use super::pack::{GroupedCodes, MatRef, WeightFormat};
 
-/// Palette 1: C tiles 0 and 1 (16 rows × 64 bytes), A tile 4 (16 rows × `group` bytes), B tiles 6
-/// and 7 (`group / 4` rows × 64 bytes).
-const fn config(group: usize) -> TileConfig {
-    TileConfig::new(&[
-        (0, 16, 64),
-        (1, 16, 64),
-        (4, 16, group),
+/// The tiles of the grouped AMX-INT8 kernels, this one and the dense projections' `dense_amx_int`,
+/// palette 1, for tiles of `rows` activation rows (16; the dense kernel also runs 8): C tiles 0 and 1
+/// (`rows` × 64 bytes of i32), A tiles 4 and 5 (`rows` × `group` bytes), B tiles 6 and 7
+/// (`group / 4` rows × 64 bytes). This kernel leaves tile 5 unused. One table for both: a thread
+/// that runs both kernels keeps its configuration, and neither can drift from the other's shapes.
+const fn grouped_tiles(group: usize, rows: usize) -> [(usize, usize, usize); 6] {
+    [
+        (0, rows, 64),
+        (1, rows, 64),
+        (4, rows, group),
+        (5, rows, group),
         (6, group / 4, 64),
         (7, group / 4, 64),
-    ])
+    ]
 }
 
-/// The configurations of the group sizes [`amx_int_supports`] accepts.
-static CONFIGS: [TileConfig; 3] = [config(16), config(32), config(64)];
+/// The configurations of the group sizes [`amx_int_supports`] accepts, for 16 and 8 rows.
+static CONFIGS: [[TileConfig; 3]; 2] = [
+    [
+        TileConfig::new(&grouped_tiles(16, 16)),
+        TileConfig::new(&grouped_tiles(32, 16)),
+        TileConfig::new(&grouped_tiles(64, 16)),
+    ],
+    [
+        TileConfig::new(&grouped_tiles(16, 8)),
+        TileConfig::new(&grouped_tiles(32, 8)),
+        TileConfig::new(&grouped_tiles(64, 8)),
+    ],
+];
 
-fn config_of(group: usize) -> &'static TileConfig {
-    &CONFIGS[match group {
+/// The tile configuration of the grouped kernels for `group` (16, 32 or 64) and tiles of `rows`
+/// activation rows (16, or 8).
+pub(crate) fn grouped_config(group: usize, rows: usize) -> &'static TileConfig {
+    let by_group = &CONFIGS[usize::from(rows == 8)];
+    &by_group[match group {
         16 => 0,
         32 => 1,
         _ => 2,
     }]
+}
+
+/// A group's weight terms for one N-tile's 16 outputs from its f16 scales at `at`: the scale `d`,
+/// and what multiplies the activations' code sum: the min `m`, or `−off · d` without one.
+///
+/// # Safety
+/// AVX-512F present; `at` holds the group's 16 scales (and 16 mins after them with a min).
+#[inline(always)]
+pub(crate) unsafe fn group_terms(codes: GroupedCodes, at: *const u16) -> (__m512, __m512) {
+    // SAFETY: (caller).
+    unsafe {
+        let dv = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+        let mv = if codes.with_min {
+            _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()))
+        } else {
+            _mm512_mul_ps(_mm512_set1_ps(-(codes.off as f32)), dv)
+        };
+        (dv, mv)
+    }
+}
+
+/// One row's group added to its total: `tot + acc · (d · x_scale) + (Σx · x_scale) · m`, with `acc`
+/// the row's integer dots, `xs` its activation scale and `gs` its code sum times that scale (both
+/// broadcast). Both grouped kernels scale through here, in this order: equal bit for bit.
+///
+/// # Safety
+/// AVX-512F present.
+#[inline(always)]
+pub(crate) unsafe fn scale_group(
+    acc: __m512i,
+    (dv, mv): (__m512, __m512),
+    xs: __m512,
+    gs: __m512,
+    tot: __m512,
+) -> __m512 {
+    // SAFETY: (caller).
+    unsafe {
+        let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dv, xs), tot);
+        _mm512_fmadd_ps(gs, mv, v)
+    }
 }
 
 /// Whether [`gemm_grouped`] runs this format (group sizes a tile's K can hold).
@@ -97,7 +155,7 @@ unsafe fn gemm_grouped_in(
     tot: &mut Vec<f32>,
 ) {
     let codes = GroupedCodes::of(w.l.format).expect("a grouped int format (caller)");
-    let (group, int4, with_min, off) = (codes.group, codes.int4, codes.with_min, codes.off);
+    let (group, int4) = (codes.group, codes.int4);
     let m = a.rows.len();
     let r0 = a.rows[0] as usize;
     debug_assert!(a.rows.windows(2).all(|p| p[1] == p[0] + 1));
@@ -105,7 +163,7 @@ unsafe fn gemm_grouped_in(
     let (k_pad, groups) = (w.l.k_pad, w.l.k_pad / group);
     let m_tiles = m.div_ceil(16);
     let s16 = w.s16();
-    let cfg = config_of(group);
+    let cfg = grouped_config(group, 16);
     let mut sc = Scratch {
         b: [[0; 1024]; 2],
         c: [[0; 256]; 2],
@@ -124,8 +182,7 @@ unsafe fn gemm_grouped_in(
                 tot.fill(0.0);
                 for g in 0..groups {
                     let mut b_ptr = [std::ptr::null::<u8>(); 2];
-                    let mut dv = [_mm512_setzero_ps(); 2];
-                    let mut mv = [_mm512_setzero_ps(); 2];
+                    let mut terms = [(_mm512_setzero_ps(), _mm512_setzero_ps()); 2];
                     for (i, &nt) in tiles.iter().enumerate() {
                         let wp = w.ntile(nt).as_ptr();
                         b_ptr[i] = if int4 {
@@ -134,13 +191,8 @@ unsafe fn gemm_grouped_in(
                         } else {
                             wp.add(g * group * 16)
                         };
-                        let at = s16.as_ptr().add(codes.scale_at(groups, nt, g));
-                        dv[i] = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
-                        mv[i] = if with_min {
-                            _mm512_cvtph_ps(_mm256_loadu_si256(at.add(16).cast()))
-                        } else {
-                            _mm512_mul_ps(_mm512_set1_ps(-(off as f32)), dv[i])
-                        };
+                        terms[i] =
+                            group_terms(codes, s16.as_ptr().add(codes.scale_at(groups, nt, g)));
                     }
                     asm!("tileloadd tmm6, [{0} + {1}*1]", in(reg) b_ptr[0], in(reg) 64usize, options(nostack, readonly, preserves_flags));
                     asm!("tileloadd tmm7, [{0} + {1}*1]", in(reg) b_ptr[1], in(reg) 64usize, options(nostack, readonly, preserves_flags));
@@ -170,16 +222,10 @@ unsafe fn gemm_grouped_in(
                                 _mm512_set1_ps(*a.gsum.get_unchecked(row * groups + g) as f32 * xs);
                             let xs = _mm512_set1_ps(xs);
                             for n in 0..2 {
-                                let acc = _mm512_cvtepi32_ps(_mm512_load_si512(
-                                    sc.c[n].as_ptr().add(i * 16).cast(),
-                                ));
+                                let acc = _mm512_load_si512(sc.c[n].as_ptr().add(i * 16).cast());
                                 let t = tot.as_mut_ptr().add(r * 32 + n * 16);
-                                let v = _mm512_fmadd_ps(
-                                    acc,
-                                    _mm512_mul_ps(dv[n], xs),
-                                    _mm512_loadu_ps(t),
-                                );
-                                _mm512_storeu_ps(t, _mm512_fmadd_ps(gs, mv[n], v));
+                                let v = scale_group(acc, terms[n], xs, gs, _mm512_loadu_ps(t));
+                                _mm512_storeu_ps(t, v);
                             }
                         }
                     }

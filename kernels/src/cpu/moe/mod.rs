@@ -53,7 +53,7 @@ mod fused_tests;
 pub(crate) mod gemm;
 mod kern_amx;
 #[cfg(target_arch = "x86_64")]
-mod kern_amx_int;
+pub(crate) mod kern_amx_int;
 mod kern_avx512;
 mod kern_fp8;
 mod kern_generic;
