@@ -680,8 +680,8 @@ enum RowLayout {
     Interleaved(f32),
     /// Residual in outlier groups only (ratio): codes in rows `0 .. T`, residuals in rows `T .. 2T`,
     /// run as a second view so the kernels see whole blocks of residual rows and skip the groups
-    /// none of them needs (on VNNI also when the code rows run on AMX-INT8: 8 tokens' codes are one
-    /// 8-row tile of `dense_amx_int`, and their outlier groups are a few).
+    /// none of them needs (on VNNI also when the code rows run on AMX-INT8, as one 8-row tile of
+    /// `dense_amx_int` for 8 tokens: the VNNI kernel skips a residual row per group it has no codes in).
     Blocks(f32),
 }
 
