@@ -2,16 +2,22 @@
 //! this example compiles only the kernels crate, so kernel work on a small machine can be timed in
 //! minutes. Flags (all optional): `--experts --topk --hidden --inter --layers --iters --probe-mib N`,
 //! `--dtype bf16,fp8,…`, `--tokens 1,4,…`, `--threads 1,2,…`, `--tier scalar|avx2|avx512|amx`,
-//! `--paths split,fused,chained,streams:pf8192:t1,…` (decode paths timed one after the other per
-//! token count; default `MOE_CPU_DECODE`, else chained). First it prints what a pool region costs with
-//! no work, and how long after `run` the workers start (the region start-up of every decode call).
+//! `--paths split,fused,chained,streams:pf8192:t1,read,read:pf8192:t1,…` (rows timed one after the
+//! other per token count: decode paths, default `MOE_CPU_DECODE`, else chained; `read…` the read
+//! anchor: the same experts' bytes streamed by the pool with the DRAM probe's loop), and the engine's
+//! decode-step conditions (`moe_kernels::cpu::bench_step`), each list timed in turn in one process:
+//! `--gaps 0,74` (µs idle before each call, the caller and the workers spinning, the input rows
+//! flushed from the caches) and `--cycles 16,48` (layers cycled through, at most `--layers`). First it
+//! prints what a pool region costs with no work, and how long after `run` the workers start (the
+//! region start-up of every decode call).
 //!
 //!     cargo run --release -p moe-kernels --example cpu_moe_bench -- --dtype bf16,int8,fp8 --tokens 1,4
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use moe_kernels::cpu::bench::{run_cpu_moe_bench, CpuMoeBenchArgs};
+use moe_kernels::cpu::bench::{run_cpu_moe_bench_with, CpuMoeBenchArgs};
+use moe_kernels::cpu::bench_step::{BenchRow, DecodeStepArgs};
 use moe_kernels::cpu::{CpuMoeOptions, WorkerPool};
 
 /// Median of `v` (sorted in place).
@@ -75,8 +81,9 @@ fn list<T: std::str::FromStr>(v: &str) -> Result<Vec<T>, String> {
         .collect()
 }
 
-fn parse(args: &[String]) -> Result<CpuMoeBenchArgs, String> {
+fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, DecodeStepArgs), String> {
     let mut a = CpuMoeBenchArgs::default();
+    let mut step = DecodeStepArgs::default();
     for pair in args.chunks(2) {
         let [flag, v] = pair else {
             return Err(format!("{} needs a value", pair[0]));
@@ -94,16 +101,18 @@ fn parse(args: &[String]) -> Result<CpuMoeBenchArgs, String> {
             "--tokens" => a.tokens = list(v)?,
             "--threads" => a.threads = list(v)?,
             "--tier" => a.tier = Some(v.parse().map_err(|e| format!("--tier: {e}"))?),
-            "--paths" => a.paths = list(v)?,
+            "--paths" => step.rows = list::<BenchRow>(v)?,
+            "--gaps" => step.gaps_us = list(v)?,
+            "--cycles" => step.cycles = list(v)?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
-    Ok(a)
+    Ok((a, step))
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let args = match parse(&args) {
+    let (args, step) = match parse(&args) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("cpu_moe_bench: {e}");
@@ -119,7 +128,7 @@ fn main() {
         Ok(pool) => print!("{}", pool_startup(&pool)),
         Err(e) => eprintln!("cpu_moe_bench: no pool for the start-up probe: {e}"),
     }
-    match run_cpu_moe_bench(&args) {
+    match run_cpu_moe_bench_with(&args, &step) {
         Ok(report) => print!("{report}"),
         Err(e) => {
             eprintln!("{e}");

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
+use super::bench_step::{idle_gap, read_call, read_chunks, row_label, BenchRow, DecodeStepArgs};
 use super::features::CpuTier;
 use super::memory::{HugeBuffer, HugepageMode};
 use super::moe::{
@@ -222,6 +223,15 @@ unsafe fn sum_chunk_avx512(s: &[u64]) -> u64 {
 
 /// Runs the benchmark and returns the report (a table per dtype, one line per threads × tokens).
 pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
+    run_cpu_moe_bench_with(a, &DecodeStepArgs::default())
+}
+
+/// [`run_cpu_moe_bench`] with the engine-like conditions and read anchors of `step`: one line per
+/// threads × tokens × layers cycled × gap × row, labelled as [`row_label`] says.
+pub fn run_cpu_moe_bench_with(
+    a: &CpuMoeBenchArgs,
+    step: &DecodeStepArgs,
+) -> Result<String, BenchError> {
     use std::fmt::Write;
     if a.topk > a.experts {
         return Err(BenchError::Args("--topk exceeds --experts"));
@@ -260,21 +270,20 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
     );
     // DRAM read bandwidth per thread count, measured here.
     let mut bw = Vec::new();
-    {
-        let mut probe = HugeBuffer::new(a.probe_mib.max(1) << 20, a.hugepages, None);
-        probe.iter_mut().step_by(4096).for_each(|b| *b = 1);
-        for &t in &a.threads {
-            let pool = opts(t).build_pool()?;
-            let g = dram_read_bw(&pool, &probe);
-            let _ = writeln!(
-                out,
-                "# DRAM read bandwidth, {t} threads: {g:.1} GB/s ({} of {} workers pinned, {} NUMA groups)",
-                pool.pinned_threads(),
-                pool.threads() - 1,
-                pool.groups()
-            );
-            bw.push(g);
-        }
+    // kept for a second probe after each dtype: how far the DRAM bandwidth drifts over the run
+    let mut probe = HugeBuffer::new(a.probe_mib.max(1) << 20, a.hugepages, None);
+    probe.iter_mut().step_by(4096).for_each(|b| *b = 1);
+    for &t in &a.threads {
+        let pool = opts(t).build_pool()?;
+        let g = dram_read_bw(&pool, &probe);
+        let _ = writeln!(
+            out,
+            "# DRAM read bandwidth, {t} threads: {g:.1} GB/s ({} of {} workers pinned, {} NUMA groups)",
+            pool.pinned_threads(),
+            pool.threads() - 1,
+            pool.groups()
+        );
+        bw.push(g);
     }
     for &fmt in &a.dtypes {
         let build_pool = opts(max_threads).build_pool()?;
@@ -341,26 +350,39 @@ pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
                 let mut distinct = ids_q.clone();
                 distinct.sort_unstable();
                 distinct.dedup();
-                for &path in &a.paths {
-                    sets.iter_mut().for_each(|s| s.set_decode_path(path));
-                    let row = time_calls(a, &sets, &pool, (&x, &ids_q, &wts), &mut y)?;
-                    let (mean, median) = (row.mean, row.median);
-                    let bytes = (distinct.len() * per_expert) as f64;
-                    let gbs = bytes / mean / 1e9;
-                    let limit = bytes / (bw[ti] * 1e9);
-                    let _ = writeln!(
-                        out,
-                        "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {:.0} | {path} |",
-                        mean * 1e3,
-                        median * 1e3,
-                        distinct.len(),
-                        100.0 * gbs / bw[ti],
-                        100.0 * bytes / median / 1e9 / bw[ti],
-                        mean / limit,
-                        (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
-                    );
+                for &cycle in &step.cycles(a.layers) {
+                    for &gap in &step.gaps() {
+                        for row in step.rows(&a.paths) {
+                            let times = time_row(a, &mut sets, &pool, row, (cycle, gap), &distinct, (&x, &ids_q, &wts), &mut y)?;
+                            let (mean, median) = (times.mean, times.median);
+                            let bytes = (distinct.len() * per_expert) as f64;
+                            let gbs = bytes / mean / 1e9;
+                            let limit = bytes / (bw[ti] * 1e9);
+                            let flops = match row {
+                                BenchRow::Path(_) => (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9,
+                                BenchRow::Read(_) => 0.0,
+                            };
+                            let _ = writeln!(
+                                out,
+                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {} |",
+                                mean * 1e3,
+                                median * 1e3,
+                                distinct.len(),
+                                100.0 * gbs / bw[ti],
+                                100.0 * bytes / median / 1e9 / bw[ti],
+                                mean / limit,
+                                row_label(row, gap, cycle, a.layers)
+                            );
+                        }
+                    }
                 }
             }
+            let g = dram_read_bw(&pool, &probe);
+            let _ = writeln!(
+                out,
+                "# DRAM read bandwidth after {fmt:?}, {threads} threads: {g:.1} GB/s (the shares above are of the first probe, {:.1})",
+                bw[ti]
+            );
         }
     }
     Ok(out)
@@ -372,27 +394,49 @@ struct CallTimes {
     median: f64,
 }
 
-/// Times `a.iters` calls cycling through the layers, after warm-up calls.
-fn time_calls(
+/// Times `a.iters` calls of `row` cycling through the first `cycle` layers, each after an idle
+/// `gap` (µs), after warm-up calls that touch every one of those layers.
+#[allow(clippy::too_many_arguments)]
+fn time_row(
     a: &CpuMoeBenchArgs,
-    sets: &[CpuExpertSet],
+    sets: &mut [CpuExpertSet],
     pool: &WorkerPool,
+    row: BenchRow,
+    (cycle, gap_us): (usize, u64),
+    distinct: &[u32],
     (x, ids_q, wts): (&[f32], &[u32], &[f32]),
     y: &mut [f32],
 ) -> Result<CallTimes, BenchError> {
+    let gap = std::time::Duration::from_micros(gap_us);
+    let sets = &mut sets[..cycle];
+    let chunks: Vec<Vec<(usize, usize)>> = match row {
+        BenchRow::Path(path) => {
+            sets.iter_mut().for_each(|s| s.set_decode_path(path));
+            Vec::new()
+        }
+        BenchRow::Read(_) => sets.iter().map(|s| read_chunks(s, distinct)).collect(),
+    };
+    let mut call = |l: usize| -> Result<(), BenchError> {
+        match row {
+            BenchRow::Path(_) => sets[l].forward(pool, x, ids_q, wts, a.topk, y)?,
+            BenchRow::Read(anchor) => read_call(pool, &chunks[l], anchor),
+        }
+        Ok(())
+    };
     // Warm-up: every layer once (at least 3 calls), so no timed call is a layer's first since
     // packing (on the H200 host the first row of each dtype was 2-5x off otherwise).
-    for i in 0..a.layers.max(3) {
-        sets[i % a.layers].forward(pool, x, ids_q, wts, a.topk, y)?;
+    for i in 0..cycle.max(3) {
+        idle_gap(gap, x);
+        call(i % cycle)?;
     }
     let mut times = Vec::with_capacity(a.iters);
-    let start = Instant::now();
     for i in 0..a.iters {
+        idle_gap(gap, x);
         let t = Instant::now();
-        sets[i % a.layers].forward(pool, x, ids_q, wts, a.topk, y)?;
+        call(i % cycle)?;
         times.push(t.elapsed().as_secs_f64());
     }
-    let mean = start.elapsed().as_secs_f64() / a.iters as f64;
+    let mean = times.iter().sum::<f64>() / a.iters.max(1) as f64;
     times.sort_by(f64::total_cmp);
     Ok(CallTimes {
         mean,

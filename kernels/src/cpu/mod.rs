@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod backing;
 pub mod bench;
+pub mod bench_step;
 pub mod bench_dense;
 pub mod dense;
 #[cfg(target_arch = "x86_64")]

@@ -288,6 +288,8 @@ fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
         ("fused:pf8192:t1", None),
         ("streams:gu64:dn32:st16", None),
         ("chained:gu1024:dn1024", None),
+        ("chained:ev4:ws64", Some(tiny)),
+        ("streams:ev64:ws1", None),
     ];
     let fused: Vec<(String, CpuExpertSet)> = fused_paths
         .iter()
@@ -388,6 +390,10 @@ fn decode_path_parses_and_names() {
         (Some(512), Some(384), Some(192), None)
     );
     assert_eq!(p.to_string(), "streams:gu512:dn384:st192");
+    let p: DecodePath = "chained:ws64:ev4:pf4096:t0".parse().unwrap();
+    assert_eq!((p.prefetch_every, p.warm_start_kib), (Some(4), Some(64)));
+    assert_eq!(p.to_string(), "chained:pf4096:t0:ev4:ws64");
+    assert_eq!(p.to_string().parse::<DecodePath>(), Ok(p));
     // a distance alone keeps the plan's hint: L2 for the chained plans, L1 for fused (no env set)
     if std::env::var_os("MOE_CPU_PREFETCH_HINT").is_none() {
         let hint = |s: &str| s.parse::<DecodePath>().unwrap().prefetch.unwrap().hint;
@@ -406,6 +412,12 @@ fn decode_path_parses_and_names() {
         "streams:st0",
         "streams:dn",
         "streams:gu18014398509481984",
+        "chained:ev3",
+        "chained:ev128",
+        "chained:ev0",
+        "split:ev2",
+        "split:ws8",
+        "chained:ws0",
     ] {
         assert!(bad.parse::<DecodePath>().is_err(), "{bad:?}");
     }

@@ -129,6 +129,9 @@ struct CallContext {
     prefetch: StreamPrefetch,
     /// Prefetches stop at the end of each call's weights and continue into `next`.
     chained: bool,
+    /// Only lines whose address has these bits clear are prefetched (0: every line; 127: every
+    /// second, leaving the rest to the hardware prefetchers).
+    skip_mask: usize,
     /// The first byte of the stream the thread reads after the next kernel call (null: unknown);
     /// taken by that call.
     next: *const u8,
@@ -145,12 +148,23 @@ thread_local! {
 pub(super) struct ThreadPrefetch(Option<CallContext>);
 
 impl ThreadPrefetch {
-    pub(super) fn set(prefetch: StreamPrefetch, chained: bool) -> ThreadPrefetch {
+    /// `every`: prefetch one line in `every` (a power of two; 1: all of them).
+    pub(super) fn set(prefetch: StreamPrefetch, chained: bool, every: usize) -> ThreadPrefetch {
         ThreadPrefetch(CONTEXT.replace(Some(CallContext {
             prefetch,
             chained,
+            skip_mask: skip_mask(every),
             next: std::ptr::null(),
         })))
+    }
+}
+
+/// The address bits that must be clear for a line to be prefetched when one line in `every` is.
+fn skip_mask(every: usize) -> usize {
+    if every <= 1 {
+        0
+    } else {
+        every.next_power_of_two() * 64 - 1
     }
 }
 
@@ -178,6 +192,7 @@ pub(crate) struct Pf {
     hint: PrefetchHint,
     end: usize,
     next: *const u8,
+    skip_mask: usize,
 }
 
 impl Pf {
@@ -188,7 +203,10 @@ impl Pf {
             return Pf::unchained(d);
         };
         if !c.chained {
-            return Pf::unchained(c.prefetch);
+            return Pf {
+                skip_mask: c.skip_mask,
+                ..Pf::unchained(c.prefetch)
+            };
         }
         set_next_stream(std::ptr::null());
         let tile = w.l.k_tiles * w.l.tile_bytes;
@@ -197,6 +215,7 @@ impl Pf {
             hint: c.prefetch.hint,
             end: (w.w.as_ptr() as usize).saturating_add((nt0 + nts) * tile),
             next: c.next,
+            skip_mask: c.skip_mask,
         }
     }
 
@@ -212,6 +231,7 @@ impl Pf {
             hint: p.hint,
             end: usize::MAX,
             next: std::ptr::null(),
+            skip_mask: 0,
         }
     }
 }
@@ -224,13 +244,14 @@ impl Pf {
             return None;
         }
         let at = p.wrapping_add(self.distance);
-        if (at as usize) < self.end {
-            Some(at)
+        let at = if (at as usize) < self.end {
+            at
         } else if self.next.is_null() {
-            None
+            return None;
         } else {
-            Some(self.next.wrapping_add(at as usize - self.end))
-        }
+            self.next.wrapping_add(at as usize - self.end)
+        };
+        (at as usize & self.skip_mask == 0).then_some(at)
     }
 }
 
@@ -907,6 +928,7 @@ mod tests {
             hint: PrefetchHint::T0,
             end,
             next,
+            skip_mask: 0,
         };
         assert_eq!(pf(next.as_ptr()).target(p), Some(p.wrapping_add(1024)));
         let last_own = p.wrapping_add(8192 - 1024 - 64);
@@ -931,6 +953,21 @@ mod tests {
             hint: PrefetchHint::T0,
         });
         assert_eq!(off.target(p), None);
+        // one line in two: the odd lines are left to the hardware prefetchers
+        // (addresses only: `target` never dereferences)
+        let base = 1usize << 20;
+        let line = |i: usize| (base + i * 64) as *const u8;
+        let even = Pf {
+            distance: 1024,
+            hint: PrefetchHint::T1,
+            end: usize::MAX,
+            next: std::ptr::null(),
+            skip_mask: skip_mask(2),
+        };
+        assert_eq!(even.target(line(0)), Some(line(16)));
+        assert_eq!(even.target(line(1)), None);
+        assert_eq!(even.target(line(2)), Some(line(18)));
+        assert_eq!((skip_mask(0), skip_mask(1), skip_mask(4)), (0, 0, 255));
     }
 
     /// The thread's setting reaches the kernels' calls and is gone once dropped; the next stream is
@@ -951,6 +988,7 @@ mod tests {
                     hint: PrefetchHint::T1,
                 },
                 true,
+                1,
             );
             assert_eq!(prefetch_distance(), 256);
             set_next_stream(next.as_ptr());
