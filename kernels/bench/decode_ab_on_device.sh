@@ -1,40 +1,44 @@
 #!/usr/bin/env bash
-# CPU routed-expert kernels at decode sizes on the H200 host, every decode path in ONE process per
-# (shape, dtype), so that the paths share that process's DRAM probe and memory: split (gate/up, down
-# activations and down as separate pool regions), fused (one region, per-expert readiness), chained
-# (the default: fused + each thread claims its next item before its current one's last stream, the
-# kernels' prefetch runs from stream to stream, 8 KiB ahead into L2) and streams (chained + down items
-# of a few experts x 96 KiB); `chained:pf4096:t0` is chained with the fused plan's prefetch. PATHS=…
-# times others (prefetch settings and item sizes: `PLAN:pfBYTES:t0|t1|nta:guKIB:dnKIB:stKIB`; batch A
-# of 2026-12-02 timed split,fused,chained,streams,chained:pf8192,streams:pf0,streams:pf2048,
-# streams:pf8192,streams:pf16384,streams:pf8192:t1,streams:st192:dn384,streams:gu512:dn384:st192, then
-# the first four again, with the prefetch default of the time, 4 KiB into L1, and TOKENS=1,2,4,8).
-# Three shapes: Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air, bf16 and int8. Then the pool's start-up (printed by the bench first)
-# and the kernels' cpu:: unit tests on this CPU.
+# CPU routed-expert kernels at decode sizes on the H200 host: every row in ONE process per (shape,
+# dtype), so that the rows share that process's DRAM probe and memory. Rows (`cpu_moe_bench --paths`):
+# decode paths (`PLAN[:pfBYTES][:t0|t1|nta][:evN][:wsKIB][:guKIB][:dnKIB][:stKIB]`, plans split,
+# fused, chained = the default, streams) and read anchors (`read`, `read:pf8192:t1`: the same
+# experts' bytes streamed by the pool with the DRAM probe's loop, the limit of those very pages).
+# Engine-like conditions (`--gaps` µs idle before each call with the caller and workers spinning and
+# the input rows flushed; `--cycles` layers cycled; `--threads 15,16`) are timed in the same process.
+#
+# MODE=final (default): the A/B of what ships, Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes,
+# bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8), PATHS rows twice, then the same at 48 / 52 layers with
+# the engine's 74 µs gap; then the kernels' cpu:: unit tests on this CPU (AMX tier included).
+# MODE=explore: batch A of 2026-12-02 13:55 (prefetch / item-size / warm-start sweep at SmallThinker
+# and Qwen bf16, the engine-like processes, the int8 and GLM baselines).
 #
 # Expert counts are below the models' (64 / 32 / 24 instead of 128 / 64 / 128) so that generating and
-# packing fits a device call: one token reads top_k experts either way; at 2-8 tokens fewer distinct
-# experts are read. Layers cycled: 16 / 16 / 6, so one token cycles 1.2 / 1.1 / 1.7 GB through the
-# 300 MiB L3. Stdout: one line per dtype x token count, "path median_ms(% of the DRAM probe)", paths
-# abbreviated sp/fu/ch/st, `@N` the prefetch distance; full tables in $OUT/cpuk9/*.md. Hard cap: the
-# timeouts below (76 s of benches, 10 s of tests).
+# packing fits a device call: one token reads top_k experts either way. Engine-like processes keep
+# 2 × top_k experts per layer and 48 (Qwen) / 52 (SmallThinker) layers, the models' depth: the pages
+# one token reads are the engine's. Stdout: one line per dtype × tokens × threads: each row's
+# "label median/mean ms(% of the DRAM probe, median)", labels abbreviated (ch chained, st streams,
+# fu fused, sp split, rd read, @N prefetch distance, /gN gap µs, /LN layers cycled); full tables
+# with p90 / max and the pool's late joins in $OUT/cpuplan10/*.md. Hard cap: the timeouts below.
 #
 # Staging (build machine, branch checkout):
 #   cargo build --release -p moe-kernels --example cpu_moe_bench
 #   T=$(cargo test --release --no-run -p moe-kernels --lib 2>&1 | grep -o 'target/release/deps/moe_kernels-[0-9a-f]*')
-#   D=/work/main/.device/cpuk9; mkdir -p $D
+#   D=/work/main/.device/cpuplan10; mkdir -p $D
 #   strip -o /tmp/b target/release/examples/cpu_moe_bench && xz -T1 -c /tmp/b > $D/cpu_moe_bench.xz
 #   strip -o /tmp/t $T && xz -T1 -c /tmp/t > $D/moe_kernels_tests.xz
 #   cp kernels/bench/decode_ab_on_device.sh $D/run.sh
-# Call: D=.device/cpuk9 OUT=$OUT bash .device/cpuk9/run.sh   (PATHS=… overrides the list of paths)
+# Call: D=.device/cpuplan10 OUT=$OUT bash .device/cpuplan10/run.sh   (MODE=explore, PATHS=… override)
 set -u
-D=${D:-.device/cpuk9}
-OUT=${OUT:-/tmp/cpuk9out}
-L=$OUT/cpuk9
+D=${D:-.device/cpuplan10}
+OUT=${OUT:-/tmp/cpuplan10out}
+L=$OUT/cpuplan10
+MODE=${MODE:-final}
 mkdir -p "$L"
 xz -d -k -f "$D"/*.xz
 chmod +x "$D"/cpu_moe_bench "$D"/moe_kernels_tests
 B=$D/cpu_moe_bench
+START=$(date +%s)
 # Reserved 2 MiB pages for the packed experts (largest set: 16 Qwen-shape layers of 64 bf16 experts,
 # 9.7 GB, plus the 2 GiB probe); without root the experts go on transparent huge pages. The previous
 # reservation is put back at the end.
@@ -42,46 +46,67 @@ PREV_PAGES=$(cat /proc/sys/vm/nr_hugepages)
 if [ -w /proc/sys/vm/nr_hugepages ]; then echo "${PAGES:-14000}" > /proc/sys/vm/nr_hugepages; fi
 echo "2M pages: $(cat /proc/sys/vm/nr_hugepages); $(lscpu | grep -E 'Model name' | sed 's/  */ /g')"
 
-# One line per dtype x tokens: each path's median ms and % of the DRAM probe (median call).
+# One line per dtype x tokens x threads: each row's median/mean ms and % of the probe (median).
 summ() {
   awk '
     /^## dtype/ { d=$3; sub(/:.*/,"",d) }
     /^\| [0-9]+ \| [0-9]+ \|/ {
       split($0,f,"|"); for (i in f) gsub(/ /,"",f[i]);
-      p=f[12]; gsub(/chained/,"ch",p); gsub(/streams/,"st",p); gsub(/split/,"sp",p); gsub(/fused/,"fu",p);
-      gsub(/:pf/,"@",p); gsub(/:t0/,"",p); v=f[9]; gsub(/%/,"",v);
-      k=d" t"f[3]; if (!(k in line)) { order[++n]=k; line[k]=k":" }
-      line[k]=line[k]" "p" "f[5]"("v")"
+      p=f[14]; gsub(/chained/,"ch",p); gsub(/streams/,"st",p); gsub(/split/,"sp",p); gsub(/fused/,"fu",p);
+      gsub(/read/,"rd",p); gsub(/:pf/,"@",p); gsub(/:t1/,"",p); v=f[9]; gsub(/%/,"",v);
+      m=f[5]; sub(/^0/,"",m); a=f[4]; sub(/^0/,"",a);
+      k=d" t"f[3]" th"f[2]; if (!(k in line)) { order[++n]=k; line[k]=k":" }
+      line[k]=line[k]" "p" "m"/"a"("v")"
     }
     END { for (i=1;i<=n;i++) print line[order[i]] }' "$1"
 }
 
 run() {
   local name=$1 cap=$2; shift 2
-  local t0
+  local t0 left
   t0=$(date +%s)
+  left=$(( ${BUDGET:-100} - (t0 - START) ))
+  if [ "$left" -lt 6 ]; then echo "== $name skipped: device budget spent"; return; fi
+  [ "$cap" -gt "$left" ] && cap=$left
   timeout "$cap" "$B" "$@" > "$L/$name.md" 2>&1
   local rc=$?
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
-  grep -E "^# pool|^# DRAM" "$L/$name.md" | sed 's/ (.*workers pinned.*//'
+  grep -E "^# pool|^# DRAM" "$L/$name.md" | sed 's/ (.*workers pinned.*//; s/ (the shares above.*//'
   grep -E "^## dtype" "$L/$name.md" | sed 's/ per layer.*memory/, memory/' | cut -c1-150
   summ "$L/$name.md"
 }
 
-P=${PATHS:-split,fused,chained,chained:pf4096:t0,streams,split,fused,chained,chained:pf4096:t0,streams}
-T=${TOKENS:-1,2,4,6,8}
-COMMON=(--threads 16 --iters 50 --probe-mib 2048 --paths "$P")
-QWEN=(--experts 64 --topk 8 --hidden 2048 --inter 768 --layers 16 --tokens "$T")
-ST=(--experts 32 --topk 6 --hidden 2560 --inter 768 --layers 16 --tokens "$T")
-GLM=(--experts 24 --topk 8 --hidden 4096 --inter 1408 --layers 6 --tokens 1,4,8)
-run qwen_bf16 16 "${QWEN[@]}" --dtype bf16 "${COMMON[@]}"
-run qwen_int8 12 "${QWEN[@]}" --dtype int8 "${COMMON[@]}"
-run st_bf16 14 "${ST[@]}" --dtype bf16 "${COMMON[@]}"
-run st_int8 10 "${ST[@]}" --dtype int8 "${COMMON[@]}"
-run glm_bf16 14 "${GLM[@]}" --dtype bf16 "${COMMON[@]}"
-run glm_int8 10 "${GLM[@]}" --dtype int8 "${COMMON[@]}"
+COMMON=(--iters 50 --probe-mib 2048)
+QWEN=(--topk 8 --hidden 2048 --inter 768)
+ST=(--topk 6 --hidden 2560 --inter 768)
+GLM=(--topk 8 --hidden 4096 --inter 1408)
+if [ "$MODE" = explore ]; then
+  SWEEP=${PATHS:-read,read:pf8192:t1,chained,chained:ev2,chained:ev4,chained:ev64,chained:ws64,chained:pf16384,chained:pf4096:t0,chained:gu320,chained:gu512,chained:dn384,chained:gu320:dn384,streams,fused,read,chained}
+  ENG=read,chained,chained:ev2,read,chained
+  BASE=read,chained,chained:ev2,chained:gu320,read,chained
+  run st_bf16 16 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --paths "$SWEEP" "${COMMON[@]}"
+  run qwen_bf16 16 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --paths "$SWEEP" "${COMMON[@]}"
+  run st_bf16_engine 16 "${ST[@]}" --experts 12 --layers 52 --cycles 16,52 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
+  run qwen_bf16_engine 16 "${QWEN[@]}" --experts 16 --layers 48 --cycles 16,48 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
+  run qwen_int8 11 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+  run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+else
+  P=${PATHS:-read,fused,chained,read,fused,chained}
+  T=${TOKENS:-1,2,4,8}
+  run qwen_bf16 14 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+  run qwen_int8 10 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
+  run st_bf16 12 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
+  run glm_bf16 12 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+  run glm_int8 9 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
+  run qwen_bf16_engine 12 "${QWEN[@]}" --experts 16 --layers 48 --gaps 74 --tokens 1 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+  run st_bf16_engine 12 "${ST[@]}" --experts 12 --layers 52 --gaps 74 --tokens 1 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+fi
 echo "$PREV_PAGES" > /proc/sys/vm/nr_hugepages 2>/dev/null
-echo "== kernels' unit tests on this CPU (cpu::, AMX tier included)"
-timeout 10 "$D"/moe_kernels_tests cpu:: > "$L/tests.log" 2>&1
-echo "rc=$?"; grep -E "test result|FAILED|panicked" "$L/tests.log" | head -20
-echo done
+if [ "$MODE" = final ]; then
+  echo "== kernels' unit tests on this CPU (cpu::, AMX tier included)"
+  timeout 10 "$D"/moe_kernels_tests cpu:: > "$L/tests.log" 2>&1
+  echo "rc=$?"; grep -E "test result|FAILED|panicked" "$L/tests.log" | head -20
+fi
+echo "done in $(( $(date +%s) - START ))s"

@@ -323,8 +323,8 @@ pub fn run_cpu_moe_bench_with(
             sets[0].tier(),
             t0.elapsed().as_secs_f64()
         );
-        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | decode path |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join µs (missed) | decode path |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for (ti, &threads) in a.threads.iter().enumerate() {
             let pool = opts(threads).build_pool()?;
             for &q in &a.tokens {
@@ -353,24 +353,39 @@ pub fn run_cpu_moe_bench_with(
                 for &cycle in &step.cycles(a.layers) {
                     for &gap in &step.gaps() {
                         for row in step.rows(&a.paths) {
-                            let times = time_row(a, &mut sets, &pool, row, (cycle, gap), &distinct, (&x, &ids_q, &wts), &mut y)?;
+                            let times = time_row(
+                                a,
+                                &mut sets,
+                                &pool,
+                                row,
+                                (cycle, gap),
+                                &distinct,
+                                (&x, &ids_q, &wts),
+                                &mut y,
+                            )?;
                             let (mean, median) = (times.mean, times.median);
                             let bytes = (distinct.len() * per_expert) as f64;
                             let gbs = bytes / mean / 1e9;
                             let limit = bytes / (bw[ti] * 1e9);
                             let flops = match row {
-                                BenchRow::Path(_) => (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9,
+                                BenchRow::Path(_) => {
+                                    (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
+                                }
                                 BenchRow::Read(_) => 0.0,
                             };
                             let _ = writeln!(
                                 out,
-                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {} |",
+                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {:.3} / {:.3} | {:.1} ({}) | {} |",
                                 mean * 1e3,
                                 median * 1e3,
                                 distinct.len(),
                                 100.0 * gbs / bw[ti],
                                 100.0 * bytes / median / 1e9 / bw[ti],
                                 mean / limit,
+                                times.p90 * 1e3,
+                                times.max * 1e3,
+                                times.last_join_us,
+                                times.missed,
                                 row_label(row, gap, cycle, a.layers)
                             );
                         }
@@ -388,10 +403,16 @@ pub fn run_cpu_moe_bench_with(
     Ok(out)
 }
 
-/// Mean and median seconds of one layer call.
+/// Seconds of one layer call (mean, median, 90th percentile, slowest), and the pool's regions over
+/// the timed calls: how long after a region opened its last worker joined (µs, mean over regions)
+/// and how many workers missed a region (a worker descheduled when it opened).
 struct CallTimes {
     mean: f64,
     median: f64,
+    p90: f64,
+    max: f64,
+    last_join_us: f64,
+    missed: u64,
 }
 
 /// Times `a.iters` calls of `row` cycling through the first `cycle` layers, each after an idle
@@ -430,17 +451,24 @@ fn time_row(
         call(i % cycle)?;
     }
     let mut times = Vec::with_capacity(a.iters);
+    let before = pool.region_stats();
     for i in 0..a.iters {
         idle_gap(gap, x);
         let t = Instant::now();
         call(i % cycle)?;
         times.push(t.elapsed().as_secs_f64());
     }
+    let regions = pool.region_stats().since(&before);
     let mean = times.iter().sum::<f64>() / a.iters.max(1) as f64;
     times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     Ok(CallTimes {
         mean,
         median: times[times.len() / 2],
+        p90: at(0.9),
+        max: at(1.0),
+        last_join_us: regions.max_join_lag_s / regions.regions.max(1) as f64 * 1e6,
+        missed: regions.missed,
     })
 }
 

@@ -238,7 +238,13 @@ mod tests {
 
     #[test]
     fn rows_parse_and_name() {
-        for s in ["read", "read:pf8192:t1", "read:pf4096:t0", "chained", "split"] {
+        for s in [
+            "read",
+            "read:pf8192:t1",
+            "read:pf4096:t0",
+            "chained",
+            "split",
+        ] {
             let r: BenchRow = s.parse().unwrap();
             assert_eq!(r.to_string(), s);
         }

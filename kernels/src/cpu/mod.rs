@@ -7,8 +7,8 @@
 pub mod attention;
 pub mod backing;
 pub mod bench;
-pub mod bench_step;
 pub mod bench_dense;
+pub mod bench_step;
 pub mod dense;
 #[cfg(target_arch = "x86_64")]
 mod dense_amx_int;

@@ -744,9 +744,8 @@ impl Region<'_> {
         let _guard = AbortOnUnwind(&self.st.abort);
         let chained = self.path.chained();
         let every = self.path.prefetch_every;
-        let _prefetch = (chained || self.path.prefetch.is_some() || every.is_some()).then(|| {
-            ThreadPrefetch::set(self.path.kernel_prefetch(), chained, every.unwrap_or(1))
-        });
+        let _prefetch = (chained || self.path.prefetch.is_some() || every.is_some())
+            .then(|| ThreadPrefetch::set(self.path.kernel_prefetch(), chained, every.unwrap_or(1)));
         let items = &self.st.plans[g].items;
         // the item this thread claimed while running its previous one (chained plans)
         let mut claimed = None;
