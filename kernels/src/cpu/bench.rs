@@ -323,7 +323,7 @@ pub fn run_cpu_moe_bench_with(
             sets[0].tier(),
             t0.elapsed().as_secs_f64()
         );
-        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join µs (missed) | decode path |");
+        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join / tail µs (missed) | decode path |");
         let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for (ti, &threads) in a.threads.iter().enumerate() {
             let pool = opts(threads).build_pool()?;
@@ -375,7 +375,7 @@ pub fn run_cpu_moe_bench_with(
                             };
                             let _ = writeln!(
                                 out,
-                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {:.3} / {:.3} | {:.1} ({}) | {} |",
+                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {:.3} / {:.3} | {:.1} / {:.1} ({}) | {} |",
                                 mean * 1e3,
                                 median * 1e3,
                                 distinct.len(),
@@ -385,6 +385,7 @@ pub fn run_cpu_moe_bench_with(
                                 times.p90 * 1e3,
                                 times.max * 1e3,
                                 times.last_join_us,
+                                times.tail_us,
                                 times.missed,
                                 row_label(row, gap, cycle, a.layers)
                             );
@@ -404,14 +405,16 @@ pub fn run_cpu_moe_bench_with(
 }
 
 /// Seconds of one layer call (mean, median, 90th percentile, slowest), and the pool's regions over
-/// the timed calls: how long after a region opened its last worker joined (µs, mean over regions)
-/// and how many workers missed a region (a worker descheduled when it opened).
+/// the timed calls (µs, means over regions): how long after a region opened its last worker joined,
+/// how long the caller waited for the others once its own items were done (the region's tail: a
+/// worker descheduled inside the region shows here), and how many workers missed a region.
 struct CallTimes {
     mean: f64,
     median: f64,
     p90: f64,
     max: f64,
     last_join_us: f64,
+    tail_us: f64,
     missed: u64,
 }
 
@@ -468,6 +471,7 @@ fn time_row(
         p90: at(0.9),
         max: at(1.0),
         last_join_us: regions.max_join_lag_s / regions.regions.max(1) as f64 * 1e6,
+        tail_us: regions.close_wait_s / regions.regions.max(1) as f64 * 1e6,
         missed: regions.missed,
     })
 }
