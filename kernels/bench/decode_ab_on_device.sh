@@ -81,7 +81,7 @@ QWEN=(--topk 8 --hidden 2048 --inter 768)
 ST=(--topk 6 --hidden 2560 --inter 768)
 GLM=(--topk 8 --hidden 4096 --inter 1408)
 if [ "$MODE" = explore ]; then
-  SWEEP=${PATHS:-read,read:pf8192:t1,chained,chained:ev2,chained:ev4,chained:ev64,chained:ws64,chained:pf16384,chained:pf4096:t0,chained:gu320,chained:gu512,chained:dn384,chained:gu320:dn384,streams,fused,read,chained}
+  SWEEP=${PATHS:-read,read:pf8192:t1,read:ck1024,chained,chained:ev2,chained:ev4,chained:ev64,chained:ws64,chained:pf16384,chained:pf4096:t0,chained:gu320,chained:gu512,chained:dn384,chained:gu320:dn384,streams,fused,read,chained}
   ENG=read,chained,chained:ev2,read,chained
   BASE=read,chained,chained:ev2,chained:gu320,read,chained
   run st_bf16 16 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --paths "$SWEEP" "${COMMON[@]}"

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use super::bench_step::{idle_gap, read_call, read_chunks, row_label, BenchRow, DecodeStepArgs};
+use super::bench_step::{
+    idle_gap, probe_over, read_call, read_chunks, row_label, BenchRow, DecodeStepArgs,
+};
 use super::features::CpuTier;
 use super::memory::{HugeBuffer, HugepageMode};
 use super::moe::{
@@ -323,10 +325,17 @@ pub fn run_cpu_moe_bench_with(
             sets[0].tier(),
             t0.elapsed().as_secs_f64()
         );
-        let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join / tail µs (missed) | decode path |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for (ti, &threads) in a.threads.iter().enumerate() {
             let pool = opts(threads).build_pool()?;
+            let regions: Vec<&[u8]> = sets.iter().flat_map(|s| s.packed_regions()).collect();
+            let _ = writeln!(
+                out,
+                "# DRAM read bandwidth over the packed experts ({:.1} GB), {threads} threads: {:.1} GB/s",
+                regions.iter().map(|r| r.len()).sum::<usize>() as f64 / 1e9,
+                probe_over(&pool, &regions)
+            );
+            let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join / tail µs (missed) | decode path |");
+            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
             for &q in &a.tokens {
                 let mut g = Gen(0xC0FFEE ^ q as u64);
                 let mut ids_q = Vec::with_capacity(q * a.topk);
@@ -438,7 +447,10 @@ fn time_row(
             sets.iter_mut().for_each(|s| s.set_decode_path(path));
             Vec::new()
         }
-        BenchRow::Read(_) => sets.iter().map(|s| read_chunks(s, distinct)).collect(),
+        BenchRow::Read(r) => sets
+            .iter()
+            .map(|s| read_chunks(s, distinct, r.chunk))
+            .collect(),
     };
     let mut call = |l: usize| -> Result<(), BenchError> {
         match row {

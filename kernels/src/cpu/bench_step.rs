@@ -24,28 +24,41 @@ pub enum BenchRow {
     Read(ReadAnchor),
 }
 
-/// The read anchor: every thread of the pool sums [`READ_CHUNK`] chunks of the call's experts
-/// (their packed bytes, expert after expert) with 512-bit loads, optionally with a software
-/// prefetch `distance` bytes ahead inside the chunk (else the hardware prefetchers alone, as the
-/// DRAM probe).
+/// The read anchor: every thread of the pool sums `chunk`-byte pieces of the call's experts (their
+/// packed bytes, expert after expert) with 512-bit loads, optionally with a software prefetch
+/// `distance` bytes ahead inside the piece (else the hardware prefetchers alone, as the DRAM probe).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadAnchor {
     pub prefetch: Option<StreamPrefetch>,
+    pub chunk: usize,
 }
 
-/// Bytes per read-anchor item: about a kernel item's size, so the anchor pays the same stream
-/// starts and region tail as the kernels do.
+/// Bytes per read-anchor item by default: about a kernel item's size, so the anchor pays the same
+/// stream starts and region tail as the kernels do (`read:ck1024` reads the probe's 1 MiB).
 pub const READ_CHUNK: usize = 256 << 10;
 
 impl std::str::FromStr for BenchRow {
     type Err = String;
-    /// `read`, `read:pfBYTES[:t0|t1|nta]`, or a decode path (`DecodePath`'s syntax).
+    /// `read[:ckKIB][:pfBYTES][:t0|t1|nta]`, or a decode path (`DecodePath`'s syntax).
     fn from_str(s: &str) -> Result<Self, String> {
         let Some(opts) = s.strip_prefix("read") else {
             return s.parse().map(BenchRow::Path);
         };
+        if !(opts.is_empty() || opts.starts_with(':')) {
+            return Err(format!("unknown row {s:?}"));
+        }
         let mut pf: Option<StreamPrefetch> = None;
+        let mut chunk = READ_CHUNK;
         for opt in opts.split(':').filter(|o| !o.is_empty()) {
+            if let Some(k) = opt.strip_prefix("ck") {
+                chunk = k
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&k| (1..=1 << 20).contains(&k))
+                    .ok_or_else(|| format!("{s:?}: {k:?} is not a chunk size in KiB"))?
+                    << 10;
+                continue;
+            }
             let p = pf.get_or_insert(StreamPrefetch {
                 distance: 8192,
                 hint: PrefetchHint::T1,
@@ -58,7 +71,10 @@ impl std::str::FromStr for BenchRow {
                 p.hint = opt.parse().map_err(|e| format!("{s:?}: {e}"))?;
             }
         }
-        Ok(BenchRow::Read(ReadAnchor { prefetch: pf }))
+        Ok(BenchRow::Read(ReadAnchor {
+            prefetch: pf,
+            chunk,
+        }))
     }
 }
 
@@ -66,9 +82,15 @@ impl std::fmt::Display for BenchRow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BenchRow::Path(p) => p.fmt(f),
-            BenchRow::Read(ReadAnchor { prefetch: None }) => f.write_str("read"),
-            BenchRow::Read(ReadAnchor { prefetch: Some(p) }) => {
-                write!(f, "read:pf{}:{}", p.distance, p.hint)
+            BenchRow::Read(r) => {
+                f.write_str("read")?;
+                if r.chunk != READ_CHUNK {
+                    write!(f, ":ck{}", r.chunk >> 10)?;
+                }
+                if let Some(p) = r.prefetch {
+                    write!(f, ":pf{}:{}", p.distance, p.hint)?;
+                }
+                Ok(())
             }
         }
     }
@@ -158,12 +180,16 @@ fn flush(x: &[f32]) {
     let _ = x;
 }
 
-/// The chunks (address, bytes) of `experts`' packed bytes in `set`, [`READ_CHUNK`] each at most,
+/// The chunks (address, bytes) of `experts`' packed bytes in `set`, `chunk` bytes each at most,
 /// expert after expert.
-pub(crate) fn read_chunks(set: &CpuExpertSet, experts: &[u32]) -> Vec<(usize, usize)> {
+pub(crate) fn read_chunks(
+    set: &CpuExpertSet,
+    experts: &[u32],
+    chunk: usize,
+) -> Vec<(usize, usize)> {
     let mut chunks = Vec::new();
     for r in experts.iter().filter_map(|&e| set.packed_expert(e)) {
-        for c in r.chunks(READ_CHUNK) {
+        for c in r.chunks(chunk.max(64)) {
             chunks.push((c.as_ptr() as usize, c.len()));
         }
     }
@@ -181,6 +207,29 @@ pub(crate) fn read_call(pool: &WorkerPool, chunks: &[(usize, usize)], anchor: Re
         let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
         std::hint::black_box(sum_bytes(bytes, anchor.prefetch));
     });
+}
+
+/// The DRAM probe's measure (every thread summing 1 MiB pieces, best of 4 passes) over `regions`
+/// instead of a buffer of its own: the packed experts' pages, all of them. GB/s.
+pub(crate) fn probe_over(pool: &WorkerPool, regions: &[&[u8]]) -> f64 {
+    let chunks: Vec<(usize, usize)> = regions
+        .iter()
+        .flat_map(|r| r.chunks(1 << 20))
+        .map(|c| (c.as_ptr() as usize, c.len()))
+        .collect();
+    let bytes: usize = chunks.iter().map(|c| c.1).sum();
+    let anchor = ReadAnchor {
+        prefetch: None,
+        chunk: 1 << 20,
+    };
+    let best = (0..4)
+        .map(|_| {
+            let t = Instant::now();
+            read_call(pool, &chunks, anchor);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min);
+    bytes as f64 / best / 1e9
 }
 
 /// Sum of `b` as u64 lanes (the tail as bytes): a read of every byte the compiler cannot drop.
@@ -242,6 +291,8 @@ mod tests {
             "read",
             "read:pf8192:t1",
             "read:pf4096:t0",
+            "read:ck1024",
+            "read:ck64:pf8192:t1",
             "chained",
             "split",
         ] {
@@ -253,6 +304,8 @@ mod tests {
         assert!("read:pfx".parse::<BenchRow>().is_err());
         assert!("read:t9".parse::<BenchRow>().is_err());
         assert!("reed".parse::<BenchRow>().is_err());
+        assert!("readx".parse::<BenchRow>().is_err());
+        assert!("read:ck0".parse::<BenchRow>().is_err());
     }
 
     #[test]
