@@ -5,7 +5,8 @@
 # fused, chained = the default, streams) and read anchors (`read`, `read:pf8192:t1`: the same
 # experts' bytes streamed by the pool with the DRAM probe's loop, the limit of those very pages).
 # Engine-like conditions (`--gaps` µs idle before each call with the caller and workers spinning and
-# the input rows flushed; `--cycles` layers cycled; `--threads 15,16`) are timed in the same process.
+# the input rows flushed; `--cycles` layers cycled; `--routings fresh`: a routing drawn per call, no L3
+# reuse from pass to pass; `--threads 15,16`) are timed in the same process.
 #
 # MODE=final (default): the A/B of what ships, Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes,
 # bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8), PATHS rows twice, then the same at 48 / 52 layers with
@@ -18,7 +19,8 @@
 # 2 × top_k experts per layer and 48 (Qwen) / 52 (SmallThinker) layers, the models' depth: the pages
 # one token reads are the engine's. Stdout: one line per dtype × tokens × threads: each row's
 # "label median/mean ms(% of the DRAM probe, median)", labels abbreviated (ch chained, st streams,
-# fu fused, sp split, rd read, @N prefetch distance, /gN gap µs, /LN layers cycled); full tables
+# fu fused, sp split, rd read, @N prefetch distance, /fresh routing per call, /gN gap µs, /LN layers
+# cycled); full tables
 # with p90 / max and the pool's late joins in $OUT/cpuplan10/*.md. Hard cap: the timeouts below.
 #
 # Staging (build machine, branch checkout):
@@ -84,13 +86,13 @@ if [ "$MODE" = explore ]; then
   SWEEP=${PATHS:-read,read:pf8192:t1,read:ck1024,chained,chained:ev2,chained:ev4,chained:ev64,chained:ws64,chained:pf16384,chained:pf4096:t0,chained:gu320,chained:gu512,chained:dn384,chained:gu320:dn384,streams,fused,read,chained}
   ENG=read,chained,chained:ev2,read,chained
   BASE=read,chained,chained:ev2,chained:gu320,read,chained
-  run st_bf16 16 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --paths "$SWEEP" "${COMMON[@]}"
-  run qwen_bf16 16 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --paths "$SWEEP" "${COMMON[@]}"
-  run st_bf16_engine 16 "${ST[@]}" --experts 12 --layers 52 --cycles 16,52 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
-  run qwen_bf16_engine 16 "${QWEN[@]}" --experts 16 --layers 48 --cycles 16,48 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
-  run qwen_int8 11 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
-  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
-  run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+  run st_bf16 16 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --paths "$SWEEP" "${COMMON[@]}"
+  run qwen_bf16 16 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --paths "$SWEEP" "${COMMON[@]}"
+  run st_bf16_engine 16 "${ST[@]}" --experts 12 --layers 52 --routings fixed,fresh --cycles 16,52 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
+  run qwen_bf16_engine 16 "${QWEN[@]}" --experts 16 --layers 48 --routings fixed,fresh --cycles 16,48 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
+  run qwen_int8 11 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
+  run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
 else
   P=${PATHS:-read,fused,chained,read,fused,chained}
   T=${TOKENS:-1,2,4,8}

@@ -7,7 +7,9 @@
 //! anchor: the same experts' bytes streamed by the pool with the DRAM probe's loop), and the engine's
 //! decode-step conditions (`moe_kernels::cpu::bench_step`), each list timed in turn in one process:
 //! `--gaps 0,74` (µs idle before each call, the caller and the workers spinning, the input rows
-//! flushed from the caches) and `--cycles 16,48` (layers cycled through, at most `--layers`). First it
+//! flushed from the caches), `--cycles 16,48` (layers cycled through, at most `--layers`) and
+//! `--routings fixed,fresh` (one routing for every call, or one drawn per call as the engine's
+//! change every token: no L3 reuse from pass to pass). First it
 //! prints what a pool region costs with no work, and how long after `run` the workers start (the
 //! region start-up of every decode call).
 //!
@@ -104,6 +106,7 @@ fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, DecodeStepArgs), String> {
             "--paths" => step.rows = list::<BenchRow>(v)?,
             "--gaps" => step.gaps_us = list(v)?,
             "--cycles" => step.cycles = list(v)?,
+            "--routings" => step.routings = list(v)?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use thiserror::Error;
 
 use super::bench_step::{
-    idle_gap, probe_over, read_call, read_chunks, row_label, BenchRow, DecodeStepArgs,
+    idle_gap, probe_over, read_call, read_chunks, row_label, BenchRow, DecodeStepArgs, RoutingMode,
 };
 use super::features::CpuTier;
 use super::memory::{HugeBuffer, HugepageMode};
@@ -337,18 +337,6 @@ pub fn run_cpu_moe_bench_with(
             let _ = writeln!(out, "| threads | tokens | ms/layer (mean) | ms/layer (median) | experts read | GB/s weights | % DRAM read BW | % (median) | × read limit | GFLOP/s | ms p90 / max | last join / tail µs (missed) | decode path |");
             let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
             for &q in &a.tokens {
-                let mut g = Gen(0xC0FFEE ^ q as u64);
-                let mut ids_q = Vec::with_capacity(q * a.topk);
-                for _ in 0..q {
-                    let mut chosen: Vec<u32> = Vec::with_capacity(a.topk);
-                    while chosen.len() < a.topk {
-                        let e = (g.next() % a.experts as u64) as u32;
-                        if !chosen.contains(&e) {
-                            chosen.push(e);
-                        }
-                    }
-                    ids_q.extend(chosen);
-                }
                 let wts: Vec<f32> = (0..q * a.topk)
                     .map(|i| 0.1 + (i % 7) as f32 * 0.1)
                     .collect();
@@ -356,49 +344,33 @@ pub fn run_cpu_moe_bench_with(
                     .map(|i| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
                 let mut y = vec![0f32; q * a.hidden];
-                let mut distinct = ids_q.clone();
-                distinct.sort_unstable();
-                distinct.dedup();
-                for &cycle in &step.cycles(a.layers) {
-                    for &gap in &step.gaps() {
-                        for row in step.rows(&a.paths) {
-                            let times = time_row(
-                                a,
-                                &mut sets,
-                                &pool,
-                                row,
-                                (cycle, gap),
-                                &distinct,
-                                (&x, &ids_q, &wts),
-                                &mut y,
-                            )?;
-                            let (mean, median) = (times.mean, times.median);
-                            let bytes = (distinct.len() * per_expert) as f64;
-                            let gbs = bytes / mean / 1e9;
-                            let limit = bytes / (bw[ti] * 1e9);
-                            let flops = match row {
-                                BenchRow::Path(_) => {
-                                    (6 * q * a.topk * a.hidden * a.inter) as f64 / mean / 1e9
-                                }
-                                BenchRow::Read(_) => 0.0,
-                            };
-                            let _ = writeln!(
-                                out,
-                                "| {threads} | {q} | {:.3} | {:.3} | {} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {flops:.0} | {:.3} / {:.3} | {:.1} / {:.1} ({}) | {} |",
-                                mean * 1e3,
-                                median * 1e3,
-                                distinct.len(),
-                                100.0 * gbs / bw[ti],
-                                100.0 * bytes / median / 1e9 / bw[ti],
-                                mean / limit,
-                                times.p90 * 1e3,
-                                times.max * 1e3,
-                                times.last_join_us,
-                                times.tail_us,
-                                times.missed,
-                                row_label(row, gap, cycle, a.layers)
-                            );
-                        }
+                for (mode, cycle, gap) in step.conditions(a.layers) {
+                    // fixed: one routing for every call, as the bench always had; fresh: one per call
+                    let calls = match mode {
+                        RoutingMode::Fixed => 1,
+                        RoutingMode::Fresh => cycle.max(3) + a.iters,
+                    };
+                    let routings: Vec<Routing> = (0..calls)
+                        .map(|i| Routing::draw(a, q, (0xC0FFEE ^ q as u64) + 7919 * i as u64))
+                        .collect();
+                    for row in step.rows(&a.paths) {
+                        let times = time_row(
+                            a,
+                            &mut sets,
+                            &pool,
+                            row,
+                            (cycle, gap),
+                            &routings,
+                            (&x, &wts),
+                            &mut y,
+                        )?;
+                        let label = row_label(row, (mode, gap, cycle), a.layers);
+                        let flops = match row {
+                            BenchRow::Path(_) => (6 * q * a.topk * a.hidden * a.inter) as f64,
+                            BenchRow::Read(_) => 0.0,
+                        };
+                        let bytes = times.experts * per_expert as f64;
+                        out += &table_row((threads, q), &times, (bytes, flops), bw[ti], &label);
                     }
                 }
             }
@@ -413,11 +385,67 @@ pub fn run_cpu_moe_bench_with(
     Ok(out)
 }
 
+/// One line of the table: `bytes` and `flops` of a call, `probe` the DRAM probe's GB/s.
+fn table_row(
+    (threads, q): (usize, usize),
+    t: &CallTimes,
+    (bytes, flops): (f64, f64),
+    probe: f64,
+    label: &str,
+) -> String {
+    let gbs = bytes / t.mean / 1e9;
+    format!(
+        "| {threads} | {q} | {:.3} | {:.3} | {:.1} | {gbs:.1} | {:.0}% | {:.0}% | {:.2} | {:.0} | {:.3} / {:.3} | {:.1} / {:.1} ({}) | {label} |\n",
+        t.mean * 1e3,
+        t.median * 1e3,
+        t.experts,
+        100.0 * gbs / probe,
+        100.0 * bytes / t.median / 1e9 / probe,
+        t.mean / (bytes / (probe * 1e9)),
+        flops / t.mean / 1e9,
+        t.p90 * 1e3,
+        t.max * 1e3,
+        t.last_join_us,
+        t.tail_us,
+        t.missed,
+    )
+}
+
+/// One call's routing: expert ids per (token, slot) and the distinct experts they read.
+struct Routing {
+    ids: Vec<u32>,
+    distinct: Vec<u32>,
+}
+
+impl Routing {
+    /// `q` tokens of `a.topk` distinct experts each, drawn from `seed` (nonzero).
+    fn draw(a: &CpuMoeBenchArgs, q: usize, seed: u64) -> Routing {
+        let mut g = Gen(seed.max(1));
+        let mut ids = Vec::with_capacity(q * a.topk);
+        for _ in 0..q {
+            let mut chosen: Vec<u32> = Vec::with_capacity(a.topk);
+            while chosen.len() < a.topk {
+                let e = (g.next() % a.experts as u64) as u32;
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            ids.extend(chosen);
+        }
+        let mut distinct = ids.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        Routing { ids, distinct }
+    }
+}
+
 /// Seconds of one layer call (mean, median, 90th percentile, slowest), and the pool's regions over
 /// the timed calls (µs, means over regions): how long after a region opened its last worker joined,
 /// how long the caller waited for the others once its own items were done (the region's tail: a
 /// worker descheduled inside the region shows here), and how many workers missed a region.
 struct CallTimes {
+    /// Distinct experts read per timed call (mean).
+    experts: f64,
     mean: f64,
     median: f64,
     p90: f64,
@@ -428,7 +456,8 @@ struct CallTimes {
 }
 
 /// Times `a.iters` calls of `row` cycling through the first `cycle` layers, each after an idle
-/// `gap` (µs), after warm-up calls that touch every one of those layers.
+/// `gap` (µs), after warm-up calls that touch every one of those layers; call `i` takes routing
+/// `i % routings.len()` (warm-up calls included).
 #[allow(clippy::too_many_arguments)]
 fn time_row(
     a: &CpuMoeBenchArgs,
@@ -436,48 +465,54 @@ fn time_row(
     pool: &WorkerPool,
     row: BenchRow,
     (cycle, gap_us): (usize, u64),
-    distinct: &[u32],
-    (x, ids_q, wts): (&[f32], &[u32], &[f32]),
+    routings: &[Routing],
+    (x, wts): (&[f32], &[f32]),
     y: &mut [f32],
 ) -> Result<CallTimes, BenchError> {
     let gap = std::time::Duration::from_micros(gap_us);
     let sets = &mut sets[..cycle];
-    let chunks: Vec<Vec<(usize, usize)>> = match row {
-        BenchRow::Path(path) => {
-            sets.iter_mut().for_each(|s| s.set_decode_path(path));
-            Vec::new()
-        }
-        BenchRow::Read(r) => sets
-            .iter()
-            .map(|s| read_chunks(s, distinct, r.chunk))
-            .collect(),
-    };
-    let mut call = |l: usize| -> Result<(), BenchError> {
+    if let BenchRow::Path(path) = row {
+        sets.iter_mut().for_each(|s| s.set_decode_path(path));
+    }
+    // Call `i`: its layer and routing, and for the read anchor its chunks (listed before the clock).
+    let mut call = |i: usize, clock: &mut Option<Instant>| -> Result<(), BenchError> {
+        let (l, r) = (i % cycle, &routings[i % routings.len()]);
         match row {
-            BenchRow::Path(_) => sets[l].forward(pool, x, ids_q, wts, a.topk, y)?,
-            BenchRow::Read(anchor) => read_call(pool, &chunks[l], anchor),
+            BenchRow::Path(_) => {
+                *clock = Some(Instant::now());
+                sets[l].forward(pool, x, &r.ids, wts, a.topk, y)?
+            }
+            BenchRow::Read(anchor) => {
+                let chunks = read_chunks(&sets[l], &r.distinct, anchor.chunk);
+                *clock = Some(Instant::now());
+                read_call(pool, &chunks, anchor)
+            }
         }
         Ok(())
     };
     // Warm-up: every layer once (at least 3 calls), so no timed call is a layer's first since
     // packing (on the H200 host the first row of each dtype was 2-5x off otherwise).
-    for i in 0..cycle.max(3) {
+    let warm = cycle.max(3);
+    for i in 0..warm {
         idle_gap(gap, x);
-        call(i % cycle)?;
+        call(i, &mut None)?;
     }
     let mut times = Vec::with_capacity(a.iters);
+    let mut experts = 0;
     let before = pool.region_stats();
-    for i in 0..a.iters {
+    for i in warm..warm + a.iters {
         idle_gap(gap, x);
-        let t = Instant::now();
-        call(i % cycle)?;
-        times.push(t.elapsed().as_secs_f64());
+        let mut clock = None;
+        call(i, &mut clock)?;
+        times.push(clock.map_or(0.0, |t| t.elapsed().as_secs_f64()));
+        experts += routings[i % routings.len()].distinct.len();
     }
     let regions = pool.region_stats().since(&before);
     let mean = times.iter().sum::<f64>() / a.iters.max(1) as f64;
     times.sort_by(f64::total_cmp);
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     Ok(CallTimes {
+        experts: experts as f64 / a.iters.max(1) as f64,
         mean,
         median: times[times.len() / 2],
         p90: at(0.9),

@@ -96,10 +96,34 @@ impl std::fmt::Display for BenchRow {
     }
 }
 
+/// Which experts the timed calls read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RoutingMode {
+    /// One routing for every call of a token count: each layer's same experts, pass after pass
+    /// (what the bench always did; a part of a cycle 4-6x the L3 may still hit in it).
+    #[default]
+    Fixed,
+    /// A routing drawn per call, as the engine's change every token: no reuse across passes.
+    Fresh,
+}
+
+impl std::str::FromStr for RoutingMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fixed" => Ok(RoutingMode::Fixed),
+            "fresh" => Ok(RoutingMode::Fresh),
+            _ => Err(format!("unknown routing {s:?} (expected fixed or fresh)")),
+        }
+    }
+}
+
 /// The engine-like conditions of the timed calls (see the module doc); the default is the bench as
-/// it was: back to back over every layer, decode paths only.
+/// it was: back to back over every layer, one routing, decode paths only.
 #[derive(Clone, Debug, Default)]
 pub struct DecodeStepArgs {
+    /// Routings, each entry timed in turn (empty: `[fixed]`).
+    pub routings: Vec<RoutingMode>,
     /// Idle µs before each call, each entry timed in turn (empty: `[0]`).
     pub gaps_us: Vec<u64>,
     /// Layers cycled through, each entry timed in turn (empty: all `--layers`).
@@ -109,6 +133,24 @@ pub struct DecodeStepArgs {
 }
 
 impl DecodeStepArgs {
+    /// Every (routing, layers cycled, gap) to time, in that nesting.
+    pub(crate) fn conditions(&self, layers: usize) -> Vec<(RoutingMode, usize, u64)> {
+        let routings = if self.routings.is_empty() {
+            vec![RoutingMode::Fixed]
+        } else {
+            self.routings.clone()
+        };
+        let mut v = Vec::new();
+        for &r in &routings {
+            for &c in &self.cycles(layers) {
+                for &g in &self.gaps() {
+                    v.push((r, c, g));
+                }
+            }
+        }
+        v
+    }
+
     pub(crate) fn gaps(&self) -> Vec<u64> {
         if self.gaps_us.is_empty() {
             vec![0]
@@ -135,9 +177,16 @@ impl DecodeStepArgs {
     }
 }
 
-/// What a row's label adds for a gap and a cycle other than the defaults: `/g74` (µs), `/L48`.
-pub(crate) fn row_label(row: BenchRow, gap_us: u64, cycle: usize, layers: usize) -> String {
+/// What a row's label adds for conditions other than the defaults: `/fresh`, `/g74` (µs), `/L48`.
+pub(crate) fn row_label(
+    row: BenchRow,
+    (routing, gap_us, cycle): (RoutingMode, u64, usize),
+    layers: usize,
+) -> String {
     let mut s = row.to_string();
+    if routing == RoutingMode::Fresh {
+        s += "/fresh";
+    }
     if gap_us > 0 {
         s += &format!("/g{gap_us}");
     }
@@ -311,9 +360,13 @@ mod tests {
     #[test]
     fn labels_name_only_what_differs_from_the_defaults() {
         let r = BenchRow::Path(DecodePath::CHAINED);
-        assert_eq!(row_label(r, 0, 16, 16), "chained");
-        assert_eq!(row_label(r, 74, 48, 48), "chained/g74");
-        assert_eq!(row_label(r, 74, 16, 48), "chained/g74/L16");
+        let fixed = RoutingMode::Fixed;
+        assert_eq!(row_label(r, (fixed, 0, 16), 16), "chained");
+        assert_eq!(row_label(r, (fixed, 74, 48), 48), "chained/g74");
+        assert_eq!(
+            row_label(r, (RoutingMode::Fresh, 74, 16), 48),
+            "chained/fresh/g74/L16"
+        );
     }
 
     #[test]
@@ -354,6 +407,16 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(c.cycles(16), vec![1, 8, 16]);
+        assert_eq!(d.conditions(4), vec![(RoutingMode::Fixed, 4, 0)]);
+        let e = DecodeStepArgs {
+            routings: vec![RoutingMode::Fresh, RoutingMode::Fixed],
+            gaps_us: vec![0, 74],
+            ..Default::default()
+        };
+        assert_eq!(e.conditions(4).len(), 4);
+        assert_eq!(e.conditions(4)[1], (RoutingMode::Fresh, 4, 74));
+        assert_eq!("fresh".parse(), Ok(RoutingMode::Fresh));
+        assert!("random".parse::<RoutingMode>().is_err());
         assert_eq!(
             d.rows(&[DecodePath::SPLIT]),
             vec![BenchRow::Path(DecodePath::SPLIT)]
