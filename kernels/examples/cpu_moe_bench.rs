@@ -131,8 +131,12 @@ fn main() {
         Ok(pool) => print!("{}", pool_startup(&pool)),
         Err(e) => eprintln!("cpu_moe_bench: no pool for the start-up probe: {e}"),
     }
-    match run_cpu_moe_bench_with(&args, &step) {
-        Ok(report) => print!("{report}"),
+    let mut print = |s: &str| {
+        print!("{s}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    match run_cpu_moe_bench_with(&args, &step, &mut print) {
+        Ok(()) => {}
         Err(e) => {
             eprintln!("{e}");
             std::process::exit(1)

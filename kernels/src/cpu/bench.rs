@@ -225,20 +225,29 @@ unsafe fn sum_chunk_avx512(s: &[u64]) -> u64 {
 
 /// Runs the benchmark and returns the report (a table per dtype, one line per threads × tokens).
 pub fn run_cpu_moe_bench(a: &CpuMoeBenchArgs) -> Result<String, BenchError> {
-    run_cpu_moe_bench_with(a, &DecodeStepArgs::default())
+    let mut report = String::new();
+    run_cpu_moe_bench_with(a, &DecodeStepArgs::default(), &mut |s| report.push_str(s))?;
+    Ok(report)
 }
 
-/// [`run_cpu_moe_bench`] with the engine-like conditions and read anchors of `step`: one line per
-/// threads × tokens × layers cycled × gap × row, labelled as [`row_label`] says.
+/// [`run_cpu_moe_bench`] with the engine-like conditions and read anchors of `step` (one line per
+/// threads × tokens × routing × layers cycled × gap × row, labelled as [`row_label`] says), the
+/// report handed to `emit` piece by piece as it is measured (a run cut short keeps its rows).
 pub fn run_cpu_moe_bench_with(
     a: &CpuMoeBenchArgs,
     step: &DecodeStepArgs,
-) -> Result<String, BenchError> {
+    emit: &mut dyn FnMut(&str),
+) -> Result<(), BenchError> {
     use std::fmt::Write;
     if a.topk > a.experts {
         return Err(BenchError::Args("--topk exceeds --experts"));
     }
     let mut out = String::new();
+    // what is in `out` goes to `emit`
+    let mut flush = |out: &mut String| {
+        emit(out);
+        out.clear();
+    };
     let max_threads = *a.threads.iter().max().unwrap_or(&1);
     let opts = |threads| CpuMoeOptions {
         threads: Some(threads),
@@ -371,6 +380,7 @@ pub fn run_cpu_moe_bench_with(
                         };
                         let bytes = times.experts * per_expert as f64;
                         out += &table_row((threads, q), &times, (bytes, flops), bw[ti], &label);
+                        flush(&mut out);
                     }
                 }
             }
@@ -382,7 +392,8 @@ pub fn run_cpu_moe_bench_with(
             );
         }
     }
-    Ok(out)
+    flush(&mut out);
+    Ok(())
 }
 
 /// One line of the table: `bytes` and `flops` of a call, `probe` the DRAM probe's GB/s.
