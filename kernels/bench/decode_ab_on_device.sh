@@ -8,9 +8,11 @@
 # the input rows flushed; `--cycles` layers cycled; `--routings fresh`: a routing drawn per call, no L3
 # reuse from pass to pass; `--threads 15,16`) are timed in the same process.
 #
-# MODE=final (default): the A/B of what ships, Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes,
-# bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8), PATHS rows twice, then the same at 48 / 52 layers with
-# the engine's 74 µs gap; then the kernels' cpu:: unit tests on this CPU (AMX tier included).
+# MODE=final (default): the A/B of what ships (the chained plan with the item sizes before and after
+# part 3, with and without a warm start, and the read anchor, twice each, a routing drawn per call),
+# Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes, bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8),
+# then bf16 at one token at 48 / 52 layers with the engine's 74 µs gap; then the kernels' cpu:: unit
+# tests on this CPU (AMX tier included).
 # MODE=explore: batch A of 2026-12-02 13:55 (prefetch / item-size / warm-start sweep at SmallThinker
 # and Qwen bf16, the engine-like processes, the int8 and GLM baselines).
 #
@@ -19,7 +21,7 @@
 # 2 × top_k experts per layer and 48 (Qwen) / 52 (SmallThinker) layers, the models' depth: the pages
 # one token reads are the engine's. Stdout: one line per dtype × tokens × threads: each row's
 # "label median/mean ms(% of the DRAM probe, median)", labels abbreviated (ch chained, st streams,
-# fu fused, sp split, rd read, @N prefetch distance, /fresh routing per call, /gN gap µs, /LN layers
+# fu fused, sp split, rd read, @N prefetch distance, /f routing per call, /gN gap µs, /LN layers
 # cycled); full tables
 # with p90 / max and the pool's late joins in $OUT/cpuplan10/*.md. Hard cap: the timeouts below.
 #
@@ -55,7 +57,7 @@ summ() {
     /^\| [0-9]+ \| [0-9]+ \|/ {
       split($0,f,"|"); for (i in f) gsub(/ /,"",f[i]);
       p=f[14]; gsub(/chained/,"ch",p); gsub(/streams/,"st",p); gsub(/split/,"sp",p); gsub(/fused/,"fu",p);
-      gsub(/read/,"rd",p); gsub(/:pf/,"@",p); gsub(/:t1/,"",p); v=f[9]; gsub(/%/,"",v);
+      gsub(/read/,"rd",p); gsub(/\/fresh/,"/f",p); gsub(/:pf/,"@",p); gsub(/:t1/,"",p); v=f[9]; gsub(/%/,"",v);
       m=f[5]; sub(/^0/,"",m); a=f[4]; sub(/^0/,"",a);
       k=d" t"f[3]" th"f[2]; if (!(k in line)) { order[++n]=k; line[k]=k":" }
       line[k]=line[k]" "p" "m"/"a"("v")"
@@ -94,16 +96,18 @@ if [ "$MODE" = explore ]; then
   run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype int8 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
   run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
 else
-  P=${PATHS:-read,fused,chained,read,fused,chained}
+  # chained:gu256:dn192 = the chained plan with the item sizes before part 3; chained = the default
+  P=${PATHS:-read,chained:gu256:dn192,chained,chained:ws64,read,chained:gu256:dn192,chained,chained:ws64}
   T=${TOKENS:-1,2,4,8}
-  run qwen_bf16 14 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
-  run qwen_int8 10 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
-  run st_bf16 12 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
-  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
-  run glm_bf16 12 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
-  run glm_int8 9 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --threads 16 --dtype int8 --paths "$P" "${COMMON[@]}"
-  run qwen_bf16_engine 12 "${QWEN[@]}" --experts 16 --layers 48 --gaps 74 --tokens 1 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
-  run st_bf16_engine 12 "${ST[@]}" --experts 12 --layers 52 --gaps 74 --tokens 1 --threads 16 --dtype bf16 --paths "$P" "${COMMON[@]}"
+  F=(--threads 16 --routings fresh --paths "$P" "${COMMON[@]}")
+  run qwen_bf16 14 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --dtype bf16 "${F[@]}"
+  run qwen_int8 10 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --dtype int8 "${F[@]}"
+  run st_bf16 12 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --dtype bf16 "${F[@]}"
+  run st_int8 9 "${ST[@]}" --experts 32 --layers 16 --tokens "$T" --dtype int8 "${F[@]}"
+  run glm_bf16 12 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --dtype bf16 "${F[@]}"
+  run glm_int8 9 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,4,8 --dtype int8 "${F[@]}"
+  run qwen_bf16_engine 8 "${QWEN[@]}" --experts 16 --layers 48 --gaps 74 --tokens 1 --dtype bf16 "${F[@]}"
+  run st_bf16_engine 8 "${ST[@]}" --experts 12 --layers 52 --gaps 74 --tokens 1 --dtype bf16 "${F[@]}"
 fi
 echo "$PREV_PAGES" > /proc/sys/vm/nr_hugepages 2>/dev/null
 if [ "$MODE" = final ]; then

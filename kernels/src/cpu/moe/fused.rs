@@ -160,7 +160,7 @@ pub(super) const DECODE_PATH_KNOB: Knob<DecodePath> = Knob {
 /// `MOE_CPU_DECODE_ITEM_KIB`: the fused plan's item sizes ([`Targets::from_env`]).
 pub(super) const ITEM_KIB_KNOB: Knob<Targets> = Knob {
     name: "MOE_CPU_DECODE_ITEM_KIB",
-    takes: "GATE_UP,DOWN in KiB, each at least 1, e.g. 256,192",
+    takes: "GATE_UP,DOWN in KiB, each at least 1, e.g. 512,384",
     parse: Targets::parse_kib,
 };
 
@@ -271,12 +271,15 @@ pub(super) struct Targets {
     pub down: usize,
 }
 
-/// ~25–30 µs of one core's share of the DRAM bandwidth (150 GB/s over 16 cores) per gate/up item,
-/// ~20 µs per down item: long enough that starting a stream is rare, short enough that the region's
-/// tail (about half of the last items) stays ~10 µs.
+/// ~55 µs of one core's share of the DRAM bandwidth (150 GB/s over 16 cores) per gate/up item,
+/// ~40 µs per down item, where [`MIN_ITEMS_PER_THREAD`] allows (at one token it decides: 96 gate/up
+/// items at the Qwen3 and SmallThinker shapes): few stream starts and claims per byte. The region
+/// still ends on small items, the down items of the experts whose gate/up finish last. Larger than
+/// the 256 / 192 KiB before: 3-7 % less time at 8 tokens and level at one (PERF.md "Decode sizes,
+/// part 3").
 pub(super) const TARGETS: Targets = Targets {
-    gate_up: 256 << 10,
-    down: 192 << 10,
+    gate_up: 512 << 10,
+    down: 384 << 10,
 };
 
 impl Targets {

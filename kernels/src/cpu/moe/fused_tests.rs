@@ -77,6 +77,12 @@ fn check_plan(shape: GroupShape, t: Targets, how: DownItems) -> (usize, usize) {
     (n_gate, n_down)
 }
 
+/// The item sizes before part 3 (`chained:gu256:dn192`).
+const BEFORE: Targets = Targets {
+    gate_up: 256 << 10,
+    down: 192 << 10,
+};
+
 fn shape(experts: usize, hidden: usize, inter: usize, bytes_per_weight: usize) -> GroupShape {
     GroupShape {
         experts,
@@ -109,59 +115,64 @@ fn plans_cover_every_tile_once_gate_up_first() {
 /// The item counts behind the decode figures: a few hundred KiB per item, at least 4 per thread.
 #[test]
 fn decode_shapes_get_items_of_a_few_hundred_kib() {
-    // Qwen3-30B-A3B, one token, bf16: gate/up items of 2 N-tiles (2 × 2 × 64 KiB), down items of one
-    // N-tile over the first 7 experts (7 × 24 KiB), then the last expert's (its gate/up items are
-    // the last 16) one N-tile each.
+    // Qwen3-30B-A3B, one token, bf16: gate/up items of 4 N-tiles (2 × 4 × 64 KiB; 96 items, the
+    // count floor of 4 per thread decides), down items of 2 N-tiles over the first 6 experts
+    // (6 × 2 × 24 KiB), then the last 2 experts' (their gate/up items are among the last 16).
     let qwen = shape(8, 2048, 768, 2);
     let members: Vec<u32> = (0..8).collect();
     let across = DownItems::AcrossExperts;
     let p = plan_group(qwen, &members, TARGETS, across);
-    assert_eq!(check_plan(qwen, TARGETS, across), (8 * 24, 2 * 128));
+    assert_eq!(check_plan(qwen, TARGETS, across), (8 * 12, 2 * 64));
     assert_eq!(p.parts, 2);
     assert_eq!(
         p.items.last(),
         Some(&Item::Down {
             part: 1,
-            nt0: 127,
-            nts: 1,
-            e0: 7,
+            nt0: 126,
+            nts: 2,
+            e0: 6,
             e1: 8
         })
     );
-    // int8: 4 N-tiles per gate/up item (12 per expert: the last 16 items reach back into expert 6),
-    // 2 per down item
+    // int8: 6 N-tiles per gate/up item (8 per expert), 2 per down item
     let int8 = shape(8, 2048, 768, 1);
-    assert_eq!(check_plan(int8, TARGETS, across), (8 * 12, 2 * 64));
+    assert_eq!(check_plan(int8, TARGETS, across), (8 * 8, 2 * 64));
     let p = plan_group(int8, &members, TARGETS, across);
     assert!(matches!(
         p.items.last(),
         Some(&Item::Down { e0: 6, e1: 8, .. })
     ));
-    // SmallThinker-21B, one token (6 of 64), bf16: one N-tile of gate/up is 80 KiB
+    // SmallThinker-21B, one token (6 of 64), bf16: an N-tile of gate plus up is 160 KiB, 3 per item
     assert_eq!(
         check_plan(shape(6, 2560, 768, 2), TARGETS, across),
+        (6 * 16, 2 * 80)
+    );
+    // the sizes before (256 / 192 KiB), for the A/B: one N-tile per item at SmallThinker
+    assert_eq!(
+        check_plan(shape(6, 2560, 768, 2), BEFORE, across),
         (6 * 48, 2 * 160)
     );
-    // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 8 experts
+    // 8 tokens × top-8 (~50 distinct experts): down chunks of one N-tile in parts of 13 experts
     let many = shape(50, 2048, 768, 2);
     let p = plan_group(many, &(0..50).collect::<Vec<_>>(), TARGETS, across);
-    assert_eq!(p.parts, 7);
-    assert_eq!(check_plan(many, TARGETS, across).1, 128 * 7);
+    assert_eq!(p.parts, 4);
+    assert_eq!(check_plan(many, TARGETS, across).1, 128 * 4);
     // one expert: nothing to split
     let p = plan_group(shape(1, 2048, 768, 2), &[0], TARGETS, across);
     assert_eq!(p.parts, 1);
 }
 
-/// The streams plan at the decode shapes: down items of 2 experts × 96 KiB each, the last part's
-/// (the experts whose gate/up end last) one N-tile at a time.
+/// The streams plan at the decode shapes (with the item sizes it was timed with, PERF.md part 2):
+/// down items of 2 experts × 96 KiB each, the last part's (the experts whose gate/up end last) one
+/// N-tile at a time.
 #[test]
 fn streams_plan_reads_96_kib_per_expert() {
     let streams = DownItems::Streams(STREAM_BYTES);
     let members: Vec<u32> = (0..8).collect();
     // Qwen3-30B-A3B, one token, bf16: 4 N-tiles of 24 KiB per expert, 2 experts per part
     let qwen = shape(8, 2048, 768, 2);
-    assert_eq!(check_plan(qwen, TARGETS, streams), (8 * 24, 3 * 32 + 128));
-    let p = plan_group(qwen, &members, TARGETS, streams);
+    assert_eq!(check_plan(qwen, BEFORE, streams), (8 * 24, 3 * 32 + 128));
+    let p = plan_group(qwen, &members, BEFORE, streams);
     assert_eq!(p.parts, 4);
     let first_down = p.items[8 * 24];
     assert_eq!(
@@ -186,15 +197,15 @@ fn streams_plan_reads_96_kib_per_expert() {
     ));
     // int8: 8 N-tiles of 12 KiB
     let int8 = shape(8, 2048, 768, 1);
-    assert_eq!(check_plan(int8, TARGETS, streams).1, 3 * 16 + 128);
+    assert_eq!(check_plan(int8, BEFORE, streams).1, 3 * 16 + 128);
     // SmallThinker-21B, one token (6 of 64), bf16
     assert_eq!(
-        check_plan(shape(6, 2560, 768, 2), TARGETS, streams).1,
+        check_plan(shape(6, 2560, 768, 2), BEFORE, streams).1,
         2 * 40 + 160
     );
     // few N-tiles: the runs shrink until every thread gets 4 items
     let narrow = shape(2, 512, 768, 2);
-    let (_, down) = check_plan(narrow, TARGETS, streams);
+    let (_, down) = check_plan(narrow, BEFORE, streams);
     assert!(down >= 32, "{down}");
 }
 
