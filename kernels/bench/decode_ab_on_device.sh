@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU routed-expert kernels at decode sizes on the H200 host: every row in ONE process per (shape,
 # dtype), so that the rows share that process's DRAM probe and memory. Rows (`cpu_moe_bench --paths`):
-# decode paths (`PLAN[:pfBYTES][:t0|t1|nta][:evN][:wsKIB][:guKIB][:dnKIB][:stKIB]`, plans split,
+# decode paths (`PLAN[:pfBYTES][:t0|t1|t2|nta][:wsKIB][:guKIB][:dnKIB][:stKIB]`, plans split,
 # fused, chained = the default, streams) and read anchors (`read`, `read:pf8192:t1`: the same
 # experts' bytes streamed by the pool with the DRAM probe's loop, the limit of those very pages).
 # Engine-like conditions (`--gaps` µs idle before each call with the caller and workers spinning and
@@ -9,7 +9,8 @@
 # reuse from pass to pass; `--threads 15,16`) are timed in the same process.
 #
 # MODE=final (default): the A/B of what ships (the chained plan with the item sizes before and after
-# part 3, with and without a warm start, and the read anchor, twice each, a routing drawn per call),
+# part 3, with and without a warm start, and the read anchor, twice each; once the T2 prefetch hint;
+# a routing drawn per call),
 # Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes, bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8),
 # then bf16 at one token at 48 / 52 layers with the engine's 74 µs gap; then the kernels' cpu:: unit
 # tests on this CPU (AMX tier included).
@@ -85,9 +86,13 @@ QWEN=(--topk 8 --hidden 2048 --inter 768)
 ST=(--topk 6 --hidden 2560 --inter 768)
 GLM=(--topk 8 --hidden 4096 --inter 1408)
 if [ "$MODE" = explore ]; then
-  SWEEP=${PATHS:-read,read:pf8192:t1,read:ck1024,chained,chained:ev2,chained:ev4,chained:ev64,chained:ws64,chained:pf16384,chained:pf4096:t0,chained:gu320,chained:gu512,chained:dn384,chained:gu320:dn384,streams,fused,read,chained}
-  ENG=read,chained,chained:ev2,read,chained
-  BASE=read,chained,chained:ev2,chained:gu320,read,chained
+  # batch A (13:21 UTC, dcfc381) also timed `:ev2` / `:ev4` / `:ev64` (the kernels prefetching one line
+  # in 2 / 4 / 64, the rest left to the hardware): 25-35 % slower everywhere, the option was removed.
+  # Its `chained` had the item sizes of that time, `chained:gu256:dn192` today.
+  C=chained:gu256:dn192
+  SWEEP=${PATHS:-read,read:pf8192:t1,read:ck1024,$C,$C:ws64,$C:pf16384,$C:pf4096:t0,chained:gu320:dn192,chained:gu512:dn192,chained:gu256:dn384,chained:gu320:dn384,streams:gu256:dn192,fused:gu256:dn192,read,$C}
+  ENG=read,$C,read,$C
+  BASE=read,$C,chained:gu320:dn192,read,$C
   run st_bf16 16 "${ST[@]}" --experts 32 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --paths "$SWEEP" "${COMMON[@]}"
   run qwen_bf16 16 "${QWEN[@]}" --experts 64 --layers 16 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --paths "$SWEEP" "${COMMON[@]}"
   run st_bf16_engine 16 "${ST[@]}" --experts 12 --layers 52 --routings fixed,fresh --cycles 16,52 --gaps 0,74 --tokens 1 --threads 15,16 --dtype bf16 --paths "$ENG" "${COMMON[@]}"
@@ -97,7 +102,7 @@ if [ "$MODE" = explore ]; then
   run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
 else
   # chained:gu256:dn192 = the chained plan with the item sizes before part 3; chained = the default
-  P=${PATHS:-read,chained:gu256:dn192,chained,chained:ws64,read,chained:gu256:dn192,chained,chained:ws64}
+  P=${PATHS:-read,chained:gu256:dn192,chained,chained:ws64,chained:pf8192:t2,read,chained:gu256:dn192,chained,chained:ws64}
   T=${TOKENS:-1,2,4,8}
   F=(--threads 16 --routings fresh --paths "$P" "${COMMON[@]}")
   run qwen_bf16 14 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --dtype bf16 "${F[@]}"

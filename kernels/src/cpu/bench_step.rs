@@ -39,7 +39,7 @@ pub const READ_CHUNK: usize = 256 << 10;
 
 impl std::str::FromStr for BenchRow {
     type Err = String;
-    /// `read[:ckKIB][:pfBYTES][:t0|t1|nta]`, or a decode path (`DecodePath`'s syntax).
+    /// `read[:ckKIB][:pfBYTES][:t0|t1|t2|nta]`, or a decode path (`DecodePath`'s syntax).
     fn from_str(s: &str) -> Result<Self, String> {
         let Some(opts) = s.strip_prefix("read") else {
             return s.parse().map(BenchRow::Path);
@@ -310,6 +310,7 @@ unsafe fn sum_bytes_avx512(b: &[u8], prefetch: Option<StreamPrefetch>) -> u64 {
                     match pf.hint {
                         PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(q.cast()),
                         PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(q.cast()),
+                        PrefetchHint::T2 => _mm_prefetch::<_MM_HINT_T2>(q.cast()),
                         PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(q.cast()),
                     }
                 }

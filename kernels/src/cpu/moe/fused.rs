@@ -56,17 +56,14 @@ use crate::knob::Knob;
 /// and for the fused plans optionally the kernels' prefetch (else `decode_prefetch()` on the chained
 /// plans, `default_prefetch()` on `fused`) and item sizes (else the set's, `MOE_CPU_DECODE_ITEM_KIB`).
 /// Written and parsed as
-/// `PLAN[:pfBYTES][:t0|t1|nta][:evN][:wsKIB][:guKIB][:dnKIB][:stKIB]`, e.g. `streams`,
-/// `chained:pf8192:t1`, `chained:ev2`, `streams:dn384:st192` (gate/up and down bytes per item, the
+/// `PLAN[:pfBYTES][:t0|t1|t2|nta][:wsKIB][:guKIB][:dnKIB][:stKIB]`, e.g. `streams`,
+/// `chained:pf8192:t1`, `chained:ws64`, `streams:dn384:st192` (gate/up and down bytes per item, the
 /// streams plan's bytes per expert).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodePath {
     pub plan: DecodePlan,
     /// The fused plans' kernel prefetch, set on every thread of their region.
     pub prefetch: Option<StreamPrefetch>,
-    /// The kernels prefetch one line in this many (a power of two up to 64, one per 4 KiB), leaving
-    /// the others to the hardware prefetchers; default every line.
-    pub prefetch_every: Option<usize>,
     /// KiB of its first stream each thread prefetches into L2 before its first item of a call (the
     /// region's cold start); default none.
     pub warm_start_kib: Option<usize>,
@@ -111,7 +108,6 @@ impl DecodePath {
         DecodePath {
             plan,
             prefetch: None,
-            prefetch_every: None,
             warm_start_kib: None,
             items: ItemKib {
                 gate_up: None,
@@ -153,7 +149,7 @@ impl DecodePath {
 /// `MOE_CPU_DECODE`: the decode path ([`DecodePath::from_env`]).
 pub(super) const DECODE_PATH_KNOB: Knob<DecodePath> = Knob {
     name: "MOE_CPU_DECODE",
-    takes: "split, fused, chained or streams, options :pfBYTES :t0/t1/nta :evN :wsKIB :guKIB :dnKIB :stKIB",
+    takes: "split, fused, chained or streams, options :pfBYTES :t0/t1/t2/nta :wsKIB :guKIB :dnKIB :stKIB",
     parse: |v| DecodePath::from_str(v).ok(),
 };
 
@@ -194,15 +190,6 @@ impl FromStr for DecodePath {
                     format!("{s:?}: prefetch distance {bytes:?} is not a byte count")
                 })?;
                 path.prefetch = Some(pf);
-            } else if let Some(v) = opt.strip_prefix("ev") {
-                path.prefetch_every = Some(
-                    v.parse::<usize>()
-                        .ok()
-                        .filter(|n| n.is_power_of_two() && *n <= 64)
-                        .ok_or_else(|| {
-                            format!("{s:?}: {v:?} is not a line count (1, 2, 4, .. 64)")
-                        })?,
-                );
             } else if let Some(v) = opt.strip_prefix("ws") {
                 path.warm_start_kib = Some(kib(v)?);
             } else if let Some(v) = opt.strip_prefix("gu") {
@@ -218,7 +205,6 @@ impl FromStr for DecodePath {
         }
         if plan == DecodePlan::Split
             && (path.prefetch.is_some()
-                || path.prefetch_every.is_some()
                 || path.warm_start_kib.is_some()
                 || path.items != ItemKib::default())
         {
@@ -241,10 +227,8 @@ impl std::fmt::Display for DecodePath {
         if let Some(p) = self.prefetch {
             write!(f, ":pf{}:{}", p.distance, p.hint)?;
         }
-        for (name, v) in [("ev", self.prefetch_every), ("ws", self.warm_start_kib)] {
-            if let Some(n) = v {
-                write!(f, ":{name}{n}")?;
-            }
+        if let Some(n) = self.warm_start_kib {
+            write!(f, ":ws{n}")?;
         }
         for (name, v) in [
             ("gu", self.items.gate_up),
@@ -746,9 +730,8 @@ impl Region<'_> {
     fn worker(&self, g: usize) {
         let _guard = AbortOnUnwind(&self.st.abort);
         let chained = self.path.chained();
-        let every = self.path.prefetch_every;
-        let _prefetch = (chained || self.path.prefetch.is_some() || every.is_some())
-            .then(|| ThreadPrefetch::set(self.path.kernel_prefetch(), chained, every.unwrap_or(1)));
+        let _prefetch = (chained || self.path.prefetch.is_some())
+            .then(|| ThreadPrefetch::set(self.path.kernel_prefetch(), chained));
         let items = &self.st.plans[g].items;
         // the item this thread claimed while running its previous one (chained plans)
         let mut claimed = None;

@@ -59,7 +59,7 @@ pub(super) const PREFETCH_KNOB: Knob<usize> = Knob {
 /// `MOE_CPU_PREFETCH_HINT`: the hint of [`default_prefetch`] and [`decode_prefetch`].
 pub(super) const PREFETCH_HINT_KNOB: Knob<PrefetchHint> = Knob {
     name: "MOE_CPU_PREFETCH_HINT",
-    takes: "t0, t1 or nta",
+    takes: "t0, t1, t2 or nta",
     parse: |v| v.parse().ok(),
 };
 
@@ -87,6 +87,9 @@ pub enum PrefetchHint {
     T0,
     /// L2 only.
     T1,
+    /// "L3 and higher" by the ISA's wording; what a core does with it is its own choice (on many
+    /// Intel cores the same as T1).
+    T2,
     /// Non-temporal: L1 without L2 / L3 allocation, for data read once (the weights of a decode call).
     Nta,
 }
@@ -97,9 +100,10 @@ impl std::str::FromStr for PrefetchHint {
         match s {
             "t0" => Ok(PrefetchHint::T0),
             "t1" => Ok(PrefetchHint::T1),
+            "t2" => Ok(PrefetchHint::T2),
             "nta" => Ok(PrefetchHint::Nta),
             _ => Err(format!(
-                "unknown prefetch hint {s:?} (expected t0, t1 or nta)"
+                "unknown prefetch hint {s:?} (expected t0, t1, t2 or nta)"
             )),
         }
     }
@@ -110,6 +114,7 @@ impl std::fmt::Display for PrefetchHint {
         f.write_str(match self {
             PrefetchHint::T0 => "t0",
             PrefetchHint::T1 => "t1",
+            PrefetchHint::T2 => "t2",
             PrefetchHint::Nta => "nta",
         })
     }
@@ -129,9 +134,6 @@ struct CallContext {
     prefetch: StreamPrefetch,
     /// Prefetches stop at the end of each call's weights and continue into `next`.
     chained: bool,
-    /// Only lines whose address has these bits clear are prefetched (0: every line; 127: every
-    /// second, leaving the rest to the hardware prefetchers).
-    skip_mask: usize,
     /// The first byte of the stream the thread reads after the next kernel call (null: unknown);
     /// taken by that call.
     next: *const u8,
@@ -148,23 +150,12 @@ thread_local! {
 pub(super) struct ThreadPrefetch(Option<CallContext>);
 
 impl ThreadPrefetch {
-    /// `every`: prefetch one line in `every` (a power of two; 1: all of them).
-    pub(super) fn set(prefetch: StreamPrefetch, chained: bool, every: usize) -> ThreadPrefetch {
+    pub(super) fn set(prefetch: StreamPrefetch, chained: bool) -> ThreadPrefetch {
         ThreadPrefetch(CONTEXT.replace(Some(CallContext {
             prefetch,
             chained,
-            skip_mask: skip_mask(every),
             next: std::ptr::null(),
         })))
-    }
-}
-
-/// The address bits that must be clear for a line to be prefetched when one line in `every` is.
-fn skip_mask(every: usize) -> usize {
-    if every <= 1 {
-        0
-    } else {
-        every.next_power_of_two() * 64 - 1
     }
 }
 
@@ -192,7 +183,6 @@ pub(crate) struct Pf {
     hint: PrefetchHint,
     end: usize,
     next: *const u8,
-    skip_mask: usize,
 }
 
 impl Pf {
@@ -203,10 +193,7 @@ impl Pf {
             return Pf::unchained(d);
         };
         if !c.chained {
-            return Pf {
-                skip_mask: c.skip_mask,
-                ..Pf::unchained(c.prefetch)
-            };
+            return Pf::unchained(c.prefetch);
         }
         set_next_stream(std::ptr::null());
         let tile = w.l.k_tiles * w.l.tile_bytes;
@@ -215,7 +202,6 @@ impl Pf {
             hint: c.prefetch.hint,
             end: (w.w.as_ptr() as usize).saturating_add((nt0 + nts) * tile),
             next: c.next,
-            skip_mask: c.skip_mask,
         }
     }
 
@@ -231,7 +217,6 @@ impl Pf {
             hint: p.hint,
             end: usize::MAX,
             next: std::ptr::null(),
-            skip_mask: 0,
         }
     }
 }
@@ -244,14 +229,13 @@ impl Pf {
             return None;
         }
         let at = p.wrapping_add(self.distance);
-        let at = if (at as usize) < self.end {
-            at
+        if (at as usize) < self.end {
+            Some(at)
         } else if self.next.is_null() {
-            return None;
+            None
         } else {
-            self.next.wrapping_add(at as usize - self.end)
-        };
-        (at as usize & self.skip_mask == 0).then_some(at)
+            Some(self.next.wrapping_add(at as usize - self.end))
+        }
     }
 }
 
@@ -267,6 +251,7 @@ pub(super) unsafe fn prefetch(p: *const u8, pf: Pf) {
         match pf.hint {
             PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(at),
             PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(at),
+            PrefetchHint::T2 => _mm_prefetch::<_MM_HINT_T2>(at),
             PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(at),
         }
     }
@@ -928,7 +913,6 @@ mod tests {
             hint: PrefetchHint::T0,
             end,
             next,
-            skip_mask: 0,
         };
         assert_eq!(pf(next.as_ptr()).target(p), Some(p.wrapping_add(1024)));
         let last_own = p.wrapping_add(8192 - 1024 - 64);
@@ -953,21 +937,6 @@ mod tests {
             hint: PrefetchHint::T0,
         });
         assert_eq!(off.target(p), None);
-        // one line in two: the odd lines are left to the hardware prefetchers
-        // (addresses only: `target` never dereferences)
-        let base = 1usize << 20;
-        let line = |i: usize| (base + i * 64) as *const u8;
-        let even = Pf {
-            distance: 1024,
-            hint: PrefetchHint::T1,
-            end: usize::MAX,
-            next: std::ptr::null(),
-            skip_mask: skip_mask(2),
-        };
-        assert_eq!(even.target(line(0)), Some(line(16)));
-        assert_eq!(even.target(line(1)), None);
-        assert_eq!(even.target(line(2)), Some(line(18)));
-        assert_eq!((skip_mask(0), skip_mask(1), skip_mask(4)), (0, 0, 255));
     }
 
     /// The thread's setting reaches the kernels' calls and is gone once dropped; the next stream is
@@ -988,7 +957,6 @@ mod tests {
                     hint: PrefetchHint::T1,
                 },
                 true,
-                1,
             );
             assert_eq!(prefetch_distance(), 256);
             set_next_stream(next.as_ptr());
