@@ -9,7 +9,8 @@
 # reuse from pass to pass; `--threads 15,16`) are timed in the same process.
 #
 # MODE=final (default): the A/B of what ships (the chained plan with the item sizes before and after
-# part 3, with and without a warm start, and the read anchor, twice each; once the T2 prefetch hint;
+# part 3, with and without a warm start, and the read anchor, twice each; once the T2 prefetch hint and
+# items of 1 MiB / 768 KiB;
 # a routing drawn per call),
 # Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes, bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8),
 # then bf16 at one token at 48 / 52 layers with the engine's 74 µs gap; then the kernels' cpu:: unit
@@ -102,7 +103,7 @@ if [ "$MODE" = explore ]; then
   run glm_bf16 13 "${GLM[@]}" --experts 24 --layers 6 --tokens 1,8 --threads 16 --dtype bf16 --routings fresh --gaps 0,74 --paths "$BASE" "${COMMON[@]}"
 else
   # chained:gu256:dn192 = the chained plan with the item sizes before part 3; chained = the default
-  P=${PATHS:-read,chained:gu256:dn192,chained,chained:ws64,chained:pf8192:t2,read,chained:gu256:dn192,chained,chained:ws64}
+  P=${PATHS:-read,chained:gu256:dn192,chained,chained:ws64,chained:pf8192:t2,chained:gu1024:dn768,read,chained:gu256:dn192,chained,chained:ws64}
   T=${TOKENS:-1,2,4,8}
   F=(--threads 16 --routings fresh --paths "$P" "${COMMON[@]}")
   run qwen_bf16 14 "${QWEN[@]}" --experts 64 --layers 16 --tokens "$T" --dtype bf16 "${F[@]}"
