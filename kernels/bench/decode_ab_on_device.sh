@@ -15,7 +15,7 @@
 # Qwen3-30B-A3B, SmallThinker-21B, GLM-4.5-Air shapes, bf16 and int8, tokens 1,2,4,8 (GLM 1,4,8),
 # then bf16 at one token at 48 / 52 layers with the engine's 74 µs gap; then the kernels' cpu:: unit
 # tests on this CPU (AMX tier included).
-# MODE=explore: batch A of 2026-12-02 13:55 (prefetch / item-size / warm-start sweep at SmallThinker
+# MODE=explore: batch A of 2026-12-02 13:21 UTC (prefetch / item-size / warm-start sweep at SmallThinker
 # and Qwen bf16, the engine-like processes, the int8 and GLM baselines).
 #
 # Expert counts are below the models' (64 / 32 / 24 instead of 128 / 64 / 128) so that generating and
