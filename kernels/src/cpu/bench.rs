@@ -242,6 +242,11 @@ pub fn run_cpu_moe_bench_with(
     if a.topk > a.experts {
         return Err(BenchError::Args("--topk exceeds --experts"));
     }
+    if a.layers == 0 || a.iters == 0 || a.topk == 0 {
+        return Err(BenchError::Args(
+            "--layers, --iters and --topk must be at least 1",
+        ));
+    }
     let mut out = String::new();
     // what is in `out` goes to `emit`
     let mut flush = |out: &mut String| {
@@ -546,6 +551,66 @@ mod tests {
             ..Default::default()
         };
         assert!(matches!(run_cpu_moe_bench(&a), Err(BenchError::Args(_))));
+    }
+
+    #[test]
+    fn rejects_zero_layers_iterations_or_top_k() {
+        for (layers, iters, topk) in [(0, 2, 2), (2, 0, 2), (2, 2, 0)] {
+            let a = CpuMoeBenchArgs {
+                experts: 4,
+                topk,
+                layers,
+                iters,
+                ..Default::default()
+            };
+            assert!(matches!(run_cpu_moe_bench(&a), Err(BenchError::Args(_))));
+        }
+    }
+
+    /// The engine-like conditions and read anchors: one line per (routing, cycle, gap, row), each
+    /// labelled with what differs from the defaults, and the read rows reading what the calls read.
+    #[test]
+    fn step_conditions_and_read_anchors_get_their_own_lines() {
+        use super::super::bench_step::{BenchRow, DecodeStepArgs, RoutingMode};
+        let a = CpuMoeBenchArgs {
+            experts: 6,
+            topk: 2,
+            hidden: 64,
+            inter: 32,
+            tokens: vec![1, 3],
+            threads: vec![2],
+            layers: 3,
+            iters: 3,
+            probe_mib: 1,
+            ..Default::default()
+        };
+        let step = DecodeStepArgs {
+            routings: vec![RoutingMode::Fixed, RoutingMode::Fresh],
+            gaps_us: vec![0, 5],
+            cycles: vec![2, 3],
+            rows: vec!["read".parse().unwrap(), BenchRow::Path(DecodePath::CHAINED)],
+        };
+        let mut r = String::new();
+        run_cpu_moe_bench_with(&a, &step, &mut |s| r.push_str(s)).unwrap();
+        let rows: Vec<&str> = r.lines().filter(|l| l.starts_with("| 2 |")).collect();
+        assert_eq!(rows.len(), 2 * 2 * 2 * 2 * 2, "{r}");
+        for label in [
+            "| read/L2 |",
+            "| chained/fresh/g5 |",
+            "| read/fresh/g5/L2 |",
+        ] {
+            assert_eq!(
+                rows.iter().filter(|l| l.ends_with(label)).count(),
+                2,
+                "{label}: {r}"
+            );
+        }
+        // one token of top-2: every row reads 2 experts; read rows report no FLOPs
+        assert!(rows
+            .iter()
+            .filter(|l| l.starts_with("| 2 | 1 |"))
+            .all(|l| l.contains("| 2.0 |")));
+        assert!(r.contains("over the packed experts"), "{r}");
     }
 
     #[test]

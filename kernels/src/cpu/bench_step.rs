@@ -398,6 +398,45 @@ mod tests {
         }
     }
 
+    /// A set's chunks cover exactly the chosen experts' packed bytes, each byte once, in order.
+    #[test]
+    fn read_chunks_cover_the_chosen_experts_once() {
+        use super::super::moe::{ExpertSetConfig, ExpertSource, SourceTensor, WeightFormat};
+        let (h, i) = (64, 32);
+        let w = vec![0u16; h * i];
+        let src: Vec<ExpertSource<'_>> = (0..4)
+            .map(|_| ExpertSource {
+                gate: SourceTensor::Bf16(&w),
+                up: SourceTensor::Bf16(&w),
+                down: SourceTensor::Bf16(&w),
+            })
+            .collect();
+        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
+        let cfg = ExpertSetConfig::new(h, i, WeightFormat::Bf16);
+        let set = CpuExpertSet::new(&cfg, &[0, 1, 2, 3], &src, &pool).unwrap();
+        let per = set.bytes_per_expert();
+        for chunk in [64, 1000, 1 << 20] {
+            let c = read_chunks(&set, &[3, 1], chunk);
+            assert_eq!(c.iter().map(|c| c.1).sum::<usize>(), 2 * per);
+            assert!(c.iter().all(|c| c.1 <= chunk.max(64)));
+            let e3 = set.packed_expert(3).unwrap().as_ptr() as usize;
+            assert_eq!(c[0].0, e3);
+            // consecutive within an expert
+            assert!(c.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0
+                || w[1].0 == set.packed_expert(1).unwrap().as_ptr() as usize));
+        }
+        read_call(
+            &pool,
+            &read_chunks(&set, &[0, 2], 4096),
+            ReadAnchor {
+                prefetch: None,
+                chunk: 4096,
+            },
+        );
+        let gbs = probe_over(&pool, &[set.packed_expert(0).unwrap()]);
+        assert!(gbs.is_finite() && gbs > 0.0);
+    }
+
     #[test]
     fn gaps_and_cycles_default_to_the_old_bench() {
         let d = DecodeStepArgs::default();
