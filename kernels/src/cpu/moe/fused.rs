@@ -259,7 +259,7 @@ pub(super) struct Targets {
 /// ~40 µs per down item, where [`MIN_ITEMS_PER_THREAD`] allows (at one token it decides: 96 gate/up
 /// items at the Qwen3 and SmallThinker shapes): few stream starts and claims per byte. The region
 /// still ends on small items, the down items of the experts whose gate/up finish last. Larger than
-/// the 256 / 192 KiB before: 3-7 % less time at 8 tokens and level at one (PERF.md "Decode sizes,
+/// the 256 / 192 KiB before: 1-7 % less time at 2-8 tokens and level at one (PERF.md "Decode sizes,
 /// part 3").
 pub(super) const TARGETS: Targets = Targets {
     gate_up: 512 << 10,
