@@ -130,8 +130,8 @@ pub struct RunArgs {
     /// `--steps` steps with the start state and then each of these decode-step switches flipped from
     /// it, in turn on the same sequences (the comparison without two runs' noise), then each switch's
     /// effect on the logits (teacher-forced). Switches: graphs, device-routed, prelaunch,
-    /// mixed-grouped, walk-mark, early-head, direct-half, fused-segment, deferN (N routes per token
-    /// deferred).
+    /// mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, deferN (N
+    /// routes per token deferred).
     #[arg(long, value_delimiter = ',')]
     pub ab: Vec<crate::engine::gpu::switches::DecodeSwitch>,
     /// Rounds of `--ab`.
@@ -148,6 +148,12 @@ pub struct RunArgs {
     /// the A/B flips them off).
     #[arg(long, default_value_t = 0)]
     pub device_routed_ab: usize,
+    /// `bench decode` on the CUDA backend: after the last batch size, N rounds of `--steps` steps whose
+    /// CPU experts are then timed again without the GPU on the same experts and pool (back to back,
+    /// with the step's hand-off gap, with `cpu_moe_bench`'s fixed routing, with fresh random routings),
+    /// each against the DRAM probe: what the step adds around the kernels (`bench_replay`).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_replay: usize,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -242,6 +248,13 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     print_gpu_memory(&engine);
     print_expert_gemm_uses(&engine);
     print_host_memory();
+    if let (true, Some((caches, next))) = (a.cpu_replay > 0, last.as_mut()) {
+        let probe = anyhow::Context::context(
+            dram_gbs,
+            "--cpu-replay needs the CUDA backend's CPU expert pool",
+        )?;
+        super::bench_replay::run(&engine, (caches, next), a.cpu_replay, a.steps, probe)?;
+    }
     let (switches, rounds) = ab_switches(&a);
     if let (false, Some((caches, next))) = (switches.is_empty(), last.as_mut()) {
         let shape = (a.steps, a.prompt_len);

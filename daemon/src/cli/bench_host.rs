@@ -91,13 +91,16 @@ fn pool_line(h: &HostProfile, steps: f64) -> Option<String> {
     }
     let us = |s: f64, k: u64| s / k.max(1) as f64 * 1e6;
     Some(format!(
-        "  CPU pool: {:.1} regions/step; a worker joined {:.2} µs after the region opened on average, the last one {:.2} µs; {:.2} of {:.1} workers per region missed it; the caller waited {:.2} µs per region for the last workers; {:.2} caller-thread changes/step",
+        "  CPU pool: {:.1} regions/step; a worker joined {:.2} µs after the region opened on average, the last one {:.2} µs; {:.2} of {:.1} workers per region missed it; the caller waited {:.2} µs per region for the last workers; tail (first thread out of items → last done) {:.2} µs of {:.2} µs per region, the caller last in {:.0}% of regions; {:.2} caller-thread changes/step",
         p.regions as f64 / steps,
         us(p.join_lag_s, p.joins),
         us(p.max_join_lag_s, p.regions),
         p.missed as f64 / p.regions as f64,
         (p.joins + p.missed) as f64 / p.regions as f64,
         us(p.close_wait_s, p.regions),
+        us(p.tail_s, p.regions),
+        us(p.busy_s, p.regions),
+        100.0 * p.caller_last as f64 / p.regions as f64,
         p.caller_changes as f64 / steps,
     ))
 }
@@ -124,6 +127,9 @@ mod tests {
                     join_lag_s: 60e-6,
                     max_join_lag_s: 8e-6,
                     close_wait_s: 4e-6,
+                    tail_s: 20e-6,
+                    busy_s: 400e-6,
+                    caller_last: 1,
                     ..RegionStats::default()
                 },
                 ..HostProfile::default()
@@ -149,6 +155,11 @@ mod tests {
             lines[2]
         );
         assert!(lines[2].contains("the last one 2.00 µs"), "{}", lines[2]);
+        assert!(
+            lines[2].contains("last done) 5.00 µs of 100.00 µs per region, the caller last in 25%"),
+            "{}",
+            lines[2]
+        );
         assert!(host_lines(&StepTimes::default(), 1.0, 1, 1).is_empty());
     }
 }

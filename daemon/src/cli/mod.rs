@@ -3,6 +3,7 @@ pub mod bench;
 mod bench_ab;
 mod bench_host;
 pub mod bench_perplexity;
+mod bench_replay;
 pub mod bench_skew;
 pub mod engine_args;
 pub mod generate;

@@ -16,9 +16,11 @@
 //! Waiting for it cost a whole scheduler slice per region, ~1 s for a short prompt on a loaded 2-core
 //! machine.
 //!
-//! Every region is clocked ([`RegionStats`], always on: one clock read per joining worker and two per
+//! Every region is clocked ([`RegionStats`], always on: two clock reads per joining worker and two per
 //! region): how long after the region opened each worker joined it (a late wake delays the region's
-//! first loads), and how long the caller waited for the workers in it once its own items were done.
+//! first loads), how long the caller waited for the workers in it once its own items were done, and
+//! the region's tail: from the first thread to run out of items to the last one done (the caller
+//! included, which the caller's wait does not see when the caller itself is the last).
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -61,6 +63,9 @@ struct Shared {
     wake: Condvar,
     shutdown: AtomicBool,
     panicked: AtomicBool,
+    /// Whether the caller of `run` takes items itself (the default) or only opens the region and
+    /// waits for the workers ([`WorkerPool::set_caller_works`]).
+    caller_works: AtomicBool,
     spin: Duration,
     clock: RegionClock,
 }
@@ -72,6 +77,9 @@ struct RegionClock {
     opened_ns: AtomicU64,
     region_joins: AtomicUsize,
     region_max_lag_ns: AtomicU64,
+    /// The current region's first and last finish (ns after it opened) of a thread that ran items.
+    region_first_done_ns: AtomicU64,
+    region_last_done_ns: AtomicU64,
     regions: AtomicU64,
     joins: AtomicU64,
     missed: AtomicU64,
@@ -79,6 +87,9 @@ struct RegionClock {
     max_lag_ns: AtomicU64,
     close_wait_ns: AtomicU64,
     caller_changes: AtomicU64,
+    tail_ns: AtomicU64,
+    busy_ns: AtomicU64,
+    caller_last: AtomicU64,
 }
 
 impl RegionClock {
@@ -95,6 +106,11 @@ impl RegionClock {
             max_lag_ns: AtomicU64::new(0),
             close_wait_ns: AtomicU64::new(0),
             caller_changes: AtomicU64::new(0),
+            region_first_done_ns: AtomicU64::new(u64::MAX),
+            region_last_done_ns: AtomicU64::new(0),
+            tail_ns: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
+            caller_last: AtomicU64::new(0),
         }
     }
 
@@ -106,7 +122,20 @@ impl RegionClock {
     fn open(&self) {
         self.region_joins.store(0, Ordering::Relaxed);
         self.region_max_lag_ns.store(0, Ordering::Relaxed);
+        self.region_first_done_ns.store(u64::MAX, Ordering::Relaxed);
+        self.region_last_done_ns.store(0, Ordering::Relaxed);
         self.opened_ns.store(self.now_ns(), Ordering::Relaxed);
+    }
+
+    /// A thread of the open region ran out of items after running some; returns when (ns after the
+    /// region opened).
+    fn done(&self) -> u64 {
+        let at = self
+            .now_ns()
+            .saturating_sub(self.opened_ns.load(Ordering::Relaxed));
+        self.region_first_done_ns.fetch_min(at, Ordering::Relaxed);
+        self.region_last_done_ns.fetch_max(at, Ordering::Relaxed);
+        at
     }
 
     /// A worker joined the open region.
@@ -120,8 +149,9 @@ impl RegionClock {
     }
 
     /// The region closed with no worker left in it (every join's writes happened before: the
-    /// workers' Release decrements, the caller's Acquire wait); `waited_ns` the caller's wait for them.
-    fn closed(&self, workers: usize, waited_ns: u64) {
+    /// workers' Release decrements, the caller's Acquire wait); `waited_ns` the caller's wait for them,
+    /// `caller_done` when the caller ran out of items (`None`: it ran none).
+    fn closed(&self, workers: usize, waited_ns: u64, caller_done: Option<u64>) {
         let joins = self.region_joins.load(Ordering::Relaxed);
         self.regions.fetch_add(1, Ordering::Relaxed);
         self.joins.fetch_add(joins as u64, Ordering::Relaxed);
@@ -130,6 +160,15 @@ impl RegionClock {
         let max = self.region_max_lag_ns.load(Ordering::Relaxed);
         self.max_lag_ns.fetch_add(max, Ordering::Relaxed);
         self.close_wait_ns.fetch_add(waited_ns, Ordering::Relaxed);
+        let first = self.region_first_done_ns.load(Ordering::Relaxed);
+        let last = self.region_last_done_ns.load(Ordering::Relaxed);
+        if first <= last {
+            self.tail_ns.fetch_add(last - first, Ordering::Relaxed);
+            self.busy_ns.fetch_add(last, Ordering::Relaxed);
+            if caller_done == Some(last) {
+                self.caller_last.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     fn stats(&self) -> RegionStats {
@@ -142,6 +181,9 @@ impl RegionClock {
             max_join_lag_s: s(&self.max_lag_ns),
             close_wait_s: s(&self.close_wait_ns),
             caller_changes: self.caller_changes.load(Ordering::Relaxed),
+            tail_s: s(&self.tail_ns),
+            busy_s: s(&self.busy_ns),
+            caller_last: self.caller_last.load(Ordering::Relaxed),
         }
     }
 }
@@ -163,6 +205,13 @@ pub struct RegionStats {
     pub close_wait_s: f64,
     /// Regions whose calling thread was not the previous region's (each re-pins the new caller).
     pub caller_changes: u64,
+    /// Summed over regions: from the first thread (caller or worker) that ran out of items to the
+    /// last one done: the region's tail, in which fewer and fewer threads read.
+    pub tail_s: f64,
+    /// Summed over regions: from the region's opening to its last thread done.
+    pub busy_s: f64,
+    /// Regions whose last thread done was the caller.
+    pub caller_last: u64,
 }
 
 impl RegionStats {
@@ -176,6 +225,9 @@ impl RegionStats {
             max_join_lag_s: self.max_join_lag_s - earlier.max_join_lag_s,
             close_wait_s: self.close_wait_s - earlier.close_wait_s,
             caller_changes: self.caller_changes - earlier.caller_changes,
+            tail_s: self.tail_s - earlier.tail_s,
+            busy_s: self.busy_s - earlier.busy_s,
+            caller_last: self.caller_last - earlier.caller_last,
         }
     }
 
@@ -187,6 +239,9 @@ impl RegionStats {
         self.max_join_lag_s += o.max_join_lag_s;
         self.close_wait_s += o.close_wait_s;
         self.caller_changes += o.caller_changes;
+        self.tail_s += o.tail_s;
+        self.busy_s += o.busy_s;
+        self.caller_last += o.caller_last;
     }
 }
 
@@ -238,6 +293,7 @@ impl WorkerPool {
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
+            caller_works: AtomicBool::new(true),
             spin,
             clock: RegionClock::new(),
         });
@@ -289,6 +345,18 @@ impl WorkerPool {
     /// Threads including the caller.
     pub fn threads(&self) -> usize {
         self.group_of_thread.len()
+    }
+
+    /// Whether the caller of [`run`](Self::run) takes items itself (on by default). Off, it opens the
+    /// region and waits while the workers take every item (pools of one thread always work): for
+    /// measuring whether the calling thread slows its regions down (a benchmark's A/B; results do not
+    /// depend on which thread runs an item). Applies from the next region on.
+    pub fn set_caller_works(&self, on: bool) {
+        self.shared.caller_works.store(on, Ordering::Relaxed);
+    }
+
+    pub fn caller_works(&self) -> bool {
+        self.shared.caller_works.load(Ordering::Relaxed)
     }
 
     /// The regions' clock so far (see [`RegionStats`]).
@@ -362,14 +430,20 @@ impl WorkerPool {
             let _l = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
             sh.wake.notify_all();
         }
-        let caller_ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: job was published above and stays valid until we return.
-            unsafe { do_items(sh, 0, 0) }
-        }))
-        .is_ok();
+        let rests = !sh.caller_works.load(Ordering::Relaxed) && self.threads_in_group(0) > 1;
+        let caller_ran = if rests {
+            Ok(0)
+        } else {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: job was published above and stays valid until we return.
+                unsafe { do_items(sh, 0, 0) }
+            }))
+        };
+        let caller_ok = caller_ran.is_ok();
+        let caller_done = matches!(caller_ran, Ok(n) if n > 0).then(|| sh.clock.done());
         let done_ns = sh.clock.now_ns();
-        // Every item taken (group 0's by the caller above; other groups' only by their own workers):
-        // close the region, then wait for the workers in it to finish theirs.
+        // Every item taken (group 0's by the caller above unless it rests; other groups' only by their
+        // own workers): close the region, then wait for the workers in it to finish theirs.
         let mut spins = 0u32;
         let mut wait = || {
             spins += 1;
@@ -379,7 +453,7 @@ impl WorkerPool {
                 std::thread::yield_now();
             }
         };
-        while (1..self.groups).any(|g| sh.next[g].0.load(Ordering::Relaxed) < items[g]) {
+        while (0..self.groups).any(|g| sh.next[g].0.load(Ordering::Relaxed) < items[g]) {
             wait();
         }
         sh.joined.fetch_or(CLOSED, Ordering::AcqRel);
@@ -387,25 +461,27 @@ impl WorkerPool {
             wait();
         }
         let waited = sh.clock.now_ns().saturating_sub(done_ns);
-        sh.clock.closed(self.threads() - 1, waited);
+        sh.clock.closed(self.threads() - 1, waited, caller_done);
         if !caller_ok || sh.panicked.swap(false, Ordering::Relaxed) {
             panic!("a worker-pool region panicked");
         }
     }
 }
 
-/// Takes items of `group` from its counter until exhausted.
-unsafe fn do_items(sh: &Shared, group: usize, tid: usize) {
+/// Takes items of `group` from its counter until exhausted; returns how many it ran.
+unsafe fn do_items(sh: &Shared, group: usize, tid: usize) -> usize {
     // SAFETY (caller): the job of the current generation is published and alive.
     let job = unsafe { &*sh.job.get() };
     let n = job.items[group];
     let f = unsafe { &*job.f };
+    let mut ran = 0;
     loop {
         let i = sh.next[group].0.fetch_add(1, Ordering::Relaxed);
         if i >= n {
-            break;
+            return ran;
         }
         f(group, i, tid);
+        ran += 1;
     }
 }
 
@@ -445,8 +521,12 @@ fn worker_loop(sh: &Shared, group: usize, tid: usize) {
             // `run` keeps the job alive until we leave it below.
             unsafe { do_items(sh, group, tid) }
         }));
-        if r.is_err() {
-            sh.panicked.store(true, Ordering::Relaxed);
+        match r {
+            Ok(0) => {}
+            Ok(_) => {
+                sh.clock.done();
+            }
+            Err(_) => sh.panicked.store(true, Ordering::Relaxed),
         }
         sh.joined.fetch_sub(1, Ordering::Release);
     }
@@ -553,6 +633,8 @@ mod tests {
         assert_eq!(d.joins + d.missed, 20 * 2);
         assert!(d.join_lag_s >= 0.0 && d.max_join_lag_s >= 0.0 && d.close_wait_s >= 0.0);
         assert!(d.max_join_lag_s <= d.join_lag_s + 1e-12);
+        assert!(d.busy_s > 0.0 && d.tail_s >= 0.0 && d.tail_s <= d.busy_s);
+        assert!(d.caller_last <= d.regions);
         assert_eq!(d.caller_changes, 0, "one calling thread throughout");
         let before = pool.region_stats();
         std::thread::scope(|s| {
@@ -564,6 +646,56 @@ mod tests {
         sum.add(&d);
         sum.add(&d);
         assert_eq!((sum.regions, sum.joins + sum.missed), (40, 80));
+    }
+
+    /// A caller slower than every worker is the region's last thread done, every time.
+    #[test]
+    fn a_slow_caller_is_counted_last() {
+        let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_millis(5));
+        let before = pool.region_stats();
+        let slow = Duration::from_millis(2);
+        for _ in 0..5 {
+            pool.run(&[2], &|_, _, t| {
+                if t == 0 {
+                    std::thread::sleep(slow);
+                }
+            });
+        }
+        let d = pool.region_stats().since(&before);
+        assert_eq!((d.regions, d.caller_last), (5, 5));
+        assert!(d.busy_s >= 5.0 * slow.as_secs_f64(), "{d:?}");
+        assert!(d.tail_s <= d.busy_s, "{d:?}");
+    }
+
+    /// A resting caller leaves every item to the workers, each once; a pool of one thread still runs
+    /// its items on the caller.
+    #[test]
+    fn a_resting_caller_leaves_every_item_to_the_workers() {
+        let pool = WorkerPool::new(&[vec![0, 0, 0], vec![0]], false, Duration::from_millis(5));
+        pool.set_caller_works(false);
+        assert!(!pool.caller_works());
+        for round in 0..50 {
+            let counts: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let items = [1 + round % 33, 7];
+            pool.run(&items, &|g, i, t| {
+                assert_ne!(t, 0, "the caller rests");
+                counts[g * 40 + i].fetch_add(1, Ordering::Relaxed);
+            });
+            for g in 0..2 {
+                for i in 0..40 {
+                    let want = usize::from(i < items[g]);
+                    assert_eq!(counts[g * 40 + i].load(Ordering::Relaxed), want);
+                }
+            }
+        }
+        let alone = WorkerPool::new(&[vec![0]], false, Duration::from_millis(5));
+        alone.set_caller_works(false);
+        let n = AtomicUsize::new(0);
+        alone.run(&[5], &|_, _, t| {
+            assert_eq!(t, 0);
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 5);
     }
 
     #[test]

@@ -153,6 +153,9 @@ pub enum DecodeSwitch {
     Defer(usize),
     /// The decode segment's fused kernels.
     FusedSegment,
+    /// The engine thread takes CPU expert items in the pool's regions (off: it opens each region and
+    /// waits while the other workers take them all; `WorkerPool::set_caller_works`).
+    CallerWorks,
 }
 
 impl DecodeSwitch {
@@ -176,11 +179,12 @@ impl std::str::FromStr for DecodeSwitch {
             "early-head" => DecodeSwitch::EarlyHead,
             "direct-half" => DecodeSwitch::DirectHalf,
             "fused-segment" => DecodeSwitch::FusedSegment,
+            "caller-works" => DecodeSwitch::CallerWorks,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, defer1..defer64)"
                     ))
                 }
             },
@@ -200,6 +204,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::DirectHalf => f.write_str("direct-half"),
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
             DecodeSwitch::FusedSegment => f.write_str("fused-segment"),
+            DecodeSwitch::CallerWorks => f.write_str("caller-works"),
         }
     }
 }
@@ -222,6 +227,7 @@ impl crate::engine::Engine {
             DecodeSwitch::DirectHalf => g.switches.direct_half(),
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
             DecodeSwitch::FusedSegment => g.switches.fused_segment(),
+            DecodeSwitch::CallerWorks => self.cpu_pool.as_deref()?.caller_works(),
         })
     }
 
@@ -232,6 +238,9 @@ impl crate::engine::Engine {
     pub fn set_decode_switch(&self, switch: DecodeSwitch, on: bool) -> bool {
         if self.decode_switch(switch).is_none() {
             return false;
+        }
+        if let (DecodeSwitch::CallerWorks, Some(pool)) = (switch, self.cpu_pool.as_deref()) {
+            pool.set_caller_works(on);
         }
         for g in self.gpus() {
             match switch {
@@ -244,6 +253,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::DirectHalf => g.switches.set_direct_half(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
                 DecodeSwitch::FusedSegment => g.switches.set_fused_segment(on),
+                DecodeSwitch::CallerWorks => {} // the pool's, set above
             }
         }
         true
@@ -265,6 +275,7 @@ mod tests {
             "early-head",
             "direct-half",
             "fused-segment",
+            "caller-works",
             "defer1",
             "defer2",
         ] {
