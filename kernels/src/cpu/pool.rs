@@ -675,7 +675,7 @@ mod tests {
         pool.set_caller_works(false);
         assert!(!pool.caller_works());
         for round in 0..50 {
-            let counts: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let counts: Vec<AtomicUsize> = (0..80).map(|_| AtomicUsize::new(0)).collect();
             let items = [1 + round % 33, 7];
             pool.run(&items, &|g, i, t| {
                 assert_ne!(t, 0, "the caller rests");
