@@ -258,7 +258,7 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
     let (switches, rounds) = ab_switches(&a);
     if let (false, Some((caches, next))) = (switches.is_empty(), last.as_mut()) {
         let shape = (a.steps, a.prompt_len);
-        super::bench_ab::run(&engine, (caches, next), &switches, rounds, shape)?;
+        super::bench_ab::run(&engine, (caches, next), &switches, rounds, shape, dram_gbs)?;
     }
     Ok(())
 }

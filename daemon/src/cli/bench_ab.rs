@@ -25,12 +25,14 @@ pub(super) fn median(v: &[f64]) -> f64 {
 }
 
 /// The A/B rounds over `switches` (see the module docs); leaves every switch as it found it.
+/// `probe_gbs`: the DRAM probe of this process, to put the CPU experts' read rate against.
 pub(super) fn run(
     engine: &Engine,
     (caches, next): (&mut [SeqCache], &mut Vec<u32>),
     switches: &[DecodeSwitch],
     rounds: usize,
     (steps, prompt_len): (usize, usize),
+    probe_gbs: Option<f64>,
 ) -> anyhow::Result<()> {
     let mut start = Vec::with_capacity(switches.len());
     for &s in switches {
@@ -69,6 +71,7 @@ pub(super) fn run(
     println!("A/B start state: {describe}");
     let ms = |s: f64| s / steps as f64 * 1e3;
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for round in 0..rounds {
         for i in round_order(round, variants.len()) {
             let v = &variants[i];
@@ -85,13 +88,15 @@ pub(super) fn run(
                 }
             };
             times[i].push(ms(secs));
+            cpu[i].push(ms(split.cpu_experts_s));
             println!(
-                "A/B round {round}, {}: {:.2} ms/step ({:.1} tok/s), waiting for GPU {:.2} ms, CPU experts {:.2} ms, other host {:.2} ms{}",
+                "A/B round {round}, {}: {:.2} ms/step ({:.1} tok/s), waiting for GPU {:.2} ms, CPU experts {:.2} ms{}, other host {:.2} ms{}",
                 v.label,
                 ms(secs),
                 caches.len() as f64 / (secs / steps as f64),
                 ms(split.gpu_wait_s),
                 ms(split.cpu_experts_s),
+                cpu_rate(&split, probe_gbs),
                 ms(secs - split.gpu_wait_s - split.cpu_experts_s),
                 handoff_suffix(&split, steps)
             );
@@ -115,6 +120,13 @@ pub(super) fn run(
         );
     }
     println!("{line}");
+    let cpu_line = variants
+        .iter()
+        .zip(&cpu)
+        .map(|(v, t)| format!("{} {:.2}", v.label, median(t)))
+        .collect::<Vec<_>>()
+        .join("; ");
+    println!("A/B, median CPU experts ms/step: {cpu_line}");
     for v in variants.iter().skip(1) {
         if let Some(flip) = v.flip {
             logits_effect(engine, &start, flip, &v.label, prompt_len)?;
@@ -131,6 +143,19 @@ fn round_order(round: usize, variants: usize) -> Vec<usize> {
         (0..variants).collect()
     } else {
         (0..variants).rev().collect()
+    }
+}
+
+/// ` (GB/s of the DRAM experts' weights, % of the probe)` of the CPU experts, or nothing when they
+/// read none.
+fn cpu_rate(t: &StepTimes, probe_gbs: Option<f64>) -> String {
+    if t.dram_expert_bytes == 0 || t.cpu_experts_s <= 0.0 {
+        return String::new();
+    }
+    let gbs = t.dram_expert_bytes as f64 / t.cpu_experts_s / 1e9;
+    match probe_gbs {
+        Some(p) => format!(" ({gbs:.1} GB/s, {:.0}% of the probe)", 100.0 * gbs / p),
+        None => format!(" ({gbs:.1} GB/s)"),
     }
 }
 
@@ -250,6 +275,18 @@ mod tests {
         assert_eq!(round_order(0, 3), vec![0, 1, 2]);
         assert_eq!(round_order(1, 3), vec![2, 1, 0]);
         assert_eq!(round_order(2, 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn the_cpu_rate_is_the_experts_bytes_over_their_time() {
+        let t = StepTimes {
+            cpu_experts_s: 2e-3,
+            dram_expert_bytes: 200_000_000,
+            ..StepTimes::default()
+        };
+        assert_eq!(cpu_rate(&t, Some(125.0)), " (100.0 GB/s, 80% of the probe)");
+        assert_eq!(cpu_rate(&t, None), " (100.0 GB/s)");
+        assert_eq!(cpu_rate(&StepTimes::default(), Some(1.0)), "");
     }
 
     #[test]
