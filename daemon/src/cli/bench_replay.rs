@@ -11,9 +11,12 @@
 //!   the same experts come back every 16 calls, so a part of them can still be in the L3;
 //! - `fresh`: a new random routing for every call over every MoE layer (no expert comes back).
 //!
-//! The variants' order alternates between rounds. Each is reported in ms per layer call, the weight
-//! bytes of the distinct experts it read per second, % of the DRAM probe of the same process, and
-//! the pool's tail (first thread out of items → last done) per call.
+//! The variants' order alternates between rounds. Each is reported in ms per layer call (the mean, as
+//! the step's split reports it, and the pool regions' median, p90 and max: a few slow calls move the
+//! mean), the weight bytes of the distinct experts it read per second, % of the DRAM probe of the same
+//! process, the pool's tail (first thread out of items → last done) per call, and what the OS did
+//! meanwhile: involuntary context switches of the pools' threads (`moe-cpu-*`, from
+//! `/proc/self/task`) and interrupts (`/proc/interrupts`, the busiest CPU named).
 use super::bench::decode_steps;
 use crate::engine::{Engine, SeqCache};
 use crate::model::Ffn;
@@ -32,14 +35,108 @@ struct Call {
     ids: Vec<u32>,
 }
 
-/// A variant's calls timed: seconds, calls, bytes of the distinct experts each call read, and the
-/// pool's regions over them.
+/// A variant's calls timed: seconds, calls, bytes of the distinct experts each call read, the pool's
+/// regions over them (totals, and each one's time), and the OS's counters over the same span.
 #[derive(Default)]
 struct Timing {
     secs: f64,
     calls: usize,
     bytes: f64,
     pool: RegionStats,
+    regions: Vec<f64>,
+    os: OsNoise,
+}
+
+/// What the OS did to the process over a span: involuntary context switches of its pool threads,
+/// interrupts on all CPUs and on the busiest one (`None` where /proc does not say).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct OsNoise {
+    switches: Option<u64>,
+    irqs: Option<u64>,
+    busiest: Option<(usize, u64)>,
+}
+
+/// The counters `OsNoise` is the difference of.
+struct OsCounters {
+    switches: Option<u64>,
+    irqs_per_cpu: Option<Vec<u64>>,
+}
+
+impl OsCounters {
+    fn now() -> Self {
+        OsCounters {
+            switches: pool_thread_switches(),
+            irqs_per_cpu: std::fs::read_to_string("/proc/interrupts")
+                .ok()
+                .map(|t| irqs_per_cpu(&t)),
+        }
+    }
+
+    fn since(&self, earlier: &OsCounters) -> OsNoise {
+        let switches = match (self.switches, earlier.switches) {
+            (Some(a), Some(b)) => Some(a.saturating_sub(b)),
+            _ => None,
+        };
+        let per_cpu: Option<Vec<u64>> = match (&self.irqs_per_cpu, &earlier.irqs_per_cpu) {
+            (Some(a), Some(b)) if a.len() == b.len() => {
+                Some(a.iter().zip(b).map(|(x, y)| x.saturating_sub(*y)).collect())
+            }
+            _ => None,
+        };
+        OsNoise {
+            switches,
+            irqs: per_cpu.as_ref().map(|v| v.iter().sum()),
+            busiest: per_cpu.and_then(|v| v.iter().copied().enumerate().max_by_key(|&(_, n)| n)),
+        }
+    }
+}
+
+/// Involuntary context switches summed over this process's threads named `moe-cpu-*` (the expert
+/// pool's workers and the engine's rayon threads, which run the GPU step).
+fn pool_thread_switches() -> Option<u64> {
+    let mut sum = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("moe-cpu-") {
+            continue;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        sum += nonvoluntary_switches(&status).unwrap_or(0);
+    }
+    Some(sum)
+}
+
+/// `nonvoluntary_ctxt_switches` of a `/proc/.../status` text.
+fn nonvoluntary_switches(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Interrupts per CPU summed over the lines of a `/proc/interrupts` text (its header names the CPUs;
+/// each line's first that many numbers are per CPU).
+fn irqs_per_cpu(text: &str) -> Vec<u64> {
+    let mut lines = text.lines();
+    let cpus = lines.next().map_or(0, |h| h.split_whitespace().count());
+    let mut sum = vec![0u64; cpus];
+    for l in lines {
+        let Some((_, rest)) = l.split_once(':') else {
+            continue;
+        };
+        for (s, v) in sum.iter_mut().zip(rest.split_whitespace()) {
+            match v.parse::<u64>() {
+                Ok(n) => *s += n,
+                Err(_) => break, // the line's description (or a line without per-CPU counts)
+            }
+        }
+    }
+    sum
+}
+
+/// The value at quantile `q` (0..=1) of a sorted non-empty list.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 impl Timing {
@@ -51,18 +148,47 @@ impl Timing {
         self.bytes / self.secs.max(1e-12) / 1e9
     }
 
-    /// `ms/call (GB/s, % of the probe; tail µs/call)`.
+    /// `ms/call (GB/s, % of the probe); regions' distribution; tail; OS noise`.
     fn describe(&self, probe_gbs: f64) -> String {
         let per_call = |s: f64| s / self.pool.regions.max(1) as f64 * 1e6;
-        format!(
-            "{:.3} ms/layer ({:.1} GB/s, {:.0}% of the probe; pool tail {:.1} µs of {:.1} µs per region, caller last in {:.0}%)",
+        let per_call_n = |n: u64| n as f64 / self.calls.max(1) as f64;
+        let mut d = format!(
+            "{:.3} ms/layer ({:.1} GB/s, {:.0}% of the probe)",
             self.ms_per_call(),
             self.gbs(),
             100.0 * self.gbs() / probe_gbs,
+        );
+        if !self.regions.is_empty() {
+            let mut r = self.regions.clone();
+            r.sort_by(f64::total_cmp);
+            let med = quantile(&r, 0.5);
+            let slow = r.iter().filter(|&&x| x > 1.5 * med).count();
+            d += &format!(
+                "; regions median {:.3} ({:.0}% of the probe), p90 {:.3}, max {:.3} ms, {slow} of {} over 1.5x the median",
+                med * 1e3,
+                100.0 * self.bytes / self.calls.max(1) as f64 / med / 1e9 / probe_gbs,
+                quantile(&r, 0.9) * 1e3,
+                quantile(&r, 1.0) * 1e3,
+                r.len()
+            );
+        }
+        d += &format!(
+            "; pool tail {:.1} µs of {:.1} µs per region, caller last in {:.0}%",
             per_call(self.pool.tail_s),
             per_call(self.pool.busy_s),
             100.0 * self.pool.caller_last as f64 / self.pool.regions.max(1) as f64,
-        )
+        );
+        if let Some(n) = self.os.switches {
+            d += &format!("; involuntary switches {:.2}/call", per_call_n(n));
+        }
+        if let (Some(n), Some((cpu, m))) = (self.os.irqs, self.os.busiest) {
+            d += &format!(
+                "; interrupts {:.2}/call (most on CPU {cpu}: {:.2}/call)",
+                per_call_n(n),
+                per_call_n(m)
+            );
+        }
+        d
     }
 }
 
@@ -154,6 +280,9 @@ impl<'e> Replay<'e> {
         let mut out = vec![0f32; tokens * self.hidden];
         let mut t = Timing::default();
         let before = self.pool.region_stats();
+        let os = OsCounters::now();
+        self.pool.set_region_log(true);
+        self.pool.take_region_log();
         for (i, c) in calls.iter().enumerate() {
             let Some(set) = self.sets[c.layer] else {
                 continue;
@@ -179,6 +308,9 @@ impl<'e> Replay<'e> {
             t.bytes += distinct_held(set, &c.ids) as f64 * set.bytes_per_expert() as f64;
         }
         t.pool = self.pool.region_stats().since(&before);
+        t.regions = self.pool.take_region_log();
+        self.pool.set_region_log(false);
+        t.os = OsCounters::now().since(&os);
         Ok(t)
     }
 
@@ -261,8 +393,14 @@ pub(super) fn run(
                 ids: ids.to_vec(),
             });
         })));
+        let os = OsCounters::now();
+        replay.pool.set_region_log(true);
+        replay.pool.take_region_log();
         let r = decode_steps(engine, caches, next, 0, steps);
         engine.set_routing_override(None);
+        replay.pool.set_region_log(false);
+        let regions = replay.pool.take_region_log();
+        let os = OsCounters::now().since(&os);
         let (_, split) = r?;
         let calls = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
         anyhow::ensure!(
@@ -274,6 +412,8 @@ pub(super) fn run(
             calls: split.cpu_regions.calls as usize,
             bytes: split.dram_expert_bytes as f64,
             pool: split.host.pool,
+            regions,
+            os,
         };
         let p = &split.handoff;
         let gap = Duration::from_secs_f64(p.round_trip_s / p.layers.max(1) as f64);
@@ -341,6 +481,7 @@ mod tests {
                 caller_last: 1,
                 ..RegionStats::default()
             },
+            ..Timing::default()
         };
         assert_eq!(t.ms_per_call(), 0.5);
         assert!((t.gbs() - 100.0).abs() < 1e-9);
@@ -354,5 +495,45 @@ mod tests {
             "{d}"
         );
         assert_eq!(Timing::default().ms_per_call(), 0.0);
+        let with_regions = Timing {
+            regions: vec![0.4e-3, 0.5e-3, 0.5e-3, 1.0e-3],
+            os: OsNoise {
+                switches: Some(2),
+                irqs: Some(8),
+                busiest: Some((3, 4)),
+            },
+            ..t
+        };
+        let d = with_regions.describe(125.0);
+        assert!(d.contains("regions median 0.500 (80% of the probe), p90 1.000, max 1.000 ms, 1 of 4 over 1.5x"), "{d}");
+        assert!(d.contains("involuntary switches 0.50/call"), "{d}");
+        assert!(
+            d.contains("interrupts 2.00/call (most on CPU 3: 1.00/call)"),
+            "{d}"
+        );
+    }
+
+    #[test]
+    fn proc_counters_parse() {
+        let status =
+            "Name:\tmoe-cpu-3\nvoluntary_ctxt_switches:\t10\nnonvoluntary_ctxt_switches:\t7\n";
+        assert_eq!(nonvoluntary_switches(status), Some(7));
+        assert_eq!(nonvoluntary_switches("Name: x\n"), None);
+        let irqs = "           CPU0       CPU1\n  0:         40          0   IO-APIC    2-edge      timer\nLOC:       1000       2000   Local timer interrupts\nERR:          0\n";
+        assert_eq!(irqs_per_cpu(irqs), vec![1040, 2000]);
+        let a = OsCounters {
+            switches: Some(10),
+            irqs_per_cpu: Some(vec![5, 9]),
+        };
+        let b = OsCounters {
+            switches: Some(4),
+            irqs_per_cpu: Some(vec![1, 2]),
+        };
+        let n = a.since(&b);
+        assert_eq!(
+            (n.switches, n.irqs, n.busiest),
+            (Some(6), Some(11), Some((1, 7)))
+        );
+        assert_eq!(quantile(&[1.0, 2.0, 3.0], 0.5), 2.0);
     }
 }

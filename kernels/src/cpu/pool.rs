@@ -68,6 +68,10 @@ struct Shared {
     caller_works: AtomicBool,
     spin: Duration,
     clock: RegionClock,
+    /// Each region's time from opening to its last thread done (ns), while `logging` is on
+    /// ([`WorkerPool::set_region_log`]).
+    logging: AtomicBool,
+    log: Mutex<Vec<u64>>,
 }
 
 /// The regions' clock: nanoseconds since `epoch` when the current region opened, the current region's
@@ -151,7 +155,8 @@ impl RegionClock {
     /// The region closed with no worker left in it (every join's writes happened before: the
     /// workers' Release decrements, the caller's Acquire wait); `waited_ns` the caller's wait for them,
     /// `caller_done` when the caller ran out of items (`None`: it ran none).
-    fn closed(&self, workers: usize, waited_ns: u64, caller_done: Option<u64>) {
+    /// Returns when the region's last thread was done (ns after it opened; `None` if none ran items).
+    fn closed(&self, workers: usize, waited_ns: u64, caller_done: Option<u64>) -> Option<u64> {
         let joins = self.region_joins.load(Ordering::Relaxed);
         self.regions.fetch_add(1, Ordering::Relaxed);
         self.joins.fetch_add(joins as u64, Ordering::Relaxed);
@@ -162,13 +167,15 @@ impl RegionClock {
         self.close_wait_ns.fetch_add(waited_ns, Ordering::Relaxed);
         let first = self.region_first_done_ns.load(Ordering::Relaxed);
         let last = self.region_last_done_ns.load(Ordering::Relaxed);
-        if first <= last {
-            self.tail_ns.fetch_add(last - first, Ordering::Relaxed);
-            self.busy_ns.fetch_add(last, Ordering::Relaxed);
-            if caller_done == Some(last) {
-                self.caller_last.fetch_add(1, Ordering::Relaxed);
-            }
+        if first > last {
+            return None;
         }
+        self.tail_ns.fetch_add(last - first, Ordering::Relaxed);
+        self.busy_ns.fetch_add(last, Ordering::Relaxed);
+        if caller_done == Some(last) {
+            self.caller_last.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(last)
     }
 
     fn stats(&self) -> RegionStats {
@@ -296,6 +303,8 @@ impl WorkerPool {
             caller_works: AtomicBool::new(true),
             spin,
             clock: RegionClock::new(),
+            logging: AtomicBool::new(false),
+            log: Mutex::new(Vec::new()),
         });
         let mut group_of_thread = Vec::new();
         let mut handles = Vec::new();
@@ -357,6 +366,21 @@ impl WorkerPool {
 
     pub fn caller_works(&self) -> bool {
         self.shared.caller_works.load(Ordering::Relaxed)
+    }
+
+    /// Starts (or stops) logging each region's time from its opening to its last thread done, for
+    /// the distribution of a benchmark's regions ([`WorkerPool::take_region_log`]); off by default.
+    pub fn set_region_log(&self, on: bool) {
+        self.shared.logging.store(on, Ordering::Relaxed);
+    }
+
+    /// The regions logged since the last call, in seconds, oldest first (logging stays as it is).
+    pub fn take_region_log(&self) -> Vec<f64> {
+        let mut log = self.shared.log.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *log)
+            .into_iter()
+            .map(|ns| ns as f64 * 1e-9)
+            .collect()
     }
 
     /// The regions' clock so far (see [`RegionStats`]).
@@ -461,7 +485,10 @@ impl WorkerPool {
             wait();
         }
         let waited = sh.clock.now_ns().saturating_sub(done_ns);
-        sh.clock.closed(self.threads() - 1, waited, caller_done);
+        let busy = sh.clock.closed(self.threads() - 1, waited, caller_done);
+        if let (true, Some(ns)) = (sh.logging.load(Ordering::Relaxed), busy) {
+            sh.log.lock().unwrap_or_else(|e| e.into_inner()).push(ns);
+        }
         if !caller_ok || sh.panicked.swap(false, Ordering::Relaxed) {
             panic!("a worker-pool region panicked");
         }
@@ -663,6 +690,22 @@ mod tests {
         }
         let d = pool.region_stats().since(&before);
         assert_eq!((d.regions, d.caller_last), (5, 5));
+        // the log has each region's time once it is on, and is emptied by taking it
+        pool.set_region_log(true);
+        for _ in 0..3 {
+            pool.run(&[2], &|_, _, t| {
+                if t == 0 {
+                    std::thread::sleep(slow);
+                }
+            });
+        }
+        let log = pool.take_region_log();
+        assert_eq!(log.len(), 3);
+        assert!(log.iter().all(|&s| s >= slow.as_secs_f64()), "{log:?}");
+        assert!(pool.take_region_log().is_empty());
+        pool.set_region_log(false);
+        pool.run(&[2], &|_, _, _| {});
+        assert!(pool.take_region_log().is_empty());
         assert!(d.busy_s >= 5.0 * slow.as_secs_f64(), "{d:?}");
         assert!(d.tail_s <= d.busy_s, "{d:?}");
     }
