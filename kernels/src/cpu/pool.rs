@@ -66,6 +66,10 @@ struct Shared {
     /// Whether the caller of `run` takes items itself (the default) or only opens the region and
     /// waits for the workers ([`WorkerPool::set_caller_works`]).
     caller_works: AtomicBool,
+    /// Workers with the highest thread indices kept out of regions, asleep: their cores left to the
+    /// OS ([`WorkerPool::set_spare_cores`]).
+    spare: AtomicUsize,
+    threads: usize,
     spin: Duration,
     clock: RegionClock,
     /// Each region's time from opening to its last thread done (ns), while `logging` is on
@@ -301,6 +305,8 @@ impl WorkerPool {
             shutdown: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
             caller_works: AtomicBool::new(true),
+            spare: AtomicUsize::new(0),
+            threads: cpus_per_group.iter().map(Vec::len).sum(),
             spin,
             clock: RegionClock::new(),
             logging: AtomicBool::new(false),
@@ -366,6 +372,26 @@ impl WorkerPool {
 
     pub fn caller_works(&self) -> bool {
         self.shared.caller_works.load(Ordering::Relaxed)
+    }
+
+    /// Keeps the `n` workers of the highest thread indices out of the regions, asleep, so that their
+    /// cores are free for whatever else the machine runs (the OS, a driver's threads, the process's
+    /// other threads) instead of time-sliced with a worker in the middle of a region; 0 (the
+    /// default) lets every worker in. Only pools of one group, keeping the caller and one worker at
+    /// least; returns whether it was applied. For A/B runs: results do not depend on which thread
+    /// runs an item.
+    pub fn set_spare_cores(&self, n: usize) -> bool {
+        if self.groups != 1 || n + 2 > self.threads() {
+            return n == 0;
+        }
+        self.shared.spare.store(n, Ordering::Relaxed);
+        let _l = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.shared.wake.notify_all();
+        true
+    }
+
+    pub fn spare_cores(&self) -> usize {
+        self.shared.spare.load(Ordering::Relaxed)
     }
 
     /// Starts (or stops) logging each region's time from its opening to its last thread done, for
@@ -485,7 +511,8 @@ impl WorkerPool {
             wait();
         }
         let waited = sh.clock.now_ns().saturating_sub(done_ns);
-        let busy = sh.clock.closed(self.threads() - 1, waited, caller_done);
+        let workers = self.threads() - 1 - sh.spare.load(Ordering::Relaxed);
+        let busy = sh.clock.closed(workers, waited, caller_done);
         if let (true, Some(ns)) = (sh.logging.load(Ordering::Relaxed), busy) {
             sh.log.lock().unwrap_or_else(|e| e.into_inner()).push(ns);
         }
@@ -512,9 +539,31 @@ unsafe fn do_items(sh: &Shared, group: usize, tid: usize) -> usize {
     }
 }
 
+/// Whether worker `tid` is kept out of the regions ([`WorkerPool::set_spare_cores`]).
+fn spared(sh: &Shared, tid: usize) -> bool {
+    tid + sh.spare.load(Ordering::Relaxed) >= sh.threads
+}
+
+/// Sleeps while worker `tid` is spared (checking every millisecond, and when woken).
+fn sleep_while_spared(sh: &Shared, tid: usize) {
+    let mut l = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+    while spared(sh, tid) && !sh.shutdown.load(Ordering::SeqCst) {
+        l = sh
+            .wake
+            .wait_timeout(l, Duration::from_millis(1))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
 fn worker_loop(sh: &Shared, group: usize, tid: usize) {
     let mut seen = 0u64;
     loop {
+        if spared(sh, tid) {
+            sleep_while_spared(sh, tid);
+            // regions opened meanwhile were done without this worker
+            seen = sh.generation.load(Ordering::Acquire);
+        }
         // Spin, checking the clock every 256 rounds, then park on the condvar.
         let start = Instant::now();
         let mut rounds = 0u32;
@@ -539,7 +588,7 @@ fn worker_loop(sh: &Shared, group: usize, tid: usize) {
             return;
         }
         seen = gen;
-        if !join(sh) {
+        if spared(sh, tid) || !join(sh) {
             continue; // closed already: the caller and the other workers did its items
         }
         sh.clock.joined();
@@ -739,6 +788,39 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 5);
+    }
+
+    /// Spared workers take no items while spared and all take part again once let back in; every item
+    /// runs once either way. Pools of several groups, or with too few threads, refuse.
+    #[test]
+    fn spared_workers_take_no_items() {
+        let pool = WorkerPool::new(&[vec![0, 0, 0, 0]], false, Duration::from_millis(5));
+        assert!(pool.set_spare_cores(2));
+        assert_eq!(pool.spare_cores(), 2);
+        for round in 0..50 {
+            let counts: Vec<AtomicUsize> = (0..40).map(|_| AtomicUsize::new(0)).collect();
+            let n = 1 + round % 37;
+            pool.run(&[n], &|_, i, t| {
+                assert!(t < 2, "worker {t} is spared");
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            for (i, c) in counts.iter().enumerate() {
+                assert_eq!(c.load(Ordering::Relaxed), usize::from(i < n));
+            }
+        }
+        assert!(pool.set_spare_cores(0));
+        let seen: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..200 {
+            pool.run(&[64], &|_, _, t| {
+                seen[t].fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(20));
+            });
+        }
+        assert!(seen[3].load(Ordering::Relaxed) > 0, "let back in");
+        assert!(!pool.set_spare_cores(3), "caller and one worker stay");
+        let two = WorkerPool::new(&[vec![0, 0], vec![0, 0]], false, Duration::from_millis(5));
+        assert!(!two.set_spare_cores(1));
+        assert!(two.set_spare_cores(0));
     }
 
     #[test]

@@ -156,6 +156,9 @@ pub enum DecodeSwitch {
     /// The engine thread takes CPU expert items in the pool's regions (off: it opens each region and
     /// waits while the other workers take them all; `WorkerPool::set_caller_works`).
     CallerWorks,
+    /// One core of the CPU expert pool left to the OS: its worker kept out of the regions, asleep
+    /// (`WorkerPool::set_spare_cores`).
+    SpareCore,
 }
 
 impl DecodeSwitch {
@@ -180,11 +183,12 @@ impl std::str::FromStr for DecodeSwitch {
             "direct-half" => DecodeSwitch::DirectHalf,
             "fused-segment" => DecodeSwitch::FusedSegment,
             "caller-works" => DecodeSwitch::CallerWorks,
+            "spare-core" => DecodeSwitch::SpareCore,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, spare-core, defer1..defer64)"
                     ))
                 }
             },
@@ -205,6 +209,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::Defer(n) => write!(f, "defer{n}"),
             DecodeSwitch::FusedSegment => f.write_str("fused-segment"),
             DecodeSwitch::CallerWorks => f.write_str("caller-works"),
+            DecodeSwitch::SpareCore => f.write_str("spare-core"),
         }
     }
 }
@@ -228,6 +233,7 @@ impl crate::engine::Engine {
             DecodeSwitch::Defer(n) => g.switches.defer_experts() == n,
             DecodeSwitch::FusedSegment => g.switches.fused_segment(),
             DecodeSwitch::CallerWorks => self.cpu_pool.as_deref()?.caller_works(),
+            DecodeSwitch::SpareCore => self.cpu_pool.as_deref()?.spare_cores() > 0,
         })
     }
 
@@ -239,8 +245,14 @@ impl crate::engine::Engine {
         if self.decode_switch(switch).is_none() {
             return false;
         }
-        if let (DecodeSwitch::CallerWorks, Some(pool)) = (switch, self.cpu_pool.as_deref()) {
-            pool.set_caller_works(on);
+        match (switch, self.cpu_pool.as_deref()) {
+            (DecodeSwitch::CallerWorks, Some(pool)) => pool.set_caller_works(on),
+            (DecodeSwitch::SpareCore, Some(pool)) => {
+                if !pool.set_spare_cores(usize::from(on)) {
+                    return false; // several NUMA groups, or too few threads
+                }
+            }
+            _ => {}
         }
         for g in self.gpus() {
             match switch {
@@ -253,7 +265,7 @@ impl crate::engine::Engine {
                 DecodeSwitch::DirectHalf => g.switches.set_direct_half(on),
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
                 DecodeSwitch::FusedSegment => g.switches.set_fused_segment(on),
-                DecodeSwitch::CallerWorks => {} // the pool's, set above
+                DecodeSwitch::CallerWorks | DecodeSwitch::SpareCore => {} // the pool's, set above
             }
         }
         true
@@ -276,6 +288,7 @@ mod tests {
             "direct-half",
             "fused-segment",
             "caller-works",
+            "spare-core",
             "defer1",
             "defer2",
         ] {
