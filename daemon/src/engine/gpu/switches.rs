@@ -245,14 +245,18 @@ impl crate::engine::Engine {
         if self.decode_switch(switch).is_none() {
             return false;
         }
-        match (switch, self.cpu_pool.as_deref()) {
-            (DecodeSwitch::CallerWorks, Some(pool)) => pool.set_caller_works(on),
-            (DecodeSwitch::SpareCore, Some(pool)) => {
-                if !pool.set_spare_cores(usize::from(on)) {
-                    return false; // several NUMA groups, or too few threads
-                }
+        // the CPU expert pool's switches (the spare core: refused by pools of several NUMA groups
+        // or too few threads)
+        let applied = match (switch, self.cpu_pool.as_deref()) {
+            (DecodeSwitch::CallerWorks, Some(pool)) => {
+                pool.set_caller_works(on);
+                true
             }
-            _ => {}
+            (DecodeSwitch::SpareCore, Some(pool)) => pool.set_spare_cores(usize::from(on)),
+            _ => true,
+        };
+        if !applied {
+            return false;
         }
         for g in self.gpus() {
             match switch {
