@@ -1,7 +1,8 @@
 //! The host's decode-step switches (`engine::gpu::switches`): the capture walk's mark, the head
 //! enqueued with a prelaunched last layer and the all-DRAM layers' CPU half from the routing as it
 //! landed change when and how the host does its work, never what the GPU or the CPU experts compute,
-//! so the logits stay bit for bit those of the switches off; and the mark does skip the walk.
+//! so the logits stay bit for bit those of the switches off; and the mark does skip the walk. So do
+//! the CPU expert pool's switches (which thread runs an item).
 use super::common::gpu::gpu;
 use super::common::{fixtures_root, step};
 use moe_daemon::engine::gpu::switches::DecodeSwitch;
@@ -78,5 +79,40 @@ fn host_switches_keep_the_logits_and_the_mark_skips_the_walk() {
             "{name}: {STEPS} decode steps, walks {walks_on:?} with the mark, {} without; logits identical with the switches off",
             walks_off.iter().sum::<u64>()
         );
+    }
+}
+
+/// The CPU expert pool's switches (`caller-works` off: the engine thread takes no expert items;
+/// `spare-core` on: one worker kept asleep) change which thread runs an item, never what the items
+/// compute or the order their sums are added in: the logits stay bit for bit those of the defaults.
+#[test]
+fn pool_switches_keep_the_logits() {
+    let dir = fixtures_root().join("qwen3_moe").join("model_bf16");
+    let e = Engine::load(
+        &dir,
+        &EngineOptions {
+            cuda_graphs: true,
+            cpu_threads: 4,
+            ..gpu(0, PlacementStrategy::Uniform)
+        },
+    )
+    .unwrap();
+    assert_eq!(e.decode_switch(DecodeSwitch::CallerWorks), Some(true));
+    assert_eq!(e.decode_switch(DecodeSwitch::SpareCore), Some(false));
+    let (base, fed, _) = decode(&e, None);
+    for (s, on) in [
+        (DecodeSwitch::CallerWorks, false),
+        (DecodeSwitch::SpareCore, true),
+    ] {
+        assert!(e.set_decode_switch(s, on), "{s}");
+        assert_eq!(e.decode_switch(s), Some(on));
+        let (got, _, _) = decode(&e, Some(&fed));
+        assert!(e.set_decode_switch(s, !on));
+        for (i, (a, b)) in base.iter().zip(&got).enumerate() {
+            assert!(
+                a == b,
+                "{s} {on}: decode step {i} differs from the defaults"
+            );
+        }
     }
 }
