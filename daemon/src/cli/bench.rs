@@ -151,7 +151,9 @@ pub struct RunArgs {
     /// `bench decode` on the CUDA backend: after the last batch size, N rounds of `--steps` steps whose
     /// CPU experts are then timed again without the GPU on the same experts and pool (back to back,
     /// with the step's hand-off gap, with `cpu_moe_bench`'s fixed routing, with fresh random routings),
-    /// each against the DRAM probe: what the step adds around the kernels (`bench_replay`).
+    /// each against the DRAM probe: what the step adds around the kernels (`bench_replay`). Odd rounds
+    /// replace the model's routing with a uniform random one (timings only: their logits are not the
+    /// model's).
     #[arg(long, default_value_t = 0)]
     pub cpu_replay: usize,
     #[command(flatten)]

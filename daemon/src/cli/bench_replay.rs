@@ -2,8 +2,9 @@
 //! the GPU, in the same process, on the same packed experts and worker pool: what the engine's step
 //! adds around the expert kernels, against what the kernels reach alone. Each of N rounds decodes
 //! `--steps` steps of the sequences of the last batch size (the routing of every MoE layer recorded
-//! on the way, `Engine::set_routing_override` leaving it as it is), then calls the kernels again,
-//! one layer after the other as the step did:
+//! on the way through `Engine::set_routing_override`: left as the model chose it in even rounds,
+//! replaced by a uniform random routing in odd ones), then calls the kernels again, one layer after
+//! the other as the step did:
 //! - `recorded`: the step's own layer calls back to back (its routings, its experts, no GPU);
 //! - `recorded + gap`: the same with the caller spinning between two layers for as long as the
 //!   step's hand-off took (sum raised → next routing seen), the workers spinning as in the step;
@@ -11,7 +12,9 @@
 //!   the same experts come back every 16 calls, so a part of them can still be in the L3;
 //! - `fresh`: a new random routing for every call over every MoE layer (no expert comes back).
 //!
-//! The variants' order alternates between rounds. Each is reported in ms per layer call (the mean, as
+//! A random-weight checkpoint's router may choose nearly the same experts step after step, which the
+//! 300 MiB L3 of the H200 host then partly serves; the random rounds time the step DRAM-true (each
+//! round prints how much its routing repeats). The variants' order alternates between rounds. Each is reported in ms per layer call (the mean, as
 //! the step's split reports it, and the pool regions' median, p90 and max: a few slow calls move the
 //! mean), the weight bytes of the distinct experts it read per second, % of the DRAM probe of the same
 //! process, the pool's tail (first thread out of items → last done) per call, and what the OS did
@@ -49,23 +52,36 @@ struct Timing {
 
 /// What the OS did to the process over a span: involuntary context switches of its pool threads,
 /// interrupts on all CPUs and on the busiest one (`None` where /proc does not say).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 struct OsNoise {
     switches: Option<u64>,
+    /// The thread (any of the process's) switched most: `name (CPUs …)` and its count.
+    most_switched: Option<(String, u64)>,
     irqs: Option<u64>,
     busiest: Option<(usize, u64)>,
 }
 
+/// One thread's involuntary context switches so far.
+#[derive(Clone, Debug, PartialEq)]
+struct ThreadSwitches {
+    tid: u64,
+    /// `name (CPUs list)`: the pools share the name prefix; the CPUs tell a pinned worker from the
+    /// engine's threads.
+    label: String,
+    pool: bool,
+    switches: u64,
+}
+
 /// The counters `OsNoise` is the difference of.
 struct OsCounters {
-    switches: Option<u64>,
+    threads: Option<Vec<ThreadSwitches>>,
     irqs_per_cpu: Option<Vec<u64>>,
 }
 
 impl OsCounters {
     fn now() -> Self {
         OsCounters {
-            switches: pool_thread_switches(),
+            threads: thread_switches(),
             irqs_per_cpu: std::fs::read_to_string("/proc/interrupts")
                 .ok()
                 .map(|t| irqs_per_cpu(&t)),
@@ -73,10 +89,29 @@ impl OsCounters {
     }
 
     fn since(&self, earlier: &OsCounters) -> OsNoise {
-        let switches = match (self.switches, earlier.switches) {
-            (Some(a), Some(b)) => Some(a.saturating_sub(b)),
+        let deltas: Option<Vec<(&ThreadSwitches, u64)>> = match (&self.threads, &earlier.threads) {
+            (Some(now), Some(then)) => Some(
+                now.iter()
+                    .map(|t| {
+                        let before = then
+                            .iter()
+                            .find(|b| b.tid == t.tid)
+                            .map_or(0, |b| b.switches);
+                        (t, t.switches.saturating_sub(before))
+                    })
+                    .collect(),
+            ),
             _ => None,
         };
+        let switches = deltas
+            .as_ref()
+            .map(|d| d.iter().filter(|(t, _)| t.pool).map(|(_, n)| n).sum());
+        let most_switched = deltas.as_ref().and_then(|d| {
+            d.iter()
+                .max_by_key(|(_, n)| *n)
+                .filter(|(_, n)| *n > 0)
+                .map(|(t, n)| (t.label.clone(), *n))
+        });
         let per_cpu: Option<Vec<u64>> = match (&self.irqs_per_cpu, &earlier.irqs_per_cpu) {
             (Some(a), Some(b)) if a.len() == b.len() => {
                 Some(a.iter().zip(b).map(|(x, y)| x.saturating_sub(*y)).collect())
@@ -85,25 +120,36 @@ impl OsCounters {
         };
         OsNoise {
             switches,
+            most_switched,
             irqs: per_cpu.as_ref().map(|v| v.iter().sum()),
             busiest: per_cpu.and_then(|v| v.iter().copied().enumerate().max_by_key(|&(_, n)| n)),
         }
     }
 }
 
-/// Involuntary context switches summed over this process's threads named `moe-cpu-*` (the expert
-/// pool's workers and the engine's rayon threads, which run the GPU step).
-fn pool_thread_switches() -> Option<u64> {
-    let mut sum = 0;
+/// Involuntary context switches of each of this process's threads; `pool` marks those named
+/// `moe-cpu-*` (the expert pool's workers and the engine's rayon threads, which run the GPU step).
+fn thread_switches() -> Option<Vec<ThreadSwitches>> {
+    let mut out = Vec::new();
     for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("moe-cpu-") {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
             continue;
-        }
+        };
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
-        sum += nonvoluntary_switches(&status).unwrap_or(0);
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap_or("?")
+            .trim();
+        out.push(ThreadSwitches {
+            tid,
+            label: format!("{} (CPUs {cpus})", comm.trim()),
+            pool: comm.starts_with("moe-cpu-"),
+            switches: nonvoluntary_switches(&status).unwrap_or(0),
+        });
     }
-    Some(sum)
+    Some(out)
 }
 
 /// `nonvoluntary_ctxt_switches` of a `/proc/.../status` text.
@@ -161,6 +207,45 @@ fn first_layer_split(regions: &[f64], steps: usize) -> String {
     )
 }
 
+/// How much the recorded calls' routing repeats, per MoE layer over the steps (expert reuse across
+/// steps is what the L3 can serve): distinct experts per layer, and the share of a layer's experts in
+/// one step that the previous step of that layer chose too; beside what uniform random routing of
+/// `top_k` of `experts` would give.
+fn routing_reuse(calls: &[Call], top_k: usize, experts: usize) -> String {
+    let mut by_layer: std::collections::BTreeMap<usize, Vec<Vec<u32>>> = Default::default();
+    for c in calls {
+        let mut ids = c.ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        by_layer.entry(c.layer).or_default().push(ids);
+    }
+    let (mut distinct, mut repeated, mut chosen) = (0usize, 0usize, 0usize);
+    let mut steps = 0;
+    for seq in by_layer.values() {
+        let mut all: Vec<u32> = seq.iter().flatten().copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        distinct += all.len();
+        steps = steps.max(seq.len());
+        for w in seq.windows(2) {
+            repeated += w[1]
+                .iter()
+                .filter(|e| w[0].binary_search(e).is_ok())
+                .count();
+            chosen += w[1].len();
+        }
+    }
+    let layers = by_layer.len().max(1);
+    let p = (top_k as f64 / experts.max(1) as f64).min(1.0);
+    let uniform_distinct = experts as f64 * (1.0 - (1.0 - p).powi(steps as i32));
+    format!(
+        "routing: {:.1} distinct experts per layer over {steps} steps, {:.0}% of a step's experts chosen by the layer's previous step too (uniform random: {uniform_distinct:.1}, {:.0}%)",
+        distinct as f64 / layers as f64,
+        100.0 * repeated as f64 / chosen.max(1) as f64,
+        100.0 * p
+    )
+}
+
 /// The value at quantile `q` (0..=1) of a sorted non-empty list.
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
@@ -207,6 +292,9 @@ impl Timing {
         );
         if let Some(n) = self.os.switches {
             d += &format!("; involuntary switches {:.2}/call", per_call_n(n));
+        }
+        if let Some((label, n)) = &self.os.most_switched {
+            d += &format!(" (most: {label} {:.2}/call)", per_call_n(*n));
         }
         if let (Some(n), Some((cpu, m))) = (self.os.irqs, self.os.busiest) {
             d += &format!(
@@ -409,12 +497,28 @@ pub(super) fn run(
     probe_gbs: f64,
 ) -> anyhow::Result<()> {
     let replay = Replay::of(engine)?;
-    let mut engine_ms = Vec::with_capacity(rounds);
-    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); VARIANTS.len()];
+    let experts = replay
+        .sets
+        .iter()
+        .flatten()
+        .map(|s| s.expert_ids().len())
+        .max()
+        .unwrap_or(0);
+    // per routing (the model's, random): the step's and each variant's ms per call over rounds
+    let mut engine_ms: [Vec<f64>; 2] = Default::default();
+    let mut ms: [Vec<Vec<f64>>; 2] = [
+        vec![Vec::new(); VARIANTS.len()],
+        vec![Vec::new(); VARIANTS.len()],
+    ];
     for round in 0..rounds {
+        let random = round % 2 == 1;
         let recorded = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&recorded);
+        let (top_k, mut state) = (replay.top_k, 0x2545_F491_4F6C_DD1D_u64 ^ round as u64);
         engine.set_routing_override(Some(Box::new(move |layer, ids: &mut [u32]| {
+            if random {
+                random_routing(ids, top_k, experts, &mut state);
+            }
             sink.lock().unwrap_or_else(|e| e.into_inner()).push(Call {
                 layer,
                 ids: ids.to_vec(),
@@ -451,7 +555,11 @@ pub(super) fn run(
             gap.as_secs_f64() * 1e6,
             first_layer_split(&step.regions, steps)
         );
-        engine_ms.push(step.ms_per_call());
+        println!(
+            "CPU replay round {round}: {}",
+            routing_reuse(&calls, replay.top_k, experts)
+        );
+        engine_ms[usize::from(random)].push(step.ms_per_call());
         let order: Vec<usize> = if round % 2 == 0 {
             (0..VARIANTS.len()).collect()
         } else {
@@ -473,23 +581,56 @@ pub(super) fn run(
                 v.label(),
                 t.describe(probe_gbs)
             );
-            ms[i].push(t.ms_per_call());
+            ms[usize::from(random)][i].push(t.ms_per_call());
         }
     }
     let med = super::bench_ab::median;
-    let base = med(&engine_ms);
-    let mut line =
-        format!("CPU replay, {rounds} rounds, median ms per layer call: engine step {base:.3}");
-    for (v, m) in VARIANTS.iter().zip(&ms) {
-        let m = med(m);
-        line += &format!(
-            "; {} {m:.3} ({:+.1}% vs the step)",
-            v.label(),
-            (base / m - 1.0) * 100.0
+    for (k, routing) in ["the model's routing", "random routing"].iter().enumerate() {
+        if engine_ms[k].is_empty() {
+            continue;
+        }
+        let base = med(&engine_ms[k]);
+        let mut line = format!(
+            "CPU replay, {} rounds with {routing}, median ms per layer call: engine step {base:.3}",
+            engine_ms[k].len()
         );
+        for (v, m) in VARIANTS.iter().zip(&ms[k]) {
+            let m = med(m);
+            line += &format!(
+                "; {} {m:.3} ({:+.1}% vs the step)",
+                v.label(),
+                (base / m - 1.0) * 100.0
+            );
+        }
+        println!("{line}");
     }
-    println!("{line}");
     Ok(())
+}
+
+/// Rewrites `ids` (tokens × `top_k`) with a uniform random routing: `top_k` distinct experts of
+/// `0..experts` per token (fewer experts than `top_k`: the first ones, repeated), from the xorshift
+/// `state`.
+fn random_routing(ids: &mut [u32], top_k: usize, experts: usize, state: &mut u64) {
+    let mut next = || {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    };
+    for token in ids.chunks_mut(top_k.max(1)) {
+        for i in 0..token.len() {
+            token[i] = if experts <= top_k {
+                (i % experts.max(1)) as u32
+            } else {
+                loop {
+                    let e = (next() % experts as u64) as u32;
+                    if !token[..i].contains(&e) {
+                        break e;
+                    }
+                }
+            };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -527,6 +668,7 @@ mod tests {
             regions: vec![0.4e-3, 0.5e-3, 0.5e-3, 1.0e-3],
             os: OsNoise {
                 switches: Some(2),
+                most_switched: Some(("moe-cpu-3 (CPUs 0)".into(), 2)),
                 irqs: Some(8),
                 busiest: Some((3, 4)),
             },
@@ -534,7 +676,10 @@ mod tests {
         };
         let d = with_regions.describe(125.0);
         assert!(d.contains("regions median 0.500 (80% of the probe), p90 1.000, max 1.000 ms, 1 of 4 over 1.5x"), "{d}");
-        assert!(d.contains("involuntary switches 0.50/call"), "{d}");
+        assert!(
+            d.contains("involuntary switches 0.50/call (most: moe-cpu-3 (CPUs 0) 0.50/call)"),
+            "{d}"
+        );
         assert!(
             d.contains("interrupts 2.00/call (most on CPU 3: 1.00/call)"),
             "{d}"
@@ -549,20 +694,77 @@ mod tests {
         assert_eq!(nonvoluntary_switches("Name: x\n"), None);
         let irqs = "           CPU0       CPU1\n  0:         40          0   IO-APIC    2-edge      timer\nLOC:       1000       2000   Local timer interrupts\nERR:          0\n";
         assert_eq!(irqs_per_cpu(irqs), vec![1040, 2000]);
+        let th = |tid, pool, switches| ThreadSwitches {
+            tid,
+            label: format!("t{tid}"),
+            pool,
+            switches,
+        };
         let a = OsCounters {
-            switches: Some(10),
+            threads: Some(vec![th(1, true, 10), th(2, false, 30), th(3, true, 4)]),
             irqs_per_cpu: Some(vec![5, 9]),
         };
         let b = OsCounters {
-            switches: Some(4),
+            threads: Some(vec![th(1, true, 4), th(2, false, 20)]),
             irqs_per_cpu: Some(vec![1, 2]),
         };
         let n = a.since(&b);
+        // pool threads: 6 + 4 (a thread new since `b` counts from 0); the most switched is any thread
         assert_eq!(
             (n.switches, n.irqs, n.busiest),
-            (Some(6), Some(11), Some((1, 7)))
+            (Some(10), Some(11), Some((1, 7)))
         );
+        assert_eq!(n.most_switched, Some(("t2".to_string(), 10)));
+        let mine = thread_switches().expect("/proc/self/task");
+        assert!(!mine.is_empty() && mine.iter().all(|t| t.label.contains("(CPUs ")));
         assert_eq!(quantile(&[1.0, 2.0, 3.0], 0.5), 2.0);
+    }
+
+    #[test]
+    fn routing_reuse_counts_distinct_and_repeated_experts() {
+        let call = |layer, ids: &[u32]| Call {
+            layer,
+            ids: ids.to_vec(),
+        };
+        // layer 0 repeats {1, 2} then moves to {2, 3}; layer 5 never repeats
+        let calls = [
+            call(0, &[1, 2]),
+            call(5, &[7, 8]),
+            call(0, &[2, 1]),
+            call(5, &[9, 10]),
+            call(0, &[3, 2]),
+            call(5, &[11, 12]),
+        ];
+        let r = routing_reuse(&calls, 2, 16);
+        // distinct: 3 and 6 → 4.5; repeated: layer 0 2 + 1 of 4, layer 5 0 of 4 → 3 of 8
+        assert!(
+            r.starts_with(
+                "routing: 4.5 distinct experts per layer over 3 steps, 38% of a step's experts"
+            ),
+            "{r}"
+        );
+        // uniform: 16 × (1 − (7/8)³) = 5.28, 2/16 = 12.5 %
+        assert!(r.ends_with("(uniform random: 5.3, 12%)"), "{r}");
+    }
+
+    #[test]
+    fn random_routing_picks_distinct_experts_per_token() {
+        let mut ids = vec![0u32; 3 * 8];
+        let mut state = 42;
+        random_routing(&mut ids, 8, 128, &mut state);
+        for t in ids.chunks(8) {
+            let mut d = t.to_vec();
+            d.sort_unstable();
+            d.dedup();
+            assert_eq!(d.len(), 8, "{t:?}");
+            assert!(t.iter().all(|&e| e < 128));
+        }
+        let before = ids.clone();
+        random_routing(&mut ids, 8, 128, &mut state);
+        assert_ne!(ids, before, "a new draw per call");
+        let mut few = vec![9u32; 4];
+        random_routing(&mut few, 4, 2, &mut state);
+        assert_eq!(few, vec![0, 1, 0, 1]);
     }
 
     #[test]
