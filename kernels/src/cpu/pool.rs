@@ -28,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use super::topology::pin_current_thread;
+use super::topology::{pin_current_thread, SavedAffinity};
 
 /// Work function of one region: `(group, item, thread)`.
 pub type RegionFn<'a> = dyn Fn(usize, usize, usize) + Sync + 'a;
@@ -272,7 +272,14 @@ pub struct WorkerPool {
     /// CPU the caller stands in for, when pinning.
     caller_cpu: Option<usize>,
     /// Serializes regions; holds the last calling thread (pinned once per new caller).
-    run_lock: Mutex<Option<ThreadId>>,
+    run_lock: Mutex<Caller>,
+}
+
+/// The thread that opened the last region, and the affinity it had before the pool pinned it.
+#[derive(Default)]
+struct Caller {
+    thread: Option<ThreadId>,
+    affinity: Option<SavedAffinity>,
 }
 
 impl WorkerPool {
@@ -349,7 +356,7 @@ impl WorkerPool {
             pinned: 0,
             nodes: vec![None; groups],
             caller_cpu: None, // set below: the constructing thread is not pinned
-            run_lock: Mutex::new(None),
+            run_lock: Mutex::new(Caller::default()),
         };
         pool.run(&vec![0; groups], &|_, _, _| {});
         pool.pinned = pinned.load(Ordering::Relaxed);
@@ -448,11 +455,16 @@ impl WorkerPool {
         assert_eq!(items.len(), self.groups, "one item count per group");
         let mut caller = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let me = std::thread::current().id();
-        if *caller != Some(me) {
+        if caller.thread != Some(me) {
             if let Some(cpu) = self.caller_cpu {
+                let own = SavedAffinity::of_current_thread();
                 pin_current_thread(cpu);
+                // The caller before this one leaves the caller's CPU with the affinity it came with.
+                if let Some(previous) = std::mem::replace(&mut caller.affinity, own) {
+                    previous.restore();
+                }
             }
-            *caller = Some(me);
+            caller.thread = Some(me);
             self.shared
                 .clock
                 .caller_changes
@@ -641,6 +653,44 @@ impl Drop for WorkerPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A thread that opened a region and another that opens the next: the first gets the affinity it
+    /// had before the pool pinned it (it would otherwise stay on the caller's CPU for good).
+    #[test]
+    fn a_new_caller_gives_the_previous_one_its_affinity_back() {
+        let Some(before) = SavedAffinity::of_current_thread() else {
+            return; // no affinity on this system
+        };
+        let cpu = before.cpus()[0];
+        let pool = WorkerPool::new(&[vec![cpu]], true, Duration::from_micros(50));
+        let (ran, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            let first = s.spawn(|| {
+                let own = SavedAffinity::of_current_thread().unwrap();
+                pool.run(&[1], &|_, _, _| {});
+                let pinned = SavedAffinity::of_current_thread().unwrap();
+                ran.wait();
+                release.wait();
+                (
+                    own.cpus(),
+                    pinned.cpus(),
+                    SavedAffinity::of_current_thread().unwrap().cpus(),
+                )
+            });
+            ran.wait();
+            pool.run(&[1], &|_, _, _| {}); // this thread takes the caller's place
+            release.wait();
+            let (own, pinned, after) = first.join().unwrap();
+            if pinned != vec![cpu] {
+                return; // the system refused to pin: nothing to give back
+            }
+            assert_eq!(
+                after, own,
+                "the previous caller keeps the caller's CPU only"
+            );
+        });
+        before.restore();
+    }
 
     #[test]
     fn every_item_runs_once_per_group() {

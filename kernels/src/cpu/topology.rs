@@ -218,6 +218,71 @@ pub fn pin_current_thread(cpu: usize) -> bool {
     }
 }
 
+/// A thread's CPU affinity as it was before something pinned it, so that it can be given back. The
+/// pool pins each new calling thread to the caller's CPU; without giving the previous caller its own
+/// affinity back, every thread that ever opened a region (a rayon thread of one prefill, say) stayed
+/// on that one CPU beside the decode thread, and the kernel switched them in and out there (5–6
+/// involuntary switches per decode layer call measured on the H200 host, docs/PERF.md).
+#[derive(Clone, Copy)]
+pub struct SavedAffinity {
+    #[cfg(target_os = "linux")]
+    tid: libc::pid_t,
+    #[cfg(target_os = "linux")]
+    set: libc::cpu_set_t,
+}
+
+impl SavedAffinity {
+    /// The calling thread's affinity now; `None` where the system does not say (non-Linux).
+    pub fn of_current_thread() -> Option<SavedAffinity> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: gettid has no preconditions; cpu_set_t is plain data and sched_getaffinity
+            // writes at most size_of::<cpu_set_t>() bytes into it.
+            unsafe {
+                let tid = libc::gettid();
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                (libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set)
+                    == 0)
+                    .then_some(SavedAffinity { tid, set })
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        None
+    }
+
+    /// Gives the saved thread its saved affinity back (from any thread of this process). False when
+    /// that thread has exited (its id is checked against this process's tasks first, so a reused id
+    /// of another process's thread is never touched) or the system refuses.
+    pub fn restore(&self) -> bool {
+        #[cfg(target_os = "linux")]
+        {
+            if !std::path::Path::new(&format!("/proc/self/task/{}", self.tid)).exists() {
+                return false;
+            }
+            // SAFETY: plain-data cpu_set_t read by the kernel; a stale id fails with ESRCH.
+            unsafe {
+                libc::sched_setaffinity(self.tid, std::mem::size_of::<libc::cpu_set_t>(), &self.set)
+                    == 0
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        false
+    }
+
+    /// CPUs in the saved set (tests and diagnostics).
+    pub fn cpus(&self) -> Vec<usize> {
+        #[cfg(target_os = "linux")]
+        {
+            (0..libc::CPU_SETSIZE as usize)
+                // SAFETY: index below CPU_SETSIZE.
+                .filter(|&c| unsafe { libc::CPU_ISSET(c, &self.set) })
+                .collect()
+        }
+        #[cfg(not(target_os = "linux"))]
+        Vec::new()
+    }
+}
+
 /// Binds the pages of `[ptr, ptr + len)` to NUMA node `node` (BIND policy: allocate there, no other
 /// node), before first touch. Best effort: returns false where the system refuses (single-node kernels
 /// without NUMA support, containers whose seccomp profile denies `mbind` without `CAP_SYS_NICE`), and
