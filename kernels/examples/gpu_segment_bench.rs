@@ -1,18 +1,25 @@
 //! The decode segment's ops on the GPU at a model's decode shapes: each op captured alone in a CUDA
 //! graph (`REPS` copies back to back) and replayed, so µs per op include the gap a graph leaves between
 //! two kernels, and then the whole segment as one graph, the cuBLAS + separate-kernel path ("old", as
-//! the engine ran it before `segment.cu`) and the fused one ("new"), so the sum of the ops and the
-//! whole can be compared. The segment: attention norm, q/k/v, q/k norm + RoPE, K/V append, paged
+//! the engine ran it before `segment.cu`), the fused one ("new", o projection on cuBLAS as the engine
+//! runs it) and the fused one with both RMSNorms folded into the q/k/v and router launches
+//! ("folded"), so the sum of the ops and the whole can be compared. The segment: attention norm, q/k/v, q/k norm + RoPE, K/V append, paged
 //! attention over `ctx` cached positions, o projection (added into the residual), FFN norm, router,
 //! top-k, the hand-off publish (routing and rows into mapped host memory; the fused router does it in
 //! its own launch). Random weights; the two
 //! paths' outputs are compared once (rel-L2, same experts) before timing.
 //!
+//! With `--handoff ROUNDS` it times the hand-off's round trip instead: the host raises the CPU sum's
+//! flag, the GPU's wait sees it and adds the sum, the publish raises the routing's flag, the host
+//! sees it (the two kernels replayed from a graph, as in a decode step), split by the GPU's clock
+//! stamps into the GPU's time and the flags' travel.
+//!
 //!     gpu_segment_bench [--shape qwen3|smallthinker] [--ctx 64,512,2048] [--rows 1] [--iters 400]
+//!                       [--handoff ROUNDS]
 use half::bf16;
 use moe_kernels::cuda::ops::{
-    CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, PagedIndex, RotaryStyle, Rotation,
-    RouterKind,
+    CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, NormRows, PagedIndex, RotaryStyle,
+    Rotation, RouterKind,
 };
 use moe_kernels::cuda::{GpuDevice, GpuError};
 use std::time::Instant;
@@ -110,8 +117,10 @@ enum Op {
     QkvGemv,
     NormRopeAppend,
     AttentionWarps,
-    OGemv,
     RouterFusedPublish,
+    QkvGemvNorm,
+    RouterNormFusedPublish,
+    OGemv,
 }
 
 const OLD: [Op; 13] = [
@@ -134,9 +143,30 @@ const NEW: [Op; 7] = [
     Op::QkvGemv,
     Op::NormRopeAppend,
     Op::AttentionWarps,
-    Op::OGemv,
+    Op::OCublas,
     Op::FfnNorm,
     Op::RouterFusedPublish,
+];
+const FOLDED: [Op; 5] = [
+    Op::QkvGemvNorm,
+    Op::NormRopeAppend,
+    Op::AttentionWarps,
+    Op::OCublas,
+    Op::RouterNormFusedPublish,
+];
+const FOLDED_O_GEMV: [Op; 5] = [
+    Op::QkvGemvNorm,
+    Op::NormRopeAppend,
+    Op::AttentionWarps,
+    Op::OGemv,
+    Op::RouterNormFusedPublish,
+];
+/// The paths compared, by name.
+const PATHS: [(&str, &[Op]); 4] = [
+    ("old", &OLD),
+    ("new", &NEW),
+    ("folded", &FOLDED),
+    ("folded+oGemv", &FOLDED_O_GEMV),
 ];
 
 struct Bench<'a> {
@@ -262,15 +292,7 @@ impl Bench<'_> {
                     cache,
                 )
             }
-            Op::OGemv => {
-                let mut mats = [GemvMat {
-                    w: &w.wo,
-                    y: &mut b.x,
-                    out: hd,
-                }];
-                d.gemv_bf16(&b.attn, (n, qo), &mut mats, true)
-            }
-            Op::RouterFusedPublish => {
+            Op::RouterFusedPublish | Op::RouterNormFusedPublish => {
                 let router = FusedRouter {
                     w: &w.router,
                     experts: s.experts,
@@ -280,7 +302,51 @@ impl Bench<'_> {
                 };
                 let routing = (&mut b.ids, &mut b.w);
                 let publish = Some((&self.port, true));
-                d.router_gemv_topk(&b.hf, (n, hd), &router, &mut b.logits, routing, publish)
+                if op == Op::RouterFusedPublish {
+                    d.router_gemv_topk(&b.hf, (n, hd), &router, &mut b.logits, routing, publish)
+                } else {
+                    let norm = NormRows {
+                        x: &b.x,
+                        w: &w.ffn_norm,
+                        eps,
+                    };
+                    let out = (&mut b.hb, &mut b.hf);
+                    let logits = &mut b.logits;
+                    d.router_gemv_topk_norm(&norm, out, (n, hd), &router, logits, routing, publish)
+                }
+            }
+            Op::OGemv => {
+                let mut mats = [GemvMat {
+                    w: &w.wo,
+                    y: &mut b.x,
+                    out: hd,
+                }];
+                d.gemv_bf16(&b.attn, (n, qo), &mut mats, true)
+            }
+            Op::QkvGemvNorm => {
+                let norm = NormRows {
+                    x: &b.x,
+                    w: &w.attn_norm,
+                    eps,
+                };
+                let mut mats = [
+                    GemvMat {
+                        w: &w.wq,
+                        y: &mut b.q,
+                        out: qo,
+                    },
+                    GemvMat {
+                        w: &w.wk,
+                        y: &mut b.k,
+                        out: kvo,
+                    },
+                    GemvMat {
+                        w: &w.wv,
+                        y: &mut b.v,
+                        out: kvo,
+                    },
+                ];
+                d.gemv_bf16_norm(&norm, (n, hd), &mut b.hb, &mut mats)
             }
         }
     }
@@ -400,12 +466,12 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (d / n.max(1e-30)).sqrt()
 }
 
-/// One run of each path from the same residual rows and caches: rel-L2 of q, attention, residual and
-/// logits, and whether the experts agree.
+/// One run of each path from the same residual rows and caches: rel-L2 of q, attention, residual,
+/// the FFN norm's f32 rows and logits against the old path, and whether the experts agree.
 fn compare(bench: &Bench, ctx: usize, seed: u64) -> Result<String, Error> {
     let st = &bench.dev.stream;
     let mut out = Vec::new();
-    for ops in [&OLD[..], &NEW[..]] {
+    for (_, ops) in PATHS {
         let mut s = seed;
         let mut b = buffers(bench.dev, bench.s, bench.rows, ctx, &mut s)?;
         for &op in ops {
@@ -413,22 +479,100 @@ fn compare(bench: &Bench, ctx: usize, seed: u64) -> Result<String, Error> {
         }
         let attn: Vec<f32> = st.clone_dtoh(&b.attn)?.iter().map(|v| v.to_f32()).collect();
         out.push((
-            st.clone_dtoh(&b.q)?,
-            attn,
-            st.clone_dtoh(&b.x)?,
-            st.clone_dtoh(&b.logits)?,
+            [
+                st.clone_dtoh(&b.q)?,
+                attn,
+                st.clone_dtoh(&b.x)?,
+                st.clone_dtoh(&b.hf)?,
+                st.clone_dtoh(&b.logits)?,
+            ],
             st.clone_dtoh(&b.ids)?,
         ));
     }
-    let (o, n) = (&out[0], &out[1]);
-    Ok(format!(
-        "new against old: rel-L2 q {:.1e}, attention {:.1e}, residual {:.1e}, router logits {:.1e}; same experts: {}",
-        rel_l2(&n.0, &o.0),
-        rel_l2(&n.1, &o.1),
-        rel_l2(&n.2, &o.2),
-        rel_l2(&n.3, &o.3),
-        n.4 == o.4
-    ))
+    let o = &out[0];
+    let mut lines = Vec::new();
+    for ((name, _), p) in PATHS.iter().zip(&out).skip(1) {
+        let r: Vec<f64> = (0..5).map(|i| rel_l2(&p.0[i], &o.0[i])).collect();
+        lines.push(format!(
+            "{name} against old: rel-L2 q {:.1e}, attention {:.1e}, residual {:.1e}, FFN norm rows {:.1e}, router logits {:.1e}; same experts: {}",
+            r[0], r[1], r[2], r[3], r[4], p.1 == o.1
+        ));
+    }
+    let (new, folded) = (&out[1], &out[2]);
+    lines.push(format!(
+        "folded+oGemv against folded: residual rel-L2 {:.1e}",
+        rel_l2(&out[3].0[2], &folded.0[2])
+    ));
+    lines.push(format!(
+        "folded against new: q identical {}, FFN norm rows identical {}, router logits rel-L2 {:.1e}",
+        new.0[0] == folded.0[0],
+        new.0[3] == folded.0[3],
+        rel_l2(&folded.0[4], &new.0[4])
+    ));
+    Ok(lines.join("\n"))
+}
+
+/// The hand-off's round trip, `rounds` graph replays of `REPS` (wait-and-add, publish) pairs: the
+/// median and 90th percentile of the round trip (host raises the sum's flag → host sees the
+/// routing's), of the GPU's wait seeing the flag → its add done, of the add done → the publish's
+/// flag, and the flags' travel (the round trip less the GPU's time between seeing one flag and
+/// raising the other). (The GPU's global timer is ~215 µs off the host's realtime clock on the H200,
+/// so the travel cannot be split by direction from the two clocks.)
+fn handoff(dev: &GpuDevice, s: Shape, rows: usize, rounds: usize) -> Result<(), Error> {
+    let (nk, nx) = (rows * s.top_k, rows * s.hidden);
+    let st = &dev.stream;
+    let port = HandoffPort::new(dev, nk, nx)?;
+    let mut x = st.alloc_zeros::<f32>(nx)?;
+    let (ids, w, hf) = (
+        st.alloc_zeros::<i32>(nk)?,
+        st.alloc_zeros::<f32>(nk)?,
+        st.alloc_zeros::<f32>(nx)?,
+    );
+    let (r, g) = dev.capture(|| -> R {
+        for _ in 0..REPS {
+            dev.handoff_wait_add(&mut x, nx, &port)?;
+            dev.handoff_publish(&ids, &w, nk, Some((&hf, nx)), &port)?;
+        }
+        Ok(())
+    })?;
+    r?;
+    let g = g?.ok_or_else(|| Error::from("nothing captured"))?;
+    // round trip, seen → added, added → published (µs)
+    let mut tm: [Vec<f64>; 3] = Default::default();
+    for round in 0..rounds + 1 {
+        port.reset();
+        g.replay()?;
+        for _ in 0..REPS {
+            // the next wait is spinning (as in a decode step, where it is enqueued long before)
+            let idle = Instant::now();
+            while idle.elapsed().as_micros() < 30 {}
+            port.raise_sum();
+            let t = Instant::now();
+            while !port.take_published() {
+                if t.elapsed().as_secs() > 2 {
+                    return Err("the hand-off's publish never came".into());
+                }
+            }
+            let rt = t.elapsed().as_secs_f64() * 1e6;
+            let stamp = port.stamps();
+            let us = |a: u64, b: u64| b.saturating_sub(a) as f64 * 1e-3;
+            if round > 0 {
+                tm[0].push(rt);
+                tm[1].push(us(stamp.seen_ns, stamp.added_ns));
+                tm[2].push(us(stamp.added_ns, stamp.published_ns));
+            }
+        }
+        st.synchronize()?;
+    }
+    let [rt, add, publish] = tm.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() * 9 / 10])
+    });
+    println!(
+        "HANDOFF rows={rows}: round trip {:.2} µs (p90 {:.2}) = GPU add {:.2} (p90 {:.2}) + add → published {:.2} (p90 {:.2}) + flags' travel {:.2}",
+        rt.0, rt.1, add.0, add.1, publish.0, publish.1, rt.0 - add.0 - publish.0
+    );
+    Ok(())
 }
 
 fn list(arg: &str) -> Result<Vec<usize>, Error> {
@@ -444,6 +588,7 @@ fn list(arg: &str) -> Result<Vec<usize>, Error> {
 fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let (mut shape, mut ctxs, mut rows, mut iters) = (QWEN3, vec![64, 512, 2048], vec![1], 400);
+    let mut handoff_rounds = 0;
     while let Some(a) = args.next() {
         let mut val = || {
             args.next()
@@ -460,6 +605,7 @@ fn main() -> Result<(), Error> {
             "--ctx" => ctxs = list(&val()?)?,
             "--rows" => rows = list(&val()?)?,
             "--iters" => iters = val()?.parse()?,
+            "--handoff" => handoff_rounds = val()?.parse()?,
             _ => return Err(format!("unknown argument {a}").into()),
         }
     }
@@ -470,6 +616,12 @@ fn main() -> Result<(), Error> {
         std::env::var("HOSTNAME").unwrap_or_default(),
         shape.name
     );
+    if handoff_rounds > 0 {
+        for &n in &rows {
+            handoff(&dev, shape, n, handoff_rounds)?;
+        }
+        return Ok(());
+    }
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     for &n in &rows {
         let bench = Bench {
@@ -483,25 +635,26 @@ fn main() -> Result<(), Error> {
             let mut b = buffers(&dev, shape, n, ctx, &mut seed)?;
             println!("\n### rows {n}, context {ctx} (µs per op, graph of {REPS} copies replayed {iters}×)\n");
             println!("| op | µs |\n|---|---|");
-            let mut sums = [0f64; 2];
-            for (i, ops) in [&OLD[..], &NEW[..]].iter().enumerate() {
+            let mut sums = [0f64; PATHS.len()];
+            for (i, (name, ops)) in PATHS.iter().enumerate() {
                 for &op in *ops {
                     let us = bench.time(&mut b, &[op], REPS, iters)?;
                     sums[i] += us;
-                    println!("| {} {op:?} | {us:.2} |", ["old", "new"][i]);
+                    println!("| {name} {op:?} | {us:.2} |");
                 }
             }
-            let whole_old = bench.time(&mut b, &OLD, 1, iters * 4)?;
-            let whole_new = bench.time(&mut b, &NEW, 1, iters * 4)?;
+            let mut whole = [0f64; PATHS.len()];
+            for (i, (name, ops)) in PATHS.iter().enumerate() {
+                whole[i] = bench.time(&mut b, ops, 1, iters * 4)?;
+                println!(
+                    "| {name}: sum of ops | {:.2} |\n| {name}: whole segment | {:.2} |",
+                    sums[i], whole[i]
+                );
+            }
             println!(
-                "| old: sum of ops | {:.2} |\n| old: whole segment | {whole_old:.2} |",
-                sums[0]
+                "SEGMENT rows={n} ctx={ctx} old={:.1}us new={:.1}us folded={:.1}us folded+oGemv={:.1}us (sum of ops old {:.1} new {:.1} folded {:.1} folded+oGemv {:.1})",
+                whole[0], whole[1], whole[2], whole[3], sums[0], sums[1], sums[2], sums[3]
             );
-            println!(
-                "| new: sum of ops | {:.2} |\n| new: whole segment | {whole_new:.2} |",
-                sums[1]
-            );
-            println!("SEGMENT rows={n} ctx={ctx} old={whole_old:.1}us new={whole_new:.1}us (sum of ops old {:.1} new {:.1})", sums[0], sums[1]);
             println!("{}", compare(&bench, ctx, 42 + ctx as u64)?);
         }
     }

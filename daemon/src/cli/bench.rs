@@ -130,8 +130,8 @@ pub struct RunArgs {
     /// `--steps` steps with the start state and then each of these decode-step switches flipped from
     /// it, in turn on the same sequences (the comparison without two runs' noise), then each switch's
     /// effect on the logits (teacher-forced). Switches: graphs, device-routed, prelaunch,
-    /// mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, spare-core,
-    /// deferN (N routes per token deferred).
+    /// mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv,
+    /// caller-works, spare-core, deferN (N routes per token deferred).
     #[arg(long, value_delimiter = ',')]
     pub ab: Vec<crate::engine::gpu::switches::DecodeSwitch>,
     /// Rounds of `--ab`.

@@ -4,8 +4,8 @@
 use crate::common::{rel_l2, xorshift};
 use half::bf16;
 use moe_kernels::cuda::ops::{
-    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, PagedIndex, RotaryStyle,
-    Rotation, RouterKind,
+    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, NormRows, PagedIndex,
+    RotaryStyle, Rotation, RouterKind,
 };
 use moe_kernels::cuda::GpuDevice;
 
@@ -21,16 +21,22 @@ fn to_bf16(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
-/// `gemv_bf16` over three matrices at once (rows 1, 3 and 8; an input of 520, not a multiple of the
-/// 256 inputs a warp reads per step; output counts not multiples of the 8 rows of a block) against
-/// cuBLAS (`gemm_bf16`) and an f64 host product of the same bf16 values: rel-L2 ≤ 1e-5 against
-/// both (f32 sums in another order), and so when accumulating into existing rows. Shapes it does not
-/// take (9 rows, an input of 12) are refused before any launch.
+/// `gemv_bf16` over three matrices at once (rows 1, 2, 3 and 8, the 1- and 2-row entries and the
+/// general one; inputs of 520, not a multiple of the 256 inputs a warp reads per step, and of 4096
+/// and 6152, whose rows are split over 2 and 4 warps; output counts not multiples of the 8 rows of a
+/// block) against cuBLAS (`gemm_bf16`) and an f64 host product of the same bf16 values: rel-L2 ≤
+/// 1e-5 against both (f32 sums in another order), and so when accumulating into existing rows.
+/// Shapes it does not take (9 rows, an input of 12) are refused before any launch.
 #[test]
 fn gemv_bf16_matches_cublas_and_host() {
     let dev = GpuDevice::open(0).unwrap();
+    for inp in [520, 4096, 6152] {
+        gemv_bf16_case(&dev, inp);
+    }
+}
+
+fn gemv_bf16_case(dev: &GpuDevice, inp: usize) {
     let s = &dev.stream;
-    let inp = 520;
     let outs = [300usize, 64, 72];
     let ws: Vec<Vec<f32>> = outs
         .iter()
@@ -46,7 +52,7 @@ fn gemv_bf16_matches_cublas_and_host() {
         .iter()
         .map(|w| s.clone_htod(&to_bf16(w)).unwrap())
         .collect();
-    for rows in [1usize, 3, 8] {
+    for rows in [1usize, 2, 3, 8] {
         let x: Vec<f32> = to_bf16(&values(rows * inp, 1.0, 99 + rows as u64))
             .iter()
             .map(|b| b.to_f32())
@@ -92,10 +98,13 @@ fn gemv_bf16_matches_cublas_and_host() {
                 let (e_blas, e_host) = (rel_l2(&got, &want_blas), rel_l2(&got, &host));
                 assert!(
                     e_blas <= 1e-5 && e_host <= 1e-5,
-                    "rows {rows} matrix {m} accumulate {accumulate}: vs cuBLAS {e_blas}, vs host {e_host}"
+                    "{inp} inputs rows {rows} matrix {m} accumulate {accumulate}: vs cuBLAS {e_blas}, vs host {e_host}"
                 );
             }
         }
+    }
+    if inp != 520 {
+        return;
     }
     let mut y = s.alloc_zeros::<f32>(9 * 300).unwrap();
     let x9 = s.alloc_zeros::<bf16>(9 * inp).unwrap();
@@ -199,6 +208,37 @@ fn norm_rope_append_matches_the_separate_ops() {
     }
 }
 
+/// The attention output (`len` bf16 values as f32, 7.0 where the call wrote nothing) of the warps
+/// kernel or the tile kernel, for `rows` of `call` (q, caches, index, heads, scale and window).
+#[allow(clippy::type_complexity)]
+fn attention_rows(
+    dev: &GpuDevice,
+    warps: bool,
+    (q, caches, index, hw, scale_window): (
+        &cudarc::driver::CudaSlice<f32>,
+        (CacheRows<'_>, CacheRows<'_>),
+        &PagedIndex<'_>,
+        (usize, usize, usize),
+        (f32, Option<usize>),
+    ),
+    rows: std::ops::Range<usize>,
+    len: usize,
+) -> Vec<f32> {
+    let s = &dev.stream;
+    let mut out = s.clone_htod(&vec![bf16::from_f32(7.0); len]).unwrap();
+    if warps {
+        dev.paged_attention_warps(q, caches, index, hw, scale_window, rows, &mut out)
+    } else {
+        dev.paged_attention(q, caches, index, hw, scale_window, rows, &mut out)
+    }
+    .unwrap();
+    s.clone_dtoh(&out)
+        .unwrap()
+        .iter()
+        .map(|b| b.to_f32())
+        .collect()
+}
+
 /// `paged_attention_warps` against the f64 host attention (`reference::causal_attention` over the
 /// bf16 cache values) and the tile kernel it replaces in the decode segment: one decode row per
 /// sequence at contexts of 1, 5, 33, 300 and 2100 positions (blocks scattered over the pool), GQA
@@ -252,29 +292,10 @@ fn paged_attention_warps_matches_host_and_tile_kernel() {
         let dq = s.clone_htod(&q).unwrap();
         let caches = (CacheRows::Bf16(&dkc), CacheRows::Bf16(&dvc));
         for window in [None, Some(37usize)] {
+            let hw = (heads, kv_heads, dh);
             let run = |warps: bool, range: std::ops::Range<usize>| {
-                let sentinel = vec![bf16::from_f32(7.0); rows * heads * dh];
-                let mut out = s.clone_htod(&sentinel).unwrap();
-                let hw = (heads, kv_heads, dh);
-                if warps {
-                    dev.paged_attention_warps(
-                        &dq,
-                        caches,
-                        &index,
-                        hw,
-                        (scale, window),
-                        range,
-                        &mut out,
-                    )
-                } else {
-                    dev.paged_attention(&dq, caches, &index, hw, (scale, window), range, &mut out)
-                }
-                .unwrap();
-                s.clone_dtoh(&out)
-                    .unwrap()
-                    .iter()
-                    .map(|b| b.to_f32())
-                    .collect::<Vec<f32>>()
+                let call = (&dq, caches, &index, hw, (scale, window));
+                attention_rows(&dev, warps, call, range, rows * heads * dh)
             };
             let (warps, tiles, tail) =
                 (run(true, 0..rows), run(false, 0..rows), run(true, 2..rows));
@@ -329,28 +350,10 @@ fn paged_attention_warps_matches_host_and_tile_kernel() {
             dev.kv_append_q8((&kf, &vf), positions, &mut kq, &mut vq, &all_slots)
                 .unwrap();
             let caches = (CacheRows::Q8(&kq), CacheRows::Q8(&vq));
+            let hw = (heads, kv_heads, dh);
             let run = |warps: bool| {
-                let mut out = s.alloc_zeros::<bf16>(rows * heads * dh).unwrap();
-                let hw = (heads, kv_heads, dh);
-                if warps {
-                    dev.paged_attention_warps(
-                        &dq,
-                        caches,
-                        &index,
-                        hw,
-                        (scale, None),
-                        0..rows,
-                        &mut out,
-                    )
-                } else {
-                    dev.paged_attention(&dq, caches, &index, hw, (scale, None), 0..rows, &mut out)
-                }
-                .unwrap();
-                s.clone_dtoh(&out)
-                    .unwrap()
-                    .iter()
-                    .map(|b| b.to_f32())
-                    .collect::<Vec<f32>>()
+                let call = (&dq, caches, &index, hw, (scale, None));
+                attention_rows(&dev, warps, call, 0..rows, rows * heads * dh)
             };
             let (w, t) = (run(true), run(false));
             for (i, (a, b)) in w.chunks(dh).zip(t.chunks(dh)).enumerate() {
@@ -477,8 +480,11 @@ fn router_gemv_topk_matches_gemm_and_topk() {
     }
 }
 
-/// The whole model with the fused segment against the old kernels on the same engine (`bench decode
-/// --ab fused-segment`'s switch), CUDA graphs on: qwen3_moe (q/k norms, softmax router), glm4_moe
+/// The whole model with the fused segment (norms folded into the q/k/v and router launches, the
+/// default) against the fused segment with separate norms (`fold-norms` off: the same values, so
+/// within 1e-6, expected identical), the old kernels and the o projection by the segment's GEMV
+/// (`o-gemv`: another summation order, 1e-2) on the same engine (`bench decode --ab`'s switches),
+/// CUDA graphs on: qwen3_moe (q/k norms, softmax router), glm4_moe
 /// (sigmoid grouped router with correction bias), qwen2_moe (q/k/v biases, shared expert), llama
 /// (dense) and smallthinker (router on the layer input, NoPE layers, sliding windows); prompts of 3
 /// and 14 tokens, then 12 decode steps teacher-forced on the fused run's tokens: every step's logits
@@ -509,34 +515,373 @@ fn fused_segment_matches_old_kernels_end_to_end() {
         let prompts: [Vec<u32>; 2] = [vec![1, 2, 3], (10..24).collect()];
         let mut forced: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
         let mut runs = Vec::new();
-        for fused in [true, false] {
+        // (fused segment, norms folded, o GEMV): the default first, its tokens forced on the others
+        let configs = [
+            (true, true, false),
+            (true, false, false),
+            (false, false, false),
+            (true, true, true),
+        ];
+        for (ri, (fused, fold, o_gemv)) in configs.into_iter().enumerate() {
             assert!(e.set_decode_switch(DecodeSwitch::FusedSegment, fused));
+            assert!(e.set_decode_switch(DecodeSwitch::FoldNorms, fold));
+            assert!(e.set_decode_switch(DecodeSwitch::OGemv, o_gemv));
             let mut logits = Vec::new();
             for (pi, prompt) in prompts.iter().enumerate() {
                 let mut cache = e.new_cache();
                 let mut last = step(&e, &mut cache, prompt);
                 logits.push(last.clone());
                 for i in 0..12 {
-                    let tok = if fused {
+                    if ri == 0 {
                         forced[pi].push(argmax(&last) as u32);
-                        forced[pi][i]
-                    } else {
-                        forced[pi][i]
-                    };
-                    last = step(&e, &mut cache, &[tok]);
+                    }
+                    last = step(&e, &mut cache, &[forced[pi][i]]);
                     logits.push(last.clone());
                 }
             }
             runs.push(logits);
         }
         assert!(e.set_decode_switch(DecodeSwitch::FusedSegment, true));
+        assert!(e.set_decode_switch(DecodeSwitch::FoldNorms, true));
+        assert!(e.set_decode_switch(DecodeSwitch::OGemv, false));
         assert!(e.cuda_graphs_captured() > 0, "{name}: no graph captured");
-        let mut worst = 0f32;
-        for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
-            let err = rel_l2(a, b);
-            worst = worst.max(err);
+        let mut worst = [0f32; 3];
+        for (i, a) in runs[0].iter().enumerate() {
+            let errs = [1, 2, 3].map(|r| rel_l2(a, &runs[r][i]));
+            for (w, e) in worst.iter_mut().zip(errs) {
+                *w = w.max(e);
+            }
+            let [fold_err, err, o_err] = errs;
+            assert!(
+                fold_err <= 1e-6,
+                "{name} step {i}: folded vs separate norms {fold_err}"
+            );
             assert!(err <= 1e-2, "{name} step {i}: fused vs old kernels {err}");
+            assert!(o_err <= 1e-2, "{name} step {i}: o GEMV vs cuBLAS {o_err}");
         }
-        println!("{name}: fused segment vs old kernels, worst rel-L2 {worst:.2e}");
+        println!(
+            "{name}: worst rel-L2 against the default: separate norms {:.2e}, old kernels {:.2e}, o GEMV {:.2e}",
+            worst[0], worst[1], worst[2]
+        );
+    }
+}
+
+/// The normalised rows of `x` (`[rows, inp]`) by `rms_norm` (bf16 and f32), the norm the fused launches
+/// fold in.
+fn rms_norm_rows(
+    dev: &GpuDevice,
+    x: &cudarc::driver::CudaSlice<f32>,
+    w: &cudarc::driver::CudaSlice<f32>,
+    (rows, inp): (usize, usize),
+) -> (Vec<bf16>, Vec<f32>) {
+    let s = &dev.stream;
+    let mut hb = s.alloc_zeros::<bf16>(rows * inp).unwrap();
+    let mut hf = s.alloc_zeros::<f32>(rows * inp).unwrap();
+    dev.rms_norm(x, w, EPS, (rows, inp), &mut hb, Some(&mut hf))
+        .unwrap();
+    (s.clone_dtoh(&hb).unwrap(), s.clone_dtoh(&hf).unwrap())
+}
+
+const EPS: f32 = 1e-6;
+
+/// `gemv_bf16_norm` (the attention norm folded into the q/k/v launch) gives exactly what `rms_norm`
+/// then `gemv_bf16` give: the same bf16 normalised rows (each block sums the squares in `rms_norm`'s
+/// order) written to `normed`, and the same products bit for bit; the rows also within bf16 rounding
+/// (rel-L2 ≤ 4e-3) of an f64 host norm, and the products within 1e-5 of an f64 host product of them.
+/// Rows 1, 2 and 8, inputs 520 and 2048, three matrices of 300, 64 and 72 rows. Rows whose bf16 copy
+/// would not fit its shared memory (8 × 4096) are refused.
+#[test]
+fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let outs = [300usize, 64, 72];
+    for inp in [520usize, 2048] {
+        let ws: Vec<_> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| to_bf16(&values(o * inp, 0.1, 31 + i as u64)))
+            .collect();
+        let dw: Vec<_> = ws.iter().map(|w| s.clone_htod(w).unwrap()).collect();
+        let norm_w_host: Vec<f32> = values(inp, 0.5, 41).iter().map(|v| 1.0 + v).collect();
+        let norm_w = s.clone_htod(&norm_w_host).unwrap();
+        for rows in [1usize, 2, 8] {
+            let label = format!("{rows} rows of {inp}");
+            let xh = values(rows * inp, 3.0, 51 + rows as u64);
+            let x = s.clone_htod(&xh).unwrap();
+            let (want_hb, _) = rms_norm_rows(&dev, &x, &norm_w, (rows, inp));
+            let mut want_y: Vec<_> = outs
+                .iter()
+                .map(|&o| s.alloc_zeros::<f32>(rows * o).unwrap())
+                .collect();
+            let dhb = s.clone_htod(&want_hb).unwrap();
+            let mut mats: Vec<GemvMat> = want_y
+                .iter_mut()
+                .zip(&dw)
+                .zip(outs)
+                .map(|((y, w), out)| GemvMat { w, y, out })
+                .collect();
+            dev.gemv_bf16(&dhb, (rows, inp), &mut mats, false).unwrap();
+            let mut ys: Vec<_> = outs
+                .iter()
+                .map(|&o| s.clone_htod(&values(rows * o, 1.0, 61)).unwrap())
+                .collect();
+            let mut normed = s.alloc_zeros::<bf16>(rows * inp).unwrap();
+            let mut mats: Vec<GemvMat> = ys
+                .iter_mut()
+                .zip(&dw)
+                .zip(outs)
+                .map(|((y, w), out)| GemvMat { w, y, out })
+                .collect();
+            let norm = NormRows {
+                x: &x,
+                w: &norm_w,
+                eps: EPS,
+            };
+            dev.gemv_bf16_norm(&norm, (rows, inp), &mut normed, &mut mats)
+                .unwrap();
+            let got_hb = s.clone_dtoh(&normed).unwrap();
+            assert!(got_hb == want_hb, "{label}: normalised rows differ");
+            // the host norm in f64
+            let host_hb: Vec<f32> = (0..rows)
+                .flat_map(|t| {
+                    let r = &xh[t * inp..][..inp];
+                    let ms = r.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / inp as f64;
+                    let inv = 1.0 / (ms + EPS as f64).sqrt();
+                    r.iter()
+                        .zip(&norm_w_host)
+                        .map(move |(&v, &g)| (v as f64 * inv * g as f64) as f32)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let got_hb_f: Vec<f32> = got_hb.iter().map(|b| b.to_f32()).collect();
+            let e = rel_l2(&got_hb_f, &host_hb);
+            assert!(e <= 4e-3, "{label}: normalised rows vs host {e}");
+            for (m, &out) in outs.iter().enumerate() {
+                let got = s.clone_dtoh(&ys[m]).unwrap();
+                assert!(
+                    got == s.clone_dtoh(&want_y[m]).unwrap(),
+                    "{label} matrix {m}: differs from rms_norm + gemv_bf16"
+                );
+                let host: Vec<f32> = (0..rows * out)
+                    .map(|i| {
+                        let (t, r) = (i / out, i % out);
+                        (0..inp)
+                            .map(|c| got_hb_f[t * inp + c] as f64 * ws[m][r * inp + c].to_f64())
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let e = rel_l2(&got, &host);
+                assert!(e <= 1e-5, "{label} matrix {m}: vs host {e}");
+            }
+        }
+    }
+    assert!(GpuDevice::gemv_bf16_norm_takes(2, 4096));
+    assert!(!GpuDevice::gemv_bf16_norm_takes(8, 4096));
+    let x = s.alloc_zeros::<f32>(8 * 4096).unwrap();
+    let w = s.alloc_zeros::<f32>(4096).unwrap();
+    let wm = s.alloc_zeros::<bf16>(4096).unwrap();
+    let mut y = s.alloc_zeros::<f32>(8).unwrap();
+    let mut normed = s.alloc_zeros::<bf16>(8 * 4096).unwrap();
+    let mut mats = [GemvMat {
+        w: &wm,
+        y: &mut y,
+        out: 1,
+    }];
+    let norm = NormRows {
+        x: &x,
+        w: &w,
+        eps: EPS,
+    };
+    let e = dev
+        .gemv_bf16_norm(&norm, (8, 4096), &mut normed, &mut mats)
+        .unwrap_err();
+    assert!(e.to_string().contains("8 rows of 4096"), "{e}");
+}
+
+/// `router_gemv_topk_norm` (the FFN norm folded into the router's launch) gives exactly what
+/// `rms_norm` then `router_gemv_topk` give: the same bf16 and f32 normalised rows written to `hb` and
+/// `hf` (each block normalises in `rms_norm`'s order), the same logits, experts and weights bit for
+/// bit, and, publishing, the same normalised rows in the hand-off's host buffer. Softmax top-8 of
+/// 128, sigmoid + correction bias with 8 groups keeping 4 of 256, top-6 of 64; rows 1, 2 and 5 of
+/// 2048 (the shared memory holds 5 × 2048 f32 rows and the top-k's arrays); 8 rows of 2048 are
+/// refused (64 KiB of rows).
+#[test]
+fn router_gemv_topk_norm_matches_rms_norm_then_router() {
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    let inp = 2048;
+    let grouped = RouterKind::SigmoidGrouped {
+        n_group: 8,
+        topk_group: 4,
+        renormalize: true,
+        scaling: 2.5,
+    };
+    let cases = [
+        (
+            128usize,
+            8usize,
+            RouterKind::Softmax { renormalize: true },
+            false,
+        ),
+        (256, 8, grouped, true),
+        (64, 6, RouterKind::Softmax { renormalize: true }, false),
+    ];
+    let norm_w: Vec<f32> = values(inp, 0.5, 71).iter().map(|v| 1.0 + v).collect();
+    let norm_w = s.clone_htod(&norm_w).unwrap();
+    for (experts, k, kind, with_bias) in cases {
+        let w = s.clone_htod(&values(experts * inp, 0.05, 72)).unwrap();
+        let bias = s.clone_htod(&values(experts, 0.05, 73)).unwrap();
+        let router = FusedRouter {
+            w: &w,
+            experts,
+            k,
+            kind: &kind,
+            bias: with_bias.then_some(&bias),
+        };
+        for rows in [1usize, 2, 5] {
+            let label = format!("{experts} experts top-{k} rows {rows}");
+            let x = s
+                .clone_htod(&values(rows * inp, 3.0, 74 + rows as u64))
+                .unwrap();
+            let (want_hb, want_hf) = rms_norm_rows(&dev, &x, &norm_w, (rows, inp));
+            let hf = s.clone_htod(&want_hf).unwrap();
+            let mut outs = Vec::new();
+            for fold in [false, true] {
+                let port = HandoffPort::new(&dev, rows * k, rows * inp).unwrap();
+                let mut logits = s.alloc_zeros::<f32>(rows * experts).unwrap();
+                let mut ids = s.alloc_zeros::<i32>(rows * k).unwrap();
+                let mut wts = s.alloc_zeros::<f32>(rows * k).unwrap();
+                let mut hb_out = s.alloc_zeros::<bf16>(rows * inp).unwrap();
+                let mut hf_out = s.alloc_zeros::<f32>(rows * inp).unwrap();
+                let publish = Some((&port, true));
+                let routing = (&mut ids, &mut wts);
+                if fold {
+                    let norm = NormRows {
+                        x: &x,
+                        w: &norm_w,
+                        eps: EPS,
+                    };
+                    let out = (&mut hb_out, &mut hf_out);
+                    dev.router_gemv_topk_norm(
+                        &norm,
+                        out,
+                        (rows, inp),
+                        &router,
+                        &mut logits,
+                        routing,
+                        publish,
+                    )
+                    .unwrap();
+                    assert!(s.clone_dtoh(&hb_out).unwrap() == want_hb, "{label}: hb");
+                    assert!(s.clone_dtoh(&hf_out).unwrap() == want_hf, "{label}: hf");
+                } else {
+                    let logits = &mut logits;
+                    dev.router_gemv_topk(&hf, (rows, inp), &router, logits, routing, publish)
+                        .unwrap();
+                }
+                s.synchronize().unwrap();
+                assert!(port.take_published(), "{label}: DOWN not raised");
+                // SAFETY: the stream is idle (synchronised above): no GPU write is pending.
+                let published = unsafe { port.x.host(rows * inp).to_vec() };
+                assert!(published == want_hf, "{label} fold {fold}: published rows");
+                outs.push((
+                    s.clone_dtoh(&logits).unwrap(),
+                    s.clone_dtoh(&ids).unwrap(),
+                    s.clone_dtoh(&wts).unwrap(),
+                ));
+            }
+            assert!(outs[0].0 == outs[1].0, "{label}: logits differ");
+            assert_eq!(outs[0].1, outs[1].1, "{label}: ids");
+            assert!(outs[0].2 == outs[1].2, "{label}: weights differ");
+        }
+    }
+    assert!(!GpuDevice::router_norm_takes(8, inp, 128));
+    let x = s.alloc_zeros::<f32>(8 * inp).unwrap();
+    let w = s.alloc_zeros::<f32>(128 * inp).unwrap();
+    let kind = RouterKind::Softmax { renormalize: true };
+    let router = FusedRouter {
+        w: &w,
+        experts: 128,
+        k: 8,
+        kind: &kind,
+        bias: None,
+    };
+    let (mut hb, mut hf) = (
+        s.alloc_zeros::<bf16>(8 * inp).unwrap(),
+        s.alloc_zeros::<f32>(8 * inp).unwrap(),
+    );
+    let mut logits = s.alloc_zeros::<f32>(8 * 128).unwrap();
+    let (mut ids, mut wts) = (
+        s.alloc_zeros::<i32>(64).unwrap(),
+        s.alloc_zeros::<f32>(64).unwrap(),
+    );
+    let norm = NormRows {
+        x: &x,
+        w: &w,
+        eps: EPS,
+    };
+    let e = dev
+        .router_gemv_topk_norm(
+            &norm,
+            (&mut hb, &mut hf),
+            (8, inp),
+            &router,
+            &mut logits,
+            (&mut ids, &mut wts),
+            None,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("8 rows of 2048"), "{e}");
+}
+
+/// The hand-off's wait-and-add: enqueued before the host's sum is there, it waits for UP (no "seen"
+/// stamp while the host holds the flag down), then adds the sum from host memory
+/// exactly (f32 adds) and lowers UP, so a second wait enqueued after it waits for the next raise:
+/// its "seen" stamp comes after the host's pause (≥ 3 ms of the 5 ms slept after the first add's
+/// stamp) instead of at once. One block (2048 elements) and two with a tail that is not a multiple
+/// of 4 (30001).
+#[test]
+fn handoff_wait_add_waits_adds_and_lowers_the_flag() {
+    use std::time::Duration;
+    let dev = GpuDevice::open(0).unwrap();
+    let s = &dev.stream;
+    for n in [2048usize, 30001] {
+        let label = format!("{n} elements");
+        let port = HandoffPort::new(&dev, 8, n).unwrap();
+        let x0 = values(n, 1.0, 81);
+        let y = values(n, 1.0, 82);
+        let mut x = s.clone_htod(&x0).unwrap();
+        // SAFETY: no GPU work on the port is pending yet.
+        unsafe { port.y.host_mut(n).copy_from_slice(&y) };
+        dev.handoff_wait_add(&mut x, n, &port).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        // (the stamps live in host memory: readable while the wait spins)
+        assert_eq!(
+            port.stamps().seen_ns,
+            0,
+            "{label}: saw UP before it was raised"
+        );
+        port.raise_sum();
+        s.synchronize().unwrap();
+        let once: Vec<f32> = x0.iter().zip(&y).map(|(a, b)| a + b).collect();
+        assert_eq!(s.clone_dtoh(&x).unwrap(), once, "{label}: sum added");
+        let first = port.stamps();
+        assert!(
+            first.seen_ns > 0 && first.added_ns >= first.seen_ns,
+            "{label}: {first:?}"
+        );
+        dev.handoff_wait_add(&mut x, n, &port).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        port.raise_sum();
+        s.synchronize().unwrap();
+        let second = port.stamps();
+        let waited_ms = second.seen_ns.saturating_sub(first.added_ns) as f64 * 1e-6;
+        assert!(
+            waited_ms >= 3.0,
+            "{label}: the second wait saw UP {waited_ms} ms after the first add (not lowered?)"
+        );
+        let twice: Vec<f32> = once.iter().zip(&y).map(|(a, b)| a + b).collect();
+        assert_eq!(s.clone_dtoh(&x).unwrap(), twice, "{label}: second sum");
+        assert!(!port.reset(), "{label}: a wait timed out");
     }
 }

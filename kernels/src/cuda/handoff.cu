@@ -47,20 +47,32 @@ extern "C" __global__ void handoff_publish(const int* ids, const float* w, int n
         unsigned int done = atomicAdd(blocks_done, 1u);
         if (done == gridDim.x - 1) {
             *blocks_done = 0;
+            // the stamp only feeds the host's profile: it needs no fence of its own before the flag
+            // (a second system fence here cost the hand-off a PCIe round trip)
             stamps[STAMP_PUBLISHED] = global_ns();
-            __threadfence_system();
             *flag = 1;
         }
     }
 }
 
-// Waits until the host raises `flag` (each block's first thread polls it), then x[i] += y[i] for
-// i < n reading y from host memory; the last block to finish lowers the flag. A wait longer than
-// `timeout_ns` sets `*timed_out` and adds what y holds (the host turns that into an error: the
-// host side of a step failed without raising the flag, and the GPU must not hang). Block 0 stamps
-// when it saw the flag, the last block when the add finished.
-// grid: any, block: 256.
-extern "C" __global__ void handoff_wait_add(float* x, const volatile float* y, size_t n, volatile int* flag,
+// handoff_wait_add's block and the float4 loads each thread keeps in flight per stride.
+#define WAIT_THREADS 1024
+#define WAIT_LOADS 4
+
+// Waits until the host raises `flag` (thread 0 of each block polls it), then x[i] += y[i] for i < n
+// reading y from host memory, WAIT_LOADS float4 per thread in flight. One block up to n = 4 *
+// WAIT_THREADS * WAIT_LOADS (the decode rows of the models here); several (long prompts' rows) stride
+// over the rows. One poller per block: eight polling warps in one block were measured slower (the
+// reads of one host line queue behind each other, and the kernel ends only when the last returns:
+// round trip 11.1 µs against 6.3 on the H200, gpu_segment_bench --handoff). A wait longer than
+// `timeout_ns` sets `*timed_out` and adds what y holds (the host turns that into an error: the host
+// side of a step failed without raising the flag, and the GPU must not hang). Block 0 stamps when it
+// saw the flag, the last block to finish when the add finished. One block lowers the flag as soon as it
+// is seen, several once all added (the host raises it again only after the next publish, whose system
+// fence orders this store before it); no fence at the end: the next kernel reads nothing of this one's
+// host writes. x 16-byte aligned, y page-aligned (mapped).
+// grid: 1 to ceil(n / (4 * WAIT_THREADS * WAIT_LOADS)); block: WAIT_THREADS.
+extern "C" __global__ void handoff_wait_add(float* x, const float* y, size_t n, volatile int* flag,
                                             volatile int* timed_out, unsigned long long timeout_ns,
                                             unsigned int* blocks_done, volatile unsigned long long* stamps) {
     if (threadIdx.x == 0) {
@@ -71,19 +83,44 @@ extern "C" __global__ void handoff_wait_add(float* x, const volatile float* y, s
                 break;
             }
         }
+        if (gridDim.x == 1) *flag = 0;
         if (blockIdx.x == 0) stamps[STAMP_SEEN] = global_ns();
     }
     __syncthreads();
-    size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] += y[i];
+    size_t n4 = n / 4, per_block = (size_t)blockDim.x * WAIT_LOADS, stride = gridDim.x * per_block;
+    for (size_t i0 = blockIdx.x * per_block + threadIdx.x; i0 < n4; i0 += stride) {
+        float4 yv[WAIT_LOADS];
+#pragma unroll
+        for (int j = 0; j < WAIT_LOADS; ++j) {
+            size_t i = i0 + (size_t)j * blockDim.x;
+            // (not cached: the host rewrites y for every layer)
+            if (i < n4) yv[j] = __ldcv((const float4*)y + i);
+        }
+#pragma unroll
+        for (int j = 0; j < WAIT_LOADS; ++j) {
+            size_t i = i0 + (size_t)j * blockDim.x;
+            if (i < n4) {
+                float4* xi = (float4*)x + i;
+                float4 v = *xi;
+                v.x += yv[j].x;
+                v.y += yv[j].y;
+                v.z += yv[j].z;
+                v.w += yv[j].w;
+                *xi = v;
+            }
+        }
+    }
+    // the tail of n % 4 elements, by the last block
+    if (blockIdx.x == gridDim.x - 1)
+        for (size_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) x[i] += __ldcv(y + i);
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned int done = atomicAdd(blocks_done, 1u);
-        if (done == gridDim.x - 1) {
+        if (gridDim.x == 1) {
+            stamps[STAMP_ADDED] = global_ns();
+        } else if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
             *blocks_done = 0;
             *flag = 0;
             stamps[STAMP_ADDED] = global_ns();
-            __threadfence_system();
         }
     }
 }

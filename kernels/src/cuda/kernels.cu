@@ -1,20 +1,49 @@
 // CUDA kernels of the GPU backend, compiled at start-up by NVRTC for the device's architecture.
 // Activations are f32 in the residual stream and bf16 at GEMM inputs (cuBLAS bf16 x bf16 -> f32).
 // bf16 is handled as raw bits so NVRTC needs no CUDA headers (the GPU machine may lack an include path).
+// One row's RMSNorm, x[i] * inv * w[i] for i < dim with inv = 1 / rms(x[..dim]) (eps), handed to
+// emit(i, value) for each of the thread's elements; the squares are summed per thread over its
+// elements threadIdx.x + k * blockDim.x in k order, then by block_sum (so every kernel that normalises
+// with a block of the same size gets the same values as rms_norm). Up to NORM_REGS elements per thread, their loads are all
+// issued at once and kept in registers (a loop would wait for each load before the next: a dependent
+// L2 round trip per element); longer rows take that loop. Called by every thread.
+#define NORM_REGS 8
+template <typename Emit>
+__device__ __forceinline__ void rms_norm_row(const float* xr, const float* w, int dim, float eps, float* buf,
+                                             Emit emit) {
+    float ss = 0.f;
+    if (dim <= NORM_REGS * (int)blockDim.x) {
+        float xv[NORM_REGS];
+#pragma unroll
+        for (int k = 0; k < NORM_REGS; ++k) {
+            int i = threadIdx.x + k * blockDim.x;
+            xv[k] = i < dim ? xr[i] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_REGS; ++k)
+            if (threadIdx.x + k * blockDim.x < dim) ss += xv[k] * xv[k];
+        float inv = rsqrtf(block_sum(ss, buf) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_REGS; ++k) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < dim) emit(i, xv[k] * inv * w[i]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+        float inv = rsqrtf(block_sum(ss, buf) / dim + eps);
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) emit(i, xr[i] * inv * w[i]);
+    }
+}
+
 // out_bf16[row] = x[row] * w / rms(x[row]); one block per row. Optional f32 copy (out_f32 may be null).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, int dim,
                                     bf16* out_bf16, float* out_f32) {
     __shared__ float buf[32];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, buf);
-    float inv = rsqrtf(ss / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = xr[i] * inv * w[i];
-        if (out_bf16) out_bf16[(size_t)blockIdx.x * dim + i] = f2bf(v);
-        if (out_f32) out_f32[(size_t)blockIdx.x * dim + i] = v;
-    }
+    size_t row = (size_t)blockIdx.x * dim;
+    rms_norm_row(x + row, w, dim, eps, buf, [&](int i, float v) {
+        if (out_bf16) out_bf16[row + i] = f2bf(v);
+        if (out_f32) out_f32[row + i] = v;
+    });
 }
 
 // One head `xh` of row `t`, in place: RMSNorm (when norm_w) then RoPE on dims offset_in_head..+rotary_dim

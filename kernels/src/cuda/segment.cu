@@ -7,57 +7,217 @@
 // attention spread over warps, and the router's GEMV with its top-k.
 
 // y_m[t, r] (=|+=) x[t] . W_m[r] for up to three bf16 matrices W_m ([out_m, in]) sharing the input
-// x (bf16 [n, in], n <= GEMV_MAX_TOKENS): output rows of all matrices are numbered in one range, one
-// warp per row; each lane takes 8 consecutive inputs (one 16-byte load) per step, so a warp reads 512
-// contiguous bytes and each lane keeps up to four loads in flight. in % 8 == 0, 16-byte aligned rows.
-// grid: ceil((out0 + out1 + out2) / (blockDim.x / 32)); block: a multiple of 32.
+// x (bf16 [n, in], n <= GEMV_MAX_TOKENS): output rows of all matrices are numbered in one range, each
+// row taken by `split` warps (gemv_bf16_rows; 1 for gemv_bf16_norm); each lane takes 8 consecutive
+// inputs (one 16-byte load) per step, so a warp reads 512 contiguous bytes and each lane keeps up to
+// GEMV_LOADS loads in flight. in % 8 == 0, 16-byte aligned rows.
+// grid: ceil((out0 + out1 + out2) * split / 8); block: 256.
 #define GEMV_LOADS 8
-extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, const bf16* w0, float* y0,
-                                     int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
-                                     int out2) {
-    int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+
+// The weight row and output of global output row r of a gemv_bf16 launch (w null: past the last row).
+struct GemvRow {
     const bf16* w;
     float* y;
-    int out;
-    if (r < out0) {
-        w = w0; y = y0; out = out0;
-    } else if ((r -= out0) < out1) {
-        w = w1; y = y1; out = out1;
-    } else if ((r -= out1) < out2) {
-        w = w2; y = y2; out = out2;
-    } else {
+    int out, r;
+};
+__device__ __forceinline__ GemvRow gemv_row(int r, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1,
+                                            int out1, const bf16* w2, float* y2, int out2, int in) {
+    if (r < out0) return {w0 + (size_t)r * in, y0, out0, r};
+    if ((r -= out0) < out1) return {w1 + (size_t)r * in, y1, out1, r};
+    if ((r -= out1) < out2) return {w2 + (size_t)r * in, y2, out2, r};
+    return {nullptr, nullptr, 0, 0};
+}
+
+// One chunk of a lane's weight loads: GEMV_LOADS 16-byte loads from input c0 on, WARP * 8 inputs apart,
+// all issued before any is used (the kernel is bound by how many loads are in flight).
+__device__ __forceinline__ void gemv_load(const bf16* w, int in, int c0, uint4* q) {
+    const uint4* wr = (const uint4*)w;
+#pragma unroll
+    for (int j = 0; j < GEMV_LOADS; ++j) {
+        int c = c0 + j * WARP * 8;
+        if (c < in) q[j] = wr[c / 8];
+    }
+}
+
+// The chunk's dot products with the NT <= GEMV_MAX_TOKENS rows of x (bf16 [n, in], global or shared
+// memory; rows from n on skipped) into acc: per row the sum of dot8's, in its order.
+template <int NT>
+__device__ __forceinline__ void gemv_dot(const uint4* q, const bf16* x, int in, int n, int c0, float* acc) {
+#pragma unroll
+    for (int j = 0; j < GEMV_LOADS; ++j) {
+        int c = c0 + j * WARP * 8;
+        if (c >= in) break;
+        unsigned int words[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n) {
+                uint4 xv = *(const uint4*)(x + (size_t)t * in + c);
+                unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+                float p = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    p += __uint_as_float(words[i] << 16) * __uint_as_float(xs[i] << 16);
+                    p += __uint_as_float(words[i] & 0xffff0000u) * __uint_as_float(xs[i] & 0xffff0000u);
+                }
+                acc[t] += p;
+            }
+        }
+    }
+}
+
+// gemv_store for NT accumulators.
+template <int NT>
+__device__ __forceinline__ void gemv_store_rows(const float* acc, int n, int out, int r, int accumulate, float* y) {
+    int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < n) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) {
+                size_t i = (size_t)t * out + r;
+                y[i] = accumulate ? y[i] + v : v;
+            }
+        }
+    }
+}
+
+// The GEMV kernels come in one entry per bound on the rows (1, 2, GEMV_MAX_TOKENS): the registers a
+// kernel uses are those of its largest row count (8 accumulators and 8 rows' loads: ~100 registers,
+// two 256-thread blocks per SM, so the q/k/v launch of a Qwen3 layer, 640 blocks, ran in 3 waves of
+// DRAM latency). The 1- and 2-row entries are held to GEMV_FEW_ROWS_BLOCKS blocks per SM (<= 48
+// registers: 660 blocks resident on an H200's 132 SMs, the q/k/v launch in one wave).
+#define GEMV_FEW_ROWS_BLOCKS 5
+// The norm-folding entries keep their first weight loads and the row's elements in registers across
+// the norm: at 48 registers they spill (a spilled load target waits for its DRAM round trip before the
+// norm can start), so they are held to 4 blocks per SM (64 registers, no spills; a Qwen3 q/k/v launch in
+// 1.2 waves).
+#define GEMV_NORM_FEW_ROWS_BLOCKS 4
+// Warps of a gemv_bf16 block (its launch's block: 256 threads).
+#define GEMV_MAX_WARPS 8
+// Inputs a warp's GEMV_LOADS loads per lane cover: one chunk of a row.
+#define GEMV_CHUNK (GEMV_LOADS * WARP * 8)
+
+// The GEMV of gemv_bf16 with each output row split over `split` warps of the block (1, 2, 4 or 8:
+// warp w takes row w / split, chunks w % split, w % split + split, ...; their sums added in that
+// order through shared memory), so that a row of several chunks is read in one round of loads.
+template <int NT>
+__device__ void gemv_bf16_rows(const bf16* x, int n, int in, int accumulate, int split, const bf16* w0, float* y0,
+                               int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2, int out2) {
+    __shared__ float parts[GEMV_MAX_WARPS][NT];
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, part = warp % split;
+    GemvRow row = gemv_row(blockIdx.x * (blockDim.x / WARP / split) + warp / split, w0, y0, out0, w1, y1, out1, w2,
+                           y2, out2, in);
+    if (split == 1 && !row.w) return;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    if (row.w) {
+        for (int c0 = lane * 8 + part * GEMV_CHUNK; c0 < in; c0 += split * GEMV_CHUNK) {
+            uint4 q[GEMV_LOADS];
+            gemv_load(row.w, in, c0, q);
+            gemv_dot<NT>(q, x, in, n, c0, acc);
+        }
+    }
+    if (split == 1) {
+        gemv_store_rows<NT>(acc, n, row.out, row.r, accumulate, row.y);
         return;
     }
-    int lane = threadIdx.x % WARP;
-    float acc[GEMV_MAX_TOKENS];
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
-    const uint4* wr = (const uint4*)(w + (size_t)r * in);
-    // the row in chunks of GEMV_LOADS 16-byte loads per lane, all issued before any is used (a
-    // row of 4096 inputs is two chunks): the kernel is bound by how many loads are in flight
-    for (int c0 = lane * 8; c0 < in; c0 += GEMV_LOADS * WARP * 8) {
-        uint4 q[GEMV_LOADS];
-#pragma unroll
-        for (int j = 0; j < GEMV_LOADS; ++j) {
-            int c = c0 + j * WARP * 8;
-            if (c < in) q[j] = wr[c / 8];
-        }
-#pragma unroll
-        for (int j = 0; j < GEMV_LOADS; ++j) {
-            int c = c0 + j * WARP * 8;
-            if (c >= in) break;
-            unsigned int words[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
-            float wv[8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                wv[2 * i] = __uint_as_float(words[i] << 16);
-                wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-            }
-            dot8(x, in, n, c, wv, acc);
+    for (int t = 0; t < NT; ++t) {
+        if (t < n) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) parts[warp][t] = v;
         }
     }
-    gemv_store(acc, n, out, r, accumulate, y);
+    __syncthreads();
+    // the row's first warp adds its warps' sums: lane t for row t
+    if (row.w && part == 0 && lane < n) {
+        float v = 0.f;
+        for (int p = 0; p < split; ++p) v += parts[warp + p][lane];
+        size_t i = (size_t)lane * row.out + row.r;
+        row.y[i] = accumulate ? row.y[i] + v : v;
+    }
 }
+
+extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, int split,
+        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
+        int out2) {
+    gemv_bf16_rows<GEMV_MAX_TOKENS>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_1(const bf16* x, int n, int in, int accumulate, int split,
+        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
+        int out2) {
+    gemv_bf16_rows<1>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_2(const bf16* x, int n, int in, int accumulate, int split,
+        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
+        int out2) {
+    gemv_bf16_rows<2>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+
+// RMSNorm of n rows of x (f32 [n, dim]) with weights w, rounded to bf16 into `out` (shared memory),
+// and into `copy` (global, may be null) too, by kernels.cu's rms_norm_row: with a block of 256 threads,
+// rms_norm's bf16 values. Called by every thread.
+__device__ void rms_norm_rows_bf16(const float* x, const float* w, float eps, int n, int dim, bf16* out, bf16* copy,
+                                   float* buf) {
+    for (int t = 0; t < n; ++t) {
+        bf16* o = out + (size_t)t * dim;
+        bf16* c = copy ? copy + (size_t)t * dim : nullptr;
+        rms_norm_row(x + (size_t)t * dim, w, dim, eps, buf, [&](int i, float v) {
+            bf16 b = f2bf(v);
+            o[i] = b;
+            if (c) c[i] = b;
+        });
+    }
+    __syncthreads();
+}
+
+// gemv_bf16 over the RMS-normalised residual rows: the input is norm(x) (x f32 [n, in], norm weights
+// norm_w, eps), which every block computes into shared memory while its first chunk of weight loads
+// is in flight (a row of 2048-4096 values: cheap next to the weights), in rms_norm's order, so the
+// products are those of rms_norm followed by gemv_bf16. Block 0 also writes the normalised rows to xb
+// (bf16 [n, in]) for the ops that read them later. Never accumulates. Block: 256 threads (rms_norm's
+// order); dynamic shared memory: n * in bf16. Entries per bound on the rows as gemv_bf16's.
+template <int NT>
+__device__ void gemv_bf16_norm_rows(const float* x, const float* norm_w, float eps, int n, int in, bf16* xb,
+                                    const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1,
+                                    const bf16* w2, float* y2, int out2) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    bf16* xs = (bf16*)gemv_smem;
+    __shared__ float buf[32];
+    GemvRow row = gemv_row(blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, w0, y0, out0, w1, y1, out1, w2,
+                           y2, out2, in);
+    int lane = threadIdx.x % WARP;
+    uint4 q[GEMV_LOADS];
+    if (row.w) gemv_load(row.w, in, lane * 8, q);
+    rms_norm_rows_bf16(x, norm_w, eps, n, in, xs, blockIdx.x == 0 ? xb : nullptr, buf);
+    if (!row.w) return;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    for (int c0 = lane * 8; c0 < in; c0 += GEMV_LOADS * WARP * 8) {
+        if (c0 != lane * 8) gemv_load(row.w, in, c0, q);
+        gemv_dot<NT>(q, xs, in, n, c0, acc);
+    }
+    gemv_store_rows<NT>(acc, n, row.out, row.r, 0, row.y);
+}
+
+extern "C" __global__ void gemv_bf16_norm(const float* x, const float* norm_w, float eps, int n, int in,
+        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
+        float* y2, int out2) {
+    gemv_bf16_norm_rows<GEMV_MAX_TOKENS>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_1(const float* x, const float* norm_w, float eps, int n, int in,
+        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
+        float* y2, int out2) {
+    gemv_bf16_norm_rows<1>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_2(const float* x, const float* norm_w, float eps, int n, int in,
+        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
+        float* y2, int out2) {
+    gemv_bf16_norm_rows<2>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+}
+
 
 // Per-head RMSNorm + RoPE of q and k rows, and the k and v rows appended to bf16 paged caches, in one
 // launch: block (t, h) for h < heads is query head h of row t (in place in q, as qk_norm_rope); for
@@ -275,51 +435,107 @@ __device__ void router_topk_warp(const float* l, int experts, int k, int kind, i
     }
 }
 
+// RMSNorm of n rows of x (f32 [n, dim]) with weights w into `out` (f32, shared memory), by
+// rms_norm_row: with a block of 256 threads, rms_norm's f32 values. Called by every thread.
+__device__ void rms_norm_rows_f32(const float* x, const float* w, float eps, int n, int dim, float* out, float* buf) {
+    for (int t = 0; t < n; ++t) {
+        float* o = out + (size_t)t * dim;
+        rms_norm_row(x + (size_t)t * dim, w, dim, eps, buf, [&](int i, float v) { o[i] = v; });
+    }
+    __syncthreads();
+}
+
+// Warps per expert in router_gemv_topk (each over a contiguous share of the inputs, so a 2048-input
+// row is one round of GEMV_LOADS loads per lane), and the most warps per block.
+#define ROUTER_SPLIT 2
+#define ROUTER_MAX_WARPS 8
+
+// Floats of router_gemv_topk's dynamic shared memory before the normalised rows: the top-k's three
+// arrays of `experts`, rounded up to 16 bytes.
+__device__ __forceinline__ int router_topk_floats(int experts) { return (3 * experts + 3) & ~3; }
+
 // The router of up to GEMV_MAX_TOKENS rows and its top-k in one launch: logits[t, e] = x[t] . W[e]
-// (f32 x [n, in], f32 W [experts, in]; one warp per expert, 16-byte loads, in % 4 == 0), then the
-// last block to finish (blocks_done: device memory, 0 between launches) runs router_topk_row over
-// each row's logits, read back through L2. When ids_h is given it then does handoff_publish's work
-// (handoff.cu): the routing, and when x_h is given the router's input rows x, into the mapped host
-// buffers, the time stamped and `flag` raised. grid: ceil(experts / (blockDim.x / 32)); block:
-// ROUTER_THREADS (>= k). Dynamic shared memory: 3 * experts floats.
-extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const float* w, int experts, int k,
-                                            int kind, int renorm, const float* bias, int n_group, int topk_group,
-                                            float scaling, float* logits, int* ids, float* weights,
-                                            unsigned int* blocks_done, int* ids_h, float* w_h, float* x_h,
-                                            volatile int* flag, volatile unsigned long long* stamps) {
-    extern __shared__ float sm[];
+// (f32 x [n, in], f32 W [experts, in]; ROUTER_SPLIT warps per expert, 16-byte loads, in % 4 == 0),
+// then the last block to finish (blocks_done: device memory, 0 between launches) runs
+// router_topk_row over each row's logits, read back through L2. With norm_w the router's input is
+// RMSNorm(x) (the FFN norm folded in): every block normalises the rows into shared memory while its
+// first weight loads are in flight (rms_norm's order and values) and writes its share of them to xb
+// (bf16) and xf (f32), where the later ops read them. When ids_h is given it then does
+// handoff_publish's work (handoff.cu): the routing, and when x_h is given the router's input rows,
+// into the mapped host buffers, the time stamped and `flag` raised.
+// grid: ceil(experts / (blockDim.x / 32 / ROUTER_SPLIT)); block: ROUTER_MAX_WARPS warps (>= k threads;
+// 256 threads for rms_norm's order). Dynamic shared memory: router_topk_floats(experts) floats, plus
+// n * in with norm_w.
+extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const float* norm_w, float eps, bf16* xb,
+                                            float* xf, const float* w, int experts, int k, int kind, int renorm,
+                                            const float* bias, int n_group, int topk_group, float scaling,
+                                            float* logits, int* ids, float* weights, unsigned int* blocks_done,
+                                            int* ids_h, float* w_h, float* x_h, volatile int* flag,
+                                            volatile unsigned long long* stamps) {
+    extern __shared__ __align__(16) float sm[];
     __shared__ bool last;
-    int e = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    if (e < experts) {
-        float acc[GEMV_MAX_TOKENS];
+    __shared__ float buf[32];
+    __shared__ float part[ROUTER_MAX_WARPS][GEMV_MAX_TOKENS];
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int e = blockIdx.x * (blockDim.x / WARP / ROUTER_SPLIT) + warp / ROUTER_SPLIT;
+    int in4 = in / 4, share = (in4 + ROUTER_SPLIT - 1) / ROUTER_SPLIT;
+    int c_lo = (warp % ROUTER_SPLIT) * share, c_hi = min(in4, c_lo + share);
+    bool active = e < experts;
+    const float4* wr = (const float4*)(w + (size_t)e * in);
+    float4 wv[GEMV_LOADS];
+    // the first round of weight loads, in flight while the rows are normalised
+    if (active) {
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
-        const float4* wr = (const float4*)(w + (size_t)e * in);
-        for (int c0 = lane; c0 < in / 4; c0 += GEMV_LOADS * WARP) {
-            float4 wv[GEMV_LOADS];
+        for (int j = 0; j < GEMV_LOADS; ++j)
+            if (c_lo + lane + j * WARP < c_hi) wv[j] = wr[c_lo + lane + j * WARP];
+    }
+    const float* xin = x;
+    if (norm_w) {
+        float* rows = sm + router_topk_floats(experts);
+        rms_norm_rows_f32(x, norm_w, eps, n, in, rows, buf);
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n * in; i += gridDim.x * blockDim.x) {
+            xf[i] = rows[i];
+            xb[i] = f2bf(rows[i]);
+        }
+        xin = rows;
+    }
+    float acc[GEMV_MAX_TOKENS];
 #pragma unroll
-            for (int j = 0; j < GEMV_LOADS; ++j)
-                if (c0 + j * WARP < in / 4) wv[j] = wr[c0 + j * WARP];
+    for (int t = 0; t < GEMV_MAX_TOKENS; ++t) acc[t] = 0.f;
+    if (active) {
+        for (int c0 = c_lo + lane; c0 < c_hi; c0 += GEMV_LOADS * WARP) {
+            if (c0 != c_lo + lane) {
+#pragma unroll
+                for (int j = 0; j < GEMV_LOADS; ++j)
+                    if (c0 + j * WARP < c_hi) wv[j] = wr[c0 + j * WARP];
+            }
 #pragma unroll
             for (int j = 0; j < GEMV_LOADS; ++j) {
                 int c = c0 + j * WARP;
-                if (c >= in / 4) break;
+                if (c >= c_hi) break;
 #pragma unroll
                 for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
                     if (t < n) {
-                        float4 xv = ((const float4*)(x + (size_t)t * in))[c];
+                        float4 xv = ((const float4*)(xin + (size_t)t * in))[c];
                         acc[t] += wv[j].x * xv.x + wv[j].y * xv.y + wv[j].z * xv.z + wv[j].w * xv.w;
                     }
                 }
             }
         }
+    }
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
-            if (t < n) {
-                float v = warp_sum(acc[t]);
-                if (lane == 0) logits[(size_t)t * experts + e] = v;
-            }
+    for (int t = 0; t < GEMV_MAX_TOKENS; ++t) {
+        if (t < n) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) part[warp][t] = v;
         }
+    }
+    __syncthreads();
+    // the expert's first warp adds its warps' shares: lane t for row t
+    if (active && warp % ROUTER_SPLIT == 0 && lane < n) {
+        float v = 0.f;
+        for (int h = 0; h < ROUTER_SPLIT; ++h) v += part[warp + h][lane];
+        logits[(size_t)lane * experts + e] = v;
     }
     // this block's logits are visible device-wide before it is counted
     __threadfence();
@@ -353,16 +569,14 @@ extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const
         w_h[i] = weights[i];
     }
     if (x_h) {
-        const float4* x4 = (const float4*)x;
+        const float4* x4 = (const float4*)xin;
         float4* h4 = (float4*)x_h;
         for (int i = threadIdx.x; i < n * in / 4; i += blockDim.x) h4[i] = x4[i];
     }
+    // the stamp goes with the data: one system fence orders both before the flag
+    if (threadIdx.x == 0) stamps[STAMP_PUBLISHED] = global_ns();
     // every thread's host writes are visible system-wide before the flag
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) {
-        stamps[STAMP_PUBLISHED] = global_ns();
-        __threadfence_system();
-        *flag = 1;
-    }
+    if (threadIdx.x == 0) *flag = 1;
 }

@@ -10,8 +10,8 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use moe_kernels::cuda::ops::segment::GEMV_MATS;
 use moe_kernels::cuda::ops::{
-    CacheAppend, FlashBlock, FlashShape, GemvMat, MlaDims, PagedIndex, QueryRows, Rotation,
-    FUSED_SEGMENT_ROWS,
+    CacheAppend, FlashBlock, FlashShape, GemvMat, MlaDims, NormRows, PagedIndex, QueryRows,
+    Rotation, FUSED_SEGMENT_ROWS,
 };
 use moe_kernels::cuda::GpuDevice;
 use std::sync::OnceLock;
@@ -123,13 +123,17 @@ impl GpuModel {
         pool.append(&self.dev, li, (a, b), step.n, step.slots)
     }
 
+    /// GQA attention of the step's rows, its output projection added into `x`. Its input is the
+    /// normalised rows `hb`, or with `fold_norm` (the attention norm's weights;
+    /// [`GpuModel::attention_norm_folds`]) the residual `x` normalised by the q/k/v launch itself,
+    /// which writes the normalised rows to `hb`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gqa_attention(
         &self,
         w: &GqaWeights,
         host: &Model,
         step: &StepIndex,
-        hb: &CudaSlice<bf16>,
+        (hb, fold_norm): (&mut CudaSlice<bf16>, Option<&CudaSlice<f32>>),
         pool: &mut GpuKvPool,
         li: usize,
         x: &mut CudaSlice<f32>,
@@ -162,12 +166,18 @@ impl GpuModel {
         // The fused decode segment (`MOE_GPU_SEGMENT`, `switches`): q/k/v as one GEMV launch and
         // norm + RoPE + append as one, where the shapes and the cache's rows allow.
         let fused = self.switches.fused_segment();
-        self.linears(
-            hb,
-            n,
-            &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)],
-            fused,
-        )?;
+        let qkv = &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)];
+        match fold_norm {
+            Some(norm_w) => {
+                let norm = NormRows {
+                    x: &*x,
+                    w: norm_w,
+                    eps: cfg.rms_norm_eps,
+                };
+                self.linears_normed(&norm, hb, n, qkv)?
+            }
+            None => self.linears(hb, n, qkv, fused)?,
+        }
         let layout = cfg.layer_attention[li];
         let norms = (q_norm.as_ref(), k_norm.as_ref());
         let appended = fused
@@ -213,6 +223,18 @@ impl GpuModel {
             paged(r, out)?;
         }
         let accumulate = self.tp_attention_accumulates();
+        // (the `o-gemv` switch: the fused segment's GEMV, split over a warp per 2048 inputs)
+        if self.switches.fused_segment() && self.switches.o_gemv() && self.gemv_takes(o, n) {
+            let w = o.w.as_bf16().context("checked bf16")?;
+            let mut mats = [GemvMat {
+                w,
+                y: &mut *x,
+                out: o.out_dim,
+            }];
+            self.dev
+                .gemv_bf16(&*out, (n, o.in_dim), &mut mats, accumulate)?;
+            return self.add_biases(&mut [(o, x)], n);
+        }
         self.linear(o, out, x, n, accumulate)
     }
 
@@ -223,6 +245,65 @@ impl GpuModel {
         l.w.as_bf16().is_some()
             && n <= FUSED_SEGMENT_ROWS
             && GpuDevice::gemv_bf16_takes(n, l.in_dim)
+    }
+
+    /// Whether the fused segment folds the attention norm into the q/k/v launch of `w` for `n` rows
+    /// (`gemv_bf16_norm`): the `fold-norms` switch, one GPU, the q/k/v GEMV takes every projection
+    /// ([`GpuModel::linears`]) and the normalised rows fit its shared memory.
+    pub(super) fn attention_norm_folds(&self, w: &GqaWeights, n: usize) -> bool {
+        let projs = [&w.q, &w.k, &w.v];
+        self.switches.fused_segment()
+            && self.switches.fold_norms()
+            && self.shard.is_none()
+            && projs
+                .iter()
+                .all(|l| self.gemv_takes(l, n) && l.in_dim == w.q.in_dim)
+            && GpuDevice::gemv_bf16_norm_takes(n, w.q.in_dim)
+    }
+
+    /// `y_i = RMSNorm(x) · W_iᵀ (+ bias_i)` for the q/k/v projections in one `gemv_bf16_norm` launch
+    /// (shapes as [`GpuModel::attention_norm_folds`] checked), the normalised rows into `hb`.
+    fn linears_normed(
+        &self,
+        norm: &NormRows<'_>,
+        hb: &mut CudaSlice<bf16>,
+        n: usize,
+        projs: &mut [(&GpuLinear, &mut CudaSlice<f32>)],
+    ) -> anyhow::Result<()> {
+        let inp = projs[0].0.in_dim;
+        let mut mats = Self::gemv_mats(projs)?;
+        self.dev.gemv_bf16_norm(norm, (n, inp), hb, &mut mats)?;
+        self.add_biases(projs, n)
+    }
+
+    /// The GEMV launch's matrices of bf16 projections (checked by [`GpuModel::gemv_takes`]).
+    fn gemv_mats<'a>(
+        projs: &'a mut [(&GpuLinear, &mut CudaSlice<f32>)],
+    ) -> anyhow::Result<Vec<GemvMat<'a>>> {
+        let mut mats = Vec::with_capacity(projs.len());
+        for (l, y) in projs.iter_mut() {
+            let w = l.w.as_bf16().context("checked bf16")?;
+            mats.push(GemvMat {
+                w,
+                y,
+                out: l.out_dim,
+            });
+        }
+        Ok(mats)
+    }
+
+    /// Each projection's bias, when it has one, added to its output rows.
+    fn add_biases(
+        &self,
+        projs: &mut [(&GpuLinear, &mut CudaSlice<f32>)],
+        n: usize,
+    ) -> anyhow::Result<()> {
+        for (l, y) in projs.iter_mut() {
+            if let Some(b) = &l.bias {
+                self.dev.add_bias(&mut **y, b, (n, l.out_dim))?;
+            }
+        }
+        Ok(())
     }
 
     /// `y_i = x · W_iᵀ (+ bias_i)` for projections over the same input `x` (`n` rows): one GEMV launch
@@ -247,22 +328,9 @@ impl GpuModel {
             return Ok(());
         }
         let inp = projs[0].0.in_dim;
-        let mut mats = Vec::with_capacity(projs.len());
-        for (l, y) in projs.iter_mut() {
-            let w = l.w.as_bf16().context("checked bf16")?;
-            mats.push(GemvMat {
-                w,
-                y,
-                out: l.out_dim,
-            });
-        }
+        let mut mats = Self::gemv_mats(projs)?;
         self.dev.gemv_bf16(x, (n, inp), &mut mats, false)?;
-        for (l, y) in projs.iter_mut() {
-            if let Some(b) = &l.bias {
-                self.dev.add_bias(&mut **y, b, (n, l.out_dim))?;
-            }
-        }
-        Ok(())
+        self.add_biases(projs, n)
     }
 
     /// The fused segment's q/k norm + RoPE and K/V append as one launch (`qk_norm_rope_append`), for

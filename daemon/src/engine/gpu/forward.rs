@@ -18,7 +18,7 @@
 use super::attention::{SeqRows, StepIndex};
 use super::buffers::{ActBufs, HeadBufs, IndexBufs, StepBuffers, StepClass};
 use super::dispatch::{expert_homes, ExpertHome};
-use super::graphs::{GraphSet, SegmentTail, WalkMark};
+use super::graphs::{GraphSet, SegmentKernels, SegmentTail, WalkMark};
 use super::handoff::{CpuHalf, Handoff};
 use super::host_profile;
 use super::moe_layer::{MoeLayerBufs, MoeStep};
@@ -33,6 +33,7 @@ use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
+use moe_kernels::cuda::ops::NormRows;
 use std::time::Instant;
 
 /// One sequence's chunk in a GPU step: its block tables (one per group of layers,
@@ -108,6 +109,16 @@ impl HostIndex {
         }
         tables
     }
+}
+
+/// What the fused router reads: rows normalised already, or the residual rows it normalises itself
+/// with the norm's outputs (bf16, f32 rows) it writes for the ops after it.
+enum RouterRows<'a> {
+    Normed(&'a CudaSlice<f32>),
+    Norm(
+        NormRows<'a>,
+        (&'a mut CudaSlice<bf16>, &'a mut CudaSlice<f32>),
+    ),
 }
 
 /// What a layer's pre-expert segment reads and writes (persistent buffers in graph steps).
@@ -302,7 +313,8 @@ impl GpuModel {
             // (the fused router computes the top-k with the logits)
             if self.fused_router(n, hd) {
                 let routing = (&mut *g.eids, &mut *g.w);
-                self.router_gemv_topk(&*g.x, (moe, mc), (n, hd), &mut *g.logits, routing, None)?;
+                let input = RouterRows::Normed(&*g.x);
+                self.router_gemv_topk(input, (moe, mc), (n, hd), &mut *g.logits, routing, None)?;
             } else {
                 dev.gemm_f32(&*g.x, &moe.router, g.logits, n, mc.num_experts, hd)?;
             }
@@ -318,12 +330,20 @@ impl GpuModel {
         if let Some(hy) = g.hybrid.as_deref_mut() {
             self.hyper_collapse(hy, li, Block::Attention, hd, cfg.rms_norm_eps, g.x)?;
         }
+        // The fused segment's q/k/v launch normalises its input itself (`gemv_bf16_norm`).
+        let fold_norm = match &layer.attn {
+            GpuAttention::Gqa(w) => g.hybrid.is_none() && self.attention_norm_folds(w, n),
+            _ => false,
+        };
         // (in a tensor-parallel group `x` stays whole through the block: ranks other than 0 write their
         // o projection's partial sum over it, see `tp_attention_accumulates`)
-        dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
+        if !fold_norm {
+            dev.rms_norm(g.x, &layer.attn_norm, cfg.rms_norm_eps, (n, hd), g.hb, None)?;
+        }
         match &layer.attn {
             GpuAttention::Gqa(w) => {
-                self.gqa_attention(w, host, step, g.hb, pool, li, g.x, g.attn)?
+                let input = (&mut *g.hb, fold_norm.then_some(&layer.attn_norm));
+                self.gqa_attention(w, host, step, input, pool, li, g.x, g.attn)?
             }
             GpuAttention::Mla(w) => self.mla_attention(
                 w,
@@ -366,19 +386,29 @@ impl GpuModel {
             self.hyper_expand(hy, hd, g.x)?;
             self.hyper_collapse(hy, li, Block::Ffn, hd, cfg.rms_norm_eps, g.x)?;
         }
-        dev.rms_norm(
-            g.x,
-            &layer.ffn_norm,
-            cfg.rms_norm_eps,
-            (n, hd),
-            g.hb,
-            Some(&mut *g.hf),
-        )?;
-        self.tp_keep_residual_on_rank0(g.x, n * hd)?;
+        let mc = cfg.moe.as_ref();
+        // The fused router normalises its input itself (`router_gemv_topk_norm`), on one GPU.
+        let fold_norm = match (&layer.ffn, mc) {
+            (GpuFfn::Moe(_), Some(mc)) => {
+                !early_router && g.hybrid.is_none() && self.ffn_norm_folds(n, hd, mc.num_experts)
+            }
+            _ => false,
+        };
+        if !fold_norm {
+            dev.rms_norm(
+                g.x,
+                &layer.ffn_norm,
+                cfg.rms_norm_eps,
+                (n, hd),
+                g.hb,
+                Some(&mut *g.hf),
+            )?;
+            self.tp_keep_residual_on_rank0(g.x, n * hd)?;
+        }
         let GpuFfn::Moe(moe) = &layer.ffn else {
             return Ok(());
         };
-        let mc = cfg.moe.as_ref().context("MoE layer without MoE config")?;
+        let mc = mc.context("MoE layer without MoE config")?;
         // The layer's one hand-off: routing (and activations, when DRAM experts may be hit) written
         // into mapped host memory, then the flag the host polls.
         let (nk, nx) = (n * mc.top_k, n * hd);
@@ -395,7 +425,17 @@ impl GpuModel {
             (false, true) => {
                 let routing = (&mut *g.eids, &mut *g.w);
                 let port = publish.then_some((&g.hand.port, g.want_x));
-                self.router_gemv_topk(&*g.hf, (moe, mc), (n, hd), &mut *g.logits, routing, port)?;
+                let input = if fold_norm {
+                    let norm = NormRows {
+                        x: &*g.x,
+                        w: &layer.ffn_norm,
+                        eps: cfg.rms_norm_eps,
+                    };
+                    RouterRows::Norm(norm, (&mut *g.hb, &mut *g.hf))
+                } else {
+                    RouterRows::Normed(&*g.hf)
+                };
+                self.router_gemv_topk(input, (moe, mc), (n, hd), &mut *g.logits, routing, port)?;
                 published = publish;
             }
             (false, false) => {
@@ -427,13 +467,24 @@ impl GpuModel {
             && moe_kernels::cuda::GpuDevice::router_fused_takes(n, hd)
     }
 
-    /// The router's logits over `x` (`[n, hd]` f32) and their top-k into `routing` (ids, weights), one
-    /// launch ([`GpuModel::fused_router`]); with `publish` (a port, and whether the rows go too) the
-    /// same launch publishes the routing and the rows `x` to the host.
+    /// Whether the fused router of an `n`-row step over `hd` inputs and `experts` experts also
+    /// computes the FFN norm (`router_gemv_topk_norm`): the `fold-norms` switch, one GPU (a
+    /// tensor-parallel rank zeroes its residual between the norm and the router), shapes it takes.
+    fn ffn_norm_folds(&self, n: usize, hd: usize, experts: usize) -> bool {
+        self.switches.fold_norms()
+            && self.shard.is_none()
+            && self.fused_router(n, hd)
+            && moe_kernels::cuda::GpuDevice::router_norm_takes(n, hd, experts)
+    }
+
+    /// The router's logits over its input (`[n, hd]` f32 rows, or the residual rows it normalises
+    /// itself) and their top-k into `routing` (ids, weights), one launch ([`GpuModel::fused_router`]);
+    /// with `publish` (a port, and whether the rows go too) the same launch publishes the routing and
+    /// the (normalised) rows to the host.
     #[allow(clippy::type_complexity)]
     fn router_gemv_topk(
         &self,
-        x: &CudaSlice<f32>,
+        input: RouterRows<'_>,
         (moe, mc): (&super::GpuMoe, &crate::model::config::MoeConfig),
         (n, hd): (usize, usize),
         logits: &mut CudaSlice<f32>,
@@ -448,8 +499,21 @@ impl GpuModel {
             kind: &kind,
             bias: moe.correction_bias.as_ref(),
         };
-        self.dev
-            .router_gemv_topk(x, (n, hd), &router, logits, routing, publish)?;
+        match input {
+            RouterRows::Normed(x) => {
+                self.dev
+                    .router_gemv_topk(x, (n, hd), &router, logits, routing, publish)?
+            }
+            RouterRows::Norm(norm, out) => self.dev.router_gemv_topk_norm(
+                &norm,
+                out,
+                (n, hd),
+                &router,
+                logits,
+                routing,
+                publish,
+            )?,
+        }
         Ok(())
     }
 
@@ -537,7 +601,9 @@ impl GpuModel {
         let mut split = (split_step && stream.is_some()).then_some(&mut *split_guard);
         let mut graphs_guard = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         // (a graph bakes in its kernels: the step replays those of the segment kernels it runs)
-        graphs_guard.select_kernels(self.switches.fused_segment());
+        let sw = &self.switches;
+        let kernels = SegmentKernels::of(sw.fused_segment(), sw.fold_norms(), sw.o_gemv());
+        graphs_guard.select_kernels(kernels);
         // A tensor-parallel graph step whose segments are not all captured yet runs unpipelined
         // (`GraphSet::capture_pass`); one GPU captures them before its layers instead (below).
         let capture_pass = graph_step && self.shard.is_some() && graphs_guard.capture_pass(n);

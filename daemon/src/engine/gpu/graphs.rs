@@ -71,11 +71,40 @@ pub struct GraphSet {
     /// segment captured. A later step of the same rows and plan skips the walk (48 layers' homes and
     /// keys, ~1 µs each, on the host before the step's first launch).
     walked: HashMap<usize, WalkMark>,
-    /// Whether these graphs hold the fused segment kernels (`switches`' `fused_segment`).
-    fused: bool,
+    /// The segment kernels these graphs hold (`switches`' `fused_segment` and `fold_norms`).
+    kernels: SegmentKernels,
     /// The graphs of the other segment kernels, kept while these replay: `bench decode --ab
     /// fused-segment` flips between them step by step ([`GraphSet::select_kernels`]).
-    parked: Option<Box<GraphSet>>,
+    parked: Vec<GraphSet>,
+}
+
+/// The kernels a step's segments run (a graph bakes them in): the fused segment's, and with them
+/// whether the norms are folded into the q/k/v and router launches and whether the o projection is
+/// the segment's GEMV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentKernels {
+    pub fused: bool,
+    pub fold_norms: bool,
+    pub o_gemv: bool,
+}
+
+impl SegmentKernels {
+    /// The switches' defaults.
+    pub const DEFAULT: SegmentKernels = SegmentKernels {
+        fused: true,
+        fold_norms: true,
+        o_gemv: false,
+    };
+
+    /// The kernels of the switches `fused_segment`, `fold_norms` and `o_gemv` (the last two need the
+    /// fused kernels).
+    pub fn of(fused: bool, fold_norms: bool, o_gemv: bool) -> SegmentKernels {
+        SegmentKernels {
+            fused,
+            fold_norms: fused && fold_norms,
+            o_gemv: fused && o_gemv,
+        }
+    }
 }
 
 /// What decides a pipelined step's segment keys besides its rows: each layer's route and the expert
@@ -92,26 +121,27 @@ impl GraphSet {
     /// Graphs captured so far (segments, tensor-parallel halves and whole steps), of both segment
     /// kernels.
     pub fn captured(&self) -> usize {
-        let parked = self.parked.as_ref().map_or(0, |p| p.captured());
+        let parked: usize = self.parked.iter().map(GraphSet::captured).sum();
         self.map.len() + self.halves.len() + self.steps.len() + parked
     }
 
-    /// Makes the graphs of the segment kernels a step runs (`fused`) the current ones: a graph bakes
-    /// in its kernels, so the other kernels' graphs are parked, not replayed, and come back when the
-    /// switch flips back (a set starts empty, as the unfused one does the first time).
-    pub fn select_kernels(&mut self, fused: bool) {
-        if self.fused == fused {
+    /// Makes the graphs of the segment kernels a step runs the current ones: a graph bakes in its
+    /// kernels, so the other kernels' graphs are parked, not replayed, and come back when the
+    /// switches flip back (a set starts empty, as the unfused one does the first time).
+    pub fn select_kernels(&mut self, kernels: SegmentKernels) {
+        if self.kernels == kernels {
             return;
         }
-        let mut other = self.parked.take().map_or_else(
-            || GraphSet {
-                fused,
+        let mut other = match self.parked.iter().position(|p| p.kernels == kernels) {
+            Some(i) => self.parked.swap_remove(i),
+            None => GraphSet {
+                kernels,
                 ..GraphSet::default()
             },
-            |b| *b,
-        );
+        };
         std::mem::swap(self, &mut other);
-        self.parked = Some(Box::new(other));
+        self.parked = std::mem::take(&mut other.parked);
+        self.parked.push(other);
     }
 
     /// Whether a tensor-parallel graph step of `rows` rows must run as a capture pass: unpipelined,
@@ -160,8 +190,8 @@ impl Default for GraphSet {
             broken: false,
             ready_rows: HashSet::new(),
             walked: HashMap::new(),
-            fused: true,
-            parked: None,
+            kernels: SegmentKernels::DEFAULT,
+            parked: Vec::new(),
         }
     }
 }
@@ -288,20 +318,36 @@ mod tests {
 
     #[test]
     fn each_segment_kernel_keeps_its_graphs() {
+        let (old, fused, folded) = (
+            SegmentKernels::of(false, true, true),
+            SegmentKernels::of(true, false, false),
+            SegmentKernels::DEFAULT,
+        );
+        assert_eq!(
+            old,
+            SegmentKernels::of(false, false, false),
+            "folding and the o GEMV need fused"
+        );
         let mut set = GraphSet::default();
         set.ready_rows.insert(1);
-        set.select_kernels(true); // already the fused kernels: nothing moves
+        set.select_kernels(folded); // already the default kernels: nothing moves
         assert!(set.ready_rows.contains(&1));
-        set.select_kernels(false);
+        set.select_kernels(old);
         assert!(
             set.ready_rows.is_empty(),
             "the old kernels start without graphs"
         );
         set.ready_rows.insert(8);
-        set.select_kernels(true);
+        set.select_kernels(fused);
+        assert!(set.ready_rows.is_empty());
+        set.ready_rows.insert(2);
+        set.select_kernels(folded);
         assert!(set.ready_rows.contains(&1) && !set.ready_rows.contains(&8));
-        set.select_kernels(false);
+        set.select_kernels(old);
         assert!(set.ready_rows.contains(&8) && !set.ready_rows.contains(&1));
+        set.select_kernels(fused);
+        assert!(set.ready_rows.contains(&2) && set.ready_rows.len() == 1);
+        assert_eq!(set.parked.len(), 2);
     }
 
     #[test]

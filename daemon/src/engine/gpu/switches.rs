@@ -32,6 +32,13 @@ pub struct DecodeSwitches {
     /// publish as one launch, where the shapes allow; off: cuBLAS and the separate kernels, as before.
     /// On unless `MOE_GPU_SEGMENT=old` ([`GPU_SEGMENT_KNOB`]).
     fused_segment: AtomicBool,
+    /// With the fused segment: the attention norm folded into the q/k/v GEMV's launch and the FFN
+    /// norm into the router's (each block normalises the rows itself); off: separate `rms_norm`
+    /// launches, as before. On by default.
+    fold_norms: AtomicBool,
+    /// With the fused segment: the attention's o projection of 1–2 rows by the segment's bf16 GEMV
+    /// (a warp per 2048 inputs of a row) instead of cuBLAS. Off by default.
+    o_gemv: AtomicBool,
 }
 
 /// `MOE_GPU_SEGMENT`: `fused` (the default) or `old` (the decode segment on cuBLAS and the separate
@@ -61,6 +68,8 @@ impl Default for DecodeSwitches {
             early_head: AtomicBool::new(true),
             direct_half: AtomicBool::new(true),
             fused_segment: AtomicBool::new(GPU_SEGMENT_KNOB.read_or(true)),
+            fold_norms: AtomicBool::new(true),
+            o_gemv: AtomicBool::new(false),
         }
     }
 }
@@ -121,6 +130,22 @@ impl DecodeSwitches {
     pub fn set_fused_segment(&self, on: bool) {
         self.fused_segment.store(on, Ordering::Relaxed);
     }
+
+    pub fn fold_norms(&self) -> bool {
+        self.fold_norms.load(Ordering::Relaxed)
+    }
+
+    pub fn set_fold_norms(&self, on: bool) {
+        self.fold_norms.store(on, Ordering::Relaxed);
+    }
+
+    pub fn o_gemv(&self) -> bool {
+        self.o_gemv.load(Ordering::Relaxed)
+    }
+
+    pub fn set_o_gemv(&self, on: bool) {
+        self.o_gemv.store(on, Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -159,6 +184,10 @@ pub enum DecodeSwitch {
     /// One core of the CPU expert pool left to the OS: its worker kept out of the regions, asleep
     /// (`WorkerPool::set_spare_cores`).
     SpareCore,
+    /// The norms folded into the fused segment's q/k/v and router launches.
+    FoldNorms,
+    /// The fused segment's o projection by its GEMV instead of cuBLAS.
+    OGemv,
 }
 
 impl DecodeSwitch {
@@ -184,11 +213,13 @@ impl std::str::FromStr for DecodeSwitch {
             "fused-segment" => DecodeSwitch::FusedSegment,
             "caller-works" => DecodeSwitch::CallerWorks,
             "spare-core" => DecodeSwitch::SpareCore,
+            "fold-norms" => DecodeSwitch::FoldNorms,
+            "o-gemv" => DecodeSwitch::OGemv,
             _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
                 Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
                 _ => {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, caller-works, spare-core, defer1..defer64)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv, caller-works, spare-core, defer1..defer64)"
                     ))
                 }
             },
@@ -210,6 +241,8 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::FusedSegment => f.write_str("fused-segment"),
             DecodeSwitch::CallerWorks => f.write_str("caller-works"),
             DecodeSwitch::SpareCore => f.write_str("spare-core"),
+            DecodeSwitch::FoldNorms => f.write_str("fold-norms"),
+            DecodeSwitch::OGemv => f.write_str("o-gemv"),
         }
     }
 }
@@ -234,6 +267,8 @@ impl crate::engine::Engine {
             DecodeSwitch::FusedSegment => g.switches.fused_segment(),
             DecodeSwitch::CallerWorks => self.cpu_pool.as_deref()?.caller_works(),
             DecodeSwitch::SpareCore => self.cpu_pool.as_deref()?.spare_cores() > 0,
+            DecodeSwitch::FoldNorms => g.switches.fold_norms(),
+            DecodeSwitch::OGemv => g.switches.o_gemv(),
         })
     }
 
@@ -270,6 +305,8 @@ impl crate::engine::Engine {
                 DecodeSwitch::Defer(n) => g.switches.set_defer_experts(if on { n } else { 0 }),
                 DecodeSwitch::FusedSegment => g.switches.set_fused_segment(on),
                 DecodeSwitch::CallerWorks | DecodeSwitch::SpareCore => {} // the pool's, set above
+                DecodeSwitch::FoldNorms => g.switches.set_fold_norms(on),
+                DecodeSwitch::OGemv => g.switches.set_o_gemv(on),
             }
         }
         true
@@ -293,6 +330,8 @@ mod tests {
             "fused-segment",
             "caller-works",
             "spare-core",
+            "fold-norms",
+            "o-gemv",
             "defer1",
             "defer2",
         ] {
@@ -343,6 +382,12 @@ mod tests {
         assert!(!s.direct_half());
         s.set_fused_segment(false);
         assert!(!s.fused_segment());
+        assert!(s.fold_norms());
+        s.set_fold_norms(false);
+        assert!(!s.fold_norms());
+        assert!(!s.o_gemv());
+        s.set_o_gemv(true);
+        assert!(s.o_gemv());
     }
 
     #[test]

@@ -10,9 +10,14 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKe
 use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
-/// Threads per block of both hand-off kernels.
+/// Threads per block of `handoff_publish`.
 const THREADS: usize = 256;
-/// Most blocks one hand-off kernel uses (each block's writes cross PCIe; more only adds flag traffic).
+/// `handoff_wait_add`'s block (`WAIT_THREADS` in handoff.cu) and the elements one block adds per
+/// stride (`WAIT_LOADS` = 4 float4 loads per thread).
+const WAIT_THREADS: usize = 1024;
+const WAIT_ELEMS_PER_BLOCK: usize = WAIT_THREADS * 4 * 4;
+/// Most blocks one hand-off kernel uses (each block's writes cross PCIe, and each block of a wait polls
+/// the flag: more only adds flag traffic).
 const MAX_BLOCKS: usize = 64;
 /// How long the GPU waits for the host's sum before it gives up and reports it. Decode layers take
 /// milliseconds; this only bounds a host that failed between enqueueing the wait and raising the flag.
@@ -387,7 +392,7 @@ impl GpuDevice {
     }
 
     /// Hand-off step 3 (see [`HandoffPort`]): waits for UP, then `x[i] += y[i]` for `n` elements with
-    /// `y` read from the port's host buffer, then lowers UP.
+    /// `y` read from the port's host buffer; UP is lowered once seen.
     pub fn handoff_wait_add(
         &self,
         x: &mut impl DevicePtrMut<f32>,
@@ -397,20 +402,24 @@ impl GpuDevice {
         const OP: &str = "handoff_wait_add";
         ensure(OP, n > 0, || "nothing to add".into())?;
         let xp = self.output(OP, "x", x, n)?;
+        ensure(OP, xp.is_multiple_of(16), || {
+            "x not 16-byte aligned (a view into a buffer)".into()
+        })?;
         let yh = port.y.dev_at(OP, "y_h", 0, n)?;
         let flag = port.flags.dev_at(OP, "flags", UP, 1)?;
         let timed_out = port.flags.dev_at(OP, "flags", TIMED_OUT, 1)?;
         let timeout = GPU_WAIT_TIMEOUT.as_nanos() as u64;
         let done = port.blocks_done.device_ptr(&self.stream).0;
         let stamps = port.stamps.dev_at(OP, "stamps", 0, 3)?;
-        let b = blocks(n);
+        let b = n.div_ceil(WAIT_ELEMS_PER_BLOCK).clamp(1, MAX_BLOCKS);
         let mut l = self.stream.launch_builder(&self.k.handoff_wait_add);
         l.arg(&xp).arg(&yh).arg(&n).arg(&flag).arg(&timed_out);
         l.arg(&timeout).arg(&done).arg(&stamps);
         // SAFETY: argument order and types as handoff.cu's `handoff_wait_add` (n a size_t, timeout an
-        // unsigned long long); threads update x[i < n] (checked) from the mapped y (checked length);
-        // flags, counter and stamps are the port's own.
-        unsafe { l.launch(super::grid((b, 1, 1), THREADS, 0)) }?;
+        // unsigned long long); threads update x[i < n] (checked; 16-byte accesses: device allocations
+        // are 256-byte aligned) from the mapped y (checked length, page-aligned); flags, counter and
+        // stamps are the port's own.
+        unsafe { l.launch(super::grid((b, 1, 1), WAIT_THREADS, 0)) }?;
         Ok(())
     }
 }

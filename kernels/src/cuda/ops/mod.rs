@@ -38,7 +38,9 @@ pub use flash_attention::{FlashBlock, FlashShape, QueryRows, FLASH_HEAD_DIMS};
 pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
-pub use segment::{CacheAppend, FusedRouter, GemvMat, FUSED_SEGMENT_ROWS, SEGMENT_MAX_ROWS};
+pub use segment::{
+    CacheAppend, FusedRouter, GemvMat, NormRows, FUSED_SEGMENT_ROWS, SEGMENT_MAX_ROWS,
+};
 
 /// Default dynamic shared memory a kernel may take without opting in (48 KiB on every supported GPU).
 const MAX_DYNAMIC_SMEM: usize = 48 << 10;

@@ -40,6 +40,61 @@ pub struct Rotation<'a> {
 /// `qk_norm_rope` keeps a head in a 1024-float shared array.
 const MAX_HEAD_DIM: usize = 1024;
 
+/// A [`Rotation`]'s kernel arguments (`norm_rope_head`'s): positions and inverse frequencies
+/// (device addresses), attention factor, rotary width, style code, first rotary dim. No rotation: a
+/// rotary width of 0 (the kernels then read neither positions nor frequencies).
+pub(super) struct RotationArgs {
+    pub positions: u64,
+    pub inv_freq: u64,
+    pub attn_factor: f32,
+    pub rotary_dim: i32,
+    pub style: i32,
+    pub offset: i32,
+}
+
+impl GpuDevice {
+    /// `rope`'s arguments for a launch over `rows` rows of heads of `head_dim`, checked: its rotary
+    /// dims lie within the head, and start at 0 unless `allow_offset` (kernels that rotate GQA heads).
+    pub(super) fn rotation_inputs(
+        &self,
+        op: &str,
+        rope: Option<&Rotation<'_>>,
+        (rows, head_dim): (usize, usize),
+        allow_offset: bool,
+    ) -> Result<RotationArgs, GpuError> {
+        let Some(r) = rope else {
+            return Ok(RotationArgs {
+                positions: 0,
+                inv_freq: 0,
+                attn_factor: 1.0,
+                rotary_dim: 0,
+                style: 0,
+                offset: 0,
+            });
+        };
+        ensure(
+            op,
+            (allow_offset || r.offset == 0) && r.offset + r.rotary_dim <= head_dim,
+            || {
+                let from = if allow_offset { "" } else { " (from dim 0)" };
+                format!(
+                    "rotary dims {}..{} outside head_dim {head_dim}{from}",
+                    r.offset,
+                    r.offset + r.rotary_dim
+                )
+            },
+        )?;
+        Ok(RotationArgs {
+            positions: self.input(op, "positions", r.positions, rows)?,
+            inv_freq: self.input(op, "inv_freq", r.inv_freq, r.rotary_dim / 2)?,
+            attn_factor: r.attn_factor,
+            rotary_dim: int(op, "rotary_dim", r.rotary_dim)?,
+            style: r.style.code(),
+            offset: int(op, "offset", r.offset)?,
+        })
+    }
+}
+
 impl GpuDevice {
     /// `out_bf16[r] = x[r] · w / rms(x[r])` for `rows` rows of `dim`, and the same in f32 into
     /// `out_f32` when given. One block of 256 threads per row.
@@ -99,35 +154,15 @@ impl GpuDevice {
             Some((w, eps)) => (self.input(OP, "norm", w, head_dim)?, eps),
             None => (0, 0.0),
         };
-        // No rotation: a rotary width of 0 (the kernel then reads neither positions nor frequencies).
-        let (pos, freq, factor, rd, style, off) = match rope {
-            Some(r) => {
-                ensure(OP, r.offset + r.rotary_dim <= head_dim, || {
-                    format!(
-                        "rotary dims {}..{} outside head_dim {head_dim}",
-                        r.offset,
-                        r.offset + r.rotary_dim
-                    )
-                })?;
-                (
-                    self.input(OP, "positions", r.positions, rows)?,
-                    self.input(OP, "inv_freq", r.inv_freq, r.rotary_dim / 2)?,
-                    r.attn_factor,
-                    int(OP, "rotary_dim", r.rotary_dim)?,
-                    r.style.code(),
-                    int(OP, "offset", r.offset)?,
-                )
-            }
-            None => (0, 0, 1.0, 0, 0, 0),
-        };
+        let r = self.rotation_inputs(OP, rope, (rows, head_dim), true)?;
         let mut l = self.stream.launch_builder(&self.k.qk_norm_rope);
         l.arg(&xp).arg(&heads_i).arg(&dh_i).arg(&nw).arg(&eps);
-        l.arg(&pos)
-            .arg(&freq)
-            .arg(&factor)
-            .arg(&rd)
-            .arg(&style)
-            .arg(&off);
+        l.arg(&r.positions)
+            .arg(&r.inv_freq)
+            .arg(&r.attn_factor)
+            .arg(&r.rotary_dim)
+            .arg(&r.style)
+            .arg(&r.offset);
         let threads = head_dim.div_ceil(32) * 32;
         // SAFETY: argument order and types as kernels.cu's `qk_norm_rope`; block (t, h) reads and writes
         // head h of row t (rows·heads·head_dim checked), the norm weights (head_dim) and, when rotating,
