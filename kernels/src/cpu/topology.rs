@@ -269,7 +269,7 @@ impl SavedAffinity {
         false
     }
 
-    /// CPUs in the saved set (tests and diagnostics).
+    /// CPUs in the saved set.
     pub fn cpus(&self) -> Vec<usize> {
         #[cfg(target_os = "linux")]
         {
@@ -361,21 +361,11 @@ mod fallback {
 
     /// The calling thread's affinity (the process's, as long as nothing pinned this thread yet).
     pub(super) fn read_allowed_cpus() -> Vec<usize> {
-        #[cfg(target_os = "linux")]
+        if let Some(cpus) = super::SavedAffinity::of_current_thread()
+            .map(|a| a.cpus())
+            .filter(|c| !c.is_empty())
         {
-            // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most size_of::<cpu_set_t>().
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0
-                {
-                    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-                        .filter(|&c| libc::CPU_ISSET(c, &set))
-                        .collect();
-                    if !cpus.is_empty() {
-                        return cpus;
-                    }
-                }
-            }
+            return cpus;
         }
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
         (0..n).collect()
