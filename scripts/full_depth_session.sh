@@ -6,10 +6,11 @@
 #   bound of the distinct experts each step reads, and prefill 512 / 4096 / 8192 (cold and warm; 512
 #   splits each layer's DRAM experts between the GPU and the CPU, and is timed again with the split
 #   paused, --split-ab), with bf16 experts (and the expert stream's profile, MOE_STREAM_PROFILE=1) and with
-#   int8 experts (repacked from the same file at load; batch 1), with the decode switches of AB_INT8 A/B'd in
+#   int8 experts (repacked from the same file at load; batch 1), with the decode switches of AB_INT8 (empty: none) A/B'd in
 #   that process (`--ab`, default defer1: deferred experts' time and teacher-forced effect on the logits);
 #   then, if time is left, bf16 with GPU64 routed experts per layer on the GPU (the mixed layer) and the
-#   switches of AB_GPU64 A/B'd (default mixed-grouped,device-routed). Every run prints the hand-off profile
+#   switches of AB_GPU64 A/B'd (default mixed-grouped,device-routed; empty: none), timed at GPU64_BATCHES.
+#   Every run prints the hand-off profile
 #   per MoE layer and the process's host memory by kind.
 # Every step under its own timeout and a call deadline (BUDGET seconds; a step that would not end in time is
 # skipped and says so). llama-bench is the packed CUDA build of an earlier call (LLAMA_PARTS), never built
@@ -33,6 +34,8 @@ BATCHES=${BATCHES:-1,8,32}
 AB_INT8=${AB_INT8:-defer1}
 AB_GPU64=${AB_GPU64:-mixed-grouped,device-routed}
 GPU64=${GPU64:-64}
+GPU64_BATCHES=${GPU64_BATCHES:-1}
+GPU64_NEEDS=${GPU64_NEEDS:-110}
 LWORK=/tmp/peer-llama
 LB=$LWORK/build/bin/llama-bench
 mkdir -p "$OUT"
@@ -85,9 +88,11 @@ common=(--gpu-experts 0 --steps 32 --prompt-len 32 --prefill-lens "$PREFILL" --s
 # bf16: the engine's packed experts (~55 GiB) beside the file
 room_for 62 && MOE_STREAM_PROFILE=1 ours q3_L${LAYERS}_bf16 240 120 "${common[@]}" --batch "$BATCHES"
 # int8: ~29 GiB of experts
-room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8 --ab "$AB_INT8" --ab-rounds 2
+ab_int8=(); [ -n "$AB_INT8" ] && ab_int8=(--ab "$AB_INT8" --ab-rounds 2)
+room_for 36 && ours q3_L${LAYERS}_int8 200 80 "${common[@]}" --expert-dtype int8 "${ab_int8[@]}"
 # the mixed layer: half the routed experts of each layer resident on the GPU, the rest in DRAM (~28 GiB)
-room_for 34 && ours q3_L${LAYERS}_gpu$GPU64 180 110 --gpu-experts "$GPU64" --steps 32 --prompt-len 32 \
-  --ab "$AB_GPU64" --ab-rounds 2
+ab_gpu64=(); [ -n "$AB_GPU64" ] && ab_gpu64=(--ab "$AB_GPU64" --ab-rounds 2)
+room_for 34 && ours q3_L${LAYERS}_gpu$GPU64 180 "$GPU64_NEEDS" --gpu-experts "$GPU64" --steps 32 --prompt-len 32 \
+  --batch "$GPU64_BATCHES" "${ab_gpu64[@]}"
 rm -f "$G" "$G.done"
 log "done"
