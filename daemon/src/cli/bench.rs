@@ -301,7 +301,12 @@ fn decode_batch(
         let l = prefill_into(engine, c, &prompt(engine, a.prompt_len, i), a.chunk)?;
         next.push(crate::engine::sampling::argmax(&l) as u32);
     }
+    let pool_before = engine.cpu_pool().map(|p| p.region_stats());
     let (elapsed, split) = decode_steps(engine, &mut caches, &mut next, 2, a.steps)?;
+    let regions = engine
+        .cpu_pool()
+        .zip(pool_before)
+        .map(|(p, before)| p.region_stats().since(&before));
     let per_step = elapsed / a.steps as f64;
     let layers = engine.config().num_layers as f64;
     println!(
@@ -328,6 +333,17 @@ fn decode_batch(
                 - split.dense_mlp_s
                 - split.head_s)
         );
+        if let Some(r) = regions {
+            // The warm-up steps' regions are in `r` too: per step over every step run.
+            let all = (a.steps + 2) as f64;
+            println!(
+                "  pool regions per step: {:.0}, inside them {:.2} ms (their tails {:.2} ms), outside (the calling thread alone) ~{:.2} ms",
+                r.regions as f64 / all,
+                r.busy_s / all * 1e3,
+                r.tail_s / all * 1e3,
+                per_step * 1e3 - r.busy_s / all * 1e3,
+            );
+        }
         return Ok((caches, next));
     }
     println!(

@@ -10,7 +10,8 @@ use crate::weights::{fp8, HostData, HostTensor};
 use half::bf16;
 use moe_kernels::cpu::moe::{format_for_ggml, SourceTensor, WeightFormat};
 use moe_kernels::cpu::{
-    forward_group, CpuMoeOptions, DenseCall, DenseError, DenseMatrix, GgmlBlock, WorkerPool,
+    forward_group, CpuMoeOptions, DenseCall, DenseError, DenseMatrix, GgmlBlock, MakeRow,
+    WorkerPool,
 };
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -227,6 +228,40 @@ impl Linear {
             }
         }
         y
+    }
+}
+
+impl Linear {
+    /// [`forward`](Self::forward) as one vector per token (a batch's logits): on a packed weight
+    /// written in place by the kernels (`DenseMatrix::forward_rows`), no copy of each row out of
+    /// the `[tokens, out_dim]` block.
+    pub fn forward_rows(&self, x: &[f32], tokens: usize) -> Vec<Vec<f32>> {
+        if let WeightData::Packed(p) = &self.w {
+            return p
+                .mat
+                .forward_rows(&p.pool, x, tokens, self.bias.as_deref())
+                .expect("x and bias lengths match the layer (checked at load and by the caller)");
+        }
+        let y = self.forward(x, tokens);
+        y.chunks(self.out_dim.max(1)).map(<[f32]>::to_vec).collect()
+    }
+
+    /// [`forward`](Self::forward) of the `tokens` rows that `make(t, row)` computes (`in_dim` values
+    /// each): on a packed weight in the pool region that converts the input, so the rows are made in
+    /// parallel (`DenseMatrix::forward_made`); otherwise made here, one after another, first.
+    pub fn forward_made(&self, make: &MakeRow<'_>, tokens: usize) -> Vec<f32> {
+        if let WeightData::Packed(p) = &self.w {
+            let mut y = vec![0f32; tokens * self.out_dim];
+            p.mat
+                .forward_made(&p.pool, make, tokens, self.bias.as_deref(), &mut y)
+                .expect("bias length matches the layer (checked at load)");
+            return y;
+        }
+        let mut x = vec![0f32; tokens * self.in_dim];
+        for (t, row) in x.chunks_mut(self.in_dim).enumerate() {
+            make(t, row);
+        }
+        self.forward(&x, tokens)
     }
 }
 

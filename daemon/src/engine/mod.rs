@@ -565,6 +565,11 @@ impl Engine {
         }
     }
 
+    /// The kernels' worker pool of the CPU backend (its region statistics: `bench decode`).
+    pub fn cpu_pool(&self) -> Option<&moe_kernels::cpu::WorkerPool> {
+        self.cpu_pool.as_deref()
+    }
+
     /// The GPU memory plan and what the start allocated (CUDA backend).
     pub fn gpu_memory(&self) -> Option<&gpu::memory::MemoryReport> {
         self.gpu.as_ref().and_then(|g| g.memory.as_ref())

@@ -165,9 +165,17 @@ impl GatedAct {
 /// down(act(gate(x)) · up(x)) for `tokens` rows of `x`.
 pub fn mlp_forward(mlp: &Mlp, act: GatedAct, x: &[f32], tokens: usize) -> Vec<f32> {
     let [g, u] = crate::engine::linear::forward_many([&mlp.gate, &mlp.up], x, tokens);
-    let mut a = vec![0f32; g.len()];
-    moe_kernels::cpu::moe::gated_rows(act.kernel_activation(), act.swiglu_limit, &g, &u, &mut a);
-    mlp.down.forward(&a, tokens)
+    let inter = g.len() / tokens.max(1);
+    // Each token's gated activation is made where the down projection converts its input (in
+    // parallel for several tokens): elementwise, so the same values as one call over every row.
+    let gated = |t: usize, row: &mut [f32]| {
+        let (g, u) = (
+            &g[t * inter..(t + 1) * inter],
+            &u[t * inter..(t + 1) * inter],
+        );
+        moe_kernels::cpu::moe::gated_rows(act.kernel_activation(), act.swiglu_limit, g, u, row);
+    };
+    mlp.down.forward_made(&gated, tokens)
 }
 
 /// Reference CPU path for routed experts: gathers each expert's tokens, runs its MLP on them, and adds

@@ -159,7 +159,8 @@ struct Target<'a> {
     /// Grouped int codes on AMX-INT8 with int8 activations, by this kernel.
     amx_int: Option<AmxIntKernel>,
     bias: Option<&'a [f32]>,
-    y: SyncPtr,
+    /// Where each token's output row starts.
+    rows: &'a [SyncPtr],
 }
 
 impl DenseMatrix {
@@ -305,6 +306,49 @@ impl DenseMatrix {
         y: &mut [f32],
     ) -> Result<(), DenseError> {
         forward_group(pool, &mut [DenseCall { w: self, bias, y }], x, tokens)
+    }
+
+    /// [`forward`](Self::forward) into one new vector per token (`rows` values each), written by the
+    /// kernels in place: a batch's logits without a copy of every row out of one `[tokens, rows]`
+    /// block (an lm_head of 49152 rows: 1.5 MiB a step for 8 tokens, on the calling thread).
+    pub fn forward_rows(
+        &self,
+        pool: &WorkerPool,
+        x: &[f32],
+        tokens: usize,
+        bias: Option<&[f32]>,
+    ) -> Result<Vec<Vec<f32>>, DenseError> {
+        let n = self.l.n;
+        let mut ys: Vec<Vec<f32>> = (0..tokens).map(|_| Vec::with_capacity(n)).collect();
+        let rows = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
+        let out = Out {
+            w: self,
+            bias,
+            rows,
+        };
+        forward_input(pool, vec![out], Input::Rows(x), tokens)?;
+        for y in ys.iter_mut() {
+            // SAFETY: capacity `n` (above); the call wrote all `n` values of every token's row (its
+            // chunks cover every column) or returned an error before writing any.
+            unsafe { y.set_len(n) };
+        }
+        Ok(ys)
+    }
+
+    /// [`forward`](Self::forward) of rows that `make(t, row)` computes (`cols` values each) where
+    /// the call converts its input: in the conversion's pool region when there is one (several
+    /// tokens), so the work that makes a row (an MLP's gated activation, say) runs in parallel
+    /// instead of on the calling thread before the call.
+    pub fn forward_made(
+        &self,
+        pool: &WorkerPool,
+        make: &MakeRow<'_>,
+        tokens: usize,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), DenseError> {
+        let out = Out::of(&mut DenseCall { w: self, bias, y }, tokens)?;
+        forward_input(pool, vec![out], Input::Made(make), tokens)
     }
 
     /// Whether this matrix and `o` read the same converted activations (same tier, width, and
@@ -497,6 +541,52 @@ pub struct DenseCall<'a> {
     pub y: &'a mut [f32],
 }
 
+/// Computes input row `t` into the slice (the matrix's `cols` values): [`DenseMatrix::forward_made`].
+pub type MakeRow<'a> = dyn Fn(usize, &mut [f32]) + Sync + 'a;
+
+/// A call's input rows: given, or made where they are converted.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    Rows(&'a [f32]),
+    Made(&'a MakeRow<'a>),
+}
+
+thread_local! {
+    /// Per thread: the made input row being converted.
+    static MADE_ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One matrix of a call and where each token's output row starts (`rows` values from there).
+struct Out<'a> {
+    w: &'a DenseMatrix,
+    bias: Option<&'a [f32]>,
+    rows: Vec<SyncPtr>,
+}
+
+impl<'a> Out<'a> {
+    /// The rows of `c.y` (`[tokens, rows]`, length checked).
+    fn of(c: &mut DenseCall<'a>, tokens: usize) -> Result<Out<'a>, DenseError> {
+        let n = c.w.l.n;
+        if c.y.len() != tokens * n {
+            let (got, want) = (c.y.len(), tokens * n);
+            return Err(DenseError::Len {
+                what: "y",
+                got,
+                want,
+            });
+        }
+        let base = c.y.as_mut_ptr();
+        Ok(Out {
+            w: c.w,
+            bias: c.bias,
+            // in bounds: t · n < tokens · n = y.len()
+            rows: (0..tokens)
+                .map(|t| SyncPtr(base.wrapping_add(t * n)))
+                .collect(),
+        })
+    }
+}
+
 /// Several matrices over the same input `x` (`[tokens, cols]`), e.g. q/k/v or gate/up: activations
 /// converted once, one pool region over all their N-tiles. The matrices must share their input
 /// ([`DenseMatrix::shares_input_with`]).
@@ -506,14 +596,33 @@ pub fn forward_group(
     x: &[f32],
     tokens: usize,
 ) -> Result<(), DenseError> {
-    let Some(first) = calls.first().map(|c| c.w) else {
+    let outs = calls
+        .iter_mut()
+        .map(|c| Out::of(c, tokens))
+        .collect::<Result<Vec<_>, _>>()?;
+    forward_input(pool, outs, Input::Rows(x), tokens)
+}
+
+/// [`forward_group`] over given or made input rows, into the rows of `outs` (which the caller keeps
+/// borrowed and of the matrices' widths).
+fn forward_input(
+    pool: &WorkerPool,
+    outs: Vec<Out<'_>>,
+    x: Input<'_>,
+    tokens: usize,
+) -> Result<(), DenseError> {
+    let Some(first) = outs.first().map(|c| c.w) else {
         return Ok(());
     };
-    for c in calls.iter() {
+    for c in outs.iter() {
         let n = c.w.l.n;
+        let x_len = match x {
+            Input::Rows(x) => x.len(),
+            Input::Made(_) => tokens * c.w.l.k,
+        };
         for (what, got, want) in [
-            ("x", x.len(), tokens * c.w.l.k),
-            ("y", c.y.len(), tokens * n),
+            ("x", x_len, tokens * c.w.l.k),
+            ("y rows", c.rows.len(), tokens),
             ("bias", c.bias.map_or(n, <[f32]>::len), n),
         ] {
             if got != want {
@@ -567,10 +676,10 @@ pub fn forward_group(
 
     // Work items: chunks of N-tiles of every matrix, in order.
     let mut items: Vec<(usize, usize, usize)> = Vec::new(); // (call, first tile, tiles)
-    let total_tiles: usize = calls.iter().map(|c| c.w.l.n_tiles).sum();
+    let total_tiles: usize = outs.iter().map(|c| c.w.l.n_tiles).sum();
     // Several chunks per thread so a slow core does not hold the call; ≥ 2 tiles for AMX's 2×2.
     let per_chunk = total_tiles.div_ceil(4 * pool.threads()).max(2);
-    for (ci, c) in calls.iter().enumerate() {
+    for (ci, c) in outs.iter().enumerate() {
         let nt = c.w.l.n_tiles;
         let mut t0 = 0;
         while t0 < nt {
@@ -578,8 +687,8 @@ pub fn forward_group(
             t0 += per_chunk;
         }
     }
-    let targets: Vec<Target<'_>> = calls
-        .iter_mut()
+    let targets: Vec<Target<'_>> = outs
+        .iter()
         .map(|c| {
             let wide = widened(tier, c.w.l.format, c.w.grouped, tokens);
             let amx = c.w.tier == CpuTier::Amx
@@ -591,7 +700,7 @@ pub fn forward_group(
                 amx,
                 amx_int: c.w.amx_int(tokens).then_some(c.w.amx_int_kernel),
                 bias: c.bias,
-                y: SyncPtr(c.y.as_mut_ptr()),
+                rows: &c.rows,
             }
         })
         .collect();
@@ -607,7 +716,7 @@ pub fn forward_group(
             amx,
             amx_int,
             bias,
-            y: yp,
+            rows: y_rows,
         } = &targets[ci];
         let n = mat.l.n;
         let ld = 16 * nts;
@@ -637,10 +746,10 @@ pub fn forward_group(
                 let (main, rest) = rows.rows_of(t, tokens);
                 let rest = rest.filter(|_| with_rest);
                 let src = &buf[main * ld..main * ld + cols];
-                // SAFETY: columns col0 .. col0 + cols of row t of this call's `y` (checked length)
-                // belong to this chunk alone; `y` outlives the region.
+                // SAFETY: columns col0 .. col0 + cols of token t's output row (`n` values from
+                // `y_rows[t]`, the caller's) belong to this chunk alone; the rows outlive the region.
                 let dst =
-                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(t * n + col0), cols) };
+                    unsafe { std::slice::from_raw_parts_mut(y_rows[t].get().add(col0), cols) };
                 // plain slice loops per case: a 64-token prefill copies ~330K outputs per layer here
                 match (rest.map(|r| &buf[r * ld..r * ld + cols]), bias) {
                     (None, None) => dst.copy_from_slice(src),
@@ -719,40 +828,54 @@ impl RowLayout {
 }
 
 /// Converts the `tokens` rows of `x` (`cols` wide) into `act` as `kind`, laid out as `rows`, in
-/// parallel when there are several blocks of rows and the conversion is more than a copy.
+/// parallel when there are several blocks of rows and the conversion is more than a copy (or the
+/// rows are made: one row per item then, as making one may cost more than converting it).
 fn convert_rows(
     pool: &WorkerPool,
     act: &mut ActBuf,
     kind: ActKind,
     k_pad: usize,
-    (x, cols): (&[f32], usize),
+    (x, cols): (Input<'_>, usize),
     tokens: usize,
     rows: RowLayout,
 ) {
     let writer = act.writer(kind, k_pad);
+    let per_item = match x {
+        Input::Rows(_) => CONVERT_ROWS,
+        Input::Made(_) => 1,
+    };
+    let write = |t: usize, src: &[f32]| {
+        // SAFETY: rows were reserved by the caller; each item writes its own rows.
+        unsafe {
+            match rows.rows_of(t, tokens) {
+                (main, Some(rest)) => writer.write_row_split(main, rest, src, rows.ratio()),
+                (main, None) => writer.write_row(main, src),
+            }
+        };
+    };
     let convert = |first: usize| {
-        for t in first..(first + CONVERT_ROWS).min(tokens) {
-            let src = &x[t * cols..(t + 1) * cols];
-            // SAFETY: rows were reserved by the caller; each item writes its own rows.
-            unsafe {
-                match rows.rows_of(t, tokens) {
-                    (main, Some(rest)) => writer.write_row_split(main, rest, src, rows.ratio()),
-                    (main, None) => writer.write_row(main, src),
-                }
-            };
+        for t in first..(first + per_item).min(tokens) {
+            match x {
+                Input::Rows(x) => write(t, &x[t * cols..(t + 1) * cols]),
+                Input::Made(make) => MADE_ROW.with(|row| {
+                    let mut row = row.borrow_mut();
+                    row.clear();
+                    row.resize(cols, 0.0);
+                    make(t, &mut row[..]);
+                    write(t, &row[..]);
+                }),
+            }
         }
     };
-    let items = tokens.div_ceil(CONVERT_ROWS);
-    if items > 1 && !matches!(kind, ActKind::F32) {
+    let items = tokens.div_ceil(per_item);
+    if items > 1 && (!matches!(kind, ActKind::F32) || matches!(x, Input::Made(_))) {
         let groups = pool.groups();
         let per_group: Vec<usize> = (0..groups)
             .map(|g| (items + groups - 1 - g) / groups)
             .collect();
-        pool.run(&per_group, &|g, i, _| {
-            convert((i * groups + g) * CONVERT_ROWS)
-        });
+        pool.run(&per_group, &|g, i, _| convert((i * groups + g) * per_item));
     } else {
-        (0..items).for_each(|i| convert(i * CONVERT_ROWS));
+        (0..items).for_each(|i| convert(i * per_item));
     }
 }
 

@@ -488,3 +488,76 @@ fn bad_lengths_are_errors() {
     };
     assert!(DenseMatrix::new(WeightFormat::Int4 { group: 32 }, 1, 48, &bad, None).is_err());
 }
+
+/// Rows made where the call converts its input (`forward_made`, in the conversion's pool region
+/// for several tokens) give what the same rows given as `x` give, bit for bit: every grouped input
+/// (outlier-only pairs with outliers in some rows), 1 token (made on the caller), 3 and 9 (made in
+/// parallel), 2 threads.
+#[test]
+fn made_rows_equal_given_rows() {
+    let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
+    let (n, k) = (48, 160);
+    let src = rng_values(n * k, 7);
+    let mut w = DenseMatrix::new(
+        WeightFormat::Int4Min { group: 32 },
+        n,
+        k,
+        &SourceTensor::F32(&src),
+        None,
+    )
+    .unwrap();
+    for input in [
+        GroupedInput::Int8,
+        GroupedInput::Int8Pair,
+        GroupedInput::Int8PairAll,
+        GroupedInput::Bf16,
+    ] {
+        w.set_grouped_input(input);
+        for tokens in [1usize, 3, 9] {
+            let mut x = rng_values(tokens * k, 11 + tokens as u64);
+            for t in (0..tokens).step_by(2) {
+                x[t * k + 5 + t] = 40.0; // an outlier in every other token
+            }
+            let mut want = vec![0.0; tokens * n];
+            w.forward(&pool, &x, tokens, None, &mut want).unwrap();
+            let mut got = vec![0.0; tokens * n];
+            let make = |t: usize, row: &mut [f32]| row.copy_from_slice(&x[t * k..(t + 1) * k]);
+            w.forward_made(&pool, &make, tokens, None, &mut got)
+                .unwrap();
+            assert_eq!(got, want, "{input:?}, {tokens} tokens");
+        }
+    }
+}
+
+/// One vector per token (`forward_rows`, written in place) holds what `forward` writes into one
+/// block, bit for bit, with a bias and without; 0 tokens give no rows; a wrong bias is an error.
+#[test]
+fn rows_out_equal_one_block() {
+    let pool = WorkerPool::new(&[vec![0, 0]], false, Duration::from_micros(50));
+    let (n, k) = (72, 96); // 72 = 4.5 N-tiles: the last one partly past the rows
+    let src = rng_values(n * k, 5);
+    let w = DenseMatrix::new(
+        WeightFormat::Int8Group { group: 32 },
+        n,
+        k,
+        &SourceTensor::F32(&src),
+        None,
+    )
+    .unwrap();
+    let bias = rng_values(n, 6);
+    for tokens in [0usize, 1, 8, 17] {
+        let x = rng_values(tokens * k, 9);
+        for b in [None, Some(&bias[..])] {
+            let mut want = vec![0.0; tokens * n];
+            w.forward(&pool, &x, tokens, b, &mut want).unwrap();
+            let got = w.forward_rows(&pool, &x, tokens, b).unwrap();
+            assert_eq!(got.len(), tokens);
+            for (t, row) in got.iter().enumerate() {
+                assert_eq!(row[..], want[t * n..(t + 1) * n], "token {t} of {tokens}");
+            }
+        }
+    }
+    assert!(w
+        .forward_rows(&pool, &rng_values(k, 1), 1, Some(&bias[..3]))
+        .is_err());
+}

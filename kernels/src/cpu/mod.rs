@@ -24,7 +24,9 @@ pub mod topology;
 pub mod vector;
 
 pub use backing::PageBacking;
-pub use dense::{forward_group, AmxIntKernel, DenseCall, DenseError, DenseMatrix, GroupedInput};
+pub use dense::{
+    forward_group, AmxIntKernel, DenseCall, DenseError, DenseMatrix, GroupedInput, MakeRow,
+};
 pub use features::{detected_tier, CpuTier};
 pub use ggml::GgmlBlock;
 pub use memory::{HugepageMode, PageKind};

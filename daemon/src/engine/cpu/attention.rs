@@ -69,29 +69,40 @@ pub fn gqa_forward(
         rms_norm_rows(&mut k, w, cfg.rms_norm_eps);
     }
     let tokens = token_positions(segments);
-    for (t, &(_, pos)) in tokens.iter().enumerate().filter(|_| layout.rope) {
-        let (cos, sin) = rope.cos_sin(pos);
-        rope.apply(&mut q[t * nh * hd..(t + 1) * nh * hd], hd, &cos, &sin);
-        rope.apply(&mut k[t * nkv * hd..(t + 1) * nkv * hd], hd, &cos, &sin);
-    }
     let kw = nkv * hd;
-    write_rows(segments, tables, rows, (&k, kw), (&v, kw));
+    // Decode (one new token per sequence): rotation and KV append run in the attention region, per
+    // token; a chunk of several tokens writes its rows first (each reads the ones before it).
+    let decode = segments.iter().all(|s| s.len == 1);
+    let queries = if decode && layout.rope {
+        flash::Queries::Rotate(rope)
+    } else {
+        flash::Queries::Ready
+    };
+    if !decode {
+        for (t, &(_, pos)) in tokens.iter().enumerate().filter(|_| layout.rope) {
+            let (cos, sin) = rope.cos_sin(pos);
+            rope.apply(&mut q[t * nh * hd..(t + 1) * nh * hd], hd, &cos, &sin);
+            rope.apply(&mut k[t * kw..(t + 1) * kw], hd, &cos, &sin);
+        }
+        write_rows(segments, tables, rows, (&k, kw), (&v, kw));
+    }
     let shape = flash::GqaShape {
         heads: nh,
         kv_heads: nkv,
         head_dim: hd,
         scale: cfg.attention_scale(),
     };
-    let queries: Vec<flash::TokenQuery> = tokens
+    let tokens_q: Vec<flash::TokenQuery> = tokens
         .iter()
         .enumerate()
         .map(|(t, &(s, pos))| flash::TokenQuery {
             q: &q[t * nh * hd..(t + 1) * nh * hd],
             positions: layout.first_attended(pos)..=pos,
             table: tables[s],
+            new_kv: decode.then(|| (&k[t * kw..(t + 1) * kw], &v[t * kw..(t + 1) * kw])),
         })
         .collect();
-    let out = flash::gqa_attend(shape, &queries, rows, attn.o.pool().map(|p| &**p));
+    let out = flash::gqa_attend(shape, &tokens_q, queries, rows, attn.o.pool().map(|p| &**p));
     attn.o.forward(&out, n)
 }
 

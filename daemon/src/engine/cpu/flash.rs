@@ -10,7 +10,13 @@
 //! those rows' misses. Long contexts are split over several items per token so a single decode
 //! token still spreads over every worker; the partial (max, sum, accumulator) triples are merged
 //! afterwards (flash-decoding).
+//!
+//! Decode steps (one new token per sequence) rotate each token's query and key and append its K and V
+//! rows inside the same region, in the item that reads the token's own position: the step's
+//! per-sequence work of a layer between its q/k/v and o projections is one pool region, none of it
+//! left to the calling thread alone while the other workers wait.
 use crate::engine::kv::{slot, BlockId, LayerRows, RowBuf, BLOCK};
+use crate::engine::rope::Rope;
 use half::slice::HalfFloatSliceExt;
 use moe_kernels::cpu::attention::{attend_tile, prefetch_tile, KvRows, OnlineSoftmax, Tile};
 use moe_kernels::cpu::WorkerPool;
@@ -41,6 +47,18 @@ pub struct TokenQuery<'a> {
     pub q: &'a [f32],
     pub positions: RangeInclusive<usize>,
     pub table: &'a [BlockId],
+    /// A decode token's own K and V rows (`kv_heads × head_dim` each, K not rotated yet): appended at
+    /// the last position of `positions` before anything reads it. `None`: already in the cache.
+    pub new_kv: Option<(&'a [f32], &'a [f32])>,
+}
+
+/// How [`gqa_attend`] treats the tokens' queries (and the keys of `new_kv`).
+#[derive(Clone, Copy)]
+pub enum Queries<'a> {
+    /// Rotated already (or a NoPE layer).
+    Ready,
+    /// Rotated here at each token's position (the last of its `positions`), query and new key alike.
+    Rotate(&'a Rope),
 }
 
 /// One work item: token `t`, every KV head, positions `lo..=hi`.
@@ -54,25 +72,30 @@ struct Item {
 thread_local! {
     /// Per worker: the scaled query rows of the token an item attends for.
     static QUERY: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per worker: a decode token's rotated key row on its way into the cache.
+    static KEY: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Attention output `[tokens, heads × head_dim]` for `tokens`, reading K (`a`) and V (`b`) rows of
-/// `rows`. Work items run on `pool` when given, else on rayon.
+/// `rows` (and first appending the tokens' `new_kv` rows). Work items run on `pool` when given, else
+/// on rayon.
 pub fn gqa_attend(
     shape: GqaShape,
     tokens: &[TokenQuery<'_>],
-    rows: &LayerRows,
+    queries: Queries<'_>,
+    rows: &mut LayerRows,
     pool: Option<&WorkerPool>,
 ) -> Vec<f32> {
     let threads = pool.map_or_else(rayon::current_num_threads, WorkerPool::threads);
-    attend_split(shape, tokens, rows, pool, threads)
+    attend_split(shape, tokens, queries, rows, pool, threads)
 }
 
 /// [`gqa_attend`] with the context split for `threads` workers.
 fn attend_split(
     shape: GqaShape,
     tokens: &[TokenQuery<'_>],
-    rows: &LayerRows,
+    queries: Queries<'_>,
+    rows: &mut LayerRows,
     pool: Option<&WorkerPool>,
     threads: usize,
 ) -> Vec<f32> {
@@ -102,12 +125,28 @@ fn attend_split(
             a = b + 1;
         }
     }
+    // The appended rows' blocks exist before the items write into them.
+    for tq in tokens.iter().filter(|tq| tq.new_kv.is_some()) {
+        rows.reserve_slot(slot(tq.table, *tq.positions.end()));
+    }
+    let kv = SharedRows::of(rows);
     // Per item and query head: running max, running sum, accumulator.
     let width = heads * (hd + 2);
     let mut partial = vec![0f32; items.len() * width];
     for_each_chunk(pool, &mut partial, width, &|i, out| {
         let it = items[i];
-        attend_range(shape, &tokens[it.t], it.lo..=it.hi, rows, out);
+        let tq = &tokens[it.t];
+        let pos = *tq.positions.end();
+        let rotation = match queries {
+            Queries::Ready => None,
+            Queries::Rotate(rope) => Some((rope, rope.cos_sin(pos))),
+        };
+        if let (Some((k, v)), true) = (tq.new_kv, it.hi == pos) {
+            // SAFETY: the token's own slot, reserved above; only this item writes or reads it
+            // (the token's other items end before `pos`, other sequences' tables do not hold it).
+            unsafe { append(&kv, shape, slot(tq.table, pos), (k, v), rotation.as_ref()) };
+        }
+        attend_range(shape, tq, rotation.as_ref(), it.lo..=it.hi, &kv, out);
     });
     // Merge the items of each token in order, head by head.
     let mut out = vec![0f32; tokens.len() * heads * hd];
@@ -140,14 +179,45 @@ fn attend_split(
     out
 }
 
+/// A rotation's table and its cos/sin at one position.
+type Rotation<'a> = (&'a Rope, (Vec<f32>, Vec<f32>));
+
+/// Writes a decode token's K (rotated by `rotation`) and V rows at `slot`.
+///
+/// # Safety
+/// `slot` is reserved in `kv` and no other thread reads or writes it during the call.
+unsafe fn append(
+    kv: &SharedRows,
+    shape: GqaShape,
+    slot: usize,
+    (k, v): (&[f32], &[f32]),
+    rotation: Option<&Rotation<'_>>,
+) {
+    KEY.with(|key| {
+        let mut key = key.borrow_mut();
+        key.clear();
+        key.extend_from_slice(k);
+        if let Some((rope, (cos, sin))) = rotation {
+            rope.apply(&mut key, shape.head_dim, cos, sin);
+        }
+        // SAFETY: (caller).
+        unsafe {
+            kv.k.write(slot * kv.width, &key);
+            kv.v.write(slot * kv.width, v);
+        }
+    })
+}
+
 /// One item: the online softmax of every query head over `range`, written as `(max, sum, acc)` per
 /// head into `out` (`heads × (head_dim + 2)`), one KV block's consecutive slots at a time, read in
-/// place from the cache (`attend_tile`, once per KV head on the tile's rows).
+/// place from the cache (`attend_tile`, once per KV head on the tile's rows). `rotation`: the
+/// token's query is rotated here first.
 fn attend_range(
     shape: GqaShape,
     tq: &TokenQuery<'_>,
+    rotation: Option<&Rotation<'_>>,
     range: RangeInclusive<usize>,
-    rows: &LayerRows,
+    rows: &SharedRows,
     out: &mut [f32],
 ) {
     let hd = shape.head_dim;
@@ -160,23 +230,27 @@ fn attend_range(
     }
     QUERY.with(|qs| {
         let mut qs = qs.borrow_mut();
-        // The query rows times the softmax scale (the kernel takes scaled queries).
+        // The query rows (rotated) times the softmax scale (the kernel takes scaled queries).
         qs.clear();
-        qs.extend(tq.q.iter().map(|x| x * shape.scale));
-        let (k, v) = (kv_rows(&rows.a), kv_rows(&rows.b));
-        debug_assert_eq!(
-            rows.a_width, rows.b_width,
-            "GQA keeps K and V rows equally wide"
-        );
-        // The tile from position p0 for the heads from element `off` of each row: up to the end of
-        // its block (consecutive slots) or of the range.
-        let tile_at = |p0: usize, off: usize| {
+        qs.extend_from_slice(tq.q);
+        if let Some((rope, (cos, sin))) = rotation {
+            rope.apply(&mut qs, hd, cos, sin);
+        }
+        qs.iter_mut().for_each(|x| *x *= shape.scale);
+        // The tile from position p0 for `len` values from element `off` of each row: up to the end
+        // of its block (consecutive slots) or of the range.
+        let tile_at = |p0: usize, off: usize, len: usize| {
             let s0 = slot(tq.table, p0);
+            let n = hi.min((p0 / BLOCK + 1) * BLOCK - 1) + 1 - p0;
+            let (start, need) = (s0 * rows.width + off, (n - 1) * rows.width + len);
+            // SAFETY: slots of positions before the token's own (or its own, appended by this
+            // item before): no thread writes them during the region.
+            let (k, v) = unsafe { (rows.k.rows(start, need), rows.v.rows(start, need)) };
             Tile {
-                k: k.from(s0 * rows.a_width + off),
-                v: v.from(s0 * rows.b_width + off),
-                n: hi.min((p0 / BLOCK + 1) * BLOCK - 1) + 1 - p0,
-                stride: rows.a_width,
+                k,
+                v,
+                n,
+                stride: rows.width,
             }
         };
         // Tiles start at `lo` and then at each block boundary. The rows come from DRAM more often
@@ -191,30 +265,120 @@ fn attend_range(
         let row = shape.kv_heads * hd;
         for i in 0..PREFETCH_TILES {
             if let Some(p) = start(i) {
-                prefetch_tile(row, tile_at(p, 0));
+                prefetch_tile(row, tile_at(p, 0, row));
             }
         }
         let mut i = 0;
         while let Some(p0) = start(i) {
             if let Some(p) = start(i + PREFETCH_TILES) {
-                prefetch_tile(row, tile_at(p, 0));
+                prefetch_tile(row, tile_at(p, 0, row));
             }
             for g in 0..shape.kv_heads {
                 let q = &qs[g * group * hd..(g + 1) * group * hd];
                 let state = &mut out[g * group * (hd + 2)..(g + 1) * group * (hd + 2)];
-                attend_tile(q, hd, tile_at(p0, g * hd), state);
+                attend_tile(q, hd, tile_at(p0, g * hd, hd), state);
             }
             i += 1;
         }
     });
 }
 
-/// A layer's K or V storage as the attention kernel reads it.
-fn kv_rows(buf: &RowBuf) -> KvRows<'_> {
-    match buf {
-        RowBuf::F32(v) => KvRows::F32(v),
-        RowBuf::F16(v) => KvRows::F16(v.reinterpret_cast()),
-        RowBuf::Bf16(v) => KvRows::Bf16(v.reinterpret_cast()),
+/// A layer's K and V storage as the items of one region read it and append to it: pointers taken
+/// once from `&mut LayerRows`, and no reference to the whole storage while the region runs (an item
+/// writes its token's new slot while the others read theirs); each tile is a slice of its own rows.
+struct SharedRows {
+    k: RawRows,
+    v: RawRows,
+    /// Values per slot (K and V rows are equally wide in GQA).
+    width: usize,
+}
+
+/// One row kind's storage: its first element and length (elements).
+#[derive(Clone, Copy)]
+enum RawRows {
+    F32(*mut f32, usize),
+    F16(*mut half::f16, usize),
+    Bf16(*mut half::bf16, usize),
+}
+
+// SAFETY: the items of a region write disjoint slots and read only slots nobody writes (see the
+// callers of `RawRows::write` and `RawRows::rows`); the storage outlives the region.
+unsafe impl Send for SharedRows {}
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    fn of(rows: &mut LayerRows) -> SharedRows {
+        debug_assert_eq!(
+            rows.a_width, rows.b_width,
+            "GQA keeps K and V rows equally wide"
+        );
+        SharedRows {
+            k: RawRows::of(&mut rows.a),
+            v: RawRows::of(&mut rows.b),
+            width: rows.a_width,
+        }
+    }
+}
+
+impl RawRows {
+    fn of(buf: &mut RowBuf) -> RawRows {
+        match buf {
+            RowBuf::F32(v) => RawRows::F32(v.as_mut_ptr(), v.len()),
+            RowBuf::F16(v) => RawRows::F16(v.as_mut_ptr(), v.len()),
+            RowBuf::Bf16(v) => RawRows::Bf16(v.as_mut_ptr(), v.len()),
+        }
+    }
+
+    /// Elements `start .. start + len` as the attention kernel reads them.
+    ///
+    /// # Safety
+    /// No thread writes those elements while the returned rows live.
+    unsafe fn rows<'a>(self, start: usize, len: usize) -> KvRows<'a> {
+        use std::slice::from_raw_parts;
+        let check = |total: usize| assert!(start + len <= total, "KV rows out of bounds");
+        // SAFETY: in bounds (checked); no writer (caller).
+        unsafe {
+            match self {
+                RawRows::F32(p, n) => {
+                    check(n);
+                    KvRows::F32(from_raw_parts(p.add(start), len))
+                }
+                RawRows::F16(p, n) => {
+                    check(n);
+                    KvRows::F16(from_raw_parts(p.add(start), len).reinterpret_cast())
+                }
+                RawRows::Bf16(p, n) => {
+                    check(n);
+                    KvRows::Bf16(from_raw_parts(p.add(start), len).reinterpret_cast())
+                }
+            }
+        }
+    }
+
+    /// Stores `src` at elements `at ..`, rounded to the element type (as `RowBuf::write`).
+    ///
+    /// # Safety
+    /// No other thread reads or writes those elements during the call.
+    unsafe fn write(self, at: usize, src: &[f32]) {
+        use std::slice::from_raw_parts_mut;
+        let check = |total: usize| assert!(at + src.len() <= total, "KV row out of bounds");
+        // SAFETY: in bounds (checked); exclusive (caller).
+        unsafe {
+            match self {
+                RawRows::F32(p, n) => {
+                    check(n);
+                    from_raw_parts_mut(p.add(at), src.len()).copy_from_slice(src)
+                }
+                RawRows::F16(p, n) => {
+                    check(n);
+                    from_raw_parts_mut(p.add(at), src.len()).convert_from_f32_slice(src)
+                }
+                RawRows::Bf16(p, n) => {
+                    check(n);
+                    from_raw_parts_mut(p.add(at), src.len()).convert_from_f32_slice(src)
+                }
+            }
+        }
     }
 }
 
@@ -354,14 +518,16 @@ mod tests {
                     q,
                     positions: r.clone(),
                     table: &table,
+                    new_kv: None,
                 })
                 .collect();
             let hw = shape.heads * shape.head_dim;
             // All tokens in one call, then each alone (a long context then splits over items).
             for threads in [1, 16] {
-                let got = attend_split(shape, &tokens, &rows, None, threads);
+                let got = attend_split(shape, &tokens, Queries::Ready, &mut rows, None, threads);
                 for (t, tq) in tokens.iter().enumerate() {
-                    let alone = attend_split(shape, std::slice::from_ref(tq), &rows, None, threads);
+                    let one = std::slice::from_ref(tq);
+                    let alone = attend_split(shape, one, Queries::Ready, &mut rows, None, threads);
                     let want = reference(shape, tq.q, &keys, &vals, tq.positions.clone());
                     for got in [&got[t * hw..(t + 1) * hw], &alone[..]] {
                         let e = rel_l2(got, &want);
@@ -369,6 +535,111 @@ mod tests {
                         assert!(e <= tol, "{dtype:?} threads {threads} range {r:?}: {e}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A decode step's rotation and KV append inside the items (`Queries::Rotate`, `new_kv`) give what
+    /// the serial path gives (rotate q and k, write the rows, then attend), bit for bit: the outputs
+    /// and the cache's bytes. Sequences of different lengths with their own scattered blocks, one of
+    /// them starting a new block, a sliding window, split contexts (16 threads) and none (1); f32 and
+    /// f16 rows.
+    #[test]
+    fn decode_append_in_the_items_equals_the_serial_path() {
+        use crate::model::config::{RopeConfig, RopeScaling, RopeStyle};
+        let rope = Rope::new(&RopeConfig {
+            theta: 10_000.0,
+            rotary_dim: 32,
+            scaling: RopeScaling::None,
+            style: RopeStyle::Neox,
+        });
+        let shape = GqaShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 32,
+            scale: 0.2,
+        };
+        let (kw, hw) = (
+            shape.kv_heads * shape.head_dim,
+            shape.heads * shape.head_dim,
+        );
+        // (cached positions, first attended position): the new token goes at `len`.
+        let seqs = [(95usize, 0usize), (16, 0), (300, 200), (7, 0)];
+        let tables: Vec<Vec<BlockId>> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(len, _))| {
+                (0..(len + 1).div_ceil(BLOCK) as BlockId)
+                    .map(|b| (4 * b + i as BlockId) * 3 % 97 + 100 * i as BlockId)
+                    .collect()
+            })
+            .collect();
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            // The cache before the step: every sequence's cached positions.
+            let cached = || {
+                let mut rows = LayerRows {
+                    a: RowBuf::new(dtype),
+                    b: RowBuf::new(dtype),
+                    a_width: kw,
+                    b_width: kw,
+                    ..Default::default()
+                };
+                for (i, &(len, _)) in seqs.iter().enumerate() {
+                    for p in 0..len {
+                        let seed = 1000 * i as u32 + p as u32;
+                        let (k, v) = (values(kw, 3 * seed), values(kw, 3 * seed + 1));
+                        rows.write(slot(&tables[i], p), &k, &v);
+                    }
+                }
+                rows
+            };
+            let q: Vec<Vec<f32>> = (0..seqs.len()).map(|i| values(hw, 50 + i as u32)).collect();
+            let k: Vec<Vec<f32>> = (0..seqs.len()).map(|i| values(kw, 60 + i as u32)).collect();
+            let v: Vec<Vec<f32>> = (0..seqs.len()).map(|i| values(kw, 70 + i as u32)).collect();
+            for threads in [1, 16] {
+                // Serial: rotate, write, attend the rotated queries.
+                let (mut serial, mut fused) = (cached(), cached());
+                let mut rq = q.clone();
+                for (i, &(len, _)) in seqs.iter().enumerate() {
+                    let (cos, sin) = rope.cos_sin(len);
+                    let mut kr = k[i].clone();
+                    rope.apply(&mut rq[i], shape.head_dim, &cos, &sin);
+                    rope.apply(&mut kr, shape.head_dim, &cos, &sin);
+                    serial.write(slot(&tables[i], len), &kr, &v[i]);
+                }
+                let ready: Vec<TokenQuery> = (0..seqs.len())
+                    .map(|i| TokenQuery {
+                        q: &rq[i],
+                        positions: seqs[i].1..=seqs[i].0,
+                        table: &tables[i],
+                        new_kv: None,
+                    })
+                    .collect();
+                let want = attend_split(shape, &ready, Queries::Ready, &mut serial, None, threads);
+                let decode: Vec<TokenQuery> = (0..seqs.len())
+                    .map(|i| TokenQuery {
+                        q: &q[i],
+                        positions: seqs[i].1..=seqs[i].0,
+                        table: &tables[i],
+                        new_kv: Some((&k[i][..], &v[i][..])),
+                    })
+                    .collect();
+                let rot = Queries::Rotate(&rope);
+                let got = attend_split(shape, &decode, rot, &mut fused, None, threads);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{dtype:?} threads {threads}: outputs"
+                );
+                assert_eq!(serial.a.len(), fused.a.len());
+                let (mut a, mut b) = (vec![0f32; serial.a.len()], vec![0f32; fused.a.len()]);
+                serial.a.read(0, &mut a);
+                fused.a.read(0, &mut b);
+                assert_eq!(bits(&a), bits(&b), "{dtype:?} threads {threads}: K rows");
+                serial.b.read(0, &mut a);
+                fused.b.read(0, &mut b);
+                assert_eq!(bits(&a), bits(&b), "{dtype:?} threads {threads}: V rows");
             }
         }
     }

@@ -156,10 +156,10 @@ impl Engine {
             sel.extend_from_slice(&x[r * hd..(r + 1) * hd]);
         }
         let sel = normed(sel.into(), &m.final_norm, cfg.rms_norm_eps);
-        let logits = m.lm_head().forward(&sel, rows.len());
+        let logits = m.lm_head().forward_rows(&sel, rows.len());
         times.head_s = t_head.elapsed().as_secs_f64();
         *self.last_step.lock().unwrap_or_else(|e| e.into_inner()) = times;
-        logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
+        logits
     }
 }
 

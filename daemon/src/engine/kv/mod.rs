@@ -52,6 +52,11 @@ impl LayerRows {
         }
     }
 
+    /// Makes the storage hold `slot` (for writers that take the rows' pointers afterwards).
+    pub fn reserve_slot(&mut self, slot: usize) {
+        self.ensure_block((slot / BLOCK) as BlockId);
+    }
+
     /// Writes one position's rows into its slot.
     pub fn write(&mut self, slot: usize, a: &[f32], b: &[f32]) {
         self.ensure_block((slot / BLOCK) as BlockId);
