@@ -156,6 +156,11 @@ pub struct RunArgs {
     /// model's).
     #[arg(long, default_value_t = 0)]
     pub cpu_replay: usize,
+    /// `bench decode` on the CUDA backend: before decoding, N rounds of the DRAM probe and of the CPU
+    /// expert kernels (fresh random routings, batch 1) alone and beside host→device copies of the
+    /// packed DRAM experts, and the copies alone: whether the copies add bandwidth (`bench_dma`).
+    #[arg(long, default_value_t = 0)]
+    pub dma_probe: usize,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -237,6 +242,9 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
         );
         gbs
     });
+    if a.dma_probe > 0 {
+        super::bench_dma::run(&engine, a.dma_probe)?;
+    }
     // what the kernel backs the packed experts with (reserved / transparent huge pages or 4 KiB)
     match engine.expert_page_backing() {
         Some(Ok(b)) => println!("packed DRAM experts: {b}"),

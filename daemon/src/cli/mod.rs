@@ -1,6 +1,7 @@
 //! Command-line subcommands of `moe-daemon`.
 pub mod bench;
 mod bench_ab;
+mod bench_dma;
 mod bench_host;
 pub mod bench_perplexity;
 mod bench_replay;

@@ -16,6 +16,7 @@
 //! Kernels are launched only through `moe_kernels::cuda::ops`.
 pub mod attention;
 pub mod buffers;
+pub mod copy_load;
 pub mod dispatch;
 mod early_routing;
 mod experts;

@@ -100,7 +100,7 @@ pub fn gpu_can_take_dram_experts(host: &Model, li: usize) -> bool {
 }
 
 /// The CPU expert set of layer `li`, if that layer keeps experts in DRAM.
-fn layer_set(host: &Model, li: usize) -> Option<&CpuExpertSet> {
+pub(super) fn layer_set(host: &Model, li: usize) -> Option<&CpuExpertSet> {
     match &host.layers.get(li)?.ffn {
         Ffn::Moe(b) => b.cpu_set.as_ref(),
         _ => None,
@@ -199,6 +199,21 @@ impl ExpertStream {
 
     pub fn pinned(&self) -> bool {
         self.pinned
+    }
+
+    /// Every DRAM expert in chunks, layer by layer.
+    pub(super) fn all_chunks(&self) -> &[Chunk] {
+        &self.all_chunks
+    }
+
+    /// The device address of staging slot `i % SLOTS` (one chunk's packed experts).
+    pub(super) fn staging_addr(&self, dev: &GpuDevice, i: usize) -> u64 {
+        dev.addr(&self.staging[i % SLOTS])
+    }
+
+    /// The stream the copies run on.
+    pub(super) fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy
     }
 
     /// Starts a step that streams: every DRAM expert (`all`: long prefill; the first chunks' copies
