@@ -7,6 +7,7 @@
 //! Fixtures: `MOE_FIXTURES` or ../tests/fixtures.
 mod common;
 mod consumer_gpu;
+mod decode_split_gpu;
 mod device_routed_gpu;
 mod flash_prefill_gpu;
 mod glm_hybrid_gpu;

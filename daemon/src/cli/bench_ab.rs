@@ -127,6 +127,14 @@ pub(super) fn run(
         .collect::<Vec<_>>()
         .join("; ");
     println!("A/B, median CPU experts ms/step: {cpu_line}");
+    if let Some(((gpu, cpu, launch), (gl, cl))) = engine.decode_split_rates() {
+        println!(
+            "A/B, decode split balance: GPU share {:.1} GB/s ({gl} layers measured), CPU experts {:.1} GB/s ({cl}), host launches {:.1} µs per share",
+            gpu / 1e9,
+            cpu / 1e9,
+            launch * 1e6
+        );
+    }
     for v in variants.iter().skip(1) {
         if let Some(flip) = v.flip {
             logits_effect(engine, &start, flip, &v.label, prompt_len)?;
@@ -234,14 +242,30 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 /// `; hand-off per layer: …` for a line of `steps` decode steps, or nothing when no layer was
 /// profiled (CPU backend, every expert on the GPU).
 pub(super) fn handoff_suffix(t: &StepTimes, steps: usize) -> String {
-    handoff_line(&t.handoff)
+    let handoff = handoff_line(&t.handoff)
         .map(|l| {
             format!(
                 "; hand-off per layer ({:.1}/step): {l}",
                 per_step(&t.handoff, steps)
             )
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    handoff + &decode_split_suffix(t, steps)
+}
+
+/// `; decode split: …` when the steps handed DRAM experts to the GPU's side stream
+/// (`engine::gpu::decode_split`): experts per step on each side, the host's wait for the GPU's share.
+fn decode_split_suffix(t: &StepTimes, steps: usize) -> String {
+    if t.split_gpu_experts == 0 {
+        return String::new();
+    }
+    let per = |n: u64| n as f64 / steps.max(1) as f64;
+    format!(
+        "; decode split: {:.1} routed DRAM experts per step to the GPU, {:.1} to the CPU, host waited {:.3} ms/step for the GPU's share",
+        per(t.split_gpu_experts),
+        per(t.split_cpu_experts),
+        t.split_gpu_wait_s / steps.max(1) as f64 * 1e3
+    )
 }
 
 fn per_step(p: &HandoffProfile, steps: usize) -> f64 {

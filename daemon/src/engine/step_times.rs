@@ -32,6 +32,8 @@ pub struct StepTimes {
     /// the CPU, over the step's layers.
     pub split_gpu_experts: u64,
     pub split_cpu_experts: u64,
+    /// Decode split (`decode_split`): the host's wait for the GPU's share after its CPU experts.
+    pub split_gpu_wait_s: f64,
     /// CUDA backend: distinct DRAM experts the CPU kernels read (per layer, summed over layers) and
     /// their packed bytes.
     pub dram_experts_read: u64,
@@ -59,6 +61,7 @@ impl StepTimes {
         self.cpu_regions.add(&o.cpu_regions);
         self.split_gpu_experts += o.split_gpu_experts;
         self.split_cpu_experts += o.split_cpu_experts;
+        self.split_gpu_wait_s += o.split_gpu_wait_s;
         self.dram_experts_read += o.dram_experts_read;
         self.dram_expert_bytes += o.dram_expert_bytes;
         self.handoff.add(&o.handoff);

@@ -63,6 +63,7 @@ pub fn supported_capability(major: i32, minor: i32) -> bool {
 }
 
 /// Loaded kernels, by name. Launched only through the typed ops of [`ops`] and [`dense`].
+#[derive(Clone)]
 pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub qk_norm_rope: CudaFunction,
@@ -259,6 +260,26 @@ impl GpuDevice {
         };
         dev.keep_pool_memory()?;
         Ok(dev)
+    }
+
+    /// Another handle on this device whose launches, copies and GEMMs go to a stream of its own (the
+    /// same compiled kernels, its own cuBLAS handle): work beside the engine stream, ordered against
+    /// it by events only (the decode split's GPU share of a layer's DRAM experts).
+    pub fn fork(&self) -> Result<GpuDevice, GpuError> {
+        let stream = self.ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| GpuError::Blas(e.to_string()))?;
+        let router_blocks_done = stream.alloc_zeros::<u32>(1)?;
+        Ok(GpuDevice {
+            ctx: self.ctx.clone(),
+            stream,
+            blas,
+            k: self.k.clone(),
+            name: self.name.clone(),
+            capability: self.capability,
+            expert_gemm: gemm_path::PathChooser::from_env(),
+            flash: Default::default(),
+            router_blocks_done,
+        })
     }
 
     /// Free and total device memory in bytes.

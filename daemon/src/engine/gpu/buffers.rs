@@ -123,6 +123,41 @@ pub struct ExpertBufs {
     pub gemm_table: CudaSlice<u64>,
 }
 
+impl ExpertBufs {
+    /// Buffers for `routed` expert rows of `tokens` tokens, `hd` wide with experts `inter` wide, a
+    /// phase holding at most `experts` experts; allocated on `stream` (every element a phase reads
+    /// is written earlier in it: no memset).
+    pub fn new(
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        (tokens, routed): (usize, usize),
+        (hd, inter): (usize, usize),
+        experts: usize,
+    ) -> anyhow::Result<ExpertBufs> {
+        fn alloc<T: cudarc::driver::DeviceRepr>(
+            s: &std::sync::Arc<cudarc::driver::CudaStream>,
+            n: usize,
+        ) -> anyhow::Result<CudaSlice<T>> {
+            // SAFETY: see above; written before read.
+            Ok(unsafe { s.alloc::<T>(n.max(1)) }?)
+        }
+        Ok(ExpertBufs {
+            row_token: alloc(stream, routed)?,
+            row_weight: alloc(stream, routed)?,
+            token_offsets: alloc(stream, tokens + 1)?,
+            token_rows: alloc(stream, routed)?,
+            x: alloc(stream, routed * hd)?,
+            gate_up: alloc(stream, routed * 2 * inter)?,
+            act: alloc(stream, routed * inter)?,
+            y: alloc(stream, routed * hd)?,
+            // one entry of each kind per GPU expert a phase can hold
+            gemm_table: alloc(
+                stream,
+                moe_kernels::cuda::table_len(routed.min(experts.max(1)), routed),
+            )?,
+        })
+    }
+}
+
 /// Final norm rows and logits of each sequence's last position.
 pub struct HeadBufs {
     pub last_rows: CudaSlice<i32>,
@@ -382,21 +417,7 @@ impl GpuModel {
                 act: self.alloc(rows * mlp_inter)?,
                 out: self.alloc(rows * hd)?,
             },
-            experts: ExpertBufs {
-                row_token: self.alloc(routed)?,
-                row_weight: self.alloc(routed)?,
-                token_offsets: self.alloc(rows + 1)?,
-                token_rows: self.alloc(routed)?,
-                x: self.alloc(routed * hd)?,
-                gate_up: self.alloc(routed * 2 * inter)?,
-                act: self.alloc(routed * inter)?,
-                y: self.alloc(routed * hd)?,
-                // one entry of each kind per GPU expert a phase can hold
-                gemm_table: self.alloc(moe_kernels::cuda::table_len(
-                    routed.min(experts.max(1)),
-                    routed,
-                ))?,
-            },
+            experts: ExpertBufs::new(&self.dev.stream, (rows, routed), (hd, inter), experts)?,
             head: HeadBufs {
                 last_rows: self.alloc(seqs)?,
                 rows: self.alloc(seqs * hd)?,

@@ -27,6 +27,9 @@ pub enum ExpertHome {
     Peer,
     /// Resident, already computed from the routing on the device (`routed`) before the host saw it.
     DeviceRouted,
+    /// In DRAM, computed in this decode step by the GPU's side stream from a copy (`decode_split`),
+    /// its sum joined on the host: neither the plan's GPU phases nor the CPU routing hold it.
+    Shared,
 }
 
 /// Every expert's home in a step: `resident` from the layer's expert table; `long_prompt` for
@@ -132,8 +135,8 @@ impl MoeDispatchPlan {
                     continue;
                 }
                 ExpertHome::Streamed | ExpertHome::Uploaded => {}
-                // another GPU's rows (rank 0 counts them with the GPU hits)
-                ExpertHome::Peer | ExpertHome::DeviceRouted => {
+                // another GPU's rows (rank 0 counts them with the GPU hits), or the side stream's
+                ExpertHome::Peer | ExpertHome::DeviceRouted | ExpertHome::Shared => {
                     plan.gpu_expert_hits += 1;
                     continue;
                 }
@@ -328,6 +331,17 @@ mod tests {
         assert_eq!(p.token_offsets, vec![0, 1, 3, 4]);
         assert_eq!(p.token_rows, vec![0, 1, 2, 3]);
         assert!(p.uploads.is_empty() && p.any_gpu_work());
+    }
+
+    #[test]
+    fn shared_experts_are_in_neither_the_gpu_phases_nor_the_cpu_routing() {
+        use super::ExpertHome::Shared;
+        let home = [Cpu, Shared, Resident, Shared];
+        let p = MoeDispatchPlan::new(&[1, 0, 3, 2], &[0.1, 0.2, 0.3, 0.4], 2, &home, &[]);
+        assert_eq!(p.cpu.as_ref().unwrap().ids, vec![NOT_HERE, 0, NOT_HERE, NOT_HERE]);
+        assert_eq!(p.groups.len(), 1, "expert 2 only");
+        assert_eq!(p.row_token, vec![1]);
+        assert_eq!((p.expert_hits, p.gpu_expert_hits), (4, 3));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use crate::engine::moe::GatedAct;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use moe_kernels::cuda::gemm_path::UseCount;
-use moe_kernels::cuda::{ExpertGemmPath, GemmItem};
+use moe_kernels::cuda::{ExpertGemmPath, GemmItem, GpuDevice};
 
 /// Row buffers of one MoE layer's GPU experts: gathered inputs, gate_up, activations, outputs.
 pub(super) struct PhaseBuffers<'a> {
@@ -24,9 +24,10 @@ pub(super) struct PhaseBuffers<'a> {
 
 impl GpuModel {
     /// One phase of GPU experts: `groups` with consecutive rows, `ws` their (gate_up `[2I, H]`, down
-    /// `[H, I]`) weights: gate_up GEMMs, one activation over the phase's rows, down GEMMs into `ye`.
+    /// `[H, I]`) weights: gate_up GEMMs, one activation over the phase's rows, down GEMMs into `ye`;
+    /// on `dev`'s stream (the engine's, or the decode split's side stream).
     pub(super) fn expert_phase(
-        &self,
+        dev: &GpuDevice,
         groups: &[ExpertGroup],
         ws: &[(CudaView<'_, bf16>, CudaView<'_, bf16>)],
         b: &mut PhaseBuffers<'_>,
@@ -34,7 +35,7 @@ impl GpuModel {
         let (Some(first), Some(last)) = (groups.first(), groups.last()) else {
             return Ok(());
         };
-        let (hd, inter, dev) = (b.hd, b.inter, &self.dev);
+        let (hd, inter) = (b.hd, b.inter);
         let (r0, r1) = (first.row0, last.row0 + last.rows);
         // Byte addresses of row `r` of a buffer `width` elements wide.
         let (bf, f) = (size_of::<bf16>() as u64, size_of::<f32>() as u64);
@@ -56,19 +57,20 @@ impl GpuModel {
         });
         // SAFETY: each group's rows lie inside the phase buffers (sized for every routed row) and each
         // weight view is a whole [2I, H] / [H, I] matrix; all outlive the stream's use of them.
-        unsafe { self.expert_gemms(&gate_up, 2 * inter, hd, b.table, b.path)? };
-        self.gated_act(
+        unsafe { Self::expert_gemms(dev, &gate_up, 2 * inter, hd, b.table, b.path)? };
+        let act = b.activation;
+        dev.gated_mul(
             &b.gu.slice(r0 * 2 * inter..r1 * 2 * inter),
+            (r1 - r0, inter),
+            super::kinds::gate_activation(act.act),
+            act.swiglu_limit,
             &mut b.act.slice_mut(r0 * inter..r1 * inter),
-            inter,
-            r1 - r0,
-            b.activation,
         )?;
         let down = items(dev.addr(&*b.act), inter, dev.addr(&*b.ye), hd, &|i| {
             dev.addr(&ws[i].1)
         });
         // SAFETY: as for gate_up.
-        unsafe { self.expert_gemms(&down, hd, inter, b.table, b.path)? };
+        unsafe { Self::expert_gemms(dev, &down, hd, inter, b.table, b.path)? };
         Ok(())
     }
 
@@ -77,7 +79,7 @@ impl GpuModel {
     /// # Safety
     /// As `GpuDevice::gemm_bf16_items`.
     unsafe fn expert_gemms(
-        &self,
+        dev: &GpuDevice,
         items: &[GemmItem],
         m: usize,
         k: usize,
@@ -87,8 +89,8 @@ impl GpuModel {
         // SAFETY: the caller's contract.
         unsafe {
             match path {
-                Some(p) => self.dev.gemm_bf16_items_on(items, m, k, table, p)?,
-                None => self.dev.gemm_bf16_items(items, m, k, table)?,
+                Some(p) => dev.gemm_bf16_items_on(items, m, k, table, p)?,
+                None => dev.gemm_bf16_items(items, m, k, table)?,
             }
         };
         Ok(())

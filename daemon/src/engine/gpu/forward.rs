@@ -589,10 +589,14 @@ impl GpuModel {
         // Long prompts stream the packed DRAM experts (see `stream`); the first copies start now.
         // Split steps stream the experts each layer's routing gives the GPU (see `split`).
         let mut stream_guard = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        let mut stream = if long_prompt || split_step {
-            stream_guard.as_mut()
-        } else {
-            None
+        // Decode steps with the decode split on lend it to the layers instead (`decode_split`).
+        let decode_split = class.pipelined
+            && self.shard.is_none()
+            && self.switches.decode_split() != super::switches::DecodeShare::Off;
+        let (mut stream, mut decode_stream) = match stream_guard.as_mut() {
+            Some(es) if long_prompt || split_step => (Some(es), None),
+            Some(es) if decode_split => (None, Some(es)),
+            _ => (None, None),
         };
         if let Some(es) = stream.as_deref_mut() {
             es.begin_step(dev, host, long_prompt)?;
@@ -752,6 +756,7 @@ impl GpuModel {
                         n,
                         stream: stream.as_deref_mut(),
                         split: split.as_deref_mut(),
+                        decode: decode_stream.as_deref_mut(),
                         split_cpu_bytes: 0,
                         times: &mut *times,
                     };

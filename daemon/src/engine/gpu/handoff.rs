@@ -15,7 +15,8 @@ use crate::engine::moe::{dram_experts_forward_timed, GatedAct, Routing};
 use crate::engine::StepTimes;
 use crate::model::MoeBlock;
 use moe_kernels::cpu::WorkerPool;
-use moe_kernels::cuda::ops::{HandoffPort, HandoffStamps};
+use cudarc::driver::CudaEvent;
+use moe_kernels::cuda::ops::{HandoffPort, HandoffStamps, MappedHost};
 use moe_kernels::cuda::GpuDevice;
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
@@ -53,6 +54,23 @@ pub struct Handoff {
     /// [`HandoffProfile`]); taken by the next use.
     raised_at: Cell<Option<Instant>>,
     landed_at: Cell<Option<Instant>>,
+    /// The GPU's share of a decode layer's DRAM experts (`decode_split`), joined by the CPU half.
+    pub(super) share: GpuShareSlot,
+}
+
+/// Where the GPU's share of a decode layer's DRAM experts lands (`decode_split`): the side stream
+/// copies its weighted sum into `sum` (mapped host memory) and records `done` after it; the layer's
+/// CPU half adds it into the CPU experts' sum before raising the flag, so the GPU's one wait covers
+/// both shares and the hand-off kernels stay as they are.
+pub(super) struct GpuShareSlot {
+    pub sum: MappedHost<f32>,
+    /// Recorded after the copy into `sum` (timing on: with the share's start event, the GPU side's span).
+    pub done: CudaEvent,
+    /// A share was issued for the layer whose CPU half runs next.
+    pending: Cell<bool>,
+    /// The CPU experts' seconds of the last layer's half (read by the next layer's decode split,
+    /// whose balance learns the CPU's rate from it: `split::DecodeBalance`).
+    pub cpu_s: Cell<Option<f64>>,
 }
 
 /// Where a decode step's time between two MoE layers' CPU experts goes, summed over layers: the
@@ -122,12 +140,54 @@ struct Deferred {
 
 impl Handoff {
     pub(super) fn new(dev: &GpuDevice, routes: usize, elems: usize) -> anyhow::Result<Handoff> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         Ok(Handoff {
             port: HandoffPort::new(dev, routes, elems)?,
             deferred: RefCell::new(Deferred::default()),
             raised_at: Cell::new(None),
             landed_at: Cell::new(None),
+            share: GpuShareSlot {
+                sum: MappedHost::new(dev, elems)?,
+                done: dev.ctx.new_event(Some(CU_EVENT_DEFAULT))?,
+                pending: Cell::new(false),
+                cpu_s: Cell::new(None),
+            },
         })
+    }
+
+    /// A GPU share of the current layer was issued: its CPU half joins it before raising the flag.
+    pub(super) fn share_issued(&self) {
+        self.share.pending.set(true);
+    }
+
+    /// Adds the pending GPU share's sum into `y` (the CPU experts' sum, `y.len()` elements, which
+    /// took `cpu_s`) once the side stream is done with it; returns the host's wait for it (zero
+    /// without a share). A share whose GPU work failed adds nothing: the error comes back at the
+    /// step's closing wait.
+    fn join_share(&self, y: &mut [f32], cpu_s: f64) -> Duration {
+        self.share.cpu_s.set(Some(cpu_s));
+        if !self.share.pending.replace(false) {
+            return Duration::ZERO;
+        }
+        let t = Instant::now();
+        loop {
+            match self.share.done.try_is_complete() {
+                Ok(true) => break,
+                Ok(false) => std::hint::spin_loop(),
+                Err(e) => {
+                    tracing::error!("the GPU share of a decode layer failed: {e}");
+                    return t.elapsed();
+                }
+            }
+        }
+        let waited = t.elapsed();
+        // SAFETY: the side stream's copy into `sum` finished (`done` passed) and nothing else
+        // writes it before the next share, which the host issues after this layer's flag.
+        let sum = unsafe { self.share.sum.host(y.len()) };
+        for (a, b) in y.iter_mut().zip(sum) {
+            *a += b;
+        }
+        waited
     }
 
     /// Starts a step: the flags lowered and nothing deferred, once the stream is idle (a step that
@@ -135,6 +195,10 @@ impl Handoff {
     /// previous step timed out.
     pub(super) fn begin_step(&self, dev: &GpuDevice) -> anyhow::Result<()> {
         dev.stream.synchronize()?;
+        // a failed step may have left a GPU share running on the side stream
+        if self.share.pending.replace(false) {
+            self.share.done.synchronize()?;
+        }
         self.deferred.borrow_mut().pending = 0;
         self.raised_at.set(None);
         self.landed_at.set(None);
@@ -242,15 +306,19 @@ impl CpuHalf<'_> {
             d.pending = 0;
             let mut clock = t;
             times.host.half_in_s += lap(&mut clock);
+            let mut cpu_s = 0.0;
             if let Some(r) = &self.now {
                 let (b, p, a, hd) = (self.block, self.pool, self.act, self.hd);
                 dram_experts_forward_timed(b, p, a, x, hd, r, y, Some(&mut *regions));
-                clock = Instant::now();
+                let now = Instant::now();
+                cpu_s = now.saturating_duration_since(clock).as_secs_f64();
+                clock = now;
             }
             if self.later.is_some() {
                 d.x.clear();
                 d.x.extend_from_slice(x);
             }
+            times.split_gpu_wait_s += self.hand.join_share(y, cpu_s).as_secs_f64();
             times.host.half_out_s += lap(&mut clock);
         }
         self.hand.port.raise_sum();

@@ -17,6 +17,7 @@
 pub mod attention;
 pub mod buffers;
 pub mod copy_load;
+mod decode_split;
 pub mod dispatch;
 mod early_routing;
 mod experts;

@@ -40,6 +40,9 @@ pub(super) struct MoeStep<'h, 's> {
     pub stream: Option<&'s mut ExpertStream>,
     /// Split steps (`split`): the measured rates of both sides.
     pub split: Option<&'s mut SplitBalance>,
+    /// Decode steps with the decode split on (`decode_split`): the expert stream whose side stream,
+    /// first staging slot and dense buffer take each layer's GPU share.
+    pub decode: Option<&'s mut ExpertStream>,
     /// Set by a split layer: bytes of the routed DRAM experts it left to the CPU.
     pub split_cpu_bytes: usize,
     pub times: &'s mut StepTimes,
@@ -121,16 +124,32 @@ impl GpuModel {
         on_routing(li, &ids);
         ctx.times.host.routing_read_s += super::host_profile::lap(&mut clock);
         let split = self.split_layer(li, homes, &ids, ctx)?;
+        let shared = match split {
+            None => self.decode_share(li, homes, (&ids, &weights), ctx, defer)?,
+            Some(_) => None,
+        };
         let all_dram = homes.iter().all(|h| *h == ExpertHome::Cpu);
         if prelaunched && all_dram && split.is_none() && self.switches.direct_half() {
-            return Ok(Some(self.all_dram_half(
-                host_block,
-                ctx,
-                (ids, weights),
-                defer,
-            )));
+            let routing = match &shared {
+                Some(gpu) => super::decode_split::without(&ids, &weights, gpu),
+                None => (ids, weights),
+            };
+            return Ok(Some(self.all_dram_half(host_block, ctx, routing, defer)));
         }
-        let homes = split.as_ref().map_or(homes, |s| &s.homes[..]);
+        let shared_homes: Vec<ExpertHome>;
+        let homes = match (&split, &shared) {
+            (Some(s), _) => &s.homes[..],
+            (None, Some(gpu)) => {
+                shared_homes = (0..homes.len())
+                    .map(|e| match gpu.binary_search(&(e as u32)) {
+                        Ok(_) => ExpertHome::Shared,
+                        Err(_) => homes[e],
+                    })
+                    .collect();
+                &shared_homes[..]
+            }
+            (None, None) => homes,
+        };
         let plan = {
             let es = ctx.stream.as_deref();
             let chunks: Vec<(usize, &[u32])> = es.map_or(Vec::new(), |es| {
@@ -412,7 +431,7 @@ impl GpuModel {
                     };
                     ws.push((m.gate_up.bf16()?.slice(..), m.down.bf16()?.slice(..)));
                 }
-                self.expert_phase(groups, &ws, &mut pb)?;
+                Self::expert_phase(dev, groups, &ws, &mut pb)?;
                 continue;
             };
             let es = ctx
@@ -435,7 +454,7 @@ impl GpuModel {
                     es.dense.slice(j * each + split..(j + 1) * each),
                 ));
             }
-            self.expert_phase(groups, &ws, &mut pb)?;
+            Self::expert_phase(dev, groups, &ws, &mut pb)?;
             ctx.times.transfer_s += t.elapsed().as_secs_f64();
         }
         Ok(())

@@ -116,6 +116,113 @@ impl SplitBalance {
     }
 }
 
+/// Decode steps (`decode_split`): how many of a layer's routed DRAM experts the GPU takes, from both
+/// sides' measured rates and fixed costs. A decode layer moves few bytes (one to eight experts), so
+/// the fixed costs weigh: the GPU side's (launches, unpack, GEMMs and the sum's copy back: its span
+/// beyond the copies) and the host's launches of it, which delay the CPU experts. Each side's time is
+/// modelled as `fixed + bytes / rate`; the rates follow what each layer measured (the GPU side's span
+/// from its first copy to its sum landing, by GPU events; the CPU experts' wall time), the fixed
+/// costs are constants measured on the H200 (docs/PERF.md).
+pub struct DecodeBalance {
+    gpu_rate: f64,
+    cpu_rate: f64,
+    /// The host's launches of a GPU share (measured, running mean).
+    launch_s: f64,
+    pub gpu_layers: u64,
+    pub cpu_layers: u64,
+}
+
+/// The GPU side's span beyond its copies at batch 1: unpack, GEMMs, the sum's copy back.
+const DECODE_GPU_FIXED_S: f64 = 40e-6;
+/// The CPU experts' time beyond reading their bytes (the pool's region, the sum).
+const DECODE_CPU_FIXED_S: f64 = 15e-6;
+/// The host's launches of a GPU share before the first measurement.
+const DECODE_START_LAUNCH_S: f64 = 40e-6;
+/// Starting rates: copies from registered memory beside the CPU kernels (~54 GB/s of PCIe on the
+/// H200 host less the CPU's contention), the CPU kernels at batch 1 (~117 GB/s, docs/PERF.md).
+const DECODE_START_GPU_RATE: f64 = 45e9;
+const DECODE_START_CPU_RATE: f64 = 110e9;
+/// A share is taken only when the model says the layer gets at least this much shorter.
+const DECODE_MIN_GAIN: f64 = 0.03;
+
+impl Default for DecodeBalance {
+    fn default() -> Self {
+        Self {
+            gpu_rate: DECODE_START_GPU_RATE,
+            cpu_rate: DECODE_START_CPU_RATE,
+            launch_s: DECODE_START_LAUNCH_S,
+            gpu_layers: 0,
+            cpu_layers: 0,
+        }
+    }
+}
+
+impl DecodeBalance {
+    /// The layer's time if the GPU takes `g` of `m` routed DRAM experts of `each` bytes: the later
+    /// of both sides (the CPU starts after the host launched the GPU's share).
+    fn layer_s(&self, g: usize, m: usize, each: usize) -> f64 {
+        let cpu = DECODE_CPU_FIXED_S + ((m - g) * each) as f64 / self.cpu_rate;
+        if g == 0 {
+            return cpu;
+        }
+        let gpu = DECODE_GPU_FIXED_S + (g * each) as f64 / self.gpu_rate;
+        gpu.max(self.launch_s + cpu)
+    }
+
+    /// How many of `m` routed DRAM experts of `each` bytes the GPU takes (at most `cap`, and the CPU
+    /// keeps one): the count that makes the layer shortest, 0 unless that gains [`DECODE_MIN_GAIN`].
+    pub fn gpu_count(&self, m: usize, each: usize, cap: usize) -> usize {
+        let alone = self.layer_s(0, m, each);
+        let best = (1..=cap.min(m.saturating_sub(1)))
+            .map(|g| (g, self.layer_s(g, m, each)))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        match best {
+            Some((g, t)) if t < alone * (1.0 - DECODE_MIN_GAIN) => g,
+            _ => 0,
+        }
+    }
+
+    /// Rates in bytes per second (GPU, CPU) and the host's launch seconds.
+    pub fn rates(&self) -> (f64, f64, f64) {
+        (self.gpu_rate, self.cpu_rate, self.launch_s)
+    }
+
+    fn blend(rate: &mut f64, bytes: usize, secs: f64, fixed: f64) -> bool {
+        // below a quarter of the time left for the bytes, the fixed cost did not hold: not a rate
+        let left = secs - fixed;
+        if bytes == 0 || left < secs / 4.0 {
+            return false;
+        }
+        *rate = (1.0 - EWMA) * *rate + EWMA * (bytes as f64 / left);
+        true
+    }
+
+    /// The GPU side of a layer moved `bytes` of experts in `secs` (first copy to sum landed).
+    pub fn observe_gpu(&mut self, bytes: usize, secs: f64) {
+        self.gpu_layers += u64::from(Self::blend(
+            &mut self.gpu_rate,
+            bytes,
+            secs,
+            DECODE_GPU_FIXED_S,
+        ));
+    }
+
+    /// The CPU experts of a layer read `bytes` in `secs`.
+    pub fn observe_cpu(&mut self, bytes: usize, secs: f64) {
+        self.cpu_layers += u64::from(Self::blend(
+            &mut self.cpu_rate,
+            bytes,
+            secs,
+            DECODE_CPU_FIXED_S,
+        ));
+    }
+
+    /// The host took `secs` to launch a GPU share.
+    pub fn observe_launch(&mut self, secs: f64) {
+        self.launch_s = (1.0 - EWMA) * self.launch_s + EWMA * secs;
+    }
+}
+
 /// The experts the GPU takes out of `routed` ((expert, rows) of the layer's routed DRAM experts that
 /// may be streamed, every one of the same size): the `share` most-loaded (most rows first, lower id
 /// first among equals), at least one and at most all but one when there are two or more. In
@@ -195,6 +302,32 @@ mod tests {
         assert_eq!(gpu_experts(&routed, 0.0), vec![1], "at least one");
         assert_eq!(gpu_experts(&[(3, 2)], 0.5), vec![3], "a lone expert goes");
         assert!(gpu_experts(&[], 0.5).is_empty());
+    }
+
+    #[test]
+    fn decode_shares_balance_both_sides_and_fixed_costs() {
+        let b = DecodeBalance::default();
+        let each = 9_437_184; // one Qwen3-30B-A3B expert, bf16
+        // 8 routed experts: at 45 vs 110 GB/s two go to the GPU (0.46 vs 0.55 ms; three would
+        // keep the GPU busy 0.67 ms)
+        assert_eq!(b.gpu_count(8, each, 8), 2);
+        assert_eq!(b.gpu_count(8, each, 1), 1, "capped");
+        assert_eq!(b.gpu_count(1, each, 8), 0, "the CPU keeps one");
+        // tiny experts: the fixed costs outweigh what the GPU would save
+        assert_eq!(b.gpu_count(8, 64 << 10, 8), 0);
+        // a slow GPU side takes none
+        let mut slow = DecodeBalance::default();
+        for _ in 0..30 {
+            slow.observe_gpu(each, DECODE_GPU_FIXED_S + each as f64 / 5e9);
+        }
+        assert!((slow.rates().0 - 5e9).abs() < 1e8, "{:?}", slow.rates());
+        assert_eq!(slow.gpu_count(8, each, 8), 0);
+        assert_eq!(slow.gpu_layers, 30);
+        // observations the fixed cost swallows are no rate
+        slow.observe_cpu(each, DECODE_CPU_FIXED_S);
+        assert_eq!(slow.cpu_layers, 0);
+        slow.observe_launch(1.0);
+        assert!(slow.rates().2 > 0.2);
     }
 
     #[test]

@@ -88,6 +88,9 @@ pub struct ExpertStream {
     _registered: Registered,
     /// Timing events of each step (`MOE_STREAM_PROFILE=1`; see `stream_profile`).
     profile: Option<super::stream_profile::StreamProfile>,
+    /// The decode split's GPU side (`decode_split`), which borrows the first staging slot and the
+    /// dense buffer in decode steps; `None` where it could not be set up.
+    share: Option<super::decode_split::ShareSide>,
 }
 
 /// Whether a long prompt can bring layer `li`'s DRAM experts to the GPU cheaply: their packed format is
@@ -178,6 +181,11 @@ impl ExpertStream {
         // them only once that allocation has happened.
         s.synchronize()?;
         let ev = || dev.ctx.new_event(None);
+        let top_k = host.config.moe.as_ref().map_or(1, |m| m.top_k);
+        let tokens = super::buffers::MAX_GRAPH_ROWS;
+        let share = super::decode_split::ShareSide::new(dev, &geometry, (tokens, top_k), chunk)
+            .map_err(|e| tracing::warn!("decode split unavailable: {e:#}"))
+            .ok();
         Ok(Some(ExpertStream {
             copy: dev.ctx.new_stream()?,
             staging,
@@ -194,6 +202,7 @@ impl ExpertStream {
             _registered: Registered(registered),
             profile: super::stream_profile::wanted()
                 .then(|| super::stream_profile::StreamProfile::new(dev.ctx.clone())),
+            share,
         }))
     }
 
@@ -211,6 +220,19 @@ impl ExpertStream {
         dev.addr(&self.staging[i % SLOTS])
     }
 
+    /// The decode split's side with the geometry, first staging slot and dense buffer it borrows.
+    pub(super) fn share_and_buffers(
+        &mut self,
+    ) -> Option<(
+        &mut super::decode_split::ShareSide,
+        &PackedGeometry,
+        &CudaSlice<u8>,
+        &mut CudaSlice<bf16>,
+    )> {
+        let side = self.share.as_mut()?;
+        Some((side, &self.geometry, &self.staging[0], &mut self.dense))
+    }
+
     /// The stream the copies run on.
     pub(super) fn copy_stream(&self) -> &Arc<CudaStream> {
         &self.copy
@@ -219,6 +241,11 @@ impl ExpertStream {
     /// Starts a step that streams: every DRAM expert (`all`: long prefill; the first chunks' copies
     /// are enqueued now), or only those [`ExpertStream::stream_layer`] adds (split steps).
     pub fn begin_step(&mut self, dev: &GpuDevice, host: &Model, all: bool) -> anyhow::Result<()> {
+        // the decode split's side stream may still use the first staging slot and the dense buffer
+        // (a decode step that failed before its last share joined)
+        if let Some(side) = &self.share {
+            side.synchronize()?;
+        }
         self.issued = 0;
         self.consumed = 0;
         self.chunks.clear();

@@ -39,6 +39,61 @@ pub struct DecodeSwitches {
     /// With the fused segment: the attention's o projection of 1–2 rows by the segment's bf16 GEMV
     /// (a warp per 2048 inputs of a row) instead of cuBLAS. Off by default.
     o_gemv: AtomicBool,
+    /// Pipelined (decode) steps hand a share of each layer's routed DRAM experts to the GPU, which
+    /// copies them from the registered expert memory and computes them beside the CPU experts
+    /// (`decode_split`): off, the share the measured rates give, or a fixed count per layer.
+    /// `MOE_DECODE_SPLIT` ([`DECODE_SPLIT_KNOB`]); off by default.
+    decode_split: AtomicUsize,
+}
+
+/// A decode split's share of a layer's routed DRAM experts ([`DecodeSwitches`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeShare {
+    Off,
+    /// As many as `split::DecodeBalance` gives.
+    Auto,
+    /// This many per layer (the CPU keeps at least one).
+    Fixed(usize),
+}
+
+impl DecodeShare {
+    /// Most experts per layer a fixed share names.
+    pub const MAX_FIXED: usize = 16;
+
+    fn encode(self) -> usize {
+        match self {
+            DecodeShare::Off => 0,
+            DecodeShare::Auto => usize::MAX,
+            DecodeShare::Fixed(n) => n,
+        }
+    }
+
+    fn decode(v: usize) -> Self {
+        match v {
+            0 => DecodeShare::Off,
+            usize::MAX => DecodeShare::Auto,
+            n => DecodeShare::Fixed(n),
+        }
+    }
+}
+
+/// `MOE_DECODE_SPLIT`: `off` (the default), `auto`, or a fixed count of experts per layer (1–16),
+/// read at start.
+pub const DECODE_SPLIT_KNOB: moe_kernels::knob::Knob<DecodeShare> = moe_kernels::knob::Knob {
+    name: "MOE_DECODE_SPLIT",
+    takes: "off, auto or 1..16",
+    parse: parse_decode_split,
+};
+
+fn parse_decode_split(v: &str) -> Option<DecodeShare> {
+    match v {
+        "off" | "0" => Some(DecodeShare::Off),
+        "auto" => Some(DecodeShare::Auto),
+        n => match n.parse::<usize>() {
+            Ok(n) if (1..=DecodeShare::MAX_FIXED).contains(&n) => Some(DecodeShare::Fixed(n)),
+            _ => None,
+        },
+    }
 }
 
 /// `MOE_GPU_SEGMENT`: `fused` (the default) or `old` (the decode segment on cuBLAS and the separate
@@ -70,6 +125,7 @@ impl Default for DecodeSwitches {
             fused_segment: AtomicBool::new(GPU_SEGMENT_KNOB.read_or(true)),
             fold_norms: AtomicBool::new(true),
             o_gemv: AtomicBool::new(false),
+            decode_split: AtomicUsize::new(DECODE_SPLIT_KNOB.read_or(DecodeShare::Off).encode()),
         }
     }
 }
@@ -146,6 +202,14 @@ impl DecodeSwitches {
     pub fn set_o_gemv(&self, on: bool) {
         self.o_gemv.store(on, Ordering::Relaxed);
     }
+
+    pub fn decode_split(&self) -> DecodeShare {
+        DecodeShare::decode(self.decode_split.load(Ordering::Relaxed))
+    }
+
+    pub fn set_decode_split(&self, share: DecodeShare) {
+        self.decode_split.store(share.encode(), Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -154,6 +218,7 @@ impl DecodeSwitches {
 pub fn check_env_knobs() -> Result<(), moe_kernels::knob::KnobError> {
     super::attention::FLASH_PREFILL_KNOB.check()?;
     GPU_SEGMENT_KNOB.check()?;
+    DECODE_SPLIT_KNOB.check()?;
     moe_kernels::cpu::moe::check_env_knobs()
 }
 
@@ -188,6 +253,10 @@ pub enum DecodeSwitch {
     FoldNorms,
     /// The fused segment's o projection by its GEMV instead of cuBLAS.
     OGemv,
+    /// Decode steps hand the GPU the share of each layer's DRAM experts the rates give.
+    DecodeSplit,
+    /// Decode steps hand the GPU this many of each layer's DRAM experts.
+    DecodeSplitFixed(usize),
 }
 
 impl DecodeSwitch {
@@ -215,14 +284,22 @@ impl std::str::FromStr for DecodeSwitch {
             "spare-core" => DecodeSwitch::SpareCore,
             "fold-norms" => DecodeSwitch::FoldNorms,
             "o-gemv" => DecodeSwitch::OGemv,
-            _ => match s.strip_prefix("defer").map(str::parse::<usize>) {
-                Some(Ok(n)) if (1..=64).contains(&n) => DecodeSwitch::Defer(n),
-                _ => {
+            "decode-split" => DecodeSwitch::DecodeSplit,
+            _ => {
+                let numbered = |prefix: &str, most: usize| match s.strip_prefix(prefix) {
+                    Some(n) => n.parse::<usize>().ok().filter(|n| (1..=most).contains(n)),
+                    None => None,
+                };
+                if let Some(n) = numbered("decode-split", DecodeShare::MAX_FIXED) {
+                    DecodeSwitch::DecodeSplitFixed(n)
+                } else if let Some(n) = numbered("defer", 64) {
+                    DecodeSwitch::Defer(n)
+                } else {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv, caller-works, spare-core, defer1..defer64)"
-                    ))
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv, caller-works, spare-core, defer1..defer64, decode-split, decode-split1..decode-split16)"
+                    ));
                 }
-            },
+            }
         })
     }
 }
@@ -243,6 +320,8 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::SpareCore => f.write_str("spare-core"),
             DecodeSwitch::FoldNorms => f.write_str("fold-norms"),
             DecodeSwitch::OGemv => f.write_str("o-gemv"),
+            DecodeSwitch::DecodeSplit => f.write_str("decode-split"),
+            DecodeSwitch::DecodeSplitFixed(n) => write!(f, "decode-split{n}"),
         }
     }
 }
@@ -269,6 +348,8 @@ impl crate::engine::Engine {
             DecodeSwitch::SpareCore => self.cpu_pool.as_deref()?.spare_cores() > 0,
             DecodeSwitch::FoldNorms => g.switches.fold_norms(),
             DecodeSwitch::OGemv => g.switches.o_gemv(),
+            DecodeSwitch::DecodeSplit => g.switches.decode_split() == DecodeShare::Auto,
+            DecodeSwitch::DecodeSplitFixed(n) => g.switches.decode_split() == DecodeShare::Fixed(n),
         })
     }
 
@@ -307,6 +388,14 @@ impl crate::engine::Engine {
                 DecodeSwitch::CallerWorks | DecodeSwitch::SpareCore => {} // the pool's, set above
                 DecodeSwitch::FoldNorms => g.switches.set_fold_norms(on),
                 DecodeSwitch::OGemv => g.switches.set_o_gemv(on),
+                DecodeSwitch::DecodeSplit | DecodeSwitch::DecodeSplitFixed(_) => {
+                    let share = match (switch, on) {
+                        (_, false) => DecodeShare::Off,
+                        (DecodeSwitch::DecodeSplitFixed(n), true) => DecodeShare::Fixed(n),
+                        _ => DecodeShare::Auto,
+                    };
+                    g.switches.set_decode_split(share)
+                }
             }
         }
         true
@@ -334,12 +423,26 @@ mod tests {
             "o-gemv",
             "defer1",
             "defer2",
+            "decode-split",
+            "decode-split2",
+            "decode-split16",
         ] {
             let parsed: DecodeSwitch = s.parse().unwrap();
             assert_eq!(parsed.to_string(), s);
         }
         assert_eq!("defer3".parse(), Ok(DecodeSwitch::Defer(3)));
-        for bad in ["defer0", "defer", "deferx", "graph", "", "defer65"] {
+        assert_eq!("decode-split3".parse(), Ok(DecodeSwitch::DecodeSplitFixed(3)));
+        for bad in [
+            "defer0",
+            "defer",
+            "deferx",
+            "graph",
+            "",
+            "defer65",
+            "decode-split0",
+            "decode-split17",
+            "decode-splitx",
+        ] {
             assert!(bad.parse::<DecodeSwitch>().is_err(), "{bad}");
         }
         assert!(DecodeSwitch::Defer(1).inexact());
@@ -388,6 +491,24 @@ mod tests {
         assert!(!s.o_gemv());
         s.set_o_gemv(true);
         assert!(s.o_gemv());
+        s.set_decode_split(DecodeShare::Fixed(2));
+        assert_eq!(s.decode_split(), DecodeShare::Fixed(2));
+        s.set_decode_split(DecodeShare::Auto);
+        assert_eq!(s.decode_split(), DecodeShare::Auto);
+        s.set_decode_split(DecodeShare::Off);
+        assert_eq!(s.decode_split(), DecodeShare::Off);
+    }
+
+    #[test]
+    fn decode_split_knob_takes_off_auto_or_a_count() {
+        let parse = |v: &str| DECODE_SPLIT_KNOB.parse_value(Some(v.into()));
+        assert_eq!(parse("off"), Ok(Some(DecodeShare::Off)));
+        assert_eq!(parse("0"), Ok(Some(DecodeShare::Off)));
+        assert_eq!(parse("auto"), Ok(Some(DecodeShare::Auto)));
+        assert_eq!(parse("3"), Ok(Some(DecodeShare::Fixed(3))));
+        for bad in ["17", "on", "-1", ""] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
