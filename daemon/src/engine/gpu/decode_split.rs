@@ -23,7 +23,7 @@
 //! the GEMMs as every GPU expert's input is. Exact in the sense of the prefill split: every routed
 //! expert is computed once, on one side; the sums differ from the CPU's by the GPU's bf16 GEMMs.
 use super::buffers::ExpertBufs;
-use super::dispatch::{ExpertHome, MoeDispatchPlan};
+use super::dispatch::{ExpertGroup, ExpertHome, MoeDispatchPlan};
 use super::experts::PhaseBuffers;
 use super::handoff::Handoff;
 use super::moe_layer::MoeStep;
@@ -52,7 +52,6 @@ pub struct ShareSide {
     sum: CudaSlice<f32>,
     /// Recorded before the share's first copy (timing on: with the hand-off's `done`, its span).
     start: CudaEvent,
-    tokens: usize,
     routed: usize,
     pub balance: DecodeBalance,
     /// The last layer's bytes given to (the GPU, the CPU), until its times are read.
@@ -61,12 +60,13 @@ pub struct ShareSide {
 
 impl ShareSide {
     /// The side of a model whose decode steps have at most `tokens` rows routed to `top_k` experts
-    /// each, phases of at most `experts` experts of `g`'s shape.
+    /// each, shares of at most `experts` experts of `g`'s shape (`dense` holds them unpacked).
     pub fn new(
         dev: &GpuDevice,
-        g: &PackedGeometry,
+        (g, dense): (&PackedGeometry, &CudaSlice<bf16>),
         (tokens, top_k): (usize, usize),
         experts: usize,
+        act: GatedAct,
     ) -> anyhow::Result<ShareSide> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         let side = dev.fork()?;
@@ -81,19 +81,67 @@ impl ShareSide {
                 s.alloc::<f32>(tokens * hd)?,
             )
         };
-        s.synchronize()?;
-        Ok(ShareSide {
+        let mut me = ShareSide {
             start: dev.ctx.new_event(Some(CU_EVENT_DEFAULT))?,
             side,
             rows_f32,
             rows_bf16,
             bufs,
             sum,
-            tokens,
             routed,
             balance: DecodeBalance::default(),
             last: None,
-        })
+        };
+        me.warm(g, dense, top_k.min(experts), act)?;
+        Ok(me)
+    }
+
+    /// Runs the GEMMs of every share size a batch-1 step can take (1 to `most` experts, one row
+    /// each) once and waits: cuBLAS loads a kernel on its first launch, which may wait for the whole
+    /// device, and in a step the engine stream spins in a hand-off wait that only this side's finish
+    /// ends. (The other kernels of a share are the engine's own, loaded at start.) The weights are
+    /// whatever `dense` holds: the outputs are discarded.
+    fn warm(
+        &mut self,
+        g: &PackedGeometry,
+        dense: &CudaSlice<bf16>,
+        most: usize,
+        act: GatedAct,
+    ) -> anyhow::Result<()> {
+        let (each, split, hd) = (g.dense_elems(), 2 * g.inter * g.hidden, g.hidden);
+        for count in 1..=most {
+            let groups: Vec<ExpertGroup> = (0..count)
+                .map(|j| ExpertGroup {
+                    expert: j,
+                    row0: j,
+                    rows: 1,
+                })
+                .collect();
+            let ws: Vec<_> = (0..count)
+                .map(|j| {
+                    (
+                        dense.slice(j * each..j * each + split),
+                        dense.slice(j * each + split..(j + 1) * each),
+                    )
+                })
+                .collect();
+            let b = &mut self.bufs;
+            // SAFETY: written before the GEMMs read it (its values do not matter).
+            self.side.stream.memset_zeros(&mut b.x.slice_mut(..count * hd))?;
+            let mut pb = PhaseBuffers {
+                xe: &b.x,
+                gu: &mut b.gate_up,
+                act: &mut b.act,
+                ye: &mut b.y,
+                table: &mut b.gemm_table,
+                hd,
+                inter: g.inter,
+                activation: act,
+                path: None,
+            };
+            GpuModel::expert_phase(&self.side, &groups, &ws, &mut pb)?;
+        }
+        self.synchronize()
     }
 
     /// Waits until the side stream has run everything enqueued (before the staging slot it shares
@@ -249,8 +297,8 @@ impl ExpertStream {
 impl GpuModel {
     /// Layer `li`'s decode split (see the module docs), once its routing (`ids`, `weights`) is on the
     /// host: the GPU's experts, issued on the side stream, or `None` when the layer keeps them all
-    /// on the CPU (switch off, no DRAM expert the GPU unpacks, deferred experts, a step too wide for
-    /// the side's buffers, or a share the balance finds not worth it).
+    /// on the CPU (switch off, no DRAM expert the GPU unpacks, deferred experts, a step of more than
+    /// one row, or a share the balance finds not worth it).
     pub(super) fn decode_share(
         &self,
         li: usize,
@@ -274,8 +322,9 @@ impl GpuModel {
         let Some((side, parts, cap)) = es.share_parts() else {
             return Ok(None);
         };
-        let top_k = ids.len() / n.max(1);
-        if n > side.tokens || ids.len() > side.routed || top_k == 0 {
+        // batch 1: the share's GEMM shapes are those `ShareSide::warm` loaded (see there)
+        let top_k = ids.len();
+        if n != 1 || ids.len() > side.routed || top_k == 0 {
             return Ok(None);
         }
         side.collect(hand)?;

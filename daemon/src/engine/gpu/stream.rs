@@ -182,8 +182,11 @@ impl ExpertStream {
         s.synchronize()?;
         let ev = || dev.ctx.new_event(None);
         let top_k = host.config.moe.as_ref().map_or(1, |m| m.top_k);
-        let tokens = super::buffers::MAX_GRAPH_ROWS;
-        let share = super::decode_split::ShareSide::new(dev, &geometry, (tokens, top_k), chunk)
+        // decode splits run at batch 1 (`decode_split`)
+        let tokens = 1;
+        let act = crate::engine::moe::GatedAct::of(&host.config);
+        let shape = (&geometry, &dense);
+        let share = super::decode_split::ShareSide::new(dev, shape, (tokens, top_k), chunk, act)
             .map_err(|e| tracing::warn!("decode split unavailable: {e:#}"))
             .ok();
         Ok(Some(ExpertStream {

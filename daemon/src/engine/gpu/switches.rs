@@ -506,9 +506,10 @@ mod tests {
         assert_eq!(parse("0"), Ok(Some(DecodeShare::Off)));
         assert_eq!(parse("auto"), Ok(Some(DecodeShare::Auto)));
         assert_eq!(parse("3"), Ok(Some(DecodeShare::Fixed(3))));
-        for bad in ["17", "on", "-1", ""] {
+        for bad in ["17", "on", "-1"] {
             assert!(parse(bad).is_err(), "{bad}");
         }
+        assert_eq!(parse(" "), Ok(None), "blank: unset");
     }
 
     #[test]
