@@ -151,19 +151,22 @@ impl ShareSide {
     }
 
     /// Feeds the last layer's measured times to the balance: the CPU experts' (the hand-off kept
-    /// them), the GPU side's span when it had one.
-    fn collect(&mut self, hand: &Handoff) -> anyhow::Result<()> {
+    /// them), the GPU side's span when it had one and it has passed. Only a measurement: a span that
+    /// cannot be read (the last share went through another hand-off, of another step class) is
+    /// left out.
+    fn collect(&mut self, hand: &Handoff) {
         let Some((gpu_bytes, cpu_bytes)) = self.last.take() else {
-            return Ok(());
+            return;
         };
         if let Some(cpu_s) = hand.share.cpu_s.take() {
             self.balance.observe_cpu(cpu_bytes, cpu_s);
         }
-        if gpu_bytes > 0 && hand.share.done.try_is_complete()? {
-            let ms = self.start.elapsed_ms(&hand.share.done)?;
-            self.balance.observe_gpu(gpu_bytes, f64::from(ms) / 1e3);
+        let done = &hand.share.done;
+        if gpu_bytes > 0 && done.try_is_complete().unwrap_or(false) {
+            if let Ok(ms) = self.start.elapsed_ms(done) {
+                self.balance.observe_gpu(gpu_bytes, f64::from(ms) / 1e3);
+            }
         }
-        Ok(())
     }
 }
 
@@ -327,7 +330,7 @@ impl GpuModel {
         if n != 1 || ids.len() > side.routed || top_k == 0 {
             return Ok(None);
         }
-        side.collect(hand)?;
+        side.collect(hand);
         let routed = routed_rows(ids, homes.len(), |e| homes[e] == ExpertHome::Cpu);
         let m = routed.len();
         let g = match mode {
