@@ -127,11 +127,20 @@ pub(super) fn run(
         .collect::<Vec<_>>()
         .join("; ");
     println!("A/B, median CPU experts ms/step: {cpu_line}");
-    if let Some(((gpu, cpu, launch), (gl, cl))) = engine.decode_split_rates() {
+    let split_flipped = switches.iter().any(|s| {
+        matches!(
+            s,
+            DecodeSwitch::DecodeSplit | DecodeSwitch::DecodeSplitFixed(_)
+        )
+    });
+    if let (true, Some(b)) = (split_flipped, engine.decode_split_balance()) {
+        let (gpu, cpu, launch) = b.rates();
         println!(
-            "A/B, decode split balance: GPU share {:.1} GB/s ({gl} layers measured), CPU experts {:.1} GB/s ({cl}), host launches {:.1} µs per share",
+            "A/B, decode split balance: GPU share {:.1} GB/s ({} layers measured), CPU experts {:.1} GB/s ({}), host launches {:.1} µs per share",
             gpu / 1e9,
+            b.gpu_layers,
             cpu / 1e9,
+            b.cpu_layers,
             launch * 1e6
         );
     }

@@ -75,7 +75,9 @@ impl<'e> Kernels<'e> {
         let pool = engine
             .cpu_expert_pool()
             .filter(|_| engine.on_gpu())
-            .ok_or_else(|| anyhow::anyhow!("--dma-probe needs the CUDA backend's CPU expert pool"))?;
+            .ok_or_else(|| {
+                anyhow::anyhow!("--dma-probe needs the CUDA backend's CPU expert pool")
+            })?;
         let model = engine.model();
         let top_k = model
             .config

@@ -90,11 +90,17 @@ fn decode_split_matches_the_unsplit_path() {
             .zip(&off)
             .map(|(a, b)| rel_l2(a, b))
             .fold(0f32, f32::max);
-        assert!(worst_auto <= tol, "{label}: auto split vs unsplit {worst_auto}");
+        assert!(
+            worst_auto <= tol,
+            "{label}: auto split vs unsplit {worst_auto}"
+        );
         // off again: the unsplit path bit for bit
         assert!(e.set_decode_switch(DecodeSwitch::DecodeSplit, false));
         let (again, g2, _) = decode(&e, vocab);
         assert_eq!(g2, 0, "{label}: split off again");
-        assert!(again == off, "{label}: the switch off is not the unsplit path");
+        assert!(
+            again == off,
+            "{label}: the switch off is not the unsplit path"
+        );
     }
 }

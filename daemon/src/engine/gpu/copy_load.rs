@@ -91,7 +91,10 @@ impl CopyLoad {
                 }
                 queued.push_back(self.copy.record_event(None)?);
                 (next, bytes) = (next + 1, bytes + len);
-            } else if queued.front().map_or(Ok(false), CudaEvent::try_is_complete)? {
+            } else if queued
+                .front()
+                .map_or(Ok(false), CudaEvent::try_is_complete)?
+            {
                 queued.pop_front();
             } else {
                 std::thread::sleep(CHECK_EVERY);

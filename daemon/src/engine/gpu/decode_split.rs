@@ -127,7 +127,9 @@ impl ShareSide {
                 .collect();
             let b = &mut self.bufs;
             // SAFETY: written before the GEMMs read it (its values do not matter).
-            self.side.stream.memset_zeros(&mut b.x.slice_mut(..count * hd))?;
+            self.side
+                .stream
+                .memset_zeros(&mut b.x.slice_mut(..count * hd))?;
             let mut pb = PhaseBuffers {
                 xe: &b.x,
                 gu: &mut b.gate_up,
@@ -258,7 +260,10 @@ impl ShareSide {
         GpuModel::expert_phase(dev, groups, &ws, &mut pb)?;
         s.memset_zeros(&mut self.sum.slice_mut(..nx))?;
         let tokens = r.tokens;
-        s.memcpy_htod(&plan.token_offsets, &mut b.token_offsets.slice_mut(..tokens + 1))?;
+        s.memcpy_htod(
+            &plan.token_offsets,
+            &mut b.token_offsets.slice_mut(..tokens + 1),
+        )?;
         s.memcpy_htod(&plan.token_rows, &mut b.token_rows.slice_mut(..rows))?;
         let ExpertBufs {
             y,
@@ -268,7 +273,14 @@ impl ShareSide {
             ..
         } = &*b;
         let shape = (tokens, rows, hd);
-        dev.scatter_add_weighted(y, token_offsets, token_rows, row_weight, shape, &mut self.sum)?;
+        dev.scatter_add_weighted(
+            y,
+            token_offsets,
+            token_rows,
+            row_weight,
+            shape,
+            &mut self.sum,
+        )?;
         // SAFETY: the host reads `share.sum` only after `done` (recorded below) passed, and the side
         // stream writes it for one layer at a time (the next share is issued after this one joined).
         unsafe {
@@ -361,15 +373,13 @@ impl GpuModel {
 }
 
 impl crate::engine::Engine {
-    /// The decode split's balance: measured rates of the GPU's share and of the CPU experts in bytes
-    /// per second, the host's launch seconds per share, and the layers measured on each side; `None`
+    /// The decode split's balance (its measured rates, `split::DecodeBalance::rates`); `None`
     /// without the split's side (no expert stream, CPU backend).
-    pub fn decode_split_rates(&self) -> Option<((f64, f64, f64), (u64, u64))> {
+    pub fn decode_split_balance(&self) -> Option<DecodeBalance> {
         let g = self.gpu.as_ref()?;
         let mut stream = g.stream.lock().unwrap_or_else(|e| e.into_inner());
         let (side, ..) = stream.as_mut()?.share_parts()?;
-        let b = &side.balance;
-        Some((b.rates(), (b.gpu_layers, b.cpu_layers)))
+        Some(side.balance.clone())
     }
 }
 

@@ -338,7 +338,10 @@ mod tests {
         use super::ExpertHome::Shared;
         let home = [Cpu, Shared, Resident, Shared];
         let p = MoeDispatchPlan::new(&[1, 0, 3, 2], &[0.1, 0.2, 0.3, 0.4], 2, &home, &[]);
-        assert_eq!(p.cpu.as_ref().unwrap().ids, vec![NOT_HERE, 0, NOT_HERE, NOT_HERE]);
+        assert_eq!(
+            p.cpu.as_ref().unwrap().ids,
+            vec![NOT_HERE, 0, NOT_HERE, NOT_HERE]
+        );
         assert_eq!(p.groups.len(), 1, "expert 2 only");
         assert_eq!(p.row_token, vec![1]);
         assert_eq!((p.expert_hits, p.gpu_expert_hits), (4, 3));

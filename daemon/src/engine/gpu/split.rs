@@ -123,6 +123,7 @@ impl SplitBalance {
 /// modelled as `fixed + bytes / rate`; the rates follow what each layer measured (the GPU side's span
 /// from its first copy to its sum landing, by GPU events; the CPU experts' wall time), the fixed
 /// costs are constants measured on the H200 (docs/PERF.md).
+#[derive(Clone, Debug)]
 pub struct DecodeBalance {
     gpu_rate: f64,
     cpu_rate: f64,
@@ -308,8 +309,8 @@ mod tests {
     fn decode_shares_balance_both_sides_and_fixed_costs() {
         let b = DecodeBalance::default();
         let each = 9_437_184; // one Qwen3-30B-A3B expert, bf16
-        // 8 routed experts: at 45 vs 110 GB/s two go to the GPU (0.46 vs 0.55 ms; three would
-        // keep the GPU busy 0.67 ms)
+                              // 8 routed experts: at 45 vs 110 GB/s two go to the GPU (0.46 vs 0.55 ms; three would
+                              // keep the GPU busy 0.67 ms)
         assert_eq!(b.gpu_count(8, each, 8), 2);
         assert_eq!(b.gpu_count(8, each, 1), 1, "capped");
         assert_eq!(b.gpu_count(1, each, 8), 0, "the CPU keeps one");

@@ -431,7 +431,10 @@ mod tests {
             assert_eq!(parsed.to_string(), s);
         }
         assert_eq!("defer3".parse(), Ok(DecodeSwitch::Defer(3)));
-        assert_eq!("decode-split3".parse(), Ok(DecodeSwitch::DecodeSplitFixed(3)));
+        assert_eq!(
+            "decode-split3".parse(),
+            Ok(DecodeSwitch::DecodeSplitFixed(3))
+        );
         for bad in [
             "defer0",
             "defer",
