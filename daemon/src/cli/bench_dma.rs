@@ -244,3 +244,33 @@ pub(super) fn run(engine: &Engine, rounds: usize) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_variant_says_what_it_measured() {
+        let r = |cpu_gbs, copies_gbs, ms_per_call| Rates {
+            cpu_gbs,
+            copies_gbs,
+            ms_per_call,
+        };
+        assert_eq!(
+            describe(Variant::Probe, &r(103.4, None, None)),
+            "CPU 103.4 GB/s"
+        );
+        assert_eq!(
+            describe(Variant::ProbeCopies, &r(83.6, Some(51.9), None)),
+            "CPU 83.6 GB/s, copies 51.9 GB/s, together 135.5 GB/s"
+        );
+        assert_eq!(
+            describe(Variant::CopiesAlone, &r(0.0, Some(54.9), None)),
+            "copies 54.9 GB/s"
+        );
+        assert_eq!(
+            describe(Variant::KernelsCopies, &r(84.4, Some(43.7), Some(0.895))),
+            "CPU 84.4 GB/s (0.895 ms per layer call), copies 43.7 GB/s, together 128.1 GB/s"
+        );
+    }
+}
