@@ -395,6 +395,16 @@ pub fn without(ids: &[u32], weights: &[f32], gpu: &[u32]) -> (Vec<u32>, Vec<f32>
         .unzip()
 }
 
+/// `homes` with the experts of the GPU's share (`gpu`, ascending) re-homed [`ExpertHome::Shared`].
+pub fn homes_with_share(homes: &[ExpertHome], gpu: &[u32]) -> Vec<ExpertHome> {
+    (0..homes.len())
+        .map(|e| match gpu.binary_search(&(e as u32)) {
+            Ok(_) => ExpertHome::Shared,
+            Err(_) => homes[e],
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -404,5 +414,10 @@ mod tests {
         let (ids, w) = without(&[5, 2, 9, 2], &[0.1, 0.2, 0.3, 0.4], &[2, 7]);
         assert_eq!(ids, vec![5, NOT_HERE, 9, NOT_HERE]);
         assert_eq!(w, vec![0.1, 0.0, 0.3, 0.0]);
+        use ExpertHome::{Cpu, DeviceRouted, Shared};
+        assert_eq!(
+            homes_with_share(&[Cpu, DeviceRouted, Cpu, Cpu], &[2, 3]),
+            vec![Cpu, DeviceRouted, Shared, Shared]
+        );
     }
 }

@@ -140,12 +140,7 @@ impl GpuModel {
         let homes = match (&split, &shared) {
             (Some(s), _) => &s.homes[..],
             (None, Some(gpu)) => {
-                shared_homes = (0..homes.len())
-                    .map(|e| match gpu.binary_search(&(e as u32)) {
-                        Ok(_) => ExpertHome::Shared,
-                        Err(_) => homes[e],
-                    })
-                    .collect();
+                shared_homes = super::decode_split::homes_with_share(homes, gpu);
                 &shared_homes[..]
             }
             (None, None) => homes,
