@@ -161,7 +161,7 @@ impl ShareSide {
             return;
         };
         if let Some(cpu_s) = hand.share.cpu_s.take() {
-            self.balance.observe_cpu(cpu_bytes, cpu_s);
+            self.balance.observe_cpu(cpu_bytes, cpu_s, gpu_bytes > 0);
         }
         let done = &hand.share.done;
         if gpu_bytes > 0 && done.try_is_complete().unwrap_or(false) {

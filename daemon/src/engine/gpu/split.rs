@@ -118,11 +118,13 @@ impl SplitBalance {
 
 /// Decode steps (`decode_split`): how many of a layer's routed DRAM experts the GPU takes, from both
 /// sides' measured rates and fixed costs. A decode layer moves few bytes (one to eight experts), so
-/// the fixed costs weigh: the GPU side's (launches, unpack, GEMMs and the sum's copy back: its span
-/// beyond the copies) and the host's launches of it, which delay the CPU experts. Each side's time is
-/// modelled as `fixed + bytes / rate`; the rates follow what each layer measured (the GPU side's span
-/// from its first copy to its sum landing, by GPU events; the CPU experts' wall time), the fixed
-/// costs are constants measured on the H200 (docs/PERF.md).
+/// the fixed costs weigh: the GPU side's (unpack, GEMMs and the sum's copy back: its span beyond the
+/// copies) and the host's launches of it, which delay the CPU experts (measured ~120 µs per share on
+/// the H200, as much as two bf16 experts save the CPU: docs/PERF.md). Each side's time is modelled as
+/// `fixed + bytes / rate`, the CPU's rate lowered by [`DECODE_CPU_CONTENTION`] while the GPU copies;
+/// the rates and the launch time follow what each layer measured (the GPU side's span from its first
+/// copy to its sum landing, by GPU events; the CPU experts' wall time, its contention taken out when
+/// the layer had a share), the other fixed costs are constants.
 #[derive(Clone, Debug)]
 pub struct DecodeBalance {
     gpu_rate: f64,
@@ -137,11 +139,16 @@ pub struct DecodeBalance {
 const DECODE_GPU_FIXED_S: f64 = 40e-6;
 /// The CPU experts' time beyond reading their bytes (the pool's region, the sum).
 const DECODE_CPU_FIXED_S: f64 = 15e-6;
-/// The host's launches of a GPU share before the first measurement.
-const DECODE_START_LAUNCH_S: f64 = 40e-6;
-/// Starting rates: copies from registered memory beside the CPU kernels (~54 GB/s of PCIe on the
-/// H200 host less the CPU's contention), the CPU kernels at batch 1 (~117 GB/s, docs/PERF.md).
-const DECODE_START_GPU_RATE: f64 = 45e9;
+/// The host's launches of a GPU share before the first measurement (~120 µs measured on the H200
+/// host with bf16 and int8 experts).
+const DECODE_START_LAUNCH_S: f64 = 120e-6;
+/// The share of the CPU kernels' DRAM rate lost while the GPU copies experts beside them (14–18 %
+/// measured by `bench decode --dma-probe` on the H200 host).
+const DECODE_CPU_CONTENTION: f64 = 0.16;
+/// Starting rates: a share's copies from registered memory to its sum, beside the CPU kernels (40.5
+/// GB/s measured in decode steps on the H200 host, 42–44 by `--dma-probe`: PCIe's 55 less the CPU's
+/// contention), the CPU kernels at batch 1 (103–133 GB/s there, docs/PERF.md).
+const DECODE_START_GPU_RATE: f64 = 40e9;
 const DECODE_START_CPU_RATE: f64 = 110e9;
 /// A share is taken only when the model says the layer gets at least this much shorter.
 const DECODE_MIN_GAIN: f64 = 0.03;
@@ -162,10 +169,11 @@ impl DecodeBalance {
     /// The layer's time if the GPU takes `g` of `m` routed DRAM experts of `each` bytes: the later
     /// of both sides (the CPU starts after the host launched the GPU's share).
     fn layer_s(&self, g: usize, m: usize, each: usize) -> f64 {
-        let cpu = DECODE_CPU_FIXED_S + ((m - g) * each) as f64 / self.cpu_rate;
+        let cpu_bytes = ((m - g) * each) as f64;
         if g == 0 {
-            return cpu;
+            return DECODE_CPU_FIXED_S + cpu_bytes / self.cpu_rate;
         }
+        let cpu = DECODE_CPU_FIXED_S + cpu_bytes / (self.cpu_rate * (1.0 - DECODE_CPU_CONTENTION));
         let gpu = DECODE_GPU_FIXED_S + (g * each) as f64 / self.gpu_rate;
         gpu.max(self.launch_s + cpu)
     }
@@ -208,14 +216,20 @@ impl DecodeBalance {
         ));
     }
 
-    /// The CPU experts of a layer read `bytes` in `secs`.
-    pub fn observe_cpu(&mut self, bytes: usize, secs: f64) {
-        self.cpu_layers += u64::from(Self::blend(
-            &mut self.cpu_rate,
-            bytes,
-            secs,
-            DECODE_CPU_FIXED_S,
-        ));
+    /// The CPU experts of a layer read `bytes` in `secs`, beside a GPU share when `shared` (the
+    /// rate kept is the one without it).
+    pub fn observe_cpu(&mut self, bytes: usize, secs: f64, shared: bool) {
+        let slowed = if shared {
+            1.0 - DECODE_CPU_CONTENTION
+        } else {
+            1.0
+        };
+        let mut rate = self.cpu_rate * slowed;
+        let seen = Self::blend(&mut rate, bytes, secs, DECODE_CPU_FIXED_S);
+        if seen {
+            self.cpu_rate = rate / slowed;
+        }
+        self.cpu_layers += u64::from(seen);
     }
 
     /// The host took `secs` to launch a GPU share.
@@ -307,13 +321,28 @@ mod tests {
 
     #[test]
     fn decode_shares_balance_both_sides_and_fixed_costs() {
-        let b = DecodeBalance::default();
-        let each = 9_437_184; // one Qwen3-30B-A3B expert, bf16
-                              // 8 routed experts: at 45 vs 110 GB/s two go to the GPU (0.46 vs 0.55 ms; three would
-                              // keep the GPU busy 0.67 ms)
+        // one Qwen3-30B-A3B expert, bf16
+        let each = 9_437_184;
+        // as measured on the H200 (launches ~120 µs per share, copies at 40 GB/s beside the CPU):
+        // the GPU takes none
+        let measured = DecodeBalance::default();
+        assert_eq!(measured.gpu_count(8, each, 8), 0);
+        // launched cheaply: at 40 vs 110 GB/s (92 beside the copies) two go to the GPU (0.51 vs
+        // 0.64 ms against 0.70 alone; three would keep the GPU busy 0.74 ms)
+        let mut b = DecodeBalance::default();
+        for _ in 0..40 {
+            b.observe_launch(10e-6);
+        }
         assert_eq!(b.gpu_count(8, each, 8), 2);
-        assert_eq!(b.gpu_count(8, each, 1), 1, "capped");
+        // one alone saves the CPU less than the copies' contention costs it
+        assert_eq!(b.gpu_count(8, each, 1), 0, "capped");
         assert_eq!(b.gpu_count(1, each, 8), 0, "the CPU keeps one");
+        // a CPU rate seen beside a share is the contended one: the rate kept is the one without it
+        let mut c = DecodeBalance::default();
+        let contended = 110e9 * (1.0 - DECODE_CPU_CONTENTION);
+        let secs = DECODE_CPU_FIXED_S + (6 * each) as f64 / contended;
+        c.observe_cpu(6 * each, secs, true);
+        assert!((c.rates().1 - 110e9).abs() < 1e6, "{:?}", c.rates());
         // tiny experts: the fixed costs outweigh what the GPU would save
         assert_eq!(b.gpu_count(8, 64 << 10, 8), 0);
         // a slow GPU side takes none
@@ -325,7 +354,7 @@ mod tests {
         assert_eq!(slow.gpu_count(8, each, 8), 0);
         assert_eq!(slow.gpu_layers, 30);
         // observations the fixed cost swallows are no rate
-        slow.observe_cpu(each, DECODE_CPU_FIXED_S);
+        slow.observe_cpu(each, DECODE_CPU_FIXED_S, false);
         assert_eq!(slow.cpu_layers, 0);
         slow.observe_launch(1.0);
         assert!(slow.rates().2 > 0.2);
