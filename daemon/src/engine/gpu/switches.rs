@@ -42,7 +42,8 @@ pub struct DecodeSwitches {
     /// Pipelined (decode) steps hand a share of each layer's routed DRAM experts to the GPU, which
     /// copies them from the registered expert memory and computes them beside the CPU experts
     /// (`decode_split`): off, the share the measured rates give, or a fixed count per layer.
-    /// `MOE_DECODE_SPLIT` ([`DECODE_SPLIT_KNOB`]); off by default.
+    /// `MOE_DECODE_SPLIT` ([`DECODE_SPLIT_KNOB`]); off by default (not faster on the H200: the
+    /// share's launches cost what it saves the CPU, docs/PERF.md).
     decode_split: AtomicUsize,
 }
 
