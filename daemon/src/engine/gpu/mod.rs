@@ -665,7 +665,20 @@ impl GpuModel {
             tracing::info!("{msg}");
         }
         *self.stream.lock().unwrap_or_else(|e| e.into_inner()) = es;
+        if self.switches.decode_split() != switches::DecodeShare::Off {
+            self.ensure_decode_share(host)?;
+        }
         Ok(())
+    }
+
+    /// Sets up the decode split's GPU side on the expert stream if there is one and it has none yet
+    /// (`decode_split`); between steps only.
+    pub fn ensure_decode_share(&self, host: &Model) -> anyhow::Result<()> {
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        match stream.as_mut() {
+            Some(es) => es.ensure_share(&self.dev, host),
+            None => Ok(()),
+        }
     }
 }
 

@@ -89,7 +89,7 @@ pub struct ExpertStream {
     /// Timing events of each step (`MOE_STREAM_PROFILE=1`; see `stream_profile`).
     profile: Option<super::stream_profile::StreamProfile>,
     /// The decode split's GPU side (`decode_split`), which borrows the first staging slot and the
-    /// dense buffer in decode steps; `None` where it could not be set up.
+    /// dense buffer in decode steps; set up when the split is first switched on.
     share: Option<super::decode_split::ShareSide>,
 }
 
@@ -181,14 +181,6 @@ impl ExpertStream {
         // them only once that allocation has happened.
         s.synchronize()?;
         let ev = || dev.ctx.new_event(None);
-        let top_k = host.config.moe.as_ref().map_or(1, |m| m.top_k);
-        // decode splits run at batch 1 (`decode_split`)
-        let tokens = 1;
-        let act = crate::engine::moe::GatedAct::of(&host.config);
-        let shape = (&geometry, &dense);
-        let share = super::decode_split::ShareSide::new(dev, shape, (tokens, top_k), chunk, act)
-            .map_err(|e| tracing::warn!("decode split unavailable: {e:#}"))
-            .ok();
         Ok(Some(ExpertStream {
             copy: dev.ctx.new_stream()?,
             staging,
@@ -205,7 +197,7 @@ impl ExpertStream {
             _registered: Registered(registered),
             profile: super::stream_profile::wanted()
                 .then(|| super::stream_profile::StreamProfile::new(dev.ctx.clone())),
-            share,
+            share: None,
         }))
     }
 
@@ -221,6 +213,21 @@ impl ExpertStream {
     /// The device address of staging slot `i % SLOTS` (one chunk's packed experts).
     pub(super) fn staging_addr(&self, dev: &GpuDevice, i: usize) -> u64 {
         dev.addr(&self.staging[i % SLOTS])
+    }
+
+    /// Sets up the decode split's side (`decode_split`) if it is not yet: its stream, buffers and
+    /// warmed GEMMs. Between steps only (its warm-up waits for its own stream).
+    pub(super) fn ensure_share(&mut self, dev: &GpuDevice, host: &Model) -> anyhow::Result<()> {
+        if self.share.is_some() {
+            return Ok(());
+        }
+        let top_k = host.config.moe.as_ref().map_or(1, |m| m.top_k);
+        let act = crate::engine::moe::GatedAct::of(&host.config);
+        // decode splits run at batch 1: one token's rows
+        let (shape, rows) = ((&self.geometry, &self.dense), (1, top_k));
+        let side = super::decode_split::ShareSide::new(dev, shape, rows, self.chunk_experts, act)?;
+        self.share = Some(side);
+        Ok(())
     }
 
     /// The decode split's side with the geometry, first staging slot and dense buffer it borrows.

@@ -375,6 +375,16 @@ impl crate::engine::Engine {
         if !applied {
             return false;
         }
+        // the decode split's GPU side is set up when the split is first switched on
+        if let (DecodeSwitch::DecodeSplit | DecodeSwitch::DecodeSplitFixed(_), true) = (switch, on)
+        {
+            for g in self.gpus() {
+                if let Err(e) = g.ensure_decode_share(&self.model) {
+                    tracing::warn!("decode split unavailable: {e:#}");
+                    return false;
+                }
+            }
+        }
         for g in self.gpus() {
             match switch {
                 DecodeSwitch::Graphs => g.graphs_paused.store(!on, Ordering::Relaxed),
