@@ -131,7 +131,7 @@ pub struct RunArgs {
     /// it, in turn on the same sequences (the comparison without two runs' noise), then each switch's
     /// effect on the logits (teacher-forced). Switches: graphs, device-routed, prelaunch,
     /// mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv,
-    /// caller-works, spare-core, deferN (N routes per token deferred).
+    /// l2-prefetch, caller-works, spare-core, deferN (N routes per token deferred).
     #[arg(long, value_delimiter = ',')]
     pub ab: Vec<crate::engine::gpu::switches::DecodeSwitch>,
     /// Rounds of `--ab`.

@@ -4,8 +4,8 @@
 use crate::common::{rel_l2, xorshift};
 use half::bf16;
 use moe_kernels::cuda::ops::{
-    reference, CacheAppend, CacheRows, FusedRouter, GemvMat, HandoffPort, NormRows, PagedIndex,
-    RotaryStyle, Rotation, RouterKind,
+    reference, CacheAppend, CacheRows, FusedRouter, GemvGrid, GemvMat, HandoffPort, NormRows,
+    PagedIndex, RotaryStyle, Rotation, RouterKind,
 };
 use moe_kernels::cuda::GpuDevice;
 
@@ -25,8 +25,11 @@ fn to_bf16(v: &[f32]) -> Vec<bf16> {
 /// general one; inputs of 520, not a multiple of the 256 inputs a warp reads per step, and of 4096
 /// and 6152, whose rows are split over 2 and 4 warps; output counts not multiples of the 8 rows of a
 /// block) against cuBLAS (`gemm_bf16`) and an f64 host product of the same bf16 values: rel-L2 ≤
-/// 1e-5 against both (f32 sums in another order), and so when accumulating into existing rows.
-/// Shapes it does not take (9 rows, an input of 12) are refused before any launch.
+/// 1e-5 against both (f32 sums in another order), and so when accumulating into existing rows. The
+/// second matrix has a bias, which the launch adds as `add_bias` after cuBLAS does (the same f32 add);
+/// the launch on a grid of 3 blocks (`GemvGrid::AtMost`, each striding over the rows, as a resident
+/// grid does on wide matrices) gives the same values bit for bit. Shapes it does not take (9 rows, an input of 12) are refused before any
+/// launch.
 #[test]
 fn gemv_bf16_matches_cublas_and_host() {
     let dev = GpuDevice::open(0).unwrap();
@@ -52,6 +55,9 @@ fn gemv_bf16_case(dev: &GpuDevice, inp: usize) {
         .iter()
         .map(|w| s.clone_htod(&to_bf16(w)).unwrap())
         .collect();
+    let bias_host = values(outs[1], 0.5, 13);
+    let bias = s.clone_htod(&bias_host).unwrap();
+    let biases = [None, Some(&bias), None];
     for rows in [1usize, 2, 3, 8] {
         let x: Vec<f32> = to_bf16(&values(rows * inp, 1.0, 99 + rows as u64))
             .iter()
@@ -63,21 +69,27 @@ fn gemv_bf16_case(dev: &GpuDevice, inp: usize) {
                 .iter()
                 .map(|&o| values(rows * o, 1.0, 5 + o as u64))
                 .collect();
-            let mut ys: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
-            let mut cublas: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
-            {
+            let launch = |grid: GemvGrid| {
+                let mut ys: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
                 let mut mats: Vec<GemvMat> = ys
                     .iter_mut()
                     .zip(&dw)
                     .zip(outs)
-                    .map(|((y, w), out)| GemvMat { w, y, out })
+                    .zip(biases)
+                    .map(|(((y, w), out), bias)| GemvMat { w, y, out, bias })
                     .collect();
-                dev.gemv_bf16(&dx, (rows, inp), &mut mats, accumulate)
+                dev.gemv_bf16_grid(&dx, (rows, inp), &mut mats, accumulate, grid)
                     .unwrap();
-            }
-            for ((y, w), &out) in cublas.iter_mut().zip(&dw).zip(&outs) {
+                ys
+            };
+            let (ys, resident) = (launch(GemvGrid::PerRows), launch(GemvGrid::AtMost(3)));
+            let mut cublas: Vec<_> = base.iter().map(|b| s.clone_htod(b).unwrap()).collect();
+            for (((y, w), &out), b) in cublas.iter_mut().zip(&dw).zip(&outs).zip(biases) {
                 dev.gemm_bf16(&dx, w, y, rows, out, inp, accumulate)
                     .unwrap();
+                if let Some(b) = b {
+                    dev.add_bias(y, b, (rows, out)).unwrap();
+                }
             }
             for (m, &out) in outs.iter().enumerate() {
                 let got = s.clone_dtoh(&ys[m]).unwrap();
@@ -92,13 +104,19 @@ fn gemv_bf16_case(dev: &GpuDevice, inp: usize) {
                         let dot: f64 = (0..inp)
                             .map(|c| x[t * inp + c] as f64 * ws[m][r * inp + c] as f64)
                             .sum();
-                        host[t * out + r] = (host[t * out + r] as f64 + dot) as f32;
+                        let b = if m == 1 { bias_host[r] as f64 } else { 0.0 };
+                        host[t * out + r] = (host[t * out + r] as f64 + dot + b) as f32;
                     }
                 }
+                let label = format!("{inp} inputs rows {rows} matrix {m} accumulate {accumulate}");
+                assert!(
+                    got == s.clone_dtoh(&resident[m]).unwrap(),
+                    "{label}: the resident grid differs"
+                );
                 let (e_blas, e_host) = (rel_l2(&got, &want_blas), rel_l2(&got, &host));
                 assert!(
                     e_blas <= 1e-5 && e_host <= 1e-5,
-                    "{inp} inputs rows {rows} matrix {m} accumulate {accumulate}: vs cuBLAS {e_blas}, vs host {e_host}"
+                    "{label}: vs cuBLAS {e_blas}, vs host {e_host}"
                 );
             }
         }
@@ -112,6 +130,7 @@ fn gemv_bf16_case(dev: &GpuDevice, inp: usize) {
         w: &dw[0],
         y: &mut y,
         out: 300,
+        bias: None,
     }];
     let e = dev.gemv_bf16(&x9, (9, inp), &mut mats, false).unwrap_err();
     assert!(e.to_string().contains("9 rows"), "{e}");
@@ -367,36 +386,42 @@ fn paged_attention_warps_matches_host_and_tile_kernel() {
     }
 }
 
+/// Inputs of the router tests' rows.
+const ROUTER_INPUTS: usize = 2048;
+
+/// The routers the fused router's tests cover, as (experts, k, kind, with a correction bias): softmax
+/// top-8 of 128 with and without renormalisation (Qwen3), sigmoid + correction bias with 8 groups
+/// keeping 4 of 256 (DeepSeek-V3: the block top-k), sigmoid + correction bias in one group, top-8 of
+/// 128 (GLM-4.5-Air: the warp top-k), softmax top-6 of 64 (SmallThinker-21B).
+fn router_cases() -> [(usize, usize, RouterKind, bool); 5] {
+    let sigmoid = |n_group, topk_group, scaling| RouterKind::SigmoidGrouped {
+        n_group,
+        topk_group,
+        renormalize: true,
+        scaling,
+    };
+    [
+        (128, 8, RouterKind::Softmax { renormalize: true }, false),
+        (128, 8, RouterKind::Softmax { renormalize: false }, false),
+        (256, 8, sigmoid(8, 4, 2.5), true),
+        (128, 8, sigmoid(1, 1, 1.0), true),
+        (64, 6, RouterKind::Softmax { renormalize: true }, false),
+    ]
+}
+
 /// `router_gemv_topk` against cuBLAS's f32 GEMM (`gemm_f32`) and the top-k kernel (`router_topk`)
 /// on its own logits: logits within 1e-5 rel-L2 (f32 sums in another order), and the ids
-/// `router_topk` gives on them, weights within 1e-6 (a warp's softmax sum in another order), for softmax top-8 of 128 (with and
-/// without renormalisation), sigmoid + correction bias with 8 groups keeping 4 of 256, and top-6 of
-/// 64; rows 1, 5 and 8; three launches in a row (the finished-block counter is back at 0 after
-/// each). Publishing in the same launch leaves exactly those ids and weights (and the input rows, when
-/// asked; none otherwise) in the hand-off's host buffers, with DOWN raised.
+/// `router_topk` gives on them, weights within 1e-6 (a warp's softmax sum in another order), for
+/// every router of [`router_cases`]; rows 1, 5 and 8; three launches in a row (the finished-block
+/// counter is back at 0 after each). Publishing in the same launch leaves exactly those ids and
+/// weights (and the input rows, when asked; none otherwise) in the hand-off's host buffers, with DOWN
+/// raised.
 #[test]
 fn router_gemv_topk_matches_gemm_and_topk() {
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
-    let inp = 2048;
-    let grouped = RouterKind::SigmoidGrouped {
-        n_group: 8,
-        topk_group: 4,
-        renormalize: true,
-        scaling: 2.5,
-    };
-    let cases = [
-        (
-            128usize,
-            8usize,
-            RouterKind::Softmax { renormalize: true },
-            false,
-        ),
-        (128, 8, RouterKind::Softmax { renormalize: false }, false),
-        (256, 8, grouped, true),
-        (64, 6, RouterKind::Softmax { renormalize: true }, false),
-    ];
-    for (experts, k, kind, with_bias) in cases {
+    let inp = ROUTER_INPUTS;
+    for (experts, k, kind, with_bias) in router_cases() {
         let w = s.clone_htod(&values(experts * inp, 0.05, 21)).unwrap();
         let bias = s.clone_htod(&values(experts, 0.05, 22)).unwrap();
         let router = FusedRouter {
@@ -585,17 +610,22 @@ fn rms_norm_rows(
 const EPS: f32 = 1e-6;
 
 /// `gemv_bf16_norm` (the attention norm folded into the q/k/v launch) gives exactly what `rms_norm`
-/// then `gemv_bf16` give: the same bf16 normalised rows (each block sums the squares in `rms_norm`'s
-/// order) written to `normed`, and the same products bit for bit; the rows also within bf16 rounding
-/// (rel-L2 ≤ 4e-3) of an f64 host norm, and the products within 1e-5 of an f64 host product of them.
-/// Rows 1, 2 and 8, inputs 520 and 2048, three matrices of 300, 64 and 72 rows. Rows whose bf16 copy
-/// would not fit its shared memory (8 × 4096) are refused.
+/// then `gemv_bf16` then `add_bias` give: the same bf16 normalised rows (each block sums the squares in
+/// `rms_norm`'s order) written to `normed`, and the same outputs bit for bit, with biases on the first
+/// and last matrices (GLM's q/k/v biases) and on a grid of 3 blocks striding over the rows
+/// (`GemvGrid::AtMost`) alike; the rows also within bf16 rounding (rel-L2 ≤ 4e-3) of an f64 host
+/// norm, and the outputs within 1e-5 of an f64 host product of them plus the bias. Rows 1, 2 and 8,
+/// inputs 520, 2048 and 4096 (1 and 2 rows), three matrices of 300, 64 and 72 rows. Rows whose bf16
+/// copy would not fit its shared memory (8 × 4096) are refused.
 #[test]
 fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
     let outs = [300usize, 64, 72];
-    for inp in [520usize, 2048] {
+    let bias_host: Vec<Vec<f32>> = outs.iter().map(|&o| values(o, 0.5, 37)).collect();
+    let bias: Vec<_> = bias_host.iter().map(|b| s.clone_htod(b).unwrap()).collect();
+    let biases = [Some(&bias[0]), None, Some(&bias[2])];
+    for inp in [520usize, 2048, 4096] {
         let ws: Vec<_> = outs
             .iter()
             .enumerate()
@@ -605,6 +635,9 @@ fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
         let norm_w_host: Vec<f32> = values(inp, 0.5, 41).iter().map(|v| 1.0 + v).collect();
         let norm_w = s.clone_htod(&norm_w_host).unwrap();
         for rows in [1usize, 2, 8] {
+            if !GpuDevice::gemv_bf16_norm_takes(rows, inp) {
+                continue;
+            }
             let label = format!("{rows} rows of {inp}");
             let xh = values(rows * inp, 3.0, 51 + rows as u64);
             let x = s.clone_htod(&xh).unwrap();
@@ -618,29 +651,48 @@ fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
                 .iter_mut()
                 .zip(&dw)
                 .zip(outs)
-                .map(|((y, w), out)| GemvMat { w, y, out })
+                .map(|((y, w), out)| GemvMat {
+                    w,
+                    y,
+                    out,
+                    bias: None,
+                })
                 .collect();
             dev.gemv_bf16(&dhb, (rows, inp), &mut mats, false).unwrap();
-            let mut ys: Vec<_> = outs
-                .iter()
-                .map(|&o| s.clone_htod(&values(rows * o, 1.0, 61)).unwrap())
-                .collect();
-            let mut normed = s.alloc_zeros::<bf16>(rows * inp).unwrap();
-            let mut mats: Vec<GemvMat> = ys
-                .iter_mut()
-                .zip(&dw)
-                .zip(outs)
-                .map(|((y, w), out)| GemvMat { w, y, out })
-                .collect();
+            for ((y, b), &out) in want_y.iter_mut().zip(biases).zip(&outs) {
+                if let Some(b) = b {
+                    dev.add_bias(y, b, (rows, out)).unwrap();
+                }
+            }
             let norm = NormRows {
                 x: &x,
                 w: &norm_w,
                 eps: EPS,
             };
-            dev.gemv_bf16_norm(&norm, (rows, inp), &mut normed, &mut mats)
-                .unwrap();
-            let got_hb = s.clone_dtoh(&normed).unwrap();
+            let launch = |grid: GemvGrid| {
+                let mut ys: Vec<_> = outs
+                    .iter()
+                    .map(|&o| s.clone_htod(&values(rows * o, 1.0, 61)).unwrap())
+                    .collect();
+                let mut normed = s.alloc_zeros::<bf16>(rows * inp).unwrap();
+                let mut mats: Vec<GemvMat> = ys
+                    .iter_mut()
+                    .zip(&dw)
+                    .zip(outs)
+                    .zip(biases)
+                    .map(|(((y, w), out), bias)| GemvMat { w, y, out, bias })
+                    .collect();
+                dev.gemv_bf16_norm_grid(&norm, (rows, inp), &mut normed, &mut mats, grid)
+                    .unwrap();
+                (ys, s.clone_dtoh(&normed).unwrap())
+            };
+            let ((ys, got_hb), (strided, strided_hb)) =
+                (launch(GemvGrid::PerRows), launch(GemvGrid::AtMost(3)));
             assert!(got_hb == want_hb, "{label}: normalised rows differ");
+            assert!(
+                strided_hb == want_hb,
+                "{label}: normalised rows (3 blocks) differ"
+            );
             // the host norm in f64
             let host_hb: Vec<f32> = (0..rows)
                 .flat_map(|t| {
@@ -658,16 +710,23 @@ fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
             assert!(e <= 4e-3, "{label}: normalised rows vs host {e}");
             for (m, &out) in outs.iter().enumerate() {
                 let got = s.clone_dtoh(&ys[m]).unwrap();
+                let want = s.clone_dtoh(&want_y[m]).unwrap();
                 assert!(
-                    got == s.clone_dtoh(&want_y[m]).unwrap(),
-                    "{label} matrix {m}: differs from rms_norm + gemv_bf16"
+                    got == want,
+                    "{label} matrix {m}: differs from rms_norm + gemv_bf16 + add_bias"
+                );
+                assert!(
+                    s.clone_dtoh(&strided[m]).unwrap() == want,
+                    "{label} matrix {m}: 3 blocks differ"
                 );
                 let host: Vec<f32> = (0..rows * out)
                     .map(|i| {
                         let (t, r) = (i / out, i % out);
-                        (0..inp)
+                        let b = biases[m].map_or(0.0, |_| bias_host[m][r] as f64);
+                        let dot: f64 = (0..inp)
                             .map(|c| got_hb_f[t * inp + c] as f64 * ws[m][r * inp + c].to_f64())
-                            .sum::<f64>() as f32
+                            .sum();
+                        (dot + b) as f32
                     })
                     .collect();
                 let e = rel_l2(&got, &host);
@@ -686,6 +745,7 @@ fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
         w: &wm,
         y: &mut y,
         out: 1,
+        bias: None,
     }];
     let norm = NormRows {
         x: &x,
@@ -701,34 +761,17 @@ fn gemv_bf16_norm_matches_rms_norm_then_gemv() {
 /// `router_gemv_topk_norm` (the FFN norm folded into the router's launch) gives exactly what
 /// `rms_norm` then `router_gemv_topk` give: the same bf16 and f32 normalised rows written to `hb` and
 /// `hf` (each block normalises in `rms_norm`'s order), the same logits, experts and weights bit for
-/// bit, and, publishing, the same normalised rows in the hand-off's host buffer. Softmax top-8 of
-/// 128, sigmoid + correction bias with 8 groups keeping 4 of 256, top-6 of 64; rows 1, 2 and 5 of
-/// 2048 (the shared memory holds 5 × 2048 f32 rows and the top-k's arrays); 8 rows of 2048 are
-/// refused (64 KiB of rows).
+/// bit, and, publishing, the same normalised rows in the hand-off's host buffer. Every router of
+/// [`router_cases`]; rows 1, 2 and 5 of 2048 (the shared memory holds 5 × 2048 f32 rows and the
+/// top-k's arrays); 8 rows of 2048 are refused (64 KiB of rows).
 #[test]
 fn router_gemv_topk_norm_matches_rms_norm_then_router() {
     let dev = GpuDevice::open(0).unwrap();
     let s = &dev.stream;
-    let inp = 2048;
-    let grouped = RouterKind::SigmoidGrouped {
-        n_group: 8,
-        topk_group: 4,
-        renormalize: true,
-        scaling: 2.5,
-    };
-    let cases = [
-        (
-            128usize,
-            8usize,
-            RouterKind::Softmax { renormalize: true },
-            false,
-        ),
-        (256, 8, grouped, true),
-        (64, 6, RouterKind::Softmax { renormalize: true }, false),
-    ];
+    let inp = ROUTER_INPUTS;
     let norm_w: Vec<f32> = values(inp, 0.5, 71).iter().map(|v| 1.0 + v).collect();
     let norm_w = s.clone_htod(&norm_w).unwrap();
-    for (experts, k, kind, with_bias) in cases {
+    for (experts, k, kind, with_bias) in router_cases() {
         let w = s.clone_htod(&values(experts * inp, 0.05, 72)).unwrap();
         let bias = s.clone_htod(&values(experts, 0.05, 73)).unwrap();
         let router = FusedRouter {

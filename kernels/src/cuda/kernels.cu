@@ -6,7 +6,8 @@
 // elements threadIdx.x + k * blockDim.x in k order, then by block_sum (so every kernel that normalises
 // with a block of the same size gets the same values as rms_norm). Up to NORM_REGS elements per thread, their loads are all
 // issued at once and kept in registers (a loop would wait for each load before the next: a dependent
-// L2 round trip per element); longer rows take that loop. Called by every thread.
+// L2 round trip per element); longer rows (GLM-4.5's 4096 at 256 threads) are read in spans of
+// NORM_REGS loads in flight, twice (the sum, then the values). Called by every thread.
 #define NORM_REGS 8
 template <typename Emit>
 __device__ __forceinline__ void rms_norm_row(const float* xr, const float* w, int dim, float eps, float* buf,
@@ -29,9 +30,33 @@ __device__ __forceinline__ void rms_norm_row(const float* xr, const float* w, in
             if (i < dim) emit(i, xv[k] * inv * w[i]);
         }
     } else {
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+        // NORM_REGS loads in flight at a time, summed in the same order as one at a time
+        int span = NORM_REGS * (int)blockDim.x;
+        for (int i0 = 0; i0 < dim; i0 += span) {
+            float xv[NORM_REGS];
+#pragma unroll
+            for (int k = 0; k < NORM_REGS; ++k) {
+                int i = i0 + threadIdx.x + k * blockDim.x;
+                xv[k] = i < dim ? xr[i] : 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < NORM_REGS; ++k)
+                if (i0 + threadIdx.x + k * blockDim.x < dim) ss += xv[k] * xv[k];
+        }
         float inv = rsqrtf(block_sum(ss, buf) / dim + eps);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) emit(i, xr[i] * inv * w[i]);
+        for (int i0 = 0; i0 < dim; i0 += span) {
+            float xv[NORM_REGS];
+#pragma unroll
+            for (int k = 0; k < NORM_REGS; ++k) {
+                int i = i0 + threadIdx.x + k * blockDim.x;
+                xv[k] = i < dim ? xr[i] : 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < NORM_REGS; ++k) {
+                int i = i0 + threadIdx.x + k * blockDim.x;
+                if (i < dim) emit(i, xv[k] * inv * w[i]);
+            }
+        }
     }
 }
 

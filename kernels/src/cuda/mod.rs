@@ -104,6 +104,7 @@ pub(crate) struct Kernels {
     pub paged_attention_warps: CudaFunction,
     pub paged_attention_warps_q8: CudaFunction,
     pub router_gemv_topk: CudaFunction,
+    pub l2_prefetch: CudaFunction,
 }
 
 /// The NVRTC architecture for a GPU of compute capability `(major, minor)`: `sm_89` (Ada), `sm_90`
@@ -159,6 +160,10 @@ pub struct GpuDevice {
     /// Finished-block counter of `router_gemv_topk` (0 between its launches, which run one after the
     /// other on the engine stream).
     pub(crate) router_blocks_done: CudaSlice<u32>,
+    /// Streaming multiprocessors (sizes the grids of launches that keep every block resident).
+    pub sm_count: usize,
+    /// Bytes of the L2 cache (bounds what `l2_prefetch` is asked to keep there).
+    pub l2_bytes: usize,
 }
 
 /// One product of [`GpuDevice::gemm_bf16_items`]: `rows` bf16 activation rows at `x`, a bf16 weight at
@@ -239,6 +244,7 @@ impl GpuDevice {
             paged_attention_warps: f("paged_attention_warps")?,
             paged_attention_warps_q8: f("paged_attention_warps_q8")?,
             router_gemv_topk: f("router_gemv_topk")?,
+            l2_prefetch: f("l2_prefetch")?,
         };
         // All work goes through one stream in order, so cudarc's per-argument event tracking (meant for
         // buffers shared across streams) is pure launch overhead here.
@@ -247,6 +253,11 @@ impl GpuDevice {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| GpuError::Blas(e.to_string()))?;
         let router_blocks_done = stream.alloc_zeros::<u32>(1)?;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let sm_count = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
+        let l2_bytes = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as usize;
         let dev = Self {
             ctx,
             stream,
@@ -257,6 +268,8 @@ impl GpuDevice {
             expert_gemm: gemm_path::PathChooser::from_env(),
             flash: Default::default(),
             router_blocks_done,
+            sm_count,
+            l2_bytes,
         };
         dev.keep_pool_memory()?;
         Ok(dev)
@@ -279,6 +292,8 @@ impl GpuDevice {
             expert_gemm: gemm_path::PathChooser::from_env(),
             flash: Default::default(),
             router_blocks_done,
+            sm_count: self.sm_count,
+            l2_bytes: self.l2_bytes,
         })
     }
 
@@ -741,7 +756,7 @@ mod tests {
     }
 
     /// Entries of the start-up module that the NVRTC check looks for in its PTX.
-    const STARTUP_ENTRIES_CHECKED: [&str; 21] = [
+    const STARTUP_ENTRIES_CHECKED: [&str; 22] = [
         "gated_mul",
         "paged_attention",
         "gemv_w4a16",
@@ -763,6 +778,7 @@ mod tests {
         "paged_attention_warps",
         "paged_attention_warps_q8",
         "router_gemv_topk",
+        "l2_prefetch",
     ];
 
     #[test]
@@ -815,6 +831,7 @@ mod tests {
             "paged_attention_warps",
             "paged_attention_warps_q8",
             "router_gemv_topk",
+            "l2_prefetch",
         ] {
             // (a kernel's declaration line, launch bounds allowed between `__global__` and `void`)
             let declared = SOURCE

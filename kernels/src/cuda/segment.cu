@@ -6,26 +6,49 @@
 // memory round trips: q/k/v as one GEMV launch, q/k norm + RoPE + the cache append as one, decode
 // attention spread over warps, and the router's GEMV with its top-k.
 
-// y_m[t, r] (=|+=) x[t] . W_m[r] for up to three bf16 matrices W_m ([out_m, in]) sharing the input
-// x (bf16 [n, in], n <= GEMV_MAX_TOKENS): output rows of all matrices are numbered in one range, each
-// row taken by `split` warps (gemv_bf16_rows; 1 for gemv_bf16_norm); each lane takes 8 consecutive
-// inputs (one 16-byte load) per step, so a warp reads 512 contiguous bytes and each lane keeps up to
-// GEMV_LOADS loads in flight. in % 8 == 0, 16-byte aligned rows.
-// grid: ceil((out0 + out1 + out2) * split / 8); block: 256.
+// y_m[t, r] (=|+=) x[t] . W_m[r] (+ b_m[r]) for up to three bf16 matrices W_m ([out_m, in]) sharing the
+// input x (bf16 [n, in], n <= GEMV_MAX_TOKENS) and their optional f32 biases b_m (null: none; added after
+// the sum, as add_bias does, so the values are those of the GEMV followed by add_bias): output rows of
+// all matrices are numbered in one range, each row taken by `split` warps (gemv_bf16_rows; 1 for
+// gemv_bf16_norm); each lane takes 8 consecutive inputs (one 16-byte load) per step, so a warp reads 512
+// contiguous bytes and each lane keeps up to GEMV_LOADS loads in flight. in % 8 == 0, 16-byte aligned
+// rows. A block takes rows_per_block = 8 / split rows, then strides over the rest by the grid's rows
+// (a grid smaller than the rows is resident at once and pays its start, the norm in gemv_bf16_norm,
+// once per block, not once per wave).
+// grid: at most ceil((out0 + out1 + out2) * split / 8); block: 256.
 #define GEMV_LOADS 8
 
-// The weight row and output of global output row r of a gemv_bf16 launch (w null: past the last row).
+// The matrices of one gemv_bf16 launch: weights, outputs, output rows and biases (null: none).
+struct GemvMats {
+    const bf16* w[3];
+    float* y[3];
+    int out[3];
+    const float* b[3];
+};
+
+// The weight row, output and bias of global output row r of a gemv_bf16 launch (w null: past the last
+// row).
 struct GemvRow {
     const bf16* w;
     float* y;
     int out, r;
+    const float* b;
 };
-__device__ __forceinline__ GemvRow gemv_row(int r, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1,
-                                            int out1, const bf16* w2, float* y2, int out2, int in) {
-    if (r < out0) return {w0 + (size_t)r * in, y0, out0, r};
-    if ((r -= out0) < out1) return {w1 + (size_t)r * in, y1, out1, r};
-    if ((r -= out1) < out2) return {w2 + (size_t)r * in, y2, out2, r};
-    return {nullptr, nullptr, 0, 0};
+__device__ __forceinline__ GemvRow gemv_row(int r, const GemvMats& m, int in) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        if (r < m.out[i]) return {m.w[i] + (size_t)r * in, m.y[i], m.out[i], r, m.b[i]};
+        r -= m.out[i];
+    }
+    return {nullptr, nullptr, 0, 0, nullptr};
+}
+
+// Output element i (row r of its matrix) of a gemv_bf16 launch from its sum v: stored or accumulated,
+// then the row's bias added (the order of a GEMV followed by add_bias).
+__device__ __forceinline__ void gemv_put(const GemvRow& row, size_t i, float v, int accumulate) {
+    float y = accumulate ? row.y[i] + v : v;
+    if (row.b) y += row.b[row.r];
+    row.y[i] = y;
 }
 
 // One chunk of a lane's weight loads: GEMV_LOADS 16-byte loads from input c0 on, WARP * 8 inputs apart,
@@ -65,33 +88,29 @@ __device__ __forceinline__ void gemv_dot(const uint4* q, const bf16* x, int in, 
     }
 }
 
-// gemv_store for NT accumulators.
+// gemv_store for NT accumulators, with the row's bias.
 template <int NT>
-__device__ __forceinline__ void gemv_store_rows(const float* acc, int n, int out, int r, int accumulate, float* y) {
+__device__ __forceinline__ void gemv_store_rows(const float* acc, int n, const GemvRow& row, int accumulate) {
     int lane = threadIdx.x % WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         if (t < n) {
             float v = warp_sum(acc[t]);
-            if (lane == 0) {
-                size_t i = (size_t)t * out + r;
-                y[i] = accumulate ? y[i] + v : v;
-            }
+            if (lane == 0) gemv_put(row, (size_t)t * row.out + row.r, v, accumulate);
         }
     }
 }
 
 // The GEMV kernels come in one entry per bound on the rows (1, 2, GEMV_MAX_TOKENS): the registers a
 // kernel uses are those of its largest row count (8 accumulators and 8 rows' loads: ~100 registers,
-// two 256-thread blocks per SM, so the q/k/v launch of a Qwen3 layer, 640 blocks, ran in 3 waves of
-// DRAM latency). The 1- and 2-row entries are held to GEMV_FEW_ROWS_BLOCKS blocks per SM (<= 48
-// registers: 660 blocks resident on an H200's 132 SMs, the q/k/v launch in one wave).
-#define GEMV_FEW_ROWS_BLOCKS 5
-// The norm-folding entries keep their first weight loads and the row's elements in registers across
-// the norm: at 48 registers they spill (a spilled load target waits for its DRAM round trip before the
-// norm can start), so they are held to 4 blocks per SM (64 registers, no spills; a Qwen3 q/k/v launch in
-// 1.2 waves).
-#define GEMV_NORM_FEW_ROWS_BLOCKS 4
+// two 256-thread blocks per SM). The 1- and 2-row entries are held to GEMV_FEW_ROWS_BLOCKS blocks per
+// SM: 64 registers, no spills with the next row's loads in flight across a row's reduction (at 48
+// registers, 5 blocks, they spilled: a spilled load target waits for its DRAM round trip); each of the
+// 528 resident blocks keeps 8 rows' 4 KB of loads going.
+#define GEMV_FEW_ROWS_BLOCKS 4
+// The norm-folding entries also keep their first weight loads and the row's elements in registers
+// across the norm: 3 blocks per SM (80 registers, no spills; 64 spilled).
+#define GEMV_NORM_FEW_ROWS_BLOCKS 3
 // Warps of a gemv_bf16 block (its launch's block: 256 threads).
 #define GEMV_MAX_WARPS 8
 // Inputs a warp's GEMV_LOADS loads per lane cover: one chunk of a row.
@@ -99,60 +118,80 @@ __device__ __forceinline__ void gemv_store_rows(const float* acc, int n, int out
 
 // The GEMV of gemv_bf16 with each output row split over `split` warps of the block (1, 2, 4 or 8:
 // warp w takes row w / split, chunks w % split, w % split + split, ...; their sums added in that
-// order through shared memory), so that a row of several chunks is read in one round of loads.
+// order through shared memory), so that a row of several chunks is read in one round of loads. With
+// `loaded`, q holds the first chunk of the warp's first row already (gemv_bf16_norm issues it before
+// its norm); a block striding over rows issues each next row's first chunk before reducing the
+// current one. Inlined, so q stays in registers.
 template <int NT>
-__device__ void gemv_bf16_rows(const bf16* x, int n, int in, int accumulate, int split, const bf16* w0, float* y0,
-                               int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2, int out2) {
+__device__ __forceinline__ void gemv_rows(const bf16* x, int n, int in, int accumulate, int split, const GemvMats& m,
+                                          uint4 (&q)[GEMV_LOADS], bool loaded) {
     __shared__ float parts[GEMV_MAX_WARPS][NT];
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, part = warp % split;
-    GemvRow row = gemv_row(blockIdx.x * (blockDim.x / WARP / split) + warp / split, w0, y0, out0, w1, y1, out1, w2,
-                           y2, out2, in);
-    if (split == 1 && !row.w) return;
-    float acc[NT];
+    int per_block = blockDim.x / WARP / split, total = m.out[0] + m.out[1] + m.out[2];
+    for (int r0 = blockIdx.x * per_block; r0 < total; r0 += gridDim.x * per_block) {
+        GemvRow row = gemv_row(r0 + warp / split, m, in);
+        if (split == 1 && !row.w) return;
+        float acc[NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-    if (row.w) {
-        for (int c0 = lane * 8 + part * GEMV_CHUNK; c0 < in; c0 += split * GEMV_CHUNK) {
-            uint4 q[GEMV_LOADS];
-            gemv_load(row.w, in, c0, q);
-            gemv_dot<NT>(q, x, in, n, c0, acc);
+        for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+        if (row.w) {
+            for (int c0 = lane * 8 + part * GEMV_CHUNK; c0 < in; c0 += split * GEMV_CHUNK) {
+                if (!loaded) gemv_load(row.w, in, c0, q);
+                loaded = false;
+                gemv_dot<NT>(q, x, in, n, c0, acc);
+            }
         }
-    }
-    if (split == 1) {
-        gemv_store_rows<NT>(acc, n, row.out, row.r, accumulate, row.y);
-        return;
-    }
+        // the warp's next row's first chunk in flight while this row's sums are reduced and stored (a
+        // block striding over rows keeps its loads going instead of draining them at every row)
+        {
+            int c0 = lane * 8 + part * GEMV_CHUNK, rn = r0 + gridDim.x * per_block;
+            const bf16* next = rn < total && c0 < in ? gemv_row(rn + warp / split, m, in).w : nullptr;
+            if (next) gemv_load(next, in, c0, q);
+            loaded = next != nullptr;
+        }
+        if (split == 1) {
+            gemv_store_rows<NT>(acc, n, row, accumulate);
+            continue;
+        }
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (t < n) {
-            float v = warp_sum(acc[t]);
-            if (lane == 0) parts[warp][t] = v;
+        for (int t = 0; t < NT; ++t) {
+            if (t < n) {
+                float v = warp_sum(acc[t]);
+                if (lane == 0) parts[warp][t] = v;
+            }
         }
-    }
-    __syncthreads();
-    // the row's first warp adds its warps' sums: lane t for row t
-    if (row.w && part == 0 && lane < n) {
-        float v = 0.f;
-        for (int p = 0; p < split; ++p) v += parts[warp + p][lane];
-        size_t i = (size_t)lane * row.out + row.r;
-        row.y[i] = accumulate ? row.y[i] + v : v;
+        __syncthreads();
+        // the row's first warp adds its warps' sums: lane t for row t
+        if (row.w && part == 0 && lane < n) {
+            float v = 0.f;
+            for (int p = 0; p < split; ++p) v += parts[warp + p][lane];
+            gemv_put(row, (size_t)lane * row.out + row.r, v, accumulate);
+        }
+        // (the next rows' sums overwrite parts)
+        __syncthreads();
     }
 }
 
-extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, int split,
-        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
-        int out2) {
-    gemv_bf16_rows<GEMV_MAX_TOKENS>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+template <int NT>
+__device__ void gemv_bf16_rows(const bf16* x, int n, int in, int accumulate, int split, const GemvMats& m) {
+    uint4 q[GEMV_LOADS];
+    gemv_rows<NT>(x, n, in, accumulate, split, m, q, false);
 }
-extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_1(const bf16* x, int n, int in, int accumulate, int split,
-        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
-        int out2) {
-    gemv_bf16_rows<1>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+
+#define GEMV_ARGS const bf16 *w0, float *y0, int out0, const float *b0, const bf16 *w1, float *y1, int out1, \
+    const float *b1, const bf16 *w2, float *y2, int out2, const float *b2
+#define GEMV_MATS_OF {{w0, w1, w2}, {y0, y1, y2}, {out0, out1, out2}, {b0, b1, b2}}
+
+extern "C" __global__ void gemv_bf16(const bf16* x, int n, int in, int accumulate, int split, GEMV_ARGS) {
+    gemv_bf16_rows<GEMV_MAX_TOKENS>(x, n, in, accumulate, split, GemvMats GEMV_MATS_OF);
 }
-extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_2(const bf16* x, int n, int in, int accumulate, int split,
-        const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2, float* y2,
-        int out2) {
-    gemv_bf16_rows<2>(x, n, in, accumulate, split, w0, y0, out0, w1, y1, out1, w2, y2, out2);
+extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_1(const bf16* x, int n, int in,
+        int accumulate, int split, GEMV_ARGS) {
+    gemv_bf16_rows<1>(x, n, in, accumulate, split, GemvMats GEMV_MATS_OF);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_FEW_ROWS_BLOCKS) void gemv_bf16_2(const bf16* x, int n, int in,
+        int accumulate, int split, GEMV_ARGS) {
+    gemv_bf16_rows<2>(x, n, in, accumulate, split, GemvMats GEMV_MATS_OF);
 }
 
 // RMSNorm of n rows of x (f32 [n, dim]) with weights w, rounded to bf16 into `out` (shared memory),
@@ -174,50 +213,38 @@ __device__ void rms_norm_rows_bf16(const float* x, const float* w, float eps, in
 
 // gemv_bf16 over the RMS-normalised residual rows: the input is norm(x) (x f32 [n, in], norm weights
 // norm_w, eps), which every block computes into shared memory while its first chunk of weight loads
-// is in flight (a row of 2048-4096 values: cheap next to the weights), in rms_norm's order, so the
-// products are those of rms_norm followed by gemv_bf16. Block 0 also writes the normalised rows to xb
-// (bf16 [n, in]) for the ops that read them later. Never accumulates. Block: 256 threads (rms_norm's
-// order); dynamic shared memory: n * in bf16. Entries per bound on the rows as gemv_bf16's.
+// is in flight (a row of 2048-4096 values: cheap next to the weights), in rms_norm's order, then the
+// GEMV of gemv_bf16 with the same `split` (so the products and sums are those of rms_norm followed by
+// gemv_bf16, bit for bit). Block 0 also writes the normalised rows to xb (bf16 [n, in]) for the ops
+// that read them later. Never accumulates. Blocks stride over the rows as gemv_bf16's: a resident grid
+// normalises once per block. Block: 256 threads (rms_norm's order); dynamic shared memory: n * in
+// bf16. Entries per bound on the rows as gemv_bf16's.
 template <int NT>
-__device__ void gemv_bf16_norm_rows(const float* x, const float* norm_w, float eps, int n, int in, bf16* xb,
-                                    const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1,
-                                    const bf16* w2, float* y2, int out2) {
+__device__ void gemv_bf16_norm_rows(const float* x, const float* norm_w, float eps, int n, int in, int split,
+                                    bf16* xb, const GemvMats& m) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     bf16* xs = (bf16*)gemv_smem;
     __shared__ float buf[32];
-    GemvRow row = gemv_row(blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, w0, y0, out0, w1, y1, out1, w2,
-                           y2, out2, in);
-    int lane = threadIdx.x % WARP;
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, per_block = blockDim.x / WARP / split;
     uint4 q[GEMV_LOADS];
-    if (row.w) gemv_load(row.w, in, lane * 8, q);
+    // (only the weight row is live across the norm: the loads' registers must not spill)
+    const bf16* w = gemv_row(blockIdx.x * per_block + warp / split, m, in).w;
+    if (w) gemv_load(w, in, lane * 8 + (warp % split) * GEMV_CHUNK, q);
     rms_norm_rows_bf16(x, norm_w, eps, n, in, xs, blockIdx.x == 0 ? xb : nullptr, buf);
-    if (!row.w) return;
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-    for (int c0 = lane * 8; c0 < in; c0 += GEMV_LOADS * WARP * 8) {
-        if (c0 != lane * 8) gemv_load(row.w, in, c0, q);
-        gemv_dot<NT>(q, xs, in, n, c0, acc);
-    }
-    gemv_store_rows<NT>(acc, n, row.out, row.r, 0, row.y);
+    gemv_rows<NT>(xs, n, in, 0, split, m, q, w != nullptr);
 }
 
-extern "C" __global__ void gemv_bf16_norm(const float* x, const float* norm_w, float eps, int n, int in,
-        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
-        float* y2, int out2) {
-    gemv_bf16_norm_rows<GEMV_MAX_TOKENS>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
-}
-extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_1(const float* x, const float* norm_w, float eps, int n, int in,
-        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
-        float* y2, int out2) {
-    gemv_bf16_norm_rows<1>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
-}
-extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_2(const float* x, const float* norm_w, float eps, int n, int in,
-        bf16* xb, const bf16* w0, float* y0, int out0, const bf16* w1, float* y1, int out1, const bf16* w2,
-        float* y2, int out2) {
-    gemv_bf16_norm_rows<2>(x, norm_w, eps, n, in, xb, w0, y0, out0, w1, y1, out1, w2, y2, out2);
-}
+#define GEMV_NORM_ARGS const float *x, const float *norm_w, float eps, int n, int in, int split, bf16 *xb, GEMV_ARGS
 
+extern "C" __global__ void gemv_bf16_norm(GEMV_NORM_ARGS) {
+    gemv_bf16_norm_rows<GEMV_MAX_TOKENS>(x, norm_w, eps, n, in, split, xb, GemvMats GEMV_MATS_OF);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_1(GEMV_NORM_ARGS) {
+    gemv_bf16_norm_rows<1>(x, norm_w, eps, n, in, split, xb, GemvMats GEMV_MATS_OF);
+}
+extern "C" __global__ __launch_bounds__(256, GEMV_NORM_FEW_ROWS_BLOCKS) void gemv_bf16_norm_2(GEMV_NORM_ARGS) {
+    gemv_bf16_norm_rows<2>(x, norm_w, eps, n, in, split, xb, GemvMats GEMV_MATS_OF);
+}
 
 // Per-head RMSNorm + RoPE of q and k rows, and the k and v rows appended to bf16 paged caches, in one
 // launch: block (t, h) for h < heads is query head h of row t (in place in q, as qk_norm_rope); for
@@ -579,4 +606,14 @@ extern "C" __global__ void router_gemv_topk(const float* x, int n, int in, const
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) *flag = 1;
+}
+
+// Bytes [0, bytes) of `p` fetched into L2 and marked evict-last, without reading them into registers:
+// a layer's segment weights brought in while the GPU has nothing else to read (it waits for the
+// host's CPU experts), so the segment's GEMVs find them in L2 instead of DRAM. A thread per 128-byte
+// line, striding over the range. grid: any; block: any.
+extern "C" __global__ void l2_prefetch(const char* p, unsigned long long bytes) {
+    size_t stride = (size_t)gridDim.x * blockDim.x * 128;
+    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 128; i < bytes; i += stride)
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + i));
 }

@@ -2,8 +2,9 @@
 //! latent + rope-key cache. Both add their output projection into the residual stream `x`.
 use super::buffers::{AttnBufs, MlaBufs, PrefillScratch};
 use super::kv::GpuKvPool;
-use super::{GpuLinear, GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
+use super::{GpuAttention, GpuFfn, GpuLinear, GpuMlaQuery, GpuModel, GqaWeights, MlaWeights};
 use crate::engine::kv::BLOCK;
+use crate::model::config::RouterInput;
 use crate::model::Model;
 use anyhow::Context;
 use cudarc::driver::CudaSlice;
@@ -49,6 +50,18 @@ pub struct SeqRows {
     pub row0: usize,
     pub len: usize,
     pub pos0: usize,
+}
+
+/// Share of the L2 a layer's segment weights are prefetched into ([`GpuModel::prefetch_segment`]); the
+/// rest is left to what the segment writes and to the lines the prefetch cannot displace.
+const L2_PREFETCH_SHARE: f64 = 0.6;
+
+/// The first elements of `x` that fit in `left` bytes fetched into L2; `left` less them.
+fn prefetch_part<T>(dev: &GpuDevice, x: &CudaSlice<T>, left: &mut usize) -> anyhow::Result<()> {
+    let len = x.len().min(*left / size_of::<T>());
+    dev.l2_prefetch(x, len)?;
+    *left -= len * size_of::<T>();
+    Ok(())
 }
 
 /// A chunk of at least this many rows takes the GEMM attention path (below it the paged kernel's
@@ -230,10 +243,11 @@ impl GpuModel {
                 w,
                 y: &mut *x,
                 out: o.out_dim,
+                bias: o.bias.as_ref(),
             }];
             self.dev
                 .gemv_bf16(&*out, (n, o.in_dim), &mut mats, accumulate)?;
-            return self.add_biases(&mut [(o, x)], n);
+            return Ok(());
         }
         self.linear(o, out, x, n, accumulate)
     }
@@ -262,7 +276,8 @@ impl GpuModel {
     }
 
     /// `y_i = RMSNorm(x) · W_iᵀ (+ bias_i)` for the q/k/v projections in one `gemv_bf16_norm` launch
-    /// (shapes as [`GpuModel::attention_norm_folds`] checked), the normalised rows into `hb`.
+    /// (shapes as [`GpuModel::attention_norm_folds`] checked; the biases added by the same launch), the
+    /// normalised rows into `hb`.
     fn linears_normed(
         &self,
         norm: &NormRows<'_>,
@@ -273,10 +288,11 @@ impl GpuModel {
         let inp = projs[0].0.in_dim;
         let mut mats = Self::gemv_mats(projs)?;
         self.dev.gemv_bf16_norm(norm, (n, inp), hb, &mut mats)?;
-        self.add_biases(projs, n)
+        Ok(())
     }
 
-    /// The GEMV launch's matrices of bf16 projections (checked by [`GpuModel::gemv_takes`]).
+    /// The GEMV launch's matrices of bf16 projections (checked by [`GpuModel::gemv_takes`]), with
+    /// their biases.
     fn gemv_mats<'a>(
         projs: &'a mut [(&GpuLinear, &mut CudaSlice<f32>)],
     ) -> anyhow::Result<Vec<GemvMat<'a>>> {
@@ -287,23 +303,10 @@ impl GpuModel {
                 w,
                 y,
                 out: l.out_dim,
+                bias: l.bias.as_ref(),
             });
         }
         Ok(mats)
-    }
-
-    /// Each projection's bias, when it has one, added to its output rows.
-    fn add_biases(
-        &self,
-        projs: &mut [(&GpuLinear, &mut CudaSlice<f32>)],
-        n: usize,
-    ) -> anyhow::Result<()> {
-        for (l, y) in projs.iter_mut() {
-            if let Some(b) = &l.bias {
-                self.dev.add_bias(&mut **y, b, (n, l.out_dim))?;
-            }
-        }
-        Ok(())
     }
 
     /// `y_i = x · W_iᵀ (+ bias_i)` for projections over the same input `x` (`n` rows): one GEMV launch
@@ -330,7 +333,39 @@ impl GpuModel {
         let inp = projs[0].0.in_dim;
         let mut mats = Self::gemv_mats(projs)?;
         self.dev.gemv_bf16(x, (n, inp), &mut mats, false)?;
-        self.add_biases(projs, n)
+        Ok(())
+    }
+
+    /// Layer `li`'s segment weights fetched into L2 (`l2_prefetch`) while the GPU waits for the host's
+    /// CPU experts of the layer before it, so its launches read them from L2 instead of DRAM: in the
+    /// order the segment reads them (router of a layer routing its input, q, k, v, o, router), up to
+    /// [`L2_PREFETCH_SHARE`] of the L2 (a Qwen3-30B-A3B layer's ~30 MB whole, the first ~30 MB of a
+    /// GLM-4.5-Air layer's ~220). bf16 GQA layers only; nothing for others.
+    pub(super) fn prefetch_segment(&self, host: &Model, li: usize) -> anyhow::Result<()> {
+        let Some(layer) = self.layers.get(li) else {
+            return Ok(());
+        };
+        let GpuAttention::Gqa(w) = &layer.attn else {
+            return Ok(());
+        };
+        let router = match (&layer.ffn, &host.config.moe) {
+            (GpuFfn::Moe(moe), Some(mc)) => Some((&moe.router, mc.router_input)),
+            _ => None,
+        };
+        let dev = &self.dev;
+        let mut left = (dev.l2_bytes as f64 * L2_PREFETCH_SHARE) as usize;
+        if let Some((r, RouterInput::LayerInput)) = router {
+            prefetch_part(dev, r, &mut left)?;
+        }
+        for l in [&w.q, &w.k, &w.v, &w.o] {
+            if let Some(x) = l.w.as_bf16() {
+                prefetch_part(dev, x, &mut left)?;
+            }
+        }
+        if let Some((r, RouterInput::FfnInput)) = router {
+            prefetch_part(dev, r, &mut left)?;
+        }
+        Ok(())
     }
 
     /// The fused segment's q/k norm + RoPE and K/V append as one launch (`qk_norm_rope_append`), for

@@ -459,6 +459,25 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Layer `li + 1`'s segment weights fetched into L2 behind layer `li`'s enqueued segment, when the
+    /// GPU then waits for `li`'s CPU experts (a pipelined step, an MoE layer not wholly on the device):
+    /// the `l2-prefetch` switch (off by default), one GPU ([`GpuModel::prefetch_segment`]). Eager
+    /// launches, outside the segment's graph, so the switch flips between steps.
+    fn prefetch_after(
+        &self,
+        host: &Model,
+        li: usize,
+        (pipelined, route): (bool, LayerRoute),
+    ) -> anyhow::Result<()> {
+        let waits = pipelined
+            && route != LayerRoute::Device
+            && matches!(self.layers[li].ffn, GpuFfn::Moe(_));
+        if waits && self.switches.l2_prefetch() && self.shard.is_none() {
+            self.prefetch_segment(host, li + 1)?;
+        }
+        Ok(())
+    }
+
     /// Whether the router of an `n`-row step over `hd` inputs runs as one launch with its top-k (the
     /// fused segment, at most `FUSED_SEGMENT_ROWS` rows).
     fn fused_router(&self, n: usize, hd: usize) -> bool {
@@ -692,6 +711,7 @@ impl GpuModel {
                     // the previous layer's CPU half (`owed`) has not raised its flag yet
                     let graphs = graphs.as_deref_mut().map(|g| (g, owed.is_some()));
                     self.run_pre_experts(host, li, step, &mut seg, graphs)?;
+                    self.prefetch_after(host, li, (pipelined, routes[li]))?;
                     times.host.launch_s += t.elapsed().as_secs_f64();
                     homes
                 }
@@ -733,7 +753,11 @@ impl GpuModel {
                             let step = (&steps[self.kv_layout.group_of(li + 1)], &mut *pool);
                             // this layer's wait for its CPU experts was just enqueued
                             let g = graphs.as_deref_mut().map(|g| (g, true));
-                            let r = self.run_pre_experts(host, li + 1, step, &mut seg, g);
+                            let r = self
+                                .run_pre_experts(host, li + 1, step, &mut seg, g)
+                                .and_then(|()| {
+                                    self.prefetch_after(host, li + 1, (pipelined, routes[li + 1]))
+                                });
                             if let Err(e) = r {
                                 hand.port.raise_sum(); // the GPU must not wait for a host that gave up
                                 return Err(e);

@@ -45,6 +45,11 @@ pub struct DecodeSwitches {
     /// `MOE_DECODE_SPLIT` ([`DECODE_SPLIT_KNOB`]); off by default (not faster on the H200: the
     /// share's launches cost what it saves the CPU, docs/PERF.md).
     decode_split: AtomicUsize,
+    /// Pipelined steps fetch the next layer's segment weights into L2 (`l2_prefetch`) before the GPU
+    /// waits for the CPU experts (`GpuModel::prefetch_segment`). Off by default: on the H200 at the
+    /// GLM-4.5-Air shape it shortened the segment by 0.6 µs in the bench and the engine's window by
+    /// 1–4 µs of ~93, within the rounds' noise, for four more host launches per layer (docs/PERF.md).
+    l2_prefetch: AtomicBool,
 }
 
 /// A decode split's share of a layer's routed DRAM experts ([`DecodeSwitches`]).
@@ -127,6 +132,7 @@ impl Default for DecodeSwitches {
             fold_norms: AtomicBool::new(true),
             o_gemv: AtomicBool::new(false),
             decode_split: AtomicUsize::new(DECODE_SPLIT_KNOB.read_or(DecodeShare::Off).encode()),
+            l2_prefetch: AtomicBool::new(false),
         }
     }
 }
@@ -211,6 +217,14 @@ impl DecodeSwitches {
     pub fn set_decode_split(&self, share: DecodeShare) {
         self.decode_split.store(share.encode(), Ordering::Relaxed);
     }
+
+    pub fn l2_prefetch(&self) -> bool {
+        self.l2_prefetch.load(Ordering::Relaxed)
+    }
+
+    pub fn set_l2_prefetch(&self, on: bool) {
+        self.l2_prefetch.store(on, Ordering::Relaxed);
+    }
 }
 
 /// Every A/B knob the engine reads from the environment (its own and the CPU expert kernels'), checked
@@ -258,6 +272,8 @@ pub enum DecodeSwitch {
     DecodeSplit,
     /// Decode steps hand the GPU this many of each layer's DRAM experts.
     DecodeSplitFixed(usize),
+    /// The next layer's segment weights prefetched into L2 while the GPU waits for the host.
+    L2Prefetch,
 }
 
 impl DecodeSwitch {
@@ -285,6 +301,7 @@ impl std::str::FromStr for DecodeSwitch {
             "spare-core" => DecodeSwitch::SpareCore,
             "fold-norms" => DecodeSwitch::FoldNorms,
             "o-gemv" => DecodeSwitch::OGemv,
+            "l2-prefetch" => DecodeSwitch::L2Prefetch,
             "decode-split" => DecodeSwitch::DecodeSplit,
             _ => {
                 let numbered = |prefix: &str, most: usize| match s.strip_prefix(prefix) {
@@ -297,7 +314,7 @@ impl std::str::FromStr for DecodeSwitch {
                     DecodeSwitch::Defer(n)
                 } else {
                     return Err(format!(
-                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv, caller-works, spare-core, defer1..defer64, decode-split, decode-split1..decode-split16)"
+                        "unknown decode switch {s:?} (graphs, device-routed, prelaunch, mixed-grouped, walk-mark, early-head, direct-half, fused-segment, fold-norms, o-gemv, l2-prefetch, caller-works, spare-core, defer1..defer64, decode-split, decode-split1..decode-split16)"
                     ));
                 }
             }
@@ -323,6 +340,7 @@ impl std::fmt::Display for DecodeSwitch {
             DecodeSwitch::OGemv => f.write_str("o-gemv"),
             DecodeSwitch::DecodeSplit => f.write_str("decode-split"),
             DecodeSwitch::DecodeSplitFixed(n) => write!(f, "decode-split{n}"),
+            DecodeSwitch::L2Prefetch => f.write_str("l2-prefetch"),
         }
     }
 }
@@ -351,6 +369,7 @@ impl crate::engine::Engine {
             DecodeSwitch::OGemv => g.switches.o_gemv(),
             DecodeSwitch::DecodeSplit => g.switches.decode_split() == DecodeShare::Auto,
             DecodeSwitch::DecodeSplitFixed(n) => g.switches.decode_split() == DecodeShare::Fixed(n),
+            DecodeSwitch::L2Prefetch => g.switches.l2_prefetch(),
         })
     }
 
@@ -407,6 +426,7 @@ impl crate::engine::Engine {
                     };
                     g.switches.set_decode_split(share)
                 }
+                DecodeSwitch::L2Prefetch => g.switches.set_l2_prefetch(on),
             }
         }
         true
@@ -432,6 +452,7 @@ mod tests {
             "spare-core",
             "fold-norms",
             "o-gemv",
+            "l2-prefetch",
             "defer1",
             "defer2",
             "decode-split",

@@ -39,7 +39,8 @@ pub use handoff::{HandoffPort, HandoffStamps, MappedHost};
 pub use moe::{ExpertUnpacker, GateActivation, RouterKind, UnpackFormat};
 pub use norm::{RotaryStyle, Rotation};
 pub use segment::{
-    CacheAppend, FusedRouter, GemvMat, NormRows, FUSED_SEGMENT_ROWS, SEGMENT_MAX_ROWS,
+    CacheAppend, FusedRouter, GemvGrid, GemvMat, NormRows, FUSED_SEGMENT_ROWS, GEMV_GRID,
+    SEGMENT_MAX_ROWS,
 };
 
 /// Default dynamic shared memory a kernel may take without opting in (48 KiB on every supported GPU).

@@ -50,11 +50,43 @@ const NORM_SMEM_BYTES: usize = 48 << 10;
 /// `qk_norm_rope_append` keeps a head in a 1024-float shared array.
 const MAX_HEAD_DIM: usize = 1024;
 
-/// One matrix of a [`GpuDevice::gemv_bf16`] launch: `y[t, ..out] (=|+=) x[t] · Wᵀ`, W bf16 `[out, in]`.
+/// One matrix of a [`GpuDevice::gemv_bf16`] launch: `y[t, ..out] (=|+=) x[t] · Wᵀ (+ bias)`, W bf16
+/// `[out, in]`, the optional f32 bias `[out]` added after the sum (as [`GpuDevice::add_bias`] after the
+/// GEMV: the same values, one launch less per biased matrix).
 pub struct GemvMat<'a> {
     pub w: &'a CudaSlice<bf16>,
     pub y: &'a mut CudaSlice<f32>,
     pub out: usize,
+    pub bias: Option<&'a CudaSlice<f32>>,
+}
+
+/// How many blocks a [`GpuDevice::gemv_bf16`] / [`GpuDevice::gemv_bf16_norm`] launch starts (the
+/// kernels stride over the output rows, so both compute the same values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvGrid {
+    /// One block per 8 / split output rows: a wide matrix runs in several waves of blocks.
+    PerRows,
+    /// At most the blocks resident at once on the device; each strides over the rows, so a block's
+    /// start (and the norm of `gemv_bf16_norm`) is paid once per block instead of once per wave.
+    Resident,
+    /// At most this many blocks (at least one), striding over the rows.
+    AtMost(usize),
+}
+
+/// The grid [`GpuDevice::gemv_bf16`] and [`GpuDevice::gemv_bf16_norm`] launch: resident (H200, one
+/// process, GLM-4.5-Air shape: the folded q/k/v launch 34.2 µs against 50.2 on a block per rows, the
+/// whole segment 89.2 against 111.4; docs/PERF.md, "The decode segment at the GLM-4.5-Air and
+/// SmallThinker shapes").
+pub const GEMV_GRID: GemvGrid = GemvGrid::Resident;
+
+/// Blocks of the GEMV kernels resident per SM: the 1- and 2-row entries' launch bounds in segment.cu
+/// (`GEMV_FEW_ROWS_BLOCKS`, `GEMV_NORM_FEW_ROWS_BLOCKS`), the general entry's ~100 registers.
+fn gemv_blocks_per_sm(rows: usize, norm: bool) -> usize {
+    match (rows, norm) {
+        (1 | 2, false) => 4,
+        (1 | 2, true) => 3,
+        _ => 2,
+    }
 }
 
 /// The bf16 K and V caches a [`GpuDevice::qk_norm_rope_append`] writes (`[slots, kv_heads · head_dim]`)
@@ -119,6 +151,18 @@ impl GpuDevice {
         mats: &mut [GemvMat<'_>],
         accumulate: bool,
     ) -> Result<(), GpuError> {
+        self.gemv_bf16_grid(x, (rows, inp), mats, accumulate, GEMV_GRID)
+    }
+
+    /// [`GpuDevice::gemv_bf16`] launched with `grid_kind`'s blocks (the same values whatever the grid).
+    pub fn gemv_bf16_grid(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        (rows, inp): (usize, usize),
+        mats: &mut [GemvMat<'_>],
+        accumulate: bool,
+        grid_kind: GemvGrid,
+    ) -> Result<(), GpuError> {
         const OP: &str = "gemv_bf16";
         ensure(OP, Self::gemv_bf16_takes(rows, inp), || {
             format!(
@@ -140,15 +184,16 @@ impl GpuDevice {
         };
         let mut l = self.stream.launch_builder(f);
         l.arg(&xp).arg(&n_i).arg(&in_i).arg(&acc_i).arg(&split_i);
-        for (w, y, out) in &args {
-            l.arg(w).arg(y).arg(out);
+        for (w, y, out, b) in &args {
+            l.arg(w).arg(y).arg(out).arg(b);
         }
-        let blocks = total.div_ceil(GEMV_WARPS / split);
+        let blocks = self.gemv_blocks(total.div_ceil(GEMV_WARPS / split), rows, false, grid_kind);
         // SAFETY: argument order and types as segment.cu's `gemv_bf16` (its 1- and 2-row entries
         // alike, each taking at least the rows given); the `split` warps of output row r of matrix m
-        // (a power of two dividing the block's warps) read W_m's row r (out_m·inp checked) and x
+        // (a power of two dividing the block's warps) read W_m's row r (out_m·inp checked), x
         // (rows·inp checked; 16-byte loads: inp % 8 == 0 and device allocations are 256-byte aligned)
-        // and the first writes y_m[t, r] for t < rows (checked); absent matrices have no rows.
+        // and bias_m[r] when given (out_m checked), and the first writes y_m[t, r] for t < rows
+        // (checked); absent matrices have no rows; blocks stride over the rows past the grid's.
         unsafe { l.launch(grid((blocks, 1, 1), GEMV_THREADS, 0)) }?;
         Ok(())
     }
@@ -165,6 +210,19 @@ impl GpuDevice {
         normed: &mut CudaSlice<bf16>,
         mats: &mut [GemvMat<'_>],
     ) -> Result<(), GpuError> {
+        self.gemv_bf16_norm_grid(norm, (rows, inp), normed, mats, GEMV_GRID)
+    }
+
+    /// [`GpuDevice::gemv_bf16_norm`] launched with `grid_kind`'s blocks (the same values whatever the
+    /// grid).
+    pub fn gemv_bf16_norm_grid(
+        &self,
+        norm: &NormRows<'_>,
+        (rows, inp): (usize, usize),
+        normed: &mut CudaSlice<bf16>,
+        mats: &mut [GemvMat<'_>],
+        grid_kind: GemvGrid,
+    ) -> Result<(), GpuError> {
         const OP: &str = "gemv_bf16_norm";
         ensure(OP, Self::gemv_bf16_norm_takes(rows, inp), || {
             format!(
@@ -180,6 +238,8 @@ impl GpuDevice {
             return Ok(());
         }
         let (n_i, in_i) = (rows as i32, int(OP, "inputs", inp)?);
+        let split = gemv_split(inp);
+        let split_i = split as i32;
         let f = match rows {
             1 => &self.k.gemv_bf16_norm_1,
             2 => &self.k.gemv_bf16_norm_2,
@@ -191,28 +251,26 @@ impl GpuDevice {
             .arg(&norm.eps)
             .arg(&n_i)
             .arg(&in_i)
+            .arg(&split_i)
             .arg(&hb);
-        for (w, y, out) in &args {
-            l.arg(w).arg(y).arg(out);
+        for (w, y, out, b) in &args {
+            l.arg(w).arg(y).arg(out).arg(b);
         }
+        let blocks = self.gemv_blocks(total.div_ceil(GEMV_WARPS / split), rows, true, grid_kind);
         // SAFETY: argument order and types as segment.cu's `gemv_bf16_norm` (its 1- and 2-row entries
         // alike, each taking at least the rows given); every block reads the
         // rows x and the norm weights (rows·inp and inp checked) into its shared memory (rows·inp bf16,
-        // sized here), block 0 writes them to `normed` (checked); the warp of output row r of matrix m
-        // reads W_m's row r (out_m·inp checked; 16-byte loads: inp % 8 == 0, allocations 256-byte
-        // aligned) and writes y_m[t, r] for t < rows (checked); absent matrices have no rows.
-        unsafe {
-            l.launch(grid(
-                (total.div_ceil(GEMV_WARPS), 1, 1),
-                GEMV_THREADS,
-                rows * inp * 2,
-            ))
-        }?;
+        // sized here), block 0 writes them to `normed` (checked); the `split` warps of output row r of
+        // matrix m (as `gemv_bf16`'s) read W_m's row r (out_m·inp checked; 16-byte loads: inp % 8 == 0,
+        // allocations 256-byte aligned) and bias_m[r] when given (out_m checked), and the first writes
+        // y_m[t, r] for t < rows (checked); absent matrices have no rows; blocks stride over the rows
+        // past the grid's.
+        unsafe { l.launch(grid((blocks, 1, 1), GEMV_THREADS, rows * inp * 2)) }?;
         Ok(())
     }
 
-    /// The matrices' launch arguments (weights, outputs, output rows; checked against `rows` rows of
-    /// `inp` inputs) and their output rows in all.
+    /// The matrices' launch arguments (weights, outputs, output rows, biases or 0; checked against
+    /// `rows` rows of `inp` inputs) and their output rows in all.
     #[allow(clippy::type_complexity)]
     fn gemv_mats(
         &self,
@@ -220,20 +278,30 @@ impl GpuDevice {
         inp: usize,
         rows: usize,
         mats: &mut [GemvMat<'_>],
-    ) -> Result<([(u64, u64, i32); GEMV_MATS], usize), GpuError> {
+    ) -> Result<([(u64, u64, i32, u64); GEMV_MATS], usize), GpuError> {
         ensure(op, (1..=GEMV_MATS).contains(&mats.len()), || {
             format!("{} matrices (1..={GEMV_MATS})", mats.len())
         })?;
-        let mut args = [(0u64, 0u64, 0i32); GEMV_MATS];
+        let mut args = [(0u64, 0u64, 0i32, 0u64); GEMV_MATS];
         let mut total = 0usize;
         for (a, m) in args.iter_mut().zip(mats.iter_mut()) {
             let w = self.input(op, "w", m.w, m.out * inp)?;
             let y = self.output(op, "y", m.y, rows * m.out)?;
-            *a = (w, y, int(op, "out", m.out)?);
+            let b = self.optional(op, "bias", m.bias, m.out)?;
+            *a = (w, y, int(op, "out", m.out)?, b);
             total += m.out;
         }
         int(op, "rows of all matrices", total)?;
         Ok((args, total))
+    }
+
+    /// Blocks of a GEMV launch whose rows need `per_rows` blocks, by `grid_kind` ([`GemvGrid`]).
+    fn gemv_blocks(&self, per_rows: usize, rows: usize, norm: bool, grid_kind: GemvGrid) -> usize {
+        match grid_kind {
+            GemvGrid::PerRows => per_rows,
+            GemvGrid::Resident => per_rows.min(self.sm_count * gemv_blocks_per_sm(rows, norm)),
+            GemvGrid::AtMost(blocks) => per_rows.min(blocks.max(1)),
+        }
     }
 
     /// In place on `q` (`[rows, heads, head_dim]`) and `k` (`[rows, kv_heads, head_dim]`): each head
@@ -436,6 +504,33 @@ impl GpuDevice {
         Ok(())
     }
 }
+
+impl GpuDevice {
+    /// Fetches the first `len` elements of `x` into L2, marked evict-last (`l2_prefetch`): a
+    /// layer's segment weights brought in while the GPU waits for the host, so the segment reads
+    /// them from L2. Reads nothing into registers and writes nothing; a hint the hardware may drop.
+    pub fn l2_prefetch<T>(&self, x: &impl DevicePtr<T>, len: usize) -> Result<(), GpuError> {
+        const OP: &str = "l2_prefetch";
+        if len == 0 {
+            return Ok(());
+        }
+        let p = self.input(OP, "x", x, len)?;
+        let bytes = (len * size_of::<T>()) as u64;
+        let lines = bytes.div_ceil(L2_LINE as u64) as usize;
+        let blocks = lines.div_ceil(L2_PREFETCH_THREADS).min(self.sm_count * 4);
+        let mut l = self.stream.launch_builder(&self.k.l2_prefetch);
+        l.arg(&p).arg(&bytes);
+        // SAFETY: argument order and types as segment.cu's `l2_prefetch`; it issues prefetches of
+        // addresses inside x's first `len` elements (checked) and touches no memory otherwise.
+        unsafe { l.launch(grid((blocks, 1, 1), L2_PREFETCH_THREADS, 0)) }?;
+        Ok(())
+    }
+}
+
+/// Bytes of an L2 line (`l2_prefetch` issues one prefetch per line).
+const L2_LINE: usize = 128;
+/// Threads of an `l2_prefetch` block.
+const L2_PREFETCH_THREADS: usize = 256;
 
 /// `router_gemv_topk`'s input: the rows' device address, and when the launch normalises them itself
 /// (norm weights, eps, the bf16 and f32 outputs).
