@@ -1,6 +1,8 @@
 //! The benchmark behind `moe-daemon bench cpu-moe`, without building the daemon: a release build of
 //! this example compiles only the kernels crate, so kernel work on a small machine can be timed in
-//! minutes. Flags (all optional): `--experts --topk --hidden --inter --layers --iters --probe-mib N`,
+//! minutes. Flags (all optional): `--experts --hidden --inter --layers --iters --probe-mib N`,
+//! `--topk 8` or a list (`--topk 2,4,8`: the whole bench once per entry, in one process: experts per
+//! token, as a mixed layer's count of DRAM experts),
 //! `--dtype bf16,fp8,…`, `--tokens 1,4,…`, `--threads 1,2,…`, `--tier scalar|avx2|avx512|amx`,
 //! `--paths split,fused,chained,streams:pf8192:t1,read,read:pf8192:t1,…` (rows timed one after the
 //! other per token count: decode paths, default `MOE_CPU_DECODE`, else chained; `read…` the read
@@ -83,8 +85,9 @@ fn list<T: std::str::FromStr>(v: &str) -> Result<Vec<T>, String> {
         .collect()
 }
 
-fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, DecodeStepArgs), String> {
+fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, Vec<usize>, DecodeStepArgs), String> {
     let mut a = CpuMoeBenchArgs::default();
+    let mut topks = vec![a.topk];
     let mut step = DecodeStepArgs::default();
     for pair in args.chunks(2) {
         let [flag, v] = pair else {
@@ -93,7 +96,7 @@ fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, DecodeStepArgs), String> {
         let num = || v.parse::<usize>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "--experts" => a.experts = num()?,
-            "--topk" => a.topk = num()?,
+            "--topk" => topks = list(v)?,
             "--hidden" => a.hidden = num()?,
             "--inter" => a.inter = num()?,
             "--layers" => a.layers = num()?,
@@ -110,12 +113,15 @@ fn parse(args: &[String]) -> Result<(CpuMoeBenchArgs, DecodeStepArgs), String> {
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
-    Ok((a, step))
+    if topks.is_empty() || topks.contains(&0) {
+        return Err("--topk: experts per token must be at least 1".into());
+    }
+    Ok((a, topks, step))
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (args, step) = match parse(&args) {
+    let (args, topks, step) = match parse(&args) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("cpu_moe_bench: {e}");
@@ -135,9 +141,9 @@ fn main() {
         print!("{s}");
         let _ = std::io::Write::flush(&mut std::io::stdout());
     };
-    match run_cpu_moe_bench_with(&args, &step, &mut print) {
-        Ok(()) => {}
-        Err(e) => {
+    for topk in topks {
+        let args = CpuMoeBenchArgs { topk, ..args.clone() };
+        if let Err(e) = run_cpu_moe_bench_with(&args, &step, &mut print) {
             eprintln!("{e}");
             std::process::exit(1)
         }

@@ -10,7 +10,12 @@
 //!   step's hand-off took (sum raised → next routing seen), the workers spinning as in the step;
 //! - `fixed`: one routing for every call, cycling the first 16 MoE layers, as `cpu_moe_bench` does:
 //!   the same experts come back every 16 calls, so a part of them can still be in the L3;
-//! - `fresh`: a new random routing for every call over every MoE layer (no expert comes back).
+//! - `fresh`: a new uniform random routing for every call over every MoE layer (no expert comes
+//!   back); with GPU-resident experts a call computes the drawn experts that live in DRAM.
+//!
+//! Each timing is also split by how many distinct DRAM experts a call read (a mixed layer's count
+//! varies from call to call), with a line through the calls: the cost of a call whatever it reads,
+//! and of each expert at the margin.
 //!
 //! A random-weight checkpoint's router may choose nearly the same experts step after step, which the
 //! 300 MiB L3 of the H200 host then partly serves; the random rounds time the step DRAM-true (each
@@ -246,6 +251,70 @@ fn routing_reuse(calls: &[Call], top_k: usize, experts: usize) -> String {
     )
 }
 
+/// The pool regions of `regions` (one per call that read an expert, in order) by how many distinct
+/// DRAM experts the call read (`held`, per call; calls that read none open no region), each count's
+/// calls and median region, and a least-squares line through every call: the time a call costs
+/// whatever it reads, and each expert's cost at the margin (as GB/s of `expert_bytes`). Says so
+/// instead when the regions do not match the calls.
+fn by_experts(held: &[usize], regions: &[f64], expert_bytes: f64) -> String {
+    let held: Vec<usize> = held.iter().copied().filter(|&h| h > 0).collect();
+    if held.is_empty() || held.len() != regions.len() {
+        return format!(
+            "by DRAM experts per call: {} regions for {} calls that read experts, not split",
+            regions.len(),
+            held.len()
+        );
+    }
+    let mut counts: Vec<String> = Vec::new();
+    for n in 1..=held.iter().copied().max().unwrap_or(0) {
+        let mut r: Vec<f64> = held
+            .iter()
+            .zip(regions)
+            .filter(|(h, _)| **h == n)
+            .map(|(_, &r)| r)
+            .collect();
+        if r.is_empty() {
+            continue;
+        }
+        r.sort_by(f64::total_cmp);
+        let med = quantile(&r, 0.5);
+        counts.push(format!(
+            "{n}: {} × {:.3} ms ({:.0} GB/s)",
+            r.len(),
+            med * 1e3,
+            n as f64 * expert_bytes / med / 1e9
+        ));
+    }
+    let k = held.len() as f64;
+    let (sx, sy) = held
+        .iter()
+        .zip(regions)
+        .fold((0.0, 0.0), |(x, y), (&h, &r)| (x + h as f64, y + r));
+    let (sxx, sxy) = held
+        .iter()
+        .zip(regions)
+        .fold((0.0, 0.0), |(xx, xy), (&h, &r)| {
+            (xx + (h * h) as f64, xy + h as f64 * r)
+        });
+    let det = k * sxx - sx * sx;
+    let fit = if det > 0.0 {
+        let b = (k * sxy - sx * sy) / det;
+        let a = (sy - b * sx) / k;
+        format!(
+            "; line through the calls: {:.1} µs + {:.1} µs per expert ({:.0} GB/s at the margin)",
+            a * 1e6,
+            b * 1e6,
+            expert_bytes / b / 1e9
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "by DRAM experts per call (calls × region median): {}{fit}",
+        counts.join(", ")
+    )
+}
+
 /// The value at quantile `q` (0..=1) of a sorted non-empty list.
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
@@ -339,6 +408,8 @@ struct Replay<'e> {
     pool: &'e WorkerPool,
     sets: Vec<Option<&'e CpuExpertSet>>,
     top_k: usize,
+    /// Routed experts per MoE layer (DRAM and GPU-resident together).
+    num_experts: usize,
     hidden: usize,
 }
 
@@ -352,10 +423,10 @@ impl<'e> Replay<'e> {
             })?;
         let model = engine.model();
         let cfg = &model.config;
-        let top_k = cfg
+        let (top_k, num_experts) = cfg
             .moe
             .as_ref()
-            .map(|m| m.top_k)
+            .map(|m| (m.top_k, m.num_experts))
             .ok_or_else(|| anyhow::anyhow!("--cpu-replay needs an MoE model"))?;
         let sets: Vec<Option<&CpuExpertSet>> = model
             .layers
@@ -373,6 +444,7 @@ impl<'e> Replay<'e> {
             pool,
             sets,
             top_k,
+            num_experts,
             hidden: cfg.hidden_size,
         })
     }
@@ -443,39 +515,40 @@ impl<'e> Replay<'e> {
             .collect()
     }
 
-    /// A new random routing (distinct experts per token, of those the layer's set holds) for every
-    /// call, over the recorded calls' layers and token counts.
+    /// A new uniform random routing (`top_k` distinct experts of the layer's `num_experts` per token)
+    /// for every call, over the recorded calls' layers and token counts: a call reads the drawn
+    /// experts its set holds, so with GPU-resident experts the DRAM share per call follows the
+    /// placement, as in the random rounds of the step.
     fn fresh(&self, calls: &[Call], seed: u64) -> Vec<Call> {
-        let mut g = seed | 1;
-        let mut next = move || {
-            // xorshift64: enough to pick experts
-            g ^= g << 13;
-            g ^= g >> 7;
-            g ^= g << 17;
-            g
-        };
+        let mut state = seed | 1;
         calls
             .iter()
-            .filter_map(|c| {
-                let held = self.sets[c.layer]?.expert_ids();
-                let k = self.top_k.min(held.len());
-                let mut ids = Vec::with_capacity(c.ids.len());
-                for _ in 0..c.ids.len() / self.top_k {
-                    let start = ids.len();
-                    while ids.len() < start + k {
-                        let e = held[(next() % held.len() as u64) as usize];
-                        if !ids[start..].contains(&e) {
-                            ids.push(e);
-                        }
-                    }
-                    // a set of fewer than top-k experts: its first again (rows of one expert)
-                    ids.resize(start + self.top_k, held[0]);
-                }
-                Some(Call {
+            .filter(|c| self.sets[c.layer].is_some())
+            .map(|c| {
+                let mut ids = vec![0u32; c.ids.len()];
+                random_routing(&mut ids, self.top_k, self.num_experts, &mut state);
+                Call {
                     layer: c.layer,
                     ids,
-                })
+                }
             })
+            .collect()
+    }
+
+    /// Packed bytes of one expert (the first MoE layer's; every layer packs the same format).
+    fn expert_bytes(&self) -> f64 {
+        self.sets
+            .iter()
+            .flatten()
+            .next()
+            .map_or(0.0, |s| s.bytes_per_expert() as f64)
+    }
+
+    /// Distinct experts each call reads (those its layer's set holds), in call order.
+    fn held_per_call(&self, calls: &[Call]) -> Vec<usize> {
+        calls
+            .iter()
+            .map(|c| self.sets[c.layer].map_or(0, |s| distinct_held(s, &c.ids)))
             .collect()
     }
 }
@@ -497,13 +570,7 @@ pub(super) fn run(
     probe_gbs: f64,
 ) -> anyhow::Result<()> {
     let replay = Replay::of(engine)?;
-    let experts = replay
-        .sets
-        .iter()
-        .flatten()
-        .map(|s| s.expert_ids().len())
-        .max()
-        .unwrap_or(0);
+    let experts = replay.num_experts;
     // per routing (the model's, random): the step's and each variant's ms per call over rounds
     let mut engine_ms: [Vec<f64>; 2] = Default::default();
     let mut ms: [Vec<Vec<f64>>; 2] = [
@@ -559,6 +626,11 @@ pub(super) fn run(
             "CPU replay round {round}: {}",
             routing_reuse(&calls, replay.top_k, experts)
         );
+        let expert_bytes = replay.expert_bytes();
+        println!(
+            "CPU replay round {round}: engine step {}",
+            by_experts(&replay.held_per_call(&calls), &step.regions, expert_bytes)
+        );
         engine_ms[usize::from(random)].push(step.ms_per_call());
         let order: Vec<usize> = if round % 2 == 0 {
             (0..VARIANTS.len()).collect()
@@ -567,19 +639,26 @@ pub(super) fn run(
         };
         for i in order {
             let v = VARIANTS[i];
-            let t = match v {
-                Variant::Recorded => replay.time(&calls, Duration::ZERO)?,
-                Variant::Gap => replay.time(&calls, gap)?,
-                Variant::Fixed => replay.time(&replay.fixed(&calls), Duration::ZERO)?,
-                Variant::Fresh => replay.time(
-                    &replay.fresh(&calls, 0x9E37_79B9_7F4A_7C15 ^ round as u64),
+            let (timed, gap) = match v {
+                Variant::Recorded => (None, Duration::ZERO),
+                Variant::Gap => (None, gap),
+                Variant::Fixed => (Some(replay.fixed(&calls)), Duration::ZERO),
+                Variant::Fresh => (
+                    Some(replay.fresh(&calls, 0x9E37_79B9_7F4A_7C15 ^ round as u64)),
                     Duration::ZERO,
-                )?,
+                ),
             };
+            let timed = timed.as_deref().unwrap_or(&calls);
+            let t = replay.time(timed, gap)?;
             println!(
                 "CPU replay round {round}: {} {}",
                 v.label(),
                 t.describe(probe_gbs)
+            );
+            println!(
+                "CPU replay round {round}: {} {}",
+                v.label(),
+                by_experts(&replay.held_per_call(timed), &t.regions, expert_bytes)
             );
             ms[usize::from(random)][i].push(t.ms_per_call());
         }
@@ -765,6 +844,27 @@ mod tests {
         let mut few = vec![9u32; 4];
         random_routing(&mut few, 4, 2, &mut state);
         assert_eq!(few, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn calls_split_by_experts_read_and_a_line_through_them() {
+        // 10 µs + 100 µs per expert of 10 MB (100 GB/s at the margin); a call that read nothing
+        // opened no region
+        let held = [1, 0, 2, 4, 2];
+        let regions = [110e-6, 210e-6, 410e-6, 210e-6];
+        let s = by_experts(&held, &regions, 10e6);
+        assert!(
+            s.starts_with("by DRAM experts per call (calls × region median): 1: 1 × 0.110 ms (91 GB/s), 2: 2 × 0.210 ms (95 GB/s), 4: 1 × 0.410 ms (98 GB/s)"),
+            "{s}"
+        );
+        assert!(
+            s.ends_with("line through the calls: 10.0 µs + 100.0 µs per expert (100 GB/s at the margin)"),
+            "{s}"
+        );
+        let off = by_experts(&held, &regions[..3], 10e6);
+        assert!(off.contains("3 regions for 4 calls"), "{off}");
+        // one count only: no line
+        assert!(!by_experts(&[2, 2], &[1e-4, 1e-4], 1e6).contains("line"));
     }
 
     #[test]

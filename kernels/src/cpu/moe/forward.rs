@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 
 use super::act::{gated_row, ActBuf, ActKind};
-use super::fused::{FusedState, FUSED_MAX_TOKENS};
+use super::fused::{DecodePath, FusedState, FUSED_MAX_TOKENS};
 use super::gemm::{act_kind, amx_supports, gemm};
 use super::{CpuExpertSet, MoeError};
 use crate::cpu::features::CpuTier;
@@ -42,6 +42,9 @@ pub(super) struct Scratch {
     items: Vec<Vec<(u32, u32, u32)>>,
     /// The decode path's plan and flags.
     pub fused: FusedState,
+    /// The decode path every set working in this scratch takes instead of its own
+    /// ([`CpuExpertSet::set_shared_decode_path`]).
+    pub path_override: Option<DecodePath>,
 }
 
 #[derive(Clone, Copy)]
@@ -155,6 +158,8 @@ pub(super) struct Call<'a> {
     pub dkind: ActKind,
     /// Some expert runs on AMX: work items keep even tile counts.
     any_amx: bool,
+    /// How this call runs if it is decode-sized: the set's path, or its scratch's override.
+    pub path: DecodePath,
 }
 
 impl CpuExpertSet {
@@ -214,10 +219,11 @@ impl CpuExpertSet {
             gkind: act_kind(tier, fmt, hp),
             dkind: act_kind(tier, fmt, ip),
             any_amx: s.active.iter().any(|a| a.amx),
+            path: s.path_override.unwrap_or(self.decode_path),
         };
         self.convert(s, &c, prows);
         clock.lap(|t| &mut t.convert_s);
-        if self.decode_path.is_fused() && !c.any_amx && t <= FUSED_MAX_TOKENS {
+        if c.path.is_fused() && !c.any_amx && t <= FUSED_MAX_TOKENS {
             self.fused_region(s, &c, rows, out);
             clock.lap(|t| &mut t.fused_s);
             if c.groups > 1 {

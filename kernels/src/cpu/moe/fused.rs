@@ -56,9 +56,10 @@ use crate::knob::Knob;
 /// and for the fused plans optionally the kernels' prefetch (else `decode_prefetch()` on the chained
 /// plans, `default_prefetch()` on `fused`) and item sizes (else the set's, `MOE_CPU_DECODE_ITEM_KIB`).
 /// Written and parsed as
-/// `PLAN[:pfBYTES][:t0|t1|t2|nta][:wsKIB][:guKIB][:dnKIB][:stKIB]`, e.g. `streams`,
+/// `PLAN[:pfBYTES][:t0|t1|t2|nta][:wsKIB][:guKIB][:dnKIB][:stKIB][:ipN][:tail]`, e.g. `streams`,
 /// `chained:pf8192:t1`, `chained:ws64`, `streams:dn384:st192` (gate/up and down bytes per item, the
-/// streams plan's bytes per expert).
+/// streams plan's bytes per expert), `chained:ip8` (at least 8 items per thread in each half),
+/// `chained:tail` (no claim-ahead among a group's last items).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodePath {
     pub plan: DecodePlan,
@@ -68,6 +69,13 @@ pub struct DecodePath {
     /// region's cold start); default none.
     pub warm_start_kib: Option<usize>,
     pub items: ItemKib,
+    /// Items per thread each half of the region is cut into at least (default
+    /// [`MIN_ITEMS_PER_THREAD`]): more, smaller items where a call's bytes are few.
+    pub min_items: Option<usize>,
+    /// Chained plans: a thread claims no item ahead once the group's counter is within one item
+    /// per thread of the end, so the last items go to the threads that run out first instead of
+    /// waiting behind a running item (the region's tail).
+    pub tail_claims_off: bool,
 }
 
 /// Item sizes of a fused plan in KiB, each overriding the default where given.
@@ -114,6 +122,8 @@ impl DecodePath {
                 down: None,
                 stream: None,
             },
+            min_items: None,
+            tail_claims_off: false,
         }
     }
 
@@ -149,7 +159,7 @@ impl DecodePath {
 /// `MOE_CPU_DECODE`: the decode path ([`DecodePath::from_env`]).
 pub(super) const DECODE_PATH_KNOB: Knob<DecodePath> = Knob {
     name: "MOE_CPU_DECODE",
-    takes: "split, fused, chained or streams, options :pfBYTES :t0/t1/t2/nta :wsKIB :guKIB :dnKIB :stKIB",
+    takes: "split, fused, chained or streams, options :pfBYTES :t0/t1/t2/nta :wsKIB :guKIB :dnKIB :stKIB :ipN :tail",
     parse: |v| DecodePath::from_str(v).ok(),
 };
 
@@ -198,6 +208,17 @@ impl FromStr for DecodePath {
                 path.items.down = Some(kib(v)?);
             } else if let Some(v) = opt.strip_prefix("st") {
                 path.items.stream = Some(kib(v)?);
+            } else if let Some(v) = opt.strip_prefix("ip") {
+                let n = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_ITEMS_PER_THREAD).contains(n))
+                    .ok_or_else(|| {
+                        format!("{s:?}: {v:?} is not a count of items per thread (1 to {MAX_ITEMS_PER_THREAD})")
+                    })?;
+                path.min_items = Some(n);
+            } else if opt == "tail" {
+                path.tail_claims_off = true;
             } else {
                 pf.hint = opt.parse().map_err(|e| format!("{s:?}: {e}"))?;
                 path.prefetch = Some(pf);
@@ -206,10 +227,17 @@ impl FromStr for DecodePath {
         if plan == DecodePlan::Split
             && (path.prefetch.is_some()
                 || path.warm_start_kib.is_some()
-                || path.items != ItemKib::default())
+                || path.items != ItemKib::default()
+                || path.min_items.is_some()
+                || path.tail_claims_off)
         {
             return Err(format!(
                 "{s:?}: the split path takes MOE_CPU_PREFETCH* and no item sizes of its own"
+            ));
+        }
+        if path.tail_claims_off && !path.chained() {
+            return Err(format!(
+                "{s:?}: only the chained plans claim items ahead (:tail)"
             ));
         }
         Ok(path)
@@ -238,6 +266,12 @@ impl std::fmt::Display for DecodePath {
             if let Some(k) = v {
                 write!(f, ":{name}{k}")?;
             }
+        }
+        if let Some(n) = self.min_items {
+            write!(f, ":ip{n}")?;
+        }
+        if self.tail_claims_off {
+            f.write_str(":tail")?;
         }
         Ok(())
     }
@@ -292,7 +326,10 @@ impl Targets {
 
 /// At least this many items per thread in each half, so the counter can balance threads of unequal
 /// speed.
-const MIN_ITEMS_PER_THREAD: usize = 4;
+pub(super) const MIN_ITEMS_PER_THREAD: usize = 4;
+
+/// The most a path may ask for (`:ipN`): past it items shrink below one N-tile anyway.
+const MAX_ITEMS_PER_THREAD: usize = 64;
 
 /// Bytes of one expert's down weights a [`DecodePlan::Streams`] down item reads in one run (4 bf16
 /// N-tiles at an intermediate width of 768): long enough that a stream's start is rare, short enough
@@ -335,6 +372,8 @@ pub(super) struct GroupShape {
     pub down_tiles: usize,
     pub down_tile_bytes: usize,
     pub threads: usize,
+    /// Items per thread each half is cut into at least ([`MIN_ITEMS_PER_THREAD`] by default).
+    pub min_items: usize,
 }
 
 /// One group's items and how its down work is cut.
@@ -378,7 +417,7 @@ pub(super) fn plan_group_into(
         return;
     }
     let threads = shape.threads.max(1);
-    let min_items = MIN_ITEMS_PER_THREAD * threads;
+    let min_items = shape.min_items.max(1) * threads;
     // gate/up: `gc` N-tiles of gate and of up per item
     let g = shape.gate_tiles;
     let by_bytes = (t.gate_up / (2 * shape.gate_tile_bytes).max(1)).max(1);
@@ -408,7 +447,7 @@ pub(super) fn plan_group_into(
 /// Down items of chunks of N-tiles over all experts, or of one N-tile over parts of the experts.
 fn plan_down_across(plan: &mut GroupPlan, shape: GroupShape, experts: &[u32], t: Targets) {
     let (e, threads) = (shape.experts, shape.threads.max(1));
-    let min_items = MIN_ITEMS_PER_THREAD * threads;
+    let min_items = shape.min_items.max(1) * threads;
     let d = shape.down_tiles;
     let per_tile_all = e * shape.down_tile_bytes;
     let (dc, per_part) = if per_tile_all <= t.down {
@@ -451,7 +490,7 @@ fn plan_down_across(plan: &mut GroupPlan, shape: GroupShape, experts: &[u32], t:
 fn plan_down_streams(plan: &mut GroupPlan, shape: GroupShape, t: Targets, stream: usize) {
     let (e, d) = (shape.experts, shape.down_tiles);
     let tile = shape.down_tile_bytes.max(1);
-    let min_items = MIN_ITEMS_PER_THREAD * shape.threads.max(1);
+    let min_items = shape.min_items.max(1) * shape.threads.max(1);
     let mut dc = (stream / tile).clamp(1, d);
     let mut per_part = (t.down / (dc * tile)).clamp(1, e);
     while d.div_ceil(dc) * e.div_ceil(per_part) < min_items && (per_part > 1 || dc > 1) {
@@ -627,7 +666,7 @@ impl CpuExpertSet {
         let region = Region {
             set: self,
             c,
-            path: self.decode_path,
+            path: c.path,
             fuse,
             hw,
             h: SyncPtr(s.h.as_mut_ptr()),
@@ -667,8 +706,8 @@ impl CpuExpertSet {
             );
         }
         let tile = |l: &super::pack::MatLayout| l.k_tiles * l.tile_bytes;
-        let items = self.decode_path.items;
-        let down = match self.decode_path.plan {
+        let items = c.path.items;
+        let down = match c.path.plan {
             DecodePlan::Streams => {
                 DownItems::Streams(items.stream.map_or(STREAM_BYTES, |k| k << 10))
             }
@@ -688,6 +727,7 @@ impl CpuExpertSet {
                 down_tiles: self.down_l.n_tiles,
                 down_tile_bytes: tile(&self.down_l),
                 threads: c.pool.threads_in_group(g),
+                min_items: c.path.min_items.unwrap_or(MIN_ITEMS_PER_THREAD),
             };
             plan_group_into(&mut f.plans[g], shape, &f.members[g], targets, down);
         }
@@ -833,8 +873,20 @@ impl Region<'_> {
 
     /// The item after the current one: claimed now (chained plans), its first stream's start
     /// returned for the current item's last kernel call to prefetch into.
+    /// With `tail_claims_off`, nothing is claimed once the counter is within one item per thread
+    /// of the group's end (null: the current item's prefetch stops at its own end).
     fn claim_next(&self, next: &mut Claim<'_>) -> *const u8 {
-        let i = self.st.next[next.g].fetch_add(1, Ordering::Relaxed);
+        let counter = &self.st.next[next.g];
+        if self.path.tail_claims_off {
+            let left = self.st.plans[next.g]
+                .items
+                .len()
+                .saturating_sub(counter.load(Ordering::Relaxed));
+            if left <= self.c.pool.threads_in_group(next.g) {
+                return std::ptr::null();
+            }
+        }
+        let i = counter.fetch_add(1, Ordering::Relaxed);
         *next.item = Some(i);
         self.item_head(next.g, i)
     }

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use super::fused::{plan_group, DownItems, GroupShape, Item, Targets, STREAM_BYTES, TARGETS};
+use super::fused::{
+    plan_group, DownItems, GroupShape, Item, Targets, MIN_ITEMS_PER_THREAD, STREAM_BYTES, TARGETS,
+};
 use super::*;
 use crate::cpu::pool::WorkerPool;
 
@@ -91,6 +93,7 @@ fn shape(experts: usize, hidden: usize, inter: usize, bytes_per_weight: usize) -
         down_tiles: hidden / 16,
         down_tile_bytes: 16 * inter * bytes_per_weight,
         threads: 16,
+        min_items: MIN_ITEMS_PER_THREAD,
     }
 }
 
@@ -301,6 +304,9 @@ fn fused_against_split(groups: &[usize], fmt: WeightFormat, act: Activation) {
         ("chained:gu1024:dn1024", None),
         ("chained:ws64", Some(tiny)),
         ("streams:pf4096:t2:ws1", None),
+        ("chained:ip8:tail", None),
+        ("streams:ip2:tail", Some(tiny)),
+        ("fused:ip1", None),
     ];
     let fused: Vec<(String, CpuExpertSet)> = fused_paths
         .iter()
@@ -426,10 +432,20 @@ fn decode_path_parses_and_names() {
         "chained:ev2",
         "split:ws8",
         "chained:ws0",
+        "chained:ip0",
+        "chained:ip65",
+        "chained:ipx",
+        "split:ip4",
+        "fused:tail",
+        "split:tail",
     ] {
         assert!(bad.parse::<DecodePath>().is_err(), "{bad:?}");
     }
     assert_eq!(DecodePath::FUSED.to_string(), "fused");
+    let p: DecodePath = "chained:tail:ip8:gu256".parse().unwrap();
+    assert_eq!((p.min_items, p.tail_claims_off), (Some(8), true));
+    assert_eq!(p.to_string(), "chained:gu256:ip8:tail");
+    assert_eq!(p.to_string().parse::<DecodePath>(), Ok(p));
 }
 
 /// Down items that must wait: the last gate/up item of each call sleeps, so the items after it find
@@ -490,4 +506,32 @@ fn kernel_knobs_refuse_unknown_values() {
     if names.iter().all(|k| std::env::var_os(k).is_none()) {
         assert_eq!(check_env_knobs(), Ok(()));
     }
+}
+
+/// A path set on a shared scratch holds for every set computing in it, and only until cleared; a
+/// path that only changes which thread runs which item (`:tail`) changes no bit.
+#[test]
+fn a_shared_decode_path_holds_for_every_set_of_the_scratch() {
+    let pool = WorkerPool::new(&[vec![0; 3]], false, Duration::from_micros(200));
+    let (h, i, n) = (96usize, 80usize, 9u32);
+    let experts = Experts::new(n, h, i, 7);
+    let cfg = ExpertSetConfig::new(h, i, WeightFormat::Bf16);
+    let first = experts.set(&cfg, &pool);
+    let second = experts.set(&cfg, &pool).with_scratch(first.scratch());
+    let (x, ids, wts) = routing(2, 3, n, h, 0);
+    let run = |set: &CpuExpertSet| {
+        let mut times = RegionTimes::default();
+        let mut y = vec![0f32; 2 * h];
+        set.forward_timed(&pool, &x, &ids, &wts, 3, &mut y, Some(&mut times))
+            .unwrap();
+        (y, times.fused_s > 0.0)
+    };
+    let (chained, fused_ran) = run(&second);
+    assert!(fused_ran);
+    first.set_shared_decode_path(Some(DecodePath::SPLIT));
+    assert!(!run(&second).1, "the other set took the shared path");
+    first.set_shared_decode_path(Some("chained:tail".parse().unwrap()));
+    assert_eq!(run(&second), (chained.clone(), true));
+    first.set_shared_decode_path(None);
+    assert_eq!(run(&second), (chained, true));
 }

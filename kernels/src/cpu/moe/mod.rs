@@ -352,6 +352,16 @@ impl CpuExpertSet {
         self.decode_path = p;
     }
 
+    /// Every set computing in this set's scratch (a model's layers, [`CpuExpertSet::with_scratch`])
+    /// takes path `p` for its decode-sized calls instead of its own, until `None`: one-process A/B
+    /// runs of an engine's own sets, which it holds shared. Waits for a call in progress.
+    pub fn set_shared_decode_path(&self, p: Option<DecodePath>) {
+        self.scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .path_override = p;
+    }
+
     /// Page kinds the expert memory got, one per group.
     pub fn page_kinds(&self) -> Vec<PageKind> {
         self.buffers.iter().map(|b| b.kind()).collect()
