@@ -161,6 +161,11 @@ pub struct RunArgs {
     /// packed DRAM experts, and the copies alone: whether the copies add bandwidth (`bench_dma`).
     #[arg(long, default_value_t = 0)]
     pub dma_probe: usize,
+    /// `--cpu-replay` only: CPU decode paths (`MOE_CPU_DECODE`'s syntax, e.g. `chained,chained:tail`)
+    /// compared in the same process: rounds 2p and 2p + 1 step on path p (in turn), and every round's
+    /// recorded and fresh calls are replayed on each path.
+    #[arg(long, value_delimiter = ',')]
+    pub cpu_paths: Vec<moe_kernels::cpu::moe::DecodePath>,
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
 }
@@ -263,7 +268,8 @@ fn decode(a: RunArgs) -> anyhow::Result<()> {
             dram_gbs,
             "--cpu-replay needs the CUDA backend's CPU expert pool",
         )?;
-        super::bench_replay::run(&engine, (caches, next), a.cpu_replay, a.steps, probe)?;
+        let (rounds, steps) = (a.cpu_replay, a.steps);
+        super::bench_replay::run(&engine, (caches, next), rounds, steps, probe, &a.cpu_paths)?;
     }
     let (switches, rounds) = ab_switches(&a);
     if let (false, Some((caches, next))) = (switches.is_empty(), last.as_mut()) {

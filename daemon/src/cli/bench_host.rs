@@ -26,10 +26,11 @@ pub(super) fn host_lines(t: &StepTimes, elapsed: f64, steps: usize, layers: usiz
     ];
     let rest = other - parts.iter().sum::<f64>();
     let mut lines = vec![format!(
-        "  other host {:.3} ms/step = outside the GPU step {:.3} (engine: reservation, cache advance, live re-placement) + setup {:.3} + capture walk {:.3} ({:.2} walks/step) + launches {:.3} ({:.1} µs/layer, overlapping the GPU) + routing read {:.3} ({:.1} µs/layer) + plan {:.3} ({:.1} µs/layer) + tail {:.3} + rest {:.3} ({:.1} µs/layer: loop bookkeeping)",
+        "  other host {:.3} ms/step = outside the GPU step {:.3} (engine: reservation, cache advance, live re-placement) + setup {:.3} (device route plan {:.3}) + capture walk {:.3} ({:.2} walks/step) + launches {:.3} ({:.1} µs/layer, overlapping the GPU) + routing read {:.3} ({:.1} µs/layer) + plan {:.3} ({:.1} µs/layer) + tail {:.3} + rest {:.3} ({:.1} µs/layer: loop bookkeeping)",
         ms(other),
         ms(outside),
         ms(h.setup_s),
+        ms(h.route_plan_s),
         ms(h.capture_walk_s),
         h.walks as f64 / n,
         ms(h.launch_s),

@@ -28,7 +28,7 @@
 use super::bench::decode_steps;
 use crate::engine::{Engine, SeqCache};
 use crate::model::Ffn;
-use moe_kernels::cpu::moe::CpuExpertSet;
+use moe_kernels::cpu::moe::{CpuExpertSet, DecodePath};
 use moe_kernels::cpu::pool::RegionStats;
 use moe_kernels::cpu::WorkerPool;
 use std::sync::{Arc, Mutex};
@@ -535,6 +535,14 @@ impl<'e> Replay<'e> {
             .collect()
     }
 
+    /// Every set's decode-sized calls on `p` (`None`: each set's own path).
+    fn set_path(&self, p: Option<DecodePath>) {
+        self.sets
+            .iter()
+            .flatten()
+            .for_each(|s| s.set_shared_decode_path(p));
+    }
+
     /// Packed bytes of one expert (the first MoE layer's; every layer packs the same format).
     fn expert_bytes(&self) -> f64 {
         self.sets
@@ -568,17 +576,47 @@ pub(super) fn run(
     rounds: usize,
     steps: usize,
     probe_gbs: f64,
+    paths: &[DecodePath],
 ) -> anyhow::Result<()> {
     let replay = Replay::of(engine)?;
+    let r = rounds_of(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+    replay.set_path(None);
+    r
+}
+
+/// The rounds of [`run`]; each set is left on whatever path the last round timed.
+fn rounds_of(
+    replay: &Replay<'_>,
+    engine: &Engine,
+    (caches, next): (&mut [SeqCache], &mut Vec<u32>),
+    (rounds, steps): (usize, usize),
+    probe_gbs: f64,
+    paths: &[DecodePath],
+) -> anyhow::Result<()> {
     let experts = replay.num_experts;
-    // per routing (the model's, random): the step's and each variant's ms per call over rounds
-    let mut engine_ms: [Vec<f64>; 2] = Default::default();
-    let mut ms: [Vec<Vec<f64>>; 2] = [
-        vec![Vec::new(); VARIANTS.len()],
-        vec![Vec::new(); VARIANTS.len()],
-    ];
+    // the sets' own path, or each of `paths` for two rounds in turn (the model's routing, random)
+    let step_paths: Vec<Option<DecodePath>> = if paths.is_empty() {
+        vec![None]
+    } else {
+        paths.iter().copied().map(Some).collect()
+    };
+    let label = |what: &str, p: Option<DecodePath>| match p {
+        Some(p) => format!("{what} [{p}]"),
+        None => what.to_string(),
+    };
+    // per routing (the model's, random): each line's ms per call over rounds, in first-seen order
+    let mut medians: [Vec<(String, Vec<f64>)>; 2] = Default::default();
+    let mut note = |random: bool, what: String, ms: f64| {
+        let lines = &mut medians[usize::from(random)];
+        match lines.iter_mut().find(|(l, _)| *l == what) {
+            Some((_, v)) => v.push(ms),
+            None => lines.push((what, vec![ms])),
+        }
+    };
     for round in 0..rounds {
         let random = round % 2 == 1;
+        let step_path = step_paths[(round / 2) % step_paths.len()];
+        replay.set_path(step_path);
         let recorded = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&recorded);
         let (top_k, mut state) = (replay.top_k, 0x2545_F491_4F6C_DD1D_u64 ^ round as u64);
@@ -615,8 +653,9 @@ pub(super) fn run(
         };
         let p = &split.handoff;
         let gap = Duration::from_secs_f64(p.round_trip_s / p.layers.max(1) as f64);
+        let step_label = label("engine step", step_path);
         println!(
-            "CPU replay round {round}: engine step {} ({} layer calls; hand-off gap {:.1} µs per layer{})",
+            "CPU replay round {round}: {step_label} {} ({} layer calls; hand-off gap {:.1} µs per layer{})",
             step.describe(probe_gbs),
             step.calls,
             gap.as_secs_f64() * 1e6,
@@ -628,56 +667,55 @@ pub(super) fn run(
         );
         let expert_bytes = replay.expert_bytes();
         println!(
-            "CPU replay round {round}: engine step {}",
+            "CPU replay round {round}: {step_label} {}",
             by_experts(&replay.held_per_call(&calls), &step.regions, expert_bytes)
         );
-        engine_ms[usize::from(random)].push(step.ms_per_call());
-        let order: Vec<usize> = if round % 2 == 0 {
-            (0..VARIANTS.len()).collect()
-        } else {
-            (0..VARIANTS.len()).rev().collect()
-        };
-        for i in order {
-            let v = VARIANTS[i];
+        note(random, step_label, step.ms_per_call());
+        // every variant under the step's path, then the recorded and fresh calls under each other
+        // path; the order turns around every round
+        let mut timings: Vec<(Variant, Option<DecodePath>)> =
+            VARIANTS.iter().map(|&v| (v, step_path)).collect();
+        for &p in step_paths.iter().filter(|&&p| p != step_path) {
+            timings.push((Variant::Recorded, p));
+            timings.push((Variant::Fresh, p));
+        }
+        if round % 2 == 1 {
+            timings.reverse();
+        }
+        let fresh = replay.fresh(&calls, 0x9E37_79B9_7F4A_7C15 ^ round as u64);
+        let fixed = replay.fixed(&calls);
+        for (v, path) in timings {
             let (timed, gap) = match v {
-                Variant::Recorded => (None, Duration::ZERO),
-                Variant::Gap => (None, gap),
-                Variant::Fixed => (Some(replay.fixed(&calls)), Duration::ZERO),
-                Variant::Fresh => (
-                    Some(replay.fresh(&calls, 0x9E37_79B9_7F4A_7C15 ^ round as u64)),
-                    Duration::ZERO,
-                ),
+                Variant::Recorded => (&calls, Duration::ZERO),
+                Variant::Gap => (&calls, gap),
+                Variant::Fixed => (&fixed, Duration::ZERO),
+                Variant::Fresh => (&fresh, Duration::ZERO),
             };
-            let timed = timed.as_deref().unwrap_or(&calls);
+            replay.set_path(path);
             let t = replay.time(timed, gap)?;
+            let what = label(v.label(), path);
+            println!("CPU replay round {round}: {what} {}", t.describe(probe_gbs));
             println!(
-                "CPU replay round {round}: {} {}",
-                v.label(),
-                t.describe(probe_gbs)
-            );
-            println!(
-                "CPU replay round {round}: {} {}",
-                v.label(),
+                "CPU replay round {round}: {what} {}",
                 by_experts(&replay.held_per_call(timed), &t.regions, expert_bytes)
             );
-            ms[usize::from(random)][i].push(t.ms_per_call());
+            note(random, what, t.ms_per_call());
         }
     }
     let med = super::bench_ab::median;
-    for (k, routing) in ["the model's routing", "random routing"].iter().enumerate() {
-        if engine_ms[k].is_empty() {
+    for (lines, routing) in medians.iter().zip(["the model's routing", "random routing"]) {
+        let Some((first, base)) = lines.first() else {
             continue;
-        }
-        let base = med(&engine_ms[k]);
+        };
+        let base = med(base);
         let mut line = format!(
-            "CPU replay, {} rounds with {routing}, median ms per layer call: engine step {base:.3}",
-            engine_ms[k].len()
+            "CPU replay, {} rounds with {routing}, median ms per layer call: {first} {base:.3}",
+            lines[0].1.len()
         );
-        for (v, m) in VARIANTS.iter().zip(&ms[k]) {
-            let m = med(m);
+        for (what, v) in &lines[1..] {
+            let m = med(v);
             line += &format!(
-                "; {} {m:.3} ({:+.1}% vs the step)",
-                v.label(),
+                "; {what} {m:.3} ({:+.1}% vs the first)",
                 (base / m - 1.0) * 100.0
             );
         }

@@ -654,7 +654,9 @@ impl GpuModel {
             (self.switches.prelaunch(), self.switches.defer_experts());
         // Layers whose resident experts the segment computes from the device routing (`routed`).
         let mut device_guard = self.routed.lock().unwrap_or_else(|e| e.into_inner());
+        let route_clock = Instant::now();
         let routes = self.plan_routes(host, &mut device_guard, &class)?;
+        times.host.route_plan_s += route_clock.elapsed().as_secs_f64();
         times.device_routed_layers +=
             routes.iter().filter(|r| **r != LayerRoute::Host).count() as u64;
         let mut device = device_guard.as_mut();

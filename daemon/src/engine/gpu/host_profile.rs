@@ -19,6 +19,9 @@ pub struct HostProfile {
     /// From the step's start to its first layer: locks, index upload, embedding, the route plan
     /// (the capture walk left out).
     pub setup_s: f64,
+    /// Of the setup: the device-routed layers' route plan (`routed::plan_routes`: each MoE layer's
+    /// resident-address table compared with its expert table).
+    pub route_plan_s: f64,
     /// The pre-step capture walk of pipelined graph steps (`forward::capture_segments`), and the
     /// steps that walked (a step whose row count and placement were walked before skips it).
     pub capture_walk_s: f64,
@@ -47,6 +50,7 @@ impl HostProfile {
     pub fn add(&mut self, o: &HostProfile) {
         self.forward_s += o.forward_s;
         self.setup_s += o.setup_s;
+        self.route_plan_s += o.route_plan_s;
         self.capture_walk_s += o.capture_walk_s;
         self.walks += o.walks;
         self.launch_s += o.launch_s;
@@ -76,6 +80,7 @@ mod tests {
         let p = HostProfile {
             forward_s: 1.0,
             setup_s: 0.1,
+            route_plan_s: 0.05,
             capture_walk_s: 0.01,
             walks: 1,
             launch_s: 0.2,
@@ -95,6 +100,7 @@ mod tests {
         sum.add(&p);
         assert_eq!((sum.forward_s, sum.walks, sum.pool.regions), (2.0, 2, 6));
         assert_eq!((sum.tail_s, sum.pool.joins), (0.12, 80));
+        assert_eq!(sum.route_plan_s, 0.1);
         let t0 = Instant::now();
         let mut t = t0;
         let s = lap(&mut t);
