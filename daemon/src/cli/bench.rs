@@ -162,8 +162,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub dma_probe: usize,
     /// `--cpu-replay` only: CPU decode paths (`MOE_CPU_DECODE`'s syntax, e.g. `chained,chained:tail`)
-    /// compared in the same process: rounds 2p and 2p + 1 step on path p (in turn), and every round's
-    /// recorded and fresh calls are replayed on each path.
+    /// compared in the same process: first `--cpu-replay` rounds of the plain step on each path in
+    /// turn; then the replay's rounds 2p and 2p + 1 step on path p, and every round's recorded and
+    /// fresh calls are replayed on each path.
     #[arg(long, value_delimiter = ',')]
     pub cpu_paths: Vec<moe_kernels::cpu::moe::DecodePath>,
     #[command(flatten)]

@@ -579,9 +579,67 @@ pub(super) fn run(
     paths: &[DecodePath],
 ) -> anyhow::Result<()> {
     let replay = Replay::of(engine)?;
-    let r = rounds_of(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+    let mut r = paths_ab(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+    if r.is_ok() {
+        r = rounds_of(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+    }
     replay.set_path(None);
     r
+}
+
+/// Before the replay's rounds, with two or more `paths`: the plain decode step (the model's routing,
+/// no override, so device-routed layers stay on the device) on each path in turn, `rounds` times,
+/// on the same sequences: the step's time and its CPU experts per path in one process.
+fn paths_ab(
+    replay: &Replay<'_>,
+    engine: &Engine,
+    (caches, next): (&mut [SeqCache], &mut Vec<u32>),
+    (rounds, steps): (usize, usize),
+    probe_gbs: f64,
+    paths: &[DecodePath],
+) -> anyhow::Result<()> {
+    if paths.len() < 2 {
+        return Ok(());
+    }
+    let mut per_path: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); paths.len()];
+    for round in 0..rounds.max(1) {
+        for (i, &p) in paths.iter().enumerate() {
+            replay.set_path(Some(p));
+            let (elapsed, t) = decode_steps(engine, caches, next, 0, steps)?;
+            let n = steps.max(1) as f64;
+            let calls = t.cpu_regions.calls.max(1) as f64;
+            let gbs = t.dram_expert_bytes as f64 / t.cpu_experts_s.max(1e-12) / 1e9;
+            println!(
+                "CPU paths A/B round {round} [{p}]: {:.2} ms/step ({:.1} tok/s); CPU experts {:.2} ms/step = {:.3} ms/call ({gbs:.1} GB/s, {:.0}% of the probe); waiting for GPU {:.2}, other host {:.2} ms/step",
+                elapsed / n * 1e3,
+                n / elapsed.max(1e-12),
+                t.cpu_experts_s / n * 1e3,
+                t.cpu_experts_s / calls * 1e3,
+                100.0 * gbs / probe_gbs,
+                t.gpu_wait_s / n * 1e3,
+                (elapsed - t.cpu_experts_s - t.gpu_wait_s) / n * 1e3,
+            );
+            per_path[i].0.push(elapsed / n * 1e3);
+            per_path[i].1.push(t.cpu_experts_s / calls * 1e3);
+        }
+    }
+    let med = super::bench_ab::median;
+    let (base_step, base_cpu) = (med(&per_path[0].0), med(&per_path[0].1));
+    let mut line = format!(
+        "CPU paths A/B, median of {} rounds: [{}] {base_step:.2} ms/step, CPU experts {base_cpu:.3} ms/call",
+        rounds.max(1),
+        paths[0]
+    );
+    for (p, (step, cpu)) in paths.iter().zip(&per_path).skip(1) {
+        let (st, c) = (med(step), med(cpu));
+        line += &format!(
+            "; [{p}] {st:.2} ms/step ({:+.1}% tok/s), CPU experts {c:.3} ms/call ({:+.1}%)",
+            (base_step / st - 1.0) * 100.0,
+            (c / base_cpu - 1.0) * 100.0
+        );
+    }
+    println!("{line}");
+    Ok(())
 }
 
 /// The rounds of [`run`]; each set is left on whatever path the last round timed.
