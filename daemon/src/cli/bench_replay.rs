@@ -11,7 +11,9 @@
 //! - `fixed`: one routing for every call, cycling the first 16 MoE layers, as `cpu_moe_bench` does:
 //!   the same experts come back every 16 calls, so a part of them can still be in the L3;
 //! - `fresh`: a new uniform random routing for every call over every MoE layer (no expert comes
-//!   back); with GPU-resident experts a call computes the drawn experts that live in DRAM.
+//!   back); with GPU-resident experts a call computes the drawn experts that live in DRAM;
+//! - `fresh, top-k in DRAM`: the same with each token's experts drawn from those in DRAM (with
+//!   GPU-resident experts: calls of an all-DRAM layer's size on the same sets, for comparison).
 //!
 //! Each timing is also split by how many distinct DRAM experts a call read (a mixed layer's count
 //! varies from call to call), with a line through the calls: the cost of a call whatever it reads,
@@ -383,13 +385,15 @@ enum Variant {
     Gap,
     Fixed,
     Fresh,
+    FreshHeld,
 }
 
-const VARIANTS: [Variant; 4] = [
+const VARIANTS: [Variant; 5] = [
     Variant::Recorded,
     Variant::Gap,
     Variant::Fixed,
     Variant::Fresh,
+    Variant::FreshHeld,
 ];
 
 impl Variant {
@@ -399,6 +403,7 @@ impl Variant {
             Variant::Gap => "recorded + gap",
             Variant::Fixed => "fixed",
             Variant::Fresh => "fresh",
+            Variant::FreshHeld => "fresh, top-k in DRAM",
         }
     }
 }
@@ -550,6 +555,26 @@ impl<'e> Replay<'e> {
             .flatten()
             .next()
             .map_or(0.0, |s| s.bytes_per_expert() as f64)
+    }
+
+    /// As [`Replay::fresh`], but each token's `top_k` experts drawn from those the layer's set holds:
+    /// calls of as many DRAM experts as an all-DRAM layer's, on the same sets (with GPU-resident
+    /// experts: a call of few DRAM experts against one of `top_k`, in one process, without the GPU).
+    fn fresh_held(&self, calls: &[Call], seed: u64) -> Vec<Call> {
+        let mut state = seed | 1;
+        calls
+            .iter()
+            .filter_map(|c| {
+                let held = self.sets[c.layer]?.expert_ids();
+                let mut ids = vec![0u32; c.ids.len()];
+                random_routing(&mut ids, self.top_k, held.len(), &mut state);
+                ids.iter_mut().for_each(|e| *e = held[*e as usize]);
+                Some(Call {
+                    layer: c.layer,
+                    ids,
+                })
+            })
+            .collect()
     }
 
     /// Distinct experts each call reads (those its layer's set holds), in call order.
@@ -742,12 +767,14 @@ fn rounds_of(
         }
         let fresh = replay.fresh(&calls, 0x9E37_79B9_7F4A_7C15 ^ round as u64);
         let fixed = replay.fixed(&calls);
+        let fresh_held = replay.fresh_held(&calls, 0x6A09_E667_F3BC_C909 ^ round as u64);
         for (v, path) in timings {
             let (timed, gap) = match v {
                 Variant::Recorded => (&calls, Duration::ZERO),
                 Variant::Gap => (&calls, gap),
                 Variant::Fixed => (&fixed, Duration::ZERO),
                 Variant::Fresh => (&fresh, Duration::ZERO),
+                Variant::FreshHeld => (&fresh_held, Duration::ZERO),
             };
             replay.set_path(path);
             let t = replay.time(timed, gap)?;
