@@ -142,7 +142,10 @@ fn main() {
         let _ = std::io::Write::flush(&mut std::io::stdout());
     };
     for topk in topks {
-        let args = CpuMoeBenchArgs { topk, ..args.clone() };
+        let args = CpuMoeBenchArgs {
+            topk,
+            ..args.clone()
+        };
         if let Err(e) = run_cpu_moe_bench_with(&args, &step, &mut print) {
             eprintln!("{e}");
             std::process::exit(1)

@@ -604,9 +604,23 @@ pub(super) fn run(
     paths: &[DecodePath],
 ) -> anyhow::Result<()> {
     let replay = Replay::of(engine)?;
-    let mut r = paths_ab(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+    let mut r = paths_ab(
+        &replay,
+        engine,
+        (caches, next),
+        (rounds, steps),
+        probe_gbs,
+        paths,
+    );
     if r.is_ok() {
-        r = rounds_of(&replay, engine, (caches, next), (rounds, steps), probe_gbs, paths);
+        r = rounds_of(
+            &replay,
+            engine,
+            (caches, next),
+            (rounds, steps),
+            probe_gbs,
+            paths,
+        );
     }
     replay.set_path(None);
     r
@@ -788,7 +802,10 @@ fn rounds_of(
         }
     }
     let med = super::bench_ab::median;
-    for (lines, routing) in medians.iter().zip(["the model's routing", "random routing"]) {
+    for (lines, routing) in medians
+        .iter()
+        .zip(["the model's routing", "random routing"])
+    {
         let Some((first, base)) = lines.first() else {
             continue;
         };
@@ -981,7 +998,9 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.ends_with("line through the calls: 10.0 µs + 100.0 µs per expert (100 GB/s at the margin)"),
+            s.ends_with(
+                "line through the calls: 10.0 µs + 100.0 µs per expert (100 GB/s at the margin)"
+            ),
             "{s}"
         );
         let off = by_experts(&held, &regions[..3], 10e6);
