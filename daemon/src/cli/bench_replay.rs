@@ -13,7 +13,9 @@
 //! - `fresh`: a new uniform random routing for every call over every MoE layer (no expert comes
 //!   back); with GPU-resident experts a call computes the drawn experts that live in DRAM;
 //! - `fresh, top-k in DRAM`: the same with each token's experts drawn from those in DRAM (with
-//!   GPU-resident experts: calls of an all-DRAM layer's size on the same sets, for comparison).
+//!   GPU-resident experts: calls of an all-DRAM layer's size on the same sets, for comparison);
+//! - `read anchor of the recorded calls`: the recorded calls' experts read by the pool with the DRAM
+//!   probe's loop instead of computed (`cpu_moe_bench`'s `read` row): the limit of those pages.
 //!
 //! Each timing is also split by how many distinct DRAM experts a call read (a mixed layer's count
 //! varies from call to call), with a line through the calls: the cost of a call whatever it reads,
@@ -30,6 +32,7 @@
 use super::bench::decode_steps;
 use crate::engine::{Engine, SeqCache};
 use crate::model::Ffn;
+use moe_kernels::cpu::bench_step::{read_call, read_chunks, ReadAnchor, READ_CHUNK};
 use moe_kernels::cpu::moe::{CpuExpertSet, DecodePath};
 use moe_kernels::cpu::pool::RegionStats;
 use moe_kernels::cpu::WorkerPool;
@@ -386,14 +389,16 @@ enum Variant {
     Fixed,
     Fresh,
     FreshHeld,
+    Read,
 }
 
-const VARIANTS: [Variant; 5] = [
+const VARIANTS: [Variant; 6] = [
     Variant::Recorded,
     Variant::Gap,
     Variant::Fixed,
     Variant::Fresh,
     Variant::FreshHeld,
+    Variant::Read,
 ];
 
 impl Variant {
@@ -404,6 +409,7 @@ impl Variant {
             Variant::Fixed => "fixed",
             Variant::Fresh => "fresh",
             Variant::FreshHeld => "fresh, top-k in DRAM",
+            Variant::Read => "read anchor of the recorded calls",
         }
     }
 }
@@ -504,6 +510,43 @@ impl<'e> Replay<'e> {
         self.pool.set_region_log(false);
         t.os = OsCounters::now().since(&os);
         Ok(t)
+    }
+
+    /// The read anchor of `calls` (`cpu_moe_bench`'s `read` row): each call's distinct DRAM experts,
+    /// their packed bytes in 256 KiB pieces summed by the pool with the DRAM probe's loop, one call
+    /// after the other: what those very pages cost to read, region start and tail included.
+    fn time_read(&self, calls: &[Call]) -> Timing {
+        let anchor = ReadAnchor {
+            prefetch: None,
+            chunk: READ_CHUNK,
+        };
+        let mut t = Timing::default();
+        let before = self.pool.region_stats();
+        let os = OsCounters::now();
+        self.pool.set_region_log(true);
+        self.pool.take_region_log();
+        for c in calls {
+            let Some(set) = self.sets[c.layer] else {
+                continue;
+            };
+            let mut held: Vec<u32> = c.ids.iter().copied().filter(|&e| set.holds(e)).collect();
+            held.sort_unstable();
+            held.dedup();
+            if held.is_empty() {
+                continue;
+            }
+            let chunks = read_chunks(set, &held, anchor.chunk);
+            let started = Instant::now();
+            read_call(self.pool, &chunks, anchor);
+            t.secs += started.elapsed().as_secs_f64();
+            t.calls += 1;
+            t.bytes += held.len() as f64 * set.bytes_per_expert() as f64;
+        }
+        t.pool = self.pool.region_stats().since(&before);
+        t.regions = self.pool.take_region_log();
+        self.pool.set_region_log(false);
+        t.os = OsCounters::now().since(&os);
+        t
     }
 
     /// `cpu_moe_bench`'s pattern: the first recorded routing for every call, cycling the first
@@ -789,9 +832,13 @@ fn rounds_of(
                 Variant::Fixed => (&fixed, Duration::ZERO),
                 Variant::Fresh => (&fresh, Duration::ZERO),
                 Variant::FreshHeld => (&fresh_held, Duration::ZERO),
+                Variant::Read => (&calls, Duration::ZERO),
             };
             replay.set_path(path);
-            let t = replay.time(timed, gap)?;
+            let t = match v {
+                Variant::Read => replay.time_read(timed),
+                _ => replay.time(timed, gap)?,
+            };
             let what = label(v.label(), path);
             println!("CPU replay round {round}: {what} {}", t.describe(probe_gbs));
             println!(

@@ -231,11 +231,7 @@ fn flush(x: &[f32]) {
 
 /// The chunks (address, bytes) of `experts`' packed bytes in `set`, `chunk` bytes each at most,
 /// expert after expert.
-pub(crate) fn read_chunks(
-    set: &CpuExpertSet,
-    experts: &[u32],
-    chunk: usize,
-) -> Vec<(usize, usize)> {
+pub fn read_chunks(set: &CpuExpertSet, experts: &[u32], chunk: usize) -> Vec<(usize, usize)> {
     let mut chunks = Vec::new();
     for r in experts.iter().filter_map(|&e| set.packed_expert(e)) {
         for c in r.chunks(chunk.max(64)) {
@@ -247,7 +243,7 @@ pub(crate) fn read_chunks(
 
 /// One read-anchor call: the pool's first group sums every chunk (one item each). The bench hosts
 /// have one NUMA group; with more, the other groups' threads stay idle.
-pub(crate) fn read_call(pool: &WorkerPool, chunks: &[(usize, usize)], anchor: ReadAnchor) {
+pub fn read_call(pool: &WorkerPool, chunks: &[(usize, usize)], anchor: ReadAnchor) {
     let mut items = vec![0; pool.groups()];
     items[0] = chunks.len();
     pool.run(&items, &|_, c, _| {
