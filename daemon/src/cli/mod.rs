@@ -3,6 +3,7 @@ pub mod bench;
 mod bench_ab;
 mod bench_dma;
 mod bench_host;
+mod bench_os;
 pub mod bench_perplexity;
 mod bench_replay;
 pub mod bench_skew;
