@@ -63,7 +63,22 @@ pub struct DeviceRouted {
     kernels: RoutedKernels,
     /// Per layer (`None`: dense layer): the device table and the addresses it holds now.
     tables: Vec<Option<(RoutedTable, Vec<u64>)>>,
+    /// Per layer: what the last look at its expert table found, and at which table version.
+    marks: Vec<Option<TableMark>>,
     scratch: RoutedScratch,
+}
+
+/// A layer's expert table as [`GpuModel::plan_routes`] last read it: while the table's version is
+/// the same, so are its residency and addresses, and the step skips the walk over the table (a few
+/// µs per layer with the host's caches cold after the CPU experts, on the step's setup where the
+/// GPU idles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TableMark {
+    version: u64,
+    experts: usize,
+    /// Resident experts (0: the layer stays on the host-planned path, also when its resident
+    /// experts are not bf16).
+    resident: usize,
 }
 
 /// What a layer's segment needs to compute its experts from the device routing.
@@ -166,6 +181,7 @@ impl GpuModel {
             *state = Some(DeviceRouted {
                 kernels: RoutedKernels::load(dev)?,
                 tables: (0..self.layers.len()).map(|_| None).collect(),
+                marks: vec![None; self.layers.len()],
                 scratch: RoutedScratch::new(dev, pairs.min(MAX_PAIRS), hd, inter)?,
             });
         }
@@ -176,28 +192,18 @@ impl GpuModel {
             let GpuFfn::Moe(moe) = &layer.ffn else {
                 continue;
             };
-            let Some(addrs) = resident_addrs(dev, moe) else {
-                continue;
+            let version = moe.experts.version();
+            let mark = match st.marks[li] {
+                Some(m) if m.version == version => m,
+                _ => {
+                    let m = Self::update_table(dev, moe, &mut st.tables[li], version)?;
+                    st.marks[li] = Some(m);
+                    m
+                }
             };
-            let experts = addrs.len() / 2;
-            let resident = addrs[..experts].iter().filter(|&&a| a != 0).count();
+            let (experts, resident) = (mark.experts, mark.resident);
             if resident == 0 {
                 continue;
-            }
-            let slot = &mut st.tables[li];
-            if slot.as_ref().is_none_or(|(t, _)| t.experts != experts) {
-                let t = RoutedTable {
-                    addrs: dev.stream.alloc_zeros::<u64>(2 * experts)?,
-                    experts,
-                };
-                *slot = Some((t, Vec::new()));
-            }
-            if let Some((t, held)) = slot.as_mut() {
-                if *held != addrs {
-                    // ordered on the stream before this step's kernels read it
-                    dev.stream.memcpy_htod(&addrs, &mut t.addrs)?;
-                    *held = addrs;
-                }
             }
             routes[li] = if resident == experts {
                 LayerRoute::Device
@@ -208,6 +214,48 @@ impl GpuModel {
             };
         }
         Ok(routes)
+    }
+
+    /// Reads layer `moe`'s expert table (at `version` or later) and brings its device table `slot`
+    /// up to date; returns what it found.
+    fn update_table(
+        dev: &moe_kernels::cuda::GpuDevice,
+        moe: &GpuMoe,
+        slot: &mut Option<(RoutedTable, Vec<u64>)>,
+        version: u64,
+    ) -> anyhow::Result<TableMark> {
+        let Some(addrs) = resident_addrs(dev, moe) else {
+            return Ok(TableMark {
+                version,
+                experts: 0,
+                resident: 0,
+            });
+        };
+        let experts = addrs.len() / 2;
+        let resident = addrs[..experts].iter().filter(|&&a| a != 0).count();
+        let mark = TableMark {
+            version,
+            experts,
+            resident,
+        };
+        if resident == 0 {
+            return Ok(mark);
+        }
+        if slot.as_ref().is_none_or(|(t, _)| t.experts != experts) {
+            let t = RoutedTable {
+                addrs: dev.stream.alloc_zeros::<u64>(2 * experts)?,
+                experts,
+            };
+            *slot = Some((t, Vec::new()));
+        }
+        if let Some((t, held)) = slot.as_mut() {
+            if *held != addrs {
+                // ordered on the stream before this step's kernels read it
+                dev.stream.memcpy_htod(&addrs, &mut t.addrs)?;
+                *held = addrs;
+            }
+        }
+        Ok(mark)
     }
 
     /// The end of a device-routed layer's segment, after its top-k (`eids`, `w`): the shared expert,
