@@ -136,6 +136,18 @@ impl GpuModel {
             };
             return Ok(Some(self.all_dram_half(host_block, ctx, routing, defer)));
         }
+        // a mixed layer whose resident experts the device computed from the routing: the same,
+        // with the routes of those experts taken out
+        let device_rest = homes
+            .iter()
+            .all(|h| matches!(h, ExpertHome::Cpu | ExpertHome::DeviceRouted));
+        let exact = split.is_none() && shared.is_none() && ctx.stream.is_none() && defer == 0;
+        if prelaunched && device_rest && exact && self.switches.direct_half() {
+            let routing = (ids, weights);
+            return Ok(Some(
+                self.device_routed_half(host_block, ctx, homes, routing),
+            ));
+        }
         let shared_homes: Vec<ExpertHome>;
         let homes = match (&split, &shared) {
             (Some(s), _) => &s.homes[..],
@@ -255,6 +267,47 @@ impl GpuModel {
             act: GatedAct::of(cfg),
             now,
             later,
+            n: ctx.n,
+            hd: cfg.hidden_size,
+            hand: ctx.hand,
+            raised: false,
+        }
+    }
+
+    /// The CPU half of a prelaunched device-routed layer (`routed`: its resident experts were computed
+    /// from the routing on the device, the GPU waits for the DRAM experts' sum): the routing as it
+    /// landed with every route to a non-DRAM expert taken out (id `NOT_HERE`, weight 0), without a
+    /// dispatch plan between the routing and the CPU experts (`direct_half`; the plan gives the same
+    /// routing: `routed`'s test). Its hits are counted as the plan counts them.
+    fn device_routed_half<'h>(
+        &self,
+        block: &'h MoeBlock,
+        ctx: &mut MoeStep<'h, '_>,
+        homes: &[ExpertHome],
+        (mut ids, mut weights): (Vec<u32>, Vec<f32>),
+    ) -> CpuHalf<'h> {
+        let cfg = &ctx.host.config;
+        let top_k = cfg.moe.as_ref().map_or(1, |mc| mc.top_k);
+        ctx.times.expert_hits += ids.len() as u64;
+        let elsewhere = keep_dram_routes(homes, &mut ids, &mut weights);
+        ctx.times.gpu_expert_hits += elsewhere as u64;
+        let on_cpu = ids.len() - elsewhere;
+        if let (true, Some(set)) = (on_cpu > 0, &block.cpu_set) {
+            let read = super::dispatch::distinct_experts(&ids) as u64;
+            ctx.times.dram_experts_read += read;
+            ctx.times.dram_expert_bytes += read * set.packed_geometry().expert_bytes as u64;
+        }
+        let now = (on_cpu > 0).then_some(Routing {
+            ids,
+            weights,
+            top_k,
+        });
+        CpuHalf {
+            block,
+            pool: ctx.cpu_pool,
+            act: GatedAct::of(cfg),
+            now,
+            later: None,
             n: ctx.n,
             hd: cfg.hidden_size,
             hand: ctx.hand,
@@ -490,5 +543,48 @@ impl GpuModel {
             x,
         )?;
         Ok(())
+    }
+}
+
+/// Leaves in `ids` / `weights` only the routes to experts that live in DRAM (`ExpertHome::Cpu`): the
+/// others become `NOT_HERE` with weight 0, as in [`MoeDispatchPlan::new`]'s CPU routing. Returns how
+/// many were taken out.
+fn keep_dram_routes(homes: &[ExpertHome], ids: &mut [u32], weights: &mut [f32]) -> usize {
+    let mut elsewhere = 0;
+    for (id, w) in ids.iter_mut().zip(weights.iter_mut()) {
+        if homes.get(*id as usize) != Some(&ExpertHome::Cpu) {
+            (*id, *w) = (crate::engine::moe::NOT_HERE, 0.0);
+            elsewhere += 1;
+        }
+    }
+    elsewhere
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct CPU half of a device-routed layer hands the CPU what the dispatch plan would.
+    #[test]
+    fn dram_routes_are_the_plans_cpu_routing() {
+        use ExpertHome::{Cpu, DeviceRouted};
+        let homes = [DeviceRouted, Cpu, DeviceRouted, Cpu, Cpu, DeviceRouted];
+        for (ids, w) in [
+            (vec![0u32, 1, 2, 3], vec![0.1f32, 0.2, 0.3, 0.4]),
+            (
+                vec![1, 3, 4, 5, 0, 2],
+                vec![0.5, 0.25, 0.125, 0.1, 0.2, 0.3],
+            ),
+            (vec![0, 2, 5, 2], vec![1.0, 2.0, 3.0, 4.0]),
+        ] {
+            let plan = MoeDispatchPlan::new(&ids, &w, 2, &homes, &[]);
+            let (mut got_ids, mut got_w) = (ids.clone(), w.clone());
+            let out = keep_dram_routes(&homes, &mut got_ids, &mut got_w);
+            assert_eq!(out as u64, plan.gpu_expert_hits, "{ids:?}");
+            match plan.cpu {
+                Some(r) => assert_eq!((r.ids, r.weights), (got_ids, got_w)),
+                None => assert_eq!(out, ids.len()),
+            }
+        }
     }
 }
